@@ -1,0 +1,107 @@
+"""Command line: serve | run | doctor | setup. Logs go to stderr; stdout is MCP's in stdio mode."""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import sys
+from pathlib import Path
+
+import anyio
+
+from . import __version__, doctor, sandbox_env
+from .config import ConfigError, Settings, load_settings
+from .kernel import KernelStartError
+from .sandbox import BwrapUnavailable, make_backend
+from .sessions import SessionError, SessionManager
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="coderunner", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"coderunner {__version__}")
+    parser.add_argument("--config", type=Path, help="TOML settings file (default ~/.config/coderunner/config.toml)")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser("serve", help="run the MCP server")
+    serve.add_argument("--transport", choices=["stdio", "streamable-http", "sse"])
+    serve.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="HTTP port (default 8765)")
+    _add_session_flags(serve)
+    serve.add_argument("--max-sessions", type=int)
+    serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+
+    run = commands.add_parser("run", help="run code once in a fresh sandboxed session and print the result")
+    run.add_argument("code", help="Python source, or - to read it from stdin")
+    _add_session_flags(run)
+
+    commands.add_parser("doctor", help="check that sandboxes work here; say how to fix what does not")
+
+    setup = commands.add_parser("setup", help="create the sandbox's Python environment")
+    setup.add_argument("--recreate", action="store_true", help="delete and rebuild it")
+    return parser
+
+
+def _add_session_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--timeout", dest="timeout_s", type=float, help="default run timeout in seconds")
+    parser.add_argument("--memory-mb", type=int, help="memory limit per session")
+    parser.add_argument("--sandbox-env", type=Path, help="the sandbox Python environment")
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    flags = {
+        key: getattr(args, key, None)
+        for key in ("transport", "host", "port", "timeout_s", "memory_mb", "sandbox_env", "max_sessions", "log_level")
+    }
+    return load_settings(args.config, **flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        settings = _settings(args)
+    except ConfigError as exc:
+        print(f"coderunner: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level if args.command == "serve" else logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        if args.command == "serve":
+            from .serve import serve
+
+            anyio.run(serve, settings)
+            return 0
+        if args.command == "run":
+            return anyio.run(_run_once, settings, sys.stdin.read() if args.code == "-" else args.code)
+        if args.command == "doctor":
+            checks = doctor.run_checks(settings)
+            print(doctor.report(checks))
+            return 0 if all(check.ok for check in checks) else 1
+        if args.command == "setup":
+            sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
+            print(f"sandbox environment ready: {settings.sandbox_env}")
+            return 0
+    except (BwrapUnavailable, SessionError, KernelStartError, sandbox_env.SetupError) as exc:
+        print(f"coderunner: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 2
+
+
+async def _run_once(settings: Settings, code: str) -> int:
+    async with SessionManager(settings, make_backend(settings)) as manager:
+        session = await manager.resolve(None)
+        result = await session.run(code, None, None)
+    call = result.to_call_result()
+    for block in call.content:
+        if block.type == "text":
+            print(block.text)
+        elif block.type == "image":
+            print(f"[{block.mime_type} image, {len(base64.b64decode(block.data)):,} bytes]")
+    return 1 if call.is_error else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""One Settings object: defaults < TOML file < environment (CODERUNNER_*) < command-line flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import platformdirs
+from pydantic import Field, ValidationError
+from pydantic_settings import (
+    BaseSettings,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+APP_NAME = "coderunner"
+
+NetworkMode = Literal["none"]
+Transport = Literal["stdio", "streamable-http", "sse"]
+
+
+def default_config_file() -> Path:
+    return Path(platformdirs.user_config_dir(APP_NAME)) / "config.toml"
+
+
+def default_data_dir() -> Path:
+    return Path(platformdirs.user_data_dir(APP_NAME))
+
+
+def default_runtime_dir() -> Path:
+    """Short on purpose: ZMQ ipc socket paths must stay under 107 bytes."""
+    return Path("/tmp") / f"coderunner-{os.getuid()}"
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message says which setting and why."""
+
+
+class Settings(BaseSettings):
+    """Everything the server can be told. Field docs double as the reference for config.toml."""
+
+    model_config = SettingsConfigDict(env_prefix="CODERUNNER_", extra="forbid", validate_default=True)
+
+    # Where things live.
+    sandbox_env: Path = Field(
+        default_factory=lambda: default_data_dir() / "sandbox-env",
+        description="The sandbox's own Python environment (made by `coderunner setup`).",
+    )
+    sandbox_python: Path = Field(
+        default=Path("/usr/bin/python3"),
+        description="System interpreter the sandbox environment is built from; must live under /usr.",
+    )
+    workspaces_dir: Path = Field(
+        default_factory=lambda: default_data_dir() / "workspaces",
+        description="Parent of the per-session workspaces (each is removed when its session closes).",
+    )
+    runtime_dir: Path = Field(
+        default_factory=default_runtime_dir,
+        description="Parent of the per-session runtime dirs (kernel sockets and connection files).",
+    )
+
+    # Sandbox.
+    backend: Literal["bwrap"] = "bwrap"
+    network: NetworkMode = "none"
+    memory_mb: int = Field(default=2048, ge=128, description="Address-space limit of a session's kernel.")
+    cpus: float | None = Field(default=None, gt=0, description="CPU quota; reported, enforced where cgroups allow.")
+    max_sessions: int = Field(default=8, ge=1)
+
+    # Execution.
+    timeout_s: float = Field(default=60.0, gt=0, description="Default wall-time limit of one run_python call.")
+    max_timeout_s: float = Field(default=3600.0, gt=0, description="Largest timeout_s a caller may ask for.")
+    interrupt_grace_s: float = Field(default=3.0, gt=0, description="Wait after an interrupt before a restart.")
+    startup_timeout_s: float = Field(default=60.0, gt=0, description="Limit on a kernel's start to first reply.")
+    output_limit_chars: int = Field(default=20_000, ge=1_000, description="Text kept inline per call.")
+    spill_limit_bytes: int = Field(
+        default=64 * 1024 * 1024, ge=0, description="Most output saved to the workspace file per call."
+    )
+    image_limit_bytes: int = Field(
+        default=600_000, ge=0, description="Most image bytes returned inline per call; the rest go to files."
+    )
+    progress_interval_s: float = Field(default=1.0, gt=0, description="Least time between progress notes.")
+
+    # Serving.
+    transport: Transport = "stdio"
+    host: str = "127.0.0.1"
+    port: int = Field(default=8765, ge=0, le=65535)
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        return (init_settings, env_settings, TomlConfigSettingsSource(settings_cls))
+
+
+def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
+    """Read the TOML file (flag, else $CODERUNNER_CONFIG, else the per-user default) under env and flags."""
+    path = config_file or Path(os.environ.get("CODERUNNER_CONFIG") or default_config_file())
+    file_bound = type(
+        "FileSettings", (Settings,), {"model_config": SettingsConfigDict(**{**Settings.model_config, "toml_file": path})}
+    )
+    flags = {key: value for key, value in overrides.items() if value is not None}
+    try:
+        return file_bound(**flags)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(part) for part in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
+        )
+        raise ConfigError(f"invalid configuration ({path}, CODERUNNER_* or flags): {problems}") from None
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"cannot read the configuration file {path}: {exc}") from None

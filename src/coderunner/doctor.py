@@ -1,0 +1,132 @@
+"""`coderunner doctor`: what would stop the sandbox working here, and the command that fixes it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+
+from .config import Settings
+from .sandbox import BwrapUnavailable, make_backend
+from .sessions import SessionManager
+
+PROBE_TIMEOUT_S = 30
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str | None = None
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
+
+
+def check_bwrap() -> Check:
+    path = shutil.which("bwrap")
+    if path is None:
+        return Check("bubblewrap", False, "bwrap is not installed", "sudo apt-get install bubblewrap")
+    try:
+        version = subprocess.run(
+            [path, "--version"], capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False
+        ).stdout.strip()
+    except subprocess.TimeoutExpired:
+        return Check("bubblewrap", False, f"{path} --version did not answer", None)
+    return Check("bubblewrap", True, f"{version} at {path}")
+
+
+def check_user_namespaces() -> Check:
+    """Try the namespaces bwrap needs; on failure, name the sysctl or AppArmor rule in the way."""
+    path = shutil.which("bwrap")
+    if path is None:
+        return Check("user namespaces", False, "not checked: bwrap is missing", "sudo apt-get install bubblewrap")
+    probe = [path, "--unshare-all", "--unshare-user", "--ro-bind", "/usr", "/usr", "--symlink", "usr/bin", "/bin",
+             "--symlink", "usr/lib", "/lib", "--proc", "/proc", "--dev", "/dev", "/usr/bin/true"]  # fmt: skip
+    if Path("/lib64").is_symlink():
+        probe[-1:-1] = ["--symlink", "usr/lib64", "/lib64"]
+    try:
+        done = subprocess.run(probe, capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return Check("user namespaces", False, "a bwrap probe did not finish", None)
+    if done.returncode == 0:
+        return Check("user namespaces", True, "bwrap can create user, pid, network and mount namespaces")
+    detail = done.stderr.strip() or f"bwrap exited {done.returncode}"
+    if _read("/proc/sys/kernel/apparmor_restrict_unprivileged_userns") == "1":
+        return Check(
+            "user namespaces",
+            False,
+            f"{detail} (Ubuntu's AppArmor restricts unprivileged user namespaces)",
+            "sudo sysctl -w kernel.apparmor_restrict_unprivileged_userns=0  "
+            "(or install an AppArmor profile that allows /usr/bin/bwrap userns)",
+        )
+    if _read("/proc/sys/kernel/unprivileged_userns_clone") == "0":
+        return Check("user namespaces", False, detail, "sudo sysctl -w kernel.unprivileged_userns_clone=1")
+    if _read("/proc/sys/user/max_user_namespaces") == "0":
+        return Check("user namespaces", False, detail, "sudo sysctl -w user.max_user_namespaces=15000")
+    return Check("user namespaces", False, detail, None)
+
+
+def check_sandbox_env(settings: Settings) -> Check:
+    python = settings.sandbox_env / "bin" / "python"
+    if not python.exists():
+        return Check("sandbox environment", False, f"{settings.sandbox_env} is missing", "coderunner setup")
+    try:
+        done = subprocess.run(
+            [str(python), "-c", "import ipykernel, numpy, pandas, matplotlib; print(ipykernel.__version__)"],
+            capture_output=True, text=True, timeout=PROBE_TIMEOUT_S, check=False, env={"PATH": "/usr/bin:/bin"},
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return Check("sandbox environment", False, "its python did not answer", "coderunner setup --recreate")
+    if done.returncode != 0:
+        last = done.stderr.strip().splitlines()[-1:] or ["import failed"]
+        return Check("sandbox environment", False, last[0], "coderunner setup")
+    return Check("sandbox environment", True, f"{settings.sandbox_env} (ipykernel {done.stdout.strip()})")
+
+
+async def check_sandboxed_run(settings: Settings) -> Check:
+    try:
+        backend = make_backend(settings)
+    except BwrapUnavailable as exc:
+        return Check("sandboxed 1+1", False, str(exc), None)
+    began = time.monotonic()
+    try:
+        with anyio.fail_after(settings.startup_timeout_s + 10):
+            async with SessionManager(settings, backend) as manager:
+                session = await manager.resolve(None)
+                result = await session.run("1+1", 10, None)
+    except Exception as exc:
+        return Check("sandboxed 1+1", False, f"{type(exc).__name__}: {exc}", None)
+    text = result.outcome.output.text().strip()
+    if result.is_error or text != "2":
+        return Check("sandboxed 1+1", False, f"unexpected answer: {text!r}", None)
+    return Check("sandboxed 1+1", True, f"= 2 in a fresh sandbox ({time.monotonic() - began:.2f}s cold)")
+
+
+def run_checks(settings: Settings) -> list[Check]:
+    checks = [check_bwrap(), check_user_namespaces(), check_sandbox_env(settings)]
+    if all(check.ok for check in checks):
+        checks.append(anyio.run(check_sandboxed_run, settings))
+    return checks
+
+
+def report(checks: list[Check]) -> str:
+    lines = []
+    for check in checks:
+        mark = "ok  " if check.ok else "FAIL"
+        lines.append(f"[{mark}] {check.name}: {check.detail}")
+        if not check.ok and check.fix:
+            lines.append(f"       fix: {check.fix}")
+    if os.getuid() == 0:
+        lines.append("note: running as root; the sandbox still runs unprivileged (uid 1000, no capabilities)")
+    return "\n".join(lines)

@@ -1,0 +1,325 @@
+"""One kernel incarnation: an ipykernel in a sandbox, spoken to with jupyter_client over ipc://.
+
+A `Kernel` is started once and dies once; restarts are the session's business. It answers an
+execute with a `RunOutcome` and never waits without a bound: every wait races the deadline
+and the sandbox process's own exit, so a kernel killed from inside or by the OOM killer is
+noticed through liveness, not by waiting for a reply that will never come.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.connect import write_connection_file
+
+from .output import OutputCollector
+from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+#: How often a silent wait checks that the sandbox is still alive.
+LIVENESS_POLL_S = 0.25
+#: Most time to wait for the execute_reply once the kernel said it is idle.
+REPLY_WAIT_S = 5.0
+IMAGE_MIME_TYPES = ("image/png", "image/jpeg")
+
+ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
+
+
+class KernelStartError(RuntimeError):
+    """The kernel did not come up; the message carries what the sandbox said."""
+
+
+class RunStatus(enum.Enum):
+    OK = "ok"
+    ERROR = "error"  # the code raised
+    INTERRUPTED = "interrupted"  # deadline hit, interrupt worked: state kept
+    UNRESPONSIVE = "unresponsive"  # deadline hit, interrupt ignored: needs a restart
+    DIED = "died"  # the sandbox exited during the run
+
+
+@dataclass
+class KernelError:
+    ename: str
+    evalue: str
+    traceback: str
+
+
+@dataclass
+class RunOutcome:
+    status: RunStatus
+    output: OutputCollector
+    error: KernelError | None = None
+    execution_count: int | None = None
+    duration_s: float = 0.0
+    exit_code: int | None = None
+
+
+@dataclass
+class _Deadline:
+    at: float
+
+    def remaining(self) -> float:
+        return self.at - time.monotonic()
+
+
+class SandboxExited(Exception):
+    def __init__(self, exit_code: int | None) -> None:
+        super().__init__(f"sandbox exited with code {exit_code}")
+        self.exit_code = exit_code
+
+
+@dataclass
+class Kernel:
+    backend: SandboxBackend
+    spec: SandboxSpec
+    task_group: TaskGroup
+    generation: int = 0
+    process: SandboxProcess | None = None
+    client: AsyncKernelClient | None = None
+    started_at: float = field(default_factory=time.monotonic)
+    #: Set when a cancelled run ignored its interrupt: the kernel is busy for good.
+    wedged: bool = False
+    _connection_file: Path | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive
+
+    async def start(self, timeout_s: float) -> None:
+        """Start the sandbox and wait for the IOPub handshake (ipykernel's iopub_welcome)."""
+        runtime = self.spec.runtime_dir
+        self._connection_file = runtime / f"kernel-{self.generation}.json"
+        _, info = write_connection_file(
+            str(self._connection_file),
+            transport="ipc",
+            ip=str(runtime / f"k{self.generation}"),
+            key=secrets.token_hex(32).encode(),
+            kernel_name="python3",
+        )
+        argv = [
+            self.backend.python, "-m", "ipykernel_launcher",
+            "-f", str(self._connection_file),
+            "--HistoryManager.hist_file=:memory:",
+            "--IPKernelApp.quiet=True",
+        ]  # fmt: skip
+        self.started_at = time.monotonic()
+        self.process = await self.backend.spawn(self.spec, argv, self.task_group)
+        deadline = _Deadline(time.monotonic() + timeout_s)
+        try:
+            await self._await_sockets(info, deadline)
+            client = AsyncKernelClient()
+            client.load_connection_info(info)
+            client.start_channels(stdin=False, hb=False)
+            self.client = client
+            await self._await_welcome(deadline)
+        except (SandboxExited, TimeoutError) as exc:
+            detail = self.process.stderr_tail().strip()[-2000:] if self.process else ""
+            await self.shutdown()
+            reason = "did not answer in time" if isinstance(exc, TimeoutError) else str(exc)
+            raise KernelStartError(
+                f"the sandboxed kernel failed to start ({reason})" + (f":\n{detail}" if detail else "")
+            ) from None
+
+    async def _await_sockets(self, info: dict[str, Any], deadline: _Deadline) -> None:
+        """Connect only once the kernel has bound its sockets: no ZMQ reconnect back-off on start."""
+        ip = info["ip"]
+        paths = [Path(f"{ip}-{info[name]}") for name in ("shell_port", "iopub_port", "control_port")]
+        while not all(path.exists() for path in paths):
+            self._check_alive()
+            if deadline.remaining() <= 0:
+                raise TimeoutError
+            await anyio.sleep(0.005)
+
+    async def _await_welcome(self, deadline: _Deadline) -> None:
+        assert self.client is not None
+        while True:
+            msg = await self._next_iopub(deadline)
+            if msg["msg_type"] == "iopub_welcome":
+                return
+
+    def _check_alive(self) -> None:
+        if self.process is None or not self.process.alive:
+            raise SandboxExited(self.process.returncode if self.process else None)
+
+    async def _next_iopub(self, deadline: _Deadline | None) -> dict[str, Any]:
+        """The next IOPub message; raises TimeoutError at the deadline, SandboxExited on death."""
+        assert self.client is not None
+        while True:
+            wait = LIVENESS_POLL_S
+            if deadline is not None:
+                remaining = deadline.remaining()
+                if remaining <= 0:
+                    raise TimeoutError
+                wait = min(wait, remaining)
+            try:
+                return await self.client.get_iopub_msg(timeout=wait)
+            except Empty:
+                self._check_alive()
+
+    async def execute(
+        self,
+        code: str,
+        output: OutputCollector,
+        timeout_s: float,
+        interrupt_grace_s: float,
+        progress: ProgressCallback | None = None,
+        progress_interval_s: float = 1.0,
+    ) -> RunOutcome:
+        """Run `code`; at the deadline interrupt it and give it `interrupt_grace_s` to stop."""
+        assert self.client is not None
+        begun = time.monotonic()
+        msg_id = self.client.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        run = _Run(msg_id=msg_id, output=output)
+        try:
+            try:
+                await self._collect(run, _Deadline(begun + timeout_s), progress, progress_interval_s, begun)
+            except TimeoutError:
+                run.status = await self._interrupt_and_settle(run, interrupt_grace_s, begun)
+            except anyio.get_cancelled_exc_class():
+                # The caller gave up (MCP notifications/cancelled, client gone): never leave the
+                # cell burning a core. If the interrupt is ignored, the owner must restart us.
+                with anyio.CancelScope(shield=True):
+                    if await self._interrupt_and_settle(run, interrupt_grace_s, begun) is RunStatus.UNRESPONSIVE:
+                        self.wedged = True
+                raise
+        except SandboxExited as exc:
+            run.status = RunStatus.DIED
+            run.exit_code = exc.exit_code
+        if run.status in (RunStatus.OK, RunStatus.ERROR, RunStatus.INTERRUPTED):
+            await self._drain_reply(msg_id)
+        return RunOutcome(
+            status=run.status,
+            output=output,
+            error=run.error,
+            execution_count=run.execution_count,
+            duration_s=time.monotonic() - begun,
+            exit_code=run.exit_code,
+        )
+
+    async def _interrupt_and_settle(self, run: _Run, grace_s: float, begun: float) -> RunStatus:
+        """Interrupt the cell and wait up to `grace_s` for the kernel to go idle."""
+        self.interrupt()
+        try:
+            await self._collect(run, _Deadline(time.monotonic() + grace_s), None, 0, begun)
+        except TimeoutError:
+            return RunStatus.UNRESPONSIVE
+        return RunStatus.INTERRUPTED
+
+    async def _collect(
+        self,
+        run: _Run,
+        deadline: _Deadline,
+        progress: ProgressCallback | None,
+        progress_interval_s: float,
+        begun: float,
+    ) -> None:
+        last_progress = time.monotonic()
+        progress_deadline = deadline
+        while not run.idle:
+            if progress is not None:
+                progress_deadline = _Deadline(min(deadline.at, last_progress + progress_interval_s))
+            try:
+                msg = await self._next_iopub(progress_deadline)
+            except TimeoutError:
+                if deadline.remaining() <= 0:
+                    raise
+                msg = None
+            if msg is not None and msg.get("parent_header", {}).get("msg_id") == run.msg_id:
+                run.handle(msg)
+            if progress is not None and time.monotonic() - last_progress >= progress_interval_s:
+                last_progress = time.monotonic()
+                await progress(last_progress - begun, run.output)
+
+    async def _drain_reply(self, msg_id: str) -> None:
+        """Read our execute_reply off the shell channel so replies never pile up."""
+        assert self.client is not None
+        deadline = time.monotonic() + REPLY_WAIT_S
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                reply = await self.client.get_shell_msg(timeout=remaining)
+            except Empty:
+                return
+            if reply.get("parent_header", {}).get("msg_id") == msg_id:
+                return
+
+    def interrupt(self) -> None:
+        """interrupt_mode=message: a SIGINT to bwrap would kill the sandbox, not interrupt the cell."""
+        if self.client is None:
+            return
+        msg = self.client.session.msg("interrupt_request", content={})
+        self.client.control_channel.send(msg)
+
+    async def shutdown(self) -> None:
+        """Kill the sandbox (no polite shutdown: nothing inside needs saving) and close channels."""
+        if self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.stop_channels()
+            self.client = None
+        if self.process is not None:
+            await self.process.kill()
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        runtime = self.spec.runtime_dir
+        for path in runtime.glob(f"k{self.generation}-*"):
+            with contextlib.suppress(OSError):
+                path.unlink()
+        if self._connection_file is not None:
+            with contextlib.suppress(OSError):
+                self._connection_file.unlink()
+
+
+@dataclass
+class _Run:
+    """State of one execute while its IOPub messages arrive."""
+
+    msg_id: str
+    output: OutputCollector
+    status: RunStatus = RunStatus.OK
+    error: KernelError | None = None
+    execution_count: int | None = None
+    exit_code: int | None = None
+    idle: bool = False
+
+    def handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["msg_type"]
+        content = msg.get("content", {})
+        if kind == "stream":
+            self.output.add_text(str(content.get("text", "")))
+        elif kind in ("execute_result", "display_data"):
+            self._add_bundle(content.get("data", {}))
+            if kind == "execute_result":
+                self.execution_count = content.get("execution_count", self.execution_count)
+        elif kind == "execute_input":
+            self.execution_count = content.get("execution_count")
+        elif kind == "error":
+            self.status = RunStatus.ERROR
+            self.error = KernelError(
+                ename=str(content.get("ename", "")),
+                evalue=str(content.get("evalue", "")),
+                traceback="\n".join(str(line) for line in content.get("traceback", [])),
+            )
+            self.output.add_text(self.error.traceback + "\n")
+        elif kind == "status" and content.get("execution_state") == "idle":
+            self.idle = True
+
+    def _add_bundle(self, data: dict[str, Any]) -> None:
+        images = [mime for mime in IMAGE_MIME_TYPES if isinstance(data.get(mime), str)]
+        for mime in images:
+            self.output.add_image(mime, data[mime])
+        text = data.get("text/plain")
+        if isinstance(text, str) and not (images and text.startswith("<Figure")):
+            self.output.add_text(text if text.endswith("\n") else text + "\n")

@@ -1,0 +1,47 @@
+"""ExecutionResult: what one run_python call produced, and its shape as MCP content."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
+
+from .kernel import RunOutcome, RunStatus
+
+
+@dataclass
+class ExecutionResult:
+    """A RunOutcome plus what the session did about it (restart, state kept or lost)."""
+
+    outcome: RunOutcome
+    notice: str | None = None
+    state_lost: bool = False
+
+    @property
+    def is_error(self) -> bool:
+        return self.outcome.status is not RunStatus.OK
+
+    def to_call_result(self) -> CallToolResult:
+        output = self.outcome.output
+        text = output.text()
+        lines: list[str] = []
+        if text:
+            lines.append(text.rstrip("\n"))
+        if self.notice:
+            lines.append(f"[{self.notice}]")
+        if output.saved_images:
+            lines.append("[more images than fit in one reply; saved: " + ", ".join(output.saved_images) + "]")
+        count = self.outcome.execution_count
+        footer = f"[{self.outcome.status.value} in {self.outcome.duration_s:.3f}s"
+        footer += f", cell {count}]" if count is not None else "]"
+        lines.append(footer)
+        content: list[ContentBlock] = [TextContent(type="text", text="\n".join(lines))]
+        content.extend(
+            ImageContent(type="image", data=image.data_b64, mime_type=image.mime_type) for image in output.images
+        )
+        return CallToolResult(content=content, is_error=self.is_error)
+
+
+def error_result(message: str) -> CallToolResult:
+    """A failure the caller can act on: a tool result with isError, never a crash."""
+    return CallToolResult(content=[TextContent(type="text", text=message)], is_error=True)

@@ -1,0 +1,133 @@
+"""The Sandbox protocol: what every backend (bwrap, podman, Apple `container`, ...) provides.
+
+A backend turns a `SandboxSpec` plus a command into a running, isolated process tree that
+the host can wait on and kill. The kernel code never learns which backend it runs on.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
+
+import anyio
+from anyio.abc import Process, TaskGroup
+
+#: How much of a sandbox's own stderr (bwrap errors, kernel crash text) is kept for error messages.
+STDERR_TAIL_BYTES = 16 * 1024
+#: Bound on waiting for a killed sandbox to be reaped.
+KILL_WAIT_S = 5.0
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits asked for one session. `None` means no limit."""
+
+    memory_mb: int | None = None
+    cpus: float | None = None
+
+
+@dataclass(frozen=True)
+class LimitReport:
+    """A limit and how (or whether) this backend enforces it, so status tells the truth."""
+
+    value: float | None
+    enforced_by: str | None
+
+    @property
+    def enforced(self) -> bool:
+        return self.value is not None and self.enforced_by is not None
+
+
+@dataclass(frozen=True)
+class SandboxSpec:
+    """Everything one sandbox needs from the host side.
+
+    `runtime_dir` is shared with the host at the same path inside and outside, because the
+    kernel's ipc:// sockets and its connection file live there.
+    """
+
+    workspace: Path
+    runtime_dir: Path
+    limits: Limits = field(default_factory=Limits)
+    network: str = "none"
+
+
+class SandboxBackend(Protocol):
+    """One way of isolating a process tree."""
+
+    name: str
+    #: Where the session workspace appears inside the sandbox.
+    workspace_path: str
+    #: The Python interpreter of the sandbox environment, as seen inside.
+    python: str
+
+    def describe_isolation(self) -> str:
+        """One line for status and capabilities: what separates the sandbox from the host."""
+        ...
+
+    def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
+        """How each limit in `limits` is enforced by this backend on this machine."""
+        ...
+
+    async def spawn(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup) -> SandboxProcess:
+        """Start `argv` (paths as seen inside) in a fresh sandbox built from `spec`."""
+        ...
+
+
+class SandboxProcess:
+    """A running sandbox as a host process: wait for it, kill it, read what it said on stderr."""
+
+    def __init__(self, process: Process, task_group: TaskGroup, description: str) -> None:
+        self._process = process
+        self._stderr_tail: collections.deque[bytes] = collections.deque()
+        self._stderr_size = 0
+        self.description = description
+        if process.stderr is not None:
+            task_group.start_soon(self._drain_stderr)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._process.returncode
+
+    @property
+    def alive(self) -> bool:
+        return self._process.returncode is None
+
+    def stderr_tail(self) -> str:
+        return b"".join(self._stderr_tail).decode("utf-8", "replace")
+
+    async def _drain_stderr(self) -> None:
+        """Keep only the last STDERR_TAIL_BYTES: a sandbox may write without end."""
+        assert self._process.stderr is not None
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            async for chunk in self._process.stderr:
+                self._stderr_tail.append(chunk)
+                self._stderr_size += len(chunk)
+                while self._stderr_size > STDERR_TAIL_BYTES and len(self._stderr_tail) > 1:
+                    self._stderr_size -= len(self._stderr_tail.popleft())
+
+    async def wait(self) -> int:
+        return await self._process.wait()
+
+    async def kill(self) -> None:
+        """Kill the whole sandbox and reap it, within KILL_WAIT_S."""
+        if self._process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                # The sandbox runs in its own process group (start_new_session); the backends
+                # make everything inside die with that group's leader.
+                os.killpg(self._process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+        with anyio.move_on_after(KILL_WAIT_S, shield=True):
+            await self._process.wait()
+        with contextlib.suppress(Exception):
+            await self._process.aclose()

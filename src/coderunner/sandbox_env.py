@@ -1,0 +1,63 @@
+"""The sandbox's own Python environment: a venv from the system python3, bound read-only inside.
+
+It is built from an interpreter under /usr because only /usr (and the venv) exist inside the
+sandbox; a pyenv or conda Python in $HOME would be invisible there.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+#: Bounds on the two steps of `coderunner setup`; pip of numpy/pandas/matplotlib takes minutes.
+VENV_TIMEOUT_S = 300
+PIP_TIMEOUT_S = 1800
+
+
+class SetupError(RuntimeError):
+    pass
+
+
+def requirements_text() -> str:
+    return resources.files("coderunner.sandbox").joinpath("requirements.txt").read_text()
+
+
+def check_interpreter(python: Path) -> None:
+    if not python.exists():
+        raise SetupError(f"{python} is missing: sudo apt-get install python3 python3-venv")
+    if not str(python.resolve()).startswith("/usr/"):
+        raise SetupError(f"{python} resolves outside /usr, so the sandbox could not run it; use the system python3")
+
+
+def create(env_dir: Path, python: Path, *, recreate: bool = False) -> None:
+    """Make (or update) the environment; pip's own progress goes to stderr."""
+    check_interpreter(python)
+    if recreate and env_dir.exists():
+        shutil.rmtree(env_dir)
+    if not (env_dir / "bin" / "python").exists():
+        env_dir.parent.mkdir(parents=True, exist_ok=True)
+        _run([str(python), "-m", "venv", str(env_dir)], VENV_TIMEOUT_S, "creating the venv")
+    requirements = env_dir / "coderunner-requirements.txt"
+    requirements.write_text(requirements_text())
+    _run(
+        [str(env_dir / "bin" / "python"), "-m", "pip", "install", "--disable-pip-version-check",
+         "--progress-bar", "off", "-r", str(requirements)],
+        PIP_TIMEOUT_S,
+        "installing the sandbox packages",
+    )  # fmt: skip
+
+
+def _run(argv: list[str], timeout_s: float, what: str) -> None:
+    print(f"coderunner setup: {what}: {' '.join(argv)}", file=sys.stderr, flush=True)
+    try:
+        subprocess.run(argv, check=True, timeout=timeout_s, stdout=sys.stderr, stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        raise SetupError(f"{what} took longer than {timeout_s}s; check the network to the package index") from None
+    except subprocess.CalledProcessError as exc:
+        hint = ""
+        if "venv" in argv:
+            hint = " (on Debian/Ubuntu: sudo apt-get install python3-venv)"
+        raise SetupError(f"{what} failed with exit code {exc.returncode}{hint}") from None

@@ -1,0 +1,56 @@
+"""Running the server on a transport, with the SessionManager living exactly as long as the process."""
+
+from __future__ import annotations
+
+import logging
+import signal
+
+import anyio
+import uvicorn
+
+from .config import Settings
+from .sandbox import make_backend
+from .server import build_server
+from .sessions import SessionManager
+
+log = logging.getLogger(__name__)
+
+HTTP_SHUTDOWN_GRACE_S = 5
+
+
+async def serve(settings: Settings) -> None:
+    backend = make_backend(settings)
+    async with SessionManager(settings, backend) as manager, anyio.create_task_group() as tg:
+        server = build_server(manager)
+        if settings.transport == "stdio":
+            tg.start_soon(_stop_on_signals, tg.cancel_scope)
+            await server.run_stdio_async()
+        else:
+            if settings.transport == "sse":
+                app = server.sse_app(host=settings.host)
+                path = "/sse"
+            else:
+                app = server.streamable_http_app(host=settings.host)
+                path = "/mcp"
+            log.info("serving MCP over %s at http://%s:%d%s", settings.transport, settings.host, settings.port, path)
+            config = uvicorn.Config(
+                app,
+                host=settings.host,
+                port=settings.port,
+                log_level=settings.log_level.lower(),
+                lifespan="on",
+                # Open SSE streams would otherwise hold a SIGTERM'd server forever.
+                timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
+            )
+            # uvicorn handles SIGINT/SIGTERM itself; when serve() returns, the SessionManager
+            # closes every session on its way out.
+            await uvicorn.Server(config).serve()
+        tg.cancel_scope.cancel()
+
+
+async def _stop_on_signals(scope: anyio.CancelScope) -> None:
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        async for signum in signals:
+            log.info("received %s: closing sessions", signal.Signals(signum).name)
+            scope.cancel()
+            return

@@ -1,0 +1,409 @@
+"""Sessions and their manager: the only place that owns mutable server state.
+
+A Session is a workspace plus a sandboxed kernel that may be replaced (timeout restart,
+death, reset) while the session and its files live on. The SessionManager hands out
+high-entropy handles, creates the default session on first use, enforces the session
+limit, and on start removes what a killed server left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import secrets
+import shutil
+import stat
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskGroup
+
+from .config import Settings
+from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
+from .output import OutputCollector, WorkspaceWriter
+from .results import ExecutionResult
+from .sandbox.base import LimitReport, Limits, SandboxBackend, SandboxSpec
+
+log = logging.getLogger(__name__)
+
+#: Bound on closing every session at server shutdown.
+SHUTDOWN_TIMEOUT_S = 10.0
+LOCK_NAME = "lock"
+
+
+class SessionError(Exception):
+    """A request about sessions that cannot be served; the message says what to do instead."""
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    network: str
+    limits: Limits
+    timeout_s: float
+
+
+@dataclass
+class SessionStatus:
+    session_id: str
+    alive: bool
+    busy: bool
+    uptime_s: float
+    kernel_uptime_s: float
+    memory_used_mb: float | None
+    restarts: int
+    network: str
+    timeout_s: float
+    workspace: str
+    limits: dict[str, LimitReport]
+    isolation: str
+
+
+@dataclass
+class Session:
+    session_id: str
+    options: SessionOptions
+    workspace: Path
+    runtime_dir: Path
+    backend: SandboxBackend
+    settings: Settings
+    task_group: TaskGroup
+    lock_fd: int
+    kernel: Kernel | None = None
+    created_at: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    busy: bool = False
+    closed: bool = False
+    _generation: int = 0
+    _lock: anyio.Lock = field(default_factory=anyio.Lock)
+
+    @property
+    def spec(self) -> SandboxSpec:
+        return SandboxSpec(
+            workspace=self.workspace,
+            runtime_dir=self.runtime_dir,
+            limits=self.options.limits,
+            network=self.options.network,
+        )
+
+    async def start_kernel(self) -> None:
+        kernel = Kernel(self.backend, self.spec, self.task_group, generation=self._generation)
+        self._generation += 1
+        await kernel.start(self.settings.startup_timeout_s)
+        self.kernel = kernel
+
+    async def _replace_kernel(self) -> None:
+        """Kill the current kernel (if any) and start a fresh one; workspace files are kept."""
+        with anyio.CancelScope(shield=True):
+            if self.kernel is not None:
+                await self.kernel.shutdown()
+                self.kernel = None
+            self.restarts += 1
+            await self.start_kernel()
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, wait_s: float) -> AsyncIterator[None]:
+        """One call at a time per kernel; a caller that cannot get in within `wait_s` is told so."""
+        with anyio.move_on_after(wait_s) as scope:
+            await self._lock.acquire()
+        if scope.cancelled_caught:
+            raise SessionError(
+                f"session {self.session_id} is busy with another call; try again when it finishes "
+                "(or use another session)"
+            )
+        try:
+            if self.closed:
+                raise SessionError(f"session {self.session_id} was closed")
+            self.busy = True
+            yield
+        finally:
+            self.busy = False
+            self._lock.release()
+
+    async def run(self, code: str, timeout_s: float | None, progress: ProgressCallback | None) -> ExecutionResult:
+        timeout = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
+        async with self._exclusive(wait_s=timeout):
+            if self.kernel is None or not self.kernel.alive:
+                await self._replace_kernel()
+            assert self.kernel is not None
+            output = OutputCollector(
+                limit_chars=self.settings.output_limit_chars,
+                spill_limit_bytes=self.settings.spill_limit_bytes,
+                image_limit_bytes=self.settings.image_limit_bytes,
+                writer=WorkspaceWriter(self.workspace, self.backend.workspace_path),
+            )
+            try:
+                outcome = await self.kernel.execute(
+                    code,
+                    output,
+                    timeout_s=timeout,
+                    interrupt_grace_s=self.settings.interrupt_grace_s,
+                    progress=progress,
+                    progress_interval_s=self.settings.progress_interval_s,
+                )
+            except anyio.get_cancelled_exc_class():
+                if self.kernel.wedged or not self.kernel.alive:
+                    await self._replace_kernel()
+                raise
+            finally:
+                output.close()
+            return await self._settle(outcome, timeout)
+
+    async def _settle(self, outcome: RunOutcome, timeout: float) -> ExecutionResult:
+        """Turn what happened into words, restarting the kernel where it cannot go on."""
+        if outcome.status is RunStatus.INTERRUPTED:
+            return ExecutionResult(
+                outcome,
+                notice=f"timed out after {timeout:g}s: interrupted; the kernel and its state are kept",
+            )
+        if outcome.status is RunStatus.UNRESPONSIVE:
+            await self._replace_kernel()
+            return ExecutionResult(
+                outcome,
+                notice=(
+                    f"timed out after {timeout:g}s and ignored the interrupt for "
+                    f"{self.settings.interrupt_grace_s:g}s: kernel restarted; state lost "
+                    "(variables and imports), workspace files kept"
+                ),
+                state_lost=True,
+            )
+        if outcome.status is RunStatus.DIED:
+            await self._replace_kernel()
+            return ExecutionResult(
+                outcome,
+                notice=(
+                    f"kernel died (exit code {outcome.exit_code}; killed, crashed or out of memory); "
+                    "state lost; a fresh kernel is ready, workspace files kept"
+                ),
+                state_lost=True,
+            )
+        return ExecutionResult(outcome)
+
+    async def reset(self) -> None:
+        async with self._exclusive(wait_s=self.settings.interrupt_grace_s):
+            await self._replace_kernel()
+
+    async def close(self) -> None:
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            if self.kernel is not None:
+                await self.kernel.shutdown()
+                self.kernel = None
+            _remove_session_dirs(self.runtime_dir, self.workspace)
+            with contextlib.suppress(OSError):
+                os.close(self.lock_fd)
+
+    def status(self) -> SessionStatus:
+        kernel = self.kernel
+        alive = kernel is not None and kernel.alive
+        now = time.monotonic()
+        return SessionStatus(
+            session_id=self.session_id,
+            alive=alive,
+            busy=self.busy,
+            uptime_s=now - self.created_at,
+            kernel_uptime_s=(now - kernel.started_at) if kernel is not None and alive else 0.0,
+            memory_used_mb=_tree_rss_mb(kernel.process.pid) if kernel and kernel.process and alive else None,
+            restarts=self.restarts,
+            network=self.options.network,
+            timeout_s=self.options.timeout_s,
+            workspace=self.backend.workspace_path,
+            limits=self.backend.limit_reports(self.options.limits),
+            isolation=self.backend.describe_isolation(),
+        )
+
+
+class SessionManager:
+    """Owns every session of one server process, and the task group their sandboxes run in."""
+
+    def __init__(self, settings: Settings, backend: SandboxBackend) -> None:
+        self.settings = settings
+        self.backend = backend
+        self._sessions: dict[str, Session] = {}
+        self._default_id: str | None = None
+        self._default_lock = anyio.Lock()
+        self._task_group: TaskGroup | None = None
+
+    async def __aenter__(self) -> SessionManager:
+        _ensure_private_dir(self.settings.runtime_dir)
+        _ensure_private_dir(self.settings.workspaces_dir)
+        removed = remove_stale_sessions(self.settings.runtime_dir, self.settings.workspaces_dir)
+        if removed:
+            log.info("removed %d session dir(s) left by a server that is gone", removed)
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with anyio.move_on_after(SHUTDOWN_TIMEOUT_S, shield=True):
+            await self.close_all()
+        assert self._task_group is not None
+        self._task_group.cancel_scope.cancel()
+        await self._task_group.__aexit__(None, None, None)
+
+    def options(
+        self,
+        network: str | None = None,
+        memory_mb: int | None = None,
+        cpus: float | None = None,
+        timeout_s: float | None = None,
+    ) -> SessionOptions:
+        network = network or self.settings.network
+        if network != "none":
+            raise SessionError(
+                f"network mode {network!r} is not available: this build supports only 'none' (no network)"
+            )
+        if memory_mb is not None and memory_mb < 128:
+            raise SessionError("memory_mb must be at least 128")
+        if cpus is not None and cpus <= 0:
+            raise SessionError("cpus must be positive")
+        if timeout_s is not None and not 0 < timeout_s <= self.settings.max_timeout_s:
+            raise SessionError(f"timeout_s must be between 0 and {self.settings.max_timeout_s:g} seconds")
+        return SessionOptions(
+            network=network,
+            limits=Limits(memory_mb=memory_mb or self.settings.memory_mb, cpus=cpus or self.settings.cpus),
+            timeout_s=timeout_s or self.settings.timeout_s,
+        )
+
+    async def create(self, options: SessionOptions | None = None) -> Session:
+        options = options or self.options()
+        if len(self._sessions) >= self.settings.max_sessions:
+            raise SessionError(
+                f"session limit reached ({self.settings.max_sessions} open): close one with close_session "
+                "or raise max_sessions in the configuration"
+            )
+        assert self._task_group is not None, "SessionManager used outside its `async with`"
+        session_id = secrets.token_urlsafe(18)
+        short = secrets.token_hex(4)
+        runtime_dir = self.settings.runtime_dir / short
+        workspace = self.settings.workspaces_dir / short
+        runtime_dir.mkdir(mode=0o700)
+        workspace.mkdir(mode=0o755)
+        lock_fd = _hold_lock(runtime_dir / LOCK_NAME)
+        run_dir = runtime_dir / "run"
+        run_dir.mkdir(mode=0o700)
+        session = Session(
+            session_id=session_id,
+            options=options,
+            workspace=workspace,
+            runtime_dir=run_dir,
+            backend=self.backend,
+            settings=self.settings,
+            task_group=self._task_group,
+            lock_fd=lock_fd,
+        )
+        self._sessions[session_id] = session
+        try:
+            await session.start_kernel()
+        except BaseException:
+            self._sessions.pop(session_id, None)
+            await session.close()
+            raise
+        log.info("session %s… started", session_id[:6])
+        return session
+
+    async def resolve(self, session_id: str | None) -> Session:
+        """The named session, or the default one (created on first use)."""
+        if session_id:
+            session = self._sessions.get(session_id)
+            if session is None:
+                raise SessionError(
+                    f"unknown or expired session_id {session_id!r}: call list_sessions to see open sessions, "
+                    "create_session for a new one, or omit session_id to use the default session"
+                )
+            return session
+        async with self._default_lock:
+            if self._default_id is None or self._default_id not in self._sessions:
+                self._default_id = (await self.create()).session_id
+            return self._sessions[self._default_id]
+
+    async def close(self, session_id: str) -> None:
+        session = await self.resolve(session_id)
+        self._sessions.pop(session_id, None)
+        if self._default_id == session_id:
+            self._default_id = None
+        await session.close()
+
+    async def close_all(self) -> None:
+        sessions = list(self._sessions.values())
+        self._sessions.clear()
+        self._default_id = None
+        for session in sessions:
+            await session.close()
+
+    def list(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def is_default(self, session: Session) -> bool:
+        return session.session_id == self._default_id
+
+
+def _ensure_private_dir(path: Path) -> None:
+    """Create `path` (0700) or accept it only if it is a real directory we own: /tmp is shared."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+        raise SessionError(f"{path} is not a directory owned by this user; remove it or set another path")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+
+
+def _hold_lock(path: Path) -> int:
+    """An flock held for the session's life marks its dirs as in use by a live server."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    return fd
+
+
+def remove_stale_sessions(runtime_base: Path, workspaces_base: Path) -> int:
+    """Remove session dirs whose lock no live server holds (the server was SIGKILLed)."""
+    removed = 0
+    for entry in runtime_base.iterdir():
+        lock = entry / LOCK_NAME
+        if entry.is_symlink() or not entry.is_dir() or not lock.exists():
+            continue
+        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # a live server owns it
+        finally:
+            os.close(fd)
+        workspace = workspaces_base / entry.name
+        _remove_session_dirs(entry, workspace)
+        removed += 1
+    return removed
+
+
+def _remove_session_dirs(runtime_dir: Path, workspace: Path) -> None:
+    top = runtime_dir.parent if runtime_dir.name == "run" else runtime_dir
+    for path in (top, workspace):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _tree_rss_mb(pid: int) -> float | None:
+    """Resident memory of a process and all its descendants, from /proc."""
+    total_kb = 0
+    pending = [pid]
+    seen: set[int] = set()
+    while pending:
+        current = pending.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        try:
+            with open(f"/proc/{current}/status") as handle:
+                for line in handle:
+                    if line.startswith("VmRSS:"):
+                        total_kb += int(line.split()[1])
+                        break
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as handle:
+                    pending.extend(int(child) for child in handle.read().split())
+        except (OSError, ValueError):
+            continue
+    return round(total_kb / 1024, 1) if seen else None
