@@ -1,6 +1,6 @@
 """The MCP surface: tool registrations that parse arguments and shape results, nothing more."""
 
-from __future__ import annotations
+# No `from __future__ import annotations`: tool signatures are read at runtime and use closures.
 
 import json
 from collections.abc import Awaitable, Callable

@@ -1,0 +1,186 @@
+"""Fixtures: a real `coderunner serve` process, reached through the official MCP client."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.types import CallToolResult
+
+REPO = Path(__file__).resolve().parents[1]
+SECRET_NAME = "CODERUNNER_TEST_API_KEY"
+SECRET_VALUE = "sk-test-" + "7f3a9c1e5b" * 3
+SERVER_START_TIMEOUT_S = 60
+SERVER_STOP_TIMEOUT_S = 20
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@dataclass
+class ServerDirs:
+    """Per-test runtime and workspace parents, so tests can look at what the server left on the host."""
+
+    root: Path
+    runtime: Path
+    workspaces: Path
+
+
+@pytest.fixture
+def dirs() -> Iterator[ServerDirs]:
+    # Short path on purpose: ipc socket paths must stay under 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="crt-", dir="/tmp"))
+    paths = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    yield paths
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
+    """The server's whole environment: a secret the sandbox must never see, and test-sized limits."""
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "HOME": os.environ.get("HOME", "/root"),
+        "CODERUNNER_CONFIG": str(dirs.root / "no-such-config.toml"),
+        "CODERUNNER_RUNTIME_DIR": str(dirs.runtime),
+        "CODERUNNER_WORKSPACES_DIR": str(dirs.workspaces),
+        "CODERUNNER_INTERRUPT_GRACE_S": "1.5",
+        "CODERUNNER_PROGRESS_INTERVAL_S": "0.3",
+        SECRET_NAME: SECRET_VALUE,
+    }
+    for key in ("CODERUNNER_SANDBOX_ENV",):
+        if key in os.environ:
+            env[key] = os.environ[key]
+    env.update(extra)
+    return env
+
+
+SERVER_CMD = [sys.executable, "-m", "coderunner.cli", "serve"]
+
+
+@contextlib.asynccontextmanager
+async def stdio_client(env: dict[str, str]) -> AsyncIterator[Client]:
+    params = StdioServerParameters(command=SERVER_CMD[0], args=SERVER_CMD[1:], env=env, cwd=str(REPO))
+    async with Client(params, read_timeout_seconds=120) as client:
+        yield client
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@contextlib.contextmanager
+def http_server(env: dict[str, str], transport: str = "streamable-http") -> Iterator[str]:
+    """Start `coderunner serve` on a free loopback port; yield its URL; SIGTERM it afterwards."""
+    port = _free_port()
+    log = tempfile.TemporaryFile()
+    process = subprocess.Popen(
+        [*SERVER_CMD, "--transport", transport, "--port", str(port)],
+        env=env,
+        cwd=str(REPO),
+        stdin=subprocess.DEVNULL,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    path = "/mcp" if transport == "streamable-http" else "/sse"
+    url = f"http://127.0.0.1:{port}{path}"
+    try:
+        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"server exited {process.returncode}: {log.read().decode()[-3000:]}")
+            with contextlib.suppress(OSError):
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError("server did not start listening in time")
+            time.sleep(0.05)
+        yield url
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=SERVER_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=5)
+            raise AssertionError("the server did not stop within its bound after SIGTERM") from None
+        finally:
+            log.close()
+
+
+@contextlib.asynccontextmanager
+async def http_client(env: dict[str, str]) -> AsyncIterator[Client]:
+    with http_server(env) as url:
+        async with Client(url, read_timeout_seconds=120) as client:
+            yield client
+
+
+@contextlib.asynccontextmanager
+async def open_client(transport: str, env: dict[str, str]) -> AsyncIterator[Client]:
+    factory = stdio_client if transport == "stdio" else http_client
+    async with factory(env) as client:
+        yield client
+
+
+@pytest.fixture(params=["stdio", "streamable-http"])
+def transport(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+async def client(transport: str, dirs: ServerDirs) -> AsyncIterator[Client]:
+    async with open_client(transport, server_env(dirs)) as connected:
+        yield connected
+
+
+def text_of(result: CallToolResult) -> str:
+    return "\n".join(block.text for block in result.content if block.type == "text")
+
+
+def images_of(result: CallToolResult) -> list[bytes]:
+    return [base64.b64decode(block.data) for block in result.content if block.type == "image"]
+
+
+async def run(client: Client, code: str, **arguments: object) -> CallToolResult:
+    return await client.call_tool("run_python", {"code": code, **arguments})
+
+
+def sandbox_processes_alive(dirs: ServerDirs) -> list[int]:
+    """Host pids of bwrap processes whose command line names one of this test's runtime dirs."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if str(dirs.runtime).encode() in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+async def wait_until(predicate, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    with anyio.move_on_after(timeout_s):
+        while not predicate():
+            await anyio.sleep(0.1)
+        return True
+    return False
