@@ -18,6 +18,8 @@ from pydantic_settings import (
 APP_NAME = "coderunner"
 
 NetworkMode = Literal["none"]
+#: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
+MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
 
 
@@ -64,7 +66,9 @@ class Settings(BaseSettings):
     # Sandbox.
     backend: Literal["bwrap"] = "bwrap"
     network: NetworkMode = "none"
-    memory_mb: int = Field(default=2048, ge=128, description="Address-space limit of a session's kernel.")
+    memory_mb: int = Field(
+        default=2048, ge=MIN_MEMORY_MB, description="Address-space (RLIMIT_AS) limit of a session's kernel, in MiB."
+    )
     cpus: float | None = Field(default=None, gt=0, description="CPU quota; reported, enforced where cgroups allow.")
     max_sessions: int = Field(default=8, ge=1)
 

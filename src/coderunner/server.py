@@ -97,9 +97,9 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False)
     async def create_session(
         network: Annotated[str | None, Field(description="'none' (default): no network at all.")] = None,
-        memory_mb: Annotated[int | None, Field(ge=128, description="Memory limit in MiB.")] = None,
-        cpus: Annotated[float | None, Field(gt=0, description="CPU limit (where enforceable).")] = None,
-        timeout_s: Annotated[float | None, Field(gt=0, description="Default run_python timeout.")] = None,
+        memory_mb: Annotated[int | None, Field(description="Address-space limit in MiB (at least 512).")] = None,
+        cpus: Annotated[float | None, Field(description="CPU limit (reported; enforced where cgroups allow).")] = None,
+        timeout_s: Annotated[float | None, Field(description="Default run_python timeout in seconds.")] = None,
     ) -> CallToolResult:
         """Start an independent session (own kernel, own workspace) and return its session_id."""
 

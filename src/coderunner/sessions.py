@@ -23,7 +23,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from .config import Settings
+from .config import MIN_MEMORY_MB, Settings
 from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
 from .output import OutputCollector, WorkspaceWriter
 from .results import ExecutionResult
@@ -257,8 +257,8 @@ class SessionManager:
             raise SessionError(
                 f"network mode {network!r} is not available: this build supports only 'none' (no network)"
             )
-        if memory_mb is not None and memory_mb < 128:
-            raise SessionError("memory_mb must be at least 128")
+        if memory_mb is not None and memory_mb < MIN_MEMORY_MB:
+            raise SessionError(f"memory_mb must be at least {MIN_MEMORY_MB} (a kernel with numpy maps ~420 MiB)")
         if cpus is not None and cpus <= 0:
             raise SessionError("cpus must be positive")
         if timeout_s is not None and not 0 < timeout_s <= self.settings.max_timeout_s:

@@ -47,6 +47,8 @@ def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
         "MPLBACKEND": "module://matplotlib_inline.backend_inline",
         "PYTHONDONTWRITEBYTECODE": "1",
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        # glibc reserves 64 MiB of address space per thread arena; under RLIMIT_AS that is waste.
+        "MALLOC_ARENA_MAX": "2",
     }
     env.update(extra or {})
     return env

@@ -1,0 +1,141 @@
+"""Session lifecycle tools through the MCP client: handles, limits, status, cleanup."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import anyio
+import pytest
+from mcp import Client
+
+from .conftest import (
+    SERVER_CMD,
+    ServerDirs,
+    open_client,
+    run,
+    sandbox_processes_alive,
+    server_env,
+    text_of,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+
+async def create(client: Client, **arguments: object) -> dict:  # type: ignore[type-arg]
+    result = await client.call_tool("create_session", arguments)
+    assert not result.is_error, text_of(result)
+    return json.loads(text_of(result))
+
+
+async def test_create_status_list_close(client: Client, dirs: ServerDirs) -> None:
+    session = await create(client, memory_mb=1024, timeout_s=30)
+    sid = session["session_id"]
+    assert len(sid) >= 22, "handles are high-entropy"
+    assert session["limits"]["memory_mb"] == {"value": 1024, "enforced_by": "RLIMIT_AS"}
+    assert session["network"] == "none" and session["alive"] is True and session["timeout_s"] == 30
+
+    await run(client, "import numpy as np\nbig = np.ones(10_000_000)", session_id=sid)
+    status = json.loads(text_of(await client.call_tool("session_status", {"session_id": sid})))
+    assert status["alive"] and not status["busy"]
+    assert status["memory_used_mb"] > 60, status
+
+    listed = json.loads(text_of(await client.call_tool("list_sessions", {})))
+    assert sid in [entry["session_id"] for entry in listed["sessions"]]
+
+    closed = await client.call_tool("close_session", {"session_id": sid})
+    assert not closed.is_error
+    assert len(list(dirs.workspaces.iterdir())) == 0, "a closed session's workspace is removed"
+    gone = await run(client, "1", session_id=sid)
+    assert gone.is_error and "unknown or expired session_id" in text_of(gone) and sid in text_of(gone)
+
+
+async def test_unknown_session_is_a_clear_error(client: Client) -> None:
+    result = await run(client, "1", session_id="not-a-real-session")
+    assert result.is_error
+    assert "unknown or expired session_id 'not-a-real-session'" in text_of(result)
+    assert "Traceback" not in text_of(result)
+
+
+async def test_memory_limit_gives_memory_error_and_kernel_survives(client: Client) -> None:
+    sid = (await create(client, memory_mb=512))["session_id"]
+    result = await run(client, "hog = bytearray(2 * 1024**3)", session_id=sid)
+    assert result.is_error and "MemoryError" in text_of(result)
+    assert text_of(await run(client, "'alive'", session_id=sid)).splitlines()[0] == "'alive'"
+
+
+async def test_invalid_options_are_refused_plainly(client: Client) -> None:
+    result = await client.call_tool("create_session", {"network": "internet"})
+    assert result.is_error and "network mode 'internet' is not available" in text_of(result)
+    result = await client.call_tool("create_session", {"memory_mb": 64})
+    assert result.is_error and "memory_mb must be at least 512" in text_of(result)
+    result = await client.call_tool("create_session", {"timeout_s": -1})
+    assert result.is_error and "timeout_s must be between 0 and" in text_of(result)
+
+
+async def test_session_limit(dirs: ServerDirs, transport: str) -> None:
+    async with open_client(transport, server_env(dirs, CODERUNNER_MAX_SESSIONS="2")) as client:
+        await create(client)
+        await create(client)
+        refused = await client.call_tool("create_session", {})
+        assert refused.is_error and "session limit reached (2 open)" in text_of(refused)
+
+
+async def test_busy_session_answers_busy_within_the_callers_timeout(client: Client) -> None:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run, client, "import time\ntime.sleep(4)")
+        await anyio.sleep(0.8)
+        began = time.monotonic()
+        second = await run(client, "1", timeout_s=1)
+        assert time.monotonic() - began < 3.5
+        assert second.is_error and "busy" in text_of(second)
+
+
+async def test_stdio_server_exit_leaves_no_sandbox_behind(dirs: ServerDirs) -> None:
+    async with open_client("stdio", server_env(dirs)) as client:
+        await create(client)
+        await run(client, "1")
+        assert len(sandbox_processes_alive(dirs)) >= 2
+    assert await wait_until(lambda: not sandbox_processes_alive(dirs))
+    assert not any(dirs.workspaces.iterdir())
+
+
+async def test_sigkilled_server_leaves_no_sandbox_and_next_start_cleans_up(dirs: ServerDirs) -> None:
+    env = server_env(dirs)
+    server = subprocess.Popen(
+        [*SERVER_CMD, "--transport", "stdio"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert server.stdin and server.stdout
+        # Minimal MCP exchange by hand, so that the server starts a sandbox before we kill it.
+        for message in (
+            {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
+                "name": "run_python", "arguments": {"code": "1"}}},
+        ):  # fmt: skip
+            server.stdin.write((json.dumps(message) + "\n").encode())
+            server.stdin.flush()
+        replies = 0
+        while replies < 2:
+            line = server.stdout.readline()
+            assert line, "server closed stdout"
+            replies += '"id":' in line.decode()
+        assert sandbox_processes_alive(dirs)
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "sandbox outlived a SIGKILLed server"
+    assert any(dirs.runtime.iterdir()), "the killed server could not clean its dirs"
+    async with open_client("stdio", env) as client:
+        assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
+        live = {path.name for path in dirs.runtime.iterdir()}
+        assert len(live) == 1, "stale session dirs are removed at the next start"
