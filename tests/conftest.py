@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import typing
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,40 +91,40 @@ def _free_port() -> int:
 def http_server(env: dict[str, str], transport: str = "streamable-http") -> Iterator[str]:
     """Start `coderunner serve` on a free loopback port; yield its URL; SIGTERM it afterwards."""
     port = _free_port()
-    log = tempfile.TemporaryFile()
-    process = subprocess.Popen(
-        [*SERVER_CMD, "--transport", transport, "--port", str(port)],
-        env=env,
-        cwd=str(REPO),
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
     path = "/mcp" if transport == "streamable-http" else "/sse"
-    url = f"http://127.0.0.1:{port}{path}"
-    try:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"server exited {process.returncode}: {log.read().decode()[-3000:]}")
-            with contextlib.suppress(OSError):
-                with socket.create_connection(("127.0.0.1", port), timeout=1):
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not start listening in time")
-            time.sleep(0.05)
-        yield url
-    finally:
-        process.send_signal(signal.SIGTERM)
+    with tempfile.TemporaryFile() as log:
+        process = subprocess.Popen(
+            [*SERVER_CMD, "--transport", transport, "--port", str(port)],
+            env=env,
+            cwd=str(REPO),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         try:
-            process.wait(timeout=SERVER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=5)
-            raise AssertionError("the server did not stop within its bound after SIGTERM") from None
+            _await_listening(process, port, log)
+            yield f"http://127.0.0.1:{port}{path}"
         finally:
-            log.close()
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=SERVER_STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=5)
+                raise AssertionError("the server did not stop within its bound after SIGTERM") from None
+
+
+def _await_listening(process: subprocess.Popen[bytes], port: int, log: typing.IO[bytes]) -> None:
+    deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            log.seek(0)
+            raise RuntimeError(f"server exited {process.returncode}: {log.read().decode()[-3000:]}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=1):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError("server did not start listening in time")
+        time.sleep(0.05)
 
 
 @contextlib.asynccontextmanager

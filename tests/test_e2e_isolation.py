@@ -115,9 +115,9 @@ async def test_no_network_egress(client: Client, transport: str) -> None:
 
 async def test_sandbox_cannot_reach_the_servers_own_http_port(dirs: ServerDirs) -> None:
     """The HTTP server listens on the host's 127.0.0.1; the sandbox's loopback is its own."""
-    from .conftest import http_server, server_env
-
     from mcp import Client as McpClient
+
+    from .conftest import http_server, server_env
 
     with http_server(server_env(dirs)) as url:
         port = int(url.rsplit(":", 1)[1].split("/")[0])
@@ -186,7 +186,8 @@ async def test_two_sessions_see_neither_variables_nor_files(client: Client, dirs
     runtime_dirs = [str(path) for path in dirs.runtime.glob("*/run")]
     assert len(runtime_dirs) == 2
     visible = await probe(
-        client, f"import os, json\nprint(json.dumps([os.path.exists(p) for p in {runtime_dirs!r}]))",
+        client,
+        f"import os, json\nprint(json.dumps([os.path.exists(p) for p in {runtime_dirs!r}]))",
         session_id=other,
     )
     assert sorted(visible) == [False, True], visible  # type: ignore[type-var]

@@ -22,9 +22,14 @@ async def test_state_persists_across_calls(client: Client) -> None:
 
 async def test_tools_are_listed_with_their_contract(client: Client) -> None:
     tools = {tool.name: tool for tool in (await client.list_tools()).tools}
-    assert {"run_python", "kernel_reset", "create_session", "close_session", "session_status", "list_sessions"} <= set(
-        tools
-    )
+    assert {
+        "run_python",
+        "kernel_reset",
+        "create_session",
+        "close_session",
+        "session_status",
+        "list_sessions",
+    } <= set(tools)
     schema = tools["run_python"].input_schema
     assert schema["required"] == ["code"]
     assert {"code", "session_id", "timeout_s"} <= set(schema["properties"])

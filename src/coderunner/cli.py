@@ -51,7 +51,16 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
 def _settings(args: argparse.Namespace) -> Settings:
     flags = {
         key: getattr(args, key, None)
-        for key in ("transport", "host", "port", "timeout_s", "memory_mb", "sandbox_env", "max_sessions", "log_level")
+        for key in (
+            "transport",
+            "host",
+            "port",
+            "timeout_s",
+            "memory_mb",
+            "sandbox_env",
+            "max_sessions",
+            "log_level",
+        )
     }
     return load_settings(args.config, **flags)
 
@@ -64,7 +73,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"coderunner: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
-        level=settings.log_level if args.command == "serve" else logging.WARNING, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=settings.log_level if args.command == "serve" else logging.WARNING,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
         if args.command == "serve":

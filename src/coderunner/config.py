@@ -67,7 +67,9 @@ class Settings(BaseSettings):
     backend: Literal["bwrap"] = "bwrap"
     network: NetworkMode = "none"
     memory_mb: int = Field(
-        default=2048, ge=MIN_MEMORY_MB, description="Address-space (RLIMIT_AS) limit of a session's kernel, in MiB."
+        default=2048,
+        ge=MIN_MEMORY_MB,
+        description="Address-space (RLIMIT_AS) limit of a session's kernel, in MiB.",
     )
     cpus: float | None = Field(default=None, gt=0, description="CPU quota; reported, enforced where cgroups allow.")
     max_sessions: int = Field(default=8, ge=1)
@@ -108,7 +110,9 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
     """Read the TOML file (flag, else $CODERUNNER_CONFIG, else the per-user default) under env and flags."""
     path = config_file or Path(os.environ.get("CODERUNNER_CONFIG") or default_config_file())
     file_bound = type(
-        "FileSettings", (Settings,), {"model_config": SettingsConfigDict(**{**Settings.model_config, "toml_file": path})}
+        "FileSettings",
+        (Settings,),
+        {"model_config": SettingsConfigDict(**{**Settings.model_config, "toml_file": path})},
     )
     flags = {key: value for key, value in overrides.items() if value is not None}
     try:

@@ -32,7 +32,13 @@ async def serve(settings: Settings) -> None:
             else:
                 app = server.streamable_http_app(host=settings.host)
                 path = "/mcp"
-            log.info("serving MCP over %s at http://%s:%d%s", settings.transport, settings.host, settings.port, path)
+            log.info(
+                "serving MCP over %s at http://%s:%d%s",
+                settings.transport,
+                settings.host,
+                settings.port,
+                path,
+            )
             config = uvicorn.Config(
                 app,
                 host=settings.host,

@@ -111,7 +111,9 @@ def build_server(manager: SessionManager) -> MCPServer:
         return await _guarded(call)
 
     @server.tool(structured_output=False)
-    async def close_session(session_id: Annotated[str, Field(description="Session to close.")]) -> CallToolResult:
+    async def close_session(
+        session_id: Annotated[str, Field(description="Session to close.")],
+    ) -> CallToolResult:
         """Stop a session's kernel and delete its workspace."""
 
         async def call() -> CallToolResult:

@@ -1,0 +1,67 @@
+#!/usr/bin/env bash
+# Set up CodeRunner on this machine: system packages (where apt-get can), the Python package
+# in .venv, the sandbox's own Python environment, then `coderunner doctor`.
+# Safe to run again: every step skips what is already done.
+set -euo pipefail
+
+cd "$(dirname "$0")"
+REPO="$(pwd)"
+VENV="$REPO/.venv"
+
+say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
+die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
+
+[ "$(uname -s)" = "Linux" ] || die "this installer covers Linux (bubblewrap); macOS support comes with the Apple container backend"
+
+# 1. System packages: bubblewrap (the sandbox) and the system python3 + venv (the sandbox's interpreter).
+APT_PACKAGES=(bubblewrap python3 python3-venv util-linux)
+missing=()
+for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+    if command -v apt-get >/dev/null 2>&1; then
+        SUDO=""
+        [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+        say "installing system packages: ${missing[*]}"
+        $SUDO apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+    else
+        die "please install with your package manager: ${missing[*]} (bwrap, python3 with venv, prlimit)"
+    fi
+fi
+
+# 2. The host side: a Python >= 3.10 for the server (any; the sandbox uses the system python3).
+HOST_PYTHON="${CODERUNNER_HOST_PYTHON:-}"
+if [ -z "$HOST_PYTHON" ]; then
+    for candidate in python3 /usr/bin/python3; do
+        if command -v "$candidate" >/dev/null 2>&1 &&
+            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+            HOST_PYTHON="$candidate"
+            break
+        fi
+    done
+fi
+[ -n "$HOST_PYTHON" ] || die "need Python 3.10 or newer for the server"
+
+if [ ! -x "$VENV/bin/python" ]; then
+    say "creating $VENV with $HOST_PYTHON"
+    "$HOST_PYTHON" -m venv "$VENV"
+fi
+say "installing coderunner into $VENV"
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
+"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[dev]"
+
+# 3. The sandbox's Python environment (ipykernel, numpy, pandas, matplotlib).
+say "setting up the sandbox environment"
+"$VENV/bin/coderunner" setup
+
+# 4. Prove it works here.
+say "checking: coderunner doctor"
+"$VENV/bin/coderunner" doctor
+
+cat >&2 <<EOF
+
+CodeRunner is ready. Add it to Claude Code with:
+    claude mcp add coderunner -- $VENV/bin/coderunner serve
+EOF

@@ -1,0 +1,58 @@
+"""The exact bwrap flags: what the sandbox is made of, and what it must never be given."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from coderunner.sandbox.base import Limits, SandboxSpec
+from coderunner.sandbox.bwrap import ENV_MOUNT, BwrapCommand, sandbox_environment
+
+
+def build(tmp_path: Path, limits: Limits | None = None) -> list[str]:
+    spec = SandboxSpec(workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", limits=limits or Limits())
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
+    return command.argv(spec, ["python", "-m", "ipykernel_launcher"], etc_dir=tmp_path / "etc")
+
+
+def pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
+    return [(argv[i + 1], argv[i + 2]) for i, arg in enumerate(argv) if arg == flag]
+
+
+def test_namespaces_privileges_and_lifetime(tmp_path: Path) -> None:
+    argv = build(tmp_path)
+    for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv",
+                 "--disable-userns"):  # fmt: skip
+        assert flag in argv
+    assert argv[argv.index("--cap-drop") + 1] == "ALL"
+    assert argv[argv.index("--uid") + 1] == "1000"
+    assert argv[argv.index("--remount-ro") + 1] == "/"
+    assert "--share-net" not in argv
+
+
+def test_only_system_files_env_workspace_and_runtime_are_bound(tmp_path: Path) -> None:
+    argv = build(tmp_path)
+    writable = pairs(argv, "--bind")
+    assert writable == [(str(tmp_path / "run"), str(tmp_path / "run")), (str(tmp_path / "ws"), "/workspace")]
+    read_only = dict((dest, src) for src, dest in pairs(argv, "--ro-bind"))
+    assert read_only["/usr"] == "/usr" and read_only[ENV_MOUNT] == "/opt/env"
+    assert read_only["/etc/passwd"] == str(tmp_path / "etc" / "passwd")
+    sources = {src for src, _ in pairs(argv, "--ro-bind")}
+    assert not {"/", "/home", "/root", "/etc", "/etc/shadow", "/etc/passwd", "/tmp", "/run"} & sources
+
+
+def test_environment_is_explicit_and_host_free(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "leak-me")
+    argv = build(tmp_path)
+    set_env = dict(pairs(argv, "--setenv"))
+    assert set_env == sandbox_environment()
+    assert "leak-me" not in " ".join(argv)
+    assert set_env["HOME"] == "/tmp/home" and set_env["PATH"].startswith(ENV_MOUNT)
+
+
+def test_memory_limit_wraps_the_inner_command(tmp_path: Path) -> None:
+    argv = build(tmp_path, Limits(memory_mb=512))
+    inner = argv[argv.index("--") + 1 :]
+    assert inner[:3] == ["/usr/bin/prlimit", f"--as={512 * 1024 * 1024}", "--"]
+    assert inner[3:] == ["python", "-m", "ipykernel_launcher"]
+    unlimited = build(tmp_path)
+    assert unlimited[unlimited.index("--") + 1 :] == ["python", "-m", "ipykernel_launcher"]

@@ -1,0 +1,52 @@
+"""Settings precedence: defaults < TOML file < CODERUNNER_* environment < flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coderunner.config import ConfigError, load_settings
+
+
+def test_defaults_without_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CODERUNNER_TIMEOUT_S", raising=False)
+    settings = load_settings(tmp_path / "absent.toml")
+    assert settings.transport == "stdio" and settings.network == "none" and settings.timeout_s == 60
+
+
+def test_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text('timeout_s = 11\nmemory_mb = 1024\nmax_sessions = 3\nhost = "127.0.0.2"\n')
+    monkeypatch.setenv("CODERUNNER_MEMORY_MB", "1536")
+    monkeypatch.setenv("CODERUNNER_MAX_SESSIONS", "4")
+    settings = load_settings(config, max_sessions=5, host=None)
+    assert settings.timeout_s == 11  # file
+    assert settings.memory_mb == 1536  # env beats file
+    assert settings.max_sessions == 5  # flag beats env
+    assert settings.host == "127.0.0.2"  # a flag left unset does not override
+
+
+def test_config_path_from_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "elsewhere.toml"
+    config.write_text("timeout_s = 7\n")
+    monkeypatch.setenv("CODERUNNER_CONFIG", str(config))
+    assert load_settings().timeout_s == 7
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ("timeout_s = -1\n", "timeout_s"),
+        ("no_such_setting = 1\n", "no_such_setting"),
+        ('transport = "carrier-pigeon"\n', "transport"),
+        ("memory_mb = 100\n", "memory_mb"),
+        ("this is not toml", "cannot read"),
+    ],
+)
+def test_bad_configuration_is_a_clear_error(tmp_path: Path, text: str, needle: str) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=needle) as caught:
+        load_settings(config)
+    assert str(config) in str(caught.value)
