@@ -149,3 +149,26 @@ async def test_kernel_reset_clears_state_but_keeps_files(client: Client) -> None
     after = await run(client, "value")
     assert after.is_error and "NameError" in text_of(after)
     assert "file survives" in text_of(await run(client, "open('kept.txt').read()"))
+
+
+async def test_kernel_reset_stops_a_running_cell(client: Client) -> None:
+    await run(client, "before = 1")
+    replies: list = []
+
+    async def runaway(code: str) -> None:
+        replies.append(await run(client, code, timeout_s=120))
+
+    for code in (
+        "while True:\n    pass",
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(600)",
+    ):
+        replies.clear()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(runaway, code)
+            await anyio.sleep(1.0)
+            with anyio.fail_after(30):
+                reset = await client.call_tool("kernel_reset", {})
+        assert not reset.is_error, text_of(reset)
+        assert replies[0].is_error and "stopped by kernel_reset: state lost" in text_of(replies[0])
+        assert "NameError" in text_of(await run(client, "before"))
+        await run(client, "before = 1")

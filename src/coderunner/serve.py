@@ -48,8 +48,11 @@ async def serve(settings: Settings) -> None:
                 # Open SSE streams would otherwise hold a SIGTERM'd server forever.
                 timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
             )
-            # uvicorn handles SIGINT/SIGTERM itself; when serve() returns, the SessionManager
-            # closes every session on its way out.
+            # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal to the
+            # handler it found. Make that handler ours, so the process lives on long enough for the
+            # SessionManager to close every session on its way out.
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(signum, _note_signal)
             await uvicorn.Server(config).serve()
         tg.cancel_scope.cancel()
 
@@ -60,3 +63,7 @@ async def _stop_on_signals(scope: anyio.CancelScope) -> None:
             log.info("received %s: closing sessions", signal.Signals(signum).name)
             scope.cancel()
             return
+
+
+def _note_signal(signum: int, _frame: object) -> None:
+    log.info("received %s: closing sessions", signal.Signals(signum).name)

@@ -40,6 +40,10 @@ class SessionError(Exception):
     """A request about sessions that cannot be served; the message says what to do instead."""
 
 
+class SessionBusy(SessionError):
+    """Another call holds the session's kernel."""
+
+
 @dataclass(frozen=True)
 class SessionOptions:
     network: str
@@ -78,6 +82,8 @@ class Session:
     restarts: int = 0
     busy: bool = False
     closed: bool = False
+    #: Set while kernel_reset stops a running call, so that call's reply says why it ended.
+    _resetting: bool = False
     _generation: int = 0
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
 
@@ -111,7 +117,7 @@ class Session:
         with anyio.move_on_after(wait_s) as scope:
             await self._lock.acquire()
         if scope.cancelled_caught:
-            raise SessionError(
+            raise SessionBusy(
                 f"session {self.session_id} is busy with another call; try again when it finishes "
                 "(or use another session)"
             )
@@ -171,6 +177,9 @@ class Session:
                 ),
                 state_lost=True,
             )
+        if self._resetting:
+            # kernel_reset is waiting for this call to end; it starts the fresh kernel itself.
+            return ExecutionResult(outcome, notice="stopped by kernel_reset: state lost", state_lost=True)
         if outcome.status is RunStatus.DIED:
             await self._replace_kernel()
             return ExecutionResult(
@@ -184,8 +193,26 @@ class Session:
         return ExecutionResult(outcome)
 
     async def reset(self) -> None:
-        async with self._exclusive(wait_s=self.settings.interrupt_grace_s):
-            await self._replace_kernel()
+        """Fresh interpreter state, even while a call runs: interrupt it, and kill it if it ignores that."""
+        if not self._lock.locked():
+            async with self._exclusive(wait_s=self.settings.interrupt_grace_s):
+                await self._replace_kernel()
+            return
+        self._resetting = True
+        try:
+            if self.kernel is not None:
+                self.kernel.interrupt()
+            try:
+                async with self._exclusive(wait_s=self.settings.interrupt_grace_s):
+                    await self._replace_kernel()
+                return
+            except SessionBusy:
+                if self.kernel is not None and self.kernel.process is not None:
+                    await self.kernel.process.kill()
+            async with self._exclusive(wait_s=self.settings.startup_timeout_s):
+                await self._replace_kernel()
+        finally:
+            self._resetting = False
 
     async def close(self) -> None:
         self.closed = True
