@@ -66,9 +66,9 @@ async def raw_execute(client, code: str = "1+1") -> None:  # type: ignore[no-unt
     msg_id = client.execute(code)
     while True:
         msg = await client.get_iopub_msg(timeout=30)
-        if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
-            if msg["content"]["execution_state"] == "idle":
-                break
+        mine = msg["parent_header"].get("msg_id") == msg_id
+        if mine and msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+            break
     while (await client.get_shell_msg(timeout=30))["parent_header"].get("msg_id") != msg_id:
         pass
 
