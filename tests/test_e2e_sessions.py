@@ -139,3 +139,21 @@ async def test_sigkilled_server_leaves_no_sandbox_and_next_start_cleans_up(dirs:
         assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
         live = {path.name for path in dirs.runtime.iterdir()}
         assert len(live) == 1, "stale session dirs are removed at the next start"
+
+
+async def test_closing_a_session_mid_run_ends_the_run_and_its_sandbox(client: Client, dirs: ServerDirs) -> None:
+    sid = (await create(client))["session_id"]
+    replies: list = []
+
+    async def long_run() -> None:
+        replies.append(await run(client, "import time\ntime.sleep(600)", session_id=sid, timeout_s=300))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(long_run)
+        await anyio.sleep(1.0)
+        with anyio.fail_after(30):
+            closed = await client.call_tool("close_session", {"session_id": sid})
+    assert not closed.is_error
+    assert replies[0].is_error and "closed during this call" in text_of(replies[0])
+    assert await wait_until(lambda: not sandbox_processes_alive(dirs))
+    assert text_of(await run(client, "3 * 3")).splitlines()[0] == "9"

@@ -132,6 +132,11 @@ class Kernel:
             raise KernelStartError(
                 f"the sandboxed kernel failed to start ({reason})" + (f":\n{detail}" if detail else "")
             ) from None
+        except BaseException:
+            # Cancelled (or worse) half-way: never leave a sandbox nobody owns.
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
+            raise
 
     async def _await_sockets(self, info: dict[str, Any], deadline: _Deadline) -> None:
         """Connect only once the kernel has bound its sockets: no ZMQ reconnect back-off on start."""
@@ -156,8 +161,9 @@ class Kernel:
 
     async def _next_iopub(self, deadline: _Deadline | None) -> dict[str, Any]:
         """The next IOPub message; raises TimeoutError at the deadline, SandboxExited on death."""
-        assert self.client is not None
         while True:
+            if self.client is None:  # shut down under us
+                raise SandboxExited(self.process.returncode if self.process else None)
             wait = LIVENESS_POLL_S
             if deadline is not None:
                 remaining = deadline.remaining()

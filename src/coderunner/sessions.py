@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 
 #: Bound on closing every session at server shutdown.
 SHUTDOWN_TIMEOUT_S = 10.0
+#: Bound on waiting for a running call to notice its session is being closed.
+CLOSE_WAIT_S = 5.0
 LOCK_NAME = "lock"
 
 
@@ -100,6 +102,9 @@ class Session:
         kernel = Kernel(self.backend, self.spec, self.task_group, generation=self._generation)
         self._generation += 1
         await kernel.start(self.settings.startup_timeout_s)
+        if self.closed:  # closed while the kernel was starting
+            await kernel.shutdown()
+            raise SessionError(f"session {self.session_id} was closed")
         self.kernel = kernel
 
     async def _replace_kernel(self) -> None:
@@ -108,6 +113,8 @@ class Session:
             if self.kernel is not None:
                 await self.kernel.shutdown()
                 self.kernel = None
+            if self.closed:
+                raise SessionError(f"session {self.session_id} was closed")
             self.restarts += 1
             await self.start_kernel()
 
@@ -177,6 +184,8 @@ class Session:
                 ),
                 state_lost=True,
             )
+        if self.closed:
+            return ExecutionResult(outcome, notice="the session was closed during this call", state_lost=True)
         if self._resetting:
             # kernel_reset is waiting for this call to end; it starts the fresh kernel itself.
             return ExecutionResult(outcome, notice="stopped by kernel_reset: state lost", state_lost=True)
@@ -217,6 +226,13 @@ class Session:
     async def close(self) -> None:
         self.closed = True
         with anyio.CancelScope(shield=True):
+            if self._lock.locked() and self.kernel is not None and self.kernel.process is not None:
+                # A call is running: kill the sandbox so that call sees the death and returns,
+                # then take the kernel down once it has let go.
+                await self.kernel.process.kill()
+                with anyio.move_on_after(CLOSE_WAIT_S):
+                    async with self._lock:
+                        pass
             if self.kernel is not None:
                 await self.kernel.shutdown()
                 self.kernel = None
@@ -359,8 +375,9 @@ class SessionManager:
         sessions = list(self._sessions.values())
         self._sessions.clear()
         self._default_id = None
-        for session in sessions:
-            await session.close()
+        async with anyio.create_task_group() as tg:
+            for session in sessions:
+                tg.start_soon(session.close)
 
     def list(self) -> list[Session]:
         return list(self._sessions.values())
