@@ -8,10 +8,12 @@ from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.bwrap import ENV_MOUNT, BwrapCommand, sandbox_environment
 
 
-def build(tmp_path: Path, limits: Limits | None = None) -> list[str]:
-    spec = SandboxSpec(workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", limits=limits or Limits())
+def build(tmp_path: Path, limits: Limits | None = None, **fds: int) -> list[str]:
+    spec = SandboxSpec(
+        name="abcd1234", workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", limits=limits or Limits()
+    )
     command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
-    return command.argv(spec, ["python", "-m", "ipykernel_launcher"], etc_dir=tmp_path / "etc")
+    return command.argv(spec, ["python", "-m", "ipykernel_launcher"], etc_dir=tmp_path / "etc", **fds)
 
 
 def pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
@@ -50,9 +52,26 @@ def test_environment_is_explicit_and_host_free(tmp_path: Path, monkeypatch) -> N
 
 
 def test_memory_limit_wraps_the_inner_command(tmp_path: Path) -> None:
-    argv = build(tmp_path, Limits(memory_mb=512))
+    argv = build(tmp_path, Limits(memory_mb=512), nproc=300)
     inner = argv[argv.index("--") + 1 :]
-    assert inner[:3] == ["/usr/bin/prlimit", f"--as={512 * 1024 * 1024}", "--"]
-    assert inner[3:] == ["python", "-m", "ipykernel_launcher"]
+    assert inner[:4] == ["/usr/bin/prlimit", f"--as={512 * 1024 * 1024}", "--nproc=300", "--"]
+    assert inner[4:] == ["python", "-m", "ipykernel_launcher"]
     unlimited = build(tmp_path)
     assert unlimited[unlimited.index("--") + 1 :] == ["python", "-m", "ipykernel_launcher"]
+
+
+def test_seccomp_tmpfs_sizes_and_setup_fds(tmp_path: Path) -> None:
+    argv = build(tmp_path, Limits(tmp_mb=100), seccomp_fd=7, info_fd=8, block_fd=9)
+    assert argv[argv.index("--seccomp") + 1] == "7"
+    assert argv[argv.index("--info-fd") + 1] == "8" and argv[argv.index("--block-fd") + 1] == "9"
+    sized = [(argv[i + 1], argv[i + 3]) for i, arg in enumerate(argv) if arg == "--size"]
+    assert sized == [(str(100 * 2**20), "/tmp"), (str(64 * 2**20), "/dev/shm")]
+
+
+def test_seccomp_filter_compiles_and_denies_the_escape_hatches() -> None:
+    from coderunner.sandbox.seccomp import DENIED_SYSCALLS, compiled_filter
+
+    program = compiled_filter()
+    assert len(program) > 0 and len(program) % 8 == 0, "a BPF program is a list of 8-byte instructions"
+    for name in ("ptrace", "bpf", "keyctl", "unshare", "mount", "perf_event_open", "userfaultfd", "setns"):
+        assert name in DENIED_SYSCALLS

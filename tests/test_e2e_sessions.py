@@ -36,7 +36,8 @@ async def test_create_status_list_close(client: Client, dirs: ServerDirs) -> Non
     session = await create(client, memory_mb=1024, timeout_s=30)
     sid = session["session_id"]
     assert len(sid) >= 22, "handles are high-entropy"
-    assert session["limits"]["memory_mb"] == {"value": 1024, "enforced_by": "RLIMIT_AS"}
+    assert session["limits"]["memory_mb"]["value"] == 1024
+    assert session["limits"]["memory_mb"]["enforced_by"].startswith("RLIMIT_AS")
     assert session["network"] == "none" and session["alive"] is True and session["timeout_s"] == 30
 
     await run(client, "import numpy as np\nbig = np.ones(10_000_000)", session_id=sid)
@@ -69,8 +70,8 @@ async def test_memory_limit_gives_memory_error_and_kernel_survives(client: Clien
 
 
 async def test_invalid_options_are_refused_plainly(client: Client) -> None:
-    result = await client.call_tool("create_session", {"network": "internet"})
-    assert result.is_error and "network mode 'internet' is not available" in text_of(result)
+    result = await client.call_tool("create_session", {"network": "carrier-pigeon"})
+    assert result.is_error and "unknown network mode 'carrier-pigeon'" in text_of(result)
     result = await client.call_tool("create_session", {"memory_mb": 64})
     assert result.is_error and "memory_mb must be at least 512" in text_of(result)
     result = await client.call_tool("create_session", {"timeout_s": -1})

@@ -17,7 +17,7 @@ from pydantic_settings import (
 
 APP_NAME = "coderunner"
 
-NetworkMode = Literal["none"]
+NetworkMode = Literal["none", "internet"]
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
@@ -71,8 +71,14 @@ class Settings(BaseSettings):
         ge=MIN_MEMORY_MB,
         description="Address-space (RLIMIT_AS) limit of a session's kernel, in MiB.",
     )
-    cpus: float | None = Field(default=None, gt=0, description="CPU quota; reported, enforced where cgroups allow.")
+    cpus: float | None = Field(default=None, gt=0, description="CPU quota per session (cgroups).")
+    pids: int = Field(default=256, ge=32, description="Processes and threads per session (ipykernel uses ~15).")
+    tmp_mb: int = Field(default=512, ge=16, description="Size of the sandbox's /tmp (a tmpfs).")
+    cgroups: bool = Field(default=True, description="Use per-session cgroups where the server may create them.")
+    disk_mb: int = Field(default=2048, ge=16, description="Size cap of a session's workspace.")
+    workspace_quota: bool = Field(default=True, description="Cap workspaces with a loop-mounted image (root).")
     max_sessions: int = Field(default=8, ge=1)
+    idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
 
     # Execution.
     timeout_s: float = Field(default=60.0, gt=0, description="Default wall-time limit of one run_python call.")

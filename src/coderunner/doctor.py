@@ -24,6 +24,8 @@ class Check:
     ok: bool
     detail: str
     fix: str | None = None
+    #: A warning: works, but with less containment than the machine could give.
+    degraded: bool = False
 
 
 def _read(path: str) -> str | None:
@@ -113,8 +115,51 @@ async def check_sandboxed_run(settings: Settings) -> Check:
     return Check("sandboxed 1+1", True, f"= 2 in a fresh sandbox ({time.monotonic() - began:.2f}s cold)")
 
 
+def check_containment(settings: Settings) -> list[Check]:
+    """Which limits this machine lets the server enforce, and what would enable the rest."""
+    from .sandbox.cgroups import CgroupManager, CgroupsUnavailable
+    from .sandbox.seccomp import SeccompUnavailable, compiled_filter
+    from .workspace import quota_problem
+
+    checks = []
+    try:
+        compiled_filter()
+        checks.append(
+            Check("seccomp", True, "filter compiled with libseccomp (ptrace, bpf, mount, unshare, ... denied)")
+        )
+    except SeccompUnavailable as exc:
+        checks.append(Check("seccomp", False, str(exc), "sudo apt-get install libseccomp2"))
+    if not settings.cgroups:
+        checks.append(Check("cgroups", True, "disabled by configuration: memory by RLIMIT_AS only", degraded=True))
+    else:
+        try:
+            manager = CgroupManager.detect()
+            checks.append(Check("cgroups", True, f"v{manager.version}: per-session memory, pids and cpu limits"))
+        except (CgroupsUnavailable, OSError) as exc:
+            checks.append(
+                Check(
+                    "cgroups",
+                    True,
+                    f"not enforceable ({exc}); memory by RLIMIT_AS, processes by RLIMIT_NPROC, no CPU quota",
+                    "run as root, or under a delegated cgroup: systemd-run --user --scope -p Delegate=yes ...",
+                    degraded=True,
+                )
+            )
+    problem = quota_problem() if settings.workspace_quota else "disabled by configuration"
+    if problem is None:
+        checks.append(Check("workspace size cap", True, f"loop-mounted ext4, {settings.disk_mb} MiB per session"))
+    else:
+        checks.append(Check("workspace size cap", True, f"not enforced: {problem}", degraded=True))
+    if shutil.which("slirp4netns"):
+        checks.append(Check("network 'internet' mode", True, "slirp4netns available (off unless asked for)"))
+    else:
+        fix = "sudo apt-get install slirp4netns"
+        checks.append(Check("network 'internet' mode", True, "unavailable: slirp4netns missing", fix, degraded=True))
+    return checks
+
+
 def run_checks(settings: Settings) -> list[Check]:
-    checks = [check_bwrap(), check_user_namespaces(), check_sandbox_env(settings)]
+    checks = [check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), *check_containment(settings)]
     if all(check.ok for check in checks):
         checks.append(anyio.run(check_sandboxed_run, settings))
     return checks
@@ -123,9 +168,9 @@ def run_checks(settings: Settings) -> list[Check]:
 def report(checks: list[Check]) -> str:
     lines = []
     for check in checks:
-        mark = "ok  " if check.ok else "FAIL"
+        mark = "FAIL" if not check.ok else ("warn" if check.degraded else "ok  ")
         lines.append(f"[{mark}] {check.name}: {check.detail}")
-        if not check.ok and check.fix:
+        if (not check.ok or check.degraded) and check.fix:
             lines.append(f"       fix: {check.fix}")
     if os.getuid() == 0:
         lines.append("note: running as root; the sandbox still runs unprivileged (uid 1000, no capabilities)")

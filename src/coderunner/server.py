@@ -96,7 +96,14 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def create_session(
-        network: Annotated[str | None, Field(description="'none' (default): no network at all.")] = None,
+        network: Annotated[
+            str | None,
+            Field(
+                description="'none' (default): no network at all. 'internet': outbound access through a "
+                "user-mode network stack (the host's own services stay unreachable); code can then send "
+                "data anywhere."
+            ),
+        ] = None,
         memory_mb: Annotated[int | None, Field(description="Address-space limit in MiB (at least 512).")] = None,
         cpus: Annotated[float | None, Field(description="CPU limit (reported; enforced where cgroups allow).")] = None,
         timeout_s: Annotated[float | None, Field(description="Default run_python timeout in seconds.")] = None,

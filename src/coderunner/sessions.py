@@ -28,6 +28,7 @@ from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
 from .output import OutputCollector, WorkspaceWriter
 from .results import ExecutionResult
 from .sandbox.base import LimitReport, Limits, SandboxBackend, SandboxSpec
+from .workspace import Workspace, WorkspaceError, remove_workspace
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +74,7 @@ class SessionStatus:
 class Session:
     session_id: str
     options: SessionOptions
-    workspace: Path
+    workspace: Workspace
     runtime_dir: Path
     backend: SandboxBackend
     settings: Settings
@@ -92,7 +93,8 @@ class Session:
     @property
     def spec(self) -> SandboxSpec:
         return SandboxSpec(
-            workspace=self.workspace,
+            name=self.workspace.path.name,
+            workspace=self.workspace.path,
             runtime_dir=self.runtime_dir,
             limits=self.options.limits,
             network=self.options.network,
@@ -147,7 +149,7 @@ class Session:
                 limit_chars=self.settings.output_limit_chars,
                 spill_limit_bytes=self.settings.spill_limit_bytes,
                 image_limit_bytes=self.settings.image_limit_bytes,
-                writer=WorkspaceWriter(self.workspace, self.backend.workspace_path),
+                writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path),
             )
             try:
                 outcome = await self.kernel.execute(
@@ -190,13 +192,16 @@ class Session:
             # kernel_reset is waiting for this call to end; it starts the fresh kernel itself.
             return ExecutionResult(outcome, notice="stopped by kernel_reset: state lost", state_lost=True)
         if outcome.status is RunStatus.DIED:
+            assert self.kernel is not None
+            process = self.kernel.process
+            if process is not None and process.oom_killed():
+                cause = f"killed for exceeding its memory limit of {self.options.limits.memory_mb} MiB"
+            else:
+                cause = f"exit code {outcome.exit_code}; killed, crashed or out of memory"
             await self._replace_kernel()
             return ExecutionResult(
                 outcome,
-                notice=(
-                    f"kernel died (exit code {outcome.exit_code}; killed, crashed or out of memory); "
-                    "state lost; a fresh kernel is ready, workspace files kept"
-                ),
+                notice=f"kernel died ({cause}); state lost; a fresh kernel is ready, workspace files kept",
                 state_lost=True,
             )
         return ExecutionResult(outcome)
@@ -236,7 +241,7 @@ class Session:
             if self.kernel is not None:
                 await self.kernel.shutdown()
                 self.kernel = None
-            _remove_session_dirs(self.runtime_dir, self.workspace)
+            _remove_session_dirs(self.runtime_dir, self.workspace.path)
             with contextlib.suppress(OSError):
                 os.close(self.lock_fd)
 
@@ -250,12 +255,15 @@ class Session:
             busy=self.busy,
             uptime_s=now - self.created_at,
             kernel_uptime_s=(now - kernel.started_at) if kernel is not None and alive else 0.0,
-            memory_used_mb=_tree_rss_mb(kernel.process.pid) if kernel and kernel.process and alive else None,
+            memory_used_mb=_memory_used_mb(kernel) if kernel is not None and alive else None,
             restarts=self.restarts,
             network=self.options.network,
             timeout_s=self.options.timeout_s,
             workspace=self.backend.workspace_path,
-            limits=self.backend.limit_reports(self.options.limits),
+            limits={
+                **self.backend.limit_reports(self.options.limits),
+                "disk_mb": LimitReport(self.workspace.size_mb, self.workspace.enforced_by),
+            },
             isolation=self.backend.describe_isolation(),
         )
 
@@ -274,7 +282,7 @@ class SessionManager:
     async def __aenter__(self) -> SessionManager:
         _ensure_private_dir(self.settings.runtime_dir)
         _ensure_private_dir(self.settings.workspaces_dir)
-        removed = remove_stale_sessions(self.settings.runtime_dir, self.settings.workspaces_dir)
+        removed = remove_stale_sessions(self.settings.runtime_dir, self.settings.workspaces_dir, self.backend)
         if removed:
             log.info("removed %d session dir(s) left by a server that is gone", removed)
         self._task_group = anyio.create_task_group()
@@ -296,10 +304,9 @@ class SessionManager:
         timeout_s: float | None = None,
     ) -> SessionOptions:
         network = network or self.settings.network
-        if network != "none":
-            raise SessionError(
-                f"network mode {network!r} is not available: this build supports only 'none' (no network)"
-            )
+        problem = self.backend.network_problem(network)
+        if problem:
+            raise SessionError(problem)
         if memory_mb is not None and memory_mb < MIN_MEMORY_MB:
             raise SessionError(f"memory_mb must be at least {MIN_MEMORY_MB} (a kernel with numpy maps ~420 MiB)")
         if cpus is not None and cpus <= 0:
@@ -308,7 +315,13 @@ class SessionManager:
             raise SessionError(f"timeout_s must be between 0 and {self.settings.max_timeout_s:g} seconds")
         return SessionOptions(
             network=network,
-            limits=Limits(memory_mb=memory_mb or self.settings.memory_mb, cpus=cpus or self.settings.cpus),
+            limits=Limits(
+                memory_mb=memory_mb or self.settings.memory_mb,
+                cpus=cpus or self.settings.cpus,
+                pids=self.settings.pids,
+                tmp_mb=self.settings.tmp_mb,
+                disk_mb=self.settings.disk_mb,
+            ),
             timeout_s=timeout_s or self.settings.timeout_s,
         )
 
@@ -323,12 +336,18 @@ class SessionManager:
         session_id = secrets.token_urlsafe(18)
         short = secrets.token_hex(4)
         runtime_dir = self.settings.runtime_dir / short
-        workspace = self.settings.workspaces_dir / short
         runtime_dir.mkdir(mode=0o700)
-        workspace.mkdir(mode=0o755)
         lock_fd = _hold_lock(runtime_dir / LOCK_NAME)
         run_dir = runtime_dir / "run"
         run_dir.mkdir(mode=0o700)
+        try:
+            workspace = Workspace.create(
+                self.settings.workspaces_dir / short, options.limits.disk_mb, self.settings.workspace_quota
+            )
+        except (OSError, WorkspaceError) as exc:
+            _remove_session_dirs(run_dir, self.settings.workspaces_dir / short)
+            os.close(lock_fd)
+            raise SessionError(f"could not create the session workspace: {exc}") from None
         session = Session(
             session_id=session_id,
             options=options,
@@ -403,7 +422,7 @@ def _hold_lock(path: Path) -> int:
     return fd
 
 
-def remove_stale_sessions(runtime_base: Path, workspaces_base: Path) -> int:
+def remove_stale_sessions(runtime_base: Path, workspaces_base: Path, backend: SandboxBackend) -> int:
     """Remove session dirs whose lock no live server holds (the server was SIGKILLed)."""
     removed = 0
     for entry in runtime_base.iterdir():
@@ -418,6 +437,7 @@ def remove_stale_sessions(runtime_base: Path, workspaces_base: Path) -> int:
         finally:
             os.close(fd)
         workspace = workspaces_base / entry.name
+        backend.remove_stale(entry.name)
         _remove_session_dirs(entry, workspace)
         removed += 1
     return removed
@@ -425,8 +445,15 @@ def remove_stale_sessions(runtime_base: Path, workspaces_base: Path) -> int:
 
 def _remove_session_dirs(runtime_dir: Path, workspace: Path) -> None:
     top = runtime_dir.parent if runtime_dir.name == "run" else runtime_dir
-    for path in (top, workspace):
-        shutil.rmtree(path, ignore_errors=True)
+    remove_workspace(workspace)
+    shutil.rmtree(top, ignore_errors=True)
+
+
+def _memory_used_mb(kernel: Kernel) -> float | None:
+    """The sandbox's cgroup usage where there is one, else the resident memory of its process tree."""
+    if kernel.process is None:
+        return None
+    return kernel.process.memory_used_mb() or _tree_rss_mb(kernel.process.pid)
 
 
 def _tree_rss_mb(pid: int) -> float | None:

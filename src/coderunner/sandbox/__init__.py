@@ -20,4 +20,4 @@ __all__ = [
 
 def make_backend(settings: Settings) -> SandboxBackend:
     """Raises BwrapUnavailable (with the fix in its message) when the backend cannot work here."""
-    return BwrapBackend(settings.sandbox_env)
+    return BwrapBackend(settings.sandbox_env, use_cgroups=settings.cgroups)

@@ -17,6 +17,8 @@ from typing import Protocol
 import anyio
 from anyio.abc import Process, TaskGroup
 
+from .cgroups import SessionCgroup
+
 #: How much of a sandbox's own stderr (bwrap errors, kernel crash text) is kept for error messages.
 STDERR_TAIL_BYTES = 16 * 1024
 #: Bound on waiting for a killed sandbox to be reaped.
@@ -29,6 +31,9 @@ class Limits:
 
     memory_mb: int | None = None
     cpus: float | None = None
+    pids: int | None = None
+    disk_mb: int | None = None
+    tmp_mb: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,7 @@ class SandboxSpec:
     kernel's ipc:// sockets and its connection file live there.
     """
 
+    name: str
     workspace: Path
     runtime_dir: Path
     limits: Limits = field(default_factory=Limits)
@@ -74,19 +80,38 @@ class SandboxBackend(Protocol):
         """How each limit in `limits` is enforced by this backend on this machine."""
         ...
 
+    def network_problem(self, network: str) -> str | None:
+        """Why network mode `network` cannot be had with this backend here, or None."""
+        ...
+
     async def spawn(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup) -> SandboxProcess:
         """Start `argv` (paths as seen inside) in a fresh sandbox built from `spec`."""
+        ...
+
+    def remove_stale(self, name: str) -> None:
+        """Remove what a dead server left for the sandbox `name` outside its dirs (e.g. cgroups)."""
         ...
 
 
 class SandboxProcess:
     """A running sandbox as a host process: wait for it, kill it, read what it said on stderr."""
 
-    def __init__(self, process: Process, task_group: TaskGroup, description: str) -> None:
+    def __init__(
+        self,
+        process: Process,
+        task_group: TaskGroup,
+        description: str,
+        cgroup: SessionCgroup | None = None,
+        helpers: list[Process] | None = None,
+    ) -> None:
         self._process = process
         self._stderr_tail: collections.deque[bytes] = collections.deque()
         self._stderr_size = 0
         self.description = description
+        self.cgroup = cgroup
+        #: Processes serving this sandbox from outside (e.g. its user-mode network stack).
+        self.helpers = helpers or []
+        self._oom_kills_at_start = cgroup.oom_kills() if cgroup else 0
         if process.stderr is not None:
             task_group.start_soon(self._drain_stderr)
 
@@ -101,6 +126,15 @@ class SandboxProcess:
     @property
     def alive(self) -> bool:
         return self._process.returncode is None
+
+    def oom_killed(self) -> bool:
+        """Did the kernel's OOM killer strike inside this sandbox's memory cgroup?"""
+        return self.cgroup is not None and self.cgroup.oom_kills() > self._oom_kills_at_start
+
+    def memory_used_mb(self) -> float | None:
+        if self.cgroup is not None and (used := self.cgroup.memory_bytes()) is not None:
+            return round(used / 2**20, 1)
+        return None
 
     def stderr_tail(self) -> str:
         return b"".join(self._stderr_tail).decode("utf-8", "replace")
@@ -131,3 +165,10 @@ class SandboxProcess:
             await self._process.wait()
         with contextlib.suppress(Exception):
             await self._process.aclose()
+        for helper in self.helpers:
+            with contextlib.suppress(ProcessLookupError):
+                helper.kill()
+            with anyio.move_on_after(KILL_WAIT_S, shield=True):
+                await helper.wait()
+        if self.cgroup is not None:
+            self.cgroup.remove()

@@ -1,12 +1,17 @@
-"""The bubblewrap backend: the Linux default, no daemon, no root.
+"""The bubblewrap backend: the Linux default, no daemon.
 
-Each sandbox gets new user, pid, network, ipc, uts and cgroup namespaces, a read-only root
-made of /usr and the sandbox Python environment, a private /tmp, and exactly two host folders:
-its own workspace (writable) and its own runtime dir (kernel sockets, same path inside).
+Each sandbox gets new user, pid, network, ipc, uts and cgroup namespaces, a seccomp filter, a
+read-only root made of /usr and the sandbox Python environment, size-capped /tmp and /dev/shm,
+and exactly two host folders: its own workspace (writable) and its own runtime dir (kernel
+sockets, same path inside). Where the server may create cgroups, the whole sandbox runs in
+per-session memory, pids and cpu cgroups. Network mode `internet` attaches a user-mode network
+stack (slirp4netns) that cannot reach the host's loopback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -17,6 +22,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
+from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
+from .seccomp import SeccompUnavailable, compiled_filter
 
 ENV_MOUNT = "/opt/coderunner/env"
 WORKSPACE = "/workspace"
@@ -27,6 +34,12 @@ SANDBOX_GID = 1000
 USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 #: Harmless host /etc files some programs need (dynamic linker cache, time zone, TLS roots, fonts).
 ETC_PASSTHROUGH = ("ld.so.cache", "localtime", "ssl/certs", "fonts", "mime.types")
+SHM_MB = 64
+#: slirp4netns's fixed addresses inside the sandbox.
+SLIRP_DNS = "10.0.2.3"
+#: Bound on bwrap reporting its child and slirp4netns reporting the network is up.
+NETWORK_SETUP_TIMEOUT_S = 10.0
+NETWORK_MODES = ("none", "internet")
 
 
 class BwrapUnavailable(RuntimeError):
@@ -54,8 +67,8 @@ def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _etc_files(runtime_dir: Path) -> Path:
-    """Write the sandbox's own passwd, group and hosts: the host's are never shown."""
+def _etc_files(runtime_dir: Path, network: str) -> Path:
+    """Write the sandbox's own passwd, group, hosts and resolv.conf: the host's are never shown."""
     etc = runtime_dir / "etc"
     etc.mkdir(mode=0o755, exist_ok=True)
     (etc / "passwd").write_text(
@@ -64,6 +77,7 @@ def _etc_files(runtime_dir: Path) -> Path:
     (etc / "group").write_text(f"sandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n")
     (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
     (etc / "hostname").write_text("sandbox\n")
+    (etc / "resolv.conf").write_text(f"nameserver {SLIRP_DNS}\n" if network == "internet" else "")
     return etc
 
 
@@ -75,7 +89,17 @@ class BwrapCommand:
     env_dir: Path
     host_root: Path = Path("/")
 
-    def argv(self, spec: SandboxSpec, inner: list[str], etc_dir: Path) -> list[str]:
+    def argv(
+        self,
+        spec: SandboxSpec,
+        inner: list[str],
+        etc_dir: Path,
+        *,
+        seccomp_fd: int | None = None,
+        info_fd: int | None = None,
+        block_fd: int | None = None,
+        nproc: int | None = None,
+    ) -> list[str]:
         args = [
             self.bwrap,
             "--unshare-all",
@@ -89,6 +113,12 @@ class BwrapCommand:
             "--hostname", "sandbox",
             "--ro-bind", "/usr", "/usr",
         ]  # fmt: skip
+        if seccomp_fd is not None:
+            args += ["--seccomp", str(seccomp_fd)]
+        if info_fd is not None:
+            args += ["--info-fd", str(info_fd)]
+        if block_fd is not None:
+            args += ["--block-fd", str(block_fd)]
         for name in USR_ALIASES:
             host = self.host_root / name
             if host.is_symlink():
@@ -99,14 +129,15 @@ class BwrapCommand:
             host = self.host_root / "etc" / name
             if host.exists():
                 args += ["--ro-bind", str(host), f"/etc/{name}"]
-        for name in ("passwd", "group", "hosts", "hostname"):
+        for name in ("passwd", "group", "hosts", "hostname", "resolv.conf"):
             args += ["--ro-bind", str(etc_dir / name), f"/etc/{name}"]
+        tmp_size = ["--size", str(spec.limits.tmp_mb * 2**20)] if spec.limits.tmp_mb else []
         args += [
             "--ro-bind", str(self.env_dir), ENV_MOUNT,
             "--proc", "/proc",
             "--dev", "/dev",
-            "--tmpfs", "/tmp",
-            "--tmpfs", "/dev/shm",
+            *tmp_size, "--tmpfs", "/tmp",
+            "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm",
             "--dir", HOME,
             "--bind", str(spec.runtime_dir), str(spec.runtime_dir),
             "--bind", str(spec.workspace), WORKSPACE,
@@ -116,14 +147,30 @@ class BwrapCommand:
         ]  # fmt: skip
         for key, value in sandbox_environment().items():
             args += ["--setenv", key, value]
-        return [*args, "--", *_with_rlimits(spec.limits, inner)]
+        return [*args, "--", *rlimit_prefix(spec.limits, nproc), *inner]
 
 
-def _with_rlimits(limits: Limits, inner: list[str]) -> list[str]:
-    """RLIMIT_AS gives user code a clean MemoryError instead of the OOM killer."""
-    if limits.memory_mb is None:
-        return inner
-    return ["/usr/bin/prlimit", f"--as={limits.memory_mb * 1024 * 1024}", "--", *inner]
+def rlimit_prefix(limits: Limits, nproc: int | None) -> list[str]:
+    """RLIMIT_AS gives user code a clean MemoryError instead of the OOM killer; NPROC is the
+    unprivileged fallback against fork bombs where no pids cgroup can be had."""
+    flags = []
+    if limits.memory_mb is not None:
+        flags.append(f"--as={limits.memory_mb * 2**20}")
+    if nproc is not None:
+        flags.append(f"--nproc={nproc}")
+    return ["/usr/bin/prlimit", *flags, "--"] if flags else []
+
+
+def _count_own_tasks() -> int:
+    """Tasks (threads count) of this uid: RLIMIT_NPROC counts them all, not just the sandbox's."""
+    uid = os.getuid()
+    count = 0
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                if entry.stat().st_uid == uid:
+                    count += len(os.listdir(f"/proc/{entry.name}/task"))
+    return count
 
 
 class BwrapBackend:
@@ -133,7 +180,7 @@ class BwrapBackend:
     workspace_path = WORKSPACE
     python = f"{ENV_MOUNT}/bin/python"
 
-    def __init__(self, env_dir: Path, bwrap: str | None = None) -> None:
+    def __init__(self, env_dir: Path, bwrap: str | None = None, use_cgroups: bool = True) -> None:
         found = bwrap or shutil.which("bwrap")
         if found is None:
             raise BwrapUnavailable("bubblewrap (bwrap) is not installed: sudo apt-get install bubblewrap")
@@ -141,31 +188,192 @@ class BwrapBackend:
             raise BwrapUnavailable(
                 f"the sandbox Python environment {env_dir} is missing: run `coderunner setup` (or ./install.sh)"
             )
+        try:
+            self.seccomp_filter = compiled_filter()
+        except SeccompUnavailable as exc:
+            raise BwrapUnavailable(str(exc)) from None
         self.command = BwrapCommand(bwrap=found, env_dir=env_dir)
+        self.cgroups: CgroupManager | None = None
+        self.cgroup_problem: str | None = "disabled in the configuration"
+        if use_cgroups:
+            try:
+                self.cgroups = CgroupManager.detect()
+                self.cgroup_problem = None
+            except (CgroupsUnavailable, OSError) as exc:
+                self.cgroup_problem = str(exc)
+        self.slirp4netns = shutil.which("slirp4netns")
 
     def describe_isolation(self) -> str:
+        cgroups = f"cgroup v{self.cgroups.version} limits" if self.cgroups else "rlimits only (no cgroups)"
         return (
-            "bubblewrap: own user/pid/net/ipc/uts/cgroup namespaces, no capabilities, read-only root "
-            "(/usr + sandbox env), private /tmp, only the session workspace writable, no network"
+            "bubblewrap: own user/pid/net/ipc/uts/cgroup namespaces, seccomp filter, no capabilities, "
+            f"read-only root (/usr + sandbox env), size-capped /tmp, only the session workspace writable; {cgroups}"
         )
 
     def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
+        cg = f"cgroup v{self.cgroups.version}" if self.cgroups else None
+        memory = "RLIMIT_AS" + (f" + {cg} memory" if cg else "")
+        pids = f"{cg} pids.max" if cg else ("RLIMIT_NPROC" if os.getuid() != 0 else None)
         return {
-            "memory_mb": LimitReport(limits.memory_mb, "RLIMIT_AS" if limits.memory_mb else None),
-            "cpus": LimitReport(limits.cpus, None),
+            "memory_mb": LimitReport(limits.memory_mb, memory if limits.memory_mb else None),
+            "cpus": LimitReport(limits.cpus, f"{cg} cpu quota" if cg and limits.cpus else None),
+            "pids": LimitReport(limits.pids, pids if limits.pids else None),
+            "tmp_mb": LimitReport(limits.tmp_mb, "tmpfs size" if limits.tmp_mb else None),
         }
 
+    def network_problem(self, network: str) -> str | None:
+        """Why `network` cannot be had here, or None."""
+        if network not in NETWORK_MODES:
+            return f"unknown network mode {network!r}: use 'none' or 'internet'"
+        if network == "internet" and self.slirp4netns is None:
+            return "network mode 'internet' needs slirp4netns: sudo apt-get install slirp4netns"
+        return None
+
+    def remove_stale(self, name: str) -> None:
+        if self.cgroups is not None:
+            self.cgroups.remove_named(name)
+
     async def spawn(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup) -> SandboxProcess:
-        if spec.network != "none":
-            raise ValueError(f"network mode {spec.network!r} is not supported by the bwrap backend yet")
-        etc_dir = _etc_files(spec.runtime_dir)
-        full = self.command.argv(spec, argv, etc_dir)
-        process = await anyio.open_process(
-            full,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+        problem = self.network_problem(spec.network)
+        if problem:
+            raise BwrapUnavailable(problem)
+        etc_dir = _etc_files(spec.runtime_dir, spec.network)
+        cgroup = self._cgroup_for(spec)
+        nproc = None
+        if cgroup is None and spec.limits.pids and os.getuid() != 0:
+            nproc = _count_own_tasks() + spec.limits.pids
+        seccomp_fd = os.memfd_create("coderunner-seccomp", 0)
+        fds = _NetworkFds.open() if spec.network == "internet" else None
+        try:
+            os.write(seccomp_fd, self.seccomp_filter)
+            os.lseek(seccomp_fd, 0, os.SEEK_SET)
+            full = self.command.argv(
+                spec,
+                argv,
+                etc_dir,
+                seccomp_fd=seccomp_fd,
+                info_fd=fds.info_write if fds else None,
+                block_fd=fds.block_read if fds else None,
+                nproc=nproc,
+            )
+            if cgroup is not None:
+                full = enter_command(cgroup, full)
+            process = await anyio.open_process(
+                full,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
+                pass_fds=(seccomp_fd, *(fds.child_fds() if fds else ())),
+            )
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
+        finally:
+            os.close(seccomp_fd)
+            if fds:
+                fds.close_child_ends()
+        sandbox = SandboxProcess(process, task_group, self.describe_isolation(), cgroup=cgroup)
+        if fds is not None:
+            try:
+                with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):
+                    await self._attach_network(fds, sandbox)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await sandbox.kill()
+                raise
+            finally:
+                fds.close()
+        return sandbox
+
+    def _cgroup_for(self, spec: SandboxSpec) -> SessionCgroup | None:
+        if self.cgroups is None:
+            return None
+        limits = spec.limits
+        return self.cgroups.create(
+            spec.name,
+            CgroupLimits(
+                memory_bytes=limits.memory_mb * 2**20 if limits.memory_mb else None,
+                pids_max=limits.pids,
+                cpus=limits.cpus,
+            ),
         )
-        return SandboxProcess(process, task_group, description=self.describe_isolation())
+
+    async def _attach_network(self, fds: _NetworkFds, sandbox: SandboxProcess) -> None:
+        """Start slirp4netns on the sandbox's network namespace, then let bwrap go on."""
+        assert self.slirp4netns is not None
+        info = await _read_json_document(fds.info_read)
+        child = int(info["child-pid"])
+        ready_read, ready_write = os.pipe()
+        try:
+            # Unprivileged, the sandbox's netns belongs to its user namespace, which slirp4netns must
+            # join first; as root it must not (it would drop the rights it needs to enter the netns).
+            join_userns = [f"--userns-path=/proc/{child}/ns/user"] if os.getuid() != 0 else []
+            slirp = await anyio.open_process(
+                [
+                    self.slirp4netns, "--configure", "--mtu=65520", "--disable-host-loopback",
+                    "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_write}",
+                    *join_userns, "--netns-type=path", f"/proc/{child}/ns/net", "tap0",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+                pass_fds=(ready_write,),
+            )  # fmt: skip
+            sandbox.helpers.append(slirp)
+            os.close(ready_write)
+            ready_write = -1
+            await anyio.wait_readable(ready_read)
+            if not os.read(ready_read, 1):
+                raise BwrapUnavailable("slirp4netns could not set up the sandbox's network")
+        finally:
+            os.close(ready_read)
+            if ready_write >= 0:
+                os.close(ready_write)
+        os.write(fds.block_write, b"1")
+
+
+async def _read_json_document(fd: int) -> dict[str, object]:
+    """bwrap writes one JSON object to --info-fd and keeps it open: read until it parses."""
+    data = b""
+    while True:
+        await anyio.wait_readable(fd)
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+        with contextlib.suppress(ValueError):
+            return json.loads(data)
+    return json.loads(data)
+
+
+@dataclass
+class _NetworkFds:
+    """Pipes for --info-fd (bwrap tells its child's pid) and --block-fd (we say: network is up)."""
+
+    info_read: int
+    info_write: int
+    block_read: int
+    block_write: int
+
+    @classmethod
+    def open(cls) -> _NetworkFds:
+        info_read, info_write = os.pipe()
+        block_read, block_write = os.pipe()
+        return cls(info_read, info_write, block_read, block_write)
+
+    def child_fds(self) -> tuple[int, int]:
+        return (self.info_write, self.block_read)
+
+    def close_child_ends(self) -> None:
+        for fd in self.child_fds():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def close(self) -> None:
+        for fd in (self.info_read, self.block_write):
+            with contextlib.suppress(OSError):
+                os.close(fd)

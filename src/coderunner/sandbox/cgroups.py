@@ -1,0 +1,212 @@
+"""Per-session cgroups: memory, process count and CPU, where the server may create cgroups.
+
+cgroup v1 (one hierarchy per controller, as on this project's CI machines) and v2 (one
+unified hierarchy; needs root or a delegated subtree, e.g. from `systemd-run --user --scope`).
+Sessions are created below the server's own cgroup. A process enters its cgroups before it
+execs bwrap (see `enter_command`), so nothing it forks can start outside them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+V1_CONTROLLERS = ("memory", "pids", "cpu")
+CPU_PERIOD_US = 100_000
+#: Bound on waiting for a killed cgroup to empty before removing it.
+REMOVE_WAIT_S = 3.0
+
+
+class CgroupsUnavailable(RuntimeError):
+    """This server cannot create cgroups here; the message says why."""
+
+
+@dataclass(frozen=True)
+class CgroupLimits:
+    memory_bytes: int | None
+    pids_max: int | None
+    cpus: float | None
+
+
+@dataclass
+class SessionCgroup:
+    """The cgroup dirs of one sandbox: one per controller (v1) or a single dir (v2)."""
+
+    version: int
+    dirs: dict[str, Path] = field(default_factory=dict)
+
+    def procs_files(self) -> list[Path]:
+        return sorted({path / "cgroup.procs" for path in self.dirs.values()})
+
+    def memory_bytes(self) -> int | None:
+        name = "memory.usage_in_bytes" if self.version == 1 else "memory.current"
+        return _read_int(self.dirs.get("memory"), name)
+
+    def memory_peak_bytes(self) -> int | None:
+        name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
+        return _read_int(self.dirs.get("memory"), name)
+
+    def pids_current(self) -> int | None:
+        return _read_int(self.dirs.get("pids"), "pids.current")
+
+    def oom_kills(self) -> int:
+        """How often the kernel's OOM killer struck inside this cgroup."""
+        memory = self.dirs.get("memory")
+        if memory is None:
+            return 0
+        name = "memory.oom_control" if self.version == 1 else "memory.events"
+        with contextlib.suppress(OSError, ValueError):
+            for line in (memory / name).read_text().splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill":
+                    return int(value)
+        return 0
+
+    def kill_all(self) -> None:
+        """SIGKILL every process left in the cgroup (v2 has cgroup.kill; v1 goes pid by pid)."""
+        if self.version == 2:
+            with contextlib.suppress(OSError):
+                (self.dirs["unified"] / "cgroup.kill").write_text("1")
+                return
+        for procs in self.procs_files():
+            with contextlib.suppress(OSError, ValueError):
+                for pid in procs.read_text().split():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(int(pid), 9)
+
+    def remove(self) -> None:
+        """Kill what is left and remove the dirs, within REMOVE_WAIT_S."""
+        self.kill_all()
+        deadline = time.monotonic() + REMOVE_WAIT_S
+        for path in self.dirs.values():
+            while True:
+                try:
+                    path.rmdir()
+                    break
+                except FileNotFoundError:
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break
+                    self.kill_all()
+                    time.sleep(0.02)
+
+
+def _read_int(directory: Path | None, name: str) -> int | None:
+    if directory is None:
+        return None
+    try:
+        return int((directory / name).read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _own_cgroups() -> dict[str, str]:
+    """Controller -> path of this process's cgroup, from /proc/self/cgroup ('' is v2's unified one)."""
+    result: dict[str, str] = {}
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        for controller in controllers.split(",") if controllers else [""]:
+            result[controller] = path
+    return result
+
+
+@dataclass
+class CgroupManager:
+    """Creates SessionCgroups under a parent dir this server may write."""
+
+    version: int
+    parents: dict[str, Path]
+    prefix: str = "coderunner"
+
+    @classmethod
+    def detect(cls) -> CgroupManager:
+        """The cgroup setup usable here, or CgroupsUnavailable saying why not."""
+        own = _own_cgroups()
+        if all((CGROUP_ROOT / name / "cgroup.procs").exists() for name in V1_CONTROLLERS) and all(
+            name in own for name in V1_CONTROLLERS
+        ):
+            parents = {name: CGROUP_ROOT / name / own[name].lstrip("/") for name in V1_CONTROLLERS}
+            for name, parent in parents.items():
+                if not os.access(parent, os.W_OK):
+                    raise CgroupsUnavailable(f"cgroup v1 {name} hierarchy at {parent} is not writable (not root)")
+            return cls(version=1, parents=parents)
+        if (CGROUP_ROOT / "cgroup.controllers").exists() and "" in own:
+            parent = CGROUP_ROOT / own[""].lstrip("/")
+            available = set((parent / "cgroup.controllers").read_text().split())
+            missing = {"memory", "pids"} - available
+            if missing:
+                raise CgroupsUnavailable(f"cgroup v2 controllers {sorted(missing)} are not delegated to {parent}")
+            if not os.access(parent, os.W_OK):
+                raise CgroupsUnavailable(
+                    f"cgroup v2 dir {parent} is not writable: run as root, or start the server in a delegated "
+                    "scope: systemd-run --user --scope -p Delegate=yes coderunner serve"
+                )
+            return cls(version=2, parents={"unified": parent})
+        raise CgroupsUnavailable("no usable cgroup hierarchy (need v1 memory+pids+cpu, or v2 with delegation)")
+
+    def create(self, name: str, limits: CgroupLimits) -> SessionCgroup:
+        group = SessionCgroup(version=self.version)
+        try:
+            if self.version == 1:
+                self._create_v1(group, name, limits)
+            else:
+                self._create_v2(group, name, limits)
+        except OSError:
+            group.remove()
+            raise
+        return group
+
+    def _create_v1(self, group: SessionCgroup, name: str, limits: CgroupLimits) -> None:
+        for controller, parent in self.parents.items():
+            path = parent / self.prefix / name
+            path.mkdir(parents=True, exist_ok=True)
+            group.dirs[controller] = path
+        memory = group.dirs["memory"]
+        if limits.memory_bytes is not None:
+            (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+            # Where swap accounting exists, swap counts too: no escaping the limit into swap.
+            with contextlib.suppress(OSError):
+                (memory / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_bytes))
+        if limits.pids_max is not None:
+            (group.dirs["pids"] / "pids.max").write_text(str(limits.pids_max))
+        if limits.cpus is not None:
+            cpu = group.dirs["cpu"]
+            (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+            (cpu / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * CPU_PERIOD_US)))
+
+    def _create_v2(self, group: SessionCgroup, name: str, limits: CgroupLimits) -> None:
+        parent = self.parents["unified"]
+        base = parent / self.prefix
+        base.mkdir(exist_ok=True)
+        with contextlib.suppress(OSError):
+            (base / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+        path = base / name
+        path.mkdir(exist_ok=True)
+        group.dirs = {"unified": path, "memory": path, "pids": path}
+        if limits.memory_bytes is not None:
+            (path / "memory.max").write_text(str(limits.memory_bytes))
+            with contextlib.suppress(OSError):
+                (path / "memory.swap.max").write_text("0")
+        if limits.pids_max is not None:
+            (path / "pids.max").write_text(str(limits.pids_max))
+        if limits.cpus is not None:
+            (path / "cpu.max").write_text(f"{int(limits.cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
+
+    def remove_named(self, name: str) -> None:
+        """Remove a session's cgroups left by a server that is gone (the caller checked its lock)."""
+        dirs = {controller: parent / self.prefix / name for controller, parent in self.parents.items()}
+        existing = {controller: path for controller, path in dirs.items() if path.is_dir()}
+        if existing:
+            SessionCgroup(self.version, existing).remove()
+
+
+def enter_command(group: SessionCgroup, argv: list[str]) -> list[str]:
+    """Prefix `argv` with a /bin/sh that moves itself into the cgroups, then execs `argv`."""
+    files = [str(path) for path in group.procs_files()]
+    script = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || exit 97; shift; n=$((n-1)); done; exec "$@"'
+    return ["/bin/sh", "-c", script, "coderunner-cgroup-enter", str(len(files)), *files, *argv]

@@ -1,0 +1,98 @@
+"""A session's workspace on the host, with a size cap where the machine allows one.
+
+As root, the workspace is a sparse ext4 image loop-mounted on the workspace dir (nosuid,
+nodev): filling it gives ENOSPC inside the sandbox and costs the host at most its size.
+Without root there is no portable way to cap a directory, so the cap is reported as not
+enforced (the sandbox's /tmp is size-capped either way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: Bound on each mkfs/mount/umount call.
+COMMAND_TIMEOUT_S = 30
+
+
+class WorkspaceError(RuntimeError):
+    pass
+
+
+def _run(argv: list[str]) -> None:
+    try:
+        subprocess.run(argv, check=True, capture_output=True, timeout=COMMAND_TIMEOUT_S, stdin=subprocess.DEVNULL)
+    except subprocess.CalledProcessError as exc:
+        raise WorkspaceError(f"{argv[0]} failed: {exc.stderr.decode(errors='replace').strip()}") from None
+    except subprocess.TimeoutExpired:
+        raise WorkspaceError(f"{argv[0]} did not finish in {COMMAND_TIMEOUT_S}s") from None
+
+
+def quota_problem() -> str | None:
+    """Why workspaces cannot be size-capped here, or None."""
+    if os.getuid() != 0:
+        return "needs root (a loop-mounted image); only /tmp is size-capped"
+    for tool in ("mkfs.ext4", "mount", "umount"):
+        if shutil.which(tool) is None:
+            return f"{tool} is missing: sudo apt-get install e2fsprogs mount"
+    if not Path("/dev/loop-control").exists():
+        return "no loop devices (/dev/loop-control) on this machine"
+    return None
+
+
+@dataclass
+class Workspace:
+    path: Path
+    size_mb: int | None = None
+    image: Path | None = None
+
+    @property
+    def enforced_by(self) -> str | None:
+        return "loop-mounted ext4 image" if self.image is not None else None
+
+    @classmethod
+    def create(cls, path: Path, size_mb: int | None, use_quota: bool) -> Workspace:
+        path.mkdir(mode=0o755)
+        if size_mb is None or not use_quota or quota_problem() is not None:
+            return cls(path, size_mb)
+        image = path.with_name(path.name + ".img")
+        try:
+            with open(image, "wb") as handle:
+                handle.truncate(size_mb * 2**20)
+            _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E",
+                  "lazy_itable_init=1,lazy_journal_init=1", str(image)])  # fmt: skip
+            _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(path)])
+        except (OSError, WorkspaceError):
+            with contextlib.suppress(OSError):
+                image.unlink()
+            raise
+        with contextlib.suppress(OSError):
+            (path / "lost+found").rmdir()
+        os.chmod(path, 0o755)
+        return cls(path, size_mb, image)
+
+    def remove(self) -> None:
+        remove_workspace(self.path)
+
+
+def remove_workspace(path: Path) -> None:
+    """Unmount (if mounted), delete the dir and its image; also used for a dead server's leftovers."""
+    if os.path.ismount(path):
+        try:
+            _run(["umount", str(path)])
+        except WorkspaceError:
+            with contextlib.suppress(WorkspaceError):
+                _run(["umount", "-l", str(path)])
+    if os.path.ismount(path):
+        log.warning("could not unmount workspace %s; leaving it", path)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(FileNotFoundError):
+        path.with_name(path.name + ".img").unlink()
