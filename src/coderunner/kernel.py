@@ -20,6 +20,8 @@ from queue import Empty
 from typing import Any
 
 import anyio
+import zmq
+import zmq.asyncio
 from anyio.abc import TaskGroup
 from jupyter_client.asynchronous.client import AsyncKernelClient
 from jupyter_client.connect import write_connection_file
@@ -33,7 +35,11 @@ log = logging.getLogger(__name__)
 LIVENESS_POLL_S = 0.25
 #: Most time to wait for the execute_reply once the kernel said it is idle.
 REPLY_WAIT_S = 5.0
+#: Quiet IOPub this long after the execute_reply means the idle status was lost.
+IDLE_AFTER_REPLY_S = 1.0
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg")
+#: Largest ZMQ message the host accepts from a kernel (a bigger one drops that connection).
+MAX_MESSAGE_BYTES = 32 * 2**20
 
 ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
 
@@ -65,6 +71,7 @@ class RunOutcome:
     execution_count: int | None = None
     duration_s: float = 0.0
     exit_code: int | None = None
+    output_lost: bool = False
 
 
 @dataclass
@@ -93,6 +100,7 @@ class Kernel:
     #: Set when a cancelled run ignored its interrupt: the kernel is busy for good.
     wedged: bool = False
     _connection_file: Path | None = None
+    _context: zmq.asyncio.Context | None = None
 
     @property
     def alive(self) -> bool:
@@ -114,13 +122,18 @@ class Kernel:
             "-f", str(self._connection_file),
             "--HistoryManager.hist_file=:memory:",
             "--IPKernelApp.quiet=True",
+            "--IPKernelApp.extensions=coderunner_guest",
         ]  # fmt: skip
         self.started_at = time.monotonic()
         self.process = await self.backend.spawn(self.spec, argv, self.task_group)
         deadline = _Deadline(time.monotonic() + timeout_s)
         try:
             await self._await_sockets(info, deadline)
-            client = AsyncKernelClient()
+            self._context = zmq.asyncio.Context()
+            # Untrusted code holds the session key and can publish anything: never let one
+            # message make the host allocate more than this.
+            self._context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            client = AsyncKernelClient(context=self._context)
             client.load_connection_info(info)
             client.start_channels(stdin=False, hb=False)
             self.client = client
@@ -149,31 +162,33 @@ class Kernel:
             await anyio.sleep(0.005)
 
     async def _await_welcome(self, deadline: _Deadline) -> None:
-        assert self.client is not None
         while True:
             msg = await self._next_iopub(deadline)
-            if msg["msg_type"] == "iopub_welcome":
+            if msg is not None and msg["msg_type"] == "iopub_welcome":
                 return
 
     def _check_alive(self) -> None:
         if self.process is None or not self.process.alive:
             raise SandboxExited(self.process.returncode if self.process else None)
 
-    async def _next_iopub(self, deadline: _Deadline | None) -> dict[str, Any]:
-        """The next IOPub message; raises TimeoutError at the deadline, SandboxExited on death."""
-        while True:
-            if self.client is None:  # shut down under us
-                raise SandboxExited(self.process.returncode if self.process else None)
-            wait = LIVENESS_POLL_S
-            if deadline is not None:
-                remaining = deadline.remaining()
-                if remaining <= 0:
-                    raise TimeoutError
-                wait = min(wait, remaining)
-            try:
-                return await self.client.get_iopub_msg(timeout=wait)
-            except Empty:
-                self._check_alive()
+    async def _next_iopub(self, deadline: _Deadline | None) -> dict[str, Any] | None:
+        """The next IOPub message, or None after a quiet LIVENESS_POLL_S (the sandbox was alive).
+
+        Raises TimeoutError at the deadline and SandboxExited when the sandbox is gone.
+        """
+        if self.client is None:  # shut down under us
+            raise SandboxExited(self.process.returncode if self.process else None)
+        wait = LIVENESS_POLL_S
+        if deadline is not None:
+            remaining = deadline.remaining()
+            if remaining <= 0:
+                raise TimeoutError
+            wait = min(wait, remaining)
+        try:
+            return await self.client.get_iopub_msg(timeout=wait)
+        except Empty:
+            self._check_alive()
+            return None
 
     async def execute(
         self,
@@ -204,7 +219,7 @@ class Kernel:
         except SandboxExited as exc:
             run.status = RunStatus.DIED
             run.exit_code = exc.exit_code
-        if run.status in (RunStatus.OK, RunStatus.ERROR, RunStatus.INTERRUPTED):
+        if run.reply_at is None and run.status in (RunStatus.OK, RunStatus.ERROR, RunStatus.INTERRUPTED):
             await self._drain_reply(msg_id)
         return RunOutcome(
             status=run.status,
@@ -213,6 +228,7 @@ class Kernel:
             execution_count=run.execution_count,
             duration_s=time.monotonic() - begun,
             exit_code=run.exit_code,
+            output_lost=run.output_lost,
         )
 
     async def _interrupt_and_settle(self, run: _Run, grace_s: float, begun: float) -> RunStatus:
@@ -233,21 +249,33 @@ class Kernel:
         begun: float,
     ) -> None:
         last_progress = time.monotonic()
-        progress_deadline = deadline
         while not run.idle:
-            if progress is not None:
-                progress_deadline = _Deadline(min(deadline.at, last_progress + progress_interval_s))
-            try:
-                msg = await self._next_iopub(progress_deadline)
-            except TimeoutError:
-                if deadline.remaining() <= 0:
-                    raise
-                msg = None
+            msg = await self._next_iopub(deadline)
             if msg is not None and msg.get("parent_header", {}).get("msg_id") == run.msg_id:
                 run.handle(msg)
+            elif msg is None and await self._reply_without_idle(run):
+                # The cell finished (its execute_reply came on the shell channel) but its IOPub
+                # messages stopped: one was over the size limit and the connection was dropped.
+                run.output_lost = True
+                return
             if progress is not None and time.monotonic() - last_progress >= progress_interval_s:
                 last_progress = time.monotonic()
                 await progress(last_progress - begun, run.output)
+
+    async def _reply_without_idle(self, run: _Run) -> bool:
+        """Look (without waiting) for our execute_reply; True once it came and IOPub stayed quiet."""
+        assert self.client is not None
+        if run.reply_at is None:
+            while True:
+                try:
+                    reply = await self.client.get_shell_msg(timeout=0)
+                except Empty:
+                    return False
+                if reply.get("parent_header", {}).get("msg_id") == run.msg_id:
+                    run.take_reply(reply)
+                    break
+        assert run.reply_at is not None
+        return time.monotonic() - run.reply_at >= IDLE_AFTER_REPLY_S
 
     async def _drain_reply(self, msg_id: str) -> None:
         """Read our execute_reply off the shell channel so replies never pile up."""
@@ -274,6 +302,10 @@ class Kernel:
             with contextlib.suppress(Exception):
                 self.client.stop_channels()
             self.client = None
+        if self._context is not None:
+            with contextlib.suppress(Exception):
+                self._context.destroy(linger=0)
+            self._context = None
         if self.process is not None:
             await self.process.kill()
         self._remove_sockets()
@@ -299,6 +331,18 @@ class _Run:
     execution_count: int | None = None
     exit_code: int | None = None
     idle: bool = False
+    #: When the execute_reply was seen on the shell channel (only looked for while IOPub is quiet).
+    reply_at: float | None = None
+    #: IOPub messages of this run were dropped (one exceeded MAX_MESSAGE_BYTES).
+    output_lost: bool = False
+
+    def take_reply(self, reply: dict[str, Any]) -> None:
+        self.reply_at = time.monotonic()
+        content = reply.get("content", {})
+        self.execution_count = content.get("execution_count", self.execution_count)
+        if content.get("status") == "error" and self.status is RunStatus.OK:
+            self.status = RunStatus.ERROR
+            self.error = KernelError(str(content.get("ename", "")), str(content.get("evalue", "")), "")
 
     def handle(self, msg: dict[str, Any]) -> None:
         kind = msg["msg_type"]

@@ -204,6 +204,11 @@ class Session:
                 notice=f"kernel died ({cause}); state lost; a fresh kernel is ready, workspace files kept",
                 state_lost=True,
             )
+        if outcome.output_lost:
+            return ExecutionResult(
+                outcome,
+                notice="some output was lost: a single message exceeded the host's 32 MiB limit",
+            )
         return ExecutionResult(outcome)
 
     async def reset(self) -> None:

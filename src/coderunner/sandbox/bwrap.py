@@ -26,6 +26,9 @@ from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgr
 from .seccomp import SeccompUnavailable, compiled_filter
 
 ENV_MOUNT = "/opt/coderunner/env"
+#: The guest package (src/coderunner/guest) is bound read-only here as `coderunner_guest`.
+GUEST_LIB = "/opt/coderunner/lib"
+GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
 WORKSPACE = "/workspace"
 HOME = "/tmp/home"
 SANDBOX_UID = 1000
@@ -35,6 +38,13 @@ USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 #: Harmless host /etc files some programs need (dynamic linker cache, time zone, TLS roots, fonts).
 ETC_PASSTHROUGH = ("ld.so.cache", "localtime", "ssl/certs", "fonts", "mime.types")
 SHM_MB = 64
+#: /proc entries made read-only: sysctls are checked against the writer's host uid, and when the
+#: server runs as root the sandbox's uid maps to host root (kernel.core_pattern would be a host
+#: root escape). bwrap 0.8 does not cover /proc/sys itself, so this must.
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs", "irq", "bus")
+#: /proc entries hidden entirely (as container runtimes do): kernel memory, keys, timers, hardware.
+PROC_MASKED_FILES = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms", "kmsg")
+PROC_MASKED_DIRS = ("acpi", "scsi")
 #: slirp4netns's fixed addresses inside the sandbox.
 SLIRP_DNS = "10.0.2.3"
 #: Bound on bwrap reporting its child and slirp4netns reporting the network is up.
@@ -62,6 +72,7 @@ def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
         # glibc reserves 64 MiB of address space per thread arena; under RLIMIT_AS that is waste.
         "MALLOC_ARENA_MAX": "2",
+        "PYTHONPATH": GUEST_LIB,
     }
     env.update(extra or {})
     return env
@@ -88,6 +99,7 @@ class BwrapCommand:
     bwrap: str
     env_dir: Path
     host_root: Path = Path("/")
+    guest_dir: Path = GUEST_DIR
 
     def argv(
         self,
@@ -134,7 +146,9 @@ class BwrapCommand:
         tmp_size = ["--size", str(spec.limits.tmp_mb * 2**20)] if spec.limits.tmp_mb else []
         args += [
             "--ro-bind", str(self.env_dir), ENV_MOUNT,
+            "--ro-bind", str(self.guest_dir), f"{GUEST_LIB}/coderunner_guest",
             "--proc", "/proc",
+            *self._proc_cover(),
             "--dev", "/dev",
             *tmp_size, "--tmpfs", "/tmp",
             "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm",
@@ -148,6 +162,21 @@ class BwrapCommand:
         for key, value in sandbox_environment().items():
             args += ["--setenv", key, value]
         return [*args, "--", *rlimit_prefix(spec.limits, nproc), *inner]
+
+    def _proc_cover(self) -> list[str]:
+        """Read-only binds and masks over the sandbox's /proc, for entries the host has."""
+        args: list[str] = []
+        proc = self.host_root / "proc"
+        for name in PROC_READ_ONLY:
+            if (proc / name).exists():
+                args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+        for name in PROC_MASKED_FILES:
+            if (proc / name).exists():
+                args += ["--ro-bind", "/dev/null", f"/proc/{name}"]
+        for name in PROC_MASKED_DIRS:
+            if (proc / name).is_dir():
+                args += ["--tmpfs", f"/proc/{name}"]
+        return args
 
 
 def rlimit_prefix(limits: Limits, nproc: int | None) -> list[str]:

@@ -1,0 +1,410 @@
+"""The abuse suite: every case names the boundary it probes, tries to cross it, asserts that it
+could not, and then asserts that the server still answers a normal run_python and that a
+bystander session (created before any attack) kept its state and files.
+
+All cases run against one `coderunner serve` over stdio (the arena), each in a fresh session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import pytest
+from mcp.types import CallToolResult
+
+from ..conftest import REPO, SECRET_NAME, SECRET_VALUE, run, sandbox_processes_alive, text_of
+from .conftest import BYSTANDER_VALUE, Arena
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+
+def verdict(result: CallToolResult) -> dict[str, Any]:
+    """The JSON object a probe printed last."""
+    for line in reversed(text_of(result).splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no verdict in: {text_of(result)[-2000:]}")
+
+
+TRY = """
+import json, os, errno
+def attempt(fn):
+    try:
+        return ['OK', repr(fn())[:200]]
+    except BaseException as exc:
+        return [type(exc).__name__, str(exc)[:200]]
+"""
+
+
+def no_ok(result: CallToolResult, arena: Arena) -> None:
+    """Every attempt in the verdict failed."""
+    outcome = verdict(result)
+    crossed = {name: value for name, value in outcome.items() if value[0] == "OK"}
+    assert not crossed, crossed
+
+
+@dataclass
+class Case:
+    boundary: str
+    name: str
+    code: str | Callable[[Arena], str]
+    check: Callable[[CallToolResult, Arena], None] = no_ok
+    session: dict[str, Any] = field(default_factory=dict)
+    timeout_s: float = 30
+
+    def source(self, arena: Arena) -> str:
+        return self.code(arena) if callable(self.code) else self.code
+
+
+def expect_text(*needles: str, error: bool | None = None) -> Callable[[CallToolResult, Arena], None]:
+    def check(result: CallToolResult, arena: Arena) -> None:
+        text = text_of(result)
+        for needle in needles:
+            assert needle in text, f"{needle!r} not in {text[-1500:]!r}"
+        if error is not None:
+            assert result.is_error is error, text[-1500:]
+
+    return check
+
+
+CASES = [
+    # --- the host's files -------------------------------------------------------------------------
+    Case(
+        "filesystem",
+        "read /etc/shadow",
+        TRY + "print(json.dumps({'shadow': attempt(lambda: open('/etc/shadow').read())}))",
+    ),
+    Case(
+        "filesystem",
+        "read the repository",
+        lambda a: (
+            TRY
+            + f"print(json.dumps({{'repo': attempt(lambda: open({str(REPO / 'pyproject.toml')!r}).read()), 'list': attempt(lambda: os.listdir({str(REPO)!r}))}}))"
+        ),
+    ),
+    Case(
+        "filesystem",
+        "read the server user's $HOME",
+        lambda a: (
+            TRY
+            + f"print(json.dumps({{'home': attempt(lambda: os.listdir({os.environ.get('HOME', '/root')!r})), 'ssh': attempt(lambda: open({os.environ.get('HOME', '/root') + '/.ssh/id_rsa'!r}).read())}}))"
+        ),
+    ),
+    Case(
+        "filesystem",
+        "read another session's workspace",
+        lambda a: (
+            TRY
+            + f"print(json.dumps({{'file': attempt(lambda: open({str(a.bystander_workspace / 'bystander.txt')!r}).read()), 'dir': attempt(lambda: os.listdir({str(a.bystander_workspace)!r}))}}))"
+        ),
+    ),
+    Case(
+        "filesystem",
+        "write outside the workspace",
+        TRY
+        + "print(json.dumps({p: attempt(lambda p=p: open(p, 'w').write('x')) for p in ['/usr/evil', '/etc/evil', '/evil', '/opt/coderunner/env/evil', '/opt/coderunner/lib/coderunner_guest/evil.py', '/proc/sys/kernel/hostname']}))",
+    ),
+    Case(
+        "filesystem",
+        "symlink and .. escapes",
+        TRY
+        + "os.symlink('/etc', 'etc-link'); os.symlink('../../../../../../root', 'root-link')\nprint(json.dumps({'dotdot': attempt(lambda: open('/workspace/../../../../root/.bashrc').read()), 'link_root': attempt(lambda: os.listdir('root-link')), 'link_shadow': attempt(lambda: open('etc-link/shadow').read())}))",
+    ),
+    Case(
+        "filesystem",
+        "host devices and /sys",
+        TRY
+        + "print(json.dumps({'devs': ['OK', sorted(os.listdir('/dev'))] if any(d in os.listdir('/dev') for d in ('sda', 'vda', 'mem', 'kmsg', 'loop0')) else ['none', ''], 'sys': attempt(lambda: os.listdir('/sys/fs/cgroup')), 'kmem': attempt(lambda: open('/dev/kmsg').read(1))}))",
+    ),
+    # --- the host's environment -------------------------------------------------------------------
+    Case(
+        "environment",
+        "host variables and /proc/*/environ",
+        TRY
+        + f"import glob\nleaks = [p for p in glob.glob('/proc/*/environ') if attempt(lambda p=p: open(p, 'rb').read())[0] == 'OK' and b'{SECRET_VALUE}' in open(p, 'rb').read()]\nprint(json.dumps({{'env': ['OK', 1] if '{SECRET_NAME}' in os.environ or any('{SECRET_VALUE}' in v for v in os.environ.values()) else ['absent', ''], 'proc': ['OK', leaks] if leaks else ['absent', '']}}))",
+    ),
+    # --- the network (mode none) ------------------------------------------------------------------
+    Case(
+        "network none",
+        "TCP egress",
+        TRY
+        + "import socket\nprint(json.dumps({h: attempt(lambda h=h: socket.create_connection((h, 443), timeout=3)) for h in ['1.1.1.1', '8.8.8.8']}))",
+    ),
+    Case(
+        "network none",
+        "UDP egress",
+        TRY
+        + "import socket\ns = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\nprint(json.dumps({'udp': attempt(lambda: s.sendto(b'x' * 64, ('8.8.8.8', 53)))}))",
+    ),
+    Case(
+        "network none",
+        "DNS lookup",
+        TRY + "import socket\nprint(json.dumps({'dns': attempt(lambda: socket.getaddrinfo('pypi.org', 443))}))",
+    ),
+    Case(
+        "network none",
+        "ICMP egress",
+        TRY
+        + "import socket\nprint(json.dumps({'raw_icmp': attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)), 'dgram_icmp': attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP).sendto(b'\\x08\\x00\\xf7\\xff\\x00\\x00\\x00\\x00', ('8.8.8.8', 0)))}))",
+    ),
+    Case(
+        "network none",
+        "the host's loopback services",
+        lambda a: (
+            TRY
+            + f"import socket\nprint(json.dumps({{'tcp': attempt(lambda: socket.create_connection(('127.0.0.1', {a.loopback_port}), timeout=3)), 'abstract': attempt(lambda: socket.socket(socket.AF_UNIX).connect('\\0{a.abstract_socket}'))}}))"
+        ),
+    ),
+    Case(
+        "network none",
+        "raw and packet sockets",
+        TRY
+        + "import socket\nprint(json.dumps({'raw': attempt(lambda: socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_TCP)), 'packet': attempt(lambda: socket.socket(socket.AF_PACKET, socket.SOCK_RAW))}))",
+    ),
+    # --- the network (mode internet) --------------------------------------------------------------
+    Case(
+        "network internet",
+        "the host's 127.0.0.1",
+        lambda a: (
+            TRY
+            + f"import socket\nprint(json.dumps({{h: attempt(lambda h=h: socket.create_connection((h, {a.loopback_port}), timeout=3)) for h in ['127.0.0.1', '10.0.2.2']}}))"
+        ),
+        session={"network": "internet"},
+    ),
+    Case(
+        "network internet",
+        "abstract unix sockets of the host",
+        lambda a: (
+            TRY
+            + f"import socket\nprint(json.dumps({{'abstract': attempt(lambda: socket.socket(socket.AF_UNIX).connect('\\0{a.abstract_socket}'))}}))"
+        ),
+        session={"network": "internet"},
+    ),
+    Case(
+        "network internet",
+        "other sessions' kernel sockets",
+        lambda a: (
+            TRY
+            + f"import glob\nprint(json.dumps({{p: attempt(lambda p=p: __import__('socket').socket(__import__('socket').AF_UNIX).connect(p)) for p in {sorted(str(p) for p in a.dirs.runtime.glob('*/run/k*-*'))!r}}}))"
+        ),
+        session={"network": "internet"},
+    ),
+    # --- resources --------------------------------------------------------------------------------
+    Case(
+        "processes",
+        "fork bomb",
+        "import os, time, json\nkids = []\nerr = None\nfor _ in range(5000):\n    try:\n        pid = os.fork()\n    except OSError as exc:\n        err = exc.errno; break\n    if pid == 0:\n        time.sleep(20); os._exit(0)\n    kids.append(pid)\nfor pid in kids: os.kill(pid, 9)\nfor pid in kids: os.waitpid(pid, 0)\nprint(json.dumps({'forks': ['stopped', len(kids)] if err else ['OK', len(kids)]}))",
+    ),
+    Case(
+        "processes",
+        "thread bomb",
+        "import threading, time, json\nstop = threading.Event()\nthreads, err = [], None\nfor _ in range(5000):\n    try:\n        t = threading.Thread(target=stop.wait, daemon=True); t.start(); threads.append(t)\n    except RuntimeError as exc:\n        err = str(exc); break\nstop.set()\nprint(json.dumps({'threads': ['stopped', len(threads)] if err else ['OK', len(threads)]}))",
+    ),
+    Case("memory", "allocation bomb", "blob = bytearray(8 * 1024**3)", expect_text("MemoryError", error=True)),
+    Case(
+        "memory",
+        "memory outside RLIMIT_AS (tmpfs pages)",
+        "import numpy as np\nwith open('/tmp/fill', 'wb') as f:\n    for _ in range(500): f.write(b'x' * 2**20)\nkeep = [np.ones(2**17) for _ in range(400)]",
+        expect_text("state lost", "fresh kernel is ready", error=True),
+        session={"memory_mb": 600},
+    ),
+    Case(
+        "disk",
+        "/dev/shm fill",
+        "import json, os\ntry:\n    with open('/dev/shm/fill', 'wb') as f:\n        for _ in range(1024): f.write(b'x' * 2**20)\n    r = ['OK', '']\nexcept OSError as exc:\n    r = [os.strerror(exc.errno), os.path.getsize('/dev/shm/fill') // 2**20]\nprint(json.dumps({'shm': r}))",
+    ),
+    Case(
+        "disk",
+        "/tmp fill",
+        "import json, os\ntry:\n    with open('/tmp/fill', 'wb') as f:\n        for _ in range(4096): f.write(b'x' * 2**20)\n    r = ['OK', '']\nexcept OSError as exc:\n    r = [os.strerror(exc.errno), os.path.getsize('/tmp/fill') // 2**20]\nprint(json.dumps({'tmp': r}))",
+    ),
+    Case(
+        "disk",
+        "workspace fill",
+        "import json, os\ntry:\n    with open('fill', 'wb') as f:\n        for _ in range(4096): f.write(b'x' * 2**20)\n    r = ['OK', '']\nexcept OSError as exc:\n    r = [os.strerror(exc.errno), os.path.getsize('fill') // 2**20]\nprint(json.dumps({'workspace': r}))",
+    ),
+    Case(
+        "output",
+        "one 100 MB line",
+        "import sys\nsys.stdout.write('L' * 100_000_000 + '\\n')\nprint('after the line')",
+        expect_text("characters omitted", "after the line", error=False),
+    ),
+    Case(
+        "output",
+        "a forged 100 MB message",
+        "import sys\ntype(sys.stdout).write(sys.stdout, 'F' * 100_000_000)\nsys.stdout.flush()\nstill = 'here'",
+        expect_text("output was lost", error=False),
+    ),
+    Case(
+        "output",
+        "binary garbage on stdout",
+        "import os, sys\nos.write(1, bytes(range(256)) * 4096)\nsys.stdout.buffer.write(b'\\xff\\xfe\\x00\\x1b[2J\\x1b]0;pwn\\x07') if hasattr(sys.stdout, 'buffer') else None\nprint('done')",
+        expect_text("done"),
+    ),
+    Case(
+        "time",
+        "infinite loop",
+        "while True:\n    pass",
+        expect_text("interrupted", "state are kept", error=True),
+        timeout_s=2,
+    ),
+    Case(
+        "time",
+        "SIGINT ignored in a C-level sleep",
+        "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\ntime.sleep(3600)",
+        expect_text("restarted", "state lost", error=True),
+        timeout_s=2,
+    ),
+    Case(
+        "kernel",
+        "os.kill of the kernel",
+        "import os\nos.kill(os.getpid(), 9)",
+        expect_text("kernel died", "fresh kernel is ready", error=True),
+    ),
+    Case(
+        "kernel",
+        "killing the sandbox's pid 1",
+        "import os, signal, time\nfor sig in (signal.SIGKILL, signal.SIGTERM):\n    try:\n        os.kill(1, sig)\n    except OSError as exc:\n        print('refused', exc)\ntime.sleep(1)\nprint('survived')",
+    ),
+    # --- privileges and syscalls ------------------------------------------------------------------
+    Case(
+        "syscalls",
+        "ptrace",
+        TRY
+        + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef trace():\n    if libc.ptrace(16, 1, 0, 0) != 0: raise OSError(ctypes.get_errno(), 'ptrace')\n    return 'attached'\nprint(json.dumps({'ptrace_attach': attempt(trace)}))",
+    ),
+    Case(
+        "syscalls",
+        "mount",
+        TRY
+        + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef mnt():\n    if libc.mount(b'none', b'/tmp', b'tmpfs', 0, None) != 0: raise OSError(ctypes.get_errno(), 'mount')\n    return 'mounted'\nprint(json.dumps({'mount': attempt(mnt)}))",
+    ),
+    Case(
+        "syscalls",
+        "unshare a new user namespace",
+        TRY
+        + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef new_ns(flag):\n    if libc.unshare(flag) != 0: raise OSError(ctypes.get_errno(), 'unshare')\n    return 'unshared'\nprint(json.dumps({'user': attempt(lambda: new_ns(0x10000000)), 'net': attempt(lambda: new_ns(0x40000000)), 'mnt': attempt(lambda: new_ns(0x00020000))}))",
+    ),
+    Case(
+        "syscalls",
+        "kernel keyring",
+        TRY
+        + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef add_key():\n    if libc.syscall(248, b'user', b'k', b'v', 1, -4) < 0: raise OSError(ctypes.get_errno(), 'add_key')\n    return 'added'\ndef keyctl():\n    if libc.syscall(250, 0, -4, 0) < 0: raise OSError(ctypes.get_errno(), 'keyctl')\n    return 'ok'\nprint(json.dumps({'add_key': attempt(add_key), 'keyctl': attempt(keyctl)}))",
+    ),
+    Case(
+        "syscalls",
+        "bpf, perf_event_open, userfaultfd",
+        TRY
+        + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef call(nr, *args):\n    if libc.syscall(nr, *args) < 0: raise OSError(ctypes.get_errno(), str(nr))\n    return 'ok'\nprint(json.dumps({'bpf': attempt(lambda: call(321, 0, 0, 0)), 'perf': attempt(lambda: call(298, 0, 0, -1, -1, 0)), 'userfaultfd': attempt(lambda: call(323, 0))}))",
+    ),
+    Case(
+        "privileges",
+        "setuid binaries",
+        TRY
+        + "import subprocess, stat\nsuid = [os.path.join(d, f) for d in ('/usr/bin', '/usr/sbin') for f in os.listdir(d) if os.stat(os.path.join(d, f)).st_mode & stat.S_ISUID]\nroot = []\nfor b in suid:\n    try:\n        out = subprocess.run([b, '--help'], capture_output=True, timeout=5)\n    except Exception:\n        continue\nid_out = subprocess.run(['id', '-u'], capture_output=True, text=True).stdout.strip()\nstatus = open('/proc/self/status').read()\nprint(json.dumps({'uid': ['OK', id_out] if id_out == '0' else ['not root', id_out], 'nnp': ['OK', ''] if 'NoNewPrivs:\\t1' not in status else ['no_new_privs', len(suid)]}))",
+    ),
+    Case(
+        "privileges",
+        "raising rlimits and capabilities",
+        TRY
+        + "import resource\nprint(json.dumps({'as': attempt(lambda: resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))), 'caps': ['OK', l] if (l := [x for x in open('/proc/self/status').read().splitlines() if x.startswith('CapEff')][0]) != 'CapEff:\\t0000000000000000' else ['none', l]}))",
+    ),
+]
+
+
+async def attack(arena: Arena, case: Case) -> CallToolResult:
+    created = await arena.client.call_tool("create_session", case.session)
+    assert not created.is_error, text_of(created)
+    session_id = json.loads(text_of(created))["session_id"]
+    try:
+        with anyio.fail_after(case.timeout_s + 60):
+            return await run(arena.client, case.source(arena), session_id=session_id, timeout_s=case.timeout_s)
+    finally:
+        await arena.client.call_tool("close_session", {"session_id": session_id})
+
+
+async def assert_still_serving(arena: Arena) -> None:
+    normal = await run(arena.client, "sum(range(10))")
+    assert not normal.is_error and text_of(normal).splitlines()[0] == "45", text_of(normal)
+    bystander = await run(arena.client, "guarded, open('bystander.txt').read()", session_id=arena.bystander)
+    assert f"('{BYSTANDER_VALUE}', 'mine')" in text_of(bystander), text_of(bystander)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{case.boundary}: {case.name}" for case in CASES])
+async def test_boundary_holds(arena: Arena, case: Case) -> None:
+    result = await attack(arena, case)
+    case.check(result, arena)
+    await assert_still_serving(arena)
+
+
+async def test_daemon_does_not_outlive_its_kernel(arena: Arena) -> None:
+    """boundary: processes. A double-forked daemon is killed with its kernel at kernel_reset."""
+    code = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        "    if os.fork() == 0:\n"
+        "        while True:\n"
+        "            with open('/workspace/heartbeat', 'a') as f: f.write('.')\n"
+        "            time.sleep(0.1)\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.5)\n"
+        "len(open('/workspace/heartbeat').read()) > 0"
+    )
+    assert "True" in text_of(await run(arena.client, code))
+    before = len(sandbox_processes_alive(arena.dirs))
+    reset = await arena.client.call_tool("kernel_reset", {})
+    assert not reset.is_error
+    size = len(text_of(await run(arena.client, "open('heartbeat').read()")))
+    await anyio.sleep(1.0)
+    later = len(text_of(await run(arena.client, "open('heartbeat').read()")))
+    assert later == size, "the daemon kept writing after kernel_reset"
+    assert len(sandbox_processes_alive(arena.dirs)) <= before
+    await assert_still_serving(arena)
+
+
+async def test_one_gigabyte_printed_keeps_the_server_bounded(arena: Arena) -> None:
+    """boundary: output. 1 GB through stdout: the reply is bounded and so is the server's memory."""
+    server_pid = _server_pid(arena)
+    began = time.monotonic()
+    result = await run(
+        arena.client,
+        "import sys\nchunk = 'G' * (1 << 20)\nfor _ in range(1024):\n    sys.stdout.write(chunk)\nprint('end')",
+        timeout_s=300,
+    )
+    elapsed = time.monotonic() - began
+    text = text_of(result)
+    assert len(text) < 30_000 and "characters omitted" in text and "end" in text
+    peak_mb = _peak_rss_mb(server_pid)
+    print(f"\n[abuse] 1 GiB printed in {elapsed:.1f}s; server peak RSS {peak_mb:.0f} MiB")
+    assert peak_mb < 1024, "the server must not hold the flood in memory"
+    await assert_still_serving(arena)
+
+
+def _server_pid(arena: Arena) -> int:
+    """The coderunner serve process whose runtime dir is the arena's."""
+    needle = str(arena.dirs.runtime).encode()
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            environ = open(f"/proc/{entry}/environ", "rb").read()
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+        except OSError:
+            continue
+        if needle in environ and b"serve" in cmdline and b"bwrap" not in cmdline:
+            return int(entry)
+    raise AssertionError("server process not found")
+
+
+def _peak_rss_mb(pid: int) -> float:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmHWM")
