@@ -25,7 +25,8 @@ IMAGE_SUFFIX = {"image/png": ".png", "image/jpeg": ".jpg"}
 
 
 def strip_ansi(text: str) -> str:
-    return ANSI_ESCAPE.sub("", text)
+    """Remove terminal escape sequences, and any stray ESC left over (it starts every one of them)."""
+    return ANSI_ESCAPE.sub("", text).replace("\x1b", "")
 
 
 @dataclass(frozen=True)
