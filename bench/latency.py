@@ -32,6 +32,12 @@ from mcp import Client, StdioServerParameters
 from coderunner.config import load_settings
 
 
+def _passable(path: Path) -> Path:
+    """A root server's sandbox user must be able to pass through the bench's temp dir."""
+    path.chmod(0o711)
+    return path
+
+
 def summarize(samples: list[float]) -> dict[str, float]:
     ordered = sorted(samples)
     return {
@@ -144,7 +150,7 @@ async def coderunner(calls: int, colds: int, root: Path) -> tuple[list[float], l
 
 async def main(calls: int, colds: int) -> None:
     settings = load_settings()
-    root = Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp"))
+    root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     os.environ["JUPYTER_PATH"] = str(kernelspec_dir(settings.sandbox_env / "bin" / "python", root / "jupyter"))
     os.environ["JUPYTER_RUNTIME_DIR"] = str(root / "jupyter-runtime")
     try:

@@ -34,6 +34,12 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def _passable(path: Path) -> Path:
+    """mkdtemp makes 0700 dirs; a root server's sandbox user must be able to pass through."""
+    path.chmod(0o711)
+    return path
+
+
 @dataclass
 class ServerDirs:
     """Per-test runtime and workspace parents, so tests can look at what the server left on the host."""
@@ -46,7 +52,7 @@ class ServerDirs:
 @pytest.fixture
 def dirs() -> Iterator[ServerDirs]:
     # Short path on purpose: ipc socket paths must stay under 107 bytes.
-    root = Path(tempfile.mkdtemp(prefix="crt-", dir="/tmp"))
+    root = _passable(Path(tempfile.mkdtemp(prefix="crt-", dir="/tmp")))
     paths = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
     yield paths
     shutil.rmtree(root, ignore_errors=True)

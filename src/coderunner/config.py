@@ -28,6 +28,9 @@ def default_config_file() -> Path:
 
 
 def default_data_dir() -> Path:
+    """Per user; for root a system path, because the unprivileged sandbox user cannot enter /root."""
+    if os.getuid() == 0:
+        return Path("/var/lib") / APP_NAME
     return Path(platformdirs.user_data_dir(APP_NAME))
 
 
@@ -65,6 +68,11 @@ class Settings(BaseSettings):
 
     # Sandbox.
     backend: Literal["bwrap"] = "bwrap"
+    sandbox_user: str | None = Field(
+        default=None,
+        description="When the server runs as root: the unprivileged host user sandboxes run as "
+        "(default coderunner-sandbox, else nobody).",
+    )
     network: NetworkMode = "none"
     memory_mb: int = Field(
         default=2048,

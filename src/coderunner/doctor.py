@@ -173,5 +173,5 @@ def report(checks: list[Check]) -> str:
         if (not check.ok or check.degraded) and check.fix:
             lines.append(f"       fix: {check.fix}")
     if os.getuid() == 0:
-        lines.append("note: running as root; the sandbox still runs unprivileged (uid 1000, no capabilities)")
+        lines.append("note: running as root; sandboxes run as an unprivileged host user, uid 1000 inside")
     return "\n".join(lines)

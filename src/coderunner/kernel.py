@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
+import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable
@@ -117,6 +118,8 @@ class Kernel:
             key=secrets.token_hex(32).encode(),
             kernel_name="python3",
         )
+        if self.backend.host_owner is not None:
+            os.chown(self._connection_file, *self.backend.host_owner)
         argv = [
             self.backend.python, "-m", "ipykernel_launcher",
             "-f", str(self._connection_file),

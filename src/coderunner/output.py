@@ -44,6 +44,8 @@ class WorkspaceWriter:
 
     host_root: Path
     sandbox_root: str
+    #: Host (uid, gid) the sandbox runs as, when that is not the server's own user.
+    owner: tuple[int, int] | None = None
 
     def create(self, prefix: str, suffix: str) -> tuple[int, str]:
         """Open a fresh file under SPILL_DIR; returns (fd, path as seen inside the sandbox)."""
@@ -52,12 +54,16 @@ class WorkspaceWriter:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(SPILL_DIR, 0o755, dir_fd=root_fd)
             dir_fd = os.open(SPILL_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+            if self.owner is not None:
+                os.fchown(dir_fd, *self.owner)
         finally:
             os.close(root_fd)
         try:
             name = f"{prefix}-{secrets.token_hex(4)}{suffix}"
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
             fd = os.open(name, flags, 0o644, dir_fd=dir_fd)
+            if self.owner is not None:
+                os.fchown(fd, *self.owner)
         finally:
             os.close(dir_fd)
         return fd, f"{self.sandbox_root}/{SPILL_DIR}/{name}"

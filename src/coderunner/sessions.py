@@ -14,7 +14,6 @@ import logging
 import os
 import secrets
 import shutil
-import stat
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -28,6 +27,7 @@ from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
 from .output import OutputCollector, WorkspaceWriter
 from .results import ExecutionResult
 from .sandbox.base import LimitReport, Limits, SandboxBackend, SandboxSpec
+from .sandbox.identity import ensure_private_dir
 from .workspace import Workspace, WorkspaceError, remove_workspace
 
 log = logging.getLogger(__name__)
@@ -149,7 +149,7 @@ class Session:
                 limit_chars=self.settings.output_limit_chars,
                 spill_limit_bytes=self.settings.spill_limit_bytes,
                 image_limit_bytes=self.settings.image_limit_bytes,
-                writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path),
+                writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.backend.host_owner),
             )
             try:
                 outcome = await self.kernel.execute(
@@ -285,8 +285,8 @@ class SessionManager:
         self._task_group: TaskGroup | None = None
 
     async def __aenter__(self) -> SessionManager:
-        _ensure_private_dir(self.settings.runtime_dir)
-        _ensure_private_dir(self.settings.workspaces_dir)
+        ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
+        ensure_private_dir(self.settings.workspaces_dir, self.backend.dir_mode)
         removed = remove_stale_sessions(self.settings.runtime_dir, self.settings.workspaces_dir, self.backend)
         if removed:
             log.info("removed %d session dir(s) left by a server that is gone", removed)
@@ -341,10 +341,11 @@ class SessionManager:
         session_id = secrets.token_urlsafe(18)
         short = secrets.token_hex(4)
         runtime_dir = self.settings.runtime_dir / short
-        runtime_dir.mkdir(mode=0o700)
+        runtime_dir.mkdir(mode=self.backend.dir_mode)
         lock_fd = _hold_lock(runtime_dir / LOCK_NAME)
         run_dir = runtime_dir / "run"
         run_dir.mkdir(mode=0o700)
+        give(run_dir, self.backend.host_owner)
         try:
             workspace = Workspace.create(
                 self.settings.workspaces_dir / short, options.limits.disk_mb, self.settings.workspace_quota
@@ -353,6 +354,7 @@ class SessionManager:
             _remove_session_dirs(run_dir, self.settings.workspaces_dir / short)
             os.close(lock_fd)
             raise SessionError(f"could not create the session workspace: {exc}") from None
+        give(workspace.path, self.backend.host_owner)
         session = Session(
             session_id=session_id,
             options=options,
@@ -410,14 +412,10 @@ class SessionManager:
         return session.session_id == self._default_id
 
 
-def _ensure_private_dir(path: Path) -> None:
-    """Create `path` (0700) or accept it only if it is a real directory we own: /tmp is shared."""
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-        raise SessionError(f"{path} is not a directory owned by this user; remove it or set another path")
-    if info.st_mode & 0o077:
-        os.chmod(path, 0o700)
+def give(path: Path, owner: tuple[int, int] | None) -> None:
+    """Hand a session path to the sandbox's host user (when the server runs as root)."""
+    if owner is not None:
+        os.chown(path, *owner)
 
 
 def _hold_lock(path: Path) -> int:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from ..conftest import ServerDirs, run, server_env, stdio_client, text_of
+from ..conftest import ServerDirs, _passable, run, server_env, stdio_client, text_of
 
 BYSTANDER_VALUE = "bystander-state-7d1e"
 
@@ -36,7 +36,7 @@ class Arena:
 
 @pytest.fixture(scope="module")
 def abuse_dirs() -> Iterator[ServerDirs]:
-    root = Path(tempfile.mkdtemp(prefix="cra-", dir="/tmp"))
+    root = _passable(Path(tempfile.mkdtemp(prefix="cra-", dir="/tmp")))
     yield ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
     shutil.rmtree(root, ignore_errors=True)
 

@@ -137,6 +137,12 @@ CASES = [
         TRY
         + "print(json.dumps({'devs': ['OK', sorted(os.listdir('/dev'))] if any(d in os.listdir('/dev') for d in ('sda', 'vda', 'mem', 'kmsg', 'loop0')) else ['none', ''], 'sys': attempt(lambda: os.listdir('/sys/fs/cgroup')), 'kmem': attempt(lambda: open('/dev/kmsg').read(1))}))",
     ),
+    Case(
+        "filesystem",
+        "kernel sysctls (core_pattern is a host root escape)",
+        TRY
+        + "def write(p):\n    fd = os.open(p, os.O_WRONLY)\n    try:\n        return os.write(fd, b'|/workspace/x')\n    finally:\n        os.close(fd)\nprint(json.dumps({p: attempt(lambda p=p: write(p)) for p in ['/proc/sys/kernel/core_pattern', '/proc/sys/kernel/modprobe', '/proc/sys/kernel/hostname', '/proc/sys/vm/drop_caches', '/proc/sys/fs/inotify/max_user_instances']}))",
+    ),
     # --- the host's environment -------------------------------------------------------------------
     Case(
         "environment",
@@ -425,3 +431,21 @@ def _peak_rss_mb(pid: int) -> float:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) / 1024
     raise AssertionError("no VmHWM")
+
+
+async def test_root_server_sandboxes_are_not_root_on_the_host(arena: Arena) -> None:
+    """boundary: host identity. Under a root server the sandbox's uid maps to an unprivileged host user."""
+    await run(arena.client, "import time\ntime.sleep(0.1)")
+    pids = sandbox_processes_alive(arena.dirs)
+    assert pids
+    host_uids = set()
+    for pid in pids:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Uid:"):
+                host_uids.update(int(value) for value in line.split()[1:])
+    if os.getuid() == 0:
+        assert 0 not in host_uids, f"sandbox processes run as host root: {host_uids}"
+    else:
+        assert host_uids == {os.getuid()}
+    assert Path("/proc/sys/kernel/core_pattern").read_text().strip() != "|/workspace/x"
+    await assert_still_serving(arena)

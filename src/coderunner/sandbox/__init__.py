@@ -5,6 +5,7 @@ from __future__ import annotations
 from ..config import Settings
 from .base import LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec
 from .bwrap import BwrapBackend, BwrapUnavailable
+from .identity import IdentityError, sandbox_identity
 
 __all__ = [
     "BwrapBackend",
@@ -20,4 +21,10 @@ __all__ = [
 
 def make_backend(settings: Settings) -> SandboxBackend:
     """Raises BwrapUnavailable (with the fix in its message) when the backend cannot work here."""
-    return BwrapBackend(settings.sandbox_env, use_cgroups=settings.cgroups)
+    try:
+        identity = sandbox_identity(settings.sandbox_user)
+    except IdentityError as exc:
+        raise BwrapUnavailable(str(exc)) from None
+    return BwrapBackend(
+        settings.sandbox_env, runtime_base=settings.runtime_dir, identity=identity, use_cgroups=settings.cgroups
+    )

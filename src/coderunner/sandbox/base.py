@@ -71,6 +71,10 @@ class SandboxBackend(Protocol):
     workspace_path: str
     #: The Python interpreter of the sandbox environment, as seen inside.
     python: str
+    #: (uid, gid) on the host that session dirs and files must be handed to, or None (same user).
+    host_owner: tuple[int, int] | None
+    #: Mode for parents of session dirs (passable by the sandbox's host user).
+    dir_mode: int
 
     def describe_isolation(self) -> str:
         """One line for status and capabilities: what separates the sandbox from the host."""

@@ -11,6 +11,7 @@ stack (slirp4netns) that cannot reach the host's loopback.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -23,12 +24,13 @@ from anyio.abc import TaskGroup
 
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
 from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
+from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from .seccomp import SeccompUnavailable, compiled_filter
 
 ENV_MOUNT = "/opt/coderunner/env"
 #: The guest package (src/coderunner/guest) is bound read-only here as `coderunner_guest`.
 GUEST_LIB = "/opt/coderunner/lib"
-GUEST_DIR = Path(__file__).resolve().parent.parent / "guest"
+GUEST_SOURCE = Path(__file__).resolve().parent.parent / "guest"
 WORKSPACE = "/workspace"
 HOME = "/tmp/home"
 SANDBOX_UID = 1000
@@ -99,7 +101,7 @@ class BwrapCommand:
     bwrap: str
     env_dir: Path
     host_root: Path = Path("/")
-    guest_dir: Path = GUEST_DIR
+    guest_dir: Path = GUEST_SOURCE
 
     def argv(
         self,
@@ -179,6 +181,29 @@ class BwrapCommand:
         return args
 
 
+def install_guest(runtime_base: Path) -> Path:
+    """Copy the guest package under the runtime dir, named by its content hash.
+
+    A copy, not the package dir itself: the sandbox user must be able to reach it (the package
+    may sit under /root), and a server of another version may share the runtime dir.
+    """
+    files = sorted(path for path in GUEST_SOURCE.glob("*.py"))
+    digest = hashlib.sha256(b"".join(path.name.encode() + path.read_bytes() for path in files)).hexdigest()[:12]
+    target = runtime_base / f"guest-{digest}"
+    if not target.is_dir():
+        staging = runtime_base / f".guest-{digest}-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(mode=0o755)
+        for path in files:
+            shutil.copyfile(path, staging / path.name)
+            os.chmod(staging / path.name, 0o644)
+        try:
+            os.rename(staging, target)
+        except OSError:
+            shutil.rmtree(staging, ignore_errors=True)  # another server got there first
+    return target
+
+
 def rlimit_prefix(limits: Limits, nproc: int | None) -> list[str]:
     """RLIMIT_AS gives user code a clean MemoryError instead of the OOM killer; NPROC is the
     unprivileged fallback against fork bombs where no pids cgroup can be had."""
@@ -190,9 +215,8 @@ def rlimit_prefix(limits: Limits, nproc: int | None) -> list[str]:
     return ["/usr/bin/prlimit", *flags, "--"] if flags else []
 
 
-def _count_own_tasks() -> int:
-    """Tasks (threads count) of this uid: RLIMIT_NPROC counts them all, not just the sandbox's."""
-    uid = os.getuid()
+def _count_tasks(uid: int) -> int:
+    """Tasks (threads count) of `uid`: RLIMIT_NPROC counts them all, not just the sandbox's."""
     count = 0
     for entry in os.scandir("/proc"):
         if entry.name.isdigit():
@@ -209,7 +233,14 @@ class BwrapBackend:
     workspace_path = WORKSPACE
     python = f"{ENV_MOUNT}/bin/python"
 
-    def __init__(self, env_dir: Path, bwrap: str | None = None, use_cgroups: bool = True) -> None:
+    def __init__(
+        self,
+        env_dir: Path,
+        runtime_base: Path,
+        identity: HostIdentity | None = None,
+        bwrap: str | None = None,
+        use_cgroups: bool = True,
+    ) -> None:
         found = bwrap or shutil.which("bwrap")
         if found is None:
             raise BwrapUnavailable("bubblewrap (bwrap) is not installed: sudo apt-get install bubblewrap")
@@ -221,7 +252,18 @@ class BwrapBackend:
             self.seccomp_filter = compiled_filter()
         except SeccompUnavailable as exc:
             raise BwrapUnavailable(str(exc)) from None
-        self.command = BwrapCommand(bwrap=found, env_dir=env_dir)
+        self.identity = identity
+        self.host_owner = (identity.uid, identity.gid) if identity else None
+        self.dir_mode = shared_dir_mode(identity)
+        ensure_private_dir(runtime_base, self.dir_mode)
+        guest_dir = install_guest(runtime_base)
+        if identity is not None:
+            try:
+                identity.check_reachable(env_dir / "bin" / "python")
+                identity.check_reachable(guest_dir)
+            except IdentityError as exc:
+                raise BwrapUnavailable(str(exc)) from None
+        self.command = BwrapCommand(bwrap=found, env_dir=env_dir, guest_dir=guest_dir)
         self.cgroups: CgroupManager | None = None
         self.cgroup_problem: str | None = "disabled in the configuration"
         if use_cgroups:
@@ -234,15 +276,17 @@ class BwrapBackend:
 
     def describe_isolation(self) -> str:
         cgroups = f"cgroup v{self.cgroups.version} limits" if self.cgroups else "rlimits only (no cgroups)"
+        user = f"; host user {self.identity.name}" if self.identity else ""
         return (
             "bubblewrap: own user/pid/net/ipc/uts/cgroup namespaces, seccomp filter, no capabilities, "
-            f"read-only root (/usr + sandbox env), size-capped /tmp, only the session workspace writable; {cgroups}"
+            f"read-only root (/usr + sandbox env), size-capped /tmp, only the session workspace writable; "
+            f"{cgroups}{user}"
         )
 
     def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
         cg = f"cgroup v{self.cgroups.version}" if self.cgroups else None
         memory = "RLIMIT_AS" + (f" + {cg} memory" if cg else "")
-        pids = f"{cg} pids.max" if cg else ("RLIMIT_NPROC" if os.getuid() != 0 else None)
+        pids = f"{cg} pids.max" if cg else "RLIMIT_NPROC"
         return {
             "memory_mb": LimitReport(limits.memory_mb, memory if limits.memory_mb else None),
             "cpus": LimitReport(limits.cpus, f"{cg} cpu quota" if cg and limits.cpus else None),
@@ -269,8 +313,11 @@ class BwrapBackend:
         etc_dir = _etc_files(spec.runtime_dir, spec.network)
         cgroup = self._cgroup_for(spec)
         nproc = None
-        if cgroup is None and spec.limits.pids and os.getuid() != 0:
-            nproc = _count_own_tasks() + spec.limits.pids
+        if cgroup is None and spec.limits.pids:
+            if self.identity is not None:
+                nproc = _count_tasks(self.identity.uid) + spec.limits.pids
+            elif os.getuid() != 0:
+                nproc = _count_tasks(os.getuid()) + spec.limits.pids
         seccomp_fd = os.memfd_create("coderunner-seccomp", 0)
         fds = _NetworkFds.open() if spec.network == "internet" else None
         try:
@@ -285,6 +332,8 @@ class BwrapBackend:
                 block_fd=fds.block_read if fds else None,
                 nproc=nproc,
             )
+            if self.identity is not None:
+                full = [*self.identity.setpriv_prefix(), *full]
             if cgroup is not None:
                 full = enter_command(cgroup, full)
             process = await anyio.open_process(
