@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -158,3 +159,51 @@ async def test_closing_a_session_mid_run_ends_the_run_and_its_sandbox(client: Cl
     assert replies[0].is_error and "closed during this call" in text_of(replies[0])
     assert await wait_until(lambda: not sandbox_processes_alive(dirs))
     assert text_of(await run(client, "3 * 3")).splitlines()[0] == "9"
+
+
+async def test_idle_sessions_are_reaped(dirs: ServerDirs) -> None:
+    async with open_client("stdio", server_env(dirs, CODERUNNER_IDLE_TIMEOUT_S="2")) as client:
+        sid = (await create(client))["session_id"]
+        await run(client, "1", session_id=sid)
+        await anyio.sleep(4.5)
+        gone = await run(client, "1", session_id=sid)
+        assert gone.is_error and "unknown or expired session_id" in text_of(gone)
+        assert len([p for p in dirs.workspaces.iterdir() if p.is_dir()]) == 0
+        assert text_of(await run(client, "'fresh default'")).splitlines()[0] == "'fresh default'"
+
+
+async def test_status_reports_usage_against_limits(client: Client) -> None:
+    sid = (await create(client))["session_id"]
+    await run(
+        client,
+        "import numpy as np\nkeep = np.ones(20_000_000)\nopen('blob', 'wb').write(b'x' * 5_000_000)",
+        session_id=sid,
+    )
+    status = json.loads(text_of(await client.call_tool("session_status", {"session_id": sid})))
+    usage, limits = status["usage"], status["limits"]
+    assert usage["memory_mb"] > 150 and limits["memory_mb"]["value"] == 2048
+    assert usage["disk_mb"] >= 4.5 and limits["disk_mb"]["value"] == 2048
+    if limits["pids"]["enforced_by"] and "cgroup" in limits["pids"]["enforced_by"]:
+        assert 5 <= usage["pids"] <= limits["pids"]["value"]
+    assert status["idle_s"] >= 0
+
+
+async def test_sandbox_killed_from_outside_gives_clear_error_and_fresh_kernel(client: Client, dirs: ServerDirs) -> None:
+    sid = (await create(client))["session_id"]
+    await run(client, "before = 1", session_id=sid)
+    target = set(sandbox_processes_alive(dirs))  # only this session exists yet
+    survivor = (await create(client))["session_id"]
+    await run(client, "other = 2", session_id=survivor)
+
+    async def kill_sandbox_soon() -> None:
+        await anyio.sleep(1.0)
+        for pid in target:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_sandbox_soon)
+        result = await run(client, "import time\ntime.sleep(30)", session_id=sid)
+    assert result.is_error and "kernel died" in text_of(result) and "fresh kernel is ready" in text_of(result)
+    assert text_of(await run(client, "2 + 2", session_id=sid)).splitlines()[0] == "4"
+    assert text_of(await run(client, "other", session_id=survivor)).splitlines()[0] == "2"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
 
 import anyio
@@ -11,7 +12,7 @@ import uvicorn
 from .config import Settings
 from .sandbox import make_backend
 from .server import build_server
-from .sessions import SessionManager
+from .sessions import SHUTDOWN_TIMEOUT_S, SessionManager
 
 log = logging.getLogger(__name__)
 
@@ -23,7 +24,7 @@ async def serve(settings: Settings) -> None:
     async with SessionManager(settings, backend) as manager, anyio.create_task_group() as tg:
         server = build_server(manager)
         if settings.transport == "stdio":
-            tg.start_soon(_stop_on_signals, tg.cancel_scope)
+            tg.start_soon(_stop_on_signals, manager)
             await server.run_stdio_async()
         else:
             if settings.transport == "sse":
@@ -57,12 +58,19 @@ async def serve(settings: Settings) -> None:
         tg.cancel_scope.cancel()
 
 
-async def _stop_on_signals(scope: anyio.CancelScope) -> None:
+async def _stop_on_signals(manager: SessionManager) -> None:
+    """stdio: on SIGTERM/SIGINT/SIGHUP close every session (bounded), then leave at once.
+
+    The SDK reads stdin in a worker thread that no cancellation reaches, so a graceful unwind
+    would wait for the client to close stdin; the sessions are what must not be left behind.
+    """
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
         async for signum in signals:
             log.info("received %s: closing sessions", signal.Signals(signum).name)
-            scope.cancel()
-            return
+            with anyio.move_on_after(SHUTDOWN_TIMEOUT_S, shield=True):
+                await manager.close_all()
+            logging.shutdown()
+            os._exit(0)
 
 
 def _note_signal(signum: int, _frame: object) -> None:

@@ -62,6 +62,8 @@ class SessionStatus:
     uptime_s: float
     kernel_uptime_s: float
     memory_used_mb: float | None
+    usage: dict[str, float | None]
+    idle_s: float
     restarts: int
     network: str
     timeout_s: float
@@ -82,6 +84,7 @@ class Session:
     lock_fd: int
     kernel: Kernel | None = None
     created_at: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
     restarts: int = 0
     busy: bool = False
     closed: bool = False
@@ -137,6 +140,7 @@ class Session:
             yield
         finally:
             self.busy = False
+            self.last_used = time.monotonic()
             self._lock.release()
 
     async def run(self, code: str, timeout_s: float | None, progress: ProgressCallback | None) -> ExecutionResult:
@@ -250,6 +254,24 @@ class Session:
             with contextlib.suppress(OSError):
                 os.close(self.lock_fd)
 
+    def usage(self) -> dict[str, float | None]:
+        """What the session uses, in the units of its limits."""
+        process = self.kernel.process if self.kernel is not None else None
+        cgroup = process.cgroup if process is not None else None
+        try:
+            disk = os.statvfs(self.workspace.path)
+            disk_used: float | None = round((disk.f_blocks - disk.f_bfree) * disk.f_frsize / 2**20, 1)
+        except OSError:
+            disk_used = None
+        if self.workspace.image is None:
+            disk_used = _dir_size_mb(self.workspace.path)
+        return {
+            "memory_mb": _memory_used_mb(self.kernel) if self.kernel is not None and self.kernel.alive else None,
+            "memory_peak_mb": round(peak / 2**20, 1) if cgroup and (peak := cgroup.memory_peak_bytes()) else None,
+            "pids": cgroup.pids_current() if cgroup is not None else None,
+            "disk_mb": disk_used,
+        }
+
     def status(self) -> SessionStatus:
         kernel = self.kernel
         alive = kernel is not None and kernel.alive
@@ -261,6 +283,8 @@ class Session:
             uptime_s=now - self.created_at,
             kernel_uptime_s=(now - kernel.started_at) if kernel is not None and alive else 0.0,
             memory_used_mb=_memory_used_mb(kernel) if kernel is not None and alive else None,
+            usage=self.usage(),
+            idle_s=0.0 if self.busy else now - self.last_used,
             restarts=self.restarts,
             network=self.options.network,
             timeout_s=self.options.timeout_s,
@@ -292,7 +316,20 @@ class SessionManager:
             log.info("removed %d session dir(s) left by a server that is gone", removed)
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
+        self._task_group.start_soon(self._reap_idle)
         return self
+
+    async def _reap_idle(self) -> None:
+        """Close sessions nobody used for idle_timeout_s (their sandboxes hold memory and disk)."""
+        limit = self.settings.idle_timeout_s
+        while True:
+            await anyio.sleep(min(max(limit / 4, 0.5), 30.0))
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                if not session.busy and now - session.last_used > limit:
+                    log.info("closing session %s… after %.0fs idle", session.session_id[:6], now - session.last_used)
+                    with contextlib.suppress(SessionError):
+                        await self.close(session.session_id)
 
     async def __aexit__(self, *exc_info: object) -> None:
         with anyio.move_on_after(SHUTDOWN_TIMEOUT_S, shield=True):
@@ -457,6 +494,19 @@ def _memory_used_mb(kernel: Kernel) -> float | None:
     if kernel.process is None:
         return None
     return kernel.process.memory_used_mb() or _tree_rss_mb(kernel.process.pid)
+
+
+def _dir_size_mb(path: Path) -> float | None:
+    """Bytes under `path` (no link following); bounded by the entries a workspace can hold."""
+    total = 0
+    try:
+        for root, _dirs, files in os.walk(path):
+            for name in files:
+                with contextlib.suppress(OSError):
+                    total += os.lstat(os.path.join(root, name)).st_size
+    except OSError:
+        return None
+    return round(total / 2**20, 1)
 
 
 def _tree_rss_mb(pid: int) -> float | None:

@@ -1,0 +1,115 @@
+"""Faults around the server: clients that vanish, servers that are told to stop."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from .conftest import SERVER_CMD, ServerDirs, http_server, run, sandbox_processes_alive, server_env, text_of, wait_until
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+VANISHING_CLIENT = """
+import sys, anyio
+from mcp import Client
+async def main():
+    async with Client(sys.argv[1]) as client:
+        print("calling", flush=True)
+        await client.call_tool("run_python", {"code": "while True:\\n    pass", "timeout_s": 300})
+anyio.run(main)
+"""
+
+
+async def test_http_client_vanishing_mid_run_interrupts_the_cell(dirs: ServerDirs, tmp_path: Path) -> None:
+    script = tmp_path / "vanish.py"
+    script.write_text(VANISHING_CLIENT)
+    with http_server(server_env(dirs)) as url:
+        client_process = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE)
+        try:
+            assert client_process.stdout is not None
+            assert client_process.stdout.readline().strip() == b"calling"
+            await anyio.sleep(2.0)
+        finally:
+            client_process.kill()
+            client_process.wait(timeout=10)
+        async with Client(url) as client:
+            began = time.monotonic()
+            # The default session is shared over HTTP: had the cell kept running, this would be "busy".
+            result = await run(client, "1 + 1", timeout_s=15)
+            assert not result.is_error, text_of(result)
+            assert text_of(result).splitlines()[0] == "2"
+            assert time.monotonic() - began < 10
+
+
+async def test_sigterm_to_stdio_server_closes_every_sandbox_within_bound(dirs: ServerDirs) -> None:
+    server = subprocess.Popen(
+        [*SERVER_CMD], env=server_env(dirs), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert server.stdin and server.stdout
+        for message in (
+            {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+                "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "create_session", "arguments": {}}},
+            {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
+                "name": "run_python", "arguments": {"code": "1"}}},
+        ):  # fmt: skip
+            server.stdin.write((json.dumps(message) + "\n").encode())
+            server.stdin.flush()
+        replies = 0
+        while replies < 3:
+            line = server.stdout.readline()
+            assert line, "server closed stdout"
+            replies += b'"id":' in line
+        assert len(sandbox_processes_alive(dirs)) >= 2
+        began = time.monotonic()
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=20)
+        assert time.monotonic() - began < 15, "sessions must be shut down within the bound"
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=5)
+    assert [p for p in dirs.workspaces.iterdir()] == [], "SIGTERM closes sessions and removes their workspaces"
+
+
+STDIO_VANISHING_CLIENT = """
+import json, sys, anyio
+from mcp import Client, StdioServerParameters
+async def main():
+    params = StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"],
+                                   env=json.loads(sys.argv[1]))
+    async with Client(params) as client:
+        await client.call_tool("run_python", {"code": "1"})
+        print("calling", flush=True)
+        await client.call_tool("run_python", {"code": "while True:\\n    pass", "timeout_s": 300})
+anyio.run(main)
+"""
+
+
+async def test_stdio_client_killed_mid_run_leaves_no_sandbox(dirs: ServerDirs, tmp_path: Path) -> None:
+    script = tmp_path / "vanish_stdio.py"
+    script.write_text(STDIO_VANISHING_CLIENT)
+    client_process = subprocess.Popen(
+        [sys.executable, str(script), json.dumps(server_env(dirs))], stdout=subprocess.PIPE, cwd=str(Path.cwd())
+    )
+    try:
+        assert client_process.stdout is not None
+        assert client_process.stdout.readline().strip() == b"calling"
+        await anyio.sleep(1.0)
+        assert sandbox_processes_alive(dirs)
+    finally:
+        client_process.kill()
+        client_process.wait(timeout=10)
+    # The orphaned server sees stdin close, interrupts nothing it needs to keep, and takes its sandboxes down.
+    assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=20)
+    assert await wait_until(lambda: not [p for p in dirs.workspaces.iterdir()], timeout_s=10)
