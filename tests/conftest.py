@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -156,6 +157,42 @@ def transport(request: pytest.FixtureRequest) -> str:
 async def client(transport: str, dirs: ServerDirs) -> AsyncIterator[Client]:
     async with open_client(transport, server_env(dirs)) as connected:
         yield connected
+
+
+@contextlib.contextmanager
+def raw_stdio_server(
+    env: dict[str, str], tool_calls: list[tuple[str, dict[str, object]]]
+) -> Iterator[subprocess.Popen[bytes]]:
+    """A stdio server driven by hand (no client library), for tests that kill or signal it.
+
+    Yields once the handshake and every call in `tool_calls` have been answered; kills it on exit.
+    """
+    server = subprocess.Popen(
+        SERVER_CMD, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        assert server.stdin and server.stdout
+        handshake = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}
+        messages: list[dict[str, object]] = [
+            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": handshake},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+        ]
+        for number, (name, arguments) in enumerate(tool_calls, start=1):
+            params = {"name": name, "arguments": arguments}
+            messages.append({"jsonrpc": "2.0", "id": number, "method": "tools/call", "params": params})
+        for message in messages:
+            server.stdin.write((json.dumps(message) + "\n").encode())
+            server.stdin.flush()
+        replies = 0
+        while replies < len(tool_calls) + 1:
+            line = server.stdout.readline()
+            assert line, "server closed stdout"
+            replies += b'"id":' in line
+        yield server
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)
 
 
 def text_of(result: CallToolResult) -> str:

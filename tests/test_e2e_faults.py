@@ -13,7 +13,16 @@ import anyio
 import pytest
 from mcp import Client
 
-from .conftest import SERVER_CMD, ServerDirs, http_server, run, sandbox_processes_alive, server_env, text_of, wait_until
+from .conftest import (
+    ServerDirs,
+    http_server,
+    raw_stdio_server,
+    run,
+    sandbox_processes_alive,
+    server_env,
+    text_of,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -50,34 +59,13 @@ async def test_http_client_vanishing_mid_run_interrupts_the_cell(dirs: ServerDir
 
 
 async def test_sigterm_to_stdio_server_closes_every_sandbox_within_bound(dirs: ServerDirs) -> None:
-    server = subprocess.Popen(
-        [*SERVER_CMD], env=server_env(dirs), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
-    )
-    try:
-        assert server.stdin and server.stdout
-        for message in (
-            {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-                "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}},
-            {"jsonrpc": "2.0", "method": "notifications/initialized"},
-            {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "create_session", "arguments": {}}},
-            {"jsonrpc": "2.0", "id": 3, "method": "tools/call", "params": {
-                "name": "run_python", "arguments": {"code": "1"}}},
-        ):  # fmt: skip
-            server.stdin.write((json.dumps(message) + "\n").encode())
-            server.stdin.flush()
-        replies = 0
-        while replies < 3:
-            line = server.stdout.readline()
-            assert line, "server closed stdout"
-            replies += b'"id":' in line
+    calls: list[tuple[str, dict[str, object]]] = [("create_session", {}), ("run_python", {"code": "1"})]
+    with raw_stdio_server(server_env(dirs), calls) as server:
         assert len(sandbox_processes_alive(dirs)) >= 2
         began = time.monotonic()
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=20)
         assert time.monotonic() - began < 15, "sessions must be shut down within the bound"
-    finally:
-        if server.poll() is None:
-            server.kill()
     assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=5)
     assert [p for p in dirs.workspaces.iterdir()] == [], "SIGTERM closes sessions and removes their workspaces"
 

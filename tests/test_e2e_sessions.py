@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import time
 
 import anyio
@@ -14,9 +13,9 @@ import pytest
 from mcp import Client
 
 from .conftest import (
-    SERVER_CMD,
     ServerDirs,
     open_client,
+    raw_stdio_server,
     run,
     sandbox_processes_alive,
     server_env,
@@ -108,33 +107,10 @@ async def test_stdio_server_exit_leaves_no_sandbox_behind(dirs: ServerDirs) -> N
 
 async def test_sigkilled_server_leaves_no_sandbox_and_next_start_cleans_up(dirs: ServerDirs) -> None:
     env = server_env(dirs)
-    server = subprocess.Popen(
-        [*SERVER_CMD, "--transport", "stdio"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        assert server.stdin and server.stdout
-        # Minimal MCP exchange by hand, so that the server starts a sandbox before we kill it.
-        for message in (
-            {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
-                "protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}},
-            {"jsonrpc": "2.0", "method": "notifications/initialized"},
-            {"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {
-                "name": "run_python", "arguments": {"code": "1"}}},
-        ):  # fmt: skip
-            server.stdin.write((json.dumps(message) + "\n").encode())
-            server.stdin.flush()
-        replies = 0
-        while replies < 2:
-            line = server.stdout.readline()
-            assert line, "server closed stdout"
-            replies += '"id":' in line.decode()
+    with raw_stdio_server(env, [("run_python", {"code": "1"})]) as server:
         assert sandbox_processes_alive(dirs)
         os.kill(server.pid, signal.SIGKILL)
         server.wait(timeout=10)
-    finally:
-        if server.poll() is None:
-            server.kill()
     assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "sandbox outlived a SIGKILLed server"
     assert [p for p in dirs.runtime.iterdir() if not p.name.startswith("guest-")], "the killed server left dirs"
     async with open_client("stdio", env) as client:
