@@ -13,6 +13,7 @@ import anyio
 from . import __version__, doctor, sandbox_env
 from .config import ConfigError, Settings, load_settings
 from .kernel import KernelStartError
+from .mounts import MountError
 from .sandbox import BwrapUnavailable, make_backend
 from .sessions import SessionError, SessionManager
 
@@ -29,6 +30,15 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, help="HTTP port (default 8765)")
     _add_session_flags(serve)
     serve.add_argument("--max-sessions", type=int)
+    serve.add_argument(
+        "--mount",
+        dest="mounts",
+        action="append",
+        metavar="HOST:SANDBOX[:ro|rw]",
+        help="share a host folder with every session (repeatable; read-only unless :rw)",
+    )
+    serve.add_argument("--export-dir", type=Path, help="the folder download_file writes to")
+    serve.add_argument("--import-dir", dest="import_dirs", type=Path, action="append", help="upload_file source")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     run = commands.add_parser("run", help="run code once in a fresh sandboxed session and print the result")
@@ -60,6 +70,9 @@ def _settings(args: argparse.Namespace) -> Settings:
             "sandbox_env",
             "max_sessions",
             "log_level",
+            "mounts",
+            "export_dir",
+            "import_dirs",
         )
     }
     return load_settings(args.config, **flags)
@@ -93,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
             print(f"sandbox environment ready: {settings.sandbox_env}")
             return 0
-    except (BwrapUnavailable, SessionError, KernelStartError, sandbox_env.SetupError) as exc:
+    except (BwrapUnavailable, SessionError, KernelStartError, sandbox_env.SetupError, MountError) as exc:
         print(f"coderunner: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -7,13 +7,15 @@ from pathlib import Path
 from typing import Any, Literal
 
 import platformdirs
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
 )
+
+from .mounts import MountSpec
 
 APP_NAME = "coderunner"
 
@@ -32,6 +34,12 @@ def default_data_dir() -> Path:
     if os.getuid() == 0:
         return Path("/var/lib") / APP_NAME
     return Path(platformdirs.user_data_dir(APP_NAME))
+
+
+def default_export_dir() -> Path:
+    if os.getuid() == 0:
+        return Path("/var/lib") / APP_NAME / "outputs"
+    return Path.home() / "coderunner" / "outputs"
 
 
 def default_runtime_dir() -> Path:
@@ -88,6 +96,24 @@ class Settings(BaseSettings):
     max_sessions: int = Field(default=8, ge=1)
     idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
 
+    # Files.
+    mounts: list[MountSpec] = Field(
+        default_factory=list,
+        description="Host folders every session sees: [{host, sandbox, mode}] or 'HOST:SANDBOX[:ro|rw]'.",
+    )
+    export_dir: Path | None = Field(
+        default_factory=lambda: default_export_dir(),
+        description="The one folder download_file may write (and sessions see rw at export_mount); empty to disable.",
+    )
+    export_mount: str = Field(default="/mnt/outputs", description="Where the export folder appears inside.")
+    import_dirs: list[Path] = Field(default_factory=list, description="Host folders upload_file may read from.")
+    allowed_mount_roots: list[Path] = Field(
+        default_factory=list, description="Host folders under which create_session may mount more folders."
+    )
+    transfer_limit_bytes: int = Field(default=512 * 2**20, ge=0, description="Largest upload or download.")
+    read_limit_bytes: int = Field(default=256 * 1024, ge=1024, description="Most bytes read_file returns inline.")
+    resource_limit_bytes: int = Field(default=16 * 2**20, ge=1024, description="Largest sandbox:// resource read.")
+
     # Execution.
     timeout_s: float = Field(default=60.0, gt=0, description="Default wall-time limit of one run_python call.")
     max_timeout_s: float = Field(default=3600.0, gt=0, description="Largest timeout_s a caller may ask for.")
@@ -107,6 +133,14 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    @field_validator("mounts", mode="before")
+    @classmethod
+    def _mount_strings(cls, value: Any) -> Any:
+        """Accept the flag form "HOST:SANDBOX[:ro|rw]" wherever a mount is expected."""
+        if isinstance(value, list):
+            return [MountSpec.parse(item) if isinstance(item, str) else item for item in value]
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
 
+from .file_results import resource_link
 from .kernel import RunOutcome, RunStatus
 
 
@@ -21,7 +22,8 @@ class ExecutionResult:
     def is_error(self) -> bool:
         return self.outcome.status is not RunStatus.OK
 
-    def to_call_result(self) -> CallToolResult:
+    def to_call_result(self, session_id: str | None = None) -> CallToolResult:
+        """Text, then one image per inline image, then links to what was saved in the workspace."""
         output = self.outcome.output
         text = output.text()
         lines: list[str] = []
@@ -39,6 +41,10 @@ class ExecutionResult:
         content.extend(
             ImageContent(type="image", data=image.data_b64, mime_type=image.mime_type) for image in output.images
         )
+        if session_id is not None:
+            saved = [output.spill_path] if output.spill_path else []
+            saved += [path for path in output.saved_images if path.startswith("/")]
+            content.extend(resource_link(session_id, path) for path in saved)
         return CallToolResult(content=content, is_error=self.is_error)
 
 

@@ -2,20 +2,27 @@
 
 # No `from __future__ import annotations`: tool signatures are read at runtime and use closures.
 
+import base64
+import binascii
 import json
+import posixpath
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver import Context, MCPServer
+from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from . import __version__
+from .file_results import read_file_result
+from .files import FileAccessError, copy
 from .kernel import KernelStartError
 from .output import OutputCollector
 from .results import error_result
 from .sessions import Session, SessionError, SessionManager
+from .transfers import export_target, import_source
 
 INSTRUCTIONS = """\
 CodeRunner runs Python in a persistent Jupyter kernel inside a sandbox on the user's machine.
@@ -46,7 +53,7 @@ async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolRes
     """Errors a caller can act on become isError results with a plain message."""
     try:
         return await call()
-    except (SessionError, KernelStartError) as exc:
+    except (SessionError, KernelStartError, FileAccessError) as exc:
         return error_result(str(exc))
 
 
@@ -79,7 +86,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         async def call() -> CallToolResult:
             session = await manager.resolve(session_id)
             result = await session.run(code, timeout_s, progress)
-            return result.to_call_result()
+            return result.to_call_result(session.session_id)
 
         return await _guarded(call)
 
@@ -146,5 +153,119 @@ def build_server(manager: SessionManager) -> MCPServer:
             return _json_result({"sessions": [_session_summary(s, manager) for s in manager.list()]})
 
         return await _guarded(call)
+
+    @server.tool(structured_output=False)
+    async def list_files(
+        path: Annotated[
+            str, Field(description="Folder inside the sandbox (relative paths start at /workspace).")
+        ] = "/workspace",
+        depth: Annotated[int, Field(ge=1, le=5, description="How many folder levels to list.")] = 1,
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """List files in the session's workspace or a mounted folder (paths as the sandbox sees them)."""
+
+        async def call() -> CallToolResult:
+            session = await manager.resolve(session_id)
+            entries = session.files.list(path, depth)
+            return _json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False)
+    async def read_file(
+        path: Annotated[str, Field(description="File inside the sandbox, e.g. /workspace/out.csv or data.csv.")],
+        session_id: SessionId = None,
+        offset: Annotated[int, Field(ge=0, description="Byte to start at (text).")] = 0,
+        length: Annotated[int | None, Field(ge=1, description="Bytes to return (text).")] = None,
+        start_line: Annotated[int | None, Field(ge=1, description="First line (1-based) to return.")] = None,
+        end_line: Annotated[int | None, Field(ge=1, description="Last line to return.")] = None,
+    ) -> CallToolResult:
+        """Read a file from the sandbox: text (with byte or line ranges), images as images, other
+        binary inline when small; anything bigger comes back as a resource link."""
+
+        async def call() -> CallToolResult:
+            session = await manager.resolve(session_id)
+            return read_file_result(
+                session.files, session.session_id, path, limit=settings.read_limit_bytes,
+                image_limit=settings.image_limit_bytes, offset=offset, length=length,
+                start_line=start_line, end_line=end_line,
+            )  # fmt: skip
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False)
+    async def write_file(
+        path: Annotated[str, Field(description="File inside the sandbox (workspace or a rw mount).")],
+        content: Annotated[str, Field(description="Text, or base64 when encoding is 'base64'.")],
+        encoding: Literal["text", "base64"] = "text",
+        overwrite: bool = True,
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Write a file into the sandbox's workspace or a writable mount (folders are created)."""
+
+        async def call() -> CallToolResult:
+            session = await manager.resolve(session_id)
+            try:
+                data = base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
+            except binascii.Error:
+                return error_result("content is not valid base64")
+            written = session.files.write(path, data, overwrite=overwrite)
+            return _json_result({"path": written, "bytes": len(data)})
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False)
+    async def upload_file(
+        host_path: Annotated[str, Field(description="Absolute host path inside one of the import folders.")],
+        sandbox_path: Annotated[str | None, Field(description="Destination; default /workspace/NAME.")] = None,
+        overwrite: bool = False,
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Copy a file from a host import folder (configured by the user) into the sandbox."""
+
+        async def call() -> CallToolResult:
+            session = await manager.resolve(session_id)
+            source = import_source(settings.import_dirs, host_path)
+            target = sandbox_path or posixpath.basename(source.path)
+            copied, _, written = copy(source.view, source.path, session.files, target,
+                                      limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
+            return _json_result({"host_path": str(source.host_path(source.path)), "sandbox_path": written,
+                                 "bytes": copied})  # fmt: skip
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False)
+    async def download_file(
+        sandbox_path: Annotated[str, Field(description="File inside the sandbox.")],
+        host_path: Annotated[
+            str | None, Field(description="Where in the export folder (relative, or absolute inside it).")
+        ] = None,
+        overwrite: bool = False,
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Copy a file out of the sandbox into the export folder on the host (the only place it may go)."""
+
+        async def call() -> CallToolResult:
+            session = await manager.resolve(session_id)
+            target = export_target(settings.export_dir, host_path, posixpath.basename(sandbox_path),
+                                   manager.backend.host_owner)  # fmt: skip
+            copied, read_from, written = copy(session.files, sandbox_path, target.view, target.path,
+                                              limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
+            return _json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),
+                                 "bytes": copied})  # fmt: skip
+
+        return await _guarded(call)
+
+    @server.resource(
+        "sandbox://{session_id}/{+path}",
+        name="sandbox-file",
+        description="A file in a session's workspace or mounts, e.g. sandbox://SESSION/workspace/out.csv",
+    )
+    async def sandbox_file(session_id: str, path: str) -> bytes:
+        session = await manager.resolve(session_id)
+        data, size, _ = session.files.read("/" + path, limit=settings.resource_limit_bytes + 1)
+        if size > settings.resource_limit_bytes:
+            raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")
+        return data
 
     return server

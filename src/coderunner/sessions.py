@@ -23,10 +23,12 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .config import MIN_MEMORY_MB, Settings
+from .files import SandboxFiles
 from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
+from .mounts import MountError, MountSpec, check_distinct, prepare_export_dir, resolve_mount
 from .output import OutputCollector, WorkspaceWriter
 from .results import ExecutionResult
-from .sandbox.base import LimitReport, Limits, SandboxBackend, SandboxSpec
+from .sandbox.base import LimitReport, Limits, Mount, SandboxBackend, SandboxSpec
 from .sandbox.identity import ensure_private_dir
 from .workspace import Workspace, WorkspaceError, remove_workspace
 
@@ -52,6 +54,7 @@ class SessionOptions:
     network: str
     limits: Limits
     timeout_s: float
+    mounts: tuple[Mount, ...] = ()
 
 
 @dataclass
@@ -68,6 +71,7 @@ class SessionStatus:
     network: str
     timeout_s: float
     workspace: str
+    mounts: list[dict[str, str]]
     limits: dict[str, LimitReport]
     isolation: str
 
@@ -101,7 +105,14 @@ class Session:
             runtime_dir=self.runtime_dir,
             limits=self.options.limits,
             network=self.options.network,
+            mounts=self.options.mounts,
         )
+
+    @property
+    def files(self) -> SandboxFiles:
+        """The session's files as the host may touch them: workspace and mounts, symlink-safe."""
+        workspace = Mount(self.workspace.path, self.backend.workspace_path, writable=True)
+        return SandboxFiles([workspace, *self.options.mounts], owner=self.backend.host_owner)
 
     async def start_kernel(self) -> None:
         kernel = Kernel(self.backend, self.spec, self.task_group, generation=self._generation)
@@ -289,6 +300,10 @@ class Session:
             network=self.options.network,
             timeout_s=self.options.timeout_s,
             workspace=self.backend.workspace_path,
+            mounts=[
+                {"sandbox": m.sandbox, "host": str(m.host), "mode": "rw" if m.writable else "ro"}
+                for m in self.options.mounts
+            ],
             limits={
                 **self.backend.limit_reports(self.options.limits),
                 "disk_mb": LimitReport(self.workspace.size_mb, self.workspace.enforced_by),
@@ -307,10 +322,12 @@ class SessionManager:
         self._default_id: str | None = None
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
+        self.base_mounts: list[Mount] = []
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
         ensure_private_dir(self.settings.workspaces_dir, self.backend.dir_mode)
+        self.base_mounts = self._configured_mounts()
         removed = remove_stale_sessions(self.settings.runtime_dir, self.settings.workspaces_dir, self.backend)
         if removed:
             log.info("removed %d session dir(s) left by a server that is gone", removed)
@@ -344,6 +361,7 @@ class SessionManager:
         memory_mb: int | None = None,
         cpus: float | None = None,
         timeout_s: float | None = None,
+        mounts: list[MountSpec] | None = None,
     ) -> SessionOptions:
         network = network or self.settings.network
         problem = self.backend.network_problem(network)
@@ -365,7 +383,42 @@ class SessionManager:
                 disk_mb=self.settings.disk_mb,
             ),
             timeout_s=timeout_s or self.settings.timeout_s,
+            mounts=(*self.base_mounts, *self._session_mounts(mounts or [])),
         )
+
+    def _protected_paths(self) -> list[Path]:
+        """Folders no mount may overlap: other sessions' workspaces and sockets, the sandbox env."""
+        return [self.settings.runtime_dir, self.settings.workspaces_dir, self.settings.sandbox_env]
+
+    def _configured_mounts(self) -> list[Mount]:
+        """The server-wide mounts: the export folder (rw) plus the configured ones. Raises MountError."""
+        identity = self.backend.identity
+        specs = list(self.settings.mounts)
+        if self.settings.export_dir is not None:
+            export = prepare_export_dir(self.settings.export_dir, identity)
+            specs.insert(0, MountSpec(host=export, sandbox=self.settings.export_mount, mode="rw"))
+        mounts = [resolve_mount(spec, protected=self._protected_paths(), identity=identity) for spec in specs]
+        check_distinct(mounts)
+        return mounts
+
+    def _session_mounts(self, specs: list[MountSpec]) -> list[Mount]:
+        """Mounts asked for by create_session: only under a folder the configuration allows."""
+        roots = [root.expanduser().resolve() for root in self.settings.allowed_mount_roots]
+        mounts = []
+        for spec in specs:
+            try:
+                mount = resolve_mount(spec, protected=self._protected_paths(), identity=self.backend.identity)
+            except MountError as exc:
+                raise SessionError(str(exc)) from None
+            if not any(mount.host == root or root in mount.host.parents for root in roots):
+                allowed = ", ".join(str(root) for root in roots) or "none are configured (allowed_mount_roots)"
+                raise SessionError(f"{mount.host} may not be mounted: sessions may mount only under {allowed}")
+            mounts.append(mount)
+        try:
+            check_distinct([*self.base_mounts, *mounts])
+        except MountError as exc:
+            raise SessionError(str(exc)) from None
+        return mounts
 
     async def create(self, options: SessionOptions | None = None) -> Session:
         options = options or self.options()

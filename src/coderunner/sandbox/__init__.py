@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
-from ..config import Settings
+from typing import TYPE_CHECKING
+
 from .base import LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec
 from .bwrap import BwrapBackend, BwrapUnavailable
 from .identity import IdentityError, sandbox_identity
+
+if TYPE_CHECKING:
+    from ..config import Settings
 
 __all__ = [
     "BwrapBackend",

@@ -18,6 +18,7 @@ import anyio
 from anyio.abc import Process, TaskGroup
 
 from .cgroups import SessionCgroup
+from .identity import HostIdentity
 
 #: How much of a sandbox's own stderr (bwrap errors, kernel crash text) is kept for error messages.
 STDERR_TAIL_BYTES = 16 * 1024
@@ -49,6 +50,15 @@ class LimitReport:
 
 
 @dataclass(frozen=True)
+class Mount:
+    """A host folder as it appears inside the sandbox."""
+
+    host: Path
+    sandbox: str
+    writable: bool
+
+
+@dataclass(frozen=True)
 class SandboxSpec:
     """Everything one sandbox needs from the host side.
 
@@ -61,6 +71,7 @@ class SandboxSpec:
     runtime_dir: Path
     limits: Limits = field(default_factory=Limits)
     network: str = "none"
+    mounts: tuple[Mount, ...] = ()
 
 
 class SandboxBackend(Protocol):
@@ -75,6 +86,8 @@ class SandboxBackend(Protocol):
     host_owner: tuple[int, int] | None
     #: Mode for parents of session dirs (passable by the sandbox's host user).
     dir_mode: int
+    #: The host user sandboxes run as when it is not the server's own, else None.
+    identity: HostIdentity | None
 
     def describe_isolation(self) -> str:
         """One line for status and capabilities: what separates the sandbox from the host."""

@@ -157,6 +157,7 @@ class BwrapCommand:
             "--dir", HOME,
             "--bind", str(spec.runtime_dir), str(spec.runtime_dir),
             "--bind", str(spec.workspace), WORKSPACE,
+            *_mount_binds(spec),
             "--chdir", WORKSPACE,
             "--remount-ro", "/",
             "--clearenv",
@@ -179,6 +180,13 @@ class BwrapCommand:
             if (proc / name).is_dir():
                 args += ["--tmpfs", f"/proc/{name}"]
         return args
+
+
+def _mount_binds(spec: SandboxSpec) -> list[str]:
+    args: list[str] = []
+    for mount in spec.mounts:
+        args += ["--bind" if mount.writable else "--ro-bind", str(mount.host), mount.sandbox]
+    return args
 
 
 def install_guest(runtime_base: Path) -> Path:
