@@ -1,0 +1,328 @@
+"""Files in and out, end to end through the MCP client: the user stories, then every way out."""
+
+from __future__ import annotations
+
+import base64
+import csv
+import hashlib
+import json
+import os
+import pwd
+import random
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from datetime import date, timedelta
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from .conftest import ServerDirs, images_of, open_client, run, server_env, text_of
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+
+@dataclass
+class Host:
+    """Host folders the user chose, and everything else the test watches for changes."""
+
+    data: Path
+    out: Path
+    imports: Path
+    elsewhere: Path
+
+
+def sandbox_owner() -> tuple[int, int] | None:
+    """A root server's sandboxes run as coderunner-sandbox (else nobody): rw folders must be theirs."""
+    if os.getuid() != 0:
+        return None
+    for name in ("coderunner-sandbox", "nobody"):
+        try:
+            entry = pwd.getpwnam(name)
+            return entry.pw_uid, entry.pw_gid
+        except KeyError:
+            continue
+    return None
+
+
+@pytest.fixture
+def host(dirs: ServerDirs) -> Host:
+    folders = Host(*(dirs.root / name for name in ("data", "out", "imports", "elsewhere")))
+    for folder in (folders.data, folders.out, folders.imports, folders.elsewhere):
+        folder.mkdir(mode=0o755)
+    if (owner := sandbox_owner()) is not None:
+        os.chown(folders.out, *owner)
+    rng = random.Random(7)
+    with open(folders.data / "sales.csv", "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(["date", "region", "units", "price"])
+        for day in range(1, 121):
+            for region in ("north", "south", "east", "west"):
+                units = rng.randint(5, 50) if (day, region) != (45, "east") else 900
+                writer.writerow([(date(2026, 1, 1) + timedelta(days=day - 1)).isoformat(), region, units, 9.5])
+    (folders.imports / "notes.txt").write_text("imported from the host\n")
+    (folders.elsewhere / "secret.txt").write_text("not for the sandbox\n")
+    os.symlink(folders.elsewhere / "secret.txt", folders.imports / "sneaky-link.txt")
+    return folders
+
+
+def files_env(dirs: ServerDirs, host: Host) -> dict[str, str]:
+    return server_env(
+        dirs,
+        CODERUNNER_MOUNTS=json.dumps([f"{host.data}:/data:ro"]),
+        CODERUNNER_EXPORT_DIR=str(host.out),
+        CODERUNNER_EXPORT_MOUNT="/out",
+        CODERUNNER_IMPORT_DIRS=json.dumps([str(host.imports)]),
+    )
+
+
+@pytest.fixture
+async def client(transport: str, dirs: ServerDirs, host: Host) -> AsyncIterator[Client]:
+    async with open_client(transport, files_env(dirs, host)) as connected:
+        yield connected
+
+
+def snapshot(*folders: Path) -> dict[str, str]:
+    """Every file under the folders with a hash of its content: what "nothing else changed" means."""
+    found = {}
+    for folder in folders:
+        for path in sorted(folder.rglob("*")):
+            if path.is_symlink():
+                found[str(path)] = "link:" + os.readlink(path)
+            elif path.is_file():
+                found[str(path)] = hashlib.sha256(path.read_bytes()).hexdigest()
+    return found
+
+
+async def call(client: Client, tool: str, **arguments: object) -> dict:  # type: ignore[type-arg]
+    result = await client.call_tool(tool, arguments)
+    assert not result.is_error, text_of(result)
+    return json.loads(text_of(result))
+
+
+async def refused(client: Client, tool: str, needle: str, **arguments: object) -> str:
+    result = await client.call_tool(tool, arguments)
+    assert result.is_error, f"{tool} {arguments} was not refused: {text_of(result)}"
+    assert needle in text_of(result), text_of(result)
+    return text_of(result)
+
+
+# --- the user stories ----------------------------------------------------------------------------
+
+
+async def test_story_load_a_read_only_host_folder(client: Client, host: Host) -> None:
+    """'Load /data/sales.csv into df. Show schema + 5 sample rows.'"""
+    before = snapshot(host.data, host.out, host.elsewhere)
+    result = await run(client, "import pandas as pd\ndf = pd.read_csv('/data/sales.csv')\nprint(df.dtypes)\ndf.head(5)")
+    text = text_of(result)
+    assert not result.is_error, text
+    assert "region" in text and "units" in text and "int64" in text and "north" in text
+    writes = await run(client, "open('/data/evil.csv', 'w')")
+    assert writes.is_error and "Read-only file system" in text_of(writes)
+    await refused(client, "write_file", "read-only mount /data", path="/data/evil.csv", content="x")
+    assert snapshot(host.data, host.out, host.elsewhere) == before
+
+
+async def test_story_export_only_into_the_chosen_folder(client: Client, host: Host) -> None:
+    """'Pivot by region x month, show top 5 anomalies. Save the anomalies subset to /out/anomalies.csv on host.'"""
+    before = snapshot(host.data, host.elsewhere)
+    result = await run(
+        client,
+        "import pandas as pd\n"
+        "df = pd.read_csv('/data/sales.csv', parse_dates=['date'])\n"
+        "df['month'] = df.date.dt.to_period('M')\n"
+        "pivot = df.pivot_table(index='region', columns='month', values='units', aggfunc='sum')\n"
+        "z = (df.units - df.units.mean()) / df.units.std()\n"
+        "anomalies = df.loc[z.abs().sort_values(ascending=False).index[:5]]\n"
+        "anomalies.to_csv('/out/anomalies.csv', index=False)\n"
+        "print(pivot.shape)\nanomalies",
+    )
+    assert not result.is_error, text_of(result)
+    assert "900" in text_of(result)
+    assert sorted(path.name for path in host.out.iterdir()) == ["anomalies.csv"]
+    assert "900" in (host.out / "anomalies.csv").read_text()
+    assert snapshot(host.data, host.elsewhere) == before
+
+
+async def test_story_chart_and_csv_downloaded_to_the_export_folder_only(client: Client, host: Host) -> None:
+    """'Add a chart of weekly mileage. Save CSV + chart to ./out/ on host (this only).'"""
+    before = snapshot(host.data, host.imports, host.elsewhere)
+    made = await run(
+        client,
+        "import pandas as pd, matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
+        "weeks = pd.DataFrame({'week': range(1, 9), 'km': [21, 25, 30, 18, 33, 35, 28, 40]})\n"
+        "weeks.to_csv('mileage.csv', index=False)\n"
+        "weeks.plot(x='week', y='km', kind='bar').figure.savefig('mileage.png')",
+    )
+    assert not made.is_error, text_of(made)
+    for name in ("mileage.csv", "mileage.png"):
+        copied = await call(client, "download_file", sandbox_path=name)
+        assert copied["host_path"] == str(host.out / name)
+    assert sorted(path.name for path in host.out.iterdir()) == ["mileage.csv", "mileage.png"]
+    assert (host.out / "mileage.png").read_bytes().startswith(b"\x89PNG")
+    assert "40" in (host.out / "mileage.csv").read_text()
+    chart = await client.call_tool("read_file", {"path": "mileage.png"})
+    assert images_of(chart)[0] == (host.out / "mileage.png").read_bytes()
+    await refused(client, "download_file", "already exists", sandbox_path="mileage.csv")
+    assert snapshot(host.data, host.imports, host.elsewhere) == before
+
+
+async def test_story_only_the_chosen_folders_are_visible(client: Client, host: Host) -> None:
+    """'Mount only ~/data and ~/out; everything else is invisible.'"""
+    result = await run(
+        client,
+        "import os, json\n"
+        f"print(json.dumps({{'root': sorted(os.listdir('/')), 'data': os.listdir('/data'),"
+        f" 'elsewhere': os.path.exists({str(host.elsewhere)!r}), 'home': os.path.exists({str(Path.home())!r})}}))",
+    )
+    seen = json.loads(text_of(result).splitlines()[0])
+    assert "sales.csv" in seen["data"]
+    assert seen["elsewhere"] is False and seen["home"] is False
+    assert set(seen["root"]) <= {"bin", "dev", "etc", "lib", "lib64", "opt", "proc", "sbin", "tmp", "usr", "workspace",
+                                 "data", "out", "lib32", "libx32"}  # fmt: skip
+    status = json.loads(text_of(await client.call_tool("session_status", {})))
+    assert {(m["sandbox"], m["mode"]) for m in status["mounts"]} == {("/data", "ro"), ("/out", "rw")}
+
+
+# --- the file tools ------------------------------------------------------------------------------
+
+
+async def test_write_list_read_roundtrip_and_ranges(client: Client) -> None:
+    await call(client, "write_file", path="notes/day1.txt", content="\n".join(f"line {i}" for i in range(1, 101)))
+    await call(client, "write_file", path="blob.bin", content=base64.b64encode(bytes(range(256))).decode(),
+               encoding="base64")  # fmt: skip
+    listing = await call(client, "list_files", path="/workspace", depth=2)
+    paths = {entry["path"]: entry for entry in listing["entries"]}
+    assert paths["/workspace/notes/day1.txt"]["size"] > 0 and paths["/workspace/notes"]["kind"] == "dir"
+    lines = await client.call_tool("read_file", {"path": "notes/day1.txt", "start_line": 10, "end_line": 12})
+    assert text_of(lines).startswith("line 10\nline 11\nline 12\n[lines 10-12]")
+    ranged = await client.call_tool("read_file", {"path": "notes/day1.txt", "offset": 0, "length": 6})
+    assert text_of(ranged).startswith("line 1\n[bytes 0-6 of")
+    blob = await client.call_tool("read_file", {"path": "blob.bin"})
+    embedded = next(block for block in blob.content if block.type == "resource")
+    assert base64.b64decode(embedded.resource.blob) == bytes(range(256))
+    code_sees = await run(client, "open('notes/day1.txt').read().count('line')")
+    assert text_of(code_sees).splitlines()[0] == "100"
+
+
+async def test_big_files_and_spilled_output_come_back_as_resource_links(client: Client) -> None:
+    result = await run(client, "for i in range(100_000):\n    print('row', i)")
+    links = [block for block in result.content if block.type == "resource_link"]
+    assert len(links) == 1 and links[0].uri.startswith("sandbox://")
+    contents = await client.read_resource(links[0].uri)
+    body = contents.contents[0]
+    data = body.text if hasattr(body, "text") else base64.b64decode(body.blob).decode()
+    assert "row 0\n" in data and "row 99999" in data
+    await run(client, "open('big.bin', 'wb').write(bytes(1_000_000))")
+    big = await client.call_tool("read_file", {"path": "big.bin"})
+    assert [block.type for block in big.content] == ["text", "resource_link"]
+
+
+async def test_upload_from_an_import_folder(client: Client, host: Host) -> None:
+    uploaded = await call(client, "upload_file", host_path=str(host.imports / "notes.txt"))
+    assert uploaded["sandbox_path"] == "/workspace/notes.txt"
+    assert "imported from the host" in text_of(await run(client, "open('notes.txt').read()"))
+
+
+# --- every way out -------------------------------------------------------------------------------
+
+
+async def test_paths_outside_the_workspace_and_mounts_are_refused(client: Client) -> None:
+    for path in ("../../etc/passwd", "/etc/passwd", "/workspace/../../root/.bashrc", "/opt/coderunner/env/pyvenv.cfg",
+                 str(Path.home() / ".bashrc")):  # fmt: skip
+        await refused(client, "read_file", "outside what the sandbox shares", path=path)
+    await refused(client, "write_file", "outside what the sandbox shares", path="/tmp/../etc/evil", content="x")
+    await refused(client, "list_files", "outside what the sandbox shares", path="/")
+
+
+async def test_symlinks_out_of_the_workspace_and_mounts_are_refused(client: Client, host: Host) -> None:
+    made = await run(
+        client,
+        "import os\n"
+        "os.symlink('/etc/passwd', 'to-etc')\n"
+        f"os.symlink({str(host.elsewhere / 'secret.txt')!r}, 'to-host-path')\n"
+        "os.symlink('../../../../../../', 'to-root')\n"
+        "os.symlink('/workspace/../../proc/self/environ', '/out/from-export')\n"
+        "os.symlink('/data/sales.csv', 'to-data')\n"
+        "'made'",
+    )
+    assert not made.is_error, text_of(made)
+    for path in ("to-etc", "to-host-path", "to-root/etc/shadow", "/out/from-export"):
+        await refused(client, "read_file", "outside what the sandbox shares", path=path)
+    await refused(client, "write_file", "outside what the sandbox shares", path="to-root/tmp/x", content="x")
+    # A link that stays inside what the sandbox shares is followed, as the sandbox itself would.
+    assert "region" in text_of(await client.call_tool("read_file", {"path": "to-data", "end_line": 1}))
+    await refused(client, "download_file", "outside what the sandbox shares", sandbox_path="to-host-path")
+
+
+async def test_a_symlink_swapped_in_during_reads_never_leaks_host_files(client: Client) -> None:
+    """Sandboxed code flips a path between a file and a link to a host file while the host reads it."""
+    host_secret = Path("/etc/hostname").read_text().strip() or "localhost"
+    flipper = await run(
+        client,
+        "import os, threading\n"
+        "stop = threading.Event()\n"
+        "def flip():\n"
+        "    while not stop.is_set():\n"
+        "        open('.staged', 'w').write('SAFE')\n"
+        "        os.replace('.staged', 'victim')\n"
+        "        os.symlink('/etc/hostname', '.staged-link')\n"
+        "        os.replace('.staged-link', 'victim')\n"
+        "threading.Thread(target=flip, daemon=True).start()\n'flipping'",
+    )
+    assert not flipper.is_error
+    outcomes = {"safe": 0, "refused": 0}
+    for _ in range(150):
+        result = await client.call_tool("read_file", {"path": "victim"})
+        text = text_of(result)
+        if result.is_error:
+            outcomes["refused"] += 1
+        else:
+            assert text == "SAFE", f"the host read something else through a swapped link: {text!r}"
+            outcomes["safe"] += 1
+        assert host_secret not in text or text == "SAFE"
+    await run(client, "stop.set()")
+    assert outcomes["safe"] > 0, outcomes
+
+
+async def test_upload_only_from_import_folders(client: Client, host: Host) -> None:
+    await refused(client, "upload_file", "outside the folders allowed", host_path=str(host.elsewhere / "secret.txt"))
+    await refused(client, "upload_file", "outside the folders allowed",
+                  host_path=str(host.imports / ".." / "elsewhere" / "secret.txt"))  # fmt: skip
+    await refused(client, "upload_file", "outside what the sandbox shares",
+                  host_path=str(host.imports / "sneaky-link.txt"))  # fmt: skip
+
+
+async def test_download_only_into_the_export_folder(client: Client, host: Host) -> None:
+    before = snapshot(host.data, host.imports, host.elsewhere)
+    await call(client, "write_file", path="result.txt", content="done")
+    for target in (str(host.elsewhere / "result.txt"), "../elsewhere/result.txt", "/tmp/result.txt", str(host.out)):
+        result = await client.call_tool("download_file", {"sandbox_path": "result.txt", "host_path": target})
+        assert result.is_error, target
+    # A link planted in the export folder (writable by the sandbox) does not lead the host out.
+    await run(client, f"import os\nos.symlink({str(host.elsewhere)!r}, '/out/escape')")
+    await refused(client, "download_file", "outside what the sandbox shares", sandbox_path="result.txt",
+                  host_path="escape/result.txt")  # fmt: skip
+    assert snapshot(host.data, host.imports, host.elsewhere) == before
+    assert not (host.elsewhere / "result.txt").exists()
+
+
+async def test_special_files_are_refused_without_hanging(client: Client) -> None:
+    await run(client, "import os\nos.mkfifo('pipe')")
+    with anyio.fail_after(10):
+        await refused(client, "read_file", "not a regular file", path="pipe")
+        await refused(client, "write_file", "not a regular file", path="pipe", content="x")
+
+
+async def test_mounting_home_or_root_is_refused(dirs: ServerDirs, host: Host) -> None:
+    import subprocess
+
+    from .conftest import SERVER_CMD
+
+    for bad in (str(Path.home()), "/", str(Path.home().parent)):
+        done = subprocess.run(
+            [*SERVER_CMD, "--mount", f"{bad}:/data:ro"], env=files_env(dirs, host), stdin=subprocess.DEVNULL,
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert done.returncode != 0 and "refusing to mount" in done.stderr, done.stderr
