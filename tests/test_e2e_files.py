@@ -326,3 +326,43 @@ async def test_mounting_home_or_root_is_refused(dirs: ServerDirs, host: Host) ->
             capture_output=True, text=True, timeout=60,
         )  # fmt: skip
         assert done.returncode != 0 and "refusing to mount" in done.stderr, done.stderr
+
+
+# --- workspace lifecycle -------------------------------------------------------------------------
+
+
+async def test_named_persistent_workspace_survives_close_and_server_restart(dirs: ServerDirs, host: Host) -> None:
+    env = files_env(dirs, host)
+    async with open_client("stdio", env) as client:
+        first = await call(client, "create_session", name="analysis", persistent=True)
+        assert first["name"] == "analysis" and first["persistent"] is True
+        await run(client, "state = 'in memory'\nopen('kept.txt', 'w').write('on disk')", session_id=first["session_id"])
+        await refused(client, "create_session", "in use", name="analysis", persistent=True)
+        await call(client, "close_session", session_id=first["session_id"])
+        again = await call(client, "create_session", name="analysis", persistent=True)
+        assert "'on disk'" in text_of(await run(client, "open('kept.txt').read()", session_id=again["session_id"]))
+        lost = await run(client, "state", session_id=again["session_id"])
+        assert lost.is_error and "NameError" in text_of(lost)
+        temporary = await call(client, "create_session", name="scratch")
+        await run(client, "open('gone.txt', 'w').write('x')", session_id=temporary["session_id"])
+    async with open_client("stdio", env) as client:  # a new server process, same configuration
+        reopened = await call(client, "create_session", name="analysis", persistent=True)
+        result = await run(client, "sorted(os.listdir('.')) if (os := __import__('os')) else 0",
+                           session_id=reopened["session_id"])  # fmt: skip
+        assert "kept.txt" in text_of(result)
+    leftovers = sorted(path.name for path in dirs.workspaces.iterdir() if path.is_dir())
+    assert leftovers == ["named-analysis"], "temporary workspaces are removed, the named one is kept"
+
+
+async def test_session_mounts_only_under_allowed_roots(dirs: ServerDirs, host: Host) -> None:
+    project = host.data / "project"
+    project.mkdir()
+    (project / "readme.md").write_text("project files\n")
+    env = {**files_env(dirs, host), "CODERUNNER_ALLOWED_MOUNT_ROOTS": json.dumps([str(host.data)])}
+    async with open_client("stdio", env) as client:
+        session = await call(client, "create_session", mounts=[f"{project}:/project:ro"])
+        seen = await run(client, "open('/project/readme.md').read()", session_id=session["session_id"])
+        assert "project files" in text_of(seen)
+        await refused(client, "create_session", "may not be mounted", mounts=[f"{host.elsewhere}:/elsewhere:ro"])
+        await refused(client, "create_session", "refusing to mount", mounts=["/:/everything:ro"])
+        await refused(client, "create_session", "reserved", mounts=[f"{project}:/usr/project:ro"])

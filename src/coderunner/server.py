@@ -19,6 +19,7 @@ from . import __version__
 from .file_results import read_file_result
 from .files import FileAccessError, copy
 from .kernel import KernelStartError
+from .mounts import MountError, MountSpec
 from .output import OutputCollector
 from .results import error_result
 from .sessions import Session, SessionError, SessionManager
@@ -114,11 +115,30 @@ def build_server(manager: SessionManager) -> MCPServer:
         memory_mb: Annotated[int | None, Field(description="Address-space limit in MiB (at least 512).")] = None,
         cpus: Annotated[float | None, Field(description="CPU limit (reported; enforced where cgroups allow).")] = None,
         timeout_s: Annotated[float | None, Field(description="Default run_python timeout in seconds.")] = None,
+        name: Annotated[str | None, Field(description="A name for the session (and its workspace).")] = None,
+        persistent: Annotated[
+            bool,
+            Field(
+                description="Keep the workspace after the session closes and across server restarts; "
+                "creating a session with the same name later reopens it (kernel state is not kept)."
+            ),
+        ] = False,
+        mounts: Annotated[
+            list[str] | None,
+            Field(description="Extra host folders 'HOST:SANDBOX[:ro|rw]', only under the allowed mount roots."),
+        ] = None,
     ) -> CallToolResult:
         """Start an independent session (own kernel, own workspace) and return its session_id."""
 
         async def call() -> CallToolResult:
-            options = manager.options(network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s)
+            try:
+                specs = [MountSpec.parse(text) for text in mounts or []]
+            except MountError as exc:
+                return error_result(str(exc))
+            options = manager.options(
+                network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name,
+                persistent=persistent,
+            )  # fmt: skip
             session = await manager.create(options)
             return _json_result(_session_summary(session, manager))
 

@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import secrets
 import shutil
 import time
@@ -39,6 +40,7 @@ SHUTDOWN_TIMEOUT_S = 10.0
 #: Bound on waiting for a running call to notice its session is being closed.
 CLOSE_WAIT_S = 5.0
 LOCK_NAME = "lock"
+SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
 
 
 class SessionError(Exception):
@@ -55,11 +57,16 @@ class SessionOptions:
     limits: Limits
     timeout_s: float
     mounts: tuple[Mount, ...] = ()
+    #: A named session's workspace can be persistent: it outlives the session and the server.
+    name: str | None = None
+    persistent: bool = False
 
 
 @dataclass
 class SessionStatus:
     session_id: str
+    name: str | None
+    persistent: bool
     alive: bool
     busy: bool
     uptime_s: float
@@ -261,7 +268,8 @@ class Session:
             if self.kernel is not None:
                 await self.kernel.shutdown()
                 self.kernel = None
-            _remove_session_dirs(self.runtime_dir, self.workspace.path)
+            self.workspace.remove()
+            _remove_session_dirs(self.runtime_dir)
             with contextlib.suppress(OSError):
                 os.close(self.lock_fd)
 
@@ -289,6 +297,8 @@ class Session:
         now = time.monotonic()
         return SessionStatus(
             session_id=self.session_id,
+            name=self.options.name,
+            persistent=self.options.persistent,
             alive=alive,
             busy=self.busy,
             uptime_s=now - self.created_at,
@@ -362,7 +372,13 @@ class SessionManager:
         cpus: float | None = None,
         timeout_s: float | None = None,
         mounts: list[MountSpec] | None = None,
+        name: str | None = None,
+        persistent: bool = False,
     ) -> SessionOptions:
+        if name is not None and not SESSION_NAME.fullmatch(name):
+            raise SessionError(f"session name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
+        if persistent and name is None:
+            raise SessionError("a persistent session needs a name (its workspace is found by it next time)")
         network = network or self.settings.network
         problem = self.backend.network_problem(network)
         if problem:
@@ -384,6 +400,8 @@ class SessionManager:
             ),
             timeout_s=timeout_s or self.settings.timeout_s,
             mounts=(*self.base_mounts, *self._session_mounts(mounts or [])),
+            name=name,
+            persistent=persistent,
         )
 
     def _protected_paths(self) -> list[Path]:
@@ -436,14 +454,17 @@ class SessionManager:
         run_dir = runtime_dir / "run"
         run_dir.mkdir(mode=0o700)
         give(run_dir, self.backend.host_owner)
+        workspace_dir = self.settings.workspaces_dir / (f"named-{options.name}" if options.persistent else short)
         try:
             workspace = Workspace.create(
-                self.settings.workspaces_dir / short, options.limits.disk_mb, self.settings.workspace_quota
+                workspace_dir, options.limits.disk_mb, self.settings.workspace_quota, persistent=options.persistent
             )
         except (OSError, WorkspaceError) as exc:
-            _remove_session_dirs(run_dir, self.settings.workspaces_dir / short)
+            _remove_session_dirs(run_dir)
+            if not options.persistent:
+                remove_workspace(workspace_dir)
             os.close(lock_fd)
-            raise SessionError(f"could not create the session workspace: {exc}") from None
+            raise SessionError(f"could not open the session workspace: {exc}") from None
         give(workspace.path, self.backend.host_owner)
         session = Session(
             session_id=session_id,
@@ -529,16 +550,15 @@ def remove_stale_sessions(runtime_base: Path, workspaces_base: Path, backend: Sa
             continue  # a live server owns it
         finally:
             os.close(fd)
-        workspace = workspaces_base / entry.name
         backend.remove_stale(entry.name)
-        _remove_session_dirs(entry, workspace)
+        remove_workspace(workspaces_base / entry.name)  # named (persistent) workspaces have other names
+        _remove_session_dirs(entry)
         removed += 1
     return removed
 
 
-def _remove_session_dirs(runtime_dir: Path, workspace: Path) -> None:
+def _remove_session_dirs(runtime_dir: Path) -> None:
     top = runtime_dir.parent if runtime_dir.name == "run" else runtime_dir
-    remove_workspace(workspace)
     shutil.rmtree(top, ignore_errors=True)
 
 

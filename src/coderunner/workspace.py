@@ -9,6 +9,7 @@ enforced (the sandbox's /tmp is size-capped either way).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import shutil
@@ -52,34 +53,68 @@ class Workspace:
     path: Path
     size_mb: int | None = None
     image: Path | None = None
+    #: Kept when the session closes (a named session); only unmounted.
+    persistent: bool = False
+    lock_fd: int | None = None
 
     @property
     def enforced_by(self) -> str | None:
         return "loop-mounted ext4 image" if self.image is not None else None
 
     @classmethod
-    def create(cls, path: Path, size_mb: int | None, use_quota: bool) -> Workspace:
-        path.mkdir(mode=0o755)
-        if size_mb is None or not use_quota or quota_problem() is not None:
-            return cls(path, size_mb)
-        image = path.with_name(path.name + ".img")
+    def create(cls, path: Path, size_mb: int | None, use_quota: bool, persistent: bool = False) -> Workspace:
+        """A fresh workspace, or for a persistent one the existing folder (or image) with its files."""
+        lock_fd = _lock_named(path) if persistent else None
         try:
-            with open(image, "wb") as handle:
-                handle.truncate(size_mb * 2**20)
-            _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E",
-                  "lazy_itable_init=1,lazy_journal_init=1", str(image)])  # fmt: skip
-            _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(path)])
-        except (OSError, WorkspaceError):
+            image = path.with_name(path.name + ".img")
+            if persistent and path.is_dir():
+                if image.exists() and not os.path.ismount(path):
+                    _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(path)])
+                return cls(path, size_mb, image if image.exists() else None, persistent, lock_fd)
+            path.mkdir(mode=0o755)
+            if size_mb is None or not use_quota or quota_problem() is not None:
+                return cls(path, size_mb, None, persistent, lock_fd)
+            try:
+                with open(image, "wb") as handle:
+                    handle.truncate(size_mb * 2**20)
+                _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E",
+                      "lazy_itable_init=1,lazy_journal_init=1", str(image)])  # fmt: skip
+                _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(path)])
+            except (OSError, WorkspaceError):
+                with contextlib.suppress(OSError):
+                    image.unlink()
+                raise
             with contextlib.suppress(OSError):
-                image.unlink()
+                (path / "lost+found").rmdir()
+            os.chmod(path, 0o755)
+            return cls(path, size_mb, image, persistent, lock_fd)
+        except BaseException:
+            if lock_fd is not None:
+                os.close(lock_fd)
             raise
-        with contextlib.suppress(OSError):
-            (path / "lost+found").rmdir()
-        os.chmod(path, 0o755)
-        return cls(path, size_mb, image)
 
     def remove(self) -> None:
-        remove_workspace(self.path)
+        """Delete a temporary workspace; a persistent one is only unmounted, its files kept."""
+        if self.persistent:
+            if os.path.ismount(self.path):
+                with contextlib.suppress(WorkspaceError):
+                    _run(["umount", str(self.path)])
+        else:
+            remove_workspace(self.path)
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)
+            self.lock_fd = None
+
+
+def _lock_named(path: Path) -> int:
+    """One server at a time per named workspace: two loop mounts of one image would corrupt it."""
+    fd = os.open(path.with_name(path.name + ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise WorkspaceError(f"the named workspace {path.name} is in use by another session or server") from None
+    return fd
 
 
 def remove_workspace(path: Path) -> None:
