@@ -50,3 +50,20 @@ def test_bad_configuration_is_a_clear_error(tmp_path: Path, text: str, needle: s
     with pytest.raises(ConfigError, match=needle) as caught:
         load_settings(config)
     assert str(config) in str(caught.value)
+
+
+def test_mounts_from_flags_strings_and_an_empty_export_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CODERUNNER_EXPORT_DIR", "")
+    monkeypatch.setenv(
+        "CODERUNNER_MOUNTS", '["/srv/data:/data", {"host": "/srv/out", "sandbox": "/out", "mode": "rw"}]'
+    )
+    settings = load_settings(tmp_path / "absent.toml")
+    assert settings.export_dir is None
+    assert [(str(m.host), m.sandbox, m.mode) for m in settings.mounts] == [
+        ("/srv/data", "/data", "ro"),
+        ("/srv/out", "/out", "rw"),
+    ]
+    flagged = load_settings(tmp_path / "absent.toml", mounts=["/x:/y:rw"])
+    assert [(str(m.host), m.sandbox, m.mode) for m in flagged.mounts] == [("/x", "/y", "rw")]
+    with pytest.raises(ConfigError, match="HOST:SANDBOX"):
+        load_settings(tmp_path / "absent.toml", mounts=["/just-a-path"])

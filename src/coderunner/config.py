@@ -134,6 +134,12 @@ class Settings(BaseSettings):
     port: int = Field(default=8765, ge=0, le=65535)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
 
+    @field_validator("export_dir", mode="before")
+    @classmethod
+    def _no_export(cls, value: Any) -> Any:
+        """An empty export_dir means: no export folder at all."""
+        return None if value in ("", None) else value
+
     @field_validator("mounts", mode="before")
     @classmethod
     def _mount_strings(cls, value: Any) -> Any:
