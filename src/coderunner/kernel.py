@@ -39,6 +39,8 @@ REPLY_WAIT_S = 5.0
 #: Quiet IOPub this long after the execute_reply means the idle status was lost.
 IDLE_AFTER_REPLY_S = 1.0
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg")
+#: The display bundle type guest tools answer with (coderunner_guest.dispatch.RESULT_MIME).
+GUEST_RESULT_MIME = "application/vnd.coderunner.guest+json"
 #: Largest ZMQ message the host accepts from a kernel (a bigger one drops that connection).
 MAX_MESSAGE_BYTES = 32 * 2**20
 
@@ -73,6 +75,8 @@ class RunOutcome:
     duration_s: float = 0.0
     exit_code: int | None = None
     output_lost: bool = False
+    #: What a guest tool answered (see coderunner_guest.dispatch), when this run was one.
+    guest_payload: dict[str, Any] | None = None
 
 
 @dataclass
@@ -201,11 +205,17 @@ class Kernel:
         interrupt_grace_s: float,
         progress: ProgressCallback | None = None,
         progress_interval_s: float = 1.0,
+        silent: bool = False,
     ) -> RunOutcome:
-        """Run `code`; at the deadline interrupt it and give it `interrupt_grace_s` to stop."""
+        """Run `code`; at the deadline interrupt it and give it `interrupt_grace_s` to stop.
+
+        `silent` runs it without history or execution count (guest tool calls).
+        """
         assert self.client is not None
         begun = time.monotonic()
-        msg_id = self.client.execute(code, store_history=True, allow_stdin=False, stop_on_error=False)
+        msg_id = self.client.execute(
+            code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=False
+        )
         run = _Run(msg_id=msg_id, output=output)
         try:
             try:
@@ -232,6 +242,7 @@ class Kernel:
             duration_s=time.monotonic() - begun,
             exit_code=run.exit_code,
             output_lost=run.output_lost,
+            guest_payload=run.guest_payload,
         )
 
     async def _interrupt_and_settle(self, run: _Run, grace_s: float, begun: float) -> RunStatus:
@@ -338,6 +349,7 @@ class _Run:
     reply_at: float | None = None
     #: IOPub messages of this run were dropped (one exceeded MAX_MESSAGE_BYTES).
     output_lost: bool = False
+    guest_payload: dict[str, Any] | None = None
 
     def take_reply(self, reply: dict[str, Any]) -> None:
         self.reply_at = time.monotonic()
@@ -370,6 +382,9 @@ class _Run:
             self.idle = True
 
     def _add_bundle(self, data: dict[str, Any]) -> None:
+        if isinstance(data.get(GUEST_RESULT_MIME), dict):
+            self.guest_payload = data[GUEST_RESULT_MIME]
+            return
         images = [mime for mime in IMAGE_MIME_TYPES if isinstance(data.get(mime), str)]
         for mime in images:
             self.output.add_image(mime, data[mime])

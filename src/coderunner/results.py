@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from typing import Any
 
 from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
 
@@ -46,6 +48,21 @@ class ExecutionResult:
             saved += [path for path in output.saved_images if path.startswith("/")]
             content.extend(resource_link(session_id, path) for path in saved)
         return CallToolResult(content=content, is_error=self.is_error)
+
+
+#: Keys of guest results that carry base64 PNG previews (shown as images, not as text).
+PREVIEW_KEYS = ("preview", "previews")
+
+
+def guest_tool_result(result: dict[str, Any]) -> CallToolResult:
+    """A guest tool's answer: its JSON as text, and every preview as an image."""
+    previews = []
+    for key in PREVIEW_KEYS:
+        value = result.pop(key, None)
+        previews.extend(value if isinstance(value, list) else [value] if isinstance(value, str) else [])
+    content: list[ContentBlock] = [TextContent(type="text", text=json.dumps(result, indent=2))]
+    content.extend(ImageContent(type="image", data=data, mime_type="image/png") for data in previews)
+    return CallToolResult(content=content, structured_content=result)
 
 
 def error_result(message: str) -> CallToolResult:

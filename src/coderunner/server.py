@@ -21,7 +21,7 @@ from .files import FileAccessError, copy
 from .kernel import KernelStartError
 from .mounts import MountError, MountSpec
 from .output import OutputCollector
-from .results import error_result
+from .results import error_result, guest_tool_result
 from .sessions import Session, SessionError, SessionManager
 from .transfers import export_target, import_source
 
@@ -31,6 +31,9 @@ Variables, imports and files in the workspace persist across run_python calls un
 The sandbox has no network and sees none of the user's files: only its own workspace
 (the current directory, /workspace). Charts (matplotlib) come back as images.
 Without session_id every call uses one default session; create_session gives an independent one."""
+
+#: Arguments of guest tools that name a file: resolved (and confined) by the host first.
+PATH_ARGUMENTS = ("output", "output_prefix")
 
 SessionId = Annotated[
     str | None,
@@ -275,6 +278,71 @@ def build_server(manager: SessionManager) -> MCPServer:
                                  "bytes": copied})  # fmt: skip
 
         return await _guarded(call)
+
+    async def guest_tool(
+        tool: str,
+        session_id: str | None,
+        input_path: str,
+        op: str,
+        args: dict[str, Any] | None,
+        timeout_s: float | None,
+    ) -> CallToolResult:
+        async def call() -> CallToolResult:
+            session = await manager.resolve(session_id)
+            arguments = dict(args or {})
+            # Confinement is the host's: every path goes through the session's file view first.
+            for key in PATH_ARGUMENTS:
+                if isinstance(arguments.get(key), str):
+                    arguments[key] = session.files.resolve(arguments[key]).sandbox_path
+            if isinstance(arguments.get("inputs"), list):
+                arguments["inputs"] = [session.files.resolve(str(item)).sandbox_path for item in arguments["inputs"]]
+            payload = {"op": op, "input_path": session.files.resolve(input_path).sandbox_path, "args": arguments}
+            result = await session.call_guest(tool, payload, timeout_s or settings.timeout_s)
+            return guest_tool_result(result)
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False)
+    async def pdf_ops(
+        input_path: Annotated[str, Field(description="PDF inside the sandbox, e.g. report.pdf.")],
+        op: Annotated[
+            str,
+            Field(
+                description="info | extract_text | merge | split | rotate | extract_pages | to_images | "
+                "encrypt | decrypt"
+            ),
+        ],
+        args: Annotated[
+            dict[str, Any] | None,
+            Field(
+                description="Per op: pages ('1-3,5'), output, inputs (merge), ranges + output_prefix (split), "
+                "degrees (rotate), dpi + output_prefix (to_images), password (encrypt/decrypt/read)."
+            ),
+        ] = None,
+        session_id: SessionId = None,
+        timeout_s: Annotated[float | None, Field(gt=0)] = None,
+    ) -> CallToolResult:
+        """Work with PDFs inside the sandbox (the host never parses them); outputs go to the workspace."""
+        return await guest_tool("pdf_ops", session_id, input_path, op, args, timeout_s)
+
+    @server.tool(structured_output=False)
+    async def image_ops(
+        input_path: Annotated[str, Field(description="Image inside the sandbox.")],
+        op: Annotated[
+            str, Field(description="info | resize | thumbnail | crop | rotate | flip | convert | grayscale | ocr")
+        ],
+        args: Annotated[
+            dict[str, Any] | None,
+            Field(
+                description="Per op: width/height (resize), size (thumbnail), left/top/right/bottom (crop), "
+                "degrees (rotate), direction (flip), format png|jpeg|webp|gif|bmp|tiff (convert), lang (ocr), output."
+            ),
+        ] = None,
+        session_id: SessionId = None,
+        timeout_s: Annotated[float | None, Field(gt=0)] = None,
+    ) -> CallToolResult:
+        """Transform or read images inside the sandbox (the host never decodes them); returns a preview."""
+        return await guest_tool("image_ops", session_id, input_path, op, args, timeout_s)
 
     @server.resource(
         "sandbox://{session_id}/{+path}",

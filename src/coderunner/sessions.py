@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import re
@@ -19,6 +20,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -45,6 +47,10 @@ SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
 
 class SessionError(Exception):
     """A request about sessions that cannot be served; the message says what to do instead."""
+
+
+class GuestCallError(SessionError):
+    """A guest tool refused its input or failed; the message is the reason."""
 
 
 class SessionBusy(SessionError):
@@ -232,6 +238,41 @@ class Session:
                 notice="some output was lost: a single message exceeded the host's 32 MiB limit",
             )
         return ExecutionResult(outcome)
+
+    async def call_guest(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Run a guest tool inside this session's kernel; its answer, or GuestCallError with the reason.
+
+        Waits for a busy kernel within `timeout_s`, then answers busy; never leaves a name behind
+        in the user's namespace or history.
+        """
+        call = (
+            f"await __import__('coderunner_guest.dispatch', fromlist=['call']).call({tool!r}, "
+            f"{json.dumps(arguments)!r})"
+        )
+        async with self._exclusive(wait_s=timeout_s):
+            if self.kernel is None or not self.kernel.alive:
+                await self._replace_kernel()
+            assert self.kernel is not None
+            output = OutputCollector(
+                limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0
+            )
+            try:
+                outcome = await self.kernel.execute(
+                    call, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
+                )
+            except anyio.get_cancelled_exc_class():
+                if self.kernel.wedged or not self.kernel.alive:
+                    await self._replace_kernel()
+                raise
+            settled = await self._settle(outcome, timeout_s)
+        payload = outcome.guest_payload
+        if payload is None:
+            detail = settled.notice or output.text().strip()[-1500:] or "no answer"
+            raise GuestCallError(f"{tool} did not complete: {detail}")
+        if not payload.get("ok"):
+            raise GuestCallError(f"{tool}: {payload.get('error', 'failed')}")
+        result = payload.get("result")
+        return result if isinstance(result, dict) else {"result": result}
 
     async def reset(self) -> None:
         """Fresh interpreter state, even while a call runs: interrupt it, and kill it if it ignores that."""

@@ -1,0 +1,151 @@
+"""image_ops, run inside the sandbox: untrusted images are decoded only here (Pillow, Tesseract)."""
+
+import base64
+import io
+import os
+import warnings
+
+from .dispatch import GuestError
+from .paths import existing_file, output_file
+
+OPS = ("info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr")
+FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP", "gif": "GIF", "bmp": "BMP", "tiff": "TIFF"}
+#: Decompression-bomb guard: more pixels than this is refused before decoding.
+MAX_PIXELS = 40_000_000
+MAX_SIDE = 20_000
+PREVIEW_SIZE = 512
+
+
+def run(op, input_path, args=None):
+    if op not in OPS:
+        raise GuestError(f"unknown image op {op!r}; valid ops: {', '.join(OPS)}")
+    return globals()[f"_{op}"](existing_file(input_path), **(args or {}))
+
+
+def _open(path):
+    from PIL import Image, UnidentifiedImageError
+
+    Image.MAX_IMAGE_PIXELS = MAX_PIXELS
+    warnings.simplefilter("error", Image.DecompressionBombWarning)
+    try:
+        image = Image.open(path)
+    except UnidentifiedImageError:
+        raise GuestError(f"{path} is not an image Pillow can read") from None
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning):
+        raise GuestError(f"{path} is too large to decode safely (over {MAX_PIXELS:,} pixels)") from None
+    width, height = image.size
+    if width * height > MAX_PIXELS or max(width, height) > MAX_SIDE:
+        raise GuestError(f"{path} is {width}x{height}: too large to decode safely (limit {MAX_PIXELS:,} pixels)")
+    image.load()
+    return image
+
+
+def _default_output(path, op, extension=None):
+    stem, ext = os.path.splitext(path)
+    return f"{stem}-{op}{'.' + extension if extension else ext or '.png'}"
+
+
+def _save(image, output, fmt=None):
+    output_file(output)
+    fmt = fmt or FORMATS.get(os.path.splitext(output)[1].lstrip(".").lower(), "PNG")
+    if fmt == "JPEG" and image.mode not in ("RGB", "L"):
+        image = image.convert("RGB")
+    image.save(output, fmt)
+    return {
+        "path": output,
+        "width": image.width,
+        "height": image.height,
+        "format": fmt,
+        "bytes": os.path.getsize(output),
+        "preview": _preview(image),
+    }
+
+
+def _preview(image):
+    image = image.copy()
+    image.thumbnail((PREVIEW_SIZE, PREVIEW_SIZE))
+    buffer = io.BytesIO()
+    image.convert("RGBA" if image.mode in ("RGBA", "LA", "P") else "RGB").save(buffer, "PNG")
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+def _info(path):
+    image = _open(path)
+    return {
+        "path": path,
+        "width": image.width,
+        "height": image.height,
+        "mode": image.mode,
+        "format": image.format,
+        "bytes": os.path.getsize(path),
+        "preview": _preview(image),
+    }
+
+
+def _resize(path, width=None, height=None, output=None, keep_aspect=True):
+    image = _open(path)
+    if not width and not height:
+        raise GuestError("resize needs width and/or height")
+    if keep_aspect:
+        ratio = min((width or 10**9) / image.width, (height or 10**9) / image.height)
+        size = (max(1, round(image.width * ratio)), max(1, round(image.height * ratio)))
+    else:
+        size = (int(width or image.width), int(height or image.height))
+    if size[0] * size[1] > MAX_PIXELS:
+        raise GuestError(f"{size[0]}x{size[1]} is too large (limit {MAX_PIXELS:,} pixels)")
+    return _save(image.resize(size), output or _default_output(path, "resized"))
+
+
+def _thumbnail(path, size=256, output=None):
+    image = _open(path)
+    image.thumbnail((int(size), int(size)))
+    return _save(image, output or _default_output(path, "thumb"))
+
+
+def _crop(path, left, top, right, bottom, output=None):
+    image = _open(path)
+    if not (0 <= left < right <= image.width and 0 <= top < bottom <= image.height):
+        raise GuestError(
+            f"crop box ({left}, {top}, {right}, {bottom}) is outside the {image.width}x{image.height} image"
+        )
+    return _save(image.crop((left, top, right, bottom)), output or _default_output(path, "crop"))
+
+
+def _rotate(path, degrees, output=None, expand=True):
+    image = _open(path)
+    return _save(image.rotate(-float(degrees), expand=bool(expand)), output or _default_output(path, "rotated"))
+
+
+def _flip(path, direction="horizontal", output=None):
+    from PIL import Image
+
+    image = _open(path)
+    if direction not in ("horizontal", "vertical"):
+        raise GuestError("direction must be 'horizontal' or 'vertical'")
+    method = Image.Transpose.FLIP_LEFT_RIGHT if direction == "horizontal" else Image.Transpose.FLIP_TOP_BOTTOM
+    return _save(image.transpose(method), output or _default_output(path, "flipped"))
+
+
+def _convert(path, format, output=None):
+    name = str(format).lower()
+    if name not in FORMATS:
+        raise GuestError(f"unknown format {format!r}; use one of {', '.join(sorted(FORMATS))}")
+    image = _open(path)
+    return _save(image, output or _default_output(path, "converted", "jpg" if name == "jpeg" else name), FORMATS[name])
+
+
+def _grayscale(path, output=None):
+    return _save(_open(path).convert("L"), output or _default_output(path, "gray"))
+
+
+def _ocr(path, lang="eng"):
+    import pytesseract
+
+    image = _open(path)
+    try:
+        text = pytesseract.image_to_string(image, lang=lang, timeout=60)
+    except pytesseract.TesseractNotFoundError:
+        raise GuestError("Tesseract is not installed in the sandbox (apt-get install tesseract-ocr)") from None
+    except RuntimeError as exc:
+        raise GuestError(f"OCR failed: {exc}") from None
+    return {"path": path, "text": text, "lang": lang}
