@@ -14,7 +14,7 @@ die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
 [ "$(uname -s)" = "Linux" ] || die "this installer covers Linux (bubblewrap); macOS support comes with the Apple container backend"
 
 # 1. System packages: bubblewrap (the sandbox) and the system python3 + venv (the sandbox's interpreter).
-APT_PACKAGES=(bubblewrap python3 python3-venv util-linux mount e2fsprogs libseccomp2 slirp4netns tesseract-ocr tesseract-ocr-eng)
+APT_PACKAGES=(bubblewrap python3 python3-venv util-linux mount e2fsprogs libseccomp2 slirp4netns tesseract-ocr tesseract-ocr-eng chromium)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

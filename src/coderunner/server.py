@@ -32,6 +32,9 @@ The sandbox has no network and sees none of the user's files: only its own works
 (the current directory, /workspace). Charts (matplotlib) come back as images.
 Without session_id every call uses one default session; create_session gives an independent one."""
 
+#: Default wait for a page, and the extra allowance for starting the browser on first use.
+BROWSER_TIMEOUT_S = 30.0
+BROWSER_START_S = 30.0
 #: Arguments of guest tools that name a file: resolved (and confined) by the host first.
 PATH_ARGUMENTS = ("output", "output_prefix")
 
@@ -343,6 +346,72 @@ def build_server(manager: SessionManager) -> MCPServer:
     ) -> CallToolResult:
         """Transform or read images inside the sandbox (the host never decodes them); returns a preview."""
         return await guest_tool("image_ops", session_id, input_path, op, args, timeout_s)
+
+    async def browser(session_id: str | None, op: str, args: dict[str, Any], timeout_s: float | None) -> CallToolResult:
+        async def call() -> CallToolResult:
+            session = await manager.resolve(session_id)
+            if isinstance(args.get("output"), str):
+                args["output"] = session.files.resolve(args["output"]).sandbox_path
+            limit = (timeout_s or BROWSER_TIMEOUT_S) + BROWSER_START_S
+            result = await session.call_guest("browser", {"op": op, "args": args}, limit)
+            return guest_tool_result(result)
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=True))
+    async def browser_navigate(
+        url: Annotated[
+            str,
+            Field(
+                description="Address to open; with network off only file:///workspace/... "
+                "or a server started inside the sandbox loads."
+            ),
+        ],
+        wait_for: Annotated[str | None, Field(description="CSS selector to wait for after loading.")] = None,
+        timeout_s: Annotated[float | None, Field(gt=0, le=300)] = None,
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Open a page in the session's browser (Chromium inside the sandbox): final url, status, title,
+        visible text (bounded) and link count. The same page is reachable from run_python code."""
+        args = {"url": url, "wait_for": wait_for, "timeout_s": timeout_s or BROWSER_TIMEOUT_S}
+        return await browser(session_id, "navigate", args, timeout_s)
+
+    @server.tool(structured_output=False)
+    async def browser_extract(
+        selector: Annotated[str, Field(description="CSS selector on the current page.")],
+        format: Annotated[
+            Literal["text", "html", "json", "table", "links"], Field(description="table: rows as JSON")
+        ] = "text",
+        attribute: Annotated[str | None, Field(description="Return this attribute of each match instead.")] = None,
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Extract from the current page: text, html, parsed JSON, a table as rows, or links."""
+        return await browser(
+            session_id, "extract", {"selector": selector, "format": format, "attribute": attribute}, None
+        )
+
+    @server.tool(structured_output=False)
+    async def browser_screenshot(
+        full_page: bool = False,
+        selector: Annotated[str | None, Field(description="Only this element.")] = None,
+        output: Annotated[str, Field(description="Where to save the PNG in the sandbox.")] = "screenshot.png",
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Screenshot of the current page (or one element) as an image; also saved in the workspace."""
+        args = {"full_page": full_page, "selector": selector, "output": output}
+        return await browser(session_id, "screenshot", args, None)
+
+    @server.tool(structured_output=False)
+    async def browser_interact(
+        action: Literal["click", "fill", "press", "select", "scroll", "wait_for"],
+        selector: Annotated[str, Field(description="CSS selector of the element.")],
+        value: Annotated[str | None, Field(description="Text to fill, key to press, option to select.")] = None,
+        timeout_s: Annotated[float | None, Field(gt=0, le=300)] = None,
+        session_id: SessionId = None,
+    ) -> CallToolResult:
+        """Click, fill, press a key, select an option, scroll to, or wait for an element on the current page."""
+        args = {"action": action, "selector": selector, "value": value, "timeout_s": timeout_s or 10}
+        return await browser(session_id, "interact", args, timeout_s)
 
     @server.resource(
         "sandbox://{session_id}/{+path}",

@@ -333,11 +333,32 @@ CASES = [
     ),
     Case(
         "privileges",
-        "raising rlimits and capabilities",
+        "capabilities",
         TRY
-        + "import resource\nprint(json.dumps({'as': attempt(lambda: resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))), 'caps': ['OK', l] if (l := [x for x in open('/proc/self/status').read().splitlines() if x.startswith('CapEff')][0]) != 'CapEff:\\t0000000000000000' else ['none', l]}))",
+        + "print(json.dumps({'caps': ['OK', l] if (l := [x for x in open('/proc/self/status').read().splitlines() if x.startswith('CapEff')][0]) != 'CapEff:\\t0000000000000000' else ['none', l]}))",
+    ),
+    Case(
+        "memory",
+        "raising RLIMIT_AS, then allocating past the limit",
+        "import resource\n"
+        "soft, hard = resource.getrlimit(resource.RLIMIT_AS)\n"
+        "try:\n"
+        "    resource.setrlimit(resource.RLIMIT_AS, (hard, hard))\n"
+        "except ValueError:\n"
+        "    print('hard limit holds')\n"
+        "import numpy as np\n"
+        "blocks = [np.ones(2**27) for _ in range(12)]  # 12 GiB, touched",
+        lambda result, arena: _memory_bounded(result),
+        session={"memory_mb": 1024},
     ),
 ]
+
+
+def _memory_bounded(result: CallToolResult) -> None:
+    """Either the hard RLIMIT_AS held (MemoryError) or the memory cgroup killed the kernel."""
+    text = text_of(result)
+    assert result.is_error, text
+    assert "MemoryError" in text or "exceeding its memory limit of 1024 MiB" in text, text
 
 
 async def attack(arena: Arena, case: Case) -> CallToolResult:

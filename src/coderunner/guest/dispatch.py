@@ -13,6 +13,7 @@ RESULT_MIME = "application/vnd.coderunner.guest+json"
 TOOLS = {
     "pdf_ops": "coderunner_guest.pdf",
     "image_ops": "coderunner_guest.image",
+    "browser": "coderunner_guest.browser",
 }
 
 

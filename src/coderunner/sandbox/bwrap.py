@@ -113,6 +113,7 @@ class BwrapCommand:
         info_fd: int | None = None,
         block_fd: int | None = None,
         nproc: int | None = None,
+        memory_cgroup: bool = False,
     ) -> list[str]:
         args = [
             self.bwrap,
@@ -164,7 +165,7 @@ class BwrapCommand:
         ]  # fmt: skip
         for key, value in sandbox_environment().items():
             args += ["--setenv", key, value]
-        return [*args, "--", *rlimit_prefix(spec.limits, nproc), *inner]
+        return [*args, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
 
     def _proc_cover(self) -> list[str]:
         """Read-only binds and masks over the sandbox's /proc, for entries the host has."""
@@ -212,12 +213,18 @@ def install_guest(runtime_base: Path) -> Path:
     return target
 
 
-def rlimit_prefix(limits: Limits, nproc: int | None) -> list[str]:
+def rlimit_prefix(limits: Limits, nproc: int | None, memory_cgroup: bool = False) -> list[str]:
     """RLIMIT_AS gives user code a clean MemoryError instead of the OOM killer; NPROC is the
-    unprivileged fallback against fork bombs where no pids cgroup can be had."""
+    unprivileged fallback against fork bombs where no pids cgroup can be had.
+
+    Where a memory cgroup bounds the sandbox, RLIMIT_AS is only a soft limit: Chromium reserves
+    about a terabyte of address space and could not start under it, so the browser lifts the soft
+    limit for itself while the cgroup still bounds what it really uses.
+    """
     flags = []
     if limits.memory_mb is not None:
-        flags.append(f"--as={limits.memory_mb * 2**20}")
+        soft = limits.memory_mb * 2**20
+        flags.append(f"--as={soft}:unlimited" if memory_cgroup else f"--as={soft}")
     if nproc is not None:
         flags.append(f"--nproc={nproc}")
     return ["/usr/bin/prlimit", *flags, "--"] if flags else []
@@ -339,6 +346,7 @@ class BwrapBackend:
                 info_fd=fds.info_write if fds else None,
                 block_fd=fds.block_read if fds else None,
                 nproc=nproc,
+                memory_cgroup=cgroup is not None and "memory" in cgroup.dirs and spec.limits.memory_mb is not None,
             )
             if self.identity is not None:
                 full = [*self.identity.setpriv_prefix(), *full]
