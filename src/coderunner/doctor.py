@@ -150,6 +150,17 @@ def check_containment(settings: Settings) -> list[Check]:
         checks.append(Check("workspace size cap", True, f"loop-mounted ext4, {settings.disk_mb} MiB per session"))
     else:
         checks.append(Check("workspace size cap", True, f"not enforced: {problem}", degraded=True))
+    chromium = Path("/usr/lib/chromium/chromium")
+    if chromium.exists():
+        checks.append(Check("browser", True, f"Chromium at {chromium} (runs inside the sandbox)"))
+    else:
+        checks.append(Check("browser", True, "Chromium missing: browser tools unavailable",
+                            "sudo apt-get install chromium", degraded=True))  # fmt: skip
+    if shutil.which("tesseract"):
+        checks.append(Check("ocr", True, "Tesseract available for image_ops ocr"))
+    else:
+        checks.append(Check("ocr", True, "Tesseract missing: image_ops ocr unavailable",
+                            "sudo apt-get install tesseract-ocr tesseract-ocr-eng", degraded=True))  # fmt: skip
     if shutil.which("slirp4netns"):
         checks.append(Check("network 'internet' mode", True, "slirp4netns available (off unless asked for)"))
     else:
