@@ -19,11 +19,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
+import httpx2
 import pytest
 from mcp import Client, StdioServerParameters
+from mcp.client.sse import sse_client
+from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
 
 REPO = Path(__file__).resolve().parents[1]
+#: The bearer token test servers are given (CODERUNNER_TOKEN); the generated-token path has its own test.
+TEST_TOKEN = "test-token-" + "4c2e9d7a1b" * 3
 SECRET_NAME = "CODERUNNER_TEST_API_KEY"
 SECRET_VALUE = "sk-test-" + "7f3a9c1e5b" * 3
 SERVER_START_TIMEOUT_S = 60
@@ -69,6 +74,9 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
         "CODERUNNER_WORKSPACES_DIR": str(dirs.workspaces),
         "CODERUNNER_INTERRUPT_GRACE_S": "1.5",
         "CODERUNNER_PROGRESS_INTERVAL_S": "0.3",
+        "CODERUNNER_TOKEN": TEST_TOKEN,
+        # Never the user's own token file, even where a test drops CODERUNNER_TOKEN.
+        "CODERUNNER_TOKEN_FILE": str(dirs.root / "token"),
         SECRET_NAME: SECRET_VALUE,
     }
     for key in ("CODERUNNER_SANDBOX_ENV",):
@@ -135,9 +143,28 @@ def _await_listening(process: subprocess.Popen[bytes], port: int, log: typing.IO
 
 
 @contextlib.asynccontextmanager
+async def connect_http(
+    url: str, token: str | None = TEST_TOKEN, headers: dict[str, str] | None = None, **options: typing.Any
+) -> AsyncIterator[Client]:
+    """The official client on an HTTP URL (streamable HTTP, or legacy SSE for /sse), with a bearer token."""
+    sent = {"Authorization": f"Bearer {token}"} if token else {}
+    sent.update(headers or {})
+    options.setdefault("read_timeout_seconds", 120)
+    if url.endswith("/sse"):
+        async with Client(sse_client(url, headers=sent), **options) as client:
+            yield client
+        return
+    async with (
+        httpx2.AsyncClient(headers=sent, timeout=httpx2.Timeout(30, read=None)) as http,
+        Client(streamable_http_client(url, http_client=http), **options) as client,
+    ):
+        yield client
+
+
+@contextlib.asynccontextmanager
 async def http_client(env: dict[str, str]) -> AsyncIterator[Client]:
     with http_server(env) as url:
-        async with Client(url, read_timeout_seconds=120) as client:
+        async with connect_http(url) as client:
             yield client
 
 

@@ -11,10 +11,11 @@ from pathlib import Path
 
 import anyio
 import pytest
-from mcp import Client
 
 from .conftest import (
+    TEST_TOKEN,
     ServerDirs,
+    connect_http,
     http_server,
     raw_stdio_server,
     run,
@@ -27,10 +28,12 @@ from .conftest import (
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 VANISHING_CLIENT = """
-import sys, anyio
+import sys, anyio, httpx2
 from mcp import Client
+from mcp.client.streamable_http import streamable_http_client
 async def main():
-    async with Client(sys.argv[1]) as client:
+    http = httpx2.AsyncClient(headers={"Authorization": "Bearer " + sys.argv[2]}, timeout=httpx2.Timeout(30, read=None))
+    async with Client(streamable_http_client(sys.argv[1], http_client=http)) as client:
         print("calling", flush=True)
         await client.call_tool("run_python", {"code": "while True:\\n    pass", "timeout_s": 300})
 anyio.run(main)
@@ -41,7 +44,7 @@ async def test_http_client_vanishing_mid_run_interrupts_the_cell(dirs: ServerDir
     script = tmp_path / "vanish.py"
     script.write_text(VANISHING_CLIENT)
     with http_server(server_env(dirs)) as url:
-        client_process = subprocess.Popen([sys.executable, str(script), url], stdout=subprocess.PIPE)
+        client_process = subprocess.Popen([sys.executable, str(script), url, TEST_TOKEN], stdout=subprocess.PIPE)
         try:
             assert client_process.stdout is not None
             assert client_process.stdout.readline().strip() == b"calling"
@@ -49,7 +52,7 @@ async def test_http_client_vanishing_mid_run_interrupts_the_cell(dirs: ServerDir
         finally:
             client_process.kill()
             client_process.wait(timeout=10)
-        async with Client(url) as client:
+        async with connect_http(url) as client:
             began = time.monotonic()
             # The default session is shared over HTTP: had the cell kept running, this would be "busy".
             result = await run(client, "1 + 1", timeout_s=15)

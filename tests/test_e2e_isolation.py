@@ -115,13 +115,11 @@ async def test_no_network_egress(client: Client, transport: str) -> None:
 
 async def test_sandbox_cannot_reach_the_servers_own_http_port(dirs: ServerDirs) -> None:
     """The HTTP server listens on the host's 127.0.0.1; the sandbox's loopback is its own."""
-    from mcp import Client as McpClient
-
-    from .conftest import http_server, server_env
+    from .conftest import connect_http, http_server, server_env
 
     with http_server(server_env(dirs)) as url:
         port = int(url.rsplit(":", 1)[1].split("/")[0])
-        async with McpClient(url) as client:
+        async with connect_http(url) as client:
             outcome = await probe(
                 client,
                 "import socket, json\ntry:\n"

@@ -6,17 +6,25 @@ import subprocess
 import sys
 
 import pytest
-from mcp import Client
-from mcp.client.sse import sse_client
 
-from .conftest import REPO, ServerDirs, http_server, images_of, run, sandbox_processes_alive, server_env, text_of
+from .conftest import (
+    REPO,
+    ServerDirs,
+    connect_http,
+    http_server,
+    images_of,
+    run,
+    sandbox_processes_alive,
+    server_env,
+    text_of,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 
 async def test_legacy_sse_transport_runs_python_and_returns_charts(dirs: ServerDirs) -> None:
     with http_server(server_env(dirs), transport="sse") as url:
-        async with Client(sse_client(url)) as client:
+        async with connect_http(url) as client:
             await run(client, "base = 20")
             assert text_of(await run(client, "base + 22")).splitlines()[0] == "42"
             chart = await run(client, "import matplotlib.pyplot as plt\nplt.bar([1, 2], [3, 4])\nplt.show()")
@@ -25,7 +33,7 @@ async def test_legacy_sse_transport_runs_python_and_returns_charts(dirs: ServerD
 
 async def test_sigterm_to_http_server_closes_every_sandbox(dirs: ServerDirs) -> None:
     with http_server(server_env(dirs)) as url:
-        async with Client(url) as client:
+        async with connect_http(url) as client:
             await client.call_tool("create_session", {})
             await run(client, "1")
             assert len(sandbox_processes_alive(dirs)) >= 2

@@ -1,4 +1,7 @@
-"""Command line: serve | run | doctor | setup. Logs go to stderr; stdout is MCP's in stdio mode."""
+"""Command line: serve | proxy | run | token | config | doctor | setup.
+
+Logs go to stderr; stdout is MCP's in stdio mode.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +14,8 @@ from pathlib import Path
 import anyio
 
 from . import __version__, doctor, sandbox_env
+from .auth import AuthError, ensure_token, read_token
+from .client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
 from .config import ConfigError, Settings, load_settings
 from .kernel import KernelStartError
 from .mounts import MountError
@@ -39,11 +44,25 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--export-dir", type=Path, help="the folder download_file writes to")
     serve.add_argument("--import-dir", dest="import_dirs", type=Path, action="append", help="upload_file source")
+    serve.add_argument("--token-file", type=Path, help="HTTP bearer token file (default: made on first use)")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
 
     run = commands.add_parser("run", help="run code once in a fresh sandboxed session and print the result")
     run.add_argument("code", help="Python source, or - to read it from stdin")
     _add_session_flags(run)
+
+    proxy = commands.add_parser("proxy", help="bridge stdio to a running HTTP server (for command-launching clients)")
+    proxy.add_argument("url", help="the server's MCP endpoint, e.g. http://127.0.0.1:8765/mcp (or .../sse)")
+    proxy.add_argument("--token", help="its bearer token (default: $CODERUNNER_TOKEN, else this machine's token file)")
+    proxy.add_argument("--transport", dest="proxy_transport", choices=["streamable-http", "sse"])
+
+    token = commands.add_parser("token", help="print the bearer token HTTP clients need (made on first use)")
+    token.add_argument("--rotate", action="store_true", help="replace it with a new one (old clients are refused)")
+    token.add_argument("--file", dest="token_file", type=Path, help="the token file (default: token_file setting)")
+
+    config = commands.add_parser("config", help="print the snippet that adds CodeRunner to an MCP client")
+    config.add_argument("client", choices=CLIENTS)
+    config.add_argument("--url", help="use `coderunner proxy URL` to reach a running HTTP server instead")
 
     commands.add_parser("doctor", help="check that sandboxes work here; say how to fix what does not")
 
@@ -73,6 +92,7 @@ def _settings(args: argparse.Namespace) -> Settings:
             "mounts",
             "export_dir",
             "import_dirs",
+            "token_file",
         )
     }
     return load_settings(args.config, **flags)
@@ -98,6 +118,21 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "run":
             return anyio.run(_run_once, settings, sys.stdin.read() if args.code == "-" else args.code)
+        if args.command == "proxy":
+            from .proxy import run_proxy
+
+            secret = args.token or (settings.token.get_secret_value() if settings.token else None)
+            if secret is None and settings.token_file.exists():
+                secret = read_token(settings.token_file)
+            anyio.run(run_proxy, args.url, secret, args.proxy_transport)
+            return 0
+        if args.command == "token":
+            print(ensure_token(settings.token_file, rotate=args.rotate))
+            return 0
+        if args.command == "config":
+            print(snippet(args.client, LaunchCommand.for_install(args.url)))
+            print(f"# goes into: {CONFIG_LOCATIONS[args.client]}", file=sys.stderr)
+            return 0
         if args.command == "doctor":
             checks = doctor.run_checks(settings)
             print(doctor.report(checks))
@@ -106,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
             print(f"sandbox environment ready: {settings.sandbox_env}")
             return 0
-    except (BwrapUnavailable, SessionError, KernelStartError, sandbox_env.SetupError, MountError) as exc:
+    except (BwrapUnavailable, SessionError, KernelStartError, sandbox_env.SetupError, MountError, AuthError) as exc:
         print(f"coderunner: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

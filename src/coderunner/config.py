@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import platformdirs
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
     PydanticBaseSettingsSource,
@@ -25,8 +25,12 @@ MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
 
 
+def default_config_dir() -> Path:
+    return Path(platformdirs.user_config_dir(APP_NAME))
+
+
 def default_config_file() -> Path:
-    return Path(platformdirs.user_config_dir(APP_NAME)) / "config.toml"
+    return default_config_dir() / "config.toml"
 
 
 def default_data_dir() -> Path:
@@ -133,6 +137,21 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    token: SecretStr | None = Field(
+        default=None,
+        description="Bearer token HTTP clients must send; by default the one in token_file (made on first use).",
+    )
+    token_file: Path = Field(
+        default_factory=lambda: default_config_dir() / "token",
+        description="Where the HTTP bearer token is kept (0600).",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list,
+        description="Extra Host header values HTTP requests may carry (e.g. 'myhost:8765'); loopback always.",
+    )
+    allowed_origins: list[str] = Field(
+        default_factory=list, description="Extra Origin values (browser-based clients); loopback always."
+    )
 
     @field_validator("export_dir", mode="before")
     @classmethod

@@ -9,6 +9,7 @@ import signal
 import anyio
 import uvicorn
 
+from .auth import RequireToken, policy_for
 from .config import Settings
 from .sandbox import make_backend
 from .server import build_server
@@ -20,6 +21,8 @@ HTTP_SHUTDOWN_GRACE_S = 5
 
 
 async def serve(settings: Settings) -> None:
+    # Refuse an unsafe bind before any sandbox exists.
+    policy = policy_for(settings) if settings.transport != "stdio" else None
     backend = make_backend(settings)
     async with SessionManager(settings, backend) as manager, anyio.create_task_group() as tg:
         server = build_server(manager)
@@ -27,21 +30,24 @@ async def serve(settings: Settings) -> None:
             tg.start_soon(_stop_on_signals, manager)
             await server.run_stdio_async()
         else:
+            assert policy is not None
+            security = policy.security_settings()
             if settings.transport == "sse":
-                app = server.sse_app(host=settings.host)
+                app = server.sse_app(host=settings.host, transport_security=security)
                 path = "/sse"
             else:
-                app = server.streamable_http_app(host=settings.host)
+                app = server.streamable_http_app(host=settings.host, transport_security=security)
                 path = "/mcp"
             log.info(
-                "serving MCP over %s at http://%s:%d%s",
+                "serving MCP over %s at http://%s:%d%s; clients need the bearer token (%s)",
                 settings.transport,
                 settings.host,
                 settings.port,
                 path,
+                "as configured" if settings.token else f"in {settings.token_file}; `coderunner token` prints it",
             )
             config = uvicorn.Config(
-                app,
+                RequireToken(app, policy),
                 host=settings.host,
                 port=settings.port,
                 log_level=settings.log_level.lower(),

@@ -16,6 +16,7 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from . import __version__
+from .callers import caller_key
 from .file_results import read_file_result
 from .files import FileAccessError, copy
 from .kernel import KernelStartError
@@ -56,6 +57,11 @@ def _session_summary(session: Session, manager: SessionManager) -> dict[str, Any
     return status
 
 
+def _caller(ctx: Context) -> str:
+    """Which client this call is from: each has its own default session (see callers.py)."""
+    return caller_key(ctx.request_context.request)
+
+
 async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolResult:
     """Errors a caller can act on become isError results with a plain message."""
     try:
@@ -91,18 +97,18 @@ def build_server(manager: SessionManager) -> MCPServer:
             await ctx.report_progress(elapsed_s, limit, f"running {elapsed_s:.0f}s: {output.tail_text(200)}")
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             result = await session.run(code, timeout_s, progress)
             return result.to_call_result(session.session_id)
 
         return await _guarded(call)
 
     @server.tool(structured_output=False)
-    async def kernel_reset(session_id: SessionId = None) -> CallToolResult:
+    async def kernel_reset(ctx: Context, session_id: SessionId = None) -> CallToolResult:
         """Restart the session's kernel with fresh interpreter state; workspace files are kept."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             await session.reset()
             return _json_result({"reset": True, **_session_summary(session, manager)})
 
@@ -110,6 +116,7 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def create_session(
+        ctx: Context,
         network: Annotated[
             str | None,
             Field(
@@ -145,7 +152,7 @@ def build_server(manager: SessionManager) -> MCPServer:
                 network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name,
                 persistent=persistent,
             )  # fmt: skip
-            session = await manager.create(options)
+            session = await manager.create(options, owner=_caller(ctx))
             return _json_result(_session_summary(session, manager))
 
         return await _guarded(call)
@@ -163,25 +170,26 @@ def build_server(manager: SessionManager) -> MCPServer:
         return await _guarded(call)
 
     @server.tool(structured_output=False)
-    async def session_status(session_id: SessionId = None) -> CallToolResult:
+    async def session_status(ctx: Context, session_id: SessionId = None) -> CallToolResult:
         """Liveness, busy flag, uptime, memory used, limits and network of a session."""
 
         async def call() -> CallToolResult:
-            return _json_result(_session_summary(await manager.resolve(session_id), manager))
+            return _json_result(_session_summary(await manager.resolve(session_id, _caller(ctx)), manager))
 
         return await _guarded(call)
 
     @server.tool(structured_output=False)
-    async def list_sessions() -> CallToolResult:
+    async def list_sessions(ctx: Context) -> CallToolResult:
         """Open sessions of this server."""
 
         async def call() -> CallToolResult:
-            return _json_result({"sessions": [_session_summary(s, manager) for s in manager.list()]})
+            return _json_result({"sessions": [_session_summary(s, manager) for s in manager.list(_caller(ctx))]})
 
         return await _guarded(call)
 
     @server.tool(structured_output=False)
     async def list_files(
+        ctx: Context,
         path: Annotated[
             str, Field(description="Folder inside the sandbox (relative paths start at /workspace).")
         ] = "/workspace",
@@ -191,7 +199,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         """List files in the session's workspace or a mounted folder (paths as the sandbox sees them)."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             entries = session.files.list(path, depth)
             return _json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
 
@@ -200,6 +208,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False)
     async def read_file(
         path: Annotated[str, Field(description="File inside the sandbox, e.g. /workspace/out.csv or data.csv.")],
+        ctx: Context,
         session_id: SessionId = None,
         offset: Annotated[int, Field(ge=0, description="Byte to start at (text).")] = 0,
         length: Annotated[int | None, Field(ge=1, description="Bytes to return (text).")] = None,
@@ -210,7 +219,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         binary inline when small; anything bigger comes back as a resource link."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             return read_file_result(
                 session.files, session.session_id, path, limit=settings.read_limit_bytes,
                 image_limit=settings.image_limit_bytes, offset=offset, length=length,
@@ -223,6 +232,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     async def write_file(
         path: Annotated[str, Field(description="File inside the sandbox (workspace or a rw mount).")],
         content: Annotated[str, Field(description="Text, or base64 when encoding is 'base64'.")],
+        ctx: Context,
         encoding: Literal["text", "base64"] = "text",
         overwrite: bool = True,
         session_id: SessionId = None,
@@ -230,7 +240,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Write a file into the sandbox's workspace or a writable mount (folders are created)."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             try:
                 data = base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
             except binascii.Error:
@@ -243,6 +253,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False)
     async def upload_file(
         host_path: Annotated[str, Field(description="Absolute host path inside one of the import folders.")],
+        ctx: Context,
         sandbox_path: Annotated[str | None, Field(description="Destination; default /workspace/NAME.")] = None,
         overwrite: bool = False,
         session_id: SessionId = None,
@@ -250,7 +261,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Copy a file from a host import folder (configured by the user) into the sandbox."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             source = import_source(settings.import_dirs, host_path)
             target = sandbox_path or posixpath.basename(source.path)
             copied, _, written = copy(source.view, source.path, session.files, target,
@@ -263,6 +274,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False)
     async def download_file(
         sandbox_path: Annotated[str, Field(description="File inside the sandbox.")],
+        ctx: Context,
         host_path: Annotated[
             str | None, Field(description="Where in the export folder (relative, or absolute inside it).")
         ] = None,
@@ -272,7 +284,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Copy a file out of the sandbox into the export folder on the host (the only place it may go)."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             target = export_target(settings.export_dir, host_path, posixpath.basename(sandbox_path),
                                    manager.backend.host_owner)  # fmt: skip
             copied, read_from, written = copy(session.files, sandbox_path, target.view, target.path,
@@ -283,6 +295,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         return await _guarded(call)
 
     async def guest_tool(
+        ctx: Context,
         tool: str,
         session_id: str | None,
         input_path: str,
@@ -291,7 +304,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         timeout_s: float | None,
     ) -> CallToolResult:
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             arguments = dict(args or {})
             # Confinement is the host's: every path goes through the session's file view first.
             for key in PATH_ARGUMENTS:
@@ -307,6 +320,7 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def pdf_ops(
+        ctx: Context,
         input_path: Annotated[str, Field(description="PDF inside the sandbox, e.g. report.pdf.")],
         op: Annotated[
             str,
@@ -326,10 +340,11 @@ def build_server(manager: SessionManager) -> MCPServer:
         timeout_s: Annotated[float | None, Field(gt=0)] = None,
     ) -> CallToolResult:
         """Work with PDFs inside the sandbox (the host never parses them); outputs go to the workspace."""
-        return await guest_tool("pdf_ops", session_id, input_path, op, args, timeout_s)
+        return await guest_tool(ctx, "pdf_ops", session_id, input_path, op, args, timeout_s)
 
     @server.tool(structured_output=False)
     async def image_ops(
+        ctx: Context,
         input_path: Annotated[str, Field(description="Image inside the sandbox.")],
         op: Annotated[
             str, Field(description="info | resize | thumbnail | crop | rotate | flip | convert | grayscale | ocr")
@@ -345,11 +360,13 @@ def build_server(manager: SessionManager) -> MCPServer:
         timeout_s: Annotated[float | None, Field(gt=0)] = None,
     ) -> CallToolResult:
         """Transform or read images inside the sandbox (the host never decodes them); returns a preview."""
-        return await guest_tool("image_ops", session_id, input_path, op, args, timeout_s)
+        return await guest_tool(ctx, "image_ops", session_id, input_path, op, args, timeout_s)
 
-    async def browser(session_id: str | None, op: str, args: dict[str, Any], timeout_s: float | None) -> CallToolResult:
+    async def browser(
+        ctx: Context, session_id: str | None, op: str, args: dict[str, Any], timeout_s: float | None
+    ) -> CallToolResult:
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id)
+            session = await manager.resolve(session_id, _caller(ctx))
             if isinstance(args.get("output"), str):
                 args["output"] = session.files.resolve(args["output"]).sandbox_path
             limit = (timeout_s or BROWSER_TIMEOUT_S) + BROWSER_START_S
@@ -360,6 +377,7 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=True))
     async def browser_navigate(
+        ctx: Context,
         url: Annotated[
             str,
             Field(
@@ -374,10 +392,11 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Open a page in the session's browser (Chromium inside the sandbox): final url, status, title,
         visible text (bounded) and link count. The same page is reachable from run_python code."""
         args = {"url": url, "wait_for": wait_for, "timeout_s": timeout_s or BROWSER_TIMEOUT_S}
-        return await browser(session_id, "navigate", args, timeout_s)
+        return await browser(ctx, session_id, "navigate", args, timeout_s)
 
     @server.tool(structured_output=False)
     async def browser_extract(
+        ctx: Context,
         selector: Annotated[str, Field(description="CSS selector on the current page.")],
         format: Annotated[
             Literal["text", "html", "json", "table", "links"], Field(description="table: rows as JSON")
@@ -387,11 +406,12 @@ def build_server(manager: SessionManager) -> MCPServer:
     ) -> CallToolResult:
         """Extract from the current page: text, html, parsed JSON, a table as rows, or links."""
         return await browser(
-            session_id, "extract", {"selector": selector, "format": format, "attribute": attribute}, None
+            ctx, session_id, "extract", {"selector": selector, "format": format, "attribute": attribute}, None
         )
 
     @server.tool(structured_output=False)
     async def browser_screenshot(
+        ctx: Context,
         full_page: bool = False,
         selector: Annotated[str | None, Field(description="Only this element.")] = None,
         output: Annotated[str, Field(description="Where to save the PNG in the sandbox.")] = "screenshot.png",
@@ -399,10 +419,11 @@ def build_server(manager: SessionManager) -> MCPServer:
     ) -> CallToolResult:
         """Screenshot of the current page (or one element) as an image; also saved in the workspace."""
         args = {"full_page": full_page, "selector": selector, "output": output}
-        return await browser(session_id, "screenshot", args, None)
+        return await browser(ctx, session_id, "screenshot", args, None)
 
     @server.tool(structured_output=False)
     async def browser_interact(
+        ctx: Context,
         action: Literal["click", "fill", "press", "select", "scroll", "wait_for"],
         selector: Annotated[str, Field(description="CSS selector of the element.")],
         value: Annotated[str | None, Field(description="Text to fill, key to press, option to select.")] = None,
@@ -411,7 +432,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     ) -> CallToolResult:
         """Click, fill, press a key, select an option, scroll to, or wait for an element on the current page."""
         args = {"action": action, "selector": selector, "value": value, "timeout_s": timeout_s or 10}
-        return await browser(session_id, "interact", args, timeout_s)
+        return await browser(ctx, session_id, "interact", args, timeout_s)
 
     @server.resource(
         "sandbox://{session_id}/{+path}",

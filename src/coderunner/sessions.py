@@ -25,6 +25,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from .callers import LOCAL_CALLER
 from .config import MIN_MEMORY_MB, Settings
 from .files import SandboxFiles
 from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
@@ -99,6 +100,8 @@ class Session:
     settings: Settings
     task_group: TaskGroup
     lock_fd: int
+    #: The client that created it (see callers.py): whose listing and default session it is in.
+    owner: str = LOCAL_CALLER
     kernel: Kernel | None = None
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
@@ -370,7 +373,8 @@ class SessionManager:
         self.settings = settings
         self.backend = backend
         self._sessions: dict[str, Session] = {}
-        self._default_id: str | None = None
+        #: Each client's default session: caller key -> session id.
+        self._default_ids: dict[str, str] = {}
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
         self.base_mounts: list[Mount] = []
@@ -479,7 +483,7 @@ class SessionManager:
             raise SessionError(str(exc)) from None
         return mounts
 
-    async def create(self, options: SessionOptions | None = None) -> Session:
+    async def create(self, options: SessionOptions | None = None, owner: str = LOCAL_CALLER) -> Session:
         options = options or self.options()
         if len(self._sessions) >= self.settings.max_sessions:
             raise SessionError(
@@ -516,6 +520,7 @@ class SessionManager:
             settings=self.settings,
             task_group=self._task_group,
             lock_fd=lock_fd,
+            owner=owner,
         )
         self._sessions[session_id] = session
         try:
@@ -527,8 +532,12 @@ class SessionManager:
         log.info("session %s… started", session_id[:6])
         return session
 
-    async def resolve(self, session_id: str | None) -> Session:
-        """The named session, or the default one (created on first use)."""
+    async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER) -> Session:
+        """The named session, or `owner`'s default one (created on first use).
+
+        A session id is an unguessable handle: whoever holds it may use it, whichever client
+        made it. Only the default session and the listing are per client.
+        """
         if session_id:
             session = self._sessions.get(session_id)
             if session is None:
@@ -538,30 +547,33 @@ class SessionManager:
                 )
             return session
         async with self._default_lock:
-            if self._default_id is None or self._default_id not in self._sessions:
-                self._default_id = (await self.create()).session_id
-            return self._sessions[self._default_id]
+            default_id = self._default_ids.get(owner)
+            if default_id is None or default_id not in self._sessions:
+                default_id = (await self.create(owner=owner)).session_id
+                self._default_ids[owner] = default_id
+            return self._sessions[default_id]
 
     async def close(self, session_id: str) -> None:
         session = await self.resolve(session_id)
         self._sessions.pop(session_id, None)
-        if self._default_id == session_id:
-            self._default_id = None
+        if self._default_ids.get(session.owner) == session_id:
+            del self._default_ids[session.owner]
         await session.close()
 
     async def close_all(self) -> None:
         sessions = list(self._sessions.values())
         self._sessions.clear()
-        self._default_id = None
+        self._default_ids.clear()
         async with anyio.create_task_group() as tg:
             for session in sessions:
                 tg.start_soon(session.close)
 
-    def list(self) -> list[Session]:
-        return list(self._sessions.values())
+    def list(self, owner: str | None = None) -> list[Session]:
+        """Every open session, or those `owner` created."""
+        return [s for s in self._sessions.values() if owner is None or s.owner == owner]
 
     def is_default(self, session: Session) -> bool:
-        return session.session_id == self._default_id
+        return self._default_ids.get(session.owner) == session.session_id
 
 
 def give(path: Path, owner: tuple[int, int] | None) -> None:
