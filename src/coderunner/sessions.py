@@ -450,8 +450,9 @@ class SessionManager:
         )
 
     def _protected_paths(self) -> list[Path]:
-        """Folders no mount may overlap: other sessions' workspaces and sockets, the sandbox env."""
-        return [self.settings.runtime_dir, self.settings.workspaces_dir, self.settings.sandbox_env]
+        """Paths no mount may overlap: other sessions' workspaces and sockets, the sandbox env, the HTTP token."""
+        settings = self.settings
+        return [settings.runtime_dir, settings.workspaces_dir, settings.sandbox_env, settings.token_file]
 
     def _configured_mounts(self) -> list[Mount]:
         """The server-wide mounts: the export folder (rw) plus the configured ones. Raises MountError."""
