@@ -1,0 +1,98 @@
+"""The client snippets: `coderunner config CLIENT`, the files in examples/, and the example agent."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coderunner.client_configs import CLIENTS, LaunchCommand, snippet
+
+from .conftest import REPO, TEST_TOKEN, ServerDirs, http_server, server_env
+
+EXAMPLES = REPO / "examples"
+PLACEHOLDER = LaunchCommand("/path/to/coderunner/.venv/bin/coderunner", ("serve",))
+EXAMPLE_FILES = {
+    "claude_desktop_config.json": ("claude-desktop", PLACEHOLDER),
+    "claude_desktop_proxy_config.json": (
+        "claude-desktop",
+        LaunchCommand(PLACEHOLDER.command, ("proxy", "http://127.0.0.1:8765/mcp")),
+    ),
+    "cursor-mcp.json": ("cursor", PLACEHOLDER),
+    "windsurf-mcp_config.json": ("windsurf", PLACEHOLDER),
+    "zed-settings.json": ("zed", PLACEHOLDER),
+    "continue-config.yaml": ("continue", PLACEHOLDER),
+}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLE_FILES))
+def test_example_files_are_what_the_config_command_prints(name: str) -> None:
+    client, launch = EXAMPLE_FILES[name]
+    assert (EXAMPLES / name).read_text() == snippet(client, launch) + "\n"
+
+
+def test_claude_code_example_is_the_printed_command() -> None:
+    assert snippet("claude-code", PLACEHOLDER) in (EXAMPLES / "claude-code.sh").read_text().splitlines()
+
+
+@pytest.mark.parametrize("client", CLIENTS)
+def test_config_command_names_this_install_and_a_command_that_starts(client: str) -> None:
+    printed = subprocess.run(
+        [sys.executable, "-m", "coderunner.cli", "config", client], capture_output=True, text=True, timeout=60
+    )
+    assert printed.returncode == 0, printed.stderr
+    text = printed.stdout
+    if client == "claude-code":
+        argv = shlex.split(text)
+        command, args = argv[argv.index("--") + 1], argv[argv.index("--") + 2 :]
+    elif client == "continue":
+        lines = [line.strip() for line in text.splitlines()]
+        command = json.loads(lines[2].removeprefix("command: "))
+        args = [json.loads(line.removeprefix("- ")) for line in lines[4:]]
+    else:
+        servers = json.loads(text)["context_servers" if client == "zed" else "mcpServers"]
+        command, args = servers["coderunner"]["command"], servers["coderunner"]["args"]
+    assert Path(command).is_absolute() and Path(command).exists()
+    assert args[-1] == "serve"
+    started = subprocess.run([command, *args[:-1], "--help"], capture_output=True, text=True, timeout=60)
+    assert started.returncode == 0 and "serve" in started.stdout
+
+
+def test_config_command_for_a_shared_server_uses_the_proxy() -> None:
+    printed = subprocess.run(
+        [sys.executable, "-m", "coderunner.cli", "config", "cursor", "--url", "http://127.0.0.1:9999/mcp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    entry = json.loads(printed.stdout)["mcpServers"]["coderunner"]
+    assert entry["args"][-2:] == ["proxy", "http://127.0.0.1:9999/mcp"]
+
+
+@pytest.mark.e2e
+def test_example_agent_runs_its_plan_over_stdio_and_http(dirs: ServerDirs, tmp_path: Path) -> None:
+    env = server_env(dirs)
+    over_stdio = subprocess.run(
+        [sys.executable, str(EXAMPLES / "agent.py"), "--out", str(tmp_path / "stdio")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert over_stdio.returncode == 0, over_stdio.stderr[-2000:]
+    assert "step 1: 10000" in over_stdio.stdout and "most common total: 7" in over_stdio.stdout
+    assert (tmp_path / "stdio" / "step3.png").read_bytes().startswith(b"\x89PNG")
+    with http_server(env) as url:
+        over_http = subprocess.run(
+            [sys.executable, str(EXAMPLES / "agent.py"), "--url", url, "--token", TEST_TOKEN,
+             "--out", str(tmp_path / "http")],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )  # fmt: skip
+    assert over_http.returncode == 0, over_http.stderr[-2000:]
+    assert (tmp_path / "http" / "step3.png").read_bytes().startswith(b"\x89PNG")
