@@ -21,6 +21,7 @@ from .conftest import (
     run,
     server_env,
     text_of,
+    wait_until,
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -193,3 +194,25 @@ async def test_an_unknown_tool_is_an_error_not_a_crash(dirs: ServerDirs) -> None
             except MCPError as exc:  # either spelling is fine; a dead connection is not
                 assert "no_such_tool" in str(exc)
             assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
+
+
+def workspaces(dirs: ServerDirs) -> list[str]:
+    """Open sessions' workspace folders (as root each also has a .img file beside it)."""
+    return [entry.name for entry in dirs.workspaces.iterdir() if entry.is_dir()]
+
+
+@pytest.mark.parametrize("transport", ["streamable-http", "sse"])
+async def test_a_departed_clients_default_session_is_closed_and_its_handles_kept(
+    dirs: ServerDirs, transport: str
+) -> None:
+    with http_server(server_env(dirs), transport=transport) as url:
+        async with connect_http(url, mode="legacy") as leaving:
+            await run(leaving, "scratch = 1")
+            created = await leaving.call_tool("create_session", {})
+            kept_id = created.structured_content["session_id"]
+            await run(leaving, "kept = 'still here'", session_id=kept_id)
+            assert len(workspaces(dirs)) == 2
+        # The client closed its MCP session: its default kernel goes, the handle it made stays.
+        assert await wait_until(lambda: len(workspaces(dirs)) == 1, timeout_s=20)
+        async with connect_http(url) as other:
+            assert "still here" in text_of(await run(other, "kept", session_id=kept_id))

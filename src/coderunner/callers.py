@@ -10,7 +10,10 @@ every HTTP caller holds the server's token, and session ids are unguessable hand
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any
+
+from mcp.types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 #: The caller over stdio, and of the CLI's one-shot run.
 LOCAL_CALLER = "local"
@@ -18,6 +21,9 @@ LOCAL_CALLER = "local"
 SHARED_HTTP_CALLER = "http"
 CLIENT_HEADER = "x-coderunner-client"
 MAX_KEY_CHARS = 128
+#: Caller keys that live exactly as long as one MCP connection.
+CONNECTION_PREFIXES = ("mcp:", "sse:")
+_WATCHED = "coderunner.caller-watched"
 
 
 def caller_key(request: Any) -> str:
@@ -33,3 +39,24 @@ def caller_key(request: Any) -> str:
     if client := headers.get(CLIENT_HEADER):
         return "client:" + client[:MAX_KEY_CHARS]
     return SHARED_HTTP_CALLER
+
+
+def on_connection_close(session: Any, key: str, release: Callable[[str], Awaitable[None]]) -> None:
+    """Call `release(key)` once the handshake-era MCP connection behind `session` closes.
+
+    Only for callers that are one connection: their default session would otherwise hold a
+    kernel until the idle timeout after the client has gone. mcp 2.3 has no public accessor
+    for a request's Connection, hence the guarded private attribute; without it, idle reaping
+    still applies.
+    """
+    if not key.startswith(CONNECTION_PREFIXES):
+        return
+    # A 2026-era request is a connection of its own, even on an SSE stream: it closes at once.
+    if getattr(session, "protocol_version", None) not in HANDSHAKE_PROTOCOL_VERSIONS:
+        return
+    connection = getattr(session, "_connection", None)
+    state = getattr(connection, "state", None)
+    if connection is None or not isinstance(state, dict) or state.get(_WATCHED):
+        return
+    state[_WATCHED] = True
+    connection.exit_stack.push_async_callback(release, key)

@@ -16,7 +16,7 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from . import __version__
-from .callers import caller_key
+from .callers import caller_key, on_connection_close
 from .file_results import read_file_result
 from .files import FileAccessError, copy
 from .kernel import KernelStartError
@@ -57,11 +57,6 @@ def _session_summary(session: Session, manager: SessionManager) -> dict[str, Any
     return status
 
 
-def _caller(ctx: Context) -> str:
-    """Which client this call is from: each has its own default session (see callers.py)."""
-    return caller_key(ctx.request_context.request)
-
-
 async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolResult:
     """Errors a caller can act on become isError results with a plain message."""
     try:
@@ -73,6 +68,12 @@ async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolRes
 def build_server(manager: SessionManager) -> MCPServer:
     server = MCPServer("coderunner", version=__version__, instructions=INSTRUCTIONS)
     settings = manager.settings
+
+    def _caller(ctx: Context) -> str:
+        """Which client this call is from: each has its own default session (see callers.py)."""
+        key = caller_key(ctx.request_context.request)
+        on_connection_close(ctx.request_context.session, key, manager.release_caller)
+        return key
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
     async def run_python(

@@ -561,6 +561,14 @@ class SessionManager:
             del self._default_ids[session.owner]
         await session.close()
 
+    async def release_caller(self, owner: str) -> None:
+        """A client went away: close its default session (sessions it created keep their handles)."""
+        session_id = self._default_ids.pop(owner, None)
+        if session_id is not None and session_id in self._sessions:
+            log.info("client gone: closing its default session %s…", session_id[:6])
+            with contextlib.suppress(SessionError):
+                await self.close(session_id)
+
     async def close_all(self) -> None:
         sessions = list(self._sessions.values())
         self._sessions.clear()
