@@ -100,6 +100,9 @@ async def test_a_token_is_generated_on_first_run_kept_private_and_printed_by_the
         assert printed.stdout.strip() == token
         async with connect_http(url, token=token) as client:
             assert text_of(await run(client, "1 + 1")).splitlines()[0] == "2"
+            # The sandbox sees none of the host's files, the token file least of all.
+            probe = await run(client, f"open({str(token_file)!r}).read()")
+            assert probe.is_error and "FileNotFoundError" in text_of(probe) and token not in text_of(probe)
     # A restart keeps the same token: configured clients keep working.
     with http_server(env) as url:
         assert token_file.read_text().strip() == token
@@ -143,6 +146,19 @@ async def test_two_http_clients_each_get_their_own_default_session(dirs: ServerD
                 tg.start_soon(use, bob, "bob")
             assert "alice" in text_of(await run(alice, "owner_name"))
             assert "bob" in text_of(await run(bob, "owner_name"))
+            # One client's long cell does not hold up another's.
+            finished: list[str] = []
+
+            async def timed_run(client: Client, name: str, code: str) -> None:
+                await run(client, code)
+                finished.append(name)
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(timed_run, alice, "alice", "import time; time.sleep(4)")
+                await anyio.sleep(0.5)
+                tg.start_soon(timed_run, bob, "bob", "1 + 1")
+            assert finished == ["bob", "alice"]
+
             listed_by_alice = (await alice.call_tool("list_sessions", {})).structured_content["sessions"]
             listed_by_bob = (await bob.call_tool("list_sessions", {})).structured_content["sessions"]
             assert len(listed_by_alice) == len(listed_by_bob) == 1
