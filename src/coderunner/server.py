@@ -17,14 +17,18 @@ from pydantic import Field
 
 from . import __version__
 from .callers import caller_key, on_connection_close
+from .capabilities import Capabilities
 from .file_results import read_file_result
 from .files import FileAccessError, copy
 from .kernel import KernelStartError
 from .mounts import MountError, MountSpec
+from .oneshot import OneShotError
 from .output import OutputCollector
+from .packages import PackagesError, check_requirements
 from .results import error_result, guest_tool_result
 from .sessions import Session, SessionError, SessionManager
 from .transfers import export_target, import_source
+from .variables import VariablesError, check_variables
 
 INSTRUCTIONS = """\
 CodeRunner runs Python in a persistent Jupyter kernel inside a sandbox on the user's machine.
@@ -33,11 +37,26 @@ The sandbox has no network and sees none of the user's files: only its own works
 (the current directory, /workspace). Charts (matplotlib) come back as images.
 Without session_id every call uses one default session; create_session gives an independent one."""
 
+#: Default bound on pip in install_packages.
+PIP_TIMEOUT_S = 300.0
 #: Default wait for a page, and the extra allowance for starting the browser on first use.
 BROWSER_TIMEOUT_S = 30.0
 BROWSER_START_S = 30.0
 #: Arguments of guest tools that name a file: resolved (and confined) by the host first.
 PATH_ARGUMENTS = ("output", "output_prefix")
+
+VariablesArg = Annotated[
+    dict[str, Any] | None,
+    Field(
+        description="Name -> JSON value, set before the code runs (Python/JavaScript globals, bash environment "
+        "variables). Names must be identifiers; values are passed as data, never as source."
+    ),
+]
+LanguageArg = Annotated[
+    Literal["python", "javascript", "bash"], Field(description="python, javascript (Node.js) or bash")
+]
+#: Largest stdin execute_code passes on.
+MAX_STDIN_CHARS = 4 * 2**20
 
 SessionId = Annotated[
     str | None,
@@ -45,9 +64,11 @@ SessionId = Annotated[
 ]
 
 
-def _json_result(payload: dict[str, Any]) -> CallToolResult:
+def _json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolResult:
     return CallToolResult(
-        content=[TextContent(type="text", text=json.dumps(payload, indent=2))], structured_content=payload
+        content=[TextContent(type="text", text=json.dumps(payload, indent=2))],
+        structured_content=payload,
+        is_error=is_error,
     )
 
 
@@ -61,13 +82,14 @@ async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolRes
     """Errors a caller can act on become isError results with a plain message."""
     try:
         return await call()
-    except (SessionError, KernelStartError, FileAccessError) as exc:
+    except (SessionError, KernelStartError, FileAccessError, VariablesError, PackagesError, OneShotError) as exc:
         return error_result(str(exc))
 
 
 def build_server(manager: SessionManager) -> MCPServer:
     server = MCPServer("coderunner", version=__version__, instructions=INSTRUCTIONS)
     settings = manager.settings
+    capabilities = Capabilities()  # caches the versions it reads from a sandbox
 
     def _caller(ctx: Context) -> str:
         """Which client this call is from: each has its own default session (see callers.py)."""
@@ -84,6 +106,7 @@ def build_server(manager: SessionManager) -> MCPServer:
             float | None,
             Field(gt=0, description=f"Wall-time limit in seconds (default {settings.timeout_s:g})."),
         ] = None,
+        variables: VariablesArg = None,
     ) -> CallToolResult:
         """Run Python code in the session's persistent, sandboxed Jupyter kernel.
 
@@ -98,8 +121,9 @@ def build_server(manager: SessionManager) -> MCPServer:
             await ctx.report_progress(elapsed_s, limit, f"running {elapsed_s:.0f}s: {output.tail_text(200)}")
 
         async def call() -> CallToolResult:
+            values = check_variables(variables, "python")
             session = await manager.resolve(session_id, _caller(ctx))
-            result = await session.run(code, timeout_s, progress)
+            result = await session.run(code, timeout_s, progress, values)
             return result.to_call_result(session.session_id)
 
         return await _guarded(call)
@@ -434,6 +458,72 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Click, fill, press a key, select an option, scroll to, or wait for an element on the current page."""
         args = {"action": action, "selector": selector, "value": value, "timeout_s": timeout_s or 10}
         return await browser(ctx, session_id, "interact", args, timeout_s)
+
+    @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
+    async def execute_code(
+        language: LanguageArg,
+        code: Annotated[str, Field(description="The whole program.")],
+        stdin: Annotated[str | None, Field(max_length=MAX_STDIN_CHARS, description="Text fed to its stdin.")] = None,
+        variables: VariablesArg = None,
+        timeout_s: Annotated[
+            float | None, Field(gt=0, description=f"Kill it after this many seconds (default {settings.timeout_s:g}).")
+        ] = None,
+        memory_mb: Annotated[int | None, Field(description="Memory limit in MiB (at least 512).")] = None,
+        network: Annotated[
+            Literal["none", "internet"] | None, Field(description="'none' (default) or 'internet' (outbound only).")
+        ] = None,
+    ) -> CallToolResult:
+        """Run a program once in a fresh, throwaway sandbox (no kernel, nothing kept): Python, JavaScript
+        (Node.js) or bash, with the same isolation and limits as sessions. Returns success, exit_code,
+        stdout, stderr, execution_time_ms, memory_peak_mb and timed_out."""
+
+        async def call() -> CallToolResult:
+            values = check_variables(variables, language)
+            options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s)
+            result = await manager.oneshot.run(language, code, options, stdin=(stdin or "").encode(), variables=values)
+            return _json_result(asdict(result), is_error=not result.success)
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def validate_code(language: LanguageArg, code: str) -> CallToolResult:
+        """Check code for syntax errors without running it (checked inside a sandbox): line and column of each."""
+
+        async def call() -> CallToolResult:
+            errors = await manager.oneshot.check(language, code, manager.options())
+            return _json_result({"language": language, "valid": not errors, "errors": errors})
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=True))
+    async def install_packages(
+        ctx: Context,
+        packages: Annotated[
+            list[str], Field(description="Requirement specifiers, e.g. ['requests', 'httpx==0.28.1'].")
+        ],
+        session_id: SessionId = None,
+        timeout_s: Annotated[float | None, Field(gt=0, le=1800, description="Bound on pip (default 300 s).")] = None,
+    ) -> CallToolResult:
+        """pip install into this session only (its own package folder; other sessions and the base environment
+        are unchanged); importable at once and after kernel_reset. Needs a session with network 'internet'."""
+
+        async def call() -> CallToolResult:
+            wanted = check_requirements(packages)
+            session = await manager.resolve(session_id, _caller(ctx))
+            return _json_result(await session.install_packages(wanted, timeout_s or PIP_TIMEOUT_S))
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def get_capabilities() -> CallToolResult:
+        """What this server offers: languages and versions, sandbox backend and isolation, limits, network
+        policy, notable packages in the sandbox, and the tools."""
+
+        async def call() -> CallToolResult:
+            tools = sorted(tool.name for tool in await server.list_tools())
+            return _json_result(await capabilities.describe(manager, tools))
+
+        return await _guarded(call)
 
     @server.resource(
         "sandbox://{session_id}/{+path}",

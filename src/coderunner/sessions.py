@@ -30,9 +30,10 @@ from .config import MIN_MEMORY_MB, Settings
 from .files import SandboxFiles
 from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
 from .mounts import MountError, MountSpec, check_distinct, prepare_export_dir, resolve_mount
+from .oneshot import OneShotRunner
 from .output import OutputCollector, WorkspaceWriter
 from .results import ExecutionResult
-from .sandbox.base import LimitReport, Limits, Mount, SandboxBackend, SandboxSpec
+from .sandbox.base import SESSION_PACKAGES, LimitReport, Limits, Mount, SandboxBackend, SandboxSpec
 from .sandbox.identity import ensure_private_dir
 from .workspace import Workspace, WorkspaceError, remove_workspace
 
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 10.0
 #: Bound on waiting for a running call to notice its session is being closed.
 CLOSE_WAIT_S = 5.0
+#: Bound on a quick guest call (setting variables), and the margin added to a slow one's own bound.
+GUEST_MARGIN_S = 15.0
 LOCK_NAME = "lock"
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
 
@@ -170,11 +173,20 @@ class Session:
             self.last_used = time.monotonic()
             self._lock.release()
 
-    async def run(self, code: str, timeout_s: float | None, progress: ProgressCallback | None) -> ExecutionResult:
+    async def run(
+        self,
+        code: str,
+        timeout_s: float | None,
+        progress: ProgressCallback | None,
+        variables: dict[str, Any] | None = None,
+    ) -> ExecutionResult:
+        """Run `code`, after setting `variables` (checked names, JSON values) as globals."""
         timeout = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
         async with self._exclusive(wait_s=timeout):
             if self.kernel is None or not self.kernel.alive:
                 await self._replace_kernel()
+            if variables:
+                await self._guest_call_held("variables", {"values": variables}, GUEST_MARGIN_S)
             assert self.kernel is not None
             output = OutputCollector(
                 limit_chars=self.settings.output_limit_chars,
@@ -248,26 +260,28 @@ class Session:
         Waits for a busy kernel within `timeout_s`, then answers busy; never leaves a name behind
         in the user's namespace or history.
         """
+        async with self._exclusive(wait_s=timeout_s):
+            if self.kernel is None or not self.kernel.alive:
+                await self._replace_kernel()
+            return await self._guest_call_held(tool, arguments, timeout_s)
+
+    async def _guest_call_held(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """call_guest for a caller that already holds the kernel."""
+        assert self.kernel is not None
         call = (
             f"await __import__('coderunner_guest.dispatch', fromlist=['call']).call({tool!r}, "
             f"{json.dumps(arguments)!r})"
         )
-        async with self._exclusive(wait_s=timeout_s):
-            if self.kernel is None or not self.kernel.alive:
-                await self._replace_kernel()
-            assert self.kernel is not None
-            output = OutputCollector(
-                limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0
+        output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
+        try:
+            outcome = await self.kernel.execute(
+                call, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
             )
-            try:
-                outcome = await self.kernel.execute(
-                    call, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
-                )
-            except anyio.get_cancelled_exc_class():
-                if self.kernel.wedged or not self.kernel.alive:
-                    await self._replace_kernel()
-                raise
-            settled = await self._settle(outcome, timeout_s)
+        except anyio.get_cancelled_exc_class():
+            if self.kernel.wedged or not self.kernel.alive:
+                await self._replace_kernel()
+            raise
+        settled = await self._settle(outcome, timeout_s)
         payload = outcome.guest_payload
         if payload is None:
             detail = settled.notice or output.text().strip()[-1500:] or "no answer"
@@ -276,6 +290,18 @@ class Session:
             raise GuestCallError(f"{tool}: {payload.get('error', 'failed')}")
         result = payload.get("result")
         return result if isinstance(result, dict) else {"result": result}
+
+    async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
+        """pip into this session's own package folder (in its workspace), from inside its sandbox."""
+        if self.options.network != "internet":
+            raise SessionError(
+                f"install_packages needs network, and session {self.session_id} has network "
+                f"'{self.options.network}': create a session with create_session(network='internet') and install "
+                "there (code in that session can then reach the internet)"
+            )
+        target = f"{self.backend.workspace_path}/{SESSION_PACKAGES}"
+        arguments = {"packages": packages, "target": target, "timeout_s": timeout_s}
+        return await self.call_guest("packages", arguments, timeout_s + GUEST_MARGIN_S)
 
     async def reset(self) -> None:
         """Fresh interpreter state, even while a call runs: interrupt it, and kill it if it ignores that."""
@@ -378,6 +404,8 @@ class SessionManager:
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
         self.base_mounts: list[Mount] = []
+        #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
+        self.oneshot: OneShotRunner
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -389,6 +417,13 @@ class SessionManager:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._reap_idle)
+        self.oneshot = OneShotRunner(
+            backend=self.backend,
+            task_group=self._task_group,
+            output_limit_bytes=self.settings.output_limit_chars,
+            open_dirs=self.open_dirs,
+            close_dirs=self.close_dirs,
+        )
         return self
 
     async def _reap_idle(self) -> None:
@@ -493,25 +528,7 @@ class SessionManager:
             )
         assert self._task_group is not None, "SessionManager used outside its `async with`"
         session_id = secrets.token_urlsafe(18)
-        short = secrets.token_hex(4)
-        runtime_dir = self.settings.runtime_dir / short
-        runtime_dir.mkdir(mode=self.backend.dir_mode)
-        lock_fd = _hold_lock(runtime_dir / LOCK_NAME)
-        run_dir = runtime_dir / "run"
-        run_dir.mkdir(mode=0o700)
-        give(run_dir, self.backend.host_owner)
-        workspace_dir = self.settings.workspaces_dir / (f"named-{options.name}" if options.persistent else short)
-        try:
-            workspace = Workspace.create(
-                workspace_dir, options.limits.disk_mb, self.settings.workspace_quota, persistent=options.persistent
-            )
-        except (OSError, WorkspaceError) as exc:
-            _remove_session_dirs(run_dir)
-            if not options.persistent:
-                remove_workspace(workspace_dir)
-            os.close(lock_fd)
-            raise SessionError(f"could not open the session workspace: {exc}") from None
-        give(workspace.path, self.backend.host_owner)
+        lock_fd, run_dir, workspace = self.open_dirs(options)
         session = Session(
             session_id=session_id,
             options=options,
@@ -532,6 +549,36 @@ class SessionManager:
             raise
         log.info("session %s… started", session_id[:6])
         return session
+
+    def open_dirs(self, options: SessionOptions) -> tuple[int, Path, Workspace]:
+        """A sandbox's host side: its locked runtime dir (sockets) and its workspace, both handed to
+        the sandbox user. Raises SessionError; a dead server's leftovers are found by the lock."""
+        short = secrets.token_hex(4)
+        runtime_dir = self.settings.runtime_dir / short
+        runtime_dir.mkdir(mode=self.backend.dir_mode)
+        lock_fd = _hold_lock(runtime_dir / LOCK_NAME)
+        run_dir = runtime_dir / "run"
+        run_dir.mkdir(mode=0o700)
+        give(run_dir, self.backend.host_owner)
+        workspace_dir = self.settings.workspaces_dir / (f"named-{options.name}" if options.persistent else short)
+        try:
+            workspace = Workspace.create(
+                workspace_dir, options.limits.disk_mb, self.settings.workspace_quota, persistent=options.persistent
+            )
+        except (OSError, WorkspaceError) as exc:
+            _remove_session_dirs(run_dir)
+            if not options.persistent:
+                remove_workspace(workspace_dir)
+            os.close(lock_fd)
+            raise SessionError(f"could not open the session workspace: {exc}") from None
+        give(workspace.path, self.backend.host_owner)
+        return lock_fd, run_dir, workspace
+
+    def close_dirs(self, lock_fd: int, run_dir: Path, workspace: Workspace) -> None:
+        workspace.remove()
+        _remove_session_dirs(run_dir)
+        with contextlib.suppress(OSError):
+            os.close(lock_fd)
 
     async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER) -> Session:
         """The named session, or `owner`'s default one (created on first use).

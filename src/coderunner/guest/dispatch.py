@@ -14,6 +14,8 @@ TOOLS = {
     "pdf_ops": "coderunner_guest.pdf",
     "image_ops": "coderunner_guest.image",
     "browser": "coderunner_guest.browser",
+    "variables": "coderunner_guest.variables",
+    "packages": "coderunner_guest.packages",
 }
 
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Protocol
 
 import anyio
-from anyio.abc import Process, TaskGroup
+from anyio.abc import ByteReceiveStream, ByteSendStream, Process, TaskGroup
 
 from .cgroups import SessionCgroup
 from .identity import HostIdentity
@@ -24,6 +24,8 @@ from .identity import HostIdentity
 STDERR_TAIL_BYTES = 16 * 1024
 #: Bound on waiting for a killed sandbox to be reaped.
 KILL_WAIT_S = 5.0
+#: A session's own pip packages (install_packages), relative to its workspace; on the kernel's path.
+SESSION_PACKAGES = ".coderunner/site-packages"
 
 
 @dataclass(frozen=True)
@@ -101,8 +103,15 @@ class SandboxBackend(Protocol):
         """Why network mode `network` cannot be had with this backend here, or None."""
         ...
 
-    async def spawn(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup) -> SandboxProcess:
-        """Start `argv` (paths as seen inside) in a fresh sandbox built from `spec`."""
+    async def spawn(
+        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
+    ) -> SandboxProcess:
+        """Start `argv` (paths as seen inside) in a fresh sandbox built from `spec`.
+
+        With `pipes`, the program's stdin, stdout and stderr are pipes the caller reads and
+        writes (one-shot runs); otherwise stdin and stdout are /dev/null and stderr is kept as
+        a bounded tail for error messages (kernels, whose channels are ZMQ sockets).
+        """
         ...
 
     def remove_stale(self, name: str) -> None:
@@ -120,6 +129,7 @@ class SandboxProcess:
         description: str,
         cgroup: SessionCgroup | None = None,
         helpers: list[Process] | None = None,
+        pipes: bool = False,
     ) -> None:
         self._process = process
         self._stderr_tail: collections.deque[bytes] = collections.deque()
@@ -129,8 +139,15 @@ class SandboxProcess:
         #: Processes serving this sandbox from outside (e.g. its user-mode network stack).
         self.helpers = helpers or []
         self._oom_kills_at_start = cgroup.oom_kills() if cgroup else 0
-        if process.stderr is not None:
+        if process.stderr is not None and not pipes:
             task_group.start_soon(self._drain_stderr)
+
+    @property
+    def streams(self) -> tuple[ByteSendStream, ByteReceiveStream, ByteReceiveStream]:
+        """stdin, stdout and stderr of a sandbox spawned with pipes."""
+        process = self._process
+        assert process.stdin and process.stdout and process.stderr, "spawned without pipes"
+        return process.stdin, process.stdout, process.stderr
 
     @property
     def pid(self) -> int:

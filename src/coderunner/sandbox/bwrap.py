@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
+from .base import SESSION_PACKAGES, LimitReport, Limits, SandboxProcess, SandboxSpec
 from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from .seccomp import SeccompUnavailable, compiled_filter
@@ -74,7 +74,7 @@ def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
         # glibc reserves 64 MiB of address space per thread arena; under RLIMIT_AS that is waste.
         "MALLOC_ARENA_MAX": "2",
-        "PYTHONPATH": GUEST_LIB,
+        "PYTHONPATH": f"{GUEST_LIB}:{WORKSPACE}/{SESSION_PACKAGES}",
     }
     env.update(extra or {})
     return env
@@ -196,7 +196,7 @@ def install_guest(runtime_base: Path) -> Path:
     A copy, not the package dir itself: the sandbox user must be able to reach it (the package
     may sit under /root), and a server of another version may share the runtime dir.
     """
-    files = sorted(path for path in GUEST_SOURCE.glob("*.py"))
+    files = sorted(path for pattern in ("*.py", "*.cjs") for path in GUEST_SOURCE.glob(pattern))
     digest = hashlib.sha256(b"".join(path.name.encode() + path.read_bytes() for path in files)).hexdigest()[:12]
     target = runtime_base / f"guest-{digest}"
     if not target.is_dir():
@@ -321,7 +321,9 @@ class BwrapBackend:
         if self.cgroups is not None:
             self.cgroups.remove_named(name)
 
-    async def spawn(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup) -> SandboxProcess:
+    async def spawn(
+        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
+    ) -> SandboxProcess:
         problem = self.network_problem(spec.network)
         if problem:
             raise BwrapUnavailable(problem)
@@ -354,8 +356,8 @@ class BwrapBackend:
                 full = enter_command(cgroup, full)
             process = await anyio.open_process(
                 full,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
+                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if pipes else subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
@@ -369,7 +371,7 @@ class BwrapBackend:
             os.close(seccomp_fd)
             if fds:
                 fds.close_child_ends()
-        sandbox = SandboxProcess(process, task_group, self.describe_isolation(), cgroup=cgroup)
+        sandbox = SandboxProcess(process, task_group, self.describe_isolation(), cgroup=cgroup, pipes=pipes)
         if fds is not None:
             try:
                 with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):

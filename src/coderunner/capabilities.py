@@ -1,0 +1,72 @@
+"""get_capabilities: what this server offers, so an agent can plan before it runs anything.
+
+Language versions are read once, inside a throwaway sandbox (what the code will really get);
+the rest comes from the settings and the backend's own account of how each limit is enforced.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import __version__
+from .sandbox_env import requirements_text
+
+if TYPE_CHECKING:
+    from .sessions import SessionManager
+
+LANGUAGE_TOOLS = {
+    "python": ["run_python (persistent kernel)", "execute_code", "validate_code"],
+    "javascript": ["execute_code (Node.js)", "validate_code"],
+    "bash": ["execute_code", "validate_code"],
+}
+
+
+def sandbox_packages() -> dict[str, str]:
+    """The pinned packages of the sandbox environment (its requirements file)."""
+    pins = {}
+    for line in requirements_text().splitlines():
+        name, sep, version = line.strip().partition("==")
+        if sep and not name.startswith("#"):
+            pins[name] = version
+    return pins
+
+
+@dataclass
+class Capabilities:
+    _versions: dict[str, Any] | None = None
+
+    async def describe(self, manager: SessionManager, tools: list[str]) -> dict[str, Any]:
+        settings, backend = manager.settings, manager.backend
+        defaults = manager.options()
+        if self._versions is None:
+            self._versions = await manager.oneshot.versions(defaults)
+        return {
+            "server": {"name": "coderunner", "version": __version__, "transport": settings.transport},
+            "languages": {
+                language: {"version": self._versions.get(language), "tools": used_by}
+                for language, used_by in LANGUAGE_TOOLS.items()
+            },
+            "sandbox": {"backend": backend.name, "isolation": backend.describe_isolation()},
+            "limits": {
+                "timeout_s": settings.timeout_s,
+                "max_timeout_s": settings.max_timeout_s,
+                **{name: asdict(report) for name, report in backend.limit_reports(defaults.limits).items()},
+                "disk_mb": settings.disk_mb,
+                "max_sessions": settings.max_sessions,
+                "idle_timeout_s": settings.idle_timeout_s,
+                "output_limit_chars": settings.output_limit_chars,
+            },
+            "network": {
+                "default": settings.network,
+                "modes": {mode: backend.network_problem(mode) or "available" for mode in ("none", "internet")},
+                "install_packages": "needs a session with network 'internet'",
+            },
+            "files": {
+                "workspace": backend.workspace_path,
+                "mounts": [{"sandbox": m.sandbox, "mode": "rw" if m.writable else "ro"} for m in manager.base_mounts],
+                "import_dirs": len(settings.import_dirs),
+            },
+            "packages": sandbox_packages(),
+            "tools": tools,
+        }

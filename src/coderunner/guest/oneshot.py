@@ -1,0 +1,153 @@
+"""One-shot runs and syntax checks, inside a throwaway sandbox (no kernel).
+
+    python -m coderunner_guest.oneshot run LANGUAGE SOURCE VARIABLES_JSON
+    python -m coderunner_guest.oneshot check LANGUAGE SOURCE
+
+The host writes the source and the variables (JSON) as files; they reach the program as data:
+Python globals, JavaScript globals (set by a preload before the program runs), or environment
+variables for bash. Nothing is ever pasted into source text. `check` prints one JSON object.
+"""
+
+import json
+import os
+import re
+import resource
+import subprocess
+import sys
+import traceback
+
+NODE = "/usr/bin/node"
+BASH = "/bin/bash"
+PRELOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preload.cjs")
+#: The JavaScript preload finds the variables file through this and removes it from the environment.
+VARIABLES_ENV = "CODERUNNER_VARIABLES_FILE"
+CHECK_TIMEOUT_S = 30
+NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
+
+
+def _variables(path):
+    with open(path, encoding="utf-8") as handle:
+        variables = json.load(handle)
+    if not isinstance(variables, dict) or not all(NAME.match(name) for name in variables):
+        raise SystemExit("coderunner: bad variables file")  # the host validated them; never expected
+    return variables
+
+
+def _lift_address_space_limit():
+    """V8 reserves far more address space than it uses: where the memory cgroup bounds real use
+    (the hard RLIMIT_AS is then unlimited), drop the soft limit for Node itself."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if hard == resource.RLIM_INFINITY and soft != hard:
+        resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
+        return True
+    return False
+
+
+def run_python(source, variables):
+    with open(source, encoding="utf-8") as handle:
+        code = compile(handle.read(), os.path.basename(source), "exec")
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__, **variables}
+    sys.argv = [os.path.basename(source)]
+    try:
+        exec(code, namespace)
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        # The user's frames only: drop this launcher's own.
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        sys.exit(1)
+
+
+def run_javascript(source, variables_path, memory_mb):
+    argv = [NODE]
+    if _lift_address_space_limit() and memory_mb:
+        argv.append(f"--max-old-space-size={max(int(memory_mb * 3 // 4), 64)}")
+    argv += ["--require", PRELOAD, source]
+    os.execve(NODE, argv, {**os.environ, VARIABLES_ENV: variables_path})
+
+
+def run_bash(source, variables):
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    for name, value in variables.items():
+        env[name] = value if isinstance(value, str) else "" if value is None else json.dumps(value)
+    os.execve(BASH, [BASH, "--norc", "--noprofile", source], env)
+
+
+def check(language, source):
+    """Syntax errors as [{line, column, message}]; column is None where the tool gives none."""
+    if language == "python":
+        with open(source, encoding="utf-8") as handle:
+            text = handle.read()
+        try:
+            compile(text, os.path.basename(source), "exec", dont_inherit=True)
+        except SyntaxError as exc:
+            return [{"line": exc.lineno, "column": exc.offset, "message": exc.msg}]
+        return []
+    if language == "javascript":
+        _lift_address_space_limit()
+        done = subprocess.run([NODE, "--check", source], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+        return [] if done.returncode == 0 else _node_errors(done.stderr, source)
+    done = subprocess.run([BASH, "-n", source], capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+    return [] if done.returncode == 0 else _bash_errors(done.stderr, source)
+
+
+def _node_errors(stderr, source):
+    """node --check prints 'FILE:LINE', the line, a caret line, then 'SyntaxError: message'."""
+    lines = stderr.splitlines()
+    line = column = None
+    message = next((text for text in lines if re.match(r"\w*Error:", text)), stderr.strip()[-500:])
+    for index, text in enumerate(lines):
+        found = re.match(re.escape(source) + r":(\d+)\s*$", text)
+        if found:
+            line = int(found.group(1))
+            if index + 2 < len(lines) and "^" in lines[index + 2]:
+                column = lines[index + 2].index("^") + 1
+            break
+    return [{"line": line, "column": column, "message": message}]
+
+
+def _bash_errors(stderr, source):
+    """bash -n gives 'FILE: line N: message' and no column."""
+    errors = []
+    for text in stderr.splitlines():
+        found = re.match(re.escape(source) + r": line (\d+): (.*)", text)
+        if found:
+            errors.append({"line": int(found.group(1)), "column": None, "message": found.group(2)})
+    return errors or [{"line": None, "column": None, "message": stderr.strip()[-500:]}]
+
+
+def versions():
+    """What each language runs on, as the sandbox sees it."""
+    found = {"python": sys.version.split()[0]}
+    for language, argv in (("javascript", [NODE, "--version"]), ("bash", [BASH, "--version"])):
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)
+            found[language] = done.stdout.splitlines()[0].strip() if done.returncode == 0 else None
+        except (OSError, subprocess.TimeoutExpired, IndexError):
+            found[language] = None
+    return found
+
+
+def main(argv):
+    if argv[1] == "versions":
+        _lift_address_space_limit()
+        print(json.dumps(versions()))
+        return
+    command, language, source = argv[1:4]
+    if command == "check":
+        print(json.dumps({"errors": check(language, source)}))
+        return
+    variables_path = argv[4]
+    memory_mb = int(argv[5]) if len(argv) > 5 else 0
+    if language == "python":
+        run_python(source, _variables(variables_path))
+    elif language == "javascript":
+        _variables(variables_path)
+        run_javascript(source, variables_path, memory_mb)
+    else:
+        run_bash(source, _variables(variables_path))
+
+
+if __name__ == "__main__":
+    main(sys.argv)

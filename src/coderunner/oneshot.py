@@ -1,0 +1,274 @@
+"""One-shot runs: a program in a fresh throwaway sandbox (no kernel), then nothing left behind.
+
+Python, JavaScript (Node.js) and bash run with the isolation and limits of a session: the same
+backend, namespaces, seccomp filter, memory/pids cgroups and network modes. The source and the
+variables travel as files in the sandbox's runtime dir; the program's stdin, stdout and stderr
+are pipes, captured within bounds (head and tail kept). At the deadline the whole sandbox is
+killed. Syntax checks run the same way, with the checker inside the sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+import anyio
+from anyio.abc import ByteReceiveStream, TaskGroup
+
+from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
+
+if TYPE_CHECKING:
+    from .sessions import SessionOptions
+
+Language = Literal["python", "javascript", "bash"]
+LANGUAGES: tuple[Language, ...] = ("python", "javascript", "bash")
+SOURCE_NAMES = {"python": "main.py", "javascript": "main.js", "bash": "main.sh"}
+GUEST_MODULE = "coderunner_guest.oneshot"
+#: After the program ends, how long its pipes may still deliver what it wrote.
+DRAIN_WAIT_S = 2.0
+#: Bound on a syntax check (node --check of a large file is the slowest).
+CHECK_TIMEOUT_S = 30.0
+MAX_CHECK_ANSWER_BYTES = 1 << 20
+
+
+class OneShotError(Exception):
+    """The run could not be set up (bad arguments, sandbox failure); the message says why."""
+
+
+@dataclass
+class BoundedBytes:
+    """Keeps the first and last `limit // 2` bytes of a stream and counts the rest."""
+
+    limit: int
+    head: bytearray = field(default_factory=bytearray)
+    tail: bytearray = field(default_factory=bytearray)
+    total: int = 0
+
+    def add(self, chunk: bytes) -> None:
+        self.total += len(chunk)
+        room = self.limit // 2 - len(self.head)
+        if room > 0:
+            self.head += chunk[:room]
+            chunk = chunk[room:]
+        if chunk:
+            self.tail += chunk
+            del self.tail[: max(0, len(self.tail) - self.limit // 2)]
+
+    @property
+    def truncated(self) -> bool:
+        return self.total > len(self.head) + len(self.tail)
+
+    def text(self) -> str:
+        head = self.head.decode("utf-8", "replace")
+        if not self.truncated:
+            return head + self.tail.decode("utf-8", "replace")
+        omitted = self.total - len(self.head) - len(self.tail)
+        return f"{head}\n[... {omitted:,} bytes omitted ...]\n{self.tail.decode('utf-8', 'replace')}"
+
+
+@dataclass(frozen=True)
+class OneShotResult:
+    language: Language
+    success: bool
+    exit_code: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    execution_time_ms: float
+    memory_peak_mb: float | None
+    #: How memory and time were bounded, so the caller knows what the figures mean.
+    limits: dict[str, Any]
+    truncated: bool = False
+
+
+async def _capture(stream: ByteReceiveStream, sink: BoundedBytes, done: anyio.Event) -> None:
+    try:
+        with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
+            async for chunk in stream:
+                sink.add(chunk)
+    finally:
+        done.set()
+
+
+async def _collect(process: SandboxProcess, stdout: BoundedBytes, stderr: BoundedBytes, stdin: bytes,
+                   timeout_s: float) -> bool:  # fmt: skip
+    """Feed stdin, capture both outputs, wait for the end within `timeout_s`; True if it timed out."""
+    _, out, err = process.streams
+    out_done, err_done = anyio.Event(), anyio.Event()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_capture, out, stdout, out_done)
+        tg.start_soon(_capture, err, stderr, err_done)
+        tg.start_soon(_feed, process, stdin)
+        with anyio.move_on_after(timeout_s) as deadline:
+            await process.wait()
+        if deadline.cancelled_caught:
+            await process.kill()
+        with anyio.move_on_after(DRAIN_WAIT_S):
+            await out_done.wait()
+            await err_done.wait()
+        tg.cancel_scope.cancel()
+    return deadline.cancelled_caught
+
+
+async def _feed(process: SandboxProcess, data: bytes) -> None:
+    stdin = process.streams[0]
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError, BrokenPipeError):
+        for start in range(0, len(data), 65536):
+            await stdin.send(data[start : start + 65536])
+    with contextlib.suppress(Exception):
+        await stdin.aclose()
+
+
+@dataclass
+class OneShotRunner:
+    """Runs programs in throwaway sandboxes; `open_dirs`/`close_dirs` come from the SessionManager."""
+
+    backend: SandboxBackend
+    task_group: TaskGroup
+    output_limit_bytes: int
+    open_dirs: Any
+    close_dirs: Any
+    #: One-shot sandboxes at once; more wait (within their own timeout) for a slot.
+    max_concurrent: int = 4
+    _limiter: anyio.CapacityLimiter | None = None
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, wait_s: float) -> AsyncIterator[None]:
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.max_concurrent)
+        with anyio.move_on_after(wait_s) as waited:
+            await self._limiter.acquire()
+        if waited.cancelled_caught:
+            raise OneShotError(f"{self.max_concurrent} one-shot runs are in progress; try again when one finishes")
+        try:
+            yield
+        finally:
+            self._limiter.release()
+
+    async def run(
+        self,
+        language: Language,
+        code: str,
+        options: SessionOptions,
+        *,
+        stdin: bytes = b"",
+        variables: dict[str, Any] | None = None,
+    ) -> OneShotResult:
+        async with self._slot(options.timeout_s):
+            return await self._run(language, code, options, stdin, variables or {})
+
+    async def _run(
+        self, language: Language, code: str, options: SessionOptions, stdin: bytes, variables: dict[str, Any]
+    ) -> OneShotResult:
+        lock_fd, run_dir, workspace = self.open_dirs(options)
+        try:
+            source = run_dir / SOURCE_NAMES[language]
+            source.write_text(code)
+            variables_file = run_dir / "variables.json"
+            variables_file.write_text(json.dumps(variables))
+            memory = options.limits.memory_mb or 0
+            argv = [self.backend.python, "-m", GUEST_MODULE, "run", language, str(source), str(variables_file),
+                    str(memory)]  # fmt: skip
+            spec = _spec(options, run_dir, workspace.path)
+            stdout, stderr = BoundedBytes(self.output_limit_bytes), BoundedBytes(self.output_limit_bytes)
+            began = time.perf_counter()
+            process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
+            try:
+                timed_out = await _collect(process, stdout, stderr, stdin, options.timeout_s)
+                elapsed_ms = (time.perf_counter() - began) * 1000
+                peak = process.cgroup.memory_peak_bytes() if process.cgroup is not None else None
+                oom = process.oom_killed()
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await process.kill()
+            exit_code = None if timed_out else process.returncode
+            err_text = stderr.text()
+            if oom:
+                err_text += f"\n[killed: over the memory limit of {options.limits.memory_mb} MiB]"
+            return OneShotResult(
+                language=language,
+                success=exit_code == 0,
+                exit_code=exit_code,
+                stdout=stdout.text(),
+                stderr=err_text + (f"\n[timed out after {options.timeout_s:g}s: killed]" if timed_out else ""),
+                timed_out=timed_out,
+                execution_time_ms=round(elapsed_ms, 1),
+                memory_peak_mb=round(peak / 2**20, 1) if peak else None,
+                limits={
+                    "timeout_s": options.timeout_s,
+                    **{name: report.__dict__ for name, report in self.backend.limit_reports(options.limits).items()},
+                    "network": options.network,
+                },
+                truncated=stdout.truncated or stderr.truncated,
+            )
+        finally:
+            self.close_dirs(lock_fd, run_dir, workspace)
+
+    async def check(self, language: Language, code: str, options: SessionOptions) -> list[dict[str, Any]]:
+        """Syntax errors of `code`, found inside a throwaway sandbox: [{line, column, message}]."""
+        answer = await self._ask(options, ["check", language], code, SOURCE_NAMES[language])
+        errors = answer.get("errors")
+        if not isinstance(errors, list):
+            raise OneShotError("the syntax check gave no list of errors")
+        return [
+            {"line": _int(e.get("line")), "column": _int(e.get("column")), "message": str(e.get("message"))[:500]}
+            for e in errors[:50]
+            if isinstance(e, dict)
+        ]
+
+    async def versions(self, options: SessionOptions) -> dict[str, Any]:
+        """The language runtimes' versions, as the sandbox sees them."""
+        return await self._ask(options, ["versions"])
+
+    async def _ask(
+        self, options: SessionOptions, command: list[str], code: str | None = None, name: str = ""
+    ) -> dict[str, Any]:
+        """Run the guest helper with `command` in a throwaway sandbox; its one JSON answer (untrusted)."""
+        async with self._slot(CHECK_TIMEOUT_S):
+            return await self._ask_now(options, command, code, name)
+
+    async def _ask_now(
+        self, options: SessionOptions, command: list[str], code: str | None, name: str
+    ) -> dict[str, Any]:
+        lock_fd, run_dir, workspace = self.open_dirs(options)
+        try:
+            argv = [self.backend.python, "-m", GUEST_MODULE, *command]
+            if code is not None:
+                (run_dir / name).write_text(code)
+                argv.append(str(run_dir / name))
+            answer, problems = BoundedBytes(MAX_CHECK_ANSWER_BYTES), BoundedBytes(4096)
+            spec = _spec(options, run_dir, workspace.path)
+            process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
+            try:
+                await _collect(process, answer, problems, b"", CHECK_TIMEOUT_S)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await process.kill()
+            try:
+                parsed = json.loads(bytes(answer.head + answer.tail))
+            except ValueError:
+                parsed = None
+            if not isinstance(parsed, dict):
+                raise OneShotError(f"the sandbox helper did not answer: {problems.text().strip()[-500:]}")
+            return parsed
+        finally:
+            self.close_dirs(lock_fd, run_dir, workspace)
+
+
+def _spec(options: SessionOptions, run_dir: Any, workspace: Any) -> SandboxSpec:
+    return SandboxSpec(
+        name=run_dir.parent.name,
+        workspace=workspace,
+        runtime_dir=run_dir,
+        limits=options.limits,
+        network=options.network,
+        mounts=options.mounts,
+    )
+
+
+def _int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
