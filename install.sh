@@ -15,6 +15,8 @@ die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
 
 # 1. System packages: bubblewrap (the sandbox) and the system python3 + venv (the sandbox's interpreter).
 APT_PACKAGES=(bubblewrap python3 python3-venv util-linux mount e2fsprogs libseccomp2 slirp4netns tesseract-ocr tesseract-ocr-eng chromium)
+# Node.js runs execute_code's JavaScript inside the sandbox (any /usr/bin/node will do, e.g. NodeSource's).
+[ -x /usr/bin/node ] || APT_PACKAGES+=(nodejs)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
