@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
@@ -23,6 +24,7 @@ from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
 
 if TYPE_CHECKING:
     from .sessions import SessionOptions
+    from .workspace import Workspace
 
 Language = Literal["python", "javascript", "bash"]
 LANGUAGES: tuple[Language, ...] = ("python", "javascript", "bash")
@@ -130,8 +132,9 @@ class OneShotRunner:
     backend: SandboxBackend
     task_group: TaskGroup
     output_limit_bytes: int
-    open_dirs: Any
-    close_dirs: Any
+    #: The SessionManager's: a locked runtime dir and a workspace for one sandbox, and their removal.
+    open_dirs: Callable[[SessionOptions], tuple[int, Path, Workspace]]
+    close_dirs: Callable[[int, Path, Workspace], None]
     #: One-shot sandboxes at once; more wait (within their own timeout) for a slot.
     max_concurrent: int = 4
     _limiter: anyio.CapacityLimiter | None = None
@@ -200,7 +203,7 @@ class OneShotRunner:
                 memory_peak_mb=round(peak / 2**20, 1) if peak else None,
                 limits={
                     "timeout_s": options.timeout_s,
-                    **{name: report.__dict__ for name, report in self.backend.limit_reports(options.limits).items()},
+                    **{name: asdict(report) for name, report in self.backend.limit_reports(options.limits).items()},
                     "network": options.network,
                 },
                 truncated=stdout.truncated or stderr.truncated,
@@ -259,7 +262,7 @@ class OneShotRunner:
             self.close_dirs(lock_fd, run_dir, workspace)
 
 
-def _spec(options: SessionOptions, run_dir: Any, workspace: Any) -> SandboxSpec:
+def _spec(options: SessionOptions, run_dir: Path, workspace: Path) -> SandboxSpec:
     return SandboxSpec(
         name=run_dir.parent.name,
         workspace=workspace,
