@@ -470,3 +470,41 @@ async def test_root_server_sandboxes_are_not_root_on_the_host(arena: Arena) -> N
         assert host_uids == {os.getuid()}
     assert Path("/proc/sys/kernel/core_pattern").read_text().strip() != "|/workspace/x"
     await assert_still_serving(arena)
+
+
+async def test_one_shot_sandboxes_hold_the_same_boundaries(arena: Arena) -> None:
+    """boundary: execute_code. A throwaway sandbox tries the host's files, loopback, sockets, env and root."""
+    probe = TRY + (
+        "import socket\n"
+        "def tcp():\n    socket.create_connection(('127.0.0.1', PORT), timeout=3).close()\n"
+        "def abstract():\n    s = socket.socket(socket.AF_UNIX); s.connect('\\0' + NAME)\n"
+        "print(json.dumps({\n"
+        "  'bystander': attempt(lambda: open(BYSTANDER + '/bystander.txt').read()),\n"
+        "  'host_root': attempt(lambda: os.listdir('/root')),\n"
+        "  'shadow': attempt(lambda: open('/etc/shadow').read()),\n"
+        "  'write_usr': attempt(lambda: open('/usr/pwned', 'w')),\n"
+        "  'loopback': attempt(tcp),\n"
+        "  'abstract': attempt(abstract),\n"
+        "  'secret': attempt(lambda: os.environ[SECRET] if SECRET in os.environ else 1 / 0),\n"
+        "  'setuid_root': attempt(lambda: os.setuid(0)),\n"
+        "}))"
+    )
+    result = await arena.client.call_tool(
+        "execute_code",
+        {
+            "language": "python",
+            "code": probe,
+            "variables": {
+                "PORT": arena.loopback_port,
+                "NAME": arena.abstract_socket,
+                "BYSTANDER": str(arena.bystander_workspace),
+                "SECRET": SECRET_NAME,
+            },
+        },
+    )
+    stdout = result.structured_content["stdout"]
+    outcome = json.loads(stdout.strip().splitlines()[-1])
+    crossed = {name: value for name, value in outcome.items() if value[0] == "OK"}
+    assert not crossed, crossed
+    assert SECRET_VALUE not in stdout
+    await assert_still_serving(arena)
