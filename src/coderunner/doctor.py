@@ -12,7 +12,7 @@ from pathlib import Path
 import anyio
 
 from .config import Settings
-from .sandbox import BwrapUnavailable, make_backend
+from .sandbox import SandboxUnavailable, make_backend
 from .sessions import SessionManager
 
 PROBE_TIMEOUT_S = 30
@@ -99,7 +99,7 @@ def check_sandbox_env(settings: Settings) -> Check:
 async def check_sandboxed_run(settings: Settings) -> Check:
     try:
         backend = make_backend(settings)
-    except BwrapUnavailable as exc:
+    except SandboxUnavailable as exc:
         return Check("sandboxed 1+1", False, str(exc), None)
     began = time.monotonic()
     try:

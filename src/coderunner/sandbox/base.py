@@ -26,6 +26,10 @@ STDERR_TAIL_BYTES = 16 * 1024
 KILL_WAIT_S = 5.0
 
 
+class SandboxUnavailable(RuntimeError):
+    """The chosen backend cannot work here; the message says how to fix it."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Resource limits asked for one session. `None` means no limit."""

@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
+from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, SandboxUnavailable
 from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from .seccomp import SeccompUnavailable, compiled_filter
@@ -54,7 +54,7 @@ NETWORK_SETUP_TIMEOUT_S = 10.0
 NETWORK_MODES = ("none", "internet")
 
 
-class BwrapUnavailable(RuntimeError):
+class BwrapUnavailable(SandboxUnavailable):
     """bubblewrap is missing or cannot create namespaces here."""
 
 

@@ -1,0 +1,115 @@
+"""What the container backends (podman/docker and Apple `container`) share.
+
+A sandbox is one container per kernel, run attached (`ENGINE run --rm ...` in the foreground),
+so the host has a process to wait on; killing that client does not stop the container, so a
+`ContainerProcess` also removes the container by name, with a timeout, when it is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import secrets
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import Process, TaskGroup
+
+from .base import SandboxProcess, SandboxSpec, SandboxUnavailable
+from .engine import REMOVE_TIMEOUT_S, EngineError, run_async
+
+log = logging.getLogger(__name__)
+
+#: Where the image keeps things (Containerfile); the same paths as the bwrap sandbox.
+IMAGE_PYTHON = "/opt/coderunner/env/bin/python"
+WORKSPACE = "/workspace"
+#: Labels every container carries, so a later server can find what a crashed one left.
+LABEL_SESSION = "coderunner.session"
+LABEL_SERVER = "coderunner.server"
+NAME_PREFIX = "coderunner"
+#: The five ZMQ channels of a kernel, as named in a connection file.
+CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+
+
+class ContainerUnavailable(SandboxUnavailable):
+    """The engine or the image is missing, or cannot run here; the message says how to fix it."""
+
+
+def server_tag(runtime_base: Path) -> str:
+    """A short stable tag for one server configuration (its runtime dir), shared by its restarts."""
+    return hashlib.sha256(str(runtime_base).encode()).hexdigest()[:8]
+
+
+def session_key(spec: SandboxSpec) -> str:
+    """The session's runtime dir name: what SessionManager passes to remove_stale for dead ones."""
+    return spec.runtime_dir.parent.name if spec.runtime_dir.name == "run" else spec.runtime_dir.name
+
+
+def container_name(tag: str, session: str) -> str:
+    """Unique per kernel (a restart may overlap the old container's removal), findable by prefix."""
+    return f"{NAME_PREFIX}-{tag}-{session}-{secrets.token_hex(3)}"
+
+
+def name_prefix(tag: str, session: str | None = None) -> str:
+    return f"{NAME_PREFIX}-{tag}-" + (f"{session}-" if session else "")
+
+
+def connection_info(argv: list[str]) -> dict[str, Any]:
+    """The kernel's connection file, found after `-f` in its command (written by the host)."""
+    try:
+        path = argv[argv.index("-f") + 1]
+    except (ValueError, IndexError):
+        raise ContainerUnavailable("the kernel command names no connection file (-f)") from None
+    return json.loads(Path(path).read_text())
+
+
+def channel_ports(info: dict[str, Any]) -> list[int]:
+    return [int(info[name]) for name in CHANNELS if name in info]
+
+
+class ContainerProcess(SandboxProcess):
+    """The attached engine client of one container; kill() also removes the container itself."""
+
+    def __init__(
+        self,
+        process: Process,
+        task_group: TaskGroup,
+        description: str,
+        cleanup: list[list[str]],
+        engine_env: dict[str, str],
+    ) -> None:
+        super().__init__(process, task_group, description)
+        self.cleanup = cleanup
+        self._engine_env = engine_env
+        #: The container's init as a host pid, where the engine shares the host kernel.
+        self.container_pid: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """For memory accounting: the container's process tree, not the client's."""
+        return self.container_pid or super().pid
+
+    async def kill(self) -> None:
+        """Remove the container (bounded), then kill and reap the client."""
+        with anyio.CancelScope(shield=True):
+            for argv in self.cleanup:
+                try:
+                    await run_async(argv, REMOVE_TIMEOUT_S, check=False, env=self._engine_env)
+                except EngineError as exc:
+                    log.warning("container cleanup: %s", exc)
+            await super().kill()
+
+    async def watch_pid(self, inspect_argv: list[str], timeout_s: float = 15.0) -> None:
+        """Learn the container's host pid once it runs (podman/docker on Linux only)."""
+        with anyio.move_on_after(timeout_s), contextlib.suppress(EngineError):
+            while self.alive and self.container_pid is None:
+                done = await run_async(inspect_argv, 5.0, check=False, env=self._engine_env)
+                with contextlib.suppress(ValueError):
+                    pid = int(done.stdout.strip() or 0)
+                    if pid > 0:
+                        self.container_pid = pid
+                        return
+                await anyio.sleep(0.1)
