@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
             print(f"sandbox environment ready: {settings.sandbox_env}")
             return 0
-    except (SandboxUnavailable, SessionError, KernelStartError, sandbox_env.SetupError, MountError, image.ImageError) as exc:
+    except (SandboxUnavailable, SessionError, KernelStartError, sandbox_env.SetupError, MountError) as exc:
         print(f"coderunner: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

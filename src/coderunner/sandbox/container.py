@@ -11,6 +11,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -68,6 +69,27 @@ def connection_info(argv: list[str]) -> dict[str, Any]:
 
 def channel_ports(info: dict[str, Any]) -> list[int]:
     return [int(info[name]) for name in CHANNELS if name in info]
+
+
+def with_guest_connection(argv: list[str], ip: str, guest_dir: str | None = None) -> list[str]:
+    """The kernel command reading a copy of its connection file with the address as seen inside.
+
+    ipykernel takes `ip` from the connection file over its command line, so a kernel that must
+    bind elsewhere than the host connects (0.0.0.0 behind published ports, a socket path on the
+    VM's own disk) gets its own file next to the host's. `guest_dir` is where the VM sees that dir.
+    """
+    index = argv.index("-f") + 1
+    host_file = Path(argv[index])
+    info = json.loads(host_file.read_text())
+    guest_file = host_file.with_name(host_file.stem + ".guest.json")
+    guest_file.write_text(json.dumps({**info, "ip": ip}))
+    stat = host_file.stat()
+    os.chmod(guest_file, stat.st_mode & 0o777)
+    if os.getuid() == 0:
+        os.chown(guest_file, stat.st_uid, stat.st_gid)
+    inner = list(argv)
+    inner[index] = f"{guest_dir}/{guest_file.name}" if guest_dir else str(guest_file)
+    return inner
 
 
 class ContainerProcess(SandboxProcess):

@@ -47,7 +47,9 @@ def _describe(argv: list[str]) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def run_sync(argv: list[str], timeout_s: float, *, check: bool = True, env: dict[str, str] | None = None) -> EngineResult:
+def run_sync(
+    argv: list[str], timeout_s: float, *, check: bool = True, env: dict[str, str] | None = None
+) -> EngineResult:
     """Run an engine command to completion within `timeout_s` (for setup, doctor and cleanup)."""
     try:
         done = subprocess.run(

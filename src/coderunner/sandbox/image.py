@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..sandbox_env import SetupError
 from .engine import BUILD_TIMEOUT_S, QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ LABEL_SOURCES = "coderunner.sources"
 CA_BUNDLES = (Path("/etc/ssl/certs/ca-certificates.crt"), Path("/etc/pki/tls/certs/ca-bundle.crt"))
 
 
-class ImageError(RuntimeError):
+class ImageError(SetupError):
     """The image could not be built; the message names the failing command."""
 
 

@@ -39,6 +39,7 @@ from .container import (
     container_name,
     server_tag,
     session_key,
+    with_guest_connection,
 )
 from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
 from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
@@ -76,9 +77,7 @@ class OciCommand:
             return [self.engine, "--runtime", self.runtime]
         return [self.engine]
 
-    def run(
-        self, spec: SandboxSpec, inner: list[str], name: str, *, tcp_ports: list[int] | None = None
-    ) -> list[str]:
+    def run(self, spec: SandboxSpec, inner: list[str], name: str, *, tcp_ports: list[int] | None = None) -> list[str]:
         limits = spec.limits
         args = [
             *self.base(), "run", "--rm", "--init",
@@ -128,9 +127,11 @@ class OciCommand:
         return [*args, self.image, *inner]
 
     def remove(self, name: str) -> list[str]:
-        return [*self.base(), "rm", "--force", name] if self.kind == "docker" else [
-            *self.base(), "rm", "--force", "--time", "0", name
-        ]
+        return (
+            [*self.base(), "rm", "--force", name]
+            if self.kind == "docker"
+            else [*self.base(), "rm", "--force", "--time", "0", name]
+        )
 
     def inspect_pid(self, name: str) -> list[str]:
         return [*self.base(), "inspect", "--format", "{{.State.Pid}}", name]
@@ -247,7 +248,9 @@ class OciBackend:
 
     def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
         return {
-            "memory_mb": LimitReport(limits.memory_mb, "container memory limit + RLIMIT_AS" if limits.memory_mb else None),
+            "memory_mb": LimitReport(
+                limits.memory_mb, "container memory limit + RLIMIT_AS" if limits.memory_mb else None
+            ),
             "cpus": LimitReport(limits.cpus, "container cpu quota" if limits.cpus else None),
             "pids": LimitReport(limits.pids, "container pids limit" if limits.pids else None),
             "tmp_mb": LimitReport(limits.tmp_mb, "tmpfs size" if limits.tmp_mb else None),
@@ -270,11 +273,11 @@ class OciBackend:
         name = container_name(self.command.server, session_key(spec))
         # RLIMIT_AS as a soft limit gives user code a clean MemoryError; the container's memory
         # limit is the hard bound (Chromium lifts the soft one for itself, as under bwrap).
-        inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
         ports = None
         if self.channels == "tcp":
             ports = channel_ports(connection_info(argv))
-            inner.append("--ip=0.0.0.0")
+            argv = with_guest_connection(argv, "0.0.0.0")
+        inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
         full = self.command.run(spec, inner, name, tcp_ports=ports)
         process = await anyio.open_process(
             full,
