@@ -218,7 +218,7 @@ class AppleBackend:
 
     def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
         return {
-            "memory_mb": LimitReport(limits.memory_mb, "VM memory + RLIMIT_AS" if limits.memory_mb else None),
+            "memory_mb": LimitReport(limits.memory_mb, "RLIMIT_AS + VM memory" if limits.memory_mb else None),
             "cpus": LimitReport(limits.cpus, "VM vCPUs (rounded up)" if limits.cpus else None),
             "pids": LimitReport(limits.pids, "RLIMIT_NPROC inside the VM" if limits.pids else None),
             "tmp_mb": LimitReport(limits.tmp_mb, None),

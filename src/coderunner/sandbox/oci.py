@@ -249,7 +249,7 @@ class OciBackend:
     def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
         return {
             "memory_mb": LimitReport(
-                limits.memory_mb, "container memory limit + RLIMIT_AS" if limits.memory_mb else None
+                limits.memory_mb, "RLIMIT_AS + container memory limit" if limits.memory_mb else None
             ),
             "cpus": LimitReport(limits.cpus, "container cpu quota" if limits.cpus else None),
             "pids": LimitReport(limits.pids, "container pids limit" if limits.pids else None),

@@ -1,0 +1,248 @@
+"""The podman backend for real: the Containerfile built once per test session (against a base image
+made offline from Debian's mirror), then the bwrap backend's own e2e scenarios and the container's
+boundary checks through the official MCP client with `--backend podman`.
+
+Needs podman, runc and mmdebstrap (install.sh installs them on Linux). Nothing here skips: a
+missing tool or a failed build fails with the reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pwd
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from coderunner.sandbox.container import server_tag
+
+from . import test_e2e_files as files
+from . import test_e2e_isolation as isolation
+from . import test_e2e_run_python as run_python
+from . import test_e2e_sessions as sessions
+from .conftest import REPO, SECRET_NAME, ServerDirs, open_client, raw_stdio_server, run, text_of, wait_until
+from .test_e2e_files import Host, files_env, host  # noqa: F401  (the `host` fixture)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+BASE_IMAGE = "localhost/coderunner-base:bookworm"
+#: This machine's podman cannot use crun (hybrid cgroups); runc works.
+OCI_RUNTIME = "runc"
+BASE_TIMEOUT_S = 900
+BUILD_TIMEOUT_S = 1800
+#: What the image build and a test run took, printed at the end of the session (see README).
+TIMINGS: dict[str, float] = {}
+
+
+def _require(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        pytest.fail(f"{tool} is not installed: run ./install.sh (it installs podman, runc and mmdebstrap)")
+    return path
+
+
+def _step(argv: list[str], timeout_s: float, what: str, env: dict[str, str] | None = None) -> None:
+    """Run a set-up step with its output in a log; fail with the log's tail if it fails."""
+    with tempfile.TemporaryFile() as log:
+        began = time.monotonic()
+        try:
+            done = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, timeout=timeout_s, env=env, check=False)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{what} took longer than {timeout_s}s: {' '.join(argv)}")
+        TIMINGS[what] = time.monotonic() - began
+        if done.returncode != 0:
+            log.seek(0)
+            pytest.fail(f"{what} failed ({done.returncode}): {' '.join(argv)}\n{log.read().decode()[-4000:]}")
+
+
+@pytest.fixture(scope="session")
+def podman_image() -> Iterator[str]:
+    """The sandbox image, built by `coderunner setup --backend podman` (skipped when current)."""
+    podman = _require("podman")
+    _require("runc")
+    exists = subprocess.run([podman, "image", "exists", BASE_IMAGE], timeout=60, check=False).returncode == 0
+    if not exists:
+        _require("mmdebstrap")
+        _step([str(REPO / "containers" / "make-base-image.sh"), "podman", BASE_IMAGE], BASE_TIMEOUT_S, "base image")
+    env = {**os.environ, "CODERUNNER_OCI_RUNTIME": OCI_RUNTIME}
+    env.pop("CODERUNNER_IMAGE", None)
+    setup = [sys.executable, "-m", "coderunner.cli", "setup", "--backend", "podman", "--base-image", BASE_IMAGE]
+    _step(setup, BUILD_TIMEOUT_S, "sandbox image build", env=env)
+    from coderunner.config import Settings
+
+    yield Settings.model_fields["image"].default
+    if TIMINGS:
+        print("\npodman set-up: " + ", ".join(f"{k} {v:.1f}s" for k, v in TIMINGS.items()), file=sys.stderr)
+
+
+def podman_env(dirs: ServerDirs, folders: Host, **extra: str) -> dict[str, str]:
+    return {
+        **files_env(dirs, folders),
+        "CODERUNNER_BACKEND": "podman",
+        "CODERUNNER_OCI_RUNTIME": OCI_RUNTIME,
+        **extra,
+    }
+
+
+@pytest.fixture
+def transport() -> str:
+    return "stdio"
+
+
+@pytest.fixture
+async def client(podman_image: str, dirs: ServerDirs, host: Host) -> AsyncIterator[Client]:  # noqa: F811
+    async with open_client("stdio", podman_env(dirs, host)) as connected:
+        yield connected
+
+
+def containers(dirs: ServerDirs) -> list[str]:
+    """Names of this test server's containers, running or not (found by the server label)."""
+    done = subprocess.run(
+        ["podman", "ps", "--all", "--filter", f"label=coderunner.server={server_tag(dirs.runtime)}",
+         "--format", "{{.Names}}"],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    return done.stdout.split()
+
+
+# --- the bwrap backend's scenarios, unchanged, on podman -------------------------------------------
+
+test_state_persists_across_calls = run_python.test_state_persists_across_calls
+test_matplotlib_chart_arrives_as_image = run_python.test_matplotlib_chart_arrives_as_image
+test_exception_gives_is_error_with_clean_traceback = run_python.test_exception_gives_is_error_with_clean_traceback
+test_infinite_loop_is_interrupted_and_state_kept = run_python.test_infinite_loop_is_interrupted_and_state_kept
+test_code_ignoring_sigint_is_restarted_and_reply_says_state_lost = (
+    run_python.test_code_ignoring_sigint_is_restarted_and_reply_says_state_lost
+)
+test_kernel_killed_from_inside_gives_clear_error_then_works = (
+    run_python.test_kernel_killed_from_inside_gives_clear_error_then_works
+)
+test_kernel_reset_clears_state_but_keeps_files = run_python.test_kernel_reset_clears_state_but_keeps_files
+test_secret_environment_never_enters_the_sandbox = isolation.test_secret_environment_never_enters_the_sandbox
+test_no_network_egress = isolation.test_no_network_egress
+test_writes_outside_the_workspace_fail = isolation.test_writes_outside_the_workspace_fail
+test_two_sessions_see_neither_variables_nor_files = isolation.test_two_sessions_see_neither_variables_nor_files
+test_story_load_a_read_only_host_folder = files.test_story_load_a_read_only_host_folder
+test_story_export_only_into_the_chosen_folder = files.test_story_export_only_into_the_chosen_folder
+test_write_list_read_roundtrip_and_ranges = files.test_write_list_read_roundtrip_and_ranges
+test_upload_from_an_import_folder = files.test_upload_from_an_import_folder
+test_create_status_list_close = sessions.test_create_status_list_close
+test_memory_limit_gives_memory_error_and_kernel_survives = (
+    sessions.test_memory_limit_gives_memory_error_and_kernel_survives
+)
+test_status_reports_usage_against_limits = sessions.test_status_reports_usage_against_limits
+
+
+# --- what is particular to containers ---------------------------------------------------------------
+
+
+async def test_status_names_the_podman_backend(client: Client) -> None:
+    status = json.loads(text_of(await client.call_tool("session_status", {})))
+    assert status["isolation"].startswith("podman container"), status["isolation"]
+    assert status["limits"]["pids"]["enforced_by"] == "container pids limit"
+    assert status["workspace"] == "/workspace"
+
+
+async def test_unprivileged_user_no_capabilities_read_only_root(client: Client) -> None:
+    outcome = await isolation.probe(
+        client,
+        "import os, json\n"
+        "status = open('/proc/self/status').read()\n"
+        "caps = {l.split(':')[0]: l.split()[1] for l in status.splitlines() if l.startswith('Cap')}\n"
+        "nnp = [l.split()[1] for l in status.splitlines() if l.startswith('NoNewPrivs')]\n"
+        "try:\n    open('/opt/coderunner/env/evil', 'w'); ro = 'WROTE'\n"
+        "except OSError as exc:\n    ro = type(exc).__name__\n"
+        "print(json.dumps({'uid': os.getuid(), 'caps': caps, 'nnp': nnp, 'ro': ro,"
+        " 'pids': sorted(int(p) for p in os.listdir('/proc') if p.isdigit())}))",
+    )
+    expected = pwd.getpwnam("coderunner-sandbox").pw_uid if os.getuid() == 0 else os.getuid()
+    assert outcome["uid"] == expected and outcome["uid"] != 0
+    assert outcome["caps"]["CapEff"] == "0000000000000000" and outcome["caps"]["CapBnd"] == "0000000000000000"
+    assert outcome["nnp"] == ["1"], "no-new-privileges is set"
+    assert outcome["ro"] != "WROTE", "the image is mounted read-only"
+    assert max(outcome["pids"]) < 100, "only the container's own processes are visible"
+
+
+async def test_host_files_and_host_users_stay_outside(client: Client, host: Host) -> None:  # noqa: F811
+    """Like the bwrap story, except that the image has its own (empty, root-only) /root."""
+    home = Path(os.environ.get("HOME", "/root"))
+    paths = [str(REPO / "pyproject.toml"), str(home / ".bashrc"), "/etc/shadow", str(host.elsewhere / "secret.txt")]
+    outcome = await isolation.probe(client, f"PATHS = {paths!r}\n{isolation.READ_ATTEMPT}")
+    assert all(value != "READ" for value in outcome.values()), outcome
+    listing = await isolation.probe(
+        client,
+        "import os, json\nprint(json.dumps({'root': sorted(os.listdir('/')), 'passwd': open('/etc/passwd').read(),"
+        f" 'env': {SECRET_NAME!r} in os.environ}}))",
+    )
+    assert "work" not in listing["root"] and not listing["env"]
+    # The image's own passwd: Debian's system users and `sandbox`, never the host's own accounts.
+    assert "\ncoderunner-sandbox:" not in "\n" + listing["passwd"] and "\nsandbox:" in "\n" + listing["passwd"]
+
+
+async def test_container_killed_from_outside_gives_clear_error_and_fresh_kernel(
+    client: Client, dirs: ServerDirs
+) -> None:
+    await run(client, "before = 1")
+    [name] = containers(dirs)
+
+    async def kill_soon() -> None:
+        await anyio.sleep(1.0)
+        subprocess.run(["podman", "kill", name], capture_output=True, timeout=60, check=False)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(kill_soon)
+        result = await run(client, "import time\ntime.sleep(30)")
+    assert result.is_error and "kernel died" in text_of(result) and "fresh kernel is ready" in text_of(result)
+    assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
+    assert len(containers(dirs)) == 1 and containers(dirs)[0] != name
+
+
+async def test_closing_a_session_removes_its_container(client: Client, dirs: ServerDirs) -> None:
+    created = json.loads(text_of(await client.call_tool("create_session", {})))
+    assert len(containers(dirs)) == 1  # the new session's; the default one is not started yet
+    closed = await client.call_tool("close_session", {"session_id": created["session_id"]})
+    assert not closed.is_error
+    assert containers(dirs) == []
+
+
+async def test_sigkilled_server_leaves_a_container_the_next_start_removes(
+    podman_image: str,
+    dirs: ServerDirs,
+    host: Host,  # noqa: F811
+) -> None:
+    """podman's conmon keeps a container running when its client dies: the next start must find it."""
+    env = podman_env(dirs, host)
+    with raw_stdio_server(env, [("run_python", {"code": "1"})]) as server:
+        [left] = containers(dirs)
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+    async with open_client("stdio", env) as client:
+        assert await wait_until(lambda: left not in containers(dirs), timeout_s=30), "leftover not removed"
+        assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
+        assert len(containers(dirs)) == 1
+    assert await wait_until(lambda: containers(dirs) == [], timeout_s=30)
+
+
+async def test_internet_mode_uses_the_engines_network(client: Client) -> None:
+    created = await client.call_tool("create_session", {"network": "internet"})
+    assert not created.is_error, text_of(created)
+    sid = json.loads(text_of(created))["session_id"]
+    outcome = await isolation.probe(
+        client,
+        "import socket, json\nprint(json.dumps({'ifaces': sorted(n for _, n in socket.if_nameindex())}))",
+        session_id=sid,
+    )
+    assert outcome["ifaces"] != ["lo"], "internet mode attaches the engine's network"
+    with contextlib.suppress(Exception):
+        await client.call_tool("close_session", {"session_id": sid})
