@@ -27,7 +27,9 @@ from mcp import Client
 
 from coderunner.sandbox.container import server_tag
 
+from . import test_e2e_browser as browser
 from . import test_e2e_files as files
+from . import test_e2e_guest_tools as guest_tools
 from . import test_e2e_isolation as isolation
 from . import test_e2e_run_python as run_python
 from . import test_e2e_sessions as sessions
@@ -246,3 +248,45 @@ async def test_internet_mode_uses_the_engines_network(client: Client) -> None:
     assert outcome["ifaces"] != ["lo"], "internet mode attaches the engine's network"
     with contextlib.suppress(Exception):
         await client.call_tool("close_session", {"session_id": sid})
+
+
+# --- the guest tools (Playwright with Debian's Chromium, PDF, images with Tesseract) in the image ----
+
+
+@pytest.fixture
+async def tools_client(podman_image: str, dirs: ServerDirs, host: Host) -> AsyncIterator[Client]:  # noqa: F811
+    """The browser and guest-tool modules' own set-up (a page to serve, PDFs and images), on podman."""
+    async with open_client("stdio", podman_env(dirs, host)) as connected:
+        written = await connected.call_tool("write_file", {"path": "app/index.html", "content": browser.APP})
+        assert not written.is_error, text_of(written)
+        made = await run(connected, guest_tools.MAKE_INPUTS)
+        assert not made.is_error, text_of(made)
+        yield connected
+
+
+async def test_browser_single_page_app_served_inside_the_container(tools_client: Client) -> None:
+    await browser.test_single_page_app_served_inside_the_sandbox(tools_client)
+
+
+async def test_browser_interact_fills_a_form(tools_client: Client) -> None:
+    await browser.test_interact_fills_a_form_and_reads_the_result(tools_client)
+
+
+async def test_browser_with_network_off_pages_fail_and_say_why(tools_client: Client) -> None:
+    await browser.test_with_network_off_web_pages_fail_and_say_why(tools_client)
+
+
+async def test_browser_user_code_drives_the_page_and_reset_closes_it(tools_client: Client) -> None:
+    await browser.test_user_code_drives_the_same_page_and_reset_closes_the_browser(tools_client)
+
+
+async def test_every_pdf_op(tools_client: Client) -> None:
+    await guest_tools.test_every_pdf_op(tools_client)
+
+
+async def test_every_image_op_with_tesseract(tools_client: Client) -> None:
+    await guest_tools.test_every_image_op(tools_client)
+
+
+async def test_guest_tool_bad_input_keeps_the_session_serving(tools_client: Client) -> None:
+    await guest_tools.test_bad_input_gets_a_clear_error_and_the_session_keeps_serving(tools_client)
