@@ -137,7 +137,10 @@ def test_podman_operations_argv() -> None:
     command = OciCommand(engine="podman", kind="podman", image="img:1", server="1a2b3c4d", runtime="runc")
     assert command.remove("c") == ["podman", "--runtime", "runc", "rm", "--force", "--time", "0", "c"]
     assert command.inspect_pid("c") == ["podman", "--runtime", "runc", "inspect", "--format", "{{.State.Pid}}", "c"]
-    assert command.image_exists() == ["podman", "--runtime", "runc", "image", "inspect", "--format", "{{.Id}}", "img:1"]
+    assert command.image_exists() == [
+        "podman", "--runtime", "runc", "image", "inspect", "--format", '{{index .Config.Labels "coderunner.sources"}}',
+        "img:1",
+    ]  # fmt: skip
     assert command.list_server() == [
         "podman", "--runtime", "runc", "ps", "--all", "--filter", "label=coderunner.server=1a2b3c4d",
         "--format", '{{.Names}} {{index .Labels "coderunner.session"}}',

@@ -13,6 +13,7 @@ VM), they are TCP ports published on 127.0.0.1 only, which needs the engine's ne
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import resource
@@ -43,6 +44,7 @@ from .container import (
 )
 from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
 from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
+from .image import LABEL_SOURCES, sources_digest
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +146,9 @@ class OciCommand:
         ]  # fmt: skip
 
     def image_exists(self) -> list[str]:
-        return [*self.base(), "image", "inspect", "--format", "{{.Id}}", self.image]
-
-    def version(self) -> list[str]:
-        return [*self.base(), "version", "--format", "{{.Server.Version}}"]
+        """Prints the image's sources label (empty when unlabelled); fails when there is no image."""
+        return [*self.base(), "image", "inspect", "--format", f'{{{{index .Config.Labels "{LABEL_SOURCES}"}}}}',
+                self.image]  # fmt: skip
 
 
 def _bind(host: Path, target: str, *, writable: bool) -> str:
@@ -236,6 +237,14 @@ class OciBackend:
                 f"the sandbox image {self.command.image} is not built for {self.name}: run "
                 f"`coderunner setup --backend {self.name}` ({done.stderr.strip()[-300:]})"
             )
+        with contextlib.suppress(OSError):
+            if (built := done.stdout.strip()) and built != sources_digest():
+                log.warning(
+                    "the sandbox image %s was built from older sources (guest tools may not match this server): "
+                    "run `coderunner setup --backend %s`",
+                    self.command.image,
+                    self.name,
+                )
 
     def describe_isolation(self) -> str:
         net = "no network" if self.channels == "ipc" else "loopback-published kernel ports"
