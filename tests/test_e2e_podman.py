@@ -290,3 +290,48 @@ async def test_every_image_op_with_tesseract(tools_client: Client) -> None:
 
 async def test_guest_tool_bad_input_keeps_the_session_serving(tools_client: Client) -> None:
     await guest_tools.test_bad_input_gets_a_clear_error_and_the_session_keeps_serving(tools_client)
+
+
+def test_image_entrypoint_starts_a_kernel_from_a_mounted_connection_file(podman_image: str, dirs: ServerDirs) -> None:
+    """Without a command the image serves the connection file in its runtime dir: a plain Jupyter client works."""
+    from jupyter_client.blocking.client import BlockingKernelClient
+    from jupyter_client.connect import write_connection_file
+
+    runtime = dirs.root / "rt"
+    runtime.mkdir(mode=0o777)
+    runtime.chmod(0o777)  # the image's own user must create its sockets here
+    connection = runtime / "kernel.json"
+    _, info = write_connection_file(str(connection), transport="ipc", ip=str(runtime / "k"), key=b"entrypoint-test")
+    connection.chmod(0o644)
+    name = f"coderunner-entrypoint-{os.getpid()}"
+    container = subprocess.Popen(
+        ["podman", "--runtime", OCI_RUNTIME, "run", "--rm", "--init", "--name", name, "--network", "none",
+         "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096",
+         "--mount", f"type=bind,source={runtime},target={runtime}",
+         "--env", f"CODERUNNER_CONNECTION_FILE={connection}", podman_image],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        client = BlockingKernelClient()
+        client.load_connection_info(info)
+        deadline = time.monotonic() + 60
+        while not all(Path(f"{runtime}/k-{info[port]}").exists() for port in ("shell_port", "iopub_port")):
+            assert container.poll() is None and time.monotonic() < deadline, "the entrypoint did not start a kernel"
+            time.sleep(0.05)
+        client.start_channels()
+        client.wait_for_ready(timeout=60)
+        reply = client.execute_interactive("import coderunner_guest, os; print(6 * 7, os.getcwd())", timeout=30)
+        assert reply["content"]["status"] == "ok"
+        client.stop_channels()
+    finally:
+        subprocess.run(["podman", "rm", "--force", "--time", "0", name], capture_output=True, timeout=60, check=False)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            container.wait(timeout=30)
+
+
+async def test_server_exit_removes_every_container(podman_image: str, dirs: ServerDirs, host: Host) -> None:  # noqa: F811
+    async with open_client("stdio", podman_env(dirs, host)) as client:
+        await client.call_tool("create_session", {})
+        await run(client, "1")
+        assert len(containers(dirs)) == 2
+    assert await wait_until(lambda: containers(dirs) == [], timeout_s=30), containers(dirs)
