@@ -108,6 +108,16 @@ def test_podman_run_argv_is_exactly_the_hardened_one() -> None:
     ]  # fmt: skip
 
 
+def test_our_own_hosts_and_resolv_conf_cover_the_engines_copies() -> None:
+    command = OciCommand(engine="podman", kind="podman", image="img", server="s")
+    argv = command.run(spec(mounts=()), ["true"], "n", etc_dir=Path("/tmp/cr/9f8e7d6c/run/etc"))
+    mounts = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--mount"]
+    assert mounts[-2:] == [
+        "type=bind,source=/tmp/cr/9f8e7d6c/run/etc/hosts,target=/etc/hosts,readonly",
+        "type=bind,source=/tmp/cr/9f8e7d6c/run/etc/resolv.conf,target=/etc/resolv.conf,readonly",
+    ]
+
+
 def test_docker_takes_runtime_per_run_and_has_no_podman_only_flags() -> None:
     command = OciCommand(engine="docker", kind="docker", image="img", server="s", runtime="runsc")
     argv = command.run(spec(limits=Limits()), ["true"], "n")

@@ -185,8 +185,11 @@ async def test_host_files_and_host_users_stay_outside(client: Client, host: Host
     listing = await isolation.probe(
         client,
         "import os, json\nprint(json.dumps({'root': sorted(os.listdir('/')), 'passwd': open('/etc/passwd').read(),"
-        f" 'env': {SECRET_NAME!r} in os.environ}}))",
+        f" 'env': {SECRET_NAME!r} in os.environ, 'hosts': open('/etc/hosts').read(),"
+        " 'resolv': open('/etc/resolv.conf').read()}))",
     )
+    # Not the engine's copies of the host's /etc/hosts and resolv.conf: our own, as under bwrap.
+    assert listing["hosts"] == "127.0.0.1 localhost sandbox\n::1 localhost\n" and listing["resolv"] == ""
     assert "work" not in listing["root"] and not listing["env"]
     # The image's own passwd: Debian's system users and `sandbox`, never the host's own accounts.
     assert "\ncoderunner-sandbox:" not in "\n" + listing["passwd"] and "\nsandbox:" in "\n" + listing["passwd"]

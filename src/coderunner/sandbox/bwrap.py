@@ -80,7 +80,7 @@ def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _etc_files(runtime_dir: Path, network: str) -> Path:
+def write_etc_files(runtime_dir: Path, network: str) -> Path:
     """Write the sandbox's own passwd, group, hosts and resolv.conf: the host's are never shown."""
     etc = runtime_dir / "etc"
     etc.mkdir(mode=0o755, exist_ok=True)
@@ -325,7 +325,7 @@ class BwrapBackend:
         problem = self.network_problem(spec.network)
         if problem:
             raise BwrapUnavailable(problem)
-        etc_dir = _etc_files(spec.runtime_dir, spec.network)
+        etc_dir = write_etc_files(spec.runtime_dir, spec.network)
         cgroup = self._cgroup_for(spec)
         nproc = None
         if cgroup is None and spec.limits.pids:

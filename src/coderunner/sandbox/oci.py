@@ -27,7 +27,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
-from .bwrap import rlimit_prefix, sandbox_environment
+from .bwrap import rlimit_prefix, sandbox_environment, write_etc_files
 from .container import (
     IMAGE_PYTHON,
     LABEL_SERVER,
@@ -79,7 +79,16 @@ class OciCommand:
             return [self.engine, "--runtime", self.runtime]
         return [self.engine]
 
-    def run(self, spec: SandboxSpec, inner: list[str], name: str, *, tcp_ports: list[int] | None = None) -> list[str]:
+    def run(
+        self,
+        spec: SandboxSpec,
+        inner: list[str],
+        name: str,
+        *,
+        tcp_ports: list[int] | None = None,
+        etc_dir: Path | None = None,
+    ) -> list[str]:
+        """`etc_dir`: our own hosts and resolv.conf, over the engine's copies of the host's."""
         limits = spec.limits
         args = [
             *self.base(), "run", "--rm", "--init",
@@ -123,6 +132,8 @@ class OciCommand:
         ]  # fmt: skip
         for mount in spec.mounts:
             args += ["--mount", _bind(mount.host, mount.sandbox, writable=mount.writable)]
+        for name_ in ("hosts", "resolv.conf") if etc_dir is not None else ():
+            args += ["--mount", _bind(etc_dir / name_, f"/etc/{name_}", writable=False)]
         args += ["--workdir", WORKSPACE]
         for key, value in sandbox_environment({"HOME": "/tmp/home"}).items():
             args += ["--env", f"{key}={value}"]
@@ -287,7 +298,9 @@ class OciBackend:
             ports = channel_ports(connection_info(argv))
             argv = with_guest_connection(argv, "0.0.0.0")
         inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
-        full = self.command.run(spec, inner, name, tcp_ports=ports)
+        # Without a network the engine would still copy the host's /etc/hosts and resolv.conf in.
+        etc_dir = write_etc_files(spec.runtime_dir, spec.network) if spec.network == "none" else None
+        full = self.command.run(spec, inner, name, tcp_ports=ports, etc_dir=etc_dir)
         process = await anyio.open_process(
             full,
             stdin=subprocess.DEVNULL,
