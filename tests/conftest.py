@@ -71,7 +71,7 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
         "CODERUNNER_PROGRESS_INTERVAL_S": "0.3",
         SECRET_NAME: SECRET_VALUE,
     }
-    for key in ("CODERUNNER_SANDBOX_ENV",):
+    for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):
         if key in os.environ:
             env[key] = os.environ[key]
     env.update(extra)

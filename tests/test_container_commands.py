@@ -75,7 +75,7 @@ KERNEL = ["/opt/coderunner/env/bin/python", "-m", "ipykernel_launcher", "-f", "/
 def test_podman_run_argv_is_exactly_the_hardened_one() -> None:
     command = OciCommand(
         engine="/usr/bin/podman", kind="podman", image="coderunner-sandbox:0.1.0", server="1a2b3c4d",
-        runtime="runc", user="999:995", nofile=4096, nproc=4096,
+        runtime="runc", user="999:995", nofile=4096, nproc=4096, seccomp_profile=Path("/tmp/cr/seccomp-1.json"),
     )  # fmt: skip
     argv = command.run(spec(), KERNEL, "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3")
     assert argv == [
@@ -87,9 +87,11 @@ def test_podman_run_argv_is_exactly_the_hardened_one() -> None:
         "--hostname", "sandbox",
         "--cap-drop", "ALL",
         "--security-opt", "no-new-privileges",
+        "--security-opt", "seccomp=/tmp/cr/seccomp-1.json",
         "--read-only",
         "--tmpfs", "/tmp:rw,nosuid,nodev,size=512m,mode=1777",
         "--shm-size", "64m",
+        "--tmpfs", "/sys/fs/cgroup:ro",
         "--ulimit", "nofile=4096:4096",
         "--ulimit", "nproc=4096:4096",
         "--http-proxy=false",
@@ -163,6 +165,26 @@ def test_a_mount_path_with_a_comma_is_refused_not_misparsed() -> None:
     command = OciCommand(engine="podman", kind="podman", image="img", server="s")
     with pytest.raises(ContainerUnavailable, match="comma"):
         command.run(spec(mounts=(Mount(Path("/a,b"), "/x", False),)), ["true"], "n")
+
+
+def test_seccomp_profile_refuses_what_bwrap_refuses_and_keeps_the_engines_rules() -> None:
+    from coderunner.sandbox.seccomp import DENIED_SYSCALLS, tightened_profile
+
+    engine = {
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "syscalls": [
+            {"names": ["read", "ptrace", "keyctl"], "action": "SCMP_ACT_ALLOW"},
+            {"names": ["mount"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
+            {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+             "args": [{"index": 0, "value": 2114060288, "op": "SCMP_CMP_MASKED_EQ"}]},
+        ],
+    }  # fmt: skip
+    profile = tightened_profile(engine)
+    assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
+    assert profile["syscalls"][0] == {"names": ["read"], "action": "SCMP_ACT_ALLOW"}
+    assert profile["syscalls"][1]["names"] == ["clone"] and profile["syscalls"][1]["args"]
+    assert profile["syscalls"][-1] == {"names": sorted(set(DENIED_SYSCALLS)), "action": "SCMP_ACT_ERRNO", "errnoRet": 1}
+    assert engine["syscalls"][0]["names"] == ["read", "ptrace", "keyctl"], "the engine's profile is not changed"
 
 
 def test_server_container_listing_is_parsed() -> None:

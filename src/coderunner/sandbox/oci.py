@@ -14,6 +14,8 @@ VM), they are TCP ports published on 127.0.0.1 only, which needs the engine's ne
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import os
 import resource
@@ -45,11 +47,14 @@ from .container import (
 from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
 from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
 from .image import LABEL_SOURCES, sources_digest
+from .seccomp import tightened_profile
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("podman", "docker")
 NETWORK_MODES = ("none", "internet")
+#: Where podman's default seccomp profile lives (containers-common), most specific first.
+ENGINE_SECCOMP_PROFILES = (Path("/etc/containers/seccomp.json"), Path("/usr/share/containers/seccomp.json"))
 SHM_MB = 64
 #: Open files per process inside; the engine's default (2^20) can exceed what the host allows.
 NOFILE = 4096
@@ -72,6 +77,8 @@ class OciCommand:
     keep_id: bool = False
     nofile: int = NOFILE
     nproc: int | None = None
+    #: Our tightened seccomp profile (see seccomp.tightened_profile), or None for the engine's.
+    seccomp_profile: Path | None = None
 
     def base(self) -> list[str]:
         """The engine and its global flags (podman takes --runtime globally, docker per run)."""
@@ -99,9 +106,12 @@ class OciCommand:
             "--hostname", "sandbox",
             "--cap-drop", "ALL",
             "--security-opt", "no-new-privileges",
+            *(["--security-opt", f"seccomp={self.seccomp_profile}"] if self.seccomp_profile else []),
             "--read-only",
             "--tmpfs", f"/tmp:rw,nosuid,nodev,size={limits.tmp_mb or 512}m,mode=1777",
             "--shm-size", f"{SHM_MB}m",
+            # The cgroup tree says what the host runs; bwrap shows no /sys at all.
+            "--tmpfs", "/sys/fs/cgroup:ro",
             "--ulimit", f"nofile={self.nofile}:{self.nofile}",
         ]  # fmt: skip
         if self.nproc is not None:
@@ -179,6 +189,29 @@ def parse_server_containers(output: str) -> list[tuple[str, str]]:
     return found
 
 
+def write_seccomp_profile(runtime_base: Path) -> Path | None:
+    """podman's default profile (containers-common) tightened to refuse what bwrap refuses.
+
+    None where the default profile is not on disk (the engine's built-in one applies then).
+    """
+    for source in ENGINE_SECCOMP_PROFILES:
+        if source.is_file():
+            try:
+                profile = tightened_profile(json.loads(source.read_text()))
+            except (OSError, ValueError) as exc:
+                log.warning("cannot use the seccomp profile %s: %s", source, exc)
+                return None
+            text = json.dumps(profile, indent=1, sort_keys=True)
+            target = runtime_base / f"seccomp-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
+            if not target.exists():
+                staging = target.with_suffix(f".{os.getpid()}.tmp")
+                staging.write_text(text)
+                os.chmod(staging, 0o644)
+                os.replace(staging, target)
+            return target
+    return None
+
+
 def _hard_limit(kind: int, cap: int) -> int:
     """A ulimit the engine may set: no higher than the server's own hard limit."""
     hard = resource.getrlimit(kind)[1]
@@ -233,6 +266,7 @@ class OciBackend:
             keep_id=kind == "podman" and rootless,
             nofile=_hard_limit(resource.RLIMIT_NOFILE, NOFILE),
             nproc=_hard_limit(resource.RLIMIT_NPROC, NPROC) if kind == "podman" else None,
+            seccomp_profile=write_seccomp_profile(runtime_base) if kind == "podman" else None,
         )
         self.env = engine_env(dict(os.environ))
         self._check_image()
@@ -260,9 +294,10 @@ class OciBackend:
     def describe_isolation(self) -> str:
         net = "no network" if self.channels == "ipc" else "loopback-published kernel ports"
         user = f"; host user {self.identity.name}" if self.identity else ""
+        seccomp = "seccomp (engine profile + the bwrap denials)" if self.command.seccomp_profile else "engine seccomp"
         return (
-            f"{self.name} container ({self.command.runtime or 'default runtime'}): own namespaces, the engine's "
-            f"seccomp profile, no capabilities, no-new-privileges, read-only root, size-capped /tmp, {net} by "
+            f"{self.name} container ({self.command.runtime or 'default runtime'}): own namespaces, {seccomp}, "
+            f"no capabilities, no-new-privileges, read-only root, size-capped /tmp, {net} by "
             f"default, only the session workspace writable; container memory/cpu/pids limits{user}"
         )
 
