@@ -91,10 +91,10 @@ def test_podman_run_argv_is_exactly_the_hardened_one() -> None:
         "--read-only",
         "--tmpfs", "/tmp:rw,nosuid,nodev,size=512m,mode=1777",
         "--shm-size", "64m",
-        "--tmpfs", "/sys/fs/cgroup:ro",
         "--ulimit", "nofile=4096:4096",
         "--ulimit", "nproc=4096:4096",
         "--http-proxy=false",
+        "--tmpfs", "/sys/fs/cgroup:ro",
         "--network", "none",
         "--memory", "2048m", "--memory-swap", "2048m",
         "--cpus", "1.5",
@@ -125,7 +125,7 @@ def test_docker_takes_runtime_per_run_and_has_no_podman_only_flags() -> None:
     argv = command.run(spec(limits=Limits()), ["true"], "n")
     assert argv[:3] == ["docker", "run", "--rm"]
     assert argv[argv.index("--runtime") + 1] == "runsc"
-    assert "--http-proxy=false" not in argv and "--userns=keep-id" not in argv
+    assert "--http-proxy=false" not in argv and "--userns=keep-id" not in argv and "/sys/fs/cgroup:ro" not in argv
     assert not any(flag in argv for flag in ("--memory", "--cpus", "--pids-limit", "--user"))
     assert command.remove("n") == ["docker", "rm", "--force", "n"]
 

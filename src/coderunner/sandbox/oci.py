@@ -110,8 +110,6 @@ class OciCommand:
             "--read-only",
             "--tmpfs", f"/tmp:rw,nosuid,nodev,size={limits.tmp_mb or 512}m,mode=1777",
             "--shm-size", f"{SHM_MB}m",
-            # The cgroup tree says what the host runs; bwrap shows no /sys at all.
-            "--tmpfs", "/sys/fs/cgroup:ro",
             "--ulimit", f"nofile={self.nofile}:{self.nofile}",
         ]  # fmt: skip
         if self.nproc is not None:
@@ -120,6 +118,9 @@ class OciCommand:
             args += ["--runtime", self.runtime]
         if self.kind == "podman":
             args += ["--http-proxy=false"]  # podman would copy the engine's proxy variables in
+            # The cgroup tree says what the host runs (bwrap shows no /sys at all). Tested with
+            # podman only: Docker's cgroup namespace already hides the host's tree on cgroup v2.
+            args += ["--tmpfs", "/sys/fs/cgroup:ro"]
         if tcp_ports:
             # Published on loopback only; a bare port would listen on every interface.
             for port in tcp_ports:
