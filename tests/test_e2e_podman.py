@@ -221,22 +221,43 @@ async def test_closing_a_session_removes_its_container(client: Client, dirs: Ser
     assert containers(dirs) == []
 
 
-async def test_sigkilled_server_leaves_a_container_the_next_start_removes(
+async def test_sigkilled_server_takes_its_containers_down_and_the_next_start_cleans_up(
     podman_image: str,
     dirs: ServerDirs,
     host: Host,  # noqa: F811
 ) -> None:
-    """podman's conmon keeps a container running when its client dies: the next start must find it."""
+    """conmon keeps a container when its client dies; the server's lock (gone with it) ends the kernel."""
     env = podman_env(dirs, host)
     with raw_stdio_server(env, [("run_python", {"code": "1"})]) as server:
         [left] = containers(dirs)
         os.kill(server.pid, signal.SIGKILL)
         server.wait(timeout=10)
+    assert await wait_until(lambda: left not in containers(dirs), timeout_s=30), "container outlived its server"
     async with open_client("stdio", env) as client:
-        assert await wait_until(lambda: left not in containers(dirs), timeout_s=30), "leftover not removed"
         assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
         assert len(containers(dirs)) == 1
     assert await wait_until(lambda: containers(dirs) == [], timeout_s=30)
+
+
+async def test_a_leftover_container_is_removed_at_the_next_start(
+    podman_image: str,
+    dirs: ServerDirs,
+    host: Host,  # noqa: F811
+) -> None:
+    """One that outlived everything (e.g. its kernel ignored the lock) is found by label at start."""
+    tag = server_tag(dirs.runtime)
+    name = f"coderunner-{tag}-deadbeef-000000"
+    subprocess.run(
+        ["podman", "--runtime", OCI_RUNTIME, "run", "--detach", "--rm", "--name", name, "--network", "none",
+         "--label", f"coderunner.server={tag}", "--label", "coderunner.session=deadbeef",
+         "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096",
+         "--entrypoint", "sleep", podman_image, "600"],
+        capture_output=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert name in containers(dirs)
+    async with open_client("stdio", podman_env(dirs, host)) as client:
+        assert name not in containers(dirs), "the sweep at start removes containers of sessions that are gone"
+        assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
 
 
 async def test_internet_mode_uses_the_engines_network(client: Client) -> None:

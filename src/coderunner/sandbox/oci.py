@@ -40,6 +40,7 @@ from .container import (
     channel_ports,
     connection_info,
     container_name,
+    hold_host_lock,
     server_tag,
     session_key,
     with_guest_connection,
@@ -94,8 +95,11 @@ class OciCommand:
         *,
         tcp_ports: list[int] | None = None,
         etc_dir: Path | None = None,
+        host_lock: Path | None = None,
     ) -> list[str]:
-        """`etc_dir`: our own hosts and resolv.conf, over the engine's copies of the host's."""
+        """`etc_dir`: our own hosts and resolv.conf, over the engine's copies of the host's.
+        `host_lock`: the file the server holds locked while it lives (the image's entrypoint
+        kills the kernel when it can take that lock)."""
         limits = spec.limits
         args = [
             *self.base(), "run", "--rm", "--init",
@@ -148,6 +152,8 @@ class OciCommand:
         args += ["--workdir", WORKSPACE]
         for key, value in sandbox_environment({"HOME": "/tmp/home"}).items():
             args += ["--env", f"{key}={value}"]
+        if host_lock is not None:
+            args += ["--env", f"CODERUNNER_HOST_LOCK={host_lock}"]
         return [*args, self.image, *inner]
 
     def remove(self, name: str) -> list[str]:
@@ -336,17 +342,27 @@ class OciBackend:
         inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
         # Without a network the engine would still copy the host's /etc/hosts and resolv.conf in.
         etc_dir = write_etc_files(spec.runtime_dir, spec.network) if spec.network == "none" else None
-        full = self.command.run(spec, inner, name, tcp_ports=ports, etc_dir=etc_dir)
-        process = await anyio.open_process(
-            full,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env=self.env,
-        )
+        lock_path, lock_fd = hold_host_lock(spec.runtime_dir)
+        full = self.command.run(spec, inner, name, tcp_ports=ports, etc_dir=etc_dir, host_lock=lock_path)
+        try:
+            process = await anyio.open_process(
+                full,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env=self.env,
+            )
+        except BaseException:
+            os.close(lock_fd)
+            raise
         sandbox = ContainerProcess(
-            process, task_group, self.describe_isolation(), cleanup=[self.command.remove(name)], engine_env=self.env
+            process,
+            task_group,
+            self.describe_isolation(),
+            cleanup=[self.command.remove(name)],
+            engine_env=self.env,
+            lock_fd=lock_fd,
         )
         if sys.platform.startswith("linux"):
             task_group.start_soon(sandbox.watch_pid, self.command.inspect_pid(name))
