@@ -210,6 +210,14 @@ def _engine_problem(settings: Settings, kind: str) -> tuple[str | None, str | No
         }[kind]
         return f"`{cli}` is not installed", fix
     if kind == "apple":
+        try:
+            status = run_sync(
+                [path, "system", "status"], QUERY_TIMEOUT_S, check=False, env=engine_env(dict(os.environ))
+            )
+        except EngineError as exc:
+            return f"`container system status` does not answer ({exc})", None
+        if status.returncode != 0:
+            return "the container system service is not running", "container system start --enable-kernel-install"
         query = [path, "image", "inspect", settings.image]
     else:
         runtime = ["--runtime", settings.oci_runtime] if kind == "podman" and settings.oci_runtime else []

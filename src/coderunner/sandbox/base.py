@@ -92,6 +92,9 @@ class SandboxBackend(Protocol):
     dir_mode: int
     #: The host user sandboxes run as when it is not the server's own, else None.
     identity: HostIdentity | None
+    #: How the host reaches the kernel: "ipc" (sockets in the runtime dir, seen at the same path
+    #: inside, or relayed into a VM) or "tcp" (ports the backend publishes on 127.0.0.1).
+    channels: str
 
     def describe_isolation(self) -> str:
         """One line for status and capabilities: what separates the sandbox from the host."""

@@ -247,6 +247,7 @@ class BwrapBackend:
     name = "bwrap"
     workspace_path = WORKSPACE
     python = f"{ENV_MOUNT}/bin/python"
+    channels = "ipc"
 
     def __init__(
         self,
