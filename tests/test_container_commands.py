@@ -398,3 +398,47 @@ def test_backend_settings(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = Settings(backend="podman", oci_runtime="runc", _env_file=None)  # type: ignore[call-arg]
     assert settings.backend == "podman" and settings.image.startswith("coderunner-sandbox:")
     assert settings.kernel_channels == "auto"
+
+
+def test_the_host_lock_is_free_exactly_when_the_server_lets_go(tmp_path: Path) -> None:
+    import fcntl
+
+    from coderunner.sandbox.container import hold_host_lock
+
+    path, fd = hold_host_lock(tmp_path)
+    probe = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the entrypoint waits for
+        os.close(fd)
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(probe)
+
+
+def test_seccomp_profile_file_is_written_once_per_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coderunner.sandbox import oci
+
+    source = tmp_path / "engine.json"
+    source.write_text(json.dumps({"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read", "ptrace"],
+                                  "action": "SCMP_ACT_ALLOW"}]}))  # fmt: skip
+    monkeypatch.setattr(oci, "ENGINE_SECCOMP_PROFILES", (tmp_path / "missing.json", source))
+    first = oci.write_seccomp_profile(tmp_path)
+    assert first is not None and first == oci.write_seccomp_profile(tmp_path)
+    assert json.loads(first.read_text())["syscalls"][0]["names"] == ["read"]
+    assert first.stat().st_mode & 0o777 == 0o644
+    monkeypatch.setattr(oci, "ENGINE_SECCOMP_PROFILES", (tmp_path / "missing.json",))
+    assert oci.write_seccomp_profile(tmp_path) is None
+
+
+def test_doctor_says_which_backend_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coderunner import doctor
+
+    monkeypatch.setattr("sys.platform", "linux")
+    chosen = doctor.check_backend_choice(Settings(backend="podman"))
+    assert chosen.detail.startswith("podman: chosen by the configuration")
+    assert "the Linux default" in doctor.check_backend_choice(Settings()).detail
+    assert doctor._engine_problem(Settings(), "apple") == ("macOS 26 on Apple silicon only", None)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    missing, fix = doctor._engine_problem(Settings(), "podman")
+    assert missing == "`podman` is not installed" and fix and "apt-get install podman" in fix
