@@ -359,3 +359,45 @@ async def test_server_exit_removes_every_container(podman_image: str, dirs: Serv
         await run(client, "1")
         assert len(containers(dirs)) == 2
     assert await wait_until(lambda: containers(dirs) == [], timeout_s=30), containers(dirs)
+
+
+async def test_tcp_channels_published_on_loopback_only(podman_image: str, dirs: ServerDirs, host: Host) -> None:  # noqa: F811
+    """The fallback for engines that do not share the host kernel (Docker Desktop, Apple): loopback TCP."""
+    env = podman_env(dirs, host, CODERUNNER_KERNEL_CHANNELS="tcp", CODERUNNER_NETWORK="internet")
+    async with open_client("stdio", env) as client:
+        await run(client, "x = 20")
+        assert text_of(await run(client, "x + 22")).splitlines()[0] == "42"
+        [name] = containers(dirs)
+        ports = subprocess.run(["podman", "port", name], capture_output=True, text=True, timeout=60, check=True)
+        published = [line.split("->", 1)[1].strip() for line in ports.stdout.splitlines() if "->" in line]
+        assert len(published) == 5 and all(address.startswith("127.0.0.1:") for address in published), published
+        refused = await client.call_tool("create_session", {"network": "none"})
+        assert refused.is_error and "needs the engine's network" in text_of(refused)
+
+
+async def test_an_engine_that_fails_once_to_create_a_container_is_tried_again(
+    podman_image: str,
+    dirs: ServerDirs,
+    host: Host,  # noqa: F811
+) -> None:
+    """runc/netavark fail a create now and then; a session must not fail for that."""
+    fake = dirs.root / "bin"
+    fake.mkdir()
+    failed_once = dirs.root / "failed-once"
+    real = shutil.which("podman")
+    (fake / "podman").write_text(
+        "#!/bin/sh\n"
+        f'if [ "$3" = run ] && [ ! -e {failed_once} ]; then\n'
+        f"    touch {failed_once}\n"
+        '    echo "Error: OCI runtime error: runc: runc create failed: (simulated)" >&2\n'
+        "    exit 126\n"
+        "fi\n"
+        f'exec {real} "$@"\n'
+    )
+    (fake / "podman").chmod(0o755)
+    env = podman_env(dirs, host, PATH=f"{fake}:{os.environ.get('PATH', '/usr/bin:/bin')}")
+    async with open_client("stdio", env) as client:
+        result = await run(client, "6 * 7")
+        assert not result.is_error and text_of(result).splitlines()[0] == "42", text_of(result)
+    assert failed_once.exists(), "the fake engine was not used"
+    assert await wait_until(lambda: containers(dirs) == [], timeout_s=30)

@@ -149,8 +149,11 @@ class ContainerProcess(SandboxProcess):
                     log.warning("container cleanup: %s", exc)
             await super().kill()
 
-    async def watch_pid(self, inspect_argv: list[str], timeout_s: float = 15.0) -> None:
-        """Learn the container's host pid once it runs (podman/docker on Linux only)."""
+    async def watch_pid(self, inspect_argv: list[str], timeout_s: float = 15.0) -> bool:
+        """Wait until the container runs and learn its host pid (podman/docker on Linux only).
+
+        True once it runs; False if the client exited first, or after `timeout_s`.
+        """
         with anyio.move_on_after(timeout_s), contextlib.suppress(EngineError):
             while self.alive and self.container_pid is None:
                 done = await run_async(inspect_argv, 5.0, check=False, env=self._engine_env)
@@ -158,5 +161,6 @@ class ContainerProcess(SandboxProcess):
                     pid = int(done.stdout.strip() or 0)
                     if pid > 0:
                         self.container_pid = pid
-                        return
-                await anyio.sleep(0.1)
+                        return True
+                await anyio.sleep(0.02)
+        return self.container_pid is not None

@@ -59,6 +59,10 @@ ENGINE_SECCOMP_PROFILES = (Path("/etc/containers/seccomp.json"), Path("/usr/shar
 SHM_MB = 64
 #: Open files per process inside; the engine's default (2^20) can exceed what the host allows.
 NOFILE = 4096
+#: Exit codes of an engine client that could not create or start the container (125: engine
+#: error, 126: the runtime could not start the command, 127: command not found).
+ENGINE_FAILURE_CODES = (125, 126, 127)
+START_ATTEMPTS = 2
 #: Processes per host uid (RLIMIT_NPROC) inside; runc here refuses values near the host's own limit.
 NPROC = 4096
 
@@ -332,16 +336,39 @@ class OciBackend:
         problem = self.network_problem(spec.network)
         if problem:
             raise ContainerUnavailable(problem)
-        name = container_name(self.command.server, session_key(spec))
-        # RLIMIT_AS as a soft limit gives user code a clean MemoryError; the container's memory
-        # limit is the hard bound (Chromium lifts the soft one for itself, as under bwrap).
         ports = None
         if self.channels == "tcp":
             ports = channel_ports(connection_info(argv))
             argv = with_guest_connection(argv, "0.0.0.0")
+        # RLIMIT_AS as a soft limit gives user code a clean MemoryError; the container's memory
+        # limit is the hard bound (Chromium lifts the soft one for itself, as under bwrap).
         inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
         # Without a network the engine would still copy the host's /etc/hosts and resolv.conf in.
         etc_dir = write_etc_files(spec.runtime_dir, spec.network) if spec.network == "none" else None
+        for attempt in range(1, START_ATTEMPTS + 1):
+            name = container_name(self.command.server, session_key(spec))
+            sandbox = await self._start(spec, inner, name, task_group, ports, etc_dir)
+            if not sys.platform.startswith("linux"):
+                return sandbox
+            # Wait until it runs (its host pid is also what memory use is measured on). An engine
+            # that failed to create it (seen rarely: runc/netavark races) gets one more try.
+            running = await sandbox.watch_pid(self.command.inspect_pid(name))
+            if running or attempt == START_ATTEMPTS or sandbox.returncode not in ENGINE_FAILURE_CODES:
+                return sandbox
+            await anyio.sleep(0.05)  # let the engine's last words reach the stderr tail
+            log.warning("%s could not create a container, trying again: %s", self.name, sandbox.stderr_tail()[-500:])
+            await sandbox.kill()
+        raise AssertionError("unreachable")
+
+    async def _start(
+        self,
+        spec: SandboxSpec,
+        inner: list[str],
+        name: str,
+        task_group: TaskGroup,
+        ports: list[int] | None,
+        etc_dir: Path | None,
+    ) -> ContainerProcess:
         lock_path, lock_fd = hold_host_lock(spec.runtime_dir)
         full = self.command.run(spec, inner, name, tcp_ports=ports, etc_dir=etc_dir, host_lock=lock_path)
         try:
@@ -356,7 +383,7 @@ class OciBackend:
         except BaseException:
             os.close(lock_fd)
             raise
-        sandbox = ContainerProcess(
+        return ContainerProcess(
             process,
             task_group,
             self.describe_isolation(),
@@ -364,9 +391,6 @@ class OciBackend:
             engine_env=self.env,
             lock_fd=lock_fd,
         )
-        if sys.platform.startswith("linux"):
-            task_group.start_soon(sandbox.watch_pid, self.command.inspect_pid(name))
-        return sandbox
 
     def remove_stale(self, name: str) -> None:
         """Remove containers a dead server left for session `name` (found by label)."""
