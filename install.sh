@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Set up CodeRunner on this machine: system packages (where apt-get can), the Python package
-# in .venv, the sandbox's own Python environment, then `coderunner doctor`.
+# Set up CodeRunner on this machine, then run `coderunner doctor`.
+#   Linux: system packages (where apt-get can), the Python package in .venv, the sandbox's own
+#          Python environment (bubblewrap backend); podman, runc and mmdebstrap for the podman backend.
+#   macOS: Apple `container`, its system service, the sandbox image, the Python package in .venv.
 # Safe to run again: every step skips what is already done.
 set -euo pipefail
 
@@ -11,12 +13,80 @@ VENV="$REPO/.venv"
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
 
-[ "$(uname -s)" = "Linux" ] || die "this installer covers Linux (bubblewrap); macOS support comes with the Apple container backend"
+# The host side needs a Python >= 3.10 for the server (the sandbox has its own).
+find_host_python() {
+    local candidate
+    for candidate in ${CODERUNNER_HOST_PYTHON:-} python3.13 python3.12 python3.11 python3.10 python3 /usr/bin/python3; do
+        if command -v "$candidate" >/dev/null 2>&1 &&
+            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+            echo "$candidate"
+            return 0
+        fi
+    done
+    return 1
+}
+
+install_venv() {
+    local host_python="$1"
+    if [ ! -x "$VENV/bin/python" ]; then
+        say "creating $VENV with $host_python"
+        "$host_python" -m venv "$VENV"
+    fi
+    say "installing coderunner into $VENV"
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[dev]"
+}
+
+# --- macOS: Apple `container` (one lightweight Linux VM per session) --------------------------------
+# Needs macOS 26 and Apple silicon. Installs `container` (Homebrew, else Apple's signed package),
+# starts its system service (with the default Linux kernel), builds the sandbox image from the
+# Containerfile, creates .venv, and runs doctor.
+CONTAINER_VERSION="${CODERUNNER_CONTAINER_VERSION:-0.6.0}"
+if [ "$(uname -s)" = "Darwin" ]; then
+    [ "$(uname -m)" = "arm64" ] || die "Apple container needs Apple silicon (this Mac is $(uname -m)); use Docker Desktop: coderunner setup --backend docker"
+    macos="$(sw_vers -productVersion)"
+    [ "${macos%%.*}" -ge 26 ] || die "Apple container needs macOS 26 or newer (this Mac runs $macos)"
+    if ! command -v container >/dev/null 2>&1; then
+        if command -v brew >/dev/null 2>&1; then
+            say "installing Apple container with Homebrew"
+            brew install container
+        else
+            pkg="container-${CONTAINER_VERSION}-installer-signed.pkg"
+            say "installing Apple container $CONTAINER_VERSION (Apple's signed package from github.com/apple/container; asks for your password)"
+            tmp="$(mktemp -d)"
+            curl -fsSL --max-time 600 -o "$tmp/$pkg" "https://github.com/apple/container/releases/download/${CONTAINER_VERSION}/${pkg}"
+            pkgutil --check-signature "$tmp/$pkg" | grep -q "Apple" || die "$pkg is not signed as expected"
+            sudo installer -pkg "$tmp/$pkg" -target /
+            rm -rf "$tmp"
+        fi
+    fi
+    command -v container >/dev/null 2>&1 || die "container is still not on PATH (it installs to /usr/local/bin)"
+    say "starting the container system service"
+    container system start --enable-kernel-install
+    HOST_PYTHON="$(find_host_python)" || die "need Python 3.10 or newer for the server (Apple's is 3.9): brew install python@3.12"
+    install_venv "$HOST_PYTHON"
+    say "building the sandbox image with container build (minutes the first time)"
+    "$VENV/bin/coderunner" setup --backend apple
+    say "checking: coderunner doctor"
+    "$VENV/bin/coderunner" doctor
+    cat >&2 <<EOF
+
+CodeRunner is ready (Apple container backend). Add it to Claude Code with:
+    claude mcp add coderunner -- $VENV/bin/coderunner serve
+EOF
+    exit 0
+fi
+
+[ "$(uname -s)" = "Linux" ] || die "this installer covers Linux and macOS; elsewhere use podman or docker: coderunner setup --backend docker"
 
 # 1. System packages: bubblewrap (the sandbox) and the system python3 + venv (the sandbox's interpreter).
 APT_PACKAGES=(bubblewrap python3 python3-venv util-linux mount e2fsprogs libseccomp2 slirp4netns tesseract-ocr tesseract-ocr-eng chromium)
 # Node.js runs execute_code's JavaScript inside the sandbox (any /usr/bin/node will do, e.g. NodeSource's).
 [ -x /usr/bin/node ] || APT_PACKAGES+=(nodejs)
+# The podman backend and its tests: podman with runc (crun fails on hybrid cgroup hosts), and
+# mmdebstrap to make a base image from Debian's mirror where no registry is reachable.
+# CODERUNNER_NO_PODMAN=1 skips them (the bwrap backend needs none of these).
+[ -n "${CODERUNNER_NO_PODMAN:-}" ] || APT_PACKAGES+=(podman runc mmdebstrap)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")
@@ -42,25 +112,8 @@ if [ "$(id -u)" -eq 0 ] && ! id -u coderunner-sandbox >/dev/null 2>&1; then
 fi
 
 # 2. The host side: a Python >= 3.10 for the server (any; the sandbox uses the system python3).
-HOST_PYTHON="${CODERUNNER_HOST_PYTHON:-}"
-if [ -z "$HOST_PYTHON" ]; then
-    for candidate in python3 /usr/bin/python3; do
-        if command -v "$candidate" >/dev/null 2>&1 &&
-            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
-            HOST_PYTHON="$candidate"
-            break
-        fi
-    done
-fi
-[ -n "$HOST_PYTHON" ] || die "need Python 3.10 or newer for the server"
-
-if [ ! -x "$VENV/bin/python" ]; then
-    say "creating $VENV with $HOST_PYTHON"
-    "$HOST_PYTHON" -m venv "$VENV"
-fi
-say "installing coderunner into $VENV"
-"$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
-"$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[dev]"
+HOST_PYTHON="$(find_host_python)" || die "need Python 3.10 or newer for the server"
+install_venv "$HOST_PYTHON"
 
 # 3. The sandbox's Python environment (ipykernel, numpy, pandas, matplotlib).
 say "setting up the sandbox environment"

@@ -1,6 +1,6 @@
 """Latency of CodeRunner beside a raw jupyter_client + ipykernel baseline, measured in the same run.
 
-    .venv/bin/python bench/latency.py [--calls 300] [--colds 10]
+    .venv/bin/python bench/latency.py [--calls 300] [--colds 10] [--backend bwrap --backend podman ...]
 
 Warm: one `1+1` round trip. For CodeRunner that is a `run_python` call through the official MCP
 client over stdio to `coderunner serve`, into a kernel inside bubblewrap. For the baseline it is
@@ -110,16 +110,18 @@ async def raw_warm(calls: int) -> list[float]:
 # --- CodeRunner through MCP over stdio ----------------------------------------------------------
 
 
-def server_params(root: Path) -> StdioServerParameters:
+def server_params(root: Path, backend: str) -> StdioServerParameters:
     env = {
+        "CODERUNNER_BACKEND": backend,
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_LOG_LEVEL": "WARNING",
     }
-    if "CODERUNNER_SANDBOX_ENV" in os.environ:
-        env["CODERUNNER_SANDBOX_ENV"] = os.environ["CODERUNNER_SANDBOX_ENV"]
+    for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):
+        if key in os.environ:
+            env[key] = os.environ[key]
     return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
 
 
@@ -132,8 +134,8 @@ async def mcp_run(client: Client, session_id: str | None = None) -> None:
         raise RuntimeError(result.content)
 
 
-async def coderunner(calls: int, colds: int, root: Path) -> tuple[list[float], list[float]]:
-    async with Client(server_params(root), read_timeout_seconds=120) as client:
+async def coderunner(calls: int, colds: int, root: Path, backend: str) -> tuple[list[float], list[float]]:
+    async with Client(server_params(root, backend), read_timeout_seconds=120) as client:
         for _ in range(20):
             await mcp_run(client)
         warm = await timed(calls, lambda: mcp_run(client))
@@ -148,36 +150,44 @@ async def coderunner(calls: int, colds: int, root: Path) -> tuple[list[float], l
     return warm, cold
 
 
-async def main(calls: int, colds: int) -> None:
+async def main(calls: int, colds: int, backends: list[str]) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     os.environ["JUPYTER_PATH"] = str(kernelspec_dir(settings.sandbox_env / "bin" / "python", root / "jupyter"))
     os.environ["JUPYTER_RUNTIME_DIR"] = str(root / "jupyter-runtime")
+    ours: dict[str, tuple[list[float], list[float]]] = {}
     try:
         raw_w = await raw_warm(calls)
         raw_c = [await raw_cold_start() for _ in range(colds)]
-        ours_w, ours_c = await coderunner(calls, colds, root)
+        for backend in backends:
+            ours[backend] = await coderunner(calls, colds, root / backend, backend)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    rows = [
-        ("warm 1+1, raw jupyter_client", summarize(raw_w)),
-        ("warm 1+1, coderunner MCP stdio", summarize(ours_w)),
-        ("cold start, raw jupyter_client", summarize(raw_c)),
-        ("cold start, coderunner MCP", summarize(ours_c)),
-    ]
+    rows = [("warm 1+1, raw jupyter_client", summarize(raw_w))]
+    rows += [(f"warm 1+1, coderunner {backend}", summarize(warm)) for backend, (warm, _) in ours.items()]
+    rows += [("cold start, raw jupyter_client", summarize(raw_c))]
+    rows += [(f"cold start, coderunner {backend}", summarize(cold)) for backend, (_, cold) in ours.items()]
     print(f"{'measure':34} {'median ms':>10} {'p90 ms':>9} {'min ms':>9} {'n':>5}")
     for name, row in rows:
         print(f"{name:34} {row['median_ms']:10.2f} {row['p90_ms']:9.2f} {row['min_ms']:9.2f} {row['n']:5d}")
-    warm_ratio = rows[1][1]["median_ms"] / rows[0][1]["median_ms"]
-    cold_ratio = rows[3][1]["median_ms"] / rows[2][1]["median_ms"]
-    print(f"ratio warm (median): {warm_ratio:.2f}x raw   (p90: {rows[1][1]['p90_ms'] / rows[0][1]['p90_ms']:.2f}x)")
-    print(f"ratio cold (median): {cold_ratio:.2f}x raw")
+    raw_warm_row, raw_cold_row = summarize(raw_w), summarize(raw_c)
+    for backend, (warm, cold) in ours.items():
+        warm_row, cold_row = summarize(warm), summarize(cold)
+        print(
+            f"{backend}: warm {warm_row['median_ms'] / raw_warm_row['median_ms']:.2f}x raw "
+            f"(p90 {warm_row['p90_ms'] / raw_warm_row['p90_ms']:.2f}x), "
+            f"cold {cold_row['median_ms'] / raw_cold_row['median_ms']:.2f}x raw"
+        )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calls", type=int, default=300, help="warm round trips per side (at least 200)")
     parser.add_argument("--colds", type=int, default=10, help="cold starts per side")
+    parser.add_argument(
+        "--backend", action="append", choices=["bwrap", "podman", "docker", "apple"],
+        help="CodeRunner backend(s) to measure (repeatable; default bwrap)",
+    )  # fmt: skip
     args = parser.parse_args()
-    anyio.run(main, max(args.calls, 200), args.colds)
+    anyio.run(main, max(args.calls, 200), args.colds, args.backend or ["bwrap"])

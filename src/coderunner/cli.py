@@ -19,7 +19,7 @@ from .client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
 from .config import ConfigError, Settings, load_settings
 from .kernel import KernelStartError
 from .mounts import MountError
-from .sandbox import BwrapUnavailable, make_backend
+from .sandbox import SandboxUnavailable, image, make_backend
 from .sessions import SessionError, SessionManager
 
 
@@ -66,8 +66,10 @@ def _parser() -> argparse.ArgumentParser:
 
     commands.add_parser("doctor", help="check that sandboxes work here; say how to fix what does not")
 
-    setup = commands.add_parser("setup", help="create the sandbox's Python environment")
+    setup = commands.add_parser("setup", help="create the sandbox's Python environment (or image)")
     setup.add_argument("--recreate", action="store_true", help="delete and rebuild it")
+    setup.add_argument("--backend", choices=["bwrap", "podman", "docker", "apple"], help="build for this backend")
+    setup.add_argument("--base-image", help="container backends: the image the sandbox image is built FROM")
     return parser
 
 
@@ -75,6 +77,7 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", dest="timeout_s", type=float, help="default run timeout in seconds")
     parser.add_argument("--memory-mb", type=int, help="memory limit per session")
     parser.add_argument("--sandbox-env", type=Path, help="the sandbox Python environment")
+    parser.add_argument("--backend", choices=["bwrap", "podman", "docker", "apple"], help="how sessions are isolated")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -93,6 +96,8 @@ def _settings(args: argparse.Namespace) -> Settings:
             "export_dir",
             "import_dirs",
             "token_file",
+            "backend",
+            "base_image",
         )
     }
     return load_settings(args.config, **flags)
@@ -138,10 +143,13 @@ def main(argv: list[str] | None = None) -> int:
             print(doctor.report(checks))
             return 0 if all(check.ok for check in checks) else 1
         if args.command == "setup":
+            if settings.backend != "bwrap":
+                print(f"sandbox image ready: {image.build(settings, recreate=args.recreate)}")
+                return 0
             sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
             print(f"sandbox environment ready: {settings.sandbox_env}")
             return 0
-    except (BwrapUnavailable, SessionError, KernelStartError, sandbox_env.SetupError, MountError, AuthError) as exc:
+    except (SandboxUnavailable, SessionError, KernelStartError, sandbox_env.SetupError, MountError, AuthError) as exc:
         print(f"coderunner: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

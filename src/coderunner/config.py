@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +17,7 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
+from . import __version__
 from .mounts import MountSpec
 
 APP_NAME = "coderunner"
@@ -23,6 +26,19 @@ NetworkMode = Literal["none", "internet"]
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
+Backend = Literal["bwrap", "podman", "docker", "apple"]
+
+
+def default_backend() -> Backend:
+    """Linux: bwrap (no daemon, embedded). macOS: Apple `container` VMs when the CLI is installed."""
+    if sys.platform.startswith("linux"):
+        return "bwrap"
+    if sys.platform == "darwin" and shutil.which("container"):
+        return "apple"
+    for engine in ("docker", "podman"):
+        if shutil.which(engine):
+            return engine  # type: ignore[return-value]
+    return "apple" if sys.platform == "darwin" else "docker"
 
 
 def default_config_dir() -> Path:
@@ -79,7 +95,28 @@ class Settings(BaseSettings):
     )
 
     # Sandbox.
-    backend: Literal["bwrap"] = "bwrap"
+    backend: Backend = Field(
+        default_factory=lambda: default_backend(),
+        description="How sessions are isolated: bwrap (Linux default), podman, docker, or apple "
+        "(Apple `container` VMs; the macOS default when `container` is installed).",
+    )
+    image: str = Field(
+        default=f"coderunner-sandbox:{__version__}",
+        description="The sandbox image of the container backends (built by `coderunner setup --backend ...`).",
+    )
+    base_image: str | None = Field(
+        default=None,
+        description="Base image the sandbox image is built FROM (default: the Containerfile's Debian bookworm "
+        "Python image); e.g. an offline one made with containers/make-base-image.sh.",
+    )
+    oci_runtime: str | None = Field(
+        default=None, description="OCI runtime podman/docker use (e.g. runc where crun cannot work)."
+    )
+    kernel_channels: Literal["auto", "ipc", "tcp"] = Field(
+        default="auto",
+        description="How the host reaches a container's kernel: ipc sockets (Linux engines; vsock-relayed "
+        "with Apple `container`), or TCP published on 127.0.0.1 (needs the container's network).",
+    )
     sandbox_user: str | None = Field(
         default=None,
         description="When the server runs as root: the unprivileged host user sandboxes run as "

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import anyio
 
 from .config import Settings
-from .sandbox import BwrapUnavailable, make_backend
+from .sandbox import SandboxUnavailable, make_backend
 from .sessions import SessionManager
 
 PROBE_TIMEOUT_S = 30
@@ -99,7 +100,7 @@ def check_sandbox_env(settings: Settings) -> Check:
 async def check_sandboxed_run(settings: Settings) -> Check:
     try:
         backend = make_backend(settings)
-    except BwrapUnavailable as exc:
+    except SandboxUnavailable as exc:
         return Check("sandboxed 1+1", False, str(exc), None)
     began = time.monotonic()
     try:
@@ -169,11 +170,98 @@ def check_containment(settings: Settings) -> list[Check]:
     return checks
 
 
+BACKENDS = ("bwrap", "podman", "docker", "apple")
+
+
+def check_backend_choice(settings: Settings) -> Check:
+    """Which backend sessions use, and why that one."""
+    if "backend" in settings.model_fields_set:
+        why = "chosen by the configuration (backend / CODERUNNER_BACKEND / --backend)"
+    elif sys.platform.startswith("linux"):
+        why = "the Linux default: no daemon, no image"
+    elif sys.platform == "darwin" and settings.backend == "apple":
+        why = "the macOS default: Apple `container` is installed (one VM per session)"
+    else:
+        why = "the first container engine found (Apple `container` is not installed)"
+    return Check("backend", True, f"{settings.backend}: {why}")
+
+
+def _engine_problem(settings: Settings, kind: str) -> tuple[str | None, str | None]:
+    """(what is missing for backend `kind` here, the fix), or (None, None) when it looks ready."""
+    from .sandbox.engine import QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
+
+    if kind == "bwrap":
+        if not sys.platform.startswith("linux"):
+            return "Linux only", None
+        if shutil.which("bwrap") is None:
+            return "bwrap is not installed", "sudo apt-get install bubblewrap"
+        if not (settings.sandbox_env / "bin" / "python").exists():
+            return f"no sandbox environment at {settings.sandbox_env}", "coderunner setup"
+        return None, None
+    if kind == "apple" and sys.platform != "darwin":
+        return "macOS 26 on Apple silicon only", None
+    cli = "container" if kind == "apple" else kind
+    path = shutil.which(cli)
+    if path is None:
+        fix = {
+            "apple": "macOS 26 on Apple silicon: ./install.sh installs it",
+            "podman": "sudo apt-get install podman runc (Linux), or Podman Desktop",
+            "docker": "install Docker Engine or Docker Desktop",
+        }[kind]
+        return f"`{cli}` is not installed", fix
+    if kind == "apple":
+        try:
+            status = run_sync(
+                [path, "system", "status"], QUERY_TIMEOUT_S, check=False, env=engine_env(dict(os.environ))
+            )
+        except EngineError as exc:
+            return f"`container system status` does not answer ({exc})", None
+        if status.returncode != 0:
+            return "the container system service is not running", "container system start --enable-kernel-install"
+        query = [path, "image", "inspect", settings.image]
+    else:
+        runtime = ["--runtime", settings.oci_runtime] if kind == "podman" and settings.oci_runtime else []
+        query = [path, *runtime, "image", "inspect", "--format", "{{.Id}}", settings.image]
+    try:
+        done = run_sync(query, QUERY_TIMEOUT_S, check=False, env=engine_env(dict(os.environ)))
+    except EngineError as exc:
+        return f"{cli} does not answer ({exc})", None
+    if done.returncode != 0:
+        said = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
+        if any(word in said[0].lower() for word in ("no such", "not known", "not found")):
+            return f"image {settings.image} not built", f"coderunner setup --backend {kind}"
+        return f"{cli} does not answer: {said[0][:200]}", None
+    return None, None
+
+
+def check_other_backends(settings: Settings) -> list[Check]:
+    """What each backend not in use would need here (information, never a failure)."""
+    checks = []
+    for kind in BACKENDS:
+        if kind == settings.backend:
+            continue
+        missing, fix = _engine_problem(settings, kind)
+        detail = "ready" if missing is None else f"unavailable: {missing}"
+        checks.append(Check(f"other backend {kind}", True, detail, fix, degraded=missing is not None and bool(fix)))
+    return checks
+
+
+def check_container_backend(settings: Settings) -> Check:
+    missing, fix = _engine_problem(settings, settings.backend)
+    if missing is not None:
+        return Check(f"{settings.backend} backend", False, missing, fix)
+    return Check(f"{settings.backend} backend", True, f"engine found, image {settings.image} built")
+
+
 def run_checks(settings: Settings) -> list[Check]:
-    checks = [check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), *check_containment(settings)]
+    checks = [check_backend_choice(settings)]
+    if settings.backend == "bwrap":
+        checks += [check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), *check_containment(settings)]
+    else:
+        checks.append(check_container_backend(settings))
     if all(check.ok for check in checks):
         checks.append(anyio.run(check_sandboxed_run, settings))
-    return checks
+    return [*checks, *check_other_backends(settings)]
 
 
 def report(checks: list[Check]) -> str:
@@ -184,5 +272,5 @@ def report(checks: list[Check]) -> str:
         if (not check.ok or check.degraded) and check.fix:
             lines.append(f"       fix: {check.fix}")
     if os.getuid() == 0:
-        lines.append("note: running as root; sandboxes run as an unprivileged host user, uid 1000 inside")
+        lines.append("note: running as root; sandboxes run as an unprivileged host user, never as root")
     return "\n".join(lines)

@@ -115,12 +115,13 @@ class Kernel:
         """Start the sandbox and wait for the IOPub handshake (ipykernel's iopub_welcome)."""
         runtime = self.spec.runtime_dir
         self._connection_file = runtime / f"kernel-{self.generation}.json"
+        if getattr(self.backend, "channels", "ipc") == "tcp":
+            # The backend publishes these (free) ports on the host's loopback only.
+            address = {"transport": "tcp", "ip": "127.0.0.1"}
+        else:
+            address = {"transport": "ipc", "ip": str(runtime / f"k{self.generation}")}
         _, info = write_connection_file(
-            str(self._connection_file),
-            transport="ipc",
-            ip=str(runtime / f"k{self.generation}"),
-            key=secrets.token_hex(32).encode(),
-            kernel_name="python3",
+            str(self._connection_file), key=secrets.token_hex(32).encode(), kernel_name="python3", **address
         )
         if self.backend.host_owner is not None:
             os.chown(self._connection_file, *self.backend.host_owner)
@@ -160,6 +161,8 @@ class Kernel:
 
     async def _await_sockets(self, info: dict[str, Any], deadline: _Deadline) -> None:
         """Connect only once the kernel has bound its sockets: no ZMQ reconnect back-off on start."""
+        if info["transport"] != "ipc":
+            return  # published ports accept before the kernel listens; ZMQ reconnects until it does
         ip = info["ip"]
         paths = [Path(f"{ip}-{info[name]}") for name in ("shell_port", "iopub_port", "control_port")]
         while not all(path.exists() for path in paths):

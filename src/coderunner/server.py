@@ -26,6 +26,7 @@ from .oneshot import OneShotError
 from .output import OutputCollector
 from .packages import PackagesError, check_requirements
 from .results import error_result, guest_tool_result
+from .sandbox import SandboxUnavailable
 from .sessions import Session, SessionError, SessionManager
 from .transfers import export_target, import_source
 from .variables import VariablesError, check_variables
@@ -82,7 +83,15 @@ async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolRes
     """Errors a caller can act on become isError results with a plain message."""
     try:
         return await call()
-    except (SessionError, KernelStartError, FileAccessError, VariablesError, PackagesError, OneShotError) as exc:
+    except (
+        SessionError,
+        KernelStartError,
+        FileAccessError,
+        VariablesError,
+        PackagesError,
+        OneShotError,
+        SandboxUnavailable,
+    ) as exc:
         return error_result(str(exc))
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .base import LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec
+from .base import LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec, SandboxUnavailable
 from .bwrap import BwrapBackend, BwrapUnavailable
+from .container import ContainerUnavailable
 from .identity import IdentityError, sandbox_identity
 
 if TYPE_CHECKING:
@@ -14,21 +15,38 @@ if TYPE_CHECKING:
 __all__ = [
     "BwrapBackend",
     "BwrapUnavailable",
+    "ContainerUnavailable",
     "LimitReport",
     "Limits",
     "SandboxBackend",
     "SandboxProcess",
     "SandboxSpec",
+    "SandboxUnavailable",
     "make_backend",
 ]
 
 
 def make_backend(settings: Settings) -> SandboxBackend:
-    """Raises BwrapUnavailable (with the fix in its message) when the backend cannot work here."""
+    """Raises SandboxUnavailable (with the fix in its message) when the backend cannot work here."""
+    if settings.backend == "apple":
+        from .apple import AppleBackend
+
+        return AppleBackend(settings.image, settings.runtime_dir, channels=settings.kernel_channels)
     try:
         identity = sandbox_identity(settings.sandbox_user)
     except IdentityError as exc:
-        raise BwrapUnavailable(str(exc)) from None
+        raise SandboxUnavailable(str(exc)) from None
+    if settings.backend in ("podman", "docker"):
+        from .oci import OciBackend
+
+        return OciBackend(
+            settings.backend,
+            settings.image,
+            settings.runtime_dir,
+            identity=identity,
+            runtime=settings.oci_runtime,
+            channels=settings.kernel_channels,
+        )
     return BwrapBackend(
         settings.sandbox_env, runtime_base=settings.runtime_dir, identity=identity, use_cgroups=settings.cgroups
     )

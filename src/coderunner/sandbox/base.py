@@ -28,6 +28,10 @@ KILL_WAIT_S = 5.0
 SESSION_PACKAGES = ".coderunner/site-packages"
 
 
+class SandboxUnavailable(RuntimeError):
+    """The chosen backend cannot work here; the message says how to fix it."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """Resource limits asked for one session. `None` means no limit."""
@@ -90,6 +94,9 @@ class SandboxBackend(Protocol):
     dir_mode: int
     #: The host user sandboxes run as when it is not the server's own, else None.
     identity: HostIdentity | None
+    #: How the host reaches the kernel: "ipc" (sockets in the runtime dir, seen at the same path
+    #: inside, or relayed into a VM) or "tcp" (ports the backend publishes on 127.0.0.1).
+    channels: str
 
     def describe_isolation(self) -> str:
         """One line for status and capabilities: what separates the sandbox from the host."""

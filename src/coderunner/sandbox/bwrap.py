@@ -22,7 +22,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from .base import SESSION_PACKAGES, LimitReport, Limits, SandboxProcess, SandboxSpec
+from .base import SESSION_PACKAGES, LimitReport, Limits, SandboxProcess, SandboxSpec, SandboxUnavailable
 from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from .seccomp import SeccompUnavailable, compiled_filter
@@ -54,7 +54,7 @@ NETWORK_SETUP_TIMEOUT_S = 10.0
 NETWORK_MODES = ("none", "internet")
 
 
-class BwrapUnavailable(RuntimeError):
+class BwrapUnavailable(SandboxUnavailable):
     """bubblewrap is missing or cannot create namespaces here."""
 
 
@@ -80,7 +80,7 @@ def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def _etc_files(runtime_dir: Path, network: str) -> Path:
+def write_etc_files(runtime_dir: Path, network: str) -> Path:
     """Write the sandbox's own passwd, group, hosts and resolv.conf: the host's are never shown."""
     etc = runtime_dir / "etc"
     etc.mkdir(mode=0o755, exist_ok=True)
@@ -247,6 +247,7 @@ class BwrapBackend:
     name = "bwrap"
     workspace_path = WORKSPACE
     python = f"{ENV_MOUNT}/bin/python"
+    channels = "ipc"
 
     def __init__(
         self,
@@ -327,7 +328,7 @@ class BwrapBackend:
         problem = self.network_problem(spec.network)
         if problem:
             raise BwrapUnavailable(problem)
-        etc_dir = _etc_files(spec.runtime_dir, spec.network)
+        etc_dir = write_etc_files(spec.runtime_dir, spec.network)
         cgroup = self._cgroup_for(spec)
         nproc = None
         if cgroup is None and spec.limits.pids:

@@ -9,9 +9,11 @@ Syscalls of a foreign architecture (i386 on x86-64) kill the process (libseccomp
 
 from __future__ import annotations
 
+import copy
 import errno
 import functools
 import tempfile
+from typing import Any
 
 #: Denied outright, each with EPERM.
 DENIED_SYSCALLS = (
@@ -71,3 +73,22 @@ def compiled_filter() -> bytes:
         rules.export_bpf(handle)
         handle.seek(0)
         return handle.read()
+
+
+def tightened_profile(engine_default: dict[str, Any]) -> dict[str, Any]:
+    """An engine's seccomp profile (OCI JSON, e.g. containers-common's) with DENIED_SYSCALLS refused.
+
+    Engines allow some of them (ptrace, keyctl, personality ...) or gate them on capabilities;
+    the container backends then refuse the same calls as bwrap, each with EPERM. The engine's own
+    rules for everything else (clone namespace flags without CAP_SYS_ADMIN, foreign arches) stay.
+    """
+    denied = set(DENIED_SYSCALLS)
+    profile = copy.deepcopy(engine_default)
+    rules = []
+    for rule in profile.get("syscalls") or []:
+        names = [name for name in rule.get("names", []) if name not in denied]
+        if names:
+            rules.append({**rule, "names": names})
+    rules.append({"names": sorted(denied), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
+    profile["syscalls"] = rules
+    return profile

@@ -1,0 +1,167 @@
+"""What the container backends (podman/docker and Apple `container`) share.
+
+A sandbox is one container per kernel, run attached (`ENGINE run --rm ...` in the foreground),
+so the host has a process to wait on; killing that client does not stop the container, so a
+`ContainerProcess` also removes the container by name, with a timeout, when it is killed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import Process, TaskGroup
+
+from .base import SandboxProcess, SandboxSpec, SandboxUnavailable
+from .engine import REMOVE_TIMEOUT_S, EngineError, run_async
+
+log = logging.getLogger(__name__)
+
+#: Where the image keeps things (Containerfile); the same paths as the bwrap sandbox.
+IMAGE_PYTHON = "/opt/coderunner/env/bin/python"
+WORKSPACE = "/workspace"
+#: Labels every container carries, so a later server can find what a crashed one left.
+LABEL_SESSION = "coderunner.session"
+LABEL_SERVER = "coderunner.server"
+NAME_PREFIX = "coderunner"
+#: The five ZMQ channels of a kernel, as named in a connection file.
+CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+
+
+class ContainerUnavailable(SandboxUnavailable):
+    """The engine or the image is missing, or cannot run here; the message says how to fix it."""
+
+
+def server_tag(runtime_base: Path) -> str:
+    """A short stable tag for one server configuration (its runtime dir), shared by its restarts."""
+    return hashlib.sha256(str(runtime_base).encode()).hexdigest()[:8]
+
+
+def session_key(spec: SandboxSpec) -> str:
+    """The session's runtime dir name: what SessionManager passes to remove_stale for dead ones."""
+    return spec.runtime_dir.parent.name if spec.runtime_dir.name == "run" else spec.runtime_dir.name
+
+
+def container_name(tag: str, session: str) -> str:
+    """Unique per kernel (a restart may overlap the old container's removal), findable by prefix."""
+    return f"{NAME_PREFIX}-{tag}-{session}-{secrets.token_hex(3)}"
+
+
+def name_prefix(tag: str, session: str | None = None) -> str:
+    return f"{NAME_PREFIX}-{tag}-" + (f"{session}-" if session else "")
+
+
+def connection_info(argv: list[str]) -> dict[str, Any]:
+    """The kernel's connection file, found after `-f` in its command (written by the host)."""
+    try:
+        path = argv[argv.index("-f") + 1]
+    except (ValueError, IndexError):
+        raise ContainerUnavailable("the kernel command names no connection file (-f)") from None
+    return json.loads(Path(path).read_text())
+
+
+def channel_ports(info: dict[str, Any]) -> list[int]:
+    return [int(info[name]) for name in CHANNELS if name in info]
+
+
+def with_guest_connection(argv: list[str], ip: str, guest_dir: str | None = None) -> list[str]:
+    """The kernel command reading a copy of its connection file with the address as seen inside.
+
+    ipykernel takes `ip` from the connection file over its command line, so a kernel that must
+    bind elsewhere than the host connects (0.0.0.0 behind published ports, a socket path on the
+    VM's own disk) gets its own file next to the host's. `guest_dir` is where the VM sees that dir.
+    """
+    index = argv.index("-f") + 1
+    host_file = Path(argv[index])
+    info = json.loads(host_file.read_text())
+    guest_file = host_file.with_name(host_file.stem + ".guest.json")
+    guest_file.write_text(json.dumps({**info, "ip": ip}))
+    stat = host_file.stat()
+    os.chmod(guest_file, stat.st_mode & 0o777)
+    if os.getuid() == 0:
+        os.chown(guest_file, stat.st_uid, stat.st_gid)
+    inner = list(argv)
+    inner[index] = f"{guest_dir}/{guest_file.name}" if guest_dir else str(guest_file)
+    return inner
+
+
+def hold_host_lock(runtime_dir: Path) -> tuple[Path, int]:
+    """A shared flock on a file in the session's runtime dir, held while the kernel should live.
+
+    A container outlives its engine client (conmon keeps it), so `--die-with-parent` has no
+    equivalent; instead the image's entrypoint waits for an exclusive lock on this file, which it
+    gets only once the server has closed it: at kill, or when the server dies however it dies.
+    Works where the engine shares the host kernel (podman/docker on Linux), not across a VM.
+    """
+    path = runtime_dir / "host.lock"
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    except OSError:
+        os.close(fd)
+        raise
+    return path, fd
+
+
+class ContainerProcess(SandboxProcess):
+    """The attached engine client of one container; kill() also removes the container itself."""
+
+    def __init__(
+        self,
+        process: Process,
+        task_group: TaskGroup,
+        description: str,
+        cleanup: list[list[str]],
+        engine_env: dict[str, str],
+        lock_fd: int | None = None,
+        pipes: bool = False,
+    ) -> None:
+        super().__init__(process, task_group, description, pipes=pipes)
+        self.cleanup = cleanup
+        self._engine_env = engine_env
+        self._lock_fd = lock_fd
+        #: The container's init as a host pid, where the engine shares the host kernel.
+        self.container_pid: int | None = None
+
+    @property
+    def pid(self) -> int:
+        """For memory accounting: the container's process tree, not the client's."""
+        return self.container_pid or super().pid
+
+    async def kill(self) -> None:
+        """Remove the container (bounded), then kill and reap the client."""
+        with anyio.CancelScope(shield=True):
+            if self._lock_fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._lock_fd)
+                self._lock_fd = None
+            for argv in self.cleanup:
+                try:
+                    await run_async(argv, REMOVE_TIMEOUT_S, check=False, env=self._engine_env)
+                except EngineError as exc:
+                    log.warning("container cleanup: %s", exc)
+            await super().kill()
+
+    async def watch_pid(self, inspect_argv: list[str], timeout_s: float = 15.0) -> bool:
+        """Wait until the container runs and learn its host pid (podman/docker on Linux only).
+
+        True once it runs; False if the client exited first, or after `timeout_s`.
+        """
+        with anyio.move_on_after(timeout_s), contextlib.suppress(EngineError):
+            while self.alive and self.container_pid is None:
+                done = await run_async(inspect_argv, 5.0, check=False, env=self._engine_env)
+                with contextlib.suppress(ValueError):
+                    pid = int(done.stdout.strip() or 0)
+                    if pid > 0:
+                        self.container_pid = pid
+                        return True
+                await anyio.sleep(0.02)
+        return self.container_pid is not None

@@ -1,0 +1,428 @@
+"""The OCI backend: one podman or docker container per kernel, from the CodeRunner image.
+
+Security parity with bwrap where the engine allows: no network, no capabilities, no new
+privileges, a read-only root with a size-capped /tmp, memory/cpu/pids limits from the session,
+an explicit environment (nothing of the host's), and no host paths but the session's workspace,
+its runtime dir and the configured mounts. A root server runs the container as its unprivileged
+sandbox user (--user); a rootless podman maps the server's own user (--userns=keep-id).
+
+Kernel channels: where the engine shares the host kernel (Linux) the runtime dir is bound at the
+same path and the ipc:// sockets just work, with no network. Where it does not (Docker Desktop's
+VM), they are TCP ports published on 127.0.0.1 only, which needs the engine's network.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import resource
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import anyio
+from anyio.abc import TaskGroup
+
+from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
+from .bwrap import rlimit_prefix, sandbox_environment, write_etc_files
+from .container import (
+    IMAGE_PYTHON,
+    LABEL_SERVER,
+    LABEL_SESSION,
+    WORKSPACE,
+    ContainerProcess,
+    ContainerUnavailable,
+    channel_ports,
+    connection_info,
+    container_name,
+    hold_host_lock,
+    server_tag,
+    session_key,
+    with_guest_connection,
+)
+from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
+from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
+from .image import LABEL_SOURCES, sources_digest
+from .seccomp import tightened_profile
+
+log = logging.getLogger(__name__)
+
+ENGINES = ("podman", "docker")
+NETWORK_MODES = ("none", "internet")
+#: Where podman's default seccomp profile lives (containers-common), most specific first.
+ENGINE_SECCOMP_PROFILES = (Path("/etc/containers/seccomp.json"), Path("/usr/share/containers/seccomp.json"))
+SHM_MB = 64
+#: Open files per process inside; the engine's default (2^20) can exceed what the host allows.
+NOFILE = 4096
+#: Exit codes of an engine client that could not create or start the container (125: engine
+#: error, 126: the runtime could not start the command, 127: command not found).
+ENGINE_FAILURE_CODES = (125, 126, 127)
+START_ATTEMPTS = 2
+#: Processes per host uid (RLIMIT_NPROC) inside; runc here refuses values near the host's own limit.
+NPROC = 4096
+
+
+@dataclass(frozen=True)
+class OciCommand:
+    """Builds podman/docker argv; pure, so the exact flags are unit-testable."""
+
+    engine: str
+    kind: str  # "podman" or "docker"
+    image: str
+    server: str
+    runtime: str | None = None
+    #: "UID:GID" the kernel runs as on the host, or None for the image's user.
+    user: str | None = None
+    #: Rootless podman: map the server's own user into the container.
+    keep_id: bool = False
+    nofile: int = NOFILE
+    nproc: int | None = None
+    #: Our tightened seccomp profile (see seccomp.tightened_profile), or None for the engine's.
+    seccomp_profile: Path | None = None
+
+    def base(self) -> list[str]:
+        """The engine and its global flags (podman takes --runtime globally, docker per run)."""
+        if self.kind == "podman" and self.runtime:
+            return [self.engine, "--runtime", self.runtime]
+        return [self.engine]
+
+    def run(
+        self,
+        spec: SandboxSpec,
+        inner: list[str],
+        name: str,
+        *,
+        tcp_ports: list[int] | None = None,
+        etc_dir: Path | None = None,
+        host_lock: Path | None = None,
+        interactive: bool = False,
+    ) -> list[str]:
+        """`etc_dir`: our own hosts and resolv.conf, over the engine's copies of the host's.
+        `host_lock`: the file the server holds locked while it lives (the image's entrypoint
+        kills the kernel when it can take that lock)."""
+        limits = spec.limits
+        args = [
+            *self.base(), "run", "--rm", "--init",
+            *(["--interactive"] if interactive else []),
+            "--name", name,
+            "--label", f"{LABEL_SESSION}={session_key(spec)}",
+            "--label", f"{LABEL_SERVER}={self.server}",
+            "--pull", "never",
+            "--hostname", "sandbox",
+            "--cap-drop", "ALL",
+            "--security-opt", "no-new-privileges",
+            *(["--security-opt", f"seccomp={self.seccomp_profile}"] if self.seccomp_profile else []),
+            "--read-only",
+            "--tmpfs", f"/tmp:rw,nosuid,nodev,size={limits.tmp_mb or 512}m,mode=1777",
+            "--shm-size", f"{SHM_MB}m",
+            "--ulimit", f"nofile={self.nofile}:{self.nofile}",
+        ]  # fmt: skip
+        if self.nproc is not None:
+            args += ["--ulimit", f"nproc={self.nproc}:{self.nproc}"]
+        if self.kind == "docker" and self.runtime:
+            args += ["--runtime", self.runtime]
+        if self.kind == "podman":
+            args += ["--http-proxy=false"]  # podman would copy the engine's proxy variables in
+            # The cgroup tree says what the host runs (bwrap shows no /sys at all). Tested with
+            # podman only: Docker's cgroup namespace already hides the host's tree on cgroup v2.
+            args += ["--tmpfs", "/sys/fs/cgroup:ro"]
+        if tcp_ports:
+            # Published on loopback only; a bare port would listen on every interface.
+            for port in tcp_ports:
+                args += ["--publish", f"127.0.0.1:{port}:{port}"]
+        elif spec.network == "none":
+            args += ["--network", "none"]
+        if limits.memory_mb is not None:
+            args += ["--memory", f"{limits.memory_mb}m", "--memory-swap", f"{limits.memory_mb}m"]
+        if limits.cpus is not None:
+            args += ["--cpus", f"{limits.cpus:g}"]
+        if limits.pids is not None:
+            args += ["--pids-limit", str(limits.pids)]
+        if self.keep_id:
+            args += ["--userns=keep-id"]
+        if self.user:
+            args += ["--user", self.user]
+        args += [
+            "--mount", _bind(spec.runtime_dir, str(spec.runtime_dir), writable=True),
+            "--mount", _bind(spec.workspace, WORKSPACE, writable=True),
+        ]  # fmt: skip
+        for mount in spec.mounts:
+            args += ["--mount", _bind(mount.host, mount.sandbox, writable=mount.writable)]
+        for name_ in ("hosts", "resolv.conf") if etc_dir is not None else ():
+            args += ["--mount", _bind(etc_dir / name_, f"/etc/{name_}", writable=False)]
+        args += ["--workdir", WORKSPACE]
+        for key, value in sandbox_environment({"HOME": "/tmp/home"}).items():
+            args += ["--env", f"{key}={value}"]
+        if host_lock is not None:
+            args += ["--env", f"CODERUNNER_HOST_LOCK={host_lock}"]
+        return [*args, self.image, *inner]
+
+    def remove(self, name: str) -> list[str]:
+        return (
+            [*self.base(), "rm", "--force", name]
+            if self.kind == "docker"
+            else [*self.base(), "rm", "--force", "--time", "0", name]
+        )
+
+    def inspect_pid(self, name: str) -> list[str]:
+        return [*self.base(), "inspect", "--format", "{{.State.Pid}}", name]
+
+    def list_server(self) -> list[str]:
+        """Every container of this server configuration: name and session label, one per line."""
+        return [
+            *self.base(), "ps", "--all", "--filter", f"label={LABEL_SERVER}={self.server}",
+            "--format", f'{{{{.Names}}}} {{{{index .Labels "{LABEL_SESSION}"}}}}',
+        ]  # fmt: skip
+
+    def image_exists(self) -> list[str]:
+        """Prints the image's sources label (empty when unlabelled); fails when there is no image."""
+        return [*self.base(), "image", "inspect", "--format", f'{{{{index .Config.Labels "{LABEL_SOURCES}"}}}}',
+                self.image]  # fmt: skip
+
+
+def _bind(host: Path, target: str, *, writable: bool) -> str:
+    """A --mount spec (unlike -v, safe for paths that contain ':')."""
+    if "," in str(host) or "," in target:
+        raise ContainerUnavailable(f"paths with a comma cannot be mounted into a container: {host}")
+    return f"type=bind,source={host},target={target}" + ("" if writable else ",readonly")
+
+
+def parse_server_containers(output: str) -> list[tuple[str, str]]:
+    """`ps --format '{{.Names}} {{index .Labels ...}}'` lines -> (name, session)."""
+    found = []
+    for line in output.splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            found.append((parts[0], parts[1]))
+    return found
+
+
+def write_seccomp_profile(runtime_base: Path) -> Path | None:
+    """podman's default profile (containers-common) tightened to refuse what bwrap refuses.
+
+    None where the default profile is not on disk (the engine's built-in one applies then).
+    """
+    for source in ENGINE_SECCOMP_PROFILES:
+        if source.is_file():
+            try:
+                profile = tightened_profile(json.loads(source.read_text()))
+            except (OSError, ValueError) as exc:
+                log.warning("cannot use the seccomp profile %s: %s", source, exc)
+                return None
+            text = json.dumps(profile, indent=1, sort_keys=True)
+            target = runtime_base / f"seccomp-{hashlib.sha256(text.encode()).hexdigest()[:12]}.json"
+            if not target.exists():
+                staging = target.with_suffix(f".{os.getpid()}.tmp")
+                staging.write_text(text)
+                os.chmod(staging, 0o644)
+                os.replace(staging, target)
+            return target
+    return None
+
+
+def _hard_limit(kind: int, cap: int) -> int:
+    """A ulimit the engine may set: no higher than the server's own hard limit."""
+    hard = resource.getrlimit(kind)[1]
+    return cap if hard == resource.RLIM_INFINITY else min(hard, cap)
+
+
+class OciBackend:
+    """Sandboxes as podman or docker containers of the CodeRunner image."""
+
+    workspace_path = WORKSPACE
+    python = IMAGE_PYTHON
+    #: Where the kernel's channels go: ipc sockets in the bound runtime dir, or loopback TCP.
+    channels = "ipc"
+
+    def __init__(
+        self,
+        kind: str,
+        image: str,
+        runtime_base: Path,
+        identity: HostIdentity | None = None,
+        engine: str | None = None,
+        runtime: str | None = None,
+        channels: str = "auto",
+    ) -> None:
+        if kind not in ENGINES:
+            raise ContainerUnavailable(f"unknown engine {kind!r}: use podman or docker")
+        found = engine or shutil.which(kind)
+        if found is None:
+            fix = "sudo apt-get install podman runc" if kind == "podman" else "install Docker Engine or Docker Desktop"
+            raise ContainerUnavailable(f"{kind} is not installed: {fix}")
+        self.name = kind
+        self.identity = identity
+        self.host_owner = (identity.uid, identity.gid) if identity else None
+        self.dir_mode = shared_dir_mode(identity)
+        self.channels = ("ipc" if sys.platform.startswith("linux") else "tcp") if channels == "auto" else channels
+        ensure_private_dir(runtime_base, self.dir_mode)
+        self.runtime_base = runtime_base
+        rootless = os.getuid() != 0
+        if identity is not None:
+            user: str | None = f"{identity.uid}:{identity.gid}"
+        elif rootless and sys.platform.startswith("linux"):
+            user = f"{os.getuid()}:{os.getgid()}"
+        else:
+            user = None
+        self.command = OciCommand(
+            engine=found,
+            kind=kind,
+            image=image,
+            server=server_tag(runtime_base),
+            runtime=runtime,
+            user=user,
+            keep_id=kind == "podman" and rootless,
+            nofile=_hard_limit(resource.RLIMIT_NOFILE, NOFILE),
+            nproc=_hard_limit(resource.RLIMIT_NPROC, NPROC) if kind == "podman" else None,
+            seccomp_profile=write_seccomp_profile(runtime_base) if kind == "podman" else None,
+        )
+        self.env = engine_env(dict(os.environ))
+        self._check_image()
+        self.sweep()
+
+    def _check_image(self) -> None:
+        try:
+            done = run_sync(self.command.image_exists(), QUERY_TIMEOUT_S, check=False, env=self.env)
+        except EngineError as exc:
+            raise ContainerUnavailable(f"{self.name} does not answer: {exc}") from None
+        if done.returncode != 0:
+            raise ContainerUnavailable(
+                f"the sandbox image {self.command.image} is not built for {self.name}: run "
+                f"`coderunner setup --backend {self.name}` ({done.stderr.strip()[-300:]})"
+            )
+        with contextlib.suppress(OSError):
+            if (built := done.stdout.strip()) and built != sources_digest():
+                log.warning(
+                    "the sandbox image %s was built from older sources (guest tools may not match this server): "
+                    "run `coderunner setup --backend %s`",
+                    self.command.image,
+                    self.name,
+                )
+
+    def describe_isolation(self) -> str:
+        net = "no network" if self.channels == "ipc" else "loopback-published kernel ports"
+        user = f"; host user {self.identity.name}" if self.identity else ""
+        seccomp = "seccomp (engine profile + the bwrap denials)" if self.command.seccomp_profile else "engine seccomp"
+        return (
+            f"{self.name} container ({self.command.runtime or 'default runtime'}): own namespaces, {seccomp}, "
+            f"no capabilities, no-new-privileges, read-only root, size-capped /tmp, {net} by "
+            f"default, only the session workspace writable; container memory/cpu/pids limits{user}"
+        )
+
+    def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
+        return {
+            "memory_mb": LimitReport(
+                limits.memory_mb, "RLIMIT_AS + container memory limit" if limits.memory_mb else None
+            ),
+            "cpus": LimitReport(limits.cpus, "container cpu quota" if limits.cpus else None),
+            "pids": LimitReport(limits.pids, "container pids limit" if limits.pids else None),
+            "tmp_mb": LimitReport(limits.tmp_mb, "tmpfs size" if limits.tmp_mb else None),
+        }
+
+    def network_problem(self, network: str) -> str | None:
+        if network not in NETWORK_MODES:
+            return f"unknown network mode {network!r}: use 'none' or 'internet'"
+        if network == "none" and self.channels == "tcp":
+            return (
+                f"{self.name} here reaches the kernel over published TCP ports, which needs the engine's "
+                "network: use network 'internet', or a Linux host (ipc sockets, no network)"
+            )
+        return None
+
+    async def spawn(
+        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
+    ) -> SandboxProcess:
+        problem = self.network_problem(spec.network)
+        if problem:
+            raise ContainerUnavailable(problem)
+        ports = None
+        if self.channels == "tcp" and not pipes:  # a one-shot run has no kernel channels
+            ports = channel_ports(connection_info(argv))
+            argv = with_guest_connection(argv, "0.0.0.0")
+        # RLIMIT_AS as a soft limit gives user code a clean MemoryError; the container's memory
+        # limit is the hard bound (Chromium lifts the soft one for itself, as under bwrap).
+        inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
+        # Without a network the engine would still copy the host's /etc/hosts and resolv.conf in.
+        etc_dir = write_etc_files(spec.runtime_dir, spec.network) if spec.network == "none" else None
+        for attempt in range(1, START_ATTEMPTS + 1):
+            name = container_name(self.command.server, session_key(spec))
+            sandbox = await self._start(spec, inner, name, task_group, ports, etc_dir, pipes)
+            if not sys.platform.startswith("linux"):
+                return sandbox
+            # Wait until it runs (its host pid is also what memory use is measured on). An engine
+            # that failed to create it (seen rarely: runc/netavark races) gets one more try.
+            running = await sandbox.watch_pid(self.command.inspect_pid(name))
+            if running or attempt == START_ATTEMPTS or sandbox.returncode not in ENGINE_FAILURE_CODES:
+                return sandbox
+            await anyio.sleep(0.05)  # let the engine's last words reach the stderr tail
+            log.warning("%s could not create a container, trying again: %s", self.name, sandbox.stderr_tail()[-500:])
+            await sandbox.kill()
+        raise AssertionError("unreachable")
+
+    async def _start(
+        self,
+        spec: SandboxSpec,
+        inner: list[str],
+        name: str,
+        task_group: TaskGroup,
+        ports: list[int] | None,
+        etc_dir: Path | None,
+        pipes: bool = False,
+    ) -> ContainerProcess:
+        lock_path, lock_fd = hold_host_lock(spec.runtime_dir)
+        full = self.command.run(
+            spec, inner, name, tcp_ports=ports, etc_dir=etc_dir, host_lock=lock_path, interactive=pipes
+        )
+        try:
+            process = await anyio.open_process(
+                full,
+                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                stdout=subprocess.PIPE if pipes else subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env=self.env,
+            )
+        except BaseException:
+            os.close(lock_fd)
+            raise
+        return ContainerProcess(
+            process,
+            task_group,
+            self.describe_isolation(),
+            cleanup=[self.command.remove(name)],
+            engine_env=self.env,
+            lock_fd=lock_fd,
+            pipes=pipes,
+        )
+
+    def remove_stale(self, name: str) -> None:
+        """Remove containers a dead server left for session `name` (found by label)."""
+        for container, session in self._server_containers():
+            if session == name:
+                self._remove(container)
+
+    def sweep(self) -> None:
+        """At start: remove this configuration's containers whose session dir is gone."""
+        for container, session in self._server_containers():
+            if not (self.runtime_base / session).exists():
+                self._remove(container)
+
+    def _server_containers(self) -> list[tuple[str, str]]:
+        try:
+            done = run_sync(self.command.list_server(), QUERY_TIMEOUT_S, check=False, env=self.env)
+        except EngineError as exc:
+            log.warning("could not list leftover containers: %s", exc)
+            return []
+        return parse_server_containers(done.stdout)
+
+    def _remove(self, container: str) -> None:
+        try:
+            run_sync(self.command.remove(container), REMOVE_TIMEOUT_S, check=False, env=self.env)
+            log.info("removed container %s left by a server that is gone", container)
+        except EngineError as exc:
+            log.warning("could not remove leftover container: %s", exc)

@@ -1,0 +1,444 @@
+"""The exact argv of every podman, docker and Apple `container` operation, and the parsing of
+recorded `container inspect`/`list` output of each version's JSON shape. Apple `container` cannot
+run on Linux: these tests are what exercises that backend here."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from coderunner.config import Settings, default_backend
+from coderunner.sandbox.apple import (
+    GUEST_RUNTIME,
+    GUEST_SOCKETS,
+    AppleBackend,
+    AppleCommand,
+    container_id,
+    container_ip,
+    container_state,
+    names_with_prefix,
+    parse_records,
+)
+from coderunner.sandbox.base import Limits, Mount, SandboxSpec
+from coderunner.sandbox.container import (
+    channel_ports,
+    connection_info,
+    container_name,
+    name_prefix,
+    server_tag,
+    session_key,
+    with_guest_connection,
+)
+from coderunner.sandbox.image import BuildCommand, sources_digest
+from coderunner.sandbox.oci import OciCommand, parse_server_containers
+
+FIXTURES = Path(__file__).parent / "fixtures" / "apple"
+ENV_FLAGS = [
+    "--env", "PATH=/opt/coderunner/env/bin:/usr/local/bin:/usr/bin:/bin",
+    "--env", "HOME=/tmp/home",
+    "--env", "USER=sandbox",
+    "--env", "LOGNAME=sandbox",
+    "--env", "SHELL=/bin/sh",
+    "--env", "LANG=C.UTF-8",
+    "--env", "LC_ALL=C.UTF-8",
+    "--env", "TMPDIR=/tmp",
+    "--env", "MPLBACKEND=module://matplotlib_inline.backend_inline",
+    "--env", "PYTHONDONTWRITEBYTECODE=1",
+    "--env", "PYDEVD_DISABLE_FILE_VALIDATION=1",
+    "--env", "MALLOC_ARENA_MAX=2",
+    "--env", "PYTHONPATH=/opt/coderunner/lib:/workspace/.coderunner/site-packages",
+]  # fmt: skip
+
+
+def spec(**overrides: object) -> SandboxSpec:
+    values: dict[str, object] = {
+        "name": "9f8e7d6c",
+        "workspace": Path("/srv/w/9f8e7d6c"),
+        "runtime_dir": Path("/tmp/cr/9f8e7d6c/run"),
+        "limits": Limits(memory_mb=2048, cpus=1.5, pids=256, tmp_mb=512),
+        "network": "none",
+        "mounts": (Mount(Path("/home/ann/data"), "/data", False), Mount(Path("/home/ann/out"), "/out", True)),
+    }
+    values.update(overrides)
+    return SandboxSpec(**values)  # type: ignore[arg-type]
+
+
+KERNEL = ["/opt/coderunner/env/bin/python", "-m", "ipykernel_launcher", "-f", "/tmp/cr/9f8e7d6c/run/kernel-0.json"]
+
+
+# --- podman and docker ---------------------------------------------------------------------------------
+
+
+def test_podman_run_argv_is_exactly_the_hardened_one() -> None:
+    command = OciCommand(
+        engine="/usr/bin/podman", kind="podman", image="coderunner-sandbox:0.1.0", server="1a2b3c4d",
+        runtime="runc", user="999:995", nofile=4096, nproc=4096, seccomp_profile=Path("/tmp/cr/seccomp-1.json"),
+    )  # fmt: skip
+    argv = command.run(spec(), KERNEL, "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3")
+    assert argv == [
+        "/usr/bin/podman", "--runtime", "runc", "run", "--rm", "--init",
+        "--name", "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3",
+        "--label", "coderunner.session=9f8e7d6c",
+        "--label", "coderunner.server=1a2b3c4d",
+        "--pull", "never",
+        "--hostname", "sandbox",
+        "--cap-drop", "ALL",
+        "--security-opt", "no-new-privileges",
+        "--security-opt", "seccomp=/tmp/cr/seccomp-1.json",
+        "--read-only",
+        "--tmpfs", "/tmp:rw,nosuid,nodev,size=512m,mode=1777",
+        "--shm-size", "64m",
+        "--ulimit", "nofile=4096:4096",
+        "--ulimit", "nproc=4096:4096",
+        "--http-proxy=false",
+        "--tmpfs", "/sys/fs/cgroup:ro",
+        "--network", "none",
+        "--memory", "2048m", "--memory-swap", "2048m",
+        "--cpus", "1.5",
+        "--pids-limit", "256",
+        "--user", "999:995",
+        "--mount", "type=bind,source=/tmp/cr/9f8e7d6c/run,target=/tmp/cr/9f8e7d6c/run",
+        "--mount", "type=bind,source=/srv/w/9f8e7d6c,target=/workspace",
+        "--mount", "type=bind,source=/home/ann/data,target=/data,readonly",
+        "--mount", "type=bind,source=/home/ann/out,target=/out",
+        "--workdir", "/workspace",
+        *ENV_FLAGS,
+        "coderunner-sandbox:0.1.0", *KERNEL,
+    ]  # fmt: skip
+
+
+def test_our_own_hosts_and_resolv_conf_cover_the_engines_copies() -> None:
+    command = OciCommand(engine="podman", kind="podman", image="img", server="s")
+    argv = command.run(spec(mounts=()), ["true"], "n", etc_dir=Path("/tmp/cr/9f8e7d6c/run/etc"))
+    mounts = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--mount"]
+    assert mounts[-2:] == [
+        "type=bind,source=/tmp/cr/9f8e7d6c/run/etc/hosts,target=/etc/hosts,readonly",
+        "type=bind,source=/tmp/cr/9f8e7d6c/run/etc/resolv.conf,target=/etc/resolv.conf,readonly",
+    ]
+
+
+def test_docker_takes_runtime_per_run_and_has_no_podman_only_flags() -> None:
+    command = OciCommand(engine="docker", kind="docker", image="img", server="s", runtime="runsc")
+    argv = command.run(spec(limits=Limits()), ["true"], "n")
+    assert argv[:3] == ["docker", "run", "--rm"]
+    assert argv[argv.index("--runtime") + 1] == "runsc"
+    assert "--http-proxy=false" not in argv and "--userns=keep-id" not in argv and "/sys/fs/cgroup:ro" not in argv
+    assert not any(flag in argv for flag in ("--memory", "--cpus", "--pids-limit", "--user"))
+    assert command.remove("n") == ["docker", "rm", "--force", "n"]
+
+
+def test_rootless_podman_keeps_the_users_id() -> None:
+    command = OciCommand(engine="podman", kind="podman", image="img", server="s", user="1000:1000", keep_id=True)
+    argv = command.run(spec(), ["true"], "n")
+    assert argv[argv.index("--userns=keep-id") + 1 : argv.index("--userns=keep-id") + 3] == ["--user", "1000:1000"]
+
+
+def test_internet_mode_uses_the_engines_network_and_tcp_publishes_on_loopback_only() -> None:
+    command = OciCommand(engine="podman", kind="podman", image="img", server="s")
+    internet = command.run(spec(network="internet"), ["true"], "n")
+    assert "--network" not in internet and "--publish" not in internet
+    tcp = command.run(spec(network="internet"), ["true"], "n", tcp_ports=[5001, 5002])
+    published = [tcp[i + 1] for i, flag in enumerate(tcp) if flag == "--publish"]
+    assert published == ["127.0.0.1:5001:5001", "127.0.0.1:5002:5002"]
+
+
+def test_podman_operations_argv() -> None:
+    command = OciCommand(engine="podman", kind="podman", image="img:1", server="1a2b3c4d", runtime="runc")
+    assert command.remove("c") == ["podman", "--runtime", "runc", "rm", "--force", "--time", "0", "c"]
+    assert command.inspect_pid("c") == ["podman", "--runtime", "runc", "inspect", "--format", "{{.State.Pid}}", "c"]
+    assert command.image_exists() == [
+        "podman", "--runtime", "runc", "image", "inspect", "--format", '{{index .Config.Labels "coderunner.sources"}}',
+        "img:1",
+    ]  # fmt: skip
+    assert command.list_server() == [
+        "podman", "--runtime", "runc", "ps", "--all", "--filter", "label=coderunner.server=1a2b3c4d",
+        "--format", '{{.Names}} {{index .Labels "coderunner.session"}}',
+    ]  # fmt: skip
+
+
+def test_a_mount_path_with_a_comma_is_refused_not_misparsed() -> None:
+    from coderunner.sandbox.container import ContainerUnavailable
+
+    command = OciCommand(engine="podman", kind="podman", image="img", server="s")
+    with pytest.raises(ContainerUnavailable, match="comma"):
+        command.run(spec(mounts=(Mount(Path("/a,b"), "/x", False),)), ["true"], "n")
+
+
+def test_seccomp_profile_refuses_what_bwrap_refuses_and_keeps_the_engines_rules() -> None:
+    from coderunner.sandbox.seccomp import DENIED_SYSCALLS, tightened_profile
+
+    engine = {
+        "defaultAction": "SCMP_ACT_ERRNO",
+        "syscalls": [
+            {"names": ["read", "ptrace", "keyctl"], "action": "SCMP_ACT_ALLOW"},
+            {"names": ["mount"], "action": "SCMP_ACT_ALLOW", "includes": {"caps": ["CAP_SYS_ADMIN"]}},
+            {"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+             "args": [{"index": 0, "value": 2114060288, "op": "SCMP_CMP_MASKED_EQ"}]},
+        ],
+    }  # fmt: skip
+    profile = tightened_profile(engine)
+    assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
+    assert profile["syscalls"][0] == {"names": ["read"], "action": "SCMP_ACT_ALLOW"}
+    assert profile["syscalls"][1]["names"] == ["clone"] and profile["syscalls"][1]["args"]
+    assert profile["syscalls"][-1] == {"names": sorted(set(DENIED_SYSCALLS)), "action": "SCMP_ACT_ERRNO", "errnoRet": 1}
+    assert engine["syscalls"][0]["names"] == ["read", "ptrace", "keyctl"], "the engine's profile is not changed"
+
+
+def test_server_container_listing_is_parsed() -> None:
+    output = "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3 9f8e7d6c\ncoderunner-1a2b3c4d-0badc0de-445566 0badc0de\n\nodd\n"
+    assert parse_server_containers(output) == [
+        ("coderunner-1a2b3c4d-9f8e7d6c-a1b2c3", "9f8e7d6c"),
+        ("coderunner-1a2b3c4d-0badc0de-445566", "0badc0de"),
+    ]
+
+
+def test_names_keys_and_tags() -> None:
+    assert session_key(spec()) == "9f8e7d6c"
+    assert session_key(spec(runtime_dir=Path("/tmp/cr/abc"))) == "abc"
+    assert server_tag(Path("/tmp/cr")) == server_tag(Path("/tmp/cr")) != server_tag(Path("/tmp/other"))
+    name = container_name("1a2b3c4d", "9f8e7d6c")
+    assert name.startswith(name_prefix("1a2b3c4d", "9f8e7d6c"))
+    assert len(name) == len("coderunner-1a2b3c4d-9f8e7d6c-") + 6
+    assert container_name("t", "s") != container_name("t", "s"), "a restart never collides with a dying container"
+
+
+# --- the kernel's connection file as seen inside -------------------------------------------------------
+
+
+def test_guest_connection_file_changes_only_the_address(tmp_path: Path) -> None:
+    host_file = tmp_path / "kernel-0.json"
+    info = {"transport": "tcp", "ip": "127.0.0.1", "shell_port": 5001, "iopub_port": 5002, "stdin_port": 5003,
+            "control_port": 5004, "hb_port": 5005, "key": "k", "signature_scheme": "hmac-sha256"}  # fmt: skip
+    host_file.write_text(json.dumps(info))
+    os.chmod(host_file, 0o600)
+    argv = ["python", "-m", "ipykernel_launcher", "-f", str(host_file), "--quiet"]
+    assert channel_ports(connection_info(argv)) == [5001, 5002, 5003, 5004, 5005]
+    inner = with_guest_connection(argv, "0.0.0.0")
+    guest = tmp_path / "kernel-0.guest.json"
+    assert inner == ["python", "-m", "ipykernel_launcher", "-f", str(guest), "--quiet"]
+    assert json.loads(guest.read_text()) == {**info, "ip": "0.0.0.0"}
+    assert guest.stat().st_mode & 0o777 == 0o600
+    assert with_guest_connection(argv, "/run/x", "/vm/dir")[4] == "/vm/dir/kernel-0.guest.json"
+
+
+# --- Apple container -----------------------------------------------------------------------------------
+
+
+def test_apple_run_argv_relays_kernel_sockets_without_network() -> None:
+    command = AppleCommand(cli="/usr/local/bin/container", image="coderunner-sandbox:0.1.0")
+    sockets = [("/tmp/cr/9f8e7d6c/run/k0-5001", f"{GUEST_SOCKETS}-5001")]
+    argv = command.run(spec(), KERNEL, "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3", sockets=sockets)
+    assert argv == [
+        "/usr/local/bin/container", "run", "--rm", "--init", "--name", "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3",
+        "--cpus", "2", "--memory", "2048M",
+        "--network", "none",
+        "--publish-socket", "/tmp/cr/9f8e7d6c/run/k0-5001:/run/coderunner/k-5001",
+        "--volume", f"/tmp/cr/9f8e7d6c/run:{GUEST_RUNTIME}",
+        "--volume", "/srv/w/9f8e7d6c:/workspace",
+        "--volume", "/home/ann/data:/data:ro",
+        "--volume", "/home/ann/out:/out",
+        "--workdir", "/workspace",
+        *ENV_FLAGS,
+        "coderunner-sandbox:0.1.0", *KERNEL,
+    ]  # fmt: skip
+
+
+def test_apple_tcp_fallback_publishes_on_loopback_with_the_container_network() -> None:
+    command = AppleCommand(cli="container", image="img")
+    argv = command.run(spec(limits=Limits()), ["true"], "n", tcp_ports=[5001])
+    assert argv[argv.index("--network") + 1] == "default"
+    assert argv[argv.index("--publish") + 1] == "127.0.0.1:5001:5001"
+    assert "--cpus" not in argv and "--memory" not in argv
+
+
+def test_apple_lifecycle_argv() -> None:
+    command = AppleCommand(cli="container", image="img:1")
+    assert command.stop("n") == ["container", "stop", "--time", "2", "n"]
+    assert command.delete("n") == ["container", "delete", "--force", "n"]
+    assert command.inspect("n") == ["container", "inspect", "n"]
+    assert command.list_all() == ["container", "list", "--all", "--format", "json"]
+    assert command.system_status() == ["container", "system", "status"]
+    assert command.image_inspect() == ["container", "image", "inspect", "img:1"]
+
+
+def _apple_backend(tmp_path: Path, channels: str = "ipc") -> AppleBackend:
+    """A backend object without a `container` CLI (its constructor would ask the CLI)."""
+    backend = AppleBackend.__new__(AppleBackend)
+    backend.channels = channels
+    backend.command = AppleCommand(cli="container", image="img")
+    backend.tag = "1a2b3c4d"
+    backend.runtime_base = tmp_path
+    return backend
+
+
+def _connection(tmp_path: Path, transport: str) -> list[str]:
+    run_dir = tmp_path / "9f8e7d6c" / "run"
+    run_dir.mkdir(parents=True)
+    ip = str(run_dir / "k0") if transport == "ipc" else "127.0.0.1"
+    info = {"transport": transport, "ip": ip, "shell_port": 1, "iopub_port": 2, "stdin_port": 3,
+            "control_port": 4, "hb_port": 5, "key": "k"}  # fmt: skip
+    (run_dir / "kernel-0.json").write_text(json.dumps(info))
+    return ["/opt/coderunner/env/bin/python", "-m", "ipykernel_launcher", "-f", str(run_dir / "kernel-0.json")]
+
+
+def test_apple_plan_relays_each_channel_and_points_the_kernel_at_guest_sockets(tmp_path: Path) -> None:
+    argv = _connection(tmp_path, "ipc")
+    run_dir = tmp_path / "9f8e7d6c" / "run"
+    planned = _apple_backend(tmp_path).plan(spec(runtime_dir=run_dir, mounts=()), argv, "n")
+    relays = [planned[i + 1] for i, flag in enumerate(planned) if flag == "--publish-socket"]
+    assert relays == [f"{run_dir}/k0-{port}:{GUEST_SOCKETS}-{port}" for port in (1, 2, 3, 4, 5)]
+    assert planned[planned.index("--network") + 1] == "none"
+    kernel = planned[planned.index("img") + 1 :]
+    assert kernel[:3] == ["/usr/bin/prlimit", f"--as={2048 * 2**20}:unlimited", "--nproc=256"]
+    assert kernel[-1] == f"{GUEST_RUNTIME}/kernel-0.guest.json"
+    assert json.loads((run_dir / "kernel-0.guest.json").read_text())["ip"] == GUEST_SOCKETS
+
+
+def test_apple_plan_tcp_fallback(tmp_path: Path) -> None:
+    argv = _connection(tmp_path, "tcp")
+    run_dir = tmp_path / "9f8e7d6c" / "run"
+    backend = _apple_backend(tmp_path, channels="tcp")
+    assert "needs the container network" in (backend.network_problem("none") or "")
+    planned = backend.plan(spec(runtime_dir=run_dir, network="internet", mounts=()), argv, "n")
+    assert planned[planned.index("--publish") + 1] == "127.0.0.1:1:1"
+    assert json.loads((run_dir / "kernel-0.guest.json").read_text())["ip"] == "0.0.0.0"
+
+
+@pytest.mark.parametrize(
+    ("fixture", "address", "name"),
+    [
+        ("inspect-0.7.json", "192.168.64.3", "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3"),
+        ("inspect-0.10.json", "192.168.64.5", "coderunner-1a2b3c4d-9f8e7d6c-d4e5f6"),
+        ("inspect-1.0.json", "192.168.64.7", "coderunner-1a2b3c4d-9f8e7d6c-0f9e8d"),
+    ],
+)
+def test_inspect_ip_of_every_version_shape(fixture: str, address: str, name: str) -> None:
+    [record] = parse_records((FIXTURES / fixture).read_text())
+    assert container_ip(record) == address
+    assert container_id(record) == name
+    assert container_state(record) == "running"
+
+
+def test_inspect_edge_cases() -> None:
+    assert container_ip({"status": "stopped", "networks": []}) is None
+    assert container_ip({"status": {"state": "running", "networks": [{"ipv4Address": ""}]}}) is None
+    assert container_ip({"networks": [{"address": "10.0.0.2"}]}) == "10.0.0.2"
+    assert parse_records('{"configuration": {"id": "x"}}') == [{"configuration": {"id": "x"}}]
+    assert parse_records("") == []
+
+
+def test_list_is_filtered_by_name_prefix_across_shapes() -> None:
+    output = (FIXTURES / "list-mixed.json").read_text()
+    assert names_with_prefix(output, name_prefix("1a2b3c4d")) == [
+        "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3",
+        "coderunner-1a2b3c4d-0badc0de-112233",
+        "coderunner-1a2b3c4d-ca11ab1e-778899",
+    ]
+    assert names_with_prefix(output, name_prefix("1a2b3c4d", "0badc0de")) == ["coderunner-1a2b3c4d-0badc0de-112233"]
+
+
+def test_apple_sweep_deletes_only_vms_whose_session_dir_is_gone(tmp_path: Path) -> None:
+    backend = _apple_backend(tmp_path)
+    (tmp_path / "9f8e7d6c").mkdir()
+    output = (FIXTURES / "list-mixed.json").read_text()
+    deleted: list[str] = []
+    backend._query = lambda argv: output  # type: ignore[method-assign]
+    backend._delete = deleted.append  # type: ignore[method-assign]
+    backend.sweep()
+    assert deleted == ["coderunner-1a2b3c4d-0badc0de-112233", "coderunner-1a2b3c4d-ca11ab1e-778899"]
+    deleted.clear()
+    backend.remove_stale("9f8e7d6c")
+    assert deleted == ["coderunner-1a2b3c4d-9f8e7d6c-a1b2c3"]
+
+
+# --- image builds and settings -------------------------------------------------------------------------
+
+
+def test_build_argv_per_engine() -> None:
+    context = Path("/src/coderunner")
+    podman = BuildCommand(kind="podman", engine="podman", image="img:1", context=context, digest="d",
+                          base_image="localhost/base:bookworm", runtime="runc",
+                          ca_bundle=Path("/etc/ssl/certs/ca-certificates.crt"))  # fmt: skip
+    assert podman.argv() == [
+        "podman", "--runtime", "runc", "build", "--tag", "img:1", "--file", "/src/coderunner/Containerfile",
+        "--build-arg", "BASE_IMAGE=localhost/base:bookworm", "--label", "coderunner.sources=d",
+        "--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096",
+        "--secret", "id=ca_bundle,src=/etc/ssl/certs/ca-certificates.crt", "/src/coderunner",
+    ]  # fmt: skip
+    apple = BuildCommand(kind="apple", engine="container", image="img:1", context=context, digest="d")
+    assert apple.argv() == [
+        "container", "build", "--tag", "img:1", "--file", "/src/coderunner/Containerfile",
+        "--label", "coderunner.sources=d", "/src/coderunner",
+    ]  # fmt: skip
+    docker = BuildCommand(kind="docker", engine="docker", image="img:1", context=context, digest="d")
+    assert "--runtime" not in docker.argv() and "nproc=4096:4096" not in " ".join(docker.argv())
+
+
+def test_sources_digest_follows_what_goes_into_the_image(tmp_path: Path) -> None:
+    for relative in ("Containerfile", "src/coderunner/sandbox/requirements.txt", "containers/coderunner-kernel",
+                     "src/coderunner/guest/dispatch.py"):  # fmt: skip
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text("v1")
+    first = sources_digest(tmp_path)
+    (tmp_path / "src/coderunner/guest/dispatch.py").write_text("v2")
+    assert sources_digest(tmp_path) != first
+
+
+def test_backend_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sys.platform", "linux")
+    assert default_backend() == "bwrap"
+    monkeypatch.setattr("sys.platform", "darwin")
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/local/bin/container" if name == "container" else None)
+    assert default_backend() == "apple"
+    monkeypatch.setattr("shutil.which", lambda name: "/usr/local/bin/docker" if name == "docker" else None)
+    assert default_backend() == "docker"
+    settings = Settings(backend="podman", oci_runtime="runc", _env_file=None)  # type: ignore[call-arg]
+    assert settings.backend == "podman" and settings.image.startswith("coderunner-sandbox:")
+    assert settings.kernel_channels == "auto"
+
+
+def test_the_host_lock_is_free_exactly_when_the_server_lets_go(tmp_path: Path) -> None:
+    import fcntl
+
+    from coderunner.sandbox.container import hold_host_lock
+
+    path, fd = hold_host_lock(tmp_path)
+    probe = os.open(path, os.O_RDONLY)
+    try:
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # what the entrypoint waits for
+        os.close(fd)
+        fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        os.close(probe)
+
+
+def test_seccomp_profile_file_is_written_once_per_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from coderunner.sandbox import oci
+
+    source = tmp_path / "engine.json"
+    source.write_text(json.dumps({"defaultAction": "SCMP_ACT_ERRNO", "syscalls": [{"names": ["read", "ptrace"],
+                                  "action": "SCMP_ACT_ALLOW"}]}))  # fmt: skip
+    monkeypatch.setattr(oci, "ENGINE_SECCOMP_PROFILES", (tmp_path / "missing.json", source))
+    first = oci.write_seccomp_profile(tmp_path)
+    assert first is not None and first == oci.write_seccomp_profile(tmp_path)
+    assert json.loads(first.read_text())["syscalls"][0]["names"] == ["read"]
+    assert first.stat().st_mode & 0o777 == 0o644
+    monkeypatch.setattr(oci, "ENGINE_SECCOMP_PROFILES", (tmp_path / "missing.json",))
+    assert oci.write_seccomp_profile(tmp_path) is None
+
+
+def test_doctor_says_which_backend_and_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coderunner import doctor
+
+    monkeypatch.setattr("sys.platform", "linux")
+    chosen = doctor.check_backend_choice(Settings(backend="podman"))
+    assert chosen.detail.startswith("podman: chosen by the configuration")
+    assert "the Linux default" in doctor.check_backend_choice(Settings()).detail
+    assert doctor._engine_problem(Settings(), "apple") == ("macOS 26 on Apple silicon only", None)
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    missing, fix = doctor._engine_problem(Settings(), "podman")
+    assert missing == "`podman` is not installed" and fix and "apt-get install podman" in fix
