@@ -110,7 +110,8 @@ async def raw_warm(calls: int) -> list[float]:
 # --- CodeRunner through MCP over stdio ----------------------------------------------------------
 
 
-def server_params(root: Path, backend: str) -> StdioServerParameters:
+def bench_env(root: Path, backend: str = "bwrap") -> dict[str, str]:
+    """A bench server's whole environment: its own dirs, quiet logs, the backend's own settings."""
     env = {
         "CODERUNNER_BACKEND": backend,
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
@@ -122,7 +123,13 @@ def server_params(root: Path, backend: str) -> StdioServerParameters:
     for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):
         if key in os.environ:
             env[key] = os.environ[key]
-    return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
+    return env
+
+
+def server_params(root: Path, backend: str = "bwrap") -> StdioServerParameters:
+    return StdioServerParameters(
+        command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=bench_env(root, backend)
+    )
 
 
 async def mcp_run(client: Client, session_id: str | None = None) -> None:

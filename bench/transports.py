@@ -26,7 +26,7 @@ from pathlib import Path
 
 import anyio
 import httpx2
-from latency import _passable, kernelspec_dir, mcp_run, raw_warm, summarize, timed
+from latency import _passable, bench_env, kernelspec_dir, mcp_run, raw_warm, summarize, timed
 from mcp import Client, StdioServerParameters
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
@@ -38,18 +38,7 @@ START_TIMEOUT_S = 60
 
 
 def server_env(root: Path) -> dict[str, str]:
-    env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": os.environ.get("HOME", "/root"),
-        "CODERUNNER_RUNTIME_DIR": str(root / "r"),
-        "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
-        "CODERUNNER_LOG_LEVEL": "WARNING",
-        "CODERUNNER_TOKEN": TOKEN,
-        "CODERUNNER_TOKEN_FILE": str(root / "token"),
-    }
-    if "CODERUNNER_SANDBOX_ENV" in os.environ:
-        env["CODERUNNER_SANDBOX_ENV"] = os.environ["CODERUNNER_SANDBOX_ENV"]
-    return env
+    return {**bench_env(root), "CODERUNNER_TOKEN": TOKEN, "CODERUNNER_TOKEN_FILE": str(root / "token")}
 
 
 @contextlib.contextmanager
