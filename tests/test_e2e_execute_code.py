@@ -88,16 +88,14 @@ async def test_variables_of_every_json_type_arrive_as_data(client: Client) -> No
         "print(os.path.exists('pwned'))", variables=VALUES,
     )  # fmt: skip
     lines = python["stdout"].splitlines()
-    assert json.loads(lines[0]) == [VALUES[k] for k in ("text", "count", "ratio", "flag", "nothing", "items",
-                                                         "table", "code")]  # fmt: skip
+    assert json.loads(lines[0]) == list(VALUES.values())
     assert lines[1] == "False"
     javascript = await execute(
         client, "javascript", "console.log(JSON.stringify([text, count, ratio, flag, nothing, items, table, code]));"
         "console.log(require('fs').existsSync('pwned'))", variables=VALUES,
     )  # fmt: skip
     lines = javascript["stdout"].splitlines()
-    assert json.loads(lines[0]) == [VALUES[k] for k in ("text", "count", "ratio", "flag", "nothing", "items",
-                                                         "table", "code")]  # fmt: skip
+    assert json.loads(lines[0]) == list(VALUES.values())
     assert lines[1] == "false"
     bash = await execute(
         client, "bash", 'printf "%s\\n" "$text" "$count" "$ratio" "$flag" "[$nothing]" "$items" "$table" "$code"\n'

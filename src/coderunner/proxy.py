@@ -112,8 +112,11 @@ class Upstream:
             self.drop(self._client)
 
     async def _connect(self) -> None:
-        with anyio.fail_after(CONNECT_TIMEOUT_S):
-            await self.preflight()
+        try:
+            with anyio.fail_after(CONNECT_TIMEOUT_S):
+                await self.preflight()
+        except TimeoutError:
+            raise RequestNeverRan(f"the server at {self.url} did not answer within {CONNECT_TIMEOUT_S:g}s") from None
         ready = anyio.Event()
         closed = anyio.Event()
         failure: list[BaseException] = []

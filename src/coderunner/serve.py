@@ -8,6 +8,7 @@ import signal
 
 import anyio
 import uvicorn
+from mcp.server.transport_security import TransportSecuritySettings
 
 from .auth import RequireToken, policy_for
 from .config import Settings
@@ -31,7 +32,8 @@ async def serve(settings: Settings) -> None:
             await server.run_stdio_async()
         else:
             assert policy is not None
-            security = policy.security_settings()
+            # Host and Origin are checked once, for every path, by RequireToken below.
+            security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
             if settings.transport == "sse":
                 app = server.sse_app(host=settings.host, transport_security=security)
                 path = "/sse"
