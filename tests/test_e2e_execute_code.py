@@ -222,7 +222,9 @@ async def test_output_is_bounded(client: Client) -> None:
 
 async def test_a_fork_bomb_is_contained_and_the_server_serves(client: Client) -> None:
     done = await execute(client, "bash", "bomb() { bomb | bomb & }; bomb; sleep 3; echo survived", timeout_s=20)
-    assert done is not None
+    # The pids limit makes forks fail; the run itself goes on and ends in time.
+    assert done["timed_out"] is False and "survived" in done["stdout"], done
+    assert "fork" in done["stderr"] or "Resource temporarily unavailable" in done["stderr"], done["stderr"][-500:]
     assert text_of(await run(client, "'serving'")).startswith("'serving'")
 
 
