@@ -79,7 +79,13 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
         "CODERUNNER_TOKEN_FILE": str(dirs.root / "token"),
         SECRET_NAME: SECRET_VALUE,
     }
-    for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):
+    for key in (
+        "CODERUNNER_SANDBOX_ENV",
+        "CODERUNNER_BACKEND",
+        "CODERUNNER_OCI_RUNTIME",
+        "CODERUNNER_IMAGE",
+        "CODERUNNER_EXPORT_DIR",
+    ):
         if key in os.environ:
             env[key] = os.environ[key]
     env.update(extra)

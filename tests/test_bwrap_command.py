@@ -10,10 +10,14 @@ from coderunner.sandbox.bwrap import ENV_MOUNT, BwrapCommand, sandbox_environmen
 
 def build(tmp_path: Path, limits: Limits | None = None, **fds: int) -> list[str]:
     spec = SandboxSpec(
-        name="abcd1234", workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", limits=limits or Limits()
+        name="abcd1234",
+        workspace=tmp_path / "ws",
+        runtime_dir=tmp_path / "run",
+        host_dir=tmp_path / "host",
+        limits=limits or Limits(),
     )
     command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
-    return command.argv(spec, ["python", "-m", "ipykernel_launcher"], etc_dir=tmp_path / "etc", **fds)
+    return command.argv(spec, ["python", "-m", "ipykernel_launcher"], **fds)
 
 
 def pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
@@ -37,7 +41,9 @@ def test_only_system_files_env_workspace_and_runtime_are_bound(tmp_path: Path) -
     assert writable == [(str(tmp_path / "run"), str(tmp_path / "run")), (str(tmp_path / "ws"), "/workspace")]
     read_only = dict((dest, src) for src, dest in pairs(argv, "--ro-bind"))
     assert read_only["/usr"] == "/usr" and read_only[ENV_MOUNT] == "/opt/env"
-    assert read_only["/etc/passwd"] == str(tmp_path / "etc" / "passwd")
+    assert read_only["/etc/passwd"] == str(tmp_path / "host" / "etc" / "passwd")
+    # What the host writes for the sandbox (connection files, one-shot inputs) is read-only inside.
+    assert read_only[str(tmp_path / "host")] == str(tmp_path / "host")
     sources = {src for src, _ in pairs(argv, "--ro-bind")}
     assert not {"/", "/home", "/root", "/etc", "/etc/shadow", "/etc/passwd", "/tmp", "/run"} & sources
 

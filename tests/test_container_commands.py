@@ -58,6 +58,7 @@ def spec(**overrides: object) -> SandboxSpec:
         "name": "9f8e7d6c",
         "workspace": Path("/srv/w/9f8e7d6c"),
         "runtime_dir": Path("/tmp/cr/9f8e7d6c/run"),
+        "host_dir": Path("/tmp/cr/9f8e7d6c/host"),
         "limits": Limits(memory_mb=2048, cpus=1.5, pids=256, tmp_mb=512),
         "network": "none",
         "mounts": (Mount(Path("/home/ann/data"), "/data", False), Mount(Path("/home/ann/out"), "/out", True)),
@@ -101,6 +102,7 @@ def test_podman_run_argv_is_exactly_the_hardened_one() -> None:
         "--pids-limit", "256",
         "--user", "999:995",
         "--mount", "type=bind,source=/tmp/cr/9f8e7d6c/run,target=/tmp/cr/9f8e7d6c/run",
+        "--mount", "type=bind,source=/tmp/cr/9f8e7d6c/host,target=/tmp/cr/9f8e7d6c/host,readonly",
         "--mount", "type=bind,source=/srv/w/9f8e7d6c,target=/workspace",
         "--mount", "type=bind,source=/home/ann/data,target=/data,readonly",
         "--mount", "type=bind,source=/home/ann/out,target=/out",
@@ -112,11 +114,11 @@ def test_podman_run_argv_is_exactly_the_hardened_one() -> None:
 
 def test_our_own_hosts_and_resolv_conf_cover_the_engines_copies() -> None:
     command = OciCommand(engine="podman", kind="podman", image="img", server="s")
-    argv = command.run(spec(mounts=()), ["true"], "n", etc_dir=Path("/tmp/cr/9f8e7d6c/run/etc"))
+    argv = command.run(spec(mounts=()), ["true"], "n", etc_dir=Path("/tmp/cr/9f8e7d6c/host/etc"))
     mounts = [argv[i + 1] for i, flag in enumerate(argv) if flag == "--mount"]
     assert mounts[-2:] == [
-        "type=bind,source=/tmp/cr/9f8e7d6c/run/etc/hosts,target=/etc/hosts,readonly",
-        "type=bind,source=/tmp/cr/9f8e7d6c/run/etc/resolv.conf,target=/etc/resolv.conf,readonly",
+        "type=bind,source=/tmp/cr/9f8e7d6c/host/etc/hosts,target=/etc/hosts,readonly",
+        "type=bind,source=/tmp/cr/9f8e7d6c/host/etc/resolv.conf,target=/etc/resolv.conf,readonly",
     ]
 
 
@@ -236,7 +238,7 @@ def test_apple_run_argv_relays_kernel_sockets_without_network() -> None:
         "--cpus", "2", "--memory", "2048M",
         "--network", "none",
         "--publish-socket", "/tmp/cr/9f8e7d6c/run/k0-5001:/run/coderunner/k-5001",
-        "--volume", f"/tmp/cr/9f8e7d6c/run:{GUEST_RUNTIME}",
+        "--volume", f"/tmp/cr/9f8e7d6c/host:{GUEST_RUNTIME}:ro",
         "--volume", "/srv/w/9f8e7d6c:/workspace",
         "--volume", "/home/ann/data:/data:ro",
         "--volume", "/home/ann/out:/out",

@@ -119,8 +119,9 @@ class Settings(BaseSettings):
     )
     sandbox_user: str | None = Field(
         default=None,
-        description="When the server runs as root: the unprivileged host user sandboxes run as "
-        "(default coderunner-sandbox, else nobody).",
+        description="When the server runs as root: one fixed unprivileged host user all sandboxes run as. "
+        "Default: each sandbox gets a host uid of its own from a reserved range (1,900,000,000 and up), so "
+        "per-user kernel limits (inotify, message queues, processes) are per sandbox.",
     )
     network: NetworkMode = "none"
     memory_mb: int = Field(

@@ -11,12 +11,11 @@ from __future__ import annotations
 import contextlib
 import enum
 import logging
-import os
 import secrets
+import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from queue import Empty
 from typing import Any
 
@@ -25,10 +24,11 @@ import zmq
 import zmq.asyncio
 from anyio.abc import TaskGroup
 from jupyter_client.asynchronous.client import AsyncKernelClient
-from jupyter_client.connect import write_connection_file
 
+from .hostfs import HostFsError
 from .output import OutputCollector
 from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
+from .session_dirs import SandboxDirs, connection_names, dump_connection
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +43,8 @@ IMAGE_MIME_TYPES = ("image/png", "image/jpeg")
 GUEST_RESULT_MIME = "application/vnd.coderunner.guest+json"
 #: Largest ZMQ message the host accepts from a kernel (a bigger one drops that connection).
 MAX_MESSAGE_BYTES = 32 * 2**20
+#: The kernel's channels the host connects to (heartbeat and stdin are not used).
+HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 
 ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
 
@@ -98,13 +100,14 @@ class Kernel:
     backend: SandboxBackend
     spec: SandboxSpec
     task_group: TaskGroup
+    dirs: SandboxDirs
     generation: int = 0
     process: SandboxProcess | None = None
     client: AsyncKernelClient | None = None
     started_at: float = field(default_factory=time.monotonic)
     #: Set when a cancelled run ignored its interrupt: the kernel is busy for good.
     wedged: bool = False
-    _connection_file: Path | None = None
+    _connection_name: str | None = None
     _context: zmq.asyncio.Context | None = None
 
     @property
@@ -113,21 +116,19 @@ class Kernel:
 
     async def start(self, timeout_s: float) -> None:
         """Start the sandbox and wait for the IOPub handshake (ipykernel's iopub_welcome)."""
-        runtime = self.spec.runtime_dir
-        self._connection_file = runtime / f"kernel-{self.generation}.json"
-        if getattr(self.backend, "channels", "ipc") == "tcp":
+        self._connection_name = f"kernel-{self.generation}.json"
+        if self.backend.channels == "tcp":
             # The backend publishes these (free) ports on the host's loopback only.
             address = {"transport": "tcp", "ip": "127.0.0.1"}
         else:
-            address = {"transport": "ipc", "ip": str(runtime / f"k{self.generation}")}
-        _, info = write_connection_file(
-            str(self._connection_file), key=secrets.token_hex(32).encode(), kernel_name="python3", **address
-        )
-        if self.backend.host_owner is not None:
-            os.chown(self._connection_file, *self.backend.host_owner)
+            # The kernel binds in its own run/ dir; the host connects only after moving the
+            # sockets to its own sock/ dir (see session_dirs.py).
+            address = {"transport": "ipc", "ip": str(self.spec.runtime_dir / f"k{self.generation}")}
+        info = _connection_info(key=secrets.token_hex(32), **address)
+        connection_file = self.dirs.write_host_file(self._connection_name, dump_connection(info))
         argv = [
             self.backend.python, "-m", "ipykernel_launcher",
-            "-f", str(self._connection_file),
+            "-f", str(connection_file),
             "--HistoryManager.hist_file=:memory:",
             "--IPKernelApp.quiet=True",
             "--IPKernelApp.extensions=coderunner_guest",
@@ -142,14 +143,16 @@ class Kernel:
             # message make the host allocate more than this.
             self._context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
             client = AsyncKernelClient(context=self._context)
-            client.load_connection_info(info)
+            client.load_connection_info(self._host_side(info))
             client.start_channels(stdin=False, hb=False)
             self.client = client
             await self._await_welcome(deadline)
-        except (SandboxExited, TimeoutError) as exc:
+        except (SandboxExited, TimeoutError, HostFsError) as exc:
             detail = self.process.stderr_tail().strip()[-2000:] if self.process else ""
             await self.shutdown()
-            reason = "did not answer in time" if isinstance(exc, TimeoutError) else str(exc)
+            reason = {TimeoutError: "did not answer in time", HostFsError: f"refused its sockets: {exc}"}.get(
+                type(exc), str(exc)
+            )
             raise KernelStartError(
                 f"the sandboxed kernel failed to start ({reason})" + (f":\n{detail}" if detail else "")
             ) from None
@@ -159,13 +162,19 @@ class Kernel:
                 await self.shutdown()
             raise
 
+    def _host_side(self, info: dict[str, Any]) -> dict[str, Any]:
+        """The connection info as the host uses it: ipc sockets in its own sock/ dir."""
+        if info["transport"] != "ipc":
+            return info
+        return {**info, "ip": str(self.dirs.sock_dir / f"k{self.generation}")}
+
     async def _await_sockets(self, info: dict[str, Any], deadline: _Deadline) -> None:
-        """Connect only once the kernel has bound its sockets: no ZMQ reconnect back-off on start."""
+        """Claim the kernel's sockets once it has bound them: no ZMQ reconnect back-off on start,
+        and never a connect through a name the sandbox could swap."""
         if info["transport"] != "ipc":
             return  # published ports accept before the kernel listens; ZMQ reconnects until it does
-        ip = info["ip"]
-        paths = [Path(f"{ip}-{info[name]}") for name in ("shell_port", "iopub_port", "control_port")]
-        while not all(path.exists() for path in paths):
+        names = connection_names(info, HOST_CHANNELS)
+        while not self.dirs.claim_sockets(names):
             self._check_alive()
             if deadline.remaining() <= 0:
                 raise TimeoutError
@@ -328,13 +337,37 @@ class Kernel:
         self._remove_sockets()
 
     def _remove_sockets(self) -> None:
-        runtime = self.spec.runtime_dir
-        for path in runtime.glob(f"k{self.generation}-*"):
-            with contextlib.suppress(OSError):
-                path.unlink()
-        if self._connection_file is not None:
-            with contextlib.suppress(OSError):
-                self._connection_file.unlink()
+        """The host's own files of this kernel: claimed sockets and the connection file."""
+        self.dirs.forget_sockets(f"k{self.generation}-")
+        if self._connection_name is not None:
+            self.dirs.remove_host_file(self._connection_name)
+
+
+def _connection_info(key: str, transport: str, ip: str) -> dict[str, Any]:
+    """A kernel's connection info: ipc "ports" are only name suffixes; tcp ports are free ones."""
+    ports = _free_tcp_ports(5) if transport == "tcp" else secrets.SystemRandom().sample(range(1000, 61000), 5)
+    names = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+    return {
+        **dict(zip(names, ports, strict=True)),
+        "ip": ip,
+        "key": key,
+        "transport": transport,
+        "signature_scheme": "hmac-sha256",
+        "kernel_name": "python3",
+    }
+
+
+def _free_tcp_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
 
 
 @dataclass

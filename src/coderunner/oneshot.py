@@ -12,19 +12,18 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from anyio.abc import ByteReceiveStream, TaskGroup
 
 from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
+from .session_dirs import SandboxDirs
 
 if TYPE_CHECKING:
     from .sessions import SessionOptions
-    from .workspace import Workspace
 
 Language = Literal["python", "javascript", "bash"]
 LANGUAGES: tuple[Language, ...] = ("python", "javascript", "bash")
@@ -132,9 +131,11 @@ class OneShotRunner:
     backend: SandboxBackend
     task_group: TaskGroup
     output_limit_bytes: int
-    #: The SessionManager's: a locked runtime dir and a workspace for one sandbox, and their removal.
-    open_dirs: Callable[[SessionOptions], tuple[int, Path, Workspace]]
-    close_dirs: Callable[[int, Path, Workspace], None]
+    #: The SessionManager's: one sandbox's dirs (session_dirs.py), and their removal.
+    open_dirs: Callable[[SessionOptions], Awaitable[SandboxDirs]]
+    close_dirs: Callable[[SandboxDirs], Awaitable[None]]
+    #: Builds the SandboxSpec for options in dirs (sessions.sandbox_spec).
+    spec_for: Callable[[SessionOptions, SandboxDirs], SandboxSpec]
     #: One-shot sandboxes at once; more wait (within their own timeout) for a slot.
     max_concurrent: int = 4
     _limiter: anyio.CapacityLimiter | None = None
@@ -167,16 +168,15 @@ class OneShotRunner:
     async def _run(
         self, language: Language, code: str, options: SessionOptions, stdin: bytes, variables: dict[str, Any]
     ) -> OneShotResult:
-        lock_fd, run_dir, workspace = self.open_dirs(options)
+        dirs = await self.open_dirs(options)
         try:
-            source = run_dir / SOURCE_NAMES[language]
-            source.write_text(code)
-            variables_file = run_dir / "variables.json"
-            variables_file.write_text(json.dumps(variables))
+            # Inputs go to the host-only dir the sandbox sees read-only (never where it can write).
+            source = dirs.write_host_file(SOURCE_NAMES[language], code.encode("utf-8", "replace"))
+            variables_file = dirs.write_host_file("variables.json", json.dumps(variables).encode())
             memory = options.limits.memory_mb or 0
             argv = [self.backend.python, "-m", GUEST_MODULE, "run", language, str(source), str(variables_file),
                     str(memory)]  # fmt: skip
-            spec = _spec(options, run_dir, workspace.path)
+            spec = self.spec_for(options, dirs)
             stdout, stderr = BoundedBytes(self.output_limit_bytes), BoundedBytes(self.output_limit_bytes)
             began = time.perf_counter()
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
@@ -209,7 +209,7 @@ class OneShotRunner:
                 truncated=stdout.truncated or stderr.truncated,
             )
         finally:
-            self.close_dirs(lock_fd, run_dir, workspace)
+            await self.close_dirs(dirs)
 
     async def check(self, language: Language, code: str, options: SessionOptions) -> list[dict[str, Any]]:
         """Syntax errors of `code`, found inside a throwaway sandbox: [{line, column, message}]."""
@@ -237,14 +237,13 @@ class OneShotRunner:
     async def _ask_now(
         self, options: SessionOptions, command: list[str], code: str | None, name: str
     ) -> dict[str, Any]:
-        lock_fd, run_dir, workspace = self.open_dirs(options)
+        dirs = await self.open_dirs(options)
         try:
             argv = [self.backend.python, "-m", GUEST_MODULE, *command]
             if code is not None:
-                (run_dir / name).write_text(code)
-                argv.append(str(run_dir / name))
+                argv.append(str(dirs.write_host_file(name, code.encode("utf-8", "replace"))))
             answer, problems = BoundedBytes(MAX_CHECK_ANSWER_BYTES), BoundedBytes(4096)
-            spec = _spec(options, run_dir, workspace.path)
+            spec = self.spec_for(options, dirs)
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
             try:
                 await _collect(process, answer, problems, b"", CHECK_TIMEOUT_S)
@@ -259,18 +258,7 @@ class OneShotRunner:
                 raise OneShotError(f"the sandbox helper did not answer: {problems.text().strip()[-500:]}")
             return parsed
         finally:
-            self.close_dirs(lock_fd, run_dir, workspace)
-
-
-def _spec(options: SessionOptions, run_dir: Path, workspace: Path) -> SandboxSpec:
-    return SandboxSpec(
-        name=run_dir.parent.name,
-        workspace=workspace,
-        runtime_dir=run_dir,
-        limits=options.limits,
-        network=options.network,
-        mounts=options.mounts,
-    )
+            await self.close_dirs(dirs)
 
 
 def _int(value: Any) -> int | None:

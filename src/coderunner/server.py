@@ -320,7 +320,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         async def call() -> CallToolResult:
             session = await manager.resolve(session_id, _caller(ctx))
             target = export_target(settings.export_dir, host_path, posixpath.basename(sandbox_path),
-                                   manager.backend.host_owner)  # fmt: skip
+                                   None)  # fmt: skip
             copied, read_from, written = copy(session.files, sandbox_path, target.view, target.path,
                                               limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
             return _json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),

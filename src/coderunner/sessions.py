@@ -9,13 +9,11 @@ limit, and on start removes what a killed server left behind.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
 import logging
 import os
 import re
 import secrets
-import shutil
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -25,6 +23,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from . import hostfs
 from .callers import LOCAL_CALLER
 from .config import MIN_MEMORY_MB, Settings
 from .files import SandboxFiles
@@ -34,8 +33,9 @@ from .oneshot import OneShotRunner
 from .output import OutputCollector, WorkspaceWriter
 from .results import ExecutionResult
 from .sandbox.base import SESSION_PACKAGES, LimitReport, Limits, Mount, SandboxBackend, SandboxSpec
-from .sandbox.identity import ensure_private_dir
-from .workspace import Workspace, WorkspaceError, remove_workspace
+from .sandbox.identity import UidPool, ensure_private_dir, per_sandbox_uids
+from .session_dirs import SandboxDirs, open_sandbox_dirs, remove_stale_dirs
+from .workspace import Workspace, WorkspaceError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,6 @@ SHUTDOWN_TIMEOUT_S = 10.0
 CLOSE_WAIT_S = 5.0
 #: Bound on a quick guest call (setting variables), and the margin added to a slow one's own bound.
 GUEST_MARGIN_S = 15.0
-LOCK_NAME = "lock"
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
 
 
@@ -97,12 +96,10 @@ class SessionStatus:
 class Session:
     session_id: str
     options: SessionOptions
-    workspace: Workspace
-    runtime_dir: Path
+    dirs: SandboxDirs
     backend: SandboxBackend
     settings: Settings
     task_group: TaskGroup
-    lock_fd: int
     #: The client that created it (see callers.py): whose listing and default session it is in.
     owner: str = LOCAL_CALLER
     kernel: Kernel | None = None
@@ -117,24 +114,21 @@ class Session:
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
 
     @property
+    def workspace(self) -> Workspace:
+        return self.dirs.workspace
+
+    @property
     def spec(self) -> SandboxSpec:
-        return SandboxSpec(
-            name=self.workspace.path.name,
-            workspace=self.workspace.path,
-            runtime_dir=self.runtime_dir,
-            limits=self.options.limits,
-            network=self.options.network,
-            mounts=self.options.mounts,
-        )
+        return sandbox_spec(self.options, self.dirs)
 
     @property
     def files(self) -> SandboxFiles:
         """The session's files as the host may touch them: workspace and mounts, symlink-safe."""
         workspace = Mount(self.workspace.path, self.backend.workspace_path, writable=True)
-        return SandboxFiles([workspace, *self.options.mounts], owner=self.backend.host_owner)
+        return SandboxFiles([workspace, *self.options.mounts], owner=self.dirs.owner)
 
     async def start_kernel(self) -> None:
-        kernel = Kernel(self.backend, self.spec, self.task_group, generation=self._generation)
+        kernel = Kernel(self.backend, self.spec, self.task_group, self.dirs, generation=self._generation)
         self._generation += 1
         await kernel.start(self.settings.startup_timeout_s)
         if self.closed:  # closed while the kernel was starting
@@ -192,7 +186,7 @@ class Session:
                 limit_chars=self.settings.output_limit_chars,
                 spill_limit_bytes=self.settings.spill_limit_bytes,
                 image_limit_bytes=self.settings.image_limit_bytes,
-                writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.backend.host_owner),
+                writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.dirs.owner),
             )
             try:
                 outcome = await self.kernel.execute(
@@ -338,10 +332,7 @@ class Session:
             if self.kernel is not None:
                 await self.kernel.shutdown()
                 self.kernel = None
-            self.workspace.remove()
-            _remove_session_dirs(self.runtime_dir)
-            with contextlib.suppress(OSError):
-                os.close(self.lock_fd)
+            await anyio.to_thread.run_sync(self.dirs.close)
 
     def usage(self) -> dict[str, float | None]:
         """What the session uses, in the units of its limits."""
@@ -404,6 +395,8 @@ class SessionManager:
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
         self.base_mounts: list[Mount] = []
+        #: A root server's per-sandbox host uids (None: all sandboxes run as one user).
+        self.users = UidPool() if per_sandbox_uids(settings.sandbox_user) else None
         #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
         self.oneshot: OneShotRunner
 
@@ -411,7 +404,7 @@ class SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
         ensure_private_dir(self.settings.workspaces_dir, self.backend.dir_mode)
         self.base_mounts = self._configured_mounts()
-        removed = remove_stale_sessions(self.settings.runtime_dir, self.settings.workspaces_dir, self.backend)
+        removed = remove_stale_dirs(self.settings.runtime_dir, self.settings.workspaces_dir, self.backend.remove_stale)
         if removed:
             log.info("removed %d session dir(s) left by a server that is gone", removed)
         self._task_group = anyio.create_task_group()
@@ -423,6 +416,7 @@ class SessionManager:
             output_limit_bytes=self.settings.output_limit_chars,
             open_dirs=self.open_dirs,
             close_dirs=self.close_dirs,
+            spec_for=sandbox_spec,
         )
         return self
 
@@ -528,16 +522,14 @@ class SessionManager:
             )
         assert self._task_group is not None, "SessionManager used outside its `async with`"
         session_id = secrets.token_urlsafe(18)
-        lock_fd, run_dir, workspace = self.open_dirs(options)
+        dirs = await self.open_dirs(options)
         session = Session(
             session_id=session_id,
             options=options,
-            workspace=workspace,
-            runtime_dir=run_dir,
+            dirs=dirs,
             backend=self.backend,
             settings=self.settings,
             task_group=self._task_group,
-            lock_fd=lock_fd,
             owner=owner,
         )
         self._sessions[session_id] = session
@@ -545,40 +537,57 @@ class SessionManager:
             await session.start_kernel()
         except BaseException:
             self._sessions.pop(session_id, None)
-            await session.close()
+            await self._close_session(session)
             raise
         log.info("session %s… started", session_id[:6])
         return session
 
-    def open_dirs(self, options: SessionOptions) -> tuple[int, Path, Workspace]:
-        """A sandbox's host side: its locked runtime dir (sockets) and its workspace, both handed to
-        the sandbox user. Raises SessionError; a dead server's leftovers are found by the lock."""
-        short = secrets.token_hex(4)
-        runtime_dir = self.settings.runtime_dir / short
-        runtime_dir.mkdir(mode=self.backend.dir_mode)
-        lock_fd = _hold_lock(runtime_dir / LOCK_NAME)
-        run_dir = runtime_dir / "run"
-        run_dir.mkdir(mode=0o700)
-        give(run_dir, self.backend.host_owner)
-        workspace_dir = self.settings.workspaces_dir / (f"named-{options.name}" if options.persistent else short)
-        try:
-            workspace = Workspace.create(
-                workspace_dir, options.limits.disk_mb, self.settings.workspace_quota, persistent=options.persistent
-            )
-        except (OSError, WorkspaceError) as exc:
-            _remove_session_dirs(run_dir)
-            if not options.persistent:
-                remove_workspace(workspace_dir)
-            os.close(lock_fd)
-            raise SessionError(f"could not open the session workspace: {exc}") from None
-        give(workspace.path, self.backend.host_owner)
-        return lock_fd, run_dir, workspace
+    async def open_dirs(self, options: SessionOptions) -> SandboxDirs:
+        """A sandbox's host side (see session_dirs.py), made in a worker thread: creating a capped
+        workspace runs mkfs and mount. Raises SessionError."""
+        stable = f"named-{options.name}" if options.persistent else None
+        user = self.users.allocate(stable) if self.users is not None else self.backend.identity
 
-    def close_dirs(self, lock_fd: int, run_dir: Path, workspace: Workspace) -> None:
-        workspace.remove()
-        _remove_session_dirs(run_dir)
-        with contextlib.suppress(OSError):
-            os.close(lock_fd)
+        def make_workspace(key: str, owner: tuple[int, int] | None) -> Workspace:
+            name = f"named-{options.name}" if options.persistent else key
+            path = self.settings.workspaces_dir / name
+            workspace = Workspace.create(
+                path, options.limits.disk_mb, self.settings.workspace_quota, persistent=options.persistent
+            )
+            try:
+                if owner is not None:
+                    _adopt(workspace, owner)
+            except BaseException:
+                workspace.remove()
+                raise
+            return workspace
+
+        def make() -> SandboxDirs:
+            return open_sandbox_dirs(
+                self.settings.runtime_dir,
+                network=options.network,
+                dir_mode=self.backend.dir_mode,
+                user=user,
+                make_workspace=make_workspace,
+            )
+
+        try:
+            return await anyio.to_thread.run_sync(make)
+        except (OSError, WorkspaceError) as exc:
+            if self.users is not None:
+                self.users.release(user)
+            raise SessionError(f"could not open the session workspace: {exc}") from None
+
+    async def close_dirs(self, dirs: SandboxDirs) -> None:
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(dirs.close)
+        if self.users is not None:
+            self.users.release(dirs.user)
+
+    async def _close_session(self, session: Session) -> None:
+        await session.close()
+        if self.users is not None:
+            self.users.release(session.dirs.user)
 
     async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER) -> Session:
         """The named session, or `owner`'s default one (created on first use).
@@ -606,7 +615,7 @@ class SessionManager:
         self._sessions.pop(session_id, None)
         if self._default_ids.get(session.owner) == session_id:
             del self._default_ids[session.owner]
-        await session.close()
+        await self._close_session(session)
 
     async def release_caller(self, owner: str) -> None:
         """A client went away: close its default session (sessions it created keep their handles)."""
@@ -622,7 +631,7 @@ class SessionManager:
         self._default_ids.clear()
         async with anyio.create_task_group() as tg:
             for session in sessions:
-                tg.start_soon(session.close)
+                tg.start_soon(self._close_session, session)
 
     def list(self, owner: str | None = None) -> list[Session]:
         """Every open session, or those `owner` created."""
@@ -632,43 +641,29 @@ class SessionManager:
         return self._default_ids.get(session.owner) == session.session_id
 
 
-def give(path: Path, owner: tuple[int, int] | None) -> None:
-    """Hand a session path to the sandbox's host user (when the server runs as root)."""
-    if owner is not None:
-        os.chown(path, *owner)
+def sandbox_spec(options: SessionOptions, dirs: SandboxDirs) -> SandboxSpec:
+    """What a backend needs to start a sandbox with these options in these dirs."""
+    return SandboxSpec(
+        name=dirs.key,
+        workspace=dirs.workspace.path,
+        runtime_dir=dirs.run_dir,
+        host_dir=dirs.host_dir,
+        limits=options.limits,
+        network=options.network,
+        mounts=options.mounts,
+        user=dirs.user,
+    )
 
 
-def _hold_lock(path: Path) -> int:
-    """An flock held for the session's life marks its dirs as in use by a live server."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    return fd
-
-
-def remove_stale_sessions(runtime_base: Path, workspaces_base: Path, backend: SandboxBackend) -> int:
-    """Remove session dirs whose lock no live server holds (the server was SIGKILLed)."""
-    removed = 0
-    for entry in runtime_base.iterdir():
-        lock = entry / LOCK_NAME
-        if entry.is_symlink() or not entry.is_dir() or not lock.exists():
-            continue
-        fd = os.open(lock, os.O_RDWR | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            continue  # a live server owns it
-        finally:
-            os.close(fd)
-        backend.remove_stale(entry.name)
-        remove_workspace(workspaces_base / entry.name)  # named (persistent) workspaces have other names
-        _remove_session_dirs(entry)
-        removed += 1
-    return removed
-
-
-def _remove_session_dirs(runtime_dir: Path) -> None:
-    top = runtime_dir.parent if runtime_dir.name == "run" else runtime_dir
-    shutil.rmtree(top, ignore_errors=True)
+def _adopt(workspace: Workspace, owner: tuple[int, int]) -> None:
+    """Hand the workspace to the sandbox's host user, by fd; a reopened persistent one whose files
+    belong to another uid (an older server's) is re-owned entry by entry, links never followed."""
+    with hostfs.dir_fd(workspace.path) as fd:
+        if workspace.persistent and (os.fstat(fd).st_uid, os.fstat(fd).st_gid) != owner:
+            if not hostfs.chown_tree(fd, owner):
+                log.warning("workspace %s: some entries (too deep, or too many) keep their old owner", workspace.path)
+        else:
+            os.fchown(fd, *owner)
 
 
 def _memory_used_mb(kernel: Kernel) -> float | None:
@@ -679,13 +674,10 @@ def _memory_used_mb(kernel: Kernel) -> float | None:
 
 
 def _dir_size_mb(path: Path) -> float | None:
-    """Bytes under `path` (no link following); bounded by the entries a workspace can hold."""
-    total = 0
+    """Bytes under `path`, walked by fds without following links (bounded by hostfs.walk)."""
     try:
-        for root, _dirs, files in os.walk(path):
-            for name in files:
-                with contextlib.suppress(OSError):
-                    total += os.lstat(os.path.join(root, name)).st_size
+        with hostfs.dir_fd(path) as fd:
+            total, _complete = hostfs.tree_size(fd)
     except OSError:
         return None
     return round(total / 2**20, 1)

@@ -17,6 +17,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import hostfs
+
 log = logging.getLogger(__name__)
 
 #: Bound on each mkfs/mount/umount call.
@@ -128,6 +130,10 @@ def remove_workspace(path: Path) -> None:
     if os.path.ismount(path):
         log.warning("could not unmount workspace %s; leaving it", path)
         return
-    shutil.rmtree(path, ignore_errors=True)
+    # The workspace is the sandbox's: removed by fds, links never followed, no recursion.
+    with contextlib.suppress(FileNotFoundError), hostfs.dir_fd(path.parent) as parent:
+        left = hostfs.remove_tree(parent, path.name)
+        if left:
+            log.warning("could not remove all of workspace %s: %s", path, "; ".join(left[:5]))
     with contextlib.suppress(FileNotFoundError):
         path.with_name(path.name + ".img").unlink()

@@ -46,8 +46,10 @@ from .identity import ensure_private_dir
 log = logging.getLogger(__name__)
 
 NETWORK_MODES = ("none", "internet")
-#: Inside the VM: where the session's runtime dir is mounted, and the prefix of the kernel's sockets
-#: (on the VM's own disk: a unix socket cannot live on the virtiofs share).
+#: Inside the VM: where the session's host-only dir (connection files) is mounted read-only, and
+#: the prefix of the kernel's sockets (on the VM's own disk: a unix socket cannot live on the
+#: virtiofs share). The relayed sockets appear on the host in the session's run/ dir, which the VM
+#: does not see; the host claims them from there like any kernel's (session_dirs.py).
 GUEST_RUNTIME = "/run/coderunner/session"
 GUEST_SOCKETS = "/run/coderunner/k"
 STOP_WAIT_S = 2
@@ -81,7 +83,7 @@ class AppleCommand:
             args += ["--publish-socket", f"{host}:{guest}"]
         for port in tcp_ports or []:
             args += ["--publish", f"127.0.0.1:{port}:{port}"]  # without the IP it would listen on 0.0.0.0
-        args += ["--volume", f"{spec.runtime_dir}:{GUEST_RUNTIME}", "--volume", f"{spec.workspace}:{WORKSPACE}"]
+        args += ["--volume", f"{spec.host_dir}:{GUEST_RUNTIME}:ro", "--volume", f"{spec.workspace}:{WORKSPACE}"]
         for mount in spec.mounts:
             args += ["--volume", f"{mount.host}:{mount.sandbox}" + ("" if mount.writable else ":ro")]
         args += ["--workdir", WORKSPACE]
@@ -166,7 +168,6 @@ class AppleBackend:
     name = "apple"
     workspace_path = WORKSPACE
     python = IMAGE_PYTHON
-    host_owner: tuple[int, int] | None = None
     dir_mode = 0o700
     identity = None
 

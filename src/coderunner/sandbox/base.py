@@ -26,6 +26,24 @@ STDERR_TAIL_BYTES = 16 * 1024
 KILL_WAIT_S = 5.0
 #: A session's own pip packages (install_packages), relative to its workspace; on the kernel's path.
 SESSION_PACKAGES = ".coderunner/site-packages"
+#: Who the code is inside every sandbox (whatever host uid that maps to), and its home.
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+HOME = "/tmp/home"
+#: slirp4netns's fixed DNS address inside a sandbox with network.
+SLIRP_DNS = "10.0.2.3"
+
+
+def etc_files(network: str) -> dict[str, str]:
+    """The sandbox's own passwd, group, hosts, hostname and resolv.conf: the host's are never shown."""
+    return {
+        "passwd": f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{HOME}:/bin/sh\n"
+        "nobody:x:65534:65534::/:/usr/sbin/nologin\n",
+        "group": f"sandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+        "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+        "hostname": "sandbox\n",
+        "resolv.conf": f"nameserver {SLIRP_DNS}\n" if network == "internet" else "",
+    }
 
 
 class SandboxUnavailable(RuntimeError):
@@ -66,18 +84,30 @@ class Mount:
 
 @dataclass(frozen=True)
 class SandboxSpec:
-    """Everything one sandbox needs from the host side.
+    """Everything one sandbox needs from the host side (see session_dirs.py for the layout).
 
-    `runtime_dir` is shared with the host at the same path inside and outside, because the
-    kernel's ipc:// sockets and its connection file live there.
+    `runtime_dir` is the sandbox's own writable dir, bound at the same path inside and outside:
+    the kernel binds its ipc:// sockets there. `host_dir` holds what the host wrote for it
+    (etc files, connection files, one-shot inputs) and is bound read-only at the same path.
+    `user` is the host user it runs as, when that is not the server's own.
     """
 
     name: str
     workspace: Path
     runtime_dir: Path
+    host_dir: Path
     limits: Limits = field(default_factory=Limits)
     network: str = "none"
     mounts: tuple[Mount, ...] = ()
+    user: HostIdentity | None = None
+
+    @property
+    def owner(self) -> tuple[int, int] | None:
+        return (self.user.uid, self.user.gid) if self.user is not None else None
+
+    @property
+    def etc_dir(self) -> Path:
+        return self.host_dir / "etc"
 
 
 class SandboxBackend(Protocol):
@@ -88,11 +118,10 @@ class SandboxBackend(Protocol):
     workspace_path: str
     #: The Python interpreter of the sandbox environment, as seen inside.
     python: str
-    #: (uid, gid) on the host that session dirs and files must be handed to, or None (same user).
-    host_owner: tuple[int, int] | None
     #: Mode for parents of session dirs (passable by the sandbox's host user).
     dir_mode: int
-    #: The host user sandboxes run as when it is not the server's own, else None.
+    #: A host user of the kind sandboxes run as when it is not the server's own (for reachability
+    #: checks of what gets bound in), else None. Each sandbox's own is in its SandboxSpec.
     identity: HostIdentity | None
     #: How the host reaches the kernel: "ipc" (sockets in the runtime dir, seen at the same path
     #: inside, or relayed into a VM) or "tcp" (ports the backend publishes on 127.0.0.1).

@@ -22,7 +22,17 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from .base import SESSION_PACKAGES, LimitReport, Limits, SandboxProcess, SandboxSpec, SandboxUnavailable
+from .base import (
+    HOME,
+    SANDBOX_GID,
+    SANDBOX_UID,
+    SESSION_PACKAGES,
+    LimitReport,
+    Limits,
+    SandboxProcess,
+    SandboxSpec,
+    SandboxUnavailable,
+)
 from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from .seccomp import SeccompUnavailable, compiled_filter
@@ -32,9 +42,6 @@ ENV_MOUNT = "/opt/coderunner/env"
 GUEST_LIB = "/opt/coderunner/lib"
 GUEST_SOURCE = Path(__file__).resolve().parent.parent / "guest"
 WORKSPACE = "/workspace"
-HOME = "/tmp/home"
-SANDBOX_UID = 1000
-SANDBOX_GID = 1000
 #: Top-level entries of a merged-/usr system that are symlinks into /usr, or real dirs elsewhere.
 USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 #: Harmless host /etc files some programs need (dynamic linker cache, time zone, TLS roots, fonts).
@@ -47,8 +54,6 @@ PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs", "irq", "bus")
 #: /proc entries hidden entirely (as container runtimes do): kernel memory, keys, timers, hardware.
 PROC_MASKED_FILES = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms", "kmsg")
 PROC_MASKED_DIRS = ("acpi", "scsi")
-#: slirp4netns's fixed addresses inside the sandbox.
-SLIRP_DNS = "10.0.2.3"
 #: Bound on bwrap reporting its child and slirp4netns reporting the network is up.
 NETWORK_SETUP_TIMEOUT_S = 10.0
 NETWORK_MODES = ("none", "internet")
@@ -80,20 +85,6 @@ def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def write_etc_files(runtime_dir: Path, network: str) -> Path:
-    """Write the sandbox's own passwd, group, hosts and resolv.conf: the host's are never shown."""
-    etc = runtime_dir / "etc"
-    etc.mkdir(mode=0o755, exist_ok=True)
-    (etc / "passwd").write_text(
-        f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{HOME}:/bin/sh\nnobody:x:65534:65534::/:/usr/sbin/nologin\n"
-    )
-    (etc / "group").write_text(f"sandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n")
-    (etc / "hosts").write_text("127.0.0.1 localhost sandbox\n::1 localhost\n")
-    (etc / "hostname").write_text("sandbox\n")
-    (etc / "resolv.conf").write_text(f"nameserver {SLIRP_DNS}\n" if network == "internet" else "")
-    return etc
-
-
 @dataclass(frozen=True)
 class BwrapCommand:
     """Builds the bwrap argv; pure, so the exact flags are unit-testable."""
@@ -107,7 +98,6 @@ class BwrapCommand:
         self,
         spec: SandboxSpec,
         inner: list[str],
-        etc_dir: Path,
         *,
         seccomp_fd: int | None = None,
         info_fd: int | None = None,
@@ -145,7 +135,7 @@ class BwrapCommand:
             if host.exists():
                 args += ["--ro-bind", str(host), f"/etc/{name}"]
         for name in ("passwd", "group", "hosts", "hostname", "resolv.conf"):
-            args += ["--ro-bind", str(etc_dir / name), f"/etc/{name}"]
+            args += ["--ro-bind", str(spec.etc_dir / name), f"/etc/{name}"]
         tmp_size = ["--size", str(spec.limits.tmp_mb * 2**20)] if spec.limits.tmp_mb else []
         args += [
             "--ro-bind", str(self.env_dir), ENV_MOUNT,
@@ -157,6 +147,7 @@ class BwrapCommand:
             "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm",
             "--dir", HOME,
             "--bind", str(spec.runtime_dir), str(spec.runtime_dir),
+            "--ro-bind", str(spec.host_dir), str(spec.host_dir),
             "--bind", str(spec.workspace), WORKSPACE,
             *_mount_binds(spec),
             "--chdir", WORKSPACE,
@@ -269,7 +260,6 @@ class BwrapBackend:
         except SeccompUnavailable as exc:
             raise BwrapUnavailable(str(exc)) from None
         self.identity = identity
-        self.host_owner = (identity.uid, identity.gid) if identity else None
         self.dir_mode = shared_dir_mode(identity)
         ensure_private_dir(runtime_base, self.dir_mode)
         guest_dir = install_guest(runtime_base)
@@ -292,7 +282,7 @@ class BwrapBackend:
 
     def describe_isolation(self) -> str:
         cgroups = f"cgroup v{self.cgroups.version} limits" if self.cgroups else "rlimits only (no cgroups)"
-        user = f"; host user {self.identity.name}" if self.identity else ""
+        user = f"; runs as {self.identity.name} on the host" if self.identity else ""
         return (
             "bubblewrap: own user/pid/net/ipc/uts/cgroup namespaces, seccomp filter, no capabilities, "
             f"read-only root (/usr + sandbox env), size-capped /tmp, only the session workspace writable; "
@@ -328,12 +318,11 @@ class BwrapBackend:
         problem = self.network_problem(spec.network)
         if problem:
             raise BwrapUnavailable(problem)
-        etc_dir = write_etc_files(spec.runtime_dir, spec.network)
         cgroup = self._cgroup_for(spec)
         nproc = None
         if cgroup is None and spec.limits.pids:
-            if self.identity is not None:
-                nproc = _count_tasks(self.identity.uid) + spec.limits.pids
+            if spec.user is not None:
+                nproc = _count_tasks(spec.user.uid) + spec.limits.pids
             elif os.getuid() != 0:
                 nproc = _count_tasks(os.getuid()) + spec.limits.pids
         seccomp_fd = os.memfd_create("coderunner-seccomp", 0)
@@ -344,15 +333,14 @@ class BwrapBackend:
             full = self.command.argv(
                 spec,
                 argv,
-                etc_dir,
                 seccomp_fd=seccomp_fd,
                 info_fd=fds.info_write if fds else None,
                 block_fd=fds.block_read if fds else None,
                 nproc=nproc,
                 memory_cgroup=cgroup is not None and "memory" in cgroup.dirs and spec.limits.memory_mb is not None,
             )
-            if self.identity is not None:
-                full = [*self.identity.setpriv_prefix(), *full]
+            if spec.user is not None:
+                full = [*spec.user.setpriv_prefix(), *full]
             if cgroup is not None:
                 full = enter_command(cgroup, full)
             process = await anyio.open_process(

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 from anyio.abc import Process, TaskGroup
 
+from .. import hostfs
 from .base import SandboxProcess, SandboxSpec, SandboxUnavailable
 from .engine import REMOVE_TIMEOUT_S, EngineError, run_async
 
@@ -80,14 +81,17 @@ def with_guest_connection(argv: list[str], ip: str, guest_dir: str | None = None
     VM's own disk) gets its own file next to the host's. `guest_dir` is where the VM sees that dir.
     """
     index = argv.index("-f") + 1
-    host_file = Path(argv[index])
-    info = json.loads(host_file.read_text())
-    guest_file = host_file.with_name(host_file.stem + ".guest.json")
-    guest_file.write_text(json.dumps({**info, "ip": ip}))
-    stat = host_file.stat()
-    os.chmod(guest_file, stat.st_mode & 0o777)
-    if os.getuid() == 0:
-        os.chown(guest_file, stat.st_uid, stat.st_gid)
+    host_file = Path(argv[index])  # in the session's host-only dir (session_dirs.py)
+    with hostfs.dir_fd(host_file.parent) as folder:
+        with open(os.open(host_file.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=folder)) as handle:
+            info = json.load(handle)
+            stat = os.fstat(handle.fileno())
+        guest_file = host_file.with_name(host_file.stem + ".guest.json")
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(guest_file.name, dir_fd=folder)
+        owner = (stat.st_uid, stat.st_gid) if os.getuid() == 0 else None
+        hostfs.write_new_file(folder, guest_file.name, json.dumps({**info, "ip": ip}).encode(),
+                              mode=stat.st_mode & 0o777, owner=owner)  # fmt: skip
     inner = list(argv)
     inner[index] = f"{guest_dir}/{guest_file.name}" if guest_dir else str(guest_file)
     return inner

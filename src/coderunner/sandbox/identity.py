@@ -2,20 +2,28 @@
 
 Unprivileged, a sandbox maps to the server's own user. When the server runs as root it must
 not map to root: sysctls, per-user kernel limits (inotify, keyrings) and every root-owned file
-it could reach would then treat sandboxed code as host root. So a root server starts its
-sandboxes as a dedicated unprivileged user (`coderunner-sandbox`, made by install.sh, else
-`nobody`), and gives that user exactly the session dirs it needs.
+it could reach would then treat sandboxed code as host root. So a root server starts each
+sandbox as a host uid of its own, drawn from a reserved range no account uses (`UidPool`): the
+per-user kernel limits (inotify instances, message queues, pipe buffers, RLIMIT_NPROC) are then
+per sandbox, and one sandbox owns nothing another could open. `sandbox_user` in the settings
+instead names one fixed unprivileged user for all of them (then those limits are shared).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pwd
+import secrets
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-DEFAULT_USERS = ("coderunner-sandbox", "nobody")
+#: Reserved host uids (and gids) for per-sandbox users: above systemd-nspawn's container range
+#: (up to 0x6FFEFFFF) and below 2^31. The first half is drawn at random per sandbox; the second
+#: is derived from a persistent workspace's key, so its files keep one owner across sessions.
+UID_BASE = 1_900_000_000
+UID_SPAN = 1 << 24
 
 
 class IdentityError(RuntimeError):
@@ -29,10 +37,6 @@ class HostIdentity:
     name: str
     uid: int
     gid: int
-
-    def give(self, path: Path) -> None:
-        """Hand a host path (session dir, connection file, spill file) to the sandbox user."""
-        os.chown(path, self.uid, self.gid, follow_symlinks=False)
 
     def setpriv_prefix(self) -> list[str]:
         """Drop to this user (and no supplementary groups) before exec'ing bwrap."""
@@ -50,19 +54,54 @@ class HostIdentity:
                 )
 
 
+@dataclass
+class UidPool:
+    """Hands out a host uid per sandbox (root server only); no two live sandboxes share one."""
+
+    base: int = UID_BASE
+    span: int = UID_SPAN
+    _used: set[int] = field(default_factory=set)
+
+    @property
+    def template(self) -> HostIdentity:
+        """A uid of the range that owns nothing: what any sandbox user can reach, this one can."""
+        return HostIdentity("a per-sandbox uid", self.base, self.base)
+
+    def allocate(self, stable_key: str | None = None) -> HostIdentity:
+        if stable_key is not None:
+            digest = int.from_bytes(hashlib.sha256(stable_key.encode()).digest()[:8], "big")
+            uid = self.base + self.span + digest % self.span
+        else:
+            uid = self.base + 1 + secrets.randbelow(self.span - 1)
+            while uid in self._used:
+                uid = self.base + 1 + secrets.randbelow(self.span - 1)
+        self._used.add(uid)
+        return HostIdentity(f"uid {uid}", uid, uid)
+
+    def release(self, identity: HostIdentity | None) -> None:
+        if identity is not None:
+            self._used.discard(identity.uid)
+
+
+def per_sandbox_uids(name: str | None) -> bool:
+    """A root server gives every sandbox its own uid unless `sandbox_user` names a fixed one."""
+    return os.getuid() == 0 and not name
+
+
 def sandbox_identity(name: str | None) -> HostIdentity | None:
-    """None when the server is not root; otherwise the named user, or the first default that exists."""
+    """None when the server is not root; a per-sandbox uid's template by default; else the named user."""
     if os.getuid() != 0:
         return None
-    for candidate in [name] if name else DEFAULT_USERS:
-        try:
-            entry = pwd.getpwnam(candidate)
-        except KeyError:
-            continue
-        if entry.pw_uid == 0:
-            raise IdentityError(f"sandbox_user {candidate!r} is root; pick an unprivileged user")
-        return HostIdentity(candidate, entry.pw_uid, entry.pw_gid)
-    raise IdentityError(f"sandbox user {name!r} does not exist: sudo useradd --system {name}")
+    if per_sandbox_uids(name):
+        return UidPool().template
+    assert name
+    try:
+        entry = pwd.getpwnam(name)
+    except KeyError:
+        raise IdentityError(f"sandbox user {name!r} does not exist: sudo useradd --system {name}") from None
+    if entry.pw_uid == 0:
+        raise IdentityError(f"sandbox_user {name!r} is root; pick an unprivileged user")
+    return HostIdentity(name, entry.pw_uid, entry.pw_gid)
 
 
 def shared_dir_mode(identity: HostIdentity | None) -> int:

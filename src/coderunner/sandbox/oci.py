@@ -29,7 +29,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
-from .bwrap import rlimit_prefix, sandbox_environment, write_etc_files
+from .bwrap import rlimit_prefix, sandbox_environment
 from .container import (
     IMAGE_PYTHON,
     LABEL_SERVER,
@@ -145,10 +145,13 @@ class OciCommand:
             args += ["--pids-limit", str(limits.pids)]
         if self.keep_id:
             args += ["--userns=keep-id"]
-        if self.user:
+        if spec.user is not None:
+            args += ["--user", f"{spec.user.uid}:{spec.user.gid}"]
+        elif self.user:
             args += ["--user", self.user]
         args += [
             "--mount", _bind(spec.runtime_dir, str(spec.runtime_dir), writable=True),
+            "--mount", _bind(spec.host_dir, str(spec.host_dir), writable=False),
             "--mount", _bind(spec.workspace, WORKSPACE, writable=True),
         ]  # fmt: skip
         for mount in spec.mounts:
@@ -257,7 +260,6 @@ class OciBackend:
             raise ContainerUnavailable(f"{kind} is not installed: {fix}")
         self.name = kind
         self.identity = identity
-        self.host_owner = (identity.uid, identity.gid) if identity else None
         self.dir_mode = shared_dir_mode(identity)
         self.channels = ("ipc" if sys.platform.startswith("linux") else "tcp") if channels == "auto" else channels
         ensure_private_dir(runtime_base, self.dir_mode)
@@ -348,7 +350,7 @@ class OciBackend:
         # limit is the hard bound (Chromium lifts the soft one for itself, as under bwrap).
         inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
         # Without a network the engine would still copy the host's /etc/hosts and resolv.conf in.
-        etc_dir = write_etc_files(spec.runtime_dir, spec.network) if spec.network == "none" else None
+        etc_dir = spec.etc_dir if spec.network == "none" else None
         for attempt in range(1, START_ATTEMPTS + 1):
             name = container_name(self.command.server, session_key(spec))
             sandbox = await self._start(spec, inner, name, task_group, ports, etc_dir, pipes)

@@ -1,0 +1,302 @@
+"""File operations the host may do where the sandbox can write, and only these.
+
+Everything a sandbox can write is hostile at every moment: any name in it may be a link, a FIFO,
+a socket or a deep tree by the time the host looks. So the host never resolves a path there.
+It holds directory fds, opens each entry relative to one with O_NOFOLLOW, checks the type (and
+where it matters the owner) of what it got, and removes trees without recursion, without
+following links and without leaving the mount it started on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import stat
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+#: Bound on the entries one tree removal or size walk visits (a workspace cannot hold more in
+#: practice; a hostile one gets cut off here instead of holding the server).
+MAX_TREE_ENTRIES = 5_000_000
+
+
+class HostFsError(OSError):
+    """An entry was not what the host expected (a link, another type or owner): refused."""
+
+
+def open_dir(name: str | Path, dir_fd: int | None = None) -> int:
+    """An fd for a real directory: never through a link in the last component."""
+    return os.open(name, DIR_FLAGS, dir_fd=dir_fd)
+
+
+@contextlib.contextmanager
+def dir_fd(path: str | Path) -> Iterator[int]:
+    fd = open_dir(path)
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def make_private_dir(parent_fd: int, name: str, mode: int, owner: tuple[int, int] | None = None) -> int:
+    """Create a fresh directory (never an existing one) and return its fd; `owner` gets it by fchown."""
+    os.mkdir(name, mode, dir_fd=parent_fd)
+    fd = open_dir(name, dir_fd=parent_fd)
+    try:
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.fchmod(fd, mode)  # mkdir's mode passes through the umask
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_new_file(
+    parent_fd: int, name: str, data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None
+) -> None:
+    """Create `name` (it must not exist yet) and write `data`; ownership and mode set on the fd."""
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=parent_fd)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        if owner is not None:
+            os.fchown(fd, *owner)
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
+def mount_id(fd: int) -> int:
+    """The mount an fd lies on (from /proc/self/fdinfo): tells bind mounts of one file system apart."""
+    with open(f"/proc/self/fdinfo/{fd}") as handle:
+        for line in handle:
+            if line.startswith("mnt_id:"):
+                return int(line.split()[1])
+    raise HostFsError(errno.EINVAL, "no mnt_id in fdinfo")
+
+
+def claim_socket(from_fd: int, name: str, to_fd: int, uid: int) -> None:
+    """Move a socket the sandbox made out of its reach, then check it is one and is the sandbox's.
+
+    The rename moves the directory entry itself (a link stays a link), so after it nothing the
+    sandbox does can change what the name in `to_fd` refers to; a link, a FIFO or anything not
+    owned by `uid` is removed again and refused, never connected to.
+    """
+    os.rename(name, name, src_dir_fd=from_fd, dst_dir_fd=to_fd)
+    info = os.stat(name, dir_fd=to_fd, follow_symlinks=False)
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != uid:
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=to_fd)
+        raise HostFsError(errno.EPERM, f"{name} is not a socket of the sandbox user")
+
+
+def remove_tree(parent_fd: int, name: str) -> list[str]:
+    """Delete `name` under `parent_fd` and everything below it; returns what was left, and why.
+
+    No recursion: a subfolder is first moved up to the top folder (a rename within the same
+    mount), so a tree of any depth needs two open fds. Nothing is followed: links are unlinked,
+    and a folder on another mount (a bind or loop mount not yet unmounted) is left untouched.
+    """
+    try:
+        top = open_dir(name, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+            os.unlink(name, dir_fd=parent_fd)
+            return []
+        raise
+    left: list[str] = []
+    try:
+        top_mount = mount_id(top)
+        pending = _Budget(MAX_TREE_ENTRIES)
+        _empty_dir(top, top_mount, left, pending, _Names())
+    finally:
+        os.close(top)
+    if not left:
+        try:
+            os.rmdir(name, dir_fd=parent_fd)
+        except OSError as exc:
+            left.append(f"{name}: {exc.strerror}")
+    return left
+
+
+@dataclass
+class _Budget:
+    remaining: int
+
+    def spend(self) -> None:
+        self.remaining -= 1
+        if self.remaining < 0:
+            raise HostFsError(errno.E2BIG, f"more than {MAX_TREE_ENTRIES} entries")
+
+
+@dataclass
+class _Names:
+    """Fresh names for folders moved up to the top (checked free before use)."""
+
+    counter: int = 0
+
+    def fresh(self, top: int) -> str:
+        while True:
+            self.counter += 1
+            name = f".coderunner-rm-{self.counter}"
+            try:
+                os.stat(name, dir_fd=top, follow_symlinks=False)
+            except FileNotFoundError:
+                return name
+
+
+def _empty_dir(top: int, top_mount: int, left: list[str], budget: _Budget, names: _Names) -> None:
+    """Empty `top`: unlink non-folders, hoist subfolders of subfolders into `top`, rmdir the emptied."""
+    stuck: set[str] = set()
+    while True:
+        progressed = False
+        for entry in _entries(top):
+            if entry in stuck:
+                continue
+            budget.spend()
+            progressed = True
+            if not _is_dir(top, entry):
+                _unlink(top, entry)
+                continue
+            problem = _empty_child(top, entry, top_mount, budget, names)
+            if problem is None:
+                try:
+                    os.rmdir(entry, dir_fd=top)
+                    continue
+                except FileNotFoundError:
+                    continue
+                except OSError as exc:
+                    problem = exc.strerror or "cannot remove"
+            stuck.add(entry)
+            left.append(f"{entry}: {problem}")
+        if not progressed:
+            return
+
+
+def _empty_child(top: int, entry: str, top_mount: int, budget: _Budget, names: _Names) -> str | None:
+    """Unlink what `entry` holds and move its folders up into `top`; why it cannot be, or None."""
+    try:
+        child = open_dir(entry, dir_fd=top)
+    except OSError:
+        _unlink(top, entry)  # turned into something else meanwhile
+        return None
+    try:
+        if mount_id(child) != top_mount:
+            return "another mount (left in place)"
+        for inner in _entries(child):
+            budget.spend()
+            if _is_dir(child, inner):
+                try:
+                    os.rename(inner, names.fresh(top), src_dir_fd=child, dst_dir_fd=top)
+                except OSError as exc:  # a mount point (EBUSY), ...
+                    return f"{inner}: {exc.strerror}"
+            else:
+                _unlink(child, inner)
+    finally:
+        os.close(child)
+    return None
+
+
+def _entries(fd: int) -> list[str]:
+    with os.scandir(fd) as listing:
+        return [entry.name for entry in listing]
+
+
+def _is_dir(fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+    except FileNotFoundError:
+        return False
+
+
+def _unlink(fd: int, name: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=fd)
+
+
+@dataclass
+class _Level:
+    fd: int
+    names: list[str]
+
+
+def walk(fd: int, max_depth: int = 256, max_entries: int = 1_000_000) -> Iterator[tuple[int, str, os.stat_result]]:
+    """(folder fd, name, lstat) for every entry under the folder `fd`, depth first, links not followed.
+
+    One fd per level, at most `max_depth` levels, `max_entries` entries; folders on another mount
+    are not entered. Raises HostFsError("incomplete") at the end when a bound cut the walk short.
+    """
+    top_mount = mount_id(fd)
+    stack = [_Level(os.dup(fd), _entries(fd))]
+    seen, complete = 0, True
+    try:
+        while stack:
+            level = stack[-1]
+            if not level.names:
+                os.close(stack.pop().fd)
+                continue
+            name = level.names.pop()
+            seen += 1
+            if seen > max_entries:
+                complete = False
+                break
+            try:
+                info = os.stat(name, dir_fd=level.fd, follow_symlinks=False)
+            except OSError:
+                continue
+            yield level.fd, name, info
+            if not stat.S_ISDIR(info.st_mode):
+                continue
+            if len(stack) >= max_depth:
+                complete = False
+                continue
+            try:
+                child = open_dir(name, dir_fd=level.fd)
+            except OSError:
+                continue
+            if mount_id(child) != top_mount:
+                os.close(child)
+                continue
+            try:
+                stack.append(_Level(child, _entries(child)))
+            except OSError:
+                os.close(child)
+    finally:
+        for level in stack:
+            os.close(level.fd)
+    if not complete:
+        raise HostFsError(errno.E2BIG, "incomplete")
+
+
+def tree_size(fd: int, max_entries: int = 100_000) -> tuple[int, bool]:
+    """(bytes of regular files under the folder `fd`, complete?) without following links or mounts."""
+    total = 0
+    try:
+        for _parent, _name, info in walk(fd, max_entries=max_entries):
+            if stat.S_ISREG(info.st_mode):
+                total += info.st_size
+    except HostFsError:
+        return total, False
+    return total, True
+
+
+def chown_tree(fd: int, owner: tuple[int, int]) -> bool:
+    """Give the folder `fd` and every entry under it to `owner`, links themselves never followed.
+
+    For a persistent workspace reopened under another uid. True when the whole tree was reached.
+    """
+    os.fchown(fd, *owner)
+    try:
+        for parent, name, _info in walk(fd):
+            with contextlib.suppress(FileNotFoundError):
+                os.chown(name, *owner, dir_fd=parent, follow_symlinks=False)
+    except HostFsError:
+        return False
+    return True
