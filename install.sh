@@ -105,12 +105,6 @@ if [ "${#missing[@]}" -gt 0 ]; then
     fi
 fi
 
-# A root server runs its sandboxes as this unprivileged user, never as root.
-if [ "$(id -u)" -eq 0 ] && ! id -u coderunner-sandbox >/dev/null 2>&1; then
-    say "creating the unprivileged system user coderunner-sandbox (sandboxes of a root server run as it)"
-    useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin coderunner-sandbox
-fi
-
 # 2. The host side: a Python >= 3.10 for the server (any; the sandbox uses the system python3).
 HOST_PYTHON="$(find_host_python)" || die "need Python 3.10 or newer for the server"
 install_venv "$HOST_PYTHON"
