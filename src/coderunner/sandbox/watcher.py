@@ -1,0 +1,142 @@
+"""A process on the host that removes a server's containers once that server is gone.
+
+A container outlives its engine client (conmon keeps it running), so a server that dies by
+SIGKILL, OOM or a crash would leave its kernels running. Nothing inside the container can be
+trusted to end it (the sandbox may kill anything in there), so the watcher lives outside: one
+small process per server process, in its own session (a signal to the server's process group
+does not reach it). It reads a pipe whose only writer is the server; end of file means the server
+is gone, however it went. It then removes every container labelled with that server process's
+instance label, with bounded engine calls, and exits.
+
+It runs nothing from the sandbox and touches no path: its whole input is its argv (the engine
+command and the label, from the server) and the end of a pipe.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, run_sync
+
+log = logging.getLogger(__name__)
+
+#: Sweeps after the server's end and the pauses before each: an engine client the server started
+#: just before it died may still be creating its container when the first sweep lists them.
+SWEEP_DELAYS_S = (0.0, 2.0, 5.0)
+#: Where `coderunner` is importable from, for the watcher's interpreter (the server's own).
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class WatchPlan:
+    """What the watcher removes, and how: the engine's argv prefix and a `key=value` label."""
+
+    engine: list[str]  # e.g. ["podman", "--runtime", "runc"]
+    kind: str  # "podman" or "docker"
+    label: str
+
+    def list_argv(self) -> list[str]:
+        return [*self.engine, "ps", "--all", "--quiet", "--filter", f"label={self.label}"]
+
+    def remove_argv(self, ids: list[str]) -> list[str]:
+        force = ["--force"] if self.kind == "docker" else ["--force", "--time", "0"]
+        return [*self.engine, "rm", *force, *ids]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WatchPlan:
+        data = json.loads(text)
+        return cls(engine=[str(part) for part in data["engine"]], kind=str(data["kind"]), label=str(data["label"]))
+
+
+def sweep(plan: WatchPlan, env: dict[str, str] | None = None) -> int:
+    """Remove every container carrying the plan's label; how many were found."""
+    try:
+        listed = run_sync(plan.list_argv(), QUERY_TIMEOUT_S, env=env)
+    except EngineError as exc:
+        log.warning("watcher: %s", exc)
+        return 0
+    ids = [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+    if ids:
+        try:
+            run_sync(plan.remove_argv(ids), REMOVE_TIMEOUT_S + 2 * len(ids), check=False, env=env)
+            log.warning("watcher: the server is gone; removed %d container(s) labelled %s", len(ids), plan.label)
+        except EngineError as exc:
+            log.warning("watcher: %s", exc)
+    return len(ids)
+
+
+def wait_for_end_of_file(fd: int) -> None:
+    """Block until every writer of the pipe `fd` has closed it (the server exited)."""
+    while os.read(fd, 4096):
+        pass
+
+
+class Watcher:
+    """The server's handle on its watcher: starts it, restarts it if it died, holds the pipe."""
+
+    def __init__(self, plan: WatchPlan, env: dict[str, str]) -> None:
+        self.plan = plan
+        self.env = {**env, "PYTHONPATH": str(PACKAGE_ROOT)}
+        self._process: subprocess.Popen[bytes] | None = None
+        self._write_fd: int | None = None
+
+    def ensure_running(self) -> None:
+        """Start the watcher if it is not running (first container, or it died)."""
+        if self._process is not None and self._process.poll() is None:
+            return
+        if self._write_fd is not None:
+            os.close(self._write_fd)
+            self._write_fd = None
+        read_fd, write_fd = os.pipe()  # both close-on-exec: no other child holds the write end
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "coderunner.sandbox.watcher", self.plan.to_json()],
+                stdin=read_fd,
+                stdout=subprocess.DEVNULL,
+                # Not the server's stderr: a client that waits for its end would wait for the sweeps.
+                stderr=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        self._write_fd = write_fd
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: python -m coderunner.sandbox.watcher PLAN_JSON (started by the server)", file=sys.stderr)
+        return 2
+    plan = WatchPlan.from_json(argv[1])
+    for number in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(number, signal.SIG_IGN)  # a terminal's signals are the server's business
+    wait_for_end_of_file(0)
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    for delay in SWEEP_DELAYS_S:
+        time.sleep(delay)
+        sweep(plan, env)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
