@@ -392,6 +392,8 @@ class OciBackend:
             stderr=subprocess.PIPE,
             start_new_session=True,
             env=self.env,
+            # conmon writes files (an "oom" marker) into its working dir: a host-only one.
+            cwd=self.runtime_base,
         )
         return ContainerProcess(
             process,
