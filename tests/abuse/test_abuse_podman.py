@@ -113,7 +113,7 @@ def _watchers(instance: str) -> list[int]:
             state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] if cmdline else "Z"
         except OSError:
             continue
-        if b"coderunner.sandbox.watcher" in cmdline and instance.encode() in cmdline and state != "Z":
+        if b"coderunner/sandbox/watcher.py" in cmdline and instance.encode() in cmdline and state != "Z":
             found.append(int(entry.name))
     return found
 

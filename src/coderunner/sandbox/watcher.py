@@ -9,7 +9,9 @@ is gone, however it went. It then removes every container labelled with that ser
 instance label, with bounded engine calls, and exits.
 
 It runs nothing from the sandbox and touches no path: its whole input is its argv (the engine
-command and the label, from the server) and the end of a pipe.
+command and the label, from the server) and the end of a pipe. This file runs as a script
+(`python -I watcher.py PLAN`), so it imports the standard library only: the watcher costs a few
+MiB, not the server's whole import graph.
 """
 
 from __future__ import annotations
@@ -22,17 +24,15 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
-
-from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, run_sync
 
 log = logging.getLogger(__name__)
 
 #: Sweeps after the server's end and the pauses before each: an engine client the server started
 #: just before it died may still be creating its container when the first sweep lists them.
 SWEEP_DELAYS_S = (0.0, 2.0, 5.0)
-#: Where `coderunner` is importable from, for the watcher's interpreter (the server's own).
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+#: Bounds on the engine calls (as engine.QUERY_TIMEOUT_S and REMOVE_TIMEOUT_S; engine.py imports anyio).
+LIST_TIMEOUT_S = 20.0
+REMOVE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -59,20 +59,23 @@ class WatchPlan:
         return cls(engine=[str(part) for part in data["engine"]], kind=str(data["kind"]), label=str(data["label"]))
 
 
-def sweep(plan: WatchPlan, env: dict[str, str] | None = None) -> int:
-    """Remove every container carrying the plan's label; how many were found."""
+def _run(argv: list[str], timeout_s: float) -> str | None:
+    """An engine call's stdout, or None if it failed or outlived `timeout_s` (then it is killed)."""
     try:
-        listed = run_sync(plan.list_argv(), QUERY_TIMEOUT_S, env=env)
-    except EngineError as exc:
-        log.warning("watcher: %s", exc)
-        return 0
-    ids = [line.strip() for line in listed.stdout.splitlines() if line.strip()]
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout_s, check=False, stdin=subprocess.DEVNULL
+        )
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def sweep(plan: WatchPlan) -> int:
+    """Remove every container carrying the plan's label; how many were found."""
+    listed = _run(plan.list_argv(), LIST_TIMEOUT_S)
+    ids = [line.strip() for line in (listed or "").splitlines() if line.strip()]
     if ids:
-        try:
-            run_sync(plan.remove_argv(ids), REMOVE_TIMEOUT_S + 2 * len(ids), check=False, env=env)
-            log.warning("watcher: the server is gone; removed %d container(s) labelled %s", len(ids), plan.label)
-        except EngineError as exc:
-            log.warning("watcher: %s", exc)
+        _run(plan.remove_argv(ids), REMOVE_TIMEOUT_S + 2 * len(ids))
     return len(ids)
 
 
@@ -87,26 +90,29 @@ class Watcher:
 
     def __init__(self, plan: WatchPlan, env: dict[str, str]) -> None:
         self.plan = plan
-        self.env = {**env, "PYTHONPATH": str(PACKAGE_ROOT)}
+        self.env = env
         self._process: subprocess.Popen[bytes] | None = None
         self._write_fd: int | None = None
 
     def ensure_running(self) -> None:
         """Start the watcher if it is not running (first container, or it died)."""
-        if self._process is not None and self._process.poll() is None:
-            return
+        if self._process is not None:
+            if self._process.poll() is None:
+                return
+            log.warning("the container watcher exited (code %s); starting another", self._process.returncode)
         if self._write_fd is not None:
             os.close(self._write_fd)
             self._write_fd = None
         read_fd, write_fd = os.pipe()  # both close-on-exec: no other child holds the write end
         try:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "coderunner.sandbox.watcher", self.plan.to_json()],
+                [sys.executable, "-I", __file__, self.plan.to_json()],
                 stdin=read_fd,
                 stdout=subprocess.DEVNULL,
                 # Not the server's stderr: a client that waits for its end would wait for the sweeps.
                 stderr=subprocess.DEVNULL,
                 env=self.env,
+                cwd="/",
                 start_new_session=True,
                 close_fds=True,
             )
@@ -123,18 +129,17 @@ class Watcher:
 
 
 def main(argv: list[str]) -> int:
+    """argv: [this script, the plan as JSON] (what Watcher passes)."""
     if len(argv) != 2:
-        print("usage: python -m coderunner.sandbox.watcher PLAN_JSON (started by the server)", file=sys.stderr)
+        print("the container watcher is started by coderunner serve, not by hand", file=sys.stderr)
         return 2
     plan = WatchPlan.from_json(argv[1])
     for number in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(number, signal.SIG_IGN)  # a terminal's signals are the server's business
     wait_for_end_of_file(0)
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
     for delay in SWEEP_DELAYS_S:
         time.sleep(delay)
-        sweep(plan, env)
+        sweep(plan)
     return 0
 
 
