@@ -453,7 +453,10 @@ def test_the_watcher_sweeps_when_its_server_lets_go_and_not_before(tmp_path: Pat
 
     calls = tmp_path / "calls"
     engine = tmp_path / "engine"
-    engine.write_text(f'#!/bin/sh\necho "$@" >> {calls}\nif [ "$1" = ps ]; then echo c1; echo c2; fi\n')
+    # Lists two containers until they are removed, then none.
+    engine.write_text(
+        f'#!/bin/sh\necho "$@" >> {calls}\nif [ "$1" = ps ] && ! grep -q "^rm" {calls}; then echo c1; echo c2; fi\n'
+    )
     engine.chmod(0o755)
     watcher = Watcher(WatchPlan([str(engine)], "podman", "coderunner.instance=x"), {"PATH": "/usr/bin:/bin"})
     watcher.ensure_running()
@@ -467,5 +470,5 @@ def test_the_watcher_sweeps_when_its_server_lets_go_and_not_before(tmp_path: Pat
     watcher._write_fd = None
     assert watcher._process is not None
     watcher._process.wait(timeout=60)
-    lines = calls.read_text().splitlines()
-    assert lines[:2] == ["ps --all --quiet --filter label=coderunner.instance=x", "rm --force --time 0 c1 c2"], lines
+    listing = "ps --all --quiet --filter label=coderunner.instance=x"
+    assert calls.read_text().splitlines() == [listing, "rm --force --time 0 c1 c2", listing], "sweeps until none"

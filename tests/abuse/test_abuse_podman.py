@@ -193,3 +193,47 @@ async def test_links_in_the_runtime_dir_make_root_create_nothing(arena: Arena) -
     finally:
         shutil.rmtree(canaries, ignore_errors=True)
     await assert_still_serving(arena)
+
+
+def _engine_clients(tag: str) -> list[int]:
+    """Host pids of `podman run` clients of one server configuration (found by the label in their argv)."""
+    needle = f"coderunner.server={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            cmdline = (entry / "cmdline").read_bytes() if entry.name.isdigit() else b""
+        except OSError:
+            continue
+        if needle in cmdline and b"\0run\0" in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+async def test_a_server_killed_while_its_container_starts_leaves_none(
+    arena: Arena,
+    podman_image: str,  # noqa: F811
+) -> None:
+    """boundary: container lifetime. SIGKILL lands while the engine client is still creating the container:
+    the watcher keeps sweeping while that client lives, so the container it makes goes too."""
+    root = _passable(Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp")))
+    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    env = server_env(dirs, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME=OCI_RUNTIME)
+    tag = server_tag(dirs.runtime)
+    try:
+        with raw_stdio_server(env, [], new_session=True) as server:
+            assert server.stdin is not None
+            call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                    "params": {"name": "run_python", "arguments": {"code": "1"}}}  # fmt: skip
+            server.stdin.write((json.dumps(call) + "\n").encode())
+            server.stdin.flush()
+            assert await wait_until(lambda: _engine_clients(tag) != [], timeout_s=60), "no engine client started"
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(timeout=30)
+        assert await wait_until(lambda: _containers(tag) == [] and _engine_clients(tag) == [], timeout_s=90), (
+            "a container or engine client outlived its server"
+        )
+    finally:
+        for leftover in _containers(tag):
+            subprocess.run(["podman", "rm", "--force", "--time", "0", leftover], capture_output=True, timeout=60)
+        shutil.rmtree(root, ignore_errors=True)
+    await assert_still_serving(arena)

@@ -27,9 +27,13 @@ from dataclasses import asdict, dataclass
 
 log = logging.getLogger(__name__)
 
-#: Sweeps after the server's end and the pauses before each: an engine client the server started
-#: just before it died may still be creating its container when the first sweep lists them.
-SWEEP_DELAYS_S = (0.0, 2.0, 5.0)
+#: An engine client the server started just before it died may still be creating its container
+#: when the first sweep lists them: the watcher sweeps again every SWEEP_INTERVAL_S while any of
+#: the server's engine clients lives (each carries the label in its argv), within SWEEP_DEADLINE_S.
+SWEEP_INTERVAL_S = 1.0
+SWEEP_DEADLINE_S = 60.0
+#: Where /proc cannot tell (no procfs: Docker Desktop on macOS), fixed pauses before each sweep.
+BLIND_SWEEP_DELAYS_S = (0.0, 2.0, 5.0)
 #: Bounds on the engine calls (as engine.QUERY_TIMEOUT_S and REMOVE_TIMEOUT_S; engine.py imports anyio).
 LIST_TIMEOUT_S = 20.0
 REMOVE_TIMEOUT_S = 30.0
@@ -77,6 +81,36 @@ def sweep(plan: WatchPlan) -> int:
     if ids:
         _run(plan.remove_argv(ids), REMOVE_TIMEOUT_S + 2 * len(ids))
     return len(ids)
+
+
+def engine_clients_alive(label: str) -> bool:
+    """Is any process but this one running with `label` in its argv (a `run --label ...` client)?"""
+    needle, me = label.encode(), os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                if needle in handle.read():
+                    return True
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return False
+
+
+def sweep_until_settled(plan: WatchPlan) -> None:
+    """Sweep until a sweep finds nothing and no engine client of the server is left (bounded)."""
+    if not os.path.isdir("/proc/self"):
+        for delay in BLIND_SWEEP_DELAYS_S:
+            time.sleep(delay)
+            sweep(plan)
+        return
+    deadline = time.monotonic() + SWEEP_DEADLINE_S
+    while True:
+        found = sweep(plan)
+        if (found == 0 and not engine_clients_alive(plan.label)) or time.monotonic() > deadline:
+            return
+        time.sleep(SWEEP_INTERVAL_S)
 
 
 def wait_for_end_of_file(fd: int) -> None:
@@ -137,9 +171,7 @@ def main(argv: list[str]) -> int:
     for number in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(number, signal.SIG_IGN)  # a terminal's signals are the server's business
     wait_for_end_of_file(0)
-    for delay in SWEEP_DELAYS_S:
-        time.sleep(delay)
-        sweep(plan)
+    sweep_until_settled(plan)
     return 0
 
 
