@@ -194,14 +194,20 @@ async def client(transport: str, dirs: ServerDirs) -> AsyncIterator[Client]:
 
 @contextlib.contextmanager
 def raw_stdio_server(
-    env: dict[str, str], tool_calls: list[tuple[str, dict[str, object]]]
+    env: dict[str, str], tool_calls: list[tuple[str, dict[str, object]]], *, new_session: bool = False
 ) -> Iterator[subprocess.Popen[bytes]]:
     """A stdio server driven by hand (no client library), for tests that kill or signal it.
 
     Yields once the handshake and every call in `tool_calls` have been answered; kills it on exit.
+    `new_session`: its own process group, which a test may kill whole.
     """
     server = subprocess.Popen(
-        SERVER_CMD, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+        SERVER_CMD,
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        start_new_session=new_session,
     )
     try:
         assert server.stdin and server.stdout

@@ -229,7 +229,7 @@ async def test_sigkilled_server_takes_its_containers_down_and_the_next_start_cle
     dirs: ServerDirs,
     host: Host,  # noqa: F811
 ) -> None:
-    """conmon keeps a container when its client dies; the server's lock (gone with it) ends the kernel."""
+    """conmon keeps a container when its client dies; the server's watcher (on the host) removes it."""
     env = podman_env(dirs, host)
     with raw_stdio_server(env, [("run_python", {"code": "1"})]) as server:
         [left] = containers(dirs)

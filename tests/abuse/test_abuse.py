@@ -315,6 +315,37 @@ CASES = [
     ),
     Case(
         "syscalls",
+        "clone and clone3 into a new user namespace",
+        TRY + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\nlibc.syscall.restype = ctypes.c_long\n"
+        "class Args(ctypes.Structure):\n    _fields_ = [(n, ctypes.c_uint64) for n in ('flags', 'pidfd', 'child_tid', 'parent_tid', 'exit_signal', 'stack', 'stack_size', 'tls')]\n"
+        "def spawn(nr, *args):\n    pid = libc.syscall(ctypes.c_long(nr), *args)\n    if pid == 0:\n        os._exit(0)\n    if pid < 0:\n        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))\n    os.waitpid(pid, 0)\n    return 'child in a new namespace'\n"
+        "NEWUSER, SIGCHLD = 0x10000000, 17\n"
+        "print(json.dumps({'clone_user': attempt(lambda: spawn(56, ctypes.c_ulong(NEWUSER | SIGCHLD), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))),"
+        " 'clone_net': attempt(lambda: spawn(56, ctypes.c_ulong(0x40000000 | SIGCHLD), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0))),"
+        " 'clone3_user': attempt(lambda: spawn(435, ctypes.byref(Args(flags=NEWUSER, exit_signal=SIGCHLD)), ctypes.c_ulong(ctypes.sizeof(Args))))}))",
+    ),
+    Case(
+        "syscalls",
+        "AF_VSOCK and other unneeded socket families",
+        TRY + "import ctypes, socket\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+        "def raw_socket(family):\n    fd = libc.syscall(ctypes.c_long(41), ctypes.c_ulong(family), ctypes.c_ulong(1), ctypes.c_ulong(0))\n    if fd < 0:\n        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))\n    os.close(fd)\n    return 'created'\n"
+        "print(json.dumps({'vsock': attempt(lambda: socket.socket(40, socket.SOCK_STREAM)),"
+        " 'vsock_high_bits': attempt(lambda: raw_socket((1 << 32) | 40)),"
+        " 'vsock_pair': attempt(lambda: socket.socketpair(40, socket.SOCK_STREAM)),"
+        " 'appletalk': attempt(lambda: raw_socket(5)), 'bluetooth': attempt(lambda: raw_socket(31)), 'can': attempt(lambda: raw_socket(29))}))",
+        lambda result, arena: _refused_as_unsupported(result),
+    ),
+    Case(
+        "filesystem",
+        "kernel symbols, kernel log and /sys",
+        TRY
+        + "def listing(p):\n    names = os.listdir(p)\n    if not names: raise FileNotFoundError('empty')\n    return names\n"
+        "def content(p):\n    data = open(p, 'rb').read(4096)\n    if not data: raise FileNotFoundError('empty')\n    return data\n"
+        "print(json.dumps({'sys': attempt(lambda: listing('/sys')), 'kallsyms': attempt(lambda: content('/proc/kallsyms')),"
+        " 'kmsg': attempt(lambda: content('/proc/kmsg')), 'kcore': attempt(lambda: content('/proc/kcore'))}))",
+    ),
+    Case(
+        "syscalls",
         "kernel keyring",
         TRY
         + "import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\ndef add_key():\n    if libc.syscall(248, b'user', b'k', b'v', 1, -4) < 0: raise OSError(ctypes.get_errno(), 'add_key')\n    return 'added'\ndef keyctl():\n    if libc.syscall(250, 0, -4, 0) < 0: raise OSError(ctypes.get_errno(), 'keyctl')\n    return 'ok'\nprint(json.dumps({'add_key': attempt(add_key), 'keyctl': attempt(keyctl)}))",
@@ -352,6 +383,13 @@ CASES = [
         session={"memory_mb": 1024},
     ),
 ]
+
+
+def _refused_as_unsupported(result: CallToolResult) -> None:
+    """Each family fails as if the kernel lacked it (EAFNOSUPPORT), not with an error that would hint at a filter."""
+    outcome = verdict(result)
+    for name, (kind, message) in outcome.items():
+        assert kind == "OSError" and "Address family not supported" in message, (name, kind, message)
 
 
 def _memory_bounded(result: CallToolResult) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 
@@ -45,7 +46,7 @@ async def test_one_sessions_inotify_hog_leaves_others_theirs(arena: Arena) -> No
     try:
         held = await run(arena.client, HOG, session_id=hog)
         count = int(text_of(held).split()[0])
-        limit = int(open("/proc/sys/fs/inotify/max_user_instances").read())
+        limit = int(Path("/proc/sys/fs/inotify/max_user_instances").read_text())
         assert count >= limit - 2, f"the hog should reach its own limit ({limit}): {text_of(held)}"
         # While the hog holds every instance its uid may have: a bystander session and a one-shot run.
         probe = await run(arena.client, PROBE, session_id=arena.bystander)

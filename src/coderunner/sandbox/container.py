@@ -8,7 +8,6 @@ so the host has a process to wait on; killing that client does not stop the cont
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import logging
@@ -32,6 +31,8 @@ WORKSPACE = "/workspace"
 #: Labels every container carries, so a later server can find what a crashed one left.
 LABEL_SESSION = "coderunner.session"
 LABEL_SERVER = "coderunner.server"
+#: One server process (random per backend instance): what its watcher removes when it dies.
+LABEL_INSTANCE = "coderunner.instance"
 NAME_PREFIX = "coderunner"
 #: The five ZMQ channels of a kernel, as named in a connection file.
 CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
@@ -97,24 +98,6 @@ def with_guest_connection(argv: list[str], ip: str, guest_dir: str | None = None
     return inner
 
 
-def hold_host_lock(runtime_dir: Path) -> tuple[Path, int]:
-    """A shared flock on a file in the session's runtime dir, held while the kernel should live.
-
-    A container outlives its engine client (conmon keeps it), so `--die-with-parent` has no
-    equivalent; instead the image's entrypoint waits for an exclusive lock on this file, which it
-    gets only once the server has closed it: at kill, or when the server dies however it dies.
-    Works where the engine shares the host kernel (podman/docker on Linux), not across a VM.
-    """
-    path = runtime_dir / "host.lock"
-    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH)
-    except OSError:
-        os.close(fd)
-        raise
-    return path, fd
-
-
 class ContainerProcess(SandboxProcess):
     """The attached engine client of one container; kill() also removes the container itself."""
 
@@ -125,13 +108,11 @@ class ContainerProcess(SandboxProcess):
         description: str,
         cleanup: list[list[str]],
         engine_env: dict[str, str],
-        lock_fd: int | None = None,
         pipes: bool = False,
     ) -> None:
         super().__init__(process, task_group, description, pipes=pipes)
         self.cleanup = cleanup
         self._engine_env = engine_env
-        self._lock_fd = lock_fd
         #: The container's init as a host pid, where the engine shares the host kernel.
         self.container_pid: int | None = None
 
@@ -143,10 +124,6 @@ class ContainerProcess(SandboxProcess):
     async def kill(self) -> None:
         """Remove the container (bounded), then kill and reap the client."""
         with anyio.CancelScope(shield=True):
-            if self._lock_fd is not None:
-                with contextlib.suppress(OSError):
-                    os.close(self._lock_fd)
-                self._lock_fd = None
             for argv in self.cleanup:
                 try:
                     await run_async(argv, REMOVE_TIMEOUT_S, check=False, env=self._engine_env)

@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import resource
+import secrets
 import shutil
 import subprocess
 import sys
@@ -29,9 +30,10 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
-from .bwrap import rlimit_prefix, sandbox_environment
+from .bwrap import PROC_MASKED_DIRS, PROC_MASKED_FILES, rlimit_prefix, sandbox_environment
 from .container import (
     IMAGE_PYTHON,
+    LABEL_INSTANCE,
     LABEL_SERVER,
     LABEL_SESSION,
     WORKSPACE,
@@ -40,7 +42,6 @@ from .container import (
     channel_ports,
     connection_info,
     container_name,
-    hold_host_lock,
     server_tag,
     session_key,
     with_guest_connection,
@@ -49,6 +50,7 @@ from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, 
 from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
 from .image import LABEL_SOURCES, sources_digest
 from .seccomp import tightened_profile
+from .watcher import Watcher, WatchPlan
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,9 @@ ENGINE_FAILURE_CODES = (125, 126, 127)
 START_ATTEMPTS = 2
 #: Processes per host uid (RLIMIT_NPROC) inside; runc here refuses values near the host's own limit.
 NPROC = 4096
+#: Hidden under podman as under bwrap: all of /sys (bwrap mounts none; the engine's sysfs shows the
+#: host's devices and cgroup tree) and the /proc entries bwrap masks (podman masks some already).
+MASKED_PATHS = ("/sys", *(f"/proc/{name}" for name in (*PROC_MASKED_FILES, *PROC_MASKED_DIRS)))
 
 
 @dataclass(frozen=True)
@@ -84,6 +89,8 @@ class OciCommand:
     nproc: int | None = None
     #: Our tightened seccomp profile (see seccomp.tightened_profile), or None for the engine's.
     seccomp_profile: Path | None = None
+    #: This server process's LABEL_INSTANCE value (what its watcher removes), or None.
+    instance: str | None = None
 
     def base(self) -> list[str]:
         """The engine and its global flags (podman takes --runtime globally, docker per run)."""
@@ -99,12 +106,9 @@ class OciCommand:
         *,
         tcp_ports: list[int] | None = None,
         etc_dir: Path | None = None,
-        host_lock: Path | None = None,
         interactive: bool = False,
     ) -> list[str]:
-        """`etc_dir`: our own hosts and resolv.conf, over the engine's copies of the host's.
-        `host_lock`: the file the server holds locked while it lives (the image's entrypoint
-        kills the kernel when it can take that lock)."""
+        """`etc_dir`: our own hosts and resolv.conf, over the engine's copies of the host's."""
         limits = spec.limits
         args = [
             *self.base(), "run", "--rm", "--init",
@@ -112,6 +116,7 @@ class OciCommand:
             "--name", name,
             "--label", f"{LABEL_SESSION}={session_key(spec)}",
             "--label", f"{LABEL_SERVER}={self.server}",
+            *(["--label", f"{LABEL_INSTANCE}={self.instance}"] if self.instance else []),
             "--pull", "never",
             "--hostname", "sandbox",
             "--cap-drop", "ALL",
@@ -128,9 +133,9 @@ class OciCommand:
             args += ["--runtime", self.runtime]
         if self.kind == "podman":
             args += ["--http-proxy=false"]  # podman would copy the engine's proxy variables in
-            # The cgroup tree says what the host runs (bwrap shows no /sys at all). Tested with
-            # podman only: Docker's cgroup namespace already hides the host's tree on cgroup v2.
-            args += ["--tmpfs", "/sys/fs/cgroup:ro"]
+            # An empty read-only tmpfs over /sys, /dev/null over the /proc files. Docker's CLI has
+            # no such option (its defaults mask less).
+            args += ["--security-opt", "mask=" + ":".join(MASKED_PATHS)]
         if tcp_ports:
             # Published on loopback only; a bare port would listen on every interface.
             for port in tcp_ports:
@@ -161,8 +166,6 @@ class OciCommand:
         args += ["--workdir", WORKSPACE]
         for key, value in sandbox_environment({"HOME": "/tmp/home"}).items():
             args += ["--env", f"{key}={value}"]
-        if host_lock is not None:
-            args += ["--env", f"CODERUNNER_HOST_LOCK={host_lock}"]
         return [*args, self.image, *inner]
 
     def remove(self, name: str) -> list[str]:
@@ -271,6 +274,7 @@ class OciBackend:
             user = f"{os.getuid()}:{os.getgid()}"
         else:
             user = None
+        instance = secrets.token_hex(8)
         self.command = OciCommand(
             engine=found,
             kind=kind,
@@ -282,8 +286,12 @@ class OciBackend:
             nofile=_hard_limit(resource.RLIMIT_NOFILE, NOFILE),
             nproc=_hard_limit(resource.RLIMIT_NPROC, NPROC) if kind == "podman" else None,
             seccomp_profile=write_seccomp_profile(runtime_base) if kind == "podman" else None,
+            instance=instance,
         )
         self.env = engine_env(dict(os.environ))
+        plan = WatchPlan(self.command.base(), kind, f"{LABEL_INSTANCE}={instance}")
+        #: Removes this process's containers when it dies (started with the first container).
+        self.watcher = Watcher(plan, self.env)
         self._check_image()
         self.sweep()
 
@@ -376,29 +384,25 @@ class OciBackend:
         etc_dir: Path | None,
         pipes: bool = False,
     ) -> ContainerProcess:
-        lock_path, lock_fd = hold_host_lock(spec.runtime_dir)
-        full = self.command.run(
-            spec, inner, name, tcp_ports=ports, etc_dir=etc_dir, host_lock=lock_path, interactive=pipes
+        # Before the container exists, so that no container of ours is ever unwatched.
+        self.watcher.ensure_running()
+        full = self.command.run(spec, inner, name, tcp_ports=ports, etc_dir=etc_dir, interactive=pipes)
+        process = await anyio.open_process(
+            full,
+            stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stdout=subprocess.PIPE if pipes else subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+            env=self.env,
+            # conmon writes files (an "oom" marker) into its working dir: a host-only one.
+            cwd=self.runtime_base,
         )
-        try:
-            process = await anyio.open_process(
-                full,
-                stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                stdout=subprocess.PIPE if pipes else subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,
-                env=self.env,
-            )
-        except BaseException:
-            os.close(lock_fd)
-            raise
         return ContainerProcess(
             process,
             task_group,
             self.describe_isolation(),
             cleanup=[self.command.remove(name)],
             engine_env=self.env,
-            lock_fd=lock_fd,
             pipes=pipes,
         )
 

@@ -4,7 +4,11 @@ An allow-list would break the long tail of what Python packages do; instead we d
 Python kernel never needs and what kernel exploits and sandbox escapes lean on: tracing other
 processes, kernel keyrings, BPF, perf, userfaultfd, io_uring, new namespaces, mounts, module
 loading, reboot, swap and the like. They fail with EPERM, so code gets a plain PermissionError.
-Syscalls of a foreign architecture (i386 on x86-64) kill the process (libseccomp's default).
+Socket families the sandbox does not need fail with EAFNOSUPPORT. Syscalls of a foreign
+architecture (i386 on x86-64) kill the process (libseccomp's default).
+
+The same policy is written twice: as a libseccomp filter for bwrap (compiled_filter) and as an
+OCI profile for podman/docker (tightened_profile); both are built from the tables below.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import copy
 import errno
 import functools
 import tempfile
+from dataclasses import dataclass
 from typing import Any
 
 #: Denied outright, each with EPERM.
@@ -43,6 +48,36 @@ CLONE_NAMESPACE_FLAGS = {
     "CLONE_NEWPID": 0x20000000,
     "CLONE_NEWNET": 0x40000000,
 }
+CLONE_NAMESPACE_MASK = sum(CLONE_NAMESPACE_FLAGS.values())
+
+#: The socket families sandboxed code may create: unix (kernel channels, Chromium's IPC),
+#: IPv4/IPv6 (internet mode, and loopback) and netlink (glibc and Chromium read interfaces and
+#: routes through it). Every other family fails with EAFNOSUPPORT, as if the kernel lacked it;
+#: above all AF_VSOCK, which no namespace confines (it reaches the hypervisor of a host that is a VM).
+SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
+#: socket() and socketpair() take the family first.
+SOCKET_SYSCALLS = ("socket", "socketpair")
+
+
+@dataclass(frozen=True)
+class ArgTest:
+    """One comparison of a syscall argument, in the terms both libseccomp and OCI profiles use."""
+
+    op: str  # "EQ" or "GT" (unsigned, all 64 bits)
+    value: int
+
+
+def refused_families() -> list[ArgTest]:
+    """Tests that together match every family argument outside SOCKET_FAMILIES.
+
+    The family is a C int, but seccomp compares all 64 bits of the register while the kernel reads
+    only the low 32: "anything above the highest allowed value" (a 64-bit comparison) also catches
+    a value with high bits set whose low half names an allowed family, so nothing can pass the
+    filter as one family and reach the kernel as another.
+    """
+    highest = max(SOCKET_FAMILIES.values())
+    allowed = set(SOCKET_FAMILIES.values())
+    return [ArgTest("GT", highest), *(ArgTest("EQ", value) for value in range(highest) if value not in allowed)]
 
 
 class SeccompUnavailable(RuntimeError):
@@ -69,26 +104,76 @@ def compiled_filter() -> bytes:
         rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     # clone3 passes its flags in memory seccomp cannot read: make libc fall back to clone().
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    ops = {"EQ": seccomp.EQ, "GT": seccomp.GT}
+    for name in SOCKET_SYSCALLS:
+        for test in refused_families():
+            rules.add_rule(seccomp.ERRNO(errno.EAFNOSUPPORT), name, seccomp.Arg(0, ops[test.op], test.value))
     with tempfile.TemporaryFile() as handle:
         rules.export_bpf(handle)
         handle.seek(0)
         return handle.read()
 
 
-def tightened_profile(engine_default: dict[str, Any]) -> dict[str, Any]:
-    """An engine's seccomp profile (OCI JSON, e.g. containers-common's) with DENIED_SYSCALLS refused.
+#: s390 passes clone's flags second; every other architecture first.
+CLONE_FLAGS_SECOND = ["s390", "s390x"]
 
-    Engines allow some of them (ptrace, keyctl, personality ...) or gate them on capabilities;
-    the container backends then refuse the same calls as bwrap, each with EPERM. The engine's own
-    rules for everything else (clone namespace flags without CAP_SYS_ADMIN, foreign arches) stay.
+
+def tightened_profile(engine_default: dict[str, Any]) -> dict[str, Any]:
+    """An engine's seccomp profile (OCI JSON, e.g. containers-common's) refusing what bwrap refuses.
+
+    Engines allow some of DENIED_SYSCALLS (ptrace, keyctl, personality ...) or gate them on
+    capabilities, and containers-common allows clone, clone3, unshare and socket outright (with
+    clone3 a process makes a user namespace holding every capability). runc hands the rules to
+    libseccomp, where an unconditional allow of a syscall wins over conditional rules for it, so
+    those syscalls are taken out of every engine rule and ruled here alone: DENIED_SYSCALLS with
+    EPERM, clone with a namespace flag EPERM (and allowed without one), clone3 ENOSYS so that
+    libc falls back to clone, and socket/socketpair allowed for SOCKET_FAMILIES only, every
+    other family EAFNOSUPPORT. The engine's rules for everything else (foreign arches, the
+    default action) stay. Its NETLINK_AUDIT refusal goes with its socket rules; sending audit
+    records needs CAP_AUDIT_WRITE, which the container does not have.
     """
     denied = set(DENIED_SYSCALLS)
+    ruled_here = denied | {"clone", "clone3", *SOCKET_SYSCALLS}
     profile = copy.deepcopy(engine_default)
     rules = []
     for rule in profile.get("syscalls") or []:
-        names = [name for name in rule.get("names", []) if name not in denied]
+        names = [name for name in rule.get("names", []) if name not in ruled_here]
         if names:
             rules.append({**rule, "names": names})
     rules.append({"names": sorted(denied), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM})
+    rules += _clone_rules()
+    rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS})
+    rules += _socket_rules()
     profile["syscalls"] = rules
     return profile
+
+
+def _arg(index: int, op: str, value: int, value_two: int = 0) -> dict[str, Any]:
+    return {"index": index, "value": value, "valueTwo": value_two, "op": f"SCMP_CMP_{op}"}
+
+
+def _clone_rules() -> list[dict[str, Any]]:
+    rules = []
+    for index, arches in (
+        (0, {"excludes": {"arches": CLONE_FLAGS_SECOND}}),
+        (1, {"includes": {"arches": CLONE_FLAGS_SECOND}}),
+    ):
+        # (flags & mask) == 0: no namespace flag at all.
+        rules.append({"names": ["clone"], "action": "SCMP_ACT_ALLOW",
+                      "args": [_arg(index, "MASKED_EQ", CLONE_NAMESPACE_MASK, 0)], **arches})  # fmt: skip
+        for flag in CLONE_NAMESPACE_FLAGS.values():
+            rules.append({"names": ["clone"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM,
+                          "args": [_arg(index, "MASKED_EQ", flag, flag)], **arches})  # fmt: skip
+    return rules
+
+
+def _socket_rules() -> list[dict[str, Any]]:
+    names = list(SOCKET_SYSCALLS)
+    rules: list[dict[str, Any]] = [
+        {"names": names, "action": "SCMP_ACT_ALLOW", "args": [_arg(0, "EQ", family)]}
+        for family in sorted(SOCKET_FAMILIES.values())
+    ]
+    for test in refused_families():
+        rules.append({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
+                      "args": [_arg(0, test.op, test.value)]})  # fmt: skip
+    return rules

@@ -1,0 +1,179 @@
+"""A process on the host that removes a server's containers once that server is gone.
+
+A container outlives its engine client (conmon keeps it running), so a server that dies by
+SIGKILL, OOM or a crash would leave its kernels running. Nothing inside the container can be
+trusted to end it (the sandbox may kill anything in there), so the watcher lives outside: one
+small process per server process, in its own session (a signal to the server's process group
+does not reach it). It reads a pipe whose only writer is the server; end of file means the server
+is gone, however it went. It then removes every container labelled with that server process's
+instance label, with bounded engine calls, and exits.
+
+It runs nothing from the sandbox and touches no path: its whole input is its argv (the engine
+command and the label, from the server) and the end of a pipe. This file runs as a script
+(`python -I watcher.py PLAN`), so it imports the standard library only: the watcher costs a few
+MiB, not the server's whole import graph.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+log = logging.getLogger(__name__)
+
+#: An engine client the server started just before it died may still be creating its container
+#: when the first sweep lists them: the watcher sweeps again every SWEEP_INTERVAL_S while any of
+#: the server's engine clients lives (each carries the label in its argv), within SWEEP_DEADLINE_S.
+SWEEP_INTERVAL_S = 1.0
+SWEEP_DEADLINE_S = 60.0
+#: Where /proc cannot tell (no procfs: Docker Desktop on macOS), fixed pauses before each sweep.
+BLIND_SWEEP_DELAYS_S = (0.0, 2.0, 5.0)
+#: Bounds on the engine calls (as engine.QUERY_TIMEOUT_S and REMOVE_TIMEOUT_S; engine.py imports anyio).
+LIST_TIMEOUT_S = 20.0
+REMOVE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class WatchPlan:
+    """What the watcher removes, and how: the engine's argv prefix and a `key=value` label."""
+
+    engine: list[str]  # e.g. ["podman", "--runtime", "runc"]
+    kind: str  # "podman" or "docker"
+    label: str
+
+    def list_argv(self) -> list[str]:
+        return [*self.engine, "ps", "--all", "--quiet", "--filter", f"label={self.label}"]
+
+    def remove_argv(self, ids: list[str]) -> list[str]:
+        force = ["--force"] if self.kind == "docker" else ["--force", "--time", "0"]
+        return [*self.engine, "rm", *force, *ids]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> WatchPlan:
+        data = json.loads(text)
+        return cls(engine=[str(part) for part in data["engine"]], kind=str(data["kind"]), label=str(data["label"]))
+
+
+def _run(argv: list[str], timeout_s: float) -> str | None:
+    """An engine call's stdout, or None if it failed or outlived `timeout_s` (then it is killed)."""
+    try:
+        done = subprocess.run(
+            argv, capture_output=True, text=True, timeout=timeout_s, check=False, stdin=subprocess.DEVNULL
+        )
+    except (subprocess.TimeoutExpired, OSError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def sweep(plan: WatchPlan) -> int:
+    """Remove every container carrying the plan's label; how many were found."""
+    listed = _run(plan.list_argv(), LIST_TIMEOUT_S)
+    ids = [line.strip() for line in (listed or "").splitlines() if line.strip()]
+    if ids:
+        _run(plan.remove_argv(ids), REMOVE_TIMEOUT_S + 2 * len(ids))
+    return len(ids)
+
+
+def engine_clients_alive(label: str) -> bool:
+    """Is any process but this one running with `label` in its argv (a `run --label ...` client)?"""
+    needle, me = label.encode(), os.getpid()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == me:
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                if needle in handle.read():
+                    return True
+        except OSError:
+            continue  # gone meanwhile, or not ours to read
+    return False
+
+
+def sweep_until_settled(plan: WatchPlan) -> None:
+    """Sweep until a sweep finds nothing and no engine client of the server is left (bounded)."""
+    if not os.path.isdir("/proc/self"):
+        for delay in BLIND_SWEEP_DELAYS_S:
+            time.sleep(delay)
+            sweep(plan)
+        return
+    deadline = time.monotonic() + SWEEP_DEADLINE_S
+    while True:
+        found = sweep(plan)
+        if (found == 0 and not engine_clients_alive(plan.label)) or time.monotonic() > deadline:
+            return
+        time.sleep(SWEEP_INTERVAL_S)
+
+
+def wait_for_end_of_file(fd: int) -> None:
+    """Block until every writer of the pipe `fd` has closed it (the server exited)."""
+    while os.read(fd, 4096):
+        pass
+
+
+class Watcher:
+    """The server's handle on its watcher: starts it, restarts it if it died, holds the pipe."""
+
+    def __init__(self, plan: WatchPlan, env: dict[str, str]) -> None:
+        self.plan = plan
+        self.env = env
+        self._process: subprocess.Popen[bytes] | None = None
+        self._write_fd: int | None = None
+
+    def ensure_running(self) -> None:
+        """Start the watcher if it is not running (first container, or it died)."""
+        if self._process is not None:
+            if self._process.poll() is None:
+                return
+            log.warning("the container watcher exited (code %s); starting another", self._process.returncode)
+        if self._write_fd is not None:
+            os.close(self._write_fd)
+            self._write_fd = None
+        read_fd, write_fd = os.pipe()  # both close-on-exec: no other child holds the write end
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", __file__, self.plan.to_json()],
+                stdin=read_fd,
+                stdout=subprocess.DEVNULL,
+                # Not the server's stderr: a client that waits for its end would wait for the sweeps.
+                stderr=subprocess.DEVNULL,
+                env=self.env,
+                cwd="/",
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            os.close(write_fd)
+            raise
+        finally:
+            os.close(read_fd)
+        self._write_fd = write_fd
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+
+def main(argv: list[str]) -> int:
+    """argv: [this script, the plan as JSON] (what Watcher passes)."""
+    if len(argv) != 2:
+        print("the container watcher is started by coderunner serve, not by hand", file=sys.stderr)
+        return 2
+    plan = WatchPlan.from_json(argv[1])
+    for number in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
+        signal.signal(number, signal.SIG_IGN)  # a terminal's signals are the server's business
+    wait_for_end_of_file(0)
+    sweep_until_settled(plan)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
