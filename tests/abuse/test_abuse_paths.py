@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 from ..conftest import ServerDirs, _passable, raw_stdio_server, run, server_env, stdio_client, text_of
+from ..test_e2e_podman import OCI_RUNTIME, podman_image  # noqa: F401  (the session's image fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -89,6 +90,15 @@ def canaries() -> Iterator[Canaries]:
     listener.close()
     os.close(fifo_fd)
     shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(params=["bwrap", "podman"])
+def backend_env(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The same traps on every backend that shares the host kernel's file systems."""
+    if request.param == "podman":
+        request.getfixturevalue("podman_image")  # built once per test session
+        return {"CODERUNNER_BACKEND": "podman", "CODERUNNER_OCI_RUNTIME": OCI_RUNTIME}
+    return {"CODERUNNER_BACKEND": "bwrap"}
 
 
 @pytest.fixture
@@ -178,9 +188,11 @@ def assert_untouched(canaries: Canaries, before: dict[str, object]) -> None:
     assert canaries.fifo_data() == b"", "the host wrote into the canary FIFO through a planted link"
 
 
-async def test_planted_links_never_lead_the_host_anywhere(canaries: Canaries, trap_dirs: ServerDirs) -> None:
+async def test_planted_links_never_lead_the_host_anywhere(
+    canaries: Canaries, trap_dirs: ServerDirs, backend_env: dict[str, str]
+) -> None:
     before = canaries.snapshot()
-    env = server_env(trap_dirs, CODERUNNER_DISK_MB="64", CODERUNNER_OUTPUT_LIMIT_CHARS="2000")
+    env = server_env(trap_dirs, CODERUNNER_DISK_MB="64", CODERUNNER_OUTPUT_LIMIT_CHARS="2000", **backend_env)
     async with stdio_client(env) as client:
         bystander = json.loads(text_of(await client.call_tool("create_session", {})))["session_id"]
         assert not (await run(client, "kept = 'bystander-9c1'", session_id=bystander)).is_error
@@ -189,7 +201,6 @@ async def test_planted_links_never_lead_the_host_anywhere(canaries: Canaries, tr
         planted = await run(client, trap(canaries), session_id=victim)
         assert not planted.is_error, text_of(planted)
         report = json.loads(text_of(planted).splitlines()[0])
-        print("\n[trap]", report)
         assert report["replaced"] > 20 and "/workspace" in report["writable"], report
         # Output past the inline limit spills to a file in the (trapped) workspace; images too.
         spilled = await run(client, "print('x' * 50_000)", session_id=victim)
@@ -221,10 +232,10 @@ async def test_planted_links_never_lead_the_host_anywhere(canaries: Canaries, tr
 
 
 async def test_a_sigkilled_server_leaves_traps_that_the_next_start_clears(
-    canaries: Canaries, trap_dirs: ServerDirs
+    canaries: Canaries, trap_dirs: ServerDirs, backend_env: dict[str, str]
 ) -> None:
     before = canaries.snapshot()
-    env = server_env(trap_dirs, CODERUNNER_DISK_MB="64")
+    env = server_env(trap_dirs, CODERUNNER_DISK_MB="64", **backend_env)
     with raw_stdio_server(env, [("run_python", {"code": trap(canaries)})]) as server:
         sessions = [path for path in trap_dirs.runtime.iterdir() if path.is_dir() and len(path.name) == 8]
         assert sessions, "the trapped session's dirs should exist while its server runs"
