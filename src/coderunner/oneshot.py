@@ -23,6 +23,7 @@ from anyio.abc import ByteReceiveStream, TaskGroup
 from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
 
 if TYPE_CHECKING:
+    from .sandbox_mounts import SandboxMounts
     from .sessions import SessionOptions
     from .workspace import Workspace
 
@@ -85,6 +86,8 @@ class OneShotResult:
     #: How memory and time were bounded, so the caller knows what the figures mean.
     limits: dict[str, Any]
     truncated: bool = False
+    #: What was copied from the export mount to the client's export folder, if anything.
+    exported: str | None = None
 
 
 async def _capture(stream: ByteReceiveStream, sink: BoundedBytes, done: anyio.Event) -> None:
@@ -135,6 +138,8 @@ class OneShotRunner:
     #: The SessionManager's: a locked runtime dir and a workspace for one sandbox, and their removal.
     open_dirs: Callable[[SessionOptions], tuple[int, Path, Workspace]]
     close_dirs: Callable[[int, Path, Workspace], None]
+    #: The SessionManager's: the sandbox's mounts (staged as root) and export outbox, in its host-only dir.
+    mounts_for: Callable[[SessionOptions, Path, Workspace], SandboxMounts] | None = None
     #: One-shot sandboxes at once; more wait (within their own timeout) for a slot.
     max_concurrent: int = 4
     _limiter: anyio.CapacityLimiter | None = None
@@ -168,7 +173,9 @@ class OneShotRunner:
         self, language: Language, code: str, options: SessionOptions, stdin: bytes, variables: dict[str, Any]
     ) -> OneShotResult:
         lock_fd, run_dir, workspace = self.open_dirs(options)
+        mounts = None
         try:
+            mounts = self._mounts(options, run_dir, workspace)
             source = run_dir / SOURCE_NAMES[language]
             source.write_text(code)
             variables_file = run_dir / "variables.json"
@@ -176,7 +183,7 @@ class OneShotRunner:
             memory = options.limits.memory_mb or 0
             argv = [self.backend.python, "-m", GUEST_MODULE, "run", language, str(source), str(variables_file),
                     str(memory)]  # fmt: skip
-            spec = _spec(options, run_dir, workspace.path)
+            spec = _spec(options, run_dir, workspace.path, mounts)
             stdout, stderr = BoundedBytes(self.output_limit_bytes), BoundedBytes(self.output_limit_bytes)
             began = time.perf_counter()
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
@@ -189,6 +196,8 @@ class OneShotRunner:
                 with anyio.CancelScope(shield=True):
                     await process.kill()
             exit_code = None if timed_out else process.returncode
+            with anyio.CancelScope(shield=True):
+                exported = mounts.note(await anyio.to_thread.run_sync(mounts.export))
             err_text = stderr.text()
             if oom:
                 err_text += f"\n[killed: over the memory limit of {options.limits.memory_mb} MiB]"
@@ -207,9 +216,22 @@ class OneShotRunner:
                     "network": options.network,
                 },
                 truncated=stdout.truncated or stderr.truncated,
+                exported=exported,
             )
         finally:
-            self.close_dirs(lock_fd, run_dir, workspace)
+            self._close(lock_fd, run_dir, workspace, mounts)
+
+    def _mounts(self, options: SessionOptions, run_dir: Path, workspace: Workspace) -> SandboxMounts:
+        from .sandbox_mounts import SandboxMounts
+
+        if self.mounts_for is None:
+            return SandboxMounts(mounts=options.mounts)
+        return self.mounts_for(options, run_dir.parent, workspace)
+
+    def _close(self, lock_fd: int, run_dir: Path, workspace: Workspace, mounts: SandboxMounts | None) -> None:
+        if mounts is not None and not mounts.close():
+            return  # a staged mount would not detach: never delete beneath it
+        self.close_dirs(lock_fd, run_dir, workspace)
 
     async def check(self, language: Language, code: str, options: SessionOptions) -> list[dict[str, Any]]:
         """Syntax errors of `code`, found inside a throwaway sandbox: [{line, column, message}]."""
@@ -238,13 +260,15 @@ class OneShotRunner:
         self, options: SessionOptions, command: list[str], code: str | None, name: str
     ) -> dict[str, Any]:
         lock_fd, run_dir, workspace = self.open_dirs(options)
+        mounts = None
         try:
+            mounts = self._mounts(options, run_dir, workspace)
             argv = [self.backend.python, "-m", GUEST_MODULE, *command]
             if code is not None:
                 (run_dir / name).write_text(code)
                 argv.append(str(run_dir / name))
             answer, problems = BoundedBytes(MAX_CHECK_ANSWER_BYTES), BoundedBytes(4096)
-            spec = _spec(options, run_dir, workspace.path)
+            spec = _spec(options, run_dir, workspace.path, mounts)
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
             try:
                 await _collect(process, answer, problems, b"", CHECK_TIMEOUT_S)
@@ -259,17 +283,17 @@ class OneShotRunner:
                 raise OneShotError(f"the sandbox helper did not answer: {problems.text().strip()[-500:]}")
             return parsed
         finally:
-            self.close_dirs(lock_fd, run_dir, workspace)
+            self._close(lock_fd, run_dir, workspace, mounts)
 
 
-def _spec(options: SessionOptions, run_dir: Path, workspace: Path) -> SandboxSpec:
+def _spec(options: SessionOptions, run_dir: Path, workspace: Path, mounts: SandboxMounts) -> SandboxSpec:
     return SandboxSpec(
         name=run_dir.parent.name,
         workspace=workspace,
         runtime_dir=run_dir,
         limits=options.limits,
         network=options.network,
-        mounts=options.mounts,
+        mounts=mounts.mounts,
     )
 
 

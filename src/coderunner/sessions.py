@@ -27,15 +27,19 @@ from anyio.abc import TaskGroup
 
 from .callers import LOCAL_CALLER
 from .config import MIN_MEMORY_MB, Settings
+from .exports import ExportError, client_folder, folder_owner, prepare_export_dir
 from .files import SandboxFiles
 from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
-from .mounts import MountError, MountSpec, check_distinct, prepare_export_dir, resolve_mount
+from .mounts import MountError, MountSpec, check_distinct, check_sandbox_path, resolve_mount
 from .oneshot import OneShotRunner
 from .output import OutputCollector, WorkspaceWriter
+from .owners import LOCAL_CLIENT
 from .results import ExecutionResult
 from .sandbox.base import SESSION_PACKAGES, LimitReport, Limits, Mount, SandboxBackend, SandboxSpec
 from .sandbox.identity import ensure_private_dir
-from .workspace import Workspace, WorkspaceError, remove_workspace
+from .sandbox_mounts import ExportPlan, MountsError, SandboxMounts, prepare_mounts, release_mounts
+from .startup_hooks import disable_startup_hooks
+from .workspace import Workspace, WorkspaceError, named_workspace_dir, remove_workspace
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +74,8 @@ class SessionOptions:
     #: A named session's workspace can be persistent: it outlives the session and the server.
     name: str | None = None
     persistent: bool = False
+    #: The client that owns its exports and its persistent name (owners.py).
+    client: str = LOCAL_CLIENT
 
 
 @dataclass
@@ -115,6 +121,29 @@ class Session:
     _resetting: bool = False
     _generation: int = 0
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
+    #: Its mounts as the sandbox gets them (staged on a root server) and its export outbox.
+    sandbox_mounts: SandboxMounts | None = None
+    #: What the last copy-out to the export folder did, for the reply.
+    export_note: str | None = None
+    #: A reopened workspace's start-up files and packages (startup_hooks.py), for create_session's reply.
+    startup: dict[str, Any] | None = None
+
+    @property
+    def mounts(self) -> tuple[Mount, ...]:
+        return self.sandbox_mounts.mounts if self.sandbox_mounts is not None else self.options.mounts
+
+    async def copy_out(self) -> None:
+        """Copy new files in the outbox to the client's export folder (a worker thread: it is file I/O)."""
+        plan = self.sandbox_mounts
+        if plan is None or plan.exporter is None:
+            return
+        try:
+            with anyio.CancelScope(shield=True):
+                report = await anyio.to_thread.run_sync(plan.export)
+        except OSError as exc:
+            self.export_note = f"copying to the export folder failed: {exc}"
+            return
+        self.export_note = plan.note(report)
 
     @property
     def spec(self) -> SandboxSpec:
@@ -124,14 +153,14 @@ class Session:
             runtime_dir=self.runtime_dir,
             limits=self.options.limits,
             network=self.options.network,
-            mounts=self.options.mounts,
+            mounts=self.mounts,
         )
 
     @property
     def files(self) -> SandboxFiles:
         """The session's files as the host may touch them: workspace and mounts, symlink-safe."""
         workspace = Mount(self.workspace.path, self.backend.workspace_path, writable=True)
-        return SandboxFiles([workspace, *self.options.mounts], owner=self.backend.host_owner)
+        return SandboxFiles([workspace, *self.mounts], owner=self.backend.host_owner)
 
     async def start_kernel(self) -> None:
         kernel = Kernel(self.backend, self.spec, self.task_group, generation=self._generation)
@@ -167,7 +196,11 @@ class Session:
             if self.closed:
                 raise SessionError(f"session {self.session_id} was closed")
             self.busy = True
-            yield
+            self.export_note = None
+            try:
+                yield
+            finally:
+                await self.copy_out()
         finally:
             self.busy = False
             self.last_used = time.monotonic()
@@ -338,6 +371,10 @@ class Session:
             if self.kernel is not None:
                 await self.kernel.shutdown()
                 self.kernel = None
+            await self.copy_out()
+            if self.sandbox_mounts is not None and not self.sandbox_mounts.close():
+                log.warning("session %s…: a staged mount would not detach; its dirs are left", self.session_id[:6])
+                return
             self.workspace.remove()
             _remove_session_dirs(self.runtime_dir)
             with contextlib.suppress(OSError):
@@ -423,6 +460,7 @@ class SessionManager:
             output_limit_bytes=self.settings.output_limit_chars,
             open_dirs=self.open_dirs,
             close_dirs=self.close_dirs,
+            mounts_for=self.sandbox_mounts,
         )
         return self
 
@@ -454,6 +492,7 @@ class SessionManager:
         mounts: list[MountSpec] | None = None,
         name: str | None = None,
         persistent: bool = False,
+        client: str = LOCAL_CLIENT,
     ) -> SessionOptions:
         if name is not None and not SESSION_NAME.fullmatch(name):
             raise SessionError(f"session name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
@@ -482,7 +521,30 @@ class SessionManager:
             mounts=(*self.base_mounts, *self._session_mounts(mounts or [])),
             name=name,
             persistent=persistent,
+            client=client,
         )
+
+    def export_plan(self, client: str) -> ExportPlan | None:
+        """Where `client`'s sandboxes save exports (export_mount) and where those land on the host."""
+        export_dir = self.settings.export_dir
+        if export_dir is None:
+            return None
+        root = prepare_export_dir(export_dir)
+        return ExportPlan(
+            mount=self.settings.export_mount,
+            target=client_folder(root, client),
+            limit_bytes=self.settings.export_limit_mb * 2**20,
+            owner=folder_owner(root),
+        )
+
+    def sandbox_mounts(self, options: SessionOptions, host_dir: Path, workspace: Workspace,
+                       fresh: bool = True) -> SandboxMounts:  # fmt: skip
+        """A sandbox's mounts (staged on a root server) and its outbox; raises SessionError."""
+        try:
+            return prepare_mounts(options.mounts, host_dir, workspace.path, self.backend.host_owner,
+                                  self.export_plan(options.client), fresh_workspace=fresh)  # fmt: skip
+        except (MountsError, ExportError, OSError) as exc:
+            raise SessionError(f"could not prepare the sandbox's folders: {exc}") from None
 
     def _protected_paths(self) -> list[Path]:
         """Paths no mount may overlap: other sessions' workspaces and sockets, the sandbox env, the HTTP token."""
@@ -492,13 +554,16 @@ class SessionManager:
     def _configured_mounts(self) -> list[Mount]:
         """The server-wide mounts: the export folder (rw) plus the configured ones. Raises MountError."""
         identity = self.backend.identity
-        specs = list(self.settings.mounts)
-        if self.settings.export_dir is not None:
-            export = prepare_export_dir(self.settings.export_dir, identity)
-            specs.insert(0, MountSpec(host=export, sandbox=self.settings.export_mount, mode="rw"))
-        mounts = [resolve_mount(spec, protected=self._protected_paths(), identity=identity) for spec in specs]
-        check_distinct(mounts)
+        mounts = [resolve_mount(spec, protected=self._protected_paths(), identity=identity)
+                  for spec in self.settings.mounts]  # fmt: skip
+        check_distinct([*mounts, *self._export_mount()])
         return mounts
+
+    def _export_mount(self) -> list[Mount]:
+        """The export mount's sandbox path, so that no other mount takes it."""
+        if self.settings.export_dir is None:
+            return []
+        return [Mount(Path("/"), check_sandbox_path(self.settings.export_mount), writable=True)]
 
     def _session_mounts(self, specs: list[MountSpec]) -> list[Mount]:
         """Mounts asked for by create_session: only under a folder the configuration allows."""
@@ -514,7 +579,7 @@ class SessionManager:
                 raise SessionError(f"{mount.host} may not be mounted: sessions may mount only under {allowed}")
             mounts.append(mount)
         try:
-            check_distinct([*self.base_mounts, *mounts])
+            check_distinct([*self.base_mounts, *self._export_mount(), *mounts])
         except MountError as exc:
             raise SessionError(str(exc)) from None
         return mounts
@@ -529,6 +594,15 @@ class SessionManager:
         assert self._task_group is not None, "SessionManager used outside its `async with`"
         session_id = secrets.token_urlsafe(18)
         lock_fd, run_dir, workspace = self.open_dirs(options)
+        try:
+            startup = disable_startup_hooks(workspace.path) if workspace.reopened else None
+            mounts = self.sandbox_mounts(options, run_dir.parent, workspace, fresh=not workspace.reopened)
+        except OSError as exc:
+            self.close_dirs(lock_fd, run_dir, workspace)
+            raise SessionError(f"could not check the reopened workspace's start-up files: {exc}") from None
+        except BaseException:
+            self.close_dirs(lock_fd, run_dir, workspace)
+            raise
         session = Session(
             session_id=session_id,
             options=options,
@@ -539,6 +613,8 @@ class SessionManager:
             task_group=self._task_group,
             lock_fd=lock_fd,
             owner=owner,
+            sandbox_mounts=mounts,
+            startup=startup.as_dict() if startup is not None else None,
         )
         self._sessions[session_id] = session
         try:
@@ -560,7 +636,12 @@ class SessionManager:
         run_dir = runtime_dir / "run"
         run_dir.mkdir(mode=0o700)
         give(run_dir, self.backend.host_owner)
-        workspace_dir = self.settings.workspaces_dir / (f"named-{options.name}" if options.persistent else short)
+        if options.persistent:
+            assert options.name is not None
+            workspace_dir = named_workspace_dir(self.settings.workspaces_dir, options.client, options.name,
+                                                self.backend.dir_mode)  # fmt: skip
+        else:
+            workspace_dir = self.settings.workspaces_dir / short
         try:
             workspace = Workspace.create(
                 workspace_dir, options.limits.disk_mb, self.settings.workspace_quota, persistent=options.persistent
@@ -580,7 +661,7 @@ class SessionManager:
         with contextlib.suppress(OSError):
             os.close(lock_fd)
 
-    async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER) -> Session:
+    async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER, client: str = LOCAL_CLIENT) -> Session:
         """The named session, or `owner`'s default one (created on first use).
 
         A session id is an unguessable handle: whoever holds it may use it, whichever client
@@ -597,7 +678,7 @@ class SessionManager:
         async with self._default_lock:
             default_id = self._default_ids.get(owner)
             if default_id is None or default_id not in self._sessions:
-                default_id = (await self.create(owner=owner)).session_id
+                default_id = (await self.create(self.options(client=client), owner=owner)).session_id
                 self._default_ids[owner] = default_id
             return self._sessions[default_id]
 
@@ -660,6 +741,8 @@ def remove_stale_sessions(runtime_base: Path, workspaces_base: Path, backend: Sa
         finally:
             os.close(fd)
         backend.remove_stale(entry.name)
+        if not release_mounts(entry):
+            continue  # never delete under a staged mount of a user's folder
         remove_workspace(workspaces_base / entry.name)  # named (persistent) workspaces have other names
         _remove_session_dirs(entry)
         removed += 1
@@ -668,6 +751,9 @@ def remove_stale_sessions(runtime_base: Path, workspaces_base: Path, backend: Sa
 
 def _remove_session_dirs(runtime_dir: Path) -> None:
     top = runtime_dir.parent if runtime_dir.name == "run" else runtime_dir
+    if not release_mounts(top):
+        log.warning("a staged mount in %s would not detach; leaving the dir", top)
+        return
     shutil.rmtree(top, ignore_errors=True)
 
 
