@@ -36,7 +36,9 @@ def client_of(request: Any) -> str:
 
 def folder_name(name: str) -> str:
     """A stable, readable folder name for a client name; distinct names never share a folder."""
-    safe = _UNSAFE.sub("_", name)[:MAX_FOLDER_CHARS].lstrip(".") or "_"
+    safe = _UNSAFE.sub("_", name)[:MAX_FOLDER_CHARS]
+    if not safe[:1].isalnum():
+        safe = "c" + safe
     if safe != name or safe in _RESERVED:
         safe = f"{safe[: MAX_FOLDER_CHARS - 9]}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
     return safe

@@ -553,7 +553,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False, annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
     async def delete_workspace(
         ctx: Context,
-        name: Annotated[str, Field(pattern=SESSION_NAME.pattern, description="A name from list_workspaces.")],
+        name: Annotated[str, Field(pattern=f"^{SESSION_NAME.pattern}$", description="A name from list_workspaces.")],
     ) -> CallToolResult:
         """Delete one of your persistent workspaces and all its files (not while a session uses it)."""
 

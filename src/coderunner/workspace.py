@@ -12,6 +12,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -111,6 +112,8 @@ class Workspace:
 
 #: Persistent workspaces live in NAMED_DIR/<client>/<name> (with <name>.img and <name>.lock beside).
 NAMED_DIR = "named"
+#: What a workspace name (and a client folder, see owners.py) may be: one plain path component.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,8 @@ class NamedWorkspace:
 
 def named_workspace_dir(base: Path, client: str, name: str, dir_mode: int) -> Path:
     """Where `client`'s persistent workspace `name` lives: a name belongs to the client that made it."""
+    if not NAME.fullmatch(name) or not NAME.fullmatch(client):
+        raise WorkspaceError(f"{name!r} is not a workspace name")
     folder = _client_dir(base, client, dir_mode)
     return folder / name
 
@@ -169,6 +174,8 @@ def _in_use(path: Path) -> bool:
 
 def delete_named(base: Path, client: str, name: str) -> None:
     """Delete `client`'s persistent workspace `name` for good; refuses one in use."""
+    if not NAME.fullmatch(name) or not NAME.fullmatch(client):
+        raise WorkspaceError(f"{name!r} is not a workspace name: list_workspaces shows yours")
     path = base / NAMED_DIR / client / name
     if not os.path.lexists(path):
         raise WorkspaceError(f"there is no persistent workspace {name!r}: list_workspaces shows yours")
