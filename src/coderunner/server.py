@@ -82,6 +82,19 @@ def _session_summary(session: Session, manager: SessionManager) -> dict[str, Any
     return status
 
 
+def _close_schemas(server: MCPServer, names: tuple[str, ...]) -> None:
+    """Declare that these tools take no arguments beyond their own (strict clients require it).
+
+    mcp 2.3 has no public way to set this on a decorated tool, hence the guarded private access;
+    without it the schema is merely open, which the SDK's own validation tolerates.
+    """
+    manager = getattr(server, "_tool_manager", None)
+    for name in names:
+        tool = manager.get_tool(name) if manager is not None else None
+        if tool is not None and isinstance(tool.parameters, dict):
+            tool.parameters["additionalProperties"] = False
+
+
 async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolResult:
     """Errors a caller can act on become isError results with a plain message."""
     try:
@@ -565,6 +578,8 @@ def build_server(manager: SessionManager) -> MCPServer:
             return _json_result({"deleted": name})
 
         return await _guarded(call)
+
+    _close_schemas(server, ("list_workspaces", "delete_workspace"))
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def get_capabilities() -> CallToolResult:

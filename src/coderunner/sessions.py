@@ -145,6 +145,13 @@ class Session:
             return
         self.export_note = plan.note(report)
 
+    def _export_status(self) -> list[dict[str, str]]:
+        plan = self.sandbox_mounts
+        if plan is None or plan.exporter is None or plan.export_mount is None:
+            return []
+        target = str(plan.exporter.target)
+        return [{"sandbox": plan.export_mount, "host": target, "mode": "rw", "exported": "after each call"}]
+
     @property
     def spec(self) -> SandboxSpec:
         return SandboxSpec(
@@ -420,7 +427,8 @@ class Session:
             mounts=[
                 {"sandbox": m.sandbox, "host": str(m.host), "mode": "rw" if m.writable else "ro"}
                 for m in self.options.mounts
-            ],
+            ]
+            + self._export_status(),
             limits={
                 **self.backend.limit_reports(self.options.limits),
                 "disk_mb": LimitReport(self.workspace.size_mb, self.workspace.enforced_by),

@@ -13,6 +13,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,17 @@ from mcp import Client
 
 from coderunner import staging
 
-from ..conftest import ServerDirs, _passable, connect_http, http_server, run, server_env, text_of
+from ..conftest import (
+    ServerDirs,
+    _passable,
+    connect_http,
+    http_server,
+    raw_stdio_server,
+    run,
+    server_env,
+    stdio_client,
+    text_of,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -281,3 +292,49 @@ def _sandbox_ids() -> tuple[int, int]:
 
     entry = pwd.getpwnam("coderunner-sandbox")
     return entry.pw_uid, entry.pw_gid
+
+
+def _staged_points(under: Path) -> list[str]:
+    """Mount points under `under` in this (the servers') mount namespace."""
+    points = []
+    with open("/proc/self/mountinfo") as handle:
+        for line in handle:
+            point = line.split()[4].encode().decode("unicode_escape")
+            if point.startswith(str(under) + "/"):
+                points.append(point)
+    return points
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="only a root server stages mounts")
+async def test_a_killed_servers_staged_mounts_are_detached_before_its_dirs_are_removed(tmp_path: Path) -> None:
+    """boundary: mounts. A SIGKILLed server leaves a staged rw mount of the user's folder; the next
+    server detaches it before deleting anything, so the user's files survive the cleanup."""
+    root = _passable(Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp")))
+    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    private = Path(tempfile.mkdtemp(prefix="crk-private-", dir="/tmp"))
+    try:
+        folder = private / "project"
+        folder.mkdir(mode=0o755)
+        (folder / "canary.txt").write_text(CANARY)
+        os.chown(folder, *FOLDER_OWNER)
+        env = server_env(dirs, CODERUNNER_MOUNTS=json.dumps([f"{folder}:/project:rw"]),
+                         CODERUNNER_EXPORT_DIR=str(root / "exports"))  # fmt: skip
+        with raw_stdio_server(env, [("run_python", {"code": "open('/project/canary.txt').read()"})]) as server:
+            assert _staged_points(dirs.runtime), "the mount and the outbox are staged in the runtime dir"
+            os.kill(server.pid, signal.SIGKILL)
+            server.wait(timeout=10)
+        assert _staged_points(dirs.runtime), "a SIGKILLed server cannot detach its staged mounts"
+        async with stdio_client(env) as client:
+            assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
+            assert len(_staged_points(dirs.runtime)) == 2, "only the live session's mount and outbox are staged"
+        assert _staged_points(dirs.runtime) == []
+        assert (folder / "canary.txt").read_text() == CANARY, "the cleanup deleted the user's files"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
+
+
+async def test_workspace_tools_have_closed_schemas(shared: Shared) -> None:
+    tools = {tool.name: tool for tool in (await shared.alice.list_tools()).tools}
+    for name in ("list_workspaces", "delete_workspace"):
+        assert tools[name].input_schema.get("additionalProperties") is False, name
