@@ -175,7 +175,7 @@ class OneShotRunner:
         lock_fd, run_dir, workspace = self.open_dirs(options)
         mounts = None
         try:
-            mounts = self._mounts(options, run_dir, workspace)
+            mounts = await self._mounts(options, run_dir, workspace)
             source = run_dir / SOURCE_NAMES[language]
             source.write_text(code)
             variables_file = run_dir / "variables.json"
@@ -221,12 +221,12 @@ class OneShotRunner:
         finally:
             self._close(lock_fd, run_dir, workspace, mounts)
 
-    def _mounts(self, options: SessionOptions, run_dir: Path, workspace: Workspace) -> SandboxMounts:
+    async def _mounts(self, options: SessionOptions, run_dir: Path, workspace: Workspace) -> SandboxMounts:
         from .sandbox_mounts import SandboxMounts
 
         if self.mounts_for is None:
             return SandboxMounts(mounts=options.mounts)
-        return self.mounts_for(options, run_dir.parent, workspace)
+        return await anyio.to_thread.run_sync(self.mounts_for, options, run_dir.parent, workspace)
 
     def _close(self, lock_fd: int, run_dir: Path, workspace: Workspace, mounts: SandboxMounts | None) -> None:
         if mounts is not None and not mounts.close():
@@ -262,7 +262,7 @@ class OneShotRunner:
         lock_fd, run_dir, workspace = self.open_dirs(options)
         mounts = None
         try:
-            mounts = self._mounts(options, run_dir, workspace)
+            mounts = await self._mounts(options, run_dir, workspace)
             argv = [self.backend.python, "-m", GUEST_MODULE, *command]
             if code is not None:
                 (run_dir / name).write_text(code)

@@ -603,8 +603,13 @@ class SessionManager:
         session_id = secrets.token_urlsafe(18)
         lock_fd, run_dir, workspace = self.open_dirs(options)
         try:
-            startup = disable_startup_hooks(workspace.path) if workspace.reopened else None
-            mounts = self.sandbox_mounts(options, run_dir.parent, workspace, fresh=not workspace.reopened)
+            # File walks and mount syscalls (and, for an id mapping, a helper process): off the loop.
+            startup = (
+                await anyio.to_thread.run_sync(disable_startup_hooks, workspace.path) if workspace.reopened else None
+            )
+            mounts = await anyio.to_thread.run_sync(
+                self.sandbox_mounts, options, run_dir.parent, workspace, not workspace.reopened
+            )
         except OSError as exc:
             self.close_dirs(lock_fd, run_dir, workspace)
             raise SessionError(f"could not check the reopened workspace's start-up files: {exc}") from None

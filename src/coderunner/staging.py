@@ -22,6 +22,7 @@ import logging
 import os
 import stat
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -124,8 +125,20 @@ class IdMap:
     sandbox: tuple[int, int]
 
 
+_userns_cache: dict[IdMap, int] = {}
+_userns_lock = threading.Lock()
+
+
 def _userns_fd(idmap: IdMap) -> int:
-    """A user namespace fd whose maps say owner -> sandbox, made with a short-lived helper process."""
+    """A user namespace fd whose maps say owner -> sandbox (a dup of one kept per mapping)."""
+    with _userns_lock:
+        if idmap not in _userns_cache:
+            _userns_cache[idmap] = _make_userns_fd(idmap)
+        return os.dup(_userns_cache[idmap])
+
+
+def _make_userns_fd(idmap: IdMap) -> int:
+    """Made with a short-lived helper process: unshare(1) starts it, root writes its maps."""
     helper = subprocess.Popen(
         ["/usr/bin/unshare", "--user", "--", "/bin/sh", "-c", "echo ready; read _"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env={"PATH": "/usr/bin:/bin"},

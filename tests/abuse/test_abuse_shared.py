@@ -162,6 +162,26 @@ async def test_clients_cannot_read_or_overwrite_each_others_exports(shared: Shar
     await assert_still_serving(shared)
 
 
+async def test_one_shot_runs_export_to_their_own_client_only(shared: Shared) -> None:
+    """boundary: exports. A throwaway sandbox has its own empty outbox, copied to its caller's folder."""
+    (shared.out / "alice").mkdir(exist_ok=True)
+    (shared.out / "alice" / "oneshot.txt").write_text(CANARY)
+    async with as_client(shared.url, "mallory") as mallory:
+        code = (
+            "import os\n"
+            "print(sorted(os.listdir('/mnt/outputs')))\n"
+            "open('/mnt/outputs/oneshot.txt', 'w').write('mallory one-shot')\n"
+            "os.symlink('/etc/passwd', '/mnt/outputs/passwd')\n"
+        )
+        done = await call(mallory, "execute_code", language="python", code=code)
+        assert done["stdout"].strip() == "[]", done
+        assert "oneshot.txt" in (done["exported"] or "") and "passwd (not a regular file)" in done["exported"], done
+    assert (shared.out / "alice" / "oneshot.txt").read_text() == CANARY
+    assert (shared.out / "mallory" / "oneshot.txt").read_text() == "mallory one-shot"
+    assert not (shared.out / "mallory" / "passwd").exists()
+    await assert_still_serving(shared)
+
+
 async def test_exports_count_against_a_cap(shared: Shared) -> None:
     """boundary: exports. A session cannot put more than export_limit_mb (or its disk_mb) on the host."""
     async with as_client(shared.url, "filler") as filler:
