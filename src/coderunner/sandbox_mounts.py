@@ -48,7 +48,11 @@ class SandboxMounts:
     staged_dir: Path | None = None
     exporter: Exporter | None = None
     export_mount: str | None = None
-    idmapped: list[str] = field(default_factory=list)
+    #: The same folders as the host's file tools reach them: configured folders by their own path
+    #: (an id-mapped mount refuses a writer it cannot map, root included), the outbox as staged.
+    host_view: tuple[Mount, ...] = ()
+    #: Sandbox path -> the owner of an id-mapped folder: what the file tools create there is theirs.
+    owners: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def export(self) -> ExportReport | None:
         return self.exporter.export() if self.exporter is not None else None
@@ -79,6 +83,7 @@ def prepare_mounts(
     root = staging.available()
     plan = SandboxMounts(mounts=())
     mounts: list[Mount] = []
+    view: list[Mount] = list(configured)
     try:
         if root and (configured or export):
             plan.staged_dir = host_dir / STAGING_DIR
@@ -91,6 +96,7 @@ def prepare_mounts(
         if export is not None:
             outbox = _outbox(plan, host_dir, workspace, owner, root)
             mounts.append(Mount(outbox, export.mount, writable=True))
+            view.append(mounts[-1])
             plan.exporter = Exporter(outbox, export.target, export.limit_bytes, export.owner)
             plan.export_mount = export.mount
             if not fresh_workspace:
@@ -99,6 +105,7 @@ def prepare_mounts(
         plan.close()
         raise
     plan.mounts = tuple(mounts)
+    plan.host_view = tuple(view)
     return plan
 
 
@@ -126,8 +133,8 @@ def _stage_configured(mount: Mount, plan: SandboxMounts, index: int, owner: tupl
             raise MountsError(f"mount {mount.host} could not be staged for the sandbox: {exc.strerror}") from None
     finally:
         os.close(fd)
-    if mapped:
-        plan.idmapped.append(mount.sandbox)
+    if mapped and idmap is not None:
+        plan.owners[mount.sandbox] = idmap.owner
     return Mount(point, mount.sandbox, mount.writable)
 
 

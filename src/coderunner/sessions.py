@@ -167,7 +167,10 @@ class Session:
     def files(self) -> SandboxFiles:
         """The session's files as the host may touch them: workspace and mounts, symlink-safe."""
         workspace = Mount(self.workspace.path, self.backend.workspace_path, writable=True)
-        return SandboxFiles([workspace, *self.mounts], owner=self.backend.host_owner)
+        plan = self.sandbox_mounts
+        if plan is None:
+            return SandboxFiles([workspace, *self.options.mounts], owner=self.backend.host_owner)
+        return SandboxFiles([workspace, *plan.host_view], owner=self.backend.host_owner, owners=plan.owners)
 
     async def start_kernel(self) -> None:
         kernel = Kernel(self.backend, self.spec, self.task_group, generation=self._generation)

@@ -300,6 +300,13 @@ async def test_mounts_under_a_0700_parent_work_without_loosening_it(shared: Shar
         made = shared.private_rw / "made.txt"
         assert made.read_text() == "from the sandbox"
         assert (made.stat().st_uid, made.stat().st_gid) == FOLDER_OWNER, "files belong to the folder's owner"
+        # The file tools write there too, and the sandbox can then change what they wrote.
+        await call(shared.alice, "write_file", path="/private-rw/tool.txt", content="from write_file")
+        changed = await run(shared.alice, "open('/private-rw/tool.txt', 'a').write(' and the sandbox')")
+        assert not changed.is_error, text_of(changed)
+        tool = shared.private_rw / "tool.txt"
+        assert tool.read_text() == "from write_file and the sandbox"
+        assert (tool.stat().st_uid, tool.stat().st_gid) == FOLDER_OWNER
     else:
         assert wrote.is_error and "Permission denied" in text_of(wrote)
     assert (shared.private_ro / "canary.txt").read_text() == CANARY
