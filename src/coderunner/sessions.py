@@ -563,7 +563,7 @@ class SessionManager:
         return [settings.runtime_dir, settings.workspaces_dir, settings.sandbox_env, settings.token_file]
 
     def _configured_mounts(self) -> list[Mount]:
-        """The server-wide mounts: the export folder (rw) plus the configured ones. Raises MountError."""
+        """The server-wide configured mounts (the export outbox is per sandbox). Raises MountError."""
         identity = self.backend.identity
         mounts = [resolve_mount(spec, protected=self._protected_paths(), identity=identity)
                   for spec in self.settings.mounts]  # fmt: skip
