@@ -274,11 +274,12 @@ async def test_a_planted_sitecustomize_does_not_run_silently(shared: Shared) -> 
         shared.alice,
         "import os, sys, subprocess\n"
         "subprocess.run([sys.executable, '-c', 'import helper'], check=True)\n"
-        "print(os.path.exists('/workspace/PWNED'), sorted(os.listdir('/workspace/.coderunner/disabled-startup')))",
+        "aside = '/workspace/.coderunner/disabled-startup'\n"
+        "print(os.path.exists('/workspace/PWNED'), sorted(os.listdir(aside)) if os.path.isdir(aside) else None)",
         session_id=again["session_id"],
     )
     first_line = text_of(probe).splitlines()[0]
-    assert first_line.startswith("False ["), text_of(probe)
+    assert first_line.startswith("False [") and "'sitecustomize.py." in first_line, text_of(probe)
     await call(shared.alice, "close_session", session_id=again["session_id"])
     await call(shared.alice, "delete_workspace", name="hooked")
     await assert_still_serving(shared)
