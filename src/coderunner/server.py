@@ -95,6 +95,13 @@ def _close_schemas(server: MCPServer, names: tuple[str, ...]) -> None:
             tool.parameters["additionalProperties"] = False
 
 
+def _with_export_note(reply: CallToolResult, session: Session) -> CallToolResult:
+    """Say what the call's copy-out put in the client's export folder (or refused), if anything."""
+    if session.export_note:
+        reply.content.append(TextContent(type="text", text=f"[{session.export_note}]"))
+    return reply
+
+
 async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolResult:
     """Errors a caller can act on become isError results with a plain message."""
     try:
@@ -156,10 +163,7 @@ def build_server(manager: SessionManager) -> MCPServer:
             values = check_variables(variables, "python")
             session = await _resolve(ctx, session_id)
             result = await session.run(code, timeout_s, progress, values)
-            reply = result.to_call_result(session.session_id)
-            if session.export_note:
-                reply.content.append(TextContent(type="text", text=f"[{session.export_note}]"))
-            return reply
+            return _with_export_note(result.to_call_result(session.session_id), session)
 
         return await _guarded(call)
 
@@ -309,7 +313,11 @@ def build_server(manager: SessionManager) -> MCPServer:
             except binascii.Error:
                 return error_result("content is not valid base64")
             written = session.files.write(path, data, overwrite=overwrite)
-            return _json_result({"path": written, "bytes": len(data)})
+            await session.copy_out()  # a file written to the export mount leaves now, as after a run
+            payload: dict[str, Any] = {"path": written, "bytes": len(data)}
+            if session.export_note:
+                payload["exported"] = session.export_note
+            return _json_result(payload)
 
         return await _guarded(call)
 
@@ -377,6 +385,8 @@ def build_server(manager: SessionManager) -> MCPServer:
                 arguments["inputs"] = [session.files.resolve(str(item)).sandbox_path for item in arguments["inputs"]]
             payload = {"op": op, "input_path": session.files.resolve(input_path).sandbox_path, "args": arguments}
             result = await session.call_guest(tool, payload, timeout_s or settings.timeout_s)
+            if session.export_note:
+                result["exported"] = session.export_note
             return guest_tool_result(result)
 
         return await _guarded(call)
@@ -434,6 +444,8 @@ def build_server(manager: SessionManager) -> MCPServer:
                 args["output"] = session.files.resolve(args["output"]).sandbox_path
             limit = (timeout_s or BROWSER_TIMEOUT_S) + BROWSER_START_S
             result = await session.call_guest("browser", {"op": op, "args": args}, limit)
+            if session.export_note:
+                result["exported"] = session.export_note
             return guest_tool_result(result)
 
         return await _guarded(call)

@@ -154,10 +154,12 @@ async def test_clients_cannot_read_or_overwrite_each_others_exports(shared: Shar
                 "download_file", {"sandbox_path": "x.txt", "host_path": target, "overwrite": True}
             )
             assert refused.is_error, target
+        written = await call(mallory, "write_file", path="/mnt/outputs/report.txt", content="mallory again")
+        assert "report.txt" in written["exported"], written
         sessions = await call(mallory, "list_sessions")
         assert shared.bystander not in json.dumps(sessions)
     assert canary.read_text() == CANARY, "another client's export was overwritten"
-    assert (shared.out / "mallory" / "report.txt").read_text() == "mallory was here"
+    assert (shared.out / "mallory" / "report.txt").read_text() == "mallory again"
     assert not (shared.out / "alice" / "new.txt").exists()
     await assert_still_serving(shared)
 
