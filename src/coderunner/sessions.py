@@ -568,6 +568,11 @@ class SessionManager:
         mounts = [resolve_mount(spec, protected=self._protected_paths(), identity=identity)
                   for spec in self.settings.mounts]  # fmt: skip
         check_distinct([*mounts, *self._export_mount()])
+        if self.settings.export_dir is not None:
+            try:
+                prepare_export_dir(self.settings.export_dir)  # at start: a bad folder is told at once
+            except ExportError as exc:
+                raise MountError(exc.strerror) from None
         return mounts
 
     def _export_mount(self) -> list[Mount]:

@@ -125,6 +125,8 @@ class IdMap:
     sandbox: tuple[int, int]
 
 
+#: User namespace fds kept for reuse, oldest dropped first.
+MAX_CACHED_USERNS = 32
 _userns_cache: dict[IdMap, int] = {}
 _userns_lock = threading.Lock()
 
@@ -133,6 +135,8 @@ def _userns_fd(idmap: IdMap) -> int:
     """A user namespace fd whose maps say owner -> sandbox (a dup of one kept per mapping)."""
     with _userns_lock:
         if idmap not in _userns_cache:
+            if len(_userns_cache) >= MAX_CACHED_USERNS:  # per-session uids make many mappings
+                os.close(_userns_cache.pop(next(iter(_userns_cache))))
             _userns_cache[idmap] = _make_userns_fd(idmap)
         return os.dup(_userns_cache[idmap])
 
