@@ -244,11 +244,14 @@ def client_folder(export_dir: Path, client: str) -> Path:
     return export_dir / client
 
 
-def folder_owner(export_dir: Path) -> tuple[int, int] | None:
-    """A root server gives exported files to the export folder's owner (the user who reads them)."""
+def folder_owner(export_dir: Path, sandbox_uid: int | None = None) -> tuple[int, int] | None:
+    """A root server gives exported files to the export folder's owner (the user who reads them),
+    unless that is the sandbox user (older versions handed the folder to it): then they stay root's."""
     if os.getuid() != 0:
         return None
     info = os.stat(export_dir)
+    if info.st_uid in (0, sandbox_uid):
+        return None
     return (info.st_uid, info.st_gid)
 
 

@@ -356,8 +356,9 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
+            host_owner = manager.backend.host_owner
             target = export_target(settings.export_dir, session.options.client, host_path,
-                                   posixpath.basename(sandbox_path))  # fmt: skip
+                                   posixpath.basename(sandbox_path), host_owner[0] if host_owner else None)  # fmt: skip
             copied, read_from, written = copy(session.files, sandbox_path, target.view, target.path,
                                               limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
             return _json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),

@@ -545,7 +545,7 @@ class SessionManager:
             mount=self.settings.export_mount,
             target=client_folder(root, client),
             limit_bytes=self.settings.export_limit_mb * 2**20,
-            owner=folder_owner(root),
+            owner=folder_owner(root, self.backend.host_owner[0] if self.backend.host_owner else None),
         )
 
     def sandbox_mounts(self, options: SessionOptions, host_dir: Path, workspace: Workspace,

@@ -57,12 +57,13 @@ def import_source(import_dirs: list[Path], host_path: str) -> HostFolder:
     return HostFolder(view, posixpath.join(IMPORT_ROOT, relative), root)
 
 
-def export_target(export_dir: Path | None, client: str, host_path: str | None, default_name: str) -> HostFolder:
+def export_target(export_dir: Path | None, client: str, host_path: str | None, default_name: str,
+                  sandbox_uid: int | None = None) -> HostFolder:  # fmt: skip
     """A file in `client`'s own export folder (export_dir/<client>/); relative paths start there."""
     if export_dir is None:
         raise FileAccessError("no export folder is configured (export_dir), so nothing can be downloaded")
     top = prepare_export_dir(export_dir)
-    owner = folder_owner(top)
+    owner = folder_owner(top, sandbox_uid)
     root = client_folder(top, client)
     os.close(open_target(root, owner))
     root, relative = _inside(_absolute(host_path or default_name, base=root), [root], "export_dir")
