@@ -59,21 +59,33 @@ def _is_hook(name: str) -> bool:
 
 
 def disable_startup_hooks(workspace: Path) -> StartupReport:
-    """Move start-up modules out of the session package folder of a workspace no sandbox is using."""
+    """Move start-up modules out of the session package folder of a workspace no sandbox is using.
+
+    The sandbox resolves PYTHONPATH itself, following links: a `.coderunner` or `site-packages`
+    that is a link (or anything but a plain folder) is moved aside whole, as a hook would be.
+    """
     report = StartupReport()
-    parts = SESSION_PACKAGES.split("/")
     try:
         top = os.open(workspace, DIR_FLAGS)
     except OSError:
         return report
     fds = [top]
     try:
-        for part in parts:
+        for index, part in enumerate(SESSION_PACKAGES.split("/")):
             try:
-                fds.append(os.open(part, DIR_FLAGS, dir_fd=fds[-1]))
-            except OSError:
-                return report  # missing, or not a plain folder: nothing is imported from it either
-        packages_fd, coderunner_fd = fds[-1], fds[-2]
+                info = os.stat(part, dir_fd=fds[-1], follow_symlinks=False)
+            except FileNotFoundError:
+                return report  # nothing is imported from a folder that is not there
+            if not stat.S_ISDIR(info.st_mode):
+                if index == 0:
+                    os.rename(part, f"{part}.disabled-{secrets.token_hex(3)}", src_dir_fd=top, dst_dir_fd=top)
+                    report.disabled.append(f"/workspace/{part} (not a folder) -> /workspace/{part}.disabled-*")
+                else:
+                    _move_aside(fds[-1], fds[1], part)
+                    report.disabled.append(f"{part} (not a folder)")
+                return report
+            fds.append(os.open(part, DIR_FLAGS, dir_fd=fds[-1]))
+        packages_fd, coderunner_fd = fds[-1], fds[1]
         with os.scandir(packages_fd) as entries:
             names = [entry.name for _, entry in zip(range(MAX_ENTRIES), entries, strict=False)]
         for name in sorted(names):
