@@ -339,9 +339,9 @@ def _staged_points(under: Path) -> list[str]:
 async def test_a_killed_servers_staged_mounts_are_detached_before_its_dirs_are_removed(tmp_path: Path) -> None:
     """boundary: mounts. A SIGKILLed server leaves a staged rw mount of the user's folder; the next
     server detaches it before deleting anything, so the user's files survive the cleanup."""
-    root = _passable(Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp")))
+    root = _passable(Path(tempfile.mkdtemp(prefix="crsk-", dir="/tmp")))
     dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
-    private = Path(tempfile.mkdtemp(prefix="crk-private-", dir="/tmp"))
+    private = Path(tempfile.mkdtemp(prefix="crsk-private-", dir="/tmp"))
     try:
         folder = private / "project"
         folder.mkdir(mode=0o755)
