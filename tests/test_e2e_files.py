@@ -7,7 +7,6 @@ import csv
 import hashlib
 import json
 import os
-import pwd
 import random
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -33,26 +32,11 @@ class Host:
     elsewhere: Path
 
 
-def sandbox_owner() -> tuple[int, int] | None:
-    """A root server's sandboxes run as coderunner-sandbox (else nobody): rw folders must be theirs."""
-    if os.getuid() != 0:
-        return None
-    for name in ("coderunner-sandbox", "nobody"):
-        try:
-            entry = pwd.getpwnam(name)
-            return entry.pw_uid, entry.pw_gid
-        except KeyError:
-            continue
-    return None
-
-
 @pytest.fixture
 def host(dirs: ServerDirs) -> Host:
     folders = Host(*(dirs.root / name for name in ("data", "out", "imports", "elsewhere")))
     for folder in (folders.data, folders.out, folders.imports, folders.elsewhere):
         folder.mkdir(mode=0o755)
-    if (owner := sandbox_owner()) is not None:
-        os.chown(folders.out, *owner)
     rng = random.Random(7)
     with open(folders.data / "sales.csv", "w", newline="") as handle:
         writer = csv.writer(handle)
@@ -75,6 +59,11 @@ def files_env(dirs: ServerDirs, host: Host) -> dict[str, str]:
         CODERUNNER_EXPORT_MOUNT="/out",
         CODERUNNER_IMPORT_DIRS=json.dumps([str(host.imports)]),
     )
+
+
+def exports_of(host: Host, transport: str) -> Path:
+    """Where a client's exports land: stdio is the client `local`, an unnamed HTTP client is `http`."""
+    return host.out / ("local" if transport == "stdio" else "http")
 
 
 @pytest.fixture
@@ -124,7 +113,7 @@ async def test_story_load_a_read_only_host_folder(client: Client, host: Host) ->
     assert snapshot(host.data, host.out, host.elsewhere) == before
 
 
-async def test_story_export_only_into_the_chosen_folder(client: Client, host: Host) -> None:
+async def test_story_export_only_into_the_chosen_folder(client: Client, host: Host, transport: str) -> None:
     """'Pivot by region x month, show top 5 anomalies. Save the anomalies subset to /out/anomalies.csv on host.'"""
     before = snapshot(host.data, host.elsewhere)
     result = await run(
@@ -140,12 +129,17 @@ async def test_story_export_only_into_the_chosen_folder(client: Client, host: Ho
     )
     assert not result.is_error, text_of(result)
     assert "900" in text_of(result)
-    assert sorted(path.name for path in host.out.iterdir()) == ["anomalies.csv"]
-    assert "900" in (host.out / "anomalies.csv").read_text()
+    out = exports_of(host, transport)
+    assert str(out / "") in text_of(result) and "anomalies.csv" in text_of(result), "the reply says where it went"
+    assert sorted(path.name for path in host.out.iterdir()) == [out.name]
+    assert sorted(path.name for path in out.iterdir()) == ["anomalies.csv"]
+    assert "900" in (out / "anomalies.csv").read_text()
     assert snapshot(host.data, host.elsewhere) == before
 
 
-async def test_story_chart_and_csv_downloaded_to_the_export_folder_only(client: Client, host: Host) -> None:
+async def test_story_chart_and_csv_downloaded_to_the_export_folder_only(
+    client: Client, host: Host, transport: str
+) -> None:
     """'Add a chart of weekly mileage. Save CSV + chart to ./out/ on host (this only).'"""
     before = snapshot(host.data, host.imports, host.elsewhere)
     made = await run(
@@ -156,14 +150,15 @@ async def test_story_chart_and_csv_downloaded_to_the_export_folder_only(client: 
         "weeks.plot(x='week', y='km', kind='bar').figure.savefig('mileage.png')",
     )
     assert not made.is_error, text_of(made)
+    out = exports_of(host, transport)
     for name in ("mileage.csv", "mileage.png"):
         copied = await call(client, "download_file", sandbox_path=name)
-        assert copied["host_path"] == str(host.out / name)
-    assert sorted(path.name for path in host.out.iterdir()) == ["mileage.csv", "mileage.png"]
-    assert (host.out / "mileage.png").read_bytes().startswith(b"\x89PNG")
-    assert "40" in (host.out / "mileage.csv").read_text()
+        assert copied["host_path"] == str(out / name)
+    assert sorted(path.name for path in out.iterdir()) == ["mileage.csv", "mileage.png"]
+    assert (out / "mileage.png").read_bytes().startswith(b"\x89PNG")
+    assert "40" in (out / "mileage.csv").read_text()
     chart = await client.call_tool("read_file", {"path": "mileage.png"})
-    assert images_of(chart)[0] == (host.out / "mileage.png").read_bytes()
+    assert images_of(chart)[0] == (out / "mileage.png").read_bytes()
     await refused(client, "download_file", "already exists", sandbox_path="mileage.csv")
     assert snapshot(host.data, host.imports, host.elsewhere) == before
 
@@ -294,16 +289,20 @@ async def test_upload_only_from_import_folders(client: Client, host: Host) -> No
                   host_path=str(host.imports / "sneaky-link.txt"))  # fmt: skip
 
 
-async def test_download_only_into_the_export_folder(client: Client, host: Host) -> None:
+async def test_download_only_into_the_export_folder(client: Client, host: Host, transport: str) -> None:
     before = snapshot(host.data, host.imports, host.elsewhere)
     await call(client, "write_file", path="result.txt", content="done")
-    for target in (str(host.elsewhere / "result.txt"), "../elsewhere/result.txt", "/tmp/result.txt", str(host.out)):
+    out = exports_of(host, transport)
+    for target in (str(host.elsewhere / "result.txt"), "../elsewhere/result.txt", "/tmp/result.txt", str(out),
+                   str(host.out / "someone-else" / "result.txt")):  # fmt: skip
         result = await client.call_tool("download_file", {"sandbox_path": "result.txt", "host_path": target})
         assert result.is_error, target
-    # A link planted in the export folder (writable by the sandbox) does not lead the host out.
-    await run(client, f"import os\nos.symlink({str(host.elsewhere)!r}, '/out/escape')")
-    await refused(client, "download_file", "outside what the sandbox shares", sandbox_path="result.txt",
-                  host_path="escape/result.txt")  # fmt: skip
+    # A link planted in the sandbox's export mount is neither exported nor followed.
+    planted = await run(client, f"import os\nos.symlink({str(host.elsewhere)!r}, '/out/escape')")
+    assert "escape (not a regular file)" in text_of(planted)
+    copied = await call(client, "download_file", sandbox_path="result.txt", host_path="escape/result.txt")
+    assert copied["host_path"] == str(out / "escape" / "result.txt")
+    assert not (out / "escape").is_symlink()
     assert snapshot(host.data, host.imports, host.elsewhere) == before
     assert not (host.elsewhere / "result.txt").exists()
 
@@ -351,7 +350,8 @@ async def test_named_persistent_workspace_survives_close_and_server_restart(dirs
                            session_id=reopened["session_id"])  # fmt: skip
         assert "kept.txt" in text_of(result)
     leftovers = sorted(path.name for path in dirs.workspaces.iterdir() if path.is_dir())
-    assert leftovers == ["named-analysis"], "temporary workspaces are removed, the named one is kept"
+    assert leftovers == ["named"], "temporary workspaces are removed, the named one is kept"
+    assert (dirs.workspaces / "named" / "local" / "analysis").is_dir(), "a name belongs to its client (stdio: local)"
 
 
 async def test_session_mounts_only_under_allowed_roots(dirs: ServerDirs, host: Host) -> None:

@@ -66,6 +66,11 @@ class Capabilities:
                 "workspace": backend.workspace_path,
                 "mounts": [{"sandbox": m.sandbox, "mode": "rw" if m.writable else "ro"} for m in manager.base_mounts],
                 "import_dirs": len(settings.import_dirs),
+                "export": (
+                    f"save to {settings.export_mount}: copied to your own export folder after each call"
+                    if settings.export_dir is not None
+                    else None
+                ),
             },
             "packages": sandbox_packages(),
             "tools": tools,

@@ -42,7 +42,7 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:SANDBOX[:ro|rw]",
         help="share a host folder with every session (repeatable; read-only unless :rw)",
     )
-    serve.add_argument("--export-dir", type=Path, help="the folder download_file writes to")
+    serve.add_argument("--export-dir", type=Path, help="where exports land, one subfolder per client")
     serve.add_argument("--import-dir", dest="import_dirs", type=Path, action="append", help="upload_file source")
     serve.add_argument("--token-file", type=Path, help="HTTP bearer token file (default: made on first use)")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

@@ -145,9 +145,13 @@ class Settings(BaseSettings):
     )
     export_dir: Path | None = Field(
         default_factory=lambda: default_export_dir(),
-        description="The one folder download_file may write (and sessions see rw at export_mount); empty to disable.",
+        description="Where exports land, one subfolder per client; sandboxes never see it. Empty to disable.",
     )
-    export_mount: str = Field(default="/mnt/outputs", description="Where the export folder appears inside.")
+    export_mount: str = Field(
+        default="/mnt/outputs",
+        description="Where a sandbox saves files for export; they are copied to export_dir/<client>/ after each call.",
+    )
+    export_limit_mb: int = Field(default=1024, ge=0, description="Most bytes one session or run may export.")
     import_dirs: list[Path] = Field(default_factory=list, description="Host folders upload_file may read from.")
     allowed_mount_roots: list[Path] = Field(
         default_factory=list, description="Host folders under which create_session may mount more folders."

@@ -52,10 +52,20 @@ class Resolved:
 class SandboxFiles:
     """One session's file view: its workspace plus its mounts."""
 
-    def __init__(self, mounts: list[Mount], owner: tuple[int, int] | None = None) -> None:
+    def __init__(
+        self,
+        mounts: list[Mount],
+        owner: tuple[int, int] | None = None,
+        owners: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
         # Longest sandbox path first, so /mnt/outputs wins over a mount at /mnt.
         self.mounts = sorted(mounts, key=lambda mount: len(mount.sandbox), reverse=True)
         self.owner = owner
+        #: Per mount (by sandbox path): who gets what the host creates there, instead of `owner`.
+        self.owners = owners or {}
+
+    def _owner_of(self, mount: Mount) -> tuple[int, int] | None:
+        return self.owners.get(mount.sandbox, self.owner)
 
     def describe(self) -> str:
         return ", ".join(f"{m.sandbox} ({'rw' if m.writable else 'ro'})" for m in sorted(self.mounts, key=str))
@@ -129,8 +139,8 @@ class SandboxFiles:
                         raise
                     os.mkdir(part, 0o755, dir_fd=fd)
                     next_fd = _open_dir(part, dir_fd=fd)
-                    if self.owner is not None:
-                        os.fchown(next_fd, *self.owner)
+                    if (owner := self._owner_of(resolved.mount)) is not None:
+                        os.fchown(next_fd, *owner)
                 os.close(fd)
                 fd = next_fd
             yield fd
@@ -216,8 +226,8 @@ class SandboxFiles:
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
                 raise FileAccessError(f"{resolved.sandbox_path} is not a regular file")
-            if self.owner is not None:
-                os.fchown(fd, *self.owner)
+            if (owner := self._owner_of(resolved.mount)) is not None:
+                os.fchown(fd, *owner)
             yield fd, resolved.sandbox_path
         finally:
             os.close(fd)

@@ -14,6 +14,7 @@ from typing import Literal
 
 from pydantic import BaseModel, field_validator
 
+from . import staging
 from .sandbox.base import Mount
 from .sandbox.identity import HostIdentity
 
@@ -94,19 +95,30 @@ def resolve_mount(
 
 
 def _check_identity_access(host: Path, writable: bool, identity: HostIdentity) -> None:
-    """A root server's sandboxes run as `identity`: it must reach the folder, and write it if rw."""
-    try:
-        identity.check_reachable(host)
-    except Exception as exc:
-        raise MountError(str(exc)) from None
-    if writable:
-        info = os.stat(host)
-        if not (info.st_uid == identity.uid or info.st_mode & stat.S_IWOTH or
-                (info.st_gid == identity.gid and info.st_mode & stat.S_IWGRP)):  # fmt: skip
-            raise MountError(
-                f"the sandbox user {identity.name!r} cannot write to {host}: "
-                f"sudo chown {identity.name} {host} (or mount it ro)"
-            )
+    """A root server's sandboxes run as `identity`; the folder is staged for them (staging.py), so its
+    parents need not be passable. Without an id-mapped mount the folder itself must let them in."""
+    info = os.stat(host)
+    if info.st_uid == identity.uid:
+        return
+    if writable and info.st_uid == 0:
+        raise MountError(
+            f"{host} belongs to root: a writable mount would let sandboxed code create root-owned files "
+            "there; mount it ro, or mount a folder owned by an ordinary user"
+        )
+    if staging.idmap_supported(host, (info.st_uid, info.st_gid), (identity.uid, identity.gid)):
+        return
+    mode = info.st_mode
+    readable = mode & stat.S_IROTH and mode & stat.S_IXOTH
+    if not readable:
+        raise MountError(
+            f"the sandbox user {identity.name!r} cannot read {host} (mode {stat.S_IMODE(mode):o}) and this "
+            f"kernel or file system cannot id-map it: chmod o+rx {host}"
+        )
+    if writable and not (mode & stat.S_IWOTH or (info.st_gid == identity.gid and mode & stat.S_IWGRP)):
+        raise MountError(
+            f"the sandbox user {identity.name!r} cannot write to {host} and this kernel or file system cannot "
+            f"id-map it: sudo chown {identity.name} {host} (or mount it ro)"
+        )
 
 
 def check_distinct(mounts: list[Mount]) -> None:
@@ -115,13 +127,3 @@ def check_distinct(mounts: list[Mount]) -> None:
         if mount.sandbox in seen:
             raise MountError(f"two mounts at {mount.sandbox}")
         seen.add(mount.sandbox)
-
-
-def prepare_export_dir(path: Path, identity: HostIdentity | None) -> Path:
-    """Create the export folder if missing; a folder we create for a root server goes to its sandbox user."""
-    path = path.expanduser()
-    if not path.exists():
-        path.mkdir(parents=True, mode=0o755)
-        if identity is not None:
-            os.chown(path, identity.uid, identity.gid)
-    return path.resolve()

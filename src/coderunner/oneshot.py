@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 from anyio.abc import ByteReceiveStream, TaskGroup
 
-from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
+from .sandbox.base import Mount, SandboxBackend, SandboxProcess, SandboxSpec
 from .session_dirs import SandboxDirs
 
 if TYPE_CHECKING:
+    from .sandbox_mounts import SandboxMounts
     from .sessions import SessionOptions
 
 Language = Literal["python", "javascript", "bash"]
@@ -84,6 +85,8 @@ class OneShotResult:
     #: How memory and time were bounded, so the caller knows what the figures mean.
     limits: dict[str, Any]
     truncated: bool = False
+    #: What was copied from the export mount to the client's export folder, if anything.
+    exported: str | None = None
 
 
 async def _capture(stream: ByteReceiveStream, sink: BoundedBytes, done: anyio.Event) -> None:
@@ -134,8 +137,10 @@ class OneShotRunner:
     #: The SessionManager's: one sandbox's dirs (session_dirs.py), and their removal.
     open_dirs: Callable[[SessionOptions], Awaitable[SandboxDirs]]
     close_dirs: Callable[[SandboxDirs], Awaitable[None]]
-    #: Builds the SandboxSpec for options in dirs (sessions.sandbox_spec).
-    spec_for: Callable[[SessionOptions, SandboxDirs], SandboxSpec]
+    #: Builds the SandboxSpec for options in dirs, with these mounts (sessions.sandbox_spec).
+    spec_for: Callable[[SessionOptions, SandboxDirs, tuple[Mount, ...]], SandboxSpec]
+    #: The SessionManager's: the sandbox's mounts (staged as root) and export outbox, in its host-only dir.
+    mounts_for: Callable[[SessionOptions, SandboxDirs], SandboxMounts] | None = None
     #: One-shot sandboxes at once; more wait (within their own timeout) for a slot.
     max_concurrent: int = 4
     _limiter: anyio.CapacityLimiter | None = None
@@ -169,14 +174,16 @@ class OneShotRunner:
         self, language: Language, code: str, options: SessionOptions, stdin: bytes, variables: dict[str, Any]
     ) -> OneShotResult:
         dirs = await self.open_dirs(options)
+        mounts = None
         try:
+            mounts = await self._mounts(options, dirs)
             # Inputs go to the host-only dir the sandbox sees read-only (never where it can write).
             source = dirs.write_host_file(SOURCE_NAMES[language], code.encode("utf-8", "replace"))
             variables_file = dirs.write_host_file("variables.json", json.dumps(variables).encode())
             memory = options.limits.memory_mb or 0
             argv = [self.backend.python, "-m", GUEST_MODULE, "run", language, str(source), str(variables_file),
                     str(memory)]  # fmt: skip
-            spec = self.spec_for(options, dirs)
+            spec = self.spec_for(options, dirs, mounts.mounts)
             stdout, stderr = BoundedBytes(self.output_limit_bytes), BoundedBytes(self.output_limit_bytes)
             began = time.perf_counter()
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
@@ -189,6 +196,8 @@ class OneShotRunner:
                 with anyio.CancelScope(shield=True):
                     await process.kill()
             exit_code = None if timed_out else process.returncode
+            with anyio.CancelScope(shield=True):
+                exported = mounts.note(await anyio.to_thread.run_sync(mounts.export))
             err_text = stderr.text()
             if oom:
                 err_text += f"\n[killed: over the memory limit of {options.limits.memory_mb} MiB]"
@@ -207,9 +216,22 @@ class OneShotRunner:
                     "network": options.network,
                 },
                 truncated=stdout.truncated or stderr.truncated,
+                exported=exported,
             )
         finally:
-            await self.close_dirs(dirs)
+            await self._close(dirs, mounts)
+
+    async def _mounts(self, options: SessionOptions, dirs: SandboxDirs) -> SandboxMounts:
+        from .sandbox_mounts import SandboxMounts
+
+        if self.mounts_for is None:
+            return SandboxMounts(mounts=options.mounts)
+        return await anyio.to_thread.run_sync(self.mounts_for, options, dirs)
+
+    async def _close(self, dirs: SandboxDirs, mounts: SandboxMounts | None) -> None:
+        if mounts is not None and not await anyio.to_thread.run_sync(mounts.close):
+            return  # a staged mount would not detach: never delete beneath it
+        await self.close_dirs(dirs)
 
     async def check(self, language: Language, code: str, options: SessionOptions) -> list[dict[str, Any]]:
         """Syntax errors of `code`, found inside a throwaway sandbox: [{line, column, message}]."""
@@ -238,12 +260,14 @@ class OneShotRunner:
         self, options: SessionOptions, command: list[str], code: str | None, name: str
     ) -> dict[str, Any]:
         dirs = await self.open_dirs(options)
+        mounts = None
         try:
+            mounts = await self._mounts(options, dirs)
             argv = [self.backend.python, "-m", GUEST_MODULE, *command]
             if code is not None:
                 argv.append(str(dirs.write_host_file(name, code.encode("utf-8", "replace"))))
             answer, problems = BoundedBytes(MAX_CHECK_ANSWER_BYTES), BoundedBytes(4096)
-            spec = self.spec_for(options, dirs)
+            spec = self.spec_for(options, dirs, mounts.mounts)
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
             try:
                 await _collect(process, answer, problems, b"", CHECK_TIMEOUT_S)
@@ -258,7 +282,7 @@ class OneShotRunner:
                 raise OneShotError(f"the sandbox helper did not answer: {problems.text().strip()[-500:]}")
             return parsed
         finally:
-            await self.close_dirs(dirs)
+            await self._close(dirs, mounts)
 
 
 def _int(value: Any) -> int | None:

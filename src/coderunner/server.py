@@ -24,18 +24,21 @@ from .kernel import KernelStartError
 from .mounts import MountError, MountSpec
 from .oneshot import OneShotError
 from .output import OutputCollector
+from .owners import client_of
 from .packages import PackagesError, check_requirements
 from .results import error_result, guest_tool_result
 from .sandbox import SandboxUnavailable
-from .sessions import Session, SessionError, SessionManager
+from .sessions import SESSION_NAME, Session, SessionError, SessionManager
 from .transfers import export_target, import_source
 from .variables import VariablesError, check_variables
+from .workspace import WorkspaceError, delete_named, list_named
 
 INSTRUCTIONS = """\
 CodeRunner runs Python in a persistent Jupyter kernel inside a sandbox on the user's machine.
 Variables, imports and files in the workspace persist across run_python calls until kernel_reset.
 The sandbox has no network and sees none of the user's files: only its own workspace
 (the current directory, /workspace). Charts (matplotlib) come back as images.
+Files saved under /mnt/outputs are copied to the user's export folder after each call.
 Without session_id every call uses one default session; create_session gives an independent one."""
 
 #: Default bound on pip in install_packages.
@@ -79,6 +82,26 @@ def _session_summary(session: Session, manager: SessionManager) -> dict[str, Any
     return status
 
 
+def _close_schemas(server: MCPServer, names: tuple[str, ...]) -> None:
+    """Declare that these tools take no arguments beyond their own (strict clients require it).
+
+    mcp 2.3 has no public way to set this on a decorated tool, hence the guarded private access;
+    without it the schema is merely open, which the SDK's own validation tolerates.
+    """
+    manager = getattr(server, "_tool_manager", None)
+    for name in names:
+        tool = manager.get_tool(name) if manager is not None else None
+        if tool is not None and isinstance(tool.parameters, dict):
+            tool.parameters["additionalProperties"] = False
+
+
+def _with_export_note(reply: CallToolResult, session: Session) -> CallToolResult:
+    """Say what the call's copy-out put in the client's export folder (or refused), if anything."""
+    if session.export_note:
+        reply.content.append(TextContent(type="text", text=f"[{session.export_note}]"))
+    return reply
+
+
 async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolResult:
     """Errors a caller can act on become isError results with a plain message."""
     try:
@@ -106,6 +129,13 @@ def build_server(manager: SessionManager) -> MCPServer:
         on_connection_close(ctx.request_context.session, key, manager.release_caller)
         return key
 
+    def _client(ctx: Context) -> str:
+        """Which client owns this call's exports and persistent names (see owners.py)."""
+        return client_of(ctx.request_context.request)
+
+    async def _resolve(ctx: Context, session_id: str | None) -> Session:
+        return await manager.resolve(session_id, _caller(ctx), _client(ctx))
+
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
     async def run_python(
         code: Annotated[str, Field(description="Python source; the value of the last expression is shown.")],
@@ -131,9 +161,9 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         async def call() -> CallToolResult:
             values = check_variables(variables, "python")
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             result = await session.run(code, timeout_s, progress, values)
-            return result.to_call_result(session.session_id)
+            return _with_export_note(result.to_call_result(session.session_id), session)
 
         return await _guarded(call)
 
@@ -142,7 +172,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Restart the session's kernel with fresh interpreter state; workspace files are kept."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             await session.reset()
             return _json_result({"reset": True, **_session_summary(session, manager)})
 
@@ -184,10 +214,13 @@ def build_server(manager: SessionManager) -> MCPServer:
                 return error_result(str(exc))
             options = manager.options(
                 network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name,
-                persistent=persistent,
+                persistent=persistent, client=_client(ctx),
             )  # fmt: skip
             session = await manager.create(options, owner=_caller(ctx))
-            return _json_result(_session_summary(session, manager))
+            summary = _session_summary(session, manager)
+            if session.startup is not None:
+                summary["startup_files"] = session.startup
+            return _json_result(summary)
 
         return await _guarded(call)
 
@@ -208,7 +241,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Liveness, busy flag, uptime, memory used, limits and network of a session."""
 
         async def call() -> CallToolResult:
-            return _json_result(_session_summary(await manager.resolve(session_id, _caller(ctx)), manager))
+            return _json_result(_session_summary(await _resolve(ctx, session_id), manager))
 
         return await _guarded(call)
 
@@ -233,7 +266,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         """List files in the session's workspace or a mounted folder (paths as the sandbox sees them)."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             entries = session.files.list(path, depth)
             return _json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
 
@@ -253,7 +286,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         binary inline when small; anything bigger comes back as a resource link."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             return read_file_result(
                 session.files, session.session_id, path, limit=settings.read_limit_bytes,
                 image_limit=settings.image_limit_bytes, offset=offset, length=length,
@@ -274,13 +307,17 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Write a file into the sandbox's workspace or a writable mount (folders are created)."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             try:
                 data = base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
             except binascii.Error:
                 return error_result("content is not valid base64")
             written = session.files.write(path, data, overwrite=overwrite)
-            return _json_result({"path": written, "bytes": len(data)})
+            await session.copy_out()  # a file written to the export mount leaves now, as after a run
+            payload: dict[str, Any] = {"path": written, "bytes": len(data)}
+            if session.export_note:
+                payload["exported"] = session.export_note
+            return _json_result(payload)
 
         return await _guarded(call)
 
@@ -295,7 +332,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Copy a file from a host import folder (configured by the user) into the sandbox."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             source = import_source(settings.import_dirs, host_path)
             target = sandbox_path or posixpath.basename(source.path)
             copied, _, written = copy(source.view, source.path, session.files, target,
@@ -318,9 +355,10 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Copy a file out of the sandbox into the export folder on the host (the only place it may go)."""
 
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id, _caller(ctx))
-            target = export_target(settings.export_dir, host_path, posixpath.basename(sandbox_path),
-                                   None)  # fmt: skip
+            session = await _resolve(ctx, session_id)
+            sandbox_uid = session.dirs.user.uid if session.dirs.user is not None else None
+            target = export_target(settings.export_dir, session.options.client, host_path,
+                                   posixpath.basename(sandbox_path), sandbox_uid)  # fmt: skip
             copied, read_from, written = copy(session.files, sandbox_path, target.view, target.path,
                                               limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
             return _json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),
@@ -338,7 +376,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         timeout_s: float | None,
     ) -> CallToolResult:
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             arguments = dict(args or {})
             # Confinement is the host's: every path goes through the session's file view first.
             for key in PATH_ARGUMENTS:
@@ -348,6 +386,8 @@ def build_server(manager: SessionManager) -> MCPServer:
                 arguments["inputs"] = [session.files.resolve(str(item)).sandbox_path for item in arguments["inputs"]]
             payload = {"op": op, "input_path": session.files.resolve(input_path).sandbox_path, "args": arguments}
             result = await session.call_guest(tool, payload, timeout_s or settings.timeout_s)
+            if session.export_note:
+                result["exported"] = session.export_note
             return guest_tool_result(result)
 
         return await _guarded(call)
@@ -400,11 +440,13 @@ def build_server(manager: SessionManager) -> MCPServer:
         ctx: Context, session_id: str | None, op: str, args: dict[str, Any], timeout_s: float | None
     ) -> CallToolResult:
         async def call() -> CallToolResult:
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             if isinstance(args.get("output"), str):
                 args["output"] = session.files.resolve(args["output"]).sandbox_path
             limit = (timeout_s or BROWSER_TIMEOUT_S) + BROWSER_START_S
             result = await session.call_guest("browser", {"op": op, "args": args}, limit)
+            if session.export_note:
+                result["exported"] = session.export_note
             return guest_tool_result(result)
 
         return await _guarded(call)
@@ -471,6 +513,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
     async def execute_code(
         language: LanguageArg,
+        ctx: Context,
         code: Annotated[str, Field(description="The whole program.")],
         stdin: Annotated[str | None, Field(max_length=MAX_STDIN_CHARS, description="Text fed to its stdin.")] = None,
         variables: VariablesArg = None,
@@ -488,18 +531,18 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         async def call() -> CallToolResult:
             values = check_variables(variables, language)
-            options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s)
+            options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=_client(ctx))
             result = await manager.oneshot.run(language, code, options, stdin=(stdin or "").encode(), variables=values)
             return _json_result(asdict(result), is_error=not result.success)
 
         return await _guarded(call)
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
-    async def validate_code(language: LanguageArg, code: str) -> CallToolResult:
+    async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
         """Check code for syntax errors without running it (checked inside a sandbox): line and column of each."""
 
         async def call() -> CallToolResult:
-            errors = await manager.oneshot.check(language, code, manager.options())
+            errors = await manager.oneshot.check(language, code, manager.options(client=_client(ctx)))
             return _json_result({"language": language, "valid": not errors, "errors": errors})
 
         return await _guarded(call)
@@ -518,10 +561,38 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         async def call() -> CallToolResult:
             wanted = check_requirements(packages)
-            session = await manager.resolve(session_id, _caller(ctx))
+            session = await _resolve(ctx, session_id)
             return _json_result(await session.install_packages(wanted, timeout_s or PIP_TIMEOUT_S))
 
         return await _guarded(call)
+
+    @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def list_workspaces(ctx: Context) -> CallToolResult:
+        """Your persistent workspaces (create_session(name=..., persistent=true)): name, size, whether in use."""
+
+        async def call() -> CallToolResult:
+            found = list_named(settings.workspaces_dir, _client(ctx))
+            return _json_result({"workspaces": [asdict(entry) for entry in found]})
+
+        return await _guarded(call)
+
+    @server.tool(structured_output=False, annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
+    async def delete_workspace(
+        ctx: Context,
+        name: Annotated[str, Field(pattern=f"^{SESSION_NAME.pattern}$", description="A name from list_workspaces.")],
+    ) -> CallToolResult:
+        """Delete one of your persistent workspaces and all its files (not while a session uses it)."""
+
+        async def call() -> CallToolResult:
+            try:
+                delete_named(settings.workspaces_dir, _client(ctx), name)
+            except WorkspaceError as exc:
+                return error_result(str(exc))
+            return _json_result({"deleted": name})
+
+        return await _guarded(call)
+
+    _close_schemas(server, ("list_workspaces", "delete_workspace"))
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def get_capabilities() -> CallToolResult:

@@ -32,6 +32,7 @@ from pathlib import Path
 from . import hostfs
 from .sandbox.base import etc_files
 from .sandbox.identity import HostIdentity
+from .sandbox_mounts import release_mounts
 from .workspace import Workspace, remove_workspace
 
 log = logging.getLogger(__name__)
@@ -231,7 +232,9 @@ def remove_stale_dirs(runtime_base: Path, workspaces_base: Path, remove_stale: C
                 if lock_fd >= 0:
                     os.close(lock_fd)
             remove_stale(name)
-            remove_workspace(workspaces_base / name)  # named (persistent) workspaces have other names
+            if not release_mounts(runtime_base / name):
+                continue  # never delete beneath a staged mount of a user's folder
+            remove_workspace(workspaces_base / name)  # named (persistent) workspaces live elsewhere
             hostfs.remove_tree(base_fd, name)
             removed += 1
     return removed

@@ -26,16 +26,20 @@ from anyio.abc import TaskGroup
 from . import hostfs
 from .callers import LOCAL_CALLER
 from .config import MIN_MEMORY_MB, Settings
+from .exports import ExportError, client_folder, folder_owner, prepare_export_dir
 from .files import SandboxFiles
 from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
-from .mounts import MountError, MountSpec, check_distinct, prepare_export_dir, resolve_mount
+from .mounts import MountError, MountSpec, check_distinct, check_sandbox_path, resolve_mount
 from .oneshot import OneShotRunner
 from .output import OutputCollector, WorkspaceWriter
+from .owners import LOCAL_CLIENT
 from .results import ExecutionResult
 from .sandbox.base import SESSION_PACKAGES, LimitReport, Limits, Mount, SandboxBackend, SandboxSpec
 from .sandbox.identity import UidPool, ensure_private_dir, per_sandbox_uids
+from .sandbox_mounts import ExportPlan, MountsError, SandboxMounts, prepare_mounts
 from .session_dirs import SandboxDirs, open_sandbox_dirs, remove_stale_dirs
-from .workspace import Workspace, WorkspaceError
+from .startup_hooks import disable_startup_hooks
+from .workspace import Workspace, WorkspaceError, named_workspace_dir
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,8 @@ class SessionOptions:
     #: A named session's workspace can be persistent: it outlives the session and the server.
     name: str | None = None
     persistent: bool = False
+    #: The client that owns its exports and its persistent name (owners.py).
+    client: str = LOCAL_CLIENT
 
 
 @dataclass
@@ -112,6 +118,36 @@ class Session:
     _resetting: bool = False
     _generation: int = 0
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
+    #: Its mounts as the sandbox gets them (staged on a root server) and its export outbox.
+    sandbox_mounts: SandboxMounts | None = None
+    #: What the last copy-out to the export folder did, for the reply.
+    export_note: str | None = None
+    #: A reopened workspace's start-up files and packages (startup_hooks.py), for create_session's reply.
+    startup: dict[str, Any] | None = None
+
+    @property
+    def mounts(self) -> tuple[Mount, ...]:
+        return self.sandbox_mounts.mounts if self.sandbox_mounts is not None else self.options.mounts
+
+    async def copy_out(self) -> None:
+        """Copy new files in the outbox to the client's export folder (a worker thread: it is file I/O)."""
+        plan = self.sandbox_mounts
+        if plan is None or plan.exporter is None:
+            return
+        try:
+            with anyio.CancelScope(shield=True):
+                report = await anyio.to_thread.run_sync(plan.export)
+        except OSError as exc:
+            self.export_note = f"copying to the export folder failed: {exc}"
+            return
+        self.export_note = plan.note(report)
+
+    def _export_status(self) -> list[dict[str, str]]:
+        plan = self.sandbox_mounts
+        if plan is None or plan.exporter is None or plan.export_mount is None:
+            return []
+        target = str(plan.exporter.target)
+        return [{"sandbox": plan.export_mount, "host": target, "mode": "rw", "exported": "after each call"}]
 
     @property
     def workspace(self) -> Workspace:
@@ -119,13 +155,16 @@ class Session:
 
     @property
     def spec(self) -> SandboxSpec:
-        return sandbox_spec(self.options, self.dirs)
+        return sandbox_spec(self.options, self.dirs, self.mounts)
 
     @property
     def files(self) -> SandboxFiles:
         """The session's files as the host may touch them: workspace and mounts, symlink-safe."""
         workspace = Mount(self.workspace.path, self.backend.workspace_path, writable=True)
-        return SandboxFiles([workspace, *self.options.mounts], owner=self.dirs.owner)
+        plan = self.sandbox_mounts
+        if plan is None:
+            return SandboxFiles([workspace, *self.options.mounts], owner=self.dirs.owner)
+        return SandboxFiles([workspace, *plan.host_view], owner=self.dirs.owner, owners=plan.owners)
 
     async def start_kernel(self) -> None:
         kernel = Kernel(self.backend, self.spec, self.task_group, self.dirs, generation=self._generation)
@@ -161,7 +200,11 @@ class Session:
             if self.closed:
                 raise SessionError(f"session {self.session_id} was closed")
             self.busy = True
-            yield
+            self.export_note = None
+            try:
+                yield
+            finally:
+                await self.copy_out()
         finally:
             self.busy = False
             self.last_used = time.monotonic()
@@ -332,6 +375,10 @@ class Session:
             if self.kernel is not None:
                 await self.kernel.shutdown()
                 self.kernel = None
+            await self.copy_out()
+            if self.sandbox_mounts is not None and not await anyio.to_thread.run_sync(self.sandbox_mounts.close):
+                log.warning("session %s…: a staged mount would not detach; its dirs are left", self.session_id[:6])
+                return
             await anyio.to_thread.run_sync(self.dirs.close)
 
     def usage(self) -> dict[str, float | None]:
@@ -374,7 +421,8 @@ class Session:
             mounts=[
                 {"sandbox": m.sandbox, "host": str(m.host), "mode": "rw" if m.writable else "ro"}
                 for m in self.options.mounts
-            ],
+            ]
+            + self._export_status(),
             limits={
                 **self.backend.limit_reports(self.options.limits),
                 "disk_mb": LimitReport(self.workspace.size_mb, self.workspace.enforced_by),
@@ -417,6 +465,7 @@ class SessionManager:
             open_dirs=self.open_dirs,
             close_dirs=self.close_dirs,
             spec_for=sandbox_spec,
+            mounts_for=self.sandbox_mounts,
         )
         return self
 
@@ -448,6 +497,7 @@ class SessionManager:
         mounts: list[MountSpec] | None = None,
         name: str | None = None,
         persistent: bool = False,
+        client: str = LOCAL_CLIENT,
     ) -> SessionOptions:
         if name is not None and not SESSION_NAME.fullmatch(name):
             raise SessionError(f"session name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
@@ -476,7 +526,30 @@ class SessionManager:
             mounts=(*self.base_mounts, *self._session_mounts(mounts or [])),
             name=name,
             persistent=persistent,
+            client=client,
         )
+
+    def export_plan(self, client: str) -> ExportPlan | None:
+        """Where `client`'s sandboxes save exports (export_mount) and where those land on the host."""
+        export_dir = self.settings.export_dir
+        if export_dir is None:
+            return None
+        root = prepare_export_dir(export_dir)
+        return ExportPlan(
+            mount=self.settings.export_mount,
+            target=client_folder(root, client),
+            limit_bytes=self.settings.export_limit_mb * 2**20,
+            owner=folder_owner(root, None),
+        )
+
+    def sandbox_mounts(self, options: SessionOptions, dirs: SandboxDirs, fresh: bool = True) -> SandboxMounts:
+        """A sandbox's mounts (staged in its host-only dir on a root server) and its outbox; raises
+        SessionError. Runs in a worker thread (mount syscalls, an id-map helper process)."""
+        try:
+            return prepare_mounts(options.mounts, dirs.top, dirs.workspace.path, dirs.owner,
+                                  self.export_plan(options.client), fresh_workspace=fresh)  # fmt: skip
+        except (MountsError, ExportError, OSError) as exc:
+            raise SessionError(f"could not prepare the sandbox's folders: {exc}") from None
 
     def _protected_paths(self) -> list[Path]:
         """Paths no mount may overlap: other sessions' workspaces and sockets, the sandbox env, the HTTP token."""
@@ -484,15 +557,23 @@ class SessionManager:
         return [settings.runtime_dir, settings.workspaces_dir, settings.sandbox_env, settings.token_file]
 
     def _configured_mounts(self) -> list[Mount]:
-        """The server-wide mounts: the export folder (rw) plus the configured ones. Raises MountError."""
+        """The server-wide configured mounts (the export outbox is per sandbox). Raises MountError."""
         identity = self.backend.identity
-        specs = list(self.settings.mounts)
+        mounts = [resolve_mount(spec, protected=self._protected_paths(), identity=identity)
+                  for spec in self.settings.mounts]  # fmt: skip
+        check_distinct([*mounts, *self._export_mount()])
         if self.settings.export_dir is not None:
-            export = prepare_export_dir(self.settings.export_dir, identity)
-            specs.insert(0, MountSpec(host=export, sandbox=self.settings.export_mount, mode="rw"))
-        mounts = [resolve_mount(spec, protected=self._protected_paths(), identity=identity) for spec in specs]
-        check_distinct(mounts)
+            try:
+                prepare_export_dir(self.settings.export_dir)  # at start: a bad folder is told at once
+            except ExportError as exc:
+                raise MountError(exc.strerror) from None
         return mounts
+
+    def _export_mount(self) -> list[Mount]:
+        """The export mount's sandbox path, so that no other mount takes it."""
+        if self.settings.export_dir is None:
+            return []
+        return [Mount(Path("/"), check_sandbox_path(self.settings.export_mount), writable=True)]
 
     def _session_mounts(self, specs: list[MountSpec]) -> list[Mount]:
         """Mounts asked for by create_session: only under a folder the configuration allows."""
@@ -508,7 +589,7 @@ class SessionManager:
                 raise SessionError(f"{mount.host} may not be mounted: sessions may mount only under {allowed}")
             mounts.append(mount)
         try:
-            check_distinct([*self.base_mounts, *mounts])
+            check_distinct([*self.base_mounts, *self._export_mount(), *mounts])
         except MountError as exc:
             raise SessionError(str(exc)) from None
         return mounts
@@ -523,6 +604,19 @@ class SessionManager:
         assert self._task_group is not None, "SessionManager used outside its `async with`"
         session_id = secrets.token_urlsafe(18)
         dirs = await self.open_dirs(options)
+        workspace = dirs.workspace
+        try:
+            # File walks and mount syscalls (and, for an id mapping, a helper process): off the loop.
+            startup = (
+                await anyio.to_thread.run_sync(disable_startup_hooks, workspace.path) if workspace.reopened else None
+            )
+            mounts = await anyio.to_thread.run_sync(self.sandbox_mounts, options, dirs, not workspace.reopened)
+        except OSError as exc:
+            await self.close_dirs(dirs)
+            raise SessionError(f"could not check the reopened workspace's start-up files: {exc}") from None
+        except BaseException:
+            await self.close_dirs(dirs)
+            raise
         session = Session(
             session_id=session_id,
             options=options,
@@ -531,6 +625,8 @@ class SessionManager:
             settings=self.settings,
             task_group=self._task_group,
             owner=owner,
+            sandbox_mounts=mounts,
+            startup=startup.as_dict() if startup is not None else None,
         )
         self._sessions[session_id] = session
         try:
@@ -545,12 +641,16 @@ class SessionManager:
     async def open_dirs(self, options: SessionOptions) -> SandboxDirs:
         """A sandbox's host side (see session_dirs.py), made in a worker thread: creating a capped
         workspace runs mkfs and mount. Raises SessionError."""
-        stable = f"named-{options.name}" if options.persistent else None
+        stable = f"named/{options.client}/{options.name}" if options.persistent else None
         user = self.users.allocate(stable) if self.users is not None else self.backend.identity
 
         def make_workspace(key: str, owner: tuple[int, int] | None) -> Workspace:
-            name = f"named-{options.name}" if options.persistent else key
-            path = self.settings.workspaces_dir / name
+            if options.persistent:
+                assert options.name is not None
+                path = named_workspace_dir(self.settings.workspaces_dir, options.client, options.name,
+                                           self.backend.dir_mode)  # fmt: skip
+            else:
+                path = self.settings.workspaces_dir / key
             workspace = Workspace.create(
                 path, options.limits.disk_mb, self.settings.workspace_quota, persistent=options.persistent
             )
@@ -589,7 +689,7 @@ class SessionManager:
         if self.users is not None:
             self.users.release(session.dirs.user)
 
-    async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER) -> Session:
+    async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER, client: str = LOCAL_CLIENT) -> Session:
         """The named session, or `owner`'s default one (created on first use).
 
         A session id is an unguessable handle: whoever holds it may use it, whichever client
@@ -606,7 +706,7 @@ class SessionManager:
         async with self._default_lock:
             default_id = self._default_ids.get(owner)
             if default_id is None or default_id not in self._sessions:
-                default_id = (await self.create(owner=owner)).session_id
+                default_id = (await self.create(self.options(client=client), owner=owner)).session_id
                 self._default_ids[owner] = default_id
             return self._sessions[default_id]
 
@@ -641,8 +741,9 @@ class SessionManager:
         return self._default_ids.get(session.owner) == session.session_id
 
 
-def sandbox_spec(options: SessionOptions, dirs: SandboxDirs) -> SandboxSpec:
-    """What a backend needs to start a sandbox with these options in these dirs."""
+def sandbox_spec(options: SessionOptions, dirs: SandboxDirs, mounts: tuple[Mount, ...]) -> SandboxSpec:
+    """What a backend needs to start a sandbox with these options in these dirs, with these mounts
+    (as the sandbox gets them: staged on a root server)."""
     return SandboxSpec(
         name=dirs.key,
         workspace=dirs.workspace.path,
@@ -650,7 +751,7 @@ def sandbox_spec(options: SessionOptions, dirs: SandboxDirs) -> SandboxSpec:
         host_dir=dirs.host_dir,
         limits=options.limits,
         network=options.network,
-        mounts=options.mounts,
+        mounts=mounts,
         user=dirs.user,
     )
 

@@ -1,4 +1,4 @@
-"""Host folders files may come from (import_dirs) and go to (the export folder), nothing else.
+"""Host folders files may come from (import_dirs) and go to (the client's export folder), nothing else.
 
 A host path is matched to its folder lexically, then walked through a SandboxFiles view rooted
 at that folder, so a symlink inside it (the export folder is writable by sandboxed code) can
@@ -12,6 +12,7 @@ import posixpath
 from dataclasses import dataclass
 from pathlib import Path
 
+from .exports import client_folder, folder_owner, open_target, prepare_export_dir
 from .files import FileAccessError, SandboxFiles
 from .sandbox.base import Mount
 
@@ -56,11 +57,15 @@ def import_source(import_dirs: list[Path], host_path: str) -> HostFolder:
     return HostFolder(view, posixpath.join(IMPORT_ROOT, relative), root)
 
 
-def export_target(export_dir: Path | None, host_path: str | None, default_name: str,
-                  owner: tuple[int, int] | None) -> HostFolder:  # fmt: skip
+def export_target(export_dir: Path | None, client: str, host_path: str | None, default_name: str,
+                  sandbox_uid: int | None = None) -> HostFolder:  # fmt: skip
+    """A file in `client`'s own export folder (export_dir/<client>/); relative paths start there."""
     if export_dir is None:
         raise FileAccessError("no export folder is configured (export_dir), so nothing can be downloaded")
-    root = export_dir.expanduser().resolve()
+    top = prepare_export_dir(export_dir)
+    owner = folder_owner(top, sandbox_uid)
+    root = client_folder(top, client)
+    os.close(open_target(root, owner))
     root, relative = _inside(_absolute(host_path or default_name, base=root), [root], "export_dir")
     if not relative or relative == ".":
         raise FileAccessError(f"{host_path} is the export folder itself: name a file inside it")

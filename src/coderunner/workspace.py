@@ -12,7 +12,9 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +60,8 @@ class Workspace:
     #: Kept when the session closes (a named session); only unmounted.
     persistent: bool = False
     lock_fd: int | None = None
+    #: A persistent workspace that existed before: its files were written by earlier sandboxes.
+    reopened: bool = False
 
     @property
     def enforced_by(self) -> str | None:
@@ -72,7 +76,7 @@ class Workspace:
             if persistent and path.is_dir():
                 if image.exists() and not os.path.ismount(path):
                     _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(path)])
-                return cls(path, size_mb, image if image.exists() else None, persistent, lock_fd)
+                return cls(path, size_mb, image if image.exists() else None, persistent, lock_fd, reopened=True)
             path.mkdir(mode=0o755)
             if size_mb is None or not use_quota or quota_problem() is not None:
                 return cls(path, size_mb, None, persistent, lock_fd)
@@ -106,6 +110,86 @@ class Workspace:
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None
+
+
+#: Persistent workspaces live in NAMED_DIR/<client>/<name> (with <name>.img and <name>.lock beside).
+NAMED_DIR = "named"
+#: What a workspace name (and a client folder, see owners.py) may be: one plain path component.
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+@dataclass(frozen=True)
+class NamedWorkspace:
+    name: str
+    in_use: bool
+    size_mb: int | None
+    used_mb: float | None
+    modified: float
+
+
+def named_workspace_dir(base: Path, client: str, name: str, dir_mode: int) -> Path:
+    """Where `client`'s persistent workspace `name` lives: a name belongs to the client that made it."""
+    if not NAME.fullmatch(name) or not NAME.fullmatch(client):
+        raise WorkspaceError(f"{name!r} is not a workspace name")
+    folder = _client_dir(base, client, dir_mode)
+    return folder / name
+
+
+def _client_dir(base: Path, client: str, dir_mode: int) -> Path:
+    from .sandbox.identity import ensure_private_dir
+
+    ensure_private_dir(base / NAMED_DIR, dir_mode)
+    ensure_private_dir(base / NAMED_DIR / client, dir_mode)
+    return base / NAMED_DIR / client
+
+
+def list_named(base: Path, client: str) -> list[NamedWorkspace]:
+    """`client`'s persistent workspaces (only the host writes these folders' entries)."""
+    folder = base / NAMED_DIR / client
+    found = []
+    try:
+        names = sorted(entry for entry in os.listdir(folder) if not entry.endswith((".img", ".lock")))
+    except FileNotFoundError:
+        return []
+    for name in names:
+        path = folder / name
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode):
+            continue
+        image = path.with_name(name + ".img")
+        size_mb = used_mb = None
+        with contextlib.suppress(FileNotFoundError):
+            image_info = os.lstat(image)
+            size_mb = image_info.st_size // 2**20
+            used_mb = round(image_info.st_blocks * 512 / 2**20, 1)
+        found.append(NamedWorkspace(name, _in_use(path), size_mb, used_mb, info.st_mtime))
+    return found
+
+
+def _in_use(path: Path) -> bool:
+    try:
+        os.close(_lock_named(path))
+    except WorkspaceError:
+        return True
+    return False
+
+
+def delete_named(base: Path, client: str, name: str) -> None:
+    """Delete `client`'s persistent workspace `name` for good; refuses one in use."""
+    if not NAME.fullmatch(name) or not NAME.fullmatch(client):
+        raise WorkspaceError(f"{name!r} is not a workspace name: list_workspaces shows yours")
+    path = base / NAMED_DIR / client / name
+    if not os.path.lexists(path):
+        raise WorkspaceError(f"there is no persistent workspace {name!r}: list_workspaces shows yours")
+    fd = _lock_named(path)
+    try:
+        remove_workspace(path)
+        if os.path.lexists(path):
+            raise WorkspaceError(f"the workspace {name!r} could not be removed completely; try again")
+        with contextlib.suppress(FileNotFoundError):
+            path.with_name(name + ".lock").unlink()
+    finally:
+        os.close(fd)
 
 
 def _lock_named(path: Path) -> int:

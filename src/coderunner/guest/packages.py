@@ -18,6 +18,8 @@ SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?"
 _VERSION = r"[<>=!~]=?[A-Za-z0-9.*+!_-]+"
 REQUIREMENT = re.compile(f"{_NAME}({_VERSION}(,{_VERSION})*)?")
+#: Modules Python imports by itself at start-up when they are on sys.path.
+STARTUP_HOOKS = ("sitecustomize", "usercustomize")
 
 
 def _name(requirement):
@@ -57,8 +59,14 @@ def run(packages, target, timeout_s):
         for dist in importlib.metadata.distributions(path=[target])
     }
     wanted = [_name(p).lower().replace("_", "-") for p in packages]
-    return {
+    result = {
         "installed": {name: found.get(name) for name in wanted},
         "all_in_session": dict(sorted(found.items())),
         "target": target,
     }
+    hooks = sorted(name for name in os.listdir(target) if name.split(".", 1)[0] in STARTUP_HOOKS)
+    if hooks:
+        # Never silent: these run in every new interpreter of this session (the host sets them
+        # aside when a persistent workspace is reopened).
+        result["startup_hooks"] = hooks
+    return result
