@@ -23,9 +23,9 @@ from .files import FileAccessError, copy
 from .kernel import KernelStartError
 from .mounts import MountError, MountSpec
 from .oneshot import OneShotError
-from .output import OutputCollector
+from .output import OutputCollector, WorkspaceWriter
 from .packages import PackagesError, check_requirements
-from .results import error_result, guest_tool_result
+from .results import ReplyBounds, error_result, guest_tool_result
 from .sandbox import SandboxUnavailable
 from .sessions import Session, SessionError, SessionManager
 from .transfers import export_target, import_source
@@ -99,6 +99,12 @@ def build_server(manager: SessionManager) -> MCPServer:
     server = MCPServer("coderunner", version=__version__, instructions=INSTRUCTIONS)
     settings = manager.settings
     capabilities = Capabilities()  # caches the versions it reads from a sandbox
+    reply_bounds = ReplyBounds(settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes)
+
+    def _guest_reply(session: Session, result: dict[str, Any]) -> CallToolResult:
+        """A guest tool's answer under the bounds of cell output; an oversized answer spills to the workspace."""
+        writer = WorkspaceWriter(session.workspace.path, manager.backend.workspace_path, manager.backend.host_owner)
+        return guest_tool_result(result, reply_bounds, writer)
 
     def _caller(ctx: Context) -> str:
         """Which client this call is from: each has its own default session (see callers.py)."""
@@ -348,7 +354,7 @@ def build_server(manager: SessionManager) -> MCPServer:
                 arguments["inputs"] = [session.files.resolve(str(item)).sandbox_path for item in arguments["inputs"]]
             payload = {"op": op, "input_path": session.files.resolve(input_path).sandbox_path, "args": arguments}
             result = await session.call_guest(tool, payload, timeout_s or settings.timeout_s)
-            return guest_tool_result(result)
+            return _guest_reply(session, result)
 
         return await _guarded(call)
 
@@ -405,7 +411,7 @@ def build_server(manager: SessionManager) -> MCPServer:
                 args["output"] = session.files.resolve(args["output"]).sandbox_path
             limit = (timeout_s or BROWSER_TIMEOUT_S) + BROWSER_START_S
             result = await session.call_guest("browser", {"op": op, "args": args}, limit)
-            return guest_tool_result(result)
+            return _guest_reply(session, result)
 
         return await _guarded(call)
 
