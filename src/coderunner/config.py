@@ -135,6 +135,16 @@ class Settings(BaseSettings):
     disk_mb: int = Field(default=2048, ge=16, description="Size cap of a session's workspace.")
     workspace_quota: bool = Field(default=True, description="Cap workspaces with a loop-mounted image (root).")
     max_sessions: int = Field(default=8, ge=1)
+    max_sessions_per_client: int = Field(
+        default=4,
+        ge=1,
+        description="Sessions one HTTP client may hold open (see callers.py for how clients are told apart); "
+        "a stdio server's one client may use all of max_sessions.",
+    )
+    max_oneshot_runs: int = Field(default=4, ge=1, description="execute_code/validate_code sandboxes at once.")
+    max_oneshot_runs_per_client: int = Field(
+        default=2, ge=1, description="One-shot sandboxes one HTTP client may run at once; more wait for its own slot."
+    )
     idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
 
     # Files.

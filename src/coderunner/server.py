@@ -16,7 +16,7 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from . import __version__
-from .callers import caller_key, on_connection_close
+from .callers import LOCAL_CALLER, caller_key, on_connection_close
 from .capabilities import Capabilities
 from .file_results import read_file_result
 from .files import FileAccessError, copy
@@ -111,6 +111,11 @@ def build_server(manager: SessionManager) -> MCPServer:
         key = caller_key(ctx.request_context.request)
         on_connection_close(ctx.request_context.session, key, manager.release_caller)
         return key
+
+    def _share(ctx: Context) -> str | None:
+        """Whose share of the one-shot slots a call takes: none over stdio, where one client has them all."""
+        key = caller_key(ctx.request_context.request)
+        return None if key == LOCAL_CALLER else key
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
     async def run_python(
@@ -478,6 +483,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     async def execute_code(
         language: LanguageArg,
         code: Annotated[str, Field(description="The whole program.")],
+        ctx: Context,
         stdin: Annotated[str | None, Field(max_length=MAX_STDIN_CHARS, description="Text fed to its stdin.")] = None,
         variables: VariablesArg = None,
         timeout_s: Annotated[
@@ -495,17 +501,19 @@ def build_server(manager: SessionManager) -> MCPServer:
         async def call() -> CallToolResult:
             values = check_variables(variables, language)
             options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s)
-            result = await manager.oneshot.run(language, code, options, stdin=(stdin or "").encode(), variables=values)
+            result = await manager.oneshot.run(
+                language, code, options, stdin=(stdin or "").encode(), variables=values, caller=_share(ctx)
+            )
             return _json_result(asdict(result), is_error=not result.success)
 
         return await _guarded(call)
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
-    async def validate_code(language: LanguageArg, code: str) -> CallToolResult:
+    async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
         """Check code for syntax errors without running it (checked inside a sandbox): line and column of each."""
 
         async def call() -> CallToolResult:
-            errors = await manager.oneshot.check(language, code, manager.options())
+            errors = await manager.oneshot.check(language, code, manager.options(), caller=_share(ctx))
             return _json_result({"language": language, "valid": not errors, "errors": errors})
 
         return await _guarded(call)
