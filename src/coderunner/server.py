@@ -4,12 +4,15 @@
 
 import base64
 import binascii
+import functools
 import json
 import posixpath
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
+import anyio
+import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
@@ -58,6 +61,10 @@ LanguageArg = Annotated[
 ]
 #: Largest stdin execute_code passes on.
 MAX_STDIN_CHARS = 4 * 2**20
+#: Worker threads for file copies and /proc or workspace walks: up to 512 MiB each, never on the event loop.
+FILE_WORKERS = 4
+
+T = TypeVar("T")
 
 SessionId = Annotated[
     str | None,
@@ -100,6 +107,11 @@ def build_server(manager: SessionManager) -> MCPServer:
     settings = manager.settings
     capabilities = Capabilities()  # caches the versions it reads from a sandbox
     reply_bounds = ReplyBounds(settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes)
+    file_workers = anyio.CapacityLimiter(FILE_WORKERS)
+
+    async def _off_loop(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Blocking file or /proc work in a bounded pool of threads, so other calls keep being served."""
+        return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs), limiter=file_workers)
 
     def _guest_reply(session: Session, result: dict[str, Any]) -> CallToolResult:
         """A guest tool's answer under the bounds of cell output; an oversized answer spills to the workspace."""
@@ -219,7 +231,8 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Liveness, busy flag, uptime, memory used, limits and network of a session."""
 
         async def call() -> CallToolResult:
-            return _json_result(_session_summary(await manager.resolve(session_id, _caller(ctx)), manager))
+            session = await manager.resolve(session_id, _caller(ctx))
+            return _json_result(await _off_loop(_session_summary, session, manager))
 
         return await _guarded(call)
 
@@ -228,7 +241,9 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Open sessions of this server."""
 
         async def call() -> CallToolResult:
-            return _json_result({"sessions": [_session_summary(s, manager) for s in manager.list(_caller(ctx))]})
+            sessions = manager.list(_caller(ctx))
+            summaries = await _off_loop(lambda: [_session_summary(s, manager) for s in sessions])
+            return _json_result({"sessions": summaries})
 
         return await _guarded(call)
 
@@ -245,7 +260,7 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         async def call() -> CallToolResult:
             session = await manager.resolve(session_id, _caller(ctx))
-            entries = session.files.list(path, depth)
+            entries = await _off_loop(session.files.list, path, depth)
             return _json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
 
         return await _guarded(call)
@@ -265,8 +280,8 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         async def call() -> CallToolResult:
             session = await manager.resolve(session_id, _caller(ctx))
-            return read_file_result(
-                session.files, session.session_id, path, limit=settings.read_limit_bytes,
+            return await _off_loop(
+                read_file_result, session.files, session.session_id, path, limit=settings.read_limit_bytes,
                 image_limit=settings.image_limit_bytes, offset=offset, length=length,
                 start_line=start_line, end_line=end_line,
             )  # fmt: skip
@@ -290,7 +305,7 @@ def build_server(manager: SessionManager) -> MCPServer:
                 data = base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
             except binascii.Error:
                 return error_result("content is not valid base64")
-            written = session.files.write(path, data, overwrite=overwrite)
+            written = await _off_loop(session.files.write, path, data, overwrite=overwrite)
             return _json_result({"path": written, "bytes": len(data)})
 
         return await _guarded(call)
@@ -309,8 +324,8 @@ def build_server(manager: SessionManager) -> MCPServer:
             session = await manager.resolve(session_id, _caller(ctx))
             source = import_source(settings.import_dirs, host_path)
             target = sandbox_path or posixpath.basename(source.path)
-            copied, _, written = copy(source.view, source.path, session.files, target,
-                                      limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
+            copied, _, written = await _off_loop(copy, source.view, source.path, session.files, target,
+                                                 limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
             return _json_result({"host_path": str(source.host_path(source.path)), "sandbox_path": written,
                                  "bytes": copied})  # fmt: skip
 
@@ -332,8 +347,10 @@ def build_server(manager: SessionManager) -> MCPServer:
             session = await manager.resolve(session_id, _caller(ctx))
             target = export_target(settings.export_dir, host_path, posixpath.basename(sandbox_path),
                                    manager.backend.host_owner)  # fmt: skip
-            copied, read_from, written = copy(session.files, sandbox_path, target.view, target.path,
-                                              limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
+            copied, read_from, written = await _off_loop(
+                copy, session.files, sandbox_path, target.view, target.path,
+                limit=settings.transfer_limit_bytes, overwrite=overwrite,
+            )  # fmt: skip
             return _json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),
                                  "bytes": copied})  # fmt: skip
 
@@ -555,7 +572,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     )
     async def sandbox_file(session_id: str, path: str) -> bytes:
         session = await manager.resolve(session_id)
-        data, size, _ = session.files.read("/" + path, limit=settings.resource_limit_bytes + 1)
+        data, size, _ = await _off_loop(session.files.read, "/" + path, limit=settings.resource_limit_bytes + 1)
         if size > settings.resource_limit_bytes:
             raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")
         return data
