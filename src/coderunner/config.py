@@ -199,6 +199,18 @@ class Settings(BaseSettings):
     allowed_origins: list[str] = Field(
         default_factory=list, description="Extra Origin values (browser-based clients); loopback always."
     )
+    http_max_connections: int = Field(
+        default=256,
+        ge=1,
+        description="Open HTTP connections at most; over it the oldest one still waiting for a request is closed "
+        "(or the new one, when all are busy).",
+    )
+    http_head_timeout_s: float = Field(
+        default=10.0, gt=0, description="Time an HTTP connection has to send a complete request head."
+    )
+    http_idle_timeout_s: float = Field(
+        default=15.0, gt=0, description="An idle kept-alive HTTP connection is closed after this long."
+    )
 
     @field_validator("export_dir", mode="before")
     @classmethod
