@@ -14,6 +14,7 @@ tree's server (e.g. an older commit exported with `git archive`) to measure befo
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -52,6 +53,10 @@ def params(root: Path, src: Path, size_mb: int) -> StdioServerParameters:
         if key in os.environ:
             env[key] = os.environ[key]
     return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
+
+
+def copy_arguments(number: int, session_id: str) -> dict[str, object]:
+    return {"sandbox_path": "big.bin", "host_path": f"copy-{number}.bin", "overwrite": True, "session_id": session_id}
 
 
 async def checked(client: Client, tool: str, arguments: dict[str, object]) -> None:
@@ -101,18 +106,11 @@ async def main(rounds: int, copies: int, size_mb: int, burst: int, src: Path) ->
             for _ in range(10):
                 await checked(client, "run_python", {"code": "1+1"})
             created = await client.call_tool("create_session", {})
-            worker = created.structured_content or {}
-            if not worker:
-                import json
-
-                worker = json.loads(created.content[0].text)  # type: ignore[union-attr]
-            session_id = worker["session_id"]
+            session_id = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
             await checked(client, "run_python", {"code": MAKE_BIG.format(size_mb=size_mb), "session_id": session_id,
                                                  "timeout_s": 300})  # fmt: skip
             copy_work: list[tuple[str, dict[str, object]]] = [
-                ("download_file", {"sandbox_path": "big.bin", "host_path": f"copy-{n}.bin", "overwrite": True,
-                                   "session_id": session_id})  # fmt: skip
-                for n in range(copies)
+                ("download_file", copy_arguments(n, session_id)) for n in range(copies)
             ]
             burst_work: list[tuple[str, dict[str, object]]] = [
                 ("execute_code", {"language": "bash", "code": "echo hi"}) for _ in range(burst)
