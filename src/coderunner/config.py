@@ -129,6 +129,13 @@ class Settings(BaseSettings):
         description="Address-space (RLIMIT_AS) limit of a session's kernel, in MiB.",
     )
     cpus: float | None = Field(default=None, gt=0, description="CPU quota per session (cgroups).")
+    session_cpu_weight: int = Field(
+        default=20,
+        ge=1,
+        le=10_000,
+        description="CPU weight of all sessions together against the server and the host's other processes "
+        "(cgroups; 100 = an ordinary process): spinning sandboxes get only otherwise idle CPU.",
+    )
     pids: int = Field(default=256, ge=32, description="Processes and threads per session (ipykernel uses ~15).")
     tmp_mb: int = Field(default=512, ge=16, description="Size of the sandbox's /tmp (a tmpfs).")
     cgroups: bool = Field(default=True, description="Use per-session cgroups where the server may create them.")
