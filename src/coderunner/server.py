@@ -80,6 +80,10 @@ def _json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolRes
     )
 
 
+def _decoded(content: str, encoding: str) -> bytes:
+    return base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
+
+
 def _session_summary(session: Session, manager: SessionManager) -> dict[str, Any]:
     status = asdict(session.status())
     status["default"] = manager.is_default(session)
@@ -113,10 +117,10 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Blocking file or /proc work in a bounded pool of threads, so other calls keep being served."""
         return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs), limiter=file_workers)
 
-    def _guest_reply(session: Session, result: dict[str, Any]) -> CallToolResult:
+    async def _guest_reply(session: Session, result: dict[str, Any]) -> CallToolResult:
         """A guest tool's answer under the bounds of cell output; an oversized answer spills to the workspace."""
         writer = WorkspaceWriter(session.workspace.path, manager.backend.workspace_path, manager.backend.host_owner)
-        return guest_tool_result(result, reply_bounds, writer)
+        return await _off_loop(guest_tool_result, result, reply_bounds, writer)
 
     def _caller(ctx: Context) -> str:
         """Which client this call is from: each has its own default session (see callers.py)."""
@@ -302,7 +306,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         async def call() -> CallToolResult:
             session = await manager.resolve(session_id, _caller(ctx))
             try:
-                data = base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
+                data = await _off_loop(_decoded, content, encoding)
             except binascii.Error:
                 return error_result("content is not valid base64")
             written = await _off_loop(session.files.write, path, data, overwrite=overwrite)
@@ -376,7 +380,7 @@ def build_server(manager: SessionManager) -> MCPServer:
                 arguments["inputs"] = [session.files.resolve(str(item)).sandbox_path for item in arguments["inputs"]]
             payload = {"op": op, "input_path": session.files.resolve(input_path).sandbox_path, "args": arguments}
             result = await session.call_guest(tool, payload, timeout_s or settings.timeout_s)
-            return _guest_reply(session, result)
+            return await _guest_reply(session, result)
 
         return await _guarded(call)
 
@@ -433,7 +437,7 @@ def build_server(manager: SessionManager) -> MCPServer:
                 args["output"] = session.files.resolve(args["output"]).sandbox_path
             limit = (timeout_s or BROWSER_TIMEOUT_S) + BROWSER_START_S
             result = await session.call_guest("browser", {"op": op, "args": args}, limit)
-            return _guest_reply(session, result)
+            return await _guest_reply(session, result)
 
         return await _guarded(call)
 
