@@ -85,8 +85,10 @@ def guest_tool_result(
     shown: list[str] = []
     used = 0
     for data in previews:
-        if len(shown) >= bounds.image_count or used + len(data) > bounds.image_bytes:
+        if len(shown) >= bounds.image_count:
             break
+        if used + len(data) > bounds.image_bytes:
+            continue  # as in cell output: a smaller one further on may still fit
         shown.append(data)
         used += len(data)
     text = OutputCollector(limit_chars=bounds.text_chars, spill_limit_bytes=bounds.spill_bytes, image_limit_bytes=0,
