@@ -72,6 +72,10 @@ class BoundedH11Protocol(H11Protocol):
         if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
             self._start_waiting(timed=False)  # no pipelined request started
 
+    def handle_websocket_upgrade(self, event: Any) -> None:
+        self._stop_waiting()  # the connection now belongs to the websocket protocol
+        super().handle_websocket_upgrade(event)
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_waiting()
         super().connection_lost(exc)
