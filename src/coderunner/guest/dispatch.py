@@ -66,6 +66,11 @@ def unexpected(tool, args_json, exc):
     name = f"{tool} {op}" if isinstance(op, str) and len(op) < 40 else tool
     target = request.get("input_path")
     target = target if isinstance(target, str) and len(target) < 300 else "the input"
+    if tool == "browser":
+        return (
+            f"{name} failed unexpectedly; check that a page is open (browser_navigate first) and the selector and "
+            "arguments; kernel_reset gives a fresh browser if it keeps failing"
+        )
     if isinstance(exc, OSError):
         reason = os.strerror(exc.errno) if exc.errno else "a file could not be read or written"
         return f"{name} failed on {target}: {reason}; check input_path and any output paths in args"
@@ -74,6 +79,8 @@ def unexpected(tool, args_json, exc):
             f"{name} failed on {target}: an argument has the wrong type or value, or the file is damaged; "
             "check args (pages like '1-3,5', numbers as numbers) and that the file opens"
         )
+    if target == "the input":
+        return f"{name} failed unexpectedly; check its arguments"
     return (
         f"{name} could not process {target}: the file may be damaged, unsupported or not of the expected kind; "
         "check that it opens (e.g. with op 'info') and try again"
