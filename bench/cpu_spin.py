@@ -8,7 +8,8 @@ Lanes alternate: quiet (nobody spins) and spinning (two sessions spin). Figures:
 1+1, the server's own turn-around (list_sessions, which needs no kernel), and the wall time of a
 fixed piece of host work outside any sandbox (the user's own programs, which sandboxes should not
 crowd out). --src runs another source tree's
-server (e.g. an older commit exported with `git archive`) to measure before and after.
+server (e.g. an older commit exported with `git archive`) to measure before and after;
+CODERUNNER_SESSION_CPU_WEIGHT=100 in the environment gives the neutral weight of earlier versions.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ def params(root: Path, src: Path) -> StdioServerParameters:
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_LOG_LEVEL": "WARNING",
     }
-    for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND"):
+    for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND", "CODERUNNER_SESSION_CPU_WEIGHT"):
         if key in os.environ:
             env[key] = os.environ[key]
     return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)

@@ -1,4 +1,4 @@
-"""/health latency of an HTTP server with and without a flood of half-open connections, lanes interleaved.
+"""HTTP latency with and without a flood of half-open connections, lanes interleaved.
 
     .venv/bin/python bench/http_flood.py [--flood 1500] [--rounds 4] [--probes 25] [--nofile 1024] [--src DIR]
 
@@ -6,7 +6,8 @@ The flood: N loopback connections that connect and never send a request head (th
 attack on an HTTP server: no token is needed to open a connection). The server runs with
 RLIMIT_NOFILE at --nofile (1024 is the usual default), so a flood larger than that is what
 filled the descriptors before connections were bounded. Each probe is a fresh connection
-asking /health (timeout 5 s: a timed-out probe counts as 5 s and as failed). Rounds alternate
+asking /health, then an authenticated MCP `initialize` (timeout 5 s each: a timed-out probe
+counts as 5 s and as failed). Rounds alternate
 the quiet lane and the flood lane. --src runs another source tree's server (e.g. an older
 commit exported with `git archive`) to measure before and after on the same machine.
 """
@@ -30,6 +31,18 @@ from pathlib import Path
 import httpx2
 
 PROBE_TIMEOUT_S = 5.0
+TOKEN = "bench-token-" + "0" * 32
+INITIALIZE = {
+    "jsonrpc": "2.0",
+    "id": 1,
+    "method": "initialize",
+    "params": {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "bench", "version": "0"}},
+}
+MCP_HEADERS = {
+    "Accept": "application/json, text/event-stream",
+    "Content-Type": "application/json",
+    "Authorization": f"Bearer {TOKEN}",
+}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -51,7 +64,7 @@ def server(src: Path, nofile: int) -> Iterator[int]:
         "CODERUNNER_CONFIG": str(root / "none.toml"),
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
-        "CODERUNNER_TOKEN": "bench-token-" + "0" * 32,
+        "CODERUNNER_TOKEN": TOKEN,
         "CODERUNNER_LOG_LEVEL": "ERROR",
     }
     for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND"):
@@ -90,6 +103,16 @@ def probe(port: int) -> tuple[float, bool]:
     return (time.perf_counter() - began if ok else PROBE_TIMEOUT_S), ok
 
 
+def probe_authenticated(port: int) -> tuple[float, bool]:
+    began = time.perf_counter()
+    try:
+        url = f"http://127.0.0.1:{port}/mcp"
+        ok = httpx2.post(url, json=INITIALIZE, headers=MCP_HEADERS, timeout=PROBE_TIMEOUT_S).status_code == 200
+    except httpx2.HTTPError:
+        ok = False
+    return (time.perf_counter() - began if ok else PROBE_TIMEOUT_S), ok
+
+
 @contextlib.contextmanager
 def flood(port: int, count: int) -> Iterator[int]:
     """`count` half-open connections (bounded: 2 s to connect each); yields how many connected."""
@@ -119,20 +142,26 @@ def main() -> None:
     parser.add_argument("--nofile", type=int, default=1024, help="the server's RLIMIT_NOFILE")
     parser.add_argument("--src", type=Path, default=REPO / "src", help="source tree the server runs from")
     args = parser.parse_args()
-    quiet: list[tuple[float, bool]] = []
-    flooded: list[tuple[float, bool]] = []
+    lanes: dict[str, list[tuple[float, bool]]] = {
+        "/health, quiet": [],
+        "/health, flooded": [],
+        "initialize with token, quiet": [],
+        "initialize with token, flooded": [],
+    }
     connected = []
     with server(args.src.resolve(), args.nofile) as port:
         for _ in range(args.rounds):
-            quiet += [probe(port) for _ in range(args.probes)]
+            lanes["/health, quiet"] += [probe(port) for _ in range(args.probes)]
+            lanes["initialize with token, quiet"] += [probe_authenticated(port) for _ in range(args.probes)]
             with flood(port, min(args.flood, 5000)) as opened:
                 connected.append(opened)
-                flooded += [probe(port) for _ in range(args.probes)]
+                lanes["/health, flooded"] += [probe(port) for _ in range(args.probes)]
+                lanes["initialize with token, flooded"] += [probe_authenticated(port) for _ in range(args.probes)]
             time.sleep(1)  # let the server see the flood's connections close
     print(f"server from {args.src}, RLIMIT_NOFILE {args.nofile}, flood {args.flood} half-open connections "
           f"(connected per round: {connected})")  # fmt: skip
-    print(f"  /health, quiet  : {summary(quiet)}")
-    print(f"  /health, flooded: {summary(flooded)}")
+    for name, samples in lanes.items():
+        print(f"  {name:32} {summary(samples)}")
 
 
 if __name__ == "__main__":
