@@ -130,12 +130,29 @@ class Settings(BaseSettings):
         description="Address-space (RLIMIT_AS) limit of a session's kernel, in MiB.",
     )
     cpus: float | None = Field(default=None, gt=0, description="CPU quota per session (cgroups).")
+    session_cpu_weight: int = Field(
+        default=20,
+        ge=1,
+        le=10_000,
+        description="CPU weight of all sessions together against the server and the host's other processes "
+        "(cgroups; 100 = an ordinary process): spinning sandboxes get only otherwise idle CPU.",
+    )
     pids: int = Field(default=256, ge=32, description="Processes and threads per session (ipykernel uses ~15).")
     tmp_mb: int = Field(default=512, ge=16, description="Size of the sandbox's /tmp (a tmpfs).")
     cgroups: bool = Field(default=True, description="Use per-session cgroups where the server may create them.")
     disk_mb: int = Field(default=2048, ge=16, description="Size cap of a session's workspace.")
     workspace_quota: bool = Field(default=True, description="Cap workspaces with a loop-mounted image (root).")
     max_sessions: int = Field(default=8, ge=1)
+    max_sessions_per_client: int = Field(
+        default=4,
+        ge=1,
+        description="Sessions one HTTP client may hold open (see callers.py for how clients are told apart); "
+        "a stdio server's one client may use all of max_sessions.",
+    )
+    max_oneshot_runs: int = Field(default=4, ge=1, description="execute_code/validate_code sandboxes at once.")
+    max_oneshot_runs_per_client: int = Field(
+        default=2, ge=1, description="One-shot sandboxes one HTTP client may run at once; more wait for its own slot."
+    )
     idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
 
     # Files.
@@ -193,6 +210,18 @@ class Settings(BaseSettings):
     )
     allowed_origins: list[str] = Field(
         default_factory=list, description="Extra Origin values (browser-based clients); loopback always."
+    )
+    http_max_connections: int = Field(
+        default=256,
+        ge=1,
+        description="Open HTTP connections at most; over it the oldest one still waiting for a request is closed "
+        "(or the new one, when all are busy).",
+    )
+    http_head_timeout_s: float = Field(
+        default=10.0, gt=0, description="Time an HTTP connection has to send a complete request head."
+    )
+    http_idle_timeout_s: float = Field(
+        default=15.0, gt=0, description="An idle kept-alive HTTP connection is closed after this long."
     )
 
     @field_validator("export_dir", mode="before")

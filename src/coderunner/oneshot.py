@@ -143,20 +143,67 @@ class OneShotRunner:
     mounts_for: Callable[[SessionOptions, SandboxDirs], SandboxMounts] | None = None
     #: One-shot sandboxes at once; more wait (within their own timeout) for a slot.
     max_concurrent: int = 4
+    #: Of those, how many one caller may hold, so that one client cannot keep the others waiting.
+    max_per_caller: int = 2
     _limiter: anyio.CapacityLimiter | None = None
+    #: Per-caller limiters, kept only while that caller has a run waiting or going.
+    _callers: dict[str, tuple[anyio.CapacityLimiter, int]] = field(default_factory=dict)
 
     @contextlib.asynccontextmanager
-    async def _slot(self, wait_s: float) -> AsyncIterator[None]:
+    async def _slot(self, wait_s: float, caller: str | None) -> AsyncIterator[None]:
+        """The caller's own share first, then a global slot, both within `wait_s`.
+
+        `caller` None is a run of the server's own (the versions probe): it takes no share.
+        """
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.max_concurrent)
+        share: anyio.CapacityLimiter | None = None
+        waiting_for = "share"
         with anyio.move_on_after(wait_s) as waited:
-            await self._limiter.acquire()
+            share = await self._take_share(caller)
+            waiting_for = "global"
+            try:
+                await self._limiter.acquire()
+            except BaseException:
+                self._give_share(caller, share)
+                share = None
+                raise
         if waited.cancelled_caught:
+            if caller is not None and waiting_for == "share":
+                raise OneShotError(
+                    f"this client already has {self.max_per_caller} one-shot runs in progress (its share of the "
+                    f"server's {self.max_concurrent}); try again when one finishes"
+                )
             raise OneShotError(f"{self.max_concurrent} one-shot runs are in progress; try again when one finishes")
         try:
             yield
         finally:
             self._limiter.release()
+            self._give_share(caller, share)
+
+    async def _take_share(self, caller: str | None) -> anyio.CapacityLimiter | None:
+        if caller is None:
+            return None
+        limiter, users = self._callers.get(caller) or (anyio.CapacityLimiter(self.max_per_caller), 0)
+        self._callers[caller] = (limiter, users + 1)
+        try:
+            await limiter.acquire()
+        except BaseException:
+            self._give_share(caller, None)
+            raise
+        return limiter
+
+    def _give_share(self, caller: str | None, limiter: anyio.CapacityLimiter | None) -> None:
+        """Release a share taken (or only waited for: `limiter` None); forget callers with nothing left."""
+        if caller is None:
+            return
+        if limiter is not None:
+            limiter.release()
+        held, users = self._callers[caller]
+        if users <= 1:
+            del self._callers[caller]
+        else:
+            self._callers[caller] = (held, users - 1)
 
     async def run(
         self,
@@ -166,8 +213,9 @@ class OneShotRunner:
         *,
         stdin: bytes = b"",
         variables: dict[str, Any] | None = None,
+        caller: str | None = None,
     ) -> OneShotResult:
-        async with self._slot(options.timeout_s):
+        async with self._slot(options.timeout_s, caller):
             return await self._run(language, code, options, stdin, variables or {})
 
     async def _run(
@@ -233,9 +281,11 @@ class OneShotRunner:
             return  # a staged mount would not detach: never delete beneath it
         await self.close_dirs(dirs)
 
-    async def check(self, language: Language, code: str, options: SessionOptions) -> list[dict[str, Any]]:
+    async def check(
+        self, language: Language, code: str, options: SessionOptions, caller: str | None = None
+    ) -> list[dict[str, Any]]:
         """Syntax errors of `code`, found inside a throwaway sandbox: [{line, column, message}]."""
-        answer = await self._ask(options, ["check", language], code, SOURCE_NAMES[language])
+        answer = await self._ask(options, ["check", language], code, SOURCE_NAMES[language], caller)
         errors = answer.get("errors")
         if not isinstance(errors, list):
             raise OneShotError("the syntax check gave no list of errors")
@@ -250,10 +300,15 @@ class OneShotRunner:
         return await self._ask(options, ["versions"])
 
     async def _ask(
-        self, options: SessionOptions, command: list[str], code: str | None = None, name: str = ""
+        self,
+        options: SessionOptions,
+        command: list[str],
+        code: str | None = None,
+        name: str = "",
+        caller: str | None = None,
     ) -> dict[str, Any]:
         """Run the guest helper with `command` in a throwaway sandbox; its one JSON answer (untrusted)."""
-        async with self._slot(CHECK_TIMEOUT_S):
+        async with self._slot(CHECK_TIMEOUT_S, caller):
             return await self._ask_now(options, command, code, name)
 
     async def _ask_now(

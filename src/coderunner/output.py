@@ -22,6 +22,10 @@ from pathlib import Path
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 SPILL_DIR = ".coderunner"
 IMAGE_SUFFIX = {"image/png": ".png", "image/jpeg": ".jpg"}
+#: Images one reply carries inline, whatever their size (a client draws each one).
+MAX_INLINE_IMAGES = 20
+#: Images one call saves to the workspace beyond those; the rest are only counted.
+MAX_SAVED_IMAGES = 100
 
 
 def strip_ansi(text: str) -> str:
@@ -91,6 +95,8 @@ class OutputCollector:
     _spill_fd: int | None = None
     _spilled_bytes: int = 0
     _image_count: int = 0
+    #: Images neither shown nor saved (over MAX_SAVED_IMAGES).
+    dropped_images: int = 0
 
     @property
     def truncated(self) -> bool:
@@ -122,11 +128,13 @@ class OutputCollector:
     def add_image(self, mime_type: str, data_b64: str) -> None:
         data_b64 = data_b64.strip()
         self._image_count += 1
-        if self._image_bytes + len(data_b64) <= self.image_limit_bytes:
+        fits = self._image_bytes + len(data_b64) <= self.image_limit_bytes
+        if fits and len(self.images) < MAX_INLINE_IMAGES:
             self._image_bytes += len(data_b64)
             self.images.append(ImageOutput(mime_type, data_b64))
             return
-        if self.writer is None:
+        if self.writer is None or len(self.saved_images) >= MAX_SAVED_IMAGES:
+            self.dropped_images += 1
             return
         try:
             raw = base64.b64decode(data_b64, validate=False)

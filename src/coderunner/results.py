@@ -10,6 +10,7 @@ from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
 
 from .file_results import resource_link
 from .kernel import RunOutcome, RunStatus
+from .output import MAX_INLINE_IMAGES, OutputCollector, WorkspaceWriter
 
 
 @dataclass
@@ -35,6 +36,8 @@ class ExecutionResult:
             lines.append(f"[{self.notice}]")
         if output.saved_images:
             lines.append("[more images than fit in one reply; saved: " + ", ".join(output.saved_images) + "]")
+        if output.dropped_images:
+            lines.append(f"[{output.dropped_images:,} more images were neither shown nor saved]")
         count = self.outcome.execution_count
         footer = f"[{self.outcome.status.value} in {self.outcome.duration_s:.3f}s"
         footer += f", cell {count}]" if count is not None else "]"
@@ -54,17 +57,64 @@ class ExecutionResult:
 PREVIEW_KEYS = ("preview", "previews")
 
 
-def guest_tool_result(result: dict[str, Any]) -> CallToolResult:
-    """A guest tool's answer: its JSON as text, and every preview as an image."""
-    previews = []
+@dataclass(frozen=True)
+class ReplyBounds:
+    """What one reply may carry inline: the bounds of cell output (settings), applied to any answer."""
+
+    text_chars: int
+    image_bytes: int
+    spill_bytes: int
+    image_count: int = MAX_INLINE_IMAGES
+
+
+def guest_tool_result(
+    result: dict[str, Any], bounds: ReplyBounds, writer: WorkspaceWriter | None = None
+) -> CallToolResult:
+    """A guest tool's answer (untrusted: the sandbox wrote it) as JSON text plus its previews as images.
+
+    Bounded like cell output: the text keeps head and tail (the whole JSON goes to a workspace file
+    when `writer` is given), and previews are shown within the image byte and count budgets. Every
+    preview is of a file the tool wrote, so those over budget are only counted, never saved again.
+    """
+    previews: list[str] = []
     for key in PREVIEW_KEYS:
         value = result.pop(key, None)
-        previews.extend(value if isinstance(value, list) else [value] if isinstance(value, str) else [])
-    content: list[ContentBlock] = [TextContent(type="text", text=json.dumps(result, indent=2))]
-    content.extend(ImageContent(type="image", data=data, mime_type="image/png") for data in previews)
-    return CallToolResult(content=content, structured_content=result)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, str) and item:
+                previews.append(item)
+    shown: list[str] = []
+    used = 0
+    for data in previews:
+        if len(shown) >= bounds.image_count:
+            break
+        if used + len(data) > bounds.image_bytes:
+            continue  # as in cell output: a smaller one further on may still fit
+        shown.append(data)
+        used += len(data)
+    text = OutputCollector(limit_chars=bounds.text_chars, spill_limit_bytes=bounds.spill_bytes, image_limit_bytes=0,
+                           writer=writer)  # fmt: skip
+    try:
+        text.add_text(json.dumps(result, indent=2))
+    finally:
+        text.close()
+    body = text.text()
+    if len(shown) < len(previews):
+        left = len(previews) - len(shown)
+        body += f"\n[{left:,} of {len(previews):,} previews not shown: over the inline image budget]"
+    content: list[ContentBlock] = [TextContent(type="text", text=body)]
+    content.extend(ImageContent(type="image", data=data, mime_type="image/png") for data in shown)
+    # The structured copy repeats the text; a truncated answer has only the bounded text.
+    structured = None if text.truncated else result
+    return CallToolResult(content=content, structured_content=structured)
+
+
+#: Longest error message a reply carries (some quote what a sandbox said).
+MAX_ERROR_CHARS = 4000
 
 
 def error_result(message: str) -> CallToolResult:
     """A failure the caller can act on: a tool result with isError, never a crash."""
+    if len(message) > MAX_ERROR_CHARS:
+        half = MAX_ERROR_CHARS // 2
+        message = f"{message[:half]}\n[... {len(message) - 2 * half:,} characters omitted ...]\n{message[-half:]}"
     return CallToolResult(content=[TextContent(type="text", text=message)], is_error=True)

@@ -12,6 +12,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 
 from .auth import RequireToken, policy_for
 from .config import Settings
+from .http_limits import ConnectionLimits, bounded_protocol
 from .sandbox import make_backend
 from .server import build_server
 from .sessions import SHUTDOWN_TIMEOUT_S, SessionManager
@@ -54,6 +55,9 @@ async def serve(settings: Settings) -> None:
                 port=settings.port,
                 log_level=settings.log_level.lower(),
                 lifespan="on",
+                # Anyone who can reach the port can open connections before any token check: bound them.
+                http=bounded_protocol(ConnectionLimits(settings.http_max_connections, settings.http_head_timeout_s)),
+                timeout_keep_alive=settings.http_idle_timeout_s,  # type: ignore[arg-type]
                 # Open SSE streams would otherwise hold a SIGTERM'd server forever.
                 timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
             )

@@ -4,29 +4,32 @@
 
 import base64
 import binascii
+import functools
 import json
 import posixpath
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
+import anyio
+import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from pydantic import Field
 
 from . import __version__
-from .callers import caller_key, on_connection_close
+from .callers import LOCAL_CALLER, caller_key, on_connection_close
 from .capabilities import Capabilities
 from .file_results import read_file_result
 from .files import FileAccessError, copy
 from .kernel import KernelStartError
 from .mounts import MountError, MountSpec
 from .oneshot import OneShotError
-from .output import OutputCollector
+from .output import OutputCollector, WorkspaceWriter
 from .owners import client_of
 from .packages import PackagesError, check_requirements
-from .results import error_result, guest_tool_result
+from .results import ReplyBounds, error_result, guest_tool_result
 from .sandbox import SandboxUnavailable
 from .sessions import SESSION_NAME, Session, SessionError, SessionManager
 from .transfers import export_target, import_source
@@ -61,6 +64,10 @@ LanguageArg = Annotated[
 ]
 #: Largest stdin execute_code passes on.
 MAX_STDIN_CHARS = 4 * 2**20
+#: Worker threads for file copies and /proc or workspace walks: up to 512 MiB each, never on the event loop.
+FILE_WORKERS = 4
+
+T = TypeVar("T")
 
 SessionId = Annotated[
     str | None,
@@ -74,6 +81,10 @@ def _json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolRes
         structured_content=payload,
         is_error=is_error,
     )
+
+
+def _decoded(content: str, encoding: str) -> bytes:
+    return base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
 
 
 def _session_summary(session: Session, manager: SessionManager) -> dict[str, Any]:
@@ -122,6 +133,17 @@ def build_server(manager: SessionManager) -> MCPServer:
     server = MCPServer("coderunner", version=__version__, instructions=INSTRUCTIONS)
     settings = manager.settings
     capabilities = Capabilities()  # caches the versions it reads from a sandbox
+    reply_bounds = ReplyBounds(settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes)
+    file_workers = anyio.CapacityLimiter(FILE_WORKERS)
+
+    async def _off_loop(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Blocking file or /proc work in a bounded pool of threads, so other calls keep being served."""
+        return await anyio.to_thread.run_sync(functools.partial(function, *args, **kwargs), limiter=file_workers)
+
+    async def _guest_reply(session: Session, result: dict[str, Any]) -> CallToolResult:
+        """A guest tool's answer under the bounds of cell output; an oversized answer spills to the workspace."""
+        writer = WorkspaceWriter(session.workspace.path, manager.backend.workspace_path, session.dirs.owner)
+        return await _off_loop(guest_tool_result, result, reply_bounds, writer)
 
     def _caller(ctx: Context) -> str:
         """Which client this call is from: each has its own default session (see callers.py)."""
@@ -135,6 +157,11 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     async def _resolve(ctx: Context, session_id: str | None) -> Session:
         return await manager.resolve(session_id, _caller(ctx), _client(ctx))
+
+    def _share(ctx: Context) -> str | None:
+        """Whose share of the one-shot slots a call takes: none over stdio, where one client has them all."""
+        key = caller_key(ctx.request_context.request)
+        return None if key == LOCAL_CALLER else key
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
     async def run_python(
@@ -241,7 +268,8 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Liveness, busy flag, uptime, memory used, limits and network of a session."""
 
         async def call() -> CallToolResult:
-            return _json_result(_session_summary(await _resolve(ctx, session_id), manager))
+            session = await _resolve(ctx, session_id)
+            return _json_result(await _off_loop(_session_summary, session, manager))
 
         return await _guarded(call)
 
@@ -250,7 +278,9 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Open sessions of this server."""
 
         async def call() -> CallToolResult:
-            return _json_result({"sessions": [_session_summary(s, manager) for s in manager.list(_caller(ctx))]})
+            sessions = manager.list(_caller(ctx))
+            summaries = await _off_loop(lambda: [_session_summary(s, manager) for s in sessions])
+            return _json_result({"sessions": summaries})
 
         return await _guarded(call)
 
@@ -267,7 +297,7 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
-            entries = session.files.list(path, depth)
+            entries = await _off_loop(session.files.list, path, depth)
             return _json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
 
         return await _guarded(call)
@@ -287,8 +317,8 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
-            return read_file_result(
-                session.files, session.session_id, path, limit=settings.read_limit_bytes,
+            return await _off_loop(
+                read_file_result, session.files, session.session_id, path, limit=settings.read_limit_bytes,
                 image_limit=settings.image_limit_bytes, offset=offset, length=length,
                 start_line=start_line, end_line=end_line,
             )  # fmt: skip
@@ -309,10 +339,10 @@ def build_server(manager: SessionManager) -> MCPServer:
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
             try:
-                data = base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
+                data = await _off_loop(_decoded, content, encoding)
             except binascii.Error:
                 return error_result("content is not valid base64")
-            written = session.files.write(path, data, overwrite=overwrite)
+            written = await _off_loop(session.files.write, path, data, overwrite=overwrite)
             await session.copy_out()  # a file written to the export mount leaves now, as after a run
             payload: dict[str, Any] = {"path": written, "bytes": len(data)}
             if session.export_note:
@@ -335,8 +365,8 @@ def build_server(manager: SessionManager) -> MCPServer:
             session = await _resolve(ctx, session_id)
             source = import_source(settings.import_dirs, host_path)
             target = sandbox_path or posixpath.basename(source.path)
-            copied, _, written = copy(source.view, source.path, session.files, target,
-                                      limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
+            copied, _, written = await _off_loop(copy, source.view, source.path, session.files, target,
+                                                 limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
             return _json_result({"host_path": str(source.host_path(source.path)), "sandbox_path": written,
                                  "bytes": copied})  # fmt: skip
 
@@ -359,8 +389,10 @@ def build_server(manager: SessionManager) -> MCPServer:
             sandbox_uid = session.dirs.user.uid if session.dirs.user is not None else None
             target = export_target(settings.export_dir, session.options.client, host_path,
                                    posixpath.basename(sandbox_path), sandbox_uid)  # fmt: skip
-            copied, read_from, written = copy(session.files, sandbox_path, target.view, target.path,
-                                              limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
+            copied, read_from, written = await _off_loop(
+                copy, session.files, sandbox_path, target.view, target.path,
+                limit=settings.transfer_limit_bytes, overwrite=overwrite,
+            )  # fmt: skip
             return _json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),
                                  "bytes": copied})  # fmt: skip
 
@@ -388,7 +420,7 @@ def build_server(manager: SessionManager) -> MCPServer:
             result = await session.call_guest(tool, payload, timeout_s or settings.timeout_s)
             if session.export_note:
                 result["exported"] = session.export_note
-            return guest_tool_result(result)
+            return await _guest_reply(session, result)
 
         return await _guarded(call)
 
@@ -447,7 +479,7 @@ def build_server(manager: SessionManager) -> MCPServer:
             result = await session.call_guest("browser", {"op": op, "args": args}, limit)
             if session.export_note:
                 result["exported"] = session.export_note
-            return guest_tool_result(result)
+            return await _guest_reply(session, result)
 
         return await _guarded(call)
 
@@ -513,8 +545,8 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
     async def execute_code(
         language: LanguageArg,
-        ctx: Context,
         code: Annotated[str, Field(description="The whole program.")],
+        ctx: Context,
         stdin: Annotated[str | None, Field(max_length=MAX_STDIN_CHARS, description="Text fed to its stdin.")] = None,
         variables: VariablesArg = None,
         timeout_s: Annotated[
@@ -532,7 +564,9 @@ def build_server(manager: SessionManager) -> MCPServer:
         async def call() -> CallToolResult:
             values = check_variables(variables, language)
             options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=_client(ctx))
-            result = await manager.oneshot.run(language, code, options, stdin=(stdin or "").encode(), variables=values)
+            result = await manager.oneshot.run(
+                language, code, options, stdin=(stdin or "").encode(), variables=values, caller=_share(ctx)
+            )
             return _json_result(asdict(result), is_error=not result.success)
 
         return await _guarded(call)
@@ -542,7 +576,9 @@ def build_server(manager: SessionManager) -> MCPServer:
         """Check code for syntax errors without running it (checked inside a sandbox): line and column of each."""
 
         async def call() -> CallToolResult:
-            errors = await manager.oneshot.check(language, code, manager.options(client=_client(ctx)))
+            errors = await manager.oneshot.check(
+                language, code, manager.options(client=_client(ctx)), caller=_share(ctx)
+            )
             return _json_result({"language": language, "valid": not errors, "errors": errors})
 
         return await _guarded(call)
@@ -612,7 +648,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     )
     async def sandbox_file(session_id: str, path: str) -> bytes:
         session = await manager.resolve(session_id)
-        data, size, _ = session.files.read("/" + path, limit=settings.resource_limit_bytes + 1)
+        data, size, _ = await _off_loop(session.files.read, "/" + path, limit=settings.resource_limit_bytes + 1)
         if size > settings.resource_limit_bytes:
             raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")
         return data

@@ -466,6 +466,8 @@ class SessionManager:
             close_dirs=self.close_dirs,
             spec_for=sandbox_spec,
             mounts_for=self.sandbox_mounts,
+            max_concurrent=self.settings.max_oneshot_runs,
+            max_per_caller=self.settings.max_oneshot_runs_per_client,
         )
         return self
 
@@ -600,6 +602,12 @@ class SessionManager:
             raise SessionError(
                 f"session limit reached ({self.settings.max_sessions} open): close one with close_session "
                 "or raise max_sessions in the configuration"
+            )
+        held = sum(session.owner == owner for session in self._sessions.values())
+        if owner != LOCAL_CALLER and held >= self.settings.max_sessions_per_client:
+            raise SessionError(
+                f"this client already holds {held} sessions, its share of this server: close one with "
+                "close_session (list_sessions shows them), or raise max_sessions_per_client in the configuration"
             )
         assert self._task_group is not None, "SessionManager used outside its `async with`"
         session_id = secrets.token_urlsafe(18)

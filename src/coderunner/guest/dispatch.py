@@ -8,6 +8,7 @@ result from a display_data message with RESULT_MIME.
 import importlib
 import inspect
 import json
+import os
 
 RESULT_MIME = "application/vnd.coderunner.guest+json"
 TOOLS = {
@@ -21,6 +22,69 @@ TOOLS = {
 
 class GuestError(Exception):
     """A failure to report to the caller as it is (bad input, unknown op, ...)."""
+
+
+def run_op(tool, ops, op, input_path, args):
+    """Call `ops[op](input_path, **args)` after checking the op and its argument names.
+
+    A missing or unknown argument is the caller's mistake and gets a message naming it, not the
+    TypeError Python would raise (whose text names private functions).
+    """
+    from .paths import existing_file
+
+    if op not in ops:
+        raise GuestError(f"unknown {tool} op {op!r}; valid ops: {', '.join(ops)}")
+    args = {} if args is None else args
+    if not isinstance(args, dict):
+        raise GuestError(f'{tool} {op}: args must be an object of named arguments, e.g. {{"pages": "1-3"}}')
+    function = ops[op]
+    params = list(inspect.signature(function).parameters.values())[1:]  # the first is the input path
+    names = [param.name for param in params]
+    unknown = sorted(set(args) - set(names))
+    if unknown:
+        takes = ", ".join(names) or "no arguments"
+        raise GuestError(f"{tool} {op}: unknown argument(s) {', '.join(unknown)}; {op} takes: {takes}")
+    missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in args]
+    if missing:
+        needed = ", ".join(f"args.{name}" for name in missing)
+        raise GuestError(f"{tool} {op} needs {needed} (it takes: {', '.join(names)})")
+    return function(existing_file(input_path), **args)
+
+
+def unexpected(tool, args_json, exc):
+    """A plain answer for an error no op foresaw: which op failed, and what the caller can check.
+
+    The exception's own text is not passed on: it comes from a parser fed untrusted bytes and
+    names library internals; the kind of failure is enough to say what to check.
+    """
+    try:
+        request = json.loads(args_json)
+    except ValueError:
+        request = {}
+    request = request if isinstance(request, dict) else {}
+    op = request.get("op")
+    name = f"{tool} {op}" if isinstance(op, str) and len(op) < 40 else tool
+    target = request.get("input_path")
+    target = target if isinstance(target, str) and len(target) < 300 else "the input"
+    if tool == "browser":
+        return (
+            f"{name} failed unexpectedly; check that a page is open (browser_navigate first) and the selector and "
+            "arguments; kernel_reset gives a fresh browser if it keeps failing"
+        )
+    if isinstance(exc, OSError):
+        reason = os.strerror(exc.errno) if exc.errno else "a file could not be read or written"
+        return f"{name} failed on {target}: {reason}; check input_path and any output paths in args"
+    if isinstance(exc, (TypeError, ValueError, KeyError, IndexError, AttributeError)):
+        return (
+            f"{name} failed on {target}: an argument has the wrong type or value, or the file is damaged; "
+            "check args (pages like '1-3,5', numbers as numbers) and that the file opens"
+        )
+    if target == "the input":
+        return f"{name} failed unexpectedly; check its arguments"
+    return (
+        f"{name} could not process {target}: the file may be damaged, unsupported or not of the expected kind; "
+        "check that it opens (e.g. with op 'info') and try again"
+    )
 
 
 async def call(tool, args_json):
@@ -39,5 +103,5 @@ async def call(tool, args_json):
     except MemoryError:
         payload = {"ok": False, "error": "out of memory while handling this input"}
     except Exception as exc:  # untrusted input: any parser error is the caller's answer, not a crash
-        payload = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        payload = {"ok": False, "error": unexpected(tool, args_json, exc)}
     display({RESULT_MIME: payload}, raw=True)

@@ -5,8 +5,8 @@ import io
 import os
 import warnings
 
-from .dispatch import GuestError
-from .paths import existing_file, output_file
+from .dispatch import GuestError, run_op
+from .paths import output_file
 
 OPS = ("info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr")
 FORMATS = {"png": "PNG", "jpeg": "JPEG", "jpg": "JPEG", "webp": "WEBP", "gif": "GIF", "bmp": "BMP", "tiff": "TIFF"}
@@ -17,9 +17,7 @@ PREVIEW_SIZE = 512
 
 
 def run(op, input_path, args=None):
-    if op not in OPS:
-        raise GuestError(f"unknown image op {op!r}; valid ops: {', '.join(OPS)}")
-    return globals()[f"_{op}"](existing_file(input_path), **(args or {}))
+    return run_op("image_ops", {name: globals()[f"_{name}"] for name in OPS}, op, input_path, args)
 
 
 def _open(path):

@@ -4,7 +4,7 @@ import base64
 import io
 import os
 
-from .dispatch import GuestError
+from .dispatch import GuestError, run_op
 from .paths import existing_file, output_file, page_numbers
 
 OPS = ("info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt")
@@ -16,9 +16,12 @@ TEXT_LIMIT = 200_000
 
 
 def run(op, input_path, args=None):
-    if op not in OPS:
-        raise GuestError(f"unknown pdf op {op!r}; valid ops: {', '.join(OPS)}")
-    return globals()[f"_{op}"](existing_file(input_path), **(args or {}))
+    return run_op("pdf_ops", {name: globals()[f"_{name}"] for name in OPS}, op, input_path, args)
+
+
+def _beside(path, suffix):
+    """Default output next to the input: report.pdf -> report-SUFFIX."""
+    return f"{os.path.splitext(path)[0]}-{suffix}"
 
 
 def _reader(path, password=None):
@@ -64,20 +67,28 @@ def _extract_text(path, pages=None, password=None):
     return {"path": path, "pages": texts, "truncated": total > TEXT_LIMIT}
 
 
-def _merge(path, inputs, output, password=None):
+def _merge(path, inputs, output=None, password=None):
     from pypdf import PdfWriter
 
+    if isinstance(inputs, str) or not isinstance(inputs, list):
+        raise GuestError('merge needs args.inputs as a list of PDF paths to append, e.g. ["b.pdf", "c.pdf"]')
     writer = PdfWriter()
     for source in [path, *inputs]:
-        for page in _reader(existing_file(source), password).pages:
+        for page in _reader(existing_file(str(source)), password).pages:
             writer.add_page(page)
-    return _write(writer, output)
+    return _write(writer, output or _beside(path, "merged.pdf"))
 
 
-def _split(path, ranges, output_prefix, password=None):
+def _split(path, ranges=None, output_prefix=None, password=None):
+    """Without ranges: one file per page."""
     from pypdf import PdfWriter
 
     reader = _reader(path, password)
+    if ranges is None:
+        ranges = [str(number) for number in range(1, len(reader.pages) + 1)]
+    if isinstance(ranges, str) or not isinstance(ranges, list):
+        raise GuestError('split needs args.ranges as a list of page ranges, e.g. ["1-2", "3-"]')
+    output_prefix = output_prefix or _beside(path, "part")
     written = []
     for number, pages in enumerate(ranges, start=1):
         writer = PdfWriter()
@@ -87,10 +98,10 @@ def _split(path, ranges, output_prefix, password=None):
     return {"files": written}
 
 
-def _rotate(path, degrees, output, pages=None, password=None):
+def _rotate(path, degrees, output=None, pages=None, password=None):
     from pypdf import PdfWriter
 
-    if degrees % 90:
+    if not isinstance(degrees, int) or isinstance(degrees, bool) or degrees % 90:
         raise GuestError("degrees must be a multiple of 90")
     reader = _reader(path, password)
     chosen = set(page_numbers(pages, len(reader.pages)))
@@ -99,22 +110,24 @@ def _rotate(path, degrees, output, pages=None, password=None):
         writer.add_page(page)
         if index in chosen:
             writer.pages[-1].rotate(degrees)
-    return _write(writer, output)
+    return _write(writer, output or _beside(path, "rotated.pdf"))
 
 
-def _extract_pages(path, pages, output, password=None):
+def _extract_pages(path, pages, output=None, password=None):
     from pypdf import PdfWriter
 
     reader = _reader(path, password)
     writer = PdfWriter()
     for index in page_numbers(pages, len(reader.pages)):
         writer.add_page(reader.pages[index])
-    return _write(writer, output)
+    return _write(writer, output or _beside(path, "pages.pdf"))
 
 
-def _to_images(path, output_prefix, pages=None, dpi=100, password=None):
+def _to_images(path, output_prefix=None, pages=None, dpi=100, password=None):
+    """PNG per page; by default next to the PDF: report.pdf -> report-page-1.png, ..."""
     import pypdfium2 as pdfium
 
+    output_prefix = output_prefix or _beside(path, "page")
     document = pdfium.PdfDocument(path, password=password)
     try:
         scale = min(max(float(dpi), 10.0), 600.0) / 72
@@ -135,18 +148,20 @@ def _to_images(path, output_prefix, pages=None, dpi=100, password=None):
         document.close()
 
 
-def _encrypt(path, password, output, owner_password=None):
+def _encrypt(path, password, output=None, owner_password=None):
     from pypdf import PdfWriter
 
+    if not isinstance(password, str) or not password:
+        raise GuestError("encrypt needs args.password: a non-empty string")
     writer = PdfWriter(clone_from=_reader(path))
     writer.encrypt(user_password=password, owner_password=owner_password or password, algorithm="AES-256")
-    return _write(writer, output)
+    return _write(writer, output or _beside(path, "encrypted.pdf"))
 
 
-def _decrypt(path, password, output):
+def _decrypt(path, password, output=None):
     from pypdf import PdfWriter
 
-    return _write(PdfWriter(clone_from=_reader(path, password)), output)
+    return _write(PdfWriter(clone_from=_reader(path, password)), output or _beside(path, "decrypted.pdf"))
 
 
 def _preview(image):

@@ -47,6 +47,9 @@ def make_backend(settings: Settings) -> SandboxBackend:
             runtime=settings.oci_runtime,
             channels=settings.kernel_channels,
         )
-    return BwrapBackend(
+    backend = BwrapBackend(
         settings.sandbox_env, runtime_base=settings.runtime_dir, identity=identity, use_cgroups=settings.cgroups
     )
+    if backend.cgroups is not None:
+        backend.cgroups.cpu_weight = settings.session_cpu_weight
+    return backend

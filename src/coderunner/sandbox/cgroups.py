@@ -4,6 +4,12 @@ cgroup v1 (one hierarchy per controller, as on this project's CI machines) and v
 unified hierarchy; needs root or a delegated subtree, e.g. from `systemd-run --user --scope`).
 Sessions are created below the server's own cgroup. A process enters its cgroups before it
 execs bwrap (see `enter_command`), so nothing it forks can start outside them.
+
+CPU policy: every session has its own cpu cgroup (equal weights: sessions share fairly among
+themselves, however many threads each runs), and the parent group holding all of them has a
+lower weight than the server and the host's other processes (`cpu_weight`, 100 = neutral).
+So code spinning in a sandbox, even after its call returned, takes only idle CPU from the
+server, bystander sessions and the user's own programs. A hard cap is the `cpus` quota.
 """
 
 from __future__ import annotations
@@ -17,6 +23,9 @@ from pathlib import Path
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
 CPU_PERIOD_US = 100_000
+#: Weight of all sessions together against the processes beside them, on cgroup v2's scale (1-10000, 100 =
+#: an ordinary process group). v1 cpu.shares is this x 1024 / 100.
+DEFAULT_CPU_WEIGHT = 20
 #: Bound on waiting for a killed cgroup to empty before removing it.
 REMOVE_WAIT_S = 3.0
 
@@ -96,6 +105,12 @@ class SessionCgroup:
                     time.sleep(0.02)
 
 
+def _write_quietly(path: Path, value: str) -> None:
+    """A policy knob the kernel may not offer (e.g. cpu not delegated on v2): the limits still hold without it."""
+    with contextlib.suppress(OSError):
+        path.write_text(value)
+
+
 def _read_int(directory: Path | None, name: str) -> int | None:
     if directory is None:
         return None
@@ -122,6 +137,8 @@ class CgroupManager:
     version: int
     parents: dict[str, Path]
     prefix: str = "coderunner"
+    #: The sessions' parent group's CPU weight (None: leave it as it is).
+    cpu_weight: int | None = DEFAULT_CPU_WEIGHT
 
     @classmethod
     def detect(cls) -> CgroupManager:
@@ -166,6 +183,9 @@ class CgroupManager:
             path = parent / self.prefix / name
             path.mkdir(parents=True, exist_ok=True)
             group.dirs[controller] = path
+        if self.cpu_weight is not None:
+            shares = max(2, self.cpu_weight * 1024 // 100)
+            _write_quietly(self.parents["cpu"] / self.prefix / "cpu.shares", str(shares))
         memory = group.dirs["memory"]
         if limits.memory_bytes is not None:
             (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
@@ -185,6 +205,8 @@ class CgroupManager:
         base.mkdir(exist_ok=True)
         with contextlib.suppress(OSError):
             (base / "cgroup.subtree_control").write_text("+memory +pids +cpu")
+        if self.cpu_weight is not None:
+            _write_quietly(base / "cpu.weight", str(min(max(self.cpu_weight, 1), 10_000)))
         path = base / name
         path.mkdir(exist_ok=True)
         group.dirs = {"unified": path, "memory": path, "pids": path}
