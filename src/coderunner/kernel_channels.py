@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 from jupyter_client.session import Session
 
-from .zmtp import Limits, Oversized, ZmtpConnection, ZmtpError
+from .zmtp import Limits, Skipped, ZmtpConnection, ZmtpError
 
 log = logging.getLogger(__name__)
 
@@ -144,10 +144,7 @@ class Mailbox:
         """Read until the connection ends; never raises (a failure marks the mailbox broken)."""
         try:
             while True:
-                received = await self.connection.recv()
-                if not self._expected:
-                    self.dropped += 1  # between calls: not even decoded
-                    continue
+                received = await self.connection.recv(self._decide)
                 item, size = self._sort(received)
                 if item is None:
                     self.dropped += 1
@@ -173,9 +170,25 @@ class Mailbox:
         self.connection.close()
         self._arrived.set()
 
-    def _sort(self, received: list[bytes] | Oversized) -> tuple[Message | Lost | None, int]:
+    def _decide(self, frames: list[bytes]) -> bool | None:
+        """Read a message only when someone waits for it: between calls, nothing is read at all;
+        during one, what has another parent is skipped once its parent header is in."""
+        if not self._expected:
+            return False
+        try:
+            at = frames.index(DELIMITER)
+        except ValueError:
+            return None
+        if len(frames) < at + 4:
+            return None
+        parent = _parent_id(frames, self.connection.limits)
+        return parent is not None and parent in self._expected
+
+    def _sort(self, received: list[bytes] | Skipped) -> tuple[Message | Lost | None, int]:
         """Decode what someone expects; None for the rest. Returns the item and its raw size."""
-        if isinstance(received, Oversized):
+        if isinstance(received, Skipped):
+            if not received.over_limit or not self._expected:
+                return None, 0
             parent = _parent_id(received.head, self.connection.limits)
             if parent is not None and parent not in self._expected:
                 return None, 0
@@ -207,7 +220,7 @@ def _parent_id(frames: list[bytes], limits: Limits) -> str | None:
         at = frames.index(DELIMITER)
     except ValueError:
         return None
-    if len(frames) < at + 5:
+    if len(frames) < at + 4:
         return None
     try:
         parent = _loads(frames[at + 3], limits.max_message_bytes)

@@ -5,7 +5,9 @@ libzmq bounds what it buffers in messages (the high-water mark) and in bytes per
 multi-frame messages makes the host hold all of them. The host therefore speaks the wire
 protocol itself, over a socket it connected, reading one frame header at a time. A frame's
 size is known before its body is read, so a message over the budget is skipped as it streams
-past (its bytes are read into a scratch buffer and dropped) and reported as `Oversized`.
+past (its bytes are read into a scratch buffer and dropped) and reported as `Skipped`. The
+caller may also look at the first frames of a message and decide to skip the rest unread: a
+message nobody waits for costs the host a 64 KiB scratch buffer, whatever its size.
 
 There is no reconnect: a closed or misbehaving peer ends the connection for good.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
@@ -44,11 +47,20 @@ class Limits:
 
 
 @dataclass
-class Oversized:
-    """A message that broke the limits and was skipped; `head` are its frames read before that."""
+class Skipped:
+    """A message whose rest was skipped unread; `head` are its frames read before that.
 
+    `over_limit` says why: it broke the limits (True), or the caller did not want it (False).
+    """
+
+    over_limit: bool
     head: list[bytes] = field(default_factory=list)
     skipped_bytes: int = 0
+
+
+#: Told the frames of a message read so far (none yet, at first): True to read the whole
+#: message, False to skip the rest of it, None to decide after the next frame.
+Decide = Callable[[list[bytes]], "bool | None"]
 
 
 class ZmtpConnection:
@@ -116,32 +128,41 @@ class ZmtpConnection:
         async with self._send_lock:
             await self._send_raw(bytes(wire))
 
-    async def recv(self) -> list[bytes] | Oversized:
-        """The next message, or `Oversized` for one that broke the limits (its bytes are gone)."""
+    async def recv(self, decide: Decide | None = None) -> list[bytes] | Skipped:
+        """The next message, or `Skipped` for one that broke the limits or that `decide`
+        refused (the bytes skipped are gone)."""
         frames: list[bytes] = []
         kept = 0
-        over: Oversized | None = None
+        skipped: Skipped | None = None
+        wanted = decide(frames) if decide is not None else True
+        if wanted is False:
+            skipped = Skipped(over_limit=False)
         while True:
             flags, size = await self._read_header()
             if flags & _COMMAND:
                 await self._skip(size)  # ZMTP 3.1 PING and the like: nothing the host needs
-                if frames or over is not None:
+                if frames or kept:
                     raise ZmtpError("a command inside a multi-frame message")
                 continue
-            if over is None and (
+            if skipped is None and (
                 size > self.limits.max_frame_bytes
                 or kept + size > self.limits.max_message_bytes
                 or len(frames) >= self.limits.max_frames
             ):
-                over = Oversized(head=frames, skipped_bytes=kept)
-            if over is not None:
+                skipped = Skipped(over_limit=True, head=frames, skipped_bytes=kept)
+            if skipped is not None:
                 await self._skip(size)
-                over.skipped_bytes += size
+                skipped.skipped_bytes += size
+                kept += size
             else:
                 frames.append(await self._read_exact(size))
                 kept += size
+                if wanted is None and decide is not None:
+                    wanted = decide(frames)
+                    if wanted is False:
+                        skipped = Skipped(over_limit=False, head=frames, skipped_bytes=kept)
             if not flags & _MORE:
-                return frames if over is None else over
+                return frames if skipped is None else skipped
 
     # --- wire --------------------------------------------------------------------------------
 
