@@ -134,9 +134,7 @@ class ZmtpConnection:
         frames: list[bytes] = []
         kept = 0
         skipped: Skipped | None = None
-        wanted = decide(frames) if decide is not None else True
-        if wanted is False:
-            skipped = Skipped(over_limit=False)
+        wanted: bool | None = True if decide is None else None
         while True:
             flags, size = await self._read_header()
             if flags & _COMMAND:
@@ -144,6 +142,11 @@ class ZmtpConnection:
                 if frames or kept:
                     raise ZmtpError("a command inside a multi-frame message")
                 continue
+            if wanted is None and not frames and skipped is None and decide is not None:
+                # Asked only now that the message has begun to arrive, not while waiting for it.
+                wanted = decide(frames)
+                if wanted is False:
+                    skipped = Skipped(over_limit=False)
             if skipped is None and (
                 size > self.limits.max_frame_bytes
                 or kept + size > self.limits.max_message_bytes
