@@ -63,7 +63,7 @@ def frames_for(
 ) -> list[bytes]:
     session = Session(key=key)
     msg = session.msg(msg_type, content=content or {"name": "stdout", "text": "hi"}, parent={"msg_id": parent})
-    return [msg_type.encode()] + session.serialize(msg)
+    return [msg_type.encode(), *session.serialize(msg)]
 
 
 async def next_item(mailbox: Mailbox) -> Message | Lost:
@@ -92,7 +92,7 @@ async def test_between_calls_everything_is_dropped(zctx: Any, tmp_path: Path) ->
     xpub, mailbox = await subscribed_publisher(zctx, tmp_path)
     async with pumped(mailbox):
         for _ in range(10):
-            await xpub.send_multipart(frames_for("later") + [b"x" * (512 << 10)])
+            await xpub.send_multipart([*frames_for("later"), b"x" * (512 << 10)])
         with anyio.fail_after(10):  # read while nothing was expected: skipped unread
             while mailbox.dropped < 10:
                 await anyio.sleep(0.01)
@@ -172,7 +172,7 @@ async def test_shell_request_and_reply_and_unsolicited_replies(zctx: Any, tmp_pa
         assert session.deserialize(rest)["content"] == {"code": "1+1"}  # signed as the kernel expects
         kernel = Session(key=KEY)
         unsolicited = kernel.msg("execute_reply", content={"status": "ok"})
-        await router.send_multipart(kernel.serialize(unsolicited, ident=idents) + [b"x" * (1 << 19)])
+        await router.send_multipart([*kernel.serialize(unsolicited, ident=idents), b"x" * (1 << 19)])
         reply = kernel.msg("execute_reply", content={"status": "ok", "execution_count": 7}, parent=request)
         await router.send_multipart(kernel.serialize(reply, ident=idents))
         answer = await next_item(mailbox)
