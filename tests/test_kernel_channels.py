@@ -164,7 +164,7 @@ async def test_shell_request_and_reply_and_unsolicited_replies(zctx: Any, tmp_pa
         request = mailbox.make("execute_request", {"code": "1+1"})
         msg_id = request["header"]["msg_id"]
         mailbox.expect(msg_id)
-        await mailbox.send(request)
+        await mailbox.send(request, timeout=10)
         with anyio.fail_after(10):
             received = await router.recv_multipart()
         assert received[0] == session.bsession  # the host's routing id is its session id

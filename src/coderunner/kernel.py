@@ -53,6 +53,8 @@ GUEST_RESULT_MIME = "application/vnd.coderunner.guest+json"
 #: Largest IOPub message the host accepts from a kernel (a bigger one is skipped, and the
 #: run it belongs to says that some output was lost).
 MAX_MESSAGE_BYTES = IOPUB_LIMITS.max_message_bytes
+#: Most time an interrupt request may take to enter the kernel's control socket.
+INTERRUPT_SEND_S = 1.0
 #: Pause between attempts to reach a kernel's channel while it starts (TCP channels accept
 #: before the kernel listens).
 CONNECT_RETRY_S = 0.05
@@ -298,7 +300,7 @@ class Kernel:
         try:
             try:
                 try:
-                    await self._shell.send(request)
+                    await self._shell.send(request, timeout=max(timeout_s, 0.0))
                 except ChannelBroken as exc:
                     await self._channel_broken(exc)
                 await self._collect(run, _Deadline(begun + timeout_s), progress, progress_interval_s, begun)
@@ -390,7 +392,7 @@ class Kernel:
         if self._control is None:
             return
         with contextlib.suppress(ChannelBroken):
-            await self._control.send(self._control.make("interrupt_request", {}))
+            await self._control.send(self._control.make("interrupt_request", {}), timeout=INTERRUPT_SEND_S)
 
     async def shutdown(self) -> None:
         """Kill the sandbox (no polite shutdown: nothing inside needs saving) and close channels."""

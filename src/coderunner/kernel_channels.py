@@ -99,6 +99,8 @@ class Mailbox:
             self._queue = kept
             self._queued_bytes = sum(size for _, size in kept)
             self._space.set()
+            if not kept and self.broken is None:
+                self._arrived = anyio.Event()
 
     async def get(self, timeout: float) -> Message | Lost | None:
         """The next expected message, or None when none came within `timeout`.
@@ -128,15 +130,18 @@ class Mailbox:
         reply matters."""
         return self.session.msg(msg_type, content=content)
 
-    async def send(self, msg: dict[str, Any]) -> None:
-        await self._send(msg)
-
-    async def _send(self, msg: dict[str, Any]) -> None:
-        try:
-            await self.connection.send(self.session.serialize(msg))
-        except ZmtpError as exc:
-            self._break(str(exc))
-            raise ChannelBroken(f"the kernel's {self.name} channel ended: {exc}") from None
+    async def send(self, msg: dict[str, Any], timeout: float) -> None:
+        """Send within `timeout`: a kernel that stops reading its socket must not hold the
+        caller. A send cut short leaves half a message on the wire, so the channel is broken."""
+        reason = f"the kernel did not take a request within {timeout:g}s"
+        with anyio.move_on_after(timeout):
+            try:
+                await self.connection.send(self.session.serialize(msg))
+                return
+            except ZmtpError as exc:
+                reason = str(exc)
+        self._break(reason)
+        raise ChannelBroken(f"the kernel's {self.name} channel ended: {reason}")
 
     # --- the pump -----------------------------------------------------------------------------
 
