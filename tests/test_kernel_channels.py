@@ -4,6 +4,8 @@ what is expected arrives verified, everything else is dropped, and nothing excee
 from __future__ import annotations
 
 import json
+import os
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -203,3 +205,21 @@ def test_frames_for_is_valid_jupyter() -> None:
     frames = frames_for("p")
     assert frames[1] == b"<IDS|MSG>" and len(frames) == 7
     assert json.loads(frames[4])["msg_id"] == "p"
+
+
+async def test_a_link_or_a_non_socket_in_place_of_a_kernel_socket_is_never_connected(tmp_path: Path) -> None:
+    """The runtime folder is writable from the sandbox: a swapped-in link must not lead the host
+    to another socket (here a canary listener the test made), and a FIFO must not hang it."""
+    canary = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    canary.bind(str(tmp_path / "canary"))
+    canary.listen(4)
+    canary.setblocking(False)
+    (tmp_path / "k0-1").symlink_to(tmp_path / "canary")
+    os.mkfifo(tmp_path / "k0-2")
+    (tmp_path / "k0-3").write_text("not a socket")
+    for name in ("k0-1", "k0-2", "k0-3"):
+        with anyio.fail_after(10), pytest.raises(OSError):
+            await connect(url(tmp_path, name), "DEALER", SMALL)
+    with pytest.raises(BlockingIOError):
+        canary.accept()  # nobody ever connected to it
+    canary.close()

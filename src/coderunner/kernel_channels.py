@@ -16,11 +16,15 @@ otherwise grow twenty-fold in Python).
 from __future__ import annotations
 
 import collections
+import contextlib
 import hmac
 import json
 import logging
+import os
 import re
 import socket
+import stat
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,27 +268,56 @@ async def connect(url: str, socket_type: str, limits: Limits, identity: bytes = 
     """
     transport, _, where = url.partition("://")
     if transport == "ipc":
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        address: Any = where
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     elif transport == "tcp":
         host, _, port = where.rpartition(":")
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        address = (host, int(port))
     else:
         raise ValueError(f"unsupported transport in {url}")
     connection = ZmtpConnection(sock, socket_type, limits, identity)
     try:
-        sock.setblocking(False)
-        try:
-            sock.connect(address)
-        except (BlockingIOError, InterruptedError):
-            await anyio.wait_writable(sock)
-            error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
-            if error:
-                raise OSError(error, f"could not connect to {url}") from None
+        if transport == "ipc":
+            with _socket_entry(where) as address:
+                await _connect(sock, address, url)
+        else:
+            await _connect(sock, (host, int(port)), url)
         await connection.handshake()
     except BaseException:
         connection.close()
         raise
     return connection
+
+
+async def _connect(sock: socket.socket, address: Any, url: str) -> None:
+    sock.setblocking(False)
+    try:
+        sock.connect(address)
+    except (BlockingIOError, InterruptedError):
+        await anyio.wait_writable(sock)
+        error = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+        if error:
+            raise OSError(error, f"could not connect to {url}") from None
+
+
+@contextlib.contextmanager
+def _socket_entry(path: str) -> Iterator[str]:
+    """An address for the socket at `path` that cannot be a link the sandbox swapped in.
+
+    The socket's folder is writable from inside the sandbox: the last component is opened
+    without following links, checked to be a socket, and connected through /proc/self/fd.
+    (Where O_PATH does not exist, as on macOS, the entry is only checked before connecting.)
+    """
+    o_path = getattr(os, "O_PATH", None)
+    if o_path is None:
+        if not stat.S_ISSOCK(os.lstat(path).st_mode):
+            raise OSError(f"{path} is not a socket")
+        yield path
+        return
+    fd = os.open(path, o_path | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a socket")
+        yield f"/proc/self/fd/{fd}"
+    finally:
+        os.close(fd)
