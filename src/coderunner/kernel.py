@@ -279,9 +279,11 @@ class Kernel:
 
         `silent` runs it without history or execution count (guest tool calls).
         """
-        assert self._shell is not None and self._iopub is not None
+        # Held here: a shutdown from elsewhere (close_session) clears the attributes mid-run.
+        shell, iopub = self._shell, self._iopub
+        assert shell is not None and iopub is not None
         begun = time.monotonic()
-        request = self._shell.make(
+        request = shell.make(
             "execute_request",
             {
                 "code": code,
@@ -295,12 +297,12 @@ class Kernel:
         msg_id = str(request["header"]["msg_id"])
         run = _Run(msg_id=msg_id, output=output)
         # Expected before it is sent: anything else either channel carries is dropped on arrival.
-        self._iopub.expect(msg_id)
-        self._shell.expect(msg_id)
+        iopub.expect(msg_id)
+        shell.expect(msg_id)
         try:
             try:
                 try:
-                    await self._shell.send(request, timeout=max(timeout_s, 0.0))
+                    await shell.send(request, timeout=max(timeout_s, 0.0))
                 except ChannelBroken as exc:
                     await self._channel_broken(exc)
                 await self._collect(run, _Deadline(begun + timeout_s), progress, progress_interval_s, begun)
@@ -318,8 +320,8 @@ class Kernel:
             run.exit_code = exc.exit_code
         finally:
             # A reply or output that comes later is read and dropped by the pumps: nothing piles up.
-            self._iopub.forget(msg_id)
-            self._shell.forget(msg_id)
+            iopub.forget(msg_id)
+            shell.forget(msg_id)
         return RunOutcome(
             status=run.status,
             output=output,
@@ -367,7 +369,8 @@ class Kernel:
 
     async def _reply_without_idle(self, run: _Run) -> bool:
         """Look (without waiting) for our execute_reply; True once it came and IOPub stayed quiet."""
-        assert self._shell is not None
+        if self._shell is None:  # shut down under us
+            raise SandboxExited(self.process.returncode if self.process else None)
         while run.reply_at is None:
             try:
                 reply = await self._shell.get(timeout=0)
