@@ -29,6 +29,7 @@ from jupyter_client.session import Session
 
 from .kernel_channels import (
     IOPUB_LIMITS,
+    IOPUB_QUEUE_BYTES,
     NO_PARENT,
     REPLY_LIMITS,
     ChannelBroken,
@@ -194,7 +195,8 @@ class Kernel:
         ):
             url = _channel_url(info, info[f"{name}_port"])
             connection = await self._connect(url, socket_type, limits, session.bsession, deadline)
-            mailbox = Mailbox(name, connection, session, queue_bytes=limits.max_message_bytes)
+            queue = IOPUB_QUEUE_BYTES if name == "iopub" else limits.max_message_bytes
+            mailbox = Mailbox(name, connection, session, queue_bytes=queue)
             mailboxes.append(mailbox)
             setattr(self, f"_{name}", mailbox)
         assert self._iopub is not None

@@ -7,10 +7,11 @@ request still running. Everything else is dropped unread (between calls without 
 it). What is kept waits in a queue bounded in raw bytes; while the queue is full the pump stops
 reading, so the kernel's own send buffer fills, inside the sandbox.
 
-What the host holds per channel is therefore at most: one message being read (at most
-`Limits.max_message_bytes`), the queue (at most `queue_bytes`), and the decoded form of what
-is kept, whose size `_loads` bounds before it decodes (JSON made of tiny containers would
-otherwise grow twenty-fold in Python).
+What the host holds per kernel is therefore bounded: between calls, a 64 KiB scratch buffer
+per channel and nothing else; during a call, on IOPub one message being read (at most 32 MiB
+raw) and a queue of at most 8 MiB (or one message) of decoded messages, on shell and control at
+most 4 MiB each. Decoding is bounded too: `_loads` refuses JSON whose values would outgrow its
+text (tiny containers grow twenty-fold in Python), and text grows at most four-fold (UCS-4).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ DELIMITER = b"<IDS|MSG>"
 #: Largest IOPub message (all frames) the host accepts from a kernel; a bigger one is skipped
 #: and the run it belongs to says that some output was lost.
 IOPUB_LIMITS = Limits(max_frame_bytes=32 * 2**20, max_message_bytes=32 * 2**20, max_frames=64)
+#: Decoded IOPub messages of a run waiting for the run to take them (beyond this the pump stops
+#: reading; one message bigger than this still gets in when the queue is empty).
+IOPUB_QUEUE_BYTES = 8 * 2**20
 #: Replies on shell and control are small (status, execution count, error name).
 REPLY_LIMITS = Limits(max_frame_bytes=4 * 2**20, max_message_bytes=4 * 2**20, max_frames=16)
 #: Python memory one JSON value may cost beyond its text (measured: a dict entry with a fresh
