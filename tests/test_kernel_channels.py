@@ -115,9 +115,10 @@ async def test_a_message_over_the_budget_is_skipped_and_the_channel_goes_on(zctx
         await xpub.send_multipart(frames_for("mine", content={"name": "stdout", "text": "after"}))
         over = await next_item(mailbox)
         assert isinstance(over, Lost) and over.parent_id == "mine" and "over 1 MiB" in over.reason
-        many = await next_item(mailbox)
-        assert isinstance(many, Lost) and many.parent_id == "mine"
         after = await next_item(mailbox)
+        if isinstance(after, Lost):  # the second loss, unless it was folded into the first one
+            assert after == over
+            after = await next_item(mailbox)
         assert isinstance(after, Message) and after.content["text"] == "after"
 
 

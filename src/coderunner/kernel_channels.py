@@ -159,8 +159,8 @@ class Mailbox:
             while True:
                 received = await self.connection.recv(self._decide)
                 item, size = self._sort(received)
-                if item is None:
-                    self.dropped += 1
+                if item is None or (isinstance(item, Lost) and self._queue and self._queue[-1][0] == item):
+                    self.dropped += 1  # nobody waits for it, or the same loss is already queued
                     continue
                 while self._queue and self._queued_bytes + size > self.queue_bytes:
                     self._space = anyio.Event()
@@ -214,7 +214,7 @@ class Mailbox:
         try:
             return self._decode(received, parent), size
         except (ValueError, RecursionError, KeyError, TypeError) as exc:
-            return Lost(parent, f"an unreadable message ({exc})"), 0
+            return Lost(parent, f"an unreadable message ({exc})"), size
 
     def _decode(self, frames: list[bytes], parent: str) -> Message:
         at = frames.index(DELIMITER)
