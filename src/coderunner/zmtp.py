@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import anyio
+import anyio.lowlevel
 
 #: Greeting of a ZMTP 3.0 peer using the NULL mechanism, not as server (RFC 23).
 _SIGNATURE = b"\xff" + b"\x00" * 8 + b"\x7f"
@@ -31,6 +32,9 @@ _PEERS = {"SUB": {b"PUB", b"XPUB"}, "DEALER": {b"ROUTER", b"DEALER"}}
 #: Largest command (READY, or any command a peer sends later) the host reads.
 _MAX_COMMAND_BYTES = 4096
 _CHUNK = 1 << 16
+#: Bytes read without waiting after which the reader lets other tasks run: a peer that always
+#: has data ready must not hold the event loop.
+_YIELD_EVERY = 1 << 16
 
 
 class ZmtpError(Exception):
@@ -81,6 +85,7 @@ class ZmtpConnection:
         self._start = 0
         self._end = 0
         self._send_lock = anyio.Lock()
+        self._unyielded = 0
         self.closed = False
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -249,9 +254,14 @@ class ZmtpConnection:
         while True:
             if self.closed:
                 raise ZmtpError("the connection was closed")
+            if self._unyielded >= _YIELD_EVERY:
+                self._unyielded = 0
+                await anyio.lowlevel.checkpoint()
+                continue
             try:
                 count = self._sock.recv_into(view)
             except (BlockingIOError, InterruptedError):
+                self._unyielded = 0
                 try:
                     await anyio.wait_readable(self._sock)
                 except (anyio.ClosedResourceError, OSError) as exc:
@@ -261,6 +271,7 @@ class ZmtpConnection:
                 raise ZmtpError(f"the connection failed: {exc}") from exc
             if count == 0:
                 raise ZmtpError("the peer closed the connection")
+            self._unyielded += count + 1024  # and at least every 64 reads, however small
             return count
 
     async def _send_raw(self, data: bytes) -> None:
