@@ -42,6 +42,20 @@ def _flood():
     flood_done.set()
 threading.Thread(target=_flood, daemon=True).start()
 """
+#: Tiny messages as fast as the kernel can publish them, for SPAM_S seconds, between calls.
+SPAM_S = 20
+SPAM = f"""
+import threading, time
+_k = get_ipython().kernel
+def _spam():
+    msg = _k.session.msg('stream', content={{'name': 'stdout', 'text': 'x'}})
+    frames = [b'stream', *_k.session.serialize(msg)]  # the same signed message again and again
+    time.sleep(0.5)  # after the cell has returned
+    end = time.monotonic() + {SPAM_S}
+    while time.monotonic() < end:
+        _k.iopub_socket.send_multipart(frames)
+threading.Thread(target=_spam, daemon=True).start()
+"""
 
 
 class Lane:
@@ -105,12 +119,36 @@ async def flood(lane: Lane, client: Client) -> str:
     return f"RSS {before:.0f} MiB before, {between:.0f} MiB between calls, peak {peak:.0f} MiB"
 
 
+async def spam(client: Client, calls: int) -> str:
+    """A bystander's warm 1+1 (the default session) while another session's kernel spams."""
+    created = await client.call_tool("create_session", {})
+    session = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
+    quiet = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        await call(client, "1+1")
+        quiet.append(time.perf_counter() - began)
+    await call(client, SPAM, session)
+    await anyio.sleep(1)
+    noisy = []
+    for _ in range(calls):
+        began = time.perf_counter()
+        await call(client, "1+1")
+        noisy.append(time.perf_counter() - began)
+    await client.call_tool("close_session", {"session_id": session})
+    return (
+        f"bystander 1+1 median {statistics.median(quiet) * 1000:.2f} ms quiet, "
+        f"{statistics.median(noisy) * 1000:.2f} ms while another kernel spams tiny IOPub messages"
+    )
+
+
 async def main(rounds: int, calls: int, baseline: str | None) -> None:
     root = _passable(Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp")))
     lanes = [Lane("this tree", root / "this", None)]
     if baseline:
         lanes.append(Lane("baseline", root / "base", baseline))
     floods: dict[str, str] = {}
+    spams: dict[str, str] = {}
     try:
         async with Client(lanes[0].params(), read_timeout_seconds=300) as first:
             clients = [first]
@@ -136,6 +174,8 @@ async def main(rounds: int, calls: int, baseline: str | None) -> None:
                         await client.call_tool("close_session", {"session_id": session})
                 for lane, client in zip(lanes, clients, strict=True):
                     floods[lane.name] = await flood(lane, client)
+                for lane, client in zip(lanes, clients, strict=True):
+                    spams[lane.name] = await spam(client, calls)
             finally:
                 if len(clients) > 1:
                     await clients[1].__aexit__(None, None, None)
@@ -150,6 +190,8 @@ async def main(rounds: int, calls: int, baseline: str | None) -> None:
         )
     for name, figure in floods.items():
         print(f"IOPub flood {MESSAGES} x {FRAMES} x {FRAME_MB} MiB, {name}: {figure}")
+    for name, figure in spams.items():
+        print(f"{name}: {figure}")
 
 
 if __name__ == "__main__":
