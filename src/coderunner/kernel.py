@@ -56,6 +56,8 @@ GUEST_RESULT_MIME = "application/vnd.coderunner.guest+json"
 MAX_MESSAGE_BYTES = IOPUB_LIMITS.max_message_bytes
 #: Most time an interrupt request may take to enter the kernel's control socket.
 INTERRUPT_SEND_S = 1.0
+#: How long a kernel whose channel closed may take to exit by itself before it is killed.
+EXIT_WAIT_S = 0.5
 #: Pause between attempts to reach a kernel's channel while it starts (TCP channels accept
 #: before the kernel listens).
 CONNECT_RETRY_S = 0.05
@@ -260,10 +262,15 @@ class Kernel:
 
     async def _channel_broken(self, exc: ChannelBroken) -> NoReturn:
         """A kernel that closed or garbled a channel cannot be spoken to again: end it."""
-        log.warning("%s; ending the kernel", exc)
         self.wedged = True
         if self.process is not None:
             with anyio.CancelScope(shield=True):
+                # A kernel that died closes its channels too: let it exit on its own first,
+                # so that its own exit code is what the caller is told.
+                with anyio.move_on_after(EXIT_WAIT_S):
+                    await self.process.wait()
+                if self.process.alive:
+                    log.warning("%s; ending the kernel", exc)
                 await self.process.kill()
         raise SandboxExited(self.process.returncode if self.process else None)
 

@@ -142,3 +142,21 @@ threading.Thread(target=_spam, daemon=True).start()
 def test_reset_peak_is_available() -> None:
     """The figures above rely on clear_refs resetting VmHWM (Linux 4.0+)."""
     assert os.path.exists("/proc/self/clear_refs")
+
+
+async def test_a_kernel_that_closes_its_iopub_socket_is_replaced(arena: Arena) -> None:
+    """No reconnect loop to a socket path the sandbox controls: a closed channel ends the kernel."""
+    created = json.loads(text_of(await arena.client.call_tool("create_session", {})))
+    session = created["session_id"]
+    await run(arena.client, "kept = 1", session_id=session)
+    code = (
+        "k = get_ipython().kernel\n"
+        "k.iopub_thread.io_loop.add_callback(lambda: k.iopub_thread.socket.close(linger=0))\n"
+        "import time; time.sleep(1)"
+    )
+    closed = await run(arena.client, code, session_id=session, timeout_s=20)
+    assert closed.is_error and "fresh kernel is ready" in text_of(closed), text_of(closed)
+    fresh = await run(arena.client, "print('kept' in dir())", session_id=session)
+    assert "False" in text_of(fresh), text_of(fresh)
+    await arena.client.call_tool("close_session", {"session_id": session})
+    await assert_still_serving(arena)
