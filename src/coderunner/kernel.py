@@ -57,7 +57,7 @@ MAX_MESSAGE_BYTES = IOPUB_LIMITS.max_message_bytes
 #: Most time an interrupt request may take to enter the kernel's control socket.
 INTERRUPT_SEND_S = 1.0
 #: How long a kernel whose channel closed may take to exit by itself before it is killed.
-EXIT_WAIT_S = 0.5
+EXIT_WAIT_S = 2.0
 #: Pause between attempts to reach a kernel's channel while it starts (TCP channels accept
 #: before the kernel listens).
 CONNECT_RETRY_S = 0.05
@@ -267,11 +267,12 @@ class Kernel:
             with anyio.CancelScope(shield=True):
                 # A kernel that died closes its channels too: let it exit on its own first,
                 # so that its own exit code is what the caller is told.
+                # (Not killed then: the kill would remove the cgroup that says whether it was OOM.)
                 with anyio.move_on_after(EXIT_WAIT_S):
                     await self.process.wait()
                 if self.process.alive:
                     log.warning("%s; ending the kernel", exc)
-                await self.process.kill()
+                    await self.process.kill()
         raise SandboxExited(self.process.returncode if self.process else None)
 
     async def execute(
