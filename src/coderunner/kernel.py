@@ -1,4 +1,7 @@
-"""One kernel incarnation: an ipykernel in a sandbox, spoken to with jupyter_client over ipc://.
+"""One kernel incarnation: an ipykernel in a sandbox, spoken to over ipc:// (or loopback TCP).
+
+The channels are the host's own bounded ZMTP readers (kernel_channels), signed and verified
+with jupyter_client's Session: a kernel can make the host hold only so many bytes.
 
 A `Kernel` is started once and dies once; restarts are the session's business. It answers an
 execute with a `RunOutcome` and never waits without a bound: every wait races the deadline
@@ -16,33 +19,48 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from queue import Empty
-from typing import Any
+from typing import Any, NoReturn
 
 import anyio
-import zmq
-import zmq.asyncio
 from anyio.abc import TaskGroup
-from jupyter_client.asynchronous.client import AsyncKernelClient
+from jupyter_client.session import Session
 
 from .hostfs import HostFsError
+from .kernel_channels import (
+    IOPUB_LIMITS,
+    IOPUB_QUEUE_BYTES,
+    NO_PARENT,
+    REPLY_LIMITS,
+    ChannelBroken,
+    Lost,
+    Mailbox,
+    Message,
+    connect,
+)
 from .output import OutputCollector
 from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
 from .session_dirs import SandboxDirs, connection_names, dump_connection
+from .zmtp import Limits, ZmtpConnection, ZmtpError
 
 log = logging.getLogger(__name__)
 
 #: How often a silent wait checks that the sandbox is still alive.
 LIVENESS_POLL_S = 0.25
-#: Most time to wait for the execute_reply once the kernel said it is idle.
-REPLY_WAIT_S = 5.0
 #: Quiet IOPub this long after the execute_reply means the idle status was lost.
 IDLE_AFTER_REPLY_S = 1.0
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg")
 #: The display bundle type guest tools answer with (coderunner_guest.dispatch.RESULT_MIME).
 GUEST_RESULT_MIME = "application/vnd.coderunner.guest+json"
-#: Largest ZMQ message the host accepts from a kernel (a bigger one drops that connection).
-MAX_MESSAGE_BYTES = 32 * 2**20
+#: Largest IOPub message the host accepts from a kernel (a bigger one is skipped, and the
+#: run it belongs to says that some output was lost).
+MAX_MESSAGE_BYTES = IOPUB_LIMITS.max_message_bytes
+#: Most time an interrupt request may take to enter the kernel's control socket.
+INTERRUPT_SEND_S = 1.0
+#: How long a kernel whose channel closed may take to exit by itself before it is killed.
+EXIT_WAIT_S = 2.0
+#: Pause between attempts to reach a kernel's channel while it starts (TCP channels accept
+#: before the kernel listens).
+CONNECT_RETRY_S = 0.05
 #: The kernel's channels the host connects to (heartbeat and stdin are not used).
 HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 
@@ -103,12 +121,14 @@ class Kernel:
     dirs: SandboxDirs
     generation: int = 0
     process: SandboxProcess | None = None
-    client: AsyncKernelClient | None = None
     started_at: float = field(default_factory=time.monotonic)
     #: Set when a cancelled run ignored its interrupt: the kernel is busy for good.
     wedged: bool = False
     _connection_name: str | None = None
-    _context: zmq.asyncio.Context | None = None
+    _shell: Mailbox | None = None
+    _control: Mailbox | None = None
+    _iopub: Mailbox | None = None
+    _pumps: anyio.CancelScope | None = None
 
     @property
     def alive(self) -> bool:
@@ -138,14 +158,7 @@ class Kernel:
         deadline = _Deadline(time.monotonic() + timeout_s)
         try:
             await self._await_sockets(info, deadline)
-            self._context = zmq.asyncio.Context()
-            # Untrusted code holds the session key and can publish anything: never let one
-            # message make the host allocate more than this.
-            self._context.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-            client = AsyncKernelClient(context=self._context)
-            client.load_connection_info(self._host_side(info))
-            client.start_channels(stdin=False, hb=False)
-            self.client = client
+            await self._open_channels(self._host_side(info), deadline)
             await self._await_welcome(deadline)
         except (SandboxExited, TimeoutError, HostFsError) as exc:
             detail = self.process.stderr_tail().strip()[-2000:] if self.process else ""
@@ -180,22 +193,67 @@ class Kernel:
                 raise TimeoutError
             await anyio.sleep(0.005)
 
+    async def _open_channels(self, info: dict[str, Any], deadline: _Deadline) -> None:
+        """Connect shell, control and IOPub with the host's own bounded ZMTP reader, and start
+        draining them at once: whatever the kernel sends is read, kept only when expected."""
+        key = info["key"].encode() if isinstance(info["key"], str) else info["key"]
+        session = Session(key=key, signature_scheme=info.get("signature_scheme", "hmac-sha256"), username="coderunner")
+        mailboxes = []
+        for name, socket_type, limits in (
+            ("shell", "DEALER", REPLY_LIMITS),
+            ("control", "DEALER", REPLY_LIMITS),
+            ("iopub", "SUB", IOPUB_LIMITS),
+        ):
+            url = _channel_url(info, info[f"{name}_port"])
+            connection = await self._connect(url, socket_type, limits, session.bsession, deadline)
+            queue = IOPUB_QUEUE_BYTES if name == "iopub" else limits.max_message_bytes
+            mailbox = Mailbox(name, connection, session, queue_bytes=queue)
+            mailboxes.append(mailbox)
+            setattr(self, f"_{name}", mailbox)
+        assert self._iopub is not None
+        self._iopub.expect(NO_PARENT)  # ipykernel's iopub_welcome answers our subscription
+        self._pumps = anyio.CancelScope()
+        self.task_group.start_soon(self._pump, self._pumps, mailboxes)
+
+    async def _connect(
+        self, url: str, socket_type: str, limits: Limits, identity: bytes, deadline: _Deadline
+    ) -> ZmtpConnection:
+        while True:
+            self._check_alive()
+            if deadline.remaining() <= 0:
+                raise TimeoutError
+            with anyio.move_on_after(deadline.remaining()):
+                try:
+                    return await connect(url, socket_type, limits, identity)
+                except (OSError, ZmtpError) as exc:
+                    log.debug("kernel channel %s not ready: %s", url, exc)
+            await anyio.sleep(CONNECT_RETRY_S)
+
+    @staticmethod
+    async def _pump(scope: anyio.CancelScope, mailboxes: list[Mailbox]) -> None:
+        with scope:
+            async with anyio.create_task_group() as group:
+                for mailbox in mailboxes:
+                    group.start_soon(mailbox.pump)
+
     async def _await_welcome(self, deadline: _Deadline) -> None:
+        assert self._iopub is not None
         while True:
             msg = await self._next_iopub(deadline)
-            if msg is not None and msg["msg_type"] == "iopub_welcome":
+            if isinstance(msg, Message) and msg.msg_type == "iopub_welcome":
+                self._iopub.forget(NO_PARENT)
                 return
 
     def _check_alive(self) -> None:
         if self.process is None or not self.process.alive:
             raise SandboxExited(self.process.returncode if self.process else None)
 
-    async def _next_iopub(self, deadline: _Deadline | None) -> dict[str, Any] | None:
-        """The next IOPub message, or None after a quiet LIVENESS_POLL_S (the sandbox was alive).
+    async def _next_iopub(self, deadline: _Deadline | None) -> Message | Lost | None:
+        """The next expected IOPub message, or None after a quiet LIVENESS_POLL_S (the sandbox was alive).
 
         Raises TimeoutError at the deadline and SandboxExited when the sandbox is gone.
         """
-        if self.client is None:  # shut down under us
+        if self._iopub is None:  # shut down under us
             raise SandboxExited(self.process.returncode if self.process else None)
         wait = LIVENESS_POLL_S
         if deadline is not None:
@@ -204,10 +262,27 @@ class Kernel:
                 raise TimeoutError
             wait = min(wait, remaining)
         try:
-            return await self.client.get_iopub_msg(timeout=wait)
-        except Empty:
+            msg = await self._iopub.get(timeout=wait)
+        except ChannelBroken as exc:
+            await self._channel_broken(exc)
+        if msg is None:
             self._check_alive()
-            return None
+        return msg
+
+    async def _channel_broken(self, exc: ChannelBroken) -> NoReturn:
+        """A kernel that closed or garbled a channel cannot be spoken to again: end it."""
+        self.wedged = True
+        if self.process is not None:
+            with anyio.CancelScope(shield=True):
+                # A kernel that died closes its channels too: let it exit on its own first,
+                # so that its own exit code is what the caller is told.
+                # (Not killed then: the kill would remove the cgroup that says whether it was OOM.)
+                with anyio.move_on_after(EXIT_WAIT_S):
+                    await self.process.wait()
+                if self.process.alive:
+                    log.warning("%s; ending the kernel", exc)
+                    await self.process.kill()
+        raise SandboxExited(self.process.returncode if self.process else None)
 
     async def execute(
         self,
@@ -223,14 +298,32 @@ class Kernel:
 
         `silent` runs it without history or execution count (guest tool calls).
         """
-        assert self.client is not None
+        # Held here: a shutdown from elsewhere (close_session) clears the attributes mid-run.
+        shell, iopub = self._shell, self._iopub
+        assert shell is not None and iopub is not None
         begun = time.monotonic()
-        msg_id = self.client.execute(
-            code, silent=silent, store_history=not silent, allow_stdin=False, stop_on_error=False
+        request = shell.make(
+            "execute_request",
+            {
+                "code": code,
+                "silent": silent,
+                "store_history": not silent,
+                "user_expressions": {},
+                "allow_stdin": False,
+                "stop_on_error": False,
+            },
         )
+        msg_id = str(request["header"]["msg_id"])
         run = _Run(msg_id=msg_id, output=output)
+        # Expected before it is sent: anything else either channel carries is dropped on arrival.
+        iopub.expect(msg_id)
+        shell.expect(msg_id)
         try:
             try:
+                try:
+                    await shell.send(request, timeout=max(timeout_s, 0.0))
+                except ChannelBroken as exc:
+                    await self._channel_broken(exc)
                 await self._collect(run, _Deadline(begun + timeout_s), progress, progress_interval_s, begun)
             except TimeoutError:
                 run.status = await self._interrupt_and_settle(run, interrupt_grace_s, begun)
@@ -244,8 +337,10 @@ class Kernel:
         except SandboxExited as exc:
             run.status = RunStatus.DIED
             run.exit_code = exc.exit_code
-        if run.reply_at is None and run.status in (RunStatus.OK, RunStatus.ERROR, RunStatus.INTERRUPTED):
-            await self._drain_reply(msg_id)
+        finally:
+            # A reply or output that comes later is read and dropped by the pumps: nothing piles up.
+            iopub.forget(msg_id)
+            shell.forget(msg_id)
         return RunOutcome(
             status=run.status,
             output=output,
@@ -259,7 +354,7 @@ class Kernel:
 
     async def _interrupt_and_settle(self, run: _Run, grace_s: float, begun: float) -> RunStatus:
         """Interrupt the cell and wait up to `grace_s` for the kernel to go idle."""
-        self.interrupt()
+        await self._interrupt()
         try:
             await self._collect(run, _Deadline(time.monotonic() + grace_s), None, 0, begun)
         except TimeoutError:
@@ -277,11 +372,14 @@ class Kernel:
         last_progress = time.monotonic()
         while not run.idle:
             msg = await self._next_iopub(deadline)
-            if msg is not None and msg.get("parent_header", {}).get("msg_id") == run.msg_id:
+            if isinstance(msg, Message) and msg.parent_id == run.msg_id:
                 run.handle(msg)
+            elif isinstance(msg, Lost) and msg.parent_id in (run.msg_id, None):
+                log.info("output of a run was lost: %s", msg.reason)
+                run.output_lost = True
             elif msg is None and await self._reply_without_idle(run):
-                # The cell finished (its execute_reply came on the shell channel) but its IOPub
-                # messages stopped: one was over the size limit and the connection was dropped.
+                # The cell finished (its execute_reply came on the shell channel) but its idle
+                # status never came: it was lost, or the kernel never sent it.
                 run.output_lost = True
                 return
             if progress is not None and time.monotonic() - last_progress >= progress_interval_s:
@@ -290,48 +388,43 @@ class Kernel:
 
     async def _reply_without_idle(self, run: _Run) -> bool:
         """Look (without waiting) for our execute_reply; True once it came and IOPub stayed quiet."""
-        assert self.client is not None
-        if run.reply_at is None:
-            while True:
-                try:
-                    reply = await self.client.get_shell_msg(timeout=0)
-                except Empty:
-                    return False
-                if reply.get("parent_header", {}).get("msg_id") == run.msg_id:
-                    run.take_reply(reply)
-                    break
-        assert run.reply_at is not None
+        if self._shell is None:  # shut down under us
+            raise SandboxExited(self.process.returncode if self.process else None)
+        while run.reply_at is None:
+            try:
+                reply = await self._shell.get(timeout=0)
+            except ChannelBroken as exc:
+                await self._channel_broken(exc)
+            if reply is None:
+                return False
+            if reply.parent_id == run.msg_id:
+                run.take_reply(reply.content if isinstance(reply, Message) else {})
         return time.monotonic() - run.reply_at >= IDLE_AFTER_REPLY_S
 
-    async def _drain_reply(self, msg_id: str) -> None:
-        """Read our execute_reply off the shell channel so replies never pile up."""
-        assert self.client is not None
-        deadline = time.monotonic() + REPLY_WAIT_S
-        while (remaining := deadline - time.monotonic()) > 0:
-            try:
-                reply = await self.client.get_shell_msg(timeout=remaining)
-            except Empty:
-                return
-            if reply.get("parent_header", {}).get("msg_id") == msg_id:
-                return
-
     def interrupt(self) -> None:
-        """interrupt_mode=message: a SIGINT to bwrap would kill the sandbox, not interrupt the cell."""
-        if self.client is None:
+        """Ask the kernel to interrupt its cell, from code that cannot wait (the send runs soon)."""
+        if self._control is not None:
+            self.task_group.start_soon(self._interrupt)
+
+    async def _interrupt(self) -> None:
+        """interrupt_mode=message: a SIGINT to bwrap would kill the sandbox, not interrupt the cell.
+
+        Its reply is not awaited: the control pump reads and drops it.
+        """
+        if self._control is None:
             return
-        msg = self.client.session.msg("interrupt_request", content={})
-        self.client.control_channel.send(msg)
+        with contextlib.suppress(ChannelBroken):
+            await self._control.send(self._control.make("interrupt_request", {}), timeout=INTERRUPT_SEND_S)
 
     async def shutdown(self) -> None:
         """Kill the sandbox (no polite shutdown: nothing inside needs saving) and close channels."""
-        if self.client is not None:
-            with contextlib.suppress(Exception):
-                self.client.stop_channels()
-            self.client = None
-        if self._context is not None:
-            with contextlib.suppress(Exception):
-                self._context.destroy(linger=0)
-            self._context = None
+        if self._pumps is not None:
+            self._pumps.cancel()
+            self._pumps = None
+        for mailbox in (self._shell, self._control, self._iopub):
+            if mailbox is not None:
+                mailbox.connection.close()
+        self._shell = self._control = self._iopub = None
         if self.process is not None:
             await self.process.kill()
         self._remove_sockets()
@@ -383,21 +476,20 @@ class _Run:
     idle: bool = False
     #: When the execute_reply was seen on the shell channel (only looked for while IOPub is quiet).
     reply_at: float | None = None
-    #: IOPub messages of this run were dropped (one exceeded MAX_MESSAGE_BYTES).
+    #: IOPub messages of this run were skipped (over MAX_MESSAGE_BYTES, or unreadable).
     output_lost: bool = False
     guest_payload: dict[str, Any] | None = None
 
-    def take_reply(self, reply: dict[str, Any]) -> None:
+    def take_reply(self, content: dict[str, Any]) -> None:
         self.reply_at = time.monotonic()
-        content = reply.get("content", {})
         self.execution_count = content.get("execution_count", self.execution_count)
         if content.get("status") == "error" and self.status is RunStatus.OK:
             self.status = RunStatus.ERROR
             self.error = KernelError(str(content.get("ename", "")), str(content.get("evalue", "")), "")
 
-    def handle(self, msg: dict[str, Any]) -> None:
-        kind = msg["msg_type"]
-        content = msg.get("content", {})
+    def handle(self, msg: Message) -> None:
+        kind = msg.msg_type
+        content = msg.content
         if kind == "stream":
             self.output.add_text(str(content.get("text", "")))
         elif kind in ("execute_result", "display_data"):
@@ -427,3 +519,9 @@ class _Run:
         text = data.get("text/plain")
         if isinstance(text, str) and not (images and text.startswith("<Figure")):
             self.output.add_text(text if text.endswith("\n") else text + "\n")
+
+
+def _channel_url(info: dict[str, Any], port: int) -> str:
+    if info["transport"] == "ipc":
+        return f"ipc://{info['ip']}-{port}"
+    return f"tcp://{info['ip']}:{port}"
