@@ -194,3 +194,52 @@ def test_bwrap_filter_allows_exactly_the_four_socket_families_whatever_the_high_
 def test_bwrap_filter_refuses_new_namespaces() -> None:
     unshare_user, clone3 = _under_filter([(SYS_UNSHARE, [0x10000000]), (SYS_CLONE3, [0, 88])])
     assert (unshare_user, clone3) == (errno.EPERM, errno.ENOSYS)
+
+
+SETID_PROBES = [0o4755, 0o2755, 0o6755, (1 << 32) | 0o4755]
+
+
+def test_profile_refuses_setuid_and_setgid_modes_and_nothing_else() -> None:
+    profile = tightened_profile(ENGINE)
+    creat, tmpfile = 0o100, 0o20000000
+    for mode in (0o755, 0o644, 0o1777, 0o777):
+        assert _outcome(profile, "chmod", [0, mode]) == "ALLOW", oct(mode)
+        assert _outcome(profile, "fchmodat", [0, 0, mode, 0]) == "ALLOW", oct(mode)
+        assert _outcome(profile, "openat", [0, 0, creat, mode]) == "ALLOW", oct(mode)
+    for mode in SETID_PROBES:
+        assert _outcome(profile, "chmod", [0, mode]) == "EPERM", oct(mode)
+        assert _outcome(profile, "fchmod", [0, mode]) == "EPERM", oct(mode)
+        assert _outcome(profile, "fchmodat2", [0, 0, mode, 0]) == "EPERM", oct(mode)
+        assert _outcome(profile, "openat", [0, 0, creat | 2, mode]) == "EPERM", oct(mode)
+        assert _outcome(profile, "openat", [0, 0, tmpfile | 2, mode]) == "EPERM", oct(mode)
+        assert _outcome(profile, "open", [0, creat, mode]) == "EPERM", oct(mode)
+        assert _outcome(profile, "mknodat", [0, 0, mode | 0o100000, 0]) == "EPERM", oct(mode)
+        # Without a creating flag the mode argument is not a mode: any value is fine.
+        assert _outcome(profile, "openat", [0, 0, 2, mode]) == "ALLOW", oct(mode)
+    assert _outcome(profile, "openat2", [0, 0, 0, 24]) == "ENOSYS"
+
+
+SYS_OPEN, SYS_CHMOD, SYS_OPENAT, SYS_FCHMODAT, SYS_FCHMODAT2, SYS_OPENAT2 = 2, 90, 257, 268, 452, 437
+AT_FDCWD = 2**64 - 100
+
+
+def test_bwrap_filter_refuses_setuid_and_setgid_modes(tmp_path: Path) -> None:
+    """A setuid file left in a writable mount would run as the folder's owner on the host."""
+    target = tmp_path / "tool"
+    target.write_text("#!/bin/sh\n")
+    path = ctypes.create_string_buffer(str(target).encode())
+    fresh = ctypes.create_string_buffer(str(tmp_path / "fresh").encode())
+    address, fresh_address = ctypes.addressof(path), ctypes.addressof(fresh)
+    calls = [(SYS_CHMOD, [address, 0o755]), (SYS_FCHMODAT, [AT_FDCWD, address, 0o700, 0])]
+    calls += [(SYS_CHMOD, [address, mode]) for mode in SETID_PROBES]
+    calls += [(SYS_FCHMODAT, [AT_FDCWD, address, 0o4755, 0]), (SYS_FCHMODAT2, [AT_FDCWD, address, 0o2755, 0])]
+    calls += [
+        (SYS_OPENAT, [AT_FDCWD, fresh_address, 0o100 | 1, 0o4755]),
+        (SYS_OPEN, [fresh_address, 0o100 | 1, 0o6777]),
+    ]
+    calls += [(SYS_OPENAT, [AT_FDCWD, fresh_address, 0o100 | 1, 0o644]), (SYS_OPENAT2, [AT_FDCWD, address, 0, 24])]
+    results = _under_filter(calls)
+    assert results[:2] == [0, 0]
+    assert results[2:-2] == [errno.EPERM] * (len(results) - 4), [errno.errorcode.get(r) for r in results]
+    assert results[-2] == 0 and results[-1] == errno.ENOSYS
+    assert not os.stat(target).st_mode & 0o6000 and not os.stat(tmp_path / "fresh").st_mode & 0o6000

@@ -336,6 +336,17 @@ CASES = [
         lambda result, arena: _refused_as_unsupported(result),
     ),
     Case(
+        "syscalls",
+        "setuid and setgid bits (a program left in a writable mount would run as its host owner)",
+        TRY + "open('/workspace/tool', 'w').write('#!/bin/sh\\n')\n"
+        "def created(mode):\n    fd = os.open('/workspace/made', os.O_CREAT | os.O_WRONLY, mode)\n    os.close(fd)\n"
+        "    if os.stat('/workspace/made').st_mode & 0o6000 == 0: raise PermissionError('bits dropped')\n    return oct(mode)\n"
+        "def changed(mode):\n    os.chmod('/workspace/tool', mode)\n    return oct(os.stat('/workspace/tool').st_mode)\n"
+        "print(json.dumps({'chmod_suid': attempt(lambda: changed(0o4755)), 'chmod_sgid': attempt(lambda: changed(0o2755)),"
+        " 'fchmod_suid': attempt(lambda: os.fchmod(os.open('/workspace/tool', os.O_RDONLY), 0o4755)),"
+        " 'create_suid': attempt(lambda: created(0o4755)), 'create_sgid': attempt(lambda: created(0o2777))}))",
+    ),
+    Case(
         "filesystem",
         "kernel symbols, kernel log and /sys",
         TRY

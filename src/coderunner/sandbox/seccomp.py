@@ -13,6 +13,7 @@ OCI profile for podman/docker (tightened_profile); both are built from the table
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import functools
@@ -57,6 +58,31 @@ CLONE_NAMESPACE_MASK = sum(CLONE_NAMESPACE_FLAGS.values())
 SOCKET_FAMILIES = {"AF_UNIX": 1, "AF_INET": 2, "AF_INET6": 10, "AF_NETLINK": 16}
 #: socket() and socketpair() take the family first.
 SOCKET_SYSCALLS = ("socket", "socketpair")
+
+#: Set-user-ID and set-group-ID mode bits. Sandboxed code may never set them: a file it writes
+#: in a writable mount is the host folder owner's (id-mapped), and a setuid program left there
+#: would run as that owner for any host user who can reach it.
+SETID_BITS = (0o4000, 0o2000)
+#: Flags of open()/openat() that create a file with the given mode (O_CREAT, __O_TMPFILE).
+CREATING_FLAGS = (0o100, 0o20000000)
+
+
+@dataclass(frozen=True)
+class ModeCall:
+    """A syscall that sets a file mode: where its mode is, and where its creating flags are (if any)."""
+
+    name: str
+    mode: int
+    flags: int | None = None
+
+
+MODE_CALLS = (
+    ModeCall("chmod", 1), ModeCall("fchmod", 1), ModeCall("fchmodat", 2), ModeCall("fchmodat2", 2),
+    ModeCall("creat", 1), ModeCall("mknod", 1), ModeCall("mknodat", 2),
+    ModeCall("open", 2, flags=1), ModeCall("openat", 3, flags=2),
+)  # fmt: skip
+#: openat2 carries its mode in memory seccomp cannot read: ENOSYS, so libc falls back to openat.
+OPAQUE_MODE_CALLS = ("openat2",)
 
 
 @dataclass(frozen=True)
@@ -104,6 +130,17 @@ def compiled_filter() -> bytes:
         rules.add_rule(seccomp.ERRNO(errno.EPERM), "clone", seccomp.Arg(0, seccomp.MASKED_EQ, flag, flag))
     # clone3 passes its flags in memory seccomp cannot read: make libc fall back to clone().
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
+    for call in MODE_CALLS:
+        for bit in SETID_BITS:
+            for flag in CREATING_FLAGS if call.flags is not None else (None,):
+                args = [seccomp.Arg(call.mode, seccomp.MASKED_EQ, bit, bit)]
+                if flag is not None and call.flags is not None:
+                    args.append(seccomp.Arg(call.flags, seccomp.MASKED_EQ, flag, flag))
+                with contextlib.suppress(ValueError, RuntimeError, OSError):  # absent on this arch
+                    rules.add_rule(seccomp.ERRNO(errno.EPERM), call.name, *args)
+    for name in OPAQUE_MODE_CALLS:
+        with contextlib.suppress(ValueError, RuntimeError, OSError):
+            rules.add_rule(seccomp.ERRNO(errno.ENOSYS), name)
     ops = {"EQ": seccomp.EQ, "GT": seccomp.GT}
     for name in SOCKET_SYSCALLS:
         for test in refused_families():
@@ -133,7 +170,8 @@ def tightened_profile(engine_default: dict[str, Any]) -> dict[str, Any]:
     records needs CAP_AUDIT_WRITE, which the container does not have.
     """
     denied = set(DENIED_SYSCALLS)
-    ruled_here = denied | {"clone", "clone3", *SOCKET_SYSCALLS}
+    ruled_here = denied | {"clone", "clone3", *SOCKET_SYSCALLS, *(call.name for call in MODE_CALLS),
+                           *OPAQUE_MODE_CALLS}  # fmt: skip
     profile = copy.deepcopy(engine_default)
     rules = []
     for rule in profile.get("syscalls") or []:
@@ -144,6 +182,8 @@ def tightened_profile(engine_default: dict[str, Any]) -> dict[str, Any]:
     rules += _clone_rules()
     rules.append({"names": ["clone3"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS})
     rules += _socket_rules()
+    rules += _mode_rules()
+    rules.append({"names": list(OPAQUE_MODE_CALLS), "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSYS})
     profile["syscalls"] = rules
     return profile
 
@@ -176,4 +216,29 @@ def _socket_rules() -> list[dict[str, Any]]:
     for test in refused_families():
         rules.append({"names": names, "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EAFNOSUPPORT,
                       "args": [_arg(0, test.op, test.value)]})  # fmt: skip
+    return rules
+
+
+def _mode_rules() -> list[dict[str, Any]]:
+    """Mode-setting calls allowed unless they set a setuid/setgid bit (then EPERM).
+
+    The allows cover exactly the complement of the refusals (no creating flag, or no such bit),
+    because an engine default of allow-all for these names would win over conditional refusals.
+    """
+    setid = sum(SETID_BITS)
+    rules: list[dict[str, Any]] = []
+    for call in MODE_CALLS:
+        rules.append(
+            {"names": [call.name], "action": "SCMP_ACT_ALLOW", "args": [_arg(call.mode, "MASKED_EQ", setid, 0)]}
+        )
+        if call.flags is not None:
+            creating = sum(CREATING_FLAGS)
+            rules.append({"names": [call.name], "action": "SCMP_ACT_ALLOW",
+                          "args": [_arg(call.flags, "MASKED_EQ", creating, 0)]})  # fmt: skip
+        for bit in SETID_BITS:
+            for flag in CREATING_FLAGS if call.flags is not None else (None,):
+                args = [_arg(call.mode, "MASKED_EQ", bit, bit)]
+                if flag is not None and call.flags is not None:
+                    args.append(_arg(call.flags, "MASKED_EQ", flag, flag))
+                rules.append({"names": [call.name], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.EPERM, "args": args})
     return rules
