@@ -135,3 +135,15 @@ async def test_cancelling_through_the_proxy_interrupts_the_cell(dirs: ServerDirs
         # The proxy's client and a direct client are different clients with different defaults.
         async with connect_http(url) as direct:
             assert "NameError" in text_of(await run(direct, "marker"))
+
+
+async def test_a_named_proxy_keeps_its_export_folder_across_restarts(dirs: ServerDirs) -> None:
+    """`proxy --client NAME`: the same client (exports, named workspaces) after the proxy restarts."""
+    export = dirs.root / "out"
+    env = server_env(dirs, CODERUNNER_EXPORT_DIR=str(export))
+    with http_server(env) as url:
+        for round_ in ("first", "second"):
+            async with proxy_client(url, dirs, "--token", TEST_TOKEN, "--client", "desk") as client:
+                saved = await run(client, f"open('/mnt/outputs/{round_}.txt', 'w').write('{round_}')")
+                assert not saved.is_error, text_of(saved)
+    assert sorted(path.name for path in (export / "desk").iterdir()) == ["first.txt", "second.txt"]

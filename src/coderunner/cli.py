@@ -55,6 +55,12 @@ def _parser() -> argparse.ArgumentParser:
     proxy.add_argument("url", help="the server's MCP endpoint, e.g. http://127.0.0.1:8765/mcp (or .../sse)")
     proxy.add_argument("--token", help="its bearer token (default: $CODERUNNER_TOKEN, else this machine's token file)")
     proxy.add_argument("--transport", dest="proxy_transport", choices=["streamable-http", "sse"])
+    proxy.add_argument(
+        "--client",
+        dest="client_name",
+        help="a stable name for this client (its export folder and named workspaces follow it across "
+        "restarts); default: a fresh name per proxy process",
+    )
 
     token = commands.add_parser("token", help="print the bearer token HTTP clients need (made on first use)")
     token.add_argument("--rotate", action="store_true", help="replace it with a new one (old clients are refused)")
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
             secret = args.token or (settings.token.get_secret_value() if settings.token else None)
             if secret is None and settings.token_file.exists():
                 secret = read_token(settings.token_file)
-            anyio.run(run_proxy, args.url, secret, args.proxy_transport)
+            anyio.run(run_proxy, args.url, secret, args.proxy_transport, args.client_name)
             return 0
         if args.command == "token":
             print(ensure_token(settings.token_file, rotate=args.rotate))

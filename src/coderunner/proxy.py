@@ -280,10 +280,14 @@ async def _or_mcp_error(request: Awaitable[T]) -> T:
         raise MCPError(INTERNAL_ERROR, f"CodeRunner proxy: no answer within {REQUEST_TIMEOUT_S:g}s") from None
 
 
-async def run_proxy(url: str, token: str | None, transport: UpstreamTransport | None = None) -> None:
+async def run_proxy(
+    url: str, token: str | None, transport: UpstreamTransport | None = None, client_name: str | None = None
+) -> None:
     """Serve stdio until the client closes it; never touches stdout except for MCP messages."""
     async with anyio.create_task_group() as tg:
         upstream = Upstream(url=url, token=token, transport=transport or guess_transport(url), task_group=tg)
+        if client_name:
+            upstream.client_id = client_name
         server = build_proxy(upstream)
         try:
             await upstream.client()  # connect early, so that a problem shows in the client's log at once

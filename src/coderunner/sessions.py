@@ -287,7 +287,7 @@ class Session:
         if outcome.output_lost:
             return ExecutionResult(
                 outcome,
-                notice="some output was lost: a single message exceeded the host's 32 MiB limit",
+                notice="some output was lost: a message was over the host's 32 MiB limit or could not be read",
             )
         return ExecutionResult(outcome)
 
