@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from coderunner.sandbox.base import Limits, SandboxSpec
@@ -81,3 +82,30 @@ def test_seccomp_filter_compiles_and_denies_the_escape_hatches() -> None:
     assert len(program) > 0 and len(program) % 8 == 0, "a BPF program is a list of 8-byte instructions"
     for name in ("ptrace", "bpf", "keyctl", "unshare", "mount", "perf_event_open", "userfaultfd", "setns"):
         assert name in DENIED_SYSCALLS
+
+
+def test_network_waits_for_the_sandboxs_own_loopback_first() -> None:
+    """slirp4netns must not bring `lo` up before bwrap has (bwrap would then die on RTM_NEWADDR)."""
+    import subprocess
+
+    import anyio
+
+    from coderunner.sandbox.bwrap import _loopback_ready
+
+    assert anyio.run(_loopback_ready, os.getpid(), 5.0)  # the host's namespace has 127.0.0.1
+    if os.getuid() != 0:
+        return
+    # A namespace whose loopback is still down has no 127.0.0.1: the wait ends at its bound, saying so.
+    fresh = subprocess.Popen(["unshare", "--net", "sleep", "30"])
+    try:
+        own = os.readlink("/proc/self/ns/net")
+        for _ in range(500):  # until unshare has entered its new namespace (bounded)
+            if os.readlink(f"/proc/{fresh.pid}/ns/net") != own:
+                break
+            anyio.run(anyio.sleep, 0.01)
+        assert not anyio.run(_loopback_ready, fresh.pid, 0.3)
+        subprocess.run(["nsenter", "-t", str(fresh.pid), "-n", "ip", "link", "set", "lo", "up"], check=True, timeout=10)
+        assert anyio.run(_loopback_ready, fresh.pid, 5.0)
+    finally:
+        fresh.kill()
+        fresh.wait()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -37,6 +38,8 @@ from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgr
 from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from .seccomp import SeccompUnavailable, compiled_filter
 
+log = logging.getLogger(__name__)
+
 ENV_MOUNT = "/opt/coderunner/env"
 #: The guest package (src/coderunner/guest) is bound read-only here as `coderunner_guest`.
 GUEST_LIB = "/opt/coderunner/lib"
@@ -56,6 +59,8 @@ PROC_MASKED_FILES = ("kcore", "keys", "timer_list", "sched_debug", "latency_stat
 PROC_MASKED_DIRS = ("acpi", "scsi")
 #: Bound on bwrap reporting its child and slirp4netns reporting the network is up.
 NETWORK_SETUP_TIMEOUT_S = 10.0
+#: Bound on waiting for bwrap's child to set up its loopback before slirp4netns starts.
+LOOPBACK_WAIT_S = 3.0
 NETWORK_MODES = ("none", "internet")
 
 
@@ -391,6 +396,10 @@ class BwrapBackend:
         assert self.slirp4netns is not None
         info = await _read_json_document(fds.info_read)
         child = int(info["child-pid"])
+        # bwrap reports its child before the child has set up its loopback, and slirp4netns
+        # brings `lo` up too: the kernel then adds 127.0.0.1 itself and bwrap's own RTM_NEWADDR
+        # fails ("loopback: Failed RTM_NEWADDR", seen in about 1 start in 8). Let bwrap go first.
+        await _loopback_ready(child, LOOPBACK_WAIT_S)
         ready_read, ready_write = os.pipe()
         try:
             # Unprivileged, the sandbox's netns belongs to its user namespace, which slirp4netns must
@@ -419,6 +428,21 @@ class BwrapBackend:
             if ready_write >= 0:
                 os.close(ready_write)
         os.write(fds.block_write, b"1")
+
+
+async def _loopback_ready(pid: int, timeout_s: float) -> bool:
+    """Wait (bounded) until the network namespace of `pid` has 127.0.0.1; False if it never did."""
+    with anyio.move_on_after(timeout_s):
+        while True:
+            try:
+                with open(f"/proc/{pid}/net/fib_trie") as handle:
+                    if "127.0.0.1" in handle.read():
+                        return True
+            except OSError:
+                return False  # the child is gone: bwrap's own error will say why
+            await anyio.sleep(0.002)
+    log.warning("the sandbox's loopback was not up after %.1fs; starting its network anyway", timeout_s)
+    return False
 
 
 async def _read_json_document(fd: int) -> dict[str, object]:
