@@ -272,5 +272,5 @@ def report(checks: list[Check]) -> str:
         if (not check.ok or check.degraded) and check.fix:
             lines.append(f"       fix: {check.fix}")
     if os.getuid() == 0:
-        lines.append("note: running as root; sandboxes run as an unprivileged host user, never as root")
+        lines.append("note: running as root; each sandbox runs as an unprivileged host uid of its own, never as root")
     return "\n".join(lines)
