@@ -54,7 +54,7 @@ def send_open_figures():  # type: ignore[no-untyped-def]
             figure = pyplot.figure(number)
             summary = f"<Figure size {figure.bbox.width:g}x{figure.bbox.height:g} with {len(figure.axes)} Axes>"
             display({"image/png": _png(figure), "text/plain": summary}, raw=True)
-    except Exception as exc:  # noqa: BLE001 - a figure that cannot be drawn must not break the cell's reply
+    except Exception as exc:  # a figure that cannot be drawn must not break the cell's reply
         print(f"[a figure could not be sent as an image: {type(exc).__name__}: {exc}]", file=sys.stderr)
     finally:
         if numbers:
