@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from coderunner.client_configs import LaunchCommand, snippet
 from coderunner.config import Settings
 
 from .conftest import REPO, SERVER_CMD, TEST_TOKEN, ServerDirs, http_server, server_env
@@ -133,3 +134,16 @@ def test_the_sdk_accepts_every_tool(node: str, spec: dict[str, Any]) -> None:
     assert result["compiled"] == dict.fromkeys(result["names"], "ok")
     assert result["runPythonAcceptsCode"] and result["runPythonRefusesNoCode"]
     assert result["called"].splitlines()[0] == "45"
+
+
+def test_the_config_snippet_for_typescript_runs_as_printed(node: str, dirs: ServerDirs, tmp_path: Path) -> None:
+    """`coderunner config typescript --url URL` is a program: run it with the pinned SDK and the token."""
+    env = server_env(dirs)
+    (tmp_path / "node_modules").symlink_to(TSCLIENT_DIR / "node_modules")
+    with http_server(env) as url:
+        program = tmp_path / "agent.mjs"
+        program.write_text(snippet("typescript", LaunchCommand.for_install(url), url))
+        done = subprocess.run([node, str(program)], env={"PATH": env["PATH"], "CODERUNNER_TOKEN": TEST_TOKEN},
+                              capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[0] == "42"
