@@ -1,4 +1,4 @@
-"""sandbox:// reads: the MIME type from the bytes (images) or the name, text as text (file_results.resource_contents)."""
+"""sandbox:// reads: MIME type from the bytes (images) or the name, text as text (resource_contents)."""
 
 from __future__ import annotations
 
