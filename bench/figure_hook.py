@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -40,6 +41,17 @@ async def main(calls: int) -> None:
     }
     params = StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
     samples: dict[bool, list[float]] = {True: [], False: []}
+    try:
+        await measure(params, calls, samples)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)  # this run's own folder only
+    for lane, name in ((False, "baseline (no hook)"), (True, "with the figure hook")):
+        ordered = sorted(samples[lane])
+        print(f"{name:22} median {statistics.median(ordered) * 1000:6.2f} ms  "
+              f"p90 {ordered[int(len(ordered) * 0.9) - 1] * 1000:6.2f} ms  n={len(ordered)}")  # fmt: skip
+
+
+async def measure(params: StdioServerParameters, calls: int, samples: dict[bool, list[float]]) -> None:
     async with Client(params, read_timeout_seconds=120) as client:
         setup = "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt"
         await client.call_tool("run_python", {"code": setup})
@@ -53,10 +65,6 @@ async def main(calls: int) -> None:
             began = time.perf_counter()
             await client.call_tool("run_python", {"code": "1+1"})
             samples[want].append(time.perf_counter() - began)
-    for lane, name in ((False, "baseline (no hook)"), (True, "with the figure hook")):
-        ordered = sorted(samples[lane])
-        print(f"{name:22} median {statistics.median(ordered) * 1000:6.2f} ms  "
-              f"p90 {ordered[int(len(ordered) * 0.9) - 1] * 1000:6.2f} ms  n={len(ordered)}")  # fmt: skip
 
 
 if __name__ == "__main__":

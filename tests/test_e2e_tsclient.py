@@ -128,6 +128,14 @@ def test_resource_reads_have_their_mime_type(node: str, spec: dict[str, Any]) ->
     assert [template["uriTemplate"] for template in result["templates"]] == ["sandbox://{session_id}/{+path}"]
 
 
+def test_a_second_client_sees_neither_variables_nor_sessions_of_the_first(node: str, dirs: ServerDirs) -> None:
+    """Over HTTP, one server: another MCP session is another client (the lead adds the two-token case)."""
+    with server_spec("http", server_env(dirs)) as found:
+        result = play(node, "two_clients", found)
+    assert result["peekIsError"] and "NameError" in result["peek"]
+    assert not result["firstSessionListed"]
+
+
 def test_the_sdk_accepts_every_tool(node: str, spec: dict[str, Any]) -> None:
     result = play(node, "tools", spec)
     assert {"run_python", "read_file", "execute_code", "pdf_ops"} <= set(result["names"])

@@ -116,6 +116,29 @@ export const scenarios = {
     return { png: await read("chart.png"), csv: await read("table.csv"), templates: templates.resourceTemplates };
   },
 
+  /**
+   * Two clients of one server (over HTTP; over stdio each has a server of its own): the second neither
+   * sees the first's variables nor lists its sessions. ctx.params.second is how the second connects
+   * ({token, headers}); by default the same token, as another MCP session. What it gets when it
+   * presents the first one's session id is returned as is, for the caller to judge.
+   */
+  async two_clients(client, ctx) {
+    await run(client, "private_value = 'only for the first client'");
+    const made = JSON.parse(textOf(await client.callTool({ name: "create_session", arguments: {} })));
+    const other = await ctx.connect(ctx.params.second ?? {});
+    const peek = await run(other, "private_value");
+    const listed = JSON.parse(textOf(await other.callTool({ name: "list_sessions", arguments: {} })));
+    const borrowed = await run(other, "1 + 1", undefined, { session_id: made.session_id });
+    await client.callTool({ name: "close_session", arguments: { session_id: made.session_id } });
+    return {
+      peek: textOf(peek),
+      peekIsError: peek.isError ?? false,
+      firstSessionListed: listed.sessions.some((session) => session.session_id === made.session_id),
+      borrowed: textOf(borrowed),
+      borrowedIsError: borrowed.isError ?? false,
+    };
+  },
+
   /** tools/list as the SDK parses it, and every input schema compiled by the SDK's own Ajv validator. */
   async tools(client) {
     const { tools } = await client.listTools();
