@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import shlex
 import subprocess
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from coderunner.client_configs import CLIENTS, LaunchCommand, snippet
+from coderunner.client_code import LIBRARY_CLIENTS
+from coderunner.client_configs import APP_CLIENTS, LaunchCommand, snippet
 
 from .conftest import REPO, TEST_TOKEN, ServerDirs, http_server, server_env
 
@@ -39,7 +41,7 @@ def test_claude_code_example_is_the_printed_command() -> None:
     assert snippet("claude-code", PLACEHOLDER) in (EXAMPLES / "claude-code.sh").read_text().splitlines()
 
 
-@pytest.mark.parametrize("client", CLIENTS)
+@pytest.mark.parametrize("client", APP_CLIENTS)
 def test_config_command_names_this_install_and_a_command_that_starts(client: str) -> None:
     printed = subprocess.run(
         [sys.executable, "-m", "coderunner.cli", "config", client], capture_output=True, text=True, timeout=60
@@ -71,6 +73,32 @@ def test_config_command_for_a_shared_server_uses_the_proxy() -> None:
     )
     entry = json.loads(printed.stdout)["mcpServers"]["coderunner"]
     assert entry["args"][-2:] == ["proxy", "http://127.0.0.1:9999/mcp"]
+
+
+#: What each library's snippet must set, beyond where the server is (see client_code.py).
+LIBRARY_SETTINGS = {
+    "openai-agents": ("client_session_timeout_seconds=60",),
+    "pydantic-ai": ("max_retries=5", "read_timeout="),
+    "langchain": ("client.session(", "load_mcp_tools(session)", 'file_links = "text"'),
+    "typescript": ("resetTimeoutOnProgress: true", "onprogress", "timeout_s"),
+}
+
+
+@pytest.mark.parametrize("url", [None, "http://127.0.0.1:9999/mcp"])
+@pytest.mark.parametrize("client", LIBRARY_CLIENTS)
+def test_library_snippets_set_what_matters_and_parse(client: str, url: str | None) -> None:
+    argv = [sys.executable, "-m", "coderunner.cli", "config", client] + (["--url", url] if url else [])
+    printed = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert printed.returncode == 0, printed.stderr
+    text = printed.stdout
+    for setting in LIBRARY_SETTINGS[client]:
+        assert setting in text, (setting, text)
+    if url:
+        assert url in text and "CODERUNNER_TOKEN" in text and TEST_TOKEN not in text
+    else:
+        assert '"serve"' in text and str(Path(sys.executable).parent) in text
+    if client != "typescript":  # that one runs for real in test_e2e_tsclient.py
+        compile(text, client, "exec", flags=ast.PyCF_ALLOW_TOP_LEVEL_AWAIT)
 
 
 @pytest.mark.e2e

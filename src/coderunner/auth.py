@@ -26,6 +26,14 @@ if TYPE_CHECKING:
 
 #: Answers without a token and reveals nothing but that a CodeRunner server is up.
 HEALTH_PATH = "/health"
+#: OAuth discovery documents (oauth-protected-resource, oauth-authorization-server, openid-configuration):
+#: this server has none, and says so without a token.
+WELL_KNOWN_PREFIX = "/.well-known/"
+_NO_OAUTH = {
+    "error": "not_found",
+    "error_description": "this server does not use OAuth: send 'Authorization: Bearer <token>' "
+    "(`coderunner token` on the server's machine prints it)",
+}
 TOKEN_BYTES = 32
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
@@ -133,6 +141,10 @@ class RequireToken:
             return
         if scope["path"] == HEALTH_PATH:
             await JSONResponse({"status": "ok"})(scope, receive, send)
+            return
+        if scope["path"].startswith(WELL_KNOWN_PREFIX):
+            # No OAuth here: a 404 (not 401) on discovery makes clients fall back to the bearer token.
+            await JSONResponse(_NO_OAUTH, status_code=404)(scope, receive, send)
             return
         if not self.policy.token_matches(request):
             await _unauthorized()(scope, receive, send)

@@ -68,7 +68,9 @@ def _parser() -> argparse.ArgumentParser:
 
     config = commands.add_parser("config", help="print the snippet that adds CodeRunner to an MCP client")
     config.add_argument("client", choices=CLIENTS)
-    config.add_argument("--url", help="use `coderunner proxy URL` to reach a running HTTP server instead")
+    config.add_argument(
+        "--url", help="reach a running HTTP server instead (apps through `coderunner proxy URL`, libraries directly)"
+    )
 
     commands.add_parser("doctor", help="check that sandboxes work here; say how to fix what does not")
 
@@ -141,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             print(ensure_token(settings.token_file, rotate=args.rotate))
             return 0
         if args.command == "config":
-            print(snippet(args.client, LaunchCommand.for_install(args.url)))
+            print(snippet(args.client, LaunchCommand.for_install(args.url), args.url))
             print(f"# goes into: {CONFIG_LOCATIONS[args.client]}", file=sys.stderr)
             return 0
         if args.command == "doctor":

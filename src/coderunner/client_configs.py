@@ -2,6 +2,7 @@
 
 Each client launches a command over stdio: `coderunner serve` (a server of its own) or, with
 `--url`, `coderunner proxy URL` (one long-running HTTP server shared by several clients).
+Agent libraries (client_code.py) get code instead, speaking HTTP themselves with `--url`.
 """
 
 from __future__ import annotations
@@ -12,8 +13,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from .client_code import LIBRARY_CLIENTS, LIBRARY_LOCATIONS, library_snippet
+
 SERVER_NAME = "coderunner"
-CLIENTS = ("claude-code", "claude-desktop", "cursor", "windsurf", "zed", "continue")
+#: Applications configured with a file (or a command); they launch CodeRunner over stdio.
+APP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "windsurf", "zed", "continue")
+CLIENTS = APP_CLIENTS + LIBRARY_CLIENTS
 #: Where each client keeps the file the snippet goes into (the user's, not the project's).
 CONFIG_LOCATIONS = {
     "claude-code": "run the command in a shell",
@@ -22,6 +27,7 @@ CONFIG_LOCATIONS = {
     "windsurf": "~/.codeium/windsurf/mcp_config.json",
     "zed": "Zed settings.json (merge into the top-level object)",
     "continue": "~/.continue/config.yaml (merge the mcpServers list)",
+    **LIBRARY_LOCATIONS,
 }
 
 
@@ -41,8 +47,11 @@ class LaunchCommand:
         return cls(base[0], (*base[1:], *args))
 
 
-def snippet(client: str, launch: LaunchCommand) -> str:
-    """The text to paste into `client`'s configuration (or run, for Claude Code)."""
+def snippet(client: str, launch: LaunchCommand, url: str | None = None) -> str:
+    """The text to paste into `client`'s configuration (or run, for Claude Code; or code, for a library)."""
+    if client in LIBRARY_CLIENTS:
+        serve = LaunchCommand.for_install() if url else launch
+        return library_snippet(client, serve.command, list(serve.args), url)
     entry = {"command": launch.command, "args": list(launch.args)}
     if client == "claude-code":
         return shlex.join(["claude", "mcp", "add", SERVER_NAME, "--", launch.command, *launch.args])

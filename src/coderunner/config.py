@@ -178,7 +178,13 @@ class Settings(BaseSettings):
     resource_limit_bytes: int = Field(default=16 * 2**20, ge=1024, description="Largest sandbox:// resource read.")
 
     # Execution.
-    timeout_s: float = Field(default=60.0, gt=0, description="Default wall-time limit of one run_python call.")
+    timeout_s: float = Field(
+        default=50.0,
+        gt=0,
+        description="Default wall-time limit of one run_python or execute_code call. Kept under the 60 s "
+        "many clients wait for a reply (the TypeScript SDK's default), so the 'interrupted; state kept' "
+        "answer arrives before the client gives up.",
+    )
     max_timeout_s: float = Field(default=3600.0, gt=0, description="Largest timeout_s a caller may ask for.")
     interrupt_grace_s: float = Field(default=3.0, gt=0, description="Wait after an interrupt before a restart.")
     startup_timeout_s: float = Field(default=60.0, gt=0, description="Limit on a kernel's start to first reply.")
@@ -188,6 +194,13 @@ class Settings(BaseSettings):
     )
     image_limit_bytes: int = Field(
         default=600_000, ge=0, description="Most image bytes returned inline per call; the rest go to files."
+    )
+    file_links: Literal["resource_link", "text"] = Field(
+        default="resource_link",
+        description="How replies point at files too big to send inline (spilled output, extra images, big "
+        "read_file results): resource_link blocks (sandbox:// URIs the client reads on demand), or 'text': "
+        "only their paths in the reply text, for clients that cannot follow links (langchain turns them "
+        "into file URLs some model APIs refuse).",
     )
     progress_interval_s: float = Field(default=1.0, gt=0, description="Least time between progress notes.")
 

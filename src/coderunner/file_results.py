@@ -47,6 +47,28 @@ def looks_like_text(head: bytes) -> bool:
     return True
 
 
+def resource_contents(sandbox_path: str, data: bytes) -> tuple[str | bytes, str]:
+    """A sandbox:// resource's bytes as MCP contents: UTF-8 text as text, the rest as bytes (a blob),
+    each with its MIME type (images by their first bytes, the rest by name, text/plain for unnamed text)."""
+    mime = image_type(data[:SNIFF_BYTES])
+    if mime is not None:
+        return data, mime
+    guessed = mimetypes.guess_type(sandbox_path)[0]
+    if looks_like_text(data[:SNIFF_BYTES]):
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            pass  # text-like at the start only: served as the bytes it is
+        else:
+            media = guessed is not None and guessed.startswith(("image/", "audio/", "video/"))
+            if guessed is None or (media and "svg" not in guessed):
+                return text, "text/plain"
+            return text, guessed
+    if guessed is None or guessed.startswith("text/"):
+        guessed = "application/octet-stream"
+    return data, guessed
+
+
 def resource_uri(session_id: str, sandbox_path: str) -> str:
     return f"sandbox://{session_id}{sandbox_path}"
 
@@ -73,7 +95,9 @@ def read_file_result(
     length: int | None = None,
     start_line: int | None = None,
     end_line: int | None = None,
+    links: bool = True,
 ) -> CallToolResult:
+    """`links=False`: what is too big to send inline is named in the text, without a resource_link."""
     with files.open_read(path) as (fd, size, sandbox_path):
         head = os.pread(fd, SNIFF_BYTES, 0)
         mime = image_type(head)
@@ -82,7 +106,7 @@ def read_file_result(
                 data = base64.b64encode(os.pread(fd, size, 0)).decode()
                 note = TextContent(type="text", text=f"{sandbox_path}: {mime}, {size:,} bytes")
                 return CallToolResult(content=[note, ImageContent(type="image", data=data, mime_type=mime)])
-            return _linked(session_id, sandbox_path, size, mime, "an image too big to show inline")
+            return _linked(session_id, sandbox_path, size, mime, "an image too big to show inline", links)
         if not looks_like_text(head):
             if size <= limit:
                 blob = BlobResourceContents(
@@ -92,7 +116,7 @@ def read_file_result(
                 )
                 note = TextContent(type="text", text=f"{sandbox_path}: binary, {size:,} bytes (base64 below)")
                 return CallToolResult(content=[note, EmbeddedResource(type="resource", resource=blob)])
-            return _linked(session_id, sandbox_path, size, None, "binary and over the inline limit")
+            return _linked(session_id, sandbox_path, size, None, "binary and over the inline limit", links)
         if start_line is not None or end_line is not None:
             text, note = _line_range(fd, start_line or 1, end_line, limit)
         else:
@@ -152,6 +176,9 @@ def _range_note(start: int, last: int, *, truncated: bool = False, at_end: bool 
     return note + ("; end of file]" if at_end else "]")
 
 
-def _linked(session_id: str, path: str, size: int, mime: str | None, why: str) -> CallToolResult:
+def _linked(session_id: str, path: str, size: int, mime: str | None, why: str, links: bool) -> CallToolResult:
+    if not links:
+        advice = "work with it in run_python, or copy it to the export folder with download_file"
+        return CallToolResult(content=[TextContent(type="text", text=f"{path}: {size:,} bytes, {why}; {advice}")])
     text = TextContent(type="text", text=f"{path}: {size:,} bytes, {why}; read the linked resource instead")
     return CallToolResult(content=[text, resource_link(session_id, path, size, mime)])

@@ -25,8 +25,12 @@ class ExecutionResult:
     def is_error(self) -> bool:
         return self.outcome.status is not RunStatus.OK
 
-    def to_call_result(self, session_id: str | None = None) -> CallToolResult:
-        """Text, then one image per inline image, then links to what was saved in the workspace."""
+    def to_call_result(self, session_id: str | None = None, *, links: bool = True) -> CallToolResult:
+        """Text, then one image per inline image, then links to what was saved in the workspace.
+
+        The text always names the saved files; `links=False` leaves out the resource_link blocks,
+        for clients that cannot follow them (the file_links setting).
+        """
         output = self.outcome.output
         text = output.text()
         lines: list[str] = []
@@ -46,7 +50,7 @@ class ExecutionResult:
         content.extend(
             ImageContent(type="image", data=image.data_b64, mime_type=image.mime_type) for image in output.images
         )
-        if session_id is not None:
+        if session_id is not None and links:
             saved = [output.spill_path] if output.spill_path else []
             saved += [path for path in output.saved_images if path.startswith("/")]
             content.extend(resource_link(session_id, path) for path in saved)

@@ -7,21 +7,22 @@ import binascii
 import functools
 import json
 import posixpath
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import asdict
 from typing import Annotated, Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
+from mcp.server.lowlevel.helper_types import ReadResourceContents
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError
-from mcp.types import CallToolResult, TextContent, ToolAnnotations
-from pydantic import Field
+from mcp.types import CallToolResult, InputRequiredResult, TextContent, ToolAnnotations
+from pydantic import AnyUrl, Field
 
 from . import __version__
 from .callers import LOCAL_CALLER, caller_key, on_connection_close
 from .capabilities import Capabilities
-from .file_results import read_file_result
+from .file_results import read_file_result, resource_contents
 from .files import FileAccessError, copy
 from .kernel import KernelStartError
 from .mounts import MountError, MountSpec
@@ -44,6 +45,8 @@ The sandbox has no network and sees none of the user's files: only its own works
 Files saved under /mnt/outputs are copied to the user's export folder after each call.
 Without session_id every call uses one default session; create_session gives an independent one."""
 
+#: URIs of files in a session (see the sandbox-file resource template).
+SANDBOX_SCHEME = "sandbox://"
 #: Default bound on pip in install_packages.
 PIP_TIMEOUT_S = 300.0
 #: Default wait for a page, and the extra allowance for starting the browser on first use.
@@ -73,6 +76,27 @@ SessionId = Annotated[
     str | None,
     Field(description="Session handle from create_session; omit to use the default session."),
 ]
+
+
+class CodeRunnerServer(MCPServer):
+    """MCPServer whose sandbox:// reads carry the file's own MIME type, and text as text.
+
+    A resource template declares one MIME type for all its reads; a workspace holds PNGs, CSVs and
+    anything else, so the type of each read is decided here from the bytes read (never parsed).
+    """
+
+    async def read_resource(
+        self, uri: AnyUrl | str, context: Context | None = None
+    ) -> Iterable[ReadResourceContents] | InputRequiredResult:
+        results = await super().read_resource(uri, context)
+        if not str(uri).startswith(SANDBOX_SCHEME) or isinstance(results, InputRequiredResult):
+            return results
+        typed: list[ReadResourceContents] = []
+        for item in results:
+            data = item.content.encode() if isinstance(item.content, str) else item.content
+            content, mime = resource_contents(posixpath.basename(str(uri)), data)
+            typed.append(ReadResourceContents(content=content, mime_type=mime, meta=item.meta))
+        return typed
 
 
 def _json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolResult:
@@ -130,7 +154,7 @@ async def _guarded(call: Callable[[], Awaitable[CallToolResult]]) -> CallToolRes
 
 
 def build_server(manager: SessionManager) -> MCPServer:
-    server = MCPServer("coderunner", version=__version__, instructions=INSTRUCTIONS)
+    server = CodeRunnerServer("coderunner", version=__version__, instructions=INSTRUCTIONS)
     settings = manager.settings
     capabilities = Capabilities()  # caches the versions it reads from a sandbox
     reply_bounds = ReplyBounds(settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes)
@@ -190,7 +214,8 @@ def build_server(manager: SessionManager) -> MCPServer:
             values = check_variables(variables, "python")
             session = await _resolve(ctx, session_id)
             result = await session.run(code, timeout_s, progress, values)
-            return _with_export_note(result.to_call_result(session.session_id), session)
+            reply = result.to_call_result(session.session_id, links=settings.file_links == "resource_link")
+            return _with_export_note(reply, session)
 
         return await _guarded(call)
 
@@ -320,7 +345,7 @@ def build_server(manager: SessionManager) -> MCPServer:
             return await _off_loop(
                 read_file_result, session.files, session.session_id, path, limit=settings.read_limit_bytes,
                 image_limit=settings.image_limit_bytes, offset=offset, length=length,
-                start_line=start_line, end_line=end_line,
+                start_line=start_line, end_line=end_line, links=settings.file_links == "resource_link",
             )  # fmt: skip
 
         return await _guarded(call)

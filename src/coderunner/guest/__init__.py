@@ -7,6 +7,7 @@ It may depend on nothing but the sandbox environment (ipykernel, IPython, the st
 
 def load_ipython_extension(ipython):  # type: ignore[no-untyped-def]
     """Loaded by the kernel at start (IPKernelApp.extensions)."""
-    from . import output
+    from . import figures, output
 
     output.install()
+    figures.install(ipython)
