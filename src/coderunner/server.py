@@ -57,9 +57,18 @@ BROWSER_START_S = 30.0
 PATH_ARGUMENTS = ("output", "output_prefix")
 
 
+def _none_as_empty(value: Any) -> Any:
+    """A client that sends null for an optional text argument means "not given", as '' does."""
+    return "" if value is None else value
+
+
+#: Optional text: '' (or null, from lenient clients) means "not given".
+Text = Annotated[str, BeforeValidator(_none_as_empty)]
+
+
 def _object_as_text(value: Any) -> Any:
     """A client that still sends an object for `variables` is served: it becomes the JSON text."""
-    return json.dumps(value) if isinstance(value, dict) else value
+    return json.dumps(value) if isinstance(value, dict) else _none_as_empty(value)
 
 
 VariablesArg = Annotated[
@@ -80,10 +89,10 @@ T = TypeVar("T")
 #: Optional text arguments are plain strings where '' means "not given": no null to wrap, and a strict-mode
 #: model (which must send every argument) has an obvious value to send. session_id is explained once, in
 #: create_session's description and the server instructions, not in every tool.
-SessionId = str
+SessionId = Text
 Seconds = Annotated[float | None, Field(ge=1)]
 #: Optional path of an output file, for the guest tools.
-OutputPath = str
+OutputPath = Text
 
 
 def _json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolResult:
@@ -225,7 +234,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         memory_mb: Annotated[int, Field(ge=MIN_MEMORY_MB)] = settings.memory_mb,
         cpus: Annotated[float | None, Field(ge=0.1)] = None,
         timeout_s: Annotated[float, Field(ge=1, description="run_python's default, seconds.")] = settings.timeout_s,
-        name: str = "",
+        name: Text = "",
         persistent: Annotated[
             bool,
             Field(description="Keep the named workspace's files; the same name reopens them."),
@@ -356,7 +365,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     async def upload_file(
         host_path: str,
         ctx: Context,
-        sandbox_path: Annotated[str, Field(description="Default /workspace/NAME.")] = "",
+        sandbox_path: Annotated[Text, Field(description="Default /workspace/NAME.")] = "",
         overwrite: bool = False,
         session_id: SessionId = "",
     ) -> CallToolResult:
@@ -377,7 +386,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     async def download_file(
         sandbox_path: str,
         ctx: Context,
-        host_path: Annotated[str, Field(description="Name in the export folder.")] = "",
+        host_path: Annotated[Text, Field(description="Name in the export folder.")] = "",
         overwrite: bool = False,
         session_id: SessionId = "",
     ) -> CallToolResult:
@@ -427,12 +436,12 @@ def build_server(manager: SessionManager) -> MCPServer:
         ctx: Context,
         input_path: str,
         op: PdfOp,
-        pages: Annotated[str, Field(description="e.g. '1-3,5'; default all.")] = "",
+        pages: Annotated[Text, Field(description="e.g. '1-3,5'; default all.")] = "",
         inputs: list[str] | None = None,
         ranges: Annotated[list[str] | None, Field(description="e.g. ['1-2','3-']")] = None,
         degrees: int | None = None,
         dpi: int = 100,
-        password: str = "",
+        password: Text = "",
         output: OutputPath = "",
         output_prefix: OutputPath = "",
         session_id: SessionId = "",
@@ -487,7 +496,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     async def browser_navigate(
         ctx: Context,
         url: str,
-        wait_for: Annotated[str, Field(description="CSS selector.")] = "",
+        wait_for: Annotated[Text, Field(description="CSS selector.")] = "",
         timeout_s: Annotated[float | None, Field(ge=1, le=300)] = None,
         session_id: SessionId = "",
     ) -> CallToolResult:
@@ -501,7 +510,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         ctx: Context,
         selector: str,
         format: Literal["text", "html", "json", "table", "links"] = "text",
-        attribute: Annotated[str, Field(description="Instead: this attribute of each match.")] = "",
+        attribute: Annotated[Text, Field(description="Instead: this attribute of each match.")] = "",
         session_id: SessionId = "",
     ) -> CallToolResult:
         """Matches of a CSS selector on the current page as text, html, JSON, table rows or links."""
@@ -513,7 +522,7 @@ def build_server(manager: SessionManager) -> MCPServer:
     async def browser_screenshot(
         ctx: Context,
         full_page: bool = False,
-        selector: Annotated[str, Field(description="Only this element.")] = "",
+        selector: Annotated[Text, Field(description="Only this element.")] = "",
         output: str = "screenshot.png",
         session_id: SessionId = "",
     ) -> CallToolResult:
@@ -526,7 +535,7 @@ def build_server(manager: SessionManager) -> MCPServer:
         ctx: Context,
         action: Literal["click", "fill", "press", "select", "scroll", "wait_for"],
         selector: str,
-        value: Annotated[str, Field(description="Text to fill, key to press, option to select.")] = "",
+        value: Annotated[Text, Field(description="Text to fill, key to press, option to select.")] = "",
         timeout_s: Annotated[float | None, Field(ge=1, le=300)] = None,
         session_id: SessionId = "",
     ) -> CallToolResult:

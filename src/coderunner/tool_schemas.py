@@ -24,6 +24,9 @@ from collections.abc import Collection
 from typing import Any
 
 from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
+from mcp.types import CallToolResult, TextContent
+from pydantic import ValidationError
 
 NULL = {"type": "null"}
 
@@ -90,10 +93,63 @@ def finish_tools(server: MCPServer, enabled: Collection[str]) -> None:
             continue
         tool.parameters = portable_schema(tool.parameters, tool.name)
         tool.description = tool_description(tool.description)
-        _refuse_unknown_arguments(tool.fn_metadata.arg_model)
+        tool.fn_metadata = _plain_arguments(tool.name, tool.fn_metadata, list(tool.parameters["properties"]))
 
 
-def _refuse_unknown_arguments(arg_model: Any) -> None:
-    """A misspelt argument is refused by name instead of silently ignored (the schema cannot say so)."""
-    arg_model.model_config["extra"] = "forbid"
+#: Key under which validation hands its failure on to the call (never a real argument name).
+_INVALID = "\x00invalid"
+
+
+class PlainArguments(FuncMetadata):
+    """Argument checking whose failures reach the model as one plain sentence, not pydantic's report.
+
+    The SDK reports a ValidationError as its repr-like text (error types, input_value=..., a URL). Here the
+    failure is kept from validation to the call, which answers with an isError result naming each argument.
+    Unknown arguments are refused by name (the schema leaves additionalProperties out; see the module doc).
+    """
+
+    tool_name: str
+    argument_names: list[str]
+
+    def validate_arguments(self, arguments_to_validate: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return super().validate_arguments(arguments_to_validate)
+        except ValidationError as exc:
+            return {_INVALID: self.explain(exc)}
+
+    async def call_fn(
+        self,
+        fn: Any,
+        fn_is_async: bool,
+        arguments: dict[str, Any],
+        arguments_to_pass_directly: dict[str, Any] | None = None,
+    ) -> Any:
+        if _INVALID in arguments:
+            return CallToolResult(content=[TextContent(type="text", text=arguments[_INVALID])], is_error=True)
+        return await super().call_fn(fn, fn_is_async, arguments, arguments_to_pass_directly)
+
+    def explain(self, exc: ValidationError) -> str:
+        problems = []
+        for error in exc.errors(include_url=False, include_input=False):
+            where = ".".join(str(part) for part in error["loc"]) or "arguments"
+            if error["type"] == "extra_forbidden":
+                problems.append(f"unknown argument {where!r} (it takes: {', '.join(self.argument_names)})")
+            elif error["type"] == "missing":
+                problems.append(f"missing argument {where!r}")
+            else:
+                problems.append(f"{where}: {error['msg']}")
+        return f"{self.tool_name}: {'; '.join(problems)}"
+
+
+def _plain_arguments(name: str, metadata: FuncMetadata, argument_names: list[str]) -> PlainArguments:
+    arg_model = metadata.arg_model
+    arg_model.model_config["extra"] = "forbid"  # a misspelt argument is refused, not silently ignored
     arg_model.model_rebuild(force=True)
+    return PlainArguments(
+        arg_model=arg_model,
+        output_schema=metadata.output_schema,
+        output_model=metadata.output_model,
+        wrap_output=metadata.wrap_output,
+        tool_name=name,
+        argument_names=argument_names,
+    )
