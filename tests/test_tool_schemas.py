@@ -136,10 +136,10 @@ def test_tools_setting_exposes_groups_and_always_capabilities() -> None:
 
 
 def test_an_unknown_group_is_refused_with_the_valid_ones(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    with pytest.raises(ToolsetError, match="unknown tool group 'pyhton'.*python, sessions"):
+    with pytest.raises(ToolsetError, match=r"unknown tool group 'pyhton'.*python, sessions"):
         selected_tools(["pyhton"])
     monkeypatch.setenv("CODERUNNER_TOOLS", "python,nope")
-    with pytest.raises(ConfigError, match="tools: .*unknown tool group 'nope'"):
+    with pytest.raises(ConfigError, match=r"tools: .*unknown tool group 'nope'"):
         load_settings(tmp_path / "none.toml")
     monkeypatch.setenv("CODERUNNER_TOOLS", "python, browser")
     assert load_settings(tmp_path / "none.toml").tools == ["python", "browser"]
@@ -149,8 +149,14 @@ def test_portable_schema_rewrites_null_wrappers_and_refuses_what_converters_cann
     wrapped = {
         "type": "object",
         "title": "xArguments",
-        "properties": {"n": {"anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}], "default": None,
-                             "title": "N", "description": "count"}},  # fmt: skip
+        "properties": {
+            "n": {
+                "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
+                "default": None,
+                "title": "N",
+                "description": "count",
+            }
+        },
     }
     assert portable_schema(wrapped) == {
         "type": "object",
