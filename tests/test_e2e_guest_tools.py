@@ -136,8 +136,8 @@ async def test_bad_input_gets_a_clear_error_and_the_session_keeps_serving(client
                   output="m.pdf")  # fmt: skip
     await refused(client, "image_ops", "scan.png", "resize", "outside what the sandbox shares", width=10,
                   output="/usr/lib/evil.png")  # fmt: skip
-    await refused(client, "image_ops", "scan.png", "sharpen", "valid ops: info, resize, thumbnail")
-    await refused(client, "pdf_ops", "report.pdf", "explode", "valid ops: info, extract_text, merge")
+    await refused(client, "image_ops", "scan.png", "sharpen", "op: Input should be 'info', 'resize', 'thumbnail'")
+    await refused(client, "pdf_ops", "report.pdf", "explode", "op: Input should be 'info', 'extract_text', 'merge'")
     after = await run(client, "kept")
     assert "'state survives bad input'" in text_of(after)
     names = await run(client, "sorted(k for k in dir() if not k.startswith('_') and k not in ('In', 'Out'))")
