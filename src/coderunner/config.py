@@ -284,7 +284,8 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         return file_bound(**flags)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(part) for part in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
+            f"{'.'.join(str(part) for part in err['loc']) or 'settings'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()
         )
         raise ConfigError(f"invalid configuration ({path}, CODERUNNER_* or flags): {problems}") from None
     except (OSError, ValueError) as exc:

@@ -194,7 +194,8 @@ def build_server(manager: SessionManager) -> MCPServer:
         ctx: Context,
         session_id: SessionId = "",
         timeout_s: Annotated[
-            float | None, Field(ge=1, description=f"Seconds (default {settings.timeout_s:g}).")
+            float | None,
+            Field(ge=1, description=f"Seconds (default: the session's, {settings.timeout_s:g} unless set)."),
         ] = None,
         variables: VariablesArg = "",
     ) -> CallToolResult:
