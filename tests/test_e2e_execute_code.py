@@ -72,7 +72,7 @@ PROGRAMS = {
 async def test_each_language_reads_stdin_sees_variables_and_reports_its_exit_code(
     client: Client, language: str
 ) -> None:
-    done = await execute(client, language, PROGRAMS[language], stdin="ping\n", variables={"count": 41})
+    done = await execute(client, language, PROGRAMS[language], stdin="ping\n", variables='{"count": 41}')
     assert done["stdout"].strip() == "got ping 42"
     assert done["exit_code"] == 3 and done["success"] is False and done["timed_out"] is False
     assert done["language"] == language and done["execution_time_ms"] > 0
@@ -85,21 +85,21 @@ async def test_variables_of_every_json_type_arrive_as_data(client: Client) -> No
     python = await execute(
         client, "python",
         "import json, os\nprint(json.dumps([text, count, ratio, flag, nothing, items, table, code]))\n"
-        "print(os.path.exists('pwned'))", variables=VALUES,
+        "print(os.path.exists('pwned'))", variables=json.dumps(VALUES),
     )  # fmt: skip
     lines = python["stdout"].splitlines()
     assert json.loads(lines[0]) == list(VALUES.values())
     assert lines[1] == "False"
     javascript = await execute(
         client, "javascript", "console.log(JSON.stringify([text, count, ratio, flag, nothing, items, table, code]));"
-        "console.log(require('fs').existsSync('pwned'))", variables=VALUES,
+        "console.log(require('fs').existsSync('pwned'))", variables=json.dumps(VALUES),
     )  # fmt: skip
     lines = javascript["stdout"].splitlines()
     assert json.loads(lines[0]) == list(VALUES.values())
     assert lines[1] == "false"
     bash = await execute(
         client, "bash", 'printf "%s\\n" "$text" "$count" "$ratio" "$flag" "[$nothing]" "$items" "$table" "$code"\n'
-        "test -e pwned && echo PWNED || echo clean", variables=VALUES,
+        "test -e pwned && echo PWNED || echo clean", variables=json.dumps(VALUES),
     )  # fmt: skip
     assert bash["stdout"].splitlines() == [
         VALUES["text"], "42", "2.5", "true", "[]", json.dumps(VALUES["items"]), json.dumps(VALUES["table"]),
@@ -109,7 +109,7 @@ async def test_variables_of_every_json_type_arrive_as_data(client: Client) -> No
 
 async def test_run_python_variables_arrive_as_data_and_persist(client: Client) -> None:
     result = await run(client, "import os\n(count + 1, items, code == CODE, os.path.exists('pwned'))",
-                       variables={**VALUES, "CODE": VALUES["code"]})  # fmt: skip
+                       variables=json.dumps({**VALUES, "CODE": VALUES["code"]}))  # fmt: skip
     assert not result.is_error, text_of(result)
     assert "(43, [1, 'two', 3.0], True, False)" in text_of(result)
     assert "{'a': 1, 'b': [True, None]}" in text_of(await run(client, "table"))
@@ -134,12 +134,23 @@ async def test_run_python_variables_arrive_as_data_and_persist(client: Client) -
     ],
 )
 async def test_injection_through_variable_names_is_refused(client: Client, name: str, language: str, why: str) -> None:
-    await refused(client, "execute_code", {"language": language, "code": "true", "variables": {name: 1}}, name, why)
+    arguments = {"language": language, "code": "true", "variables": json.dumps({name: 1})}
+    await refused(client, "execute_code", arguments, name, why)
+
+
+async def test_variables_are_json_object_text_and_bad_text_is_explained(client: Client) -> None:
+    await refused(client, "run_python", {"code": "1", "variables": "{n: 1}"}, "variables is not valid JSON", '{"n": 3}')
+    await refused(client, "run_python", {"code": "1", "variables": "[1, 2]"}, "not a JSON array")
+    await refused(client, "execute_code", {"language": "bash", "code": "true", "variables": '{"x": NaN}'}, "NaN")
+    # A client that still sends an object, or null, is served all the same.
+    assert text_of(await run(client, "n * 2", variables={"n": 21})).splitlines()[0] == "42"
+    assert text_of(await run(client, "n + 1", variables=None)).splitlines()[0] == "22"
+    assert text_of(await run(client, "n + 2", variables="")).splitlines()[0] == "23"
 
 
 async def test_run_python_refuses_bad_names_and_keeps_serving(client: Client) -> None:
-    await refused(client, "run_python", {"code": "1", "variables": {"__builtins__": {}}}, "dunder")
-    await refused(client, "run_python", {"code": "1", "variables": {"a b": 1}}, "not an identifier")
+    await refused(client, "run_python", {"code": "1", "variables": '{"__builtins__": {}}'}, "dunder")
+    await refused(client, "run_python", {"code": "1", "variables": '{"a b": 1}'}, "not an identifier")
     assert text_of(await run(client, "1 + 1")).splitlines()[0] == "2"
 
 

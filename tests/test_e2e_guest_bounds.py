@@ -26,9 +26,9 @@ pdf.save('doc.pdf', save_all=True, append_images=[Image.new('RGB', (200, 100), '
 #: What only Python itself says: none of it may reach the caller.
 RAW_MARKERS = ("Traceback", "TypeError", "positional argument", "_to_images", "Error:", "object has no attribute")
 #: Ops that need an argument, and the argument each reply must name.
-PDF_NEEDS = {"merge": "args.inputs", "rotate": "args.degrees", "extract_pages": "args.pages",
-             "encrypt": "args.password", "decrypt": "args.password"}  # fmt: skip
-IMAGE_NEEDS = {"crop": "args.left", "rotate": "args.degrees", "convert": "args.format", "resize": "width and/or height"}
+PDF_NEEDS = {"merge": "needs inputs", "rotate": "needs degrees", "extract_pages": "needs pages",
+             "encrypt": "needs password", "decrypt": "needs password"}  # fmt: skip
+IMAGE_NEEDS = {"crop": "needs box", "rotate": "needs degrees", "resize": "width and/or height"}
 PDF_OPS = ("info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt")
 IMAGE_OPS = ("info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr")
 
@@ -71,11 +71,16 @@ async def test_to_images_without_output_prefix_writes_beside_the_pdf(client: Cli
 
 
 async def test_wrong_arguments_are_named_not_raised(client: Client) -> None:
-    unknown = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "info", "args": {"colour": 1}})
-    assert unknown.is_error and "unknown argument(s) colour" in text_of(unknown) and plain(text_of(unknown))
-    typed = await client.call_tool("image_ops", {"input_path": "pic.png", "op": "crop",
-                                                 "args": {"left": "a", "top": 0, "right": 5, "bottom": 5}})  # fmt: skip
-    assert typed.is_error and "image_ops crop" in text_of(typed) and plain(text_of(typed))
+    unknown = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "info", "colour": 1})
+    assert unknown.is_error and "unknown argument 'colour'" in text_of(unknown) and plain(text_of(unknown))
+    assert "pages" in text_of(unknown) and "validation error" not in text_of(unknown)
+    wrong_op = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "info", "degrees": 90})
+    assert wrong_op.is_error and "unknown argument(s) degrees" in text_of(wrong_op) and plain(text_of(wrong_op))
+    typed = await client.call_tool("image_ops", {"input_path": "pic.png", "op": "crop", "box": ["a", 0, 5, 5]})
+    assert typed.is_error and "image_ops: box.0" in text_of(typed) and plain(text_of(typed))
+    assert "input_value" not in text_of(typed) and "errors.pydantic" not in text_of(typed)
+    short = await client.call_tool("image_ops", {"input_path": "pic.png", "op": "crop", "box": [0, 0, 5]})
+    assert short.is_error and "four whole numbers" in text_of(short) and plain(text_of(short))
     corrupt = await run(client, "open('bad.pdf', 'wb').write(b'%PDF-1.7\\n' + bytes(range(256)) * 8)")
     assert not corrupt.is_error
     bad = await client.call_tool("pdf_ops", {"input_path": "bad.pdf", "op": "extract_text"})

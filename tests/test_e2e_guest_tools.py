@@ -56,13 +56,13 @@ async def client(transport: str, dirs: ServerDirs) -> AsyncIterator[Client]:
 
 
 async def op(client: Client, tool: str, input_path: str, name: str, **args: object) -> dict:  # type: ignore[type-arg]
-    result = await client.call_tool(tool, {"input_path": input_path, "op": name, "args": args})
+    result = await client.call_tool(tool, {"input_path": input_path, "op": name, **args})
     assert not result.is_error, text_of(result)
     return json.loads(text_of(result))
 
 
 async def refused(client: Client, tool: str, input_path: str, name: str, needle: str, **args: object) -> None:
-    result = await client.call_tool(tool, {"input_path": input_path, "op": name, "args": args})
+    result = await client.call_tool(tool, {"input_path": input_path, "op": name, **args})
     assert result.is_error, text_of(result)
     assert needle in text_of(result), text_of(result)
 
@@ -80,10 +80,10 @@ async def test_every_pdf_op(client: Client) -> None:
     assert rotated["pages"] == 4
     check = await run(client, "from pypdf import PdfReader\n[p.rotation for p in PdfReader('out/rotated.pdf').pages]")
     assert "[90, 0, 0, 0]" in text_of(check)
-    extracted = await op(client, "pdf_ops", "report.pdf", "extract_pages", pages=[4, 1], output="out/two.pdf")
+    extracted = await op(client, "pdf_ops", "report.pdf", "extract_pages", pages="4,1", output="out/two.pdf")
     assert extracted["pages"] == 2
     result = await client.call_tool(
-        "pdf_ops", {"input_path": "report.pdf", "op": "to_images", "args": {"pages": "1-2", "output_prefix": "png/p"}}
+        "pdf_ops", {"input_path": "report.pdf", "op": "to_images", "pages": "1-2", "output_prefix": "png/p"}
     )
     assert not result.is_error, text_of(result)
     assert [entry["path"] for entry in json.loads(text_of(result))["files"]] == [
@@ -94,7 +94,7 @@ async def test_every_pdf_op(client: Client) -> None:
     await op(client, "pdf_ops", "report.pdf", "encrypt", password="s3cret", output="out/locked.pdf")
     locked = await op(client, "pdf_ops", "out/locked.pdf", "info")
     assert locked["encrypted"] is True and "pages" not in locked
-    await refused(client, "pdf_ops", "out/locked.pdf", "extract_text", "is encrypted: pass args.password")
+    await refused(client, "pdf_ops", "out/locked.pdf", "extract_text", "is encrypted: pass password")
     await refused(client, "pdf_ops", "out/locked.pdf", "decrypt", "wrong password", password="nope", output="x.pdf")
     opened = await op(client, "pdf_ops", "out/locked.pdf", "decrypt", password="s3cret", output="out/open.pdf")
     assert opened["pages"] == 4
@@ -107,7 +107,7 @@ async def test_every_image_op(client: Client) -> None:
     assert (await op(client, "image_ops", "scan.png", "resize", width=300))["height"] == 100
     assert (await op(client, "image_ops", "scan.png", "resize", width=50, height=50, keep_aspect=False))["width"] == 50
     assert (await op(client, "image_ops", "scan.png", "thumbnail", size=64))["width"] == 64
-    cropped = await op(client, "image_ops", "scan.png", "crop", left=0, top=0, right=100, bottom=50)
+    cropped = await op(client, "image_ops", "scan.png", "crop", box=[0, 0, 100, 50])
     assert (cropped["width"], cropped["height"]) == (100, 50)
     assert (await op(client, "image_ops", "scan.png", "rotate", degrees=90))["width"] == 200
     assert (await op(client, "image_ops", "red.png", "flip", direction="vertical"))["path"].endswith("-flipped.png")
@@ -117,7 +117,7 @@ async def test_every_image_op(client: Client) -> None:
     gray = await op(client, "image_ops", "red.png", "grayscale")
     mode = await run(client, f"from PIL import Image\nImage.open({gray['path']!r}).mode")
     assert "'L'" in text_of(mode)
-    preview = await client.call_tool("image_ops", {"input_path": "scan.png", "op": "thumbnail", "args": {"size": 32}})
+    preview = await client.call_tool("image_ops", {"input_path": "scan.png", "op": "thumbnail", "size": 32})
     assert images_of(preview)[0].startswith(b"\x89PNG")
     ocr = await op(client, "image_ops", "scan.png", "ocr")
     assert "INVOICE 2026 TOTAL 314" in ocr["text"]
@@ -136,8 +136,8 @@ async def test_bad_input_gets_a_clear_error_and_the_session_keeps_serving(client
                   output="m.pdf")  # fmt: skip
     await refused(client, "image_ops", "scan.png", "resize", "outside what the sandbox shares", width=10,
                   output="/usr/lib/evil.png")  # fmt: skip
-    await refused(client, "image_ops", "scan.png", "sharpen", "valid ops: info, resize, thumbnail")
-    await refused(client, "pdf_ops", "report.pdf", "explode", "valid ops: info, extract_text, merge")
+    await refused(client, "image_ops", "scan.png", "sharpen", "op: Input should be 'info', 'resize', 'thumbnail'")
+    await refused(client, "pdf_ops", "report.pdf", "explode", "op: Input should be 'info', 'extract_text', 'merge'")
     after = await run(client, "kept")
     assert "'state survives bad input'" in text_of(after)
     names = await run(client, "sorted(k for k in dir() if not k.startswith('_') and k not in ('In', 'Out'))")

@@ -36,6 +36,11 @@ def _parser() -> argparse.ArgumentParser:
     _add_session_flags(serve)
     serve.add_argument("--max-sessions", type=int)
     serve.add_argument(
+        "--tools",
+        help="tool groups to offer, e.g. python,files (all, python, sessions, files, browser, documents, "
+        "oneshot, workspaces; single tool names too); default all",
+    )
+    serve.add_argument(
         "--mount",
         dest="mounts",
         action="append",
@@ -106,6 +111,7 @@ def _settings(args: argparse.Namespace) -> Settings:
             "token_file",
             "backend",
             "base_image",
+            "tools",
         )
     }
     return load_settings(args.config, **flags)

@@ -6,12 +6,13 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import platformdirs
 from pydantic import Field, SecretStr, ValidationError, field_validator
 from pydantic_settings import (
     BaseSettings,
+    NoDecode,
     PydanticBaseSettingsSource,
     SettingsConfigDict,
     TomlConfigSettingsSource,
@@ -19,6 +20,7 @@ from pydantic_settings import (
 
 from . import __version__
 from .mounts import MountSpec
+from .toolsets import ALL, TOOL_GROUPS, ToolsetError, check_selection
 
 APP_NAME = "coderunner"
 
@@ -205,6 +207,11 @@ class Settings(BaseSettings):
     progress_interval_s: float = Field(default=1.0, gt=0, description="Least time between progress notes.")
 
     # Serving.
+    tools: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: [ALL],
+        description=f"Tools to offer: {ALL}, or groups ({', '.join(TOOL_GROUPS)}) and single tool names, as a "
+        "list or 'python,files'. get_capabilities is always offered. Fewer tools cost the model fewer tokens.",
+    )
     transport: Transport = "stdio"
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)
@@ -243,6 +250,20 @@ class Settings(BaseSettings):
         """An empty export_dir means: no export folder at all."""
         return None if value in ("", None) else value
 
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools_text(cls, value: Any) -> Any:
+        """Accept 'python,files' (flag and environment form) as well as a list."""
+        return value.split(",") if isinstance(value, str) else value
+
+    @field_validator("tools")
+    @classmethod
+    def _known_tools(cls, value: list[str]) -> list[str]:
+        try:
+            return check_selection(value)
+        except ToolsetError as exc:
+            raise ValueError(str(exc)) from None
+
     @field_validator("mounts", mode="before")
     @classmethod
     def _mount_strings(cls, value: Any) -> Any:
@@ -276,7 +297,8 @@ def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings
         return file_bound(**flags)
     except ValidationError as exc:
         problems = "; ".join(
-            f"{'.'.join(str(part) for part in err['loc']) or 'settings'}: {err['msg']}" for err in exc.errors()
+            f"{'.'.join(str(part) for part in err['loc']) or 'settings'}: {err['msg'].removeprefix('Value error, ')}"
+            for err in exc.errors()
         )
         raise ConfigError(f"invalid configuration ({path}, CODERUNNER_* or flags): {problems}") from None
     except (OSError, ValueError) as exc:

@@ -5,6 +5,7 @@
 import base64
 import binascii
 import functools
+import inspect
 import json
 import posixpath
 from collections.abc import Awaitable, Callable, Iterable
@@ -17,11 +18,12 @@ from mcp.server.lowlevel.helper_types import ReadResourceContents
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.types import CallToolResult, InputRequiredResult, TextContent, ToolAnnotations
-from pydantic import AnyUrl, Field
+from pydantic import AnyUrl, BeforeValidator, Field
 
 from . import __version__
 from .callers import LOCAL_CALLER, caller_key, on_connection_close
 from .capabilities import Capabilities
+from .config import MIN_MEMORY_MB
 from .file_results import read_file_result, resource_contents
 from .files import FileAccessError, copy
 from .kernel import KernelStartError
@@ -32,9 +34,11 @@ from .owners import client_of
 from .packages import PackagesError, check_requirements
 from .results import ReplyBounds, error_result, guest_tool_result
 from .sandbox import SandboxUnavailable
-from .sessions import SESSION_NAME, Session, SessionError, SessionManager
+from .sessions import Session, SessionError, SessionManager
+from .tool_schemas import finish_tools
+from .toolsets import selected_tools
 from .transfers import export_target, import_source
-from .variables import VariablesError, check_variables
+from .variables import VariablesError, check_variables, parse_variables
 from .workspace import WorkspaceError, delete_named, list_named
 
 INSTRUCTIONS = """\
@@ -55,16 +59,29 @@ BROWSER_START_S = 30.0
 #: Arguments of guest tools that name a file: resolved (and confined) by the host first.
 PATH_ARGUMENTS = ("output", "output_prefix")
 
+
+def _none_as_empty(value: Any) -> Any:
+    """A client that sends null for an optional text argument means "not given", as '' does."""
+    return "" if value is None else value
+
+
+#: Optional text: '' (or null, from lenient clients) means "not given".
+Text = Annotated[str, BeforeValidator(_none_as_empty)]
+
+
+def _object_as_text(value: Any) -> Any:
+    """A client that still sends an object for `variables` is served: it becomes the JSON text."""
+    return json.dumps(value) if isinstance(value, dict) else _none_as_empty(value)
+
+
 VariablesArg = Annotated[
-    dict[str, Any] | None,
-    Field(
-        description="Name -> JSON value, set before the code runs (Python/JavaScript globals, bash environment "
-        "variables). Names must be identifiers; values are passed as data, never as source."
-    ),
+    str,
+    BeforeValidator(_object_as_text),
+    Field(description="JSON object text, e.g. '{\"n\": 3}'; keys become variables."),
 ]
-LanguageArg = Annotated[
-    Literal["python", "javascript", "bash"], Field(description="python, javascript (Node.js) or bash")
-]
+LanguageArg = Literal["python", "javascript", "bash"]
+PdfOp = Literal["info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt"]
+ImageOp = Literal["info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr"]
 #: Largest stdin execute_code passes on.
 MAX_STDIN_CHARS = 4 * 2**20
 #: Worker threads for file copies and /proc or workspace walks: up to 512 MiB each, never on the event loop.
@@ -72,10 +89,13 @@ FILE_WORKERS = 4
 
 T = TypeVar("T")
 
-SessionId = Annotated[
-    str | None,
-    Field(description="Session handle from create_session; omit to use the default session."),
-]
+#: Optional text arguments are plain strings where '' means "not given": no null to wrap, and a strict-mode
+#: model (which must send every argument) has an obvious value to send. session_id is explained once, in
+#: create_session's description and the server instructions, not in every tool.
+SessionId = Text
+Seconds = Annotated[float | None, Field(ge=1)]
+#: Optional path of an output file, for the guest tools.
+OutputPath = Text
 
 
 class CodeRunnerServer(MCPServer):
@@ -117,17 +137,22 @@ def _session_summary(session: Session, manager: SessionManager) -> dict[str, Any
     return status
 
 
-def _close_schemas(server: MCPServer, names: tuple[str, ...]) -> None:
-    """Declare that these tools take no arguments beyond their own (strict clients require it).
+#: Arguments of pdf_ops and image_ops that are not the op's own.
+_NOT_OP_ARGUMENTS = frozenset({"ctx", "input_path", "op", "session_id", "timeout_s"})
 
-    mcp 2.3 has no public way to set this on a decorated tool, hence the guarded private access;
-    without it the schema is merely open, which the SDK's own validation tolerates.
+
+def _op_arguments(tool: Callable[..., Any], values: dict[str, Any]) -> dict[str, Any]:
+    """The op arguments the caller set (those away from their default), for the guest to check against the op.
+
+    The schema is flat (one optional field per argument of any op), so the guest, which knows each op's
+    parameters, refuses by name an argument the chosen op does not take.
     """
-    manager = getattr(server, "_tool_manager", None)
-    for name in names:
-        tool = manager.get_tool(name) if manager is not None else None
-        if tool is not None and isinstance(tool.parameters, dict):
-            tool.parameters["additionalProperties"] = False
+    parameters = inspect.signature(tool).parameters
+    return {
+        name: values[name]
+        for name, parameter in parameters.items()
+        if name not in _NOT_OP_ARGUMENTS and values[name] != parameter.default
+    }
 
 
 def _with_export_note(reply: CallToolResult, session: Session) -> CallToolResult:
@@ -180,38 +205,33 @@ def build_server(manager: SessionManager) -> MCPServer:
         return client_of(ctx.request_context.request)
 
     async def _resolve(ctx: Context, session_id: str | None) -> Session:
-        return await manager.resolve(session_id, _caller(ctx), _client(ctx))
+        return await manager.resolve(session_id or None, _caller(ctx), _client(ctx))
 
     def _share(ctx: Context) -> str | None:
         """Whose share of the one-shot slots a call takes: none over stdio, where one client has them all."""
         key = caller_key(ctx.request_context.request)
         return None if key == LOCAL_CALLER else key
 
-    @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
+    @server.tool(structured_output=False)  # not closed-world: a session may have network internet
     async def run_python(
-        code: Annotated[str, Field(description="Python source; the value of the last expression is shown.")],
+        code: Annotated[str, Field(description="The last expression's value is shown.")],
         ctx: Context,
-        session_id: SessionId = None,
+        session_id: SessionId = "",
         timeout_s: Annotated[
             float | None,
-            Field(gt=0, description=f"Wall-time limit in seconds (default {settings.timeout_s:g})."),
+            Field(ge=1, description=f"Seconds (default: the session's, {settings.timeout_s:g} unless set)."),
         ] = None,
-        variables: VariablesArg = None,
+        variables: VariablesArg = "",
     ) -> CallToolResult:
-        """Run Python code in the session's persistent, sandboxed Jupyter kernel.
-
-        Returns stdout, stderr, the last expression's value and tracebacks as text, and each
-        chart or image as an image. State (variables, imports) persists between calls. On
-        timeout the cell is interrupted (state kept) or, if it will not stop, the kernel is
-        restarted (state lost); the reply says which, with the output produced so far.
-        """
+        """Run Python in the session's persistent sandboxed Jupyter kernel. Returns text output, charts as
+        images. On timeout the cell is interrupted, state kept (or the kernel restarted: the reply says)."""
 
         async def progress(elapsed_s: float, output: OutputCollector) -> None:
             limit = timeout_s or settings.timeout_s
             await ctx.report_progress(elapsed_s, limit, f"running {elapsed_s:.0f}s: {output.tail_text(200)}")
 
         async def call() -> CallToolResult:
-            values = check_variables(variables, "python")
+            values = check_variables(parse_variables(variables), "python")
             session = await _resolve(ctx, session_id)
             result = await session.run(code, timeout_s, progress, values)
             reply = result.to_call_result(session.session_id, links=settings.file_links == "resource_link")
@@ -220,8 +240,8 @@ def build_server(manager: SessionManager) -> MCPServer:
         return await _guarded(call)
 
     @server.tool(structured_output=False)
-    async def kernel_reset(ctx: Context, session_id: SessionId = None) -> CallToolResult:
-        """Restart the session's kernel with fresh interpreter state; workspace files are kept."""
+    async def kernel_reset(ctx: Context, session_id: SessionId = "") -> CallToolResult:
+        """Restart the session's kernel: fresh state, files kept."""
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
@@ -234,30 +254,24 @@ def build_server(manager: SessionManager) -> MCPServer:
     async def create_session(
         ctx: Context,
         network: Annotated[
-            str | None,
-            Field(
-                description="'none' (default): no network at all. 'internet': outbound access through a "
-                "user-mode network stack (the host's own services stay unreachable); code can then send "
-                "data anywhere."
-            ),
-        ] = None,
-        memory_mb: Annotated[int | None, Field(description="Address-space limit in MiB (at least 512).")] = None,
-        cpus: Annotated[float | None, Field(description="CPU limit (reported; enforced where cgroups allow).")] = None,
-        timeout_s: Annotated[float | None, Field(description="Default run_python timeout in seconds.")] = None,
-        name: Annotated[str | None, Field(description="A name for the session (and its workspace).")] = None,
+            Literal["none", "internet"],
+            Field(description="internet: outbound only; code can then send data anywhere."),
+        ] = settings.network,
+        memory_mb: Annotated[int, Field(ge=MIN_MEMORY_MB)] = settings.memory_mb,
+        cpus: Annotated[float | None, Field(ge=0.1)] = None,
+        timeout_s: Annotated[float, Field(ge=1, description="run_python's default, seconds.")] = settings.timeout_s,
+        name: Text = "",
         persistent: Annotated[
             bool,
-            Field(
-                description="Keep the workspace after the session closes and across server restarts; "
-                "creating a session with the same name later reopens it (kernel state is not kept)."
-            ),
+            Field(description="Keep the named workspace's files; the same name reopens them."),
         ] = False,
         mounts: Annotated[
-            list[str] | None,
-            Field(description="Extra host folders 'HOST:SANDBOX[:ro|rw]', only under the allowed mount roots."),
-        ] = None,
+            list[str],
+            Field(description="'HOST:SANDBOX[:ro|rw]' under allowed roots."),
+        ] = [],  # noqa: B006 - read only, and the schema shows it
     ) -> CallToolResult:
-        """Start an independent session (own kernel, own workspace) and return its session_id."""
+        """New session (own kernel and workspace). Other tools take its session_id; without one they use your
+        default session."""
 
         async def call() -> CallToolResult:
             try:
@@ -265,7 +279,7 @@ def build_server(manager: SessionManager) -> MCPServer:
             except MountError as exc:
                 return error_result(str(exc))
             options = manager.options(
-                network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name,
+                network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name or None,
                 persistent=persistent, client=_client(ctx),
             )  # fmt: skip
             session = await manager.create(options, owner=_caller(ctx))
@@ -278,7 +292,7 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def close_session(
-        session_id: Annotated[str, Field(description="Session to close.")],
+        session_id: str,
     ) -> CallToolResult:
         """Stop a session's kernel and delete its workspace."""
 
@@ -289,8 +303,8 @@ def build_server(manager: SessionManager) -> MCPServer:
         return await _guarded(call)
 
     @server.tool(structured_output=False)
-    async def session_status(ctx: Context, session_id: SessionId = None) -> CallToolResult:
-        """Liveness, busy flag, uptime, memory used, limits and network of a session."""
+    async def session_status(ctx: Context, session_id: SessionId = "") -> CallToolResult:
+        """A session's state, uptime, memory, limits and network."""
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
@@ -300,7 +314,7 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def list_sessions(ctx: Context) -> CallToolResult:
-        """Open sessions of this server."""
+        """Your open sessions."""
 
         async def call() -> CallToolResult:
             sessions = manager.list(_caller(ctx))
@@ -312,13 +326,11 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False)
     async def list_files(
         ctx: Context,
-        path: Annotated[
-            str, Field(description="Folder inside the sandbox (relative paths start at /workspace).")
-        ] = "/workspace",
-        depth: Annotated[int, Field(ge=1, le=5, description="How many folder levels to list.")] = 1,
-        session_id: SessionId = None,
+        path: str = "/workspace",
+        depth: Annotated[int, Field(ge=1, le=5)] = 1,
+        session_id: SessionId = "",
     ) -> CallToolResult:
-        """List files in the session's workspace or a mounted folder (paths as the sandbox sees them)."""
+        """List a folder of the sandbox (workspace or mounts)."""
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
@@ -329,16 +341,15 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def read_file(
-        path: Annotated[str, Field(description="File inside the sandbox, e.g. /workspace/out.csv or data.csv.")],
+        path: str,
         ctx: Context,
-        session_id: SessionId = None,
-        offset: Annotated[int, Field(ge=0, description="Byte to start at (text).")] = 0,
-        length: Annotated[int | None, Field(ge=1, description="Bytes to return (text).")] = None,
-        start_line: Annotated[int | None, Field(ge=1, description="First line (1-based) to return.")] = None,
-        end_line: Annotated[int | None, Field(ge=1, description="Last line to return.")] = None,
+        session_id: SessionId = "",
+        offset: Annotated[int, Field(ge=0)] = 0,
+        length: Annotated[int | None, Field(ge=1)] = None,
+        start_line: Annotated[int | None, Field(ge=1)] = None,
+        end_line: Annotated[int | None, Field(ge=1)] = None,
     ) -> CallToolResult:
-        """Read a file from the sandbox: text (with byte or line ranges), images as images, other
-        binary inline when small; anything bigger comes back as a resource link."""
+        """Read a sandbox file: text (byte offset/length or 1-based lines), images as images; big files as links."""
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
@@ -352,14 +363,14 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def write_file(
-        path: Annotated[str, Field(description="File inside the sandbox (workspace or a rw mount).")],
-        content: Annotated[str, Field(description="Text, or base64 when encoding is 'base64'.")],
+        path: str,
+        content: str,
         ctx: Context,
         encoding: Literal["text", "base64"] = "text",
         overwrite: bool = True,
-        session_id: SessionId = None,
+        session_id: SessionId = "",
     ) -> CallToolResult:
-        """Write a file into the sandbox's workspace or a writable mount (folders are created)."""
+        """Write a file in the workspace or a rw mount."""
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
@@ -378,13 +389,13 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def upload_file(
-        host_path: Annotated[str, Field(description="Absolute host path inside one of the import folders.")],
+        host_path: str,
         ctx: Context,
-        sandbox_path: Annotated[str | None, Field(description="Destination; default /workspace/NAME.")] = None,
+        sandbox_path: Annotated[Text, Field(description="Default /workspace/NAME.")] = "",
         overwrite: bool = False,
-        session_id: SessionId = None,
+        session_id: SessionId = "",
     ) -> CallToolResult:
-        """Copy a file from a host import folder (configured by the user) into the sandbox."""
+        """Copy a file from a host import folder into the sandbox."""
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
@@ -399,20 +410,18 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False)
     async def download_file(
-        sandbox_path: Annotated[str, Field(description="File inside the sandbox.")],
+        sandbox_path: str,
         ctx: Context,
-        host_path: Annotated[
-            str | None, Field(description="Where in the export folder (relative, or absolute inside it).")
-        ] = None,
+        host_path: Annotated[Text, Field(description="Name in the export folder.")] = "",
         overwrite: bool = False,
-        session_id: SessionId = None,
+        session_id: SessionId = "",
     ) -> CallToolResult:
-        """Copy a file out of the sandbox into the export folder on the host (the only place it may go)."""
+        """Copy a sandbox file to the user's export folder on the host."""
 
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
             sandbox_uid = session.dirs.user.uid if session.dirs.user is not None else None
-            target = export_target(settings.export_dir, session.options.client, host_path,
+            target = export_target(settings.export_dir, session.options.client, host_path or None,
                                    posixpath.basename(sandbox_path), sandbox_uid)  # fmt: skip
             copied, read_from, written = await _off_loop(
                 copy, session.files, sandbox_path, target.view, target.path,
@@ -429,12 +438,11 @@ def build_server(manager: SessionManager) -> MCPServer:
         session_id: str | None,
         input_path: str,
         op: str,
-        args: dict[str, Any] | None,
+        arguments: dict[str, Any],
         timeout_s: float | None,
     ) -> CallToolResult:
         async def call() -> CallToolResult:
             session = await _resolve(ctx, session_id)
-            arguments = dict(args or {})
             # Confinement is the host's: every path goes through the session's file view first.
             for key in PATH_ARGUMENTS:
                 if isinstance(arguments.get(key), str):
@@ -452,46 +460,48 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False)
     async def pdf_ops(
         ctx: Context,
-        input_path: Annotated[str, Field(description="PDF inside the sandbox, e.g. report.pdf.")],
-        op: Annotated[
-            str,
-            Field(
-                description="info | extract_text | merge | split | rotate | extract_pages | to_images | "
-                "encrypt | decrypt"
-            ),
-        ],
-        args: Annotated[
-            dict[str, Any] | None,
-            Field(
-                description="Per op: pages ('1-3,5'), output, inputs (merge), ranges + output_prefix (split), "
-                "degrees (rotate), dpi + output_prefix (to_images), password (encrypt/decrypt/read)."
-            ),
-        ] = None,
-        session_id: SessionId = None,
-        timeout_s: Annotated[float | None, Field(gt=0)] = None,
+        input_path: str,
+        op: PdfOp,
+        pages: Annotated[Text, Field(description="e.g. '1-3,5'; default all.")] = "",
+        inputs: list[str] | None = None,
+        ranges: Annotated[list[str] | None, Field(description="e.g. ['1-2','3-']")] = None,
+        degrees: int | None = None,
+        dpi: int = 100,
+        password: Text = "",
+        output: OutputPath = "",
+        output_prefix: OutputPath = "",
+        session_id: SessionId = "",
+        timeout_s: Seconds = None,
     ) -> CallToolResult:
-        """Work with PDFs inside the sandbox (the host never parses them); outputs go to the workspace."""
-        return await guest_tool(ctx, "pdf_ops", session_id, input_path, op, args, timeout_s)
+        """PDF ops in the sandbox. pages: extract_text, extract_pages, rotate, to_images; merge: inputs; split:
+        ranges; rotate: degrees (90s); to_images: dpi; encrypt, decrypt: password (also opens encrypted
+        input). Outputs default beside the input."""
+        arguments = _op_arguments(pdf_ops, locals())
+        return await guest_tool(ctx, "pdf_ops", session_id, input_path, op, arguments, timeout_s)
 
     @server.tool(structured_output=False)
     async def image_ops(
         ctx: Context,
-        input_path: Annotated[str, Field(description="Image inside the sandbox.")],
-        op: Annotated[
-            str, Field(description="info | resize | thumbnail | crop | rotate | flip | convert | grayscale | ocr")
-        ],
-        args: Annotated[
-            dict[str, Any] | None,
-            Field(
-                description="Per op: width/height (resize), size (thumbnail), left/top/right/bottom (crop), "
-                "degrees (rotate), direction (flip), format png|jpeg|webp|gif|bmp|tiff (convert), lang (ocr), output."
-            ),
-        ] = None,
-        session_id: SessionId = None,
-        timeout_s: Annotated[float | None, Field(gt=0)] = None,
+        input_path: str,
+        op: ImageOp,
+        width: int | None = None,
+        height: int | None = None,
+        keep_aspect: bool = True,
+        size: int = 256,
+        box: Annotated[list[int] | None, Field(description="[left, top, right, bottom]")] = None,
+        degrees: float | None = None,
+        direction: Literal["horizontal", "vertical"] = "horizontal",
+        format: Literal["png", "jpeg", "webp", "gif", "bmp", "tiff"] = "png",
+        lang: str = "eng",
+        output: OutputPath = "",
+        session_id: SessionId = "",
+        timeout_s: Seconds = None,
     ) -> CallToolResult:
-        """Transform or read images inside the sandbox (the host never decodes them); returns a preview."""
-        return await guest_tool(ctx, "image_ops", session_id, input_path, op, args, timeout_s)
+        """Image ops in the sandbox, with a preview. resize: width/height, keep_aspect; thumbnail: size; crop:
+        box; rotate: degrees (clockwise); flip: direction; convert: format; ocr: lang. output defaults beside
+        the input."""
+        arguments = _op_arguments(image_ops, locals())
+        return await guest_tool(ctx, "image_ops", session_id, input_path, op, arguments, timeout_s)
 
     async def browser(
         ctx: Context, session_id: str | None, op: str, args: dict[str, Any], timeout_s: float | None
@@ -511,86 +521,75 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=True))
     async def browser_navigate(
         ctx: Context,
-        url: Annotated[
-            str,
-            Field(
-                description="Address to open; with network off only file:///workspace/... "
-                "or a server started inside the sandbox loads."
-            ),
-        ],
-        wait_for: Annotated[str | None, Field(description="CSS selector to wait for after loading.")] = None,
-        timeout_s: Annotated[float | None, Field(gt=0, le=300)] = None,
-        session_id: SessionId = None,
+        url: str,
+        wait_for: Annotated[Text, Field(description="CSS selector.")] = "",
+        timeout_s: Annotated[float | None, Field(ge=1, le=300)] = None,
+        session_id: SessionId = "",
     ) -> CallToolResult:
-        """Open a page in the session's browser (Chromium inside the sandbox): final url, status, title,
-        visible text (bounded) and link count. The same page is reachable from run_python code."""
-        args = {"url": url, "wait_for": wait_for, "timeout_s": timeout_s or BROWSER_TIMEOUT_S}
+        """Open a page in the session's Chromium (offline: file:///workspace/... or sandbox servers only):
+        url, status, title, text."""
+        args = {"url": url, "wait_for": wait_for or None, "timeout_s": timeout_s or BROWSER_TIMEOUT_S}
         return await browser(ctx, session_id, "navigate", args, timeout_s)
 
     @server.tool(structured_output=False)
     async def browser_extract(
         ctx: Context,
-        selector: Annotated[str, Field(description="CSS selector on the current page.")],
-        format: Annotated[
-            Literal["text", "html", "json", "table", "links"], Field(description="table: rows as JSON")
-        ] = "text",
-        attribute: Annotated[str | None, Field(description="Return this attribute of each match instead.")] = None,
-        session_id: SessionId = None,
+        selector: str,
+        format: Literal["text", "html", "json", "table", "links"] = "text",
+        attribute: Annotated[Text, Field(description="Instead: this attribute of each match.")] = "",
+        session_id: SessionId = "",
     ) -> CallToolResult:
-        """Extract from the current page: text, html, parsed JSON, a table as rows, or links."""
+        """Matches of a CSS selector on the current page as text, html, JSON, table rows or links."""
         return await browser(
-            ctx, session_id, "extract", {"selector": selector, "format": format, "attribute": attribute}, None
+            ctx, session_id, "extract", {"selector": selector, "format": format, "attribute": attribute or None}, None
         )
 
     @server.tool(structured_output=False)
     async def browser_screenshot(
         ctx: Context,
         full_page: bool = False,
-        selector: Annotated[str | None, Field(description="Only this element.")] = None,
-        output: Annotated[str, Field(description="Where to save the PNG in the sandbox.")] = "screenshot.png",
-        session_id: SessionId = None,
+        selector: Annotated[Text, Field(description="Only this element.")] = "",
+        output: str = "screenshot.png",
+        session_id: SessionId = "",
     ) -> CallToolResult:
-        """Screenshot of the current page (or one element) as an image; also saved in the workspace."""
-        args = {"full_page": full_page, "selector": selector, "output": output}
+        """Screenshot of the current page or an element, as an image; also saved to output."""
+        args = {"full_page": full_page, "selector": selector or None, "output": output}
         return await browser(ctx, session_id, "screenshot", args, None)
 
     @server.tool(structured_output=False)
     async def browser_interact(
         ctx: Context,
         action: Literal["click", "fill", "press", "select", "scroll", "wait_for"],
-        selector: Annotated[str, Field(description="CSS selector of the element.")],
-        value: Annotated[str | None, Field(description="Text to fill, key to press, option to select.")] = None,
-        timeout_s: Annotated[float | None, Field(gt=0, le=300)] = None,
-        session_id: SessionId = None,
+        selector: str,
+        value: Annotated[Text, Field(description="Text to fill, key to press, option to select.")] = "",
+        timeout_s: Annotated[float | None, Field(ge=1, le=300)] = None,
+        session_id: SessionId = "",
     ) -> CallToolResult:
-        """Click, fill, press a key, select an option, scroll to, or wait for an element on the current page."""
-        args = {"action": action, "selector": selector, "value": value, "timeout_s": timeout_s or 10}
+        """Act on an element of the current page (CSS selector)."""
+        args = {"action": action, "selector": selector, "value": value or None, "timeout_s": timeout_s or 10}
         return await browser(ctx, session_id, "interact", args, timeout_s)
 
-    @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=False))
+    @server.tool(structured_output=False)  # not closed-world: it may run with network internet
     async def execute_code(
         language: LanguageArg,
-        code: Annotated[str, Field(description="The whole program.")],
+        code: str,
         ctx: Context,
-        stdin: Annotated[str | None, Field(max_length=MAX_STDIN_CHARS, description="Text fed to its stdin.")] = None,
-        variables: VariablesArg = None,
-        timeout_s: Annotated[
-            float | None, Field(gt=0, description=f"Kill it after this many seconds (default {settings.timeout_s:g}).")
-        ] = None,
-        memory_mb: Annotated[int | None, Field(description="Memory limit in MiB (at least 512).")] = None,
-        network: Annotated[
-            Literal["none", "internet"] | None, Field(description="'none' (default) or 'internet' (outbound only).")
-        ] = None,
+        stdin: str = "",
+        variables: VariablesArg = "",
+        timeout_s: Annotated[float, Field(ge=1)] = settings.timeout_s,
+        memory_mb: Annotated[int, Field(ge=MIN_MEMORY_MB)] = settings.memory_mb,
+        network: Literal["none", "internet"] = settings.network,
     ) -> CallToolResult:
-        """Run a program once in a fresh, throwaway sandbox (no kernel, nothing kept): Python, JavaScript
-        (Node.js) or bash, with the same isolation and limits as sessions. Returns success, exit_code,
-        stdout, stderr, execution_time_ms, memory_peak_mb and timed_out."""
+        """Run a whole program once in a fresh sandbox, nothing kept (javascript: Node.js). Returns exit_code,
+        stdout, stderr, timed_out, time and memory used."""
 
         async def call() -> CallToolResult:
-            values = check_variables(variables, language)
+            if len(stdin) > MAX_STDIN_CHARS:
+                return error_result(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
+            values = check_variables(parse_variables(variables), language)
             options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=_client(ctx))
             result = await manager.oneshot.run(
-                language, code, options, stdin=(stdin or "").encode(), variables=values, caller=_share(ctx)
+                language, code, options, stdin=stdin.encode(), variables=values, caller=_share(ctx)
             )
             return _json_result(asdict(result), is_error=not result.success)
 
@@ -598,7 +597,7 @@ def build_server(manager: SessionManager) -> MCPServer:
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
-        """Check code for syntax errors without running it (checked inside a sandbox): line and column of each."""
+        """Syntax errors (line, column) of code, without running it."""
 
         async def call() -> CallToolResult:
             errors = await manager.oneshot.check(
@@ -611,25 +610,22 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False, annotations=ToolAnnotations(open_world_hint=True))
     async def install_packages(
         ctx: Context,
-        packages: Annotated[
-            list[str], Field(description="Requirement specifiers, e.g. ['requests', 'httpx==0.28.1'].")
-        ],
-        session_id: SessionId = None,
-        timeout_s: Annotated[float | None, Field(gt=0, le=1800, description="Bound on pip (default 300 s).")] = None,
+        packages: list[str],
+        session_id: SessionId = "",
+        timeout_s: Annotated[float, Field(ge=1, le=1800)] = PIP_TIMEOUT_S,
     ) -> CallToolResult:
-        """pip install into this session only (its own package folder; other sessions and the base environment
-        are unchanged); importable at once and after kernel_reset. Needs a session with network 'internet'."""
+        """pip install into this session only (kept across kernel_reset). Needs network internet."""
 
         async def call() -> CallToolResult:
             wanted = check_requirements(packages)
             session = await _resolve(ctx, session_id)
-            return _json_result(await session.install_packages(wanted, timeout_s or PIP_TIMEOUT_S))
+            return _json_result(await session.install_packages(wanted, timeout_s))
 
         return await _guarded(call)
 
     @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def list_workspaces(ctx: Context) -> CallToolResult:
-        """Your persistent workspaces (create_session(name=..., persistent=true)): name, size, whether in use."""
+        """Your persistent workspaces: name, size, in use."""
 
         async def call() -> CallToolResult:
             found = list_named(settings.workspaces_dir, _client(ctx))
@@ -640,9 +636,9 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False, annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
     async def delete_workspace(
         ctx: Context,
-        name: Annotated[str, Field(pattern=f"^{SESSION_NAME.pattern}$", description="A name from list_workspaces.")],
+        name: Annotated[str, Field(description="From list_workspaces.")],
     ) -> CallToolResult:
-        """Delete one of your persistent workspaces and all its files (not while a session uses it)."""
+        """Delete a persistent workspace and its files (not while in use)."""
 
         async def call() -> CallToolResult:
             try:
@@ -653,12 +649,9 @@ def build_server(manager: SessionManager) -> MCPServer:
 
         return await _guarded(call)
 
-    _close_schemas(server, ("list_workspaces", "delete_workspace"))
-
     @server.tool(structured_output=False, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def get_capabilities() -> CallToolResult:
-        """What this server offers: languages and versions, sandbox backend and isolation, limits, network
-        policy, notable packages in the sandbox, and the tools."""
+        """This server's languages, isolation, limits, network policy, packages and tools."""
 
         async def call() -> CallToolResult:
             tools = sorted(tool.name for tool in await server.list_tools())
@@ -678,4 +671,5 @@ def build_server(manager: SessionManager) -> MCPServer:
             raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")
         return data
 
+    finish_tools(server, selected_tools(settings.tools))
     return server

@@ -4,6 +4,11 @@ Names become Python or JavaScript globals, or bash environment variables, so eac
 plain identifier that is not a reserved word, not a dunder, and (for bash) not a variable that
 changes how the shell or the dynamic linker behave. Values are never pasted into source: they
 travel as one JSON document that the sandbox side parses.
+
+On the MCP surface `variables` is one string holding a JSON object: a free-form object argument is
+rejected by google-genai and dropped or closed to `{}` by strict converters (OpenAI, Anthropic,
+langchain), while a string survives every one of them, and models write JSON text readily. A list
+of {name, value} pairs would need each value JSON-encoded anyway, at a higher schema cost.
 """
 
 from __future__ import annotations
@@ -34,6 +39,33 @@ BASH_RESERVED_PREFIXES = ("BASH", "LD_", "LC_", "PYTHON", "NODE_", "CODERUNNER",
 
 class VariablesError(ValueError):
     """A variable cannot be passed as asked; the message names it and says why."""
+
+
+def parse_variables(text: str | dict[str, Any] | None) -> dict[str, Any]:
+    """The JSON object in `text` ('' or '{}': none). An object is taken as it is (lenient clients)."""
+    if text is None or isinstance(text, dict):
+        return text or {}
+    if not isinstance(text, str):
+        raise VariablesError(f"variables must be a string holding a JSON object, not {type(text).__name__}")
+    if not text.strip():
+        return {}
+    if len(text) > MAX_JSON_BYTES:
+        raise VariablesError(f"variables are {len(text):,} characters; at most {MAX_JSON_BYTES:,} (use a file instead)")
+    try:
+        value = json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:
+        raise VariablesError(f'variables is not valid JSON ({exc}); pass an object such as {{"n": 3}}') from None
+    if not isinstance(value, dict):
+        kind = _JSON_KINDS.get(type(value), type(value).__name__)
+        raise VariablesError(f'variables must be a JSON object such as {{"n": 3}}, not a JSON {kind}')
+    return value
+
+
+_JSON_KINDS = {list: "array", str: "string", int: "number", float: "number", bool: "boolean", type(None): "null"}
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON data")
 
 
 def check_variables(variables: dict[str, Any] | None, language: str) -> dict[str, Any]:

@@ -543,12 +543,14 @@ async def test_one_shot_sandboxes_hold_the_same_boundaries(arena: Arena) -> None
         {
             "language": "python",
             "code": probe,
-            "variables": {
-                "PORT": arena.loopback_port,
-                "NAME": arena.abstract_socket,
-                "BYSTANDER": str(arena.bystander_workspace),
-                "SECRET": SECRET_NAME,
-            },
+            "variables": json.dumps(
+                {
+                    "PORT": arena.loopback_port,
+                    "NAME": arena.abstract_socket,
+                    "BYSTANDER": str(arena.bystander_workspace),
+                    "SECRET": SECRET_NAME,
+                }
+            ),
         },
     )
     stdout = result.structured_content["stdout"]

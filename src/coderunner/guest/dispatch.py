@@ -46,7 +46,7 @@ def run_op(tool, ops, op, input_path, args):
         raise GuestError(f"{tool} {op}: unknown argument(s) {', '.join(unknown)}; {op} takes: {takes}")
     missing = [p.name for p in params if p.default is inspect.Parameter.empty and p.name not in args]
     if missing:
-        needed = ", ".join(f"args.{name}" for name in missing)
+        needed = ", ".join(missing)
         raise GuestError(f"{tool} {op} needs {needed} (it takes: {', '.join(names)})")
     return function(existing_file(input_path), **args)
 
@@ -73,11 +73,11 @@ def unexpected(tool, args_json, exc):
         )
     if isinstance(exc, OSError):
         reason = os.strerror(exc.errno) if exc.errno else "a file could not be read or written"
-        return f"{name} failed on {target}: {reason}; check input_path and any output paths in args"
+        return f"{name} failed on {target}: {reason}; check input_path and any output paths"
     if isinstance(exc, (TypeError, ValueError, KeyError, IndexError, AttributeError)):
         return (
             f"{name} failed on {target}: an argument has the wrong type or value, or the file is damaged; "
-            "check args (pages like '1-3,5', numbers as numbers) and that the file opens"
+            "check the arguments (pages like '1-3,5', numbers as numbers) and that the file opens"
         )
     if target == "the input":
         return f"{name} failed unexpectedly; check its arguments"

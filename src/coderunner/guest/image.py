@@ -100,7 +100,14 @@ def _thumbnail(path, size=256, output=None):
     return _save(image, output or _default_output(path, "thumb"))
 
 
-def _crop(path, left, top, right, bottom, output=None):
+def _crop(path, box, output=None):
+    if (
+        not isinstance(box, list)
+        or len(box) != 4
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in box)
+    ):
+        raise GuestError("crop needs box as four whole numbers [left, top, right, bottom], in pixels")
+    left, top, right, bottom = box
     image = _open(path)
     if not (0 <= left < right <= image.width and 0 <= top < bottom <= image.height):
         raise GuestError(
@@ -124,7 +131,7 @@ def _flip(path, direction="horizontal", output=None):
     return _save(image.transpose(method), output or _default_output(path, "flipped"))
 
 
-def _convert(path, format, output=None):
+def _convert(path, format="png", output=None):
     name = str(format).lower()
     if name not in FORMATS:
         raise GuestError(f"unknown format {format!r}; use one of {', '.join(sorted(FORMATS))}")

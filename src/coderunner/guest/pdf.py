@@ -30,7 +30,7 @@ def _reader(path, password=None):
     reader = PdfReader(path)
     if reader.is_encrypted:
         if password is None:
-            raise GuestError(f"{path} is encrypted: pass args.password (or use op 'decrypt')")
+            raise GuestError(f"{path} is encrypted: pass password (or use op 'decrypt')")
         if not reader.decrypt(password):
             raise GuestError(f"wrong password for {path}")
     return reader
@@ -71,7 +71,7 @@ def _merge(path, inputs, output=None, password=None):
     from pypdf import PdfWriter
 
     if isinstance(inputs, str) or not isinstance(inputs, list):
-        raise GuestError('merge needs args.inputs as a list of PDF paths to append, e.g. ["b.pdf", "c.pdf"]')
+        raise GuestError('merge needs inputs as a list of PDF paths to append, e.g. ["b.pdf", "c.pdf"]')
     writer = PdfWriter()
     for source in [path, *inputs]:
         for page in _reader(existing_file(str(source)), password).pages:
@@ -87,7 +87,7 @@ def _split(path, ranges=None, output_prefix=None, password=None):
     if ranges is None:
         ranges = [str(number) for number in range(1, len(reader.pages) + 1)]
     if isinstance(ranges, str) or not isinstance(ranges, list):
-        raise GuestError('split needs args.ranges as a list of page ranges, e.g. ["1-2", "3-"]')
+        raise GuestError('split needs ranges as a list of page ranges, e.g. ["1-2", "3-"]')
     output_prefix = output_prefix or _beside(path, "part")
     written = []
     for number, pages in enumerate(ranges, start=1):
@@ -152,7 +152,7 @@ def _encrypt(path, password, output=None, owner_password=None):
     from pypdf import PdfWriter
 
     if not isinstance(password, str) or not password:
-        raise GuestError("encrypt needs args.password: a non-empty string")
+        raise GuestError("encrypt needs password: a non-empty string")
     writer = PdfWriter(clone_from=_reader(path))
     writer.encrypt(user_password=password, owner_password=owner_password or password, algorithm="AES-256")
     return _write(writer, output or _beside(path, "encrypted.pdf"))

@@ -1,0 +1,204 @@
+"""Every tool's input schema through the real conversion code of other clients, and the tools/list budget.
+
+google-genai (its MCP-tool conversion) and openai-agents (MCPUtil.to_function_tool, which runs
+ensure_strict_json_schema) are pinned in the dev extra. Nothing here talks to a network or a sandbox:
+the server is built as `serve` builds it and only its tool list is read.
+"""
+
+from __future__ import annotations
+
+import json
+import types
+from typing import Any
+
+import anyio
+import pytest
+from agents.mcp import MCPServerStdio, MCPUtil
+from agents.strict_schema import ensure_strict_json_schema
+from google.genai import _mcp_utils as genai_mcp
+from mcp.types import Tool
+
+from coderunner.config import ConfigError, Settings, load_settings
+from coderunner.server import build_server
+from coderunner.tool_schemas import SchemaError, portable_schema
+from coderunner.toolsets import ALL_TOOLS, TOOL_GROUPS, ToolsetError, selected_tools
+
+from .conftest import ServerDirs, run, server_env, stdio_client, text_of
+
+#: Schema keywords google-genai's MCP conversion keeps (it silently drops the rest, e.g. exclusiveMinimum).
+GEMINI_KEPT = {"type", "description", "enum", "default", "minimum", "maximum", "items", "pattern"}
+BUDGET_TOKENS = 2_500
+
+
+def tools_of(**settings: Any) -> list[Tool]:
+    manager = types.SimpleNamespace(settings=Settings(**settings))
+    return anyio.run(build_server(manager).list_tools)
+
+
+@pytest.fixture(scope="module")
+def tools() -> list[Tool]:
+    return tools_of()
+
+
+def walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, Any]]]:
+    """Every sub-schema with its path: properties and array items."""
+    found = [(path, schema)]
+    for name, sub in schema.get("properties", {}).items():
+        found += walk(sub, f"{path}.{name}")
+    if isinstance(schema.get("items"), dict):
+        found += walk(schema["items"], f"{path}[]")
+    return found
+
+
+def test_every_tool_is_offered_by_default_and_grouped(tools: list[Tool]) -> None:
+    assert {tool.name for tool in tools} == ALL_TOOLS
+
+
+def test_schemas_have_no_titles_wrappers_free_form_objects_or_booleans_gemini_chokes_on(tools: list[Tool]) -> None:
+    for tool in tools:
+        text = json.dumps(tool.input_schema)
+        assert '"title"' not in text and "anyOf" not in text and "$ref" not in text, tool.name
+        assert "additionalProperties" not in text, tool.name  # google-genai fails on any boolean there
+        assert tool.input_schema["type"] == "object" and "properties" in tool.input_schema
+        for path, sub in walk(tool.input_schema):
+            assert set(sub) <= GEMINI_KEPT | {"properties", "required"}, (tool.name, path, sub)
+            if sub.get("type") == "object":
+                assert path == "", f"{tool.name}{path}: a nested object"
+        assert tool.description and "\n    " not in tool.description, tool.name  # no source indentation
+
+
+def test_fixed_value_sets_are_enums(tools: list[Tool]) -> None:
+    by_name = {tool.name: tool.input_schema["properties"] for tool in tools}
+    assert by_name["create_session"]["network"]["enum"] == ["none", "internet"]
+    assert by_name["execute_code"]["network"]["enum"] == ["none", "internet"]
+    assert by_name["execute_code"]["language"]["enum"] == ["python", "javascript", "bash"]
+    assert by_name["write_file"]["encoding"]["enum"] == ["text", "base64"]
+    assert by_name["browser_extract"]["format"]["enum"] == ["text", "html", "json", "table", "links"]
+    assert by_name["browser_interact"]["action"]["enum"][0] == "click"
+    assert "to_images" in by_name["pdf_ops"]["op"]["enum"] and "ocr" in by_name["image_ops"]["op"]["enum"]
+    assert by_name["image_ops"]["format"]["enum"][:2] == ["png", "jpeg"]
+    assert by_name["run_python"]["variables"]["type"] == "string"
+
+
+def test_google_genai_converts_every_tool_keeping_descriptions_and_constraints(tools: list[Tool]) -> None:
+    for tool in tools:
+        converted = genai_mcp.mcp_to_gemini_tool(tool).function_declarations[0]
+        assert converted.name == tool.name and converted.description == tool.description
+        parameters = converted.parameters.model_dump(exclude_none=True, mode="json")
+        assert sorted(parameters.get("required", [])) == sorted(tool.input_schema.get("required", []))
+        kept = parameters.get("properties", {})
+        for name, ours in tool.input_schema["properties"].items():
+            theirs = kept[name]
+            types_ = ours["type"] if isinstance(ours["type"], list) else [ours["type"]]
+            assert theirs["type"].lower() == next(t for t in types_ if t != "null"), (tool.name, name)
+            assert theirs.get("nullable", False) == ("null" in types_), (tool.name, name)
+            for key in ("description", "enum", "default", "minimum", "maximum", "pattern"):
+                if key in ours:
+                    assert theirs.get(key) == ours[key], (tool.name, name, key, theirs)
+            if "items" in ours:
+                assert theirs["items"]["type"].lower() == ours["items"]["type"], (tool.name, name)
+
+
+def test_openai_agents_strict_conversion_keeps_every_tool_with_arguments_strict(tools: list[Tool]) -> None:
+    server = MCPServerStdio(params={"command": "true"})  # never started: only its conversion is used
+    for tool in tools:
+        function_tool = MCPUtil.to_function_tool(tool, server, convert_schemas_to_strict=True)
+        schema = function_tool.params_json_schema
+        if not tool.input_schema["properties"]:
+            # No argument to lose. openai-agents wants an explicit additionalProperties:false for these,
+            # which google-genai cannot read; the tool is then sent non-strict, with the same empty object.
+            assert function_tool.strict_json_schema is False and schema["properties"] == {}
+            continue
+        assert function_tool.strict_json_schema is True, tool.name
+        assert schema["additionalProperties"] is False
+        for name, ours in tool.input_schema["properties"].items():
+            for key, value in ours.items():
+                assert schema["properties"][name][key] == value, (tool.name, name, key)
+
+
+def test_ensure_strict_json_schema_accepts_every_schema_unchanged_but_for_closure(tools: list[Tool]) -> None:
+    for tool in tools:
+        strict = ensure_strict_json_schema(json.loads(json.dumps(tool.input_schema)))
+        assert strict["properties"] == tool.input_schema["properties"], tool.name
+        assert strict["additionalProperties"] is False
+
+
+def test_the_default_tool_list_fits_the_token_budget(tools: list[Tool]) -> None:
+    size = sum(len(tool.model_dump_json(by_alias=True, exclude_none=True).encode()) for tool in tools)
+    assert size / 4 <= BUDGET_TOKENS, f"tools/list is {size:,} bytes, ~{size // 4:,} tokens"
+
+
+def test_tools_setting_exposes_groups_and_always_capabilities() -> None:
+    names = {tool.name for tool in tools_of(tools=["python", "files"])}
+    assert names == {*TOOL_GROUPS["python"], *TOOL_GROUPS["files"], "get_capabilities"}
+    assert {tool.name for tool in tools_of(tools="oneshot,read_file")} == {
+        "execute_code", "validate_code", "read_file", "get_capabilities",
+    }  # fmt: skip
+    assert selected_tools(["all", "python"]) == ALL_TOOLS
+
+
+def test_an_unknown_group_is_refused_with_the_valid_ones(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    with pytest.raises(ToolsetError, match=r"unknown tool group 'pyhton'.*python, sessions"):
+        selected_tools(["pyhton"])
+    monkeypatch.setenv("CODERUNNER_TOOLS", "python,nope")
+    with pytest.raises(ConfigError, match=r"tools: unknown tool group 'nope'"):
+        load_settings(tmp_path / "none.toml")
+    monkeypatch.setenv("CODERUNNER_TOOLS", "python, browser")
+    assert load_settings(tmp_path / "none.toml").tools == ["python", "browser"]
+
+
+def test_portable_schema_rewrites_null_wrappers_and_refuses_what_converters_cannot_keep() -> None:
+    wrapped = {
+        "type": "object",
+        "title": "xArguments",
+        "properties": {
+            "n": {
+                "anyOf": [{"type": "integer", "minimum": 1}, {"type": "null"}],
+                "default": None,
+                "title": "N",
+                "description": "count",
+            }
+        },
+    }
+    assert portable_schema(wrapped) == {
+        "type": "object",
+        "properties": {"n": {"type": ["integer", "null"], "minimum": 1, "description": "count"}},
+    }
+    free = {"type": "object", "properties": {"v": {"type": "object", "additionalProperties": True}}}
+    with pytest.raises(SchemaError, match="free-form object"):
+        portable_schema(free, "t")
+    union = {"type": "object", "properties": {"v": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}
+    with pytest.raises(SchemaError, match="union"):
+        portable_schema(union, "t")
+
+
+async def call(tool_name: str, arguments: dict[str, Any]) -> Any:
+    server = build_server(types.SimpleNamespace(settings=Settings()))  # type: ignore[arg-type]
+    tool = server._tool_manager.get_tool(tool_name)
+    return await tool.run(arguments, context=None, convert_result=True)  # type: ignore[arg-type]
+
+
+@pytest.mark.anyio
+async def test_wrong_arguments_are_refused_in_plain_words_before_any_work() -> None:
+    unknown = await call("run_python", {"code": "1", "sesion_id": "x"})
+    assert unknown.is_error
+    assert unknown.content[0].text == (
+        "run_python: unknown argument 'sesion_id' (it takes: code, session_id, timeout_s, variables)"
+    )
+    typed = await call("image_ops", {"input_path": "a.png", "op": "crop", "box": ["a", 0, 1, 1]})
+    assert typed.is_error and typed.content[0].text.startswith("image_ops: box.0: Input should be a valid integer")
+    missing = await call("pdf_ops", {"op": "info"})
+    assert missing.is_error and missing.content[0].text == "pdf_ops: missing argument 'input_path'"
+    for text in (unknown.content[0].text, typed.content[0].text):
+        assert "input_value" not in text and "pydantic" not in text and "validation error" not in text
+
+
+@pytest.mark.anyio
+@pytest.mark.e2e
+async def test_a_server_started_with_some_groups_lists_and_serves_only_those(dirs: ServerDirs) -> None:
+    async with stdio_client(server_env(dirs, CODERUNNER_TOOLS="python")) as client:
+        listed = await client.list_tools()
+        assert {tool.name for tool in listed.tools} == {*TOOL_GROUPS["python"], "get_capabilities"}
+        assert text_of(await run(client, "6 * 7")).splitlines()[0] == "42"
+        hidden = await client.call_tool("read_file", {"path": "x"})
+        assert hidden.is_error and "read_file" in text_of(hidden)
