@@ -648,7 +648,10 @@ def build_server(manager: SessionManager) -> MCPServer:
         description="A file in a session's workspace or mounts, e.g. sandbox://SESSION/workspace/out.csv",
     )
     async def sandbox_file(session_id: str, path: str, ctx: Context) -> bytes:
-        session = await manager.resolve(session_id, _caller(ctx))
+        try:
+            session = await manager.resolve(session_id, _caller(ctx))
+        except SessionError as exc:
+            raise ResourceError(str(exc)) from None  # the SDK shows a ResourceError's own words
         data, size, _ = await _off_loop(session.files.read, "/" + path, limit=settings.resource_limit_bytes + 1)
         if size > settings.resource_limit_bytes:
             raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")
