@@ -238,3 +238,50 @@ def test_token_commands_refuse_bad_names_and_print_secrets_only_once(dirs: Serve
     assert token not in "".join(path.read_text() for path in (dirs.root / "client-tokens").iterdir())
     gone = token_cli(env, "revoke", "nobody")
     assert gone.returncode == 1 and "token list" in gone.stderr
+
+
+def mcp_headers(token: str, session: str | None = None) -> dict[str, str]:
+    headers = {
+        "Accept": "application/json, text/event-stream",
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {token}",
+    }
+    if session is not None:
+        headers["Mcp-Session-Id"] = session
+    return headers
+
+
+LIST_TOOLS = {"jsonrpc": "2.0", "id": 2, "method": "tools/list", "params": {}}
+INITIALIZED = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+
+
+def test_an_mcp_session_id_works_only_with_the_token_that_opened_it(dirs: ServerDirs) -> None:
+    env = server_env(dirs)
+    other = add_token(env, "other")
+    with http_server(env) as url:
+        opened = httpx2.post(url, json=INITIALIZE, headers=mcp_headers(TEST_TOKEN), timeout=30)
+        session = opened.headers["mcp-session-id"]
+        # Another token presenting it: as unknown, whatever the method.
+        assert httpx2.post(url, json=LIST_TOOLS, headers=mcp_headers(other, session), timeout=30).status_code == 404
+        assert httpx2.delete(url, headers=mcp_headers(other, session), timeout=30).status_code == 404
+        with httpx2.stream("GET", url, headers=mcp_headers(other, session), timeout=30) as stream:
+            assert stream.status_code == 404
+        # Its own token still uses it: the session was not ended by the attempts.
+        assert httpx2.post(url, json=INITIALIZED, headers=mcp_headers(TEST_TOKEN, session), timeout=30).is_success
+        listed = httpx2.post(url, json=LIST_TOOLS, headers=mcp_headers(TEST_TOKEN, session), timeout=30)
+        assert listed.status_code == 200 and "run_python" in listed.text
+
+
+def test_a_legacy_sse_session_works_only_with_the_token_that_opened_it(dirs: ServerDirs) -> None:
+    env = server_env(dirs)
+    other = add_token(env, "other")
+    with http_server(env, transport="sse") as url:
+        base = url.removesuffix("/sse")
+        with httpx2.stream("GET", url, headers=mcp_headers(TEST_TOKEN), timeout=30) as stream:
+            lines = stream.iter_lines()  # kept: a closed iterator would close the stream, and end the session
+            endpoint = next(line for line in lines if line.startswith("data: /messages"))
+            messages = base + endpoint.removeprefix("data: ")
+            refused = httpx2.post(messages, json=INITIALIZE, headers=mcp_headers(other), timeout=30)
+            assert refused.status_code == 404 and "another token" in refused.text
+            served = httpx2.post(messages, json=INITIALIZE, headers=mcp_headers(TEST_TOKEN), timeout=30)
+            assert served.status_code == 202, served.text

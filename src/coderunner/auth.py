@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .client_tokens import PRIMARY_CLIENT, ClientTokenError, ClientTokens, tokens_dir
+from .session_binding import BindMcpSessions
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -136,7 +137,8 @@ class RequireToken:
     """ASGI middleware in front of every route: headers checked, then the bearer token."""
 
     def __init__(self, app: ASGIApp, policy: AccessPolicy) -> None:
-        self.app = app
+        # Behind the token check: an MCP session id works only with the token that opened it.
+        self.app = BindMcpSessions(app, scope_client)
         self.policy = policy
         # The SDK's own Host/Origin checker; Content-Type stays the MCP transports' business.
         self.headers = TransportSecurityMiddleware(policy.security_settings())
