@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
+from coderunner.callers import UnknownClient
 from coderunner.owners import ANONYMOUS_HTTP_CLIENT, LOCAL_CLIENT, client_of, folder_name
 from coderunner.workspace import NAME
 
@@ -22,8 +25,34 @@ def test_unsafe_and_reserved_names_get_a_distinct_safe_folder() -> None:
         assert folder not in (LOCAL_CLIENT, ANONYMOUS_HTTP_CLIENT)
 
 
+def request(client: str = "default", **headers: str) -> SimpleNamespace:
+    """A request as RequireToken passes it on: the token's client in the scope."""
+    return SimpleNamespace(headers=headers, scope={"coderunner.client": client}, query_params={})
+
+
 def test_who_is_who() -> None:
     assert client_of(None) == LOCAL_CLIENT
-    assert client_of(SimpleNamespace(headers={})) == ANONYMOUS_HTTP_CLIENT
-    assert client_of(SimpleNamespace(headers={"x-coderunner-client": "zed"})) == "zed"
-    assert client_of(SimpleNamespace(headers={"mcp-session-id": "abc"})) == ANONYMOUS_HTTP_CLIENT
+    assert client_of(request()) == ANONYMOUS_HTTP_CLIENT
+    assert client_of(request(**{"x-coderunner-client": "zed"})) == "zed"
+    assert client_of(request(**{"mcp-session-id": "abc"})) == ANONYMOUS_HTTP_CLIENT
+
+
+def test_an_added_tokens_clients_have_folders_of_their_own() -> None:
+    assert client_of(request("laptop")) == "t.laptop"
+    assert client_of(request("laptop", **{"x-coderunner-client": "zed"})) == "t.laptop.zed"
+    assert client_of(request("ci", **{"x-coderunner-client": "zed"})) == "t.ci.zed"
+    long = client_of(request("a" * 24, **{"x-coderunner-client": "z" * 200}))
+    assert NAME.fullmatch(long) and long.startswith("t." + "a" * 24 + ".")
+
+
+def test_no_name_of_the_servers_own_token_reaches_an_added_tokens_folder() -> None:
+    """The server's own token may send any header: none may land in another token's folder."""
+    for name in ["t.laptop", "t.laptop.zed", "t.", "T.laptop", "t.ci", "t"]:
+        folder = client_of(request(**{"x-coderunner-client": name}))
+        assert not folder.startswith("t."), (name, folder)
+        assert NAME.fullmatch(folder)
+
+
+def test_a_request_that_passed_no_token_check_is_nobody() -> None:
+    with pytest.raises(UnknownClient):
+        client_of(SimpleNamespace(headers={"x-coderunner-client": "zed"}, scope={}))

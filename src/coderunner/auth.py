@@ -3,7 +3,10 @@
 Anything that listens on a socket can be reached by every local process and, through DNS
 rebinding, by web pages in the user's browser. So every HTTP request but the health check
 carries `Authorization: Bearer <token>`, and the Host and Origin headers must name this server.
-The token is generated on first use and kept in a 0600 file, or given by the user.
+The server's own token is generated on first use and kept in a 0600 file, or given by the user;
+it is the client `default`. `coderunner token add NAME` makes more, one client each
+(client_tokens.py). The client a token names is put in the request's ASGI scope, where
+callers.py reads it: the token, never a header, decides whose sessions a request may touch.
 """
 
 from __future__ import annotations
@@ -14,12 +17,15 @@ import os
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
+
+from .client_tokens import PRIMARY_CLIENT, ClientTokenError, ClientTokens, tokens_dir
+from .session_binding import BindMcpSessions
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -37,6 +43,8 @@ _NO_OAUTH = {
 TOKEN_BYTES = 32
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
 WILDCARD_BINDS = ("0.0.0.0", "::", "")
+#: The ASGI scope key that carries the client a request's token names (see callers.py).
+CLIENT_SCOPE_KEY = "coderunner.client"
 
 
 class AuthError(Exception):
@@ -88,15 +96,23 @@ def ensure_token(path: Path, *, rotate: bool = False) -> str:
 
 @dataclass(frozen=True)
 class AccessPolicy:
-    """The token and the Host/Origin values an HTTP server accepts."""
+    """The tokens and the Host/Origin values an HTTP server accepts."""
 
     token: str
     allowed_hosts: tuple[str, ...]
     allowed_origins: tuple[str, ...]
+    #: The per-client tokens (`coderunner token add`), if any may be used.
+    clients: ClientTokens | None = None
 
     @classmethod
     def for_bind(
-        cls, token: str, bind_host: str, port: int, extra_hosts: list[str], extra_origins: list[str]
+        cls,
+        token: str,
+        bind_host: str,
+        port: int,
+        extra_hosts: list[str],
+        extra_origins: list[str],
+        clients: ClientTokens | None = None,
     ) -> AccessPolicy:
         """Loopback names always; the bound address when it is a specific one; what the user added."""
         names = list(LOOPBACK_NAMES)
@@ -105,7 +121,7 @@ class AccessPolicy:
         hosts = [f"[{name}]" if ":" in name else name for name in names]
         allowed_hosts = [*hosts, *(f"{host}:{port}" for host in hosts), *extra_hosts]
         origins = [f"{scheme}://{host}" for host in allowed_hosts for scheme in ("http", "https")]
-        return cls(token, tuple(allowed_hosts), tuple([*origins, *extra_origins]))
+        return cls(token, tuple(allowed_hosts), tuple([*origins, *extra_origins]), clients)
 
     def security_settings(self) -> TransportSecuritySettings:
         return TransportSecuritySettings(
@@ -114,18 +130,23 @@ class AccessPolicy:
             allowed_origins=list(self.allowed_origins),
         )
 
-    def token_matches(self, request: Request) -> bool:
+    async def client_of(self, request: Request) -> str | None:
+        """The client the request's bearer token names, or None for a missing or wrong token."""
         scheme, _, presented = request.headers.get("authorization", "").partition(" ")
+        presented = presented.strip()
         if scheme.lower() != "bearer" or not presented:
-            return False
-        return secrets.compare_digest(presented.strip().encode(), self.token.encode())
+            return None
+        if secrets.compare_digest(presented.encode(), self.token.encode()):
+            return PRIMARY_CLIENT
+        return self.clients.match(presented) if self.clients is not None else None
 
 
 class RequireToken:
     """ASGI middleware in front of every route: headers checked, then the bearer token."""
 
     def __init__(self, app: ASGIApp, policy: AccessPolicy) -> None:
-        self.app = app
+        # Behind the token check: an MCP session id works only with the token that opened it.
+        self.app = BindMcpSessions(app, scope_client)
         self.policy = policy
         # The SDK's own Host/Origin checker; Content-Type stays the MCP transports' business.
         self.headers = TransportSecurityMiddleware(policy.security_settings())
@@ -146,17 +167,20 @@ class RequireToken:
             # No OAuth here: a 404 (not 401) on discovery makes clients fall back to the bearer token.
             await JSONResponse(_NO_OAUTH, status_code=404)(scope, receive, send)
             return
-        if not self.policy.token_matches(request):
+        client = await self.policy.client_of(request)
+        if client is None:
             await _unauthorized()(scope, receive, send)
             return
+        scope[CLIENT_SCOPE_KEY] = client
         await self.app(scope, receive, send)
 
 
 def _unauthorized() -> Response:
     body = {
         "error": "unauthorized",
-        "error_description": "missing or wrong bearer token: send 'Authorization: Bearer <token>'; "
-        "`coderunner token` on the server's machine prints it",
+        "error_description": "missing, wrong or revoked bearer token: send 'Authorization: Bearer <token>'; "
+        "`coderunner token` on the server's machine prints the server's own token, "
+        "`coderunner token add NAME` makes one for another client",
     }
     return Response(
         json.dumps(body),
@@ -185,4 +209,17 @@ def policy_for(settings: Settings) -> AccessPolicy:
                 f'e.g. allowed_hosts = ["myhost:{settings.port}"]'
             )
     token = settings.token.get_secret_value() if settings.token else ensure_token(settings.token_file)
-    return AccessPolicy.for_bind(token, settings.host, settings.port, settings.allowed_hosts, settings.allowed_origins)
+    clients = ClientTokens(tokens_dir(settings.token_file))
+    try:
+        clients.check()
+    except (ClientTokenError, OSError) as exc:
+        raise AuthError(f"client tokens: {exc}") from None
+    return AccessPolicy.for_bind(
+        token, settings.host, settings.port, settings.allowed_hosts, settings.allowed_origins, clients
+    )
+
+
+def scope_client(scope: Any) -> str | None:
+    """The client RequireToken found for this request's scope (None: not an HTTP request it passed)."""
+    value = scope.get(CLIENT_SCOPE_KEY) if isinstance(scope, dict) else None
+    return value if isinstance(value, str) else None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import anyio
 
-from . import __version__, doctor, sandbox_env
+from . import __version__, client_tokens, doctor, sandbox_env
 from .auth import AuthError, ensure_token, read_token
 from .client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
 from .config import ConfigError, Settings, load_settings
@@ -67,7 +67,15 @@ def _parser() -> argparse.ArgumentParser:
         "restarts); default: a fresh name per proxy process",
     )
 
-    token = commands.add_parser("token", help="print the bearer token HTTP clients need (made on first use)")
+    token = commands.add_parser(
+        "token",
+        help="print the server's bearer token (made on first use), or manage one token per client",
+        description="With no action: print the server's own token (the client 'default'). "
+        "add NAME: make a token for a new client and print it (only once: it is stored hashed). "
+        "list: the clients' names, never their tokens. revoke NAME: refuse that token from the next request on.",
+    )
+    token.add_argument("action", nargs="?", choices=["add", "list", "revoke"], help="manage per-client tokens")
+    token.add_argument("name", nargs="?", help="the client's name for add and revoke (e.g. laptop-agent)")
     token.add_argument("--rotate", action="store_true", help="replace it with a new one (old clients are refused)")
     token.add_argument("--file", dest="token_file", type=Path, help="the token file (default: token_file setting)")
 
@@ -146,8 +154,7 @@ def main(argv: list[str] | None = None) -> int:
             anyio.run(run_proxy, args.url, secret, args.proxy_transport, args.client_name)
             return 0
         if args.command == "token":
-            print(ensure_token(settings.token_file, rotate=args.rotate))
-            return 0
+            return _token_command(args, settings)
         if args.command == "config":
             print(snippet(args.client, LaunchCommand.for_install(args.url), args.url))
             print(f"# goes into: {CONFIG_LOCATIONS[args.client]}", file=sys.stderr)
@@ -163,12 +170,55 @@ def main(argv: list[str] | None = None) -> int:
             sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
             print(f"sandbox environment ready: {settings.sandbox_env}")
             return 0
-    except (SandboxUnavailable, SessionError, KernelStartError, sandbox_env.SetupError, MountError, AuthError) as exc:
+    except (
+        SandboxUnavailable,
+        SessionError,
+        KernelStartError,
+        sandbox_env.SetupError,
+        MountError,
+        AuthError,
+        client_tokens.ClientTokenError,
+    ) as exc:
         print(f"coderunner: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
     return 2
+
+
+def _token_command(args: argparse.Namespace, settings: Settings) -> int:
+    """`coderunner token [add NAME | list | revoke NAME]`: secrets go to stdout, notes to stderr."""
+    folder = client_tokens.tokens_dir(settings.token_file)
+    if args.action is None:
+        if args.name is not None:
+            print("coderunner: token takes add NAME, list or revoke NAME", file=sys.stderr)
+            return 2
+        print(ensure_token(settings.token_file, rotate=args.rotate))
+        return 0
+    if args.rotate:
+        print("coderunner: --rotate is for the server's own token; revoke and add a client's token instead",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    if args.action == "list":
+        origin = "CODERUNNER_TOKEN" if settings.token else str(settings.token_file)
+        print(f"{client_tokens.PRIMARY_CLIENT}\t(the server's own token: {origin})")
+        for name in client_tokens.names(folder):
+            print(name)
+        return 0
+    if args.name is None:
+        print(f"coderunner: token {args.action} needs the client's NAME", file=sys.stderr)
+        return 2
+    if args.action == "add":
+        print(client_tokens.add(folder, args.name))
+        print(
+            f"# the token of client {args.name!r}: shown only now (kept hashed in {folder}); a running "
+            f"server accepts it at once. Clients send it as 'Authorization: Bearer <token>'.",
+            file=sys.stderr,
+        )
+        return 0
+    client_tokens.revoke(folder, args.name)
+    print(f"# revoked {args.name!r}: a running server refuses its token from the next request on", file=sys.stderr)
+    return 0
 
 
 async def _run_once(settings: Settings, code: str) -> int:

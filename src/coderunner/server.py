@@ -293,11 +293,12 @@ def build_server(manager: SessionManager) -> MCPServer:
     @server.tool(structured_output=False)
     async def close_session(
         session_id: str,
+        ctx: Context,
     ) -> CallToolResult:
         """Stop a session's kernel and delete its workspace."""
 
         async def call() -> CallToolResult:
-            await manager.close(session_id)
+            await manager.close(session_id, _caller(ctx))
             return _json_result({"closed": session_id})
 
         return await _guarded(call)
@@ -664,8 +665,11 @@ def build_server(manager: SessionManager) -> MCPServer:
         name="sandbox-file",
         description="A file in a session's workspace or mounts, e.g. sandbox://SESSION/workspace/out.csv",
     )
-    async def sandbox_file(session_id: str, path: str) -> bytes:
-        session = await manager.resolve(session_id)
+    async def sandbox_file(session_id: str, path: str, ctx: Context) -> bytes:
+        try:
+            session = await manager.resolve(session_id, _caller(ctx))
+        except SessionError as exc:
+            raise ResourceError(str(exc)) from None  # the SDK shows a ResourceError's own words
         data, size, _ = await _off_loop(session.files.read, "/" + path, limit=settings.resource_limit_bytes + 1)
         if size > settings.resource_limit_bytes:
             raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")

@@ -24,7 +24,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from . import hostfs
-from .callers import LOCAL_CALLER
+from .callers import LOCAL_CALLER, client_of_key
+from .client_tokens import tokens_dir
 from .config import MIN_MEMORY_MB, Settings
 from .exports import ExportError, client_folder, folder_owner, prepare_export_dir
 from .files import SandboxFiles
@@ -106,7 +107,8 @@ class Session:
     backend: SandboxBackend
     settings: Settings
     task_group: TaskGroup
-    #: The client that created it (see callers.py): whose listing and default session it is in.
+    #: The caller that created it (see callers.py): whose listing and default session it is in; its
+    #: token's client is the only one that may use it.
     owner: str = LOCAL_CALLER
     kernel: Kernel | None = None
     created_at: float = field(default_factory=time.monotonic)
@@ -554,9 +556,10 @@ class SessionManager:
             raise SessionError(f"could not prepare the sandbox's folders: {exc}") from None
 
     def _protected_paths(self) -> list[Path]:
-        """Paths no mount may overlap: other sessions' workspaces and sockets, the sandbox env, the HTTP token."""
+        """Paths no mount may overlap: other sessions' workspaces and sockets, the sandbox env, the HTTP tokens."""
         settings = self.settings
-        return [settings.runtime_dir, settings.workspaces_dir, settings.sandbox_env, settings.token_file]
+        return [settings.runtime_dir, settings.workspaces_dir, settings.sandbox_env, settings.token_file,
+                tokens_dir(settings.token_file)]  # fmt: skip
 
     def _configured_mounts(self) -> list[Mount]:
         """The server-wide configured mounts (the export outbox is per sandbox). Raises MountError."""
@@ -700,17 +703,12 @@ class SessionManager:
     async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER, client: str = LOCAL_CLIENT) -> Session:
         """The named session, or `owner`'s default one (created on first use).
 
-        A session id is an unguessable handle: whoever holds it may use it, whichever client
-        made it. Only the default session and the listing are per client.
+        A session belongs to the client (bearer token) that created it: any caller of that client
+        may use its id, a caller of another client is refused. The default session and the
+        listing are per caller (callers.py).
         """
         if session_id:
-            session = self._sessions.get(session_id)
-            if session is None:
-                raise SessionError(
-                    f"unknown or expired session_id {session_id!r}: call list_sessions to see open sessions, "
-                    "create_session for a new one, or omit session_id to use the default session"
-                )
-            return session
+            return self._owned(session_id, owner)
         async with self._default_lock:
             default_id = self._default_ids.get(owner)
             if default_id is None or default_id not in self._sessions:
@@ -718,8 +716,25 @@ class SessionManager:
                 self._default_ids[owner] = default_id
             return self._sessions[default_id]
 
-    async def close(self, session_id: str) -> None:
-        session = await self.resolve(session_id)
+    def _owned(self, session_id: str, owner: str | None) -> Session:
+        """The open session `session_id`, if `owner`'s client may use it (None: the server itself)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise SessionError(
+                f"unknown or expired session_id {session_id!r}: call list_sessions to see open sessions, "
+                "create_session for a new one, or omit session_id to use the default session"
+            )
+        if owner is not None and client_of_key(session.owner) != client_of_key(owner):
+            raise SessionError(
+                f"session_id {session_id!r} belongs to another client (it was created with another bearer "
+                "token) and only that client may use it: omit session_id to use your own default session, "
+                "or create_session for a new one"
+            )
+        return session
+
+    async def close(self, session_id: str, owner: str | None = None) -> None:
+        """Close a session: for `owner` only if its client may use it (None: the server, e.g. idle reaping)."""
+        session = self._owned(session_id, owner)
         self._sessions.pop(session_id, None)
         if self._default_ids.get(session.owner) == session_id:
             del self._default_ids[session.owner]
