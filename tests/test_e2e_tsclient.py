@@ -129,11 +129,25 @@ def test_resource_reads_have_their_mime_type(node: str, spec: dict[str, Any]) ->
 
 
 def test_a_second_client_sees_neither_variables_nor_sessions_of_the_first(node: str, dirs: ServerDirs) -> None:
-    """Over HTTP, one server: another MCP session is another client (the lead adds the two-token case)."""
+    """Over HTTP, one server and one token: another MCP session is another client."""
     with server_spec("http", server_env(dirs)) as found:
         result = play(node, "two_clients", found)
     assert result["peekIsError"] and "NameError" in result["peek"]
     assert not result["firstSessionListed"]
+
+
+def test_two_tokens_never_see_each_others_variables_or_sessions(node: str, dirs: ServerDirs) -> None:
+    """Two bearer tokens are two clients: the TypeScript SDK as the second cannot read, list or borrow."""
+    env = server_env(dirs)
+    added = subprocess.run([*SERVER_CMD[:-1], "token", "add", "bob"], env=env, capture_output=True, text=True,
+                           timeout=60, cwd=str(REPO))  # fmt: skip
+    assert added.returncode == 0, added.stderr[-2000:]
+    second = added.stdout.strip().splitlines()[-1]
+    with server_spec("http", env) as found:
+        result = play(node, "two_clients", found, second={"token": second})
+    assert result["peekIsError"] and "NameError" in result["peek"]
+    assert not result["firstSessionListed"]
+    assert result["borrowedIsError"] and "another client" in result["borrowed"], result["borrowed"]
 
 
 def test_the_sdk_accepts_every_tool(node: str, spec: dict[str, Any]) -> None:
