@@ -364,7 +364,11 @@ async def test_a_killed_servers_staged_mounts_are_detached_before_its_dirs_are_r
         shutil.rmtree(private, ignore_errors=True)
 
 
-async def test_workspace_tools_have_closed_schemas(shared: Shared) -> None:
+async def test_workspace_tools_take_nothing_but_their_arguments(shared: Shared) -> None:
+    """No free-form input (tool_schemas.py leaves `additionalProperties` out for google-genai's sake),
+    and an argument the tool does not take is refused by name rather than ignored."""
     tools = {tool.name: tool for tool in (await shared.alice.list_tools()).tools}
     for name in ("list_workspaces", "delete_workspace"):
-        assert tools[name].input_schema.get("additionalProperties") is False, name
+        assert tools[name].input_schema.get("additionalProperties") in (None, False), name
+    smuggled = await shared.alice.call_tool("delete_workspace", {"name": "nothing-here", "client": "bob"})
+    assert smuggled.is_error and "unknown argument 'client'" in text_of(smuggled), text_of(smuggled)
