@@ -139,3 +139,28 @@ async def test_a_cancelled_call_interrupts_its_cell(client: Client, manager: Ses
             await anyio.sleep(0.02)
     after = await client.call_tool("run_python", {"code": "kept"})
     assert not after.is_error and "5" in text(after) and session.restarts == 0
+
+
+async def test_execute_code_runs_once_and_reports(client: Client, manager: SessionManager) -> None:
+    code = "import sys\nprint(n + 1)\nprint('warn', file=sys.stderr)\nsys.exit(3)"
+    failed = await client.call_tool("execute_code", {"language": "python", "code": code, "variables": '{"n": 41}'})
+    assert failed.is_error  # a non-zero exit is the program's failure, told as an error
+    result = json.loads(text(failed))
+    assert result["stdout"].strip() == "42" and "warn" in result["stderr"]
+    assert result["exit_code"] == 3 and result["success"] is False and result["timed_out"] is False
+    shell = payload(await client.call_tool("execute_code", {"language": "bash", "code": "echo $((6 * 7))"}))
+    assert shell["stdout"].strip() == "42" and shell["success"] is True
+    assert manager.list() == []  # no session was made for it
+
+
+async def test_execute_code_kills_a_run_at_its_deadline(client: Client) -> None:
+    timed_out = await client.call_tool("execute_code", {"language": "bash", "code": "sleep 60", "timeout_s": 1})
+    result = json.loads(text(timed_out))
+    assert timed_out.is_error and result["timed_out"] is True and result["success"] is False
+
+
+async def test_validate_code_checks_syntax_without_running(client: Client) -> None:
+    good = await client.call_tool("validate_code", {"language": "python", "code": "open('ran', 'w')"})
+    bad = await client.call_tool("validate_code", {"language": "python", "code": "def f(:\n  pass"})
+    assert not good.is_error and "SyntaxError" not in text(good)
+    assert "invalid syntax" in text(bad) or "SyntaxError" in text(bad)
