@@ -67,8 +67,8 @@ def make_manager(root: Path, python: Path) -> ManagerFactory:
             token_file=root / "token",
             **{**FAST_SETTINGS, **overrides},
         )
-        fake_root = root / "f"
-        fake_root.mkdir(mode=0o711, exist_ok=True)
+        fake_root = Path(tempfile.mkdtemp(prefix="f", dir=root))  # one per manager: a restart is a new one
+        fake_root.chmod(0o711)
         backend = FakeBackend(python, fake_root, sandbox_identity(settings.sandbox_user))
         async with SessionManager(settings, backend) as manager:
             yield manager

@@ -248,7 +248,7 @@ async def test_the_idle_reaper_closes_idle_sessions_but_not_busy_ones(make_manag
         busy = await manager.create()
         idle = await manager.create()
         # A run much longer than the idle limit: the reaper passes several times and must let it be.
-        result = await run(busy, "import time\ntime.sleep(2.5)\n'done'", timeout_s=30)
+        result = await run(busy, "import time\ntime.sleep(1.5)\n'done'", timeout_s=30)
         assert result.outcome.status is RunStatus.OK and result.notice is None
         await until(lambda: idle not in manager.list(), "the idle session to be reaped")
         assert idle.closed and not idle.workspace.path.exists()
