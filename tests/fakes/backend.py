@@ -30,13 +30,16 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.sandbox.base import SESSION_PACKAGES, LimitReport, Limits, SandboxProcess, SandboxSpec
-from coderunner.sandbox.bwrap import GUEST_SOURCE
+import coderunner
+from coderunner.sandbox import LimitReport, Limits, SandboxProcess, SandboxSpec
+from coderunner.sandbox.base import SESSION_PACKAGES
 from coderunner.sandbox.identity import HostIdentity, shared_dir_mode
 
 #: What a sandbox started on DIE_AT_START says before it exits.
 DIE_MESSAGE = "fake sandbox: told to die at start"
 DIE_EXIT_CODE = 3
+#: The guest package's source (imported inside as `coderunner_guest`).
+GUEST_SOURCE = Path(coderunner.__file__).resolve().parent / "guest"
 
 #: Runs ipykernel with SIGINT ignored for good: ipykernel sets its own handler around each
 #: execute, so the wrapper also makes later attempts to handle SIGINT do nothing.
