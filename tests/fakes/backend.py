@@ -18,7 +18,6 @@ Cues (`FakeBackend.cue`) script the next sandbox it starts:
 from __future__ import annotations
 
 import collections
-import contextlib
 import enum
 import os
 import shutil
@@ -121,6 +120,7 @@ class FakeBackend:
         self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
     ) -> SandboxProcess:
         cue = self.cues.popleft() if self.cues else None
+        # Its HOME and TMPDIR: gone with `root`, which the test that made it removes.
         home = Path(tempfile.mkdtemp(prefix=f"home-{spec.name}-", dir=self.root))
         if spec.owner is not None:
             os.chown(home, *spec.owner)
@@ -152,19 +152,6 @@ class FakeBackend:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        sandbox = _FakeProcess(process, task_group, self.describe_isolation(), pipes=pipes, home=home)
+        sandbox = SandboxProcess(process, task_group, self.describe_isolation(), pipes=pipes)
         self.spawned.append(sandbox)
         return sandbox
-
-
-class _FakeProcess(SandboxProcess):
-    """A sandbox process that also removes its home when killed."""
-
-    def __init__(self, *args: object, home: Path, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.home = home
-
-    async def kill(self) -> None:
-        await super().kill()
-        with contextlib.suppress(OSError):
-            await anyio.to_thread.run_sync(shutil.rmtree, self.home)
