@@ -1,0 +1,1 @@
+"""Test doubles that stand in for real parts where a test is not about containment."""

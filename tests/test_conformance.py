@@ -1,0 +1,200 @@
+"""One contract, every backend this machine has: what sessions and one-shot runs rely on.
+
+The same scenarios run on the fake backend (tests/fakes) and on each real one that can work here
+(bwrap on Linux; podman or docker when their engine answers and the sandbox image is built;
+Apple `container` on macOS). A real backend that cannot work here is skipped with the reason,
+except bwrap on Linux, whose absence is a failure (it is the default). Containment itself is
+the e2e and abuse suites' business; this is about the seam: start, run, interrupt, death,
+files both ways, guest calls, one-shot pipes, and nothing left behind.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from coderunner.config import Settings
+from coderunner.kernel import RunStatus
+from coderunner.results import ExecutionResult
+from coderunner.sandbox import SandboxBackend, SandboxUnavailable, make_backend
+from coderunner.sandbox.identity import sandbox_identity
+from coderunner.sessions import Session, SessionManager
+
+from .fakes.backend import FakeBackend, kernel_python
+
+pytestmark = [pytest.mark.anyio, pytest.mark.conformance]
+
+#: Every backend a machine may have; which of them this one has is found out per test run.
+BACKENDS = ("fake", "bwrap", "podman", "docker", "apple")
+#: Bound on asking an engine whether it and the image are there.
+PROBE_TIMEOUT_S = 60
+#: This machine's podman cannot use crun (hybrid cgroups); runc works (see the podman e2e tests).
+OCI_RUNTIMES = {"podman": "runc"}
+LONG_CELL = "import time\nfor _ in range(1200): time.sleep(0.05)"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="crc-", dir="/tmp"))  # short: ipc socket paths < 107 bytes
+    path.chmod(0o711)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _settings(name: str, root: Path) -> Settings:
+    extra: dict[str, Any] = {}
+    if name in OCI_RUNTIMES:
+        extra["oci_runtime"] = OCI_RUNTIMES[name]
+    if name != "fake":
+        extra["backend"] = name
+    return Settings(
+        runtime_dir=root / "r",
+        workspaces_dir=root / "w",
+        token_file=root / "token",
+        export_dir=None,
+        workspace_quota=False,
+        interrupt_grace_s=1.5,
+        **extra,
+    )
+
+
+def _engine_problem(name: str, image: str) -> str | None:
+    """Why the container engine `name` cannot run sessions here, or None."""
+    engine = shutil.which(name)
+    if engine is None:
+        return f"{name} is not installed"
+    try:
+        probe = subprocess.run([engine, "image", "inspect", image], capture_output=True, timeout=PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"{name} did not answer within {PROBE_TIMEOUT_S}s"
+    if probe.returncode != 0:
+        detail = probe.stderr.decode(errors="replace").strip()[-300:]
+        return f"{name} cannot run {image} here (engine down, or run `coderunner setup --backend {name}`): {detail}"
+    return None
+
+
+def _backend(name: str, settings: Settings, root: Path) -> SandboxBackend:
+    if name == "fake":
+        python = kernel_python(settings.sandbox_env)
+        if python is None:
+            pytest.fail("no interpreter with ipykernel: run `coderunner setup`")
+        (root / "f").mkdir(mode=0o711)
+        return FakeBackend(python, root / "f", sandbox_identity(settings.sandbox_user))
+    if name in ("podman", "docker") and (problem := _engine_problem(name, settings.image)):
+        pytest.skip(problem)
+    if name == "apple" and sys.platform != "darwin":
+        pytest.skip("Apple `container` runs on macOS only")
+    if name == "bwrap" and not sys.platform.startswith("linux"):
+        pytest.skip("bubblewrap runs on Linux only")
+    try:
+        return make_backend(settings)
+    except SandboxUnavailable as exc:
+        if name == "bwrap":
+            pytest.fail(f"the default backend cannot work here: {exc}")
+        pytest.skip(f"{name}: {exc}")
+
+
+@pytest.fixture(params=BACKENDS)
+async def manager(request: pytest.FixtureRequest, root: Path) -> AsyncIterator[SessionManager]:
+    settings = _settings(request.param, root)
+    backend = _backend(request.param, settings, root)
+    async with SessionManager(settings, backend) as running:
+        yield running
+
+
+async def run(session: Session, code: str, timeout_s: float | None = None, **kwargs: Any) -> ExecutionResult:
+    return await session.run(code, timeout_s, None, **kwargs)
+
+
+def text(result: ExecutionResult) -> str:
+    return result.outcome.output.text()
+
+
+async def test_the_backend_describes_itself(manager: SessionManager) -> None:
+    backend = manager.backend
+    assert backend.name and backend.describe_isolation().strip()
+    assert backend.channels in ("ipc", "tcp") and backend.workspace_path.startswith("/")
+    reports = backend.limit_reports(manager.options().limits)
+    assert {"memory_mb", "cpus", "pids", "tmp_mb"} <= set(reports)
+    assert backend.network_problem("none") is None
+    assert "unknown network mode" in (backend.network_problem("bogus") or "")
+
+
+async def test_a_kernel_keeps_state_and_knows_the_guest_package(manager: SessionManager) -> None:
+    session = await manager.create()
+    await run(session, "x = 20")
+    result = await run(session, "import coderunner_guest\nx * 2 + 2", variables={"y": 1})
+    assert result.outcome.status is RunStatus.OK, text(result)
+    assert "42" in text(result)
+    assert "[1]" in text(await run(session, "[y]"))
+
+
+async def test_files_cross_both_ways_through_the_workspace(manager: SessionManager) -> None:
+    session = await manager.create()
+    written = await anyio.to_thread.run_sync(lambda: session.files.write("from_host.txt", b"host"))
+    assert written == f"{manager.backend.workspace_path}/from_host.txt"
+    result = await run(session, "open('from_kernel.txt', 'w').write(open('from_host.txt').read() + '+kernel')")
+    assert result.outcome.status is RunStatus.OK, text(result)
+    data, _size, _path = await anyio.to_thread.run_sync(lambda: session.files.read("from_kernel.txt"))
+    assert data == b"host+kernel"
+
+
+async def test_a_timeout_interrupts_and_keeps_state(manager: SessionManager) -> None:
+    session = await manager.create()
+    await run(session, "kept = 7")
+    result = await run(session, LONG_CELL, timeout_s=1)
+    assert result.outcome.status is RunStatus.INTERRUPTED and not result.state_lost
+    assert "7" in text(await run(session, "kept"))
+
+
+async def test_death_is_noticed_and_the_next_kernel_is_fresh(manager: SessionManager) -> None:
+    session = await manager.create()
+    await run(session, "kept = 7")
+    died = await run(session, "import os\nos._exit(9)")
+    assert died.outcome.status is RunStatus.DIED and died.state_lost
+    assert "False" in text(await run(session, "'kept' in dir()"))
+    assert session.kernel is not None and session.kernel.process is not None
+    await session.kernel.process.kill()  # from the host, between calls
+    assert not session.kernel.alive
+    assert "2" in text(await run(session, "1 + 1"))
+    assert session.restarts == 2
+
+
+async def test_closing_leaves_nothing_behind(manager: SessionManager) -> None:
+    session = await manager.create()
+    results: list[ExecutionResult] = []
+    async with anyio.create_task_group() as tg:
+
+        async def long_run() -> None:
+            results.append(await run(session, LONG_CELL, timeout_s=120))
+
+        tg.start_soon(long_run)
+        with anyio.fail_after(60):
+            while not session.busy:
+                await anyio.sleep(0.02)
+        process = session.kernel.process if session.kernel is not None else None
+        await manager.close(session.session_id)
+    assert results[0].notice == "the session was closed during this call"
+    assert process is not None and not process.alive
+    assert not session.workspace.path.exists() and not session.dirs.top.exists()
+
+
+async def test_one_shot_runs_use_pipes_and_exit_codes(manager: SessionManager) -> None:
+    options = manager.options()
+    result = await manager.oneshot.run("python", "import sys\nprint(6 * 7)\nsys.exit(4)", options)
+    assert result.stdout.strip() == "42" and result.exit_code == 4 and not result.timed_out
+    slept = await manager.oneshot.run("bash", "sleep 60", manager.options(timeout_s=1))
+    assert slept.timed_out

@@ -1,0 +1,82 @@
+"""Fixtures of the fast suite: a SessionManager on the fake backend, in this process.
+
+`pytest tests/unit` runs this suite alone. Every test gets its own runtime and workspace
+folders under /tmp (short: ipc socket paths must stay under 107 bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from coderunner.config import Settings
+from coderunner.sandbox.identity import sandbox_identity
+from coderunner.sessions import SessionManager
+from tests.fakes.backend import FakeBackend, kernel_python
+
+#: Settings every fast test starts from: no quota images, no cgroups, no export folder, short waits.
+FAST_SETTINGS: dict[str, Any] = {
+    "workspace_quota": False,
+    "cgroups": False,
+    "export_dir": None,
+    "interrupt_grace_s": 1.0,
+    "startup_timeout_s": 30.0,
+    "progress_interval_s": 0.2,
+}
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="session")
+def python() -> Path:
+    found = kernel_python(Settings().sandbox_env)
+    if found is None:
+        pytest.fail("no interpreter with ipykernel: run `coderunner setup` (it makes the sandbox environment)")
+    return found
+
+
+@pytest.fixture
+def root() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="cru-", dir="/tmp"))
+    path.chmod(0o711)  # a root server's sandbox users pass through to their own dirs
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+ManagerFactory = Callable[..., contextlib.AbstractAsyncContextManager[SessionManager]]
+
+
+@pytest.fixture
+def make_manager(root: Path, python: Path) -> ManagerFactory:
+    """`async with make_manager(**settings) as manager`: a running manager on a fresh FakeBackend."""
+
+    @contextlib.asynccontextmanager
+    async def make(**overrides: Any) -> AsyncIterator[SessionManager]:
+        settings = Settings(
+            runtime_dir=root / "r",
+            workspaces_dir=root / "w",
+            token_file=root / "token",
+            **{**FAST_SETTINGS, **overrides},
+        )
+        fake_root = Path(tempfile.mkdtemp(prefix="f", dir=root))  # one per manager: a restart is a new one
+        fake_root.chmod(0o711)
+        backend = FakeBackend(python, fake_root, sandbox_identity(settings.sandbox_user))
+        async with SessionManager(settings, backend) as manager:
+            yield manager
+
+    return make
+
+
+@pytest.fixture
+async def manager(make_manager: ManagerFactory) -> AsyncIterator[SessionManager]:
+    async with make_manager() as running:
+        yield running

@@ -1,0 +1,259 @@
+"""The session state machine on the fake backend: every outcome of a run, resets, closes, limits.
+
+Each test drives a real SessionManager (and real ipykernels) in-process; only the sandbox is
+missing. The e2e suite proves the same paths inside real sandboxes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import anyio
+import pytest
+
+from coderunner.kernel import KernelStartError, RunStatus
+from coderunner.results import ExecutionResult
+from coderunner.sessions import Session, SessionBusy, SessionError, SessionManager
+from tests.fakes.backend import DIE_MESSAGE, Cue, FakeBackend
+
+from .conftest import ManagerFactory
+
+pytestmark = pytest.mark.anyio
+
+#: Bound on waiting for something another task does (a run to start, the reaper to act).
+WAIT_S = 20.0
+#: A cell that runs far longer than any test waits, and ignores nothing by itself.
+LONG_CELL = "import time\nfor _ in range(600): time.sleep(0.05)"
+
+
+async def run(session: Session, code: str, timeout_s: float | None = None) -> ExecutionResult:
+    return await session.run(code, timeout_s, None)
+
+
+def text(result: ExecutionResult) -> str:
+    return result.outcome.output.text()
+
+
+async def until(condition: object, what: str) -> None:
+    """Wait (bounded) for `condition()` to hold: another task is getting there."""
+    with anyio.fail_after(WAIT_S):
+        while not condition():  # type: ignore[operator]
+            await anyio.sleep(0.02)
+
+
+def fake(manager: SessionManager) -> FakeBackend:
+    assert isinstance(manager.backend, FakeBackend)
+    return manager.backend
+
+
+async def test_ok_keeps_state_between_runs(manager: SessionManager) -> None:
+    session = await manager.resolve(None)
+    first = await run(session, "x = 41\nprint('hello')")
+    assert first.outcome.status is RunStatus.OK and "hello" in text(first)
+    second = await run(session, "x + 1")
+    assert second.outcome.status is RunStatus.OK and "42" in text(second)
+    assert not second.is_error and second.notice is None and session.restarts == 0
+
+
+async def test_error_reports_the_exception_and_keeps_state(manager: SessionManager) -> None:
+    session = await manager.resolve(None)
+    await run(session, "kept = 'yes'")
+    result = await run(session, "raise ValueError('bad input')")
+    assert result.outcome.status is RunStatus.ERROR and result.is_error
+    assert result.outcome.error is not None and result.outcome.error.ename == "ValueError"
+    assert "bad input" in result.outcome.error.evalue
+    assert "yes" in text(await run(session, "kept"))
+    assert session.restarts == 0
+
+
+async def test_timeout_interrupts_and_keeps_state(manager: SessionManager) -> None:
+    session = await manager.resolve(None)
+    await run(session, "kept = 7")
+    result = await run(session, "print('started', flush=True)\n" + LONG_CELL, timeout_s=0.5)
+    assert result.outcome.status is RunStatus.INTERRUPTED
+    assert "interrupted; the kernel and its state are kept" in (result.notice or "")
+    assert "started" in text(result) and not result.state_lost
+    assert "7" in text(await run(session, "kept"))
+    assert session.restarts == 0
+
+
+async def test_timeout_restarts_a_kernel_that_ignores_the_interrupt(manager: SessionManager) -> None:
+    fake(manager).cue(Cue.IGNORE_INTERRUPTS)
+    session = await manager.resolve(None)
+    await run(session, "kept = 7")
+    stuck = session.kernel
+    assert stuck is not None and stuck.process is not None
+    result = await run(session, LONG_CELL, timeout_s=0.5)
+    assert result.outcome.status is RunStatus.UNRESPONSIVE and result.state_lost
+    assert "kernel restarted; state lost" in (result.notice or "")
+    assert not stuck.process.alive and session.restarts == 1
+    after = await run(session, "'kept' in dir()")
+    assert after.outcome.status is RunStatus.OK and "False" in text(after)
+
+
+async def test_death_during_a_run_is_reported_and_a_fresh_kernel_is_ready(manager: SessionManager) -> None:
+    session = await manager.resolve(None)
+    await run(session, "kept = 7")
+    result = await run(session, "import os\nprint('bye', flush=True)\nos._exit(7)")
+    assert result.outcome.status is RunStatus.DIED and result.state_lost
+    assert "kernel died (exit code 7" in (result.notice or "")
+    assert session.restarts == 1 and session.kernel is not None and session.kernel.alive
+    after = await run(session, "'kept' in dir()")
+    assert after.outcome.status is RunStatus.OK and "False" in text(after)
+
+
+async def test_death_between_runs_is_healed_by_the_next_run(manager: SessionManager) -> None:
+    session = await manager.resolve(None)
+    assert session.kernel is not None and session.kernel.process is not None
+    await session.kernel.process.kill()
+    result = await run(session, "1 + 1")
+    assert result.outcome.status is RunStatus.OK and "2" in text(result)
+    assert session.restarts == 1
+
+
+async def test_a_sandbox_that_dies_at_start_is_an_error_with_its_words(manager: SessionManager) -> None:
+    fake(manager).cue(Cue.DIE_AT_START)
+    with pytest.raises(KernelStartError, match=DIE_MESSAGE):
+        await manager.create()
+    assert manager.list() == []
+    assert os.listdir(manager.settings.workspaces_dir) == []
+    assert [name for name in os.listdir(manager.settings.runtime_dir) if len(name) == 8] == []
+
+
+async def test_a_kernel_that_never_answers_is_bounded_by_startup_timeout(make_manager: ManagerFactory) -> None:
+    async with make_manager(startup_timeout_s=1.0) as manager:
+        fake(manager).cue(Cue.HANG_AT_START)
+        with pytest.raises(KernelStartError, match="did not answer in time"):
+            await manager.create()
+        assert manager.list() == []
+        assert not any(process.alive for process in fake(manager).spawned)
+
+
+async def test_a_second_call_waits_then_is_told_the_session_is_busy(manager: SessionManager) -> None:
+    session = await manager.resolve(None)
+    results: list[ExecutionResult] = []
+    async with anyio.create_task_group() as tg:
+
+        async def first() -> None:
+            results.append(await run(session, LONG_CELL, timeout_s=60))
+
+        tg.start_soon(first)
+        await until(lambda: session.busy, "the first run to start")
+        with pytest.raises(SessionBusy, match="is busy with another call"):
+            await run(session, "1", timeout_s=0.3)
+        assert session.kernel is not None
+        session.kernel.interrupt()
+    assert results[0].outcome.status is RunStatus.ERROR  # KeyboardInterrupt, raised in the cell
+    assert results[0].outcome.error is not None and results[0].outcome.error.ename == "KeyboardInterrupt"
+
+
+async def test_reset_when_idle_clears_state_and_keeps_files(manager: SessionManager) -> None:
+    session = await manager.resolve(None)
+    await run(session, "kept = 7\nopen('note.txt', 'w').write('still here')")
+    await session.reset()
+    after = await run(session, "'kept' in dir(), open('note.txt').read()")
+    assert "(False, 'still here')" in text(after)
+    assert session.restarts == 1
+
+
+async def _reset_during_a_run(session: Session) -> ExecutionResult:
+    await run(session, "kept = 7")
+    results: list[ExecutionResult] = []
+    async with anyio.create_task_group() as tg:
+
+        async def long_run() -> None:
+            results.append(await run(session, LONG_CELL, timeout_s=60))
+
+        tg.start_soon(long_run)
+        await until(lambda: session.busy, "the run to start")
+        await session.reset()
+    after = await run(session, "'kept' in dir()")
+    assert after.outcome.status is RunStatus.OK and "False" in text(after)
+    return results[0]
+
+
+async def test_reset_while_busy_stops_the_run(manager: SessionManager) -> None:
+    session = await manager.resolve(None)
+    stopped = await _reset_during_a_run(session)
+    assert stopped.notice == "stopped by kernel_reset: state lost" and stopped.state_lost
+
+
+async def test_reset_while_busy_kills_a_run_that_ignores_the_interrupt(manager: SessionManager) -> None:
+    fake(manager).cue(Cue.IGNORE_INTERRUPTS)
+    session = await manager.resolve(None)
+    first = session.kernel
+    stopped = await _reset_during_a_run(session)
+    assert stopped.notice == "stopped by kernel_reset: state lost" and stopped.state_lost
+    assert first is not None and first.process is not None and not first.process.alive
+
+
+async def test_close_during_a_run_ends_the_run_and_removes_the_session(manager: SessionManager) -> None:
+    session = await manager.create()
+    results: list[ExecutionResult] = []
+    async with anyio.create_task_group() as tg:
+
+        async def long_run() -> None:
+            results.append(await run(session, LONG_CELL, timeout_s=60))
+
+        tg.start_soon(long_run)
+        await until(lambda: session.busy, "the run to start")
+        await manager.close(session.session_id)
+    assert results[0].notice == "the session was closed during this call" and results[0].state_lost
+    assert manager.list() == [] and not session.workspace.path.exists()
+    assert not any(process.alive for process in fake(manager).spawned)
+    with pytest.raises(SessionError, match="unknown or expired session_id"):
+        await manager.resolve(session.session_id)
+    with pytest.raises(SessionError, match="was closed"):
+        await run(session, "1")
+
+
+async def test_each_caller_has_its_own_default_session(manager: SessionManager) -> None:
+    alice = await manager.resolve(None, "tok/client:alice")
+    assert await manager.resolve(None, "tok/client:alice") is alice
+    bob = await manager.resolve(None, "tok/client:bob")
+    assert bob is not alice and manager.is_default(alice) and manager.is_default(bob)
+    await run(alice, "who = 'alice'")
+    assert "False" in text(await run(bob, "'who' in dir()"))
+    # Same token: bob may use alice's session by id; another token may not.
+    assert await manager.resolve(alice.session_id, "tok/client:bob") is alice
+    with pytest.raises(SessionError, match="belongs to another client"):
+        await manager.resolve(alice.session_id, "other/client:eve")
+    assert manager.list("tok/client:alice") == [alice]
+    await manager.release_caller("tok/client:alice")
+    assert manager.list() == [bob]
+    assert await manager.resolve(None, "tok/client:alice") is not alice
+
+
+async def test_max_sessions_refuses_one_more(make_manager: ManagerFactory) -> None:
+    async with make_manager(max_sessions=2) as manager:
+        first = await manager.create()
+        await manager.create()
+        with pytest.raises(SessionError, match=r"session limit reached \(2 open\)"):
+            await manager.create()
+        await manager.close(first.session_id)
+        third = await manager.create()
+        assert len(manager.list()) == 2 and third.session_id != first.session_id
+
+
+async def test_max_sessions_per_client_counts_each_callers_sessions(make_manager: ManagerFactory) -> None:
+    async with make_manager(max_sessions_per_client=1) as manager:
+        await manager.create(owner="tok/client:alice")
+        with pytest.raises(SessionError, match="already holds 1 sessions"):
+            await manager.create(owner="tok/client:alice")
+        await manager.create(owner="tok/client:bob")
+
+
+async def test_the_idle_reaper_closes_idle_sessions_but_not_busy_ones(make_manager: ManagerFactory) -> None:
+    async with make_manager(idle_timeout_s=0.5) as manager:
+        idle = await manager.create()
+        busy = await manager.create()
+        # Its idle time counts from before its kernel started, which may itself take longer than
+        # the limit on a loaded machine: start counting now, so only the run below is tested.
+        busy.last_used = time.monotonic()
+        # A run much longer than the idle limit: the reaper passes several times and must let it be.
+        result = await run(busy, "import time\ntime.sleep(1.5)\n'done'", timeout_s=30)
+        assert result.outcome.status is RunStatus.OK and result.notice is None
+        await until(lambda: idle not in manager.list(), "the idle session to be reaped")
+        assert idle.closed and not idle.workspace.path.exists()
+        await until(lambda: manager.list() == [], "the other session to be reaped once idle")

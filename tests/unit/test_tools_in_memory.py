@@ -1,0 +1,166 @@
+"""The tools as a client sees them: the SDK's own client against build_server(manager), in memory.
+
+What is checked is the MCP surface (argument parsing, reply shapes, isError with plain text),
+not containment: the manager runs on the fake backend.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client
+from mcp.types import CallToolResult, ImageContent, TextContent
+
+from coderunner.server import build_server
+from coderunner.sessions import SessionManager
+from coderunner.toolsets import selected_tools
+
+pytestmark = pytest.mark.anyio
+
+WAIT_S = 20.0
+
+
+@pytest.fixture
+async def client(manager: SessionManager) -> AsyncIterator[Client]:
+    async with Client(build_server(manager), raise_exceptions=True) as connected:
+        yield connected
+
+
+def text(result: CallToolResult) -> str:
+    return "\n".join(block.text for block in result.content if isinstance(block, TextContent))
+
+
+def payload(result: CallToolResult) -> dict[str, Any]:
+    assert not result.is_error, text(result)
+    return json.loads(text(result))
+
+
+async def test_lists_the_configured_tools(client: Client, manager: SessionManager) -> None:
+    listed = {tool.name for tool in (await client.list_tools()).tools}
+    assert listed == set(selected_tools(manager.settings.tools))
+    assert {"run_python", "kernel_reset", "create_session", "read_file"} <= listed
+
+
+async def test_run_python_keeps_state_and_answers_in_text(client: Client) -> None:
+    await client.call_tool("run_python", {"code": "x = 20"})
+    result = await client.call_tool("run_python", {"code": "print('sum:', x + 1)\nx * 2"})
+    assert not result.is_error
+    assert "sum: 21" in text(result) and "40" in text(result)
+
+
+async def test_a_raising_cell_is_an_error_result_with_the_traceback(client: Client) -> None:
+    result = await client.call_tool("run_python", {"code": "1 / 0"})
+    assert result.is_error
+    assert "ZeroDivisionError" in text(result) and "\x1b[" not in text(result)
+
+
+async def test_variables_arrive_as_globals(client: Client) -> None:
+    result = await client.call_tool("run_python", {"code": "n * 2, name", "variables": '{"n": 21, "name": "a"}'})
+    assert not result.is_error and "(42, 'a')" in text(result)
+    refused = await client.call_tool("run_python", {"code": "1", "variables": "[1, 2]"})
+    assert refused.is_error and "Traceback" not in text(refused)
+
+
+async def test_a_chart_comes_back_as_an_image(client: Client) -> None:
+    code = "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nplt.show()"
+    result = await client.call_tool("run_python", {"code": code})
+    assert not result.is_error, text(result)
+    images = [block for block in result.content if isinstance(block, ImageContent)]
+    assert len(images) == 1 and images[0].mime_type == "image/png"
+
+
+async def test_a_timeout_interrupts_and_says_the_state_is_kept(client: Client) -> None:
+    await client.call_tool("run_python", {"code": "kept = 5"})
+    result = await client.call_tool("run_python", {"code": "import time\ntime.sleep(60)", "timeout_s": 1})
+    assert "interrupted; the kernel and its state are kept" in text(result)
+    assert "5" in text(await client.call_tool("run_python", {"code": "kept"}))
+
+
+async def test_kernel_reset_clears_state(client: Client) -> None:
+    await client.call_tool("run_python", {"code": "kept = 5"})
+    reset = payload(await client.call_tool("kernel_reset", {}))
+    assert reset["reset"] is True and reset["restarts"] == 1
+    assert "False" in text(await client.call_tool("run_python", {"code": "'kept' in dir()"}))
+
+
+async def test_sessions_are_created_used_listed_and_closed(client: Client) -> None:
+    created = payload(await client.call_tool("create_session", {"timeout_s": 9}))
+    session_id = created["session_id"]
+    assert created["timeout_s"] == 9 and created["default"] is False
+    await client.call_tool("run_python", {"code": "where = 'own'", "session_id": session_id})
+    own = await client.call_tool("run_python", {"code": "where", "session_id": session_id})
+    assert "own" in text(own)
+    default = await client.call_tool("run_python", {"code": "'where' in dir()"})
+    assert "False" in text(default)
+    listed = payload(await client.call_tool("list_sessions", {}))["sessions"]
+    assert {entry["session_id"] for entry in listed} >= {session_id}
+    status = payload(await client.call_tool("session_status", {"session_id": session_id}))
+    assert status["alive"] is True and status["busy"] is False
+    assert payload(await client.call_tool("close_session", {"session_id": session_id})) == {"closed": session_id}
+    gone = await client.call_tool("run_python", {"code": "1", "session_id": session_id})
+    assert gone.is_error and "unknown or expired session_id" in text(gone)
+
+
+async def test_bad_session_arguments_are_plain_errors(client: Client, manager: SessionManager) -> None:
+    result = await client.call_tool("close_session", {"session_id": "no-such-session"})
+    assert result.is_error and "unknown or expired session_id 'no-such-session'" in text(result)
+    named = await client.call_tool("create_session", {"name": "bad name!"})
+    assert named.is_error and "use 1-40 letters" in text(named)
+    assert manager.list() == []
+
+
+async def test_files_written_are_seen_by_the_kernel_and_read_back(client: Client) -> None:
+    written = payload(await client.call_tool("write_file", {"path": "/workspace/in.txt", "content": "hi"}))
+    assert written["path"] == "/workspace/in.txt" and written["bytes"] == 2
+    result = await client.call_tool("run_python", {"code": "open('out.txt', 'w').write(open('in.txt').read() * 2)"})
+    assert not result.is_error, text(result)
+    paths = {entry["path"] for entry in payload(await client.call_tool("list_files", {}))["entries"]}
+    assert {"/workspace/in.txt", "/workspace/out.txt"} <= paths
+    assert "hihi" in text(await client.call_tool("read_file", {"path": "/workspace/out.txt"}))
+    escape = await client.call_tool("read_file", {"path": "/workspace/../etc/passwd"})
+    assert escape.is_error
+
+
+async def test_a_cancelled_call_interrupts_its_cell(client: Client, manager: SessionManager) -> None:
+    await client.call_tool("run_python", {"code": "kept = 5"})
+    session = await manager.resolve(None)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(client.call_tool, "run_python", {"code": "import time\ntime.sleep(60)", "timeout_s": 120})
+        with anyio.fail_after(WAIT_S):
+            while not session.busy:
+                await anyio.sleep(0.02)
+        tg.cancel_scope.cancel()
+    with anyio.fail_after(WAIT_S):
+        while session.busy:
+            await anyio.sleep(0.02)
+    after = await client.call_tool("run_python", {"code": "kept"})
+    assert not after.is_error and "5" in text(after) and session.restarts == 0
+
+
+async def test_execute_code_runs_once_and_reports(client: Client, manager: SessionManager) -> None:
+    code = "import sys\nprint(n + 1)\nprint('warn', file=sys.stderr)\nsys.exit(3)"
+    failed = await client.call_tool("execute_code", {"language": "python", "code": code, "variables": '{"n": 41}'})
+    assert failed.is_error  # a non-zero exit is the program's failure, told as an error
+    result = json.loads(text(failed))
+    assert result["stdout"].strip() == "42" and "warn" in result["stderr"]
+    assert result["exit_code"] == 3 and result["success"] is False and result["timed_out"] is False
+    shell = payload(await client.call_tool("execute_code", {"language": "bash", "code": "echo $((6 * 7))"}))
+    assert shell["stdout"].strip() == "42" and shell["success"] is True
+    assert manager.list() == []  # no session was made for it
+
+
+async def test_execute_code_kills_a_run_at_its_deadline(client: Client) -> None:
+    timed_out = await client.call_tool("execute_code", {"language": "bash", "code": "sleep 60", "timeout_s": 1})
+    result = json.loads(text(timed_out))
+    assert timed_out.is_error and result["timed_out"] is True and result["success"] is False
+
+
+async def test_validate_code_checks_syntax_without_running(client: Client) -> None:
+    good = await client.call_tool("validate_code", {"language": "python", "code": "open('ran', 'w')"})
+    bad = await client.call_tool("validate_code", {"language": "python", "code": "def f(:\n  pass"})
+    assert not good.is_error and "SyntaxError" not in text(good)
+    assert "invalid syntax" in text(bad) or "SyntaxError" in text(bad)
