@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import CodeRunnerError
 from .sandbox.base import Mount
 
 #: How many symlinks one resolution may follow (the kernel's own limit).
@@ -28,7 +29,7 @@ MAX_LIST_ENTRIES = 2000
 WORKSPACE = "/workspace"
 
 
-class FileAccessError(Exception):
+class FileAccessError(CodeRunnerError):
     """A file request that is refused or failed; the message is meant for the caller."""
 
 

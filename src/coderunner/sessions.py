@@ -27,6 +27,7 @@ from . import hostfs
 from .callers import LOCAL_CALLER, client_of_key
 from .client_tokens import tokens_dir
 from .config import MIN_MEMORY_MB, Settings
+from .errors import GuestCallError, SessionBusy, SessionError
 from .exports import ExportError, client_folder, folder_owner, prepare_export_dir
 from .files import SandboxFiles
 from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
@@ -51,18 +52,6 @@ CLOSE_WAIT_S = 5.0
 #: Bound on a quick guest call (setting variables), and the margin added to a slow one's own bound.
 GUEST_MARGIN_S = 15.0
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
-
-
-class SessionError(Exception):
-    """A request about sessions that cannot be served; the message says what to do instead."""
-
-
-class GuestCallError(SessionError):
-    """A guest tool refused its input or failed; the message is the reason."""
-
-
-class SessionBusy(SessionError):
-    """Another call holds the session's kernel."""
 
 
 @dataclass(frozen=True)

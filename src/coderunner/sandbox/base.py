@@ -17,6 +17,7 @@ from typing import Protocol
 import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, Process, TaskGroup
 
+from ..errors import CodeRunnerError
 from .cgroups import SessionCgroup
 from .identity import HostIdentity
 
@@ -46,7 +47,7 @@ def etc_files(network: str) -> dict[str, str]:
     }
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(CodeRunnerError):
     """The chosen backend cannot work here; the message says how to fix it."""
 
 
