@@ -15,7 +15,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -292,6 +292,19 @@ class Session:
             if self.kernel is None or not self.kernel.alive:
                 await self._replace_kernel()
             return await self._guest_call_held(tool, arguments, timeout_s)
+
+    async def guest_op(
+        self, tool: str, op: str, args: dict[str, Any], timeout_s: float, *,
+        paths: Iterable[str] = (), input_path: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One op of a guest tool (pdf_ops, image_ops, browser). The args named in `paths`, and
+        `input_path`, are sandbox paths: confined to this session's files by the host before the call."""
+        payload: dict[str, Any] = {"op": op}
+        args = self.files.confine(args, paths)
+        if input_path is not None:
+            payload["input_path"] = self.files.resolve(input_path).sandbox_path
+        payload["args"] = args
+        return await self.call_guest(tool, payload, timeout_s)
 
     async def _guest_call_held(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """call_guest for a caller that already holds the kernel."""
