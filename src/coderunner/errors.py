@@ -28,11 +28,12 @@ Each class lives beside the code that raises it; the tree, with where each one i
     └── PackagesError                packages.py     a package list pip must not be given
 
 Internal errors are not in the tree: they are translated where they cross into caller-facing code.
-At the backend seam (sandbox/): EngineError, IdentityError, SeccompUnavailable -> SandboxUnavailable;
-CgroupsUnavailable becomes a degraded-isolation note. In the kernel: SandboxExited, HostFsError,
-timeouts -> KernelStartError. In sessions: MountsError, ExportError, StagingError, OSError while
-preparing folders -> SessionError. Wire-level errors (ZmtpError, ChannelBroken) end a run with a
-notice in its result instead of an exception.
+At the backend seam (sandbox/): a backend's spawn raises SandboxUnavailable only (base.start_failures
+translates OSError, EngineError and CgroupsUnavailable); at construction IdentityError and
+SeccompUnavailable become SandboxUnavailable, a missing cgroup tree a note on degraded isolation. In the
+kernel: SandboxExited, HostFsError and timeouts at start -> KernelStartError; a broken or garbled channel
+(ChannelBroken, ZmtpError) ends the kernel and the run's reply says so. In sessions: MountsError,
+ExportError and OSError while preparing a sandbox's folders -> SessionError.
 
 MountError keeps ValueError as a second base: pydantic turns it into a settings error only as such.
 """
