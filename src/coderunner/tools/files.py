@@ -17,7 +17,7 @@ from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.types import CallToolResult
 from pydantic import Field
 
-from ..errors import SessionError
+from ..errors import CodeRunnerError
 from ..file_results import read_file_result
 from ..files import FileAccessError, copy
 from ..transfers import export_target, import_source
@@ -128,11 +128,12 @@ def register(tools: ToolContext) -> None:
         description="A file in a session's workspace or mounts, e.g. sandbox://SESSION/workspace/out.csv",
     )
     async def sandbox_file(session_id: str, path: str, ctx: Context) -> bytes:
+        limit = settings.resource_limit_bytes
         try:
             session = await tools.manager.resolve(session_id, tools.caller(ctx))
-        except SessionError as exc:
+            data, size, _ = await tools.off_loop(session.files.read, "/" + path, limit=limit + 1)
+        except CodeRunnerError as exc:
             raise ResourceError(str(exc)) from None  # the SDK shows a ResourceError's own words
-        data, size, _ = await tools.off_loop(session.files.read, "/" + path, limit=settings.resource_limit_bytes + 1)
-        if size > settings.resource_limit_bytes:
+        if size > limit:
             raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")
         return data
