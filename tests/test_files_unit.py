@@ -82,3 +82,15 @@ def test_coderunner_state_and_system_paths_are_refused(tmp_path: Path) -> None:
         with pytest.raises(MountError, match="reserved"):
             check_sandbox_path(reserved)
     assert check_sandbox_path("/mnt/data/") == "/mnt/data"
+
+
+def test_guest_arguments_are_confined_before_a_guest_sees_them(view: SandboxFiles, tmp_path: Path) -> None:
+    os.symlink("/data", tmp_path / "ws" / "shared")
+    arguments = {"output": "out.pdf", "inputs": ["a.pdf", "shared/table.csv"], "pages": "1-2"}
+    confined = view.confine(arguments, ("output", "output_prefix", "inputs"))
+    assert confined == {"output": "/workspace/out.pdf", "inputs": ["/workspace/a.pdf", "/data/table.csv"],
+                        "pages": "1-2"}  # fmt: skip
+    assert arguments["output"] == "out.pdf"  # the caller's dict is left as it was
+    for escape in ({"output": "../host-secret"}, {"inputs": ["ok.pdf", "/etc/passwd"]}):
+        with pytest.raises(FileAccessError, match="outside what the sandbox shares"):
+            view.confine(escape, ("output", "inputs"))

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .client_tokens import PRIMARY_CLIENT, ClientTokenError, ClientTokens, tokens_dir
+from .errors import CodeRunnerError
 from .session_binding import BindMcpSessions
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ WILDCARD_BINDS = ("0.0.0.0", "::", "")
 CLIENT_SCOPE_KEY = "coderunner.client"
 
 
-class AuthError(Exception):
+class AuthError(CodeRunnerError):
     """The token cannot be read or made, or the bind is not allowed; the message says why."""
 
 

@@ -14,13 +14,12 @@ from pathlib import Path
 import anyio
 
 from . import __version__, client_tokens, doctor, sandbox_env
-from .auth import AuthError, ensure_token, read_token
+from .auth import ensure_token, read_token
 from .client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
-from .config import ConfigError, Settings, load_settings
-from .kernel import KernelStartError
-from .mounts import MountError
-from .sandbox import SandboxUnavailable, image, make_backend
-from .sessions import SessionError, SessionManager
+from .config import Settings, load_settings
+from .errors import CodeRunnerError
+from .sandbox import image, make_backend
+from .sessions import SessionManager
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -129,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         settings = _settings(args)
-    except ConfigError as exc:
+    except CodeRunnerError as exc:  # a ConfigError: exit 2, as for bad arguments
         print(f"coderunner: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(
@@ -170,15 +169,7 @@ def main(argv: list[str] | None = None) -> int:
             sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
             print(f"sandbox environment ready: {settings.sandbox_env}")
             return 0
-    except (
-        SandboxUnavailable,
-        SessionError,
-        KernelStartError,
-        sandbox_env.SetupError,
-        MountError,
-        AuthError,
-        client_tokens.ClientTokenError,
-    ) as exc:
+    except CodeRunnerError as exc:  # the message says the fix; anything else is a bug, with its traceback
         print(f"coderunner: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

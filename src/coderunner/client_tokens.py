@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import CodeRunnerError
+
 log = logging.getLogger(__name__)
 
 #: The client that the server's own token (token_file / CODERUNNER_TOKEN) is.
@@ -42,7 +44,7 @@ _HASH = re.compile(r"[0-9a-f]{64}")
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
-class ClientTokenError(Exception):
+class ClientTokenError(CodeRunnerError):
     """A token command that cannot be done; the message says what to do instead."""
 
 

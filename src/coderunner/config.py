@@ -19,6 +19,7 @@ from pydantic_settings import (
 )
 
 from . import __version__
+from .errors import CodeRunnerError
 from .mounts import MountSpec
 from .toolsets import ALL, TOOL_GROUPS, ToolsetError, check_selection
 
@@ -69,7 +70,7 @@ def default_runtime_dir() -> Path:
     return Path("/tmp") / f"coderunner-{os.getuid()}"
 
 
-class ConfigError(Exception):
+class ConfigError(CodeRunnerError):
     """The configuration cannot be used; the message says which setting and why."""
 
 

@@ -15,10 +15,12 @@ import errno
 import os
 import posixpath
 import stat
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from .errors import CodeRunnerError
 from .sandbox.base import Mount
 
 #: How many symlinks one resolution may follow (the kernel's own limit).
@@ -28,7 +30,7 @@ MAX_LIST_ENTRIES = 2000
 WORKSPACE = "/workspace"
 
 
-class FileAccessError(Exception):
+class FileAccessError(CodeRunnerError):
     """A file request that is refused or failed; the message is meant for the caller."""
 
 
@@ -105,6 +107,21 @@ class SandboxFiles:
             rest = resolved.parts[index + 1 :]
             current = self.normalize(posixpath.join(target, *rest), base=parent)
         raise FileAccessError(f"{path}: too many levels of symbolic links")
+
+    def confine(self, arguments: dict[str, Any], names: Iterable[str]) -> dict[str, Any]:
+        """A copy of `arguments` whose named paths (a path, or a list of them) are resolved here first.
+
+        A guest tool is handed only paths the host resolved in this view, so what it may touch is the
+        host's decision; an escape is refused with FileAccessError before the guest is called.
+        """
+        confined = dict(arguments)
+        for name in names:
+            value = confined.get(name)
+            if isinstance(value, str):
+                confined[name] = self.resolve(value).sandbox_path
+            elif isinstance(value, list):
+                confined[name] = [self.resolve(str(item)).sandbox_path for item in value]
+        return confined
 
     def _first_symlink(self, resolved: Resolved) -> tuple[int, str] | None:
         """(index, target) of the first component that is a symlink, or None."""

@@ -25,6 +25,7 @@ import anyio
 from anyio.abc import TaskGroup
 from jupyter_client.session import Session
 
+from .errors import CodeRunnerError
 from .hostfs import HostFsError
 from .kernel_channels import (
     IOPUB_LIMITS,
@@ -67,7 +68,7 @@ HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
 
 
-class KernelStartError(RuntimeError):
+class KernelStartError(CodeRunnerError):
     """The kernel did not come up; the message carries what the sandbox said."""
 
 

@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, field_validator
 
 from . import staging
+from .errors import CodeRunnerError
 from .sandbox.base import Mount
 from .sandbox.identity import HostIdentity
 
@@ -25,7 +26,7 @@ RESERVED_SANDBOX_PATHS = (
 )  # fmt: skip
 
 
-class MountError(ValueError):
+class MountError(CodeRunnerError, ValueError):
     """A mount that is refused; the message says why and what to do."""
 
 

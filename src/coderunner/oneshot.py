@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 from anyio.abc import ByteReceiveStream, TaskGroup
 
+from .errors import CodeRunnerError
 from .sandbox.base import Mount, SandboxBackend, SandboxProcess, SandboxSpec
 from .session_dirs import SandboxDirs
 
@@ -37,7 +38,7 @@ CHECK_TIMEOUT_S = 30.0
 MAX_CHECK_ANSWER_BYTES = 1 << 20
 
 
-class OneShotError(Exception):
+class OneShotError(CodeRunnerError):
     """The run could not be set up (bad arguments, sandbox failure); the message says why."""
 
 

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import re
 
+from .errors import CodeRunnerError
+
 _NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*(\[[A-Za-z0-9._,-]+\])?"
 _VERSION = r"[<>=!~]=?[A-Za-z0-9.*+!_-]+"
 REQUIREMENT = re.compile(f"{_NAME}({_VERSION}(,{_VERSION})*)?")
 MAX_PACKAGES = 32
 
 
-class PackagesError(ValueError):
+class PackagesError(CodeRunnerError):
     """A package list pip must not be given; the message names the bad entry."""
 
 

@@ -45,6 +45,7 @@ from mcp.types import (
 from . import __version__
 from .auth import HEALTH_PATH
 from .callers import CLIENT_HEADER
+from .errors import CodeRunnerError
 from .server import INSTRUCTIONS
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,7 @@ REQUEST_TIMEOUT_S = 120.0
 T = TypeVar("T")
 
 
-class ProxyError(Exception):
+class ProxyError(CodeRunnerError):
     """The upstream server cannot be used; the message says why and what to do."""
 
 

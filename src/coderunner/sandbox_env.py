@@ -12,13 +12,15 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from .errors import CodeRunnerError
+
 #: Bounds on the two steps of `coderunner setup`; pip of numpy/pandas/matplotlib takes minutes.
 VENV_TIMEOUT_S = 300
 PIP_TIMEOUT_S = 1800
 
 
-class SetupError(RuntimeError):
-    pass
+class SetupError(CodeRunnerError):
+    """The sandbox environment could not be made; the message names the failing step."""
 
 
 def requirements_text() -> str:

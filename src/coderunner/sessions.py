@@ -15,7 +15,7 @@ import os
 import re
 import secrets
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from . import hostfs
 from .callers import LOCAL_CALLER, client_of_key
 from .client_tokens import tokens_dir
 from .config import MIN_MEMORY_MB, Settings
+from .errors import GuestCallError, SessionBusy, SessionError
 from .exports import ExportError, client_folder, folder_owner, prepare_export_dir
 from .files import SandboxFiles
 from .kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
@@ -51,18 +52,6 @@ CLOSE_WAIT_S = 5.0
 #: Bound on a quick guest call (setting variables), and the margin added to a slow one's own bound.
 GUEST_MARGIN_S = 15.0
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
-
-
-class SessionError(Exception):
-    """A request about sessions that cannot be served; the message says what to do instead."""
-
-
-class GuestCallError(SessionError):
-    """A guest tool refused its input or failed; the message is the reason."""
-
-
-class SessionBusy(SessionError):
-    """Another call holds the session's kernel."""
 
 
 @dataclass(frozen=True)
@@ -303,6 +292,19 @@ class Session:
             if self.kernel is None or not self.kernel.alive:
                 await self._replace_kernel()
             return await self._guest_call_held(tool, arguments, timeout_s)
+
+    async def guest_op(
+        self, tool: str, op: str, args: dict[str, Any], timeout_s: float, *,
+        paths: Iterable[str] = (), input_path: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One op of a guest tool (pdf_ops, image_ops, browser). The args named in `paths`, and
+        `input_path`, are sandbox paths: confined to this session's files by the host before the call."""
+        payload: dict[str, Any] = {"op": op}
+        args = self.files.confine(args, paths)
+        if input_path is not None:
+            payload["input_path"] = self.files.resolve(input_path).sandbox_path
+        payload["args"] = args
+        return await self.call_guest(tool, payload, timeout_s)
 
     async def _guest_call_held(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """call_guest for a caller that already holds the kernel."""

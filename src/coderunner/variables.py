@@ -18,6 +18,8 @@ import keyword
 import re
 from typing import Any
 
+from .errors import CodeRunnerError
+
 IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}\Z")
 MAX_VARIABLES = 256
 MAX_JSON_BYTES = 1 << 20
@@ -37,7 +39,7 @@ BASH_RESERVED = frozenset(_BASH_WORDS.split())
 BASH_RESERVED_PREFIXES = ("BASH", "LD_", "LC_", "PYTHON", "NODE_", "CODERUNNER", "MALLOC_", "GCONV", "NLSPATH")
 
 
-class VariablesError(ValueError):
+class VariablesError(CodeRunnerError):
     """A variable cannot be passed as asked; the message names it and says why."""
 
 

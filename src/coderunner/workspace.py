@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import hostfs
+from .errors import CodeRunnerError
 
 log = logging.getLogger(__name__)
 
@@ -27,8 +28,8 @@ log = logging.getLogger(__name__)
 COMMAND_TIMEOUT_S = 30
 
 
-class WorkspaceError(RuntimeError):
-    pass
+class WorkspaceError(CodeRunnerError):
+    """A persistent workspace that cannot be used as asked; the message says why."""
 
 
 def _run(argv: list[str]) -> None:

@@ -25,7 +25,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
+from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
 from .bwrap import rlimit_prefix, sandbox_environment
 from .container import (
     IMAGE_PYTHON,
@@ -246,6 +246,12 @@ class AppleBackend:
         return self.command.run(spec, [*prefix, *inner], name, sockets=sockets)
 
     async def spawn(
+        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
+    ) -> SandboxProcess:
+        with start_failures("Apple container"):
+            return await self._spawn(spec, argv, task_group, pipes=pipes)
+
+    async def _spawn(
         self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
     ) -> SandboxProcess:
         if pipes:

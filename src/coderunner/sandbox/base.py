@@ -10,6 +10,7 @@ import collections
 import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -17,7 +18,9 @@ from typing import Protocol
 import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, Process, TaskGroup
 
-from .cgroups import SessionCgroup
+from ..errors import CodeRunnerError
+from .cgroups import CgroupsUnavailable, SessionCgroup
+from .engine import EngineError
 from .identity import HostIdentity
 
 #: How much of a sandbox's own stderr (bwrap errors, kernel crash text) is kept for error messages.
@@ -46,8 +49,19 @@ def etc_files(network: str) -> dict[str, str]:
     }
 
 
-class SandboxUnavailable(RuntimeError):
+class SandboxUnavailable(CodeRunnerError):
     """The chosen backend cannot work here; the message says how to fix it."""
+
+
+@contextlib.contextmanager
+def start_failures(backend: str) -> Iterator[None]:
+    """The backend seam: what starting a sandbox meets from below (the OS, an engine, the cgroup tree)
+    reaches callers as SandboxUnavailable, the one caller-facing error of a backend."""
+    try:
+        yield
+    except (OSError, EngineError, CgroupsUnavailable) as exc:
+        detail = str(exc) or type(exc).__name__  # a bare TimeoutError says nothing by itself
+        raise SandboxUnavailable(f"could not start the {backend} sandbox: {detail}") from exc
 
 
 @dataclass(frozen=True)
@@ -147,6 +161,7 @@ class SandboxBackend(Protocol):
         With `pipes`, the program's stdin, stdout and stderr are pipes the caller reads and
         writes (one-shot runs); otherwise stdin and stdout are /dev/null and stderr is kept as
         a bounded tail for error messages (kernels, whose channels are ZMQ sockets).
+        Raises SandboxUnavailable only: an implementation translates the rest with start_failures.
         """
         ...
 

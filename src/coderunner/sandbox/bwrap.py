@@ -33,6 +33,7 @@ from .base import (
     SandboxProcess,
     SandboxSpec,
     SandboxUnavailable,
+    start_failures,
 )
 from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
@@ -318,6 +319,12 @@ class BwrapBackend:
             self.cgroups.remove_named(name)
 
     async def spawn(
+        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
+    ) -> SandboxProcess:
+        with start_failures("bwrap"):
+            return await self._spawn(spec, argv, task_group, pipes=pipes)
+
+    async def _spawn(
         self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
     ) -> SandboxProcess:
         problem = self.network_problem(spec.network)

@@ -29,7 +29,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
+from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
 from .bwrap import PROC_MASKED_DIRS, PROC_MASKED_FILES, rlimit_prefix, sandbox_environment
 from .container import (
     IMAGE_PYTHON,
@@ -345,6 +345,12 @@ class OciBackend:
         return None
 
     async def spawn(
+        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
+    ) -> SandboxProcess:
+        with start_failures(self.name):
+            return await self._spawn(spec, argv, task_group, pipes=pipes)
+
+    async def _spawn(
         self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
     ) -> SandboxProcess:
         problem = self.network_problem(spec.network)

@@ -1,0 +1,59 @@
+"""One root for every error whose message is meant for the caller: CodeRunnerError.
+
+The message of a CodeRunnerError is for the person or model who asked, and says the fix. The tools turn
+it into an isError result (tools/context.py) and `coderunner` prints it (cli.py); both catch the root
+only, so a new caller-facing error needs no list updated anywhere. Anything else that escapes is a bug:
+its text stays in the server's log.
+
+Each class lives beside the code that raises it; the tree, with where each one is defined:
+
+    CodeRunnerError
+    ├── ConfigError                  config.py             a setting that cannot be used
+    ├── AuthError                    auth.py               the token cannot be read or made; a bind not allowed
+    ├── ClientTokenError             client_tokens.py      a token command that cannot be done
+    ├── SetupError                   sandbox_env.py        the sandbox environment could not be made
+    │   └── ImageError               sandbox/image.py      the sandbox image could not be built
+    ├── SandboxUnavailable           sandbox/base.py       the chosen backend cannot work here
+    │   ├── BwrapUnavailable         sandbox/bwrap.py
+    │   └── ContainerUnavailable     sandbox/container.py
+    ├── KernelStartError             kernel.py             the sandboxed kernel did not come up
+    ├── SessionError                 here                  a session request that cannot be served
+    │   ├── SessionBusy              here                  another call holds the kernel
+    │   └── GuestCallError           here                  a guest tool refused its input or failed
+    ├── OneShotError                 oneshot.py            a one-shot run that could not be set up
+    ├── MountError (+ ValueError)    mounts.py             a mount that is refused
+    ├── WorkspaceError               workspace.py          a persistent workspace that cannot be used
+    ├── FileAccessError              files.py              a file request refused or failed
+    ├── VariablesError               variables.py          a variable that cannot be passed
+    ├── PackagesError                packages.py           a package list pip must not be given
+    └── ProxyError                   proxy.py              `coderunner proxy` cannot use the upstream server
+        └── RequestNeverRan          proxy.py              ... and the request certainly did not run there
+
+Internal errors are not in the tree: they are translated where they cross into caller-facing code.
+At the backend seam (sandbox/): a backend's spawn raises SandboxUnavailable only (base.start_failures
+translates OSError, EngineError and CgroupsUnavailable); at construction IdentityError and
+SeccompUnavailable become SandboxUnavailable, a missing cgroup tree a note on degraded isolation. In the
+kernel: SandboxExited, HostFsError and timeouts at start -> KernelStartError; a broken or garbled channel
+(ChannelBroken, ZmtpError) ends the kernel and the run's reply says so. In sessions: MountsError,
+ExportError and OSError while preparing a sandbox's folders -> SessionError.
+
+MountError keeps ValueError as a second base: pydantic turns it into a settings error only as such.
+"""
+
+from __future__ import annotations
+
+
+class CodeRunnerError(Exception):
+    """A request that cannot be served; the message is for the caller and says the fix."""
+
+
+class SessionError(CodeRunnerError):
+    """A request about sessions that cannot be served; the message says what to do instead."""
+
+
+class GuestCallError(SessionError):
+    """A guest tool refused its input or failed; the message is the reason."""
+
+
+class SessionBusy(SessionError):
+    """Another call holds the session's kernel."""

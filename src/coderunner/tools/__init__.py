@@ -1,0 +1,23 @@
+"""The MCP tools, one module per concern; server.build_server registers them through one ToolContext.
+
+    context.py     ToolContext (manager, settings, caller lookup, session by id) and its `tool` decorator
+    arguments.py   argument types shared by several tools
+    python.py      run_python, kernel_reset
+    sessions.py    create_session, close_session, session_status, list_sessions
+    files.py       list_files, read_file, write_file, upload_file, download_file; the sandbox:// resource
+    guest.py       pdf_ops, image_ops, browser_* (work done inside the sandbox)
+    oneshot.py     execute_code, validate_code
+    packages.py    install_packages
+    workspaces.py  list_workspaces, delete_workspace
+    meta.py        get_capabilities
+
+A tool parses its arguments, calls the session or manager, and shapes the reply; the work is elsewhere.
+MODULES is in the order tools/list shows the tools.
+"""
+
+from . import files, guest, meta, oneshot, packages, python, sessions, workspaces
+from .context import ToolContext
+
+MODULES = (python, sessions, files, guest, oneshot, packages, workspaces, meta)
+
+__all__ = ["MODULES", "ToolContext"]

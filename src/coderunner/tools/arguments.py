@@ -1,0 +1,45 @@
+"""Argument types shared by several tools, defined once so their schemas cannot drift apart.
+
+Optional text arguments are plain strings where '' means "not given": no null to wrap, and a strict-mode
+model (which must send every argument) has an obvious value to send. session_id is explained once, in
+create_session's description and the server instructions, not in every tool.
+"""
+
+# No `from __future__ import annotations`: the SDK reads these types at runtime.
+
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BeforeValidator, Field
+
+from ..config import MIN_MEMORY_MB
+
+
+def _none_as_empty(value: Any) -> Any:
+    """A client that sends null for an optional text argument means "not given", as '' does."""
+    return "" if value is None else value
+
+
+#: Optional text: '' (or null, from lenient clients) means "not given".
+Text = Annotated[str, BeforeValidator(_none_as_empty)]
+
+
+def _object_as_text(value: Any) -> Any:
+    """A client that still sends an object for `variables` is served: it becomes the JSON text."""
+    return json.dumps(value) if isinstance(value, dict) else _none_as_empty(value)
+
+
+VariablesArg = Annotated[
+    str,
+    BeforeValidator(_object_as_text),
+    Field(description="JSON object text, e.g. '{\"n\": 3}'; keys become variables."),
+]
+LanguageArg = Literal["python", "javascript", "bash"]
+NetworkArg = Literal["none", "internet"]
+MemoryMb = Annotated[int, Field(ge=MIN_MEMORY_MB)]
+SessionId = Text
+Seconds = Annotated[float | None, Field(ge=1)]
+#: A page wait in the browser tools.
+BrowserSeconds = Annotated[float | None, Field(ge=1, le=300)]
+#: Optional path of an output file, for the guest tools.
+OutputPath = Text

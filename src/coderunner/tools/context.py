@@ -1,0 +1,133 @@
+"""What every tool module shares: one ToolContext, and the decorator that registers a tool.
+
+A tool raises CodeRunnerError (errors.py) for anything the caller can act on; the decorator turns it
+into an isError result with the plain message. Anything else is a bug and stays the SDK's (its text
+goes to the server's log, never to the model as a repr).
+"""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+import functools
+import json
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from mcp.server.mcpserver import Context, MCPServer
+from mcp.types import CallToolResult, TextContent, ToolAnnotations
+
+from ..callers import LOCAL_CALLER, caller_key, on_connection_close
+from ..capabilities import Capabilities
+from ..config import Settings
+from ..errors import CodeRunnerError
+from ..output import WorkspaceWriter
+from ..owners import client_of
+from ..results import ReplyBounds, error_result, guest_tool_result
+from ..sessions import Session, SessionManager
+
+#: Worker threads for file copies and /proc or workspace walks: up to 512 MiB each, never on the event loop.
+FILE_WORKERS = 4
+
+T = TypeVar("T")
+ToolFunction = TypeVar("ToolFunction", bound=Callable[..., Awaitable[CallToolResult]])
+
+
+def json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolResult:
+    """A JSON answer, as text for the model and as structured content for programs."""
+    return CallToolResult(
+        content=[TextContent(type="text", text=json.dumps(payload, indent=2))],
+        structured_content=payload,
+        is_error=is_error,
+    )
+
+
+@dataclass
+class ToolContext:
+    """The server and what its tools need: the manager, settings, caller lookup, a session by id."""
+
+    server: MCPServer
+    manager: SessionManager
+    capabilities: Capabilities
+    reply_bounds: ReplyBounds
+    file_workers: anyio.CapacityLimiter
+
+    @classmethod
+    def create(cls, server: MCPServer, manager: SessionManager) -> "ToolContext":
+        settings = manager.settings
+        return cls(
+            server=server,
+            manager=manager,
+            capabilities=Capabilities(),  # caches the versions it reads from a sandbox
+            reply_bounds=ReplyBounds(
+                settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes
+            ),
+            file_workers=anyio.CapacityLimiter(FILE_WORKERS),
+        )
+
+    @property
+    def settings(self) -> Settings:
+        return self.manager.settings
+
+    def tool(self, annotations: ToolAnnotations | None = None) -> Callable[[ToolFunction], ToolFunction]:
+        """Register a tool (unstructured output: images stay images) whose CodeRunnerError is an isError reply."""
+
+        def register(function: ToolFunction) -> ToolFunction:
+            @functools.wraps(function)  # the SDK reads name, docstring and signature through the wrapper
+            async def guarded(*args: Any, **kwargs: Any) -> CallToolResult:
+                try:
+                    return await function(*args, **kwargs)
+                except CodeRunnerError as exc:
+                    return error_result(str(exc))
+
+            self.server.tool(structured_output=False, annotations=annotations)(guarded)
+            return function
+
+        return register
+
+    async def off_loop(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Blocking file or /proc work in a bounded pool of threads, so other calls keep being served."""
+        partial = functools.partial(function, *args, **kwargs)
+        return await anyio.to_thread.run_sync(partial, limiter=self.file_workers)
+
+    def caller(self, ctx: Context) -> str:
+        """Which client this call is from: each has its own default session (see callers.py)."""
+        key = caller_key(ctx.request_context.request)
+        on_connection_close(ctx.request_context.session, key, self.manager.release_caller)
+        return key
+
+    @staticmethod
+    def client(ctx: Context) -> str:
+        """Which client owns this call's exports and persistent names (see owners.py)."""
+        return client_of(ctx.request_context.request)
+
+    @staticmethod
+    def share(ctx: Context) -> str | None:
+        """Whose share of the one-shot slots a call takes: none over stdio, where one client has them all."""
+        key = caller_key(ctx.request_context.request)
+        return None if key == LOCAL_CALLER else key
+
+    async def session(self, ctx: Context, session_id: str | None) -> Session:
+        """The session a call names ('' or None: the caller's default), or SessionError saying why not."""
+        return await self.manager.resolve(session_id or None, self.caller(ctx), self.client(ctx))
+
+    def summary(self, session: Session) -> dict[str, Any]:
+        """A session's status as the session tools report it."""
+        status = asdict(session.status())
+        status["default"] = self.manager.is_default(session)
+        return status
+
+    async def guest_reply(self, session: Session, result: dict[str, Any]) -> CallToolResult:
+        """A guest tool's answer under the bounds of cell output; an oversized answer spills to the workspace."""
+        if session.export_note:
+            result["exported"] = session.export_note
+        writer = WorkspaceWriter(session.workspace.path, self.manager.backend.workspace_path, session.dirs.owner)
+        return await self.off_loop(guest_tool_result, result, self.reply_bounds, writer)
+
+    @staticmethod
+    def with_export_note(reply: CallToolResult, session: Session) -> CallToolResult:
+        """Say what the call's copy-out put in the client's export folder (or refused), if anything."""
+        if session.export_note:
+            reply.content.append(TextContent(type="text", text=f"[{session.export_note}]"))
+        return reply

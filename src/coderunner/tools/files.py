@@ -1,0 +1,139 @@
+"""list_files, read_file, write_file, upload_file, download_file and the sandbox:// resource.
+
+Every path goes through the session's file view (files.py): the host never follows what the
+sandbox wrote. Copies and walks run off the event loop.
+"""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+import base64
+import binascii
+import posixpath
+from dataclasses import asdict
+from typing import Annotated, Any, Literal
+
+from mcp.server.mcpserver import Context
+from mcp.server.mcpserver.exceptions import ResourceError
+from mcp.types import CallToolResult
+from pydantic import Field
+
+from ..errors import CodeRunnerError
+from ..file_results import read_file_result
+from ..files import FileAccessError, copy
+from ..transfers import export_target, import_source
+from .arguments import SessionId, Text
+from .context import ToolContext, json_result
+
+
+def decoded(content: str, encoding: str) -> bytes:
+    """write_file's content as bytes; FileAccessError for base64 that is not."""
+    try:
+        return base64.b64decode(content, validate=True) if encoding == "base64" else content.encode()
+    except binascii.Error:
+        raise FileAccessError("content is not valid base64") from None
+
+
+def register(tools: ToolContext) -> None:
+    settings = tools.settings
+
+    @tools.tool()
+    async def list_files(
+        ctx: Context,
+        path: str = "/workspace",
+        depth: Annotated[int, Field(ge=1, le=5)] = 1,
+        session_id: SessionId = "",
+    ) -> CallToolResult:
+        """List a folder of the sandbox (workspace or mounts)."""
+        session = await tools.session(ctx, session_id)
+        entries = await tools.off_loop(session.files.list, path, depth)
+        return json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
+
+    @tools.tool()
+    async def read_file(
+        path: str,
+        ctx: Context,
+        session_id: SessionId = "",
+        offset: Annotated[int, Field(ge=0)] = 0,
+        length: Annotated[int | None, Field(ge=1)] = None,
+        start_line: Annotated[int | None, Field(ge=1)] = None,
+        end_line: Annotated[int | None, Field(ge=1)] = None,
+    ) -> CallToolResult:
+        """Read a sandbox file: text (byte offset/length or 1-based lines), images as images; big files as links."""
+        session = await tools.session(ctx, session_id)
+        return await tools.off_loop(
+            read_file_result, session.files, session.session_id, path, limit=settings.read_limit_bytes,
+            image_limit=settings.image_limit_bytes, offset=offset, length=length,
+            start_line=start_line, end_line=end_line, links=settings.file_links == "resource_link",
+        )  # fmt: skip
+
+    @tools.tool()
+    async def write_file(
+        path: str,
+        content: str,
+        ctx: Context,
+        encoding: Literal["text", "base64"] = "text",
+        overwrite: bool = True,
+        session_id: SessionId = "",
+    ) -> CallToolResult:
+        """Write a file in the workspace or a rw mount."""
+        session = await tools.session(ctx, session_id)
+        data = await tools.off_loop(decoded, content, encoding)
+        written = await tools.off_loop(session.files.write, path, data, overwrite=overwrite)
+        await session.copy_out()  # a file written to the export mount leaves now, as after a run
+        payload: dict[str, Any] = {"path": written, "bytes": len(data)}
+        if session.export_note:
+            payload["exported"] = session.export_note
+        return json_result(payload)
+
+    @tools.tool()
+    async def upload_file(
+        host_path: str,
+        ctx: Context,
+        sandbox_path: Annotated[Text, Field(description="Default /workspace/NAME.")] = "",
+        overwrite: bool = False,
+        session_id: SessionId = "",
+    ) -> CallToolResult:
+        """Copy a file from a host import folder into the sandbox."""
+        session = await tools.session(ctx, session_id)
+        source = import_source(settings.import_dirs, host_path)
+        target = sandbox_path or posixpath.basename(source.path)
+        copied, _, written = await tools.off_loop(copy, source.view, source.path, session.files, target,
+                                                  limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
+        return json_result({"host_path": str(source.host_path(source.path)), "sandbox_path": written,
+                            "bytes": copied})  # fmt: skip
+
+    @tools.tool()
+    async def download_file(
+        sandbox_path: str,
+        ctx: Context,
+        host_path: Annotated[Text, Field(description="Name in the export folder.")] = "",
+        overwrite: bool = False,
+        session_id: SessionId = "",
+    ) -> CallToolResult:
+        """Copy a sandbox file to the user's export folder on the host."""
+        session = await tools.session(ctx, session_id)
+        sandbox_uid = session.dirs.user.uid if session.dirs.user is not None else None
+        target = export_target(settings.export_dir, session.options.client, host_path or None,
+                               posixpath.basename(sandbox_path), sandbox_uid)  # fmt: skip
+        copied, read_from, written = await tools.off_loop(
+            copy, session.files, sandbox_path, target.view, target.path,
+            limit=settings.transfer_limit_bytes, overwrite=overwrite,
+        )  # fmt: skip
+        return json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),
+                            "bytes": copied})  # fmt: skip
+
+    @tools.server.resource(
+        "sandbox://{session_id}/{+path}",
+        name="sandbox-file",
+        description="A file in a session's workspace or mounts, e.g. sandbox://SESSION/workspace/out.csv",
+    )
+    async def sandbox_file(session_id: str, path: str, ctx: Context) -> bytes:
+        limit = settings.resource_limit_bytes
+        try:
+            session = await tools.manager.resolve(session_id, tools.caller(ctx))
+            data, size, _ = await tools.off_loop(session.files.read, "/" + path, limit=limit + 1)
+        except CodeRunnerError as exc:
+            raise ResourceError(str(exc)) from None  # the SDK shows a ResourceError's own words
+        if size > limit:
+            raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")
+        return data

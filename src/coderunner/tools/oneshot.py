@@ -1,0 +1,52 @@
+"""execute_code and validate_code: a whole program once, in a fresh throwaway sandbox."""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+from dataclasses import asdict
+from typing import Annotated
+
+from mcp.server.mcpserver import Context
+from mcp.types import CallToolResult, ToolAnnotations
+from pydantic import Field
+
+from ..oneshot import OneShotError
+from ..variables import check_variables, parse_variables
+from .arguments import LanguageArg, MemoryMb, NetworkArg, VariablesArg
+from .context import ToolContext, json_result
+
+#: Largest stdin execute_code passes on.
+MAX_STDIN_CHARS = 4 * 2**20
+
+
+def register(tools: ToolContext) -> None:
+    settings = tools.settings
+    manager = tools.manager
+
+    @tools.tool()  # not closed-world: it may run with network internet
+    async def execute_code(
+        language: LanguageArg,
+        code: str,
+        ctx: Context,
+        stdin: str = "",
+        variables: VariablesArg = "",
+        timeout_s: Annotated[float, Field(ge=1)] = settings.timeout_s,
+        memory_mb: MemoryMb = settings.memory_mb,
+        network: NetworkArg = settings.network,
+    ) -> CallToolResult:
+        """Run a whole program once in a fresh sandbox, nothing kept (javascript: Node.js). Returns exit_code,
+        stdout, stderr, timed_out, time and memory used."""
+        if len(stdin) > MAX_STDIN_CHARS:
+            raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
+        values = check_variables(parse_variables(variables), language)
+        options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
+        result = await manager.oneshot.run(
+            language, code, options, stdin=stdin.encode(), variables=values, caller=tools.share(ctx)
+        )
+        return json_result(asdict(result), is_error=not result.success)
+
+    @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
+        """Syntax errors (line, column) of code, without running it."""
+        options = manager.options(client=tools.client(ctx))
+        errors = await manager.oneshot.check(language, code, options, caller=tools.share(ctx))
+        return json_result({"language": language, "valid": not errors, "errors": errors})

@@ -1,0 +1,30 @@
+"""install_packages: pip inside the sandbox, into one session only."""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+from typing import Annotated
+
+from mcp.server.mcpserver import Context
+from mcp.types import CallToolResult, ToolAnnotations
+from pydantic import Field
+
+from ..packages import check_requirements
+from .arguments import SessionId
+from .context import ToolContext, json_result
+
+#: Default bound on pip in install_packages.
+PIP_TIMEOUT_S = 300.0
+
+
+def register(tools: ToolContext) -> None:
+    @tools.tool(annotations=ToolAnnotations(open_world_hint=True))
+    async def install_packages(
+        ctx: Context,
+        packages: list[str],
+        session_id: SessionId = "",
+        timeout_s: Annotated[float, Field(ge=1, le=1800)] = PIP_TIMEOUT_S,
+    ) -> CallToolResult:
+        """pip install into this session only (kept across kernel_reset). Needs network internet."""
+        wanted = check_requirements(packages)
+        session = await tools.session(ctx, session_id)
+        return json_result(await session.install_packages(wanted, timeout_s))

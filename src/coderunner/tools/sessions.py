@@ -1,0 +1,73 @@
+"""create_session, close_session, session_status, list_sessions: a caller's sessions."""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+from typing import Annotated
+
+from mcp.server.mcpserver import Context
+from mcp.types import CallToolResult
+from pydantic import Field
+
+from ..mounts import MountSpec
+from .arguments import MemoryMb, NetworkArg, SessionId, Text
+from .context import ToolContext, json_result
+
+
+def register(tools: ToolContext) -> None:
+    settings = tools.settings
+    manager = tools.manager
+
+    @tools.tool()
+    async def create_session(
+        ctx: Context,
+        network: Annotated[
+            NetworkArg,
+            Field(description="internet: outbound only; code can then send data anywhere."),
+        ] = settings.network,
+        memory_mb: MemoryMb = settings.memory_mb,
+        cpus: Annotated[float | None, Field(ge=0.1)] = None,
+        timeout_s: Annotated[float, Field(ge=1, description="run_python's default, seconds.")] = settings.timeout_s,
+        name: Text = "",
+        persistent: Annotated[
+            bool,
+            Field(description="Keep the named workspace's files; the same name reopens them."),
+        ] = False,
+        mounts: Annotated[
+            list[str],
+            Field(description="'HOST:SANDBOX[:ro|rw]' under allowed roots."),
+        ] = [],  # noqa: B006 - read only, and the schema shows it
+    ) -> CallToolResult:
+        """New session (own kernel and workspace). Other tools take its session_id; without one they use your
+        default session."""
+        specs = [MountSpec.parse(text) for text in mounts or []]
+        options = manager.options(
+            network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name or None,
+            persistent=persistent, client=tools.client(ctx),
+        )  # fmt: skip
+        session = await manager.create(options, owner=tools.caller(ctx))
+        summary = tools.summary(session)
+        if session.startup is not None:
+            summary["startup_files"] = session.startup
+        return json_result(summary)
+
+    @tools.tool()
+    async def close_session(
+        session_id: str,
+        ctx: Context,
+    ) -> CallToolResult:
+        """Stop a session's kernel and delete its workspace."""
+        await manager.close(session_id, tools.caller(ctx))
+        return json_result({"closed": session_id})
+
+    @tools.tool()
+    async def session_status(ctx: Context, session_id: SessionId = "") -> CallToolResult:
+        """A session's state, uptime, memory, limits and network."""
+        session = await tools.session(ctx, session_id)
+        return json_result(await tools.off_loop(tools.summary, session))
+
+    @tools.tool()
+    async def list_sessions(ctx: Context) -> CallToolResult:
+        """Your open sessions."""
+        sessions = manager.list(tools.caller(ctx))
+        summaries = await tools.off_loop(lambda: [tools.summary(session) for session in sessions])
+        return json_result({"sessions": summaries})

@@ -1,0 +1,32 @@
+"""list_workspaces and delete_workspace: a client's persistent named workspaces."""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+from dataclasses import asdict
+from typing import Annotated
+
+from mcp.server.mcpserver import Context
+from mcp.types import CallToolResult, ToolAnnotations
+from pydantic import Field
+
+from ..workspace import delete_named, list_named
+from .context import ToolContext, json_result
+
+
+def register(tools: ToolContext) -> None:
+    settings = tools.settings
+
+    @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def list_workspaces(ctx: Context) -> CallToolResult:
+        """Your persistent workspaces: name, size, in use."""
+        found = list_named(settings.workspaces_dir, tools.client(ctx))
+        return json_result({"workspaces": [asdict(entry) for entry in found]})
+
+    @tools.tool(annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
+    async def delete_workspace(
+        ctx: Context,
+        name: Annotated[str, Field(description="From list_workspaces.")],
+    ) -> CallToolResult:
+        """Delete a persistent workspace and its files (not while in use)."""
+        delete_named(settings.workspaces_dir, tools.client(ctx), name)
+        return json_result({"deleted": name})
