@@ -13,13 +13,14 @@ from pathlib import Path
 
 import anyio
 
-from . import __version__, client_tokens, doctor, sandbox_env
+from . import __version__, client_tokens, doctor
 from .auth import AuthError, ensure_token, read_token
 from .client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
 from .config import ConfigError, Settings, load_settings
 from .kernel import KernelStartError
 from .mounts import MountError
 from .sandbox import SandboxUnavailable, image, make_backend
+from .sandbox import env as sandbox_env
 from .sessions import SessionError, SessionManager
 
 

@@ -38,7 +38,7 @@ from .kernel_channels import (
     connect,
 )
 from .output import OutputCollector
-from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
+from .sandbox import SandboxBackend, SandboxProcess, SandboxSpec
 from .session_dirs import SandboxDirs, connection_names, dump_connection
 from .zmtp import Limits, ZmtpConnection, ZmtpError
 

@@ -15,8 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, field_validator
 
 from . import staging
-from .sandbox.base import Mount
-from .sandbox.identity import HostIdentity
+from .sandbox import HostIdentity, Mount
 
 #: Sandbox paths a mount may not cover: the system the sandbox is built from.
 RESERVED_SANDBOX_PATHS = (

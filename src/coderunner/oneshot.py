@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 from anyio.abc import ByteReceiveStream, TaskGroup
 
-from .sandbox.base import Mount, SandboxBackend, SandboxProcess, SandboxSpec
+from .sandbox import Mount, SandboxBackend, SandboxProcess, SandboxSpec
 from .session_dirs import SandboxDirs
 
 if TYPE_CHECKING:

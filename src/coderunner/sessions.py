@@ -35,8 +35,17 @@ from .oneshot import OneShotRunner
 from .output import OutputCollector, WorkspaceWriter
 from .owners import LOCAL_CLIENT
 from .results import ExecutionResult
-from .sandbox.base import SESSION_PACKAGES, LimitReport, Limits, Mount, SandboxBackend, SandboxSpec
-from .sandbox.identity import UidPool, ensure_private_dir, per_sandbox_uids
+from .sandbox import (
+    SESSION_PACKAGES,
+    LimitReport,
+    Limits,
+    Mount,
+    SandboxBackend,
+    SandboxSpec,
+    UidPool,
+    ensure_private_dir,
+    per_sandbox_uids,
+)
 from .sandbox_mounts import ExportPlan, MountsError, SandboxMounts, prepare_mounts
 from .session_dirs import SandboxDirs, open_sandbox_dirs, remove_stale_dirs
 from .startup_hooks import disable_startup_hooks

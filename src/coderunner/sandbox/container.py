@@ -25,9 +25,6 @@ from .engine import REMOVE_TIMEOUT_S, EngineError, run_async
 
 log = logging.getLogger(__name__)
 
-#: Where the image keeps things (Containerfile); the same paths as the bwrap sandbox.
-IMAGE_PYTHON = "/opt/coderunner/env/bin/python"
-WORKSPACE = "/workspace"
 #: Labels every container carries, so a later server can find what a crashed one left.
 LABEL_SESSION = "coderunner.session"
 LABEL_SERVER = "coderunner.server"
@@ -105,12 +102,11 @@ class ContainerProcess(SandboxProcess):
         self,
         process: Process,
         task_group: TaskGroup,
-        description: str,
         cleanup: list[list[str]],
         engine_env: dict[str, str],
         pipes: bool = False,
     ) -> None:
-        super().__init__(process, task_group, description, pipes=pipes)
+        super().__init__(process, task_group, pipes=pipes)
         self.cleanup = cleanup
         self._engine_env = engine_env
         #: The container's init as a host pid, where the engine shares the host kernel.
