@@ -80,7 +80,9 @@ class RunStatus(enum.Enum):
 
 
 @dataclass
-class KernelError:
+class CellError:
+    """The exception a cell raised (not an error of the kernel itself): name, value, traceback text."""
+
     ename: str
     evalue: str
     traceback: str
@@ -90,7 +92,7 @@ class KernelError:
 class RunOutcome:
     status: RunStatus
     output: OutputCollector
-    error: KernelError | None = None
+    error: CellError | None = None
     execution_count: int | None = None
     duration_s: float = 0.0
     exit_code: int | None = None
@@ -470,7 +472,7 @@ class _Run:
     msg_id: str
     output: OutputCollector
     status: RunStatus = RunStatus.OK
-    error: KernelError | None = None
+    error: CellError | None = None
     execution_count: int | None = None
     exit_code: int | None = None
     idle: bool = False
@@ -485,7 +487,7 @@ class _Run:
         self.execution_count = content.get("execution_count", self.execution_count)
         if content.get("status") == "error" and self.status is RunStatus.OK:
             self.status = RunStatus.ERROR
-            self.error = KernelError(str(content.get("ename", "")), str(content.get("evalue", "")), "")
+            self.error = CellError(str(content.get("ename", "")), str(content.get("evalue", "")), "")
 
     def handle(self, msg: Message) -> None:
         kind = msg.msg_type
@@ -500,7 +502,7 @@ class _Run:
             self.execution_count = content.get("execution_count")
         elif kind == "error":
             self.status = RunStatus.ERROR
-            self.error = KernelError(
+            self.error = CellError(
                 ename=str(content.get("ename", "")),
                 evalue=str(content.get("evalue", "")),
                 traceback="\n".join(str(line) for line in content.get("traceback", [])),
