@@ -202,7 +202,7 @@ def test_server_container_listing_is_parsed() -> None:
 
 def test_names_keys_and_tags() -> None:
     assert session_key(spec()) == "9f8e7d6c"
-    assert session_key(spec(runtime_dir=Path("/tmp/cr/abc"))) == "abc"
+    assert session_key(spec(name="abc", runtime_dir=Path("/tmp/cr/abc/run"))) == "abc"
     assert server_tag(Path("/tmp/cr")) == server_tag(Path("/tmp/cr")) != server_tag(Path("/tmp/other"))
     name = container_name("1a2b3c4d", "9f8e7d6c")
     assert name.startswith(name_prefix("1a2b3c4d", "9f8e7d6c"))

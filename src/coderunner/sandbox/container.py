@@ -45,8 +45,11 @@ def server_tag(runtime_base: Path) -> str:
 
 
 def session_key(spec: SandboxSpec) -> str:
-    """The session's runtime dir name: what SessionManager passes to remove_stale for dead ones."""
-    return spec.runtime_dir.parent.name if spec.runtime_dir.name == "run" else spec.runtime_dir.name
+    """The sandbox's key (its runtime dir's name, as SandboxSpec.name): what remove_stale gets for dead ones.
+
+    Taken from the spec, not from the runtime dir's path, so that only session_dirs.py knows the layout.
+    """
+    return spec.name
 
 
 def container_name(tag: str, session: str) -> str:
