@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from coderunner.sandbox.base import Mount
+from coderunner.sandbox import Mount
 from coderunner.sandbox_mounts import ExportPlan, prepare_mounts
 
 SANDBOX = (999, 995)

@@ -50,8 +50,7 @@ def anyio_backend() -> str:
 
 
 def runner(total: int, per_caller: int) -> OneShotRunner:
-    return OneShotRunner(backend=None, task_group=None, output_limit_bytes=0, open_dirs=None, close_dirs=None,  # type: ignore[arg-type]
-                         spec_for=None,  # type: ignore[arg-type]
+    return OneShotRunner(backend=None, task_group=None, leases=None, output_limit_chars=0,  # type: ignore[arg-type]
                          max_concurrent=total, max_per_caller=per_caller)  # fmt: skip
 
 

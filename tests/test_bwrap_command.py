@@ -6,7 +6,8 @@ import os
 from pathlib import Path
 
 from coderunner.sandbox.base import Limits, SandboxSpec
-from coderunner.sandbox.bwrap import ENV_MOUNT, BwrapCommand, sandbox_environment
+from coderunner.sandbox.bwrap import BwrapCommand
+from coderunner.sandbox.common import ENV_MOUNT, sandbox_environment
 
 
 def build(tmp_path: Path, limits: Limits | None = None, **fds: int) -> list[str]:

@@ -55,10 +55,10 @@ def test_errors_the_tools_and_cli_used_to_list_derive_from_the_root() -> None:
         mounts,
         oneshot,
         packages,
-        sandbox_env,
         variables,
         workspace,
     )
+    from coderunner.sandbox import env as sandbox_env
 
     for cls in (auth.AuthError, client_tokens.ClientTokenError, config.ConfigError, kernel.KernelStartError,
                 mounts.MountError, oneshot.OneShotError, packages.PackagesError, sandbox_env.SetupError,

@@ -2,7 +2,7 @@
 
 Over stdio the server has exactly one client, `local`. Over HTTP the bearer token decides the
 client (auth.py puts it in the request's scope): each token is a client of its own, and a
-session is bound to the client that created it (sessions.py refuses it to any other). Within one
+session is bound to the client that created it (sessions/manager.py refuses it to any other). Within one
 token, callers are told apart for their default session, in this order:
 - the `X-CodeRunner-Client: NAME` header (the proxy sends one; any client may), which wins over
   the MCP session so that clients opening one MCP session per call keep their state;

@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
-from .sandbox_env import requirements_text
+from .sandbox.env import requirements_text
 
 if TYPE_CHECKING:
     from .sessions import SessionManager

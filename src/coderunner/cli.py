@@ -13,11 +13,12 @@ from pathlib import Path
 
 import anyio
 
-from . import __version__, client_tokens, doctor, sandbox_env
+from . import __version__, client_tokens, doctor
 from .auth import ensure_token, read_token
 from .client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
 from .config import Settings, load_settings
 from .errors import CodeRunnerError
+from .sandbox import env as sandbox_env
 from .sandbox import image, make_backend
 from .sessions import SessionManager
 

@@ -21,13 +21,12 @@ from pathlib import Path
 from typing import Any
 
 from .errors import CodeRunnerError
-from .sandbox.base import Mount
+from .sandbox import WORKSPACE, Mount
 
 #: How many symlinks one resolution may follow (the kernel's own limit).
 MAX_SYMLINK_HOPS = 40
 #: Entries one list_files call returns at most.
 MAX_LIST_ENTRIES = 2000
-WORKSPACE = "/workspace"
 
 
 class FileAccessError(CodeRunnerError):

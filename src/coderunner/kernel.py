@@ -39,7 +39,7 @@ from .kernel_channels import (
     connect,
 )
 from .output import OutputCollector
-from .sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
+from .sandbox import SandboxBackend, SandboxProcess, SandboxSpec
 from .session_dirs import SandboxDirs, connection_names, dump_connection
 from .zmtp import Limits, ZmtpConnection, ZmtpError
 
@@ -81,7 +81,9 @@ class RunStatus(enum.Enum):
 
 
 @dataclass
-class KernelError:
+class CellError:
+    """The exception a cell raised (not an error of the kernel itself): name, value, traceback text."""
+
     ename: str
     evalue: str
     traceback: str
@@ -91,7 +93,7 @@ class KernelError:
 class RunOutcome:
     status: RunStatus
     output: OutputCollector
-    error: KernelError | None = None
+    error: CellError | None = None
     execution_count: int | None = None
     duration_s: float = 0.0
     exit_code: int | None = None
@@ -471,7 +473,7 @@ class _Run:
     msg_id: str
     output: OutputCollector
     status: RunStatus = RunStatus.OK
-    error: KernelError | None = None
+    error: CellError | None = None
     execution_count: int | None = None
     exit_code: int | None = None
     idle: bool = False
@@ -486,7 +488,7 @@ class _Run:
         self.execution_count = content.get("execution_count", self.execution_count)
         if content.get("status") == "error" and self.status is RunStatus.OK:
             self.status = RunStatus.ERROR
-            self.error = KernelError(str(content.get("ename", "")), str(content.get("evalue", "")), "")
+            self.error = CellError(str(content.get("ename", "")), str(content.get("evalue", "")), "")
 
     def handle(self, msg: Message) -> None:
         kind = msg.msg_type
@@ -501,7 +503,7 @@ class _Run:
             self.execution_count = content.get("execution_count")
         elif kind == "error":
             self.status = RunStatus.ERROR
-            self.error = KernelError(
+            self.error = CellError(
                 ename=str(content.get("ename", "")),
                 evalue=str(content.get("evalue", "")),
                 traceback="\n".join(str(line) for line in content.get("traceback", [])),

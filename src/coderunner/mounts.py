@@ -16,8 +16,7 @@ from pydantic import BaseModel, field_validator
 
 from . import staging
 from .errors import CodeRunnerError
-from .sandbox.base import Mount
-from .sandbox.identity import HostIdentity
+from .sandbox import HostIdentity, Mount
 
 #: Sandbox paths a mount may not cover: the system the sandbox is built from.
 RESERVED_SANDBOX_PATHS = (

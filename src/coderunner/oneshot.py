@@ -12,20 +12,19 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import ByteReceiveStream, TaskGroup
 
 from .errors import CodeRunnerError
-from .sandbox.base import Mount, SandboxBackend, SandboxProcess, SandboxSpec
+from .leases import SandboxLeases, sandbox_spec
+from .options import SandboxOptions
+from .sandbox import SandboxBackend, SandboxProcess
+from .sandbox_mounts import SandboxMounts
 from .session_dirs import SandboxDirs
-
-if TYPE_CHECKING:
-    from .sandbox_mounts import SandboxMounts
-    from .sessions import SessionOptions
 
 Language = Literal["python", "javascript", "bash"]
 LANGUAGES: tuple[Language, ...] = ("python", "javascript", "bash")
@@ -130,18 +129,15 @@ async def _feed(process: SandboxProcess, data: bytes) -> None:
 
 @dataclass
 class OneShotRunner:
-    """Runs programs in throwaway sandboxes; `open_dirs`/`close_dirs` come from the SessionManager."""
+    """Runs programs in throwaway sandboxes, each on a lease of its own (leases.py), as sessions do."""
 
     backend: SandboxBackend
     task_group: TaskGroup
-    output_limit_bytes: int
-    #: The SessionManager's: one sandbox's dirs (session_dirs.py), and their removal.
-    open_dirs: Callable[[SessionOptions], Awaitable[SandboxDirs]]
-    close_dirs: Callable[[SandboxDirs], Awaitable[None]]
-    #: Builds the SandboxSpec for options in dirs, with these mounts (sessions.sandbox_spec).
-    spec_for: Callable[[SessionOptions, SandboxDirs, tuple[Mount, ...]], SandboxSpec]
-    #: The SessionManager's: the sandbox's mounts (staged as root) and export outbox, in its host-only dir.
-    mounts_for: Callable[[SessionOptions, SandboxDirs], SandboxMounts] | None = None
+    #: Each sandbox's dirs, host uid and mounts (staged as root) with its export outbox.
+    leases: SandboxLeases
+    #: The output_limit_chars setting. Each stream keeps at most this many bytes (head and tail):
+    #: a character is at least one byte in UTF-8, so the text never exceeds this many characters.
+    output_limit_chars: int
     #: One-shot sandboxes at once; more wait (within their own timeout) for a slot.
     max_concurrent: int = 4
     #: Of those, how many one caller may hold, so that one client cannot keep the others waiting.
@@ -210,7 +206,7 @@ class OneShotRunner:
         self,
         language: Language,
         code: str,
-        options: SessionOptions,
+        options: SandboxOptions,
         *,
         stdin: bytes = b"",
         variables: dict[str, Any] | None = None,
@@ -220,9 +216,9 @@ class OneShotRunner:
             return await self._run(language, code, options, stdin, variables or {})
 
     async def _run(
-        self, language: Language, code: str, options: SessionOptions, stdin: bytes, variables: dict[str, Any]
+        self, language: Language, code: str, options: SandboxOptions, stdin: bytes, variables: dict[str, Any]
     ) -> OneShotResult:
-        dirs = await self.open_dirs(options)
+        dirs = await self.leases.open_dirs(options)
         mounts = None
         try:
             mounts = await self._mounts(options, dirs)
@@ -232,8 +228,8 @@ class OneShotRunner:
             memory = options.limits.memory_mb or 0
             argv = [self.backend.python, "-m", GUEST_MODULE, "run", language, str(source), str(variables_file),
                     str(memory)]  # fmt: skip
-            spec = self.spec_for(options, dirs, mounts.mounts)
-            stdout, stderr = BoundedBytes(self.output_limit_bytes), BoundedBytes(self.output_limit_bytes)
+            spec = sandbox_spec(options, dirs, mounts.mounts)
+            stdout, stderr = BoundedBytes(self.output_limit_chars), BoundedBytes(self.output_limit_chars)
             began = time.perf_counter()
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
             try:
@@ -270,20 +266,16 @@ class OneShotRunner:
         finally:
             await self._close(dirs, mounts)
 
-    async def _mounts(self, options: SessionOptions, dirs: SandboxDirs) -> SandboxMounts:
-        from .sandbox_mounts import SandboxMounts
-
-        if self.mounts_for is None:
-            return SandboxMounts(mounts=options.mounts)
-        return await anyio.to_thread.run_sync(self.mounts_for, options, dirs)
+    async def _mounts(self, options: SandboxOptions, dirs: SandboxDirs) -> SandboxMounts:
+        return await anyio.to_thread.run_sync(self.leases.prepare_mounts, options, dirs)
 
     async def _close(self, dirs: SandboxDirs, mounts: SandboxMounts | None) -> None:
         if mounts is not None and not await anyio.to_thread.run_sync(mounts.close):
             return  # a staged mount would not detach: never delete beneath it
-        await self.close_dirs(dirs)
+        await self.leases.close_dirs(dirs)
 
     async def check(
-        self, language: Language, code: str, options: SessionOptions, caller: str | None = None
+        self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
     ) -> list[dict[str, Any]]:
         """Syntax errors of `code`, found inside a throwaway sandbox: [{line, column, message}]."""
         answer = await self._ask(options, ["check", language], code, SOURCE_NAMES[language], caller)
@@ -296,13 +288,13 @@ class OneShotRunner:
             if isinstance(e, dict)
         ]
 
-    async def versions(self, options: SessionOptions) -> dict[str, Any]:
+    async def versions(self, options: SandboxOptions) -> dict[str, Any]:
         """The language runtimes' versions, as the sandbox sees them."""
         return await self._ask(options, ["versions"])
 
     async def _ask(
         self,
-        options: SessionOptions,
+        options: SandboxOptions,
         command: list[str],
         code: str | None = None,
         name: str = "",
@@ -313,9 +305,9 @@ class OneShotRunner:
             return await self._ask_now(options, command, code, name)
 
     async def _ask_now(
-        self, options: SessionOptions, command: list[str], code: str | None, name: str
+        self, options: SandboxOptions, command: list[str], code: str | None, name: str
     ) -> dict[str, Any]:
-        dirs = await self.open_dirs(options)
+        dirs = await self.leases.open_dirs(options)
         mounts = None
         try:
             mounts = await self._mounts(options, dirs)
@@ -323,7 +315,7 @@ class OneShotRunner:
             if code is not None:
                 argv.append(str(dirs.write_host_file(name, code.encode("utf-8", "replace"))))
             answer, problems = BoundedBytes(MAX_CHECK_ANSWER_BYTES), BoundedBytes(4096)
-            spec = self.spec_for(options, dirs, mounts.mounts)
+            spec = sandbox_spec(options, dirs, mounts.mounts)
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
             try:
                 await _collect(process, answer, problems, b"", CHECK_TIMEOUT_S)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import staging
 from .exports import WORKSPACE_OUTBOX, Exporter, ExportReport
-from .sandbox.base import Mount
+from .sandbox import Mount
 
 log = logging.getLogger(__name__)
 

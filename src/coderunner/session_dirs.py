@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import hostfs
-from .sandbox.base import etc_files
-from .sandbox.identity import HostIdentity
+from .sandbox import HostIdentity, etc_files
 from .sandbox_mounts import release_mounts
 from .workspace import Workspace, remove_workspace
 

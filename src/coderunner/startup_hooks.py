@@ -20,7 +20,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .sandbox.base import SESSION_PACKAGES
+from .sandbox import SESSION_PACKAGES
 
 HOOK_MODULES = ("sitecustomize", "usercustomize")
 DISABLED_DIR = "disabled-startup"

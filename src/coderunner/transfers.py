@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .exports import client_folder, folder_owner, open_target, prepare_export_dir
 from .files import FileAccessError, SandboxFiles
-from .sandbox.base import Mount
+from .sandbox import Mount
 
 IMPORT_ROOT = "/import"
 EXPORT_ROOT = "/export"

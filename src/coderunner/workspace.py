@@ -137,7 +137,7 @@ def named_workspace_dir(base: Path, client: str, name: str, dir_mode: int) -> Pa
 
 
 def _client_dir(base: Path, client: str, dir_mode: int) -> Path:
-    from .sandbox.identity import ensure_private_dir
+    from .sandbox import ensure_private_dir
 
     ensure_private_dir(base / NAMED_DIR, dir_mode)
     ensure_private_dir(base / NAMED_DIR / client, dir_mode)

@@ -30,9 +30,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 import coderunner
-from coderunner.sandbox import LimitReport, Limits, SandboxProcess, SandboxSpec
-from coderunner.sandbox.base import SESSION_PACKAGES
-from coderunner.sandbox.identity import HostIdentity, shared_dir_mode
+from coderunner.sandbox import SESSION_PACKAGES, HostIdentity, LimitReport, Limits, SandboxProcess, SandboxSpec
+from coderunner.sandbox.identity import shared_dir_mode
 
 #: What a sandbox started on DIE_AT_START says before it exits.
 DIE_MESSAGE = "fake sandbox: told to die at start"
@@ -152,6 +151,6 @@ class FakeBackend:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        sandbox = SandboxProcess(process, task_group, self.describe_isolation(), pipes=pipes)
+        sandbox = SandboxProcess(process, task_group, pipes=pipes)
         self.spawned.append(sandbox)
         return sandbox

@@ -26,10 +26,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
-from .bwrap import rlimit_prefix, sandbox_environment
+from .common import IMAGE_PYTHON, NETWORK_MODES, WORKSPACE, rlimit_prefix, sandbox_environment
 from .container import (
-    IMAGE_PYTHON,
-    WORKSPACE,
     ContainerProcess,
     ContainerUnavailable,
     channel_ports,
@@ -45,7 +43,6 @@ from .identity import ensure_private_dir
 
 log = logging.getLogger(__name__)
 
-NETWORK_MODES = ("none", "internet")
 #: Inside the VM: where the session's host-only dir (connection files) is mounted read-only, and
 #: the prefix of the kernel's sockets (on the VM's own disk: a unix socket cannot live on the
 #: virtiofs share). The relayed sockets appear on the host in the session's run/ dir, which the VM
@@ -110,27 +107,6 @@ class AppleCommand:
         return [self.cli, "image", "inspect", self.image]
 
 
-def _strip_cidr(value: Any) -> str | None:
-    return value.split("/", 1)[0] if isinstance(value, str) and value else None
-
-
-def container_ip(record: dict[str, Any]) -> str | None:
-    """The VM's IPv4 address from one `inspect`/`list` record, whatever the CLI version.
-
-    <=0.7: networks[0].address; 0.8-0.12: networks[0].ipv4Address; >=1.0:
-    status.networks[0].ipv4Address. All are CIDR text ("192.168.64.3/24").
-    """
-    status = record.get("status")
-    candidates = [status.get("networks") if isinstance(status, dict) else None, record.get("networks")]
-    for networks in candidates:
-        if isinstance(networks, list) and networks and isinstance(networks[0], dict):
-            first = networks[0]
-            address = _strip_cidr(first.get("ipv4Address")) or _strip_cidr(first.get("address"))
-            if address:
-                return address
-    return None
-
-
 def container_id(record: dict[str, Any]) -> str | None:
     """The name a record was created with (`configuration.id`; `id` in some versions)."""
     configuration = record.get("configuration")
@@ -138,16 +114,6 @@ def container_id(record: dict[str, Any]) -> str | None:
         return configuration["id"]
     value = record.get("id") or record.get("name")
     return value if isinstance(value, str) else None
-
-
-def container_state(record: dict[str, Any]) -> str | None:
-    """ "running", "stopped", ...: a string before 1.0, `status.state` after."""
-    status = record.get("status")
-    if isinstance(status, str):
-        return status
-    if isinstance(status, dict) and isinstance(status.get("state"), str):
-        return status["state"]
-    return None
 
 
 def parse_records(output: str) -> list[dict[str, Any]]:
@@ -273,13 +239,7 @@ class AppleBackend:
             env=self.env,
         )
         cleanup = [self.command.stop(name), self.command.delete(name)]
-        return ContainerProcess(process, task_group, self.describe_isolation(), cleanup=cleanup, engine_env=self.env)
-
-    def address(self, name: str) -> str | None:
-        """The VM's IP (for diagnostics; the host reaches the kernel by socket or 127.0.0.1)."""
-        output = self._query(self.command.inspect(name))
-        records = parse_records(output) if output else []
-        return container_ip(records[0]) if records else None
+        return ContainerProcess(process, task_group, cleanup=cleanup, engine_env=self.env)
 
     def remove_stale(self, name: str) -> None:
         self._remove_prefixed(name_prefix(self.tag, name))

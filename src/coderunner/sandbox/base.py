@@ -27,26 +27,6 @@ from .identity import HostIdentity
 STDERR_TAIL_BYTES = 16 * 1024
 #: Bound on waiting for a killed sandbox to be reaped.
 KILL_WAIT_S = 5.0
-#: A session's own pip packages (install_packages), relative to its workspace; on the kernel's path.
-SESSION_PACKAGES = ".coderunner/site-packages"
-#: Who the code is inside every sandbox (whatever host uid that maps to), and its home.
-SANDBOX_UID = 1000
-SANDBOX_GID = 1000
-HOME = "/tmp/home"
-#: slirp4netns's fixed DNS address inside a sandbox with network.
-SLIRP_DNS = "10.0.2.3"
-
-
-def etc_files(network: str) -> dict[str, str]:
-    """The sandbox's own passwd, group, hosts, hostname and resolv.conf: the host's are never shown."""
-    return {
-        "passwd": f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{HOME}:/bin/sh\n"
-        "nobody:x:65534:65534::/:/usr/sbin/nologin\n",
-        "group": f"sandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
-        "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
-        "hostname": "sandbox\n",
-        "resolv.conf": f"nameserver {SLIRP_DNS}\n" if network == "internet" else "",
-    }
 
 
 class SandboxUnavailable(CodeRunnerError):
@@ -81,10 +61,6 @@ class LimitReport:
 
     value: float | None
     enforced_by: str | None
-
-    @property
-    def enforced(self) -> bool:
-        return self.value is not None and self.enforced_by is not None
 
 
 @dataclass(frozen=True)
@@ -177,7 +153,6 @@ class SandboxProcess:
         self,
         process: Process,
         task_group: TaskGroup,
-        description: str,
         cgroup: SessionCgroup | None = None,
         helpers: list[Process] | None = None,
         pipes: bool = False,
@@ -185,7 +160,6 @@ class SandboxProcess:
         self._process = process
         self._stderr_tail: collections.deque[bytes] = collections.deque()
         self._stderr_size = 0
-        self.description = description
         self.cgroup = cgroup
         #: Processes serving this sandbox from outside (e.g. its user-mode network stack).
         self.helpers = helpers or []

@@ -23,72 +23,44 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from .base import (
+from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, SandboxUnavailable, start_failures
+from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
+from .common import (
+    ENV_MOUNT,
+    GUEST_LIB,
     HOME,
+    NETWORK_MODES,
+    PROC_MASKED_DIRS,
+    PROC_MASKED_FILES,
     SANDBOX_GID,
     SANDBOX_UID,
-    SESSION_PACKAGES,
-    LimitReport,
-    Limits,
-    SandboxProcess,
-    SandboxSpec,
-    SandboxUnavailable,
-    start_failures,
+    SHM_MB,
+    WORKSPACE,
+    rlimit_prefix,
+    sandbox_environment,
 )
-from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from .seccomp import SeccompUnavailable, compiled_filter
 
 log = logging.getLogger(__name__)
 
-ENV_MOUNT = "/opt/coderunner/env"
-#: The guest package (src/coderunner/guest) is bound read-only here as `coderunner_guest`.
-GUEST_LIB = "/opt/coderunner/lib"
 GUEST_SOURCE = Path(__file__).resolve().parent.parent / "guest"
-WORKSPACE = "/workspace"
 #: Top-level entries of a merged-/usr system that are symlinks into /usr, or real dirs elsewhere.
 USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
 #: Harmless host /etc files some programs need (dynamic linker cache, time zone, TLS roots, fonts).
 ETC_PASSTHROUGH = ("ld.so.cache", "localtime", "ssl/certs", "fonts", "mime.types")
-SHM_MB = 64
 #: /proc entries made read-only: sysctls are checked against the writer's host uid, and when the
 #: server runs as root the sandbox's uid maps to host root (kernel.core_pattern would be a host
 #: root escape). bwrap 0.8 does not cover /proc/sys itself, so this must.
 PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs", "irq", "bus")
-#: /proc entries hidden entirely (as container runtimes do): kernel memory, keys, timers, hardware.
-PROC_MASKED_FILES = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms", "kmsg")
-PROC_MASKED_DIRS = ("acpi", "scsi")
 #: Bound on bwrap reporting its child and slirp4netns reporting the network is up.
 NETWORK_SETUP_TIMEOUT_S = 10.0
 #: Bound on waiting for bwrap's child to set up its loopback before slirp4netns starts.
 LOOPBACK_WAIT_S = 3.0
-NETWORK_MODES = ("none", "internet")
 
 
 class BwrapUnavailable(SandboxUnavailable):
     """bubblewrap is missing or cannot create namespaces here."""
-
-
-def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The whole environment of the kernel: nothing of the host's crosses (bwrap --clearenv)."""
-    env = {
-        "PATH": f"{ENV_MOUNT}/bin:/usr/local/bin:/usr/bin:/bin",
-        "HOME": HOME,
-        "USER": "sandbox",
-        "LOGNAME": "sandbox",
-        "SHELL": "/bin/sh",
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "TMPDIR": "/tmp",
-        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
-        "PYTHONDONTWRITEBYTECODE": "1",
-        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
-        # glibc reserves 64 MiB of address space per thread arena; under RLIMIT_AS that is waste.
-        "MALLOC_ARENA_MAX": "2",
-        "PYTHONPATH": f"{GUEST_LIB}:{WORKSPACE}/{SESSION_PACKAGES}",
-    }
-    env.update(extra or {})
-    return env
 
 
 @dataclass(frozen=True)
@@ -208,23 +180,6 @@ def install_guest(runtime_base: Path) -> Path:
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)  # another server got there first
     return target
-
-
-def rlimit_prefix(limits: Limits, nproc: int | None, memory_cgroup: bool = False) -> list[str]:
-    """RLIMIT_AS gives user code a clean MemoryError instead of the OOM killer; NPROC is the
-    unprivileged fallback against fork bombs where no pids cgroup can be had.
-
-    Where a memory cgroup bounds the sandbox, RLIMIT_AS is only a soft limit: Chromium reserves
-    about a terabyte of address space and could not start under it, so the browser lifts the soft
-    limit for itself while the cgroup still bounds what it really uses.
-    """
-    flags = []
-    if limits.memory_mb is not None:
-        soft = limits.memory_mb * 2**20
-        flags.append(f"--as={soft}:unlimited" if memory_cgroup else f"--as={soft}")
-    if nproc is not None:
-        flags.append(f"--nproc={nproc}")
-    return ["/usr/bin/prlimit", *flags, "--"] if flags else []
 
 
 def _count_tasks(uid: int) -> int:
@@ -372,7 +327,7 @@ class BwrapBackend:
             os.close(seccomp_fd)
             if fds:
                 fds.close_child_ends()
-        sandbox = SandboxProcess(process, task_group, self.describe_isolation(), cgroup=cgroup, pipes=pipes)
+        sandbox = SandboxProcess(process, task_group, cgroup=cgroup, pipes=pipes)
         if fds is not None:
             try:
                 with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):

@@ -25,9 +25,6 @@ from .engine import REMOVE_TIMEOUT_S, EngineError, run_async
 
 log = logging.getLogger(__name__)
 
-#: Where the image keeps things (Containerfile); the same paths as the bwrap sandbox.
-IMAGE_PYTHON = "/opt/coderunner/env/bin/python"
-WORKSPACE = "/workspace"
 #: Labels every container carries, so a later server can find what a crashed one left.
 LABEL_SESSION = "coderunner.session"
 LABEL_SERVER = "coderunner.server"
@@ -48,8 +45,11 @@ def server_tag(runtime_base: Path) -> str:
 
 
 def session_key(spec: SandboxSpec) -> str:
-    """The session's runtime dir name: what SessionManager passes to remove_stale for dead ones."""
-    return spec.runtime_dir.parent.name if spec.runtime_dir.name == "run" else spec.runtime_dir.name
+    """The sandbox's key (its runtime dir's name, as SandboxSpec.name): what remove_stale gets for dead ones.
+
+    Taken from the spec, not from the runtime dir's path, so that only session_dirs.py knows the layout.
+    """
+    return spec.name
 
 
 def container_name(tag: str, session: str) -> str:
@@ -105,12 +105,11 @@ class ContainerProcess(SandboxProcess):
         self,
         process: Process,
         task_group: TaskGroup,
-        description: str,
         cleanup: list[list[str]],
         engine_env: dict[str, str],
         pipes: bool = False,
     ) -> None:
-        super().__init__(process, task_group, description, pipes=pipes)
+        super().__init__(process, task_group, pipes=pipes)
         self.cleanup = cleanup
         self._engine_env = engine_env
         #: The container's init as a host pid, where the engine shares the host kernel.

@@ -28,7 +28,6 @@ class EngineError(RuntimeError):
 
 @dataclass(frozen=True)
 class EngineResult:
-    argv: list[str]
     returncode: int
     stdout: str
     stderr: str
@@ -59,7 +58,7 @@ def run_sync(
         raise EngineError(f"`{_describe(argv)}` did not finish within {timeout_s:g}s") from None
     except OSError as exc:
         raise EngineError(f"`{_describe(argv)}` could not run: {exc}") from None
-    result = EngineResult(argv, done.returncode, done.stdout, done.stderr)
+    result = EngineResult(done.returncode, done.stdout, done.stderr)
     if check and done.returncode != 0:
         raise EngineError(f"`{_describe(argv)}` failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
     return result
@@ -80,4 +79,4 @@ async def run_async(
     stderr = done.stderr.decode("utf-8", "replace")
     if check and done.returncode != 0:
         raise EngineError(f"`{_describe(argv)}` failed (exit {done.returncode}): {stderr.strip()[-800:]}")
-    return EngineResult(argv, done.returncode, stdout, stderr)
+    return EngineResult(done.returncode, stdout, stderr)

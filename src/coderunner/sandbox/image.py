@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..sandbox_env import SetupError
 from .engine import BUILD_TIMEOUT_S, QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
+from .env import SetupError
 
 if TYPE_CHECKING:
     from ..config import Settings

@@ -30,13 +30,20 @@ import anyio
 from anyio.abc import TaskGroup
 
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
-from .bwrap import PROC_MASKED_DIRS, PROC_MASKED_FILES, rlimit_prefix, sandbox_environment
-from .container import (
+from .common import (
     IMAGE_PYTHON,
+    NETWORK_MODES,
+    PROC_MASKED_DIRS,
+    PROC_MASKED_FILES,
+    SHM_MB,
+    WORKSPACE,
+    rlimit_prefix,
+    sandbox_environment,
+)
+from .container import (
     LABEL_INSTANCE,
     LABEL_SERVER,
     LABEL_SESSION,
-    WORKSPACE,
     ContainerProcess,
     ContainerUnavailable,
     channel_ports,
@@ -55,10 +62,8 @@ from .watcher import Watcher, WatchPlan
 log = logging.getLogger(__name__)
 
 ENGINES = ("podman", "docker")
-NETWORK_MODES = ("none", "internet")
 #: Where podman's default seccomp profile lives (containers-common), most specific first.
 ENGINE_SECCOMP_PROFILES = (Path("/etc/containers/seccomp.json"), Path("/usr/share/containers/seccomp.json"))
-SHM_MB = 64
 #: Open files per process inside; the engine's default (2^20) can exceed what the host allows.
 NOFILE = 4096
 #: Exit codes of an engine client that could not create or start the container (125: engine
@@ -406,7 +411,6 @@ class OciBackend:
         return ContainerProcess(
             process,
             task_group,
-            self.describe_isolation(),
             cleanup=[self.command.remove(name)],
             engine_env=self.env,
             pipes=pipes,

@@ -1,0 +1,83 @@
+"""What every backend shares: the sandbox's fixed paths, its user, its environment and limits.
+
+One place for the facts all backends must agree on (the image built from the Containerfile uses
+the same paths as the bwrap sandbox), so that a backend never imports another backend.
+"""
+
+from __future__ import annotations
+
+from .base import Limits
+
+#: Where the code works, and the one folder of its own it may write to.
+WORKSPACE = "/workspace"
+#: The sandbox's Python environment (bwrap binds the host's venv here; the image has it here).
+ENV_MOUNT = "/opt/coderunner/env"
+IMAGE_PYTHON = f"{ENV_MOUNT}/bin/python"
+#: The guest package (src/coderunner/guest) is bound read-only here as `coderunner_guest`.
+GUEST_LIB = "/opt/coderunner/lib"
+#: A session's own pip packages (install_packages), relative to its workspace; on the kernel's path.
+SESSION_PACKAGES = ".coderunner/site-packages"
+#: Who the code is inside every sandbox (whatever host uid that maps to), and its home.
+SANDBOX_UID = 1000
+SANDBOX_GID = 1000
+HOME = "/tmp/home"
+#: slirp4netns's fixed DNS address inside a sandbox with network.
+SLIRP_DNS = "10.0.2.3"
+#: The network modes every backend offers.
+NETWORK_MODES = ("none", "internet")
+#: Size of the sandbox's /dev/shm.
+SHM_MB = 64
+#: /proc entries hidden entirely (as container runtimes do): kernel memory, keys, timers, hardware.
+PROC_MASKED_FILES = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms", "kmsg")
+PROC_MASKED_DIRS = ("acpi", "scsi")
+
+
+def etc_files(network: str) -> dict[str, str]:
+    """The sandbox's own passwd, group, hosts, hostname and resolv.conf: the host's are never shown."""
+    return {
+        "passwd": f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{HOME}:/bin/sh\n"
+        "nobody:x:65534:65534::/:/usr/sbin/nologin\n",
+        "group": f"sandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
+        "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
+        "hostname": "sandbox\n",
+        "resolv.conf": f"nameserver {SLIRP_DNS}\n" if network == "internet" else "",
+    }
+
+
+def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The whole environment of the kernel: nothing of the host's crosses (bwrap --clearenv)."""
+    env = {
+        "PATH": f"{ENV_MOUNT}/bin:/usr/local/bin:/usr/bin:/bin",
+        "HOME": HOME,
+        "USER": "sandbox",
+        "LOGNAME": "sandbox",
+        "SHELL": "/bin/sh",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "TMPDIR": "/tmp",
+        "MPLBACKEND": "module://matplotlib_inline.backend_inline",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYDEVD_DISABLE_FILE_VALIDATION": "1",
+        # glibc reserves 64 MiB of address space per thread arena; under RLIMIT_AS that is waste.
+        "MALLOC_ARENA_MAX": "2",
+        "PYTHONPATH": f"{GUEST_LIB}:{WORKSPACE}/{SESSION_PACKAGES}",
+    }
+    env.update(extra or {})
+    return env
+
+
+def rlimit_prefix(limits: Limits, nproc: int | None, memory_cgroup: bool = False) -> list[str]:
+    """RLIMIT_AS gives user code a clean MemoryError instead of the OOM killer; NPROC is the
+    unprivileged fallback against fork bombs where no pids cgroup can be had.
+
+    Where a memory cgroup bounds the sandbox, RLIMIT_AS is only a soft limit: Chromium reserves
+    about a terabyte of address space and could not start under it, so the browser lifts the soft
+    limit for itself while the cgroup still bounds what it really uses.
+    """
+    flags = []
+    if limits.memory_mb is not None:
+        soft = limits.memory_mb * 2**20
+        flags.append(f"--as={soft}:unlimited" if memory_cgroup else f"--as={soft}")
+    if nproc is not None:
+        flags.append(f"--nproc={nproc}")
+    return ["/usr/bin/prlimit", *flags, "--"] if flags else []

@@ -1,0 +1,28 @@
+"""Sessions: a workspace plus a sandboxed kernel each, and the manager that owns them all.
+
+    manager.py   SessionManager: handles, per-caller defaults, limits, the idle reaper
+    session.py   Session: one kernel at a time, run/reset/close, the one start-or-replace path
+    usage.py     what a session uses (cgroup or /proc, and its workspace's disk)
+
+What a sandbox may be given is options.py's (SandboxOptions, mount policy); its dirs, uid and
+mounts come from leases.py; the errors live in errors.py (one root) so those need not import this.
+"""
+
+from __future__ import annotations
+
+from ..errors import GuestCallError, SessionBusy, SessionError
+from ..options import SandboxOptions, sandbox_options
+from .manager import SHUTDOWN_TIMEOUT_S, SessionManager
+from .session import Session, SessionStatus
+
+__all__ = [
+    "SHUTDOWN_TIMEOUT_S",
+    "GuestCallError",
+    "SandboxOptions",
+    "Session",
+    "SessionBusy",
+    "SessionError",
+    "SessionManager",
+    "SessionStatus",
+    "sandbox_options",
+]

@@ -1,0 +1,411 @@
+"""A Session: a workspace plus a sandboxed kernel that may be replaced while the session lives on.
+
+The kernel is replaced on a timeout it ignores, on its death, and on reset; the workspace, its
+mounts and its export outbox stay. One call at a time holds the kernel (`_exclusive`); every
+call that needs a kernel gets it from `_ensure_kernel`, and a cancelled call leaves none wedged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ..callers import LOCAL_CALLER
+from ..config import Settings
+from ..errors import GuestCallError, SessionBusy, SessionError
+from ..files import SandboxFiles
+from ..kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
+from ..leases import sandbox_spec
+from ..options import SandboxOptions
+from ..output import OutputCollector, WorkspaceWriter
+from ..results import ExecutionResult
+from ..sandbox import SESSION_PACKAGES, LimitReport, Mount, SandboxBackend, SandboxSpec
+from ..sandbox_mounts import SandboxMounts
+from ..session_dirs import SandboxDirs
+from ..workspace import Workspace
+from .usage import session_usage
+
+log = logging.getLogger(__name__)
+
+#: Bound on waiting for a running call to notice its session is being closed.
+CLOSE_WAIT_S = 5.0
+#: Bound on a quick guest call (setting variables), and the margin added to a slow one's own bound.
+GUEST_MARGIN_S = 15.0
+
+
+@dataclass
+class SessionStatus:
+    session_id: str
+    name: str | None
+    persistent: bool
+    alive: bool
+    busy: bool
+    uptime_s: float
+    kernel_uptime_s: float
+    memory_used_mb: float | None
+    usage: dict[str, float | None]
+    idle_s: float
+    restarts: int
+    network: str
+    timeout_s: float
+    workspace: str
+    mounts: list[dict[str, str]]
+    limits: dict[str, LimitReport]
+    isolation: str
+
+
+@dataclass
+class Session:
+    session_id: str
+    options: SandboxOptions
+    dirs: SandboxDirs
+    backend: SandboxBackend
+    settings: Settings
+    task_group: TaskGroup
+    #: The caller that created it (see callers.py): whose listing and default session it is in; its
+    #: token's client is the only one that may use it.
+    owner: str = LOCAL_CALLER
+    kernel: Kernel | None = None
+    created_at: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+    restarts: int = 0
+    busy: bool = False
+    closed: bool = False
+    #: Set while kernel_reset stops a running call, so that call's reply says why it ended.
+    _resetting: bool = False
+    _generation: int = 0
+    _lock: anyio.Lock = field(default_factory=anyio.Lock)
+    #: Its mounts as the sandbox gets them (staged on a root server) and its export outbox.
+    sandbox_mounts: SandboxMounts | None = None
+    #: What the last copy-out to the export folder did, for the reply.
+    export_note: str | None = None
+    #: A reopened workspace's start-up files and packages (startup_hooks.py), for create_session's reply.
+    startup: dict[str, Any] | None = None
+
+    @property
+    def mounts(self) -> tuple[Mount, ...]:
+        return self.sandbox_mounts.mounts if self.sandbox_mounts is not None else self.options.mounts
+
+    async def copy_out(self) -> None:
+        """Copy new files in the outbox to the client's export folder (a worker thread: it is file I/O)."""
+        plan = self.sandbox_mounts
+        if plan is None or plan.exporter is None:
+            return
+        try:
+            with anyio.CancelScope(shield=True):
+                report = await anyio.to_thread.run_sync(plan.export)
+        except OSError as exc:
+            self.export_note = f"copying to the export folder failed: {exc}"
+            return
+        self.export_note = plan.note(report)
+
+    def _export_status(self) -> list[dict[str, str]]:
+        plan = self.sandbox_mounts
+        if plan is None or plan.exporter is None or plan.export_mount is None:
+            return []
+        target = str(plan.exporter.target)
+        return [{"sandbox": plan.export_mount, "host": target, "mode": "rw", "exported": "after each call"}]
+
+    @property
+    def workspace(self) -> Workspace:
+        return self.dirs.workspace
+
+    @property
+    def spec(self) -> SandboxSpec:
+        """What the backend needs to start this session's next kernel."""
+        return sandbox_spec(self.options, self.dirs, self.mounts)
+
+    @property
+    def files(self) -> SandboxFiles:
+        """The session's files as the host may touch them: workspace and mounts, symlink-safe."""
+        workspace = Mount(self.workspace.path, self.backend.workspace_path, writable=True)
+        plan = self.sandbox_mounts
+        if plan is None:
+            return SandboxFiles([workspace, *self.options.mounts], owner=self.dirs.owner)
+        return SandboxFiles([workspace, *plan.host_view], owner=self.dirs.owner, owners=plan.owners)
+
+    async def start_kernel(self) -> None:
+        """Start this session's first kernel (create_session); later ones come from _ensure_kernel."""
+        kernel = Kernel(self.backend, self.spec, self.task_group, self.dirs, generation=self._generation)
+        self._generation += 1
+        await kernel.start(self.settings.startup_timeout_s)
+        if self.closed:  # closed while the kernel was starting
+            await kernel.shutdown()
+            raise SessionError(f"session {self.session_id} was closed")
+        self.kernel = kernel
+
+    async def _replace_kernel(self) -> None:
+        """Kill the current kernel (if any) and start a fresh one; workspace files are kept."""
+        with anyio.CancelScope(shield=True):
+            if self.kernel is not None:
+                await self.kernel.shutdown()
+                self.kernel = None
+            if self.closed:
+                raise SessionError(f"session {self.session_id} was closed")
+            self.restarts += 1
+            await self.start_kernel()
+
+    async def _ensure_kernel(self) -> Kernel:
+        """The live kernel, started afresh first if there is none or it died (caller holds the lock)."""
+        if self.kernel is None or not self.kernel.alive:
+            await self._replace_kernel()
+        assert self.kernel is not None
+        return self.kernel
+
+    def _held_kernel(self) -> Kernel:
+        """The kernel a caller holding the lock got from _ensure_kernel (or its replacement)."""
+        assert self.kernel is not None
+        return self.kernel
+
+    async def _recover_from_cancel(self) -> None:
+        """A call was cancelled mid-run: a kernel left wedged or dead is replaced before the lock goes."""
+        if self.kernel is not None and (self.kernel.wedged or not self.kernel.alive):
+            await self._replace_kernel()
+
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, wait_s: float) -> AsyncIterator[None]:
+        """One call at a time per kernel; a caller that cannot get in within `wait_s` is told so."""
+        with anyio.move_on_after(wait_s) as scope:
+            await self._lock.acquire()
+        if scope.cancelled_caught:
+            raise SessionBusy(
+                f"session {self.session_id} is busy with another call; try again when it finishes "
+                "(or use another session)"
+            )
+        try:
+            if self.closed:
+                raise SessionError(f"session {self.session_id} was closed")
+            self.busy = True
+            self.export_note = None
+            try:
+                yield
+            finally:
+                await self.copy_out()
+        finally:
+            self.busy = False
+            self.last_used = time.monotonic()
+            self._lock.release()
+
+    async def run(
+        self,
+        code: str,
+        timeout_s: float | None,
+        progress: ProgressCallback | None,
+        variables: dict[str, Any] | None = None,
+    ) -> ExecutionResult:
+        """Run `code`, after setting `variables` (checked names, JSON values) as globals."""
+        timeout = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
+        async with self._exclusive(wait_s=timeout):
+            kernel = await self._ensure_kernel()
+            if variables:
+                await self._guest_call_held("variables", {"values": variables}, GUEST_MARGIN_S)
+                kernel = self._held_kernel()  # the same one, or its replacement if that call ended it
+            output = OutputCollector(
+                limit_chars=self.settings.output_limit_chars,
+                spill_limit_bytes=self.settings.spill_limit_bytes,
+                image_limit_bytes=self.settings.image_limit_bytes,
+                writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.dirs.owner),
+            )
+            try:
+                outcome = await kernel.execute(
+                    code,
+                    output,
+                    timeout_s=timeout,
+                    interrupt_grace_s=self.settings.interrupt_grace_s,
+                    progress=progress,
+                    progress_interval_s=self.settings.progress_interval_s,
+                )
+            except anyio.get_cancelled_exc_class():
+                await self._recover_from_cancel()
+                raise
+            finally:
+                output.close()
+            return await self._settle(outcome, timeout)
+
+    async def _settle(self, outcome: RunOutcome, timeout: float) -> ExecutionResult:
+        """Turn what happened into words, restarting the kernel where it cannot go on."""
+        if outcome.status is RunStatus.INTERRUPTED:
+            return ExecutionResult(
+                outcome,
+                notice=f"timed out after {timeout:g}s: interrupted; the kernel and its state are kept",
+            )
+        if outcome.status is RunStatus.UNRESPONSIVE:
+            await self._replace_kernel()
+            return ExecutionResult(
+                outcome,
+                notice=(
+                    f"timed out after {timeout:g}s and ignored the interrupt for "
+                    f"{self.settings.interrupt_grace_s:g}s: kernel restarted; state lost "
+                    "(variables and imports), workspace files kept"
+                ),
+                state_lost=True,
+            )
+        if self.closed:
+            return ExecutionResult(outcome, notice="the session was closed during this call", state_lost=True)
+        if self._resetting:
+            # kernel_reset is waiting for this call to end; it starts the fresh kernel itself.
+            return ExecutionResult(outcome, notice="stopped by kernel_reset: state lost", state_lost=True)
+        if outcome.status is RunStatus.DIED:
+            assert self.kernel is not None
+            process = self.kernel.process
+            if process is not None and process.oom_killed():
+                cause = f"killed for exceeding its memory limit of {self.options.limits.memory_mb} MiB"
+            else:
+                cause = f"exit code {outcome.exit_code}; killed, crashed or out of memory"
+            await self._replace_kernel()
+            return ExecutionResult(
+                outcome,
+                notice=f"kernel died ({cause}); state lost; a fresh kernel is ready, workspace files kept",
+                state_lost=True,
+            )
+        if outcome.output_lost:
+            return ExecutionResult(
+                outcome,
+                notice="some output was lost: a message was over the host's 32 MiB limit or could not be read",
+            )
+        return ExecutionResult(outcome)
+
+    async def call_guest(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Run a guest tool inside this session's kernel; its answer, or GuestCallError with the reason.
+
+        Waits for a busy kernel within `timeout_s`, then answers busy; never leaves a name behind
+        in the user's namespace or history.
+        """
+        async with self._exclusive(wait_s=timeout_s):
+            await self._ensure_kernel()
+            return await self._guest_call_held(tool, arguments, timeout_s)
+
+    async def guest_op(
+        self, tool: str, op: str, args: dict[str, Any], timeout_s: float, *,
+        paths: Iterable[str] = (), input_path: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One op of a guest tool (pdf_ops, image_ops, browser). The args named in `paths`, and
+        `input_path`, are sandbox paths: confined to this session's files by the host before the call."""
+        payload: dict[str, Any] = {"op": op}
+        args = self.files.confine(args, paths)
+        if input_path is not None:
+            payload["input_path"] = self.files.resolve(input_path).sandbox_path
+        payload["args"] = args
+        return await self.call_guest(tool, payload, timeout_s)
+
+    async def _guest_call_held(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """call_guest for a caller that already holds the kernel."""
+        kernel = self._held_kernel()
+        call = (
+            f"await __import__('coderunner_guest.dispatch', fromlist=['call']).call({tool!r}, "
+            f"{json.dumps(arguments)!r})"
+        )
+        output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
+        try:
+            outcome = await kernel.execute(
+                call, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
+            )
+        except anyio.get_cancelled_exc_class():
+            await self._recover_from_cancel()
+            raise
+        settled = await self._settle(outcome, timeout_s)
+        payload = outcome.guest_payload
+        if payload is None:
+            detail = settled.notice or output.text().strip()[-1500:] or "no answer"
+            raise GuestCallError(f"{tool} did not complete: {detail}")
+        if not payload.get("ok"):
+            raise GuestCallError(f"{tool}: {payload.get('error', 'failed')}")
+        result = payload.get("result")
+        return result if isinstance(result, dict) else {"result": result}
+
+    async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
+        """pip into this session's own package folder (in its workspace), from inside its sandbox."""
+        if self.options.network != "internet":
+            raise SessionError(
+                f"install_packages needs network, and session {self.session_id} has network "
+                f"'{self.options.network}': create a session with create_session(network='internet') and install "
+                "there (code in that session can then reach the internet)"
+            )
+        target = f"{self.backend.workspace_path}/{SESSION_PACKAGES}"
+        arguments = {"packages": packages, "target": target, "timeout_s": timeout_s}
+        return await self.call_guest("packages", arguments, timeout_s + GUEST_MARGIN_S)
+
+    async def reset(self) -> None:
+        """Fresh interpreter state, even while a call runs: interrupt it, and kill it if it ignores that."""
+        if not self._lock.locked():
+            async with self._exclusive(wait_s=self.settings.interrupt_grace_s):
+                await self._replace_kernel()
+            return
+        self._resetting = True
+        try:
+            if self.kernel is not None:
+                self.kernel.interrupt()
+            try:
+                async with self._exclusive(wait_s=self.settings.interrupt_grace_s):
+                    await self._replace_kernel()
+                return
+            except SessionBusy:
+                if self.kernel is not None and self.kernel.process is not None:
+                    await self.kernel.process.kill()
+            async with self._exclusive(wait_s=self.settings.startup_timeout_s):
+                await self._replace_kernel()
+        finally:
+            self._resetting = False
+
+    async def close(self) -> None:
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            if self._lock.locked() and self.kernel is not None and self.kernel.process is not None:
+                # A call is running: kill the sandbox so that call sees the death and returns,
+                # then take the kernel down once it has let go.
+                await self.kernel.process.kill()
+                with anyio.move_on_after(CLOSE_WAIT_S):
+                    async with self._lock:
+                        pass
+            if self.kernel is not None:
+                await self.kernel.shutdown()
+                self.kernel = None
+            await self.copy_out()
+            if self.sandbox_mounts is not None and not await anyio.to_thread.run_sync(self.sandbox_mounts.close):
+                log.warning("session %s…: a staged mount would not detach; its dirs are left", self.session_id[:6])
+                return
+            await anyio.to_thread.run_sync(self.dirs.close)
+
+    def usage(self) -> dict[str, float | None]:
+        """What the session uses, in the units of its limits."""
+        return session_usage(self.kernel, self.workspace)
+
+    def status(self) -> SessionStatus:
+        kernel = self.kernel
+        alive = kernel is not None and kernel.alive
+        now = time.monotonic()
+        usage = self.usage()  # one walk of /proc: memory_used_mb is its memory_mb
+        return SessionStatus(
+            session_id=self.session_id,
+            name=self.options.name,
+            persistent=self.options.persistent,
+            alive=alive,
+            busy=self.busy,
+            uptime_s=now - self.created_at,
+            kernel_uptime_s=(now - kernel.started_at) if kernel is not None and alive else 0.0,
+            memory_used_mb=usage["memory_mb"],
+            usage=usage,
+            idle_s=0.0 if self.busy else now - self.last_used,
+            restarts=self.restarts,
+            network=self.options.network,
+            timeout_s=self.options.timeout_s,
+            workspace=self.backend.workspace_path,
+            mounts=[
+                {"sandbox": m.sandbox, "host": str(m.host), "mode": "rw" if m.writable else "ro"}
+                for m in self.options.mounts
+            ]
+            + self._export_status(),
+            limits={
+                **self.backend.limit_reports(self.options.limits),
+                "disk_mb": LimitReport(self.workspace.size_mb, self.workspace.enforced_by),
+            },
+            isolation=self.backend.describe_isolation(),
+        )
