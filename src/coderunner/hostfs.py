@@ -157,7 +157,7 @@ def _empty_dir(top: int, top_mount: int, left: list[str], budget: _Budget, names
     stuck: set[str] = set()
     while True:
         progressed = False
-        for entry in _entries(top):
+        for entry in entries(top):
             if entry in stuck:
                 continue
             budget.spend()
@@ -190,7 +190,7 @@ def _empty_child(top: int, entry: str, top_mount: int, budget: _Budget, names: _
     try:
         if mount_id(child) != top_mount:
             return "another mount (left in place)"
-        for inner in _entries(child):
+        for inner in entries(child):
             budget.spend()
             if _is_dir(child, inner):
                 try:
@@ -204,9 +204,19 @@ def _empty_child(top: int, entry: str, top_mount: int, budget: _Budget, names: _
     return None
 
 
-def _entries(fd: int) -> list[str]:
+def entries(fd: int) -> list[str]:
+    """The names in the folder `fd` (none followed, none opened)."""
     with os.scandir(fd) as listing:
         return [entry.name for entry in listing]
+
+
+def present(fd: int, name: str) -> bool:
+    """Is there an entry `name` in the folder `fd` (whatever it is; a link is not followed)?"""
+    try:
+        os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 def _is_dir(fd: int, name: str) -> bool:
@@ -234,7 +244,7 @@ def walk(fd: int, max_depth: int = 256, max_entries: int = 1_000_000) -> Iterato
     are not entered. Raises HostFsError("incomplete") at the end when a bound cut the walk short.
     """
     top_mount = mount_id(fd)
-    stack = [_Level(os.dup(fd), _entries(fd))]
+    stack = [_Level(os.dup(fd), entries(fd))]
     seen, complete = 0, True
     try:
         while stack:
@@ -265,7 +275,7 @@ def walk(fd: int, max_depth: int = 256, max_entries: int = 1_000_000) -> Iterato
                 os.close(child)
                 continue
             try:
-                stack.append(_Level(child, _entries(child)))
+                stack.append(_Level(child, entries(child)))
             except OSError:
                 os.close(child)
     finally:

@@ -100,26 +100,16 @@ class SandboxDirs:
 
         Raises HostFsError when one is not a socket owned by the sandbox user (it was swapped).
         """
-        for name in names:
-            try:
-                os.stat(name, dir_fd=self.sock_fd, follow_symlinks=False)
-                continue  # claimed already
-            except FileNotFoundError:
-                pass
-            try:
-                os.stat(name, dir_fd=self.run_fd, follow_symlinks=False)
-            except FileNotFoundError:
-                return False
-        for name in names:
-            with contextlib.suppress(FileNotFoundError):
-                os.stat(name, dir_fd=self.sock_fd, follow_symlinks=False)
-                continue
+        pending = [name for name in names if not hostfs.present(self.sock_fd, name)]
+        if not all(hostfs.present(self.run_fd, name) for name in pending):
+            return False
+        for name in pending:
             hostfs.claim_socket(self.run_fd, name, self.sock_fd, self.sandbox_uid)
         return True
 
     def forget_sockets(self, prefix: str) -> None:
         """Remove the claimed sockets of one kernel (host-only dir: plain unlinks)."""
-        for name in hostfs._entries(self.sock_fd):
+        for name in hostfs.entries(self.sock_fd):
             if name.startswith(prefix):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=self.sock_fd)
@@ -206,7 +196,7 @@ def remove_stale_dirs(runtime_base: Path, workspaces_base: Path, remove_stale: C
     """Remove session dirs whose lock no live server holds (their server was SIGKILLed)."""
     removed = 0
     with hostfs.dir_fd(runtime_base) as base_fd:
-        for name in hostfs._entries(base_fd):
+        for name in hostfs.entries(base_fd):
             if len(name) != KEY_CHARS or not all(c in "0123456789abcdef" for c in name):
                 continue
             try:
