@@ -1,6 +1,5 @@
-"""The exact argv of every podman, docker and Apple `container` operation, and the parsing of
-recorded `container inspect`/`list` output of each version's JSON shape. Apple `container` cannot
-run on Linux: these tests are what exercises that backend here."""
+"""The exact argv of every podman and docker operation, and of the image builds (Apple `container`'s
+own argv, per version, is in test_apple_commands.py)."""
 
 from __future__ import annotations
 
@@ -11,15 +10,6 @@ from pathlib import Path
 import pytest
 
 from coderunner.config import Settings, default_backend
-from coderunner.sandbox.apple import (
-    GUEST_RUNTIME,
-    GUEST_SOCKETS,
-    AppleBackend,
-    AppleCommand,
-    container_id,
-    names_with_prefix,
-    parse_records,
-)
 from coderunner.sandbox.base import Limits, Mount, SandboxSpec
 from coderunner.sandbox.container import (
     channel_ports,
@@ -33,7 +23,6 @@ from coderunner.sandbox.container import (
 from coderunner.sandbox.image import BuildCommand, sources_digest
 from coderunner.sandbox.oci import OciCommand, parse_server_containers
 
-FIXTURES = Path(__file__).parent / "fixtures" / "apple"
 ENV_FLAGS = [
     "--env", "PATH=/opt/coderunner/env/bin:/usr/local/bin:/usr/bin:/bin",
     "--env", "HOME=/tmp/home",
@@ -227,131 +216,6 @@ def test_guest_connection_file_changes_only_the_address(tmp_path: Path) -> None:
     assert json.loads(guest.read_text()) == {**info, "ip": "0.0.0.0"}
     assert guest.stat().st_mode & 0o777 == 0o600
     assert with_guest_connection(argv, "/run/x", "/vm/dir")[4] == "/vm/dir/kernel-0.guest.json"
-
-
-# --- Apple container -----------------------------------------------------------------------------------
-
-
-def test_apple_run_argv_relays_kernel_sockets_without_network() -> None:
-    command = AppleCommand(cli="/usr/local/bin/container", image="coderunner-sandbox:0.1.0")
-    sockets = [("/tmp/cr/9f8e7d6c/run/k0-5001", f"{GUEST_SOCKETS}-5001")]
-    argv = command.run(spec(), KERNEL, "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3", sockets=sockets)
-    assert argv == [
-        "/usr/local/bin/container", "run", "--rm", "--init", "--name", "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3",
-        "--cpus", "2", "--memory", "2048M",
-        "--network", "none",
-        "--publish-socket", "/tmp/cr/9f8e7d6c/run/k0-5001:/run/coderunner/k-5001",
-        "--volume", f"/tmp/cr/9f8e7d6c/host:{GUEST_RUNTIME}:ro",
-        "--volume", "/srv/w/9f8e7d6c:/workspace",
-        "--volume", "/home/ann/data:/data:ro",
-        "--volume", "/home/ann/out:/out",
-        "--workdir", "/workspace",
-        *ENV_FLAGS,
-        "coderunner-sandbox:0.1.0", *KERNEL,
-    ]  # fmt: skip
-
-
-def test_apple_tcp_fallback_publishes_on_loopback_with_the_container_network() -> None:
-    command = AppleCommand(cli="container", image="img")
-    argv = command.run(spec(limits=Limits()), ["true"], "n", tcp_ports=[5001])
-    assert argv[argv.index("--network") + 1] == "default"
-    assert argv[argv.index("--publish") + 1] == "127.0.0.1:5001:5001"
-    assert "--cpus" not in argv and "--memory" not in argv
-
-
-def test_apple_lifecycle_argv() -> None:
-    command = AppleCommand(cli="container", image="img:1")
-    assert command.stop("n") == ["container", "stop", "--time", "2", "n"]
-    assert command.delete("n") == ["container", "delete", "--force", "n"]
-    assert command.inspect("n") == ["container", "inspect", "n"]
-    assert command.list_all() == ["container", "list", "--all", "--format", "json"]
-    assert command.system_status() == ["container", "system", "status"]
-    assert command.image_inspect() == ["container", "image", "inspect", "img:1"]
-
-
-def _apple_backend(tmp_path: Path, channels: str = "ipc") -> AppleBackend:
-    """A backend object without a `container` CLI (its constructor would ask the CLI)."""
-    backend = AppleBackend.__new__(AppleBackend)
-    backend.channels = channels
-    backend.command = AppleCommand(cli="container", image="img")
-    backend.tag = "1a2b3c4d"
-    backend.runtime_base = tmp_path
-    return backend
-
-
-def _connection(tmp_path: Path, transport: str) -> list[str]:
-    run_dir = tmp_path / "9f8e7d6c" / "run"
-    run_dir.mkdir(parents=True)
-    ip = str(run_dir / "k0") if transport == "ipc" else "127.0.0.1"
-    info = {"transport": transport, "ip": ip, "shell_port": 1, "iopub_port": 2, "stdin_port": 3,
-            "control_port": 4, "hb_port": 5, "key": "k"}  # fmt: skip
-    (run_dir / "kernel-0.json").write_text(json.dumps(info))
-    return ["/opt/coderunner/env/bin/python", "-m", "ipykernel_launcher", "-f", str(run_dir / "kernel-0.json")]
-
-
-def test_apple_plan_relays_each_channel_and_points_the_kernel_at_guest_sockets(tmp_path: Path) -> None:
-    argv = _connection(tmp_path, "ipc")
-    run_dir = tmp_path / "9f8e7d6c" / "run"
-    planned = _apple_backend(tmp_path).plan(spec(runtime_dir=run_dir, mounts=()), argv, "n")
-    relays = [planned[i + 1] for i, flag in enumerate(planned) if flag == "--publish-socket"]
-    assert relays == [f"{run_dir}/k0-{port}:{GUEST_SOCKETS}-{port}" for port in (1, 2, 3, 4, 5)]
-    assert planned[planned.index("--network") + 1] == "none"
-    kernel = planned[planned.index("img") + 1 :]
-    assert kernel[:3] == ["/usr/bin/prlimit", f"--as={2048 * 2**20}:unlimited", "--nproc=256"]
-    assert kernel[-1] == f"{GUEST_RUNTIME}/kernel-0.guest.json"
-    assert json.loads((run_dir / "kernel-0.guest.json").read_text())["ip"] == GUEST_SOCKETS
-
-
-def test_apple_plan_tcp_fallback(tmp_path: Path) -> None:
-    argv = _connection(tmp_path, "tcp")
-    run_dir = tmp_path / "9f8e7d6c" / "run"
-    backend = _apple_backend(tmp_path, channels="tcp")
-    assert "needs the container network" in (backend.network_problem("none") or "")
-    planned = backend.plan(spec(runtime_dir=run_dir, network="internet", mounts=()), argv, "n")
-    assert planned[planned.index("--publish") + 1] == "127.0.0.1:1:1"
-    assert json.loads((run_dir / "kernel-0.guest.json").read_text())["ip"] == "0.0.0.0"
-
-
-@pytest.mark.parametrize(
-    ("fixture", "name"),
-    [
-        ("inspect-0.7.json", "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3"),
-        ("inspect-0.10.json", "coderunner-1a2b3c4d-9f8e7d6c-d4e5f6"),
-        ("inspect-1.0.json", "coderunner-1a2b3c4d-9f8e7d6c-0f9e8d"),
-    ],
-)
-def test_inspect_id_of_every_version_shape(fixture: str, name: str) -> None:
-    [record] = parse_records((FIXTURES / fixture).read_text())
-    assert container_id(record) == name
-
-
-def test_inspect_edge_cases() -> None:
-    assert parse_records('{"configuration": {"id": "x"}}') == [{"configuration": {"id": "x"}}]
-    assert parse_records("") == []
-
-
-def test_list_is_filtered_by_name_prefix_across_shapes() -> None:
-    output = (FIXTURES / "list-mixed.json").read_text()
-    assert names_with_prefix(output, name_prefix("1a2b3c4d")) == [
-        "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3",
-        "coderunner-1a2b3c4d-0badc0de-112233",
-        "coderunner-1a2b3c4d-ca11ab1e-778899",
-    ]
-    assert names_with_prefix(output, name_prefix("1a2b3c4d", "0badc0de")) == ["coderunner-1a2b3c4d-0badc0de-112233"]
-
-
-def test_apple_sweep_deletes_only_vms_whose_session_dir_is_gone(tmp_path: Path) -> None:
-    backend = _apple_backend(tmp_path)
-    (tmp_path / "9f8e7d6c").mkdir()
-    output = (FIXTURES / "list-mixed.json").read_text()
-    deleted: list[str] = []
-    backend._query = lambda argv: output  # type: ignore[method-assign]
-    backend._delete = deleted.append  # type: ignore[method-assign]
-    backend.sweep()
-    assert deleted == ["coderunner-1a2b3c4d-0badc0de-112233", "coderunner-1a2b3c4d-ca11ab1e-778899"]
-    deleted.clear()
-    backend.remove_stale("9f8e7d6c")
-    assert deleted == ["coderunner-1a2b3c4d-9f8e7d6c-a1b2c3"]
 
 
 # --- image builds and settings -------------------------------------------------------------------------

@@ -2,9 +2,20 @@
 
 One lightweight Linux VM per kernel, from the same Containerfile image (built by `coderunner
 setup`/install.sh with `container build`). The VM gets no network by default; the kernel's ZMQ
-ipc sockets are relayed over vsock with `--publish-socket host:guest`, so the host talks to the
-kernel without any network at all. The documented fallback (`kernel_channels = "tcp"`) publishes
-the five channel ports on 127.0.0.1 only, which needs the container network (it allows internet).
+ipc sockets are relayed over vsock with `--publish-socket host:guest` (the host side listens and
+each connection is dialled into the guest socket), so the host talks to the kernel without any
+network at all. The fallback (`kernel_channels = "tcp"`) publishes the five channel ports on the
+host's 127.0.0.1, which needs the container network (it allows internet). `--publish` forwards to
+the VM's address on that network, so the kernel binds that address (never 0.0.0.0), and its ports
+are reachable there from the host and from other containers on the same network.
+
+Read against apple/container's sources, tags 0.5.0 to 1.2.2: the flags of `run` and friends in
+Sources/ContainerClient/Flags.swift (to 0.7.1) and Sources/Services/ContainerAPIService/Client/
+Flags.swift (from 0.8.0), with Parser.swift and Utility.swift beside them; the `inspect`/`list`
+JSON in ContainerList.swift (PrintableContainer, 0.x) and ManagedContainer.swift (1.x);
+`--publish` in Sources/Services/RuntimeLinux/Server/RuntimeService.swift. What differs by version
+is in `ContainerVersion` below. tests/emulators/container is a stand-in that follows the same
+sources, so that this backend runs end to end on Linux.
 
 Every `container` call has a timeout (stop/delete hangs are reported upstream); a server's VMs
 are named `coderunner-<server tag>-<session>-<random>`, so leftovers are found by name prefix.
@@ -12,11 +23,14 @@ are named `coderunner-<server tag>-<session>-<random>`, so leftovers are found b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
 import os
+import re
 import shutil
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +39,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from .. import hostfs
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
 from .common import IMAGE_PYTHON, NETWORK_MODES, WORKSPACE, rlimit_prefix, sandbox_environment
 from .container import (
@@ -43,21 +58,89 @@ from .identity import ensure_private_dir
 
 log = logging.getLogger(__name__)
 
-#: Inside the VM: where the session's host-only dir (connection files) is mounted read-only, and
-#: the prefix of the kernel's sockets (on the VM's own disk: a unix socket cannot live on the
-#: virtiofs share). The relayed sockets appear on the host in the session's run/ dir, which the VM
-#: does not see; the host claims them from there like any kernel's (session_dirs.py).
+#: Inside the VM: where the session's host-only dir (connection files) is mounted read-only.
 GUEST_RUNTIME = "/run/coderunner/session"
+#: The prefix of the kernel's sockets inside the VM. They must stay on the image's own root
+#: filesystem: the relay resolves the guest path under the container's rootfs (apple/container
+#: #2101), so a socket on a tmpfs, a virtiofs share or under a future `--read-only` root is
+#: invisible to it. /run/coderunner is a directory of the image (Containerfile), hence here.
 GUEST_SOCKETS = "/run/coderunner/k"
+#: Inside the VM: a writable share where the guest marks its kernel ready (see GuestReady).
+GUEST_STATE = "/run/coderunner/state"
+#: On the host: that share, a dir in the sandbox's run/ dir (which the VM does not otherwise see).
+STATE_DIR = "vm"
 STOP_WAIT_S = 2
+#: Bound on a VM's boot plus the kernel's start until its sockets are bound.
+READY_TIMEOUT_S = 120.0
+READY_POLL_S = 0.02
+#: The guest's first process (src/coderunner/guest/vm_init.py).
+VM_INIT = "coderunner_guest.vm_init"
+
+
+@dataclass(frozen=True, order=True)
+class ContainerVersion:
+    """A `container` release, read once from `container --version`, and what it changes for us."""
+
+    major: int
+    minor: int
+    patch: int
+
+    @classmethod
+    def parse(cls, text: str) -> ContainerVersion | None:
+        """`container CLI version 0.6.0 (build: release, commit: 1a2b3c4)` (ReleaseVersion.swift)."""
+        found = re.search(r"version (\d+)\.(\d+)\.(\d+)", text)
+        return cls(*(int(part) for part in found.groups())) if found else None
+
+    def __str__(self) -> str:
+        return f"{self.major}.{self.minor}.{self.patch}"
+
+    @property
+    def has_init(self) -> bool:
+        """`run --init` (Flags.Management.useInit) exists from 0.10.0; older versions reject it."""
+        return self >= INIT_VERSION
+
+    @property
+    def unknown_inspect_fails(self) -> bool:
+        """1.x `inspect` exits non-zero for an unknown name; 0.x prints `[]` (ContainerInspect.swift)."""
+        return self.major >= 1
+
+
+#: `--network none` exists from 0.6.0 (Utility.containerConfigFromFlags): nothing older runs here.
+MIN_VERSION = ContainerVersion(0, 6, 0)
+INIT_VERSION = ContainerVersion(0, 10, 0)
+#: What install.sh installs on both paths (Homebrew, or Apple's signed package).
+PINNED_VERSION = ContainerVersion(1, 2, 2)
+UPGRADE_HINT = (
+    f"upgrade with `brew upgrade container`, or run ./install.sh (it installs Apple's signed package {PINNED_VERSION})"
+)
+
+
+def version_problem(version: ContainerVersion | None) -> str | None:
+    """Why this `container` cannot run sessions, or None."""
+    if version is None:
+        return f"could not read the version of `container` (`container --version`): {UPGRADE_HINT}"
+    if version < MIN_VERSION:
+        return f"Apple container {version} is older than {MIN_VERSION}, the oldest this server supports: {UPGRADE_HINT}"
+    return None
+
+
+def version_caveat(version: ContainerVersion) -> str | None:
+    """What a supported but old version lacks (doctor shows it)."""
+    if version < INIT_VERSION:
+        return (
+            f"works, but {version} predates 0.10.0: no `run --init` (the guest's first process reaps instead) "
+            f"and an older socket relay; {UPGRADE_HINT}"
+        )
+    return None
 
 
 @dataclass(frozen=True)
 class AppleCommand:
-    """Builds `container` argv; pure, so the exact flags are unit-testable (nothing runs here on Linux)."""
+    """Builds `container` argv for one version; pure, so the exact flags are unit-testable."""
 
     cli: str
     image: str
+    version: ContainerVersion = PINNED_VERSION
 
     def run(
         self,
@@ -67,20 +150,25 @@ class AppleCommand:
         *,
         sockets: list[tuple[str, str]] | None = None,
         tcp_ports: list[int] | None = None,
+        state_dir: Path | None = None,
     ) -> list[str]:
         limits = spec.limits
-        args = [self.cli, "run", "--rm", "--init", "--name", name]
+        args = [self.cli, "run", "--rm", *(["--init"] if self.version.has_init else []), "--name", name]
         if limits.cpus is not None:
             args += ["--cpus", str(max(1, math.ceil(limits.cpus)))]
         if limits.memory_mb is not None:
             args += ["--memory", f"{limits.memory_mb}M"]
-        # No network unless asked; TCP channels need the container network (it allows internet).
-        args += ["--network", "default" if tcp_ports or spec.network == "internet" else "none"]
+        # No network unless asked. Without `--network` the VM joins the default network; TCP
+        # channels need it (and it allows internet).
+        if not tcp_ports and spec.network != "internet":
+            args += ["--network", "none"]
         for host, guest in sockets or []:
             args += ["--publish-socket", f"{host}:{guest}"]
         for port in tcp_ports or []:
             args += ["--publish", f"127.0.0.1:{port}:{port}"]  # without the IP it would listen on 0.0.0.0
         args += ["--volume", f"{spec.host_dir}:{GUEST_RUNTIME}:ro", "--volume", f"{spec.workspace}:{WORKSPACE}"]
+        if state_dir is not None:
+            args += ["--volume", f"{state_dir}:{GUEST_STATE}"]
         for mount in spec.mounts:
             args += ["--volume", f"{mount.host}:{mount.sandbox}" + ("" if mount.writable else ":ro")]
         args += ["--workdir", WORKSPACE]
@@ -99,6 +187,9 @@ class AppleCommand:
 
     def list_all(self) -> list[str]:
         return [self.cli, "list", "--all", "--format", "json"]
+
+    def version_query(self) -> list[str]:
+        return [self.cli, "--version"]
 
     def system_status(self) -> list[str]:
         return [self.cli, "system", "status"]
@@ -128,6 +219,61 @@ def names_with_prefix(output: str, prefix: str) -> list[str]:
     return [name for record in parse_records(output) if (name := container_id(record)) and name.startswith(prefix)]
 
 
+def ready_name(container: str) -> str:
+    return f"{container}.ready"
+
+
+class GuestReady:
+    """The host's side of the guest's readiness marker: a share in run/ the VM writes to.
+
+    `--publish-socket` creates the host-side socket files as the VM starts, before the kernel
+    binds, so they say nothing; the guest creates `<container>.ready` once its sockets are
+    bound (vm_init), and spawn waits for that, bounded. The share is the sandbox's to write:
+    the host only looks for one name in it through a dir fd, without following links.
+    """
+
+    def __init__(self, run_dir: Path, name: str) -> None:
+        self.path = run_dir / STATE_DIR
+        self.name = name
+        self._fd: int | None = None
+
+    def __enter__(self) -> GuestReady:
+        with hostfs.dir_fd(self.path.parent) as run_fd:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(STATE_DIR, 0o700, dir_fd=run_fd)
+            fd = os.open(STATE_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=run_fd)
+        if os.fstat(fd).st_uid != os.getuid():
+            os.close(fd)
+            raise ContainerUnavailable(f"{self.path} is not the server's own: remove it")
+        self._fd = fd
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.name, dir_fd=self._fd)
+            os.close(self._fd)
+            self._fd = None
+
+    def marked(self) -> bool:
+        assert self._fd is not None
+        try:
+            found = os.stat(self.name, dir_fd=self._fd, follow_symlinks=False)
+        except OSError:
+            return False
+        return stat.S_ISREG(found.st_mode)
+
+    async def wait(self, sandbox: SandboxProcess, timeout_s: float) -> None:
+        """Until the marker is there or the VM has exited (the kernel's start then reports why)."""
+        with anyio.move_on_after(timeout_s):
+            while sandbox.alive and not self.marked():
+                await anyio.sleep(READY_POLL_S)
+            return
+        raise ContainerUnavailable(
+            f"the kernel in the VM did not bind its sockets within {timeout_s:g}s (`container logs` may say why)"
+        )
+
+
 class AppleBackend:
     """Sandboxes as Apple `container` VMs of the CodeRunner image."""
 
@@ -142,16 +288,26 @@ class AppleBackend:
         if found is None:
             raise ContainerUnavailable(
                 "Apple `container` is not installed (macOS 26 on Apple silicon): run ./install.sh, or install "
-                "the signed package from https://github.com/apple/container/releases"
+                f"the signed package {PINNED_VERSION} from https://github.com/apple/container/releases"
             )
         self.channels = "ipc" if channels == "auto" else channels
-        self.command = AppleCommand(cli=found, image=image)
-        self.tag = server_tag(runtime_base)
         self.runtime_base = runtime_base
         self.env = engine_env(dict(os.environ))
+        self.version = self._read_version(found)
+        self.command = AppleCommand(cli=found, image=image, version=self.version)
+        self.tag = server_tag(runtime_base)
         ensure_private_dir(runtime_base, self.dir_mode)
         self._check_ready()
         self.sweep()
+
+    def _read_version(self, cli: str) -> ContainerVersion:
+        """Once, at start: the argv differs by version, and too old a one is refused."""
+        output = self._query([cli, "--version"])
+        version = ContainerVersion.parse(output or "")
+        if (problem := version_problem(version)) is not None:
+            raise ContainerUnavailable(problem)
+        assert version is not None
+        return version
 
     def _query(self, argv: list[str]) -> str | None:
         """stdout of a bounded query, or None when it failed."""
@@ -176,10 +332,13 @@ class AppleBackend:
         net = (
             "no network (kernel sockets relayed over vsock)"
             if self.channels == "ipc"
-            else ("container network (kernel ports published on 127.0.0.1)")
+            else (
+                "the container network (internet allowed); kernel ports published on the host's 127.0.0.1 "
+                "and also reachable at the VM's address from the host and other containers"
+            )
         )
         return (
-            "Apple container: its own lightweight Linux VM (Virtualization.framework) per session, "
+            f"Apple container {self.version}: its own lightweight Linux VM (Virtualization.framework) per session, "
             f"VM memory and vCPU limits, {net}, only the session workspace and chosen folders shared"
         )
 
@@ -198,18 +357,29 @@ class AppleBackend:
             return "kernel_channels 'tcp' needs the container network: use network 'internet' or kernel_channels 'ipc'"
         return None
 
-    def plan(self, spec: SandboxSpec, argv: list[str], name: str) -> list[str]:
-        """The `container run` argv for this kernel: channels relayed or published, paths as the VM sees them."""
+    def plan(self, spec: SandboxSpec, argv: list[str], name: str, state_dir: Path | None = None) -> list[str]:
+        """The `container run` argv for this kernel: channels relayed or published, paths as the VM sees them.
+
+        The kernel runs under the guest's first process (vm_init), which reaps (there is no
+        `--init` before 0.10.0) and creates `<name>.ready` in the state share once the kernel's
+        sockets are bound.
+        """
         info = connection_info(argv)
         # A dedicated VM: RLIMIT_NPROC of its one user is exactly the session's process limit.
         prefix = rlimit_prefix(spec.limits, spec.limits.pids, memory_cgroup=True)
         ports = channel_ports(info)
+        guard = [IMAGE_PYTHON, "-m", VM_INIT, "--ready", f"{GUEST_STATE}/{ready_name(name)}"]
         if self.channels == "tcp":
+            # vm_init puts the VM's own address in place of this one before the kernel starts.
             inner = with_guest_connection(argv, "0.0.0.0", GUEST_RUNTIME)
-            return self.command.run(spec, [*prefix, *inner], name, tcp_ports=ports)
+            guard += ["--tcp-own-address", "--"]
+            return self.command.run(spec, [*guard, *prefix, *inner], name, tcp_ports=ports, state_dir=state_dir)
         inner = with_guest_connection(argv, GUEST_SOCKETS, GUEST_RUNTIME)
         sockets = [(f"{info['ip']}-{port}", f"{GUEST_SOCKETS}-{port}") for port in ports]
-        return self.command.run(spec, [*prefix, *inner], name, sockets=sockets)
+        for _host, guest in sockets:
+            guard += ["--socket", guest]
+        guard.append("--")
+        return self.command.run(spec, [*guard, *prefix, *inner], name, sockets=sockets, state_dir=state_dir)
 
     async def spawn(
         self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
@@ -230,16 +400,24 @@ class AppleBackend:
         if problem:
             raise ContainerUnavailable(problem)
         name = container_name(self.tag, session_key(spec))
-        process = await anyio.open_process(
-            self.plan(spec, argv, name),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env=self.env,
-        )
-        cleanup = [self.command.stop(name), self.command.delete(name)]
-        return ContainerProcess(process, task_group, cleanup=cleanup, engine_env=self.env)
+        with GuestReady(spec.runtime_dir, ready_name(name)) as ready:
+            process = await anyio.open_process(
+                self.plan(spec, argv, name, ready.path),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env=self.env,
+            )
+            cleanup = [self.command.stop(name), self.command.delete(name)]
+            sandbox = ContainerProcess(process, task_group, cleanup=cleanup, engine_env=self.env)
+            try:
+                await ready.wait(sandbox, READY_TIMEOUT_S)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await sandbox.kill()
+                raise
+        return sandbox
 
     def remove_stale(self, name: str) -> None:
         self._remove_prefixed(name_prefix(self.tag, name))
