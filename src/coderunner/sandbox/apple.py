@@ -232,19 +232,24 @@ class GuestReady:
     the host only looks for one name in it through a dir fd, without following links.
     """
 
-    def __init__(self, run_dir: Path, name: str) -> None:
+    def __init__(self, run_dir: Path, name: str, owner: tuple[int, int] | None = None) -> None:
         self.path = run_dir / STATE_DIR
         self.name = name
+        #: Host (uid, gid) the guest writes as, when not the server's own (a root server's sandbox user).
+        self.owner = owner
         self._fd: int | None = None
 
     def __enter__(self) -> GuestReady:
+        uid = self.owner[0] if self.owner else os.getuid()
         with hostfs.dir_fd(self.path.parent) as run_fd:
             with contextlib.suppress(FileExistsError):
                 os.mkdir(STATE_DIR, 0o700, dir_fd=run_fd)
             fd = os.open(STATE_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=run_fd)
-        if os.fstat(fd).st_uid != os.getuid():
+        if self.owner and os.fstat(fd).st_uid == os.getuid():
+            os.fchown(fd, *self.owner)
+        if os.fstat(fd).st_uid != uid:
             os.close(fd)
-            raise ContainerUnavailable(f"{self.path} is not the server's own: remove it")
+            raise ContainerUnavailable(f"{self.path} is not the sandbox's own: remove it")
         self._fd = fd
         return self
 
@@ -400,7 +405,7 @@ class AppleBackend:
         if problem:
             raise ContainerUnavailable(problem)
         name = container_name(self.tag, session_key(spec))
-        with GuestReady(spec.runtime_dir, ready_name(name)) as ready:
+        with GuestReady(spec.runtime_dir, ready_name(name), spec.owner) as ready:
             process = await anyio.open_process(
                 self.plan(spec, argv, name, ready.path),
                 stdin=subprocess.DEVNULL,
