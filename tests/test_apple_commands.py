@@ -20,6 +20,7 @@ from coderunner.sandbox.apple import (
     INIT_VERSION,
     MIN_VERSION,
     PINNED_VERSION,
+    UPGRADE_HINT,
     AppleBackend,
     AppleCommand,
     ContainerVersion,
@@ -83,9 +84,15 @@ def test_the_version_line_of_every_release_is_read() -> None:
 
 
 def test_too_old_or_unreadable_versions_are_refused_with_the_upgrade_command() -> None:
-    old = version_problem(ContainerVersion(0, 5, 0))
-    assert old is not None and "older than 0.6.0" in old and "brew upgrade container" in old
-    assert "./install.sh" in old and str(PINNED_VERSION) in old
+    assert (
+        version_problem(ContainerVersion(0, 5, 0))
+        == "Apple container 0.5.0 is older than 0.6.0, the oldest this server supports"
+    )
+    assert (
+        "brew upgrade container" in UPGRADE_HINT
+        and "./install.sh" in UPGRADE_HINT
+        and str(PINNED_VERSION) in UPGRADE_HINT
+    )
     assert "could not read the version" in (version_problem(None) or "")
     assert version_problem(MIN_VERSION) is None and version_problem(V1_2) is None
     assert "no `run --init`" in (version_caveat(V0_9) or "") and version_caveat(INIT_VERSION) is None

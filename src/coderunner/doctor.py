@@ -210,6 +210,8 @@ def _engine_problem(settings: Settings, kind: str) -> tuple[str | None, str | No
         }[kind]
         return f"`{cli}` is not installed", fix
     if kind == "apple":
+        if (refused := _apple_version(path)[1]) is not None:
+            return refused
         try:
             status = run_sync(
                 [path, "system", "status"], QUERY_TIMEOUT_S, check=False, env=engine_env(dict(os.environ))
@@ -228,7 +230,8 @@ def _engine_problem(settings: Settings, kind: str) -> tuple[str | None, str | No
         return f"{cli} does not answer ({exc})", None
     if done.returncode != 0:
         said = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-        if any(word in said[0].lower() for word in ("no such", "not known", "not found")):
+        # Apple `container` 0.x says `notFound: "images: NAME"` (ImageInspect.swift), 1.x "image not found".
+        if any(word in said[0].lower() for word in ("no such", "not known", "not found", "notfound")):
             return f"image {settings.image} not built", f"coderunner setup --backend {kind}"
         return f"{cli} does not answer: {said[0][:200]}", None
     return None, None
@@ -246,11 +249,54 @@ def check_other_backends(settings: Settings) -> list[Check]:
     return checks
 
 
-def check_container_backend(settings: Settings) -> Check:
+def _apple_version(path: str) -> tuple[str, tuple[str, str | None] | None]:
+    """(`container`'s version and whether it is supported, or (problem, fix) when it is refused)."""
+    from .sandbox.apple import UPGRADE_HINT, ContainerVersion, version_caveat, version_problem
+    from .sandbox.engine import QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
+
+    try:
+        done = run_sync([path, "--version"], QUERY_TIMEOUT_S, check=False, env=engine_env(dict(os.environ)))
+        version = ContainerVersion.parse(done.stdout)
+    except EngineError:
+        version = None
+    if (problem := version_problem(version)) is not None:
+        return "", (problem, UPGRADE_HINT)
+    assert version is not None
+    caveat = version_caveat(version)
+    return f"Apple container {version} ({'supported' if caveat is None else caveat})", None
+
+
+def _apple_channels(settings: Settings) -> Check:
+    """The TCP fallback, told as it is: not loopback-only, and it needs the container network."""
+    if settings.kernel_channels != "tcp":
+        return Check("apple kernel channels", True, "ipc: kernel sockets relayed over vsock, the VM has no network")
+    return Check(
+        "apple kernel channels",
+        True,
+        "tcp: kernel ports are published on the host's 127.0.0.1 and are also reachable at the VM's address "
+        "from this Mac and from other containers on the container network; every session gets the container "
+        "network (internet). macOS may ask to let `container` find devices on the Local Network: until that is "
+        "allowed, publishing can fail",
+        'kernel_channels = "ipc" (the default) needs no network at all',
+        degraded=True,
+    )
+
+
+def check_container_backend(settings: Settings) -> list[Check]:
     missing, fix = _engine_problem(settings, settings.backend)
     if missing is not None:
-        return Check(f"{settings.backend} backend", False, missing, fix)
-    return Check(f"{settings.backend} backend", True, f"engine found, image {settings.image} built")
+        return [Check(f"{settings.backend} backend", False, missing, fix)]
+    if settings.backend != "apple":
+        return [Check(f"{settings.backend} backend", True, f"engine found, image {settings.image} built")]
+    path = shutil.which("container") or "container"
+    version, _ = _apple_version(path)
+    caveat = "supported" not in version
+    from .sandbox.apple import UPGRADE_HINT
+
+    return [
+        Check("apple backend", True, f"{version}, image {settings.image} built", UPGRADE_HINT, degraded=caveat),
+        _apple_channels(settings),
+    ]
 
 
 def run_checks(settings: Settings) -> list[Check]:
@@ -258,7 +304,7 @@ def run_checks(settings: Settings) -> list[Check]:
     if settings.backend == "bwrap":
         checks += [check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), *check_containment(settings)]
     else:
-        checks.append(check_container_backend(settings))
+        checks += check_container_backend(settings)
     if all(check.ok for check in checks):
         checks.append(anyio.run(check_sandboxed_run, settings))
     return [*checks, *check_other_backends(settings)]

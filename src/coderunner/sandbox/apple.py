@@ -116,11 +116,11 @@ UPGRADE_HINT = (
 
 
 def version_problem(version: ContainerVersion | None) -> str | None:
-    """Why this `container` cannot run sessions, or None."""
+    """Why this `container` cannot run sessions (UPGRADE_HINT is the fix), or None."""
     if version is None:
-        return f"could not read the version of `container` (`container --version`): {UPGRADE_HINT}"
+        return "could not read the version of `container` (`container --version`)"
     if version < MIN_VERSION:
-        return f"Apple container {version} is older than {MIN_VERSION}, the oldest this server supports: {UPGRADE_HINT}"
+        return f"Apple container {version} is older than {MIN_VERSION}, the oldest this server supports"
     return None
 
 
@@ -310,7 +310,7 @@ class AppleBackend:
         output = self._query([cli, "--version"])
         version = ContainerVersion.parse(output or "")
         if (problem := version_problem(version)) is not None:
-            raise ContainerUnavailable(problem)
+            raise ContainerUnavailable(f"{problem}: {UPGRADE_HINT}")
         assert version is not None
         return version
 
