@@ -38,29 +38,58 @@ install_venv() {
 }
 
 # --- macOS: Apple `container` (one lightweight Linux VM per session) --------------------------------
-# Needs macOS 26 and Apple silicon. Installs `container` (Homebrew, else Apple's signed package),
-# starts its system service (with the default Linux kernel), builds the sandbox image from the
-# Containerfile, creates .venv, and runs doctor.
-CONTAINER_VERSION="${CODERUNNER_CONTAINER_VERSION:-0.6.0}"
+# Needs macOS 26 and Apple silicon. Installs one known-good `container` release on either path:
+# Homebrew when its formula is that release, else Apple's signed package of it. Then starts its
+# system service (with the default Linux kernel), builds the sandbox image from the Containerfile,
+# creates .venv, and runs doctor. Keep the pin in step with PINNED_VERSION in sandbox/apple.py
+# (and the oldest release the server accepts, MIN_VERSION, with CONTAINER_MIN below).
+CONTAINER_VERSION="${CODERUNNER_CONTAINER_VERSION:-1.2.2}"
+CONTAINER_MIN="0.6.0"
+# "container CLI version 1.2.2 (build: release, commit: ...)" -> 1.2.2
+container_version() { container --version 2>/dev/null | sed -n 's/.*version \([0-9][0-9]*\.[0-9][0-9]*\.[0-9][0-9]*\).*/\1/p'; }
+# true when version $1 is older than $2
+version_lt() { [ "$1" != "$2" ] && [ "$(printf '%s\n%s\n' "$1" "$2" | sort -t. -k1,1n -k2,2n -k3,3n | head -n1)" = "$1" ]; }
+install_container_pkg() {
+    pkg="container-${CONTAINER_VERSION}-installer-signed.pkg"
+    say "installing Apple container $CONTAINER_VERSION (Apple's signed package from github.com/apple/container; asks for your password)"
+    tmp="$(mktemp -d)"
+    curl -fsSL --max-time 600 -o "$tmp/$pkg" "https://github.com/apple/container/releases/download/${CONTAINER_VERSION}/${pkg}"
+    pkgutil --check-signature "$tmp/$pkg" | grep -q "Apple" || die "$pkg is not signed as expected"
+    sudo installer -pkg "$tmp/$pkg" -target /
+    rm -rf "$tmp"
+}
 if [ "$(uname -s)" = "Darwin" ]; then
     [ "$(uname -m)" = "arm64" ] || die "Apple container needs Apple silicon (this Mac is $(uname -m)); use Docker Desktop: coderunner setup --backend docker"
     macos="$(sw_vers -productVersion)"
     [ "${macos%%.*}" -ge 26 ] || die "Apple container needs macOS 26 or newer (this Mac runs $macos)"
+    # Homebrew's prefix on Apple silicon; Apple's package installs to /usr/local/bin.
+    export PATH="/opt/homebrew/bin:/usr/local/bin:$PATH"
     if ! command -v container >/dev/null 2>&1; then
-        if command -v brew >/dev/null 2>&1; then
-            say "installing Apple container with Homebrew"
+        brewed="$(command -v brew >/dev/null 2>&1 && brew info container 2>/dev/null | sed -n '1s/.*stable \([0-9.]*\).*/\1/p')"
+        if [ -n "$brewed" ] && [ "$brewed" = "$CONTAINER_VERSION" ]; then
+            say "installing Apple container $CONTAINER_VERSION with Homebrew"
             brew install container
         else
-            pkg="container-${CONTAINER_VERSION}-installer-signed.pkg"
-            say "installing Apple container $CONTAINER_VERSION (Apple's signed package from github.com/apple/container; asks for your password)"
-            tmp="$(mktemp -d)"
-            curl -fsSL --max-time 600 -o "$tmp/$pkg" "https://github.com/apple/container/releases/download/${CONTAINER_VERSION}/${pkg}"
-            pkgutil --check-signature "$tmp/$pkg" | grep -q "Apple" || die "$pkg is not signed as expected"
-            sudo installer -pkg "$tmp/$pkg" -target /
-            rm -rf "$tmp"
+            [ -n "$brewed" ] && say "Homebrew offers container $brewed, not the tested $CONTAINER_VERSION: using Apple's package"
+            install_container_pkg
         fi
     fi
-    command -v container >/dev/null 2>&1 || die "container is still not on PATH (it installs to /usr/local/bin)"
+    command -v container >/dev/null 2>&1 || die "container is still not on PATH (Homebrew: /opt/homebrew/bin, Apple's package: /usr/local/bin)"
+    have="$(container_version)"
+    [ -n "$have" ] || die "cannot read \`container --version\`"
+    if version_lt "$have" "$CONTAINER_MIN"; then
+        say "Apple container $have is older than $CONTAINER_MIN, the oldest CodeRunner supports: upgrading"
+        if command -v brew >/dev/null 2>&1 && brew list container >/dev/null 2>&1; then
+            brew upgrade container
+        else
+            # Apple's package: its uninstaller keeps your images and data (-k), then the pinned release.
+            sudo /usr/local/bin/uninstall-container.sh -k
+            install_container_pkg
+        fi
+        have="$(container_version)"
+        ! version_lt "$have" "$CONTAINER_MIN" || die "Apple container is still $have: install $CONTAINER_VERSION from github.com/apple/container/releases"
+    fi
+    [ "$have" = "$CONTAINER_VERSION" ] || say "using the installed Apple container $have (tested: $CONTAINER_VERSION)"
     say "starting the container system service"
     container system start --enable-kernel-install
     HOST_PYTHON="$(find_host_python)" || die "need Python 3.10 or newer for the server (Apple's is 3.9): brew install python@3.12"
