@@ -172,3 +172,11 @@ async def test_tcp_fallback_binds_the_vm_address_only(
         assert not result.is_error, text_of(result)
         listening = json.loads(text_of(result).splitlines()[0])
         assert listening and "00000000" not in listening, listening  # 0.0.0.0 in /proc/net/tcp's hex
+
+
+async def test_capabilities_tell_the_vm_isolation(client: Client) -> None:
+    result = await client.call_tool("get_capabilities", {})
+    assert not result.is_error, text_of(result)
+    described = json.loads(text_of(result))
+    assert described["sandbox"]["backend"] == "apple"
+    assert "its own lightweight Linux VM" in described["sandbox"]["isolation"]

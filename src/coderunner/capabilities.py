@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
+from .sandbox import SandboxUnavailable
 from .sandbox.env import requirements_text
 
 if TYPE_CHECKING:
@@ -39,12 +40,16 @@ class Capabilities:
     async def describe(self, manager: SessionManager, tools: list[str]) -> dict[str, Any]:
         settings, backend = manager.settings, manager.backend
         defaults = manager.options()
-        if self._versions is None:
-            self._versions = await manager.oneshot.versions(defaults)
+        versions = self._versions
+        if versions is None:
+            try:
+                versions = self._versions = await manager.oneshot.versions(defaults)
+            except SandboxUnavailable:  # no one-shot sandboxes here (the Apple backend, so far): unknown
+                versions = {}
         return {
             "server": {"name": "coderunner", "version": __version__, "transport": settings.transport},
             "languages": {
-                language: {"version": self._versions.get(language), "tools": used_by}
+                language: {"version": versions.get(language), "tools": used_by}
                 for language, used_by in LANGUAGE_TOOLS.items()
             },
             "sandbox": {"backend": backend.name, "isolation": backend.describe_isolation()},
