@@ -22,6 +22,8 @@ EMULATOR = REPO / "tests" / "emulators" / "container"
 VERSIONS = ("0.9.0", "1.2.2")
 BASE_IMAGE = "localhost/coderunner-base:bookworm"
 BUILD_TIMEOUT_S = 1800
+#: Images this test process has built or found current already.
+_BUILT: set[str] = set()
 
 
 def emulation_problem() -> str | None:
@@ -56,6 +58,8 @@ def build_image(folder: Path) -> str:
     Raises RuntimeError with the build's tail when it fails.
     """
     image = image_tag()
+    if image in _BUILT:
+        return image
     if subprocess.run(["podman", "image", "exists", BASE_IMAGE], timeout=60, check=False).returncode != 0:
         made = subprocess.run([str(REPO / "containers" / "make-base-image.sh"), "podman", BASE_IMAGE],
                               capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, check=False)  # fmt: skip
@@ -66,4 +70,5 @@ def build_image(folder: Path) -> str:
     done = subprocess.run(setup, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"`{' '.join(setup)}` failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+    _BUILT.add(image)
     return image

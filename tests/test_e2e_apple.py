@@ -152,14 +152,24 @@ async def test_closing_a_session_removes_its_vm(client: Client, server_dirs: Ser
     assert new not in vms(server_dirs, apple_bin)
 
 
-async def test_tcp_fallback_binds_the_vm_address_only(
-    server_dirs: ServerDirs, host: Host, apple_bin: Path, apple_image: str
-) -> None:
+async def test_tcp_fallback_binds_the_vm_address_only() -> None:
     """kernel_channels = "tcp": ports published on the host's 127.0.0.1, the kernel bound to the VM's
-    own address on the container network (what `--publish` forwards to), never to 0.0.0.0."""
-    dirs = ServerDirs(server_dirs.root / "tcp", server_dirs.root / "tcp" / "r", server_dirs.root / "tcp" / "w")
-    dirs.root.mkdir(mode=0o711)
-    env = apple_env(dirs, host, apple_bin, apple_image, CODERUNNER_KERNEL_CHANNELS="tcp", CODERUNNER_NETWORK="internet")
+    own address on the container network (what `--publish` forwards to), never to 0.0.0.0.
+    Its argv does not differ by release, so it runs at install.sh's pin only."""
+    if problem := apple_emulation.emulation_problem():
+        pytest.fail(problem)
+    root = _passable(Path(tempfile.mkdtemp(prefix="crf-", dir="/tmp")))
+    try:
+        await _tcp_fallback(ServerDirs(root, root / "r", root / "w"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def _tcp_fallback(dirs: ServerDirs) -> None:
+    folder = apple_emulation.cli_dir(dirs.root / "bin", apple_emulation.VERSIONS[-1])
+    image = apple_emulation.build_image(folder)
+    folders = files.host.__wrapped__(dirs)
+    env = apple_env(dirs, folders, folder, image, CODERUNNER_KERNEL_CHANNELS="tcp", CODERUNNER_NETWORK="internet")
     async with open_client("stdio", env) as connected:
         status = json.loads(text_of(await connected.call_tool("session_status", {})))
         assert "reachable at the VM's address" in status["isolation"], status
