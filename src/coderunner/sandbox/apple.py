@@ -99,11 +99,6 @@ class ContainerVersion:
         """`run --init` (Flags.Management.useInit) exists from 0.10.0; older versions reject it."""
         return self >= INIT_VERSION
 
-    @property
-    def unknown_inspect_fails(self) -> bool:
-        """1.x `inspect` exits non-zero for an unknown name; 0.x prints `[]` (ContainerInspect.swift)."""
-        return self.major >= 1
-
 
 #: `--network none` exists from 0.6.0 (Utility.containerConfigFromFlags): nothing older runs here.
 MIN_VERSION = ContainerVersion(0, 6, 0)
@@ -125,11 +120,11 @@ def version_problem(version: ContainerVersion | None) -> str | None:
 
 
 def version_caveat(version: ContainerVersion) -> str | None:
-    """What a supported but old version lacks (doctor shows it)."""
+    """What a supported but old version lacks (doctor shows it, with UPGRADE_HINT as the fix)."""
     if version < INIT_VERSION:
         return (
             f"works, but {version} predates 0.10.0: no `run --init` (the guest's first process reaps instead) "
-            f"and an older socket relay; {UPGRADE_HINT}"
+            "and an older socket relay"
         )
     return None
 
@@ -199,7 +194,8 @@ class AppleCommand:
 
 
 def container_id(record: dict[str, Any]) -> str | None:
-    """The name a record was created with (`configuration.id`; `id` in some versions)."""
+    """The name a record was created with: `configuration.id` in every release (0.x PrintableContainer
+    prints only that; 1.x ManagedContainer also a top-level `id`, the same value)."""
     configuration = record.get("configuration")
     if isinstance(configuration, dict) and isinstance(configuration.get("id"), str):
         return configuration["id"]
@@ -208,7 +204,8 @@ def container_id(record: dict[str, Any]) -> str | None:
 
 
 def parse_records(output: str) -> list[dict[str, Any]]:
-    """`inspect` and `list --format json` print a JSON array (or, in some versions, one object)."""
+    """`inspect` and `list --format json` print a JSON array in every release (0.x compact, 1.x
+    pretty in `inspect`); an object alone is taken as a one-record array."""
     data = json.loads(output or "[]")
     if isinstance(data, dict):
         data = [data]
