@@ -26,7 +26,7 @@ from . import apple_emulation
 from . import test_e2e_files as files
 from . import test_e2e_guest_tools as guest_tools
 from . import test_e2e_run_python as run_python
-from .conftest import ServerDirs, _passable, open_client, run, text_of
+from .conftest import ServerDirs, _passable, open_client, run, text_of, wait_until
 from .test_e2e_files import Host, files_env
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -89,6 +89,8 @@ async def client(server_dirs: ServerDirs, host: Host, apple_bin: Path, apple_ima
         made = await run(connected, guest_tools.MAKE_INPUTS)
         assert not made.is_error, text_of(made)
         yield connected
+    # The server stopped and deleted every VM of its own on the way out.
+    assert await wait_until(lambda: vms(server_dirs, apple_bin) == [], timeout_s=60), vms(server_dirs, apple_bin)
 
 
 def vms(dirs: ServerDirs, folder: Path) -> list[str]:

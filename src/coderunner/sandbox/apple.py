@@ -247,6 +247,9 @@ class GuestReady:
         if os.fstat(fd).st_uid != uid:
             os.close(fd)
             raise ContainerUnavailable(f"{self.path} is not the sandbox's own: remove it")
+        # Writable whatever uid the guest's user appears as through virtiofs; run/ above it is
+        # private to the host, so nobody else reaches it.
+        os.fchmod(fd, 0o777)
         self._fd = fd
         return self
 
