@@ -157,6 +157,15 @@ class Settings(BaseSettings):
         default=2, ge=1, description="One-shot sandboxes one HTTP client may run at once; more wait for its own slot."
     )
     idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
+    pool_size: int = Field(
+        default=2,
+        ge=0,
+        description="Sandboxes kept started ahead for sessions with default options (0: none). They use only "
+        "room left under max_sessions, and a cold session takes a pooled one's room back.",
+    )
+    pool_memory_mb: int = Field(
+        default=512, ge=0, description="Most memory the warm pool's idle sandboxes may use together, in MiB."
+    )
 
     # Files.
     mounts: list[MountSpec] = Field(
