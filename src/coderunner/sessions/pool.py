@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 #: Longest pause after failed starts (they back off 1, 2, 4 … s up to this).
 MAX_BACKOFF_S = 30.0
+#: Pause after a take before the refill starts a sandbox: a start is a burst of CPU (bwrap, the
+#: interpreter, imports), and the taker's first calls should not share two cores with it.
+REFILL_DELAY_S = 0.5
 
 T = TypeVar("T")
 
@@ -55,6 +58,7 @@ class WarmPool(Generic[T]):
         size: int,
         memory_budget_mb: float,
         start: Callable[[], Awaitable[T]],
+        refill_delay_s: float = REFILL_DELAY_S,
         discard: Callable[[T], Awaitable[None]],
         alive: Callable[[T], bool],
         room: Callable[[], bool],
@@ -63,6 +67,8 @@ class WarmPool(Generic[T]):
         self.size = size
         self.memory_budget_mb = memory_budget_mb
         self._start = start
+        self._refill_delay_s = refill_delay_s
+        self._last_take = -refill_delay_s
         self._discard = discard
         self._alive = alive
         self._room = room
@@ -125,6 +131,10 @@ class WarmPool(Generic[T]):
                     if not self._wants_one():
                         await self._changed.wait()
                         continue
+                    settle = self._last_take + self._refill_delay_s - anyio.current_time()
+                    if settle > 0:
+                        await anyio.sleep(settle)
+                        continue
                     await self._start_one()
         finally:
             self._loop_done.set()
@@ -170,6 +180,7 @@ class WarmPool(Generic[T]):
             member = self._ready.popleft()
             if self._alive(member):
                 self._taken += 1
+                self._last_take = anyio.current_time()
                 self.notify()
                 return member
             # Died while waiting (killed from outside, out of memory): never hand it out.
