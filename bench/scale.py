@@ -170,9 +170,9 @@ class RawKernel:
         msg_id = self.client.execute(code)
         while True:
             msg = await self.client.get_iopub_msg(timeout=60)
-            if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
-                if msg["content"]["execution_state"] == "idle":
-                    break
+            mine = msg["parent_header"].get("msg_id") == msg_id
+            if mine and msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                break
         while (await self.client.get_shell_msg(timeout=60))["parent_header"].get("msg_id") != msg_id:
             pass
 
@@ -338,8 +338,10 @@ async def many(root: Path, sessions: int, raw_count: int) -> None:
     raw_mean = statistics.mean(raw_pss)
     drop = (available_before - available_after) / (2 * sessions)
     print(f"\n2. {len(per_session)} idle sandboxes alive ({2 * sessions} sessions on two servers, the pool's too)")
-    print(f"   PSS per session (every process in its sandbox): mean {mean:.1f} MiB, "
-          f"median {statistics.median(per_session):.1f}, max {max(per_session):.1f}  (n {len(per_session)})")
+    print(
+        f"   PSS per session (every process in its sandbox): mean {mean:.1f} MiB, "
+        f"median {statistics.median(per_session):.1f}, max {max(per_session):.1f}  (n {len(per_session)})"
+    )
     print(f"   PSS per raw ipykernel, {raw_count} alive at once: mean {raw_mean:.1f} MiB  ({mean / raw_mean:.2f}x)")
     print(f"   host MemAvailable drop per session: {drop:.1f} MiB (servers' own share included; {live} sandboxes)")
     print(f"   => about {1024 / max(mean, drop):.0f} idle sessions per GiB "
