@@ -15,6 +15,7 @@
 4. create_session to first `1+1` result, with and without the pool, interleaved: `--rounds` rounds,
    each a create+run+close on each server, with a pause between rounds (an agent's think time,
    in which the pool refills).
+3b. (burst) the same starts back to back on each server in turn: the pool's refill has no pause.
 Runs on a small machine with `--sessions 10 --clients 4`; every figure says what it was measured on.
 """
 
@@ -351,6 +352,28 @@ async def many(root: Path, sessions: int, raw_count: int) -> None:
     print(row("pool_size=0 (cold)", starts["cold"]) + f"  total {walls['cold']:.1f} s")
 
 
+async def burst(root: Path, sessions: int) -> None:
+    """Section 3 without think time: each server starts its sessions back to back, the pool's
+    refill competing with them (the lanes cannot interleave: the gap would be the think time)."""
+    pool_size = load_settings().pool_size
+    limits = {"CODERUNNER_MAX_SESSIONS": str(sessions + pool_size + 1)}
+    totals: dict[str, list[float]] = {}
+    for name, extra in (("cold", {"CODERUNNER_POOL_SIZE": "0"}), ("pool", {})):
+        async with stdio_server(root / f"b{name}", **limits, **extra) as client:
+            await call(client, "list_sessions")
+            await anyio.sleep(5)  # the pool's first fill
+            samples = []
+            for _ in range(sessions):
+                began = time.perf_counter()
+                session_id = await create(client)
+                await call(client, "run_python", code="1+1", session_id=session_id)
+                samples.append(time.perf_counter() - began)
+            totals[name] = samples
+    print(f"\n3b. {sessions} sessions back to back on one server (no pause), cold lane first")
+    print(row(f"pool_size={pool_size}", totals["pool"]) + f"  total {sum(totals['pool']):.1f} s")
+    print(row("pool_size=0 (cold)", totals["cold"]) + f"  total {sum(totals['cold']):.1f} s")
+
+
 # --- 4. create to first result --------------------------------------------------------------------
 
 
@@ -392,6 +415,8 @@ async def main(args: argparse.Namespace) -> None:
             await concurrency(root, args.clients, args.calls, args.rounds)
         if "many" in args.only:
             await many(root, args.sessions, args.raw)
+        if "burst" in args.only:
+            await burst(root, args.sessions)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -404,8 +429,8 @@ if __name__ == "__main__":
     parser.add_argument("--rounds", type=int, default=20, help="alternating rounds (concurrency, first result)")
     parser.add_argument("--raw", type=int, default=10, help="raw ipykernels alive beside the sessions")
     parser.add_argument(
-        "--only", action="append", choices=["first", "concurrency", "many"], help="run only these parts"
+        "--only", action="append", choices=["first", "concurrency", "many", "burst"], help="run only these parts"
     )
     parsed = parser.parse_args()
-    parsed.only = parsed.only or ["first", "concurrency", "many"]
+    parsed.only = parsed.only or ["first", "concurrency", "many", "burst"]
     anyio.run(main, parsed)
