@@ -168,12 +168,16 @@ class SessionManager:
             self._sessions[session.session_id] = session
         finally:
             self._cold_starts -= 1
+        session.busy = True  # starting: the idle reaper must not close it under a slow start
         try:
             await session.start_kernel()
         except BaseException:
             self._sessions.pop(session.session_id, None)
             await self._close_session(session)
             raise
+        finally:
+            session.busy = False
+            session.last_used = time.monotonic()
         log.info("session %s… started", session.session_id[:6])
         return session
 
