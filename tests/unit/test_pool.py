@@ -4,6 +4,7 @@ SessionManager (what a taker gets, what it never gets, and what is left when the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import anyio
 import pytest
@@ -236,3 +237,16 @@ async def test_stopping_the_manager_leaves_no_pooled_process(make_manager: Manag
         backend = fake(manager)
     assert len(spawned) >= 2 and not any(process.alive for process in spawned)
     assert not any(backend.root.parent.joinpath("w").iterdir())
+
+
+async def test_exports_go_to_the_takers_folder_only(make_manager: ManagerFactory, root: Path) -> None:
+    exports = root / "exports"
+    async with make_manager(pool_size=1, export_dir=exports) as manager:
+        await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
+        session = await manager.create(manager.options(client="t.alice"), owner="alice/x")
+        assert manager.pool.stats().taken == 1
+        await run(session, "import os\nopen(os.path.join('.coderunner', 'outputs', 'made.txt'), 'w').write('x')")
+        assert (exports / "t.alice" / "made.txt").read_text() == "x"
+        await until(lambda: manager.pool.stats().ready == 1, "the pool to refill")
+    # The untaken member was closed without copying anywhere: no folder for the placeholder client.
+    assert sorted(path.name for path in exports.iterdir()) == ["t.alice"]
