@@ -106,6 +106,18 @@ async def test_it_stops_at_its_memory_budget() -> None:
         tg.cancel_scope.cancel()
 
 
+async def test_a_member_over_the_budget_is_never_offered() -> None:
+    starts = Starts(mb=300.0)
+    pool = starts.pool(size=2, budget_mb=200)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.run)
+        await until(lambda: pool.stats().discarded == 1, "the measured member to be closed")
+        await anyio.sleep(0.2)
+        assert pool.take() is None and len(starts.made) == 1 and starts.made[0].closed
+        await pool.drain()
+        tg.cancel_scope.cancel()
+
+
 async def test_failed_starts_back_off_and_leave_takers_cold() -> None:
     starts = Starts(fail=True)
     pool = starts.pool(size=1)

@@ -114,8 +114,14 @@ class WarmPool(Generic[T]):
     def _wants_one(self) -> bool:
         if self._closed or self.held >= self.size or not self._room():
             return False
-        # Within the budget, judged by the largest member measured so far (none yet: start one).
-        return self._member_mb is None or (self.held + 1) * self._member_mb <= self.memory_budget_mb
+        return self._within_budget(self.held + 1)
+
+    def _within_budget(self, members: int) -> bool:
+        """`members` fit the budget, judged by the largest member measured so far (none yet: one may
+        start, and is measured before it is offered)."""
+        if self._member_mb is None:
+            return self.memory_budget_mb > 0
+        return members * self._member_mb <= self.memory_budget_mb
 
     async def run(self) -> None:
         """The refill loop (a task in the manager's task group) until drain()."""
@@ -163,7 +169,7 @@ class WarmPool(Generic[T]):
             used = await anyio.to_thread.run_sync(lambda: measure(member))
             if used is not None:
                 self._member_mb = max(self._member_mb or 0.0, used)
-        if self._closed:  # drained while measuring
+        if self._closed or not self._within_budget(self.held + 1):  # drained while measuring, or too big
             await self._close_member(member)
             return
         self._ready.append(member)
