@@ -11,7 +11,16 @@ import anyio
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, run, sandbox_processes_alive, server_env, stdio_client, text_of, wait_until
+from .conftest import (
+    ServerDirs,
+    open_client,
+    run,
+    sandbox_processes_alive,
+    server_env,
+    stdio_client,
+    text_of,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -93,8 +102,9 @@ async def test_pool_size_zero_starts_nothing_ahead(dirs: ServerDirs) -> None:
         assert text_of(await run(client, "1 + 1")).startswith("2")
 
 
-async def test_stopping_the_server_leaves_nothing_running(dirs: ServerDirs) -> None:
-    async with stdio_client(server_env(dirs, CODERUNNER_POOL_SIZE="2")) as client:
+@pytest.mark.parametrize("transport", ["stdio", "streamable-http"])
+async def test_stopping_the_server_leaves_nothing_running(dirs: ServerDirs, transport: str) -> None:
+    async with open_client(transport, server_env(dirs, CODERUNNER_POOL_SIZE="2")) as client:
         await pooled_session(client, dirs, "marker-stop")
         # One taken, two in the pool (ready or starting): three sandboxes of this server.
         assert await wait_until(lambda: len(workspaces(dirs)) == 3, timeout_s=POOL_WAIT_S)
