@@ -58,9 +58,10 @@ async def pooled_session(client: Client, dirs: ServerDirs, marker: str) -> tuple
         while True:
             before = workspaces(dirs)
             session_id = await create(client)
-            await run(client, f"open({marker!r}, 'w').write('x')", session_id=session_id)
+            reply = text_of(await run(client, f"open({marker!r}, 'w').write('x')", session_id=session_id))
             where = workspace_holding(dirs, marker)
             if where.name in before:
+                assert "cell 1]" in reply, reply  # the pool's warm-up cell left no count behind
                 return session_id, where
             await client.call_tool("close_session", {"session_id": session_id})
             await anyio.sleep(0.5)
