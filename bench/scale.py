@@ -14,7 +14,8 @@
    (default pool_size) and without (pool_size=0); two servers, lanes alternating session by session.
 4. create_session to first `1+1` result, with and without the pool, interleaved: `--rounds` rounds,
    each a create+run+close on each server, with a pause between rounds (an agent's think time,
-   in which the pool refills).
+   in which the pool refills). Anchor lane: one warm `run_python` into an existing session (the
+   floor: a pooled create-to-first-result is two MCP round trips).
 3b. (burst) the same starts back to back on each server in turn: the pool's refill has no pause.
 Runs on a small machine with `--sessions 10 --clients 4`; every figure says what it was measured on.
 """
@@ -378,7 +379,7 @@ async def burst(root: Path, sessions: int) -> None:
 
 
 async def first_result(root: Path, rounds: int) -> None:
-    samples: dict[str, list[float]] = {"pool": [], "cold": []}
+    samples: dict[str, list[float]] = {"pool": [], "cold": [], "warm": []}
     async with (
         stdio_server(root / "fp") as pooled,
         stdio_server(root / "fc", CODERUNNER_POOL_SIZE="0") as cold,
@@ -387,10 +388,14 @@ async def first_result(root: Path, rounds: int) -> None:
             await call(client, "run_python", code="1+1")  # the default session: both servers warm
         await anyio.sleep(THINK_S * 2)
         for index in range(rounds):
-            lanes = [("pool", pooled), ("cold", cold)]
+            lanes = [("pool", pooled), ("cold", cold), ("warm", pooled)]
             random.Random(index).shuffle(lanes)
             for name, client in lanes:
                 began = time.perf_counter()
+                if name == "warm":  # the floor: one MCP round trip into a session that exists
+                    await call(client, "run_python", code="1+1")
+                    samples[name].append(time.perf_counter() - began)
+                    continue
                 session_id = await create(client)
                 await call(client, "run_python", code="1+1", session_id=session_id)
                 samples[name].append(time.perf_counter() - began)
@@ -399,6 +404,7 @@ async def first_result(root: Path, rounds: int) -> None:
     print(f"\n4. create_session to first `1+1` result, {rounds} shuffled rounds, {THINK_S:g} s between rounds")
     print(row("warm pool", samples["pool"]))
     print(row("pool_size=0 (cold)", samples["cold"]))
+    print(row("anchor: warm `1+1` in an existing session", samples["warm"]))
     print(f"   pool / cold p50: {pct(samples['pool'], 0.5) / pct(samples['cold'], 0.5):.3f}x")
 
 
