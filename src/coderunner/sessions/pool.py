@@ -158,22 +158,33 @@ class WarmPool(Generic[T]):
             self.notify()  # a caller waiting for this start goes cold instead
             await anyio.sleep(pause)
             return
+        except BaseException:  # cancelled (drain): the start cleaned up after itself
+            self._starting -= 1
+            raise
         self._starting -= 1
         self._failures = 0
         self._started += 1
-        if self._closed or not self._room():  # drained, or a user's session took the room meanwhile
+        try:
+            offered = await self._check(member)
+        except BaseException:  # cancelled while measuring: never leave a member nobody holds
+            await self._close_member(member)
+            raise
+        if not offered:
             await self._close_member(member)
             return
+        self._ready.append(member)
+        self.notify()
+
+    async def _check(self, member: T) -> bool:
+        """Whether a fresh member may be offered: the pool still runs, has room, and it fits the budget."""
+        if self._closed or not self._room():  # drained, or a user's session took the room meanwhile
+            return False
         if self._measure_mb is not None:
             measure = self._measure_mb
             used = await anyio.to_thread.run_sync(lambda: measure(member))
             if used is not None:
                 self._member_mb = max(self._member_mb or 0.0, used)
-        if self._closed or not self._within_budget(self.held + 1):  # drained while measuring, or too big
-            await self._close_member(member)
-            return
-        self._ready.append(member)
-        self.notify()
+        return not self._closed and self._within_budget(self.held + 1)
 
     async def _close_member(self, member: T) -> None:
         self._discarded += 1
