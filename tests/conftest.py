@@ -74,6 +74,8 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
         "CODERUNNER_WORKSPACES_DIR": str(dirs.workspaces),
         "CODERUNNER_INTERRUPT_GRACE_S": "1.5",
         "CODERUNNER_PROGRESS_INTERVAL_S": "0.3",
+        # No warm pool unless a test asks (test_e2e_pool.py): many tests count the sandboxes that run.
+        "CODERUNNER_POOL_SIZE": "0",
         "CODERUNNER_TOKEN": TEST_TOKEN,
         # Never the user's own token file, even where a test drops CODERUNNER_TOKEN.
         "CODERUNNER_TOKEN_FILE": str(dirs.root / "token"),

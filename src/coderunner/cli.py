@@ -214,8 +214,12 @@ def _token_command(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _run_once(settings: Settings, code: str) -> int:
+    # One process, one session: a pool of one, started as the manager opens, is taken (waiting for its
+    # start rather than starting a second, cold one beside it) and never refilled.
+    settings = settings.model_copy(update={"pool_size": min(settings.pool_size, 1)})
     async with SessionManager(settings, make_backend(settings)) as manager:
-        session = await manager.resolve(None)
+        session = await manager.create(pool_wait_s=settings.startup_timeout_s)
+        await manager.pool.drain()
         result = await session.run(code, None, None)
     call = result.to_call_result()
     for block in call.content:

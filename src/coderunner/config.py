@@ -145,7 +145,12 @@ class Settings(BaseSettings):
     cgroups: bool = Field(default=True, description="Use per-session cgroups where the server may create them.")
     disk_mb: int = Field(default=2048, ge=16, description="Size cap of a session's workspace.")
     workspace_quota: bool = Field(default=True, description="Cap workspaces with a loop-mounted image (root).")
-    max_sessions: int = Field(default=8, ge=1)
+    max_sessions: int = Field(
+        default=16,
+        ge=1,
+        description="Open sessions at most (the warm pool's sandboxes only use room left under it). An idle "
+        "session costs about 35 MiB (PSS, bench/scale.py), as much as a bare ipykernel.",
+    )
     max_sessions_per_client: int = Field(
         default=4,
         ge=1,
@@ -157,6 +162,15 @@ class Settings(BaseSettings):
         default=2, ge=1, description="One-shot sandboxes one HTTP client may run at once; more wait for its own slot."
     )
     idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
+    pool_size: int = Field(
+        default=2,
+        ge=0,
+        description="Sandboxes kept started ahead for sessions with default options (0: none). They use only "
+        "room left under max_sessions, and a cold session takes a pooled one's room back.",
+    )
+    pool_memory_mb: int = Field(
+        default=512, ge=0, description="Most memory the warm pool's idle sandboxes may use together, in MiB."
+    )
 
     # Files.
     mounts: list[MountSpec] = Field(

@@ -105,7 +105,8 @@ async def check_sandboxed_run(settings: Settings) -> Check:
     began = time.monotonic()
     try:
         with anyio.fail_after(settings.startup_timeout_s + 10):
-            async with SessionManager(settings, backend) as manager:
+            # One check, one session: no warm pool to start beside it.
+            async with SessionManager(settings.model_copy(update={"pool_size": 0}), backend) as manager:
                 session = await manager.resolve(None)
                 result = await session.run("1+1", 10, None)
     except Exception as exc:

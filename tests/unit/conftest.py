@@ -28,6 +28,8 @@ FAST_SETTINGS: dict[str, Any] = {
     "interrupt_grace_s": 1.0,
     "startup_timeout_s": 30.0,
     "progress_interval_s": 0.2,
+    # No warm pool unless a test asks: cues script "the next sandbox started", and a pool starts its own.
+    "pool_size": 0,
 }
 
 

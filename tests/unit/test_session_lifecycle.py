@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from coderunner.config import Settings
-from coderunner.kernel import RunStatus
+from coderunner.kernel import KernelStartError, RunStatus
 from coderunner.output import OutputCollector
 from coderunner.sessions import GuestCallError, SessionBusy, SessionError, SessionManager
 from tests.fakes.backend import Cue, FakeBackend
@@ -152,3 +152,12 @@ async def test_dirs_left_by_a_killed_server_are_removed_on_start(make_manager: M
         assert top.exists() and workspace.exists()
     async with make_manager():
         assert not top.exists() and not workspace.exists()
+
+
+async def test_the_idle_reaper_leaves_a_starting_session_alone(make_manager: ManagerFactory) -> None:
+    # A start that outlasts idle_timeout_s (a loaded machine) ends by its own bound, not by the reaper.
+    async with make_manager(idle_timeout_s=0.3, startup_timeout_s=2.0) as manager:
+        fake(manager).cue(Cue.HANG_AT_START)
+        with pytest.raises(KernelStartError, match="did not answer in time"):
+            await manager.create()
+        assert manager.list() == []

@@ -8,6 +8,7 @@ left behind. Options come from options.py, each sandbox's host side from leases.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import secrets
 import time
@@ -18,15 +19,20 @@ from anyio.abc import TaskGroup
 from ..callers import LOCAL_CALLER, client_of_key
 from ..config import Settings
 from ..errors import SessionError
+from ..exports import Exporter, client_folder
+from ..kernel import RunStatus
 from ..leases import SandboxLeases
 from ..mounts import MountSpec
 from ..oneshot import OneShotRunner
 from ..options import SandboxOptions, configured_mounts, sandbox_options
+from ..output import OutputCollector
 from ..owners import LOCAL_CLIENT
 from ..sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
 from ..session_dirs import remove_stale_dirs
 from ..startup_hooks import disable_startup_hooks
+from .pool import WarmPool
 from .session import Session
+from .usage import memory_used_mb
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +56,20 @@ class SessionManager:
         self.leases = SandboxLeases(settings, backend, UidPool() if per_sandbox_uids(settings.sandbox_user) else None)
         #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
         self.oneshot: OneShotRunner
+        #: Sandboxes started ahead for sessions with default options (sessions/pool.py).
+        self.pool: WarmPool[Pooled] = WarmPool(
+            size=settings.pool_size,
+            memory_budget_mb=settings.pool_memory_mb,
+            start=self._start_pooled,
+            discard=self._discard_pooled,
+            alive=lambda pooled: pooled.session.kernel is not None and pooled.session.kernel.alive,
+            # Pooled sandboxes fill only spare room: a user's session never finds max_sessions taken by them.
+            room=lambda: len(self._sessions) + self._cold_starts + self.pool.held < self.settings.max_sessions,
+            measure_mb=lambda pooled: memory_used_mb(pooled.session.kernel) if pooled.session.kernel else None,
+        )
+        self._pool_options: SandboxOptions | None = None
+        #: Cold sessions being prepared (not yet in _sessions): their room is not the pool's.
+        self._cold_starts = 0
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -69,6 +89,9 @@ class SessionManager:
             max_concurrent=self.settings.max_oneshot_runs,
             max_per_caller=self.settings.max_oneshot_runs_per_client,
         )
+        if self.pool.enabled:
+            self._pool_options = self.options()
+            self._task_group.start_soon(self.pool.run)
         return self
 
     async def _reap_idle(self) -> None:
@@ -116,7 +139,11 @@ class SessionManager:
             client=client,
         )
 
-    async def create(self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER) -> Session:
+    async def create(
+        self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0
+    ) -> Session:
+        """A new session; from the warm pool when its options are the defaults (`pool_wait_s`: how
+        long to wait for a pooled start under way instead of starting cold)."""
         options = options or self.options()
         if len(self._sessions) >= self.settings.max_sessions:
             raise SessionError(
@@ -129,6 +156,33 @@ class SessionManager:
                 f"this client already holds {held} sessions, its share of this server: close one with "
                 "close_session (list_sessions shows them), or raise max_sessions_per_client in the configuration"
             )
+        if self._pool_options is not None and self._pool_options == dataclasses.replace(options, client=LOCAL_CLIENT):
+            pooled = await self.pool.take_or_wait(pool_wait_s) if pool_wait_s > 0 else self.pool.take()
+            if pooled is not None:
+                return self._adopt(pooled, options, owner)
+        self._cold_starts += 1
+        try:
+            if len(self._sessions) + self._cold_starts + self.pool.held > self.settings.max_sessions:
+                await self.pool.evict_one()  # the pool gives its room back to a user's session
+            session = await self._prepare(options, owner)
+            self._sessions[session.session_id] = session
+        finally:
+            self._cold_starts -= 1
+        session.busy = True  # starting: the idle reaper must not close it under a slow start
+        try:
+            await session.start_kernel()
+        except BaseException:
+            self._sessions.pop(session.session_id, None)
+            await self._close_session(session)
+            raise
+        finally:
+            session.busy = False
+            session.last_used = time.monotonic()
+        log.info("session %s… started", session.session_id[:6])
+        return session
+
+    async def _prepare(self, options: SandboxOptions, owner: str) -> Session:
+        """A session's host side (dirs, mounts) and its Session, its kernel not yet started."""
         assert self._task_group is not None, "SessionManager used outside its `async with`"
         session_id = secrets.token_urlsafe(18)
         dirs = await self.leases.open_dirs(options)
@@ -145,7 +199,7 @@ class SessionManager:
         except BaseException:
             await self.leases.close_dirs(dirs)
             raise
-        session = Session(
+        return Session(
             session_id=session_id,
             options=options,
             dirs=dirs,
@@ -156,19 +210,62 @@ class SessionManager:
             sandbox_mounts=mounts,
             startup=startup.as_dict() if startup is not None else None,
         )
-        self._sessions[session_id] = session
+
+    async def _start_pooled(self) -> Pooled:
+        """A pool member: a default sandbox with a live kernel, bound to no caller and no client."""
+        assert self._pool_options is not None
+        session = await self._prepare(self._pool_options, LOCAL_CALLER)
         try:
             await session.start_kernel()
+            await self._warm_up(session)
         except BaseException:
-            self._sessions.pop(session_id, None)
             await self._close_session(session)
             raise
-        log.info("session %s… started", session_id[:6])
+        # No export folder until a client takes it: closing an untaken member copies nowhere.
+        plan = session.sandbox_mounts
+        exporter = plan.exporter if plan is not None else None
+        if plan is not None:
+            plan.exporter = None
+        return Pooled(session, exporter)
+
+    async def _warm_up(self, session: Session) -> None:
+        """One silent no-op cell: a fresh ipykernel's first execute pays one-off costs (about 7 ms
+        here) that a pooled kernel should pay before its user arrives. Silent: no history, no
+        execution count, no output, nothing in the namespace."""
+        assert session.kernel is not None
+        output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
+        try:
+            outcome = await session.kernel.execute(
+                "pass", output, timeout_s=self.settings.startup_timeout_s,
+                interrupt_grace_s=self.settings.interrupt_grace_s, silent=True,
+            )  # fmt: skip
+        finally:
+            output.close()
+        if outcome.status is not RunStatus.OK:
+            raise SessionError(f"a pooled kernel failed its warm-up cell ({outcome.status.value})")
+
+    async def _discard_pooled(self, pooled: Pooled) -> None:
+        await self._close_session(pooled.session)
+
+    def _adopt(self, pooled: Pooled, options: SandboxOptions, owner: str) -> Session:
+        """Bind a pool member to the caller that takes it: its id, owner and client are set now."""
+        session = pooled.session
+        session.session_id = secrets.token_urlsafe(18)
+        session.owner = owner
+        session.options = options
+        if pooled.exporter is not None and session.sandbox_mounts is not None:
+            # The export folder is the client's: export_dir/<client> (exports.client_folder).
+            pooled.exporter.target = client_folder(pooled.exporter.target.parent, options.client)
+            session.sandbox_mounts.exporter = pooled.exporter
+        session.created_at = session.last_used = time.monotonic()
+        self._sessions[session.session_id] = session
+        log.info("session %s… taken from the warm pool", session.session_id[:6])
         return session
 
     async def _close_session(self, session: Session) -> None:
         await session.close()
         self.leases.release_user(session.dirs)
+        self.pool.notify()  # its room may go to the pool again
 
     async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER, client: str = LOCAL_CLIENT) -> Session:
         """The named session, or `owner`'s default one (created on first use).
@@ -219,6 +316,7 @@ class SessionManager:
                 await self.close(session_id)
 
     async def close_all(self) -> None:
+        await self.pool.drain()
         sessions = list(self._sessions.values())
         self._sessions.clear()
         self._default_ids.clear()
@@ -232,3 +330,11 @@ class SessionManager:
 
     def is_default(self, session: Session) -> bool:
         return self._default_ids.get(session.owner) == session.session_id
+
+
+@dataclasses.dataclass
+class Pooled:
+    """A warm pool member: its session, and its export copier, held back until a client takes it."""
+
+    session: Session
+    exporter: Exporter | None

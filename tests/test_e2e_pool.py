@@ -1,0 +1,114 @@
+"""The warm pool through the MCP client, on the real backend: a pooled session starts clean, other
+options start cold, pool_size=0 starts nothing ahead, and a stopped server leaves nothing running."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp import Client
+
+from .conftest import (
+    ServerDirs,
+    open_client,
+    run,
+    sandbox_processes_alive,
+    server_env,
+    stdio_client,
+    text_of,
+    wait_until,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+#: Bound on waiting for the pool to have a sandbox ready for the next default create.
+POOL_WAIT_S = 60.0
+
+
+def workspaces(dirs: ServerDirs) -> set[str]:
+    """The sandboxes' workspace dirs (as root each has a quota image beside it, NAME.img)."""
+    if not dirs.workspaces.exists():
+        return set()
+    return {name for name in os.listdir(dirs.workspaces) if (dirs.workspaces / name).is_dir()}
+
+
+def workspace_holding(dirs: ServerDirs, marker: str) -> Path:
+    """The host workspace dir holding the file `marker` (the test wrote it from inside)."""
+    found = [dirs.workspaces / key for key in workspaces(dirs) if (dirs.workspaces / key / marker).is_file()]
+    assert len(found) == 1, found
+    return found[0]
+
+
+async def create(client: Client, **arguments: object) -> str:
+    result = await client.call_tool("create_session", arguments)
+    assert not result.is_error, text_of(result)
+    return json.loads(text_of(result))["session_id"]
+
+
+async def pooled_session(client: Client, dirs: ServerDirs, marker: str) -> tuple[str, Path]:
+    """A default create_session that took a pooled sandbox (its workspace existed before the call).
+
+    Until the pool has one ready a create may start cold; such a session is closed and the test
+    asks again, within POOL_WAIT_S, then fails: the pool must serve a default create.
+    """
+    with anyio.move_on_after(POOL_WAIT_S):
+        while True:
+            before = workspaces(dirs)
+            session_id = await create(client)
+            reply = text_of(await run(client, f"open({marker!r}, 'w').write('x')", session_id=session_id))
+            where = workspace_holding(dirs, marker)
+            if where.name in before:
+                assert "cell 1]" in reply, reply  # the pool's warm-up cell left no count behind
+                return session_id, where
+            await client.call_tool("close_session", {"session_id": session_id})
+            await anyio.sleep(0.5)
+    pytest.fail(f"no default create_session took a pooled sandbox within {POOL_WAIT_S:g}s")
+
+
+async def test_a_pooled_session_starts_clean(dirs: ServerDirs) -> None:
+    async with stdio_client(server_env(dirs, CODERUNNER_POOL_SIZE="1")) as client:
+        first, first_dir = await pooled_session(client, dirs, "marker-a")
+        first_uid = first_dir.stat().st_uid
+        assert not (await run(client, "secret = 41\nopen('left.txt', 'w').write('x')", session_id=first)).is_error
+        await client.call_tool("close_session", {"session_id": first})
+        second, second_dir = await pooled_session(client, dirs, "marker-b")
+        assert second_dir != first_dir
+        if os.getuid() == 0:  # a root server gives each sandbox a host uid of its own
+            assert second_dir.stat().st_uid != first_uid
+        seen = text_of(await run(client, "import os\nprint('secret' in globals(), sorted(os.listdir('.')))",
+                                 session_id=second))  # fmt: skip
+        assert "False" in seen and "left.txt" not in seen and "marker-a" not in seen, seen
+
+
+async def test_non_default_options_start_cold(dirs: ServerDirs) -> None:
+    async with stdio_client(server_env(dirs, CODERUNNER_POOL_SIZE="1")) as client:
+        await pooled_session(client, dirs, "marker-warm")  # the pool works here
+        assert await wait_until(lambda: len(workspaces(dirs)) == 2, timeout_s=POOL_WAIT_S), "the pool to refill"
+        before = workspaces(dirs)
+        for options in ({"memory_mb": 1024}, {"name": "proj"}, {"network": "none", "timeout_s": 20}):
+            session_id = await create(client, **options)
+            marker = "marker-" + "-".join(options)
+            await run(client, f"open({marker!r}, 'w').write('x')", session_id=session_id)
+            assert workspace_holding(dirs, marker).name not in before, options
+
+
+async def test_pool_size_zero_starts_nothing_ahead(dirs: ServerDirs) -> None:
+    async with stdio_client(server_env(dirs, CODERUNNER_POOL_SIZE="0")) as client:
+        await client.call_tool("list_sessions", {})
+        await anyio.sleep(1.0)  # time a pool would have used to start a sandbox
+        assert sandbox_processes_alive(dirs) == [] and workspaces(dirs) == set()
+        assert text_of(await run(client, "1 + 1")).startswith("2")
+
+
+@pytest.mark.parametrize("transport", ["stdio", "streamable-http"])
+async def test_stopping_the_server_leaves_nothing_running(dirs: ServerDirs, transport: str) -> None:
+    async with open_client(transport, server_env(dirs, CODERUNNER_POOL_SIZE="2")) as client:
+        await pooled_session(client, dirs, "marker-stop")
+        # One taken, two in the pool (ready or starting): three sandboxes of this server.
+        assert await wait_until(lambda: len(workspaces(dirs)) == 3, timeout_s=POOL_WAIT_S)
+        assert sandbox_processes_alive(dirs)
+    assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=20), sandbox_processes_alive(dirs)
+    assert workspaces(dirs) == set()
