@@ -160,7 +160,9 @@ class EgressProxy:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; nothing to answer
         except asyncio.CancelledError:
-            raise
+            # aclose or an eviction. This task is a leaf the stream server made for the connection;
+            # ending it quietly keeps asyncio from logging every closed tunnel as an error.
+            pass
         except Exception:
             log.exception("egress proxy for session %s: a connection failed", self.session_id)
         finally:
@@ -246,8 +248,8 @@ class EgressProxy:
                 f"port {port} is not allowed",
                 f"{_BLOCKED}: port {port} of {shown} is not in this session's allowlist (allowed: {allowed})",
             )
-        if self._asker is not None and host not in self._declined and self._ceiling.allows(host, port):
-            if await self._ask(host, port):
+        if self._asker is not None and self._ceiling.allows(host, port):
+            if host not in self._declined and await self._ask(host, port):
                 return None
             return _Denial(
                 "declined by the user",
