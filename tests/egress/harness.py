@@ -124,10 +124,13 @@ async def exchange(path: str, data: bytes, *, timeout: float = CLIENT_TIMEOUT_S,
     """Send data, half-close, read the answer until the proxy closes (bounded in time and bytes)."""
     reader, writer = await asyncio.open_unix_connection(path)
     try:
-        writer.write(data)
-        await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
+        try:
+            writer.write(data)
+            await writer.drain()
+            if writer.can_write_eof():
+                writer.write_eof()
+        except OSError:
+            pass  # the proxy answered and closed before reading everything (503, 400): read the answer
         return await asyncio.wait_for(_read_all(reader, limit), timeout)
     finally:
         writer.close()
@@ -136,7 +139,10 @@ async def exchange(path: str, data: bytes, *, timeout: float = CLIENT_TIMEOUT_S,
 async def _read_all(reader: asyncio.StreamReader, limit: int) -> bytes:
     out = bytearray()
     while len(out) < limit:
-        chunk = await reader.read(65536)
+        try:
+            chunk = await reader.read(65536)
+        except OSError:
+            break  # a close with our bytes unread resets a unix socket: keep what arrived before
         if not chunk:
             break
         out += chunk

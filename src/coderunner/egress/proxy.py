@@ -125,7 +125,9 @@ class EgressProxy:
         in flight are closed too.
         """
         own = listener.dup()  # asyncio closes the socket it serves on; the caller's stays the caller's
-        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=_READ_CHUNK)
+        # asyncio listens again with its own backlog (100 by default); a flood past it would make
+        # clients' connects fail oddly instead of being answered 503, so keep the queue deep.
+        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=_READ_CHUNK, backlog=_BACKLOG)
         try:
             await server.serve_forever()
         finally:
@@ -391,6 +393,7 @@ class EgressProxy:
 _BLOCKED = "blocked by CodeRunner's network policy"
 _READ_CHUNK = 64 * KiB
 _CLOSE_WAIT_S = 5.0
+_BACKLOG = 1024
 _STALLED_HEAD_S = 1.0
 _MAX_ADDRESSES_TRIED = 4
 _RESOLVES_PER_PROXY = 4
