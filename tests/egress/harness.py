@@ -174,3 +174,33 @@ class BackgroundLoop:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(10)
         self.loop.close()
+
+
+@contextlib.asynccontextmanager
+async def tcp_front(unix_path: str) -> AsyncIterator[int]:
+    """A TCP port on 127.0.0.1 that pipes each connection to the proxy's unix socket: what the
+    in-sandbox forwarder does, so ordinary clients (curl, urllib) can be pointed at the proxy."""
+
+    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+            if dst.can_write_eof():
+                dst.write_eof()
+        except OSError:
+            dst.close()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_unix_connection(unix_path)
+        try:
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+        finally:
+            up_writer.close()
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield server.sockets[0].getsockname()[1]
+    finally:
+        server.close()
