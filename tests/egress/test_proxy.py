@@ -361,3 +361,33 @@ async def test_aclose_and_cancel_end_every_connection(upstream: Upstream) -> Non
             writer.close()
         assert run.proxy.active_connections == 0
         assert run.log.totals()["allowed"] == 5
+
+
+async def test_questions_are_one_at_a_time_and_bounded_per_session(upstream: Upstream) -> None:
+    """Code in the sandbox picks the names: it must not be able to bury the user in prompts."""
+    from coderunner.egress.proxy import MAX_ASKS
+
+    asked: list[str] = []
+    in_flight = 0
+    most = 0
+
+    async def asker(host: str, port: int) -> bool:
+        nonlocal in_flight, most
+        in_flight += 1
+        most = max(most, in_flight)
+        asked.append(host)
+        await asyncio.sleep(0.01)
+        in_flight -= 1
+        return False
+
+    ceiling = policy_for(upstream, "ok.test", "*.ok.test")
+    async with running_proxy(policy_for(upstream, "ok.test"), ceiling, asker=asker) as run:
+        heads = [f"CONNECT h{i}.ok.test:{upstream.port} HTTP/1.1\r\n\r\n".encode() for i in range(MAX_ASKS + 5)]
+        answers = await asyncio.gather(*(exchange(run.path, head) for head in heads))
+        assert [status_of(a) for a in answers] == [403] * len(heads)
+        assert len(asked) == MAX_ASKS and most == 1
+        later = await exchange(run.path, f"CONNECT late.ok.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
+        assert (
+            status_of(later) == 403 and "was not asked" in body_of(later) and 'allow=["late.ok.test"]' in body_of(later)
+        )
+    assert upstream.connects == 0
