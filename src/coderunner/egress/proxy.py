@@ -527,17 +527,16 @@ async def _relay(
     counts: _Counts,
     idle_s: float,
 ) -> None:
-    """Copy both ways until both sides finish, or nothing moves either way for idle_s."""
+    """Copy both ways until the server side finishes, or nothing moves either way for idle_s.
+
+    The idle check is one wait with a timeout here, not a timer per read: wait_for around every
+    read costs a task per chunk on Python < 3.12 and took a third of the throughput.
+    """
     last = [time.monotonic()]
 
     async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upward: bool) -> None:
         while True:
-            try:
-                data = await asyncio.wait_for(src.read(_READ_CHUNK), idle_s)
-            except asyncio.TimeoutError:
-                if time.monotonic() - last[0] >= idle_s:
-                    raise _Idle from None
-                continue
+            data = await src.read(_READ_CHUNK)
             if not data:
                 if dst.can_write_eof():
                     with contextlib.suppress(OSError, RuntimeError):
@@ -549,31 +548,28 @@ async def _relay(
                 counts.sent += len(data)
             else:
                 counts.received += len(data)
-            try:
-                await asyncio.wait_for(dst.drain(), idle_s)
-            except asyncio.TimeoutError:
-                raise _Idle from None
-            last[0] = time.monotonic()
+            await dst.drain()  # returns at once below the high-water mark; a stall shows as idleness
 
     up = asyncio.ensure_future(pump(client_r, up_w, True))
     down = asyncio.ensure_future(pump(up_r, client_w, False))
     try:
         pending: set[asyncio.Future[None]] = {up, down}
         while pending:
-            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            wait_s = max(0.0, last[0] + idle_s - time.monotonic())
+            done, pending = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                if time.monotonic() - last[0] >= idle_s:
+                    return  # idle both ways
+                continue
             for task in done:
                 if task.exception() is not None:
-                    return  # an error or idle on one side ends the whole connection
+                    return  # an error on one side ends the whole connection
             if down in done:
                 return  # the server finished; what the client still sends has nowhere to go
     finally:
         for task in (up, down):
             task.cancel()
         await asyncio.gather(up, down, return_exceptions=True)
-
-
-class _Idle(Exception):
-    pass
 
 
 async def _answer(writer: asyncio.StreamWriter, code: int, phrase: str, body: str, *, status: str = "") -> None:
