@@ -120,6 +120,14 @@ def host_addresses() -> frozenset[IPAddress]:
         return found
 
 
+def cached_host_addresses() -> frozenset[IPAddress] | None:
+    """The cached own addresses if still fresh, else None; never blocks (safe on the event loop)."""
+    cached = _cache
+    if cached is not None and time.monotonic() - cached[0] < OWN_TTL_S:
+        return cached[1]
+    return None
+
+
 def _read_linux() -> frozenset[IPAddress]:
     """Every local IPv4 (/proc/net/fib_trie: primary and secondary) and IPv6 (/proc/net/if_inet6)."""
     found: set[IPAddress] = set()

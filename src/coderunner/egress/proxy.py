@@ -26,7 +26,7 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .addresses import IPAddress, forbidden_reason, host_addresses
+from .addresses import IPAddress, cached_host_addresses, forbidden_reason, host_addresses
 from .audit import Decision, DecisionLog
 from .policy import CEILING_SETTING, EgressPolicy, EgressPolicyError
 from .request import BadRequest, parse_request
@@ -350,7 +350,7 @@ class EgressProxy:
         check = self._address_check
         if check is None:
             try:
-                own = await asyncio.to_thread(host_addresses)
+                own = cached_host_addresses() or await asyncio.to_thread(host_addresses)
             except OSError as exc:
                 log.warning("egress proxy: the host's own addresses cannot be read: %s", exc)
                 why = "the proxy cannot read this host's own addresses, so it refuses"
