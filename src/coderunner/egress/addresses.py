@@ -41,6 +41,7 @@ _V4_REFUSED: tuple[tuple[ipaddress.IPv4Network, str], ...] = (
 _V6_REFUSED: tuple[tuple[ipaddress.IPv6Network, str], ...] = (
     (_V6("::/128"), "an unspecified address"),
     (_V6("::1/128"), "a loopback address"),
+    (_V6("::/8"), "a reserved address"),  # after the IPv4-carrying forms in it were unwrapped
     (_V6("fe80::/10"), "a link-local address"),
     (_V6("fec0::/10"), "a site-local address"),
     (_V6("fc00::/7"), "a unique local (private) address"),
