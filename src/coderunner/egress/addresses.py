@@ -41,7 +41,6 @@ _V4_REFUSED: tuple[tuple[ipaddress.IPv4Network, str], ...] = (
 _V6_REFUSED: tuple[tuple[ipaddress.IPv6Network, str], ...] = (
     (_V6("::/128"), "an unspecified address"),
     (_V6("::1/128"), "a loopback address"),
-    (_V6("::/8"), "a reserved address"),  # after the IPv4-carrying forms in it were unwrapped
     (_V6("fe80::/10"), "a link-local address"),
     (_V6("fec0::/10"), "a site-local address"),
     (_V6("fc00::/7"), "a unique local (private) address"),
@@ -49,6 +48,7 @@ _V6_REFUSED: tuple[tuple[ipaddress.IPv6Network, str], ...] = (
     (_V6("100::/64"), "a discard-only address"),
     (_V6("2001::/32"), "a Teredo tunnel address"),
     (_V6("64:ff9b:1::/48"), "a local-use NAT64 address"),
+    (_V6("::/8"), "a reserved address"),  # last: the forms above and the IPv4-carrying ones lie in it
 )
 #: IPv6 forms that carry an IPv4 address in their low 32 bits; judged by the address they carry.
 _V4_IN_V6: tuple[ipaddress.IPv6Network, ...] = (
