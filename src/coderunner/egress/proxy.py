@@ -424,6 +424,7 @@ _STALLED_HEAD_S = 1.0
 _MAX_ADDRESSES_TRIED = 4
 _RESOLVES_PER_PROXY = 4
 _ANSWER_DRAIN_S = 2.0
+_MAX_PHRASE = 400
 
 #: Name lookups run here, not in the loop's default executor: a session that floods slow lookups
 #: then cannot starve the server's other to_thread work.
@@ -573,8 +574,16 @@ async def _relay(
 
 
 async def _answer(writer: asyncio.StreamWriter, code: int, phrase: str, body: str, *, status: str = "") -> None:
-    """Send a short plain-text answer and let the connection close."""
+    """Send a short plain-text answer and let the connection close.
+
+    Refusals (403, 5xx) also carry the body's first line in the reason phrase: clients that report a
+    failed CONNECT print the status line but not the body (Python's http.client: "Tunnel connection
+    failed: 403 Forbidden (blocked by ...)"), so that is where pip and requests users can see it.
+    """
     data = (body + "\n").encode("utf-8", "replace")
+    if code == 403 or code >= 500:
+        first = "".join(ch for ch in body.split("\n", 1)[0] if " " <= ch <= "~")[:_MAX_PHRASE]
+        phrase = f"{phrase} ({first})"
     lines = [
         f"HTTP/1.1 {code} {phrase}",
         "Content-Type: text/plain; charset=utf-8",
