@@ -391,3 +391,17 @@ async def test_questions_are_one_at_a_time_and_bounded_per_session(upstream: Ups
             status_of(later) == 403 and "was not asked" in body_of(later) and 'allow=["late.ok.test"]' in body_of(later)
         )
     assert upstream.connects == 0
+
+
+def test_a_policy_beyond_its_ceiling_and_bad_limits_are_refused_at_construction() -> None:
+    from coderunner.egress import DecisionLog, EgressProxy
+
+    ceiling = EgressPolicy.parse(["*.ok.test"], ports=[443])
+    with pytest.raises(EgressPolicyError, match="allowed_domains"):
+        EgressProxy(EgressPolicy.parse(["evil.test"], ports=[443]), ceiling, session_id="s", log=DecisionLog("s"))
+    with pytest.raises(EgressPolicyError):
+        EgressProxy(EgressPolicy.parse(["a.ok.test"], ports=[22]), ceiling, session_id="s", log=DecisionLog("s"))
+    EgressProxy(EgressPolicy.parse(["a.ok.test"], ports=[443]), ceiling, session_id="s", log=DecisionLog("s"))
+    for bad in ({"max_connections": 0}, {"idle_s": -1.0}, {"max_head_bytes": 0}):
+        with pytest.raises(ValueError):
+            ProxyLimits(**bad)  # type: ignore[arg-type]

@@ -61,6 +61,11 @@ class ProxyLimits:
     connect_timeout_s: float = 10.0
     resolve_timeout_s: float = 5.0
 
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"ProxyLimits.{name} must be positive, not {value!r}")
+
 
 class EgressProxy:
     """One session's egress proxy. Serve it on a listening unix socket; close it with the session."""
@@ -77,6 +82,13 @@ class EgressProxy:
         resolver: Resolver | None = None,
         address_check: AddressCheck | None = None,
     ) -> None:
+        outside = [h for h in policy.hosts if not ceiling.covers(h)]
+        if outside or not policy.ports <= ceiling.ports:
+            raise EgressPolicyError(
+                f"a session's network allowlist must lie inside the user's (allowed: {ceiling.describe()}); "
+                f"outside it: {', '.join(outside) or 'ports ' + str(sorted(policy.ports - ceiling.ports))}. "
+                f"The user can widen it with {CEILING_SETTING}."
+            )
         self._policy = policy
         self._ceiling = ceiling
         self.session_id = session_id
