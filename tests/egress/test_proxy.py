@@ -41,6 +41,9 @@ async def test_connect_tunnels_bytes_both_ways_and_records_them(upstream: Upstre
         writer.write(b"x" * 100_000)
         await writer.drain()
         assert await reader.readexactly(100_000) == b"x" * 100_000
+        (open_now,) = run.proxy.open_connections()
+        assert (open_now.host, open_now.reason, open_now.received) == ("ok.test", "open", 100_005)
+        assert run.log.recent() == []  # recorded when it closes, with its final counts
         writer.write_eof()
         assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()

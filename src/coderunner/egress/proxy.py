@@ -122,6 +122,15 @@ class EgressProxy:
         """Client connections being served now."""
         return len(self._conns)
 
+    def open_connections(self) -> list[Decision]:
+        """Relays in progress, as decisions with the bytes moved so far (reason "open"): a long
+        download shows in session_status before it ends and is recorded."""
+        return [
+            Decision(c.decided_at, c.host, c.port, True, "open", c.counts.sent, c.counts.received)
+            for c in self._conns.values()
+            if c.counts is not None
+        ]
+
     def allow(self, host: str) -> None:
         """Widen the session's policy to one more host; EgressPolicyError if the ceiling does not cover it."""
         widened = self._policy.with_host(host)
@@ -241,6 +250,7 @@ class EgressProxy:
             return
         up_reader, up_writer = upstream
         counts = _Counts()
+        conn.host, conn.port, conn.decided_at, conn.counts = request.host, request.port, started, counts
         try:
             if request.kind == "connect":
                 writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
@@ -452,6 +462,10 @@ class _Conn:
     started: float
     writer: asyncio.StreamWriter
     in_head: bool = True
+    host: str = ""
+    port: int = 0
+    decided_at: float = 0.0
+    counts: _Counts | None = None
 
 
 @dataclass
