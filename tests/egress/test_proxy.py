@@ -275,6 +275,14 @@ async def test_a_failing_or_silent_asker_denies(upstream: Upstream, monkeypatch:
         raise RuntimeError("client went away")
 
     ceiling = policy_for(upstream, "ok.test", "maybe.test")
+    async with running_proxy(policy_for(upstream, "ok.test"), ceiling) as run:
+        assert run.proxy.asker is None
+        no_one = await exchange(run.path, f"CONNECT maybe.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
+        assert status_of(no_one) == 403 and 'allow=["maybe.test"]' in body_of(no_one)
+        run.proxy.asker = broken  # set later, as the wiring does per call
+        assert run.proxy.asker is broken
+        answer = await exchange(run.path, f"CONNECT maybe.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
+        assert status_of(answer) == 403 and "declined" in body_of(answer)
     for asker in (silent, broken):
         async with running_proxy(policy_for(upstream, "ok.test"), ceiling, asker=asker) as run:
             answer = await exchange(run.path, f"CONNECT maybe.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())

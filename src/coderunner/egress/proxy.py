@@ -118,6 +118,19 @@ class EgressProxy:
         return self._ceiling
 
     @property
+    def asker(self) -> Asker | None:
+        """Who is asked about hosts inside the ceiling but outside the policy; None: nobody.
+
+        Settable at any time (the client that can answer changes from call to call). A host the
+        user declined stays declined for the session, whoever asks next.
+        """
+        return self._asker
+
+    @asker.setter
+    def asker(self, asker: Asker | None) -> None:
+        self._asker = asker
+
+    @property
     def active_connections(self) -> int:
         """Client connections being served now."""
         return len(self._conns)
