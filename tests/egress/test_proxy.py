@@ -416,3 +416,42 @@ def test_a_policy_beyond_its_ceiling_and_bad_limits_are_refused_at_construction(
     for bad in ({"max_connections": 0}, {"idle_s": -1.0}, {"max_head_bytes": 0}):
         with pytest.raises(ValueError):
             ProxyLimits(**bad)  # type: ignore[arg-type]
+
+
+async def test_no_descriptor_is_left_behind(upstream: Upstream) -> None:
+    """Every path (relay, denial, 400, 503, timeout, reset) closes both sides: fds return to baseline."""
+    import os
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    limits = ProxyLimits(max_connections=4, head_timeout_s=0.5, idle_s=0.5)
+    resolver = resolver_for({"ok.test": ["127.0.0.1"], "priv.ok.test": ["10.0.0.1"]})
+    async with running_proxy(
+        policy_for(upstream), limits=limits, resolver=resolver, address_check=loopback_only
+    ) as run:
+        good = f"GET http://ok.test:{upstream.port}/ HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        await exchange(run.path, good)
+        baseline = fds()
+        for _ in range(5):
+            heads = [
+                good,
+                f"CONNECT ok.test:{upstream.port} HTTP/1.1\r\n\r\nping".encode(),
+                f"CONNECT evil.test:{upstream.port} HTTP/1.1\r\n\r\n".encode(),
+                f"CONNECT priv.ok.test:{upstream.port} HTTP/1.1\r\n\r\n".encode(),
+                b"garbage\r\n\r\n",
+                b"CONNECT ok.test:",  # half a head, then EOF
+            ]
+            await asyncio.gather(*(exchange(run.path, h) for h in heads * 3))
+            _, writer = await asyncio.open_unix_connection(run.path)
+            writer.write(b"CONNECT ok.")  # slowloris, timed out by the proxy
+            await asyncio.sleep(0.8)
+            writer.transport.abort()
+        for _ in range(200):
+            if run.proxy.active_connections == 0 and fds() <= baseline:
+                break
+            await asyncio.sleep(0.05)
+        assert run.proxy.active_connections == 0
+        assert fds() <= baseline
