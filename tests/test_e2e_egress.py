@@ -163,6 +163,25 @@ async def test_a_host_off_the_list_is_denied_with_the_message_from_python(egress
     assert "Tunnel connection failed: 403" in text_of(tls), text_of(tls)
 
 
+async def test_a_host_off_the_list_is_denied_with_the_message_from_requests(egress: Egress) -> None:
+    # requests is not in the sandbox's environment: installed through the allowlist first.
+    installed = await egress.client.call_tool(
+        "install_packages", {"packages": ["requests"], "session_id": egress.session}
+    )
+    assert not installed.is_error, text_of(installed)
+    code = f"""
+import requests
+print(requests.get('http://{DENIED_HOST}/', timeout=20).text)
+try:
+    requests.get('https://{DENIED_HOST}/', timeout=20)
+except requests.exceptions.ProxyError as exc:
+    print('TLS', exc)
+"""
+    text = await ok(egress.client, code, egress.session)
+    assert text.startswith(BLOCKED) and DENIED_HOST in text, text
+    assert "Tunnel connection failed: 403" in text, text
+
+
 async def test_a_host_off_the_list_is_denied_with_the_message_from_curl_and_node(egress: Egress) -> None:
     curl = await execute(egress.client, "bash", f"curl -sS http://{DENIED_HOST}/", network="allowlist")
     assert BLOCKED in curl["stdout"], curl
