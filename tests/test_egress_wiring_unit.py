@@ -55,6 +55,12 @@ def test_bad_allowed_domains_and_ports_are_told_at_start(tmp_path: Path) -> None
         settings(tmp_path, allowed_ports=[0])
 
 
+def test_allowlist_as_the_default_needs_a_ceiling(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="allowed_domains"):
+        settings(tmp_path, network="allowlist")
+    assert settings(tmp_path, network="allowlist", allowed_domains=["github"]).network == "allowlist"
+
+
 def test_serve_flags_set_the_network_and_the_ceiling() -> None:
     from coderunner.cli import _parser, _settings
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import platformdirs
-from pydantic import Field, SecretStr, ValidationError, field_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -312,6 +312,15 @@ class Settings(BaseSettings):
         if isinstance(value, list):
             return [MountSpec.parse(item) if isinstance(item, str) else item for item in value]
         return value
+
+    @model_validator(mode="after")
+    def _allowlist_needs_a_ceiling(self) -> Settings:
+        if self.network == "allowlist" and not self.allowed_domains:
+            raise ValueError(
+                "network 'allowlist' as the default needs allowed_domains (e.g. [\"python-packages\"]; "
+                "CODERUNNER_ALLOWED_DOMAINS or --allow-domain)"
+            )
+        return self
 
     @classmethod
     def settings_customise_sources(
