@@ -13,8 +13,8 @@ def test_the_asker_is_set_and_cleared_per_call() -> None:
     async def yes(host: str, port: int) -> bool:
         return True
 
-    assert egress.proxy._asker is None
+    assert egress.proxy.asker is None
     egress.set_asker(yes)
-    assert egress.proxy._asker is yes
+    assert egress.proxy.asker is yes
     egress.set_asker(None)
-    assert egress.proxy._asker is None
+    assert egress.proxy.asker is None

@@ -64,9 +64,7 @@ class SessionEgress:
         """Who is asked about a host inside the ceiling but outside this session's list (MCP
         elicitation, set for the length of a call that can ask); None: nobody, such a host is
         denied with a hint on how to allow it (not recorded as declined by the user)."""
-        # EgressProxy takes its asker at construction only; the asker here changes per call.
-        # A public setter belongs in egress/proxy.py (told to the lead); until then, its one field.
-        self.proxy._asker = asker
+        self.proxy.asker = asker
 
     @property
     def socket_path(self) -> Path | None:
