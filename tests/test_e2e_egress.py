@@ -160,7 +160,8 @@ async def test_a_host_off_the_list_is_denied_with_the_message_from_python(egress
     text = await ok(egress.client, fetch(f"http://{DENIED_HOST}/"), egress.session)
     assert text.startswith("403 ") and BLOCKED in text and DENIED_HOST in text, text
     tls = await run(egress.client, fetch(f"https://{DENIED_HOST}/"), session_id=egress.session)
-    assert "Tunnel connection failed: 403" in text_of(tls), text_of(tls)
+    # A refused tunnel: Python shows the status line, whose reason phrase carries the policy's words.
+    assert f"Tunnel connection failed: 403 Forbidden ({BLOCKED}" in text_of(tls), text_of(tls)
 
 
 async def test_a_host_off_the_list_is_denied_with_the_message_from_requests(egress: Egress) -> None:
@@ -179,7 +180,7 @@ except requests.exceptions.ProxyError as exc:
 """
     text = await ok(egress.client, code, egress.session)
     assert text.startswith(BLOCKED) and DENIED_HOST in text, text
-    assert "Tunnel connection failed: 403" in text, text
+    assert f"Tunnel connection failed: 403 Forbidden ({BLOCKED}" in text, text
 
 
 async def test_a_host_off_the_list_is_denied_with_the_message_from_curl_and_node(egress: Egress) -> None:
@@ -300,3 +301,12 @@ except OSError as exc:
     # One-shot runs too (the image has no curl: Python).
     once = await execute(client, "python", fetch(f"http://{servers.public_ip}/"), network="allowlist")
     assert f"200 {BODY}" in once["stdout"], once
+    # Node 18 in the image, with Debian's node-undici: fetch follows the proxy and explains a refusal.
+    node = await execute(
+        client,
+        "javascript",
+        f"fetch('http://{servers.public_ip}/').then(r => r.text()).then(console.log);"
+        f"fetch('http://{DENIED_HOST}/').then(r => console.log('FETCHED', r.status), e => console.log(e.message))",
+        network="allowlist",
+    )
+    assert BODY in node["stdout"] and BLOCKED in node["stdout"] and "FETCHED" not in node["stdout"], node
