@@ -10,6 +10,17 @@
 // "Proxy response (403) !== 200": fetch's error is given the policy's words instead.
 "use strict";
 
+// undici 6: "Proxy response (403) !== 200 when HTTP Tunneling"; 5: no status in it.
+const TUNNEL_REFUSED = /Proxy response(?: \((\d+)\))? !== 200/;
+// Refused tunnels by origin, for the fetch errors that lost them (bounded).
+const refusals = new Map();
+
+function noteRefusal(origin, message) {
+  refusals.delete(origin);
+  refusals.set(origin, message);
+  if (refusals.size > 64) refusals.delete(refusals.keys().next().value);
+}
+
 // Short keep-alive: each idle tunnel would keep node running for seconds after its last fetch.
 const POOL = { keepAliveTimeout: 10, keepAliveMaxTimeout: 10 };
 const DIRECT = new Set(["localhost", "127.0.0.1", "::1", "[::1]"]); // NO_PROXY in these sandboxes
@@ -30,8 +41,15 @@ function proxyDispatcher(undici) {
   const direct = new undici.Agent(POOL);
   class ByHost extends undici.Dispatcher {
     dispatch(options, handler) {
-      const host = new URL(String(options.origin)).hostname;
-      return (DIRECT.has(host) ? direct : proxy).dispatch(options, handler);
+      const origin = String(options.origin);
+      if (DIRECT.has(new URL(origin).hostname)) return direct.dispatch(options, handler);
+      // Node 18's fetch drops the tunnel error from its cause chain: note it by origin for fetch.
+      const noting = Object.create(handler);
+      noting.onError = function onError(err) {
+        if (TUNNEL_REFUSED.test(String(err && err.message))) noteRefusal(origin, err.message);
+        return handler.onError.call(this, err);
+      };
+      return proxy.dispatch(options, noting);
     }
     async close() {
       await Promise.all([proxy.close(), direct.close()]);
@@ -50,26 +68,28 @@ function explainRefusals() {
     try {
       return await fetch(input, init);
     } catch (err) {
-      let cause = err;
-      for (let depth = 0; cause && depth < 4; depth += 1, cause = cause.cause) {
-        // undici 6: "Proxy response (403) !== 200 when HTTP Tunneling"; 5: no status in it.
-        const match = /Proxy response(?: \((\d+)\))? !== 200/.exec(String(cause.message));
-        if (match) {
-          let where = "this host";
-          try {
-            const url = new URL(typeof input === "string" || input instanceof URL ? input : input.url);
-            where = url.host;
-          } catch (ignored) {
-            // keep the generic words
-          }
-          const why =
-            match[1] === "503"
-              ? "the sandbox's proxy is at its connection limit; try again when fewer are open"
-              : `${where} is not in this session's allowlist, or resolves to a private address` +
-                (match[1] ? ` (HTTP ${match[1]})` : "");
-          err.message = `${err.message}: blocked by CodeRunner's network policy: ${why}`;
-          break;
-        }
+      let url = null;
+      try {
+        url = new URL(typeof input === "string" || input instanceof URL ? input : input.url);
+      } catch (ignored) {
+        // keep the generic words
+      }
+      let match = null;
+      for (let cause = err, depth = 0; cause && !match && depth < 4; depth += 1, cause = cause.cause) {
+        match = TUNNEL_REFUSED.exec(String(cause.message));
+      }
+      if (!match && url !== null && refusals.has(url.origin)) {
+        match = TUNNEL_REFUSED.exec(refusals.get(url.origin));
+        refusals.delete(url.origin);
+      }
+      if (match) {
+        const where = url !== null ? url.host : "this host";
+        const why =
+          match[1] === "503"
+            ? "the sandbox's proxy is at its connection limit; try again when fewer are open"
+            : `${where} is not in this session's allowlist, or resolves to a private address` +
+              (match[1] ? ` (HTTP ${match[1]})` : "");
+        err.message = `${err.message}: blocked by CodeRunner's network policy: ${why}`;
       }
       throw err;
     }
