@@ -30,6 +30,7 @@ from ..owners import LOCAL_CLIENT
 from ..sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
 from ..session_dirs import remove_stale_dirs
 from ..startup_hooks import disable_startup_hooks
+from .egress import EgressHub
 from .pool import WarmPool
 from .session import Session
 from .usage import memory_used_mb
@@ -70,6 +71,8 @@ class SessionManager:
         self._pool_options: SandboxOptions | None = None
         #: Cold sessions being prepared (not yet in _sessions): their room is not the pool's.
         self._cold_starts = 0
+        #: Network 'allowlist': the user's ceiling and the audit log (each sandbox's proxy is its own).
+        self.egress = EgressHub(settings)
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -88,8 +91,10 @@ class SessionManager:
             output_limit_chars=self.settings.output_limit_chars,
             max_concurrent=self.settings.max_oneshot_runs,
             max_per_caller=self.settings.max_oneshot_runs_per_client,
+            egress=self.egress,
         )
-        if self.pool.enabled:
+        if self.pool.enabled and self.settings.network != "allowlist":
+            # An allowlist sandbox's proxy is labelled with its session in the audit log: start cold.
             self._pool_options = self.options()
             self._task_group.start_soon(self.pool.run)
         return self
@@ -112,6 +117,7 @@ class SessionManager:
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(None, None, None)
+        await anyio.to_thread.run_sync(self.egress.close)
 
     def options(
         self,
@@ -123,6 +129,7 @@ class SessionManager:
         name: str | None = None,
         persistent: bool = False,
         client: str = LOCAL_CLIENT,
+        allow: list[str] | None = None,
     ) -> SandboxOptions:
         """Options for a session or a one-shot run: the settings' defaults with what was asked for, checked."""
         return sandbox_options(
@@ -137,6 +144,7 @@ class SessionManager:
             name=name,
             persistent=persistent,
             client=client,
+            allow=allow,
         )
 
     async def create(
@@ -170,6 +178,7 @@ class SessionManager:
             self._cold_starts -= 1
         session.busy = True  # starting: the idle reaper must not close it under a slow start
         try:
+            session.egress = await self.egress.open(options, session.dirs, self._task_group, session.session_id)
             await session.start_kernel()
         except BaseException:
             self._sessions.pop(session.session_id, None)
