@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -49,7 +48,7 @@ SMALL_BODY = b"ok\n"
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"  # one request per connection: setup cost is what is measured
 
-    def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+    def do_GET(self) -> None:
         size = BIG if self.path.startswith("/big") else len(SMALL_BODY)
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
@@ -62,7 +61,7 @@ class _Handler(BaseHTTPRequestHandler):
         for _ in range(size // len(chunk)):
             self.wfile.write(chunk)
 
-    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 - the stdlib's name
+    def log_message(self, format: str, *args: object) -> None:
         pass
 
 
@@ -153,7 +152,7 @@ def _egress_batch(host, port, path, mode, count):
 
 def local_batch(path: str, count: int) -> list[tuple[float, int]]:
     scope: dict[str, object] = {}
-    exec(CLIENT, scope)  # noqa: S102 - our own client source, run here as the host-direct lane
+    exec(CLIENT, scope)
     return scope["_egress_batch"](SERVER_IP, PORT, path, "direct", count)  # type: ignore[operator]
 
 
@@ -218,7 +217,8 @@ async def main(rounds: int, requests: int, downloads: int) -> None:
                     await call("run_python", {"code": CLIENT, "session_id": sessions[network]})
 
                 async def sandboxed(network: str, mode: str, path: str, count: int) -> list[tuple[float, int]]:
-                    code = f"print(__import__('json').dumps(_egress_batch({SERVER_IP!r}, {PORT}, {path!r}, {mode!r}, {count})))"
+                    batch = f"_egress_batch({SERVER_IP!r}, {PORT}, {path!r}, {mode!r}, {count})"
+                    code = f"print(__import__('json').dumps({batch}))"
                     text = await call("run_python", {"code": code, "session_id": sessions[network], "timeout_s": 600})
                     line = next(line for line in text.splitlines() if line.startswith("[["))
                     return [(seconds, size) for seconds, size in json.loads(line)]
@@ -228,7 +228,7 @@ async def main(rounds: int, requests: int, downloads: int) -> None:
                     ("allowlist/forward", "allowlist", "forward"),
                     ("internet/direct", "internet", "direct"),
                 ]
-                for lane, network, mode in plan:  # warm-up, not counted
+                for _lane, network, mode in plan:  # warm-up, not counted
                     await sandboxed(network, mode, "/small", 3)
                 for round_number in range(rounds):
                     order = plan if round_number % 2 == 0 else plan[::-1]
