@@ -26,6 +26,7 @@ Each class lives beside the code that raises it; the tree, with where each one i
     ├── FileAccessError              files.py              a file request refused or failed
     ├── VariablesError               variables.py          a variable that cannot be passed
     ├── PackagesError                packages.py           a package list pip must not be given
+    ├── EgressPolicyError            egress/policy.py      an allowlist entry refused, or a host beyond the ceiling
     └── ProxyError                   proxy.py              `coderunner proxy` cannot use the upstream server
         └── RequestNeverRan          proxy.py              ... and the request certainly did not run there
 
