@@ -8,6 +8,7 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
+from ..egress_text import STATUS_RECENT, egress_status
 from ..mounts import MountSpec
 from .arguments import MemoryMb, NetworkArg, SessionId, Text
 from .context import ToolContext, json_result
@@ -61,9 +62,13 @@ def register(tools: ToolContext) -> None:
 
     @tools.tool()
     async def session_status(ctx: Context, session_id: SessionId = "") -> CallToolResult:
-        """A session's state, uptime, memory, limits and network."""
+        """A session's state, uptime, memory, limits and network (allowlist: its recent decisions)."""
         session = await tools.session(ctx, session_id)
-        return json_result(await tools.off_loop(tools.summary, session))
+        summary = await tools.off_loop(tools.summary, session)
+        if session.egress is not None:
+            log = session.egress.log
+            summary["egress"] = egress_status(session.egress.proxy.policy, log.recent(STATUS_RECENT), log.totals())
+        return json_result(summary)
 
     @tools.tool()
     async def list_sessions(ctx: Context) -> CallToolResult:
