@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import anyio
 from mcp.server.mcpserver import Context
@@ -22,7 +22,9 @@ from pydantic import BaseModel, Field
 from ..egress.policy import EgressPolicy
 from ..egress_text import denial_note, denied_with_reasons
 from ..errors import CodeRunnerError
-from ..sessions.egress import SessionEgress
+
+if TYPE_CHECKING:
+    from ..sessions.egress import SessionEgress
 
 log = logging.getLogger(__name__)
 
