@@ -47,6 +47,15 @@ def _parser() -> argparse.ArgumentParser:
         metavar="HOST:SANDBOX[:ro|rw]",
         help="share a host folder with every session (repeatable; read-only unless :rw)",
     )
+    serve.add_argument("--network", choices=["none", "allowlist", "internet"], help="default network of sessions")
+    serve.add_argument(
+        "--allow-domain",
+        dest="allowed_domains",
+        action="append",
+        metavar="NAME",
+        help="a host network 'allowlist' may reach (repeatable): a name, *.example.com, an IP, or a preset "
+        "(python-packages, github)",
+    )
     serve.add_argument("--export-dir", type=Path, help="where exports land, one subfolder per client")
     serve.add_argument("--import-dir", dest="import_dirs", type=Path, action="append", help="upload_file source")
     serve.add_argument("--token-file", type=Path, help="HTTP bearer token file (default: made on first use)")
@@ -114,6 +123,8 @@ def _settings(args: argparse.Namespace) -> Settings:
             "max_sessions",
             "log_level",
             "mounts",
+            "network",
+            "allowed_domains",
             "export_dir",
             "import_dirs",
             "token_file",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -19,13 +20,14 @@ from pydantic_settings import (
 )
 
 from . import __version__
+from .egress.policy import EgressPolicy, EgressPolicyError
 from .errors import CodeRunnerError
 from .mounts import MountSpec
 from .toolsets import ALL, TOOL_GROUPS, ToolsetError, check_selection
 
 APP_NAME = "coderunner"
 
-NetworkMode = Literal["none", "internet"]
+NetworkMode = Literal["none", "allowlist", "internet"]
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
@@ -126,7 +128,23 @@ class Settings(BaseSettings):
         "Default: each sandbox gets a host uid of its own from a reserved range (1,900,000,000 and up), so "
         "per-user kernel limits (inotify, message queues, processes) are per sandbox.",
     )
-    network: NetworkMode = "none"
+    network: NetworkMode = Field(
+        default="none",
+        description="Default network of sessions and one-shot runs: none, allowlist (only allowed_domains, "
+        "through the host's policy proxy) or internet (outbound anywhere).",
+    )
+    allowed_domains: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="The most network mode 'allowlist' may reach: host names, '*.example.com' wildcards, IP "
+        "literals or presets (python-packages, github). Sessions may ask for a subset, never more.",
+    )
+    allowed_ports: Annotated[list[Annotated[int, Field(ge=1, le=65535)]], NoDecode] = Field(
+        default_factory=lambda: [80, 443], description="Ports network mode 'allowlist' may connect to."
+    )
+    egress_audit_log: Path = Field(
+        default_factory=lambda: default_data_dir() / "egress.jsonl",
+        description="Append-only JSONL of every allowlist network decision (rotated by size; host-only).",
+    )
     memory_mb: int = Field(
         default=2048,
         ge=MIN_MEMORY_MB,
@@ -250,6 +268,28 @@ class Settings(BaseSettings):
     def _no_export(cls, value: Any) -> Any:
         """An empty export_dir means: no export folder at all."""
         return None if value in ("", None) else value
+
+    @field_validator("allowed_domains", "allowed_ports", mode="before")
+    @classmethod
+    def _list_text(cls, value: Any) -> Any:
+        """Accept a JSON list or 'a,b' (environment form) as well as a list."""
+        if isinstance(value, str):
+            text = value.strip()
+            if text.startswith("["):
+                return json.loads(text)
+            return [item.strip() for item in text.split(",") if item.strip()]
+        return value
+
+    @field_validator("allowed_domains")
+    @classmethod
+    def _known_domains(cls, value: list[str]) -> list[str]:
+        if not value:
+            return value
+        try:
+            EgressPolicy.parse(value)
+        except EgressPolicyError as exc:
+            raise ValueError(str(exc)) from None
+        return value
 
     @field_validator("tools", mode="before")
     @classmethod

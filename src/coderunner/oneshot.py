@@ -14,7 +14,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 from anyio.abc import ByteReceiveStream, TaskGroup
@@ -25,6 +25,9 @@ from .options import SandboxOptions
 from .sandbox import SandboxBackend, SandboxProcess
 from .sandbox_mounts import SandboxMounts
 from .session_dirs import SandboxDirs
+
+if TYPE_CHECKING:  # sessions/ imports this module
+    from .sessions.egress import EgressHub, SessionEgress
 
 Language = Literal["python", "javascript", "bash"]
 LANGUAGES: tuple[Language, ...] = ("python", "javascript", "bash")
@@ -142,6 +145,8 @@ class OneShotRunner:
     max_concurrent: int = 4
     #: Of those, how many one caller may hold, so that one client cannot keep the others waiting.
     max_per_caller: int = 2
+    #: Network 'allowlist': each run gets a policy proxy of its own (sessions/egress.py).
+    egress: EgressHub | None = None
     _limiter: anyio.CapacityLimiter | None = None
     #: Per-caller limiters, kept only while that caller has a run waiting or going.
     _callers: dict[str, tuple[anyio.CapacityLimiter, int]] = field(default_factory=dict)
@@ -220,8 +225,10 @@ class OneShotRunner:
     ) -> OneShotResult:
         dirs = await self.leases.open_dirs(options)
         mounts = None
+        egress = None
         try:
             mounts = await self._mounts(options, dirs)
+            egress = await self._egress(options, dirs)
             # Inputs go to the host-only dir the sandbox sees read-only (never where it can write).
             source = dirs.write_host_file(SOURCE_NAMES[language], code.encode("utf-8", "replace"))
             variables_file = dirs.write_host_file("variables.json", json.dumps(variables).encode())
@@ -264,12 +271,19 @@ class OneShotRunner:
                 exported=exported,
             )
         finally:
-            await self._close(dirs, mounts)
+            await self._close(dirs, mounts, egress)
 
     async def _mounts(self, options: SandboxOptions, dirs: SandboxDirs) -> SandboxMounts:
         return await anyio.to_thread.run_sync(self.leases.prepare_mounts, options, dirs)
 
-    async def _close(self, dirs: SandboxDirs, mounts: SandboxMounts | None) -> None:
+    async def _egress(self, options: SandboxOptions, dirs: SandboxDirs) -> SessionEgress | None:
+        if options.network != "allowlist" or self.egress is None:
+            return None
+        return await self.egress.open(options, dirs, self.task_group, f"run-{dirs.key}")
+
+    async def _close(self, dirs: SandboxDirs, mounts: SandboxMounts | None, egress: SessionEgress | None) -> None:
+        if egress is not None:
+            await egress.aclose()
         if mounts is not None and not await anyio.to_thread.run_sync(mounts.close):
             return  # a staged mount would not detach: never delete beneath it
         await self.leases.close_dirs(dirs)
@@ -309,8 +323,10 @@ class OneShotRunner:
     ) -> dict[str, Any]:
         dirs = await self.leases.open_dirs(options)
         mounts = None
+        egress = None
         try:
             mounts = await self._mounts(options, dirs)
+            egress = await self._egress(options, dirs)
             argv = [self.backend.python, "-m", GUEST_MODULE, *command]
             if code is not None:
                 argv.append(str(dirs.write_host_file(name, code.encode("utf-8", "replace"))))
@@ -330,7 +346,7 @@ class OneShotRunner:
                 raise OneShotError(f"the sandbox helper did not answer: {problems.text().strip()[-500:]}")
             return parsed
         finally:
-            await self._close(dirs, mounts)
+            await self._close(dirs, mounts, egress)
 
 
 def _int(value: Any) -> int | None:

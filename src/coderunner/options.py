@@ -14,6 +14,7 @@ from pathlib import Path
 
 from .client_tokens import tokens_dir
 from .config import MIN_MEMORY_MB, Settings
+from .egress.policy import EgressPolicy, EgressPolicyError
 from .errors import SessionError
 from .exports import ExportError, prepare_export_dir
 from .mounts import MountError, MountSpec, check_distinct, check_sandbox_path, resolve_mount
@@ -36,6 +37,9 @@ class SandboxOptions:
     persistent: bool = False
     #: The client that owns its exports and its persistent name (owners.py).
     client: str = LOCAL_CLIENT
+    #: Network 'allowlist': the entries this sandbox asked for (a subset of allowed_domains);
+    #: empty means the whole ceiling.
+    allow: tuple[str, ...] = ()
 
 
 def sandbox_options(
@@ -51,6 +55,7 @@ def sandbox_options(
     name: str | None = None,
     persistent: bool = False,
     client: str = LOCAL_CLIENT,
+    allow: list[str] | None = None,
 ) -> SandboxOptions:
     """The settings' defaults with what the caller asked for, each checked; raises SessionError."""
     if name is not None and not SESSION_NAME.fullmatch(name):
@@ -61,6 +66,8 @@ def sandbox_options(
     problem = backend.network_problem(network)
     if problem:
         raise SessionError(problem)
+    asked = tuple(entry for entry in allow or () if entry)
+    check_allow(settings, network, asked)
     if memory_mb is not None and memory_mb < MIN_MEMORY_MB:
         raise SessionError(f"memory_mb must be at least {MIN_MEMORY_MB} (a kernel with numpy maps ~420 MiB)")
     if cpus is not None and cpus <= 0:
@@ -81,7 +88,31 @@ def sandbox_options(
         name=name,
         persistent=persistent,
         client=client,
+        allow=asked,
     )
+
+
+def check_allow(settings: Settings, network: str, asked: tuple[str, ...]) -> None:
+    """Network 'allowlist' needs a ceiling, and what a sandbox asks for must lie within it."""
+    if asked and network != "allowlist":
+        raise SessionError(f"allow applies to network 'allowlist' only (this one has network {network!r})")
+    if network != "allowlist":
+        return
+    if not settings.allowed_domains:
+        raise SessionError(
+            "network 'allowlist' needs the user to allow some hosts first: set allowed_domains in the "
+            'configuration (e.g. allowed_domains = ["python-packages"]), CODERUNNER_ALLOWED_DOMAINS, or '
+            "`coderunner serve --allow-domain NAME`; until then use network 'none'"
+        )
+    try:
+        egress_ceiling(settings).narrowed(asked)
+    except EgressPolicyError as exc:
+        raise SessionError(str(exc)) from None
+
+
+def egress_ceiling(settings: Settings) -> EgressPolicy:
+    """The most any allowlist sandbox may reach: the user's allowed_domains and allowed_ports."""
+    return EgressPolicy.parse(settings.allowed_domains, settings.allowed_ports)
 
 
 def protected_paths(settings: Settings) -> list[Path]:

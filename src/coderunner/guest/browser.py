@@ -77,7 +77,11 @@ async def _launch():
     try:
         playwright = await async_playwright().start()
         _state["playwright"] = playwright
-        browser = await playwright.chromium.launch(executable_path=_executable(), args=CHROMIUM_ARGS)
+        # Network 'allowlist': the sandbox's only way out is the policy proxy (Chromium ignores the env).
+        proxy = os.environ.get("CODERUNNER_EGRESS_PROXY")
+        browser = await playwright.chromium.launch(
+            executable_path=_executable(), args=CHROMIUM_ARGS, proxy={"server": proxy} if proxy else None
+        )
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
     return await browser.new_context(viewport={"width": 1280, "height": 800})

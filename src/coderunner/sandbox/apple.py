@@ -193,7 +193,17 @@ class AppleBackend:
 
     def network_problem(self, network: str) -> str | None:
         if network not in NETWORK_MODES:
-            return f"unknown network mode {network!r}: use 'none' or 'internet'"
+            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
+        if network == "allowlist":
+            # --publish-socket relays guest -> host listeners only (direction .outOf). The other way
+            # exists too: a --volume whose source is a host socket becomes a relay into the guest
+            # (apple/container SandboxService: UnixSocketConfiguration, default direction .into), which
+            # could carry the proxy socket; it is not wired up or tested here, so refuse, never pretend.
+            return (
+                "network 'allowlist' is not available with Apple `container` yet (the policy proxy's socket "
+                "is not relayed into the VM): use network 'none', or 'internet' (unfiltered), or run the "
+                "server on Linux (bwrap or podman)"
+            )
         if network == "none" and self.channels == "tcp":
             return "kernel_channels 'tcp' needs the container network: use network 'internet' or kernel_channels 'ipc'"
         return None

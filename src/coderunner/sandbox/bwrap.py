@@ -36,6 +36,8 @@ from .common import (
     SANDBOX_UID,
     SHM_MB,
     WORKSPACE,
+    egress_environment,
+    egress_launcher,
     rlimit_prefix,
     sandbox_environment,
 )
@@ -132,8 +134,9 @@ class BwrapCommand:
             "--remount-ro", "/",
             "--clearenv",
         ]  # fmt: skip
-        for key, value in sandbox_environment().items():
+        for key, value in sandbox_environment(egress_environment(spec.network)).items():
             args += ["--setenv", key, value]
+        inner = egress_launcher(f"{ENV_MOUNT}/bin/python", spec.network, str(spec.host_dir), inner)
         return [*args, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
 
     def _proc_cover(self) -> list[str]:
@@ -264,7 +267,7 @@ class BwrapBackend:
     def network_problem(self, network: str) -> str | None:
         """Why `network` cannot be had here, or None."""
         if network not in NETWORK_MODES:
-            return f"unknown network mode {network!r}: use 'none' or 'internet'"
+            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
         if network == "internet" and self.slirp4netns is None:
             return "network mode 'internet' needs slirp4netns: sudo apt-get install slirp4netns"
         return None

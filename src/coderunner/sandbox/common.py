@@ -23,8 +23,15 @@ SANDBOX_GID = 1000
 HOME = "/tmp/home"
 #: slirp4netns's fixed DNS address inside a sandbox with network.
 SLIRP_DNS = "10.0.2.3"
-#: The network modes every backend offers.
-NETWORK_MODES = ("none", "internet")
+#: The network modes (a backend may refuse one in its network_problem).
+NETWORK_MODES = ("none", "allowlist", "internet")
+#: Network 'allowlist': the host's policy proxy listens on this socket in the sandbox's host-only,
+#: read-only dir; the in-sandbox forwarder exposes it as 127.0.0.1:EGRESS_PORT.
+EGRESS_SOCKET = "egress.sock"
+EGRESS_PORT = 3128
+EGRESS_FORWARDER = "coderunner_guest.egress_forwarder"
+#: A preload (NODE_OPTIONS) that points Node's fetch at the proxy: Node 20 has no NODE_USE_ENV_PROXY.
+EGRESS_NODE_PRELOAD = f"{GUEST_LIB}/coderunner_guest/egress_node.cjs"
 #: Size of the sandbox's /dev/shm.
 SHM_MB = 64
 #: /proc entries hidden entirely (as container runtimes do): kernel memory, keys, timers, hardware.
@@ -42,6 +49,29 @@ def etc_files(network: str) -> dict[str, str]:
         "hostname": "sandbox\n",
         "resolv.conf": f"nameserver {SLIRP_DNS}\n" if network == "internet" else "",
     }
+
+
+def egress_environment(network: str) -> dict[str, str]:
+    """Network 'allowlist': every HTTP client in the sandbox (pip, requests, urllib, httpx, curl, git,
+    Node's fetch, Chromium) goes through the forwarder; a program that ignores proxies gets nothing."""
+    if network != "allowlist":
+        return {}
+    url = f"http://127.0.0.1:{EGRESS_PORT}"
+    env = {}
+    for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY"):
+        env[name] = env[name.lower()] = url
+    env["NO_PROXY"] = env["no_proxy"] = "localhost,127.0.0.1,::1"
+    env["NODE_USE_ENV_PROXY"] = "1"  # Node 24+ does it natively; the preload covers older ones
+    env["NODE_OPTIONS"] = f"--require {EGRESS_NODE_PRELOAD}"
+    env["CODERUNNER_EGRESS_PROXY"] = url  # guest/browser.py launches Chromium with it
+    return env
+
+
+def egress_launcher(python: str, network: str, host_dir: str, argv: list[str]) -> list[str]:
+    """`argv` behind the forwarder in network 'allowlist' (it starts, then execs argv); else argv."""
+    if network != "allowlist":
+        return argv
+    return [python, "-m", EGRESS_FORWARDER, f"{host_dir}/{EGRESS_SOCKET}", str(EGRESS_PORT), "--", *argv]
 
 
 def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:

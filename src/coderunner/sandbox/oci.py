@@ -37,6 +37,8 @@ from .common import (
     PROC_MASKED_FILES,
     SHM_MB,
     WORKSPACE,
+    egress_environment,
+    egress_launcher,
     rlimit_prefix,
     sandbox_environment,
 )
@@ -145,7 +147,7 @@ class OciCommand:
             # Published on loopback only; a bare port would listen on every interface.
             for port in tcp_ports:
                 args += ["--publish", f"127.0.0.1:{port}:{port}"]
-        elif spec.network == "none":
+        elif spec.network in ("none", "allowlist"):  # allowlist: out only through the bound proxy socket
             args += ["--network", "none"]
         if limits.memory_mb is not None:
             args += ["--memory", f"{limits.memory_mb}m", "--memory-swap", f"{limits.memory_mb}m"]
@@ -169,8 +171,9 @@ class OciCommand:
         for name_ in ("hosts", "resolv.conf") if etc_dir is not None else ():
             args += ["--mount", _bind(etc_dir / name_, f"/etc/{name_}", writable=False)]
         args += ["--workdir", WORKSPACE]
-        for key, value in sandbox_environment({"HOME": "/tmp/home"}).items():
+        for key, value in sandbox_environment({"HOME": "/tmp/home", **egress_environment(spec.network)}).items():
             args += ["--env", f"{key}={value}"]
+        inner = egress_launcher(IMAGE_PYTHON, spec.network, str(spec.host_dir), inner)
         return [*args, self.image, *inner]
 
     def remove(self, name: str) -> list[str]:
@@ -341,11 +344,12 @@ class OciBackend:
 
     def network_problem(self, network: str) -> str | None:
         if network not in NETWORK_MODES:
-            return f"unknown network mode {network!r}: use 'none' or 'internet'"
-        if network == "none" and self.channels == "tcp":
+            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
+        if network in ("none", "allowlist") and self.channels == "tcp":
             return (
                 f"{self.name} here reaches the kernel over published TCP ports, which needs the engine's "
-                "network: use network 'internet', or a Linux host (ipc sockets, no network)"
+                f"network, so network {network!r} cannot be had: use network 'internet', or a Linux host "
+                "(ipc sockets, no network)"
             )
         return None
 
@@ -369,7 +373,7 @@ class OciBackend:
         # limit is the hard bound (Chromium lifts the soft one for itself, as under bwrap).
         inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
         # Without a network the engine would still copy the host's /etc/hosts and resolv.conf in.
-        etc_dir = spec.etc_dir if spec.network == "none" else None
+        etc_dir = spec.etc_dir if spec.network != "internet" else None
         for attempt in range(1, START_ATTEMPTS + 1):
             name = container_name(self.command.server, session_key(spec))
             sandbox = await self._start(spec, inner, name, task_group, ports, etc_dir, pipes)

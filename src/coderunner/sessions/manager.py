@@ -26,6 +26,7 @@ from ..owners import LOCAL_CLIENT
 from ..sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
 from ..session_dirs import remove_stale_dirs
 from ..startup_hooks import disable_startup_hooks
+from .egress import EgressHub
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class SessionManager:
         self.leases = SandboxLeases(settings, backend, UidPool() if per_sandbox_uids(settings.sandbox_user) else None)
         #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
         self.oneshot: OneShotRunner
+        #: Network 'allowlist': the user's ceiling and the audit log (each sandbox's proxy is its own).
+        self.egress = EgressHub(settings)
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -68,6 +71,7 @@ class SessionManager:
             output_limit_chars=self.settings.output_limit_chars,
             max_concurrent=self.settings.max_oneshot_runs,
             max_per_caller=self.settings.max_oneshot_runs_per_client,
+            egress=self.egress,
         )
         return self
 
@@ -89,6 +93,7 @@ class SessionManager:
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(None, None, None)
+        await anyio.to_thread.run_sync(self.egress.close)
 
     def options(
         self,
@@ -100,6 +105,7 @@ class SessionManager:
         name: str | None = None,
         persistent: bool = False,
         client: str = LOCAL_CLIENT,
+        allow: list[str] | None = None,
     ) -> SandboxOptions:
         """Options for a session or a one-shot run: the settings' defaults with what was asked for, checked."""
         return sandbox_options(
@@ -114,6 +120,7 @@ class SessionManager:
             name=name,
             persistent=persistent,
             client=client,
+            allow=allow,
         )
 
     async def create(self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER) -> Session:
@@ -158,6 +165,7 @@ class SessionManager:
         )
         self._sessions[session_id] = session
         try:
+            session.egress = await self.egress.open(options, dirs, self._task_group, session_id)
             await session.start_kernel()
         except BaseException:
             self._sessions.pop(session_id, None)

@@ -31,6 +31,7 @@ from ..sandbox import SESSION_PACKAGES, LimitReport, Mount, SandboxBackend, Sand
 from ..sandbox_mounts import SandboxMounts
 from ..session_dirs import SandboxDirs
 from ..workspace import Workspace
+from .egress import SessionEgress
 from .usage import session_usage
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class Session:
     export_note: str | None = None
     #: A reopened workspace's start-up files and packages (startup_hooks.py), for create_session's reply.
     startup: dict[str, Any] | None = None
+    #: Network 'allowlist': the session's own policy proxy and its decisions (None otherwise).
+    egress: SessionEgress | None = None
 
     @property
     def mounts(self) -> tuple[Mount, ...]:
@@ -323,11 +326,12 @@ class Session:
 
     async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
         """pip into this session's own package folder (in its workspace), from inside its sandbox."""
-        if self.options.network != "internet":
+        if self.options.network == "none":
             raise SessionError(
-                f"install_packages needs network, and session {self.session_id} has network "
-                f"'{self.options.network}': create a session with create_session(network='internet') and install "
-                "there (code in that session can then reach the internet)"
+                f"install_packages needs network, and session {self.session_id} has network 'none': create a "
+                "session with create_session(network='allowlist', allow=['python-packages']) (only the package "
+                "index; the user must have allowed it in allowed_domains) or create_session(network='internet') "
+                "(code there can reach the whole internet), and install there"
             )
         target = f"{self.backend.workspace_path}/{SESSION_PACKAGES}"
         arguments = {"packages": packages, "target": target, "timeout_s": timeout_s}
@@ -369,6 +373,8 @@ class Session:
                 await self.kernel.shutdown()
                 self.kernel = None
             await self.copy_out()
+            if self.egress is not None:
+                await self.egress.aclose()
             if self.sandbox_mounts is not None and not await anyio.to_thread.run_sync(self.sandbox_mounts.close):
                 log.warning("session %s…: a staged mount would not detach; its dirs are left", self.session_id[:6])
                 return

@@ -35,7 +35,7 @@ VariablesArg = Annotated[
     Field(description="JSON object text, e.g. '{\"n\": 3}'; keys become variables."),
 ]
 LanguageArg = Literal["python", "javascript", "bash"]
-NetworkArg = Literal["none", "internet"]
+NetworkArg = Literal["none", "allowlist", "internet"]
 MemoryMb = Annotated[int, Field(ge=MIN_MEMORY_MB)]
 SessionId = Text
 Seconds = Annotated[float | None, Field(ge=1)]

@@ -24,7 +24,8 @@ def register(tools: ToolContext) -> None:
         session_id: SessionId = "",
         timeout_s: Annotated[float, Field(ge=1, le=1800)] = PIP_TIMEOUT_S,
     ) -> CallToolResult:
-        """pip install into this session only (kept across kernel_reset). Needs network internet."""
+        """pip install into this session only (kept across kernel_reset). Needs network allowlist or
+        internet."""
         wanted = check_requirements(packages)
         session = await tools.session(ctx, session_id)
         return json_result(await session.install_packages(wanted, timeout_s))

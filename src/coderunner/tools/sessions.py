@@ -23,8 +23,12 @@ def register(tools: ToolContext) -> None:
         ctx: Context,
         network: Annotated[
             NetworkArg,
-            Field(description="internet: outbound only; code can then send data anywhere."),
+            Field(description="allowlist: only the user's allowed_domains; internet: anywhere."),
         ] = settings.network,
+        allow: Annotated[
+            list[str],
+            Field(description="allowlist: subset of allowed_domains."),
+        ] = [],  # noqa: B006 - read only, and the schema shows it
         memory_mb: MemoryMb = settings.memory_mb,
         cpus: Annotated[float | None, Field(ge=0.1)] = None,
         timeout_s: Annotated[float, Field(ge=1, description="run_python's default, seconds.")] = settings.timeout_s,
@@ -43,7 +47,7 @@ def register(tools: ToolContext) -> None:
         specs = [MountSpec.parse(text) for text in mounts or []]
         options = manager.options(
             network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name or None,
-            persistent=persistent, client=tools.client(ctx),
+            persistent=persistent, client=tools.client(ctx), allow=allow or None,
         )  # fmt: skip
         session = await manager.create(options, owner=tools.caller(ctx))
         summary = tools.summary(session)
