@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Literal
 
 import anyio
@@ -59,9 +59,9 @@ def can_elicit(ctx: Context) -> bool:
 class CallAsker:
     """Puts hosts to the user through one call's client; one question per host, a few per call."""
 
-    def __init__(self, ctx: Context, session_id: str) -> None:
+    def __init__(self, ctx: Context, who: str) -> None:
         self._ctx = ctx
-        self._session_id = session_id
+        self._who = who
         self.enabled = can_elicit(ctx)
         #: host -> the user's answer, for this call.
         self.answers: dict[str, bool] = {}
@@ -92,7 +92,7 @@ class CallAsker:
 
     async def _ask(self, host: str, port: int) -> bool:
         message = (
-            f"Code in CodeRunner session {self._session_id[:8]} wants to connect to {host}:{port}. "
+            f"Code in CodeRunner {self._who} wants to connect to {host}:{port}. "
             "It is within your allowed_domains but not in this session's allowlist. "
             "Allow it for the rest of this session?"
         )
@@ -106,13 +106,20 @@ class CallAsker:
 
 
 class EgressCall:
-    """One tool call's share of a session's egress: the asker it lends, the denials it reports."""
+    """One tool call's share of a sandbox's egress: the asker it lends, the denials it reports."""
 
-    def __init__(self, egress: SessionEgress | None, ceiling: EgressPolicy, asker: CallAsker | None) -> None:
-        self.egress = egress
+    def __init__(self, ceiling: EgressPolicy, asker: CallAsker | None) -> None:
         self.ceiling = ceiling
         self.asker = asker
-        self._mark = egress.log.mark() if egress is not None else 0
+        self.egress: SessionEgress | None = None
+        self._mark = 0
+
+    def attach(self, egress: SessionEgress) -> None:
+        """Watch this sandbox's decisions from now on (a one-shot run's proxy, made during the call)."""
+        self.egress = egress
+        self._mark = egress.log.mark()
+        if self.asker is not None:
+            egress.set_asker(self.asker)
 
     def note(self) -> str | None:
         """'network: denied ...' for the hosts denied since the call began, or None."""
@@ -142,24 +149,39 @@ class EgressCalls:
 
     @contextlib.asynccontextmanager
     async def during(self, ctx: Context, egress: SessionEgress | None, session_id: str) -> AsyncIterator[EgressCall]:
-        """Lend this call's asker to the sandbox's proxy while the body runs; take it back after."""
+        """Lend this call's asker to a session's proxy while the body runs; take it back after."""
         if egress is None:
-            yield EgressCall(None, self.ceiling, None)
+            yield EgressCall(self.ceiling, None)
             return
-        asker = CallAsker(ctx, session_id)
+        asker = CallAsker(ctx, f"session {session_id[:8]}")
         stack = self._askers.setdefault(id(egress), [])
         stack.append(asker)
-        egress.set_asker(asker)
-        call = EgressCall(egress, self.ceiling, asker)
+        call = EgressCall(self.ceiling, asker)
+        call.attach(egress)
         try:
-            yield call
-        except CodeRunnerError as exc:  # a guest tool that failed for want of a host: say which
-            note = call.note()
-            if note:
-                exc.args = (f"{exc}\n[{note}]",)
-            raise
+            with _noting(call):
+                yield call
         finally:
             stack.remove(asker)
             egress.set_asker(stack[-1] if stack else None)
             if not stack:
                 del self._askers[id(egress)]
+
+    @contextlib.contextmanager
+    def oneshot(self, ctx: Context) -> Iterator[EgressCall]:
+        """For a one-shot run: its proxy is its own, made during the call and attached then."""
+        call = EgressCall(self.ceiling, CallAsker(ctx, "a one-shot run (execute_code)"))
+        with _noting(call):
+            yield call
+
+
+@contextlib.contextmanager
+def _noting(call: EgressCall) -> Iterator[None]:
+    """A call that failed (a guest tool, for want of a host) still says which hosts were denied."""
+    try:
+        yield
+    except CodeRunnerError as exc:
+        note = call.note()
+        if note:
+            exc.args = (f"{exc}\n[{note}]",)
+        raise
