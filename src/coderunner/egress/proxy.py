@@ -16,13 +16,22 @@ head timeout (slowloris), idle timeout on every relay, connect and resolve timeo
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import ipaddress
+import logging
 import socket
+import time
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .addresses import IPAddress
-from .audit import DecisionLog
-from .policy import EgressPolicy
+from .addresses import IPAddress, forbidden_reason, host_addresses
+from .audit import Decision, DecisionLog
+from .policy import CEILING_SETTING, EgressPolicy, EgressPolicyError
+from .request import BadRequest, parse_request
+
+log = logging.getLogger(__name__)
 
 KiB = 1024
 
@@ -66,21 +75,48 @@ class EgressProxy:
         resolver: Resolver | None = None,
         address_check: AddressCheck | None = None,
     ) -> None:
-        raise NotImplementedError
+        self._policy = policy
+        self._ceiling = ceiling
+        self.session_id = session_id
+        self.log = log
+        self.limits = limits
+        self._asker = asker
+        self._resolver = resolver
+        self._address_check = address_check
+        self._conns: dict[asyncio.Task[None], _Conn] = {}
+        self._asks: dict[tuple[str, int], asyncio.Future[bool]] = {}
+        self._declined: set[str] = set()
+        self._resolving = asyncio.Semaphore(_RESOLVES_PER_PROXY)
+        self._closed = False
+        #: Connections answered 503 because the proxy was full (for status and tests).
+        self.refused_busy = 0
 
     @property
     def policy(self) -> EgressPolicy:
         """The session's current policy (it grows when the user allows a host)."""
-        raise NotImplementedError
+        return self._policy
+
+    @property
+    def ceiling(self) -> EgressPolicy:
+        """The user's allowlist: the policy can grow up to it, never beyond."""
+        return self._ceiling
 
     @property
     def active_connections(self) -> int:
         """Client connections being served now."""
-        raise NotImplementedError
+        return len(self._conns)
 
     def allow(self, host: str) -> None:
         """Widen the session's policy to one more host; EgressPolicyError if the ceiling does not cover it."""
-        raise NotImplementedError
+        widened = self._policy.with_host(host)
+        added = [h for h in widened.hosts if h not in self._policy.hosts]
+        if added and not self._ceiling.covers(added[0]):
+            raise EgressPolicyError(
+                f"`{added[0]}` is outside the network allowlist the user set (allowed: "
+                f"{self._ceiling.describe()}); the user can widen it with {CEILING_SETTING}."
+            )
+        self._policy = widened
+        self._declined.difference_update(added)
 
     async def serve(self, listener: socket.socket) -> None:
         """Serve connections on a bound, listening unix stream socket until cancelled.
@@ -88,8 +124,450 @@ class EgressProxy:
         The caller made (and owns) the socket; cancelling serve stops accepting, and the connections
         in flight are closed too.
         """
-        raise NotImplementedError
+        own = listener.dup()  # asyncio closes the socket it serves on; the caller's stays the caller's
+        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=_READ_CHUNK)
+        try:
+            await server.serve_forever()
+        finally:
+            server.close()
+            await self.aclose()
 
     async def aclose(self) -> None:
         """Close every connection this proxy is serving (the listener stays the caller's)."""
-        raise NotImplementedError
+        tasks = list(self._conns)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
+        for future in self._asks.values():
+            future.cancel()
+
+    # One client connection.
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if len(self._conns) >= self.limits.max_connections and not self._evict_stalled_head():
+            self.refused_busy += 1
+            body = f"too many connections through this session's proxy (at most {self.limits.max_connections})"
+            await _answer(writer, 503, "Service Unavailable", body, status="proxy_internal_error")
+            _close(writer)
+            return
+        conn = _Conn(started=time.monotonic(), writer=writer)
+        self._conns[task] = conn
+        try:
+            await self._serve_one(reader, writer, conn)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; nothing to answer
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("egress proxy for session %s: a connection failed", self.session_id)
+        finally:
+            self._conns.pop(task, None)
+            _close(writer)
+
+    def _evict_stalled_head(self) -> bool:
+        """Free a slot held by a client that has not finished its request head for a while (slowloris)."""
+        now = time.monotonic()
+        stalled = [
+            (conn.started, task)
+            for task, conn in self._conns.items()
+            if conn.in_head and now - conn.started >= min(_STALLED_HEAD_S, self.limits.head_timeout_s)
+        ]
+        if not stalled:
+            return False
+        _, task = min(stalled, key=lambda item: item[0])
+        conn = self._conns.pop(task)
+        conn.writer.transport.abort()
+        task.cancel()
+        return True
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn) -> None:
+        try:
+            head, rest = await asyncio.wait_for(
+                _read_head(reader, self.limits.max_head_bytes), self.limits.head_timeout_s
+            )
+        except asyncio.TimeoutError:
+            await _answer(writer, 408, "Request Timeout", "the request head did not arrive in time")
+            return
+        except _HeadTooLarge:
+            body = f"bad proxy request: the request head is larger than {self.limits.max_head_bytes} bytes"
+            await _answer(writer, 400, "Bad Request", body, status="http_request_error")
+            return
+        if head is None:
+            return  # closed before a full head: nothing to answer
+        conn.in_head = False
+        try:
+            request = parse_request(head)
+        except BadRequest as exc:
+            await _answer(writer, 400, "Bad Request", f"bad proxy request: {exc}", status="http_request_error")
+            return
+        started = time.time()
+        denial = await self._decide(request.host, request.port)
+        if denial is not None:
+            self.log.record(Decision(started, request.host, request.port, False, denial.reason))
+            await _answer(writer, 403, "Forbidden", denial.body, status=denial.status)
+            return
+        upstream, failure = await self._open_upstream(request.host, request.port)
+        if upstream is None:
+            assert failure is not None
+            self.log.record(Decision(started, request.host, request.port, failure.allowed, failure.reason))
+            await _answer(writer, failure.code, failure.phrase, failure.body, status=failure.status)
+            return
+        up_reader, up_writer = upstream
+        counts = _Counts()
+        try:
+            if request.kind == "connect":
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:
+                first = request.forward_head()
+                up_writer.write(first)
+                counts.sent += len(first)
+            if rest:
+                up_writer.write(rest)
+                counts.sent += len(rest)
+            await _relay(reader, writer, up_reader, up_writer, counts, self.limits.idle_s)
+        finally:
+            _close(up_writer)
+            self.log.record(
+                Decision(started, request.host, request.port, True, "allowed", counts.sent, counts.received)
+            )
+
+    # Decisions.
+
+    async def _decide(self, host: str, port: int) -> _Denial | None:
+        if self._policy.allows(host, port):
+            return None
+        shown = f"[{host}]" if ":" in host else host
+        allowed = self._policy.describe()
+        if port not in self._policy.ports:
+            return _Denial(
+                f"port {port} is not allowed",
+                f"{_BLOCKED}: port {port} of {shown} is not in this session's allowlist (allowed: {allowed})",
+            )
+        if self._asker is not None and host not in self._declined and self._ceiling.allows(host, port):
+            if await self._ask(host, port):
+                return None
+            return _Denial(
+                "declined by the user",
+                f"{_BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\n"
+                "The user declined it for this session.",
+            )
+        hint = (
+            f'create a session with allow=["{host}"]'
+            if self._ceiling.allows(host, port)
+            else f"the user can allow it with {CEILING_SETTING}"
+        )
+        return _Denial(
+            "not in the allowlist",
+            f"{_BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\nTo reach it, {hint}.",
+        )
+
+    async def _ask(self, host: str, port: int) -> bool:
+        """Put one host to the user; concurrent connections to it share the question. Bounded."""
+        key = (host, port)
+        future = self._asks.get(key)
+        if future is None:
+            future = asyncio.ensure_future(self._ask_user(host, port))
+            self._asks[key] = future
+            future.add_done_callback(lambda _f: self._asks.pop(key, None))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.cancelled():
+                return False
+            raise
+
+    async def _ask_user(self, host: str, port: int) -> bool:
+        assert self._asker is not None
+        try:
+            yes = bool(await asyncio.wait_for(self._asker(host, port), ASK_TIMEOUT_S))
+        except asyncio.TimeoutError:
+            yes = False
+        except Exception:
+            log.exception("egress proxy for session %s: asking about %s failed", self.session_id, host)
+            yes = False
+        if not yes:
+            self._declined.add(host)
+            return False
+        if not self._policy.allows(host, port):
+            try:
+                self.allow(host)
+            except EgressPolicyError:
+                return False
+        return True
+
+    async def _open_upstream(
+        self, host: str, port: int
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, _Failure | None]:
+        """Resolve, check every address, connect to a checked one. Never connects by name."""
+        try:
+            addresses = await self._resolve(host, port)
+        except asyncio.TimeoutError:
+            return None, _Failure(
+                True, "name lookup timed out", 504, "Gateway Timeout", f"looking up {host} timed out", "dns_timeout"
+            )
+        except OSError as exc:
+            return None, _Failure(
+                True,
+                "name lookup failed",
+                502,
+                "Bad Gateway",
+                f"{host} could not be resolved ({_os_reason(exc)})",
+                "dns_error",
+            )
+        check = self._address_check
+        if check is None:
+            try:
+                own = await asyncio.to_thread(host_addresses)
+            except OSError as exc:
+                log.warning("egress proxy: the host's own addresses cannot be read: %s", exc)
+                why = "the proxy cannot read this host's own addresses, so it refuses"
+                failure = _Failure(False, "cannot check addresses", 502, "Bad Gateway", why, "proxy_internal_error")
+                return None, failure
+
+            def check(ip: IPAddress) -> str | None:
+                return forbidden_reason(ip, own)
+
+        usable: list[IPAddress] = []
+        refused: list[str] = []
+        for ip in addresses:
+            reason = check(ip)
+            if reason is None:
+                usable.append(ip)
+            else:
+                refused.append(reason)
+        if not usable:
+            why = refused[0] if refused else "no address"
+            return None, _Failure(
+                False,
+                f"resolves to a private/loopback address ({why})",
+                403,
+                "Forbidden",
+                f"{_BLOCKED}: {host} resolves to a private/loopback address ({why}); "
+                "those are never reachable from a sandbox, whatever the allowlist says",
+                "destination_ip_prohibited",
+            )
+        deadline = time.monotonic() + self.limits.connect_timeout_s
+        last = "no address could be tried"
+        for ip in usable[:_MAX_ADDRESSES_TRIED]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                return await asyncio.wait_for(_connect_ip(ip, port), remaining), None
+            except asyncio.TimeoutError:
+                last = "timed out"
+            except OSError as exc:
+                last = _os_reason(exc)
+        return None, _Failure(
+            True,
+            f"connect failed: {last}",
+            502,
+            "Bad Gateway",
+            f"could not connect to {host} port {port}: {last}",
+            "destination_unavailable",
+        )
+
+    async def _resolve(self, host: str, port: int) -> list[IPAddress]:
+        try:
+            return [ipaddress.ip_address(host)]
+        except ValueError:
+            pass
+        if self._resolver is not None:
+            found = await asyncio.wait_for(self._resolver(host, port), self.limits.resolve_timeout_s)
+        else:
+            found = await asyncio.wait_for(_getaddrinfo(host, port, self._resolving), self.limits.resolve_timeout_s)
+        unique: list[IPAddress] = []
+        for ip in found:
+            if ip not in unique:
+                unique.append(ip)
+        return unique
+
+
+_BLOCKED = "blocked by CodeRunner's network policy"
+_READ_CHUNK = 64 * KiB
+_CLOSE_WAIT_S = 5.0
+_STALLED_HEAD_S = 1.0
+_MAX_ADDRESSES_TRIED = 4
+_RESOLVES_PER_PROXY = 4
+_ANSWER_DRAIN_S = 2.0
+
+#: Name lookups run here, not in the loop's default executor: a session that floods slow lookups
+#: then cannot starve the server's other to_thread work.
+_lookups = ThreadPoolExecutor(max_workers=8, thread_name_prefix="egress-lookup")
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+@dataclass
+class _Conn:
+    started: float
+    writer: asyncio.StreamWriter
+    in_head: bool = True
+
+
+@dataclass
+class _Counts:
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass(frozen=True)
+class _Denial:
+    reason: str
+    body: str
+    status: str = "http_request_denied"
+
+
+@dataclass(frozen=True)
+class _Failure:
+    allowed: bool
+    reason: str
+    code: int
+    phrase: str
+    body: str
+    status: str
+
+
+async def _getaddrinfo(host: str, port: int, slots: asyncio.Semaphore) -> list[IPAddress]:
+    """getaddrinfo in the lookup pool. The slot is held until the lookup really ends, not until the
+    caller stops waiting: a timed-out lookup still occupies a thread, and counts against its proxy."""
+    await slots.acquire()
+    future = asyncio.get_running_loop().run_in_executor(
+        _lookups, lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    )
+
+    def done(f: asyncio.Future[object]) -> None:
+        slots.release()
+        if not f.cancelled():
+            f.exception()  # retrieved, so a lookup nobody waits for any more is not logged as lost
+
+    future.add_done_callback(done)
+    infos = await asyncio.shield(future)
+    out: list[IPAddress] = []
+    for family, _, _, _, sockaddr in infos:
+        if family in (socket.AF_INET, socket.AF_INET6):
+            out.append(ipaddress.ip_address(sockaddr[0]))
+    return out
+
+
+async def _connect_ip(ip: IPAddress, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TCP connection to exactly this address (a socket we made, so no name is ever looked up)."""
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (str(ip), port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return await asyncio.open_connection(sock=sock, limit=_READ_CHUNK)
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def _read_head(reader: asyncio.StreamReader, max_bytes: int) -> tuple[bytes | None, bytes]:
+    """(head without its CRLFCRLF, bytes read past it); (None, b"") if the client closed first."""
+    buf = bytearray()
+    searched = 0
+    while True:
+        index = buf.find(b"\r\n\r\n", max(0, searched - 3))
+        if index >= 0:
+            if index > max_bytes:
+                raise _HeadTooLarge
+            return bytes(buf[:index]), bytes(buf[index + 4 :])
+        if len(buf) > max_bytes:
+            raise _HeadTooLarge
+        searched = len(buf)
+        chunk = await reader.read(max_bytes + 4 - len(buf) + 1)
+        if not chunk:
+            return None, b""
+        buf += chunk
+
+
+async def _relay(
+    client_r: asyncio.StreamReader,
+    client_w: asyncio.StreamWriter,
+    up_r: asyncio.StreamReader,
+    up_w: asyncio.StreamWriter,
+    counts: _Counts,
+    idle_s: float,
+) -> None:
+    """Copy both ways until both sides finish, or nothing moves either way for idle_s."""
+    last = [time.monotonic()]
+
+    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upward: bool) -> None:
+        while True:
+            try:
+                data = await asyncio.wait_for(src.read(_READ_CHUNK), idle_s)
+            except asyncio.TimeoutError:
+                if time.monotonic() - last[0] >= idle_s:
+                    raise _Idle from None
+                continue
+            if not data:
+                if dst.can_write_eof():
+                    with contextlib.suppress(OSError, RuntimeError):
+                        dst.write_eof()
+                return
+            last[0] = time.monotonic()
+            dst.write(data)
+            if upward:
+                counts.sent += len(data)
+            else:
+                counts.received += len(data)
+            try:
+                await asyncio.wait_for(dst.drain(), idle_s)
+            except asyncio.TimeoutError:
+                raise _Idle from None
+            last[0] = time.monotonic()
+
+    up = asyncio.ensure_future(pump(client_r, up_w, True))
+    down = asyncio.ensure_future(pump(up_r, client_w, False))
+    try:
+        pending: set[asyncio.Future[None]] = {up, down}
+        while pending:
+            done, pending = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                if task.exception() is not None:
+                    return  # an error or idle on one side ends the whole connection
+            if down in done:
+                return  # the server finished; what the client still sends has nowhere to go
+    finally:
+        for task in (up, down):
+            task.cancel()
+        await asyncio.gather(up, down, return_exceptions=True)
+
+
+class _Idle(Exception):
+    pass
+
+
+async def _answer(writer: asyncio.StreamWriter, code: int, phrase: str, body: str, *, status: str = "") -> None:
+    """Send a short plain-text answer and let the connection close."""
+    data = (body + "\n").encode("utf-8", "replace")
+    lines = [
+        f"HTTP/1.1 {code} {phrase}",
+        "Content-Type: text/plain; charset=utf-8",
+        f"Content-Length: {len(data)}",
+        "Connection: close",
+        "X-CodeRunner-Egress: " + ("denied" if code == 403 else "error"),
+    ]
+    if status:
+        lines.append(f"Proxy-Status: coderunner; error={status}")
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + data)
+    with contextlib.suppress(OSError, asyncio.TimeoutError, ConnectionError):
+        await asyncio.wait_for(writer.drain(), _ANSWER_DRAIN_S)
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError, RuntimeError):
+        writer.close()
+
+
+def _os_reason(exc: OSError) -> str:
+    if isinstance(exc, socket.gaierror):
+        return exc.strerror or "lookup failed"
+    return exc.strerror or type(exc).__name__
