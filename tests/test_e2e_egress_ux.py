@@ -38,8 +38,9 @@ NAMESPACE = f"crux{os.getpid() % 100000}"
 HOST_IF, NS_IF = f"cruh{os.getpid() % 100000}", f"crun{os.getpid() % 100000}"
 HOST_SIDE, SERVER = "198.51.100.245", "198.51.100.246"
 PAGE = "hello from the test namespace"
-#: The user's ceiling: the test server by IP literal, and a name the session asks for instead.
-CEILING = [SERVER, "a.example.org"]
+#: The user's ceiling: the test server by IP literal, a name the session asks for instead, and a name
+#: the user will decline (never resolved: a declined host is not looked up).
+CEILING = [SERVER, "a.example.org", "b.example.org"]
 
 FETCH = """
 import urllib.request, urllib.error
@@ -143,18 +144,20 @@ async def test_the_user_is_asked_and_the_answer_holds(upstream: str, dirs: Serve
         session = await new_session(client)
         fetch = {"code": FETCH.format(url=upstream), "session_id": session}
 
-        declined = text(await call(client, "run_python", fetch))
-        assert len(asked.messages) == 1 and f"{SERVER}:80" in asked.messages[0], asked.messages
-        assert asked.schemas[0]["properties"]["decision"]["enum"] == ["allow", "deny"]
-        assert "HTTP 403" in declined and "blocked by CodeRunner's network policy" in declined, declined
-        assert f"[network: denied {SERVER}:80 (the user declined)]" in declined, declined
-
         asked.answer = "accept"
         allowed = text(await call(client, "run_python", fetch))
+        assert len(asked.messages) == 1 and f"{SERVER}:80" in asked.messages[0], asked.messages
+        assert asked.schemas[0]["properties"]["decision"]["enum"] == ["allow", "deny"]
         assert PAGE in allowed and "[network:" not in allowed, allowed
-        assert len(asked.messages) == 2
         # The session keeps the host: no question the next time.
-        assert PAGE in text(await call(client, "run_python", fetch)) and len(asked.messages) == 2
+        assert PAGE in text(await call(client, "run_python", fetch)) and len(asked.messages) == 1
+
+        asked.answer = "decline"
+        other = {**fetch, "code": FETCH.format(url="http://b.example.org/")}
+        declined = text(await call(client, "run_python", other))
+        assert len(asked.messages) == 2 and "b.example.org:80" in asked.messages[1], asked.messages
+        assert "HTTP 403" in declined and "blocked by CodeRunner's network policy" in declined, declined
+        assert "[network: denied b.example.org:80 (the user declined)]" in declined, declined
 
         beyond = text(await call(client, "run_python", {**fetch, "code": FETCH.format(url=f"http://{HOST_SIDE}/")}))
         assert len(asked.messages) == 2, "a host beyond the user's ceiling must never be put to the user"
@@ -163,10 +166,10 @@ async def test_the_user_is_asked_and_the_answer_holds(upstream: str, dirs: Serve
         status = json.loads(text(await call(client, "session_status", {"session_id": session})))
         egress = status["egress"]
         assert status["network"] == "allowlist" and egress["ports"] == [80, 443]
-        assert set(egress["allowed_hosts"]) == {"a.example.org", SERVER}
+        assert set(egress["allowed_hosts"]) == {"a.example.org", SERVER}, "allowed, not declined, hosts join"
         received = [row["received"] for row in egress["recent"] if row["allowed"] and row["host"] == SERVER]
         assert received and all(size > len(PAGE) for size in received), egress["recent"]
-        assert [row["host"] for row in egress["recent"] if not row["allowed"]] == [SERVER, HOST_SIDE]
+        assert [row["host"] for row in egress["recent"] if not row["allowed"]] == ["b.example.org", HOST_SIDE]
         assert egress["totals"]["allowed"] == 2 and egress["totals"]["denied"] == 2
         assert egress["totals"]["received"] >= sum(received)
 
@@ -176,8 +179,8 @@ async def test_without_elicitation_the_reply_says_how_to_allow(upstream: str, di
         session = await new_session(client)
         reply = text(await call(client, "run_python", {"code": FETCH.format(url=upstream), "session_id": session}))
         assert "HTTP 403" in reply, reply
-        assert f"[network: denied {SERVER}:80 (not in this session's allowlist" in reply, reply
-        assert "create_session(network='allowlist', allow=[...])" in reply, reply
+        assert f"[network: denied {SERVER}:80 (not in this session's allowlist; allowed: a.example.org" in reply, reply
+        assert f"to reach it: create_session(network='allowlist', allow=['{SERVER}'])]" in reply, reply
 
         quiet = text(await call(client, "run_python", {"code": "1 + 1", "session_id": session}))
         assert "[network:" not in quiet, "a call names only the hosts denied during it"

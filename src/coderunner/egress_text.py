@@ -20,8 +20,8 @@ MAX_NAMED = 5
 #: Decisions session_status shows.
 STATUS_RECENT = 10
 
-#: How a session may be given a host the user's ceiling already covers.
-ASK_AT_CREATE = "create_session(network='allowlist', allow=[...]) with it"
+#: The proxy's reason for a host the user said no to.
+USER_DECLINED = "declined by the user"
 
 
 @dataclass(frozen=True)
@@ -81,21 +81,29 @@ def denial_note(
     if not denied:
         return None
     said_no = set(declined)
-    groups: dict[str, list[str]] = {}
+    groups: dict[str, list[Denied]] = {}
     for item in denied:
-        if _allows(policy, item.host, item.port):
-            key = f"refused by address: {item.reason}" if item.reason else "refused by address"
-        elif item.host in said_no:
+        if item.port not in ceiling.ports:
+            ports = ", ".join(str(port) for port in sorted(ceiling.ports))
+            key = f"port not allowed; the user's allowed_ports: {ports}"
+        elif _allows(policy, item.host, item.port):
+            key = item.reason or "refused by address"
+        elif item.host in said_no or item.reason == USER_DECLINED:
             key = "the user declined"
         elif _allows(ceiling, item.host, item.port):
-            key = f"not in this session's allowlist (allowed: {policy.describe()}); to allow it: {ASK_AT_CREATE}"
+            key = f"not in this session's allowlist; allowed: {policy.describe()}"
         else:
-            key = (
-                f"not in this session's allowlist (allowed: {policy.describe()}) nor in the user's "
-                f"{CEILING_SETTING}: only the user can add it there"
-            )
-        groups.setdefault(key, []).append(item.target)
-    parts = [f"denied {_named(targets)} ({why})" for why, targets in groups.items()]
+            key = f"not in the user's allowed_domains; only the user can add it: {CEILING_SETTING}"
+        groups.setdefault(key, []).append(item)
+    parts = []
+    for why, items in groups.items():
+        part = f"denied {_named([item.target for item in items])} ({why})"
+        if why.startswith("not in this session's"):
+            distinct = list(dict.fromkeys(item.host for item in items))
+            hosts = ", ".join(repr(host) for host in distinct[:MAX_NAMED])
+            hosts += ", ..." if len(distinct) > MAX_NAMED else ""
+            part += f"; to reach it: create_session(network='allowlist', allow=[{hosts}])"
+        parts.append(part)
     return "network: " + "; ".join(parts)
 
 
