@@ -1,0 +1,233 @@
+"""Network 'allowlist' for real: sessions and one-shot runs reach only what the user allowed.
+
+One server per module, with a ceiling of the package index preset, a test server in a network
+namespace of the test's own (TEST-NET-2, reached by IP literal), `localhost` and a private
+10.x server (both allowlisted, both to be refused by address). Containment cases (other sessions,
+host loopback, floods) are in tests/abuse/test_abuse_egress.py.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from .conftest import ServerDirs, _passable, run, server_env, stdio_client, text_of, wait_until
+from .netns_servers import BODY, NetnsServers, available, netns_servers
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+BLOCKED = "blocked by CodeRunner's network policy"
+DENIED_HOST = "denied.example.org"
+PROXY = "http://127.0.0.1:3128"
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[NetnsServers]:
+    problem = available()
+    if problem:
+        pytest.fail(f"the egress tests need a network namespace: {problem}")
+    with netns_servers() as made:
+        yield made
+
+
+@dataclass
+class Egress:
+    client: Client
+    servers: NetnsServers
+    #: An allowlist session with the whole ceiling.
+    session: str
+    dirs: ServerDirs
+
+
+@pytest.fixture(scope="module")
+def module_dirs() -> Iterator[ServerDirs]:
+    root = _passable(Path(tempfile.mkdtemp(prefix="cre-", dir="/tmp")))
+    yield ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def egress_env(dirs: ServerDirs, servers: NetnsServers, **extra: str) -> dict[str, str]:
+    ceiling = ["python-packages", servers.public_ip, servers.private_ip, "localhost"]
+    return server_env(
+        dirs,
+        CODERUNNER_ALLOWED_DOMAINS=json.dumps(ceiling),
+        CODERUNNER_EGRESS_AUDIT_LOG=str(dirs.root / "egress.jsonl"),
+        CODERUNNER_TIMEOUT_S="40",
+        **extra,
+    )
+
+
+@pytest.fixture(scope="module")
+async def egress(module_dirs: ServerDirs, servers: NetnsServers) -> AsyncIterator[Egress]:
+    async with stdio_client(egress_env(module_dirs, servers)) as client:
+        session = await create(client, network="allowlist")
+        yield Egress(client, servers, session, module_dirs)
+
+
+async def create(client: Client, **arguments: object) -> str:
+    created = await client.call_tool("create_session", arguments)
+    assert not created.is_error, text_of(created)
+    return json.loads(text_of(created))["session_id"]
+
+
+async def ok(client: Client, code: str, session_id: str) -> str:
+    result = await run(client, code, session_id=session_id)
+    assert not result.is_error, text_of(result)
+    return text_of(result)
+
+
+async def execute(client: Client, language: str, code: str, **arguments: object) -> dict:  # type: ignore[type-arg]
+    result = await client.call_tool("execute_code", {"language": language, "code": code, **arguments})
+    return json.loads(text_of(result))
+
+
+def fetch(url: str, proxy: str | None = None) -> str:
+    """Python that prints the status and body of a GET (urllib; the env's proxy unless `proxy`)."""
+    opener = (
+        f"urllib.request.build_opener(urllib.request.ProxyHandler({{'http': {proxy!r}}}))"
+        if proxy
+        else ("urllib.request.build_opener()")
+    )
+    return f"""
+import urllib.request, urllib.error
+try:
+    answer = {opener}.open({url!r}, timeout=20)
+    print(answer.status, answer.read().decode())
+except urllib.error.HTTPError as exc:
+    print(exc.code, exc.read().decode())
+"""
+
+
+# --- what the allowlist lets through ---------------------------------------------------------------
+
+
+async def test_an_allowlisted_server_is_reached_through_the_proxy(egress: Egress) -> None:
+    text = await ok(egress.client, fetch(f"http://{egress.servers.public_ip}/"), egress.session)
+    assert f"200 {BODY}" in text
+
+
+async def test_the_sandbox_sees_the_proxy_in_its_environment(egress: Egress) -> None:
+    code = "import os; print({k: os.environ.get(k) for k in ('HTTP_PROXY', 'https_proxy', 'NO_PROXY')})"
+    text = await ok(egress.client, code, egress.session)
+    assert f"'HTTP_PROXY': '{PROXY}'" in text and f"'https_proxy': '{PROXY}'" in text
+    assert "'NO_PROXY': 'localhost,127.0.0.1,::1'" in text
+
+
+async def test_install_packages_works_with_the_package_preset(egress: Egress) -> None:
+    result = await egress.client.call_tool(
+        "install_packages", {"packages": ["six==1.17.0"], "session_id": egress.session}
+    )
+    assert not result.is_error, text_of(result)
+    assert json.loads(text_of(result))["installed"] == {"six": "1.17.0"}
+    assert "1.17.0" in await ok(egress.client, "import six; print(six.__version__)", egress.session)
+
+
+async def test_one_shot_runs_of_every_language_reach_the_allowlisted_server(egress: Egress) -> None:
+    url = f"http://{egress.servers.public_ip}/"
+    python = await execute(egress.client, "python", fetch(url), network="allowlist")
+    assert f"200 {BODY}" in python["stdout"], python
+    bash = await execute(egress.client, "bash", f"curl -sS {url}", network="allowlist")
+    assert bash["stdout"] == BODY, bash
+    node = await execute(egress.client, "javascript", f"fetch({url!r}).then(r => r.text()).then(console.log)",
+                         network="allowlist")  # fmt: skip
+    assert node["stdout"].strip() == BODY, node
+
+
+# --- what it refuses -------------------------------------------------------------------------------
+
+
+async def test_a_host_off_the_list_is_denied_with_the_message_from_python(egress: Egress) -> None:
+    text = await ok(egress.client, fetch(f"http://{DENIED_HOST}/"), egress.session)
+    assert text.startswith("403 ") and BLOCKED in text and DENIED_HOST in text, text
+    tls = await run(egress.client, fetch(f"https://{DENIED_HOST}/"), session_id=egress.session)
+    assert "Tunnel connection failed: 403" in text_of(tls), text_of(tls)
+
+
+async def test_a_host_off_the_list_is_denied_with_the_message_from_curl_and_node(egress: Egress) -> None:
+    curl = await execute(egress.client, "bash", f"curl -sS http://{DENIED_HOST}/", network="allowlist")
+    assert BLOCKED in curl["stdout"], curl
+    tunnel = await execute(egress.client, "bash", f"curl -sS https://{DENIED_HOST}/ 2>&1", network="allowlist")
+    assert "403" in tunnel["stdout"], tunnel
+    node = await execute(
+        egress.client,
+        "javascript",
+        f"fetch('http://{DENIED_HOST}/').then(async r => console.log(r.status, await r.text()))",
+        network="allowlist",
+    )
+    assert node["stdout"].startswith("403 ") and BLOCKED in node["stdout"], node
+
+
+async def test_browser_navigate_is_denied_with_the_message(egress: Egress) -> None:
+    result = await egress.client.call_tool(
+        "browser_navigate", {"url": f"http://{DENIED_HOST}/", "session_id": egress.session}
+    )
+    text = text_of(result)
+    assert BLOCKED in text, text
+    allowed = await egress.client.call_tool(
+        "browser_navigate", {"url": f"http://{egress.servers.public_ip}/", "session_id": egress.session}
+    )
+    assert BODY in text_of(allowed), text_of(allowed)
+
+
+async def test_a_raw_socket_to_an_ip_fails(egress: Egress) -> None:
+    code = f"""
+import socket
+for target in [({egress.servers.public_ip!r}, 80), ('1.1.1.1', 443)]:
+    try:
+        socket.create_connection(target, timeout=5)
+        print('CONNECTED', target)
+    except OSError as exc:
+        print('refused', exc.errno)
+"""
+    text = await ok(egress.client, code, egress.session)
+    assert "CONNECTED" not in text and text.count("refused") == 2, text
+
+
+async def test_localhost_and_a_private_address_are_refused_even_when_allowlisted(egress: Egress) -> None:
+    for host in ("localhost", egress.servers.private_ip):
+        # Past NO_PROXY on purpose: straight at the proxy, as code that sets its own proxy would.
+        text = await ok(egress.client, fetch(f"http://{host}/", proxy=PROXY), egress.session)
+        assert text.startswith("403 ") and BODY not in text, (host, text)
+
+
+async def test_a_session_may_ask_for_a_subset_but_never_more(egress: Egress) -> None:
+    narrow = await create(egress.client, network="allowlist", allow=["python-packages"])
+    text = await ok(egress.client, fetch(f"http://{egress.servers.public_ip}/"), narrow)
+    assert text.startswith("403 ") and BLOCKED in text, text
+    wider = await egress.client.call_tool("create_session", {"network": "allowlist", "allow": ["example.com"]})
+    assert wider.is_error and "allowed_domains" in text_of(wider), text_of(wider)
+    await egress.client.call_tool("close_session", {"session_id": narrow})
+
+
+async def test_install_packages_without_network_names_both_ways_out(egress: Egress) -> None:
+    plain = await create(egress.client)
+    result = await egress.client.call_tool("install_packages", {"packages": ["six"], "session_id": plain})
+    assert result.is_error
+    assert "network='allowlist'" in text_of(result) and "network='internet'" in text_of(result), text_of(result)
+    await egress.client.call_tool("close_session", {"session_id": plain})
+
+
+def audit_lines(dirs: ServerDirs) -> list[dict]:  # type: ignore[type-arg]
+    log = dirs.root / "egress.jsonl"
+    text = log.read_text() if log.exists() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+async def test_decisions_reach_the_audit_log(egress: Egress) -> None:
+    await ok(egress.client, fetch(f"http://{DENIED_HOST}/"), egress.session)
+    # Written by a worker thread, within a bound.
+    denied = lambda: any(line.get("host") == DENIED_HOST and line.get("allowed") is False  # noqa: E731
+                         for line in audit_lines(egress.dirs))  # fmt: skip
+    assert await wait_until(denied), audit_lines(egress.dirs)[-5:]
