@@ -20,9 +20,6 @@ MAX_NAMED = 5
 #: Decisions session_status shows.
 STATUS_RECENT = 10
 
-#: The proxy's reason for a host the user said no to.
-USER_DECLINED = "declined by the user"
-
 
 @dataclass(frozen=True)
 class Denied:
@@ -88,7 +85,7 @@ def denial_note(
             key = f"port not allowed; the user's allowed_ports: {ports}"
         elif _allows(policy, item.host, item.port):
             key = item.reason or "refused by address"
-        elif item.host in said_no or item.reason == USER_DECLINED:
+        elif item.host in said_no:
             key = "the user declined"
         elif _allows(ceiling, item.host, item.port):
             key = f"not in this session's allowlist; allowed: {policy.describe()}"

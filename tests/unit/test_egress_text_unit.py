@@ -141,7 +141,7 @@ async def test_a_call_asks_a_few_questions_at_most() -> None:
     ctx = FakeContext(dict.fromkeys(hosts, "decline"))
     ctx.release.set()
     asker = CallAsker(ctx, "session-id-1234")  # type: ignore[arg-type]
-    assert [await asker(host, 443) for host in hosts] == [False] * len(hosts)
+    assert [await asker(host, 443) for host in hosts] == [False] * MAX_QUESTIONS + [None] * 2
     assert ctx.asked == hosts[:MAX_QUESTIONS]
 
 
@@ -152,4 +152,4 @@ async def test_without_elicitation_nobody_is_asked(elicitation: bool, back_chann
     ctx.release.set()
     asker = CallAsker(ctx, "session-id-1234")  # type: ignore[arg-type]
     assert not asker.enabled
-    assert await asker("a.example.org", 443) is False and ctx.asked == []
+    assert await asker("a.example.org", 443) is None and ctx.asked == []

@@ -71,26 +71,28 @@ class CallAsker:
     def declined(self) -> list[str]:
         return [host for host, allowed in self.answers.items() if not allowed]
 
-    async def __call__(self, host: str, port: int) -> bool:
+    async def __call__(self, host: str, port: int) -> bool | None:
+        """True: the user allowed it; False: the user said no; None: nobody was asked (or answered)."""
         if not self.enabled:
-            return False
+            return None
         if host in self.answers:
             return self.answers[host]
         if host in self._pending:  # another connection to it is already being asked about
             await self._pending[host].wait()
-            return self.answers.get(host, False)
+            return self.answers.get(host)
         if len(self.answers) + len(self._pending) >= MAX_QUESTIONS:
-            return False
+            return None
         self._pending[host] = done = anyio.Event()
         try:
             allowed = await self._ask(host, port)
-            self.answers[host] = allowed
+            if allowed is not None:
+                self.answers[host] = allowed
             return allowed
         finally:
             del self._pending[host]
             done.set()
 
-    async def _ask(self, host: str, port: int) -> bool:
+    async def _ask(self, host: str, port: int) -> bool | None:
         message = (
             f"Code in CodeRunner {self._who} wants to connect to {host}:{port}. "
             "It is within your allowed_domains but not in this session's allowlist. "
@@ -100,9 +102,9 @@ class CallAsker:
             with anyio.move_on_after(ASK_WAIT_S):
                 answer = await self._ctx.elicit(message, HostPermission)
                 return answer.action == "accept" and answer.data.decision == "allow"
-        except Exception as exc:  # the client refused the request, or answered out of schema: a no
+        except Exception as exc:  # the client refused the request, or answered out of schema: no answer
             log.info("elicitation about %s:%s failed (%s): denied", host, port, exc)
-        return False
+        return None
 
 
 class EgressCall:
