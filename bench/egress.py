@@ -269,6 +269,7 @@ if __name__ == "__main__":
     if arguments.serve:
         serve()
     else:
-        started = time.monotonic()
+        started, load = time.monotonic(), os.getloadavg()[0]
         anyio.run(main, arguments.rounds, arguments.requests, arguments.downloads)
-        print(f"\n(run took {time.monotonic() - started:.0f}s)")
+        print(f"\n(run took {time.monotonic() - started:.0f}s; load average {load:.1f} before, "
+              f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs)")  # fmt: skip
