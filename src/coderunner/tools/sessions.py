@@ -66,7 +66,7 @@ def register(tools: ToolContext) -> None:
 
     @tools.tool()
     async def session_status(ctx: Context, session_id: SessionId = "") -> CallToolResult:
-        """A session's state, uptime, memory, limits and network (allowlist: its recent decisions)."""
+        """A session's state, uptime, memory, limits and network."""
         session = await tools.session(ctx, session_id)
         summary = await tools.off_loop(tools.summary, session)
         if session.egress is not None:
