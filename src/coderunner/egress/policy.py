@@ -183,6 +183,8 @@ def normalize_host(host: str) -> str:
         raise EgressPolicyError("an empty host name is not a host")
     if len(host) > 4 * _MAX_NAME:
         raise EgressPolicyError(f"`{host[:40]}...` is too long to be a host name")
+    if "%" in host:
+        raise EgressPolicyError(f"`{_show(host)}` has a zone index; give the address without it")
     if host.startswith("[") or host.endswith("]"):
         if not (host.startswith("[") and host.endswith("]")):
             raise EgressPolicyError(f"`{_show(host)}` has an unbalanced bracket")
@@ -191,8 +193,6 @@ def normalize_host(host: str) -> str:
             return str(ipaddress.IPv6Address(inner))
         except ValueError:
             raise EgressPolicyError(f"`{_show(host)}` is not an IPv6 address in brackets") from None
-    if "%" in host:
-        raise EgressPolicyError(f"`{_show(host)}` has a zone index; give the address without it")
     try:
         return str(ipaddress.ip_address(host))
     except ValueError:

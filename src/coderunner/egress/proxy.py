@@ -46,6 +46,8 @@ AddressCheck = Callable[[IPAddress], "str | None"]
 
 #: Bound on the wait for the user's answer to an Asker.
 ASK_TIMEOUT_S = 60.0
+#: Questions one session may put to the user; past it, hosts outside the policy are denied unasked.
+MAX_ASKS = 10
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class EgressProxy:
         self._conns: dict[asyncio.Task[None], _Conn] = {}
         self._asks: dict[tuple[str, int], asyncio.Future[bool]] = {}
         self._declined: set[str] = set()
+        self._ask_lock = asyncio.Lock()
+        self._asks_made = 0
         self._resolving = asyncio.Semaphore(_RESOLVES_PER_PROXY)
         self._closed = False
         #: Connections answered 503 because the proxy was full (for status and tests).
@@ -125,7 +129,9 @@ class EgressProxy:
         in flight are closed too.
         """
         own = listener.dup()  # asyncio closes the socket it serves on; the caller's stays the caller's
-        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=_READ_CHUNK)
+        # asyncio listens again with its own backlog (100 by default); a flood past it would make
+        # clients' connects fail oddly instead of being answered 503, so keep the queue deep.
+        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=_READ_CHUNK, backlog=_BACKLOG)
         try:
             await server.serve_forever()
         finally:
@@ -134,6 +140,7 @@ class EgressProxy:
 
     async def aclose(self) -> None:
         """Close every connection this proxy is serving (the listener stays the caller's)."""
+        self._closed = True
         tasks = list(self._conns)
         for task in tasks:
             task.cancel()
@@ -147,6 +154,9 @@ class EgressProxy:
     async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        if self._closed:
+            _close(writer)
+            return
         if len(self._conns) >= self.limits.max_connections and not self._evict_stalled_head():
             self.refused_busy += 1
             body = f"too many connections through this session's proxy (at most {self.limits.max_connections})"
@@ -160,7 +170,9 @@ class EgressProxy:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the client went away; nothing to answer
         except asyncio.CancelledError:
-            raise
+            # aclose or an eviction. This task is a leaf the stream server made for the connection;
+            # ending it quietly keeps asyncio from logging every closed tunnel as an error.
+            pass
         except Exception:
             log.exception("egress proxy for session %s: a connection failed", self.session_id)
         finally:
@@ -246,13 +258,17 @@ class EgressProxy:
                 f"port {port} is not allowed",
                 f"{_BLOCKED}: port {port} of {shown} is not in this session's allowlist (allowed: {allowed})",
             )
-        if self._asker is not None and host not in self._declined and self._ceiling.allows(host, port):
-            if await self._ask(host, port):
+        if self._asker is not None and self._ceiling.allows(host, port):
+            if host not in self._declined and self._asks_made < MAX_ASKS and await self._ask(host, port):
                 return None
+            why = (
+                "The user declined it for this session."
+                if host in self._declined
+                else f'The user was not asked; create a session with allow=["{host}"] to reach it.'
+            )
             return _Denial(
-                "declined by the user",
-                f"{_BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\n"
-                "The user declined it for this session.",
+                "declined by the user" if host in self._declined else "not asked",
+                f"{_BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\n{why}",
             )
         hint = (
             f'create a session with allow=["{host}"]'
@@ -280,14 +296,28 @@ class EgressProxy:
             raise
 
     async def _ask_user(self, host: str, port: int) -> bool:
+        """One question at a time, and at most MAX_ASKS per session: code in the sandbox picks the
+        names, and must not be able to bury the user in prompts."""
         assert self._asker is not None
         try:
-            yes = bool(await asyncio.wait_for(self._asker(host, port), ASK_TIMEOUT_S))
+            await asyncio.wait_for(self._ask_lock.acquire(), ASK_TIMEOUT_S)
         except asyncio.TimeoutError:
-            yes = False
-        except Exception:
-            log.exception("egress proxy for session %s: asking about %s failed", self.session_id, host)
-            yes = False
+            return False
+        try:
+            if self._policy.allows(host, port):
+                return True  # allowed while this question waited its turn
+            if host in self._declined or self._asks_made >= MAX_ASKS:
+                return False
+            self._asks_made += 1
+            try:
+                yes = bool(await asyncio.wait_for(self._asker(host, port), ASK_TIMEOUT_S))
+            except asyncio.TimeoutError:
+                yes = False
+            except Exception as exc:  # the asker is the wiring's code: its failure is a "no", never a crash
+                log.warning("egress proxy for session %s: asking about %s failed: %r", self.session_id, host, exc)
+                yes = False
+        finally:
+            self._ask_lock.release()
         if not yes:
             self._declined.add(host)
             return False
@@ -389,6 +419,7 @@ class EgressProxy:
 _BLOCKED = "blocked by CodeRunner's network policy"
 _READ_CHUNK = 64 * KiB
 _CLOSE_WAIT_S = 5.0
+_BACKLOG = 1024
 _STALLED_HEAD_S = 1.0
 _MAX_ADDRESSES_TRIED = 4
 _RESOLVES_PER_PROXY = 4
