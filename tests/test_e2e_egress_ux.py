@@ -23,6 +23,7 @@ import pytest
 from mcp import Client, StdioServerParameters, types
 from mcp.types import CallToolResult, TextContent
 
+from coderunner.tools.egress import MAX_QUESTIONS
 from tests.conftest import REPO, SERVER_CMD, ServerDirs, server_env
 from tests.netns_servers import BODY, NetnsServers, available, netns_servers
 
@@ -47,9 +48,9 @@ def servers() -> Iterator[NetnsServers]:
 
 
 def ceiling(servers: NetnsServers) -> list[str]:
-    """The user's ceiling: the test server by IP literal, a name the session asks for instead, and a
-    name the user will decline (never resolved: a declined host is not looked up)."""
-    return [servers.public_ip, "a.example.org", "b.example.org"]
+    """The user's ceiling: the test server by IP literal, a name the session asks for instead, a name
+    the user will decline (never resolved: a declined host is not looked up), and names code picks."""
+    return [servers.public_ip, "a.example.org", "b.example.org", "*.c.example.org"]
 
 
 def text(result: CallToolResult) -> str:
@@ -119,8 +120,15 @@ async def test_the_user_is_asked_and_the_answer_holds(servers: NetnsServers, dir
         assert "HTTP 403" in declined and "blocked by CodeRunner's network policy" in declined, declined
         assert "[network: denied b.example.org:80 (the user declined)]" in declined, declined
 
+        # Code picks the names: however many it tries, one call puts only a few to the user.
+        names = [f"http://n{n}.c.example.org/" for n in range(MAX_QUESTIONS + 3)]
+        burst = text(await call(client, "run_python", {**fetch, "code": "".join(FETCH.format(url=u) for u in names)}))
+        assert len(asked.messages) == 2 + MAX_QUESTIONS, asked.messages
+        assert burst.count("HTTP 403") == len(names) and "(the user declined)" in burst, burst
+        assert "n5.c.example.org:80" in burst and "allow=['n3.c.example.org', " in burst, burst
+
         beyond = text(await call(client, "run_python", {**fetch, "code": FETCH.format(url=f"http://{beyond_host}/")}))
-        assert len(asked.messages) == 2, "a host beyond the user's ceiling must never be put to the user"
+        assert len(asked.messages) == 2 + MAX_QUESTIONS, "a host beyond the user's ceiling is never put to the user"
         assert f"[network: denied {beyond_host}:80 (" in beyond and "allowed_domains" in beyond, beyond
 
         status = json.loads(text(await call(client, "session_status", {"session_id": session})))
@@ -129,8 +137,8 @@ async def test_the_user_is_asked_and_the_answer_holds(servers: NetnsServers, dir
         assert set(egress["allowed_hosts"]) == {"a.example.org", server}, "allowed, not declined, hosts join"
         received = [row["received"] for row in egress["recent"] if row["allowed"] and row["host"] == server]
         assert received and all(size > len(BODY) for size in received), egress["recent"]
-        assert [row["host"] for row in egress["recent"] if not row["allowed"]] == ["b.example.org", beyond_host]
-        assert egress["totals"]["allowed"] == 2 and egress["totals"]["denied"] == 2
+        assert [row["host"] for row in egress["recent"] if not row["allowed"]][-1] == beyond_host
+        assert egress["totals"]["allowed"] == 2 and egress["totals"]["denied"] == 2 + len(names)
         assert egress["totals"]["received"] >= sum(received)
 
 
