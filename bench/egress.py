@@ -12,7 +12,9 @@ request, timed from connect() to the last byte), interleaved round by round so a
   as HTTPS clients do);
 - allowlist/forward: the same session, plain-HTTP forwarding (absolute-form GET, as for http:// URLs);
 - internet/direct: an `internet` session, straight out (bwrap: through slirp4netns);
-- host/direct: no sandbox, from this process, for reference.
+- host/direct: no sandbox, from this process, for reference;
+- host/proxy socket: from this process straight to the allowlist session's proxy socket (CONNECT):
+  the proxy's own share, without the in-sandbox forwarder.
 Setup cost is the median and p90 of a small request; throughput is a 50 MB body read and discarded.
 """
 
@@ -109,16 +111,23 @@ def namespace_server() -> Iterator[None]:
 CLIENT = r'''
 import os as _os, socket as _socket, time as _time
 
-def _egress_fetch(host, port, path, mode):
-    """One request on a fresh connection: (seconds from connect to last byte, body+head bytes)."""
+def _egress_fetch(host, port, path, mode, via=None):
+    """One request on a fresh connection: (seconds from connect to last byte, body+head bytes).
+
+    via: the proxy's unix socket (the host-side lane); else the proxy in HTTP_PROXY."""
     proxy = _os.environ.get("HTTP_PROXY", "").rpartition("/")[2]
     began = _time.perf_counter()
     if mode == "direct":
         sock = _socket.create_connection((host, port), timeout=60)
         target = path
     else:
-        phost, _, pport = proxy.rpartition(":")
-        sock = _socket.create_connection((phost, int(pport)), timeout=60)
+        if via:
+            sock = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM)
+            sock.settimeout(60)
+            sock.connect(via)
+        else:
+            phost, _, pport = proxy.rpartition(":")
+            sock = _socket.create_connection((phost, int(pport)), timeout=60)
         target = f"http://{host}:{port}{path}" if mode == "forward" else path
         if mode == "connect":
             sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
@@ -145,15 +154,17 @@ def _egress_fetch(host, port, path, mode):
         raise OSError(f"answer {first!r}")
     return _time.perf_counter() - began, total
 
-def _egress_batch(host, port, path, mode, count):
-    return [_egress_fetch(host, port, path, mode) for _ in range(count)]
+def _egress_batch(host, port, path, mode, count, via=None):
+    return [_egress_fetch(host, port, path, mode, via) for _ in range(count)]
 '''
 
 
-def local_batch(path: str, count: int) -> list[tuple[float, int]]:
+def local_batch(path: str, count: int, via: Path | None = None) -> list[tuple[float, int]]:
+    """The host's own lanes: direct, or through the session's proxy socket (no forwarder hop)."""
     scope: dict[str, object] = {}
     exec(CLIENT, scope)
-    return scope["_egress_batch"](SERVER_IP, PORT, path, "direct", count)  # type: ignore[operator]
+    mode, where = ("connect", str(via)) if via is not None else ("direct", None)
+    return scope["_egress_batch"](SERVER_IP, PORT, path, mode, count, where)  # type: ignore[operator]
 
 
 # --- the run ---------------------------------------------------------------------------------------
@@ -170,7 +181,13 @@ def server_params(root: Path) -> StdioServerParameters:
         "CODERUNNER_EGRESS_AUDIT_LOG": str(root / "egress.jsonl"),
         "CODERUNNER_MAX_TIMEOUT_S": "600",
     }
-    for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):
+    for key in (
+        "CODERUNNER_SANDBOX_ENV",
+        "CODERUNNER_BACKEND",
+        "CODERUNNER_OCI_RUNTIME",
+        "CODERUNNER_IMAGE",
+        "CODERUNNER_SESSION_CPU_WEIGHT",
+    ):
         if key in os.environ:
             env[key] = os.environ[key]
     return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
@@ -223,6 +240,10 @@ async def main(rounds: int, requests: int, downloads: int) -> None:
                     line = next(line for line in text.splitlines() if line.startswith("[["))
                     return [(seconds, size) for seconds, size in json.loads(line)]
 
+                sockets = list((root / "r").glob("*/host/egress.sock"))
+                if len(sockets) != 1:
+                    raise RuntimeError(f"expected one proxy socket, found {sockets}")
+                proxy_socket = sockets[0]
                 plan = [
                     ("allowlist/CONNECT", "allowlist", "connect"),
                     ("allowlist/forward", "allowlist", "forward"),
@@ -235,11 +256,16 @@ async def main(rounds: int, requests: int, downloads: int) -> None:
                     for lane, network, mode in order:
                         lanes.add(lane, "small", await sandboxed(network, mode, "/small", requests))
                     lanes.add("host/direct", "small", await anyio.to_thread.run_sync(local_batch, "/small", requests))
+                    proxied = await anyio.to_thread.run_sync(local_batch, "/small", requests, proxy_socket)
+                    lanes.add("host/proxy socket", "small", proxied)
                 for round_number in range(downloads):
                     order = plan if round_number % 2 == 0 else plan[::-1]
                     for lane, network, mode in order:
                         lanes.add(lane, "big", await sandboxed(network, mode, "/big", 1))
                     lanes.add("host/direct", "big", await anyio.to_thread.run_sync(local_batch, "/big", 1))
+                    lanes.add(
+                        "host/proxy socket", "big", await anyio.to_thread.run_sync(local_batch, "/big", 1, proxy_socket)
+                    )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(lanes)
