@@ -42,6 +42,7 @@ REFUSED = [
     ("fd00:ec2::254", "unique local"),  # a cloud metadata address over IPv6
     ("ff02::1", "multicast"),
     ("100::1", "discard"),
+    ("::1:0:0:1", "reserved"),
     ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "Teredo"),
     ("64:ff9b:1::1", "NAT64"),
     # IPv4 carried inside IPv6: judged by what they carry.

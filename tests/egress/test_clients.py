@@ -7,6 +7,7 @@ import asyncio
 import shutil
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -80,6 +81,67 @@ async def test_urllib_shows_the_denial_and_gets_through_when_allowed() -> None:
             denied = await asyncio.to_thread(fetch, "http://evil.test/")
             assert denied.startswith("403 " + BLOCKED)
             tunnel = await asyncio.to_thread(fetch, "https://evil.test/")
-            assert tunnel.startswith("URLError") and "403" in tunnel
+            assert tunnel.startswith("URLError Tunnel connection failed: 403 Forbidden (" + BLOCKED)
     finally:
         await upstream.stop()
+
+
+async def test_pip_downloads_a_package_through_the_python_packages_preset(tmp_path: Path) -> None:
+    """pip itself, isolated from this machine's pip config, fetches one small wheel via the proxy."""
+    import sys
+
+    policy = EgressPolicy.parse(["python-packages"])
+    async with running_proxy(policy) as proxied, tcp_front(proxied.path) as port:
+        cert = (
+            ["--cert", "/etc/ssl/certs/ca-certificates.crt"]
+            if Path("/etc/ssl/certs/ca-certificates.crt").exists()
+            else []
+        )
+        code, out, err = await run(
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--isolated",
+            "--no-cache-dir",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "--timeout",
+            "30",
+            "--proxy",
+            f"http://127.0.0.1:{port}",
+            *cert,
+            "-d",
+            str(tmp_path),
+            "six",
+        )
+        assert code == 0, out + err
+        assert list(tmp_path.glob("six-*.whl"))
+        hosts = {d.host for d in proxied.log.recent(50) if d.allowed}
+        assert hosts == set(policy.hosts)  # the index, then its file host
+        # And a host pip is not allowed: the denial reaches pip's output.
+        code, out, err = await run(
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--isolated",
+            "--no-cache-dir",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "--timeout",
+            "10",
+            "--retries",
+            "1",
+            "--proxy",
+            f"http://127.0.0.1:{port}",
+            *cert,
+            "-d",
+            str(tmp_path),
+            "--index-url",
+            "https://evil.test/simple",
+            "six",
+        )
+        assert code != 0 and "403 Forbidden (" + BLOCKED in out + err

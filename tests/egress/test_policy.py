@@ -99,9 +99,9 @@ def test_allows_never_raises_on_garbage_hosts() -> None:
 
 
 def test_narrowed_is_a_subset_and_beyond_the_ceiling_names_the_setting() -> None:
-    ceiling = EgressPolicy.parse(["github", "*.example.com", "pypi.internal"], ports=[443])
-    session = ceiling.narrowed(["api.github.com", "*.data.example.com", "PyPI.internal"])
-    assert session.hosts == ("api.github.com", "*.data.example.com", "pypi.internal")
+    ceiling = EgressPolicy.parse(["github", "*.example.com", "mirror.internal"], ports=[443])
+    session = ceiling.narrowed(["api.github.com", "*.data.example.com", "Mirror.internal"])
+    assert session.hosts == ("api.github.com", "*.data.example.com", "mirror.internal")
     assert session.ports == frozenset({443})
     assert session.allows("x.data.example.com", 443)
     assert not session.allows("github.com", 443)

@@ -41,6 +41,9 @@ async def test_connect_tunnels_bytes_both_ways_and_records_them(upstream: Upstre
         writer.write(b"x" * 100_000)
         await writer.drain()
         assert await reader.readexactly(100_000) == b"x" * 100_000
+        (open_now,) = run.proxy.open_connections()
+        assert (open_now.host, open_now.reason, open_now.received) == ("ok.test", "open", 100_005)
+        assert run.log.recent() == []  # recorded when it closes, with its final counts
         writer.write_eof()
         assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()
@@ -272,6 +275,14 @@ async def test_a_failing_or_silent_asker_denies(upstream: Upstream, monkeypatch:
         raise RuntimeError("client went away")
 
     ceiling = policy_for(upstream, "ok.test", "maybe.test")
+    async with running_proxy(policy_for(upstream, "ok.test"), ceiling) as run:
+        assert run.proxy.asker is None
+        no_one = await exchange(run.path, f"CONNECT maybe.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
+        assert status_of(no_one) == 403 and 'allow=["maybe.test"]' in body_of(no_one)
+        run.proxy.asker = broken  # set later, as the wiring does per call
+        assert run.proxy.asker is broken
+        answer = await exchange(run.path, f"CONNECT maybe.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
+        assert status_of(answer) == 403 and "declined" in body_of(answer)
     for asker in (silent, broken):
         async with running_proxy(policy_for(upstream, "ok.test"), ceiling, asker=asker) as run:
             answer = await exchange(run.path, f"CONNECT maybe.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
@@ -391,3 +402,56 @@ async def test_questions_are_one_at_a_time_and_bounded_per_session(upstream: Ups
             status_of(later) == 403 and "was not asked" in body_of(later) and 'allow=["late.ok.test"]' in body_of(later)
         )
     assert upstream.connects == 0
+
+
+def test_a_policy_beyond_its_ceiling_and_bad_limits_are_refused_at_construction() -> None:
+    from coderunner.egress import DecisionLog, EgressProxy
+
+    ceiling = EgressPolicy.parse(["*.ok.test"], ports=[443])
+    with pytest.raises(EgressPolicyError, match="allowed_domains"):
+        EgressProxy(EgressPolicy.parse(["evil.test"], ports=[443]), ceiling, session_id="s", log=DecisionLog("s"))
+    with pytest.raises(EgressPolicyError):
+        EgressProxy(EgressPolicy.parse(["a.ok.test"], ports=[22]), ceiling, session_id="s", log=DecisionLog("s"))
+    EgressProxy(EgressPolicy.parse(["a.ok.test"], ports=[443]), ceiling, session_id="s", log=DecisionLog("s"))
+    for bad in ({"max_connections": 0}, {"idle_s": -1.0}, {"max_head_bytes": 0}):
+        with pytest.raises(ValueError):
+            ProxyLimits(**bad)  # type: ignore[arg-type]
+
+
+async def test_no_descriptor_is_left_behind(upstream: Upstream) -> None:
+    """Every path (relay, denial, 400, 503, timeout, reset) closes both sides: fds return to baseline."""
+    import os
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    if not os.path.isdir("/proc/self/fd"):
+        pytest.skip("needs /proc/self/fd")
+    limits = ProxyLimits(max_connections=4, head_timeout_s=0.5, idle_s=0.5)
+    resolver = resolver_for({"ok.test": ["127.0.0.1"], "priv.ok.test": ["10.0.0.1"]})
+    async with running_proxy(
+        policy_for(upstream), limits=limits, resolver=resolver, address_check=loopback_only
+    ) as run:
+        good = f"GET http://ok.test:{upstream.port}/ HTTP/1.1\r\nHost: x\r\n\r\n".encode()
+        await exchange(run.path, good)
+        baseline = fds()
+        for _ in range(5):
+            heads = [
+                good,
+                f"CONNECT ok.test:{upstream.port} HTTP/1.1\r\n\r\nping".encode(),
+                f"CONNECT evil.test:{upstream.port} HTTP/1.1\r\n\r\n".encode(),
+                f"CONNECT priv.ok.test:{upstream.port} HTTP/1.1\r\n\r\n".encode(),
+                b"garbage\r\n\r\n",
+                b"CONNECT ok.test:",  # half a head, then EOF
+            ]
+            await asyncio.gather(*(exchange(run.path, h) for h in heads * 3))
+            _, writer = await asyncio.open_unix_connection(run.path)
+            writer.write(b"CONNECT ok.")  # slowloris, timed out by the proxy
+            await asyncio.sleep(0.8)
+            writer.transport.abort()
+        for _ in range(200):
+            if run.proxy.active_connections == 0 and fds() <= baseline:
+                break
+            await asyncio.sleep(0.05)
+        assert run.proxy.active_connections == 0
+        assert fds() <= baseline

@@ -22,7 +22,7 @@ def test_absolute_form_is_rebuilt_for_the_origin() -> None:
         b"Host: evil.example.org\r\n"
         b"Proxy-Connection: keep-alive\r\n"
         b"Proxy-Authorization: Basic eA==\r\n"
-        b"Connection: keep-alive, X-Secret\r\n"
+        b"Connection: keep-alive, X-Secret, Content-Length\r\n"
         b"X-Secret: 1\r\n"
         b"Keep-Alive: 5\r\n"
         b"Content-Length: 3\r\n"

@@ -6,7 +6,20 @@ decides on the host NAME the client asked for (policy.py), resolves it itself, r
 that points back at the host or a private network (addresses.py), connects only to the address it
 checked, and records every decision (audit.py). It never intercepts TLS.
 
-This package is pure: no settings, no sessions, no sandboxes. The wiring lives elsewhere.
+This package is pure: no settings, no sessions, no sandboxes. The wiring lives elsewhere, roughly:
+
+    ceiling = EgressPolicy.parse(settings.allowed_domains, settings.allowed_ports)   # at start-up
+    policy = ceiling.narrowed(allow) if allow else ceiling                           # per session
+    audit = AuditFile(state_dir / "egress.jsonl")                                    # one per server
+    log = DecisionLog(session_id, sink=audit)
+    proxy = EgressProxy(policy, ceiling, session_id=session_id, log=log, asker=ask)
+    listener = socket.socket(AF_UNIX, SOCK_STREAM); listener.bind(host_only_path); listener.listen()
+    task = start(proxy.serve(listener))          # cancel it, then `await proxy.aclose()`, on close
+    mark = log.mark(); ...run...; log.denied_since(mark)                            # run_python
+    log.recent(10), log.totals()                                                    # session_status
+    audit.close()                                                                   # at shutdown
+
+EgressPolicyError messages are for the caller (they name CEILING_SETTING where it applies).
 """
 
 from __future__ import annotations

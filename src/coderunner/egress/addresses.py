@@ -48,6 +48,7 @@ _V6_REFUSED: tuple[tuple[ipaddress.IPv6Network, str], ...] = (
     (_V6("100::/64"), "a discard-only address"),
     (_V6("2001::/32"), "a Teredo tunnel address"),
     (_V6("64:ff9b:1::/48"), "a local-use NAT64 address"),
+    (_V6("::/8"), "a reserved address"),  # last: the forms above and the IPv4-carrying ones lie in it
 )
 #: IPv6 forms that carry an IPv4 address in their low 32 bits; judged by the address they carry.
 _V4_IN_V6: tuple[ipaddress.IPv6Network, ...] = (
@@ -118,6 +119,14 @@ def host_addresses() -> frozenset[IPAddress]:
         found = _read_linux() if sys.platform.startswith("linux") else _read_ifconfig()
         _cache = (now, found)
         return found
+
+
+def cached_host_addresses() -> frozenset[IPAddress] | None:
+    """The cached own addresses if still fresh, else None; never blocks (safe on the event loop)."""
+    cached = _cache
+    if cached is not None and time.monotonic() - cached[0] < OWN_TTL_S:
+        return cached[1]
+    return None
 
 
 def _read_linux() -> frozenset[IPAddress]:

@@ -161,6 +161,7 @@ class AuditFile:
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             os.close(fd)
             raise OSError(errno.EPERM, f"refusing the egress audit log {self.path}: not a regular file of ours")
+        os.fchmod(fd, 0o600)  # an older file keeps no wider mode than a new one gets
         os.set_blocking(fd, True)
         return fd
 

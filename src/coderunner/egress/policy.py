@@ -184,7 +184,9 @@ def normalize_host(host: str) -> str:
     if len(host) > 4 * _MAX_NAME:
         raise EgressPolicyError(f"`{host[:40]}...` is too long to be a host name")
     if "%" in host:
-        raise EgressPolicyError(f"`{_show(host)}` has a zone index; give the address without it")
+        raise EgressPolicyError(
+            f"`{_show(host)}` has a `%` (a zone index or percent-encoding); give the name or address plainly"
+        )
     if host.startswith("[") or host.endswith("]"):
         if not (host.startswith("[") and host.endswith("]")):
             raise EgressPolicyError(f"`{_show(host)}` has an unbalanced bracket")

@@ -108,6 +108,8 @@ def parse_request(head: bytes) -> ProxyRequest:
         path = "/" + path
     listed = [v for n, v in headers if n.lower() == "connection"]
     connection_listed = {token.strip().lower() for v in listed for token in v.split(",") if token.strip()}
+    # The body is relayed as sent, so the headers that frame it stay whatever Connection lists.
+    connection_listed -= {"content-length", "transfer-encoding"}
     kept = tuple((n, v.strip()) for n, v in headers if n.lower() not in HOP_BY_HOP | connection_listed)
     return ProxyRequest(
         kind="forward",
