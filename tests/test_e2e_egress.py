@@ -9,6 +9,7 @@ host loopback, floods) are in tests/abuse/test_abuse_egress.py.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -22,6 +23,7 @@ from .conftest import ServerDirs, _passable, run, server_env, stdio_client, text
 from .netns_servers import BODY, NetnsServers, available, netns_servers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+from .test_e2e_podman import podman_image  # noqa: E402, F401 - a fixture, built only when asked for
 
 BLOCKED = "blocked by CodeRunner's network policy"
 DENIED_HOST = "denied.example.org"
@@ -161,6 +163,25 @@ async def test_a_host_off_the_list_is_denied_with_the_message_from_python(egress
     assert "Tunnel connection failed: 403" in text_of(tls), text_of(tls)
 
 
+async def test_a_host_off_the_list_is_denied_with_the_message_from_requests(egress: Egress) -> None:
+    # requests is not in the sandbox's environment: installed through the allowlist first.
+    installed = await egress.client.call_tool(
+        "install_packages", {"packages": ["requests"], "session_id": egress.session}
+    )
+    assert not installed.is_error, text_of(installed)
+    code = f"""
+import requests
+print(requests.get('http://{DENIED_HOST}/', timeout=20).text)
+try:
+    requests.get('https://{DENIED_HOST}/', timeout=20)
+except requests.exceptions.ProxyError as exc:
+    print('TLS', exc)
+"""
+    text = await ok(egress.client, code, egress.session)
+    assert text.startswith(BLOCKED) and DENIED_HOST in text, text
+    assert "Tunnel connection failed: 403" in text, text
+
+
 async def test_a_host_off_the_list_is_denied_with_the_message_from_curl_and_node(egress: Egress) -> None:
     curl = await execute(egress.client, "bash", f"curl -sS http://{DENIED_HOST}/", network="allowlist")
     assert BLOCKED in curl["stdout"], curl
@@ -236,3 +257,46 @@ async def test_decisions_reach_the_audit_log(egress: Egress) -> None:
     denied = lambda: any(line.get("host") == DENIED_HOST and line.get("allowed") is False  # noqa: E731
                          for line in audit_lines(egress.dirs))  # fmt: skip
     assert await wait_until(denied), audit_lines(egress.dirs)[-5:]
+
+
+# --- the same core cases on podman -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def podman_image_name(request: pytest.FixtureRequest) -> str:
+    """CODERUNNER_IMAGE when the caller built one of its own, else test_e2e_podman's build."""
+    return os.environ.get("CODERUNNER_IMAGE") or request.getfixturevalue("podman_image")
+
+
+@pytest.fixture(scope="module")
+async def podman_egress(podman_image_name: str, servers: NetnsServers) -> AsyncIterator[Egress]:
+    root = _passable(Path(tempfile.mkdtemp(prefix="crp-", dir="/tmp")))
+    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    env = egress_env(dirs, servers, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME="runc",
+                     CODERUNNER_IMAGE=podman_image_name)  # fmt: skip
+    try:
+        async with stdio_client(env) as client:
+            yield Egress(client, servers, await create(client, network="allowlist"), dirs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def test_podman_allowlist_reaches_only_what_is_allowed(podman_egress: Egress) -> None:
+    client, session, servers = podman_egress.client, podman_egress.session, podman_egress.servers
+    assert f"200 {BODY}" in await ok(client, fetch(f"http://{servers.public_ip}/"), session)
+    denied = await ok(client, fetch(f"http://{DENIED_HOST}/"), session)
+    assert denied.startswith("403 ") and BLOCKED in denied, denied
+    for host in ("localhost", servers.private_ip):
+        refused = await ok(client, fetch_via_proxy(f"http://{host}/"), session)
+        assert refused.startswith("403 ") and BODY not in refused, (host, refused)
+    raw = f"""
+import socket
+try:
+    socket.create_connection(({servers.public_ip!r}, 80), timeout=5); print('CONNECTED')
+except OSError as exc:
+    print('refused', exc.errno)
+"""
+    assert "refused" in await ok(client, raw, session)
+    # One-shot runs too (the image has no curl: Python).
+    once = await execute(client, "python", fetch(f"http://{servers.public_ip}/"), network="allowlist")
+    assert f"200 {BODY}" in once["stdout"], once

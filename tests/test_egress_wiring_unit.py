@@ -126,7 +126,7 @@ def test_podman_allowlist_has_no_network_and_the_forwarder(tmp_path: Path) -> No
     argv = command.run(spec(tmp_path, "allowlist"), ["python"], "name", etc_dir=tmp_path / "etc")
     assert argv[argv.index("--network") + 1] == "none"
     assert f"HTTPS_PROXY={PROXY}" in argv and "--http-proxy=false" in argv
-    assert argv[argv.index("img") + 1 :][:3] == ["/opt/coderunner/env/bin/python", "-m", EGRESS_FORWARDER]
+    assert argv[argv.index("img") + 1 :][:4] == ["/opt/coderunner/env/bin/python", "-I", "-S", EGRESS_FORWARDER]
 
 
 def test_apple_refuses_allowlist_rather_than_pretend() -> None:

@@ -1,6 +1,6 @@
 """The in-sandbox end of network 'allowlist': 127.0.0.1:PORT relayed to the host's policy proxy.
 
-    python -m coderunner_guest.egress_forwarder SOCKET PORT -- PROGRAM ARGS...
+    python -I -S .../coderunner_guest/egress_forwarder.py SOCKET PORT -- PROGRAM ARGS...
 
 Binds 127.0.0.1:PORT first (so the program never starts before the proxy port exists), leaves a
 detached child relaying each connection to the unix socket SOCKET (the host's proxy, bound

@@ -29,7 +29,8 @@ NETWORK_MODES = ("none", "allowlist", "internet")
 #: read-only dir; the in-sandbox forwarder exposes it as 127.0.0.1:EGRESS_PORT.
 EGRESS_SOCKET = "egress.sock"
 EGRESS_PORT = 3128
-EGRESS_FORWARDER = "coderunner_guest.egress_forwarder"
+#: Run as a script with -I -S: stdlib only, so no site-packages scan and no PYTHON* variables.
+EGRESS_FORWARDER = f"{GUEST_LIB}/coderunner_guest/egress_forwarder.py"
 #: A preload (NODE_OPTIONS) that points Node's fetch at the proxy: Node 20 has no NODE_USE_ENV_PROXY.
 EGRESS_NODE_PRELOAD = f"{GUEST_LIB}/coderunner_guest/egress_node.cjs"
 #: Size of the sandbox's /dev/shm.
@@ -71,7 +72,7 @@ def egress_launcher(python: str, network: str, host_dir: str, argv: list[str]) -
     """`argv` behind the forwarder in network 'allowlist' (it starts, then execs argv); else argv."""
     if network != "allowlist":
         return argv
-    return [python, "-m", EGRESS_FORWARDER, f"{host_dir}/{EGRESS_SOCKET}", str(EGRESS_PORT), "--", *argv]
+    return [python, "-I", "-S", EGRESS_FORWARDER, f"{host_dir}/{EGRESS_SOCKET}", str(EGRESS_PORT), "--", *argv]
 
 
 def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:

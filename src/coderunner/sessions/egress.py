@@ -54,8 +54,7 @@ class SessionEgress:
     ) -> None:
         self.session_id = session_id
         self.log = DecisionLog(session_id, sink=audit)
-        self._asker: Asker | None = None
-        self.proxy = EgressProxy(policy, ceiling, session_id=session_id, log=self.log, limits=limits, asker=self._ask)
+        self.proxy = EgressProxy(policy, ceiling, session_id=session_id, log=self.log, limits=limits)
         self._listener: socket.socket | None = None
         self._dirs: SandboxDirs | None = None
         self._scope: anyio.CancelScope | None = None
@@ -63,12 +62,11 @@ class SessionEgress:
 
     def set_asker(self, asker: Asker | None) -> None:
         """Who is asked about a host inside the ceiling but outside this session's list (MCP
-        elicitation during a call); None: nobody, such a host is denied."""
-        self._asker = asker
-
-    async def _ask(self, host: str, port: int) -> bool:
-        asker = self._asker
-        return False if asker is None else await asker(host, port)
+        elicitation, set for the length of a call that can ask); None: nobody, such a host is
+        denied with a hint on how to allow it (not recorded as declined by the user)."""
+        # EgressProxy takes its asker at construction only; the asker here changes per call.
+        # A public setter belongs in egress/proxy.py (told to the lead); until then, its one field.
+        self.proxy._asker = asker
 
     @property
     def socket_path(self) -> Path | None:
