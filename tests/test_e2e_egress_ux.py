@@ -23,7 +23,7 @@ import pytest
 from mcp import Client, StdioServerParameters, types
 from mcp.types import CallToolResult, TextContent
 
-from coderunner.tools.egress import MAX_QUESTIONS
+from coderunner.egress.proxy import MAX_ASKS
 from tests.conftest import REPO, SERVER_CMD, ServerDirs, server_env
 from tests.netns_servers import BODY, NetnsServers, available, netns_servers
 
@@ -112,6 +112,13 @@ async def test_the_user_is_asked_and_the_answer_holds(servers: NetnsServers, dir
         assert BODY in allowed and "[network:" not in allowed, allowed
         # The session keeps the host: no question the next time.
         assert BODY in text(await call(client, "run_python", fetch)) and len(asked.messages) == 1
+        status = json.loads(text(await call(client, "session_status", {"session_id": session})))
+        egress = status["egress"]
+        assert status["network"] == "allowlist" and egress["ports"] == [80, 443]
+        assert set(egress["allowed_hosts"]) == {"a.example.org", server}
+        assert [(row["host"], row["allowed"]) for row in egress["recent"]] == [(server, True)] * 2
+        received = [row["received"] for row in egress["recent"]]
+        assert all(size > len(BODY) for size in received) and egress["totals"]["received"] == sum(received)
 
         asked.answer = "decline"
         other = {**fetch, "code": FETCH.format(url="http://b.example.org/")}
@@ -120,26 +127,25 @@ async def test_the_user_is_asked_and_the_answer_holds(servers: NetnsServers, dir
         assert "HTTP 403" in declined and "blocked by CodeRunner's network policy" in declined, declined
         assert "[network: denied b.example.org:80 (the user declined)]" in declined, declined
 
-        # Code picks the names: however many it tries, one call puts only a few to the user.
-        names = [f"http://n{n}.c.example.org/" for n in range(MAX_QUESTIONS + 3)]
+        # Code picks the names: however many it tries, a session puts only MAX_ASKS to the user.
+        names = [f"http://n{n}.c.example.org/" for n in range(MAX_ASKS)]
         burst = text(await call(client, "run_python", {**fetch, "code": "".join(FETCH.format(url=u) for u in names)}))
-        assert len(asked.messages) == 2 + MAX_QUESTIONS, asked.messages
+        assert len(asked.messages) == MAX_ASKS, asked.messages
         assert burst.count("HTTP 403") == len(names) and "(the user declined)" in burst, burst
-        assert "n5.c.example.org:80" in burst and "allow=['n3.c.example.org', " in burst, burst
+        last = f"n{MAX_ASKS - 1}.c.example.org"
+        assert f"to reach it: create_session(network='allowlist', allow=['n{MAX_ASKS - 2}.c.example.org', " in burst
+        assert f"'{last}'])" in burst, burst
 
         beyond = text(await call(client, "run_python", {**fetch, "code": FETCH.format(url=f"http://{beyond_host}/")}))
-        assert len(asked.messages) == 2 + MAX_QUESTIONS, "a host beyond the user's ceiling is never put to the user"
+        assert len(asked.messages) == MAX_ASKS, "no more questions, and a host beyond the ceiling is never one"
         assert f"[network: denied {beyond_host}:80 (" in beyond and "allowed_domains" in beyond, beyond
 
         status = json.loads(text(await call(client, "session_status", {"session_id": session})))
         egress = status["egress"]
-        assert status["network"] == "allowlist" and egress["ports"] == [80, 443]
         assert set(egress["allowed_hosts"]) == {"a.example.org", server}, "allowed, not declined, hosts join"
-        received = [row["received"] for row in egress["recent"] if row["allowed"] and row["host"] == server]
-        assert received and all(size > len(BODY) for size in received), egress["recent"]
-        assert [row["host"] for row in egress["recent"] if not row["allowed"]][-1] == beyond_host
+        assert (egress["recent"][-1]["host"], egress["recent"][-1]["allowed"]) == (beyond_host, False)
+        assert len(egress["recent"]) == 10 and egress["recent"][-1]["reason"]
         assert egress["totals"]["allowed"] == 2 and egress["totals"]["denied"] == 2 + len(names)
-        assert egress["totals"]["received"] >= sum(received)
 
 
 async def test_without_elicitation_the_reply_says_how_to_allow(servers: NetnsServers, dirs: ServerDirs) -> None:

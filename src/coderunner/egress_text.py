@@ -125,14 +125,20 @@ def decision_row(decision: Decision) -> dict[str, Any]:
     return row
 
 
-def egress_status(policy: EgressPolicy, recent: Sequence[Decision], totals: Mapping[str, int]) -> dict[str, Any]:
-    """session_status's view of an allowlist session: what it may reach, what it did, in total."""
-    return {
+def egress_status(
+    policy: EgressPolicy, recent: Sequence[Decision], totals: Mapping[str, int], open_now: Sequence[Decision] = ()
+) -> dict[str, Any]:
+    """session_status's view of an allowlist session: what it may reach, what it did, in total, and the
+    connections open now (with their bytes so far: a long download shows before it ends)."""
+    status: dict[str, Any] = {
         "allowed_hosts": list(policy.hosts),
         "ports": sorted(policy.ports),
         "recent": [decision_row(decision) for decision in recent],
         "totals": dict(totals),
     }
+    if open_now:
+        status["open"] = [decision_row(decision) for decision in open_now[:STATUS_RECENT]]
+    return status
 
 
 # --- what is enforced where (get_capabilities, doctor) --------------------------------------------

@@ -30,8 +30,6 @@ log = logging.getLogger(__name__)
 
 #: Bound on the user's answer (the proxy holds the connection meanwhile, under its own longer bound).
 ASK_WAIT_S = 50.0
-#: Questions one call may put to the user; past that, further hosts are denied without asking.
-MAX_QUESTIONS = 3
 #: Decisions searched for the reasons of this call's denials.
 REASON_WINDOW = 200
 
@@ -57,7 +55,8 @@ def can_elicit(ctx: Context) -> bool:
 
 
 class CallAsker:
-    """Puts hosts to the user through one call's client; one question per host, a few per call."""
+    """Puts hosts to the user through one call's client, one question per host. The proxy bounds how
+    many a session may ask (egress/proxy.py MAX_ASKS) and asks one at a time."""
 
     def __init__(self, ctx: Context, who: str) -> None:
         self._ctx = ctx
@@ -80,8 +79,6 @@ class CallAsker:
         if host in self._pending:  # another connection to it is already being asked about
             await self._pending[host].wait()
             return self.answers.get(host)
-        if len(self.answers) + len(self._pending) >= MAX_QUESTIONS:
-            return None
         self._pending[host] = done = anyio.Event()
         try:
             allowed = await self._ask(host, port)
@@ -120,7 +117,7 @@ class EgressCall:
         """Watch this sandbox's decisions from now on (a one-shot run's proxy, made during the call)."""
         self.egress = egress
         self._mark = egress.log.mark()
-        if self.asker is not None:
+        if self.asker is not None and self.asker.enabled:
             egress.set_asker(self.asker)
 
     def note(self) -> str | None:
@@ -156,9 +153,14 @@ class EgressCalls:
             yield EgressCall(self.ceiling, None)
             return
         asker = CallAsker(ctx, f"session {session_id[:8]}")
+        call = EgressCall(self.ceiling, asker)
+        if not asker.enabled:  # nobody to ask: the proxy denies with its hint, and records no "no"
+            call.attach(egress)
+            with _noting(call):
+                yield call
+            return
         stack = self._askers.setdefault(id(egress), [])
         stack.append(asker)
-        call = EgressCall(self.ceiling, asker)
         call.attach(egress)
         try:
             with _noting(call):

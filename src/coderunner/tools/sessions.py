@@ -70,8 +70,10 @@ def register(tools: ToolContext) -> None:
         session = await tools.session(ctx, session_id)
         summary = await tools.off_loop(tools.summary, session)
         if session.egress is not None:
-            log = session.egress.log
-            summary["egress"] = egress_status(session.egress.proxy.policy, log.recent(STATUS_RECENT), log.totals())
+            log, proxy = session.egress.log, session.egress.proxy
+            summary["egress"] = egress_status(
+                proxy.policy, log.recent(STATUS_RECENT), log.totals(), proxy.open_connections()
+            )
         return json_result(summary)
 
     @tools.tool()
