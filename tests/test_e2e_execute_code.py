@@ -302,5 +302,8 @@ async def test_get_capabilities(client: Client) -> None:
     assert "bash" in caps["languages"]["bash"]["version"]
     assert caps["sandbox"]["backend"] == "bwrap" and "seccomp" in caps["sandbox"]["isolation"]
     assert caps["limits"]["memory_mb"]["value"] == 2048 and caps["network"]["default"] == "none"
+    allowlist = caps["network"]["allowlist"]
+    assert caps["network"]["modes"]["allowlist"] == "available" and "allowed_domains" in allowlist["allowed_domains"]
+    assert allowlist["enforcement"].startswith("enforced on bwrap:") and "github" in allowlist["presets"]
     assert {"numpy", "pandas", "matplotlib"} <= set(caps["packages"])
     assert {"run_python", "execute_code", "validate_code", "install_packages", "get_capabilities"} <= set(caps["tools"])

@@ -66,6 +66,9 @@ def test_cli_doctor_passes_here(dirs: ServerDirs) -> None:
     done = cli(dirs, "doctor")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[ok  ] sandboxed 1+1" in done.stdout and "FAIL" not in done.stdout
+    # No allowed_domains here: allowlist is enforceable, and the line says how to allow hosts.
+    assert "[ok  ] network 'allowlist' mode: enforced on bwrap" in done.stdout, done.stdout
+    assert "no hosts allowed yet: the user sets `allowed_domains`" in done.stdout
 
 
 def test_cli_reports_a_missing_sandbox_environment(dirs: ServerDirs) -> None:

@@ -10,10 +10,13 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from . import __version__
+from .egress_text import allowlist_enforcement, ceiling_summary, presets
 from .sandbox import SandboxUnavailable
 from .sandbox.env import requirements_text
 
 if TYPE_CHECKING:
+    from .config import Settings
+    from .sandbox import SandboxBackend
     from .sessions import SessionManager
 
 LANGUAGE_TOOLS = {
@@ -31,6 +34,23 @@ def sandbox_packages() -> dict[str, str]:
         if sep and not name.startswith("#"):
             pins[name] = version
     return pins
+
+
+def network_capabilities(settings: Settings, backend: SandboxBackend) -> dict[str, Any]:
+    """The network modes here, what 'allowlist' enforces on this backend, and the user's ceiling."""
+    modes = ("none", "allowlist", "internet")
+    return {
+        "default": settings.network,
+        "modes": {mode: backend.network_problem(mode) or "available" for mode in modes},
+        "allowlist": {
+            "enforcement": allowlist_enforcement(backend.name, backend.network_problem("allowlist")),
+            "allowed_domains": ceiling_summary(settings.allowed_domains, settings.allowed_ports),
+            "presets": presets(),
+            "more_hosts": "create_session(network='allowlist', allow=[...]) takes a subset of allowed_domains; "
+            "a host beyond it is asked of the user where the client supports elicitation, else denied",
+        },
+        "install_packages": "needs network 'internet', or 'allowlist' with the python-packages preset allowed",
+    }
 
 
 @dataclass
@@ -62,11 +82,7 @@ class Capabilities:
                 "idle_timeout_s": settings.idle_timeout_s,
                 "output_limit_chars": settings.output_limit_chars,
             },
-            "network": {
-                "default": settings.network,
-                "modes": {mode: backend.network_problem(mode) or "available" for mode in ("none", "internet")},
-                "install_packages": "needs a session with network 'internet'",
-            },
+            "network": network_capabilities(settings, backend),
             "files": {
                 "workspace": backend.workspace_path,
                 "mounts": [{"sandbox": m.sandbox, "mode": "rw" if m.writable else "ro"} for m in manager.base_mounts],

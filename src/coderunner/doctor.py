@@ -13,6 +13,8 @@ from pathlib import Path
 import anyio
 
 from .config import Settings
+from .egress.policy import PRESETS
+from .egress_text import ceiling_summary
 from .sandbox import SandboxUnavailable, make_backend
 from .sessions import SessionManager
 
@@ -171,6 +173,21 @@ def check_containment(settings: Settings) -> list[Check]:
     return checks
 
 
+def check_network_allowlist(settings: Settings) -> Check:
+    """Whether this backend enforces network 'allowlist', and the hosts the user allows (the ceiling)."""
+    name = "network 'allowlist' mode"
+    try:
+        backend = make_backend(settings)
+    except SandboxUnavailable as exc:
+        return Check(name, True, f"not checked: {exc}", degraded=True)
+    problem = backend.network_problem("allowlist")
+    if problem:
+        return Check(name, True, f"refused on {backend.name}: {problem}", degraded=True)
+    where = f"enforced on {backend.name} (loopback only inside; out through a per-session host proxy)"
+    ceiling = ceiling_summary(settings.allowed_domains, settings.allowed_ports)
+    return Check(name, True, f"{where}; allowed_domains: {ceiling}; presets: {', '.join(PRESETS)}")
+
+
 BACKENDS = ("bwrap", "podman", "docker", "apple")
 
 
@@ -306,6 +323,7 @@ def run_checks(settings: Settings) -> list[Check]:
         checks += [check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), *check_containment(settings)]
     else:
         checks += check_container_backend(settings)
+    checks.append(check_network_allowlist(settings))
     if all(check.ok for check in checks):
         checks.append(anyio.run(check_sandboxed_run, settings))
     return [*checks, *check_other_backends(settings)]

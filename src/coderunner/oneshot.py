@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -216,19 +216,24 @@ class OneShotRunner:
         stdin: bytes = b"",
         variables: dict[str, Any] | None = None,
         caller: str | None = None,
+        on_egress: Callable[[SessionEgress], None] | None = None,
     ) -> OneShotResult:
+        """`on_egress`: given an allowlist run's proxy once it exists (the tool lends it an asker)."""
         async with self._slot(options.timeout_s, caller):
-            return await self._run(language, code, options, stdin, variables or {})
+            return await self._run(language, code, options, stdin, variables or {}, on_egress)
 
     async def _run(
-        self, language: Language, code: str, options: SandboxOptions, stdin: bytes, variables: dict[str, Any]
-    ) -> OneShotResult:
+        self, language: Language, code: str, options: SandboxOptions, stdin: bytes, variables: dict[str, Any],
+        on_egress: Callable[[SessionEgress], None] | None = None,
+    ) -> OneShotResult:  # fmt: skip
         dirs = await self.leases.open_dirs(options)
         mounts = None
         egress = None
         try:
             mounts = await self._mounts(options, dirs)
             egress = await self._egress(options, dirs)
+            if egress is not None and on_egress is not None:
+                on_egress(egress)
             # Inputs go to the host-only dir the sandbox sees read-only (never where it can write).
             source = dirs.write_host_file(SOURCE_NAMES[language], code.encode("utf-8", "replace"))
             variables_file = dirs.write_host_file("variables.json", json.dumps(variables).encode())

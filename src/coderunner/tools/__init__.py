@@ -10,6 +10,7 @@
     packages.py    install_packages
     workspaces.py  list_workspaces, delete_workspace
     meta.py        get_capabilities
+    egress.py      network 'allowlist' during a call: the user asked about a host, denials named in the reply
 
 A tool parses its arguments, calls the session or manager, and shapes the reply; the work is elsewhere.
 MODULES is in the order tools/list shows the tools.

@@ -7,6 +7,7 @@ goes to the server's log, never to the model as a repr).
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
+import contextlib
 import functools
 import json
 from collections.abc import Awaitable, Callable
@@ -22,10 +23,12 @@ from ..callers import LOCAL_CALLER, caller_key, on_connection_close
 from ..capabilities import Capabilities
 from ..config import Settings
 from ..errors import CodeRunnerError
+from ..options import egress_ceiling
 from ..output import WorkspaceWriter
 from ..owners import client_of
 from ..results import ReplyBounds, error_result, guest_tool_result
 from ..sessions import Session, SessionManager
+from .egress import EgressCall, EgressCalls
 
 #: Worker threads for file copies and /proc or workspace walks: up to 512 MiB each, never on the event loop.
 FILE_WORKERS = 4
@@ -52,6 +55,8 @@ class ToolContext:
     capabilities: Capabilities
     reply_bounds: ReplyBounds
     file_workers: anyio.CapacityLimiter
+    #: Network 'allowlist': who is asked about a host during a call, and what the reply says was denied.
+    egress_calls: EgressCalls
 
     @classmethod
     def create(cls, server: MCPServer, manager: SessionManager) -> "ToolContext":
@@ -64,6 +69,7 @@ class ToolContext:
                 settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes
             ),
             file_workers=anyio.CapacityLimiter(FILE_WORKERS),
+            egress_calls=EgressCalls(egress_ceiling(settings)),
         )
 
     @property
@@ -111,6 +117,10 @@ class ToolContext:
     async def session(self, ctx: Context, session_id: str | None) -> Session:
         """The session a call names ('' or None: the caller's default), or SessionError saying why not."""
         return await self.manager.resolve(session_id or None, self.caller(ctx), self.client(ctx))
+
+    def egress_call(self, ctx: Context, session: Session) -> contextlib.AbstractAsyncContextManager[EgressCall]:
+        """Around code that runs in the session's sandbox: ask this call's user about hosts, note denials."""
+        return self.egress_calls.during(ctx, session.egress, session.session_id)
 
     def summary(self, session: Session) -> dict[str, Any]:
         """A session's status as the session tools report it."""

@@ -56,8 +56,9 @@ def register(tools: ToolContext) -> None:
     ) -> CallToolResult:
         session = await tools.session(ctx, session_id)
         limit = timeout_s or settings.timeout_s
-        result = await session.guest_op(tool, op, args, limit, paths=DOCUMENT_PATHS, input_path=input_path)
-        return await tools.guest_reply(session, result)
+        async with tools.egress_call(ctx, session) as network:
+            result = await session.guest_op(tool, op, args, limit, paths=DOCUMENT_PATHS, input_path=input_path)
+        return network.noted(await tools.guest_reply(session, result))
 
     @tools.tool()
     async def pdf_ops(
@@ -110,8 +111,9 @@ def register(tools: ToolContext) -> None:
     ) -> CallToolResult:
         session = await tools.session(ctx, session_id)
         limit = (timeout_s or BROWSER_TIMEOUT_S) + BROWSER_START_S
-        result = await session.guest_op("browser", op, args, limit, paths=("output",))
-        return await tools.guest_reply(session, result)
+        async with tools.egress_call(ctx, session) as network:
+            result = await session.guest_op("browser", op, args, limit, paths=("output",))
+        return network.noted(await tools.guest_reply(session, result))
 
     @tools.tool(annotations=ToolAnnotations(open_world_hint=True))
     async def browser_navigate(

@@ -39,10 +39,15 @@ def register(tools: ToolContext) -> None:
             raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
         values = check_variables(parse_variables(variables), language)
         options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
-        result = await manager.oneshot.run(
-            language, code, options, stdin=stdin.encode(), variables=values, caller=tools.share(ctx)
-        )
-        return json_result(asdict(result), is_error=not result.success)
+        with tools.egress_calls.oneshot(ctx) as network:
+            result = await manager.oneshot.run(
+                language, code, options, stdin=stdin.encode(), variables=values, caller=tools.share(ctx),
+                on_egress=network.attach,
+            )  # fmt: skip
+        payload = asdict(result)
+        if note := network.note():
+            payload["network"] = note
+        return json_result(payload, is_error=not result.success)
 
     @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:

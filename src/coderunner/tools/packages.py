@@ -28,4 +28,8 @@ def register(tools: ToolContext) -> None:
         internet."""
         wanted = check_requirements(packages)
         session = await tools.session(ctx, session_id)
-        return json_result(await session.install_packages(wanted, timeout_s))
+        async with tools.egress_call(ctx, session) as network:
+            result = await session.install_packages(wanted, timeout_s)
+        if note := network.note():
+            result["network"] = note
+        return json_result(result)

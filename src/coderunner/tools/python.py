@@ -37,9 +37,10 @@ def register(tools: ToolContext) -> None:
 
         values = check_variables(parse_variables(variables), "python")
         session = await tools.session(ctx, session_id)
-        result = await session.run(code, timeout_s, progress, values)
+        async with tools.egress_call(ctx, session) as network:
+            result = await session.run(code, timeout_s, progress, values)
         reply = result.to_call_result(session.session_id, links=settings.file_links == "resource_link")
-        return tools.with_export_note(reply, session)
+        return network.noted(tools.with_export_note(reply, session))
 
     @tools.tool()
     async def kernel_reset(ctx: Context, session_id: SessionId = "") -> CallToolResult:

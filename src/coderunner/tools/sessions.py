@@ -8,6 +8,7 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
+from ..egress_text import STATUS_RECENT, egress_status
 from ..mounts import MountSpec
 from .arguments import MemoryMb, NetworkArg, SessionId, Text
 from .context import ToolContext, json_result
@@ -67,7 +68,13 @@ def register(tools: ToolContext) -> None:
     async def session_status(ctx: Context, session_id: SessionId = "") -> CallToolResult:
         """A session's state, uptime, memory, limits and network."""
         session = await tools.session(ctx, session_id)
-        return json_result(await tools.off_loop(tools.summary, session))
+        summary = await tools.off_loop(tools.summary, session)
+        if session.egress is not None:
+            log, proxy = session.egress.log, session.egress.proxy
+            summary["egress"] = egress_status(
+                proxy.policy, log.recent(STATUS_RECENT), log.totals(), proxy.open_connections()
+            )
+        return json_result(summary)
 
     @tools.tool()
     async def list_sessions(ctx: Context) -> CallToolResult:
