@@ -37,7 +37,6 @@ from pathlib import Path
 import anyio
 from mcp import Client, StdioServerParameters
 
-NAMESPACE = f"crbench{os.getpid() % 100000}"
 HOST_IF, NS_IF = f"crbh{os.getpid() % 100000}", f"crbn{os.getpid() % 100000}"
 HOST_IP, SERVER_IP, PREFIX = "198.51.100.241", "198.51.100.242", 30
 PORT = 80
@@ -77,22 +76,29 @@ def serve() -> None:
 
 @contextlib.contextmanager
 def namespace_server() -> Iterator[None]:
-    """The netns, the veth pair and the server in it; all removed on the way out."""
+    """A namespace held by a process of ours (never named under /run/netns: a first `ip netns add`
+    bind-mounts that dir over itself and hides running podman containers' namespaces), a veth pair
+    and the server in it; all removed on the way out."""
 
-    def ip(*args: str) -> None:
-        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+    def ip(*args: str, inside: bool = False) -> None:
+        prefix = ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--"] if inside else []
+        subprocess.run([*prefix, "ip", *args], check=True, capture_output=True, timeout=10)
 
+    holder = subprocess.Popen(["unshare", "--net", "--", "sleep", "3600"], stdin=subprocess.DEVNULL)
     process = None
     try:
-        ip("netns", "add", NAMESPACE)
-        ip("link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF)
-        ip("link", "set", NS_IF, "netns", NAMESPACE)
+        deadline = time.monotonic() + 10
+        while os.readlink(f"/proc/{holder.pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+            if time.monotonic() > deadline:
+                raise RuntimeError("unshare --net did not make a namespace")
+            time.sleep(0.01)
+        ip("link", "add", HOST_IF, "type", "veth", "peer", "name", NS_IF, "netns", str(holder.pid))
         ip("addr", "add", f"{HOST_IP}/{PREFIX}", "dev", HOST_IF)
         ip("link", "set", HOST_IF, "up")
-        ip("-n", NAMESPACE, "addr", "add", f"{SERVER_IP}/{PREFIX}", "dev", NS_IF)
-        ip("-n", NAMESPACE, "link", "set", NS_IF, "up")
-        ip("-n", NAMESPACE, "link", "set", "lo", "up")
-        argv = ["ip", "netns", "exec", NAMESPACE, sys.executable, __file__, "--serve"]
+        ip("addr", "add", f"{SERVER_IP}/{PREFIX}", "dev", NS_IF, inside=True)
+        ip("link", "set", NS_IF, "up", inside=True)
+        ip("link", "set", "lo", "up", inside=True)
+        argv = ["nsenter", f"--net=/proc/{holder.pid}/ns/net", "--", sys.executable, __file__, "--serve"]
         process = subprocess.Popen(argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL)
         assert process.stdout is not None
         if process.stdout.readline().strip() != b"listening":
@@ -102,8 +108,9 @@ def namespace_server() -> Iterator[None]:
         if process is not None:
             process.kill()
             process.wait(timeout=10)
-        subprocess.run(["ip", "netns", "del", NAMESPACE], capture_output=True, timeout=10)  # takes the veth too
         subprocess.run(["ip", "link", "del", HOST_IF], capture_output=True, timeout=10)
+        holder.kill()  # the namespace goes with its last process
+        holder.wait(timeout=10)
 
 
 # --- the client (the same source runs in the sandboxes and here) ----------------------------------

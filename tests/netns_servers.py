@@ -5,6 +5,9 @@ One namespace, one veth pair, two plain-HTTP servers on port 80:
 - `private`: a 10.x address (RFC 1918), which the proxy must refuse even when it is allowlisted.
 
 Each test module starts one (module-scoped fixture) and it is removed however the module ends.
+The namespace is held by a process of ours (`unshare --net`), never named under /run/netns: the
+first `ip netns add` on a machine bind-mounts /run/netns over itself, which hides the namespace
+files of podman containers running at that moment.
 Each server answers GET / with BODY and GET /bytes/N with N bytes (bounded), and closes. The
 host side of the pair takes a /30 per server out of a per-process slot, so parallel test runs
 (other worktrees) on this machine do not collide; a longer prefix wins any overlap with a wider
@@ -71,8 +74,8 @@ def available() -> str | None:
     """Why the servers cannot be made here, or None."""
     if os.getuid() != 0:
         return "needs root (ip netns)"
-    if shutil.which("ip") is None:
-        return "needs iproute2 (ip)"
+    if shutil.which("ip") is None or shutil.which("unshare") is None or shutil.which("nsenter") is None:
+        return "needs iproute2 (ip) and util-linux (unshare, nsenter)"
     return None
 
 
@@ -80,18 +83,31 @@ def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
 
 
-def _wait_listening(namespace: str, address: str) -> None:
+def _inside(holder: int) -> list[str]:
+    """argv prefix that runs a command in the namespace `holder` (a pid) keeps alive."""
+    return ["nsenter", f"--net=/proc/{holder}/ns/net", "--"]
+
+
+def _wait_listening(holder: int, address: str) -> None:
     """The server is up when a connect from inside its namespace succeeds."""
     probe = f"import socket; socket.create_connection(({address!r}, 80), timeout=1).close()"
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
-        done = subprocess.run(["ip", "netns", "exec", namespace, sys.executable, "-c", probe],
-                              capture_output=True, timeout=10)  # fmt: skip
+        done = subprocess.run([*_inside(holder), sys.executable, "-c", probe], capture_output=True, timeout=10)
         if done.returncode == 0:
             return
         if time.monotonic() > deadline:
             raise RuntimeError(f"test server {address} did not start: {done.stderr.decode()[-500:]}")
         time.sleep(0.05)
+
+
+def _wait_unshared(pid: int) -> None:
+    """Until `unshare` has made its namespace (its net ns differs from ours), bounded."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while os.readlink(f"/proc/{pid}/ns/net") == os.readlink("/proc/self/ns/net"):
+        if time.monotonic() > deadline:
+            raise RuntimeError("unshare --net did not make a namespace")
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager
@@ -102,24 +118,28 @@ def netns_servers() -> Iterator[NetnsServers]:
     public_host, public = f"198.51.100.{4 * slot + 1}", f"198.51.100.{4 * slot + 2}"
     private_host, private = f"10.213.{slot}.1", f"10.213.{slot}.2"
     processes: list[subprocess.Popen[bytes]] = []
+    holder = subprocess.Popen(
+        ["unshare", "--net", "--", "sleep", "3600"],  # bounded, should we be killed
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
     try:
-        _ip("netns", "add", namespace)
-        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if, "netns", namespace)
+        _wait_unshared(holder.pid)
+        _ip("link", "add", host_if, "type", "veth", "peer", "name", ns_if, "netns", str(holder.pid))
         _ip("addr", "add", f"{public_host}/30", "dev", host_if)
         _ip("addr", "add", f"{private_host}/30", "dev", host_if)
         _ip("link", "set", host_if, "up")
-        _ip("-n", namespace, "addr", "add", f"{public}/30", "dev", ns_if)
-        _ip("-n", namespace, "addr", "add", f"{private}/30", "dev", ns_if)
-        _ip("-n", namespace, "link", "set", ns_if, "up")
-        _ip("-n", namespace, "link", "set", "lo", "up")
+        for args in (
+            ("addr", "add", f"{public}/30", "dev", ns_if),
+            ("addr", "add", f"{private}/30", "dev", ns_if),
+            ("link", "set", ns_if, "up"),
+            ("link", "set", "lo", "up"),
+        ):
+            subprocess.run([*_inside(holder.pid), "ip", *args], check=True, capture_output=True, timeout=10)
         for address in (public, private):
             processes.append(
                 subprocess.Popen(
                     [
-                        "ip",
-                        "netns",
-                        "exec",
-                        namespace,
+                        *_inside(holder.pid),
                         sys.executable,
                         "-c",
                         SERVER_CODE,
@@ -133,7 +153,7 @@ def netns_servers() -> Iterator[NetnsServers]:
                 )
             )
         for address in (public, private):
-            _wait_listening(namespace, address)
+            _wait_listening(holder.pid, address)
         yield NetnsServers(namespace=namespace, public_ip=public, private_ip=private, host_ip=public_host)
     finally:
         for process in processes:
@@ -142,8 +162,9 @@ def netns_servers() -> Iterator[NetnsServers]:
                 process.wait(timeout=5)
         with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
             _ip("link", "del", host_if)
-        with contextlib.suppress(subprocess.CalledProcessError, subprocess.TimeoutExpired):
-            _ip("netns", "del", namespace)
+        holder.kill()  # the namespace (and the veth's other end) goes with its last process
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            holder.wait(timeout=5)
 
 
 def host_reaches(address: str) -> bool:
