@@ -1,21 +1,30 @@
-"""Latency of CodeRunner beside a raw jupyter_client + ipykernel baseline, measured in the same run.
+"""Latency of CodeRunner beside two anchors, all lanes interleaved in shuffled rounds in the same run.
 
-    .venv/bin/python bench/latency.py [--calls 300] [--colds 10] [--backend bwrap --backend podman ...]
+    .venv/bin/python bench/latency.py [--rounds 30] [--per-round 10] [--colds 10] [--backend bwrap ...]
 
-Warm: one `1+1` round trip. For CodeRunner that is a `run_python` call through the official MCP
-client over stdio to `coderunner serve`, into a kernel inside bubblewrap. For the baseline it is
-`execute` on a jupyter_client AsyncKernelClient to a plain (unsandboxed) ipykernel from the same
-Python environment, waiting for the reply and the idle status, as a raw client would.
+Warm: one `1+1` round trip, in three kinds of lane:
+- raw: `execute` on a jupyter_client AsyncKernelClient to a plain (unsandboxed) ipykernel from the
+  same Python environment, waiting for the reply and the idle status, as a raw client would;
+- minimal MCP: `run_python` through the official MCP client over stdio to bench/minimal_mcp.py, the
+  least an MCP server around the same kernel can do (what the SDK and transport cost);
+- coderunner BACKEND: `run_python` through the same client to `coderunner serve`, into a kernel
+  inside the sandbox.
+Every round runs `--per-round` calls of each lane, the lanes in a fresh random order, so drift on a
+shared machine (other load, CPU frequency) hits every lane alike. Printed: per-lane figures and
+`CodeRunner / raw` and `CodeRunner / minimal MCP` (medians).
 
-Cold: from asking for a new kernel to the first `1+1` result. CodeRunner: `create_session` then
-`run_python`. Baseline: AsyncKernelManager.start_kernel, wait_for_ready, then execute.
+Cold: from asking for a new kernel to the first `1+1` result, raw and CodeRunner alternating in
+shuffled order. CodeRunner: `create_session` then `run_python`. Raw: start_kernel, wait_for_ready,
+execute.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -93,18 +102,19 @@ async def raw_cold_start() -> float:
     return elapsed
 
 
-async def raw_warm(calls: int) -> list[float]:
+@contextlib.asynccontextmanager
+async def raw_kernel():  # type: ignore[no-untyped-def]
+    """A started raw kernel's client, shut down afterwards."""
     manager = AsyncKernelManager(kernel_name="bench-python")
     await manager.start_kernel(stderr=subprocess.DEVNULL)
     client = manager.client()
     client.start_channels()
-    await client.wait_for_ready(timeout=60)
-    for _ in range(20):
-        await raw_execute(client)
-    samples = await timed(calls, lambda: raw_execute(client))
-    client.stop_channels()
-    await manager.shutdown_kernel(now=True)
-    return samples
+    try:
+        await client.wait_for_ready(timeout=60)
+        yield client
+    finally:
+        client.stop_channels()
+        await manager.shutdown_kernel(now=True)
 
 
 # --- CodeRunner through MCP over stdio ----------------------------------------------------------
@@ -141,60 +151,97 @@ async def mcp_run(client: Client, session_id: str | None = None) -> None:
         raise RuntimeError(result.content)
 
 
-async def coderunner(calls: int, colds: int, root: Path, backend: str) -> tuple[list[float], list[float]]:
-    async with Client(server_params(root, backend), read_timeout_seconds=120) as client:
-        for _ in range(20):
-            await mcp_run(client)
-        warm = await timed(calls, lambda: mcp_run(client))
-        cold = []
-        for _ in range(colds):
-            began = time.perf_counter()
-            created = await client.call_tool("create_session", {})
-            session_id = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
-            await mcp_run(client, session_id)
-            cold.append(time.perf_counter() - began)
-            await client.call_tool("close_session", {"session_id": session_id})
-    return warm, cold
+def minimal_params() -> StdioServerParameters:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")}
+    env.update({key: os.environ[key] for key in ("JUPYTER_PATH", "JUPYTER_RUNTIME_DIR")})
+    script = Path(__file__).resolve().parent / "minimal_mcp.py"
+    return StdioServerParameters(command=sys.executable, args=[str(script)], env=env)
 
 
-async def main(calls: int, colds: int, backends: list[str]) -> None:
+async def coderunner_cold(client: Client) -> float:
+    began = time.perf_counter()
+    created = await client.call_tool("create_session", {})
+    session_id = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
+    await mcp_run(client, session_id)
+    elapsed = time.perf_counter() - began
+    await client.call_tool("close_session", {"session_id": session_id})
+    return elapsed
+
+
+def ratio(ours: list[float], anchor: list[float]) -> str:
+    return f"{statistics.median(ours) / statistics.median(anchor):.2f}x"
+
+
+async def main(rounds: int, per_round: int, colds: int, backends: list[str]) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     os.environ["JUPYTER_PATH"] = str(kernelspec_dir(settings.sandbox_env / "bin" / "python", root / "jupyter"))
     os.environ["JUPYTER_RUNTIME_DIR"] = str(root / "jupyter-runtime")
-    ours: dict[str, tuple[list[float], list[float]]] = {}
+    warm: dict[str, list[float]] = {}
+    cold: dict[str, list[float]] = {}
     try:
-        raw_w = await raw_warm(calls)
-        raw_c = [await raw_cold_start() for _ in range(colds)]
-        for backend in backends:
-            ours[backend] = await coderunner(calls, colds, root / backend, backend)
+        async with contextlib.AsyncExitStack() as stack:
+            raw = await stack.enter_async_context(raw_kernel())
+            minimal = await stack.enter_async_context(Client(minimal_params(), read_timeout_seconds=120))
+            ours = {
+                backend: await stack.enter_async_context(
+                    Client(server_params(root / backend, backend), read_timeout_seconds=120)
+                )
+                for backend in backends
+            }
+
+            async def minimal_run() -> None:
+                result = await minimal.call_tool("run_python", {"code": "1+1"})
+                if result.is_error:
+                    raise RuntimeError(result.content)
+
+            lanes: dict[str, Callable[[], Awaitable[None]]] = {
+                "raw": lambda: raw_execute(raw),
+                "minimal MCP": minimal_run,
+            }
+            for backend, client in ours.items():
+                lanes[f"coderunner {backend}"] = lambda client=client: mcp_run(client)  # type: ignore[misc]
+            for call in lanes.values():  # warm up every lane before anything counts
+                await timed(20, call)
+            warm = {name: [] for name in lanes}
+            for _ in range(rounds):
+                for name in random.sample(list(lanes), len(lanes)):
+                    warm[name] += await timed(per_round, lanes[name])
+
+            cold_lanes: dict[str, Callable[[], Awaitable[float]]] = {"raw": raw_cold_start}
+            for backend, client in ours.items():
+                cold_lanes[f"coderunner {backend}"] = lambda client=client: coderunner_cold(client)  # type: ignore[misc]
+            cold = {name: [] for name in cold_lanes}
+            for _ in range(colds):
+                for name in random.sample(list(cold_lanes), len(cold_lanes)):
+                    cold[name].append(await cold_lanes[name]())
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    rows = [("warm 1+1, raw jupyter_client", summarize(raw_w))]
-    rows += [(f"warm 1+1, coderunner {backend}", summarize(warm)) for backend, (warm, _) in ours.items()]
-    rows += [("cold start, raw jupyter_client", summarize(raw_c))]
-    rows += [(f"cold start, coderunner {backend}", summarize(cold)) for backend, (_, cold) in ours.items()]
+    print(f"{rounds} rounds x {per_round} warm calls per lane, shuffled; {colds} cold starts per lane, shuffled")
     print(f"{'measure':34} {'median ms':>10} {'p90 ms':>9} {'min ms':>9} {'n':>5}")
-    for name, row in rows:
+    rows = [(f"warm 1+1, {name}", samples) for name, samples in warm.items()]
+    rows += [(f"cold start, {name}", samples) for name, samples in cold.items()]
+    for name, samples in rows:
+        row = summarize(samples)
         print(f"{name:34} {row['median_ms']:10.2f} {row['p90_ms']:9.2f} {row['min_ms']:9.2f} {row['n']:5d}")
-    raw_warm_row, raw_cold_row = summarize(raw_w), summarize(raw_c)
-    for backend, (warm, cold) in ours.items():
-        warm_row, cold_row = summarize(warm), summarize(cold)
+    for backend in backends:
+        mine = warm[f"coderunner {backend}"]
         print(
-            f"{backend}: warm {warm_row['median_ms'] / raw_warm_row['median_ms']:.2f}x raw "
-            f"(p90 {warm_row['p90_ms'] / raw_warm_row['p90_ms']:.2f}x), "
-            f"cold {cold_row['median_ms'] / raw_cold_row['median_ms']:.2f}x raw"
+            f"{backend}: warm CodeRunner / raw {ratio(mine, warm['raw'])}, "
+            f"CodeRunner / minimal MCP {ratio(mine, warm['minimal MCP'])}; "
+            f"cold CodeRunner / raw {ratio(cold[f'coderunner {backend}'], cold['raw'])}"
         )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=300, help="warm round trips per side (at least 200)")
-    parser.add_argument("--colds", type=int, default=10, help="cold starts per side")
+    parser.add_argument("--rounds", type=int, default=30, help="shuffled rounds of warm calls")
+    parser.add_argument("--per-round", type=int, default=10, help="warm calls of each lane per round")
+    parser.add_argument("--colds", type=int, default=10, help="cold starts per lane")
     parser.add_argument(
         "--backend", action="append", choices=["bwrap", "podman", "docker", "apple"],
         help="CodeRunner backend(s) to measure (repeatable; default bwrap)",
     )  # fmt: skip
     args = parser.parse_args()
-    anyio.run(main, max(args.calls, 200), args.colds, args.backend or ["bwrap"])
+    anyio.run(main, args.rounds, args.per_round, args.colds, args.backend or ["bwrap"])
