@@ -1,6 +1,7 @@
 """Latency of CodeRunner beside two anchors, all lanes interleaved in shuffled rounds in the same run.
 
     .venv/bin/python bench/latency.py [--rounds 30] [--per-round 10] [--colds 10] [--backend bwrap ...]
+                                      [--baseline-src /tmp/main/src]
 
 Warm: one `1+1` round trip, in three kinds of lane:
 - raw: `execute` on a jupyter_client AsyncKernelClient to a plain (unsandboxed) ipykernel from the
@@ -8,7 +9,7 @@ Warm: one `1+1` round trip, in three kinds of lane:
 - minimal MCP: `run_python` through the official MCP client over stdio to bench/minimal_mcp.py, the
   least an MCP server around the same kernel can do (what the SDK and transport cost);
 - coderunner BACKEND: `run_python` through the same client to `coderunner serve`, into a kernel
-  inside the sandbox.
+  inside the sandbox (and, with --baseline-src, the same for another tree: before and after).
 Every round runs `--per-round` calls of each lane, the lanes in a fresh random order, so drift on a
 shared machine (other load, CPU frequency) hits every lane alike. Printed: per-lane figures and
 `CodeRunner / raw` and `CodeRunner / minimal MCP` (medians).
@@ -16,6 +17,9 @@ shared machine (other load, CPU frequency) hits every lane alike. Printed: per-l
 Cold: from asking for a new kernel to the first `1+1` result, raw and CodeRunner alternating in
 shuffled order. CodeRunner: `create_session` then `run_python`. Raw: start_kernel, wait_for_ready,
 execute.
+
+Also printed: the CPU time each MCP server process spent per warm call (all its threads, from
+/proc), which a loaded machine disturbs far less than wall time: what each server's own work costs.
 """
 
 from __future__ import annotations
@@ -136,10 +140,35 @@ def bench_env(root: Path, backend: str = "bwrap") -> dict[str, str]:
     return env
 
 
-def server_params(root: Path, backend: str = "bwrap") -> StdioServerParameters:
-    return StdioServerParameters(
-        command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=bench_env(root, backend)
-    )
+def server_params(root: Path, backend: str = "bwrap", lane: str = "", src: Path | None = None) -> StdioServerParameters:
+    env = {**bench_env(root, backend), LANE_MARK: lane or f"coderunner {backend}"}
+    if src is not None:  # another tree's server, e.g. `git archive main src | tar -x -C /tmp/main`
+        env["PYTHONPATH"] = str(src)
+    return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
+
+
+#: Set in each server's environment, so the bench finds its process and reads its CPU time.
+LANE_MARK = "CODERUNNER_BENCH_LANE"
+
+
+def server_pid(lane: str) -> int | None:
+    """The pid of the server process started for `lane` (its environment carries LANE_MARK=lane)."""
+    wanted = f"{LANE_MARK}={lane}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as handle:
+                if wanted in handle.read().split(b"\0"):
+                    return int(entry)
+    return None
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User plus system CPU time of a process and all its threads (0 where there is no /proc)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def mcp_run(client: Client, session_id: str | None = None) -> None:
@@ -154,6 +183,7 @@ async def mcp_run(client: Client, session_id: str | None = None) -> None:
 def minimal_params() -> StdioServerParameters:
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")}
     env.update({key: os.environ[key] for key in ("JUPYTER_PATH", "JUPYTER_RUNTIME_DIR")})
+    env[LANE_MARK] = "minimal MCP"
     script = Path(__file__).resolve().parent / "minimal_mcp.py"
     return StdioServerParameters(command=sys.executable, args=[str(script)], env=env)
 
@@ -172,22 +202,26 @@ def ratio(ours: list[float], anchor: list[float]) -> str:
     return f"{statistics.median(ours) / statistics.median(anchor):.2f}x"
 
 
-async def main(rounds: int, per_round: int, colds: int, backends: list[str]) -> None:
+async def main(rounds: int, per_round: int, colds: int, backends: list[str], baseline: Path | None) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     os.environ["JUPYTER_PATH"] = str(kernelspec_dir(settings.sandbox_env / "bin" / "python", root / "jupyter"))
     os.environ["JUPYTER_RUNTIME_DIR"] = str(root / "jupyter-runtime")
     warm: dict[str, list[float]] = {}
     cold: dict[str, list[float]] = {}
+    cpu: dict[str, float] = {}
     try:
         async with contextlib.AsyncExitStack() as stack:
             raw = await stack.enter_async_context(raw_kernel())
             minimal = await stack.enter_async_context(Client(minimal_params(), read_timeout_seconds=120))
+            targets = [(f"coderunner {backend}", backend, None) for backend in backends]
+            if baseline is not None:
+                targets += [(f"coderunner {backend} baseline", backend, baseline) for backend in backends]
             ours = {
-                backend: await stack.enter_async_context(
-                    Client(server_params(root / backend, backend), read_timeout_seconds=120)
+                lane: await stack.enter_async_context(
+                    Client(server_params(root / lane.replace(" ", "-"), backend, lane, src), read_timeout_seconds=120)
                 )
-                for backend in backends
+                for lane, backend, src in targets
             }
 
             async def minimal_run() -> None:
@@ -199,18 +233,23 @@ async def main(rounds: int, per_round: int, colds: int, backends: list[str]) -> 
                 "raw": lambda: raw_execute(raw),
                 "minimal MCP": minimal_run,
             }
-            for backend, client in ours.items():
-                lanes[f"coderunner {backend}"] = lambda client=client: mcp_run(client)  # type: ignore[misc]
+            for lane, client in ours.items():
+                lanes[lane] = lambda client=client: mcp_run(client)  # type: ignore[misc]
             for call in lanes.values():  # warm up every lane before anything counts
                 await timed(20, call)
             warm = {name: [] for name in lanes}
+            pids = {name: server_pid(name) for name in lanes if name != "raw"}
+            cpu = dict.fromkeys(pids, 0.0)
             for _ in range(rounds):
                 for name in random.sample(list(lanes), len(lanes)):
+                    began = cpu_seconds(pids.get(name))
                     warm[name] += await timed(per_round, lanes[name])
+                    if name in cpu:
+                        cpu[name] += cpu_seconds(pids.get(name)) - began
 
             cold_lanes: dict[str, Callable[[], Awaitable[float]]] = {"raw": raw_cold_start}
-            for backend, client in ours.items():
-                cold_lanes[f"coderunner {backend}"] = lambda client=client: coderunner_cold(client)  # type: ignore[misc]
+            for lane, client in ours.items():
+                cold_lanes[lane] = lambda client=client: coderunner_cold(client)  # type: ignore[misc]
             cold = {name: [] for name in cold_lanes}
             for _ in range(colds):
                 for name in random.sample(list(cold_lanes), len(cold_lanes)):
@@ -219,18 +258,20 @@ async def main(rounds: int, per_round: int, colds: int, backends: list[str]) -> 
         shutil.rmtree(root, ignore_errors=True)
 
     print(f"{rounds} rounds x {per_round} warm calls per lane, shuffled; {colds} cold starts per lane, shuffled")
-    print(f"{'measure':34} {'median ms':>10} {'p90 ms':>9} {'min ms':>9} {'n':>5}")
+    print(f"{'measure':40} {'median ms':>10} {'p90 ms':>9} {'min ms':>9} {'n':>5}")
     rows = [(f"warm 1+1, {name}", samples) for name, samples in warm.items()]
     rows += [(f"cold start, {name}", samples) for name, samples in cold.items()]
     for name, samples in rows:
         row = summarize(samples)
-        print(f"{name:34} {row['median_ms']:10.2f} {row['p90_ms']:9.2f} {row['min_ms']:9.2f} {row['n']:5d}")
-    for backend in backends:
-        mine = warm[f"coderunner {backend}"]
+        print(f"{name:40} {row['median_ms']:10.2f} {row['p90_ms']:9.2f} {row['min_ms']:9.2f} {row['n']:5d}")
+    for name, seconds in cpu.items():
+        print(f"server CPU per warm call, {name}: {seconds / len(warm[name]) * 1000:.2f} ms")
+    for lane in ours:
+        mine = warm[lane]
         print(
-            f"{backend}: warm CodeRunner / raw {ratio(mine, warm['raw'])}, "
+            f"{lane}: warm CodeRunner / raw {ratio(mine, warm['raw'])}, "
             f"CodeRunner / minimal MCP {ratio(mine, warm['minimal MCP'])}; "
-            f"cold CodeRunner / raw {ratio(cold[f'coderunner {backend}'], cold['raw'])}"
+            f"cold CodeRunner / raw {ratio(cold[lane], cold['raw'])}"
         )
 
 
@@ -243,5 +284,7 @@ if __name__ == "__main__":
         "--backend", action="append", choices=["bwrap", "podman", "docker", "apple"],
         help="CodeRunner backend(s) to measure (repeatable; default bwrap)",
     )  # fmt: skip
+    parser.add_argument("--baseline-src", type=Path, help="also measure another tree's server (its src folder)")
     args = parser.parse_args()
-    anyio.run(main, args.rounds, args.per_round, args.colds, args.backend or ["bwrap"])
+    baseline = args.baseline_src.resolve() if args.baseline_src else None
+    anyio.run(main, args.rounds, args.per_round, args.colds, args.backend or ["bwrap"], baseline)
