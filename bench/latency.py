@@ -18,6 +18,9 @@ Cold: from asking for a new kernel to the first `1+1` result, raw and CodeRunner
 shuffled order. CodeRunner: `create_session` then `run_python`. Raw: start_kernel, wait_for_ready,
 execute.
 
+The sandboxed kernels run at CPU weight 100 here (--cpu-weight), as the raw kernel does: the server's
+default of 20 lets any other load on the machine delay them, which is its purpose, not per-call cost.
+
 Also printed: the CPU time each MCP server process spent per warm call (all its threads, from
 /proc), which a loaded machine disturbs far less than wall time: what each server's own work costs.
 """
@@ -106,6 +109,14 @@ async def raw_cold_start() -> float:
     return elapsed
 
 
+async def raw_warm(calls: int) -> list[float]:
+    """`calls` warm round trips on a fresh raw kernel (for benches that measure one lane at a time)."""
+    async with raw_kernel() as client:
+        for _ in range(20):
+            await raw_execute(client)
+        return await timed(calls, lambda: raw_execute(client))
+
+
 @contextlib.asynccontextmanager
 async def raw_kernel():  # type: ignore[no-untyped-def]
     """A started raw kernel's client, shut down afterwards."""
@@ -140,10 +151,14 @@ def bench_env(root: Path, backend: str = "bwrap") -> dict[str, str]:
     return env
 
 
-def server_params(root: Path, backend: str = "bwrap", lane: str = "", src: Path | None = None) -> StdioServerParameters:
+def server_params(
+    root: Path, backend: str = "bwrap", lane: str = "", src: Path | None = None, cpu_weight: int | None = None
+) -> StdioServerParameters:
     env = {**bench_env(root, backend), LANE_MARK: lane or f"coderunner {backend}"}
     if src is not None:  # another tree's server, e.g. `git archive main src | tar -x -C /tmp/main`
         env["PYTHONPATH"] = str(src)
+    if cpu_weight is not None:
+        env["CODERUNNER_SESSION_CPU_WEIGHT"] = str(cpu_weight)
     return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
 
 
@@ -202,7 +217,9 @@ def ratio(ours: list[float], anchor: list[float]) -> str:
     return f"{statistics.median(ours) / statistics.median(anchor):.2f}x"
 
 
-async def main(rounds: int, per_round: int, colds: int, backends: list[str], baseline: Path | None) -> None:
+async def main(
+    rounds: int, per_round: int, colds: int, backends: list[str], baseline: Path | None, cpu_weight: int
+) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     os.environ["JUPYTER_PATH"] = str(kernelspec_dir(settings.sandbox_env / "bin" / "python", root / "jupyter"))
@@ -219,7 +236,10 @@ async def main(rounds: int, per_round: int, colds: int, backends: list[str], bas
                 targets += [(f"coderunner {backend} baseline", backend, baseline) for backend in backends]
             ours = {
                 lane: await stack.enter_async_context(
-                    Client(server_params(root / lane.replace(" ", "-"), backend, lane, src), read_timeout_seconds=120)
+                    Client(
+                        server_params(root / lane.replace(" ", "-"), backend, lane, src, cpu_weight),
+                        read_timeout_seconds=120,
+                    )
                 )
                 for lane, backend, src in targets
             }
@@ -285,6 +305,10 @@ if __name__ == "__main__":
         help="CodeRunner backend(s) to measure (repeatable; default bwrap)",
     )  # fmt: skip
     parser.add_argument("--baseline-src", type=Path, help="also measure another tree's server (its src folder)")
+    parser.add_argument(
+        "--cpu-weight", type=int, default=100,
+        help="sessions' CPU weight (server default 20); 100 schedules the sandboxed kernel like the raw one",
+    )  # fmt: skip
     args = parser.parse_args()
     baseline = args.baseline_src.resolve() if args.baseline_src else None
-    anyio.run(main, args.rounds, args.per_round, args.colds, args.backend or ["bwrap"], baseline)
+    anyio.run(main, args.rounds, args.per_round, args.colds, args.backend or ["bwrap"], baseline, args.cpu_weight)
