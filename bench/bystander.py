@@ -3,10 +3,12 @@
     .venv/bin/python bench/bystander.py [--rounds 3] [--copies 8] [--size-mb 500] [--burst 8] [--src DIR]
 
 Lanes, in turn each round, all through the official MCP client over stdio to one server:
-- quiet:  the bystander's `1+1` alone;
-- copies: the same while another session runs `--copies` parallel download_file calls of a
+- quiet:   the bystander's `1+1` alone (its idle latency, measured in the same run);
+- uploads: the same while another session runs `--copies` parallel upload_file calls of a
+  `--size-mb` file from an import folder (the host copies each into the sandbox's workspace);
+- copies:  the same while another session runs `--copies` parallel download_file calls of a
   `--size-mb` file (the host copies each out of the sandbox into the export folder);
-- burst:  the same while `--burst` parallel execute_code calls run (each a fresh sandbox).
+- burst:   the same while `--burst` parallel execute_code calls run (each a fresh sandbox).
 Each lane reports median, p95 and max of the bystander's round trips. --src runs another source
 tree's server (e.g. an older commit exported with `git archive`) to measure before and after.
 """
@@ -37,7 +39,7 @@ os.path.getsize('big.bin')
 """
 
 
-def params(root: Path, src: Path, size_mb: int) -> StdioServerParameters:
+def params(root: Path, src: Path, size_mb: int, copies: int) -> StdioServerParameters:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
@@ -46,7 +48,8 @@ def params(root: Path, src: Path, size_mb: int) -> StdioServerParameters:
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_EXPORT_DIR": str(root / "out"),
-        "CODERUNNER_DISK_MB": str(size_mb + 512),
+        "CODERUNNER_IMPORT_DIRS": json.dumps([str(root / "imports")]),
+        "CODERUNNER_DISK_MB": str(size_mb * (copies + 1) + 512),
         "CODERUNNER_LOG_LEVEL": "WARNING",
     }
     for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND"):
@@ -57,6 +60,21 @@ def params(root: Path, src: Path, size_mb: int) -> StdioServerParameters:
 
 def copy_arguments(number: int, session_id: str) -> dict[str, object]:
     return {"sandbox_path": "big.bin", "host_path": f"copy-{number}.bin", "overwrite": True, "session_id": session_id}
+
+
+def upload_arguments(number: int, session_id: str, source: Path) -> dict[str, object]:
+    return {"host_path": str(source), "sandbox_path": f"up-{number}.bin", "overwrite": True, "session_id": session_id}
+
+
+def make_import(root: Path, size_mb: int) -> Path:
+    """A real (not sparse) file in the import folder, so every byte is read and written."""
+    (root / "imports").mkdir(mode=0o755)
+    source = root / "imports" / "big-in.bin"
+    block = os.urandom(1 << 20)
+    with open(source, "wb") as handle:
+        for _ in range(size_mb):
+            handle.write(block)
+    return source
 
 
 async def checked(client: Client, tool: str, arguments: dict[str, object]) -> None:
@@ -100,9 +118,10 @@ def row(name: str, samples: list[float]) -> str:
 async def main(rounds: int, copies: int, size_mb: int, burst: int, src: Path) -> None:
     root = Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp"))
     root.chmod(0o711)
-    lanes: dict[str, list[float]] = {"quiet": [], "copies": [], "burst": []}
+    lanes: dict[str, list[float]] = {"quiet": [], "uploads": [], "copies": [], "burst": []}
+    source = make_import(root, size_mb)
     try:
-        async with Client(params(root, src, size_mb), read_timeout_seconds=600) as client:
+        async with Client(params(root, src, size_mb, copies), read_timeout_seconds=600) as client:
             for _ in range(10):
                 await checked(client, "run_python", {"code": "1+1"})
             created = await client.call_tool("create_session", {})
@@ -112,21 +131,26 @@ async def main(rounds: int, copies: int, size_mb: int, burst: int, src: Path) ->
             copy_work: list[tuple[str, dict[str, object]]] = [
                 ("download_file", copy_arguments(n, session_id)) for n in range(copies)
             ]
+            upload_work: list[tuple[str, dict[str, object]]] = [
+                ("upload_file", upload_arguments(n, session_id, source)) for n in range(copies)
+            ]
             burst_work: list[tuple[str, dict[str, object]]] = [
                 ("execute_code", {"language": "bash", "code": "echo hi"}) for _ in range(burst)
             ]
             for _ in range(rounds):
                 lanes["quiet"] += await probe_while(client, None, 30)
+                lanes["uploads"] += await loaded_lane(client, upload_work)
                 lanes["copies"] += await loaded_lane(client, copy_work)
                 for leftover in (root / "out").glob("copy-*.bin"):
                     leftover.unlink()
                 lanes["burst"] += await loaded_lane(client, burst_work)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"server from {src}: bystander run_python('1+1'); {copies} x {size_mb} MiB download_file; "
-          f"{burst} x execute_code; {rounds} rounds")  # fmt: skip
+    print(f"server from {src}: bystander run_python('1+1'); {copies} x {size_mb} MiB upload_file, then as many "
+          f"download_file; {burst} x execute_code; {rounds} rounds")  # fmt: skip
+    quiet = statistics.median(lanes["quiet"])
     for name, samples in lanes.items():
-        print(row(name, samples))
+        print(row(name, samples) + f"   median {statistics.median(samples) / quiet:5.2f}x quiet")
 
 
 if __name__ == "__main__":

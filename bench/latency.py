@@ -1,21 +1,37 @@
-"""Latency of CodeRunner beside a raw jupyter_client + ipykernel baseline, measured in the same run.
+"""Latency of CodeRunner beside two anchors, all lanes interleaved in shuffled rounds in the same run.
 
-    .venv/bin/python bench/latency.py [--calls 300] [--colds 10] [--backend bwrap --backend podman ...]
+    .venv/bin/python bench/latency.py [--rounds 30] [--per-round 10] [--colds 10] [--backend bwrap ...]
+                                      [--baseline-src /tmp/main/src]
 
-Warm: one `1+1` round trip. For CodeRunner that is a `run_python` call through the official MCP
-client over stdio to `coderunner serve`, into a kernel inside bubblewrap. For the baseline it is
-`execute` on a jupyter_client AsyncKernelClient to a plain (unsandboxed) ipykernel from the same
-Python environment, waiting for the reply and the idle status, as a raw client would.
+Warm: one `1+1` round trip, in three kinds of lane:
+- raw: `execute` on a jupyter_client AsyncKernelClient to a plain (unsandboxed) ipykernel from the
+  same Python environment, waiting for the reply and the idle status, as a raw client would;
+- minimal MCP: `run_python` through the official MCP client over stdio to bench/minimal_mcp.py, the
+  least an MCP server around the same kernel can do (what the SDK and transport cost);
+- coderunner BACKEND: `run_python` through the same client to `coderunner serve`, into a kernel
+  inside the sandbox (and, with --baseline-src, the same for another tree: before and after).
+Every round runs `--per-round` calls of each lane, the lanes in a fresh random order, so drift on a
+shared machine (other load, CPU frequency) hits every lane alike. Printed: per-lane figures and
+`CodeRunner / raw` and `CodeRunner / minimal MCP` (medians).
 
-Cold: from asking for a new kernel to the first `1+1` result. CodeRunner: `create_session` then
-`run_python`. Baseline: AsyncKernelManager.start_kernel, wait_for_ready, then execute.
+Cold: from asking for a new kernel to the first `1+1` result, raw and CodeRunner alternating in
+shuffled order. CodeRunner: `create_session` then `run_python`. Raw: start_kernel, wait_for_ready,
+execute.
+
+The sandboxed kernels run at CPU weight 100 here (--cpu-weight), as the raw kernel does: the server's
+default of 20 lets any other load on the machine delay them, which is its purpose, not per-call cost.
+
+Also printed: the CPU time each MCP server process spent per warm call (all its threads, from
+/proc), which a loaded machine disturbs far less than wall time: what each server's own work costs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
 import shutil
 import statistics
 import subprocess
@@ -94,17 +110,26 @@ async def raw_cold_start() -> float:
 
 
 async def raw_warm(calls: int) -> list[float]:
+    """`calls` warm round trips on a fresh raw kernel (for benches that measure one lane at a time)."""
+    async with raw_kernel() as client:
+        for _ in range(20):
+            await raw_execute(client)
+        return await timed(calls, lambda: raw_execute(client))
+
+
+@contextlib.asynccontextmanager
+async def raw_kernel():  # type: ignore[no-untyped-def]
+    """A started raw kernel's client, shut down afterwards."""
     manager = AsyncKernelManager(kernel_name="bench-python")
     await manager.start_kernel(stderr=subprocess.DEVNULL)
     client = manager.client()
     client.start_channels()
-    await client.wait_for_ready(timeout=60)
-    for _ in range(20):
-        await raw_execute(client)
-    samples = await timed(calls, lambda: raw_execute(client))
-    client.stop_channels()
-    await manager.shutdown_kernel(now=True)
-    return samples
+    try:
+        await client.wait_for_ready(timeout=60)
+        yield client
+    finally:
+        client.stop_channels()
+        await manager.shutdown_kernel(now=True)
 
 
 # --- CodeRunner through MCP over stdio ----------------------------------------------------------
@@ -126,10 +151,39 @@ def bench_env(root: Path, backend: str = "bwrap") -> dict[str, str]:
     return env
 
 
-def server_params(root: Path, backend: str = "bwrap") -> StdioServerParameters:
-    return StdioServerParameters(
-        command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=bench_env(root, backend)
-    )
+def server_params(
+    root: Path, backend: str = "bwrap", lane: str = "", src: Path | None = None, cpu_weight: int | None = None
+) -> StdioServerParameters:
+    env = {**bench_env(root, backend), LANE_MARK: lane or f"coderunner {backend}"}
+    if src is not None:  # another tree's server, e.g. `git archive main src | tar -x -C /tmp/main`
+        env["PYTHONPATH"] = str(src)
+    if cpu_weight is not None:
+        env["CODERUNNER_SESSION_CPU_WEIGHT"] = str(cpu_weight)
+    return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
+
+
+#: Set in each server's environment, so the bench finds its process and reads its CPU time.
+LANE_MARK = "CODERUNNER_BENCH_LANE"
+
+
+def server_pid(lane: str) -> int | None:
+    """The pid of the server process started for `lane` (its environment carries LANE_MARK=lane)."""
+    wanted = f"{LANE_MARK}={lane}".encode()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry}/environ", "rb") as handle:
+                if wanted in handle.read().split(b"\0"):
+                    return int(entry)
+    return None
+
+
+def cpu_seconds(pid: int | None) -> float:
+    """User plus system CPU time of a process and all its threads (0 where there is no /proc)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as handle:
+        fields = handle.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def mcp_run(client: Client, session_id: str | None = None) -> None:
@@ -141,60 +195,120 @@ async def mcp_run(client: Client, session_id: str | None = None) -> None:
         raise RuntimeError(result.content)
 
 
-async def coderunner(calls: int, colds: int, root: Path, backend: str) -> tuple[list[float], list[float]]:
-    async with Client(server_params(root, backend), read_timeout_seconds=120) as client:
-        for _ in range(20):
-            await mcp_run(client)
-        warm = await timed(calls, lambda: mcp_run(client))
-        cold = []
-        for _ in range(colds):
-            began = time.perf_counter()
-            created = await client.call_tool("create_session", {})
-            session_id = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
-            await mcp_run(client, session_id)
-            cold.append(time.perf_counter() - began)
-            await client.call_tool("close_session", {"session_id": session_id})
-    return warm, cold
+def minimal_params() -> StdioServerParameters:
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root")}
+    env.update({key: os.environ[key] for key in ("JUPYTER_PATH", "JUPYTER_RUNTIME_DIR")})
+    env[LANE_MARK] = "minimal MCP"
+    script = Path(__file__).resolve().parent / "minimal_mcp.py"
+    return StdioServerParameters(command=sys.executable, args=[str(script)], env=env)
 
 
-async def main(calls: int, colds: int, backends: list[str]) -> None:
+async def coderunner_cold(client: Client) -> float:
+    began = time.perf_counter()
+    created = await client.call_tool("create_session", {})
+    session_id = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
+    await mcp_run(client, session_id)
+    elapsed = time.perf_counter() - began
+    await client.call_tool("close_session", {"session_id": session_id})
+    return elapsed
+
+
+def ratio(ours: list[float], anchor: list[float]) -> str:
+    return f"{statistics.median(ours) / statistics.median(anchor):.2f}x"
+
+
+async def main(
+    rounds: int, per_round: int, colds: int, backends: list[str], baseline: Path | None, cpu_weight: int
+) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     os.environ["JUPYTER_PATH"] = str(kernelspec_dir(settings.sandbox_env / "bin" / "python", root / "jupyter"))
     os.environ["JUPYTER_RUNTIME_DIR"] = str(root / "jupyter-runtime")
-    ours: dict[str, tuple[list[float], list[float]]] = {}
+    warm: dict[str, list[float]] = {}
+    cold: dict[str, list[float]] = {}
+    cpu: dict[str, float] = {}
     try:
-        raw_w = await raw_warm(calls)
-        raw_c = [await raw_cold_start() for _ in range(colds)]
-        for backend in backends:
-            ours[backend] = await coderunner(calls, colds, root / backend, backend)
+        async with contextlib.AsyncExitStack() as stack:
+            raw = await stack.enter_async_context(raw_kernel())
+            minimal = await stack.enter_async_context(Client(minimal_params(), read_timeout_seconds=120))
+            targets = [(f"coderunner {backend}", backend, None) for backend in backends]
+            if baseline is not None:
+                targets += [(f"coderunner {backend} baseline", backend, baseline) for backend in backends]
+            ours = {
+                lane: await stack.enter_async_context(
+                    Client(
+                        server_params(root / lane.replace(" ", "-"), backend, lane, src, cpu_weight),
+                        read_timeout_seconds=120,
+                    )
+                )
+                for lane, backend, src in targets
+            }
+
+            async def minimal_run() -> None:
+                result = await minimal.call_tool("run_python", {"code": "1+1"})
+                if result.is_error:
+                    raise RuntimeError(result.content)
+
+            lanes: dict[str, Callable[[], Awaitable[None]]] = {
+                "raw": lambda: raw_execute(raw),
+                "minimal MCP": minimal_run,
+            }
+            for lane, client in ours.items():
+                lanes[lane] = lambda client=client: mcp_run(client)  # type: ignore[misc]
+            for call in lanes.values():  # warm up every lane before anything counts
+                await timed(20, call)
+            warm = {name: [] for name in lanes}
+            pids = {name: server_pid(name) for name in lanes if name != "raw"}
+            cpu = dict.fromkeys(pids, 0.0)
+            for _ in range(rounds):
+                for name in random.sample(list(lanes), len(lanes)):
+                    began = cpu_seconds(pids.get(name))
+                    warm[name] += await timed(per_round, lanes[name])
+                    if name in cpu:
+                        cpu[name] += cpu_seconds(pids.get(name)) - began
+
+            cold_lanes: dict[str, Callable[[], Awaitable[float]]] = {"raw": raw_cold_start}
+            for lane, client in ours.items():
+                cold_lanes[lane] = lambda client=client: coderunner_cold(client)  # type: ignore[misc]
+            cold = {name: [] for name in cold_lanes}
+            for _ in range(colds):
+                for name in random.sample(list(cold_lanes), len(cold_lanes)):
+                    cold[name].append(await cold_lanes[name]())
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
-    rows = [("warm 1+1, raw jupyter_client", summarize(raw_w))]
-    rows += [(f"warm 1+1, coderunner {backend}", summarize(warm)) for backend, (warm, _) in ours.items()]
-    rows += [("cold start, raw jupyter_client", summarize(raw_c))]
-    rows += [(f"cold start, coderunner {backend}", summarize(cold)) for backend, (_, cold) in ours.items()]
-    print(f"{'measure':34} {'median ms':>10} {'p90 ms':>9} {'min ms':>9} {'n':>5}")
-    for name, row in rows:
-        print(f"{name:34} {row['median_ms']:10.2f} {row['p90_ms']:9.2f} {row['min_ms']:9.2f} {row['n']:5d}")
-    raw_warm_row, raw_cold_row = summarize(raw_w), summarize(raw_c)
-    for backend, (warm, cold) in ours.items():
-        warm_row, cold_row = summarize(warm), summarize(cold)
+    print(f"{rounds} rounds x {per_round} warm calls per lane, shuffled; {colds} cold starts per lane, shuffled")
+    print(f"{'measure':40} {'median ms':>10} {'p90 ms':>9} {'min ms':>9} {'n':>5}")
+    rows = [(f"warm 1+1, {name}", samples) for name, samples in warm.items()]
+    rows += [(f"cold start, {name}", samples) for name, samples in cold.items()]
+    for name, samples in rows:
+        row = summarize(samples)
+        print(f"{name:40} {row['median_ms']:10.2f} {row['p90_ms']:9.2f} {row['min_ms']:9.2f} {row['n']:5d}")
+    for name, seconds in cpu.items():
+        print(f"server CPU per warm call, {name}: {seconds / len(warm[name]) * 1000:.2f} ms")
+    for lane in ours:
+        mine = warm[lane]
         print(
-            f"{backend}: warm {warm_row['median_ms'] / raw_warm_row['median_ms']:.2f}x raw "
-            f"(p90 {warm_row['p90_ms'] / raw_warm_row['p90_ms']:.2f}x), "
-            f"cold {cold_row['median_ms'] / raw_cold_row['median_ms']:.2f}x raw"
+            f"{lane}: warm CodeRunner / raw {ratio(mine, warm['raw'])}, "
+            f"CodeRunner / minimal MCP {ratio(mine, warm['minimal MCP'])}; "
+            f"cold CodeRunner / raw {ratio(cold[lane], cold['raw'])}"
         )
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--calls", type=int, default=300, help="warm round trips per side (at least 200)")
-    parser.add_argument("--colds", type=int, default=10, help="cold starts per side")
+    parser.add_argument("--rounds", type=int, default=30, help="shuffled rounds of warm calls")
+    parser.add_argument("--per-round", type=int, default=10, help="warm calls of each lane per round")
+    parser.add_argument("--colds", type=int, default=10, help="cold starts per lane")
     parser.add_argument(
         "--backend", action="append", choices=["bwrap", "podman", "docker", "apple"],
         help="CodeRunner backend(s) to measure (repeatable; default bwrap)",
     )  # fmt: skip
+    parser.add_argument("--baseline-src", type=Path, help="also measure another tree's server (its src folder)")
+    parser.add_argument(
+        "--cpu-weight", type=int, default=100,
+        help="sessions' CPU weight (server default 20); 100 schedules the sandboxed kernel like the raw one",
+    )  # fmt: skip
     args = parser.parse_args()
-    anyio.run(main, max(args.calls, 200), args.colds, args.backend or ["bwrap"])
+    baseline = args.baseline_src.resolve() if args.baseline_src else None
+    anyio.run(main, args.rounds, args.per_round, args.colds, args.backend or ["bwrap"], baseline, args.cpu_weight)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import base64
 import os
+import threading
 from pathlib import Path
+
+import anyio
 
 from coderunner.output import SPILL_DIR, OutputCollector, WorkspaceWriter, strip_ansi
 
@@ -85,3 +88,30 @@ def test_images_over_budget_are_saved_as_files(tmp_path: Path) -> None:
 
 def test_strip_ansi_handles_colour_and_cursor_codes() -> None:
     assert strip_ansi("\x1b[0;31mError\x1b[0m \x1b[2K\x1b]0;title\x07done") == "Error done"
+
+
+def test_deferred_file_writes_wait_for_drain_in_a_worker_thread(tmp_path: Path) -> None:
+    """A collector fed on the event loop queues its spill and image files; drain() writes them off the loop."""
+    out = collector(tmp_path, image_limit_bytes=0, spill_limit_bytes=10_000)
+    out.defer_files = True
+    lines = [f"line {i}\n" for i in range(2_000)]
+    for line in lines:
+        out.add_text(line)
+    out.add_image("image/png", base64.b64encode(b"\x89PNG" + b"i" * 50).decode())
+    assert out.pending and not (tmp_path / SPILL_DIR).exists()  # nothing touched the disk yet
+    writer, creators = out.writer, []
+    assert writer is not None
+    create = writer.create
+
+    def recording_create(prefix: str, suffix: str) -> tuple[int, str]:
+        creators.append(threading.get_ident())
+        return create(prefix, suffix)
+
+    writer.create = recording_create  # type: ignore[method-assign]
+    anyio.run(out.drain)
+    out.close()
+    assert creators and threading.get_ident() not in creators  # created in a worker thread
+    assert not out.pending and out.spill_path is not None and len(out.saved_images) == 1
+    assert host_path(tmp_path, out.spill_path).read_bytes() == "".join(lines).encode()[:10_000]
+    assert "cut at the spill limit" in out.text()
+    assert host_path(tmp_path, out.saved_images[0]).read_bytes().startswith(b"\x89PNG")

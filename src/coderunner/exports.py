@@ -78,19 +78,24 @@ class Exporter:
             self._seen[rel] = _signature(info)
 
     def export(self) -> ExportReport:
+        """Copy what is new or changed. Runs after every call, mostly to find nothing: the export
+        folder is opened only once there is something to copy."""
         report = ExportReport(self.target)
-        try:
-            target_fd = open_target(self.target, self.owner)
-        except OSError as exc:
-            report.skipped.append(f"the export folder {self.target} cannot be used ({exc.strerror})")
-            return report
+        target_fd: int | None = None
         try:
             for rel, parent_fd, info in self._files(report):
                 if self._seen.get(rel) == _signature(info):
                     continue
+                if target_fd is None:
+                    try:
+                        target_fd = open_target(self.target, self.owner)
+                    except OSError as exc:
+                        report.skipped.append(f"the export folder {self.target} cannot be used ({exc.strerror})")
+                        return report
                 self._copy_one(parent_fd, rel, info, target_fd, report)
         finally:
-            os.close(target_fd)
+            if target_fd is not None:
+                os.close(target_fd)
         return report
 
     def _files(self, report: ExportReport | None = None):  # type: ignore[no-untyped-def]

@@ -377,6 +377,8 @@ class Kernel:
             msg = await self._next_iopub(deadline)
             if isinstance(msg, Message) and msg.parent_id == run.msg_id:
                 run.handle(msg)
+                if run.output.pending:  # spill and image files: written in a worker thread
+                    await run.output.drain()
             elif isinstance(msg, Lost) and msg.parent_id in (run.msg_id, None):
                 log.info("output of a run was lost: %s", msg.reason)
                 run.output_lost = True

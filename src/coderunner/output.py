@@ -5,6 +5,10 @@ most `limit_chars`), writes the whole stream to a file in the workspace once the
 passed (at most `spill_limit_bytes`), and keeps images within a byte budget, saving the rest
 as files. Files are created through directory fds with O_NOFOLLOW|O_EXCL, because the
 workspace is writable by the untrusted code and may hold symlinks planted for the host.
+
+A collector fed on the event loop (a kernel run) is made with `defer_files=True`: its file writes
+queue up and `drain()` does them in a worker thread (offload.py), so a slow workspace never stalls
+other calls. Without it (a collector used inside a worker thread) they are done at once.
 """
 
 from __future__ import annotations
@@ -13,11 +17,15 @@ import base64
 import binascii
 import collections
 import contextlib
+import functools
 import os
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from .offload import off_loop
 
 ANSI_ESCAPE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[@-Z\\-_]")
 SPILL_DIR = ".coderunner"
@@ -81,6 +89,8 @@ class OutputCollector:
     spill_limit_bytes: int
     image_limit_bytes: int
     writer: WorkspaceWriter | None = None
+    #: Queue file writes for drain() instead of doing them in add_text/add_image (see the module doc).
+    defer_files: bool = False
     head: list[str] = field(default_factory=list)
     tail: collections.deque[str] = field(default_factory=collections.deque)
     images: list[ImageOutput] = field(default_factory=list)
@@ -93,8 +103,11 @@ class OutputCollector:
     _tail_chars: int = 0
     _image_bytes: int = 0
     _spill_fd: int | None = None
+    _spill_started: bool = False
     _spilled_bytes: int = 0
     _image_count: int = 0
+    _images_to_save: int = 0
+    _pending: list[Callable[[], None]] = field(default_factory=list)
     #: Images neither shown nor saved (over MAX_SAVED_IMAGES).
     dropped_images: int = 0
 
@@ -133,17 +146,38 @@ class OutputCollector:
             self._image_bytes += len(data_b64)
             self.images.append(ImageOutput(mime_type, data_b64))
             return
-        if self.writer is None or len(self.saved_images) >= MAX_SAVED_IMAGES:
+        if self.writer is None or self._images_to_save >= MAX_SAVED_IMAGES:
             self.dropped_images += 1
             return
+        self._images_to_save += 1
+        self._file_work(functools.partial(self._save_image, self.writer, mime_type, data_b64, self._image_count))
+
+    def _save_image(self, writer: WorkspaceWriter, mime_type: str, data_b64: str, number: int) -> None:
         try:
             raw = base64.b64decode(data_b64, validate=False)
-            fd, path = self.writer.create(f"image-{self._image_count}", IMAGE_SUFFIX.get(mime_type, ".bin"))
+            fd, path = writer.create(f"image-{number}", IMAGE_SUFFIX.get(mime_type, ".bin"))
             with os.fdopen(fd, "wb") as handle:
                 handle.write(raw[: self.spill_limit_bytes])
             self.saved_images.append(path)
         except (OSError, binascii.Error, ValueError) as exc:
             self.saved_images.append(f"(an image could not be saved: {exc})")
+
+    @property
+    def pending(self) -> bool:
+        """File writes are queued (defer_files): await drain() before reading spill_path or saved_images."""
+        return bool(self._pending)
+
+    async def drain(self) -> None:
+        """Do the queued file writes in a worker thread, in order; the event loop never waits on the disk."""
+        while self._pending:
+            work, self._pending = self._pending, []
+            await off_loop(_run_all, work)
+
+    def _file_work(self, work: Callable[[], None]) -> None:
+        if self.defer_files:
+            self._pending.append(work)
+        else:
+            work()
 
     def text(self) -> str:
         """Everything when it fits; otherwise head, a marker naming the full file, and tail."""
@@ -162,37 +196,57 @@ class OutputCollector:
         return "".join(self.tail)[-chars:] if self.tail else "".join(self.head)[-chars:]
 
     def close(self) -> None:
+        """Finish the spill file. Writes never drained (a caller that did not await drain) are done here."""
+        if self._pending:
+            work, self._pending = self._pending, []
+            _run_all(work)
+        self._close_spill()
+
+    def _close_spill(self) -> None:
         if self._spill_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(self._spill_fd)
             self._spill_fd = None
 
     def _spill(self, text: str) -> None:
+        """Queue `text` for the spill file, within spill_limit_bytes (counted here, as it is queued)."""
         if self.writer is None or self.spill_error or self.spill_truncated:
             return
-        try:
-            if self._spill_fd is None:
-                self._spill_fd, self.spill_path = self.writer.create("output", ".txt")
-                # Everything seen so far, then this chunk. The tail deque may already have dropped
-                # some middle text; only the head and tail were ever kept, so say so.
-                earlier = "".join(self.head) + "".join(self.tail)
-                self._write_spill(earlier)
-                if self.total_chars - len(text) > len(earlier):
-                    self._write_spill("\n[... earlier output was not kept ...]\n")
-            self._write_spill(text)
-        except OSError as exc:
-            self.spill_error = str(exc)
-            self.close()
-
-    def _write_spill(self, text: str) -> None:
-        assert self._spill_fd is not None
-        data = text.encode("utf-8", "replace")
+        pieces = []
+        if not self._spill_started:
+            self._spill_started = True
+            # Everything seen so far, then this chunk. The tail deque may already have dropped
+            # some middle text; only the head and tail were ever kept, so say so.
+            earlier = "".join(self.head) + "".join(self.tail)
+            pieces.append(earlier)
+            if self.total_chars - len(text) > len(earlier):
+                pieces.append("\n[... earlier output was not kept ...]\n")
+        pieces.append(text)
+        data = "".join(pieces).encode("utf-8", "replace")
         room = self.spill_limit_bytes - self._spilled_bytes
         if len(data) > room:
             data = data[: max(room, 0)]
             self.spill_truncated = True
-        if data:
-            os.write(self._spill_fd, data)
-            self._spilled_bytes += len(data)
-        if self.spill_truncated:
-            self.close()
+        self._spilled_bytes += len(data)
+        self._file_work(functools.partial(self._write_spill, self.writer, data, self.spill_truncated))
+
+    def _write_spill(self, writer: WorkspaceWriter, data: bytes, last: bool) -> None:
+        if self.spill_error:
+            return
+        try:
+            if self._spill_fd is None:
+                self._spill_fd, self.spill_path = writer.create("output", ".txt")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self._spill_fd, view) :]
+        except OSError as exc:
+            self.spill_error = str(exc)
+            self._close_spill()
+            return
+        if last:
+            self._close_spill()
+
+
+def _run_all(work: list[Callable[[], None]]) -> None:
+    for item in work:
+        item()

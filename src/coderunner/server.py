@@ -15,6 +15,7 @@ from pydantic import AnyUrl
 
 from . import __version__
 from .file_results import resource_contents
+from .offload import off_loop
 from .sessions import SessionManager
 from .tool_schemas import finish_tools
 from .tools import MODULES, ToolContext
@@ -48,7 +49,7 @@ class CodeRunnerServer(MCPServer):
         typed: list[ReadResourceContents] = []
         for item in results:
             data = item.content.encode() if isinstance(item.content, str) else item.content
-            content, mime = resource_contents(posixpath.basename(str(uri)), data)
+            content, mime = await off_loop(resource_contents, posixpath.basename(str(uri)), data)  # up to 16 MiB
             typed.append(ReadResourceContents(content=content, mime_type=mime, meta=item.meta))
         return typed
 

@@ -24,6 +24,7 @@ from ..errors import GuestCallError, SessionBusy, SessionError
 from ..files import SandboxFiles
 from ..kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
 from ..leases import sandbox_spec
+from ..offload import off_loop
 from ..options import SandboxOptions
 from ..output import OutputCollector, WorkspaceWriter
 from ..results import ExecutionResult
@@ -104,7 +105,7 @@ class Session:
             return
         try:
             with anyio.CancelScope(shield=True):
-                report = await anyio.to_thread.run_sync(plan.export)
+                report = await off_loop(plan.export)
         except OSError as exc:
             self.export_note = f"copying to the export folder failed: {exc}"
             return
@@ -216,6 +217,7 @@ class Session:
                 spill_limit_bytes=self.settings.spill_limit_bytes,
                 image_limit_bytes=self.settings.image_limit_bytes,
                 writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.dirs.owner),
+                defer_files=True,  # kernel.execute drains its file writes off the event loop
             )
             try:
                 outcome = await kernel.execute(
@@ -293,9 +295,10 @@ class Session:
         """One op of a guest tool (pdf_ops, image_ops, browser). The args named in `paths`, and
         `input_path`, are sandbox paths: confined to this session's files by the host before the call."""
         payload: dict[str, Any] = {"op": op}
-        args = self.files.confine(args, paths)
+        files = self.files
+        args = await off_loop(files.confine, args, paths)  # walks the workspace: stats, readlinks
         if input_path is not None:
-            payload["input_path"] = self.files.resolve(input_path).sandbox_path
+            payload["input_path"] = (await off_loop(files.resolve, input_path)).sandbox_path
         payload["args"] = args
         return await self.call_guest(tool, payload, timeout_s)
 

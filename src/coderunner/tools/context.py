@@ -14,8 +14,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
 
-import anyio
-import anyio.to_thread
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
@@ -23,15 +21,13 @@ from ..callers import LOCAL_CALLER, caller_key, on_connection_close
 from ..capabilities import Capabilities
 from ..config import Settings
 from ..errors import CodeRunnerError
+from ..offload import off_loop
 from ..options import egress_ceiling
 from ..output import WorkspaceWriter
 from ..owners import client_of
 from ..results import ReplyBounds, error_result, guest_tool_result
 from ..sessions import Session, SessionManager
 from .egress import EgressCall, EgressCalls
-
-#: Worker threads for file copies and /proc or workspace walks: up to 512 MiB each, never on the event loop.
-FILE_WORKERS = 4
 
 T = TypeVar("T")
 ToolFunction = TypeVar("ToolFunction", bound=Callable[..., Awaitable[CallToolResult]])
@@ -54,7 +50,6 @@ class ToolContext:
     manager: SessionManager
     capabilities: Capabilities
     reply_bounds: ReplyBounds
-    file_workers: anyio.CapacityLimiter
     #: Network 'allowlist': who is asked about a host during a call, and what the reply says was denied.
     egress_calls: EgressCalls
 
@@ -68,7 +63,6 @@ class ToolContext:
             reply_bounds=ReplyBounds(
                 settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes
             ),
-            file_workers=anyio.CapacityLimiter(FILE_WORKERS),
             egress_calls=EgressCalls(egress_ceiling(settings)),
         )
 
@@ -92,10 +86,10 @@ class ToolContext:
 
         return register
 
-    async def off_loop(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
-        """Blocking file or /proc work in a bounded pool of threads, so other calls keep being served."""
-        partial = functools.partial(function, *args, **kwargs)
-        return await anyio.to_thread.run_sync(partial, limiter=self.file_workers)
+    @staticmethod
+    async def off_loop(function: Callable[..., T], *args: Any, bulk: bool = False, **kwargs: Any) -> T:
+        """Blocking file or /proc work in the server's bounded worker threads (offload.py); `bulk` for copies."""
+        return await off_loop(function, *args, bulk=bulk, **kwargs)
 
     def caller(self, ctx: Context) -> str:
         """Which client this call is from: each has its own default session (see callers.py)."""

@@ -78,7 +78,7 @@ def register(tools: ToolContext) -> None:
         """Write a file in the workspace or a rw mount."""
         session = await tools.session(ctx, session_id)
         data = await tools.off_loop(decoded, content, encoding)
-        written = await tools.off_loop(session.files.write, path, data, overwrite=overwrite)
+        written = await tools.off_loop(session.files.write, path, data, overwrite=overwrite, bulk=True)
         await session.copy_out()  # a file written to the export mount leaves now, as after a run
         payload: dict[str, Any] = {"path": written, "bytes": len(data)}
         if session.export_note:
@@ -95,9 +95,9 @@ def register(tools: ToolContext) -> None:
     ) -> CallToolResult:
         """Copy a file from a host import folder into the sandbox."""
         session = await tools.session(ctx, session_id)
-        source = import_source(settings.import_dirs, host_path)
+        source = await tools.off_loop(import_source, settings.import_dirs, host_path)  # resolves: stats
         target = sandbox_path or posixpath.basename(source.path)
-        copied, _, written = await tools.off_loop(copy, source.view, source.path, session.files, target,
+        copied, _, written = await tools.off_loop(copy, source.view, source.path, session.files, target, bulk=True,
                                                   limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
         return json_result({"host_path": str(source.host_path(source.path)), "sandbox_path": written,
                             "bytes": copied})  # fmt: skip
@@ -113,10 +113,10 @@ def register(tools: ToolContext) -> None:
         """Copy a sandbox file to the user's export folder on the host."""
         session = await tools.session(ctx, session_id)
         sandbox_uid = session.dirs.user.uid if session.dirs.user is not None else None
-        target = export_target(settings.export_dir, session.options.client, host_path or None,
-                               posixpath.basename(sandbox_path), sandbox_uid)  # fmt: skip
+        target = await tools.off_loop(export_target, settings.export_dir, session.options.client,  # mkdir, open
+                                      host_path or None, posixpath.basename(sandbox_path), sandbox_uid)  # fmt: skip
         copied, read_from, written = await tools.off_loop(
-            copy, session.files, sandbox_path, target.view, target.path,
+            copy, session.files, sandbox_path, target.view, target.path, bulk=True,
             limit=settings.transfer_limit_bytes, overwrite=overwrite,
         )  # fmt: skip
         return json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),
@@ -131,7 +131,7 @@ def register(tools: ToolContext) -> None:
         limit = settings.resource_limit_bytes
         try:
             session = await tools.manager.resolve(session_id, tools.caller(ctx))
-            data, size, _ = await tools.off_loop(session.files.read, "/" + path, limit=limit + 1)
+            data, size, _ = await tools.off_loop(session.files.read, "/" + path, limit=limit + 1, bulk=True)
         except CodeRunnerError as exc:
             raise ResourceError(str(exc)) from None  # the SDK shows a ResourceError's own words
         if size > limit:

@@ -47,4 +47,4 @@ def register(tools: ToolContext) -> None:
         """Restart the session's kernel: fresh state, files kept."""
         session = await tools.session(ctx, session_id)
         await session.reset()
-        return json_result({"reset": True, **tools.summary(session)})
+        return json_result({"reset": True, **await tools.off_loop(tools.summary, session)})

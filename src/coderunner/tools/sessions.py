@@ -50,7 +50,7 @@ def register(tools: ToolContext) -> None:
             persistent=persistent, client=tools.client(ctx), allow=allow or None,
         )  # fmt: skip
         session = await manager.create(options, owner=tools.caller(ctx))
-        summary = tools.summary(session)
+        summary = await tools.off_loop(tools.summary, session)  # reads /proc and the workspace
         if session.startup is not None:
             summary["startup_files"] = session.startup
         return json_result(summary)

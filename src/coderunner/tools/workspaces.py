@@ -19,7 +19,7 @@ def register(tools: ToolContext) -> None:
     @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def list_workspaces(ctx: Context) -> CallToolResult:
         """Your persistent workspaces: name, size, in use."""
-        found = list_named(settings.workspaces_dir, tools.client(ctx))
+        found = await tools.off_loop(list_named, settings.workspaces_dir, tools.client(ctx))
         return json_result({"workspaces": [asdict(entry) for entry in found]})
 
     @tools.tool(annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
@@ -28,5 +28,5 @@ def register(tools: ToolContext) -> None:
         name: Annotated[str, Field(description="From list_workspaces.")],
     ) -> CallToolResult:
         """Delete a persistent workspace and its files (not while in use)."""
-        delete_named(settings.workspaces_dir, tools.client(ctx), name)
+        await tools.off_loop(delete_named, settings.workspaces_dir, tools.client(ctx), name, bulk=True)
         return json_result({"deleted": name})

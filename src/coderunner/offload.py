@@ -1,0 +1,58 @@
+"""Blocking file and /proc work, off the event loop: one bounded pool of worker threads per server.
+
+Every file read, write, copy, listing, spill write and /proc walk a call makes runs here, so one
+client copying 512 MiB never stalls another's `run_python`. The pool is one CapacityLimiter of
+FILE_WORKERS threads (a constant: the work is disk-bound, and more threads than this only queue in
+the kernel). Bulk copies (upload, download, whole-file reads) take at most BULK_WORKERS of them,
+so the light work every call does (the copy-out after a run, a spill write, a status walk) always
+finds a free thread instead of queueing behind copies of hundreds of MiB.
+
+The limiters are per event loop (anyio RunVar), as anyio's own default thread limiter is.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import anyio
+import anyio.to_thread
+from anyio.lowlevel import RunVar
+
+#: Worker threads for all blocking file and /proc work of one server.
+FILE_WORKERS = 4
+#: Of those, how many bulk copies may hold at once; the rest stay free for per-call work.
+BULK_WORKERS = FILE_WORKERS - 1
+
+T = TypeVar("T")
+
+_workers: RunVar[anyio.CapacityLimiter] = RunVar("coderunner_file_workers")
+_bulk: RunVar[anyio.CapacityLimiter] = RunVar("coderunner_bulk_workers")
+
+
+def _limiter(var: RunVar[anyio.CapacityLimiter], tokens: int) -> anyio.CapacityLimiter:
+    try:
+        return var.get()
+    except LookupError:
+        limiter = anyio.CapacityLimiter(tokens)
+        var.set(limiter)
+        return limiter
+
+
+def file_workers() -> anyio.CapacityLimiter:
+    """The shared limiter of this event loop's file worker threads."""
+    return _limiter(_workers, FILE_WORKERS)
+
+
+async def off_loop(function: Callable[..., T], *args: Any, bulk: bool = False, **kwargs: Any) -> T:
+    """`function(*args, **kwargs)` in a file worker thread; `bulk` for copies that may run for seconds.
+
+    The thread runs to its end even if the caller is cancelled (an fd-based copy is never left
+    half-way by a cancelled call; the work itself is bounded in bytes).
+    """
+    call = functools.partial(function, *args, **kwargs)
+    if not bulk:
+        return await anyio.to_thread.run_sync(call, limiter=file_workers())
+    async with _limiter(_bulk, BULK_WORKERS):
+        return await anyio.to_thread.run_sync(call, limiter=file_workers())
