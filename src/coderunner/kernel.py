@@ -164,7 +164,11 @@ class Kernel:
             await self._open_channels(self._host_side(info), deadline)
             await self._await_welcome(deadline)
         except (SandboxExited, TimeoutError, HostFsError) as exc:
-            detail = self.process.stderr_tail().strip()[-2000:] if self.process else ""
+            detail = ""
+            if self.process is not None:
+                exited = isinstance(exc, SandboxExited)
+                detail = await self.process.stderr_settled() if exited else self.process.stderr_tail()
+                detail = detail.strip()[-2000:]
             await self.shutdown()
             reason = {TimeoutError: "did not answer in time", HostFsError: f"refused its sockets: {exc}"}.get(
                 type(exc), str(exc)

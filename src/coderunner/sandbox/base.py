@@ -160,12 +160,15 @@ class SandboxProcess:
         self._process = process
         self._stderr_tail: collections.deque[bytes] = collections.deque()
         self._stderr_size = 0
+        self._stderr_done = anyio.Event()
         self.cgroup = cgroup
         #: Processes serving this sandbox from outside (e.g. its user-mode network stack).
         self.helpers = helpers or []
         self._oom_kills_at_start = cgroup.oom_kills() if cgroup else 0
         if process.stderr is not None and not pipes:
             task_group.start_soon(self._drain_stderr)
+        else:
+            self._stderr_done.set()
 
     @property
     def streams(self) -> tuple[ByteSendStream, ByteReceiveStream, ByteReceiveStream]:
@@ -198,6 +201,13 @@ class SandboxProcess:
     def stderr_tail(self) -> str:
         return b"".join(self._stderr_tail).decode("utf-8", "replace")
 
+    async def stderr_settled(self, timeout_s: float = 1.0) -> str:
+        """The stderr tail once the pipe has reached its end (bounded): an exit is often seen
+        before the last words written just before it have been read."""
+        with anyio.move_on_after(timeout_s):
+            await self._stderr_done.wait()
+        return self.stderr_tail()
+
     async def _drain_stderr(self) -> None:
         """Keep only the last STDERR_TAIL_BYTES: a sandbox may write without end."""
         assert self._process.stderr is not None
@@ -207,6 +217,7 @@ class SandboxProcess:
                 self._stderr_size += len(chunk)
                 while self._stderr_size > STDERR_TAIL_BYTES and len(self._stderr_tail) > 1:
                     self._stderr_size -= len(self._stderr_tail.popleft())
+        self._stderr_done.set()
 
     async def wait(self) -> int:
         return await self._process.wait()
