@@ -5,14 +5,22 @@ backend, namespaces, seccomp filter, memory/pids cgroups and network modes. The 
 variables travel as files in the sandbox's runtime dir; the program's stdin, stdout and stderr
 are pipes, captured within bounds (head and tail kept). At the deadline the whole sandbox is
 killed. Syntax checks run the same way, with the checker inside the sandbox.
+
+What a run costs besides the program (bench/oneshot.py --phases measures each part): the
+host dirs, whose workspace is a size-capped tmpfs (workspace.py) rather than a loop-mounted
+image; the sandbox itself (cgroups, bwrap, the seccomp filter compiled once per process);
+and a launcher only where the language needs one: Python gets its variables as globals
+from a launcher importing nothing beyond os and sys, bash is started directly (its
+variables come from a file it reads through BASH_ENV), Node.js has a preload.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -30,6 +38,15 @@ Language = Literal["python", "javascript", "bash"]
 LANGUAGES: tuple[Language, ...] = ("python", "javascript", "bash")
 SOURCE_NAMES = {"python": "main.py", "javascript": "main.js", "bash": "main.sh"}
 GUEST_MODULE = "coderunner_guest.oneshot"
+#: How a Python (or Node.js) run starts its launcher: -c skips runpy, which -m would import first.
+LAUNCHER = f"from {GUEST_MODULE.rpartition('.')[0]} import oneshot; oneshot.main()"
+#: Bash starts directly. env drops the sandbox's PYTHONPATH (as the launcher did) and points
+#: BASH_ENV at the variables file, which a non-interactive bash sources before the script.
+BASH_ARGV = ("/usr/bin/env", "-u", "PYTHONPATH")
+BASH = "/bin/bash"
+BASH_VARIABLES_NAME = "variables.sh"
+#: What check_variables lets through for bash; checked again where the names become shell text.
+BASH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: After the program ends, how long its pipes may still deliver what it wrote.
 DRAIN_WAIT_S = 2.0
 #: Bound on a syntax check (node --check of a large file is the slowest).
@@ -127,6 +144,24 @@ async def _feed(process: SandboxProcess, data: bytes) -> None:
         await stdin.aclose()
 
 
+def bash_variables(variables: dict[str, Any]) -> bytes:
+    """Shell text exporting each variable (single-quoted: nothing in a value is ever expanded)."""
+    lines = ["unset BASH_ENV"]
+    for name, value in variables.items():
+        if not BASH_NAME.match(name):
+            raise OneShotError(f"variable name {name!r} cannot be a bash variable")
+        text = value if isinstance(value, str) else "" if value is None else json.dumps(value)
+        if "\0" in text:
+            raise OneShotError(f"variable {name} holds a NUL character, which an environment variable cannot carry")
+        quoted = "'" + text.replace("'", "'\\''") + "'"
+        lines.append(f"export {name}={quoted}")
+    return ("\n".join(lines) + "\n").encode("utf-8", "surrogatepass")
+
+
+#: Gets (phase name, ms since the previous phase) when set: bench/oneshot.py's breakdown.
+PhaseSink = Callable[[str, float], None]
+
+
 @dataclass
 class OneShotRunner:
     """Runs programs in throwaway sandboxes, each on a lease of its own (leases.py), as sessions do."""
@@ -145,6 +180,8 @@ class OneShotRunner:
     _limiter: anyio.CapacityLimiter | None = None
     #: Per-caller limiters, kept only while that caller has a run waiting or going.
     _callers: dict[str, tuple[anyio.CapacityLimiter, int]] = field(default_factory=dict)
+    #: Where run() reports how long each phase took (None: not measured).
+    phases: PhaseSink | None = None
 
     @contextlib.asynccontextmanager
     async def _slot(self, wait_s: float, caller: str | None) -> AsyncIterator[None]:
@@ -218,31 +255,34 @@ class OneShotRunner:
     async def _run(
         self, language: Language, code: str, options: SandboxOptions, stdin: bytes, variables: dict[str, Any]
     ) -> OneShotResult:
-        dirs = await self.leases.open_dirs(options)
+        clock = _Clock(self.phases)
+        dirs = await self.leases.open_dirs(options, throwaway=True)
+        clock.mark("dirs")
         mounts = None
         try:
             mounts = await self._mounts(options, dirs)
-            # Inputs go to the host-only dir the sandbox sees read-only (never where it can write).
-            source = dirs.write_host_file(SOURCE_NAMES[language], code.encode("utf-8", "replace"))
-            variables_file = dirs.write_host_file("variables.json", json.dumps(variables).encode())
-            memory = options.limits.memory_mb or 0
-            argv = [self.backend.python, "-m", GUEST_MODULE, "run", language, str(source), str(variables_file),
-                    str(memory)]  # fmt: skip
+            clock.mark("mounts")
+            argv = self._program(language, code, options, dirs, variables)
             spec = sandbox_spec(options, dirs, mounts.mounts)
             stdout, stderr = BoundedBytes(self.output_limit_chars), BoundedBytes(self.output_limit_chars)
+            clock.mark("inputs")
             began = time.perf_counter()
             process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
+            clock.mark("spawn")
             try:
                 timed_out = await _collect(process, stdout, stderr, stdin, options.timeout_s)
                 elapsed_ms = (time.perf_counter() - began) * 1000
+                clock.mark("program")
                 peak = process.cgroup.memory_peak_bytes() if process.cgroup is not None else None
                 oom = process.oom_killed()
             finally:
                 with anyio.CancelScope(shield=True):
                     await process.kill()
+            clock.mark("reap")
             exit_code = None if timed_out else process.returncode
             with anyio.CancelScope(shield=True):
                 exported = mounts.note(await anyio.to_thread.run_sync(mounts.export))
+            clock.mark("export")
             err_text = stderr.text()
             if oom:
                 err_text += f"\n[killed: over the memory limit of {options.limits.memory_mb} MiB]"
@@ -265,6 +305,25 @@ class OneShotRunner:
             )
         finally:
             await self._close(dirs, mounts)
+            clock.mark("close")
+
+    def _program(
+        self, language: Language, code: str, options: SandboxOptions, dirs: SandboxDirs, variables: dict[str, Any]
+    ) -> list[str]:
+        """Write the inputs to the host-only dir the sandbox sees read-only (never where it can
+        write); the argv that runs them."""
+        source = str(dirs.write_host_file(SOURCE_NAMES[language], code.encode("utf-8", "replace")))
+        if language == "bash":
+            argv = list(BASH_ARGV)
+            if variables:
+                argv.append(f"BASH_ENV={dirs.write_host_file(BASH_VARIABLES_NAME, bash_variables(variables))}")
+            return [*argv, BASH, "--norc", "--noprofile", source]
+        # Python skips the file (and the json import) when there are none; the Node.js preload wants one.
+        variables_file = ""
+        if variables or language == "javascript":
+            variables_file = str(dirs.write_host_file("variables.json", json.dumps(variables).encode()))
+        memory = options.limits.memory_mb or 0
+        return [self.backend.python, "-c", LAUNCHER, "run", language, source, variables_file, str(memory)]
 
     async def _mounts(self, options: SandboxOptions, dirs: SandboxDirs) -> SandboxMounts:
         return await anyio.to_thread.run_sync(self.leases.prepare_mounts, options, dirs)
@@ -307,7 +366,7 @@ class OneShotRunner:
     async def _ask_now(
         self, options: SandboxOptions, command: list[str], code: str | None, name: str
     ) -> dict[str, Any]:
-        dirs = await self.leases.open_dirs(options)
+        dirs = await self.leases.open_dirs(options, throwaway=True)
         mounts = None
         try:
             mounts = await self._mounts(options, dirs)
@@ -331,6 +390,20 @@ class OneShotRunner:
             return parsed
         finally:
             await self._close(dirs, mounts)
+
+
+@dataclass
+class _Clock:
+    """Reports the time since the last mark to `sink` under each mark's name (no-op without a sink)."""
+
+    sink: PhaseSink | None
+    last: float = field(default_factory=time.perf_counter)
+
+    def mark(self, name: str) -> None:
+        if self.sink is not None:
+            now = time.perf_counter()
+            self.sink(name, (now - self.last) * 1000)
+            self.last = now
 
 
 def _int(value: Any) -> int | None:
