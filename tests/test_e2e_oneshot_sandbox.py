@@ -91,7 +91,7 @@ async def test_bash_runs_directly_and_its_variables_leave_no_trace(client: Clien
     code = (
         'echo "[${PYTHONPATH-unset}] [${BASH_ENV-unset}] [$greeting] [$n]"\n'
         "echo $(cat /proc/$PPID/comm) $(cat /proc/$$/comm)\n"
-        'bash -c \'echo "child [${greeting}] [${BASH_ENV-unset}]"\'\n'
+        "bash -c 'echo \"child [${greeting}] [${BASH_ENV-unset}]\"'\n"
         'echo tampered > "$0" 2>/dev/null && echo WROTE || echo read-only\n'
     )
     done = await execute(client, "bash", code, variables='{"greeting": "it\'s $(id) `id`", "n": 7}')
