@@ -99,3 +99,27 @@ def test_only_throwaway_workspaces_are_tmpfs(base: Path) -> None:
     finally:
         session.remove()
     assert not (base / "session").exists()
+
+
+def test_the_guest_package_is_installed_with_bytecode_the_sandbox_can_read(tmp_path: Path) -> None:
+    """The sandbox cannot write bytecode, so the host compiles the guest once, with the sandbox's Python."""
+    from coderunner.config import load_settings
+    from coderunner.sandbox.bwrap import install_guest
+
+    python = load_settings().sandbox_env / "bin" / "python"
+    if not python.exists():
+        pytest.skip("no sandbox environment here (coderunner setup)")
+    tag = subprocess.run([str(python), "-c", "import sys; print(sys.implementation.cache_tag)"],
+                         capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    guest = install_guest(tmp_path, python)
+    compiled = guest / "__pycache__" / f"oneshot.{tag}.pyc"
+    assert compiled.is_file()
+    assert compiled.stat().st_mode & 0o004 and (guest / "__pycache__").stat().st_mode & 0o005 == 0o005
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "coderunner_guest").symlink_to(guest)
+    done = subprocess.run(
+        [str(python), "-v", "-c", "import coderunner_guest.oneshot"],
+        env={"PYTHONPATH": str(tmp_path / "lib"), "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert f"code object from '{tmp_path / 'lib' / 'coderunner_guest' / '__pycache__' / compiled.name}'" in done.stderr
