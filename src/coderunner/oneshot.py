@@ -370,7 +370,7 @@ class OneShotRunner:
         mounts = None
         try:
             mounts = await self._mounts(options, dirs)
-            argv = [self.backend.python, "-m", GUEST_MODULE, *command]
+            argv = [self.backend.python, "-c", LAUNCHER, *command]
             if code is not None:
                 argv.append(str(dirs.write_host_file(name, code.encode("utf-8", "replace"))))
             answer, problems = BoundedBytes(MAX_CHECK_ANSWER_BYTES), BoundedBytes(4096)

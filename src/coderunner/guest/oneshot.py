@@ -1,7 +1,7 @@
 """One-shot runs and syntax checks, inside a throwaway sandbox (no kernel).
 
-    python -c 'from coderunner_guest.oneshot import main; main()' run LANGUAGE SOURCE VARIABLES_JSON MEMORY_MB
-    python -m coderunner_guest.oneshot check LANGUAGE SOURCE
+    python -c 'from coderunner_guest import oneshot; oneshot.main()' run LANGUAGE SOURCE VARIABLES_JSON MEMORY_MB
+    python -c 'from coderunner_guest import oneshot; oneshot.main()' check LANGUAGE SOURCE
 
 The host writes the source and the variables (JSON) as files; they reach the program as data:
 Python globals, JavaScript globals (set by a preload before the program runs). Nothing is ever
