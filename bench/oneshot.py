@@ -1,6 +1,6 @@
 """execute_code round trip per language beside the same program as a plain host subprocess.
 
-    .venv/bin/python bench/oneshot.py [--runs 20] [--phases] [--before SRC]
+    .venv/bin/python bench/oneshot.py [--runs 20] [--phases] [--before SRC] [--ready] [--gap-ms MS]
 
 Both sides run a trivial program (print one line) from nothing: CodeRunner through the official
 MCP client over stdio (a fresh throwaway sandbox per call: dirs, bwrap, seccomp, cgroups, the
@@ -9,6 +9,8 @@ in the same run. Lanes are interleaved in shuffled rounds, so that the load of a
 hits both alike; the ratio (and the difference) is the price of the sandbox for a one-shot run.
 --before SRC adds a third lane: a second server running the package found in SRC (e.g. an older
 commit's src/, from `git archive COMMIT src | tar -x -C DIR`), so before and after share a run.
+--ready adds a lane with oneshot_ready on (a sandbox started ahead); it needs time between calls
+to start the next one, which --gap-ms gives every lane alike (an agent thinks between tool calls).
 
 --phases runs the same one-shots in this process (no MCP, no server) and prints where each
 run's time goes, phase by phase, beside the plain subprocess and the sandbox's layers started
@@ -64,13 +66,17 @@ async def plain(argv: list[str]) -> None:
     await anyio.run_process(argv, check=True)
 
 
-async def interleaved(rounds: int, lanes: dict[str, Callable[[], Awaitable[None]]]) -> dict[str, list[float]]:
-    """Each lane once per round, in a fresh random order each round; ms per call."""
+async def interleaved(
+    rounds: int, lanes: dict[str, Callable[[], Awaitable[None]]], gap_ms: float = 0.0
+) -> dict[str, list[float]]:
+    """Each lane once per round, in a fresh random order each round; ms per call. `gap_ms` between
+    calls stands for an agent's time between tool calls (a sandbox started ahead has that time)."""
     samples: dict[str, list[float]] = defaultdict(list)
     for _ in range(rounds):
         order = list(lanes)
         random.shuffle(order)
         for name in order:
+            await anyio.sleep(gap_ms / 1000)
             began = time.perf_counter()
             await lanes[name]()
             samples[name].append((time.perf_counter() - began) * 1000)
@@ -95,10 +101,13 @@ def caller(client: Client, language: str) -> Callable[[], Awaitable[None]]:
     return call
 
 
-async def round_trips(runs: int, languages: list[str], before: Path | None) -> None:
+async def round_trips(runs: int, languages: list[str], before: Path | None, ready: bool, gap_ms: float) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     servers = {"ours": server_params(root / "ours")}
+    if ready:
+        servers["ready"] = server_params(root / "ready")
+        servers["ready"].env = {**(servers["ready"].env or {}), "CODERUNNER_ONESHOT_READY": "1"}
     if before is not None:
         servers["before"] = server_params(root / "before")
         servers["before"].env = {**(servers["before"].env or {}), "PYTHONPATH": str(before.resolve())}
@@ -113,11 +122,12 @@ async def round_trips(runs: int, languages: list[str], before: Path | None) -> N
                 client = await stack.enter_async_context(Client(params, read_timeout_seconds=120))
                 for language in languages:
                     lanes[f"{language}/{side}"] = caller(client, language)
-            await interleaved(2, lanes)  # warm the page cache for every lane alike
-            samples = await interleaved(runs, lanes)
+            await interleaved(2, lanes, gap_ms)  # warm the page cache for every lane alike
+            samples = await interleaved(runs, lanes, gap_ms)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"execute_code over MCP (stdio), {runs} interleaved rounds; median ms (min in brackets)")
+    gap = f", {gap_ms:g} ms between calls" if gap_ms else ", calls back to back"
+    print(f"execute_code over MCP (stdio), {runs} interleaved rounds{gap}; median ms (min in brackets)")
     print(f"{'language':12} {'side':7} {'plain':>14} {'execute_code':>14} {'p90':>7} {'ratio':>6} {'over plain':>11}")
     for language in languages:
         raw = samples[f"{language}/plain"]
@@ -129,7 +139,7 @@ async def round_trips(runs: int, languages: list[str], before: Path | None) -> N
             )
 
 
-async def phases(runs: int, languages: list[str], before: Path | None = None) -> None:
+async def phases(runs: int, languages: list[str], before: Path | None, ready: bool, gap_ms: float) -> None:
     """The runner's own phases, in process, beside the plain program and the sandbox's bare layers."""
     from coderunner.leases import SandboxLeases, sandbox_spec
     from coderunner.oneshot import OneShotRunner
@@ -158,7 +168,7 @@ async def phases(runs: int, languages: list[str], before: Path | None = None) ->
     options = sandbox_options(settings, backend, [])
     try:
         async with anyio.create_task_group() as tg:
-            runner = OneShotRunner(backend, tg, leases, output_limit_chars=10_000, phases=sink)
+            runner = OneShotRunner(backend, tg, leases, output_limit_chars=10_000, phases=sink, ready=ready)
             lanes: dict[str, Callable[[], Awaitable[None]]] = {}
             for language in languages:
 
@@ -203,15 +213,16 @@ async def phases(runs: int, languages: list[str], before: Path | None = None) ->
                 lanes["layer/cgroups+bwrap true"] = lambda: bare(True)
                 if backend.cgroups is not None and backend.cgroups.version == 1:
                     lanes["layer/cgroups but cpu+bwrap true"] = lambda: bare(True, cpu=False)
-            await interleaved(2, lanes)
+            await interleaved(2, lanes, gap_ms)
             timings.clear()
-            samples = await interleaved(runs, lanes)
+            samples = await interleaved(runs, lanes, gap_ms)
             os.close(seccomp)
             await leases.close_dirs(layer_dirs)
             tg.cancel_scope.cancel()
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"one-shot phases in process (no MCP), {runs} interleaved rounds; medians in ms")
+    started = "a sandbox started ahead for each run" if ready else "each run starts its sandbox"
+    print(f"one-shot phases in process (no MCP), {runs} interleaved rounds, {started}; medians in ms")
     head = " ".join(f"{name:>7}" for name in PHASES)
     print(f"{'language':12} {head} {'total':>7} {'plain':>7} {'ratio':>6} {'min total':>10} {'min plain':>10}")
     for language in languages:
@@ -233,8 +244,13 @@ if __name__ == "__main__":
     parser.add_argument("--phases", action="store_true", help="the breakdown per phase, in process")
     parser.add_argument("--languages", default=",".join(PROGRAMS), help="comma-separated, default all")
     parser.add_argument("--before", type=Path, help="a src/ dir holding the coderunner package to compare with")
+    parser.add_argument("--ready", action="store_true", help="add a lane (--phases: use) oneshot_ready")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="pause before each call (an agent's think time)")
     arguments = parser.parse_args()
     chosen = [name for name in arguments.languages.split(",") if name in PROGRAMS]
     if arguments.phases and arguments.before:
         parser.error("--before compares round trips; --phases measures this tree only")
-    anyio.run(phases if arguments.phases else round_trips, max(arguments.runs, 10), chosen, arguments.before)
+    anyio.run(
+        phases if arguments.phases else round_trips,
+        max(arguments.runs, 10), chosen, arguments.before, arguments.ready, arguments.gap_ms,
+    )  # fmt: skip

@@ -17,7 +17,9 @@ variables come from a file it reads through BASH_ENV), Node.js has a preload.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
+import logging
 import re
 import time
 from collections.abc import AsyncIterator, Callable
@@ -33,6 +35,8 @@ from .options import SandboxOptions
 from .sandbox import SandboxBackend, SandboxProcess
 from .sandbox_mounts import SandboxMounts
 from .session_dirs import SandboxDirs
+
+log = logging.getLogger(__name__)
 
 Language = Literal["python", "javascript", "bash"]
 LANGUAGES: tuple[Language, ...] = ("python", "javascript", "bash")
@@ -52,6 +56,10 @@ DRAIN_WAIT_S = 2.0
 #: Bound on a syntax check (node --check of a large file is the slowest).
 CHECK_TIMEOUT_S = 30.0
 MAX_CHECK_ANSWER_BYTES = 1 << 20
+#: A sandbox started ahead (OneShotRunner.ready) is dropped when no run took it this long.
+READY_IDLE_S = 60.0
+#: How long a run waits for the sandbox being started ahead for it, before starting its own.
+READY_WAIT_S = 5.0
 
 
 class OneShotError(CodeRunnerError):
@@ -162,6 +170,29 @@ def bash_variables(variables: dict[str, Any]) -> bytes:
 PhaseSink = Callable[[str, float], None]
 
 
+def _ready_key(options: SandboxOptions) -> SandboxOptions:
+    """What a sandbox started ahead must match: everything but the timeout (the host keeps that)."""
+    return dataclasses.replace(options, timeout_s=0.0)
+
+
+@dataclass(eq=False)
+class _Ready:
+    """A throwaway sandbox started ahead for runs with `key` options: used by one run, or dropped.
+
+    Its keeper task owns it while `state` is preparing or ready; a run that sets it to taken
+    (no await between the check and the change) owns it from then on.
+    """
+
+    key: SandboxOptions
+    done: anyio.Event = field(default_factory=anyio.Event)
+    #: Set when a run took it or it was dropped: the keeper stops waiting.
+    released: anyio.Event = field(default_factory=anyio.Event)
+    state: Literal["preparing", "ready", "taken", "gone"] = "preparing"
+    dirs: SandboxDirs | None = None
+    mounts: SandboxMounts | None = None
+    process: SandboxProcess | None = None
+
+
 @dataclass
 class OneShotRunner:
     """Runs programs in throwaway sandboxes, each on a lease of its own (leases.py), as sessions do."""
@@ -182,6 +213,11 @@ class OneShotRunner:
     _callers: dict[str, tuple[anyio.CapacityLimiter, int]] = field(default_factory=dict)
     #: Where run() reports how long each phase took (None: not measured).
     phases: PhaseSink | None = None
+    #: Keep one sandbox started ahead, with the options of the last run, its interpreter up and
+    #: waiting for its program (guest `wait`): a run with the same options skips the start. Each
+    #: is used once; unused for READY_IDLE_S, it is dropped.
+    ready: bool = False
+    _next: _Ready | None = None
 
     @contextlib.asynccontextmanager
     async def _slot(self, wait_s: float, caller: str | None) -> AsyncIterator[None]:
@@ -250,24 +286,45 @@ class OneShotRunner:
         caller: str | None = None,
     ) -> OneShotResult:
         async with self._slot(options.timeout_s, caller):
-            return await self._run(language, code, options, stdin, variables or {})
+            ready = await self._take_ready(options) if self.ready else None
+            try:
+                return await self._run(language, code, options, stdin, variables or {}, ready)
+            finally:
+                if self.ready:
+                    self._start_ahead(options)
 
     async def _run(
-        self, language: Language, code: str, options: SandboxOptions, stdin: bytes, variables: dict[str, Any]
+        self,
+        language: Language,
+        code: str,
+        options: SandboxOptions,
+        stdin: bytes,
+        variables: dict[str, Any],
+        ready: _Ready | None = None,
     ) -> OneShotResult:
         clock = _Clock(self.phases)
-        dirs = await self.leases.open_dirs(options, throwaway=True)
+        if ready is not None:
+            assert ready.dirs is not None and ready.mounts is not None and ready.process is not None
+            dirs, mounts = ready.dirs, ready.mounts
+        else:
+            dirs, mounts = await self.leases.open_dirs(options, throwaway=True), None
         clock.mark("dirs")
-        mounts = None
         try:
-            mounts = await self._mounts(options, dirs)
+            if mounts is None:
+                mounts = await self._mounts(options, dirs)
             clock.mark("mounts")
             argv = self._program(language, code, options, dirs, variables)
             spec = sandbox_spec(options, dirs, mounts.mounts)
             stdout, stderr = BoundedBytes(self.output_limit_chars), BoundedBytes(self.output_limit_chars)
             clock.mark("inputs")
             began = time.perf_counter()
-            process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
+            if ready is not None and ready.process is not None:
+                # Its inputs are in place: the first line tells it which one to run.
+                process, stdin = ready.process, f"{language}\n".encode() + stdin
+                if process.cgroup is not None:
+                    process.cgroup.reset_peak()  # its launcher's start is not the program's memory
+            else:
+                process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
             clock.mark("spawn")
             try:
                 timed_out = await _collect(process, stdout, stderr, stdin, options.timeout_s)
@@ -324,6 +381,73 @@ class OneShotRunner:
             variables_file = str(dirs.write_host_file("variables.json", json.dumps(variables).encode()))
         memory = options.limits.memory_mb or 0
         return [self.backend.python, "-c", LAUNCHER, "run", language, source, variables_file, str(memory)]
+
+    async def _take_ready(self, options: SandboxOptions) -> _Ready | None:
+        """The sandbox started ahead for these options, waited for (bounded) if still starting; else None."""
+        entry = self._next
+        if entry is None or entry.key != _ready_key(options):
+            return None
+        with anyio.move_on_after(READY_WAIT_S):
+            await entry.done.wait()
+        if entry.state != "ready":
+            return None
+        entry.state = "taken"
+        if self._next is entry:
+            self._next = None
+        entry.released.set()
+        assert entry.process is not None
+        if not entry.process.alive:
+            with anyio.CancelScope(shield=True):
+                await self._drop(entry)
+            return None
+        return entry
+
+    def _start_ahead(self, options: SandboxOptions) -> None:
+        """Have a sandbox for the next run with these options start now (the previous one is dropped)."""
+        key = _ready_key(options)
+        current = self._next
+        if current is not None and current.key == key and current.state in ("preparing", "ready"):
+            return
+        if current is not None:
+            self._next = None
+            current.released.set()  # its keeper drops it
+        entry = _Ready(key)
+        self._next = entry
+        self.task_group.start_soon(self._keep, entry)
+
+    async def _keep(self, entry: _Ready) -> None:
+        """Start `entry`'s sandbox, then keep it until a run takes it, it is replaced, or READY_IDLE_S pass."""
+        options = entry.key
+        try:
+            try:
+                entry.dirs = await self.leases.open_dirs(options, throwaway=True)
+                entry.mounts = await self._mounts(options, entry.dirs)
+                argv = [self.backend.python, "-c", LAUNCHER, "wait", str(entry.dirs.host_dir),
+                        str(options.limits.memory_mb or 0)]  # fmt: skip
+                spec = sandbox_spec(options, entry.dirs, entry.mounts.mounts)
+                entry.process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
+                if self._next is entry:
+                    entry.state = "ready"
+            except Exception as exc:  # a run then starts its own sandbox, and says why if it fails too
+                log.info("could not start a one-shot sandbox ahead: %s", exc)
+            finally:
+                entry.done.set()
+            if entry.state == "ready":
+                with anyio.move_on_after(READY_IDLE_S):
+                    await entry.released.wait()
+        finally:
+            if entry.state != "taken":
+                entry.state = "gone"
+                if self._next is entry:
+                    self._next = None
+                with anyio.CancelScope(shield=True):
+                    await self._drop(entry)
+
+    async def _drop(self, entry: _Ready) -> None:
+        if entry.process is not None:
+            await entry.process.kill()
+        if entry.dirs is not None:
+            await self._close(entry.dirs, entry.mounts)
 
     async def _mounts(self, options: SandboxOptions, dirs: SandboxDirs) -> SandboxMounts:
         return await anyio.to_thread.run_sync(self.leases.prepare_mounts, options, dirs)

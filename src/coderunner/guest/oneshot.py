@@ -2,6 +2,7 @@
 
     python -c 'from coderunner_guest import oneshot; oneshot.main()' run LANGUAGE SOURCE VARIABLES_JSON MEMORY_MB
     python -c 'from coderunner_guest import oneshot; oneshot.main()' check LANGUAGE SOURCE
+    python -c 'from coderunner_guest import oneshot; oneshot.main()' wait INPUTS_DIR MEMORY_MB
 
 The host writes the source and the variables (JSON) as files; they reach the program as data:
 Python globals, JavaScript globals (set by a preload before the program runs). Nothing is ever
@@ -10,7 +11,9 @@ starts it directly; its variables come from a file bash reads through BASH_ENV).
 
 A Python run pays for every import here before the user's first line, so only os and sys are
 imported up front (an empty VARIABLES_JSON means none: no json either), and the host starts
-this with -c rather than -m (runpy costs a few ms).
+this with -c rather than -m (runpy costs a few ms). `wait` is a sandbox started ahead of its
+program (see OneShotRunner.ready): it reads the language from the first line of stdin, then runs
+INPUTS_DIR/main.* as `run` would (bash: exec'd with its variables file as BASH_ENV).
 """
 
 import os
@@ -136,8 +139,48 @@ def versions():
     return found
 
 
+#: A sandbox started ahead learns its language from one line on stdin (the program's stdin follows).
+MAX_HEADER_BYTES = 64
+SOURCES = {"python": "main.py", "javascript": "main.js", "bash": "main.sh"}
+
+
+def _header():
+    """The first line of stdin, read a byte at a time so that nothing of what follows is consumed."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte or len(line) >= MAX_HEADER_BYTES:
+            raise SystemExit("coderunner: no program was sent")
+        line += byte
+    return line.decode("ascii", "replace").strip()
+
+
+def wait(inputs, memory_mb):
+    """Started before the program is known (same sandbox, same limits); runs it once told to."""
+    language = _header()
+    if language not in SOURCES:
+        raise SystemExit(f"coderunner: unknown language {language!r}")
+    source = os.path.join(inputs, SOURCES[language])
+    if language == "bash":
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        variables = os.path.join(inputs, "variables.sh")
+        if os.path.exists(variables):
+            env["BASH_ENV"] = variables
+        os.execve(BASH, [BASH, "--norc", "--noprofile", source], env)
+    variables = os.path.join(inputs, "variables.json")
+    if language == "python":
+        run_python(source, _variables(variables if os.path.exists(variables) else ""))
+    else:
+        _variables(variables)
+        run_javascript(source, variables, memory_mb)
+
+
 def main(argv=None):
     argv = sys.argv if argv is None else argv
+    if argv[1] == "wait":
+        wait(argv[2], int(argv[3]))
+        return
     if argv[1] == "versions":
         import json
 

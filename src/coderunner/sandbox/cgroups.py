@@ -62,6 +62,12 @@ class SessionCgroup:
         name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
         return _read_int(self.dirs.get("memory"), name)
 
+    def reset_peak(self) -> None:
+        """Start the peak afresh (cgroup v1; v2 keeps its own per reader)."""
+        memory = self.dirs.get("memory")
+        if memory is not None and self.version == 1:
+            _write_quietly(memory / "memory.max_usage_in_bytes", "0")
+
     def pids_current(self) -> int | None:
         return _read_int(self.dirs.get("pids"), "pids.current")
 

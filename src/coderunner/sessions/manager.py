@@ -68,6 +68,7 @@ class SessionManager:
             output_limit_chars=self.settings.output_limit_chars,
             max_concurrent=self.settings.max_oneshot_runs,
             max_per_caller=self.settings.max_oneshot_runs_per_client,
+            ready=self.settings.oneshot_ready,
         )
         return self
 
