@@ -9,6 +9,9 @@ in the same run. Lanes are interleaved in shuffled rounds, so that the load of a
 hits both alike; the ratio (and the difference) is the price of the sandbox for a one-shot run.
 --before SRC adds a third lane: a second server running the package found in SRC (e.g. an older
 commit's src/, from `git archive COMMIT src | tar -x -C DIR`), so before and after share a run.
+--cpu-weight N (with --phases) gives this bench's sandboxes a cpu weight of their own: at the
+default (session_cpu_weight 20) a sandbox gets only idle CPU, so on a busy machine the phases
+measure the load; 100 (neutral) measures the fixed cost.
 --ready adds a lane with oneshot_ready on (a sandbox started ahead); it needs time between calls
 to start the next one, which --gap-ms gives every lane alike (an agent thinks between tool calls).
 
@@ -139,7 +142,9 @@ async def round_trips(runs: int, languages: list[str], before: Path | None, read
             )
 
 
-async def phases(runs: int, languages: list[str], before: Path | None, ready: bool, gap_ms: float) -> None:
+async def phases(
+    runs: int, languages: list[str], before: Path | None, ready: bool, gap_ms: float, cpu_weight: int | None
+) -> None:
     """The runner's own phases, in process, beside the plain program and the sandbox's bare layers."""
     from coderunner.leases import SandboxLeases, sandbox_spec
     from coderunner.oneshot import OneShotRunner
@@ -159,6 +164,10 @@ async def phases(runs: int, languages: list[str], before: Path | None, ready: bo
     ensure_private_dir(settings.runtime_dir, backend.dir_mode)
     ensure_private_dir(settings.workspaces_dir, backend.dir_mode)
     leases = SandboxLeases(settings, backend, UidPool() if per_sandbox_uids(settings.sandbox_user) else None)
+    cgroups = getattr(backend, "cgroups", None)
+    if cpu_weight is not None and cgroups is not None:
+        # A parent group of this bench's own: every server on the machine shares "coderunner" and sets its weight.
+        cgroups.prefix, cgroups.cpu_weight = f"coderunner-bench-{os.getpid()}", cpu_weight
     timings: dict[str, list[float]] = defaultdict(list)
     current: list[str] = [""]
 
@@ -221,7 +230,13 @@ async def phases(runs: int, languages: list[str], before: Path | None, ready: bo
             tg.cancel_scope.cancel()
     finally:
         shutil.rmtree(root, ignore_errors=True)
+        if cpu_weight is not None and cgroups is not None:
+            for parent in cgroups.parents.values():
+                with contextlib.suppress(OSError):
+                    (parent / cgroups.prefix).rmdir()
     started = "a sandbox started ahead for each run" if ready else "each run starts its sandbox"
+    if cpu_weight is not None:
+        started += f", sandboxes' cpu weight {cpu_weight}"
     print(f"one-shot phases in process (no MCP), {runs} interleaved rounds, {started}; medians in ms")
     head = " ".join(f"{name:>7}" for name in PHASES)
     print(f"{'language':12} {head} {'total':>7} {'plain':>7} {'ratio':>6} {'min total':>10} {'min plain':>10}")
@@ -246,6 +261,7 @@ if __name__ == "__main__":
     parser.add_argument("--before", type=Path, help="a src/ dir holding the coderunner package to compare with")
     parser.add_argument("--ready", action="store_true", help="add a lane (--phases: use) oneshot_ready")
     parser.add_argument("--gap-ms", type=float, default=0.0, help="pause before each call (an agent's think time)")
+    parser.add_argument("--cpu-weight", type=int, help="--phases: the sandboxes' cpu weight (default: the setting)")
     arguments = parser.parse_args()
     chosen = [name for name in arguments.languages.split(",") if name in PROGRAMS]
     if arguments.phases and arguments.before:
@@ -253,4 +269,5 @@ if __name__ == "__main__":
     anyio.run(
         phases if arguments.phases else round_trips,
         max(arguments.runs, 10), chosen, arguments.before, arguments.ready, arguments.gap_ms,
+        *([arguments.cpu_weight] if arguments.phases else []),
     )  # fmt: skip

@@ -60,6 +60,9 @@ MAX_CHECK_ANSWER_BYTES = 1 << 20
 READY_IDLE_S = 60.0
 #: How long a run waits for the sandbox being started ahead for it, before starting its own.
 READY_WAIT_S = 5.0
+#: Bound on a sandbox started ahead saying it is up, and what it says (guest oneshot.READY).
+READY_START_S = 30.0
+READY_BYTE = b"R"
 
 
 class OneShotError(CodeRunnerError):
@@ -426,7 +429,10 @@ class OneShotRunner:
                         str(options.limits.memory_mb or 0)]  # fmt: skip
                 spec = sandbox_spec(options, entry.dirs, entry.mounts.mounts)
                 entry.process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
-                if self._next is entry:
+                # Ready once its interpreter is up and says so (the first byte of its stdout, never the program's).
+                with anyio.fail_after(READY_START_S):
+                    said = await entry.process.streams[1].receive(1)
+                if said == READY_BYTE and self._next is entry:
                     entry.state = "ready"
             except Exception as exc:  # a run then starts its own sandbox, and says why if it fails too
                 log.info("could not start a one-shot sandbox ahead: %s", exc)

@@ -155,8 +155,13 @@ def _header():
     return line.decode("ascii", "replace").strip()
 
 
+#: Written to stdout once this interpreter is up: the host takes it before the program's output.
+READY = b"R"
+
+
 def wait(inputs, memory_mb):
     """Started before the program is known (same sandbox, same limits); runs it once told to."""
+    os.write(1, READY)
     language = _header()
     if language not in SOURCES:
         raise SystemExit(f"coderunner: unknown language {language!r}")
