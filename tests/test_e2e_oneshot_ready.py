@@ -9,6 +9,7 @@ to it: nothing of one run reaches the next, and a sandbox started ahead goes awa
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -153,3 +154,20 @@ async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root:
         assert other.stdout == "5\n" and started.count("run") == 2, started
     assert [entry.name for entry in settings.runtime_dir.iterdir() if not entry.name.startswith("guest")] == []
     assert list(settings.workspaces_dir.iterdir()) == []
+
+
+async def test_a_run_refused_before_its_program_starts_leaves_no_sandbox(client: Client, dirs: ServerDirs) -> None:
+    """A sandbox started ahead is killed too when the run fails before handing it the program."""
+    await execute(client, "bash", "echo warm")
+    result = await client.call_tool(
+        "execute_code", {"language": "bash", "code": "echo $v", "variables": json.dumps({"v": "a\u0000b"})}
+    )
+    assert result.is_error and "NUL character" in text_of(result), text_of(result)
+    # Only the sandbox started ahead for the next run is left (bwrap and its pid 1).
+    assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) <= 2, timeout_s=10)
+    assert await wait_until(
+        lambda: len([entry for entry in dirs.runtime.iterdir() if not entry.name.startswith("guest")]) <= 1,
+        timeout_s=10,
+    )
+    done = await execute(client, "bash", "echo fine")
+    assert done["stdout"] == "fine\n"

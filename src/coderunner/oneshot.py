@@ -218,9 +218,12 @@ class OneShotRunner:
     phases: PhaseSink | None = None
     #: Keep one sandbox started ahead, with the options of the last run, its interpreter up and
     #: waiting for its program (guest `wait`): a run with the same options skips the start. Each
-    #: is used once; unused for READY_IDLE_S, it is dropped.
+    #: is used once; unused for READY_IDLE_S, it is dropped. Such a run's dirs are removed just
+    #: after its reply (its processes are gone before it).
     ready: bool = False
     _next: _Ready | None = None
+    #: Dirs of finished runs (with ready) being removed after their reply; at most max_concurrent.
+    _closing: int = 0
 
     @contextlib.asynccontextmanager
     async def _slot(self, wait_s: float, caller: str | None) -> AsyncIterator[None]:
@@ -364,8 +367,23 @@ class OneShotRunner:
                 exported=exported,
             )
         finally:
-            await self._close(dirs, mounts)
+            if ready is not None and ready.process is not None and ready.process.alive:
+                with anyio.CancelScope(shield=True):
+                    await ready.process.kill()  # the run failed before its program started
+            if ready is not None and self._closing < self.max_concurrent:
+                # The sandbox is dead and reaped: its dirs go while the reply does (bounded, like the runs).
+                self._closing += 1
+                self.task_group.start_soon(self._close_later, dirs, mounts)
+            else:
+                await self._close(dirs, mounts)
             clock.mark("close")
+
+    async def _close_later(self, dirs: SandboxDirs, mounts: SandboxMounts | None) -> None:
+        try:
+            with anyio.CancelScope(shield=True):
+                await self._close(dirs, mounts)
+        finally:
+            self._closing -= 1
 
     def _program(
         self, language: Language, code: str, options: SandboxOptions, dirs: SandboxDirs, variables: dict[str, Any]
