@@ -8,10 +8,11 @@ import re
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, server_env, stdio_client, text_of
+from .conftest import ServerDirs, server_env, stdio_client, text_of, wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="a capped workspace needs root (a mount)")
@@ -102,3 +103,13 @@ async def test_bash_runs_directly_and_its_variables_leave_no_trace(client: Clien
     assert lines[3] == "read-only"
     plain = await execute(client, "bash", 'echo "[${PYTHONPATH-unset}] [${BASH_ENV-unset}]"')
     assert plain["stdout"] == "[unset] [unset]\n"
+
+
+@root_only
+async def test_a_run_cut_short_by_the_server_stopping_leaves_no_mount(dirs: ServerDirs) -> None:
+    """Cancelled mid-run (its client went, the server stops): its workspace and outbox still go."""
+    async with stdio_client(server_env(dirs)) as client, anyio.create_task_group() as tg:
+        tg.start_soon(client.call_tool, "execute_code", {"language": "bash", "code": "sleep 30", "timeout_s": 60})
+        assert await wait_until(lambda: bool(host_mounts_under(dirs.root)), timeout_s=10)
+        tg.cancel_scope.cancel()
+    assert await wait_until(lambda: not host_mounts_under(dirs.root), timeout_s=10), host_mounts_under(dirs.root)

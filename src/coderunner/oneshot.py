@@ -375,7 +375,8 @@ class OneShotRunner:
                 self._closing += 1
                 self.task_group.start_soon(self._close_later, dirs, mounts)
             else:
-                await self._close(dirs, mounts)
+                with anyio.CancelScope(shield=True):  # a cancelled run (client gone, shutdown) must not leak mounts
+                    await self._close(dirs, mounts)
             clock.mark("close")
 
     async def _close_later(self, dirs: SandboxDirs, mounts: SandboxMounts | None) -> None:
@@ -537,7 +538,8 @@ class OneShotRunner:
                 raise OneShotError(f"the sandbox helper did not answer: {problems.text().strip()[-500:]}")
             return parsed
         finally:
-            await self._close(dirs, mounts)
+            with anyio.CancelScope(shield=True):
+                await self._close(dirs, mounts)
 
 
 @dataclass
