@@ -1,23 +1,50 @@
 """execute_code round trip per language beside the same program as a plain host subprocess.
 
-    .venv/bin/python bench/oneshot.py [--runs 20]
+    .venv/bin/python bench/oneshot.py [--runs 20] [--phases] [--before SRC] [--ready] [--gap-ms MS]
 
 Both sides run a trivial program (print one line) from nothing: CodeRunner through the official
 MCP client over stdio (a fresh throwaway sandbox per call: dirs, bwrap, seccomp, cgroups, the
 interpreter, teardown); the baseline as an unsandboxed subprocess of the same interpreter, timed
-in the same run. The ratio is the price of the sandbox for a one-shot run.
+in the same run. Lanes are interleaved in shuffled rounds, so that the load of a shared machine
+hits both alike; the ratio (and the difference) is the price of the sandbox for a one-shot run.
+--before SRC adds a third lane: a second server running the package found in SRC (e.g. an older
+commit's src/, from `git archive COMMIT src | tar -x -C DIR`), so before and after share a run.
+--cpu-weight N (with --phases) gives this bench's sandboxes a cpu weight of their own: at the
+default (session_cpu_weight 20) a sandbox gets only idle CPU, so on a busy machine the phases
+measure the load; 100 (neutral) measures the fixed cost.
+--ready adds a lane with oneshot_ready on (a sandbox started ahead); it needs time between calls
+to start the next one, which --gap-ms gives every lane alike (an agent thinks between tool calls).
+
+--phases runs the same one-shots in this process (no MCP, no server) and prints where each
+run's time goes, phase by phase, beside the plain subprocess and the sandbox's layers started
+by hand (bwrap alone; bwrap in the run's cgroups), all interleaved in the same rounds:
+
+    dirs     the host dirs and the workspace (a size-capped tmpfs; was a loop-mounted image)
+    mounts   configured mounts and the export outbox
+    inputs   the source (and variables) written where the sandbox reads them
+    spawn    cgroups made, the seccomp filter handed over, the process started
+    program  cgroup entry, setpriv, bwrap, prlimit, the launcher if any, the program, its exit
+    reap     the sandbox killed and reaped, its cgroups removed
+    export   the outbox copied to the client's export folder
+    close    the mounts released, the dirs and workspace removed
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import random
 import shutil
-import subprocess
+import statistics
 import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import anyio
-from latency import _passable, server_params, summarize, timed
+from latency import _passable, server_params
 from mcp import Client
 
 from coderunner.config import load_settings
@@ -27,6 +54,7 @@ PROGRAMS = {
     "javascript": "console.log('hi')",
     "bash": "echo hi",
 }
+PHASES = ("dirs", "mounts", "inputs", "spawn", "program", "reap", "export", "close")
 
 
 def baseline_argv(language: str, python: Path) -> list[str]:
@@ -37,38 +65,209 @@ def baseline_argv(language: str, python: Path) -> list[str]:
     return ["/bin/bash", "-c", PROGRAMS[language]]
 
 
-async def main(runs: int) -> None:
+async def plain(argv: list[str]) -> None:
+    await anyio.run_process(argv, check=True)
+
+
+async def interleaved(
+    rounds: int, lanes: dict[str, Callable[[], Awaitable[None]]], gap_ms: float = 0.0
+) -> dict[str, list[float]]:
+    """Each lane once per round, in a fresh random order each round; ms per call. `gap_ms` between
+    calls stands for an agent's time between tool calls (a sandbox started ahead has that time)."""
+    samples: dict[str, list[float]] = defaultdict(list)
+    for _ in range(rounds):
+        order = list(lanes)
+        random.shuffle(order)
+        for name in order:
+            await anyio.sleep(gap_ms / 1000)
+            began = time.perf_counter()
+            await lanes[name]()
+            samples[name].append((time.perf_counter() - began) * 1000)
+    return samples
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def p90(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[max(int(len(ordered) * 0.9) - 1, 0)]
+
+
+def caller(client: Client, language: str) -> Callable[[], Awaitable[None]]:
+    async def call() -> None:
+        result = await client.call_tool("execute_code", {"language": language, "code": PROGRAMS[language]})
+        if result.is_error:
+            raise RuntimeError(result.content)
+
+    return call
+
+
+async def round_trips(runs: int, languages: list[str], before: Path | None, ready: bool, gap_ms: float) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
-    rows = []
+    servers = {"ours": server_params(root / "ours")}
+    if ready:
+        servers["ready"] = server_params(root / "ready")
+        servers["ready"].env = {**(servers["ready"].env or {}), "CODERUNNER_ONESHOT_READY": "1"}
+    if before is not None:
+        servers["before"] = server_params(root / "before")
+        servers["before"].env = {**(servers["before"].env or {}), "PYTHONPATH": str(before.resolve())}
     try:
-        async with Client(server_params(root), read_timeout_seconds=120) as client:
-
-            async def one(language: str) -> None:
-                result = await client.call_tool("execute_code", {"language": language, "code": PROGRAMS[language]})
-                if result.is_error:
-                    raise RuntimeError(result.content)
-
-            for language in PROGRAMS:
-                await one(language)  # warm the page cache, as the baseline's first run does too
-                ours = await timed(runs, lambda language=language: one(language))
+        async with contextlib.AsyncExitStack() as stack:
+            lanes: dict[str, Callable[[], Awaitable[None]]] = {}
+            for language in languages:
                 argv = baseline_argv(language, settings.sandbox_env / "bin" / "python")
-                subprocess.run(argv, check=True, capture_output=True)
-
-                async def plain(argv: list[str] = argv) -> None:
-                    await anyio.run_process(argv, check=True)
-
-                raw = await timed(runs, plain)
-                rows.append((language, summarize(raw), summarize(ours)))
+                lanes[f"{language}/plain"] = lambda argv=argv: plain(argv)
+            for side, params in servers.items():
+                (root / side).mkdir(mode=0o711)
+                client = await stack.enter_async_context(Client(params, read_timeout_seconds=120))
+                for language in languages:
+                    lanes[f"{language}/{side}"] = caller(client, language)
+            await interleaved(2, lanes, gap_ms)  # warm the page cache for every lane alike
+            samples = await interleaved(runs, lanes, gap_ms)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{'language':12} {'plain subprocess ms':>20} {'execute_code ms':>16} {'p90 ms':>8} {'ratio':>7}")
-    for language, raw, ours in rows:
-        ratio = ours["median_ms"] / raw["median_ms"]
-        print(f"{language:12} {raw['median_ms']:20.1f} {ours['median_ms']:16.1f} {ours['p90_ms']:8.1f} {ratio:6.1f}x")
+    gap = f", {gap_ms:g} ms between calls" if gap_ms else ", calls back to back"
+    print(f"execute_code over MCP (stdio), {runs} interleaved rounds{gap}; median ms (min in brackets)")
+    print(f"{'language':12} {'side':7} {'plain':>14} {'execute_code':>14} {'p90':>7} {'ratio':>6} {'over plain':>11}")
+    for language in languages:
+        raw = samples[f"{language}/plain"]
+        for side in servers:
+            ours = samples[f"{language}/{side}"]
+            print(
+                f"{language:12} {side:7} {median(raw):6.1f} [{min(raw):5.1f}] {median(ours):6.1f} [{min(ours):5.1f}] "
+                f"{p90(ours):7.1f} {median(ours) / median(raw):5.1f}x {median(ours) - median(raw):11.1f}"
+            )
+
+
+async def phases(
+    runs: int, languages: list[str], before: Path | None, ready: bool, gap_ms: float, cpu_weight: int | None
+) -> None:
+    """The runner's own phases, in process, beside the plain program and the sandbox's bare layers."""
+    from coderunner.leases import SandboxLeases, sandbox_spec
+    from coderunner.oneshot import OneShotRunner
+    from coderunner.options import sandbox_options
+    from coderunner.sandbox import UidPool, ensure_private_dir, make_backend, per_sandbox_uids
+    from coderunner.sandbox.bwrap import BwrapBackend
+    from coderunner.sandbox.cgroups import CgroupLimits, SessionCgroup, enter_command
+
+    root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
+    os.environ.update(
+        CODERUNNER_CONFIG=str(root / "no-such-config.toml"),
+        CODERUNNER_RUNTIME_DIR=str(root / "run"),
+        CODERUNNER_WORKSPACES_DIR=str(root / "workspaces"),
+    )
+    settings = load_settings()
+    backend = make_backend(settings)
+    ensure_private_dir(settings.runtime_dir, backend.dir_mode)
+    ensure_private_dir(settings.workspaces_dir, backend.dir_mode)
+    leases = SandboxLeases(settings, backend, UidPool() if per_sandbox_uids(settings.sandbox_user) else None)
+    cgroups = getattr(backend, "cgroups", None)
+    if cpu_weight is not None and cgroups is not None:
+        # A parent group of this bench's own: every server on the machine shares "coderunner" and sets its weight.
+        cgroups.prefix, cgroups.cpu_weight = f"coderunner-bench-{os.getpid()}", cpu_weight
+    timings: dict[str, list[float]] = defaultdict(list)
+    current: list[str] = [""]
+
+    def sink(name: str, ms: float) -> None:
+        timings[f"{current[0]}/{name}"].append(ms)
+
+    options = sandbox_options(settings, backend, [])
+    try:
+        async with anyio.create_task_group() as tg:
+            runner = OneShotRunner(backend, tg, leases, output_limit_chars=10_000, phases=sink, ready=ready)
+            lanes: dict[str, Callable[[], Awaitable[None]]] = {}
+            for language in languages:
+
+                async def run(language: str = language) -> None:
+                    current[0] = language
+                    result = await runner.run(language, PROGRAMS[language], options)  # type: ignore[arg-type]
+                    if not result.success:
+                        raise RuntimeError(result.stderr)
+
+                argv = baseline_argv(language, settings.sandbox_env / "bin" / "python")
+                lanes[f"{language}/plain"] = lambda argv=argv: plain(argv)
+                lanes[f"{language}/ours"] = run
+            # The bare layers: /bin/true in bwrap (as the run's user, with its seccomp filter), then in cgroups too.
+            layer_dirs = await leases.open_dirs(options, throwaway=True)
+            spec = sandbox_spec(options, layer_dirs, ())
+            seccomp = os.memfd_create("bench-seccomp", 0)
+            os.write(seccomp, backend.seccomp_filter if isinstance(backend, BwrapBackend) else b"")
+            if isinstance(backend, BwrapBackend):
+
+                def bwrap_argv() -> list[str]:
+                    os.lseek(seccomp, 0, os.SEEK_SET)
+                    full = backend.command.argv(spec, ["/bin/true"], seccomp_fd=seccomp)
+                    return [*spec.user.setpriv_prefix(), *full] if spec.user is not None else full
+
+                async def bare(cgroups: bool, cpu: bool = True) -> None:
+                    argv = bwrap_argv()
+                    group = None
+                    if cgroups and backend.cgroups is not None:
+                        group = backend.cgroups.create("bench-layers", CgroupLimits(2**30, 256, None))
+                        entered = group
+                        if not cpu:
+                            entered = SessionCgroup(group.version, {k: v for k, v in group.dirs.items() if k != "cpu"})
+                        argv = enter_command(entered, argv)
+                    try:
+                        await anyio.run_process(argv, check=True, pass_fds=(seccomp,))
+                    finally:
+                        if group is not None:
+                            group.remove()
+
+                lanes["layer/true"] = lambda: plain(["/bin/true"])
+                lanes["layer/bwrap true"] = lambda: bare(False)
+                lanes["layer/cgroups+bwrap true"] = lambda: bare(True)
+                if backend.cgroups is not None and backend.cgroups.version == 1:
+                    lanes["layer/cgroups but cpu+bwrap true"] = lambda: bare(True, cpu=False)
+            await interleaved(2, lanes, gap_ms)
+            timings.clear()
+            samples = await interleaved(runs, lanes, gap_ms)
+            os.close(seccomp)
+            await leases.close_dirs(layer_dirs)
+            tg.cancel_scope.cancel()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if cpu_weight is not None and cgroups is not None:
+            for parent in cgroups.parents.values():
+                with contextlib.suppress(OSError):
+                    (parent / cgroups.prefix).rmdir()
+    started = "a sandbox started ahead for each run" if ready else "each run starts its sandbox"
+    if cpu_weight is not None:
+        started += f", sandboxes' cpu weight {cpu_weight}"
+    print(f"one-shot phases in process (no MCP), {runs} interleaved rounds, {started}; medians in ms")
+    head = " ".join(f"{name:>7}" for name in PHASES)
+    print(f"{'language':12} {head} {'total':>7} {'plain':>7} {'ratio':>6} {'min total':>10} {'min plain':>10}")
+    for language in languages:
+        parts = " ".join(f"{median(timings[f'{language}/{name}']):7.2f}" for name in PHASES)
+        ours, raw = samples[f"{language}/ours"], samples[f"{language}/plain"]
+        total, plain_ms = median(ours), median(raw)
+        ratio = total / plain_ms
+        print(f"{language:12} {parts} {total:7.2f} {plain_ms:7.2f} {ratio:5.1f}x {min(ours):10.2f} {min(raw):10.2f}")
+    print("the sandbox's layers around /bin/true (ms, median [min]); the sessions' cpu cgroup has a low weight")
+    print("(session_cpu_weight): on a busy machine a sandbox gets only idle CPU, so the cpu lane pays for the load")
+    for name in ("layer/true", "layer/bwrap true", "layer/cgroups+bwrap true", "layer/cgroups but cpu+bwrap true"):
+        if name in samples:
+            print(f"{name:36} {median(samples[name]):7.2f} [{min(samples[name]):6.2f}]")
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--runs", type=int, default=20, help="calls per language and side (at least 10)")
-    anyio.run(main, max(parser.parse_args().runs, 10))
+    parser.add_argument("--runs", type=int, default=20, help="interleaved rounds (at least 10)")
+    parser.add_argument("--phases", action="store_true", help="the breakdown per phase, in process")
+    parser.add_argument("--languages", default=",".join(PROGRAMS), help="comma-separated, default all")
+    parser.add_argument("--before", type=Path, help="a src/ dir holding the coderunner package to compare with")
+    parser.add_argument("--ready", action="store_true", help="add a lane (--phases: use) oneshot_ready")
+    parser.add_argument("--gap-ms", type=float, default=0.0, help="pause before each call (an agent's think time)")
+    parser.add_argument("--cpu-weight", type=int, help="--phases: the sandboxes' cpu weight (default: the setting)")
+    arguments = parser.parse_args()
+    chosen = [name for name in arguments.languages.split(",") if name in PROGRAMS]
+    if arguments.phases and arguments.before:
+        parser.error("--before compares round trips; --phases measures this tree only")
+    anyio.run(
+        phases if arguments.phases else round_trips,
+        max(arguments.runs, 10), chosen, arguments.before, arguments.ready, arguments.gap_ms,
+        *([arguments.cpu_weight] if arguments.phases else []),
+    )  # fmt: skip

@@ -179,6 +179,11 @@ class Settings(BaseSettings):
     max_oneshot_runs_per_client: int = Field(
         default=2, ge=1, description="One-shot sandboxes one HTTP client may run at once; more wait for its own slot."
     )
+    oneshot_ready: bool = Field(
+        default=False,
+        description="Keep one execute_code sandbox started ahead (options of the last run; each used once, "
+        "dropped after 60 s unused): a run skips the sandbox's start.",
+    )
     idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
     pool_size: int = Field(
         default=2,

@@ -36,9 +36,12 @@ class SandboxLeases:
     #: A root server's per-sandbox host uids (None: all sandboxes run as one user).
     users: UidPool | None = None
 
-    async def open_dirs(self, options: SandboxOptions) -> SandboxDirs:
+    async def open_dirs(self, options: SandboxOptions, throwaway: bool = False) -> SandboxDirs:
         """A sandbox's host side (see session_dirs.py), made in a worker thread: creating a capped
-        workspace runs mkfs and mount. Raises SessionError."""
+        workspace runs mkfs and mount. Raises SessionError.
+
+        `throwaway` (a one-shot run): the capped workspace is a tmpfs, at most the memory limit in size.
+        """
         stable = f"named/{options.client}/{options.name}" if options.persistent else None
         user = self.users.allocate(stable) if self.users is not None else self.backend.identity
 
@@ -49,8 +52,11 @@ class SandboxLeases:
                                            self.backend.dir_mode)  # fmt: skip
             else:
                 path = self.settings.workspaces_dir / key
+            size_mb = options.limits.disk_mb
+            if throwaway and size_mb is not None and options.limits.memory_mb:
+                size_mb = min(size_mb, options.limits.memory_mb)
             workspace = Workspace.create(
-                path, options.limits.disk_mb, self.settings.workspace_quota, persistent=options.persistent
+                path, size_mb, self.settings.workspace_quota, persistent=options.persistent, throwaway=throwaway
             )
             try:
                 if owner is not None:

@@ -2,6 +2,8 @@
 
 As root, the workspace is a sparse ext4 image loop-mounted on the workspace dir (nosuid,
 nodev): filling it gives ENOSPC inside the sandbox and costs the host at most its size.
+A throwaway workspace (a one-shot run's, gone with the run) is a size-capped tmpfs instead:
+one mount syscall rather than mkfs and a loop device (about 12 ms to make and 6 ms to remove).
 Without root there is no portable way to cap a directory, so the cap is reported as not
 enforced (the sandbox's /tmp is size-capped either way).
 """
@@ -9,6 +11,8 @@ enforced (the sandbox's /tmp is size-capped either way).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import fcntl
 import logging
 import os
@@ -19,13 +23,19 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from . import hostfs
+from . import hostfs, staging
 from .errors import CodeRunnerError
 
 log = logging.getLogger(__name__)
 
 #: Bound on each mkfs/mount/umount call.
 COMMAND_TIMEOUT_S = 30
+#: mount(2) flags of a throwaway workspace's tmpfs.
+MS_NOSUID, MS_NODEV = 2, 4
+#: Inodes per MiB of a tmpfs workspace: mkfs.ext4's default ratio (one per 16 KiB), so that
+#: a flood of empty files is bounded as on an image.
+TMPFS_INODES_PER_MB = 64
+_libc = ctypes.CDLL(None, use_errno=True)
 
 
 class WorkspaceError(CodeRunnerError):
@@ -64,13 +74,32 @@ class Workspace:
     #: A persistent workspace that existed before: its files were written by earlier sandboxes.
     reopened: bool = False
 
+    #: A size-capped tmpfs is mounted on `path` (a throwaway workspace).
+    tmpfs: bool = False
+
     @property
     def enforced_by(self) -> str | None:
+        if self.tmpfs:
+            return "tmpfs"
         return "loop-mounted ext4 image" if self.image is not None else None
 
     @classmethod
-    def create(cls, path: Path, size_mb: int | None, use_quota: bool, persistent: bool = False) -> Workspace:
-        """A fresh workspace, or for a persistent one the existing folder (or image) with its files."""
+    def create(
+        cls, path: Path, size_mb: int | None, use_quota: bool, persistent: bool = False, throwaway: bool = False
+    ) -> Workspace:
+        """A fresh workspace, or for a persistent one the existing folder (or image) with its files.
+
+        `throwaway`: a capped workspace is a tmpfs rather than an image (RAM-backed: the caller
+        sizes it; its pages are charged to the memory cgroup of the sandbox that writes them).
+        """
+        if throwaway and not persistent and size_mb is not None and use_quota and quota_problem() is None:
+            path.mkdir(mode=0o755)
+            try:
+                _mount_tmpfs(path, size_mb)
+            except OSError:
+                path.rmdir()
+                raise
+            return cls(path, size_mb, tmpfs=True)
         lock_fd = _lock_named(path) if persistent else None
         try:
             image = path.with_name(path.name + ".img")
@@ -102,6 +131,12 @@ class Workspace:
 
     def remove(self) -> None:
         """Delete a temporary workspace; a persistent one is only unmounted, its files kept."""
+        if self.tmpfs and staging.detach(self.path):
+            # The files went with the mount (nothing holds it once the sandbox is gone).
+            with contextlib.suppress(FileNotFoundError):
+                self.path.rmdir()
+            if not os.path.lexists(self.path):
+                return
         if self.persistent:
             if os.path.ismount(self.path):
                 with contextlib.suppress(WorkspaceError):
@@ -111,6 +146,14 @@ class Workspace:
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None
+
+
+def _mount_tmpfs(path: Path, size_mb: int) -> None:
+    """Mount a tmpfs of `size_mb` MiB (and as many inodes as an image of that size) on `path`."""
+    options = f"size={size_mb}m,nr_inodes={max(size_mb * TMPFS_INODES_PER_MB, 1024)},mode=0755"
+    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", ctypes.c_ulong(MS_NOSUID | MS_NODEV), options.encode()):
+        code = ctypes.get_errno() or errno.EIO
+        raise OSError(code, f"could not mount a tmpfs workspace on {path}: {os.strerror(code)}")
 
 
 #: Persistent workspaces live in NAMED_DIR/<client>/<name> (with <name>.img and <name>.lock beside).

@@ -1,20 +1,23 @@
 """One-shot runs and syntax checks, inside a throwaway sandbox (no kernel).
 
-    python -m coderunner_guest.oneshot run LANGUAGE SOURCE VARIABLES_JSON
-    python -m coderunner_guest.oneshot check LANGUAGE SOURCE
+    python -c 'from coderunner_guest import oneshot; oneshot.main()' run LANGUAGE SOURCE VARIABLES_JSON MEMORY_MB
+    python -c 'from coderunner_guest import oneshot; oneshot.main()' check LANGUAGE SOURCE
+    python -c 'from coderunner_guest import oneshot; oneshot.main()' wait INPUTS_DIR MEMORY_MB
 
 The host writes the source and the variables (JSON) as files; they reach the program as data:
-Python globals, JavaScript globals (set by a preload before the program runs), or environment
-variables for bash. Nothing is ever pasted into source text. `check` prints one JSON object.
+Python globals, JavaScript globals (set by a preload before the program runs). Nothing is ever
+pasted into source text. `check` prints one JSON object. Bash runs without this launcher (the host
+starts it directly; its variables come from a file bash reads through BASH_ENV).
+
+A Python run pays for every import here before the user's first line, so only os and sys are
+imported up front (an empty VARIABLES_JSON means none: no json either), and the host starts
+this with -c rather than -m (runpy costs a few ms). `wait` is a sandbox started ahead of its
+program (see OneShotRunner.ready): it reads the language from the first line of stdin, then runs
+INPUTS_DIR/main.* as `run` would (bash: exec'd with its variables file as BASH_ENV).
 """
 
-import json
 import os
-import re
-import resource
-import subprocess
 import sys
-import traceback
 
 NODE = "/usr/bin/node"
 BASH = "/bin/bash"
@@ -22,13 +25,16 @@ PRELOAD = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preload.cjs"
 #: The JavaScript preload finds the variables file through this and removes it from the environment.
 VARIABLES_ENV = "CODERUNNER_VARIABLES_FILE"
 CHECK_TIMEOUT_S = 30
-NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 def _variables(path):
+    if not path:
+        return {}
+    import json
+
     with open(path, encoding="utf-8") as handle:
         variables = json.load(handle)
-    if not isinstance(variables, dict) or not all(NAME.match(name) for name in variables):
+    if not isinstance(variables, dict) or not all(isinstance(name, str) and name.isidentifier() for name in variables):
         raise SystemExit("coderunner: bad variables file")  # the host validated them; never expected
     return variables
 
@@ -36,6 +42,8 @@ def _variables(path):
 def _lift_address_space_limit():
     """V8 reserves far more address space than it uses: where the memory cgroup bounds real use
     (the hard RLIMIT_AS is then unlimited), drop the soft limit for Node itself."""
+    import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     if hard == resource.RLIM_INFINITY and soft != hard:
         resource.setrlimit(resource.RLIMIT_AS, (hard, hard))
@@ -53,6 +61,8 @@ def run_python(source, variables):
     except SystemExit:
         raise
     except BaseException as exc:
+        import traceback
+
         # The user's frames only: drop this launcher's own.
         traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
         sys.exit(1)
@@ -66,16 +76,10 @@ def run_javascript(source, variables_path, memory_mb):
     os.execve(NODE, argv, {**os.environ, VARIABLES_ENV: variables_path})
 
 
-def run_bash(source, variables):
-    env = dict(os.environ)
-    env.pop("PYTHONPATH", None)
-    for name, value in variables.items():
-        env[name] = value if isinstance(value, str) else "" if value is None else json.dumps(value)
-    os.execve(BASH, [BASH, "--norc", "--noprofile", source], env)
-
-
 def check(language, source):
     """Syntax errors as [{line, column, message}]; column is None where the tool gives none."""
+    import subprocess
+
     if language == "python":
         with open(source, encoding="utf-8") as handle:
             text = handle.read()
@@ -94,6 +98,8 @@ def check(language, source):
 
 def _node_errors(stderr, source):
     """node --check prints 'FILE:LINE', the line, a caret line, then 'SyntaxError: message'."""
+    import re
+
     lines = stderr.splitlines()
     line = column = None
     message = next((text for text in lines if re.match(r"\w*Error:", text)), stderr.strip()[-500:])
@@ -109,6 +115,8 @@ def _node_errors(stderr, source):
 
 def _bash_errors(stderr, source):
     """bash -n gives 'FILE: line N: message' and no column."""
+    import re
+
     errors = []
     for text in stderr.splitlines():
         found = re.match(re.escape(source) + r": line (\d+): (.*)", text)
@@ -119,6 +127,8 @@ def _bash_errors(stderr, source):
 
 def versions():
     """What each language runs on, as the sandbox sees it."""
+    import subprocess
+
     found = {"python": sys.version.split()[0]}
     for language, argv in (("javascript", [NODE, "--version"]), ("bash", [BASH, "--version"])):
         try:
@@ -129,13 +139,63 @@ def versions():
     return found
 
 
-def main(argv):
+#: A sandbox started ahead learns its language from one line on stdin (the program's stdin follows).
+MAX_HEADER_BYTES = 64
+SOURCES = {"python": "main.py", "javascript": "main.js", "bash": "main.sh"}
+
+
+def _header():
+    """The first line of stdin, read a byte at a time so that nothing of what follows is consumed."""
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(0, 1)
+        if not byte or len(line) >= MAX_HEADER_BYTES:
+            raise SystemExit("coderunner: no program was sent")
+        line += byte
+    return line.decode("ascii", "replace").strip()
+
+
+#: Written to stdout once this interpreter is up: the host takes it before the program's output.
+READY = b"R"
+
+
+def wait(inputs, memory_mb):
+    """Started before the program is known (same sandbox, same limits); runs it once told to."""
+    os.write(1, READY)
+    language = _header()
+    if language not in SOURCES:
+        raise SystemExit(f"coderunner: unknown language {language!r}")
+    source = os.path.join(inputs, SOURCES[language])
+    if language == "bash":
+        env = dict(os.environ)
+        env.pop("PYTHONPATH", None)
+        variables = os.path.join(inputs, "variables.sh")
+        if os.path.exists(variables):
+            env["BASH_ENV"] = variables
+        os.execve(BASH, [BASH, "--norc", "--noprofile", source], env)
+    variables = os.path.join(inputs, "variables.json")
+    if language == "python":
+        run_python(source, _variables(variables if os.path.exists(variables) else ""))
+    else:
+        _variables(variables)
+        run_javascript(source, variables, memory_mb)
+
+
+def main(argv=None):
+    argv = sys.argv if argv is None else argv
+    if argv[1] == "wait":
+        wait(argv[2], int(argv[3]))
+        return
     if argv[1] == "versions":
+        import json
+
         _lift_address_space_limit()
         print(json.dumps(versions()))
         return
     command, language, source = argv[1:4]
     if command == "check":
+        import json
+
         print(json.dumps({"errors": check(language, source)}))
         return
     variables_path = argv[4]
@@ -146,7 +206,7 @@ def main(argv):
         _variables(variables_path)
         run_javascript(source, variables_path, memory_mb)
     else:
-        run_bash(source, _variables(variables_path))
+        raise SystemExit(f"coderunner: no launcher for {language}")  # bash starts without one
 
 
 if __name__ == "__main__":

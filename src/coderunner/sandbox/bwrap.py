@@ -59,6 +59,8 @@ PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs", "irq", "bus")
 NETWORK_SETUP_TIMEOUT_S = 10.0
 #: Bound on waiting for bwrap's child to set up its loopback before slirp4netns starts.
 LOOPBACK_WAIT_S = 3.0
+#: Bound on compiling the guest package once at start.
+GUEST_COMPILE_TIMEOUT_S = 60
 
 
 class BwrapUnavailable(SandboxUnavailable):
@@ -162,11 +164,13 @@ def _mount_binds(spec: SandboxSpec) -> list[str]:
     return args
 
 
-def install_guest(runtime_base: Path) -> Path:
+def install_guest(runtime_base: Path, python: Path | None = None) -> Path:
     """Copy the guest package under the runtime dir, named by its content hash.
 
     A copy, not the package dir itself: the sandbox user must be able to reach it (the package
-    may sit under /root), and a server of another version may share the runtime dir.
+    may sit under /root), and a server of another version may share the runtime dir. `python`
+    (the sandbox's) compiles it there once: the sandbox cannot write bytecode, so without this
+    every sandbox would compile what it imports (a one-shot's launcher, a kernel's extension).
     """
     files = sorted(path for pattern in ("*.py", "*.cjs") for path in GUEST_SOURCE.glob(pattern))
     digest = hashlib.sha256(b"".join(path.name.encode() + path.read_bytes() for path in files)).hexdigest()[:12]
@@ -178,11 +182,25 @@ def install_guest(runtime_base: Path) -> Path:
         for path in files:
             shutil.copyfile(path, staging / path.name)
             os.chmod(staging / path.name, 0o644)
+        if python is not None:
+            _compile_guest(python, staging)
         try:
             os.rename(staging, target)
         except OSError:
             shutil.rmtree(staging, ignore_errors=True)  # another server got there first
     return target
+
+
+def _compile_guest(python: Path, folder: Path) -> None:
+    """Bytecode for the guest's modules, made by the sandbox's interpreter (its version's tag)."""
+    try:
+        subprocess.run([str(python), "-m", "compileall", "-q", str(folder)], stdin=subprocess.DEVNULL,
+                       capture_output=True, timeout=GUEST_COMPILE_TIMEOUT_S, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("could not precompile the guest package (sandboxes will compile it): %s", exc)
+        return
+    for path in folder.rglob("*"):
+        os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
 def _count_tasks(uid: int) -> int:
@@ -226,7 +244,7 @@ class BwrapBackend:
         self.identity = identity
         self.dir_mode = shared_dir_mode(identity)
         ensure_private_dir(runtime_base, self.dir_mode)
-        guest_dir = install_guest(runtime_base)
+        guest_dir = install_guest(runtime_base, env_dir / "bin" / "python")
         if identity is not None:
             try:
                 identity.check_reachable(env_dir / "bin" / "python")

@@ -28,6 +28,9 @@ CPU_PERIOD_US = 100_000
 DEFAULT_CPU_WEIGHT = 20
 #: Bound on waiting for a killed cgroup to empty before removing it.
 REMOVE_WAIT_S = 3.0
+#: First and longest pause between tries to remove a cgroup whose last tasks are still exiting.
+REMOVE_FIRST_PAUSE_S = 0.001
+REMOVE_PAUSE_S = 0.02
 
 
 class CgroupsUnavailable(RuntimeError):
@@ -58,6 +61,12 @@ class SessionCgroup:
     def memory_peak_bytes(self) -> int | None:
         name = "memory.max_usage_in_bytes" if self.version == 1 else "memory.peak"
         return _read_int(self.dirs.get("memory"), name)
+
+    def reset_peak(self) -> None:
+        """Start the peak afresh (cgroup v1; v2 keeps its own per reader)."""
+        memory = self.dirs.get("memory")
+        if memory is not None and self.version == 1:
+            _write_quietly(memory / "memory.max_usage_in_bytes", "0")
 
     def pids_current(self) -> int | None:
         return _read_int(self.dirs.get("pids"), "pids.current")
@@ -92,6 +101,7 @@ class SessionCgroup:
         self.kill_all()
         deadline = time.monotonic() + REMOVE_WAIT_S
         for path in self.dirs.values():
+            pause = REMOVE_FIRST_PAUSE_S
             while True:
                 try:
                     path.rmdir()
@@ -102,7 +112,10 @@ class SessionCgroup:
                     if time.monotonic() > deadline:
                         break
                     self.kill_all()
-                    time.sleep(0.02)
+                    # A sandbox reaped a moment ago often leaves its cgroup busy for a millisecond
+                    # or two (its last tasks still exiting): look again soon, then less often.
+                    time.sleep(pause)
+                    pause = min(pause * 2, REMOVE_PAUSE_S)
 
 
 def _write_quietly(path: Path, value: str) -> None:

@@ -92,6 +92,7 @@ class SessionManager:
             max_concurrent=self.settings.max_oneshot_runs,
             max_per_caller=self.settings.max_oneshot_runs_per_client,
             egress=self.egress,
+            ready=self.settings.oneshot_ready,
         )
         if self.pool.enabled and self.settings.network != "allowlist":
             # An allowlist sandbox's proxy is labelled with its session in the audit log: start cold.
