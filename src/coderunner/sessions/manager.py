@@ -26,6 +26,7 @@ from ..owners import LOCAL_CLIENT
 from ..sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
 from ..session_dirs import remove_stale_dirs
 from ..startup_hooks import disable_startup_hooks
+from .jobs import JobTable
 from .session import Session
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,8 @@ class SessionManager:
         self.leases = SandboxLeases(settings, backend, UidPool() if per_sandbox_uids(settings.sandbox_user) else None)
         #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
         self.oneshot: OneShotRunner
+        #: execute_code runs that outlived their call (sessions' own jobs are in each session).
+        self.jobs: JobTable
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -61,6 +64,7 @@ class SessionManager:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._reap_idle)
+        self.jobs = JobTable(self._task_group)
         self.oneshot = OneShotRunner(
             backend=self.backend,
             task_group=self._task_group,

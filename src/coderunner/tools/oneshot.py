@@ -9,10 +9,12 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
-from ..oneshot import OneShotError
+from ..oneshot import OneShotError, OneShotResult
+from ..sessions.jobs import Job, attend, label_of
 from ..variables import check_variables, parse_variables
-from .arguments import LanguageArg, MemoryMb, NetworkArg, VariablesArg
+from .arguments import DetachAfter, LanguageArg, MemoryMb, NetworkArg, VariablesArg
 from .context import ToolContext, json_result
+from .jobs import oneshot_job_reply, oneshot_status
 
 #: Largest stdin execute_code passes on.
 MAX_STDIN_CHARS = 4 * 2**20
@@ -32,17 +34,33 @@ def register(tools: ToolContext) -> None:
         timeout_s: Annotated[float, Field(ge=1)] = settings.timeout_s,
         memory_mb: MemoryMb = settings.memory_mb,
         network: NetworkArg = settings.network,
+        detach_after_s: DetachAfter = None,
     ) -> CallToolResult:
         """Run a whole program once in a fresh sandbox, nothing kept (javascript: Node.js). Returns exit_code,
-        stdout, stderr, timed_out, time and memory used."""
+        stdout, stderr, timed_out, time and memory used; or a job id (detach_after_s)."""
         if len(stdin) > MAX_STDIN_CHARS:
             raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
         values = check_variables(parse_variables(variables), language)
         options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
-        result = await manager.oneshot.run(
-            language, code, options, stdin=stdin.encode(), variables=values, caller=tools.share(ctx)
-        )
-        return json_result(asdict(result), is_error=not result.success)
+        share = tools.share(ctx)
+
+        async def work(job: Job) -> OneShotResult:
+            return await manager.oneshot.run(language, code, options, stdin=stdin.encode(), variables=values,
+                                             caller=share)  # fmt: skip
+
+        table = manager.jobs
+        job = Job(job_id=table.new_id(), kind="execute_code", label=label_of(code), owner=tools.caller(ctx))
+        table.start(job, work, oneshot_status)
+        wait = settings.detach_after_s if detach_after_s is None else detach_after_s
+        if not await attend(job, wait):
+            job.detached = True
+            return oneshot_job_reply(job)
+        table.forget(job)
+        if job.failure is not None:
+            raise job.failure
+        if not isinstance(job.result, OneShotResult):
+            raise OneShotError(job.notice or "the run ended without a result")
+        return json_result(asdict(job.result), is_error=not job.result.success)
 
     @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
