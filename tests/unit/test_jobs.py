@@ -28,7 +28,7 @@ def ticks(seen: str) -> list[str]:
 
 async def test_a_detached_job_runs_on_and_each_read_gives_only_what_is_new(manager: SessionManager) -> None:
     session = await manager.resolve(None)
-    job = session.start_run(TICKING.format(n=15), None)
+    job = await session.start_run(TICKING.format(n=15), None)
     assert not await attend(job, 1.0)
     job.detached = True
     assert job.output is not None
@@ -47,7 +47,7 @@ async def test_a_detached_job_runs_on_and_each_read_gives_only_what_is_new(manag
 async def test_a_caller_cancelled_before_detaching_interrupts_the_cell(manager: SessionManager) -> None:
     session = await manager.resolve(None)
     await run(session, "kept = 7")
-    job = session.start_run(LONG_CELL, None)
+    job = await session.start_run(LONG_CELL, None)
     with anyio.move_on_after(1.0):
         await attend(job, None)
     assert not job.running and job.status is JobStatus.INTERRUPTED
@@ -56,7 +56,7 @@ async def test_a_caller_cancelled_before_detaching_interrupts_the_cell(manager: 
 
 async def test_a_caller_cancelled_after_detaching_leaves_the_job_running(manager: SessionManager) -> None:
     session = await manager.resolve(None)
-    job = session.start_run(TICKING.format(n=10), None, owner="x")
+    job = await session.start_run(TICKING.format(n=10), None, owner="x")
     job.detached = True
     with anyio.move_on_after(0.5):
         await attend(job, None)
@@ -68,7 +68,7 @@ async def test_cancel_interrupts_and_keeps_state(manager: SessionManager) -> Non
     session = await manager.resolve(None)
     await run(session, "kept = 7")
     before = session.generation
-    job = session.start_run("print('started', flush=True)\n" + LONG_CELL, None)
+    job = await session.start_run("print('started', flush=True)\n" + LONG_CELL, None)
     await until(lambda: job.output is not None and "started" in job.output.tail_text(), "the cell to start")
     assert await cancel(job, WAIT_S)
     assert job.status is JobStatus.INTERRUPTED and not job.state_lost
@@ -86,7 +86,7 @@ async def test_cancel_restarts_a_kernel_that_ignores_the_interrupt_and_says_stat
     session = await manager.resolve(None)
     await run(session, "kept = 7")
     before, _ = session.kernel_state()
-    job = session.start_run(LONG_CELL, None)
+    job = await session.start_run(LONG_CELL, None)
     await until(lambda: session.busy, "the cell to start")
     assert await cancel(job, WAIT_S)
     assert job.status is JobStatus.INTERRUPTED and job.state_lost
@@ -98,7 +98,7 @@ async def test_cancel_restarts_a_kernel_that_ignores_the_interrupt_and_says_stat
 
 async def test_a_job_that_kills_its_kernel_is_lost_and_a_fresh_kernel_is_ready(manager: SessionManager) -> None:
     session = await manager.resolve(None)
-    job = session.start_run("import os, time\ntime.sleep(0.5)\nos._exit(9)", None)
+    job = await session.start_run("import os, time\ntime.sleep(0.5)\nos._exit(9)", None)
     job.detached = True
     assert await attend(job, WAIT_S)
     assert job.status is JobStatus.LOST
@@ -109,7 +109,7 @@ async def test_a_job_that_kills_its_kernel_is_lost_and_a_fresh_kernel_is_ready(m
 
 async def test_closing_the_session_ends_its_job_and_tells_the_waiter(manager: SessionManager) -> None:
     session = await manager.create()
-    job = session.start_run(LONG_CELL, None)
+    job = await session.start_run(LONG_CELL, None)
     job.detached = True
     await until(lambda: session.busy, "the cell to start")
     async with anyio.create_task_group() as tg:
@@ -127,7 +127,7 @@ async def test_closing_the_session_ends_its_job_and_tells_the_waiter(manager: Se
 
 async def test_reset_during_a_job_ends_it_with_state_lost(manager: SessionManager) -> None:
     session = await manager.resolve(None)
-    job = session.start_run(LONG_CELL, None)
+    job = await session.start_run(LONG_CELL, None)
     job.detached = True
     await until(lambda: session.busy, "the cell to start")
     await session.reset()

@@ -130,7 +130,9 @@ async def test_a_kernel_that_never_answers_is_bounded_by_startup_timeout(make_ma
         assert not any(process.alive for process in fake(manager).spawned)
 
 
-async def test_a_second_call_is_told_at_once_which_job_keeps_the_session_busy(manager: SessionManager) -> None:
+async def test_a_second_call_waits_for_an_attended_run_and_is_told_at_once_of_a_detached_job(
+    manager: SessionManager,
+) -> None:
     session = await manager.resolve(None)
     results: list[ExecutionResult] = []
     async with anyio.create_task_group() as tg:
@@ -143,6 +145,9 @@ async def test_a_second_call_is_told_at_once_which_job_keeps_the_session_busy(ma
         job = session.jobs.running()
         assert job is not None and job.output is not None
         await until(lambda: "started" in job.output.tail_text(), "the cell to start")  # an interrupt needs a cell
+        with pytest.raises(SessionBusy, match="is busy with another call"):
+            await run(session, "1", timeout_s=0.3)
+        job.detached = True  # as run_python does once detach_after_s has passed
         with pytest.raises(SessionBusy, match=rf"busy with job {job.job_id} \(running \d+s\): wait_job, cancel_job"):
             await run(session, "1", timeout_s=30)
         with pytest.raises(SessionBusy, match=f"busy with job {job.job_id}"):

@@ -218,23 +218,37 @@ class Session:
             self.last_used = time.monotonic()
             self._lock.release()
 
-    def busy_with_job(self) -> None:
-        """Refuse at once while a cell runs as a job: waiting behind it could take hours."""
+    async def _job_turn(self, wait_s: float) -> None:
+        """Return once no cell runs; refuse at once while one runs detached (waiting behind a job could
+        take hours), and after `wait_s` behind one whose call still waits for it (it ends or detaches).
+
+        No await follows a return before the caller registers its own job: two callers cannot both pass.
+        """
+        with anyio.move_on_after(wait_s):
+            while (job := self.jobs.running()) is not None and not job.detached:
+                with anyio.move_on_after(0.1):  # polled: the job may detach rather than end
+                    await job.done.wait()
         job = self.jobs.running()
-        if job is not None:
+        if job is None:
+            return
+        if job.detached:
             raise SessionBusy(
                 f"session {self.session_id} is busy with job {job.job_id} (running {duration(job.elapsed_s())}): "
                 "wait_job, cancel_job, or use another session"
             )
+        raise SessionBusy(
+            f"session {self.session_id} is busy with another call; try again when it finishes "
+            "(or use another session)"
+        )
 
-    def start_run(
+    async def start_run(
         self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None, owner: str = ""
     ) -> Job:
         """Start `code` as this session's job (after setting `variables` as globals); the caller attends it."""
+        timeout = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
+        await self._job_turn(timeout)
         if self.closed:
             raise SessionError(f"session {self.session_id} was closed")
-        self.busy_with_job()
-        timeout = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
         output = JobOutput(
             limit_chars=self.settings.output_limit_chars,
             spill_limit_bytes=self.settings.spill_limit_bytes,
@@ -259,7 +273,7 @@ class Session:
         variables: dict[str, Any] | None = None,
     ) -> ExecutionResult:
         """Run `code` to its end (no detaching): its result. A cancelled caller interrupts the cell."""
-        job = self.start_run(code, timeout_s, variables)
+        job = await self.start_run(code, timeout_s, variables)
 
         async def tick(job: Job) -> None:
             if progress is not None and job.output is not None:
@@ -368,7 +382,7 @@ class Session:
         Waits for a busy kernel within `timeout_s`, then answers busy (at once while a job runs);
         never leaves a name behind in the user's namespace or history.
         """
-        self.busy_with_job()
+        await self._job_turn(timeout_s)
         async with self._exclusive(wait_s=timeout_s):
             await self._ensure_kernel()
             return await self._guest_call_held(tool, arguments, timeout_s)

@@ -36,7 +36,7 @@ def register(tools: ToolContext) -> None:
         Still running after detach_after_s: answers with a job id."""
         values = check_variables(parse_variables(variables), "python")
         session = await tools.session(ctx, session_id)
-        job = session.start_run(code, timeout_s, values)
+        job = await session.start_run(code, timeout_s, values)
         limit = timeout_s or session.options.timeout_s
 
         async def progress(job: Job) -> None:
