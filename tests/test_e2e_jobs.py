@@ -39,7 +39,9 @@ TICKING = "import time\nfor i in range({n}):\n    print(f'tick {{i}}', flush=Tru
 #: A cell that runs until stopped, after saying it started.
 FOREVER = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)"
 #: The same, deaf to SIGINT (the interrupt a cancel sends).
-DEAF = "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('started', flush=True)\ntime.sleep(600)"
+DEAF = (
+    "import signal, time\nsignal.signal(signal.SIGINT, signal.SIG_IGN)\nprint('started', flush=True)\ntime.sleep(600)"
+)
 
 
 def env(dirs: ServerDirs) -> dict[str, str]:

@@ -237,8 +237,7 @@ class Session:
                 "wait_job, cancel_job, or use another session"
             )
         raise SessionBusy(
-            f"session {self.session_id} is busy with another call; try again when it finishes "
-            "(or use another session)"
+            f"session {self.session_id} is busy with another call; try again when it finishes (or use another session)"
         )
 
     async def start_run(
