@@ -105,7 +105,13 @@ async def test_a_long_cell_detaches_with_partial_output_and_wait_job_returns_the
     early = ticks(text_of(first))
     assert early and "tick 14" not in early  # part of the output: it answered before the end
     assert meta(first, "kernel")["state_preserved"] is True
-    rest, last = await wait_to_end(client, job_id)
+    progress: list[str] = []
+
+    async def on_progress(done: float, total: float | None, message: str | None) -> None:
+        progress.append(message or "")
+
+    rest, last = await wait_to_end(client, job_id, progress_callback=on_progress)
+    assert any("tick" in message for message in progress)  # progress carries the latest output
     assert early + ticks(rest) == [f"tick {i}" for i in range(15)]  # every line once, in order
     assert meta(last, "job")["status"] == "done" and not last.is_error
     assert meta(last, "kernel")["state_preserved"] is True and "state kept]" in text_of(last)
@@ -243,3 +249,12 @@ async def test_a_client_with_a_shorter_timeout_than_the_job_still_gets_the_whole
         rest, last = await wait_to_end(client, job_id, step_s=3)
         assert ticks(text_of(first)) + ticks(rest) == [f"tick {i}" for i in range(12)]
         assert meta(last, "job")["status"] == "done"
+
+
+async def test_a_server_that_stops_ends_every_job(transport: str, dirs: ServerDirs) -> None:
+    async with open_client(transport, env(dirs)) as client:
+        await started(client, FOREVER)
+        oneshot = await client.call_tool("execute_code", {"language": "bash", "code": "sleep 600", "detach_after_s": 0})
+        assert oneshot.structured_content is not None and oneshot.structured_content["status"] == "running"
+        assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) >= 2, 30)
+    assert await wait_until(lambda: sandbox_processes_alive(dirs) == [], 20), sandbox_processes_alive(dirs)
