@@ -32,7 +32,12 @@ def kernel_stamp(reply: CallToolResult, session: Session, lost: bool = False) ->
     """Add the kernel's generation and whether state survived: one line of text and `_meta`."""
     generation, preserved = session.kernel_state(lost)
     words = "state kept" if preserved else "new kernel, state lost (variables and imports; files kept)"
-    reply.content.append(TextContent(type="text", text=f"[kernel {generation}: {words}]"))
+    line = f"[kernel {generation}: {words}]"
+    first = reply.content[0] if reply.content else None
+    if isinstance(first, TextContent):  # the reply's own text: the block types stay as they were
+        first.text = f"{first.text}\n{line}" if first.text else line
+    else:
+        reply.content.insert(0, TextContent(type="text", text=line))
     reply.meta = {**(reply.meta or {}), KERNEL_META: {"generation": generation, "state_preserved": preserved}}
     return reply
 
