@@ -243,10 +243,11 @@ async def test_a_client_with_a_shorter_timeout_than_the_job_still_gets_the_whole
     transport: str, dirs: ServerDirs
 ) -> None:
     async with impatient_client(transport, dirs, 5) as client:
-        await run(client, "1")  # the kernel is up: the first call is not slowed by a start
+        # The kernel is up first (its start, on a loaded machine, may take longer than this client waits).
+        await client.call_tool("run_python", {"code": "1"}, read_timeout_seconds=120)
         first = await run(client, TICKING.format(n=12))
         job_id = job_of(first)
-        rest, last = await wait_to_end(client, job_id, step_s=3)
+        rest, last = await wait_to_end(client, job_id, step_s=2)
         assert ticks(text_of(first)) + ticks(rest) == [f"tick {i}" for i in range(12)]
         assert meta(last, "job")["status"] == "done"
 

@@ -248,6 +248,7 @@ class Session:
         await self._job_turn(timeout)
         if self.closed:
             raise SessionError(f"session {self.session_id} was closed")
+        self.last_used = time.monotonic()  # not idle while its job waits to be scheduled
         output = JobOutput(
             limit_chars=self.settings.output_limit_chars,
             spill_limit_bytes=self.settings.spill_limit_bytes,
