@@ -259,3 +259,17 @@ async def test_a_server_that_stops_ends_every_job(transport: str, dirs: ServerDi
         assert oneshot.structured_content is not None and oneshot.structured_content["status"] == "running"
         assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) >= 2, 30)
     assert await wait_until(lambda: sandbox_processes_alive(dirs) == [], 20), sandbox_processes_alive(dirs)
+
+
+async def test_cancel_job_kills_a_one_shot_run(client: Client, dirs: ServerDirs) -> None:
+    first = await client.call_tool("execute_code", {"language": "bash", "code": "sleep 600", "detach_after_s": 0})
+    assert first.structured_content is not None
+    job_id = first.structured_content["job_id"]
+    assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) >= 1, 30)
+    cancelled = await client.call_tool("cancel_job", {"job_id": job_id})
+    assert cancelled.is_error and cancelled.structured_content is not None
+    assert cancelled.structured_content["status"] == "interrupted"
+    assert "its sandbox was killed" in cancelled.structured_content["note"]
+    assert await wait_until(lambda: sandbox_processes_alive(dirs) == [], 20), sandbox_processes_alive(dirs)
+    listed = (await client.call_tool("list_jobs", {})).structured_content
+    assert listed is not None and [(job["job_id"], job["kind"]) for job in listed["jobs"]] == [(job_id, "execute_code")]

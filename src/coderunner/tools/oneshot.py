@@ -5,6 +5,7 @@
 from dataclasses import asdict
 from typing import Annotated
 
+import anyio
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
@@ -45,8 +46,12 @@ def register(tools: ToolContext) -> None:
         share = tools.share(ctx)
 
         async def work(job: Job) -> OneShotResult:
-            return await manager.oneshot.run(language, code, options, stdin=stdin.encode(), variables=values,
-                                             caller=share)  # fmt: skip
+            try:
+                return await manager.oneshot.run(language, code, options, stdin=stdin.encode(), variables=values,
+                                                 caller=share)  # fmt: skip
+            except anyio.get_cancelled_exc_class():
+                job.notice = "cancelled: its sandbox was killed (a one-shot run keeps nothing)"
+                raise
 
         table = manager.jobs
         job = Job(job_id=table.new_id(), kind="execute_code", label=label_of(code), owner=tools.caller(ctx))

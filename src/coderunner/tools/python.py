@@ -60,6 +60,6 @@ def register(tools: ToolContext) -> None:
         await session.reset()
         generation, preserved = session.kernel_state(lost=True)
         state = {"generation": generation, "state_preserved": preserved}
-        reply = json_result({"reset": True, **state, **tools.summary(session)})
+        reply = json_result({"reset": True, "state_preserved": preserved, **tools.summary(session)})
         reply.meta = {KERNEL_META: state}
         return reply
