@@ -54,6 +54,8 @@ def python_job_reply(session: Session, job: Job, links: bool) -> CallToolResult:
     assert job.output is not None
     read = job.output.take()
     lines = [read.text.rstrip("\n")] if read.text else []
+    if read.saved:
+        lines.append("[more images than fit in one reply; saved: " + ", ".join(read.saved) + "]")
     lost = False
     is_error = False
     if job.running:
@@ -64,8 +66,8 @@ def python_job_reply(session: Session, job: Job, links: bool) -> CallToolResult:
         is_error = job.status is not JobStatus.DONE
         if result.notice:
             lines.append(f"[{result.notice}]")
-        if read.saved:
-            lines.append("[more images than fit in one reply; saved: " + ", ".join(read.saved) + "]")
+        if job.output.dropped_images:
+            lines.append(f"[{job.output.dropped_images:,} more images were neither shown nor saved]")
         count = result.outcome.execution_count
         cell = f", cell {count}" if count is not None else ""
         lines.append(f"[job {job.job_id} {job.status.value} after {duration(job.elapsed_s())}{cell}]")
@@ -107,14 +109,15 @@ def register(tools: ToolContext) -> None:
 
     async def find(ctx: Context, job_id: str) -> tuple[Job, Session | None]:
         """The caller's job `job_id`, with its session (None for a one-shot job)."""
-        caller = tools.caller(ctx)
+        client = client_of_key(tools.caller(ctx))
         job = manager.jobs.get(job_id)
-        if job is not None and client_of_key(job.owner) == client_of_key(caller):
+        if job is not None and client_of_key(job.owner) == client:
             return job, None
         for session in manager.list():
             found = session.jobs.get(job_id)
-            if found is not None:
-                return found, await tools.session(ctx, session.session_id)  # refuses another client's
+            # Another client's job is unknown here: its session's handle is not told either.
+            if found is not None and client_of_key(session.owner) == client:
+                return found, await tools.session(ctx, session.session_id)
         raise JobNotFound(
             f"unknown job_id {job_id!r}: list_jobs shows your jobs (a job and its result last as long as its "
             "session; finished ones beyond the last few are forgotten)"
