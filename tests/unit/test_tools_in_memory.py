@@ -189,3 +189,19 @@ async def test_jobs_through_the_tools_and_another_clients_job_is_unknown(
     assert their_job.running
     assert their_job.job_id not in json.dumps(payload(await client.call_tool("list_jobs", {})))
     await manager.close(theirs.session_id)
+
+
+async def test_a_client_has_only_so_many_execute_code_jobs_going(make_manager: Any) -> None:
+    async with (
+        make_manager(max_oneshot_runs_per_client=1) as manager,
+        Client(build_server(manager), raise_exceptions=True) as client,
+    ):
+        arguments = {"language": "bash", "code": "sleep 60", "detach_after_s": 0}
+        jobs = [await client.call_tool("execute_code", arguments) for _ in range(4)]
+        assert all((job.structured_content or {}).get("status") == "running" for job in jobs)
+        refused = await client.call_tool("execute_code", arguments)
+        assert refused.is_error and "already has 4 execute_code runs going" in text(refused)
+        for job in jobs:
+            await client.call_tool("cancel_job", {"job_id": (job.structured_content or {})["job_id"]})
+        again = await client.call_tool("execute_code", {**arguments, "code": "echo ok", "detach_after_s": 30})
+        assert payload(again)["stdout"] == "ok\n"

@@ -27,6 +27,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from ..callers import client_of_key
 from ..errors import SessionError
 from ..output import OutputCollector, strip_ansi
 
@@ -200,12 +201,17 @@ class JobTable:
     def running(self, kind: str | None = None) -> Job | None:
         return next((job for job in self.jobs.values() if job.running and kind in (None, job.kind)), None)
 
+    def running_of(self, owner: str) -> int:
+        """How many jobs the client of caller `owner` has running here."""
+        client = client_of_key(owner)
+        return sum(job.running and client_of_key(job.owner) == client for job in self.jobs.values())
+
     def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)
 
     def start(self, job: Job, work: Callable[[Job], Awaitable[Any]], status_of: Callable[[Job], JobStatus]) -> Job:
         """Register `job` (at once: a second caller sees it before anything awaits) and run `work`."""
-        self._trim()
+        self._trim(client_of_key(job.owner))
         self.jobs[job.job_id] = job
         self.task_group.start_soon(self._drive, job, work, status_of, name=f"job {job.job_id}")
         return job
@@ -245,8 +251,9 @@ class JobTable:
     def forget(self, job: Job) -> None:
         self.jobs.pop(job.job_id, None)
 
-    def _trim(self) -> None:
-        finished = [job for job in self.jobs.values() if not job.running]
+    def _trim(self, client: str) -> None:
+        """Keep `client`'s last finished jobs (per client: one client's runs never push out another's)."""
+        finished = [job for job in self.jobs.values() if not job.running and client_of_key(job.owner) == client]
         for job in finished[: max(0, len(finished) - self.max_kept + 1)]:
             del self.jobs[job.job_id]
 

@@ -17,6 +17,8 @@ from .arguments import DetachAfter, LanguageArg, MemoryMb, NetworkArg, Variables
 from .context import ToolContext, json_result
 from .jobs import oneshot_job_reply, oneshot_status
 
+#: execute_code runs one client may have going or waiting for a slot, per slot of its share (each a task).
+MAX_JOBS_PER_SHARE = 4
 #: Largest stdin execute_code passes on.
 MAX_STDIN_CHARS = 4 * 2**20
 
@@ -54,7 +56,14 @@ def register(tools: ToolContext) -> None:
                 raise
 
         table = manager.jobs
-        job = Job(job_id=table.new_id(), kind="execute_code", label=label_of(code), owner=tools.caller(ctx))
+        caller = tools.caller(ctx)
+        most = MAX_JOBS_PER_SHARE * settings.max_oneshot_runs_per_client
+        if table.running_of(caller) >= most:
+            raise OneShotError(
+                f"this client already has {most} execute_code runs going or waiting for a sandbox: wait_job or "
+                "cancel_job one of them (list_jobs shows them)"
+            )
+        job = Job(job_id=table.new_id(), kind="execute_code", label=label_of(code), owner=caller)
         table.start(job, work, oneshot_status)
         wait = settings.detach_after_s if detach_after_s is None else detach_after_s
         if not await attend(job, wait):
