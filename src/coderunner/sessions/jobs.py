@@ -154,6 +154,9 @@ class Job:
     failure: SessionError | None = None
     #: The kernel generation it ran in (python jobs), to tell whether state survived it.
     generation: int | None = None
+    #: When its code was sent to run (None: still waiting for the kernel): progress starts from there,
+    #: so a client that stops a call at its first progress note stops a cell that is running.
+    executing_since: float | None = None
     #: True once a call answered without its result: a cancelled caller no longer cancels it.
     detached: bool = False
     cancel_requested: bool = False

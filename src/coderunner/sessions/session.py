@@ -276,7 +276,7 @@ class Session:
         job = await self.start_run(code, timeout_s, variables)
 
         async def tick(job: Job) -> None:
-            if progress is not None and job.output is not None:
+            if progress is not None and job.output is not None and job.executing_since is not None:
                 await progress(job.elapsed_s(), job.output)
 
         try:
@@ -312,6 +312,7 @@ class Session:
             if variables:
                 await self._guest_call_held("variables", {"values": variables}, GUEST_MARGIN_S)
                 kernel = self._held_kernel()  # the same one, or its replacement if that call ended it
+            job.executing_since = time.monotonic()
             try:
                 outcome = await kernel.execute(
                     code,

@@ -2,6 +2,7 @@
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
+import time
 from typing import Annotated
 
 from mcp.server.mcpserver import Context
@@ -41,6 +42,9 @@ def register(tools: ToolContext) -> None:
 
         async def progress(job: Job) -> None:
             assert job.output is not None
+            began = job.executing_since
+            if began is None or time.monotonic() - began < settings.progress_interval_s:
+                return  # not running yet: a note now would say a cell runs that has not started
             elapsed = job.elapsed_s()
             await ctx.report_progress(elapsed, limit, f"running {duration(elapsed)}: {job.output.tail_text(200)}")
 
