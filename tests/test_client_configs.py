@@ -80,7 +80,7 @@ LIBRARY_SETTINGS = {
     "openai-agents": ("client_session_timeout_seconds=60",),
     "pydantic-ai": ("max_retries=5", "read_timeout="),
     "langchain": ("client.session(", "load_mcp_tools(session)", 'file_links = "text"'),
-    "typescript": ("resetTimeoutOnProgress: true", "onprogress", "timeout_s"),
+    "typescript": ("resetTimeoutOnProgress: true", "onprogress", "detach_after_s"),
 }
 
 

@@ -12,7 +12,8 @@ from coderunner.config import ConfigError, load_settings
 def test_defaults_without_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("CODERUNNER_TIMEOUT_S", raising=False)
     settings = load_settings(tmp_path / "absent.toml")
-    assert settings.transport == "stdio" and settings.network == "none" and settings.timeout_s == 50
+    assert settings.transport == "stdio" and settings.network == "none" and settings.timeout_s == 900
+    assert settings.detach_after_s == 40
 
 
 def test_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

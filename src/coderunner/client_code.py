@@ -18,7 +18,7 @@ LIBRARY_LOCATIONS = {
     "pydantic-ai": "your agent's code (Python; pip install pydantic-ai)",
     "langchain": "your agent's code (Python; pip install langchain-mcp-adapters)",
 }
-#: Client-side bound on one call: above the server's default timeout_s (50 s) and its interrupt grace.
+#: Client-side bound on one call: above the server's default detach_after_s (40 s), when a long run answers.
 CALL_TIMEOUT_S = 60
 #: Name a stateless HTTP client gives itself, so its calls share one default session (see callers.py).
 CLIENT_NAME = "my-agent"
@@ -61,10 +61,10 @@ def typescript(command: str, args: list[str], url: str | None) -> str:
     return (
         'import { Client } from "@modelcontextprotocol/sdk/client/index.js";\n'
         + connect
-        + "\n// The SDK gives up on a request after 60 s; CodeRunner's timeout_s (50 s by default) answers first.\n"
-        "// For longer cells pass timeout_s, and let progress notifications keep the request alive:\n"
+        + "\n// The SDK gives up on a request after 60 s; a cell still running at 40 s answers first with a job id\n"
+        "// (wait_job reads the rest). To wait longer in one call, let progress notifications keep it alive:\n"
         "const result = await client.callTool(\n"
-        '  { name: "run_python", arguments: { code: "6 * 7", timeout_s: 600 } },\n'
+        '  { name: "run_python", arguments: { code: "6 * 7", detach_after_s: 600 } },\n'
         "  undefined,\n"
         "  { onprogress: () => {}, resetTimeoutOnProgress: true, maxTotalTimeout: 660_000 },\n"
         ");\n"
@@ -81,7 +81,7 @@ def openai_agents(command: str, args: list[str], url: str | None) -> str:
     body = (
         f"coderunner = {kind}(\n"
         f"    params={params},\n"
-        "    # The default is 5 s: any cell running longer fails here. Keep it above timeout_s (50 s).\n"
+        "    # The default is 5 s: a longer call fails here. Keep it above detach_after_s (40 s).\n"
         f"    client_session_timeout_seconds={CALL_TIMEOUT_S},\n"
         "    cache_tools_list=True,\n"
         ")\n"

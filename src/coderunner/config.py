@@ -219,11 +219,16 @@ class Settings(BaseSettings):
 
     # Execution.
     timeout_s: float = Field(
-        default=50.0,
+        default=900.0,
         gt=0,
-        description="Default wall-time limit of one run_python or execute_code call. Kept under the 60 s "
-        "many clients wait for a reply (the TypeScript SDK's default), so the 'interrupted; state kept' "
-        "answer arrives before the client gives up.",
+        description="Default wall-time limit of one run_python or execute_code run. A run longer than "
+        "detach_after_s goes on as a job, so this may exceed what clients wait for a reply.",
+    )
+    detach_after_s: float = Field(
+        default=40.0,
+        ge=0,
+        description="A run still going after this long answers with its output so far and a job id (wait_job "
+        "reads the rest). Kept under the 60 s many clients wait for a reply (the TypeScript SDK's default).",
     )
     max_timeout_s: float = Field(default=3600.0, gt=0, description="Largest timeout_s a caller may ask for.")
     interrupt_grace_s: float = Field(default=3.0, gt=0, description="Wait after an interrupt before a restart.")

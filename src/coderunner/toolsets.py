@@ -15,6 +15,7 @@ TOOL_GROUPS: dict[str, tuple[str, ...]] = {
     "browser": ("browser_navigate", "browser_extract", "browser_screenshot", "browser_interact"),
     "documents": ("pdf_ops", "image_ops"),
     "oneshot": ("execute_code", "validate_code"),
+    "jobs": ("wait_job", "cancel_job", "list_jobs"),
     "workspaces": ("list_workspaces", "delete_workspace"),
 }
 ALWAYS = ("get_capabilities",)

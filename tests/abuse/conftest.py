@@ -64,6 +64,8 @@ async def arena(abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> Asyn
         CODERUNNER_MEMORY_MB="1024",
         CODERUNNER_TIMEOUT_S="30",
         CODERUNNER_MAX_SESSIONS="4",
+        # Each abuse case wants its whole answer in one reply (a slow flood must not turn into a job).
+        CODERUNNER_DETACH_AFTER_S="3600",
     )
     async with stdio_client(env) as client:
         created = await client.call_tool("create_session", {})

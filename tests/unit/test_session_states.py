@@ -130,18 +130,28 @@ async def test_a_kernel_that_never_answers_is_bounded_by_startup_timeout(make_ma
         assert not any(process.alive for process in fake(manager).spawned)
 
 
-async def test_a_second_call_waits_then_is_told_the_session_is_busy(manager: SessionManager) -> None:
+async def test_a_second_call_waits_for_an_attended_run_and_is_told_at_once_of_a_detached_job(
+    manager: SessionManager,
+) -> None:
     session = await manager.resolve(None)
     results: list[ExecutionResult] = []
     async with anyio.create_task_group() as tg:
 
         async def first() -> None:
-            results.append(await run(session, LONG_CELL, timeout_s=60))
+            results.append(await run(session, "print('started', flush=True)\n" + LONG_CELL, timeout_s=60))
 
         tg.start_soon(first)
-        await until(lambda: session.busy, "the first run to start")
+        await until(lambda: session.jobs.running() is not None, "the first run to start")
+        job = session.jobs.running()
+        assert job is not None and job.output is not None
+        await until(lambda: "started" in job.output.tail_text(), "the cell to start")  # an interrupt needs a cell
         with pytest.raises(SessionBusy, match="is busy with another call"):
             await run(session, "1", timeout_s=0.3)
+        job.detached = True  # as run_python does once detach_after_s has passed
+        with pytest.raises(SessionBusy, match=rf"busy with job {job.job_id} \(running \d+s\): wait_job, cancel_job"):
+            await run(session, "1", timeout_s=30)
+        with pytest.raises(SessionBusy, match=f"busy with job {job.job_id}"):
+            await session.call_guest("variables", {"values": {"x": 1}}, 30)
         assert session.kernel is not None
         session.kernel.interrupt()
     assert results[0].outcome.status is RunStatus.ERROR  # KeyboardInterrupt, raised in the cell

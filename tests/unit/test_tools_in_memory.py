@@ -164,3 +164,44 @@ async def test_validate_code_checks_syntax_without_running(client: Client) -> No
     bad = await client.call_tool("validate_code", {"language": "python", "code": "def f(:\n  pass"})
     assert not good.is_error and "SyntaxError" not in text(good)
     assert "invalid syntax" in text(bad) or "SyntaxError" in text(bad)
+
+
+async def test_jobs_through_the_tools_and_another_clients_job_is_unknown(
+    client: Client, manager: SessionManager
+) -> None:
+    started = await client.call_tool(
+        "run_python", {"code": "import time\ntime.sleep(1)\nprint('slept')", "detach_after_s": 0}
+    )
+    job = (started.meta or {})["coderunner/job"]
+    assert job["status"] == "running" and f"still running as job {job['job_id']}" in text(started)
+    done = await client.call_tool("wait_job", {"job_id": job["job_id"], "timeout_s": WAIT_S})
+    assert "slept" in text(done) and (done.meta or {})["coderunner/job"]["status"] == "done"
+    assert (done.meta or {})["coderunner/kernel"]["state_preserved"] is True
+    listed = payload(await client.call_tool("list_jobs", {}))["jobs"]
+    assert [entry["job_id"] for entry in listed] == [job["job_id"]]
+    theirs = await manager.create(owner="tok/client:eve")
+    their_job = await theirs.start_run("import time\ntime.sleep(30)", None)
+    their_job.detached = True
+    for tool in ("wait_job", "cancel_job"):
+        refused = await client.call_tool(tool, {"job_id": their_job.job_id})
+        assert refused.is_error and f"unknown job_id {their_job.job_id!r}" in text(refused)
+        assert theirs.session_id not in text(refused)
+    assert their_job.running
+    assert their_job.job_id not in json.dumps(payload(await client.call_tool("list_jobs", {})))
+    await manager.close(theirs.session_id)
+
+
+async def test_a_client_has_only_so_many_execute_code_jobs_going(make_manager: Any) -> None:
+    async with (
+        make_manager(max_oneshot_runs_per_client=1) as manager,
+        Client(build_server(manager), raise_exceptions=True) as client,
+    ):
+        arguments = {"language": "bash", "code": "sleep 60", "detach_after_s": 0}
+        jobs = [await client.call_tool("execute_code", arguments) for _ in range(4)]
+        assert all((job.structured_content or {}).get("status") == "running" for job in jobs)
+        refused = await client.call_tool("execute_code", arguments)
+        assert refused.is_error and "already has 4 execute_code runs going" in text(refused)
+        for job in jobs:
+            await client.call_tool("cancel_job", {"job_id": (job.structured_content or {})["job_id"]})
+        again = await client.call_tool("execute_code", {**arguments, "code": "echo ok", "detach_after_s": 30})
+        assert payload(again)["stdout"] == "ok\n"

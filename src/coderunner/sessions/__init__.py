@@ -2,6 +2,7 @@
 
     manager.py   SessionManager: handles, per-caller defaults, limits, the idle reaper
     session.py   Session: one kernel at a time, run/reset/close, the one start-or-replace path
+    jobs.py      Job, JobTable: runs that outlive their call (detach, read since last, cancel)
     usage.py     what a session uses (cgroup or /proc, and its workspace's disk)
 
 What a sandbox may be given is options.py's (SandboxOptions, mount policy); its dirs, uid and

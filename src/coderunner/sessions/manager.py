@@ -31,6 +31,7 @@ from ..sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sa
 from ..session_dirs import remove_stale_dirs
 from ..startup_hooks import disable_startup_hooks
 from .egress import EgressHub
+from .jobs import JobTable
 from .pool import WarmPool
 from .session import Session
 from .usage import memory_used_mb
@@ -73,6 +74,8 @@ class SessionManager:
         self._cold_starts = 0
         #: Network 'allowlist': the user's ceiling and the audit log (each sandbox's proxy is its own).
         self.egress = EgressHub(settings)
+        #: execute_code runs that outlived their call (sessions' own jobs are in each session).
+        self.jobs: JobTable
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -84,6 +87,7 @@ class SessionManager:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._reap_idle)
+        self.jobs = JobTable(self._task_group)
         self.oneshot = OneShotRunner(
             backend=self.backend,
             task_group=self._task_group,

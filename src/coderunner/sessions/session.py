@@ -33,6 +33,7 @@ from ..sandbox_mounts import SandboxMounts
 from ..session_dirs import SandboxDirs
 from ..workspace import Workspace
 from .egress import SessionEgress
+from .jobs import Job, JobOutput, JobStatus, JobTable, attend, duration, label_of
 from .usage import session_usage
 
 log = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class SessionStatus:
     mounts: list[dict[str, str]]
     limits: dict[str, LimitReport]
     isolation: str
+    kernel_generation: int = 0
+    #: The running job, if any (its id, kind, elapsed time, first line of code).
+    job: dict[str, Any] | None = None
 
 
 @dataclass
@@ -93,6 +97,26 @@ class Session:
     startup: dict[str, Any] | None = None
     #: Network 'allowlist': the session's own policy proxy and its decisions (None otherwise).
     egress: SessionEgress | None = None
+    #: Its cells, each run as a job in the task group (sessions/jobs.py); set up after construction.
+    jobs: JobTable = field(init=False)
+    #: The kernel generation the last reply told the caller about (None: none yet), for state_preserved.
+    _reported_generation: int | None = None
+
+    def __post_init__(self) -> None:
+        self.jobs = JobTable(self.task_group)
+
+    @property
+    def generation(self) -> int:
+        """How many kernels this session has started: each (re)start, loss or reset makes a new one."""
+        return self._generation
+
+    def kernel_state(self, lost: bool = False) -> tuple[int, bool]:
+        """(generation, state_preserved) for a reply: preserved if nothing was `lost` and the kernel is
+        the one the previous reply named. Every reply that reports it moves the mark."""
+        previous = self._reported_generation
+        preserved = not lost and previous in (None, self._generation)
+        self._reported_generation = self._generation
+        return self._generation, preserved
 
     @property
     def mounts(self) -> tuple[Mount, ...]:
@@ -198,6 +222,54 @@ class Session:
             self.last_used = time.monotonic()
             self._lock.release()
 
+    async def _job_turn(self, wait_s: float) -> None:
+        """Return once no cell runs; refuse at once while one runs detached (waiting behind a job could
+        take hours), and after `wait_s` behind one whose call still waits for it (it ends or detaches).
+
+        No await follows a return before the caller registers its own job: two callers cannot both pass.
+        """
+        with anyio.move_on_after(wait_s):
+            while (job := self.jobs.running()) is not None and not job.detached:
+                with anyio.move_on_after(0.1):  # polled: the job may detach rather than end
+                    await job.done.wait()
+        job = self.jobs.running()
+        if job is None:
+            return
+        if job.detached:
+            raise SessionBusy(
+                f"session {self.session_id} is busy with job {job.job_id} (running {duration(job.elapsed_s())}): "
+                "wait_job, cancel_job, or use another session"
+            )
+        raise SessionBusy(
+            f"session {self.session_id} is busy with another call; try again when it finishes (or use another session)"
+        )
+
+    async def start_run(
+        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None, owner: str = ""
+    ) -> Job:
+        """Start `code` as this session's job (after setting `variables` as globals); the caller attends it."""
+        timeout = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
+        await self._job_turn(timeout)
+        if self.closed:
+            raise SessionError(f"session {self.session_id} was closed")
+        self.last_used = time.monotonic()  # not idle while its job waits to be scheduled
+        output = JobOutput(
+            limit_chars=self.settings.output_limit_chars,
+            spill_limit_bytes=self.settings.spill_limit_bytes,
+            image_limit_bytes=self.settings.image_limit_bytes,
+            writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.dirs.owner),
+            defer_files=True,  # kernel.execute drains its file writes off the event loop
+        )
+        job = Job(
+            job_id=self.jobs.new_id(), kind="python", label=label_of(code), owner=owner or self.owner,
+            session_id=self.session_id, output=output,
+        )  # fmt: skip
+
+        async def work(job: Job) -> ExecutionResult:
+            return await self._run_job(job, code, timeout, variables, output)
+
+        return self.jobs.start(job, work, _python_status)
+
     async def run(
         self,
         code: str,
@@ -205,34 +277,66 @@ class Session:
         progress: ProgressCallback | None,
         variables: dict[str, Any] | None = None,
     ) -> ExecutionResult:
-        """Run `code`, after setting `variables` (checked names, JSON values) as globals."""
-        timeout = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
+        """Run `code` to its end (no detaching): its result. A cancelled caller interrupts the cell."""
+        job = await self.start_run(code, timeout_s, variables)
+
+        async def tick(job: Job) -> None:
+            if progress is not None and job.output is not None and job.executing_since is not None:
+                await progress(job.elapsed_s(), job.output)
+
+        try:
+            await attend(job, None, tick, self.settings.progress_interval_s, self._cancel_wait_s)
+        finally:
+            self.jobs.forget(job)
+        return self.job_result(job)
+
+    @property
+    def _cancel_wait_s(self) -> float:
+        """Bound on a cancelled cell's end: its interrupt grace, then perhaps a fresh kernel's start."""
+        return self.settings.interrupt_grace_s + self.settings.startup_timeout_s + 5.0
+
+    def job_result(self, job: Job) -> ExecutionResult:
+        """A finished python job's result; one ended without one (cancelled) gets one from its output.
+
+        Raises the refusal of a job that never ran (the session closed, or busy behind another call).
+        """
+        if isinstance(job.result, ExecutionResult):
+            return job.result
+        if job.failure is not None:
+            raise job.failure
+        assert job.output is not None
+        outcome = RunOutcome(status=RunStatus.INTERRUPTED, output=job.output, duration_s=job.elapsed_s())
+        return ExecutionResult(outcome, notice=job.notice, state_lost=job.state_lost)
+
+    async def _run_job(
+        self, job: Job, code: str, timeout: float, variables: dict[str, Any] | None, output: OutputCollector
+    ) -> ExecutionResult:
         async with self._exclusive(wait_s=timeout):
             kernel = await self._ensure_kernel()
+            job.generation = self._generation
             if variables:
                 await self._guest_call_held("variables", {"values": variables}, GUEST_MARGIN_S)
                 kernel = self._held_kernel()  # the same one, or its replacement if that call ended it
-            output = OutputCollector(
-                limit_chars=self.settings.output_limit_chars,
-                spill_limit_bytes=self.settings.spill_limit_bytes,
-                image_limit_bytes=self.settings.image_limit_bytes,
-                writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.dirs.owner),
-                defer_files=True,  # kernel.execute drains its file writes off the event loop
-            )
+            job.executing_since = time.monotonic()
             try:
                 outcome = await kernel.execute(
                     code,
                     output,
                     timeout_s=timeout,
                     interrupt_grace_s=self.settings.interrupt_grace_s,
-                    progress=progress,
-                    progress_interval_s=self.settings.progress_interval_s,
                 )
             except anyio.get_cancelled_exc_class():
-                await self._recover_from_cancel()
+                with anyio.CancelScope(shield=True):
+                    await self._recover_from_cancel()
+                job.state_lost = self._generation != job.generation
+                if job.state_lost:
+                    job.notice = (
+                        f"cancelled: the cell ignored the interrupt for {self.settings.interrupt_grace_s:g}s: "
+                        "kernel restarted; state lost (variables and imports), workspace files kept"
+                    )
+                else:
+                    job.notice = "cancelled: interrupted; the kernel and its state are kept"
                 raise
-            finally:
-                output.close()
             return await self._settle(outcome, timeout)
 
     async def _settle(self, outcome: RunOutcome, timeout: float) -> ExecutionResult:
@@ -281,9 +385,10 @@ class Session:
     async def call_guest(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Run a guest tool inside this session's kernel; its answer, or GuestCallError with the reason.
 
-        Waits for a busy kernel within `timeout_s`, then answers busy; never leaves a name behind
-        in the user's namespace or history.
+        Waits for a busy kernel within `timeout_s`, then answers busy (at once while a job runs);
+        never leaves a name behind in the user's namespace or history.
         """
+        await self._job_turn(timeout_s)
         async with self._exclusive(wait_s=timeout_s):
             await self._ensure_kernel()
             return await self._guest_call_held(tool, arguments, timeout_s)
@@ -372,6 +477,7 @@ class Session:
                 with anyio.move_on_after(CLOSE_WAIT_S):
                     async with self._lock:
                         pass
+            self.jobs.cancel_all("the session was closed")  # one still waiting for the kernel, if any
             if self.kernel is not None:
                 await self.kernel.shutdown()
                 self.kernel = None
@@ -417,4 +523,20 @@ class Session:
                 "disk_mb": LimitReport(self.workspace.size_mb, self.workspace.enforced_by),
             },
             isolation=self.backend.describe_isolation(),
+            kernel_generation=self._generation,
+            job=running.describe() if (running := self.jobs.running()) is not None else None,
         )
+
+
+def _python_status(job: Job) -> JobStatus:
+    """A cell's outcome as a job status: a cancel or timeout is 'interrupted', a kernel gone is 'lost'."""
+    result: ExecutionResult = job.result
+    status = result.outcome.status
+    if status is RunStatus.OK:
+        return JobStatus.DONE
+    if status is RunStatus.DIED:
+        return JobStatus.LOST
+    if status in (RunStatus.INTERRUPTED, RunStatus.UNRESPONSIVE):
+        return JobStatus.INTERRUPTED
+    error = result.outcome.error
+    return JobStatus.INTERRUPTED if error is not None and error.ename == "KeyboardInterrupt" else JobStatus.ERROR

@@ -7,6 +7,7 @@
     files.py       list_files, read_file, write_file, upload_file, download_file; the sandbox:// resource
     guest.py       pdf_ops, image_ops, browser_* (work done inside the sandbox)
     oneshot.py     execute_code, validate_code
+    jobs.py        wait_job, cancel_job, list_jobs (runs that outlived their call)
     packages.py    install_packages
     workspaces.py  list_workspaces, delete_workspace
     meta.py        get_capabilities
@@ -16,9 +17,9 @@ A tool parses its arguments, calls the session or manager, and shapes the reply;
 MODULES is in the order tools/list shows the tools.
 """
 
-from . import files, guest, meta, oneshot, packages, python, sessions, workspaces
+from . import files, guest, jobs, meta, oneshot, packages, python, sessions, workspaces
 from .context import ToolContext
 
-MODULES = (python, sessions, files, guest, oneshot, packages, workspaces, meta)
+MODULES = (python, jobs, sessions, files, guest, oneshot, packages, workspaces, meta)
 
 __all__ = ["MODULES", "ToolContext"]

@@ -43,3 +43,8 @@ Seconds = Annotated[float | None, Field(ge=1)]
 BrowserSeconds = Annotated[float | None, Field(ge=1, le=300)]
 #: Optional path of an output file, for the guest tools.
 OutputPath = Text
+#: When a run answers with a job id instead of waiting for its end (None: the detach_after_s setting).
+DetachAfter = Annotated[
+    float | None,
+    Field(ge=0, description="Then answer with a job id, running on (0: at once)."),
+]

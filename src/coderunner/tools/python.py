@@ -2,20 +2,23 @@
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
+import time
 from typing import Annotated
 
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
-from ..output import OutputCollector
+from ..sessions.jobs import Job, attend, duration
 from ..variables import check_variables, parse_variables
-from .arguments import SessionId, VariablesArg
+from .arguments import DetachAfter, SessionId, VariablesArg
 from .context import ToolContext, json_result
+from .jobs import KERNEL_META, kernel_stamp, python_job_reply
 
 
 def register(tools: ToolContext) -> None:
     settings = tools.settings
+    links = settings.file_links == "resource_link"
 
     @tools.tool()  # not closed-world: a session may have network internet
     async def run_python(
@@ -27,24 +30,43 @@ def register(tools: ToolContext) -> None:
             Field(ge=1, description=f"Seconds (default: the session's, {settings.timeout_s:g} unless set)."),
         ] = None,
         variables: VariablesArg = "",
+        detach_after_s: DetachAfter = None,
     ) -> CallToolResult:
         """Run Python in the session's persistent sandboxed Jupyter kernel. Returns text output, charts as
-        images. On timeout the cell is interrupted, state kept (or the kernel restarted: the reply says)."""
-
-        async def progress(elapsed_s: float, output: OutputCollector) -> None:
-            limit = timeout_s or settings.timeout_s
-            await ctx.report_progress(elapsed_s, limit, f"running {elapsed_s:.0f}s: {output.tail_text(200)}")
-
+        images. On timeout the cell is interrupted, state kept (or the kernel restarted: the reply says).
+        Still running after detach_after_s: answers with a job id."""
         values = check_variables(parse_variables(variables), "python")
         session = await tools.session(ctx, session_id)
         async with tools.egress_call(ctx, session) as network:
-            result = await session.run(code, timeout_s, progress, values)
-        reply = result.to_call_result(session.session_id, links=settings.file_links == "resource_link")
-        return network.noted(tools.with_export_note(reply, session))
+            job = await session.start_run(code, timeout_s, values)
+            limit = timeout_s or session.options.timeout_s
+
+            async def progress(job: Job) -> None:
+                assert job.output is not None
+                began = job.executing_since
+                if began is None or time.monotonic() - began < settings.progress_interval_s:
+                    return  # not running yet: a note now would say a cell runs that has not started
+                elapsed = job.elapsed_s()
+                await ctx.report_progress(elapsed, limit, f"running {duration(elapsed)}: {job.output.tail_text(200)}")
+
+            wait = settings.detach_after_s if detach_after_s is None else detach_after_s
+            attended = await attend(job, wait, progress, settings.progress_interval_s)
+        if not attended:
+            job.detached = True
+            return network.noted(python_job_reply(session, job, links))
+        session.jobs.forget(job)  # answered whole: never a job the caller needs to know about
+        result = session.job_result(job)
+        reply = result.to_call_result(session.session_id, links=links)
+        return network.noted(tools.with_export_note(kernel_stamp(reply, session, result.state_lost), session))
 
     @tools.tool()
     async def kernel_reset(ctx: Context, session_id: SessionId = "") -> CallToolResult:
         """Restart the session's kernel: fresh state, files kept."""
         session = await tools.session(ctx, session_id)
         await session.reset()
-        return json_result({"reset": True, **await tools.off_loop(tools.summary, session)})
+        generation, preserved = session.kernel_state(lost=True)
+        state = {"generation": generation, "state_preserved": preserved}
+        summary = await tools.off_loop(tools.summary, session)
+        reply = json_result({"reset": True, "state_preserved": preserved, **summary})
+        reply.meta = {KERNEL_META: state}
+        return reply

@@ -1,0 +1,166 @@
+"""wait_job, cancel_job, list_jobs: runs that went on after their call answered (sessions/jobs.py).
+
+Also the reply shapes of a job, shared with run_python and execute_code: a python job's reply is
+its new output (text, images, links) plus a status line and the kernel line; a one-shot job's is
+the JSON of execute_code. Every reply about a kernel says its generation and whether state
+survived, in one line of text and in `_meta` (not in structured content: clients that show a
+structured copy would show it instead of the images).
+"""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+from dataclasses import asdict
+from typing import Annotated, Any
+
+from mcp.server.mcpserver import Context
+from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
+from pydantic import Field
+
+from ..callers import client_of_key
+from ..file_results import resource_link
+from ..oneshot import OneShotResult
+from ..sessions import Session
+from ..sessions.jobs import Job, JobNotFound, JobStatus, attend, cancel, duration
+from .context import ToolContext, json_result
+
+#: The `_meta` keys of kernel and job state on a reply.
+KERNEL_META = "coderunner/kernel"
+JOB_META = "coderunner/job"
+
+
+def kernel_stamp(reply: CallToolResult, session: Session, lost: bool = False) -> CallToolResult:
+    """Add the kernel's generation and whether state survived: one line of text and `_meta`."""
+    generation, preserved = session.kernel_state(lost)
+    words = "state kept" if preserved else "new kernel, state lost (variables and imports; files kept)"
+    line = f"[kernel {generation}: {words}]"
+    first = reply.content[0] if reply.content else None
+    if isinstance(first, TextContent):  # the reply's own text: the block types stay as they were
+        first.text = f"{first.text}\n{line}" if first.text else line
+    else:
+        reply.content.insert(0, TextContent(type="text", text=line))
+    reply.meta = {**(reply.meta or {}), KERNEL_META: {"generation": generation, "state_preserved": preserved}}
+    return reply
+
+
+def running_note(job: Job) -> str:
+    return (
+        f"still running as job {job.job_id} after {duration(job.elapsed_s())}: wait_job for the rest, "
+        "cancel_job to stop it"
+    )
+
+
+def python_job_reply(session: Session, job: Job, links: bool) -> CallToolResult:
+    """What is new in a python job since the last read, then where it stands."""
+    assert job.output is not None
+    read = job.output.take()
+    lines = [read.text.rstrip("\n")] if read.text else []
+    if read.saved:
+        lines.append("[more images than fit in one reply; saved: " + ", ".join(read.saved) + "]")
+    lost = False
+    is_error = False
+    if job.running:
+        lines.append(f"[{running_note(job)}]")
+    else:
+        result = session.job_result(job)
+        lost = result.state_lost
+        is_error = job.status is not JobStatus.DONE
+        if result.notice:
+            lines.append(f"[{result.notice}]")
+        if job.output.dropped_images:
+            lines.append(f"[{job.output.dropped_images:,} more images were neither shown nor saved]")
+        count = result.outcome.execution_count
+        cell = f", cell {count}" if count is not None else ""
+        lines.append(f"[job {job.job_id} {job.status.value} after {duration(job.elapsed_s())}{cell}]")
+        job.output.release_images()
+    content: list[ContentBlock] = [TextContent(type="text", text="\n".join(lines))]
+    content.extend(ImageContent(type="image", data=image.data_b64, mime_type=image.mime_type) for image in read.images)
+    if links:
+        saved = [read.spill_path] if read.spill_path else []
+        saved += [path for path in read.saved if path.startswith("/")]
+        content.extend(resource_link(session.session_id, path) for path in saved)
+    reply = CallToolResult(content=content, is_error=is_error)
+    reply.meta = {JOB_META: {"job_id": job.job_id, "status": job.status.value}}
+    return kernel_stamp(reply, session, lost)
+
+
+def oneshot_status(job: Job) -> JobStatus:
+    result: OneShotResult = job.result
+    if result.success:
+        return JobStatus.DONE
+    if result.timed_out:
+        return JobStatus.INTERRUPTED
+    return JobStatus.ERROR if result.exit_code is not None else JobStatus.LOST
+
+
+def oneshot_job_reply(job: Job) -> CallToolResult:
+    """execute_code's JSON answer with the job's id and status (or only those, while it runs)."""
+    head: dict[str, Any] = {"job_id": job.job_id, "status": job.status.value}
+    if job.running:
+        return json_result({**head, "elapsed_s": round(job.elapsed_s(), 1), "note": running_note(job)})
+    if isinstance(job.result, OneShotResult):
+        return json_result({**head, **asdict(job.result)}, is_error=not job.result.success)
+    return json_result({**head, "note": job.notice or "ended without a result"}, is_error=True)
+
+
+def register(tools: ToolContext) -> None:
+    settings = tools.settings
+    manager = tools.manager
+    links = settings.file_links == "resource_link"
+
+    async def find(ctx: Context, job_id: str) -> tuple[Job, Session | None]:
+        """The caller's job `job_id`, with its session (None for a one-shot job)."""
+        client = client_of_key(tools.caller(ctx))
+        job = manager.jobs.get(job_id)
+        if job is not None and client_of_key(job.owner) == client:
+            return job, None
+        for session in manager.list():
+            found = session.jobs.get(job_id)
+            # Another client's job is unknown here: its session's handle is not told either.
+            if found is not None and client_of_key(session.owner) == client:
+                return found, await tools.session(ctx, session.session_id)
+        raise JobNotFound(
+            f"unknown job_id {job_id!r}: list_jobs shows your jobs (a job and its result last as long as its "
+            "session; finished ones beyond the last few are forgotten)"
+        )
+
+    def reply(job: Job, session: Session | None) -> CallToolResult:
+        if session is None:
+            return oneshot_job_reply(job)
+        return tools.with_export_note(python_job_reply(session, job, links), session)
+
+    @tools.tool()
+    async def wait_job(
+        job_id: str, ctx: Context, timeout_s: Annotated[float, Field(ge=0)] = settings.detach_after_s
+    ) -> CallToolResult:
+        """Wait up to timeout_s for a job: its output since the last read, and its status."""
+        job, session = await find(ctx, job_id)
+
+        async def tick(job: Job) -> None:
+            tail = job.output.tail_text(200) if job.output is not None else ""
+            await ctx.report_progress(
+                job.elapsed_s(), None, f"job {job.job_id} running {duration(job.elapsed_s())}: {tail}"
+            )
+
+        await attend(job, min(timeout_s, settings.max_timeout_s), tick, settings.progress_interval_s)
+        return reply(job, session)
+
+    @tools.tool()
+    async def cancel_job(job_id: str, ctx: Context) -> CallToolResult:
+        """Interrupt a job; a kernel that ignores that is restarted (the reply says)."""
+        job, session = await find(ctx, job_id)
+        wait = settings.interrupt_grace_s + settings.startup_timeout_s + 5.0
+        await cancel(job, wait)
+        return reply(job, session)
+
+    @tools.tool()
+    async def list_jobs(ctx: Context) -> CallToolResult:
+        """Your jobs, running and finished."""
+        client = client_of_key(tools.caller(ctx))
+        found = [
+            job.describe()
+            for session in manager.list()
+            if client_of_key(session.owner) == client
+            for job in session.jobs.jobs.values()
+        ]
+        found += [job.describe() for job in manager.jobs.jobs.values() if client_of_key(job.owner) == client]
+        return json_result({"jobs": found})
