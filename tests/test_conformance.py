@@ -1,7 +1,7 @@
 """One contract, every backend this machine has: what sessions and one-shot runs rely on.
 
 The same scenarios run on the fake backend (tests/fakes) and on each real one that can work here
-(bwrap on Linux; podman or docker when their engine answers and the sandbox image is built;
+(bwrap on Linux; podman, docker or gvisor (podman + runsc) when the engine answers and the image is built;
 Apple `container` on macOS). A real backend that cannot work here is skipped with the reason,
 except bwrap on Linux, whose absence is a failure (it is the default). Containment itself is
 the e2e and abuse suites' business; this is about the seam: start, run, interrupt, death,
@@ -33,7 +33,7 @@ from .fakes.backend import FakeBackend, kernel_python
 pytestmark = [pytest.mark.anyio, pytest.mark.conformance]
 
 #: Every backend a machine may have; which of them this one has is found out per test run.
-BACKENDS = ("fake", "bwrap", "podman", "docker", "apple")
+BACKENDS = ("fake", "bwrap", "podman", "docker", "gvisor", "apple")
 #: Bound on asking an engine whether it and the image are there.
 PROBE_TIMEOUT_S = 60
 #: This machine's podman cannot use crun (hybrid cgroups); runc works (see the podman e2e tests).
@@ -95,6 +95,8 @@ def _backend(name: str, settings: Settings, root: Path) -> SandboxBackend:
         return FakeBackend(python, root / "f", sandbox_identity(settings.sandbox_user))
     if name in ("podman", "docker") and (problem := _engine_problem(name, settings.image)):
         pytest.skip(problem)
+    if name == "gvisor" and (problem := _engine_problem("podman", settings.image)):
+        pytest.skip(f"gvisor runs under podman: {problem}")
     if name == "apple" and sys.platform != "darwin":
         pytest.skip("Apple `container` runs on macOS only")
     if name == "bwrap" and not sys.platform.startswith("linux"):
