@@ -89,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 
     setup = commands.add_parser("setup", help="create the sandbox's Python environment (or image)")
     setup.add_argument("--recreate", action="store_true", help="delete and rebuild it")
-    setup.add_argument("--backend", choices=["bwrap", "podman", "docker", "apple"], help="build for this backend")
+    setup.add_argument("--backend", choices=["bwrap", "podman", "docker", "gvisor", "apple"], help="build for this backend")
     setup.add_argument("--base-image", help="container backends: the image the sandbox image is built FROM")
     return parser
 
@@ -98,7 +98,7 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", dest="timeout_s", type=float, help="default run timeout in seconds")
     parser.add_argument("--memory-mb", type=int, help="memory limit per session")
     parser.add_argument("--sandbox-env", type=Path, help="the sandbox Python environment")
-    parser.add_argument("--backend", choices=["bwrap", "podman", "docker", "apple"], help="how sessions are isolated")
+    parser.add_argument("--backend", choices=["bwrap", "podman", "docker", "gvisor", "apple"], help="how sessions are isolated")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
