@@ -1,0 +1,81 @@
+"""The abuse suite's bounds and file-system cases against the gvisor backend (podman + runsc).
+
+gVisor puts a kernel of its own between the code and the host, so the cases about the host kernel's
+syscall surface say little new here; what must still hold is the host side the backend shares with
+podman: the bounds (processes, memory, disk, output, time), the workspace and runtime dirs, the
+network-none cases (runsc runs with no network stack), and the server and bystander staying served.
+The path traps run on gvisor from test_abuse_paths.py's backend parametrisation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import AsyncIterator
+
+import pytest
+
+from ..conftest import ServerDirs, run, server_env, stdio_client, text_of
+from ..test_e2e_podman import podman_image  # noqa: F401  (the session's image fixture)
+from .conftest import BYSTANDER_VALUE, Arena
+from .test_abuse import CASES, Case, assert_still_serving, attack
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+#: The boundaries held on the host side, whatever kernel the code talks to.
+BOUNDARIES = {"filesystem", "network none", "processes", "memory", "disk", "output", "time", "kernel"}
+#: Held differently, as on podman: the container's memory cgroup, not a MemoryError, may end it.
+HELD_DIFFERENTLY = {"memory: raising RLIMIT_AS, then allocating past the limit"}
+PICKED = [
+    case
+    for case in CASES
+    if case.boundary in BOUNDARIES and f"{case.boundary}: {case.name}" not in HELD_DIFFERENTLY
+]
+
+
+@pytest.fixture(scope="module")
+def gvisor_image(podman_image: str) -> str:  # noqa: F811
+    if shutil.which("runsc") is None:
+        pytest.fail("runsc is not installed: run ./install.sh (it installs runsc for the gvisor backend)")
+    return podman_image
+
+
+@pytest.fixture(scope="module")
+async def arena(gvisor_image: str, abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+    """The abuse conftest's arena, on gvisor."""
+    env = server_env(
+        abuse_dirs,
+        CODERUNNER_DISK_MB="64",
+        CODERUNNER_MEMORY_MB="1024",
+        CODERUNNER_TIMEOUT_S="30",
+        CODERUNNER_MAX_SESSIONS="4",
+        CODERUNNER_BACKEND="gvisor",
+    )
+    async with stdio_client(env) as client:
+        created = await client.call_tool("create_session", {})
+        bystander = json.loads(text_of(created))["session_id"]
+        await run(client, f"guarded = {BYSTANDER_VALUE!r}\nopen('bystander.txt', 'w').write('mine')",
+                  session_id=bystander)  # fmt: skip
+        [workspace] = [path for path in abuse_dirs.workspaces.iterdir() if path.is_dir()]
+        yield Arena(client, abuse_dirs, bystander, workspace, *host_listeners)
+
+
+@pytest.mark.parametrize("case", PICKED, ids=[f"{case.boundary}: {case.name}" for case in PICKED])
+async def test_boundary_holds_on_gvisor(arena: Arena, case: Case) -> None:
+    result = await attack(arena, case)
+    case.check(result, arena)
+    await assert_still_serving(arena)
+
+
+async def test_memory_past_the_limit_is_bounded_on_gvisor(arena: Arena) -> None:
+    case = next(case for case in CASES if f"{case.boundary}: {case.name}" in HELD_DIFFERENTLY)
+    result = await attack(arena, case)
+    text = text_of(result)
+    assert result.is_error and ("MemoryError" in text or "kernel died" in text), text
+    await assert_still_serving(arena)
+
+
+async def test_network_internet_is_refused_with_the_fix(arena: Arena) -> None:
+    refused = await arena.client.call_tool("create_session", {"network": "internet"})
+    assert refused.is_error and "gvisor backend" in text_of(refused) and "bwrap" in text_of(refused), text_of(refused)
+    await assert_still_serving(arena)
