@@ -21,16 +21,33 @@ boundary here is the Sentry itself, which runsc confines with its own host secco
 from __future__ import annotations
 
 import shutil
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from anyio.abc import TaskGroup
+
+from .base import LimitReport, Limits, SandboxProcess, SandboxSpec
 from .common import NETWORK_MODES
 from .container import ContainerUnavailable
 from .identity import HostIdentity
-from .oci import OciBackend
+from .oci import OciBackend, OciCommand
 
 #: runsc's global flags (podman's --runtime-flag drops the dashes); see the module docstring.
 RUNTIME_FLAGS = ("platform=ptrace", "network=none", "host-uds=create", "overlay2=none")
 INSTALL_HINT = "sudo apt-get install runsc podman"
+#: Host pids the Sentry may use per guest task, and on top: under ptrace each guest task costs a
+#: stub thread and a tracing thread on the host. A Sentry that cannot make a host thread dies
+#: (Go runtime, exit 2), so the guest's own bound (RLIMIT_NPROC, which gVisor enforces) must come
+#: first: a fork bomb then gets EAGAIN inside and the kernel lives, as under bwrap.
+HOST_PIDS_PER_TASK = 8  # measured: 256 forked guest processes made 1,343 host tasks
+HOST_PIDS_BASE = 256
+#: runsc ignores podman's masked paths: its own /sys (synthetic, but it lists a cgroup tree and
+#: devices) is covered by an empty read-only tmpfs, as bwrap and podman show none.
+SYS_MOUNT = "type=tmpfs,destination=/sys,ro=true"
+
+
+def host_pids(guest_pids: int) -> int:
+    return HOST_PIDS_PER_TASK * guest_pids + HOST_PIDS_BASE
 
 
 def find_runsc(runsc: str | None = None) -> str:
@@ -38,6 +55,16 @@ def find_runsc(runsc: str | None = None) -> str:
     if found is None:
         raise ContainerUnavailable(f"runsc (gVisor) is not installed: {INSTALL_HINT}")
     return found
+
+
+@dataclass(frozen=True)
+class GvisorCommand(OciCommand):
+    """podman's run command, with the mounts runsc needs to hide what podman's masks hide."""
+
+    def run(self, spec: SandboxSpec, inner: list[str], name: str, **kwargs: object) -> list[str]:
+        args = super().run(spec, inner, name, **kwargs)  # type: ignore[arg-type]
+        image_at = len(args) - len(inner) - 1
+        return [*args[:image_at], "--mount", SYS_MOUNT, *args[image_at:]]
 
 
 class GvisorBackend(OciBackend):
@@ -62,6 +89,7 @@ class GvisorBackend(OciBackend):
             runtime_flags=RUNTIME_FLAGS,
         )
         self.name = "gvisor"
+        self.command = GvisorCommand(**{each.name: getattr(self.command, each.name) for each in fields(self.command)})
 
     def describe_isolation(self) -> str:
         user = f"; host user {self.identity.name}" if self.identity else ""
@@ -71,6 +99,23 @@ class GvisorBackend(OciBackend):
             f"size-capped /tmp, no network stack, only the session workspace writable; container "
             f"memory/cpu/pids limits{user}"
         )
+
+    def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
+        reports = super().limit_reports(limits)
+        if limits.pids:
+            reports["pids"] = LimitReport(limits.pids, "RLIMIT_NPROC in gVisor's kernel + container pids limit")
+        return reports
+
+    async def _spawn(
+        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
+    ) -> SandboxProcess:
+        """The session's pids bound the guest's tasks (RLIMIT_NPROC inside); the container's own
+        pids limit, on the Sentry's host threads, is set above what those tasks can cost."""
+        limits = spec.limits
+        if limits.pids is not None:
+            argv = ["/usr/bin/prlimit", f"--nproc={limits.pids}", "--", *argv]
+            spec = replace(spec, limits=replace(limits, pids=host_pids(limits.pids)))
+        return await super()._spawn(spec, argv, task_group, pipes=pipes)
 
     def network_problem(self, network: str) -> str | None:
         if network not in NETWORK_MODES:
