@@ -16,6 +16,19 @@ code and the host's. The runtime flags and why:
 Not used: oci-seccomp (enforcing the spec's seccomp profile inside the Sentry). With it, ZMQ's
 I/O thread fails to start (EPERM, zmq src/thread.cpp:241) and so does the kernel. The syscall
 boundary here is the Sentry itself, which runsc confines with its own host seccomp filter.
+
+Checkpoint/restore (tried with Debian's runsc 0.0~20221219; bench/gvisor.py shows it): a live
+kernel cannot be checkpointed. Its ZMQ channels are host sockets bound from inside, and the
+Sentry refuses to save one: "Cannot save endpoint with bound host socket" (a panic in
+connectionedEndpoint.beforeSave, pkg/sentry/socket/unix/transport/connectioned_state.go, still
+there in gVisor's 2026 sources). The failed save leaves the sandbox stopped: the kernel dies.
+Dialling out instead (host-uds=open, the host listens) fails too in this runsc (nil dereference
+saving the connected host endpoint); newer gVisor saves such a connection by closing it. What
+does work here: a sandbox holding no host socket at the moment of checkpoint is checkpointed and
+restored with its threads, so a kernel whose channels went through an in-sandbox relay that
+closes its host connections before a checkpoint and dials again after restore could be. Podman
+4.3 itself refuses `podman container checkpoint` with runsc ("configured runtime does not
+support checkpoint/restore"), so restore would also run outside podman's bookkeeping.
 """
 
 from __future__ import annotations
