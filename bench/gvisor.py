@@ -6,10 +6,12 @@ Per round, in turn:
 - bwrap / gvisor, through a SessionManager of each: cold = create a session and answer `1+1`;
   warm = the median of `--warm` further `1+1` round trips in it.
 - checkpoint: a live kernel's checkpoint is tried (`runsc checkpoint --leave-running`); it fails
-  today because the kernel's ZMQ sockets are host sockets bound from inside (the reply's first line
-  is printed). Then what the mechanism costs where no host socket is bound: a gVisor container
-  holding `--size-mb` MB in a Python process is checkpointed (`runsc checkpoint`) and restored
-  (`runsc restore` from podman's bundle), and the restored process is asked for its data.
+  today because the kernel's ZMQ sockets are host sockets bound from inside (the Sentry's reason is
+  printed: "Cannot save endpoint with bound host socket", or at times "endpoint still has waiters
+  upon save"), and the failed save stops the sandbox, so the kernel dies. Then what the mechanism
+  costs where no host socket is bound: a gVisor container holding `--size-mb` MB in a Python
+  process is checkpointed (`runsc checkpoint`) and restored (`runsc restore` from podman's
+  bundle); the restored sandbox must be running.
 bwrap has no checkpoint; its lane reports none.
 """
 
