@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import pytest
+
+from coderunner.sandbox.container import server_tag
 
 from ..conftest import ServerDirs, run, server_env, stdio_client, text_of
 from ..test_e2e_podman import podman_image  # noqa: F401  (the session's image fixture)
@@ -92,3 +96,52 @@ async def test_network_internet_is_refused_with_the_fix(arena: Arena) -> None:
     refused = await arena.client.call_tool("create_session", {"network": "internet"})
     assert refused.is_error and "gvisor backend" in text_of(refused) and "bwrap" in text_of(refused), text_of(refused)
     await assert_still_serving(arena)
+
+
+def _host_uid(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Uid:"):
+            return int(line.split()[2])  # effective
+    raise AssertionError(f"no Uid line for {pid}")
+
+
+async def test_the_code_runs_in_host_processes_that_are_not_root(arena: Arena) -> None:
+    """boundary: host identity. Under runsc the guest's code runs in the Sentry's ptrace stubs, which
+    (like the Sentry) are host `nobody` in a user namespace of their own; only the gofer, chrooted
+    and with a handful of file capabilities, is root. Files the code makes are the per-sandbox uid's."""
+    await run(arena.client, "open('mine.txt', 'w').write('x')", session_id=arena.bystander)
+    assert arena.bystander_workspace.joinpath("mine.txt").stat().st_uid != 0
+    tag = server_tag(arena.dirs.runtime)
+    ids = subprocess.run(
+        ["podman", "ps", "--no-trunc", "--filter", f"label=coderunner.server={tag}", "--format", "{{.ID}}"],
+        capture_output=True, text=True, timeout=60, check=True,
+    ).stdout.split()  # fmt: skip
+    assert ids
+    for container in ids:
+        sentries = [
+            int(entry.name)
+            for entry in Path("/proc").iterdir()
+            if entry.name.isdigit()
+            and _cmdline(entry).startswith(b"runsc-sandbox")
+            and container.encode() in _cmdline(entry)
+        ]
+        assert sentries, container
+        for sentry in sentries:
+            stubs = [int(pid) for task in Path(f"/proc/{sentry}/task").iterdir() for pid in _children(task)]
+            assert stubs, "no ptrace stubs under the Sentry"
+            assert all(_host_uid(pid) != 0 for pid in [sentry, *stubs])
+    await assert_still_serving(arena)
+
+
+def _children(task: Path) -> list[str]:
+    try:
+        return (task / "children").read_text().split()
+    except OSError:
+        return []
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""
