@@ -108,7 +108,7 @@ class GvisorBackend(OciBackend):
         user = f"; host user {self.identity.name}" if self.identity else ""
         return (
             "gVisor (runsc, ptrace platform) under podman: the code talks to gVisor's own kernel, not the "
-            "host's; seccomp inside and around it, no capabilities, no-new-privileges, read-only root, "
+            "host's, itself confined by runsc's seccomp filter; no capabilities, no-new-privileges, read-only root, "
             f"size-capped /tmp, no network stack, only the session workspace writable; container "
             f"memory/cpu/pids limits{user}"
         )
