@@ -105,7 +105,7 @@ class GvisorBackend(OciBackend):
         self.command = GvisorCommand(**{each.name: getattr(self.command, each.name) for each in fields(self.command)})
 
     def describe_isolation(self) -> str:
-        user = f"; host user {self.identity.name}" if self.identity else ""
+        user = f"; its files are host user {self.identity.name}'s, its processes host nobody's" if self.identity else ""
         return (
             "gVisor (runsc, ptrace platform) under podman: the code talks to gVisor's own kernel, not the "
             "host's, itself confined by runsc's seccomp filter; no capabilities, no-new-privileges, read-only root, "
