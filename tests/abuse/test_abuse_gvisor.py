@@ -10,7 +10,9 @@ The path traps run on gvisor from test_abuse_paths.py's backend parametrisation.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
 import subprocess
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -145,3 +147,28 @@ def _cmdline(entry: Path) -> bytes:
         return (entry / "cmdline").read_bytes()
     except OSError:
         return b""
+
+
+async def test_host_sockets_in_a_bound_folder_cannot_be_dialled(arena: Arena) -> None:
+    """boundary: host sockets. host-uds=create lets the kernel bind its channels as host sockets, but
+    not connect to any: a listener the host put in the session's own workspace stays unreached."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = arena.bystander_workspace / "canary.sock"
+    listener.bind(str(path))
+    listener.listen(4)
+    listener.setblocking(False)
+    os.chmod(path, 0o777)
+    try:
+        code = (
+            "import socket\ns = socket.socket(socket.AF_UNIX)\n"
+            "try:\n    s.connect('canary.sock'); print('connected')\n"
+            "except OSError as exc:\n    print('refused', exc.errno)"
+        )
+        said = text_of(await run(arena.client, code, session_id=arena.bystander))
+        assert said.startswith("refused"), said
+        with pytest.raises(BlockingIOError):
+            listener.accept()
+    finally:
+        listener.close()
+        path.unlink()
+    await assert_still_serving(arena)
