@@ -116,6 +116,8 @@ APT_PACKAGES=(bubblewrap python3 python3-venv util-linux mount e2fsprogs libsecc
 # mmdebstrap to make a base image from Debian's mirror where no registry is reachable.
 # CODERUNNER_NO_PODMAN=1 skips them (the bwrap backend needs none of these).
 [ -n "${CODERUNNER_NO_PODMAN:-}" ] || APT_PACKAGES+=(podman runc mmdebstrap)
+# The gvisor backend: podman's image run by runsc (gVisor), a kernel of its own per sandbox.
+[ -n "${CODERUNNER_NO_PODMAN:-}" ] || APT_PACKAGES+=(runsc)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" || missing+=("$pkg")

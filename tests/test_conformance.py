@@ -1,8 +1,8 @@
 """One contract, every backend this machine has: what sessions and one-shot runs rely on.
 
 The same scenarios run on the fake backend (tests/fakes) and on each real one that can work here
-(bwrap on Linux; podman or docker when their engine answers and the sandbox image is built;
-Apple `container` on macOS, and on Linux through its stand-in, tests/emulators/container, at one
+(bwrap on Linux; podman, docker or gvisor (podman + runsc) when the engine answers and the image is
+built; Apple `container` on macOS, and on Linux through its stand-in, tests/emulators/container, at one
 release before 0.10 and one 1.x). A real backend that cannot work here is skipped with the reason,
 except bwrap on Linux, whose absence is a failure (it is the default). Containment itself is
 the e2e and abuse suites' business; this is about the seam: start, run, interrupt, death,
@@ -36,7 +36,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.conformance]
 
 #: Every backend a machine may have; which of them this one has is found out per test run.
 APPLE_LANES = ("apple",) if sys.platform == "darwin" else tuple(f"apple@{v}" for v in apple_emulation.VERSIONS)
-BACKENDS = ("fake", "bwrap", "podman", "docker", *APPLE_LANES)
+BACKENDS = ("fake", "bwrap", "podman", "docker", "gvisor", *APPLE_LANES)
 #: Bound on asking an engine whether it and the image are there.
 PROBE_TIMEOUT_S = 60
 #: This machine's podman cannot use crun (hybrid cgroups); runc works (see the podman e2e tests).
@@ -100,6 +100,8 @@ def _backend(name: str, settings: Settings, root: Path) -> SandboxBackend:
         return FakeBackend(python, root / "f", sandbox_identity(settings.sandbox_user))
     if name in ("podman", "docker") and (problem := _engine_problem(name, settings.image)):
         pytest.skip(problem)
+    if name == "gvisor" and (problem := _engine_problem("podman", settings.image)):
+        pytest.skip(f"gvisor runs under podman: {problem}")
     if name.startswith("apple@"):
         return _emulated_apple(name.split("@")[1], settings, root)
     if name == "bwrap" and not sys.platform.startswith("linux"):

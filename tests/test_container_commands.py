@@ -331,3 +331,18 @@ def test_the_watcher_sweeps_when_its_server_lets_go_and_not_before(tmp_path: Pat
     watcher._process.wait(timeout=60)
     listing = "ps --all --quiet --filter label=coderunner.instance=x"
     assert calls.read_text().splitlines() == [listing, "rm --force --time 0 c1 c2", listing], "sweeps until none"
+
+
+def test_gvisor_runs_podman_with_runsc_flags_and_an_empty_sys() -> None:
+    from coderunner.sandbox.gvisor import RUNTIME_FLAGS, SYS_MOUNT, GvisorCommand, host_pids
+
+    command = GvisorCommand(
+        engine="podman", kind="podman", image="img", server="s", runtime="/usr/bin/runsc", runtime_flags=RUNTIME_FLAGS
+    )
+    assert command.base()[:3] == ["podman", "--runtime", "/usr/bin/runsc"]
+    assert "network=none" in command.base() and "host-uds=create" in command.base()
+    argv = command.run(spec(), ["python", "-m", "k"], "n")
+    assert argv[-4:] == ["img", "python", "-m", "k"]
+    assert argv[-6:-4] == ["--mount", SYS_MOUNT]
+    assert command.remove("n")[:3] == command.base()[:3]  # the same runtime removes what it ran
+    assert host_pids(256) > 5 * 256  # measured: ~5 host tasks per guest process under ptrace

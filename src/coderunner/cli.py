@@ -10,17 +10,20 @@ import base64
 import logging
 import sys
 from pathlib import Path
+from typing import get_args
 
 import anyio
 
 from . import __version__, client_tokens, doctor
 from .auth import ensure_token, read_token
 from .client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
-from .config import Settings, load_settings
+from .config import Backend, Settings, load_settings
 from .errors import CodeRunnerError
 from .sandbox import env as sandbox_env
 from .sandbox import image, make_backend
 from .sessions import SessionManager
+
+BACKEND_CHOICES = list(get_args(Backend))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,7 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 
     setup = commands.add_parser("setup", help="create the sandbox's Python environment (or image)")
     setup.add_argument("--recreate", action="store_true", help="delete and rebuild it")
-    setup.add_argument("--backend", choices=["bwrap", "podman", "docker", "apple"], help="build for this backend")
+    setup.add_argument("--backend", choices=BACKEND_CHOICES, help="build for this backend")
     setup.add_argument("--base-image", help="container backends: the image the sandbox image is built FROM")
     return parser
 
@@ -107,7 +110,7 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", dest="timeout_s", type=float, help="default run timeout in seconds")
     parser.add_argument("--memory-mb", type=int, help="memory limit per session")
     parser.add_argument("--sandbox-env", type=Path, help="the sandbox Python environment")
-    parser.add_argument("--backend", choices=["bwrap", "podman", "docker", "apple"], help="how sessions are isolated")
+    parser.add_argument("--backend", choices=BACKEND_CHOICES, help="how sessions are isolated")
 
 
 def _settings(args: argparse.Namespace) -> Settings:

@@ -31,7 +31,7 @@ NetworkMode = Literal["none", "allowlist", "internet"]
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
-Backend = Literal["bwrap", "podman", "docker", "apple"]
+Backend = Literal["bwrap", "podman", "docker", "apple", "gvisor"]
 
 
 def default_backend() -> Backend:
@@ -102,8 +102,9 @@ class Settings(BaseSettings):
     # Sandbox.
     backend: Backend = Field(
         default_factory=lambda: default_backend(),
-        description="How sessions are isolated: bwrap (Linux default), podman, docker, or apple "
-        "(Apple `container` VMs; the macOS default when `container` is installed).",
+        description="How sessions are isolated: bwrap (Linux default), podman, docker, gvisor (podman run by "
+        "runsc: a kernel of its own per sandbox), or apple (Apple `container` VMs; the macOS default when "
+        "`container` is installed).",
     )
     image: str = Field(
         default=f"coderunner-sandbox:{__version__}",

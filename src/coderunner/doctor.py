@@ -188,7 +188,7 @@ def check_network_allowlist(settings: Settings) -> Check:
     return Check(name, True, f"{where}; allowed_domains: {ceiling}; presets: {', '.join(PRESETS)}")
 
 
-BACKENDS = ("bwrap", "podman", "docker", "apple")
+BACKENDS = ("bwrap", "podman", "docker", "gvisor", "apple")
 
 
 def check_backend_choice(settings: Settings) -> Check:
@@ -218,12 +218,18 @@ def _engine_problem(settings: Settings, kind: str) -> tuple[str | None, str | No
         return None, None
     if kind == "apple" and sys.platform != "darwin":
         return "macOS 26 on Apple silicon only", None
-    cli = "container" if kind == "apple" else kind
+    if kind == "gvisor":  # podman's image, run by runsc
+        if not sys.platform.startswith("linux"):
+            return "Linux only", None
+        if shutil.which("runsc") is None:
+            return "runsc (gVisor) is not installed", "sudo apt-get install runsc"
+    cli = {"apple": "container", "gvisor": "podman"}.get(kind, kind)
     path = shutil.which(cli)
     if path is None:
         fix = {
             "apple": "macOS 26 on Apple silicon: ./install.sh installs it",
             "podman": "sudo apt-get install podman runc (Linux), or Podman Desktop",
+            "gvisor": "sudo apt-get install podman runc runsc",
             "docker": "install Docker Engine or Docker Desktop",
         }[kind]
         return f"`{cli}` is not installed", fix

@@ -93,12 +93,17 @@ def canaries() -> Iterator[Canaries]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-@pytest.fixture(params=["bwrap", "podman"])
+@pytest.fixture(params=["bwrap", "podman", "gvisor"])
 def backend_env(request: pytest.FixtureRequest) -> dict[str, str]:
-    """The same traps on every backend that shares the host kernel's file systems."""
+    """The same traps on every backend that shares the host's file systems (gvisor through its gofer)."""
     if request.param == "podman":
         request.getfixturevalue("podman_image")  # built once per test session
         return {"CODERUNNER_BACKEND": "podman", "CODERUNNER_OCI_RUNTIME": OCI_RUNTIME}
+    if request.param == "gvisor":
+        request.getfixturevalue("podman_image")
+        if shutil.which("runsc") is None:
+            pytest.fail("runsc is not installed: run ./install.sh (it installs runsc for the gvisor backend)")
+        return {"CODERUNNER_BACKEND": "gvisor"}
     return {"CODERUNNER_BACKEND": "bwrap"}
 
 

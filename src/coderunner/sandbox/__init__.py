@@ -6,6 +6,7 @@ new backend is one entry in the registry:
 
     bwrap           bwrap.py      Linux default, no daemon
     podman, docker  oci.py        one container per kernel, from the CodeRunner image
+    gvisor          gvisor.py     the podman backend run by runsc: a kernel of its own per sandbox
     apple           apple.py      one lightweight VM per kernel (macOS `container`)
 
 Shared paths, environment and limits live in common.py; building the sandbox's Python
@@ -76,6 +77,12 @@ def _oci(settings: Settings) -> SandboxBackend:
     )
 
 
+def _gvisor(settings: Settings) -> SandboxBackend:
+    from .gvisor import GvisorBackend
+
+    return GvisorBackend(settings.image, settings.runtime_dir, identity=_identity(settings))
+
+
 def _apple(settings: Settings) -> SandboxBackend:
     from .apple import AppleBackend
 
@@ -87,6 +94,7 @@ BACKENDS: dict[str, Callable[[Settings], SandboxBackend]] = {
     "bwrap": _bwrap,
     "podman": _oci,
     "docker": _oci,
+    "gvisor": _gvisor,
     "apple": _apple,
 }
 

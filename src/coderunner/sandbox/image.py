@@ -107,7 +107,7 @@ class BuildCommand:
 
 
 def build_command(settings: Settings, repo: Path = REPO) -> BuildCommand:
-    kind = settings.backend
+    kind = "podman" if settings.backend == "gvisor" else settings.backend  # gvisor runs podman's image
     engine = shutil.which("container" if kind == "apple" else kind)
     if engine is None:
         fix = {

@@ -98,11 +98,14 @@ class OciCommand:
     seccomp_profile: Path | None = None
     #: This server process's LABEL_INSTANCE value (what its watcher removes), or None.
     instance: str | None = None
+    #: podman only: flags for the runtime itself ("platform=ptrace" becomes runsc's --platform=ptrace).
+    runtime_flags: tuple[str, ...] = ()
 
     def base(self) -> list[str]:
         """The engine and its global flags (podman takes --runtime globally, docker per run)."""
         if self.kind == "podman" and self.runtime:
-            return [self.engine, "--runtime", self.runtime]
+            flags = [arg for flag in self.runtime_flags for arg in ("--runtime-flag", flag)]
+            return [self.engine, "--runtime", self.runtime, *flags]
         return [self.engine]
 
     def run(
@@ -262,6 +265,7 @@ class OciBackend:
         engine: str | None = None,
         runtime: str | None = None,
         channels: str = "auto",
+        runtime_flags: tuple[str, ...] = (),
     ) -> None:
         if kind not in ENGINES:
             raise ContainerUnavailable(f"unknown engine {kind!r}: use podman or docker")
@@ -295,6 +299,7 @@ class OciBackend:
             nproc=_hard_limit(resource.RLIMIT_NPROC, NPROC) if kind == "podman" else None,
             seccomp_profile=write_seccomp_profile(runtime_base) if kind == "podman" else None,
             instance=instance,
+            runtime_flags=runtime_flags,
         )
         self.env = engine_env(dict(os.environ))
         plan = WatchPlan(self.command.base(), kind, f"{LABEL_INSTANCE}={instance}")
