@@ -26,6 +26,8 @@ from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
 
+from .netns_servers import NetnsServers, available, netns_servers
+
 REPO = Path(__file__).resolve().parents[1]
 #: The bearer token test servers are given (CODERUNNER_TOKEN); the generated-token path has its own test.
 TEST_TOKEN = "test-token-" + "4c2e9d7a1b" * 3
@@ -269,3 +271,15 @@ async def wait_until(predicate, timeout_s: float = 10.0) -> bool:  # type: ignor
             await anyio.sleep(0.1)
         return True
     return False
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[NetnsServers]:
+    """The egress tests' HTTP servers in a network namespace of their own (tests/netns_servers.py),
+    one pair per test module that asks. A machine that cannot make them fails the module: the
+    egress tests are the only proof that 'allowlist' holds."""
+    problem = available()
+    if problem:
+        pytest.fail(f"the egress tests' servers cannot be made here: {problem}")
+    with netns_servers() as made:
+        yield made

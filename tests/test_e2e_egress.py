@@ -20,7 +20,7 @@ import pytest
 from mcp import Client
 
 from .conftest import ServerDirs, _passable, run, server_env, stdio_client, text_of, wait_until
-from .netns_servers import BODY, NetnsServers, available, netns_servers
+from .netns_servers import BODY, NetnsServers
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 from .test_e2e_podman import podman_image  # noqa: E402, F401 - a fixture, built only when asked for
@@ -33,15 +33,6 @@ PROXY = "http://127.0.0.1:3128"
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[NetnsServers]:
-    problem = available()
-    if problem:
-        pytest.fail(f"the egress tests need a network namespace: {problem}")
-    with netns_servers() as made:
-        yield made
 
 
 @dataclass

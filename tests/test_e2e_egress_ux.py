@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -25,7 +25,7 @@ from mcp.types import CallToolResult, TextContent
 
 from coderunner.egress.proxy import MAX_ASKS
 from tests.conftest import REPO, SERVER_CMD, ServerDirs, server_env
-from tests.netns_servers import BODY, NetnsServers, available, netns_servers
+from tests.netns_servers import BODY, NetnsServers
 
 pytestmark = pytest.mark.anyio
 
@@ -36,15 +36,6 @@ try:
 except urllib.error.HTTPError as error:
     print("HTTP", error.code, error.read().decode())
 """
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[NetnsServers]:
-    problem = available()
-    if problem:
-        pytest.fail(f"the egress tests' servers cannot be made here: {problem}")
-    with netns_servers() as made:
-        yield made
 
 
 def ceiling(servers: NetnsServers) -> list[str]:

@@ -25,7 +25,7 @@ import pytest
 from mcp import Client
 
 from ..conftest import ServerDirs, _passable, run, server_env, stdio_client, text_of
-from ..netns_servers import BODY, NetnsServers, available, netns_servers
+from ..netns_servers import BODY, NetnsServers
 from .conftest import BYSTANDER_VALUE
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -36,15 +36,6 @@ BLOCKED = "blocked by CodeRunner's network policy"
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def servers() -> Iterator[NetnsServers]:
-    problem = available()
-    if problem:
-        pytest.fail(f"the egress abuse tests need a network namespace: {problem}")
-    with netns_servers() as made:
-        yield made
 
 
 @pytest.fixture(scope="module")

@@ -108,8 +108,10 @@ class FakeBackend:
         }
 
     def network_problem(self, network: str) -> str | None:
+        if network == "allowlist":
+            return "the fake backend has no egress proxy wiring: use 'none' or 'internet'"
         if network not in ("none", "internet"):
-            return f"unknown network mode {network!r}: use 'none' or 'internet'"
+            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
         return None
 
     def remove_stale(self, name: str) -> None:
