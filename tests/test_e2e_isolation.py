@@ -3,6 +3,7 @@ and asserts the server still serves a normal call afterwards."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -19,7 +20,11 @@ async def probe(client: Client, code: str, **arguments: object) -> dict[str, obj
     """Run `code` that ends by printing one JSON object; return it."""
     result = await run(client, code, **arguments)
     assert not result.is_error, text_of(result)
-    return json.loads(text_of(result).splitlines()[-2])
+    # The printed JSON is the last line that parses; status lines ("[ok ...]", "[kernel N: ...]") follow it.
+    for line in reversed(text_of(result).splitlines()):
+        with contextlib.suppress(ValueError):
+            return json.loads(line)
+    raise AssertionError(f"no JSON line in: {text_of(result)}")
 
 
 async def assert_still_serves(client: Client) -> None:
