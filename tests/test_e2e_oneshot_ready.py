@@ -125,7 +125,7 @@ def root() -> Iterator[Path]:
 async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root: Path) -> None:
     """In process, with the real backend: which sandboxes were started, and for what."""
     settings = Settings(runtime_dir=root / "r", workspaces_dir=root / "w", token_file=root / "token",
-                        export_dir=None, oneshot_ready=True)  # fmt: skip
+                        export_dir=None, oneshot_ready=True, pool_size=0)  # fmt: skip
     backend = make_backend(settings)
     started: list[str] = []
     spawn = backend.spawn

@@ -19,7 +19,8 @@ Each class lives beside the code that raises it; the tree, with where each one i
     ├── KernelStartError             kernel.py             the sandboxed kernel did not come up
     ├── SessionError                 here                  a session request that cannot be served
     │   ├── SessionBusy              here                  another call holds the kernel
-    │   └── GuestCallError           here                  a guest tool refused its input or failed
+    │   ├── GuestCallError           here                  a guest tool refused its input or failed
+    │   └── JobNotFound              sessions/jobs.py      a job id this caller does not have
     ├── OneShotError                 oneshot.py            a one-shot run that could not be set up
     ├── MountError (+ ValueError)    mounts.py             a mount that is refused
     ├── WorkspaceError               workspace.py          a persistent workspace that cannot be used

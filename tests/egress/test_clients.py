@@ -9,6 +9,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import anyio
 import pytest
 
 from coderunner.egress import EgressPolicy
@@ -119,6 +120,10 @@ async def test_pip_downloads_a_package_through_the_python_packages_preset(tmp_pa
         )
         assert code == 0, out + err
         assert list(tmp_path.glob("six-*.whl"))
+        # An allowed connection is recorded when its relay ends, which can trail pip's exit a little.
+        with anyio.move_on_after(10):
+            while {d.host for d in proxied.log.recent(50) if d.allowed} != set(policy.hosts):
+                await anyio.sleep(0.05)
         hosts = {d.host for d in proxied.log.recent(50) if d.allowed}
         assert hosts == set(policy.hosts)  # the index, then its file host
         # And a host pip is not allowed: the denial reaches pip's output.

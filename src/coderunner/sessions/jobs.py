@@ -28,7 +28,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..callers import client_of_key
-from ..errors import SessionError
+from ..errors import CodeRunnerError, SessionError
 from ..output import OutputCollector, strip_ansi
 
 log = logging.getLogger(__name__)
@@ -151,7 +151,7 @@ class Job:
     notice: str | None = None
     state_lost: bool = False
     #: A refusal the work raised before it ran (closed, busy behind another call): its caller is told.
-    failure: SessionError | None = None
+    failure: CodeRunnerError | None = None
     #: The kernel generation it ran in (python jobs), to tell whether state survived it.
     generation: int | None = None
     #: When its code was sent to run (None: still waiting for the kernel): progress starts from there,
@@ -238,7 +238,7 @@ class JobTable:
             else:
                 job.status = status_of(job)
         except Exception as exc:  # a job must never take its owner's task group down with it
-            if isinstance(exc, SessionError):
+            if isinstance(exc, CodeRunnerError):  # said for the caller (a session's, a one-shot's refusal)
                 job.failure = exc
                 job.notice = str(exc)
             else:
