@@ -19,8 +19,8 @@ from coderunner.egress.policy import EgressPolicy
 from coderunner.egress_text import denial_note, denied_with_reasons, egress_status
 from coderunner.tools.egress import CallAsker, HostPermission
 
-CEILING = EgressPolicy.parse(["pypi.org", "files.pythonhosted.org", "*.example.org", "198.51.100.7"])
-SESSION = EGRESS = CEILING.narrowed(["pypi.org", "198.51.100.7"])
+CEILING = EgressPolicy.parse(["ix.example", "fx.example", "*.example.org", "198.51.100.7"])
+SESSION = EGRESS = CEILING.narrowed(["ix.example", "198.51.100.7"])
 
 
 def denied(log: DecisionLog, host: str, port: int = 443, reason: str = "not in this session's allowlist") -> None:
@@ -35,7 +35,7 @@ def note_for(log: DecisionLog, mark: int, declined: tuple[str, ...] = ()) -> str
 def test_no_denial_no_line() -> None:
     log = DecisionLog("s")
     mark = log.mark()
-    log.record(Decision(at=1.0, host="pypi.org", port=443, allowed=True, reason="allowed", sent=10, received=20))
+    log.record(Decision(at=1.0, host="ix.example", port=443, allowed=True, reason="allowed", sent=10, received=20))
     assert note_for(log, mark) is None
 
 
@@ -46,14 +46,14 @@ def test_denials_are_grouped_by_their_way_out() -> None:
     denied(log, "data.example.org")  # inside the ceiling, not the session's list
     denied(log, "data.example.org")  # twice: named once
     denied(log, "evil.test")  # beyond the ceiling
-    denied(log, "pypi.org", 8080, reason="port 8080 is not allowed")  # a port beyond the ceiling
+    denied(log, "ix.example", 8080, reason="port 8080 is not allowed")  # a port beyond the ceiling
     denied(log, "198.51.100.7", 443, reason="resolves to a private/loopback address")  # allowed, refused by address
     assert note_for(log, mark) == (
-        "network: denied data.example.org:443 (not in this session's allowlist; allowed: pypi.org, 198.51.100.7 "
+        "network: denied data.example.org:443 (not in this session's allowlist; allowed: ix.example, 198.51.100.7 "
         "on ports 80, 443); to reach it: create_session(network='allowlist', allow=['data.example.org']); "
         "denied evil.test:443 (not in the user's allowed_domains; only the user can add it: `allowed_domains` "
         "(config, CODERUNNER_ALLOWED_DOMAINS or --allow-domain)); "
-        "denied pypi.org:8080 (port not allowed; the user's allowed_ports: 80, 443); "
+        "denied ix.example:8080 (port not allowed; the user's allowed_ports: 80, 443); "
         "denied 198.51.100.7:443 (resolves to a private/loopback address)"
     )
 
@@ -78,12 +78,12 @@ def test_many_hosts_are_counted_not_listed() -> None:
 
 def test_status_shows_hosts_recent_decisions_and_totals() -> None:
     log = DecisionLog("s")
-    log.record(Decision(at=1_800_000_000.0, host="pypi.org", port=443, allowed=True, reason="ok", sent=5, received=7))
+    log.record(Decision(at=1_800_000_000.0, host="ix.example", port=443, allowed=True, reason="ok", sent=5, received=7))
     denied(log, "evil.test")
     status = egress_status(SESSION, log.recent(10), log.totals())
-    assert status["allowed_hosts"] == ["pypi.org", "198.51.100.7"] and status["ports"] == [80, 443]
+    assert status["allowed_hosts"] == ["ix.example", "198.51.100.7"] and status["ports"] == [80, 443]
     assert status["recent"][0] == {
-        "at": "2027-01-15T08:00:00Z", "host": "pypi.org", "port": 443, "allowed": True, "sent": 5, "received": 7,
+        "at": "2027-01-15T08:00:00Z", "host": "ix.example", "port": 443, "allowed": True, "sent": 5, "received": 7,
     }  # fmt: skip
     assert status["recent"][1]["allowed"] is False and status["recent"][1]["reason"]
     assert status["totals"] == {"allowed": 1, "denied": 1, "sent": 5, "received": 7}
