@@ -34,24 +34,11 @@ from coderunner.sandbox.apple import (
 from coderunner.sandbox.base import Limits, Mount, SandboxSpec
 from coderunner.sandbox.container import ContainerUnavailable, name_prefix
 
+from .test_container_commands import ENV_FLAGS  # the same sandbox environment on every engine
+
 FIXTURES = Path(__file__).parent / "fixtures" / "apple"
 V0_9 = ContainerVersion(0, 9, 0)
 V1_2 = ContainerVersion(1, 2, 2)
-ENV_FLAGS = [
-    "--env", "PATH=/opt/coderunner/env/bin:/usr/local/bin:/usr/bin:/bin",
-    "--env", "HOME=/tmp/home",
-    "--env", "USER=sandbox",
-    "--env", "LOGNAME=sandbox",
-    "--env", "SHELL=/bin/sh",
-    "--env", "LANG=C.UTF-8",
-    "--env", "LC_ALL=C.UTF-8",
-    "--env", "TMPDIR=/tmp",
-    "--env", "MPLBACKEND=module://matplotlib_inline.backend_inline",
-    "--env", "PYTHONDONTWRITEBYTECODE=1",
-    "--env", "PYDEVD_DISABLE_FILE_VALIDATION=1",
-    "--env", "MALLOC_ARENA_MAX=2",
-    "--env", "PYTHONPATH=/opt/coderunner/lib:/workspace/.coderunner/site-packages",
-]  # fmt: skip
 KERNEL = ["/opt/coderunner/env/bin/python", "-m", "ipykernel_launcher", "-f", "/tmp/cr/9f8e7d6c/run/kernel-0.json"]
 NAME = "coderunner-1a2b3c4d-9f8e7d6c-a1b2c3"
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -56,22 +57,34 @@ def host_listeners() -> Iterator[tuple[int, str]]:
     abstract.close()
 
 
-@pytest.fixture(scope="module")
-async def arena(abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+@contextlib.asynccontextmanager
+async def open_arena(
+    dirs: ServerDirs, host_listeners: tuple[int, str], path_first: Path | None = None, **settings: str
+) -> AsyncIterator[Arena]:
+    """A server with the abuse suite's limits (plus `settings`, e.g. another backend) and its
+    bystander session; `path_first` goes first on the server's PATH (a stand-in CLI)."""
     env = server_env(
-        abuse_dirs,
+        dirs,
         CODERUNNER_DISK_MB="64",
         CODERUNNER_MEMORY_MB="1024",
         CODERUNNER_TIMEOUT_S="30",
         CODERUNNER_MAX_SESSIONS="4",
         # Each abuse case wants its whole answer in one reply (a slow flood must not turn into a job).
         CODERUNNER_DETACH_AFTER_S="3600",
+        **settings,
     )
+    if path_first is not None:
+        env["PATH"] = f"{path_first}:{env['PATH']}"
     async with stdio_client(env) as client:
         created = await client.call_tool("create_session", {})
         bystander = json.loads(text_of(created))["session_id"]
         await run(client, f"guarded = {BYSTANDER_VALUE!r}\nopen('bystander.txt', 'w').write('mine')",
                   session_id=bystander)  # fmt: skip
-        workspaces = list(abuse_dirs.workspaces.iterdir())
-        [workspace] = [path for path in workspaces if path.is_dir()]
-        yield Arena(client, abuse_dirs, bystander, workspace, *host_listeners)
+        [workspace] = [path for path in dirs.workspaces.iterdir() if path.is_dir()]
+        yield Arena(client, dirs, bystander, workspace, *host_listeners)
+
+
+@pytest.fixture(scope="module")
+async def arena(abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+    async with open_arena(abuse_dirs, host_listeners) as made:
+        yield made

@@ -10,7 +10,6 @@ own Linux, which the stand-in does not have, and are left to a Mac.
 
 from __future__ import annotations
 
-import json
 import shutil
 import tempfile
 from collections.abc import AsyncIterator, Iterator
@@ -19,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from .. import apple_emulation
-from ..conftest import ServerDirs, _passable, run, server_env, stdio_client, text_of
-from .conftest import BYSTANDER_VALUE, Arena
+from ..conftest import ServerDirs, _passable
+from .conftest import Arena, open_arena
 from .test_abuse import CASES, Case, assert_still_serving, attack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -63,23 +62,9 @@ async def arena(apple_abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -
         image = apple_emulation.build_image(folder)
     except RuntimeError as exc:
         pytest.fail(str(exc))
-    env = server_env(
-        apple_abuse_dirs,
-        CODERUNNER_DISK_MB="64",
-        CODERUNNER_MEMORY_MB="1024",
-        CODERUNNER_TIMEOUT_S="30",
-        CODERUNNER_MAX_SESSIONS="4",
-        CODERUNNER_BACKEND="apple",
-        CODERUNNER_IMAGE=image,
-    )
-    env["PATH"] = f"{folder}:{env['PATH']}"
-    async with stdio_client(env) as client:
-        created = await client.call_tool("create_session", {})
-        bystander = json.loads(text_of(created))["session_id"]
-        await run(client, f"guarded = {BYSTANDER_VALUE!r}\nopen('bystander.txt', 'w').write('mine')",
-                  session_id=bystander)  # fmt: skip
-        [workspace] = [path for path in apple_abuse_dirs.workspaces.iterdir() if path.is_dir()]
-        yield Arena(client, apple_abuse_dirs, bystander, workspace, *host_listeners)
+    settings = {"CODERUNNER_BACKEND": "apple", "CODERUNNER_IMAGE": image}
+    async with open_arena(apple_abuse_dirs, host_listeners, path_first=folder, **settings) as made:
+        yield made
 
 
 def test_every_listed_case_exists() -> None:

@@ -9,7 +9,6 @@ The path traps run on gvisor from test_abuse_paths.py's backend parametrisation.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
@@ -21,9 +20,9 @@ import pytest
 
 from coderunner.sandbox.container import server_tag
 
-from ..conftest import ServerDirs, run, server_env, stdio_client, text_of
+from ..conftest import ServerDirs, run, text_of
 from ..test_e2e_podman import podman_image  # noqa: F401  (the session's image fixture)
-from .conftest import BYSTANDER_VALUE, Arena
+from .conftest import Arena, open_arena
 from .test_abuse import CASES, Case, assert_still_serving, attack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -60,21 +59,8 @@ def gvisor_image(podman_image: str) -> str:  # noqa: F811
 @pytest.fixture(scope="module")
 async def arena(gvisor_image: str, abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
     """The abuse conftest's arena, on gvisor."""
-    env = server_env(
-        abuse_dirs,
-        CODERUNNER_DISK_MB="64",
-        CODERUNNER_MEMORY_MB="1024",
-        CODERUNNER_TIMEOUT_S="30",
-        CODERUNNER_MAX_SESSIONS="4",
-        CODERUNNER_BACKEND="gvisor",
-    )
-    async with stdio_client(env) as client:
-        created = await client.call_tool("create_session", {})
-        bystander = json.loads(text_of(created))["session_id"]
-        await run(client, f"guarded = {BYSTANDER_VALUE!r}\nopen('bystander.txt', 'w').write('mine')",
-                  session_id=bystander)  # fmt: skip
-        [workspace] = [path for path in abuse_dirs.workspaces.iterdir() if path.is_dir()]
-        yield Arena(client, abuse_dirs, bystander, workspace, *host_listeners)
+    async with open_arena(abuse_dirs, host_listeners, CODERUNNER_BACKEND="gvisor") as made:
+        yield made
 
 
 @pytest.mark.parametrize("case", PICKED, ids=[f"{case.boundary}: {case.name}" for case in PICKED])

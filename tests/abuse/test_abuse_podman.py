@@ -23,9 +23,9 @@ import pytest
 
 from coderunner.sandbox.container import LABEL_INSTANCE, server_tag
 
-from ..conftest import ServerDirs, _passable, raw_stdio_server, run, server_env, stdio_client, text_of, wait_until
+from ..conftest import ServerDirs, _passable, raw_stdio_server, run, server_env, text_of, wait_until
 from ..test_e2e_podman import OCI_RUNTIME, podman_image  # noqa: F401  (the session's image fixture)
-from .conftest import BYSTANDER_VALUE, Arena
+from .conftest import Arena, open_arena
 from .test_abuse import CASES, Case, assert_still_serving, attack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -45,22 +45,10 @@ async def arena(
     host_listeners: tuple[int, str],
 ) -> AsyncIterator[Arena]:
     """The abuse conftest's arena, on podman."""
-    env = server_env(
-        abuse_dirs,
-        CODERUNNER_DISK_MB="64",
-        CODERUNNER_MEMORY_MB="1024",
-        CODERUNNER_TIMEOUT_S="30",
-        CODERUNNER_MAX_SESSIONS="4",
-        CODERUNNER_BACKEND="podman",
-        CODERUNNER_OCI_RUNTIME=OCI_RUNTIME,
-    )
-    async with stdio_client(env) as client:
-        created = await client.call_tool("create_session", {})
-        bystander = json.loads(text_of(created))["session_id"]
-        await run(client, f"guarded = {BYSTANDER_VALUE!r}\nopen('bystander.txt', 'w').write('mine')",
-                  session_id=bystander)  # fmt: skip
-        [workspace] = [path for path in abuse_dirs.workspaces.iterdir() if path.is_dir()]
-        yield Arena(client, abuse_dirs, bystander, workspace, *host_listeners)
+    async with open_arena(
+        abuse_dirs, host_listeners, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME=OCI_RUNTIME
+    ) as made:
+        yield made
 
 
 @pytest.mark.parametrize("case", SAME, ids=[f"{case.boundary}: {case.name}" for case in SAME])
