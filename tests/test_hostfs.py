@@ -106,3 +106,20 @@ def test_tree_size_and_chown_tree_stay_inside_and_are_bounded(tmp_path: Path, ca
     if os.getuid() == 0:
         assert os.stat(tree / "a" / "b" / "f").st_uid == 4242
         assert os.lstat(tree / "link").st_uid == 4242 and os.stat(canary / "keep").st_uid == 0
+
+
+def test_a_socket_not_yet_the_sandbox_users_is_waited_for_not_taken(tmp_path: Path, canary: Path) -> None:
+    """gVisor's file proxy binds a socket as root, then chowns it: unowned_socket says to wait;
+    links and FIFOs are not sockets to wait for (the claim refuses them)."""
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(str(tmp_path / "k0-1"))
+    os.symlink(canary / "keep", tmp_path / "k0-2")
+    os.mkfifo(tmp_path / "k0-3")
+    with hostfs.dir_fd(tmp_path) as fd:
+        assert hostfs.unowned_socket(fd, "k0-1", os.getuid() + 1)
+        assert not hostfs.unowned_socket(fd, "k0-1", os.getuid())
+        assert not hostfs.unowned_socket(fd, "k0-2", os.getuid() + 1)
+        assert not hostfs.unowned_socket(fd, "k0-3", os.getuid() + 1)
+        assert not hostfs.unowned_socket(fd, "k0-9", os.getuid() + 1)
+    listener.close()
+    assert (canary / "keep").read_text() == "untouched"

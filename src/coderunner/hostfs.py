@@ -210,6 +210,15 @@ def entries(fd: int) -> list[str]:
         return [entry.name for entry in listing]
 
 
+def unowned_socket(fd: int, name: str, uid: int) -> bool:
+    """Is `name` in folder `fd` a socket that `uid` does not own (yet)? Links are not followed."""
+    try:
+        info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    return stat.S_ISSOCK(info.st_mode) and info.st_uid != uid
+
+
 def present(fd: int, name: str) -> bool:
     """Is there an entry `name` in the folder `fd` (whatever it is; a link is not followed)?"""
     try:

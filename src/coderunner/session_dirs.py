@@ -103,6 +103,10 @@ class SandboxDirs:
         pending = [name for name in names if not hostfs.present(self.sock_fd, name)]
         if not all(hostfs.present(self.run_fd, name) for name in pending):
             return False
+        if any(hostfs.unowned_socket(self.run_fd, name, self.sandbox_uid) for name in pending):
+            # Bound but not yet handed to the sandbox user (gVisor's file proxy binds as root, then
+            # chowns): claiming now would take it mid-way and refuse it. Wait, bounded by the caller.
+            return False
         for name in pending:
             hostfs.claim_socket(self.run_fd, name, self.sock_fd, self.sandbox_uid)
         return True
