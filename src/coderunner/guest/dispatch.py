@@ -17,6 +17,7 @@ TOOLS = {
     "browser": "coderunner_guest.browser",
     "variables": "coderunner_guest.variables",
     "packages": "coderunner_guest.packages",
+    "snapshot": "coderunner_guest.snapshot",
 }
 
 
