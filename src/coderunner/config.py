@@ -196,6 +196,20 @@ class Settings(BaseSettings):
         default=512, ge=0, description="Most memory the warm pool's idle sandboxes may use together, in MiB."
     )
 
+    # Snapshots (snapshot_session, restore_session, fork_session; keep_state).
+    snapshots_dir: Path | None = Field(
+        default=None,
+        description="Where snapshots are kept, host-only (default: 'snapshots' beside workspaces_dir).",
+    )
+    snapshot_limit_mb: int = Field(
+        default=4096, ge=1, description="Largest snapshot (workspace files plus kernel state), in MiB."
+    )
+    snapshot_keep: int = Field(default=20, ge=1, description="Snapshots kept per client; older ones are deleted.")
+    snapshot_retention_s: float = Field(
+        default=7 * 86400.0, gt=0, description="Snapshots older than this are deleted (default 7 days)."
+    )
+    snapshot_timeout_s: float = Field(default=300.0, gt=0, description="Bound on saving or loading one kernel's state.")
+
     # Files.
     mounts: list[MountSpec] = Field(
         default_factory=list,
@@ -346,6 +360,11 @@ class Settings(BaseSettings):
                 "CODERUNNER_ALLOWED_DOMAINS or --allow-domain)"
             )
         return self
+
+    @property
+    def snapshot_root(self) -> Path:
+        """The snapshot store's folder: snapshots_dir, or 'snapshots' beside workspaces_dir."""
+        return self.snapshots_dir or self.workspaces_dir.parent / "snapshots"
 
     @classmethod
     def settings_customise_sources(

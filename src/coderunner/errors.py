@@ -24,6 +24,9 @@ Each class lives beside the code that raises it; the tree, with where each one i
     ├── OneShotError                 oneshot.py            a one-shot run that could not be set up
     ├── MountError (+ ValueError)    mounts.py             a mount that is refused
     ├── WorkspaceError               workspace.py          a persistent workspace that cannot be used
+    ├── SnapshotError                snapshot_store.py     a snapshot that cannot be made, found or restored
+    │   ├── SnapshotTooLarge         snapshot_store.py     ... past snapshot_limit_mb (nothing kept)
+    │   └── SnapshotNotFound         snapshot_store.py     ... no such snapshot for this client
     ├── FileAccessError              files.py              a file request refused or failed
     ├── VariablesError               variables.py          a variable that cannot be passed
     ├── PackagesError                packages.py           a package list pip must not be given

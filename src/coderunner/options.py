@@ -40,6 +40,8 @@ class SandboxOptions:
     #: Network 'allowlist': the entries this sandbox asked for (a subset of allowed_domains);
     #: empty means the whole ceiling.
     allow: tuple[str, ...] = ()
+    #: A persistent session that saves its kernel state when it closes and loads it when reopened.
+    keep_state: bool = False
 
 
 def sandbox_options(
@@ -56,12 +58,18 @@ def sandbox_options(
     persistent: bool = False,
     client: str = LOCAL_CLIENT,
     allow: list[str] | None = None,
+    keep_state: bool = False,
 ) -> SandboxOptions:
     """The settings' defaults with what the caller asked for, each checked; raises SessionError."""
     if name is not None and not SESSION_NAME.fullmatch(name):
         raise SessionError(f"session name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
     if persistent and name is None:
         raise SessionError("a persistent session needs a name (its workspace is found by it next time)")
+    if keep_state and not persistent:
+        raise SessionError(
+            "keep_state needs persistent=true and a name: the state is saved under that name when the session "
+            "closes (for any other session, use snapshot_session)"
+        )
     network = network or settings.network
     problem = backend.network_problem(network)
     if problem:
@@ -89,6 +97,7 @@ def sandbox_options(
         persistent=persistent,
         client=client,
         allow=asked,
+        keep_state=keep_state,
     )
 
 

@@ -17,6 +17,7 @@ TOOL_GROUPS: dict[str, tuple[str, ...]] = {
     "oneshot": ("execute_code", "validate_code"),
     "jobs": ("wait_job", "cancel_job", "list_jobs"),
     "workspaces": ("list_workspaces", "delete_workspace"),
+    "snapshots": ("snapshot_session", "restore_session", "fork_session", "list_snapshots", "delete_snapshot"),
 }
 ALWAYS = ("get_capabilities",)
 ALL = "all"

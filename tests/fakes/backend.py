@@ -96,6 +96,10 @@ class FakeBackend:
     def cue(self, *cues: Cue) -> None:
         self.cues.extend(cues)
 
+    def host_dir_inside(self, spec: SandboxSpec) -> str:
+        """The host-only dir is bound read-only at its own path."""
+        return str(spec.host_dir)
+
     def describe_isolation(self) -> str:
         return "none: a fake backend for tests (unconfined ipykernel)"
 

@@ -333,6 +333,10 @@ class AppleBackend:
                 f"the sandbox image {self.command.image} is not built: coderunner setup --backend apple"
             )
 
+    def host_dir_inside(self, spec: SandboxSpec) -> str:
+        """The host-only dir is bound read-only at GUEST_RUNTIME in the VM."""
+        return GUEST_RUNTIME
+
     def describe_isolation(self) -> str:
         net = (
             "no network (kernel sockets relayed over vsock)"

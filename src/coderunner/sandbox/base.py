@@ -121,6 +121,10 @@ class SandboxBackend(Protocol):
         """One line for status and capabilities: what separates the sandbox from the host."""
         ...
 
+    def host_dir_inside(self, spec: SandboxSpec) -> str:
+        """Where the sandbox sees `spec.host_dir` (read-only): files the host staged for it."""
+        ...
+
     def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
         """How each limit in `limits` is enforced by this backend on this machine."""
         ...

@@ -262,6 +262,10 @@ class BwrapBackend:
                 self.cgroup_problem = str(exc)
         self.slirp4netns = shutil.which("slirp4netns")
 
+    def host_dir_inside(self, spec: SandboxSpec) -> str:
+        """The host-only dir is bound read-only at its own path."""
+        return str(spec.host_dir)
+
     def describe_isolation(self) -> str:
         cgroups = f"cgroup v{self.cgroups.version} limits" if self.cgroups else "rlimits only (no cgroups)"
         user = f"; runs as {self.identity.name} on the host" if self.identity else ""

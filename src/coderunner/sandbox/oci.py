@@ -327,6 +327,10 @@ class OciBackend:
                     self.name,
                 )
 
+    def host_dir_inside(self, spec: SandboxSpec) -> str:
+        """The host-only dir is bound read-only at its own path."""
+        return str(spec.host_dir)
+
     def describe_isolation(self) -> str:
         net = "no network" if self.channels == "ipc" else "loopback-published kernel ports"
         user = f"; host user {self.identity.name}" if self.identity else ""

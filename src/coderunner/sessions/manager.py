@@ -23,17 +23,20 @@ from ..exports import Exporter, client_folder
 from ..kernel import RunStatus
 from ..leases import SandboxLeases
 from ..mounts import MountSpec
+from ..offload import off_loop
 from ..oneshot import OneShotRunner
 from ..options import SandboxOptions, configured_mounts, sandbox_options
 from ..output import OutputCollector
 from ..owners import LOCAL_CLIENT
 from ..sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
 from ..session_dirs import remove_stale_dirs
+from ..snapshot_store import SnapshotError, SnapshotNotFound
 from ..startup_hooks import disable_startup_hooks
 from .egress import EgressHub
 from .jobs import JobTable
 from .pool import WarmPool
 from .session import Session
+from .snapshots import Seed, SessionSnapshots, keep_id
 from .usage import memory_used_mb
 
 log = logging.getLogger(__name__)
@@ -76,6 +79,10 @@ class SessionManager:
         self.egress = EgressHub(settings)
         #: execute_code runs that outlived their call (sessions' own jobs are in each session).
         self.jobs: JobTable
+        #: Saved sessions (snapshot_session, restore_session, fork_session, keep_state).
+        self.snapshots = SessionSnapshots.for_settings(settings, backend)
+        #: Set while close_all runs: a second caller (a signal during shutdown) waits for it.
+        self._closing_all: anyio.Event | None = None
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -84,6 +91,7 @@ class SessionManager:
         removed = remove_stale_dirs(self.settings.runtime_dir, self.settings.workspaces_dir, self.backend.remove_stale)
         if removed:
             log.info("removed %d session dir(s) left by a server that is gone", removed)
+        await self.snapshots.open()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._reap_idle)
@@ -116,8 +124,13 @@ class SessionManager:
                     with contextlib.suppress(SessionError):
                         await self.close(session.session_id)
 
+    def shutdown_bound_s(self) -> float:
+        """How long closing every session may take: longer while keep_state sessions save their state."""
+        saving = any(session.options.keep_state for session in self._sessions.values())
+        return SHUTDOWN_TIMEOUT_S + (self.settings.snapshot_timeout_s if saving else 0.0)
+
     async def __aexit__(self, *exc_info: object) -> None:
-        with anyio.move_on_after(SHUTDOWN_TIMEOUT_S, shield=True):
+        with anyio.move_on_after(self.shutdown_bound_s(), shield=True):
             await self.close_all()
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()
@@ -135,6 +148,7 @@ class SessionManager:
         persistent: bool = False,
         client: str = LOCAL_CLIENT,
         allow: list[str] | None = None,
+        keep_state: bool = False,
     ) -> SandboxOptions:
         """Options for a session or a one-shot run: the settings' defaults with what was asked for, checked."""
         return sandbox_options(
@@ -150,14 +164,21 @@ class SessionManager:
             persistent=persistent,
             client=client,
             allow=allow,
+            keep_state=keep_state,
         )
 
     async def create(
-        self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0
-    ) -> Session:
+        self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
+        seed: Seed | None = None,
+    ) -> Session:  # fmt: skip
         """A new session; from the warm pool when its options are the defaults (`pool_wait_s`: how
-        long to wait for a pooled start under way instead of starting cold)."""
+        long to wait for a pooled start under way instead of starting cold). `seed`: start from a
+        snapshot (its files before the sandbox starts, its state once the kernel is up; never pooled).
+
+        A keep_state session whose name has saved state starts from that state."""
         options = options or self.options()
+        if seed is None and options.keep_state and options.name is not None:
+            seed = await self._kept_state(options)
         if len(self._sessions) >= self.settings.max_sessions:
             raise SessionError(
                 f"session limit reached ({self.settings.max_sessions} open): close one with close_session "
@@ -169,7 +190,8 @@ class SessionManager:
                 f"this client already holds {held} sessions, its share of this server: close one with "
                 "close_session (list_sessions shows them), or raise max_sessions_per_client in the configuration"
             )
-        if self._pool_options is not None and self._pool_options == dataclasses.replace(options, client=LOCAL_CLIENT):
+        pooled_options = seed is None and self._pool_options is not None
+        if pooled_options and self._pool_options == dataclasses.replace(options, client=LOCAL_CLIENT):
             pooled = await self.pool.take_or_wait(pool_wait_s) if pool_wait_s > 0 else self.pool.take()
             if pooled is not None:
                 return self._adopt(pooled, options, owner)
@@ -177,7 +199,7 @@ class SessionManager:
         try:
             if len(self._sessions) + self._cold_starts + self.pool.held > self.settings.max_sessions:
                 await self.pool.evict_one()  # the pool gives its room back to a user's session
-            session = await self._prepare(options, owner)
+            session = await self._prepare(options, owner, seed)
             self._sessions[session.session_id] = session
         finally:
             self._cold_starts -= 1
@@ -185,6 +207,11 @@ class SessionManager:
         try:
             session.egress = await self.egress.open(options, session.dirs, self._task_group, session.session_id)
             await session.start_kernel()
+            if seed is not None:
+                await self.snapshots.load(seed, session)
+                session.seeded = seed
+                session.restored_from = seed.snapshot_id if seed.with_workspace else None
+            session.state_armed = True
         except BaseException:
             self._sessions.pop(session.session_id, None)
             await self._close_session(session)
@@ -195,18 +222,33 @@ class SessionManager:
         log.info("session %s… started", session.session_id[:6])
         return session
 
-    async def _prepare(self, options: SandboxOptions, owner: str) -> Session:
-        """A session's host side (dirs, mounts) and its Session, its kernel not yet started."""
+    async def _kept_state(self, options: SandboxOptions) -> Seed | None:
+        """A keep_state session's saved state, as a seed (state only: the workspace is its own), or None."""
+        assert options.name is not None
+        with contextlib.suppress(SnapshotNotFound):
+            await anyio.to_thread.run_sync(self.snapshots.store.get, options.client, keep_id(options.name))
+            return Seed(options.client, keep_id(options.name), with_workspace=False)
+        return None
+
+    async def _prepare(self, options: SandboxOptions, owner: str, seed: Seed | None = None) -> Session:
+        """A session's host side (dirs, mounts) and its Session, its kernel not yet started; with a
+        `seed`, its workspace filled and its state staged first."""
         assert self._task_group is not None, "SessionManager used outside its `async with`"
         session_id = secrets.token_urlsafe(18)
         dirs = await self.leases.open_dirs(options)
         workspace = dirs.workspace
         try:
+            if seed is not None:
+                await off_loop(self.snapshots.plant, seed, dirs, bulk=True)
             # File walks and mount syscalls (and, for an id mapping, a helper process): off the loop.
             startup = (
                 await anyio.to_thread.run_sync(disable_startup_hooks, workspace.path) if workspace.reopened else None
             )
-            mounts = await anyio.to_thread.run_sync(self.leases.prepare_mounts, options, dirs, not workspace.reopened)
+            fresh = not workspace.reopened and (seed is None or not seed.with_workspace)
+            mounts = await anyio.to_thread.run_sync(self.leases.prepare_mounts, options, dirs, fresh)
+        except SnapshotError:
+            await self.leases.close_dirs(dirs)
+            raise
         except OSError as exc:
             await self.leases.close_dirs(dirs)
             raise SessionError(f"could not check the reopened workspace's start-up files: {exc}") from None
@@ -222,7 +264,7 @@ class SessionManager:
             task_group=self._task_group,
             owner=owner,
             sandbox_mounts=mounts,
-            startup=startup.as_dict() if startup is not None else None,
+            startup=startup.as_dict() if startup is not None else (seed.startup if seed is not None else None),
         )
 
     async def _start_pooled(self) -> Pooled:
@@ -277,6 +319,10 @@ class SessionManager:
         return session
 
     async def _close_session(self, session: Session) -> None:
+        note = await self.snapshots.save_on_close(session)
+        if note is not None:
+            session.close_note = note
+            log.info("session %s…: %s", session.session_id[:6], note)
         await session.close()
         self.leases.release_user(session.dirs)
         self.pool.notify()  # its room may go to the pool again
@@ -313,13 +359,14 @@ class SessionManager:
             )
         return session
 
-    async def close(self, session_id: str, owner: str | None = None) -> None:
+    async def close(self, session_id: str, owner: str | None = None) -> Session:
         """Close a session: for `owner` only if its client may use it (None: the server, e.g. idle reaping)."""
         session = self._owned(session_id, owner)
         self._sessions.pop(session_id, None)
         if self._default_ids.get(session.owner) == session_id:
             del self._default_ids[session.owner]
         await self._close_session(session)
+        return session
 
     async def release_caller(self, owner: str) -> None:
         """A client went away: close its default session (sessions it created keep their handles)."""
@@ -330,6 +377,17 @@ class SessionManager:
                 await self.close(session_id)
 
     async def close_all(self) -> None:
+        """Close every session (and the pool); a second caller waits for the first to finish."""
+        if self._closing_all is not None:
+            await self._closing_all.wait()
+            return
+        self._closing_all = anyio.Event()
+        try:
+            await self._close_all()
+        finally:
+            self._closing_all.set()
+
+    async def _close_all(self) -> None:
         await self.pool.drain()
         sessions = list(self._sessions.values())
         self._sessions.clear()

@@ -66,6 +66,9 @@ class SessionStatus:
     kernel_generation: int = 0
     #: The running job, if any (its id, kind, elapsed time, first line of code).
     job: dict[str, Any] | None = None
+    #: The snapshot it was restored or forked from; keep_state: its state is saved at close.
+    restored_from: str | None = None
+    keep_state: bool = False
 
 
 @dataclass
@@ -101,6 +104,15 @@ class Session:
     jobs: JobTable = field(init=False)
     #: The kernel generation the last reply told the caller about (None: none yet), for state_preserved.
     _reported_generation: int | None = None
+    #: keep_state: the kernel holds the session's state (loaded, or nothing was saved), so closing may
+    #: save it; False until then, so a failed load never overwrites the saved state with an empty one.
+    state_armed: bool = False
+    #: The snapshot this session was restored or forked from, if any.
+    restored_from: str | None = None
+    #: The snapshots.Seed it started from (restore, fork, keep_state), with what the load reported.
+    seeded: Any = None
+    #: What closing did beyond stopping it (keep_state: whether the state was saved), for the reply.
+    close_note: str | None = None
 
     def __post_init__(self) -> None:
         self.jobs = JobTable(self.task_group)
@@ -393,6 +405,19 @@ class Session:
             await self._ensure_kernel()
             return await self._guest_call_held(tool, arguments, timeout_s)
 
+    @contextlib.asynccontextmanager
+    async def held(self, wait_s: float) -> AsyncIterator[None]:
+        """The live kernel to oneself with no cell running (a snapshot): waits like a guest call, and
+        refuses at once while a job runs detached."""
+        await self._job_turn(wait_s)
+        async with self._exclusive(wait_s=wait_s):
+            await self._ensure_kernel()
+            yield
+
+    async def call_guest_held(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """call_guest for a caller inside `held`."""
+        return await self._guest_call_held(tool, arguments, timeout_s)
+
     async def guest_op(
         self, tool: str, op: str, args: dict[str, Any], timeout_s: float, *,
         paths: Iterable[str] = (), input_path: str | None = None,
@@ -525,6 +550,8 @@ class Session:
             isolation=self.backend.describe_isolation(),
             kernel_generation=self._generation,
             job=running.describe() if (running := self.jobs.running()) is not None else None,
+            restored_from=self.restored_from,
+            keep_state=self.options.keep_state,
         )
 
 

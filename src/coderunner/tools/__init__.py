@@ -10,6 +10,7 @@
     jobs.py        wait_job, cancel_job, list_jobs (runs that outlived their call)
     packages.py    install_packages
     workspaces.py  list_workspaces, delete_workspace
+    snapshots.py   snapshot_session, restore_session, fork_session, list_snapshots, delete_snapshot
     meta.py        get_capabilities
     egress.py      network 'allowlist' during a call: the user asked about a host, denials named in the reply
 
@@ -17,9 +18,9 @@ A tool parses its arguments, calls the session or manager, and shapes the reply;
 MODULES is in the order tools/list shows the tools.
 """
 
-from . import files, guest, jobs, meta, oneshot, packages, python, sessions, workspaces
+from . import files, guest, jobs, meta, oneshot, packages, python, sessions, snapshots, workspaces
 from .context import ToolContext
 
-MODULES = (python, jobs, sessions, files, guest, oneshot, packages, workspaces, meta)
+MODULES = (python, jobs, sessions, snapshots, files, guest, oneshot, packages, workspaces, meta)
 
 __all__ = ["MODULES", "ToolContext"]

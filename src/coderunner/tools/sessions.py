@@ -2,7 +2,7 @@
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
@@ -10,6 +10,8 @@ from pydantic import Field
 
 from ..egress_text import STATUS_RECENT, egress_status
 from ..mounts import MountSpec
+from ..sessions import Session
+from ..snapshot_store import SnapshotStore
 from .arguments import MemoryMb, NetworkArg, SessionId, Text
 from .context import ToolContext, json_result
 
@@ -37,6 +39,10 @@ def register(tools: ToolContext) -> None:
             bool,
             Field(description="Keep the named workspace's files; the same name reopens them."),
         ] = False,
+        keep_state: Annotated[
+            bool,
+            Field(description="persistent: also save variables at close, load them at reopen."),
+        ] = False,
         mounts: Annotated[
             list[str],
             Field(description="'HOST:SANDBOX[:ro|rw]' under allowed roots."),
@@ -47,12 +53,14 @@ def register(tools: ToolContext) -> None:
         specs = [MountSpec.parse(text) for text in mounts or []]
         options = manager.options(
             network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name or None,
-            persistent=persistent, client=tools.client(ctx), allow=allow or None,
+            persistent=persistent, client=tools.client(ctx), allow=allow or None, keep_state=keep_state,
         )  # fmt: skip
         session = await manager.create(options, owner=tools.caller(ctx))
         summary = await tools.off_loop(tools.summary, session)  # reads /proc and the workspace
         if session.startup is not None:
             summary["startup_files"] = session.startup
+        if session.seeded is not None:
+            summary["state"] = kept_state_report(session.seeded.loaded)
         return json_result(summary)
 
     @tools.tool()
@@ -61,14 +69,18 @@ def register(tools: ToolContext) -> None:
         ctx: Context,
     ) -> CallToolResult:
         """Stop a session's kernel and delete its workspace."""
-        await manager.close(session_id, tools.caller(ctx))
-        return json_result({"closed": session_id})
+        session = await manager.close(session_id, tools.caller(ctx))
+        reply = {"closed": session_id}
+        if session.close_note is not None:
+            reply["state"] = session.close_note
+        return json_result(reply)
 
     @tools.tool()
     async def session_status(ctx: Context, session_id: SessionId = "") -> CallToolResult:
         """A session's state, uptime, memory, limits and network."""
         session = await tools.session(ctx, session_id)
         summary = await tools.off_loop(tools.summary, session)
+        summary["snapshots"] = await tools.off_loop(snapshots_of, manager.snapshots.store, session)
         if session.egress is not None:
             log, proxy = session.egress.log, session.egress.proxy
             summary["egress"] = egress_status(
@@ -82,3 +94,19 @@ def register(tools: ToolContext) -> None:
         sessions = manager.list(tools.caller(ctx))
         summaries = await tools.off_loop(lambda: [tools.summary(session) for session in sessions])
         return json_result({"sessions": summaries})
+
+
+def kept_state_report(loaded: dict[str, Any]) -> dict[str, Any]:
+    """What a keep_state session's reopening loaded, and what it could not."""
+    report: dict[str, Any] = {"restored": loaded.get("restored", []), "modules": loaded.get("modules", [])}
+    failed = loaded.get("failed", [])
+    if failed:
+        report["not_restored"] = [f"{item.get('name')}: {item.get('reason')}" for item in failed]
+    report["never_carried"] = loaded.get("not_carried", [])
+    return report
+
+
+def snapshots_of(store: SnapshotStore, session: Session) -> list[str]:
+    """The ids of the snapshots taken of `session` (kept in its client's store)."""
+    mark = session.session_id[:8]
+    return [meta.snapshot_id for meta in store.list(session.options.client) if meta.source_session == mark]

@@ -1,0 +1,221 @@
+"""Session snapshots: save a session (workspace files and kernel state) into the store, and seed a
+new session from one. The manager opens sessions; this module says what goes into and out of them.
+
+Saving: with no cell running, the guest (coderunner_guest/snapshot.py) pickles the user's namespace
+inside the sandbox into WORKSPACE/.coderunner/snapshot; the host moves that folder into a draft in
+the store and copies the workspace beside it, both through directory fds (snapshot_store.py), then
+commits. Restoring: before any sandbox runs on the new workspace, the host copies the snapshot's
+files into it, moves planted start-up hooks aside as for a reopened workspace (startup_hooks.py),
+and stages the state read-only in the new sandbox's host dir; once the kernel is up the guest loads
+it there. Nothing of a snapshot is unpickled on the host, and loading runs no code but unpickling
+the user's own objects, inside the new sandbox.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from .. import hostfs
+from ..config import Settings
+from ..errors import CodeRunnerError
+from ..offload import off_loop
+from ..sandbox import SandboxBackend
+from ..session_dirs import SandboxDirs
+from ..snapshot_store import CopyReport, SnapshotError, SnapshotMeta, SnapshotStore
+from ..startup_hooks import disable_startup_hooks
+from .session import Session
+
+log = logging.getLogger(__name__)
+
+#: Where the guest writes the state, relative to the workspace (host-read by fds, then removed).
+STATE_IN_WORKSPACE = ".coderunner/snapshot"
+#: The staged state's folder in a restored sandbox's host dir (read-only there).
+STAGED_STATE = "snapshot"
+#: What a keep_state session's own snapshot is called.
+KEEP_PREFIX = "keep-"
+#: Kinds of SnapshotMeta.
+SNAPSHOT, PERSISTENT = "snapshot", "persistent"
+
+
+def keep_id(name: str) -> str:
+    """The snapshot id of a persistent session's saved state."""
+    return f"{KEEP_PREFIX}{name}"
+
+
+@dataclass
+class Taken:
+    """A snapshot just made, and what its workspace copy took."""
+
+    meta: SnapshotMeta
+    workspace: CopyReport | None
+    seconds: float
+
+
+@dataclass
+class Seed:
+    """What a new session starts from: a snapshot (its workspace files, if `with_workspace`, and its
+    kernel state), filled in by `SessionSnapshots.plant` and `load`."""
+
+    client: str
+    snapshot_id: str
+    with_workspace: bool = True
+    meta: SnapshotMeta | None = None
+    workspace: CopyReport | None = None
+    #: The guest's account of the load (restored, modules, failed, not_carried).
+    loaded: dict[str, Any] = field(default_factory=dict)
+    #: Start-up hooks found in the restored files (startup_hooks.py), for the reply.
+    startup: dict[str, Any] | None = None
+
+
+class SessionSnapshots:
+    """The server's snapshots: its store, and saving and seeding sessions with it."""
+
+    def __init__(self, store: SnapshotStore, settings: Settings, backend: SandboxBackend) -> None:
+        self.store = store
+        self.settings = settings
+        self.backend = backend
+
+    @classmethod
+    def for_settings(cls, settings: Settings, backend: SandboxBackend) -> SessionSnapshots:
+        store = SnapshotStore(
+            settings.snapshot_root,
+            limit_bytes=settings.snapshot_limit_mb * 2**20,
+            keep=settings.snapshot_keep,
+            retention_s=settings.snapshot_retention_s,
+        )
+        return cls(store, settings, backend)
+
+    async def open(self) -> None:
+        await anyio.to_thread.run_sync(self.store.open)
+
+    async def take(
+        self, session: Session, *, name: str = "", kind: str = SNAPSHOT, snapshot_id: str | None = None,
+        wait_s: float | None = None,
+    ) -> Taken:  # fmt: skip
+        """Snapshot `session` (its workspace too unless `kind` is PERSISTENT) with no cell running.
+
+        Waits `wait_s` (default: snapshot_timeout_s) for a running call; refuses at once while a job
+        runs detached. Raises SessionError, GuestCallError, SnapshotError.
+        """
+        started = time.monotonic()
+        timeout = self.settings.snapshot_timeout_s
+        state_dir = f"{self.backend.workspace_path}/{STATE_IN_WORKSPACE}"
+        arguments = {"op": "save", "dir": state_dir, "limit_bytes": self.store.limit_bytes}
+        client = session.options.client
+        with_workspace = kind != PERSISTENT
+        async with session.held(timeout if wait_s is None else wait_s):
+            report = await session.call_guest_held("snapshot", arguments, timeout)
+
+            def build() -> tuple[SnapshotMeta, CopyReport | None]:
+                draft = self.store.draft(client)
+                try:
+                    with hostfs.dir_fd(session.workspace.path) as workspace_fd:
+                        state_bytes = draft.take_state(workspace_fd, STATE_IN_WORKSPACE)
+                        copied = draft.copy_workspace(workspace_fd, STATE_IN_WORKSPACE) if with_workspace else None
+                    meta = SnapshotMeta(
+                        snapshot_id=snapshot_id or self.store.new_id(),
+                        client=client,
+                        name=name,
+                        created=time.time(),
+                        kind=kind,
+                        source_session=session.session_id[:8],
+                        backend=self.backend.name,
+                        options=restore_options(session),
+                        workspace_bytes=copied.bytes if copied is not None else 0,
+                        state_bytes=state_bytes,
+                        state_report=report,
+                    )
+                    return draft.commit(meta), copied
+                except BaseException:
+                    draft.discard()
+                    raise
+
+            try:
+                meta, copied = await off_loop(build, bulk=True)
+            finally:
+                # The guest's folder never outlives the call, whatever failed (by fd: the sandbox's).
+                await off_loop(_remove_state_dir, session)
+        return Taken(meta, copied, time.monotonic() - started)
+
+    def plant(self, seed: Seed, dirs: SandboxDirs) -> None:
+        """Fill a new sandbox's dirs from `seed` before any sandbox runs on them (a worker thread):
+        the workspace files, planted start-up hooks moved aside, the state staged read-only."""
+        seed.meta = self.store.get(seed.client, seed.snapshot_id)
+        try:
+            if seed.with_workspace:
+                with hostfs.dir_fd(dirs.workspace.path) as workspace_fd:
+                    seed.workspace = self.store.restore_workspace(
+                        seed.client, seed.snapshot_id, workspace_fd, dirs.owner
+                    )
+                seed.startup = disable_startup_hooks(dirs.workspace.path).as_dict()
+            hostfs.remove_tree(dirs.host_fd, STAGED_STATE)
+            self.store.stage_state(seed.client, seed.snapshot_id, dirs.host_fd, STAGED_STATE, dirs.owner)
+        except OSError as exc:
+            raise SnapshotError(
+                f"could not restore snapshot {seed.snapshot_id}: {exc.strerror or exc} (the snapshot is unchanged)"
+            ) from None
+
+    async def load(self, seed: Seed, session: Session) -> None:
+        """Load the staged state into `session`'s fresh kernel, then drop the staged copy."""
+        inside = f"{self.backend.host_dir_inside(session.spec)}/{STAGED_STATE}"
+        try:
+            seed.loaded = await session.call_guest(
+                "snapshot", {"op": "load", "dir": inside}, self.settings.snapshot_timeout_s
+            )
+        finally:
+            await off_loop(hostfs.remove_tree, session.dirs.host_fd, STAGED_STATE)
+
+    async def save_on_close(self, session: Session) -> str | None:
+        """A keep_state session is closing: save its kernel state as keep-<name> (bounded). What
+        happened, in words, or None when there was nothing to do."""
+        if not session.options.keep_state or not session.state_armed or session.options.name is None:
+            return None
+        kernel = session.kernel
+        if kernel is None or not kernel.alive:
+            return "kernel state not saved: the kernel was not running (the last saved state is kept)"
+        try:
+            with anyio.fail_after(self.settings.snapshot_timeout_s + 5):
+                taken = await self.take(
+                    session, kind=PERSISTENT, snapshot_id=keep_id(session.options.name),
+                    wait_s=self.settings.interrupt_grace_s,
+                )  # fmt: skip
+        except TimeoutError:
+            return "kernel state not saved: saving took too long (the last saved state is kept)"
+        except CodeRunnerError as exc:
+            return f"kernel state not saved: {exc} (the last saved state is kept)"
+        except Exception:  # a bug: the close still goes on, and the log has the traceback
+            log.exception("session %s…: saving its state at close failed", session.session_id[:6])
+            return "kernel state not saved: an internal error (see the server log); the last saved state is kept"
+        saved = len(taken.meta.state_report.get("saved", []))
+        size = taken.meta.state_bytes / 2**20
+        return f"kernel state saved ({saved} variables, {size:.1f} MiB); reopen with keep_state to load it"
+
+
+def restore_options(session: Session) -> dict[str, Any]:
+    """The options a restore starts from (no mounts, no name: those belong to the original)."""
+    options = session.options
+    return {
+        "network": options.network,
+        "allow": list(options.allow),
+        "memory_mb": options.limits.memory_mb,
+        "cpus": options.limits.cpus,
+        "timeout_s": options.timeout_s,
+    }
+
+
+def _remove_state_dir(session: Session) -> None:
+    """Remove WORKSPACE/.coderunner/snapshot, by fds, if the guest left it (links never followed)."""
+    parent, _, name = STATE_IN_WORKSPACE.rpartition("/")
+    with contextlib.suppress(OSError), hostfs.dir_fd(session.workspace.path) as workspace_fd:
+        parent_fd = hostfs.open_dir(parent, dir_fd=workspace_fd)
+        try:
+            hostfs.remove_tree(parent_fd, name)
+        finally:
+            os.close(parent_fd)

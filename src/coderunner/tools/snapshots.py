@@ -1,0 +1,147 @@
+"""snapshot_session, restore_session, fork_session, list_snapshots, delete_snapshot.
+
+The work is in sessions/snapshots.py (saving and seeding) and snapshot_store.py (the host's store);
+these parse, call and say plainly what came back and what did not.
+"""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+import time
+from typing import Any
+
+from mcp.server.mcpserver import Context
+from mcp.types import CallToolResult, ToolAnnotations
+
+from ..sessions import Session
+from ..sessions.snapshots import Seed, Taken
+from ..snapshot_store import CopyReport, SnapshotMeta
+from .arguments import SessionId, Text
+from .context import ToolContext, json_result
+
+#: Entries of a list a reply shows at most (the rest are counted).
+SHOWN = 50
+
+
+def register(tools: ToolContext) -> None:
+    manager = tools.manager  # its snapshots are looked up per call (they exist once the manager runs)
+
+    @tools.tool()
+    async def snapshot_session(ctx: Context, session_id: SessionId = "", name: Text = "") -> CallToolResult:
+        """Save a session's files and variables as a snapshot; it keeps running."""
+        session = await tools.session(ctx, session_id)
+        taken = await manager.snapshots.take(session, name=name)
+        return json_result(_taken(taken))
+
+    @tools.tool()
+    async def restore_session(snapshot: str, ctx: Context) -> CallToolResult:
+        """New session from a snapshot: its files and variables (the reply lists what did not come back)."""
+        client = tools.client(ctx)
+        meta = await tools.off_loop(manager.snapshots.store.get, client, snapshot)
+        session = await _open(tools, ctx, meta, Seed(client, meta.snapshot_id))
+        return json_result(await _restored(tools, session, meta))
+
+    @tools.tool()
+    async def fork_session(ctx: Context, session_id: SessionId = "") -> CallToolResult:
+        """Copy a session, variables included, into a new one; both go on independently."""
+        session = await tools.session(ctx, session_id)
+        taken = await manager.snapshots.take(session, name=f"fork of {session.session_id[:8]}")
+        try:
+            forked = await _open(tools, ctx, taken.meta, Seed(taken.meta.client, taken.meta.snapshot_id))
+        finally:
+            await tools.off_loop(manager.snapshots.store.delete, taken.meta.client, taken.meta.snapshot_id)
+        reply = await _restored(tools, forked, taken.meta)
+        reply["forked_from"] = session.session_id
+        del reply["snapshot"]
+        return json_result(reply)
+
+    @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def list_snapshots(ctx: Context) -> CallToolResult:
+        """Your snapshots, newest first."""
+        found = await tools.off_loop(manager.snapshots.store.list, tools.client(ctx))
+        return json_result({"snapshots": [_listed(meta) for meta in found]})
+
+    @tools.tool(annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
+    async def delete_snapshot(snapshot: str, ctx: Context) -> CallToolResult:
+        """Delete one of your snapshots for good."""
+        await tools.off_loop(manager.snapshots.store.delete, tools.client(ctx), snapshot)
+        return json_result({"deleted": snapshot})
+
+
+async def _open(tools: ToolContext, ctx: Context, meta: SnapshotMeta, seed: Seed) -> Session:
+    """A new session with the snapshot's options, checked against today's settings."""
+    saved = meta.options
+    options = tools.manager.options(
+        network=saved.get("network"), memory_mb=saved.get("memory_mb"), cpus=saved.get("cpus"),
+        timeout_s=saved.get("timeout_s"), client=tools.client(ctx), allow=saved.get("allow") or None,
+    )  # fmt: skip
+    return await tools.manager.create(options, owner=tools.caller(ctx), seed=seed)
+
+
+def _taken(taken: Taken) -> dict[str, Any]:
+    meta, report = taken.meta, taken.meta.state_report
+    reply: dict[str, Any] = {
+        "snapshot": meta.snapshot_id,
+        "name": meta.name,
+        "size_mb": _mb(meta.size_bytes),
+        "variables": _names(report.get("saved", [])),
+        "modules": _names(report.get("modules", [])),
+    }
+    skipped = report.get("skipped", [])
+    if skipped:
+        reply["not_saved"] = [f"{item.get('name')}: {item.get('reason')}" for item in skipped[:SHOWN]]
+    if taken.workspace is not None:
+        reply["workspace"] = _copy(taken.workspace)
+    reply["never_carried"] = report.get("not_carried", [])
+    reply["seconds"] = round(taken.seconds, 2)
+    return reply
+
+
+async def _restored(tools: ToolContext, session: Session, meta: SnapshotMeta) -> dict[str, Any]:
+    seed_report: Seed | None = session.seeded
+    loaded = seed_report.loaded if seed_report is not None else {}
+    not_restored = [f"{item.get('name')}: {item.get('reason')}" for item in meta.state_report.get("skipped", [])]
+    not_restored += [f"{item.get('name')}: {item.get('reason')}" for item in loaded.get("failed", [])]
+    reply: dict[str, Any] = {
+        "session_id": session.session_id,
+        "snapshot": meta.snapshot_id,
+        "restored": _names(loaded.get("restored", [])),
+        "modules": _names(loaded.get("modules", [])),
+    }
+    if not_restored:
+        reply["not_restored"] = not_restored[:SHOWN]
+    reply["never_carried"] = loaded.get("not_carried", [])
+    if seed_report is not None and seed_report.workspace is not None:
+        reply["workspace"] = _copy(seed_report.workspace)
+    if session.startup is not None:
+        reply["startup_files"] = session.startup
+    summary = await tools.off_loop(tools.summary, session)
+    reply["network"], reply["memory_mb"] = summary["network"], session.options.limits.memory_mb
+    return reply
+
+
+def _names(items: list[Any]) -> list[str]:
+    names = [item.get("name", "?") if isinstance(item, dict) else str(item) for item in items]
+    return names if len(names) <= SHOWN else [*names[:SHOWN], f"... and {len(names) - SHOWN} more"]
+
+
+def _copy(report: CopyReport) -> dict[str, Any]:
+    copied: dict[str, Any] = {"files": report.files, "mb": _mb(report.bytes)}
+    if report.skipped:
+        copied["left_out"] = report.skipped[:SHOWN]
+    return copied
+
+
+def _listed(meta: SnapshotMeta) -> dict[str, Any]:
+    return {
+        "snapshot": meta.snapshot_id,
+        "name": meta.name,
+        "kind": meta.kind,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(meta.created)),
+        "from_session": meta.source_session,
+        "size_mb": _mb(meta.size_bytes),
+        "variables": len(meta.state_report.get("saved", [])),
+    }
+
+
+def _mb(size: int) -> float:
+    return round(size / 2**20, 2)
