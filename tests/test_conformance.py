@@ -28,6 +28,7 @@ from coderunner.results import ExecutionResult
 from coderunner.sandbox import SandboxBackend, SandboxUnavailable, make_backend
 from coderunner.sandbox.identity import sandbox_identity
 from coderunner.sessions import Session, SessionManager
+from coderunner.sessions.snapshots import Seed
 
 from . import apple_emulation
 from .fakes.backend import FakeBackend, kernel_python
@@ -228,3 +229,24 @@ async def test_one_shot_runs_use_pipes_and_exit_codes(manager: SessionManager) -
     assert result.stdout.strip() == "42" and result.exit_code == 4 and not result.timed_out
     slept = await manager.oneshot.run("bash", "sleep 60", manager.options(timeout_s=1))
     assert slept.timed_out
+
+
+async def test_a_snapshot_restores_variables_and_files_into_a_new_sandbox(manager: SessionManager) -> None:
+    if manager.backend.name == "fake":
+        pytest.skip("the fake backend runs kernels on the host: its workspace is not at /workspace inside")
+    session = await manager.create()
+    cell = (
+        "import threading\nimport numpy as np\ndata = np.arange(10)\n"
+        "def scaled(k):\n    return int(data.sum()) * k\n"
+        "guard = threading.Lock()\nopen('kept.txt', 'w').write('files too')"
+    )
+    assert (await run(session, cell)).outcome.status is RunStatus.OK
+    taken = await manager.snapshots.take(session, name="conformance")
+    assert "guard" in [item["name"] for item in taken.meta.state_report["skipped"]]
+    restored = await manager.create(manager.options(), seed=Seed(session.options.client, taken.meta.snapshot_id))
+    assert restored.session_id != session.session_id and restored.restored_from == taken.meta.snapshot_id
+    result = await run(restored, "print(scaled(2), np.__name__, open('kept.txt').read(), 'guard' in dir())")
+    assert "90 numpy files too False" in text(result), text(result)
+    assert "45" in text(await run(session, "int(data.sum())")), "the original runs on"
+    # The staged state is gone from the new sandbox's host dir once loaded.
+    assert not (restored.dirs.host_dir / "snapshot").exists()

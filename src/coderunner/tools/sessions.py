@@ -11,6 +11,7 @@ from pydantic import Field
 from ..egress_text import STATUS_RECENT, egress_status
 from ..mounts import MountSpec
 from ..sessions import Session
+from ..sessions.snapshots import Seed
 from ..snapshot_store import SnapshotStore
 from .arguments import MemoryMb, NetworkArg, SessionId, Text
 from .context import ToolContext, json_result
@@ -60,7 +61,7 @@ def register(tools: ToolContext) -> None:
         if session.startup is not None:
             summary["startup_files"] = session.startup
         if session.seeded is not None:
-            summary["state"] = kept_state_report(session.seeded.loaded)
+            summary["state"] = kept_state_report(session.seeded)
         return json_result(summary)
 
     @tools.tool()
@@ -96,12 +97,14 @@ def register(tools: ToolContext) -> None:
         return json_result({"sessions": summaries})
 
 
-def kept_state_report(loaded: dict[str, Any]) -> dict[str, Any]:
-    """What a keep_state session's reopening loaded, and what it could not."""
+def kept_state_report(seed: Seed) -> dict[str, Any]:
+    """What a keep_state session's reopening loaded, and what it could not (not saved, or failed to load)."""
+    loaded = seed.loaded
     report: dict[str, Any] = {"restored": loaded.get("restored", []), "modules": loaded.get("modules", [])}
-    failed = loaded.get("failed", [])
-    if failed:
-        report["not_restored"] = [f"{item.get('name')}: {item.get('reason')}" for item in failed]
+    skipped = seed.meta.state_report.get("skipped", []) if seed.meta is not None else []
+    missing = [*skipped, *loaded.get("failed", [])]
+    if missing:
+        report["not_restored"] = [f"{item.get('name')}: {item.get('reason')}" for item in missing]
     report["never_carried"] = loaded.get("not_carried", [])
     return report
 

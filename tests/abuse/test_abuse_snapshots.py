@@ -1,0 +1,189 @@
+"""Snapshots cross the boundary twice (sandbox files into the host's store, and back into a new
+sandbox): sandboxed code aims both crossings at canaries this test made.
+
+It plants links to a host canary file and folder in its workspace, races the guest's state folder
+into links while the host takes it, plants a start-up hook, and pickles an object whose unpickling
+writes to the canary's path. No canary may change, no canary byte may land in the store or in a
+restored sandbox, the planted hook must not run, the server must still serve and the bystander
+session keeps its state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ..conftest import ServerDirs, _passable, run, text_of
+from .conftest import Arena, open_arena
+from .test_abuse import assert_still_serving
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+SECRET = b"host-canary-7f3a9c-never-in-a-snapshot"
+
+
+@pytest.fixture(scope="module")
+def canary() -> Iterator[Path]:
+    root = _passable(Path(tempfile.mkdtemp(prefix="crs-", dir="/tmp")))
+    (root / "file").write_bytes(SECRET)
+    (root / "dir").mkdir()
+    (root / "dir" / "inside").write_bytes(SECRET)
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def seen(root: Path) -> dict[str, object]:
+    """Everything a host write, chown, chmod, create or delete through a link would change."""
+    found: dict[str, object] = {}
+    for path in sorted([root, *root.rglob("*")]):
+        info = path.lstat()
+        found[str(path)] = (stat.S_IFMT(info.st_mode), stat.S_IMODE(info.st_mode), info.st_uid, info.st_size,
+                            info.st_mtime_ns, path.read_bytes() if path.is_file() else None)  # fmt: skip
+    return found
+
+
+@pytest.fixture(scope="module")
+def snapshot_dirs() -> Iterator[ServerDirs]:
+    root = _passable(Path(tempfile.mkdtemp(prefix="crp-", dir="/tmp")))
+    yield ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+async def arena(snapshot_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+    async with open_arena(snapshot_dirs, host_listeners) as made:
+        yield made
+
+
+async def call(arena: Arena, tool: str, **arguments: Any) -> tuple[bool, dict[str, Any] | str]:
+    result = await arena.client.call_tool(tool, arguments)
+    text = text_of(result)
+    return (not result.is_error, json.loads(text) if not result.is_error else text)
+
+
+def store_holds_no_secret(dirs: ServerDirs) -> None:
+    store = dirs.root / "snapshots"
+    for path in store.rglob("*"):
+        info = path.lstat()
+        assert not stat.S_ISLNK(info.st_mode) or not os.readlink(path).startswith(str(dirs.root)), path
+        if stat.S_ISREG(info.st_mode):
+            assert SECRET not in path.read_bytes(), f"a canary's bytes landed in the store: {path}"
+
+
+async def new_session(arena: Arena) -> str:
+    ok, created = await call(arena, "create_session")
+    assert ok and isinstance(created, dict), created
+    return created["session_id"]
+
+
+async def test_links_and_a_racing_state_folder_never_carry_a_canary(arena: Arena, canary: Path) -> None:
+    before = seen(canary)
+    session = await new_session(arena)
+    plant = f"""
+import os, threading, time
+os.symlink({str(canary / "file")!r}, "link_file")
+os.symlink({str(canary / "dir")!r}, "link_dir")
+os.makedirs(".coderunner", exist_ok=True)
+stop = False
+def race():
+    # Swap the guest's state folder and its files for links to the canaries, again and again.
+    while not stop:
+        for target, name in (({str(canary / "dir")!r}, ".coderunner/snapshot"),
+                             ({str(canary / "file")!r}, ".coderunner/snapshot/manifest.json"),
+                             ({str(canary / "file")!r}, ".coderunner/snapshot/v-0001.pkl")):
+            try:
+                if os.path.isdir(name) and not os.path.islink(name):
+                    os.rename(name, name + ".old")
+                elif os.path.lexists(name):
+                    os.unlink(name)
+                os.symlink(target, name)
+            except OSError:
+                pass
+        time.sleep(0.0005)
+racer = threading.Thread(target=race, daemon=True)
+racer.start()
+value = 41
+"""
+    result = await run(arena.client, plant, session_id=session)
+    assert not result.is_error, text_of(result)
+    outcomes = []
+    for _ in range(6):
+        ok, reply = await call(arena, "snapshot_session", session_id=session)
+        outcomes.append((ok, reply))
+    await run(arena.client, "stop = True\nracer.join(5)", session_id=session)
+    assert seen(canary) == before, "a canary changed"
+    store_holds_no_secret(arena.dirs)
+    for ok, reply in outcomes:
+        if not ok:
+            assert isinstance(reply, str) and "Traceback" not in reply and reply.strip(), reply
+            continue
+        assert isinstance(reply, dict)
+        ok, restored = await call(arena, "restore_session", snapshot=reply["snapshot"])
+        assert ok and isinstance(restored, dict), restored
+        probe = (
+            "import os\nprint(os.path.islink('link_file'), os.path.islink('link_dir'))\n"
+            "for name in ('link_file', 'link_dir/inside'):\n"
+            "    try:\n        print(open(name, 'rb').read())\n    except OSError as exc:\n        print(type(exc).__name__)"
+        )
+        looked = text_of(await run(arena.client, probe, session_id=restored["session_id"]))
+        assert "True True" in looked and SECRET.decode() not in looked, looked
+        await call(arena, "close_session", session_id=restored["session_id"])
+    assert seen(canary) == before
+    await call(arena, "close_session", session_id=session)
+    await assert_still_serving(arena)
+
+
+async def test_a_planted_start_up_hook_does_not_run_in_the_restored_session(arena: Arena) -> None:
+    session = await new_session(arena)
+    plant = (
+        "import os\nos.makedirs('.coderunner/site-packages', exist_ok=True)\n"
+        "open('.coderunner/site-packages/sitecustomize.py', 'w').write(\"open('/workspace/hook_ran', 'w')\")\n"
+        "kept = 'state'"
+    )
+    assert not (await run(arena.client, plant, session_id=session)).is_error
+    ok, taken = await call(arena, "snapshot_session", session_id=session)
+    assert ok and isinstance(taken, dict), taken
+    ok, restored = await call(arena, "restore_session", snapshot=taken["snapshot"])
+    assert ok and isinstance(restored, dict), restored
+    assert "sitecustomize.py" in json.dumps(restored.get("startup_files")), restored
+    looked = text_of(
+        await run(arena.client, "import os\nprint(kept, os.path.exists('hook_ran'))", session_id=restored["session_id"])
+    )
+    assert "state False" in looked, looked
+    for sid in (session, restored["session_id"]):
+        await call(arena, "close_session", session_id=sid)
+    await assert_still_serving(arena)
+
+
+async def test_an_unpickling_side_effect_stays_inside_the_new_sandbox(arena: Arena, canary: Path) -> None:
+    before = seen(canary)
+    session = await new_session(arena)
+    cell = f"""
+class Trap:
+    def __reduce__(self):
+        # At load this opens the canary's path for writing: inside the sandbox that path does not exist.
+        return (open, ({str(canary / "file")!r}, "w"))
+trap = Trap()
+plain = 5
+"""
+    assert not (await run(arena.client, cell, session_id=session)).is_error
+    ok, taken = await call(arena, "snapshot_session", session_id=session)
+    assert ok and isinstance(taken, dict), taken
+    ok, restored = await call(arena, "restore_session", snapshot=taken["snapshot"])
+    assert ok and isinstance(restored, dict), restored
+    assert "plain" in restored["restored"]
+    assert "trap" not in restored["restored"] and any(
+        line.startswith("trap: ") for line in restored["not_restored"]
+    ), restored
+    assert seen(canary) == before, "unpickling reached the host"
+    for sid in (session, restored["session_id"]):
+        await call(arena, "close_session", session_id=sid)
+    await assert_still_serving(arena)
