@@ -131,7 +131,8 @@ value = 41
         probe = (
             "import os\nprint(os.path.islink('link_file'), os.path.islink('link_dir'))\n"
             "for name in ('link_file', 'link_dir/inside'):\n"
-            "    try:\n        print(open(name, 'rb').read())\n    except OSError as exc:\n        print(type(exc).__name__)"
+            "    try:\n        print(open(name, 'rb').read())\n"
+            "    except OSError as exc:\n        print(type(exc).__name__)"
         )
         looked = text_of(await run(arena.client, probe, session_id=restored["session_id"]))
         assert "True True" in looked and SECRET.decode() not in looked, looked
@@ -180,9 +181,9 @@ plain = 5
     ok, restored = await call(arena, "restore_session", snapshot=taken["snapshot"])
     assert ok and isinstance(restored, dict), restored
     assert "plain" in restored["restored"]
-    assert "trap" not in restored["restored"] and any(
-        line.startswith("trap: ") for line in restored["not_restored"]
-    ), restored
+    assert "trap" not in restored["restored"] and any(line.startswith("trap: ") for line in restored["not_restored"]), (
+        restored
+    )
     assert seen(canary) == before, "unpickling reached the host"
     for sid in (session, restored["session_id"]):
         await call(arena, "close_session", session_id=sid)
