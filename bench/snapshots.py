@@ -1,0 +1,133 @@
+"""Snapshot and restore of a session holding `--size-mb` of data, per backend, beside a baseline.
+
+    .venv/bin/python bench/snapshots.py [--size-mb 500] [--rounds 3] [--backends bwrap,podman,gvisor]
+
+Each backend gets a SessionManager and one session holding a numpy array of --size-mb MB (random,
+so nothing compresses) plus a file of the same size in its workspace. Per round, backends and
+lanes in turn (so drift hits every lane alike):
+- snapshot: snapshot_session's work (guest pickles the namespace, the host moves it and copies the
+  workspace into the store);
+- restore: a new session from that snapshot, to its first answer (`data.nbytes`);
+- baseline: what a user would do by hand in the same kernel: `np.save` the array and `np.load` it back,
+  plus `shutil.copyfile` of the workspace file (the same bytes through the same disk).
+Medians are printed per backend and lane.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from coderunner.config import Settings
+from coderunner.sandbox import SandboxUnavailable, make_backend
+from coderunner.sessions import Session, SessionManager
+from coderunner.sessions.snapshots import Seed
+
+OCI_RUNTIMES = {"podman": "runc"}
+
+
+def settings(backend: str, root: Path, size_mb: int) -> Settings:
+    extra: dict[str, Any] = {"oci_runtime": OCI_RUNTIMES[backend]} if backend in OCI_RUNTIMES else {}
+    return Settings(
+        runtime_dir=root / "r",
+        workspaces_dir=root / "w",
+        token_file=root / "token",
+        export_dir=None,
+        backend=backend,
+        memory_mb=max(2048, 4 * size_mb),
+        disk_mb=max(2048, 4 * size_mb),
+        snapshot_limit_mb=8 * size_mb,
+        pool_size=0,
+        **extra,
+    )
+
+
+async def run(session: Session, code: str) -> str:
+    result = await session.run(code, 600, None)
+    text = result.outcome.output.text()
+    if result.outcome.status.value != "ok":
+        raise RuntimeError(f"{code!r} failed: {text[-500:]}")
+    return text
+
+
+async def timed(lane: list[float], work: Any) -> Any:
+    began = time.perf_counter()
+    answer = await work
+    lane.append(time.perf_counter() - began)
+    return answer
+
+
+async def restore(manager: SessionManager, options: Any, seed: Seed) -> Session:
+    """A session from the snapshot, to its first answer."""
+    restored = await manager.create(options, seed=seed)
+    await run(restored, "data.nbytes")
+    return restored
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size-mb", type=int, default=500)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--backends", default="bwrap,podman,gvisor")
+    args = parser.parse_args()
+    names = [name for name in args.backends.split(",") if name]
+    size = args.size_mb
+    fill = (
+        f"import numpy as np, os\ndata = np.random.default_rng(1).random({size * 2**20 // 8})\n"
+        f"with open('blob.bin', 'wb') as out:\n    out.write(os.urandom({size * 2**20}))\n"
+        "print(data.nbytes)"
+    )
+    baseline_cell = (
+        "import shutil\nnp.save('/tmp/copy.npy', data)\nback = np.load('/tmp/copy.npy')\n"
+        "shutil.copyfile('blob.bin', 'blob.copy')\nos.unlink('/tmp/copy.npy')\nos.unlink('blob.copy')\ndel back"
+    )
+    roots: list[Path] = []
+    lanes: dict[str, dict[str, list[float]]] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(lambda: [shutil.rmtree(root, ignore_errors=True) for root in roots])
+        managers: dict[str, tuple[SessionManager, Session]] = {}
+        for name in names:
+            root = Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp"))
+            root.chmod(0o711)
+            roots.append(root)
+            config = settings(name, root, size)
+            try:
+                backend = make_backend(config)
+            except SandboxUnavailable as exc:
+                print(f"{name}: skipped ({exc})")
+                continue
+            manager = await stack.enter_async_context(SessionManager(config, backend))
+            session = await manager.create()
+            await run(session, fill)
+            managers[name] = (manager, session)
+            lanes[name] = {"snapshot_s": [], "restore_s": [], "baseline_s": []}
+        for _ in range(args.rounds):
+            for name, (manager, session) in managers.items():
+                lane = lanes[name]
+                taken = await timed(lane["snapshot_s"], manager.snapshots.take(session))
+                seed = Seed(session.options.client, taken.meta.snapshot_id)
+                options = manager.options(memory_mb=session.options.limits.memory_mb)
+                restored = await timed(lane["restore_s"], restore(manager, options, seed))
+                await manager.close(restored.session_id)
+                store = manager.snapshots.store
+                await anyio.to_thread.run_sync(store.delete, seed.client, seed.snapshot_id)
+                await timed(lane["baseline_s"], run(session, baseline_cell))
+    load = subprocess.run(["cat", "/proc/loadavg"], capture_output=True, text=True).stdout.split()[:3]
+    print(f"session holding {size} MB in memory + {size} MB in its workspace; {args.rounds} rounds; load {load}")
+    print(f"{'backend':8} {'snapshot s':>11} {'restore s':>10} {'baseline s':>11}   (medians; baseline: np.save+np.load+copy)")
+    for name, lane in lanes.items():
+        figures = [statistics.median(lane[key]) for key in ("snapshot_s", "restore_s", "baseline_s")]
+        print(f"{name:8} {figures[0]:11.2f} {figures[1]:10.2f} {figures[2]:11.2f}")
+
+
+if __name__ == "__main__":
+    anyio.run(main)
