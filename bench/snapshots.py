@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import shutil
 import statistics
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -121,9 +120,10 @@ async def main() -> None:
                 store = manager.snapshots.store
                 await anyio.to_thread.run_sync(store.delete, seed.client, seed.snapshot_id)
                 await timed(lane["baseline_s"], run(session, baseline_cell))
-    load = subprocess.run(["cat", "/proc/loadavg"], capture_output=True, text=True).stdout.split()[:3]
+    load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"session holding {size} MB in memory + {size} MB in its workspace; {args.rounds} rounds; load {load}")
-    print(f"{'backend':8} {'snapshot s':>11} {'restore s':>10} {'baseline s':>11}   (medians; baseline: np.save+np.load+copy)")
+    print("medians; baseline: np.save + np.load of the array and a copy of the file, in the same kernel")
+    print(f"{'backend':8} {'snapshot s':>11} {'restore s':>10} {'baseline s':>11}")
     for name, lane in lanes.items():
         figures = [statistics.median(lane[key]) for key in ("snapshot_s", "restore_s", "baseline_s")]
         print(f"{name:8} {figures[0]:11.2f} {figures[1]:10.2f} {figures[2]:11.2f}")
