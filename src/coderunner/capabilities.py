@@ -93,6 +93,13 @@ class Capabilities:
                     else None
                 ),
             },
+            "snapshots": {
+                "what": "workspace files and the kernel's variables (pickled inside the sandbox); not running "
+                "threads, open files or sockets, or the browser page",
+                "limit_mb": settings.snapshot_limit_mb,
+                "kept": f"{settings.snapshot_keep} per client, at most {settings.snapshot_retention_s / 86400:g} days",
+                "keep_state": "create_session(name=..., persistent=true, keep_state=true) saves variables at close",
+            },
             "packages": sandbox_packages(),
             "tools": tools,
         }
