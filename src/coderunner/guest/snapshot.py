@@ -35,6 +35,7 @@ to the file without a copy) and read straight back, so saving or loading a large
 about its own size, not twice that.
 """
 
+import contextlib
 import io
 import json
 import os
@@ -184,7 +185,7 @@ def write_state(ipython, namespace, dir, limit_bytes):
     manifest = {
         "format": FORMAT,
         "version": VERSION,
-        "python": "%d.%d" % sys.version_info[:2],
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         "cwd": os.getcwd(),
         "variables": entries,
         "modules": modules,
@@ -265,11 +266,14 @@ def pickler_class():
     """cloudpickle's Pickler with the namespace and IPython's objects written as references."""
     if not PICKLER:
         from collections import ChainMap
+        from typing import ClassVar
 
         import cloudpickle
 
         class Pickler(cloudpickle.Pickler):
-            dispatch_table = ChainMap({io.TextIOWrapper: refuse_open_file}, cloudpickle.Pickler.dispatch_table)
+            dispatch_table: ClassVar = ChainMap(
+                {io.TextIOWrapper: refuse_open_file}, cloudpickle.Pickler.dispatch_table
+            )
 
             def persistent_id(self, obj):
                 if obj is self.marker:
@@ -290,10 +294,8 @@ def dump(value, path, namespace, marker, hidden, used, limit):
             sink = CountingWriter(file, used, limit)
             make_pickler(sink, namespace, marker, hidden).dump(value)
     except BaseException:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
-        except FileNotFoundError:
-            pass
         raise
     return sink.written
 
