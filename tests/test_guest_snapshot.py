@@ -187,6 +187,7 @@ def test_state_survives_a_fresh_kernel_and_live_resources_are_named(tmp_path: Pa
         {"name": "thing", "reason": "its module 'mymod' is not importable here"},
     ]
     assert loaded["not_carried"] == saved["not_carried"]
+    assert loaded["skipped"] == saved["skipped"]
     assert tree(state) == before, "load wrote into the snapshot folder"
 
 
@@ -220,10 +221,19 @@ def test_a_state_past_the_limit_is_refused_with_the_biggest_names_and_leaves_no_
 def test_a_manifest_that_save_did_not_write_is_refused(tmp_path: Path) -> None:
     def manifest(**changes: object) -> str:
         return json.dumps(
-            {"format": "coderunner-kernel-state", "version": 1, "cwd": "/", "variables": [], "modules": []} | changes
+            {
+                "format": "coderunner-kernel-state",
+                "version": 1,
+                "python": "3.11",
+                "cwd": "/",
+                "variables": [],
+                "modules": [],
+            }
+            | changes
         )
 
     cases = {
+        "well formed": manifest(),
         "missing": None,
         "not json": "{",
         "other format": manifest(format="x"),
@@ -249,6 +259,7 @@ def test_a_manifest_that_save_did_not_write_is_refused(tmp_path: Path) -> None:
         """,
         tmp_path,
     )
+    assert answers["well formed"]["restored"] == [] and answers["well formed"]["failed"] == []
     assert answers["missing"].startswith("refused: no snapshot in")
     assert answers["not json"] == "refused: the snapshot's manifest.json is not valid JSON"
     for case in ("other format", "path in file", "bad module", "private name"):
@@ -287,3 +298,28 @@ def test_a_big_array_is_saved_and_loaded_without_a_second_copy_in_memory(tmp_pat
     )
     assert loaded["restored"] == ["big"]
     assert loaded["grew_kib"] < (size_mib + 64) * 1024, f"loading grew the peak by {loaded['grew_kib'] // 1024} MiB"
+
+
+def test_a_write_error_stops_the_save_instead_of_skipping_variables(tmp_path: Path) -> None:
+    """A full disk is the save's failure (said plainly, nothing left behind), not the variable's."""
+    state = tmp_path / "state"
+    answer = run_guest(
+        tmp_path,
+        f"""
+        import signal
+        cell("import numpy as np")
+        cell("small = 1")
+        cell("big = np.ones(3 * 1024 * 1024 // 8)")
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024 * 1024, 1024 * 1024))
+        try:
+            result = snapshot.run("save", {str(state)!r})
+        except GuestError as exc:
+            answer({{"error": str(exc), "left": os.path.lexists({str(state)!r})}})
+        else:
+            answer({{"error": None, "result": result}})
+        """,
+        tmp_path,
+    )
+    assert answer["error"] == "the kernel state could not be written: File too large"
+    assert answer["left"] is False

@@ -12,7 +12,8 @@ Save returns:
      "skipped": [{"name", "type", "reason"}], "bytes": total, "not_carried": [what never travels],
      "cwd": the kernel's working directory}
 Load returns:
-    {"restored": [names], "modules": [names], "failed": [{"name", "reason"}], "not_carried": [...]}
+    {"restored": [names], "modules": [names], "failed": [{"name", "reason"}], "not_carried": [...],
+     "skipped": [{"name", "type", "reason"}] (what the save left out, from its manifest)}
 
 Loading unpickles only what the save wrote from this user's own objects; each variable is loaded
 on its own, so one that fails (its class's module is gone, say) is named and the others come back.
@@ -36,6 +37,7 @@ about its own size, not twice that.
 """
 
 import contextlib
+import errno
 import io
 import json
 import os
@@ -103,11 +105,20 @@ class TooLarge(Exception):
     """The state passed the limit while a pickle was being written."""
 
 
+class WriteFailed(Exception):
+    """The snapshot folder could not be written (disk full, quota): the whole save stops."""
+
+    def __init__(self, error):
+        super().__init__(error)
+        self.error = error
+
+
 class CountingWriter:
     """A file-like sink for the pickler: counts bytes and refuses to pass the limit.
 
-    Writes go to `file` (or nowhere, to measure); large buffers (a numpy array's memory) are
-    passed through as they are, never copied.
+    Writes go to `file`, an unbuffered file (or nowhere, to measure); large buffers (a numpy
+    array's memory) are passed through as they are, never copied. A write error is WriteFailed,
+    so it is told apart from a value that cannot be pickled.
     """
 
     def __init__(self, file, used=0, limit=None):
@@ -117,11 +128,18 @@ class CountingWriter:
         self.written = 0
 
     def write(self, data):
-        size = memoryview(data).nbytes
+        view = data.raw() if isinstance(data, pickle.PickleBuffer) else memoryview(data)
+        if view.ndim != 1 or view.itemsize != 1:
+            view = view.cast("B")
+        size = len(view)
         if self.limit is not None and self.used + self.written + size > self.limit:
             raise TooLarge
         if self.file is not None:
-            self.file.write(data)
+            try:
+                while view:  # an unbuffered write may take only part
+                    view = view[self.file.write(view) :]
+            except OSError as exc:
+                raise WriteFailed(exc) from None
         self.written += size
         return size
 
@@ -138,8 +156,11 @@ def shell():
 def save(dir, limit_bytes):
     ipython = shell()
     namespace = ipython.user_ns
-    remove(dir)
-    os.makedirs(dir)
+    try:
+        remove(dir)
+        os.makedirs(dir)
+    except OSError as exc:
+        raise GuestError(write_failure(exc)) from None
     try:
         return write_state(ipython, namespace, dir, limit_bytes)
     except BaseException:
@@ -176,6 +197,8 @@ def write_state(ipython, namespace, dir, limit_bytes):
             size = dump(value, path, namespace, marker, hidden, total, limit_bytes)
         except TooLarge:
             raise GuestError(too_large(limit_bytes, saved, names[index:], namespace, marker, hidden)) from None
+        except WriteFailed as failed:
+            raise GuestError(write_failure(failed.error)) from None
         except Exception as exc:  # anything the value's own reducers raise: named, and the rest go on
             skipped.append({"name": name, "type": kind, "reason": pickling_failure(exc)})
             continue
@@ -195,8 +218,11 @@ def write_state(ipython, namespace, dir, limit_bytes):
     data = json.dumps(manifest, indent=1).encode()
     if limit_bytes is not None and total + len(data) > limit_bytes:
         raise GuestError(too_large(limit_bytes, saved, [], namespace, marker, hidden))
-    with open(os.path.join(dir, MANIFEST), "wb") as file:
-        file.write(data)
+    try:
+        with open(os.path.join(dir, MANIFEST), "wb") as file:
+            file.write(data)
+    except OSError as exc:
+        raise GuestError(write_failure(exc)) from None
     total += len(data)
     return {
         "saved": saved,
@@ -290,7 +316,11 @@ def pickler_class():
 def dump(value, path, namespace, marker, hidden, used, limit):
     """Pickle `value` into a new file at `path`; its size. A failure leaves no file."""
     try:
-        with open(path, "xb") as file:
+        file = open(path, "xb", buffering=0)  # noqa: SIM115 (closed below; unbuffered: write errors surface in write)
+    except OSError as exc:
+        raise WriteFailed(exc) from None
+    try:
+        with file:
             sink = CountingWriter(file, used, limit)
             make_pickler(sink, namespace, marker, hidden).dump(value)
     except BaseException:
@@ -326,6 +356,16 @@ def too_large(limit, saved, rest, namespace, marker, hidden):
         f"the kernel state is larger than the snapshot limit ({human(limit)}; about {human(total)} in all): "
         f"biggest variables: {biggest or 'none'}; del what is not needed, or ask the user to raise snapshot_limit_mb"
     )
+
+
+def write_failure(error):
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return (
+            "the kernel state does not fit in the session's disk (it is written there before the snapshot takes it): "
+            "del big variables or remove files, then try again"
+        )
+    reason = os.strerror(error.errno) if error.errno else "a write failed"
+    return f"the kernel state could not be written: {reason}"
 
 
 def human(size):
@@ -444,7 +484,7 @@ def load(dir):
             try:
                 value = unpickle(os.path.join(dir, item["file"]), namespace)
             except Exception as exc:  # the user's own reconstructors: any error names the variable
-                failed.append({"name": item["name"], "reason": loading_failure(exc)})
+                failed.append({"name": item["name"], "reason": loading_failure(exc, manifest["python"])})
                 continue
             namespace[item["name"]] = value
             restored.append(item["name"])
@@ -452,7 +492,23 @@ def load(dir):
         # cloudpickle sets a restored function's globals' __builtins__ to its own module's; put back the kernel's
         if builtins is not None:
             namespace["__builtins__"] = builtins
-    return {"restored": restored, "modules": modules, "failed": failed, "not_carried": NOT_CARRIED}
+    return {
+        "restored": restored,
+        "modules": modules,
+        "failed": failed,
+        "not_carried": NOT_CARRIED,
+        "skipped": saved_skipped(manifest),
+    }
+
+
+def saved_skipped(manifest):
+    """What the save left out (named with its reason), so a restore can say it did not come back."""
+    skipped = manifest.get("skipped")
+    out = []
+    for item in skipped if isinstance(skipped, list) else []:
+        if isinstance(item, dict) and all(isinstance(item.get(key), str) for key in ("name", "type", "reason")):
+            out.append({key: item[key][:200] for key in ("name", "type", "reason")})
+    return out[:10_000]
 
 
 def import_module(name):
@@ -488,7 +544,10 @@ def import_failure(module, exc):
     return f"its module {module!r} failed to import: {type(exc).__name__}"
 
 
-def loading_failure(exc):
+def loading_failure(exc, python):
+    here = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    if python != here and not isinstance(exc, (ModuleNotFoundError, MemoryError, FileNotFoundError)):
+        return f"it was saved by Python {python[:20]} and this kernel runs Python {here}"
     if isinstance(exc, ModuleNotFoundError) and isinstance(exc.name, str) and len(exc.name) < 200:
         return f"its module {exc.name!r} is not importable here"
     if isinstance(exc, AttributeError) and "Can't get attribute" in str(exc)[:500]:
@@ -527,8 +586,8 @@ def manifest_problem(manifest):
         return "not an object"
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         return f"format is not {FORMAT} version {VERSION}"
-    if not isinstance(manifest.get("cwd"), str):
-        return "cwd is missing"
+    if not isinstance(manifest.get("cwd"), str) or not isinstance(manifest.get("python"), str):
+        return "cwd or python is missing"
     variables, modules = manifest.get("variables"), manifest.get("modules")
     if not isinstance(variables, list) or not isinstance(modules, list):
         return "variables or modules is not a list"
