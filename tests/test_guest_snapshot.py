@@ -92,6 +92,9 @@ cells = [
     "nested = {'a': [1, {'b': (2, 3)}], 'c': None, 'd': [p, square]}",
     "thing = mymod.Thing(7)",
     "in_shell = lambda: get_ipython() is not None",
+    "shell_itself = get_ipython()",
+    "big = np.ones(1024 * 1024)",
+    "def big_sum():\n    return float(big.sum())",
     "fh = open('data.txt', 'w')",
     "lock = threading.Lock()",
     "stop = threading.Event()",
@@ -122,6 +125,9 @@ assert list(df['a']) == [1, 2, 3] and list(df['b']) == ['x', 'y', 'z']
 assert arr.shape == (3, 4) and arr.sum() == 66.0 and np.__name__ == 'numpy' and poly.Polynomial
 assert nested['a'] == [1, {{'b': (2, 3)}}] and nested['c'] is None
 assert in_shell()
+assert big_sum() == 1024 * 1024
+big = np.ones(3)
+assert big_sum() == 3
 assert 'fh' not in dir() and 'lock' not in dir() and '_private' not in dir()
 """
 
@@ -138,8 +144,11 @@ def test_state_survives_a_fresh_kernel_and_live_resources_are_named(tmp_path: Pa
 
     assert [item["name"] for item in saved["saved"]] == [
         "df", "arr", "factor", "helper", "uses", "square", "Point", "p", "model", "nested", "thing", "in_shell",
+        "big", "big_sum",
     ]  # fmt: skip
-    assert all(item["bytes"] > 0 for item in saved["saved"])
+    sizes = {item["name"]: item["bytes"] for item in saved["saved"]}
+    assert all(size > 0 for size in sizes.values())
+    assert sizes["big"] > 8 * 1024 * 1024 and sizes["big_sum"] < 10_000, "a function carries no copy of a variable"
     assert {item["name"]: item["type"] for item in saved["saved"]}["df"] == "DataFrame"
     assert saved["modules"] == [
         {"name": "np", "module": "numpy"}, {"name": "pd", "module": "pandas"},
@@ -149,6 +158,7 @@ def test_state_survives_a_fresh_kernel_and_live_resources_are_named(tmp_path: Pa
     reasons = {item["name"]: item["reason"] for item in saved["skipped"]}
     assert reasons == {
         "guest_variables": "part of CodeRunner itself (import it again)",
+        "shell_itself": "the IPython shell (get_ipython() gives it again)",
         "fh": "an open file handle",
         "lock": "a lock",
         "stop": "a lock",
@@ -160,7 +170,7 @@ def test_state_survives_a_fresh_kernel_and_live_resources_are_named(tmp_path: Pa
     assert "the browser page" in saved["not_carried"] and "open files and sockets" in saved["not_carried"]
     assert saved["cwd"] == str(work)
     files = sorted(p.name for p in state.iterdir())
-    assert files == ["manifest.json"] + [f"v-{n:04d}.pkl" for n in range(1, 13)]
+    assert files == ["manifest.json"] + [f"v-{n:04d}.pkl" for n in range(1, 15)]
     assert saved["bytes"] == sum(p.stat().st_size for p in state.iterdir())
 
     (work / "mymod.py").unlink()  # the restored kernel cannot import it: named, the rest come back
@@ -179,7 +189,8 @@ def test_state_survives_a_fresh_kernel_and_live_resources_are_named(tmp_path: Pa
         elsewhere,
     )
     assert loaded["restored"] == [
-        "df", "arr", "factor", "helper", "uses", "square", "Point", "p", "model", "nested", "in_shell",
+        "df", "arr", "factor", "helper", "uses", "square", "Point", "p", "model", "nested", "in_shell", "big",
+        "big_sum",
     ]  # fmt: skip
     assert loaded["modules"] == ["np", "pd", "threading", "socket", "poly"]
     assert loaded["failed"] == [

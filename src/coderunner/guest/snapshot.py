@@ -28,8 +28,10 @@ only, with nothing more than the sandbox allows. The host never unpickles. A pla
 reopened workspace); this module imports only the module names the manifest lists.
 
 Functions defined in cells keep the kernel's namespace as their globals after a load (not a
-private copy), so a restored function sees the user's later assignments, as it did before. Each
-variable is pickled with a marker in place of the namespace, and loaded with the new kernel's.
+private copy), so a restored function sees the user's later assignments, as it did before: their
+globals are pickled as a reference to "the kernel's namespace", and the globals they use that are
+variables of their own (or IPython's, like get_ipython) are not copied into their pickle; they
+come back on their own. So `def f(): return df.sum()` does not carry a second copy of df.
 
 Memory: pickles are written straight to their files (protocol 5, so a numpy array's buffer goes
 to the file without a copy) and read straight back, so saving or loading a large array needs
@@ -67,10 +69,6 @@ NOT_CARRIED = [
     "the browser page",
     "the kernel's history (In/Out) and names starting with _",
 ]
-#: The persistent id standing for the kernel's namespace (the globals of cell-defined functions).
-NAMESPACE_ID = "ns"
-#: The prefix of persistent ids standing for IPython's own objects (get_ipython, ...), by name.
-HIDDEN_PREFIX = "ns:"
 FILE_PATTERN = re.compile(r"v-[0-9]{4,7}\.pkl")
 MODULE_PATTERN = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*")
 #: "cannot pickle 'X' object" in a pickling error names the part that failed; the kind it is.
@@ -173,11 +171,10 @@ def write_state(ipython, namespace, dir, limit_bytes):
         pickler_class()
     except ImportError:
         raise GuestError("snapshots need cloudpickle in the sandbox environment; run `coderunner setup`") from None
-    hidden = hidden_objects(ipython, namespace)
-    marker = {}
     saved, modules, skipped, entries = [], [], [], []
     total = 0
     names = user_names(ipython, namespace)
+    context = Context(namespace, set(names) | ipython_names(ipython, namespace))
     for index, name in enumerate(names):
         value = namespace[name]
         kind = type_name(value)
@@ -194,9 +191,9 @@ def write_state(ipython, namespace, dir, limit_bytes):
         file_name = f"v-{len(entries) + 1:04d}.pkl"
         path = os.path.join(dir, file_name)
         try:
-            size = dump(value, path, namespace, marker, hidden, total, limit_bytes)
+            size = dump(value, path, context, total, limit_bytes)
         except TooLarge:
-            raise GuestError(too_large(limit_bytes, saved, names[index:], namespace, marker, hidden)) from None
+            raise GuestError(too_large(limit_bytes, saved, names[index:], context)) from None
         except WriteFailed as failed:
             raise GuestError(write_failure(failed.error)) from None
         except Exception as exc:  # anything the value's own reducers raise: named, and the rest go on
@@ -217,7 +214,7 @@ def write_state(ipython, namespace, dir, limit_bytes):
     }
     data = json.dumps(manifest, indent=1).encode()
     if limit_bytes is not None and total + len(data) > limit_bytes:
-        raise GuestError(too_large(limit_bytes, saved, [], namespace, marker, hidden))
+        raise GuestError(too_large(limit_bytes, saved, [], context))
     try:
         with open(os.path.join(dir, MANIFEST), "wb") as file:
             file.write(data)
@@ -250,32 +247,43 @@ def user_names(ipython, namespace):
     return names
 
 
-def hidden_objects(ipython, namespace):
-    """IPython's own objects a cell function may refer to (get_ipython, ...): by id, their names.
-
-    They are pickled as a reference by name and looked up in the new kernel, as the shell and its
-    history cannot (and should not) be pickled. Only objects with an identity of their own
-    (no numbers or strings, which the user's data may share).
-    """
+def ipython_names(ipython, namespace):
+    """The names bound to IPython's own objects (get_ipython, In, Out, ...)."""
     hidden = getattr(ipython, "user_ns_hidden", {})
-    found = {}
-    for name, value in list(hidden.items()):
-        if not isinstance(name, str) or namespace.get(name) is not value:
-            continue
-        if value is None or isinstance(value, (int, float, complex, str, bytes, tuple, frozenset, type)):
-            continue
-        if isinstance(value, types.ModuleType):
-            continue
-        found[id(value)] = name
-    return found
+    own = {name for name in IPYTHON_NAMES if name in namespace}
+    own.update(name for name, value in list(hidden.items()) if isinstance(name, str) and namespace.get(name) is value)
+    return own
 
 
-def make_pickler(file, namespace, marker, hidden):
+class NamespaceMarker(dict):
+    """Stands for the kernel's namespace as the globals of cell-defined functions in a pickle."""
+
+    def __reduce__(self):
+        return kernel_namespace, ()
+
+
+def kernel_namespace():
+    """At load: the namespace of the kernel loading the pickle (a restored function's globals)."""
+    return shell().user_ns
+
+
+class Context:
+    """What the pickles of one save share."""
+
+    def __init__(self, namespace, separate):
+        self.namespace = namespace
+        #: Names that come back on their own (the user's variables, IPython's objects): not copied
+        #: into the pickle of a function that uses them.
+        self.separate = frozenset(separate)
+        self.marker = NamespaceMarker()
+
+
+def make_pickler(file, context):
     pickler = pickler_class()(file, protocol=PROTOCOL)
-    pickler.namespace, pickler.marker, pickler.hidden = namespace, marker, hidden
-    # Functions whose globals are the kernel's namespace get `marker` as their globals in the
-    # pickle; `marker` is written as a reference and loaded as the new kernel's namespace.
-    pickler.globals_ref[id(namespace)] = marker
+    pickler.context = context
+    # Functions whose globals are the kernel's namespace get the marker as their globals in the
+    # pickle; it is loaded as the namespace of the kernel that loads it.
+    pickler.globals_ref[id(context.namespace)] = context.marker
     return pickler
 
 
@@ -289,7 +297,7 @@ PICKLER = []
 
 
 def pickler_class():
-    """cloudpickle's Pickler with the namespace and IPython's objects written as references."""
+    """cloudpickle's Pickler, with cell functions' globals as a reference to the kernel's namespace."""
     if not PICKLER:
         from collections import ChainMap
         from typing import ClassVar
@@ -301,19 +309,20 @@ def pickler_class():
                 {io.TextIOWrapper: refuse_open_file}, cloudpickle.Pickler.dispatch_table
             )
 
-            def persistent_id(self, obj):
-                if obj is self.marker:
-                    return NAMESPACE_ID
-                name = self.hidden.get(id(obj))
-                if name is not None and self.namespace.get(name) is obj:
-                    return HIDDEN_PREFIX + name
-                return None
+            def _dynamic_function_reduce(self, func):
+                reduced = super()._dynamic_function_reduce(func)
+                if func.__globals__ is self.context.namespace:
+                    _, slotstate = reduced[2]
+                    used = slotstate["__globals__"]
+                    separate = self.context.separate
+                    slotstate["__globals__"] = {name: used[name] for name in used if name not in separate}
+                return reduced
 
         PICKLER.append(Pickler)
     return PICKLER[0]
 
 
-def dump(value, path, namespace, marker, hidden, used, limit):
+def dump(value, path, context, used, limit):
     """Pickle `value` into a new file at `path`; its size. A failure leaves no file."""
     try:
         file = open(path, "xb", buffering=0)  # noqa: SIM115 (closed below; unbuffered: write errors surface in write)
@@ -322,7 +331,7 @@ def dump(value, path, namespace, marker, hidden, used, limit):
     try:
         with file:
             sink = CountingWriter(file, used, limit)
-            make_pickler(sink, namespace, marker, hidden).dump(value)
+            make_pickler(sink, context).dump(value)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path)
@@ -330,23 +339,23 @@ def dump(value, path, namespace, marker, hidden, used, limit):
     return sink.written
 
 
-def measure(value, namespace, marker, hidden):
+def measure(value, context):
     """How many bytes `value` pickles to (by pickling it to nowhere), or None if it cannot be."""
     sink = CountingWriter(None)
     try:
-        make_pickler(sink, namespace, marker, hidden).dump(value)
+        make_pickler(sink, context).dump(value)
     except Exception:
         return None
     return sink.written
 
 
-def too_large(limit, saved, rest, namespace, marker, hidden):
+def too_large(limit, saved, rest, context):
     sizes = [(item["bytes"], item["name"]) for item in saved]
     for name in rest:
-        value = namespace.get(name)
+        value = context.namespace.get(name)
         if isinstance(value, types.ModuleType) or of_the_guest(value) or live_resource(value) is not None:
             continue
-        size = measure(value, namespace, marker, hidden)
+        size = measure(value, context)
         if size is not None:
             sizes.append((size, name))
     sizes.sort(reverse=True)
@@ -432,6 +441,8 @@ def live_resource(value):
     package = module.split(".")[0] if isinstance(module, str) else ""
     if package == "playwright":
         return "a browser page or Playwright object"
+    if package in ("IPython", "ipykernel") and type(value).__qualname__.endswith("Shell"):
+        return "the IPython shell (get_ipython() gives it again)"
     if package in DATABASE_PACKAGES:
         kind = type(value).__qualname__.lower()
         if "connection" in kind or "cursor" in kind or "engine" in kind or "session" in kind:
@@ -482,7 +493,7 @@ def load(dir):
     try:
         for item in manifest["variables"]:
             try:
-                value = unpickle(os.path.join(dir, item["file"]), namespace)
+                value = unpickle(os.path.join(dir, item["file"]))
             except Exception as exc:  # the user's own reconstructors: any error names the variable
                 failed.append({"name": item["name"], "reason": loading_failure(exc, manifest["python"])})
                 continue
@@ -517,25 +528,9 @@ def import_module(name):
     return importlib.import_module(name)
 
 
-def unpickle(path, namespace):
+def unpickle(path):
     with open(path, "rb") as file:
-        unpickler = Unpickler(file)
-        unpickler.namespace = namespace
-        return unpickler.load()
-
-
-class Unpickler(pickle.Unpickler):
-    namespace = None
-
-    def persistent_load(self, pid):
-        if pid == NAMESPACE_ID:
-            return self.namespace
-        if isinstance(pid, str) and pid.startswith(HIDDEN_PREFIX):
-            name = pid[len(HIDDEN_PREFIX) :]
-            if name in self.namespace:
-                return self.namespace[name]
-            raise LookupError(f"IPython's {name!r} is not in this kernel")
-        raise pickle.UnpicklingError("unknown reference in the pickle")
+        return pickle.load(file)
 
 
 def import_failure(module, exc):
