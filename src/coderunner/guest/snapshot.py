@@ -17,6 +17,9 @@ Load returns:
 
 Loading unpickles only what the save wrote from this user's own objects; each variable is loaded
 on its own, so one that fails (its class's module is gone, say) is named and the others come back.
+The price of one pickle per variable: two names for one object (`b = a`, or `a` also held in a
+list) come back as two equal copies, not one shared object. Classes defined in cells stay one
+class (cloudpickle tracks them), so `isinstance(p, Point)` still holds.
 
 What loading runs: unpickling calls the reconstructors the pickle names. For a snapshot this
 module wrote, those are the user's own classes (their `__setstate__`, `__reduce__` results),
@@ -88,7 +91,7 @@ def run(op, dir, limit_bytes=None):
     if not isinstance(dir, str) or not dir:
         raise GuestError("snapshot: dir must be a folder path")
     if op == "save":
-        if limit_bytes is not None and (not isinstance(limit_bytes, int) or limit_bytes <= 0):
+        if limit_bytes is not None and (type(limit_bytes) is not int or limit_bytes <= 0):
             raise GuestError("snapshot save: limit_bytes must be a positive number of bytes")
         return save(dir, limit_bytes)
     if op == "load":
