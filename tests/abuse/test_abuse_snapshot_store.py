@@ -71,7 +71,14 @@ def fingerprint(top: Path, leave_out: tuple[Path, ...] = ()) -> dict[str, tuple[
                 content = path.read_bytes()
             elif stat.S_ISLNK(info.st_mode):
                 content = os.readlink(path)
-            seen[str(path.relative_to(top))] = (info.st_mode, info.st_uid, info.st_gid, info.st_size, info.st_mtime_ns, content)
+            seen[str(path.relative_to(top))] = (
+                info.st_mode,
+                info.st_uid,
+                info.st_gid,
+                info.st_size,
+                info.st_mtime_ns,
+                content,
+            )
     return seen
 
 
