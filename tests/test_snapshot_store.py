@@ -440,3 +440,27 @@ def test_entry_bound_names_what_it_left_out(tmp_path: Path, monkeypatch: pytest.
     draft.discard()
     assert report.files == 10
     assert report.skipped == [".: more than 10 entries, the rest left out"]
+
+
+def test_restore_past_the_sessions_disk_cap_says_so(tmp_path: Path, ws_fd: int) -> None:
+    store = make_store(tmp_path)
+    meta = snapshot(store, ws_fd)
+    fresh = tmp_path / "fresh"
+    fresh.mkdir()
+    with hostfs.dir_fd(fresh) as fd, pytest.raises(SnapshotError) as caught:
+        store.restore_workspace("alice", meta.snapshot_id, fd, None, limit_bytes=100_000)
+    assert "do not fit this session's disk cap" in str(caught.value)
+    assert not isinstance(caught.value, SnapshotTooLarge)
+
+
+def test_restore_fills_folders_the_host_made_first(tmp_path: Path, ws_fd: int) -> None:
+    store = make_store(tmp_path)
+    meta = snapshot(store, ws_fd)
+    fresh = tmp_path / "fresh"
+    (fresh / ".coderunner").mkdir(parents=True)
+    (fresh / ".coderunner" / "host-made").write_text("kept")
+    with hostfs.dir_fd(fresh) as fd:
+        store.restore_workspace("alice", meta.snapshot_id, fd, OWNER)
+    assert (fresh / ".coderunner" / "host-made").read_text() == "kept"
+    assert os.stat(fresh / ".coderunner").st_uid == OWNER[0]
+    assert (fresh / "data" / "table.csv").exists()

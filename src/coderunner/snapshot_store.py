@@ -33,6 +33,7 @@ import secrets
 import stat
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -178,7 +179,17 @@ def _tampered(why: str) -> SnapshotError:
 
 def _write_failed(exc: OSError) -> SnapshotError:
     why = exc.strerror or type(exc).__name__
-    return SnapshotError(f"the snapshot could not be written on the server ({why}); ask the user to check its disk")
+    return SnapshotError(
+        f"the snapshot could not be copied ({why}); if a disk is full, delete files you do not need "
+        "or ask the user to free space on the server"
+    )
+
+
+def _too_large_to_restore(so_far: int, limit: int) -> SnapshotError:
+    return SnapshotError(
+        f"the snapshot's files do not fit this session's disk cap: {so_far / MIB:.1f} MiB so far, "
+        f"the cap is {limit / MIB:.0f} MiB; ask the user to raise the disk cap, or restore a smaller snapshot"
+    )
 
 
 @dataclass
@@ -187,6 +198,8 @@ class _Cap:
 
     limit: int
     used: int = 0
+    #: The error past the limit (the size so far, the limit).
+    too_large: Callable[[int, int], SnapshotError] = _too_large
 
     @property
     def left(self) -> int:
@@ -339,15 +352,29 @@ class _TreeCopy:
                 _close(src)
                 return None
             names = self._names(src, rel)
-            try:
-                dst = hostfs.make_private_dir(level.dst, name, 0o700, self.owner)
-            except OSError as exc:
-                raise _write_failed(exc) from exc
+            dst = self._make_dir(level.dst, name)
         except BaseException:
             _close(src)
             raise
         self.report.folders += 1
         return _Level(src, dst, rel, names, info)
+
+    def _make_dir(self, parent: int, name: str) -> int:
+        """The destination folder: made fresh, or (in a restore's fresh workspace, which the host
+        made and no sandbox has seen yet) one the host made before, entered without following."""
+        try:
+            return hostfs.make_private_dir(parent, name, 0o700, self.owner)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        try:
+            fd = hostfs.open_dir(name, dir_fd=parent)
+            if self.owner is not None:
+                os.fchown(fd, *self.owner)
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        return fd
 
     def _finish(self, level: _Level) -> None:
         try:
@@ -375,7 +402,7 @@ class _TreeCopy:
                 self.report.skipped.append(f"{rel}: another mount, left out")
                 return
             if info.st_size > self.cap.left:
-                raise _too_large(self.cap.used + info.st_size, self.cap.limit)
+                raise self.cap.too_large(self.cap.used + info.st_size, self.cap.limit)
             try:
                 dst = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=level.dst)
             except OSError as exc:
@@ -386,7 +413,7 @@ class _TreeCopy:
                 except OSError as exc:
                     raise _write_failed(exc) from exc
                 if count > self.cap.left:
-                    raise _too_large(self.cap.used + count, self.cap.limit)
+                    raise self.cap.too_large(self.cap.used + count, self.cap.limit)
                 self.cap.used += count
                 self.report.bytes += count
                 self.report.files += 1
@@ -734,14 +761,18 @@ class SnapshotStore:
             return removed
 
     def restore_workspace(self, client: str, snapshot_id: str, workspace_fd: int,
-                          owner: tuple[int, int] | None) -> CopyReport:  # fmt: skip
+                          owner: tuple[int, int] | None, *, limit_bytes: int | None = None) -> CopyReport:  # fmt: skip
         """Copy the snapshot's workspace/ into the fresh workspace open as `workspace_fd` (no
-        sandbox runs on it yet), every entry given to `owner` (the new sandbox's host uid) when set."""
+        sandbox runs on it yet), every entry given to `owner` (the new sandbox's host uid) when set.
+
+        `limit_bytes` (optional): the new session's disk cap; past it a SnapshotError says so. Folders
+        the host already made in the workspace are filled, not refused."""
         self.get(client, snapshot_id)
         with self._snapshot_part(client, snapshot_id, WORKSPACE_DIR) as src:
             if src is None:  # a persistent session's state: its workspace kept its own files
                 return CopyReport()
-            copy = _TreeCopy(_Cap(1 << 62), owner=owner, file_bits=0, dir_bits=0)
+            cap = _Cap(1 << 62) if limit_bytes is None else _Cap(limit_bytes, too_large=_too_large_to_restore)
+            copy = _TreeCopy(cap, owner=owner, file_bits=0, dir_bits=0)
             return copy.run(src, workspace_fd)
 
     def stage_state(self, client: str, snapshot_id: str, dest_fd: int, name: str,
