@@ -464,3 +464,9 @@ def test_restore_fills_folders_the_host_made_first(tmp_path: Path, ws_fd: int) -
     assert (fresh / ".coderunner" / "host-made").read_text() == "kept"
     assert os.stat(fresh / ".coderunner").st_uid == OWNER[0]
     assert (fresh / "data" / "table.csv").exists()
+
+
+def test_the_quick_mount_id_agrees_with_hostfs(tmp_path: Path) -> None:
+    for path in [tmp_path, Path("/proc"), Path("/")]:
+        with hostfs.dir_fd(path) as fd:
+            assert snapshot_store._mount_id(fd) == hostfs.mount_id(fd)

@@ -245,6 +245,22 @@ def _bounded_names(fd: int, limit: int) -> list[str]:
     return names
 
 
+def _mount_id(fd: int) -> int:
+    """hostfs.mount_id without the text-file layer: it runs once per entry copied, and this form
+    takes less than half the time (a third of a small-file copy went there)."""
+    info = os.open(f"/proc/self/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(info, 8192)
+    finally:
+        os.close(info)
+    start = data.find(b"\nmnt_id:")
+    if start < 0:
+        raise hostfs.HostFsError(errno.EINVAL, "no mnt_id in fdinfo")
+    start += len(b"\nmnt_id:")
+    end = data.find(b"\n", start)
+    return int(data[start : end if end >= 0 else len(data)])
+
+
 def _close(fd: int) -> None:
     with contextlib.suppress(OSError):
         os.close(fd)
@@ -284,7 +300,7 @@ class _TreeCopy:
         self.seen = 0
 
     def run(self, src_top: int, dst_top: int) -> CopyReport:
-        self.top_mount = hostfs.mount_id(src_top)
+        self.top_mount = _mount_id(src_top)
         stack: list[_Level] = []
         try:
             stack.append(_Level(os.dup(src_top), os.dup(dst_top), "", []))
@@ -347,7 +363,7 @@ class _TreeCopy:
             return None
         try:
             info = os.fstat(src)
-            if hostfs.mount_id(src) != self.top_mount:
+            if _mount_id(src) != self.top_mount:
                 self.report.skipped.append(f"{rel}: another mount, left out")
                 _close(src)
                 return None
@@ -398,7 +414,7 @@ class _TreeCopy:
             if not stat.S_ISREG(info.st_mode):
                 self.report.skipped.append(f"{rel}: changed while copied ({_kind(info.st_mode)}), left out")
                 return
-            if hostfs.mount_id(src) != self.top_mount:
+            if _mount_id(src) != self.top_mount:
                 self.report.skipped.append(f"{rel}: another mount, left out")
                 return
             if info.st_size > self.cap.left:
@@ -516,7 +532,7 @@ class Draft:
         except OSError as exc:
             raise _tampered("the state folder is not a folder") from exc
         try:
-            if hostfs.mount_id(src) != hostfs.mount_id(parent):
+            if _mount_id(src) != _mount_id(parent):
                 raise _tampered("the state folder is another mount")
             names = _bounded_names(src, MAX_ENTRIES)
             if len(names) > MAX_ENTRIES:
