@@ -470,3 +470,21 @@ def test_the_quick_mount_id_agrees_with_hostfs(tmp_path: Path) -> None:
     for path in [tmp_path, Path("/proc"), Path("/")]:
         with hostfs.dir_fd(path) as fd:
             assert snapshot_store._mount_id(fd) == hostfs.mount_id(fd)
+
+
+def test_reported_names_cannot_forge_lines_and_many_are_counted(tmp_path: Path) -> None:
+    ws = tmp_path / "odd"
+    ws.mkdir()
+    os.mkfifo(os.path.join(os.fsencode(ws), b"bad\xff\nname: a fake line"))
+    for i in range(snapshot_store.MAX_SKIPPED_NAMED + 5):
+        os.mkfifo(ws / f"pipe{i:04d}")
+    store = make_store(tmp_path)
+    draft = store.draft("alice")
+    with hostfs.dir_fd(ws) as fd:
+        report = draft.copy_workspace(fd)
+    draft.discard()
+    assert len(report.skipped) == snapshot_store.MAX_SKIPPED_NAMED + 1
+    assert report.skipped[-1] == "... and 6 more entries left out"
+    named = [line for line in report.skipped if line.startswith("bad")]
+    assert named == ["bad??name: a fake line: a fifo, left out"]
+    assert all("\n" not in line and line.encode() for line in report.skipped)

@@ -57,6 +57,8 @@ KINDS = ("snapshot", "persistent")
 #: meta.json is the host's own, small: a bigger one is broken.
 MAX_META_BYTES = 1 << 20
 MIB = 1 << 20
+#: Entries a copy's report names one by one; past these it counts them.
+MAX_SKIPPED_NAMED = 100
 
 #: Opening an entry the sandbox can write: never through a link, and a FIFO cannot hold the open.
 _FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
@@ -298,6 +300,8 @@ class _TreeCopy:
         self.exclude = exclude
         self.report = CopyReport()
         self.seen = 0
+        #: Entries left out past MAX_SKIPPED_NAMED: counted, not named.
+        self.unnamed = 0
 
     def run(self, src_top: int, dst_top: int) -> CopyReport:
         self.top_mount = _mount_id(src_top)
@@ -311,9 +315,8 @@ class _TreeCopy:
                     self._finish(stack.pop())
                     continue
                 if self.seen >= MAX_ENTRIES:
-                    self.report.skipped.append(
-                        f"{level.rel or '.'}: more than {MAX_ENTRIES} entries, the rest left out"
-                    )
+                    where = _shown(level.rel or ".")
+                    self.report.skipped.append(f"{where}: more than {MAX_ENTRIES} entries, the rest left out")
                     break
                 self.seen += 1
                 name = level.names.pop()
@@ -324,7 +327,15 @@ class _TreeCopy:
             for level in stack:
                 _close(level.src)
                 _close(level.dst)
+        if self.unnamed:
+            self.report.skipped.append(f"... and {self.unnamed} more entries left out")
         return self.report
+
+    def _skip(self, rel: str, why: str) -> None:
+        if len(self.report.skipped) < MAX_SKIPPED_NAMED:
+            self.report.skipped.append(f"{_shown(rel)}: {why}")
+        else:
+            self.unnamed += 1
 
     def _names(self, fd: int, rel: str) -> list[str]:
         names = _bounded_names(fd, MAX_ENTRIES - self.seen)
@@ -340,11 +351,11 @@ class _TreeCopy:
         except FileNotFoundError:
             return None
         except OSError as exc:
-            self.report.skipped.append(f"{rel}: unreadable ({exc.strerror})")
+            self._skip(rel, f"unreadable ({exc.strerror})")
             return None
         if stat.S_ISDIR(info.st_mode):
             if depth > MAX_DEPTH:
-                self.report.skipped.append(f"{rel}: folder more than {MAX_DEPTH} levels deep, left out")
+                self._skip(rel, f"folder more than {MAX_DEPTH} levels deep, left out")
                 return None
             return self._enter(level, name, rel)
         if stat.S_ISREG(info.st_mode):
@@ -352,19 +363,19 @@ class _TreeCopy:
         elif stat.S_ISLNK(info.st_mode):
             self._copy_link(level, name, rel)
         else:
-            self.report.skipped.append(f"{rel}: {_kind(info.st_mode)}, left out")
+            self._skip(rel, f"{_kind(info.st_mode)}, left out")
         return None
 
     def _enter(self, level: _Level, name: str, rel: str) -> _Level | None:
         try:
             src = hostfs.open_dir(name, dir_fd=level.src)
         except OSError as exc:
-            self.report.skipped.append(f"{rel}: {_changed(exc)}")
+            self._skip(rel, _changed(exc))
             return None
         try:
             info = os.fstat(src)
             if _mount_id(src) != self.top_mount:
-                self.report.skipped.append(f"{rel}: another mount, left out")
+                self._skip(rel, "another mount, left out")
                 _close(src)
                 return None
             names = self._names(src, rel)
@@ -407,15 +418,15 @@ class _TreeCopy:
         except FileNotFoundError:
             return
         except OSError as exc:
-            self.report.skipped.append(f"{rel}: {_changed(exc)}")
+            self._skip(rel, _changed(exc))
             return
         try:
             info = os.fstat(src)
             if not stat.S_ISREG(info.st_mode):
-                self.report.skipped.append(f"{rel}: changed while copied ({_kind(info.st_mode)}), left out")
+                self._skip(rel, f"changed while copied ({_kind(info.st_mode)}), left out")
                 return
             if _mount_id(src) != self.top_mount:
-                self.report.skipped.append(f"{rel}: another mount, left out")
+                self._skip(rel, "another mount, left out")
                 return
             if info.st_size > self.cap.left:
                 raise self.cap.too_large(self.cap.used + info.st_size, self.cap.limit)
@@ -448,7 +459,7 @@ class _TreeCopy:
         except FileNotFoundError:
             return
         except OSError as exc:
-            self.report.skipped.append(f"{rel}: {_changed(exc)}")
+            self._skip(rel, _changed(exc))
             return
         try:
             os.symlink(target, name, dir_fd=level.dst)
@@ -457,6 +468,14 @@ class _TreeCopy:
         except OSError as exc:
             raise _write_failed(exc) from exc
         self.report.links += 1
+
+
+def _shown(rel: str) -> str:
+    """A path fit for a reply: bytes that are not UTF-8 and control characters (a name may hold a
+    newline to forge a line) become '?', and a long path is cut."""
+    text = rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    text = "".join("?" if ch < " " or ch == "\x7f" or ch == "\ufffd" else ch for ch in text)
+    return text if len(text) <= 300 else text[:297] + "..."
 
 
 def _kind(mode: int) -> str:
