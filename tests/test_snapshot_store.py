@@ -459,8 +459,11 @@ def test_restore_fills_folders_the_host_made_first(tmp_path: Path, ws_fd: int) -
     fresh = tmp_path / "fresh"
     (fresh / ".coderunner").mkdir(parents=True)
     (fresh / ".coderunner" / "host-made").write_text("kept")
+    (fresh / "secret.txt").write_text("host's")
     with hostfs.dir_fd(fresh) as fd:
-        store.restore_workspace("alice", meta.snapshot_id, fd, OWNER)
+        report = store.restore_workspace("alice", meta.snapshot_id, fd, OWNER)
+    assert report.skipped == ["secret.txt: already in the workspace, kept as it was"]
+    assert (fresh / "secret.txt").read_text() == "host's"
     assert (fresh / ".coderunner" / "host-made").read_text() == "kept"
     assert os.stat(fresh / ".coderunner").st_uid == OWNER[0]
     assert (fresh / "data" / "table.csv").exists()

@@ -432,6 +432,9 @@ class _TreeCopy:
                 raise self.cap.too_large(self.cap.used + info.st_size, self.cap.limit)
             try:
                 dst = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=level.dst)
+            except FileExistsError:
+                self._skip(rel, "already in the workspace, kept as it was")
+                return
             except OSError as exc:
                 raise _write_failed(exc) from exc
             try:
@@ -463,6 +466,12 @@ class _TreeCopy:
             return
         try:
             os.symlink(target, name, dir_fd=level.dst)
+        except FileExistsError:
+            self._skip(rel, "already in the workspace, kept as it was")
+            return
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        try:
             if self.owner is not None:
                 os.chown(name, *self.owner, dir_fd=level.dst, follow_symlinks=False)
         except OSError as exc:
@@ -849,6 +858,8 @@ class SnapshotStore:
 
     def _client_fd(self, client: str, *, create: bool) -> int | None:
         """An fd for `client`'s folder; None when it does not exist (and create is False)."""
+        if not create and not self.root.is_dir():
+            return None
         with hostfs.dir_fd(self.root) as root:
             try:
                 return hostfs.open_dir(client, dir_fd=root)
