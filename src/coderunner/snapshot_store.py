@@ -24,12 +24,23 @@ fallback.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import os
 import re
+import secrets
+import stat
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import hostfs
 from .errors import CodeRunnerError
+from .workspace import NAME as CLIENT_NAME
 
 #: A snapshot id: "s-" and 12 url-safe characters, or "keep-<workspace name>" (a persistent session's).
 SNAPSHOT_ID = re.compile(r"(s-[A-Za-z0-9_-]{12}|keep-[A-Za-z0-9][A-Za-z0-9_.-]{0,63})")
@@ -39,6 +50,28 @@ MAX_ENTRIES = 200_000
 META_NAME = "meta.json"
 STATE_DIR = "state"
 WORKSPACE_DIR = "workspace"
+#: The names a guest's state folder may hold (manifest.json, v-0001.pkl, ...): anything else is tampering.
+STATE_FILE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+DRAFT_PREFIX = ".draft-"
+KINDS = ("snapshot", "persistent")
+#: meta.json is the host's own, small: a bigger one is broken.
+MAX_META_BYTES = 1 << 20
+MIB = 1 << 20
+#: Entries a copy's report names one by one; past these it counts them.
+MAX_SKIPPED_NAMED = 100
+
+#: Opening an entry the sandbox can write: never through a link, and a FIFO cannot hold the open.
+_FILE_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
+_NEW_FILE_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+#: copy_file_range cannot serve this pair of files: copy with read/write instead.
+_NO_COPY_RANGE = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP})
+_CHUNK = 1 << 30
+_READ_CHUNK = 1 << 20
+_SPECIAL_BITS = stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX
+#: Bits the store's own copy always grants its owner, so a non-root server can read back a file
+#: the sandbox had made 0000 (root reads it anyway, and then keeps the mode exactly).
+_STORE_FILE_BITS = 0 if os.geteuid() == 0 else 0o600
+_STORE_DIR_BITS = 0 if os.geteuid() == 0 else 0o700
 
 
 class SnapshotError(CodeRunnerError):
@@ -95,30 +128,559 @@ class SnapshotMeta:
     def as_json(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_json(cls, data: object) -> SnapshotMeta | None:
+        """The record meta.json holds, or None when any field is missing or of the wrong type."""
+        if not isinstance(data, dict):
+            return None
+        text = ("snapshot_id", "client", "name", "kind", "source_session", "backend")
+        if not all(isinstance(data.get(key), str) for key in text):
+            return None
+        if not all(_is_int(data.get(key)) and data[key] >= 0 for key in ("workspace_bytes", "state_bytes")):
+            return None
+        created = data.get("created")
+        if not (_is_int(created) or isinstance(created, float)):
+            return None
+        if not all(isinstance(data.get(key), dict) for key in ("options", "state_report")):
+            return None
+        if data["kind"] not in KINDS or not SNAPSHOT_ID.fullmatch(data["snapshot_id"]):
+            return None
+        return cls(
+            snapshot_id=data["snapshot_id"],
+            client=data["client"],
+            name=data["name"],
+            created=float(created),  # type: ignore[arg-type]
+            kind=data["kind"],
+            source_session=data["source_session"],
+            backend=data["backend"],
+            options=data["options"],
+            workspace_bytes=data["workspace_bytes"],
+            state_bytes=data["state_bytes"],
+            state_report=data["state_report"],
+        )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _too_large(so_far: int, limit: int) -> SnapshotTooLarge:
+    cap = f"{limit // MIB}" if limit % MIB == 0 else f"{limit / MIB:.1f}"
+    return SnapshotTooLarge(
+        f"the snapshot is past its size cap: {so_far / MIB:.1f} MiB so far, the cap is {cap} MiB; "
+        "delete files or variables you do not need, or ask the user to raise snapshot_limit_mb"
+    )
+
+
+def _tampered(why: str) -> SnapshotError:
+    return SnapshotError(
+        f"the saved state was tampered with inside the sandbox ({why}); nothing was kept. "
+        "Run the snapshot again; if it repeats, restart the session (kernel_reset)"
+    )
+
+
+def _write_failed(exc: OSError) -> SnapshotError:
+    why = exc.strerror or type(exc).__name__
+    return SnapshotError(
+        f"the snapshot could not be copied ({why}); if a disk is full, delete files you do not need "
+        "or ask the user to free space on the server"
+    )
+
+
+def _too_large_to_restore(so_far: int, limit: int) -> SnapshotError:
+    return SnapshotError(
+        f"the snapshot's files do not fit this session's disk cap: {so_far / MIB:.1f} MiB so far, "
+        f"the cap is {limit / MIB:.0f} MiB; ask the user to raise the disk cap, or restore a smaller snapshot"
+    )
+
+
+@dataclass
+class _Cap:
+    """Bytes one snapshot may still take (state and workspace together)."""
+
+    limit: int
+    used: int = 0
+    #: The error past the limit (the size so far, the limit).
+    too_large: Callable[[int, int], SnapshotError] = _too_large
+
+    @property
+    def left(self) -> int:
+        return self.limit - self.used
+
+
+def _copy_bytes(src: int, dst: int, limit: int) -> int:
+    """Copy from `src`'s position to `dst`'s, at most `limit` + 1 bytes (one past the cap tells a file
+    that grew beyond it); copy_file_range first (a reflink where the file system shares extents),
+    read/write where the kernel cannot serve the pair. Returns the bytes copied."""
+    done = 0
+    in_kernel = True
+    while done <= limit:
+        want = min(limit + 1 - done, _CHUNK)
+        if in_kernel:
+            try:
+                count = os.copy_file_range(src, dst, want)
+            except OSError as exc:
+                if exc.errno not in _NO_COPY_RANGE:
+                    raise
+                in_kernel = False
+                continue
+        else:
+            data = os.read(src, min(want, _READ_CHUNK))
+            count = len(data)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(dst, view) :]
+        if count == 0:
+            break
+        done += count
+    return done
+
+
+def _bounded_names(fd: int, limit: int) -> list[str]:
+    """The names in folder `fd`, at most `limit` + 1 of them (a huge folder is not read whole)."""
+    names: list[str] = []
+    with os.scandir(fd) as listing:
+        for entry in listing:
+            names.append(entry.name)
+            if len(names) > limit:
+                break
+    return names
+
+
+def _mount_id(fd: int) -> int:
+    """hostfs.mount_id without the text-file layer: it runs once per entry copied, and this form
+    takes less than half the time (a third of a small-file copy went there)."""
+    info = os.open(f"/proc/self/fdinfo/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(info, 8192)
+    finally:
+        os.close(info)
+    start = data.find(b"\nmnt_id:")
+    if start < 0:
+        raise hostfs.HostFsError(errno.EINVAL, "no mnt_id in fdinfo")
+    start += len(b"\nmnt_id:")
+    end = data.find(b"\n", start)
+    return int(data[start : end if end >= 0 else len(data)])
+
+
+def _close(fd: int) -> None:
+    with contextlib.suppress(OSError):
+        os.close(fd)
+
+
+@dataclass
+class _Level:
+    """One folder being copied: the source and destination fds, its path for reports, what is left."""
+
+    src: int
+    dst: int
+    rel: str
+    names: list[str]
+    #: The folder's mode and times, set on the destination once it is filled (None: the top).
+    info: os.stat_result | None = None
+
+
+class _TreeCopy:
+    """One copy of a folder tree that may be hostile: links kept as links and never followed, one fd
+    per level, other mounts not entered, bounded in depth, entries and bytes."""
+
+    def __init__(
+        self,
+        cap: _Cap,
+        *,
+        owner: tuple[int, int] | None,
+        file_bits: int,
+        dir_bits: int,
+        exclude: str | None = None,
+    ) -> None:
+        self.cap = cap
+        self.owner = owner
+        self.file_bits = file_bits
+        self.dir_bits = dir_bits
+        self.exclude = exclude
+        self.report = CopyReport()
+        self.seen = 0
+        #: Entries left out past MAX_SKIPPED_NAMED: counted, not named.
+        self.unnamed = 0
+
+    def run(self, src_top: int, dst_top: int) -> CopyReport:
+        self.top_mount = _mount_id(src_top)
+        stack: list[_Level] = []
+        try:
+            stack.append(_Level(os.dup(src_top), os.dup(dst_top), "", []))
+            stack[0].names = self._names(stack[0].src, "")
+            while stack:
+                level = stack[-1]
+                if not level.names:
+                    self._finish(stack.pop())
+                    continue
+                if self.seen >= MAX_ENTRIES:
+                    where = _shown(level.rel or ".")
+                    self.report.skipped.append(f"{where}: more than {MAX_ENTRIES} entries, the rest left out")
+                    break
+                self.seen += 1
+                name = level.names.pop()
+                child = self._entry(level, name, depth=len(stack))
+                if child is not None:
+                    stack.append(child)
+        finally:
+            for level in stack:
+                _close(level.src)
+                _close(level.dst)
+        if self.unnamed:
+            self.report.skipped.append(f"... and {self.unnamed} more entries left out")
+        return self.report
+
+    def _skip(self, rel: str, why: str) -> None:
+        if len(self.report.skipped) < MAX_SKIPPED_NAMED:
+            self.report.skipped.append(f"{_shown(rel)}: {why}")
+        else:
+            self.unnamed += 1
+
+    def _names(self, fd: int, rel: str) -> list[str]:
+        names = _bounded_names(fd, MAX_ENTRIES - self.seen)
+        names.sort(reverse=True)  # popped from the end: copied in name order
+        return names
+
+    def _entry(self, level: _Level, name: str, depth: int) -> _Level | None:
+        rel = f"{level.rel}/{name}" if level.rel else name
+        if rel == self.exclude:
+            return None
+        try:
+            info = os.stat(name, dir_fd=level.src, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            self._skip(rel, f"unreadable ({exc.strerror})")
+            return None
+        if stat.S_ISDIR(info.st_mode):
+            if depth > MAX_DEPTH:
+                self._skip(rel, f"folder more than {MAX_DEPTH} levels deep, left out")
+                return None
+            return self._enter(level, name, rel)
+        if stat.S_ISREG(info.st_mode):
+            self._copy_file(level, name, rel)
+        elif stat.S_ISLNK(info.st_mode):
+            self._copy_link(level, name, rel)
+        else:
+            self._skip(rel, f"{_kind(info.st_mode)}, left out")
+        return None
+
+    def _enter(self, level: _Level, name: str, rel: str) -> _Level | None:
+        try:
+            src = hostfs.open_dir(name, dir_fd=level.src)
+        except OSError as exc:
+            self._skip(rel, _changed(exc))
+            return None
+        try:
+            info = os.fstat(src)
+            if _mount_id(src) != self.top_mount:
+                self._skip(rel, "another mount, left out")
+                _close(src)
+                return None
+            names = self._names(src, rel)
+            dst = self._make_dir(level.dst, name)
+        except BaseException:
+            _close(src)
+            raise
+        self.report.folders += 1
+        return _Level(src, dst, rel, names, info)
+
+    def _make_dir(self, parent: int, name: str) -> int:
+        """The destination folder: made fresh, or (in a restore's fresh workspace, which the host
+        made and no sandbox has seen yet) one the host made before, entered without following."""
+        try:
+            return hostfs.make_private_dir(parent, name, 0o700, self.owner)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        try:
+            fd = hostfs.open_dir(name, dir_fd=parent)
+            if self.owner is not None:
+                os.fchown(fd, *self.owner)
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        return fd
+
+    def _finish(self, level: _Level) -> None:
+        try:
+            if level.info is not None:
+                os.fchmod(level.dst, (stat.S_IMODE(level.info.st_mode) & ~_SPECIAL_BITS) | self.dir_bits)
+                os.utime(level.dst, ns=(level.info.st_atime_ns, level.info.st_mtime_ns))
+        finally:
+            _close(level.src)
+            _close(level.dst)
+
+    def _copy_file(self, level: _Level, name: str, rel: str) -> None:
+        try:
+            src = os.open(name, _FILE_FLAGS, dir_fd=level.src)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._skip(rel, _changed(exc))
+            return
+        try:
+            info = os.fstat(src)
+            if not stat.S_ISREG(info.st_mode):
+                self._skip(rel, f"changed while copied ({_kind(info.st_mode)}), left out")
+                return
+            if _mount_id(src) != self.top_mount:
+                self._skip(rel, "another mount, left out")
+                return
+            if info.st_size > self.cap.left:
+                raise self.cap.too_large(self.cap.used + info.st_size, self.cap.limit)
+            try:
+                dst = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=level.dst)
+            except FileExistsError:
+                self._skip(rel, "already in the workspace, kept as it was")
+                return
+            except OSError as exc:
+                raise _write_failed(exc) from exc
+            try:
+                try:
+                    count = _copy_bytes(src, dst, self.cap.left)
+                except OSError as exc:
+                    raise _write_failed(exc) from exc
+                if count > self.cap.left:
+                    raise self.cap.too_large(self.cap.used + count, self.cap.limit)
+                self.cap.used += count
+                self.report.bytes += count
+                self.report.files += 1
+                if self.owner is not None:
+                    os.fchown(dst, *self.owner)
+                os.fchmod(dst, (stat.S_IMODE(info.st_mode) & ~_SPECIAL_BITS) | self.file_bits)
+                os.utime(dst, ns=(info.st_atime_ns, info.st_mtime_ns))
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+
+    def _copy_link(self, level: _Level, name: str, rel: str) -> None:
+        try:
+            target = os.readlink(name, dir_fd=level.src)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            self._skip(rel, _changed(exc))
+            return
+        try:
+            os.symlink(target, name, dir_fd=level.dst)
+        except FileExistsError:
+            self._skip(rel, "already in the workspace, kept as it was")
+            return
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        try:
+            if self.owner is not None:
+                os.chown(name, *self.owner, dir_fd=level.dst, follow_symlinks=False)
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        self.report.links += 1
+
+
+def _shown(rel: str) -> str:
+    """A path fit for a reply: bytes that are not UTF-8 and control characters (a name may hold a
+    newline to forge a line) become '?', and a long path is cut."""
+    text = rel.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    text = "".join("?" if ch < " " or ch == "\x7f" or ch == "\ufffd" else ch for ch in text)
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _kind(mode: int) -> str:
+    if stat.S_ISFIFO(mode):
+        return "a fifo"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        return "a device"
+    if stat.S_ISLNK(mode):
+        return "a link"
+    if stat.S_ISDIR(mode):
+        return "a folder"
+    return "not a regular file"
+
+
+def _changed(exc: OSError) -> str:
+    if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EINVAL):
+        return "changed while copied, left out"
+    return f"unreadable ({exc.strerror}), left out"
+
 
 class Draft:
     """A snapshot being made in the store (a host-only `.draft-*` folder): fill it, then commit or discard."""
+
+    def __init__(self, store: SnapshotStore, client: str, client_fd: int, name: str, fd: int) -> None:
+        self.store = store
+        self.client = client
+        self.name = name
+        self._client_fd = client_fd
+        self._fd = fd
+        self._cap = _Cap(store.limit_bytes)
+        self._done = False
+
+    @property
+    def bytes_taken(self) -> int:
+        """Bytes counted against the cap so far (state and workspace)."""
+        return self._cap.used
 
     def take_state(self, workspace_fd: int, rel_dir: str) -> int:
         """Move the state folder the guest wrote (`rel_dir`, e.g. ".coderunner/snapshot", below the
         workspace open as `workspace_fd`) into this draft's state/: regular files directly in it only,
         opened O_NOFOLLOW, counted against the cap; then remove it from the workspace (by fd).
         Returns the bytes taken. Raises SnapshotTooLarge, SnapshotError (missing, not a folder)."""
-        raise NotImplementedError
+        self._check_open()
+        parts = [part for part in rel_dir.split("/") if part]
+        if not parts or any(part in (".", "..") for part in parts):
+            raise ValueError(f"state folder {rel_dir!r}: a relative path below the workspace")
+        parent = os.dup(workspace_fd)
+        try:
+            for part in parts[:-1]:
+                try:
+                    inner = hostfs.open_dir(part, dir_fd=parent)
+                except FileNotFoundError:
+                    raise _no_state() from None
+                except OSError as exc:
+                    raise _tampered(f"{part} is not a folder") from exc
+                os.close(parent)
+                parent = inner
+            try:
+                return self._take_state_dir(parent, parts[-1])
+            finally:
+                with contextlib.suppress(OSError):
+                    hostfs.remove_tree(parent, parts[-1])
+        finally:
+            os.close(parent)
+
+    def _take_state_dir(self, parent: int, name: str) -> int:
+        try:
+            src = hostfs.open_dir(name, dir_fd=parent)
+        except FileNotFoundError:
+            raise _no_state() from None
+        except OSError as exc:
+            raise _tampered("the state folder is not a folder") from exc
+        try:
+            if _mount_id(src) != _mount_id(parent):
+                raise _tampered("the state folder is another mount")
+            names = _bounded_names(src, MAX_ENTRIES)
+            if len(names) > MAX_ENTRIES:
+                raise _tampered("too many files")
+            try:
+                dst = hostfs.make_private_dir(self._fd, STATE_DIR, 0o700)
+            except OSError as exc:
+                raise _write_failed(exc) from exc
+            try:
+                taken = 0
+                for entry in sorted(names):
+                    if not STATE_FILE.fullmatch(entry):
+                        raise _tampered(f"unexpected name {entry[:80]!r}")
+                    taken += self._take_state_file(src, dst, entry)
+                return taken
+            finally:
+                os.close(dst)
+        finally:
+            os.close(src)
+
+    def _take_state_file(self, src: int, dst: int, name: str) -> int:
+        try:
+            fd = os.open(name, _FILE_FLAGS, dir_fd=src)
+        except OSError as exc:
+            raise _tampered(f"{name} is not a regular file") from exc
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise _tampered(f"{name} is not a regular file")
+            if info.st_size > self._cap.left:
+                raise _too_large(self._cap.used + info.st_size, self._cap.limit)
+            try:
+                out = os.open(name, _NEW_FILE_FLAGS, 0o600, dir_fd=dst)
+            except OSError as exc:
+                raise _write_failed(exc) from exc
+            try:
+                count = _copy_bytes(fd, out, self._cap.left)
+            except OSError as exc:
+                raise _write_failed(exc) from exc
+            finally:
+                os.close(out)
+            if count > self._cap.left:
+                raise _too_large(self._cap.used + count, self._cap.limit)
+            self._cap.used += count
+            return count
+        finally:
+            os.close(fd)
 
     def copy_workspace(self, workspace_fd: int, exclude: str | None = None) -> CopyReport:
         """Copy the workspace's files into workspace/ (see the module docstring), skipping the
         relative path `exclude`; bounded by what the cap leaves after the state. Raises SnapshotTooLarge."""
-        raise NotImplementedError
+        self._check_open()
+        if exclude is not None:
+            exclude = "/".join(part for part in exclude.split("/") if part) or None
+        try:
+            dst = hostfs.make_private_dir(self._fd, WORKSPACE_DIR, 0o700)
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        try:
+            copy = _TreeCopy(
+                self._cap, owner=None, file_bits=_STORE_FILE_BITS, dir_bits=_STORE_DIR_BITS, exclude=exclude
+            )
+            return copy.run(workspace_fd, dst)
+        finally:
+            os.close(dst)
 
     def commit(self, meta: SnapshotMeta) -> SnapshotMeta:
         """Write meta.json and rename the draft to meta.snapshot_id (replacing an older snapshot of
         that id: a persistent session's state); the store then prunes the client's old snapshots."""
-        raise NotImplementedError
+        self._check_open()
+        if not SNAPSHOT_ID.fullmatch(meta.snapshot_id) or meta.kind not in KINDS or meta.client != self.client:
+            raise ValueError(f"snapshot meta {meta.snapshot_id!r} ({meta.kind}, {meta.client}) does not fit this draft")
+        data = json.dumps(meta.as_json(), sort_keys=True).encode()
+        with self.store._lock:
+            try:
+                hostfs.write_new_file(self._fd, META_NAME, data, 0o600)
+                aside = None
+                if hostfs.present(self._client_fd, meta.snapshot_id):
+                    aside = _draft_name()
+                    os.rename(meta.snapshot_id, aside, src_dir_fd=self._client_fd, dst_dir_fd=self._client_fd)
+                os.rename(self.name, meta.snapshot_id, src_dir_fd=self._client_fd, dst_dir_fd=self._client_fd)
+            except OSError as exc:
+                raise _write_failed(exc) from exc
+            self._done = True
+            os.close(self._fd)
+            if aside is not None:
+                with contextlib.suppress(OSError):
+                    hostfs.remove_tree(self._client_fd, aside)
+            os.close(self._client_fd)
+            self._fd = self._client_fd = -1
+        self.store.prune(self.client)
+        return meta
 
     def discard(self) -> None:
         """Remove the draft (after a failure); never raises."""
-        raise NotImplementedError
+        if self._done:
+            return
+        self._done = True
+        with contextlib.suppress(Exception):
+            os.close(self._fd)
+        with contextlib.suppress(Exception):
+            hostfs.remove_tree(self._client_fd, self.name)
+        with contextlib.suppress(Exception):
+            os.close(self._client_fd)
+        self._fd = self._client_fd = -1
+
+    def _check_open(self) -> None:
+        if self._done:
+            raise RuntimeError("this snapshot draft was already committed or discarded")
+
+    def __del__(self) -> None:
+        self.discard()
+
+
+def _draft_name() -> str:
+    return DRAFT_PREFIX + secrets.token_hex(8)
+
+
+def _no_state() -> SnapshotError:
+    return SnapshotError("the kernel saved no state to take (it may have been reset meanwhile); run the snapshot again")
 
 
 class SnapshotStore:
@@ -129,46 +691,257 @@ class SnapshotStore:
         self.limit_bytes = limit_bytes
         self.keep = keep
         self.retention_s = retention_s
+        #: Commits, deletes and prunes of this server go one at a time (renames of the same ids).
+        self._lock = threading.RLock()
 
     def open(self) -> None:
         """Make the root (0700), remove drafts a dead server left, and prune expired snapshots."""
-        raise NotImplementedError
+        self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with hostfs.dir_fd(self.root.parent) as parent:
+            try:
+                fd = hostfs.make_private_dir(parent, self.root.name, 0o700)
+            except FileExistsError:
+                fd = hostfs.open_dir(self.root.name, dir_fd=parent)
+        try:
+            info = os.fstat(fd)
+            if info.st_uid != os.geteuid():
+                raise SnapshotError(
+                    f"the snapshot folder {self.root} belongs to another user; remove it or set snapshots_dir"
+                )
+            if stat.S_IMODE(info.st_mode) != 0o700:
+                os.fchmod(fd, 0o700)
+            clients = [name for name in hostfs.entries(fd) if CLIENT_NAME.fullmatch(name)]
+            for client in clients:
+                with contextlib.suppress(OSError):
+                    cfd = hostfs.open_dir(client, dir_fd=fd)
+                    try:
+                        for name in hostfs.entries(cfd):
+                            if name.startswith(DRAFT_PREFIX):
+                                with contextlib.suppress(OSError):
+                                    hostfs.remove_tree(cfd, name)
+                    finally:
+                        os.close(cfd)
+        finally:
+            os.close(fd)
+        for client in clients:
+            with contextlib.suppress(OSError):
+                self.prune(client)
 
     @staticmethod
     def new_id() -> str:
         """A fresh snapshot id ("s-" and 12 url-safe characters)."""
-        raise NotImplementedError
+        return "s-" + secrets.token_urlsafe(9)
 
     def draft(self, client: str) -> Draft:
         """A new draft in `client`'s folder (made on first use)."""
-        raise NotImplementedError
+        if not CLIENT_NAME.fullmatch(client):
+            raise SnapshotError(f"client name {client[:80]!r} cannot hold snapshots")
+        try:
+            cfd = self._client_fd(client, create=True)
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        assert cfd is not None
+        name = _draft_name()
+        try:
+            fd = hostfs.make_private_dir(cfd, name, 0o700)
+        except OSError as exc:
+            os.close(cfd)
+            raise _write_failed(exc) from exc
+        return Draft(self, client, cfd, name, fd)
 
     def list(self, client: str) -> list[SnapshotMeta]:
         """`client`'s snapshots, newest first (unreadable entries are left out)."""
-        raise NotImplementedError
+        with self._client(client) as cfd:
+            if cfd is None:
+                return []
+            metas = []
+            for name in hostfs.entries(cfd):
+                if SNAPSHOT_ID.fullmatch(name):
+                    meta = _read_meta(cfd, name, client)
+                    if meta is not None:
+                        metas.append(meta)
+        metas.sort(key=lambda meta: (meta.created, meta.snapshot_id), reverse=True)
+        return metas
 
     def get(self, client: str, snapshot_id: str) -> SnapshotMeta:
         """`client`'s snapshot `snapshot_id`; raises SnapshotNotFound (a malformed id too)."""
-        raise NotImplementedError
+        if not isinstance(snapshot_id, str) or not SNAPSHOT_ID.fullmatch(snapshot_id):
+            raise _not_found(snapshot_id)
+        with self._client(client) as cfd:
+            meta = None if cfd is None else _read_meta(cfd, snapshot_id, client)
+        if meta is None:
+            raise _not_found(snapshot_id)
+        return meta
 
     def delete(self, client: str, snapshot_id: str) -> None:
         """Delete `client`'s snapshot for good; raises SnapshotNotFound."""
-        raise NotImplementedError
+        with self._lock:
+            self.get(client, snapshot_id)
+            with self._client(client) as cfd:
+                assert cfd is not None
+                self._remove(cfd, snapshot_id)
 
     def prune(self, client: str) -> list[str]:
         """Delete `client`'s snapshots older than retention_s, and beyond the `keep` newest
-        (kind "snapshot" only: a persistent session's own state is not counted); the ids removed."""
-        raise NotImplementedError
+        (kind "snapshot" only: a persistent session's own state is not counted); the ids removed.
+
+        The retention applies to both kinds: a persistent session's state unused that long goes too."""
+        with self._lock:
+            now = time.time()
+            removed: list[str] = []
+            kept = 0
+            for meta in self.list(client):
+                expired = now - meta.created > self.retention_s
+                if meta.kind == "snapshot" and not expired:
+                    kept += 1
+                    expired = kept > self.keep
+                if expired:
+                    removed.append(meta.snapshot_id)
+            if removed:
+                with self._client(client) as cfd:
+                    assert cfd is not None
+                    for snapshot_id in removed:
+                        self._remove(cfd, snapshot_id)
+            return removed
 
     def restore_workspace(self, client: str, snapshot_id: str, workspace_fd: int,
-                          owner: tuple[int, int] | None) -> CopyReport:  # fmt: skip
+                          owner: tuple[int, int] | None, *, limit_bytes: int | None = None) -> CopyReport:  # fmt: skip
         """Copy the snapshot's workspace/ into the fresh workspace open as `workspace_fd` (no
-        sandbox runs on it yet), every entry given to `owner` (the new sandbox's host uid) when set."""
-        raise NotImplementedError
+        sandbox runs on it yet), every entry given to `owner` (the new sandbox's host uid) when set.
+
+        `limit_bytes` (optional): the new session's disk cap; past it a SnapshotError says so. Folders
+        the host already made in the workspace are filled, not refused."""
+        self.get(client, snapshot_id)
+        with self._snapshot_part(client, snapshot_id, WORKSPACE_DIR) as src:
+            if src is None:  # a persistent session's state: its workspace kept its own files
+                return CopyReport()
+            cap = _Cap(1 << 62) if limit_bytes is None else _Cap(limit_bytes, too_large=_too_large_to_restore)
+            copy = _TreeCopy(cap, owner=owner, file_bits=0, dir_bits=0)
+            return copy.run(src, workspace_fd)
 
     def stage_state(self, client: str, snapshot_id: str, dest_fd: int, name: str,
                     owner: tuple[int, int] | None) -> int:  # fmt: skip
         """Copy the snapshot's state/ as folder `name` into the host-only folder `dest_fd` (the new
         sandbox's host/ dir, bound read-only): files 0400 and the folder 0500, owned by `owner`
         when set, so the sandbox may read them and nobody there may change them. Returns the bytes."""
-        raise NotImplementedError
+        self.get(client, snapshot_id)
+        with self._snapshot_part(client, snapshot_id, STATE_DIR) as src:
+            if src is None:
+                raise SnapshotError(f"snapshot {snapshot_id} holds no kernel state; restore another one")
+            hostfs.remove_tree(dest_fd, name)
+            dst = hostfs.make_private_dir(dest_fd, name, 0o700)
+            total = 0
+            try:
+                for entry in sorted(hostfs.entries(src)):
+                    fd = os.open(entry, _FILE_FLAGS, dir_fd=src)
+                    try:
+                        if not stat.S_ISREG(os.fstat(fd).st_mode) or not STATE_FILE.fullmatch(entry):
+                            continue  # the store only ever holds regular files here
+                        out = os.open(entry, _NEW_FILE_FLAGS, 0o600, dir_fd=dst)
+                        try:
+                            total += _copy_bytes(fd, out, 1 << 62)
+                            if owner is not None:
+                                os.fchown(out, *owner)
+                            os.fchmod(out, 0o400)
+                        finally:
+                            os.close(out)
+                    finally:
+                        os.close(fd)
+                if owner is not None:
+                    os.fchown(dst, *owner)
+                os.fchmod(dst, 0o500)
+            finally:
+                os.close(dst)
+            return total
+
+    # The store's own folders (host-only).
+
+    def _client_fd(self, client: str, *, create: bool) -> int | None:
+        """An fd for `client`'s folder; None when it does not exist (and create is False)."""
+        if not create and not self.root.is_dir():
+            return None
+        with hostfs.dir_fd(self.root) as root:
+            try:
+                return hostfs.open_dir(client, dir_fd=root)
+            except FileNotFoundError:
+                if not create:
+                    return None
+            try:
+                return hostfs.make_private_dir(root, client, 0o700)
+            except FileExistsError:  # another thread made it meanwhile
+                return hostfs.open_dir(client, dir_fd=root)
+
+    @contextlib.contextmanager
+    def _client(self, client: str) -> Any:
+        fd = self._client_fd(client, create=False) if CLIENT_NAME.fullmatch(client) else None
+        try:
+            yield fd
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+    @contextlib.contextmanager
+    def _snapshot_part(self, client: str, snapshot_id: str, part: str) -> Any:
+        with self._client(client) as cfd:
+            if cfd is None:
+                raise _not_found(snapshot_id)
+            try:
+                top = hostfs.open_dir(snapshot_id, dir_fd=cfd)
+            except OSError:
+                raise _not_found(snapshot_id) from None
+            try:
+                try:
+                    fd = hostfs.open_dir(part, dir_fd=top)
+                except FileNotFoundError:
+                    fd = None
+                try:
+                    yield fd
+                finally:
+                    if fd is not None:
+                        os.close(fd)
+            finally:
+                os.close(top)
+
+    def _remove(self, cfd: int, snapshot_id: str) -> None:
+        """Take the snapshot out of the listing at once (a rename to a draft name), then delete it."""
+        aside = _draft_name()
+        try:
+            os.rename(snapshot_id, aside, src_dir_fd=cfd, dst_dir_fd=cfd)
+        except FileNotFoundError:
+            return
+        hostfs.remove_tree(cfd, aside)
+
+
+def _not_found(snapshot_id: object) -> SnapshotNotFound:
+    shown = snapshot_id[:80] if isinstance(snapshot_id, str) else snapshot_id
+    return SnapshotNotFound(f"no snapshot {shown!r} for this client; list_snapshots shows the ones you can use")
+
+
+def _read_meta(cfd: int, snapshot_id: str, client: str) -> SnapshotMeta | None:
+    """The snapshot's meta.json, or None when it is missing, oversized, garbled or not this snapshot's."""
+    try:
+        top = hostfs.open_dir(snapshot_id, dir_fd=cfd)
+    except OSError:
+        return None
+    try:
+        fd = os.open(META_NAME, _FILE_FLAGS, dir_fd=top)
+    except OSError:
+        return None
+    finally:
+        os.close(top)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_META_BYTES:
+            return None
+        data = os.read(fd, MAX_META_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        meta = SnapshotMeta.from_json(json.loads(data))
+    except ValueError:
+        return None
+    if meta is None or meta.snapshot_id != snapshot_id or meta.client != client:
+        return None
+    return meta
