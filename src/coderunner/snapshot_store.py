@@ -783,16 +783,19 @@ class SnapshotStore:
 
     def prune(self, client: str) -> list[str]:
         """Delete `client`'s snapshots older than retention_s, and beyond the `keep` newest
-        (kind "snapshot" only: a persistent session's own state is not counted); the ids removed.
+        (kind "snapshot" only); the ids removed.
 
-        The retention applies to both kinds: a persistent session's state unused that long goes too."""
+        A persistent session's own state is neither counted nor aged: it lives as long as its named
+        workspace (delete_workspace removes both), and is replaced at each close."""
         with self._lock:
             now = time.time()
             removed: list[str] = []
             kept = 0
             for meta in self.list(client):
+                if meta.kind != "snapshot":
+                    continue
                 expired = now - meta.created > self.retention_s
-                if meta.kind == "snapshot" and not expired:
+                if not expired:
                     kept += 1
                     expired = kept > self.keep
                 if expired:

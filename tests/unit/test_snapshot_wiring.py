@@ -40,4 +40,3 @@ async def test_a_second_close_all_waits_for_the_first(make_manager: ManagerFacto
             await anyio.sleep(0)
             tg.start_soon(close, "second")
         assert sorted(finished) == ["first", "second"]
-

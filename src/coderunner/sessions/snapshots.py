@@ -151,11 +151,11 @@ class SessionSnapshots:
         try:
             if seed.with_workspace:
                 with hostfs.dir_fd(dirs.workspace.path) as workspace_fd:
+                    cap = dirs.workspace.size_mb * 2**20 if dirs.workspace.size_mb is not None else None
                     seed.workspace = self.store.restore_workspace(
-                        seed.client, seed.snapshot_id, workspace_fd, dirs.owner
+                        seed.client, seed.snapshot_id, workspace_fd, dirs.owner, limit_bytes=cap
                     )
                 seed.startup = disable_startup_hooks(dirs.workspace.path).as_dict()
-            hostfs.remove_tree(dirs.host_fd, STAGED_STATE)
             self.store.stage_state(seed.client, seed.snapshot_id, dirs.host_fd, STAGED_STATE, dirs.owner)
         except OSError as exc:
             raise SnapshotError(
@@ -170,7 +170,7 @@ class SessionSnapshots:
                 "snapshot", {"op": "load", "dir": inside}, self.settings.snapshot_timeout_s
             )
         finally:
-            await off_loop(hostfs.remove_tree, session.dirs.host_fd, STAGED_STATE)
+            await off_loop(_drop_staged, session.dirs)
 
     async def save_on_close(self, session: Session) -> str | None:
         """A keep_state session is closing: save its kernel state as keep-<name> (bounded). What
@@ -219,3 +219,16 @@ def _remove_state_dir(session: Session) -> None:
             hostfs.remove_tree(parent_fd, name)
         finally:
             os.close(parent_fd)
+
+
+def _drop_staged(dirs: SandboxDirs) -> None:
+    """Remove the staged state from the host-only host/ dir: its folder is made writable again first
+    (it is 0500 so that the sandbox user, its owner, cannot change it; a server that is not root
+    needs the write bit back to empty it)."""
+    with contextlib.suppress(FileNotFoundError):
+        folder = hostfs.open_dir(STAGED_STATE, dir_fd=dirs.host_fd)
+        try:
+            os.fchmod(folder, 0o700)
+        finally:
+            os.close(folder)
+    hostfs.remove_tree(dirs.host_fd, STAGED_STATE)

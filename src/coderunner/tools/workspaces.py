@@ -2,6 +2,7 @@
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
+import contextlib
 from dataclasses import asdict
 from typing import Annotated
 
@@ -9,6 +10,8 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
+from ..sessions.snapshots import keep_id
+from ..snapshot_store import SnapshotNotFound
 from ..workspace import delete_named, list_named
 from .context import ToolContext, json_result
 
@@ -28,5 +31,9 @@ def register(tools: ToolContext) -> None:
         name: Annotated[str, Field(description="From list_workspaces.")],
     ) -> CallToolResult:
         """Delete a persistent workspace and its files (not while in use)."""
-        await tools.off_loop(delete_named, settings.workspaces_dir, tools.client(ctx), name, bulk=True)
+        client = tools.client(ctx)
+        await tools.off_loop(delete_named, settings.workspaces_dir, client, name, bulk=True)
+        # Its saved kernel state (keep_state) goes with it.
+        with contextlib.suppress(SnapshotNotFound):
+            await tools.off_loop(tools.manager.snapshots.store.delete, client, keep_id(name))
         return json_result({"deleted": name})
