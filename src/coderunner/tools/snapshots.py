@@ -49,6 +49,7 @@ def register(tools: ToolContext) -> None:
             forked = await _open(tools, ctx, taken.meta, Seed(taken.meta.client, taken.meta.snapshot_id))
         finally:
             await tools.off_loop(manager.snapshots.store.delete, taken.meta.client, taken.meta.snapshot_id)
+        forked.restored_from = f"fork of session {session.session_id[:8]}"  # its snapshot is gone
         reply = await _restored(tools, forked, taken.meta)
         reply["forked_from"] = session.session_id
         del reply["snapshot"]
