@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from coderunner import hostfs, snapshot_store
+from coderunner import hostfs, snapshot_store, tree_copy
 from coderunner.snapshot_store import (
     SNAPSHOT_ID,
     SnapshotError,
@@ -247,11 +247,11 @@ def test_a_file_beyond_the_cap_is_cut_one_byte_past_it() -> None:
         src.write(b"x" * (3 * MIB))
         src.flush()
         src.seek(0)
-        assert snapshot_store._copy_bytes(src.fileno(), dst.fileno(), MIB) == MIB + 1
+        assert tree_copy.copy_bytes(src.fileno(), dst.fileno(), MIB) == MIB + 1
         src.seek(0)
         dst.seek(0)
         dst.truncate()
-        assert snapshot_store._copy_bytes(src.fileno(), dst.fileno(), 10 * MIB) == 3 * MIB
+        assert tree_copy.copy_bytes(src.fileno(), dst.fileno(), 10 * MIB) == 3 * MIB
 
 
 def test_copy_falls_back_to_read_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -267,7 +267,7 @@ def test_copy_falls_back_to_read_write(tmp_path: Path, monkeypatch: pytest.Monke
     src = os.open(tmp_path / "src", os.O_RDONLY)
     dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT, 0o600)
     try:
-        assert snapshot_store._copy_bytes(src, dst, 10 * MIB) == len(data)
+        assert tree_copy.copy_bytes(src, dst, 10 * MIB) == len(data)
     finally:
         os.close(src)
         os.close(dst)
@@ -429,7 +429,7 @@ def test_a_commit_must_fit_its_draft(tmp_path: Path) -> None:
 
 
 def test_entry_bound_names_what_it_left_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(snapshot_store, "MAX_ENTRIES", 10)
+    monkeypatch.setattr(tree_copy, "MAX_ENTRIES", 10)
     ws = tmp_path / "many"
     ws.mkdir()
     for i in range(30):
@@ -473,21 +473,21 @@ def test_restore_fills_folders_the_host_made_first(tmp_path: Path, ws_fd: int) -
 def test_the_quick_mount_id_agrees_with_hostfs(tmp_path: Path) -> None:
     for path in [tmp_path, Path("/proc"), Path("/")]:
         with hostfs.dir_fd(path) as fd:
-            assert snapshot_store._mount_id(fd) == hostfs.mount_id(fd)
+            assert tree_copy.fast_mount_id(fd) == hostfs.mount_id(fd)
 
 
 def test_reported_names_cannot_forge_lines_and_many_are_counted(tmp_path: Path) -> None:
     ws = tmp_path / "odd"
     ws.mkdir()
     os.mkfifo(os.path.join(os.fsencode(ws), b"bad\xff\nname: a fake line"))
-    for i in range(snapshot_store.MAX_SKIPPED_NAMED + 5):
+    for i in range(tree_copy.MAX_SKIPPED_NAMED + 5):
         os.mkfifo(ws / f"pipe{i:04d}")
     store = make_store(tmp_path)
     draft = store.draft("alice")
     with hostfs.dir_fd(ws) as fd:
         report = draft.copy_workspace(fd)
     draft.discard()
-    assert len(report.skipped) == snapshot_store.MAX_SKIPPED_NAMED + 1
+    assert len(report.skipped) == tree_copy.MAX_SKIPPED_NAMED + 1
     assert report.skipped[-1] == "... and 6 more entries left out"
     named = [line for line in report.skipped if line.startswith("bad")]
     assert named == ["bad??name: a fake line: a fifo, left out"]

@@ -22,7 +22,6 @@ import pytest
 
 from coderunner import hostfs
 from coderunner.snapshot_store import (
-    MAX_DEPTH,
     CopyReport,
     Draft,
     SnapshotError,
@@ -30,6 +29,7 @@ from coderunner.snapshot_store import (
     SnapshotStore,
     SnapshotTooLarge,
 )
+from coderunner.tree_copy import MAX_DEPTH
 
 MARKER = b"CANARY-snapshot-store-7b31e"
 CANARY_BYTES = MARKER * 512
