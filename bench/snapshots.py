@@ -8,8 +8,8 @@ lanes in turn (so drift hits every lane alike):
 - snapshot: snapshot_session's work (guest pickles the namespace, the host moves it and copies the
   workspace into the store);
 - restore: a new session from that snapshot, to its first answer (`data.nbytes`);
-- baseline: what a user would do by hand in the same kernel: `np.save` the array and `np.load` it back,
-  plus `shutil.copyfile` of the workspace file (the same bytes through the same disk).
+- baseline: what a user would do by hand in the same kernel: `np.save` the array to the workspace and
+  `np.load` it back, plus `shutil.copyfile` of the workspace file (the same bytes through the same disk).
 Medians are printed per backend and lane.
 """
 
@@ -43,7 +43,7 @@ def settings(backend: str, root: Path, size_mb: int) -> Settings:
         export_dir=None,
         backend=backend,
         memory_mb=max(2048, 4 * size_mb),
-        disk_mb=max(2048, 4 * size_mb),
+        disk_mb=max(2048, 6 * size_mb),
         snapshot_limit_mb=8 * size_mb,
         pool_size=0,
         **extra,
@@ -86,8 +86,8 @@ async def main() -> None:
         "print(data.nbytes)"
     )
     baseline_cell = (
-        "import shutil\nnp.save('/tmp/copy.npy', data)\nback = np.load('/tmp/copy.npy')\n"
-        "shutil.copyfile('blob.bin', 'blob.copy')\nos.unlink('/tmp/copy.npy')\nos.unlink('blob.copy')\ndel back"
+        "import shutil\nnp.save('copy.npy', data)\nback = np.load('copy.npy')\n"
+        "shutil.copyfile('blob.bin', 'blob.copy')\nos.unlink('copy.npy')\nos.unlink('blob.copy')\ndel back"
     )
     roots: list[Path] = []
     lanes: dict[str, dict[str, list[float]]] = {}
@@ -119,7 +119,10 @@ async def main() -> None:
                 await manager.close(restored.session_id)
                 store = manager.snapshots.store
                 await anyio.to_thread.run_sync(store.delete, seed.client, seed.snapshot_id)
-                await timed(lane["baseline_s"], run(session, baseline_cell))
+                try:
+                    await timed(lane["baseline_s"], run(session, baseline_cell))
+                except RuntimeError as exc:
+                    raise RuntimeError(f"{name}: {exc}") from None
     load = Path("/proc/loadavg").read_text().split()[:3]
     print(f"session holding {size} MB in memory + {size} MB in its workspace; {args.rounds} rounds; load {load}")
     print("medians; baseline: np.save + np.load of the array and a copy of the file, in the same kernel")

@@ -11,7 +11,9 @@ files both ways, guest calls, one-shot pipes, and nothing left behind.
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -243,6 +245,10 @@ async def test_a_snapshot_restores_variables_and_files_into_a_new_sandbox(manage
     assert (await run(session, cell)).outcome.status is RunStatus.OK
     taken = await manager.snapshots.take(session, name="conformance")
     assert "guard" in [item["name"] for item in taken.meta.state_report["skipped"]]
+    # The state folder the guest wrote is gone from the workspace, and nothing holds it open
+    # (under gVisor a file deleted only by the host stayed allocated while the sandbox ran).
+    assert not (session.workspace.path / ".coderunner" / "snapshot").exists()
+    assert await anyio.to_thread.run_sync(_deleted_but_open, session.dirs.sandbox_uid) == []
     restored = await manager.create(manager.options(), seed=Seed(session.options.client, taken.meta.snapshot_id))
     assert restored.session_id != session.session_id and restored.restored_from == taken.meta.snapshot_id
     result = await run(restored, "print(scaled(2), np.__name__, open('kept.txt').read(), 'guard' in dir())")
@@ -250,3 +256,22 @@ async def test_a_snapshot_restores_variables_and_files_into_a_new_sandbox(manage
     assert "45" in text(await run(session, "int(data.sum())")), "the original runs on"
     # The staged state is gone from the new sandbox's host dir once loaded.
     assert not (restored.dirs.host_dir / "snapshot").exists()
+
+
+def _deleted_but_open(uid: int) -> list[str]:
+    """Deleted files of the sandbox's host user that some process (its own, or gVisor's file proxy,
+    which sees them under other paths) still holds open: space a deletion did not give back."""
+    found = []
+    for fds in Path("/proc").glob("[0-9]*/fd"):
+        try:
+            entries = list(fds.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            try:
+                info = entry.stat()
+            except OSError:
+                continue
+            if info.st_nlink == 0 and info.st_uid == uid and stat.S_ISREG(info.st_mode) and info.st_size > 0:
+                found.append(f"{entry} -> {os.readlink(entry)}")
+    return found

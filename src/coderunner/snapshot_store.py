@@ -194,10 +194,10 @@ class Draft:
         """Bytes counted against the cap so far (state and workspace)."""
         return self._cap.used
 
-    def take_state(self, workspace_fd: int, rel_dir: str) -> int:
-        """Move the state folder the guest wrote (`rel_dir`, e.g. ".coderunner/snapshot", below the
+    def take_state(self, workspace_fd: int, rel_dir: str, *, remove: bool = True) -> int:
+        """Copy the state folder the guest wrote (`rel_dir`, e.g. ".coderunner/snapshot", below the
         workspace open as `workspace_fd`) into this draft's state/: regular files directly in it only,
-        opened O_NOFOLLOW, counted against the cap; then remove it from the workspace (by fd).
+        opened O_NOFOLLOW, counted against the cap; then (`remove`) remove it from the workspace (by fd).
         Returns the bytes taken. Raises SnapshotTooLarge, SnapshotError (missing, not a folder)."""
         self._check_open()
         parts = [part for part in rel_dir.split("/") if part]
@@ -217,8 +217,9 @@ class Draft:
             try:
                 return self._take_state_dir(parent, parts[-1])
             finally:
-                with contextlib.suppress(OSError):
-                    hostfs.remove_tree(parent, parts[-1])
+                if remove:
+                    with contextlib.suppress(OSError):
+                        hostfs.remove_tree(parent, parts[-1])
         finally:
             os.close(parent)
 

@@ -96,7 +96,20 @@ def run(op, dir, limit_bytes=None):
         return save(dir, limit_bytes)
     if op == "load":
         return load(dir)
-    raise GuestError(f"unknown snapshot op {op!r}; valid ops: save, load")
+    if op == "discard":
+        return discard(dir)
+    raise GuestError(f"unknown snapshot op {op!r}; valid ops: save, load, discard")
+
+
+def discard(dir):
+    """Remove a saved state folder once the host has copied it. Done from inside: under gVisor a
+    file the host deletes stays allocated while the sandbox's kernel still caches it, so a state
+    removed only by the host kept its whole size in the workspace until the sandbox ended."""
+    if os.path.islink(dir):
+        os.unlink(dir)
+    else:
+        shutil.rmtree(dir, ignore_errors=True)
+    return {"removed": not os.path.lexists(dir)}
 
 
 # --- save -----------------------------------------------------------------------------------

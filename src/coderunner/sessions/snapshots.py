@@ -30,7 +30,7 @@ from ..sandbox import SandboxBackend
 from ..session_dirs import SandboxDirs
 from ..snapshot_store import CopyReport, SnapshotError, SnapshotMeta, SnapshotStore
 from ..startup_hooks import disable_startup_hooks
-from .session import Session
+from .session import GUEST_MARGIN_S, Session
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +117,8 @@ class SessionSnapshots:
                 draft = self.store.draft(client)
                 try:
                     with hostfs.dir_fd(session.workspace.path) as workspace_fd:
-                        state_bytes = draft.take_state(workspace_fd, STATE_IN_WORKSPACE)
+                        # Copied, not removed: the guest removes its own folder (see discard).
+                        state_bytes = draft.take_state(workspace_fd, STATE_IN_WORKSPACE, remove=False)
                         copied = draft.copy_workspace(workspace_fd, STATE_IN_WORKSPACE) if with_workspace else None
                     meta = SnapshotMeta(
                         snapshot_id=snapshot_id or self.store.new_id(),
@@ -140,7 +141,11 @@ class SessionSnapshots:
             try:
                 meta, copied = await off_loop(build, bulk=True)
             finally:
-                # The guest's folder never outlives the call, whatever failed (by fd: the sandbox's).
+                # The guest's folder never outlives the call, whatever failed: removed from inside
+                # first (under gVisor a host-side delete leaves the space taken until the sandbox
+                # ends), then by the host through fds in case the guest could not.
+                with contextlib.suppress(CodeRunnerError):
+                    await session.call_guest_held("snapshot", {"op": "discard", "dir": state_dir}, GUEST_MARGIN_S)
                 await off_loop(_remove_state_dir, session)
         return Taken(meta, copied, time.monotonic() - started)
 
