@@ -1,0 +1,396 @@
+"""Spike (issue 19): checkpoint and restore of a LIVE ipykernel under runsc, through a relay.
+
+    .venv/bin/python bench/gvisor_checkpoint.py [--size-mb 500] [--warm 20]
+
+FINDINGS: see the end of this docstring (filled in from the runs of this script).
+
+What it does, all under one tmp dir, runsc run directly (no podman: podman 4.3 refuses checkpoint
+with runsc) with runsc's --root in that dir:
+- bundle: rootfs = `podman image mount` of the sandbox image (read-only), /proc, a tmpfs /tmp,
+  an empty read-only /sys, a read-only conf dir (kernel.json with transport tcp on 127.0.0.1, the
+  relay script) and a writable run dir; runsc flags as the gvisor backend's (ptrace, network=none,
+  host-uds=create, overlay2=none).
+- the container's init is src/coderunner/guest/channel_relay.py: it starts the kernel (ZMQ on TCP
+  loopback inside gVisor's netstack) and binds the host-visible unix sockets run/k-PORT; the host
+  connects a jupyter_client with transport ipc, ip run/k.
+- the kernel gets --size-mb MB of numpy data (random, so the image cannot be compressed away) and
+  a thread keeping a local counter it appends to a list: the counter is held only by that thread.
+- live lane: warm 1+1; SIGUSR1 to the relay (close every host socket); `runsc checkpoint
+  --leave-running`; SIGUSR2 (bind again); the same client reconnects by itself; warm 1+1; the thread
+  must have kept counting.
+- restore lane: `runsc restore` of that image into a new container whose run dir is another host
+  dir; SIGUSR2; a new client; the data, the thread's count and a cell-made variable must be there;
+  both containers then diverge (fork).
+Every subprocess has a timeout; every container is killed and deleted at the end, even on failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import stat
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jupyter_client import BlockingKernelClient
+
+from coderunner.config import Settings
+from coderunner.sandbox.gvisor import RUNTIME_FLAGS
+
+RELAY = Path(__file__).resolve().parent.parent / "src" / "coderunner" / "guest" / "channel_relay.py"
+PYTHON = "/opt/coderunner/env/bin/python"
+PORTS = {"shell_port": 50001, "iopub_port": 50002, "stdin_port": 50003, "control_port": 50004, "hb_port": 50005}
+GUEST_UID = 65534
+#: The kernel's own ipc sockets with --inner ipc: in the sandbox's tmpfs, so the Sentry's, not the host's.
+INNER_IPC = "/tmp/k"
+TIMEOUT_S = 300.0
+CHECKPOINT_S = 90.0
+REPLY_S = 120.0
+
+#: ipykernel's IOPubThread binds a PULL socket on tcp://127.0.0.1:<random> (the pipe that forwards
+#: forked subprocesses' output); ZMQ's I/O thread waits on it with epoll, and this runsc refuses to
+#: save a TCP endpoint with waiters. Without that pipe the kernel holds no TCP socket at all.
+KERNEL_BOOT = """
+import ipykernel.iostream as iostream
+from ipykernel import kernelapp
+_init = iostream.IOPubThread.__init__
+def _no_pipe(self, socket, pipe=False, session=False):
+    _init(self, socket, pipe=False, session=session)
+iostream.IOPubThread.__init__ = _no_pipe
+kernelapp.launch_new_instance()
+"""
+
+SETUP = """
+import threading, time
+import numpy as np
+data = np.random.default_rng(7).random({size_mb} * 2**20 // 8)
+checksum = float(data.sum())
+counts = []
+def _count():
+    n = 0  # held only by this thread
+    while True:
+        n += 1
+        if len(counts) < 100_000:
+            counts.append(n)
+        time.sleep(0.02)
+threading.Thread(target=_count, daemon=True, name="counter").start()
+time.sleep(0.2)
+"""
+PROBE = "(len(counts), counts[-1], float(data.sum()) == checksum, threading.active_count())"
+
+
+@dataclass
+class Run:
+    work: Path
+    runsc: list[str]
+    ids: list[str] = field(default_factory=list)
+    figures: dict[str, object] = field(default_factory=dict)
+
+    def call(self, *args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*self.runsc, *args], capture_output=True, text=True, timeout=timeout)
+
+    def cleanup(self) -> None:
+        for each in self.ids:
+            self.call("kill", each, "KILL", timeout=60)
+            self.call("delete", "--force", each, timeout=60)
+
+
+def runsc_base(root: Path) -> list[str]:
+    return ["runsc", f"--root={root}", *(f"--{flag}" for flag in RUNTIME_FLAGS)]
+
+
+def make_bundle(work: Path, name: str, rootfs: str, inner: str) -> Path:
+    """A bundle whose conf (read-only) and run (writable, host sockets) dirs are its own host dirs."""
+    bundle = work / name
+    conf, run = bundle / "conf", bundle / "run"
+    for each in (conf, run):
+        each.mkdir(parents=True)
+    bundle.chmod(0o711)
+    os.chown(run, GUEST_UID, GUEST_UID)
+    shutil.copy(RELAY, conf / "channel_relay.py")
+    where = {"transport": "tcp", "ip": "127.0.0.1"} if inner == "tcp" else {"transport": "ipc", "ip": INNER_IPC}
+    kernel = {**where, "key": KEY, "signature_scheme": "hmac-sha256", **PORTS}
+    (conf / "kernel.json").write_text(json.dumps(kernel))
+    for each in conf.iterdir():
+        each.chmod(0o644)
+    conf.chmod(0o755)
+    argv = [PYTHON, "-I", "-S", "/mnt/channel_relay.py", "/run/coderunner", "k", "relay.state",
+            "tcp" if inner == "tcp" else INNER_IPC,
+            *(str(port) for port in PORTS.values()), "--",
+            PYTHON, "-c", KERNEL_BOOT, "-f", "/mnt/kernel.json"]  # fmt: skip
+    spec = {
+        "ociVersion": "1.0.2",
+        "process": {
+            "terminal": False,
+            "user": {"uid": GUEST_UID, "gid": GUEST_UID},
+            "args": argv,
+            "env": ["PATH=/opt/coderunner/env/bin:/usr/bin:/bin", "HOME=/tmp", "IPYTHONDIR=/tmp/.ipython",
+                    "MPLCONFIGDIR=/tmp/.mpl", "PYTHONUNBUFFERED=1"],  # fmt: skip
+            "cwd": "/tmp",
+            "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": []},
+            "noNewPrivileges": True,
+            "rlimits": [{"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096}],
+        },
+        "root": {"path": rootfs, "readonly": True},
+        "hostname": "sandbox",
+        "mounts": [
+            {"destination": "/proc", "type": "proc", "source": "proc"},
+            {"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "size=256m"]},
+            {"destination": "/sys", "type": "tmpfs", "source": "tmpfs", "options": ["ro", "nosuid", "nodev"]},
+            {"destination": "/mnt", "type": "bind", "source": str(conf), "options": ["rbind", "ro"]},
+            {"destination": "/run/coderunner", "type": "bind", "source": str(run), "options": ["rbind", "rw"]},
+        ],
+        "linux": {"namespaces": [{"type": kind} for kind in ("pid", "ipc", "uts", "mount", "network")]},
+    }
+    (bundle / "config.json").write_text(json.dumps(spec, indent=1))
+    return bundle
+
+
+KEY = uuid.uuid4().hex
+
+
+def wait_state(run_dir: Path, word: str, generation_after: int, bound_s: float = 60.0) -> int:
+    """Wait for the relay's "<word> <n>" with n past generation_after; the generation."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            said, number = (run_dir / "relay.state").read_text().split()
+            if said == word and int(number) > generation_after:
+                return int(number)
+        except (FileNotFoundError, ValueError):
+            pass
+        time.sleep(0.005)
+    raise TimeoutError(f"the relay did not report {word!r} within {bound_s} s")
+
+
+def remove_sockets(run_dir: Path) -> None:
+    """The relay cannot unlink its closed host sockets (gVisor: EPERM); the host does, by dir fd."""
+    fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for port in PORTS.values():
+            name = f"k-{port}"
+            try:
+                if stat.S_ISSOCK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=fd)
+            except FileNotFoundError:
+                pass
+    finally:
+        os.close(fd)
+
+
+def client_for(run_dir: Path) -> BlockingKernelClient:
+    client = BlockingKernelClient()
+    client.load_connection_info(
+        {"transport": "ipc", "ip": str(run_dir / "k"), "key": KEY, "signature_scheme": "hmac-sha256", **PORTS}
+    )
+    client.start_channels(hb=False)
+    return client
+
+
+def execute(client: BlockingKernelClient, code: str, timeout: float = REPLY_S) -> object:
+    """Run code; its last expression's value (text/plain), or raise with the kernel's error."""
+    probing = code == "PROBE"
+    reply = client.execute_interactive("" if probing else code, timeout=timeout, output_hook=lambda msg: None, store_history=False,
+                                       user_expressions={"_r": PROBE} if probing else {})  # fmt: skip
+    content = reply["content"]
+    if content["status"] != "ok":
+        raise RuntimeError(f"{content.get('ename')}: {content.get('evalue')}")
+    if "_r" in content.get("user_expressions", {}):
+        found = content["user_expressions"]["_r"]
+        if found.get("status") != "ok":
+            raise RuntimeError(f"probe: {found.get('ename')}: {found.get('evalue')}")
+        return found["data"]["text/plain"]
+    return None
+
+
+def probe(client: BlockingKernelClient) -> tuple[int, int, bool, int]:
+    value = execute(client, "PROBE")
+    length, last, same, threads = str(value).strip("()").split(", ")
+    return int(length), int(last), same == "True", int(threads)
+
+
+def warm(client: BlockingKernelClient, rounds: int) -> float:
+    trips = []
+    for _ in range(rounds):
+        began = time.perf_counter()
+        execute(client, "1+1")
+        trips.append(time.perf_counter() - began)
+    return statistics.median(trips) * 1000
+
+
+def first_answer(client: BlockingKernelClient, bound_s: float = 60.0) -> float:
+    """Seconds until the kernel answers 1+1 over a (re)connecting client."""
+    began = time.perf_counter()
+    execute(client, "1+1", timeout=bound_s)
+    return time.perf_counter() - began
+
+
+def panic_of(said: str) -> str:
+    """The lines of runsc's output that say why (a panic's message, an error), not its stack."""
+    lines = said.strip().splitlines()
+    wanted = [line for line in lines if "panic" in line.lower() or "error" in line.lower()]
+    # an encoding error quotes the whole object before its reason: keep the ends
+    return " | ".join(line if len(line) < 400 else f"{line[:200]} ... {line[-300:]}" for line in wanted)[:1200] or (
+        "\n".join(lines[:8])
+    )
+
+
+def start(run: Run, bundle: Path, name: str) -> None:
+    with open(run.work / f"{name}.log", "w") as log:
+        done = subprocess.run(
+            [*run.runsc, "run", "--detach", f"--bundle={bundle}", name],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    run.ids.append(name)
+    if done.returncode != 0:
+        raise RuntimeError(f"runsc run: {(run.work / f'{name}.log').read_text()[-400:]}")
+
+
+def signal_relay(run: Run, name: str, signal: str) -> None:
+    done = run.call("kill", name, signal, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"runsc kill {signal}: {done.stderr.strip()[-300:]}")
+
+
+def spike(run: Run, rootfs: str, size_mb: int, rounds: int, inner: str, leave_running: bool) -> None:
+    figures = run.figures
+    figures["inner"] = inner
+    live = make_bundle(run.work, "a", rootfs, inner)
+    began = time.perf_counter()
+    start(run, live, "cr-a")
+    generation = wait_state(live / "run", "open", 0)
+    client = client_for(live / "run")
+    client.wait_for_ready(timeout=120)
+    figures["cold_s"] = time.perf_counter() - began
+    figures["warm_before_ms"] = warm(client, rounds)
+    began = time.perf_counter()
+    execute(client, SETUP.format(size_mb=size_mb), timeout=TIMEOUT_S)
+    figures["setup_s"] = time.perf_counter() - began
+    before = probe(client)
+    figures["probe_before"] = before
+
+    began = time.perf_counter()
+    signal_relay(run, "cr-a", "USR1")
+    generation = wait_state(live / "run", "closed", generation)
+    remove_sockets(live / "run")
+    figures["quiesce_s"] = time.perf_counter() - began
+    image = run.work / "image"
+    image.mkdir()
+    began = time.perf_counter()
+    leave = ["--leave-running"] if leave_running else []
+    try:
+        done = run.call("checkpoint", *leave, f"--image-path={image}", "cr-a", timeout=CHECKPOINT_S)
+    except subprocess.TimeoutExpired:
+        figures["checkpoint_error"] = f"runsc checkpoint {' '.join(leave)} did not return within {CHECKPOINT_S} s"
+        figures["state_after_failed_checkpoint"] = run.call("state", "cr-a", timeout=60).stdout[-300:]
+        return
+    figures["checkpoint_s"] = time.perf_counter() - began
+    if done.returncode != 0:
+        figures["checkpoint_error"] = panic_of(done.stderr)
+        (run.work / "checkpoint.err").write_text(done.stderr)
+        figures["state_after_failed_checkpoint"] = run.call("state", "cr-a").stdout[-300:]
+        return
+    figures["image_mb"] = sum(path.stat().st_size for path in image.rglob("*") if path.is_file()) / 2**20
+    live_ok = False
+    if leave_running:
+        began = time.perf_counter()
+        signal_relay(run, "cr-a", "USR2")
+        generation = wait_state(live / "run", "open", generation)
+        figures["reconnect_live_s"] = first_answer(client)
+        figures["reopen_to_answer_live_s"] = time.perf_counter() - began
+        figures["warm_after_live_ms"] = warm(client, rounds)
+        after = probe(client)
+        figures["probe_after_live"] = after
+        figures["thread_kept_counting_live"] = after[1] > before[1] and after[0] == after[1]
+
+        live_ok = True
+    else:
+        client.stop_channels()
+
+    fork = make_bundle(run.work, "b", rootfs, inner)  # other host dirs than the original's
+    began = time.perf_counter()
+    with open(run.work / "restore.log", "w") as log:
+        done = subprocess.run(
+            [*run.runsc, "restore", "--detach", f"--image-path={image}", f"--bundle={fork}", "cr-b"],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log, timeout=TIMEOUT_S,
+        )  # fmt: skip
+    run.ids.append("cr-b")
+    figures["restore_s"] = time.perf_counter() - began
+    if done.returncode != 0:
+        figures["restore_error"] = (run.work / "restore.log").read_text()[-600:]
+        return
+    figures["restored_state"] = json.loads(run.call("state", "cr-b").stdout or "{}").get("status")
+    began = time.perf_counter()
+    signal_relay(run, "cr-b", "USR2")
+    wait_state(fork / "run", "open", 0)
+    restored = client_for(fork / "run")
+    figures["reconnect_restored_s"] = first_answer(restored)
+    figures["reopen_to_answer_restored_s"] = time.perf_counter() - began
+    figures["warm_after_restore_ms"] = warm(restored, rounds)
+    again = probe(restored)
+    figures["probe_restored"] = again
+    figures["thread_kept_counting_restored"] = again[1] > before[1] and again[0] == again[1] and again[2]
+    if live_ok:
+        execute(client, "branch = 'a'")
+        execute(restored, "branch = 'b'")
+        figures["forks_diverge"] = branch_of(client) == "a" and branch_of(restored) == "b"
+        client.stop_channels()
+    restored.stop_channels()
+
+
+def branch_of(client: BlockingKernelClient) -> str:
+    reply = client.execute_interactive(
+        "", timeout=30, output_hook=lambda m: None, store_history=False, user_expressions={"b": "branch"}
+    )
+    return reply["content"]["user_expressions"]["b"]["data"]["text/plain"].strip("'")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size-mb", type=int, default=500)
+    parser.add_argument("--warm", type=int, default=20)
+    parser.add_argument("--inner", choices=("ipc", "tcp"), default="ipc", help="the kernel's own channels")
+    parser.add_argument("--stop", action="store_true", help="checkpoint without --leave-running")
+    parser.add_argument("--debug-log", type=Path, help="runsc --debug logs go to this dir (kept)")
+    parser.add_argument("--image", default=Settings.model_fields["image"].default)
+    args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gvck-", dir="/tmp"))
+    work.chmod(0o711)
+    (work / "root").mkdir()
+    run = Run(work, runsc_base(work / "root"))
+    if args.debug_log:
+        args.debug_log.mkdir(parents=True, exist_ok=True)
+        run.runsc[1:1] = ["--debug", f"--debug-log={args.debug_log}/"]
+    mounted = subprocess.run(["podman", "image", "mount", args.image], capture_output=True, text=True, timeout=120)
+    try:
+        if mounted.returncode != 0:
+            raise RuntimeError(f"podman image mount: {mounted.stderr.strip()}")
+        spike(run, mounted.stdout.strip(), args.size_mb, args.warm, args.inner, not args.stop)
+    except Exception as error:  # the spike's verdict is the report, failures included
+        run.figures["error"] = f"{type(error).__name__}: {error}"
+    finally:
+        run.cleanup()
+        if mounted.returncode == 0:
+            subprocess.run(["podman", "image", "unmount", args.image], capture_output=True, timeout=120)
+        for log in sorted(work.glob("*.log")):
+            tail = log.read_text()[-1500:]
+            if tail.strip():
+                print(f"--- {log.name} (tail)\n{tail}", file=sys.stderr)
+        for each in sorted(work.glob("*/run/relay.state")):
+            print(f"--- {each}: {each.read_text().strip()}", file=sys.stderr)
+        shutil.rmtree(work, ignore_errors=True)
+    for key, value in run.figures.items():
+        print(f"{key:32} {value:.3f}" if isinstance(value, float) else f"{key:32} {value}")
+    return 0 if "error" not in run.figures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
