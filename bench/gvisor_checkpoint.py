@@ -93,6 +93,7 @@ class Run:
     runsc: list[str]
     ids: list[str] = field(default_factory=list)
     figures: dict[str, object] = field(default_factory=dict)
+    waiting: list[tuple[subprocess.Popen[bytes], object]] = field(default_factory=list)
 
     def call(self, *args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*self.runsc, *args], capture_output=True, text=True, timeout=timeout)
@@ -101,6 +102,13 @@ class Run:
         for each in self.ids:
             self.call("kill", each, "KILL", timeout=60)
             self.call("delete", "--force", each, timeout=60)
+        for process, log in self.waiting:  # a --leave-running checkpoint waits on its container's end
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(timeout=30)
+            log.close()  # type: ignore[attr-defined]
 
 
 def runsc_base(root: Path) -> list[str]:
@@ -243,6 +251,42 @@ def panic_of(said: str) -> str:
     )
 
 
+def checkpoint_stopping(run: Run, image: Path) -> str | None:
+    """`runsc checkpoint`: the image is written and the container stops. Why not, or None."""
+    try:
+        done = run.call("checkpoint", f"--image-path={image}", "cr-a", timeout=CHECKPOINT_S)
+    except subprocess.TimeoutExpired:
+        return f"runsc checkpoint did not return within {CHECKPOINT_S} s"
+    if done.returncode != 0:
+        (run.work / "checkpoint.err").write_text(done.stderr)
+        return panic_of(done.stderr)
+    return None
+
+
+def checkpoint_leaving_running(run: Run, image: Path) -> str | None:
+    """`runsc checkpoint --leave-running`: this runsc saves, then restores the sandbox in place (a new
+    sandbox process under the same container id) and then WAITS on the container, as `runsc run`
+    would: it returns only when the container exits. So it runs in the background (its stdio,
+    which the restored sandbox inherits, to a file), and the checkpoint is done when the container
+    runs under a new pid."""
+    first = json.loads(run.call("state", "cr-a", timeout=60).stdout)["pid"]
+    log = open(run.work / "checkpoint.log", "w")  # noqa: SIM115 (closed by cleanup, with the process)
+    run.waiting.append((subprocess.Popen(
+        [*run.runsc, "checkpoint", "--leave-running", f"--image-path={image}", "cr-a"],
+        stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+    ), log))  # fmt: skip
+    process = run.waiting[-1][0]
+    deadline = time.monotonic() + CHECKPOINT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return panic_of((run.work / "checkpoint.log").read_text()) or f"runsc exited {process.returncode}"
+        state = json.loads(run.call("state", "cr-a", timeout=60).stdout or "{}")
+        if state.get("pid") not in (None, first, -1) and state.get("status") == "running":
+            return None
+        time.sleep(0.01)
+    return f"the container did not run again within {CHECKPOINT_S} s of runsc checkpoint --leave-running"
+
+
 def start(run: Run, bundle: Path, name: str) -> None:
     with open(run.work / f"{name}.log", "w") as log:
         done = subprocess.run(
@@ -285,18 +329,14 @@ def spike(run: Run, rootfs: str, size_mb: int, rounds: int, inner: str, leave_ru
     image = run.work / "image"
     image.mkdir()
     began = time.perf_counter()
-    leave = ["--leave-running"] if leave_running else []
-    try:
-        done = run.call("checkpoint", *leave, f"--image-path={image}", "cr-a", timeout=CHECKPOINT_S)
-    except subprocess.TimeoutExpired:
-        figures["checkpoint_error"] = f"runsc checkpoint {' '.join(leave)} did not return within {CHECKPOINT_S} s"
-        figures["state_after_failed_checkpoint"] = run.call("state", "cr-a", timeout=60).stdout[-300:]
-        return
+    if leave_running:
+        error = checkpoint_leaving_running(run, image)
+    else:
+        error = checkpoint_stopping(run, image)
     figures["checkpoint_s"] = time.perf_counter() - began
-    if done.returncode != 0:
-        figures["checkpoint_error"] = panic_of(done.stderr)
-        (run.work / "checkpoint.err").write_text(done.stderr)
-        figures["state_after_failed_checkpoint"] = run.call("state", "cr-a").stdout[-300:]
+    if error:
+        figures["checkpoint_error"] = error
+        figures["state_after_failed_checkpoint"] = run.call("state", "cr-a", timeout=60).stdout[-300:]
         return
     figures["image_mb"] = sum(path.stat().st_size for path in image.rglob("*") if path.is_file()) / 2**20
     live_ok = False
