@@ -115,6 +115,9 @@ def runsc_base(root: Path) -> list[str]:
     return ["runsc", f"--root={root}", *(f"--{flag}" for flag in RUNTIME_FLAGS)]
 
 
+ENV = ["PATH=/opt/coderunner/env/bin:/usr/bin:/bin", "HOME=/tmp", "IPYTHONDIR=/tmp/.ipython", "MPLCONFIGDIR=/tmp/.mpl"]
+
+
 def make_bundle(work: Path, name: str, rootfs: str, inner: str) -> Path:
     """A bundle whose conf (read-only) and run (writable, host sockets) dirs are its own host dirs."""
     bundle = work / name
@@ -124,7 +127,11 @@ def make_bundle(work: Path, name: str, rootfs: str, inner: str) -> Path:
     bundle.chmod(0o711)
     os.chown(run, GUEST_UID, GUEST_UID)
     shutil.copy(RELAY, conf / "channel_relay.py")
-    where = {"transport": "tcp", "ip": "127.0.0.1"} if inner == "tcp" else {"transport": "ipc", "ip": INNER_IPC}
+    where = {
+        "tcp": {"transport": "tcp", "ip": "127.0.0.1"},
+        "ipc": {"transport": "ipc", "ip": INNER_IPC},
+        "direct": {"transport": "ipc", "ip": "/run/coderunner/k"},  # the gvisor backend's way: no relay
+    }[inner]
     kernel = {**where, "key": KEY, "signature_scheme": "hmac-sha256", **PORTS}
     (conf / "kernel.json").write_text(json.dumps(kernel))
     for each in conf.iterdir():
@@ -134,14 +141,15 @@ def make_bundle(work: Path, name: str, rootfs: str, inner: str) -> Path:
             "tcp" if inner == "tcp" else INNER_IPC,
             *(str(port) for port in PORTS.values()), "--",
             PYTHON, "-c", KERNEL_BOOT, "-f", "/mnt/kernel.json"]  # fmt: skip
+    if inner == "direct":
+        argv = argv[argv.index("--") + 1 :]
     spec = {
         "ociVersion": "1.0.2",
         "process": {
             "terminal": False,
             "user": {"uid": GUEST_UID, "gid": GUEST_UID},
             "args": argv,
-            "env": ["PATH=/opt/coderunner/env/bin:/usr/bin:/bin", "HOME=/tmp", "IPYTHONDIR=/tmp/.ipython",
-                    "MPLCONFIGDIR=/tmp/.mpl", "PYTHONUNBUFFERED=1"],  # fmt: skip
+            "env": ENV,
             "cwd": "/tmp",
             "capabilities": {"bounding": [], "effective": [], "inheritable": [], "permitted": [], "ambient": []},
             "noNewPrivileges": True,
@@ -206,8 +214,13 @@ def client_for(run_dir: Path) -> BlockingKernelClient:
 def execute(client: BlockingKernelClient, code: str, timeout: float = REPLY_S) -> object:
     """Run code; its last expression's value (text/plain), or raise with the kernel's error."""
     probing = code == "PROBE"
-    reply = client.execute_interactive("" if probing else code, timeout=timeout, output_hook=lambda msg: None, store_history=False,
-                                       user_expressions={"_r": PROBE} if probing else {})  # fmt: skip
+    reply = client.execute_interactive(
+        "" if probing else code,
+        timeout=timeout,
+        output_hook=lambda msg: None,
+        store_history=False,
+        user_expressions={"_r": PROBE} if probing else {},
+    )
     content = reply["content"]
     if content["status"] != "ok":
         raise RuntimeError(f"{content.get('ename')}: {content.get('evalue')}")
@@ -223,6 +236,17 @@ def probe(client: BlockingKernelClient) -> tuple[int, int, bool, int]:
     value = execute(client, "PROBE")
     length, last, same, threads = str(value).strip("()").split(", ")
     return int(length), int(last), same == "True", int(threads)
+
+
+def warm_pair(first: BlockingKernelClient, second: BlockingKernelClient, rounds: int) -> tuple[float, float]:
+    """Median 1+1 round trips (ms) of two kernels, trips interleaved so both see the same machine."""
+    trips: tuple[list[float], list[float]] = ([], [])
+    for _ in range(rounds):
+        for client, found in zip((first, second), trips, strict=True):
+            began = time.perf_counter()
+            execute(client, "1+1")
+            found.append(time.perf_counter() - began)
+    return statistics.median(trips[0]) * 1000, statistics.median(trips[1]) * 1000
 
 
 def warm(client: BlockingKernelClient, rounds: int) -> float:
@@ -279,7 +303,8 @@ def checkpoint_leaving_running(run: Run, image: Path) -> str | None:
     deadline = time.monotonic() + CHECKPOINT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            return panic_of((run.work / "checkpoint.log").read_text()) or f"runsc exited {process.returncode}"
+            said = panic_of((run.work / "checkpoint.log").read_text())
+            return said or f"runsc exited {process.returncode}"
         state = json.loads(run.call("state", "cr-a", timeout=60).stdout or "{}")
         if state.get("pid") not in (None, first, -1) and state.get("status") == "running":
             return None
@@ -314,7 +339,13 @@ def spike(run: Run, rootfs: str, size_mb: int, rounds: int, inner: str, leave_ru
     client = client_for(live / "run")
     client.wait_for_ready(timeout=120)
     figures["cold_s"] = time.perf_counter() - began
-    figures["warm_before_ms"] = warm(client, rounds)
+    baseline = make_bundle(run.work, "d", rootfs, "direct")
+    start(run, baseline, "cr-d")
+    direct = client_for(baseline / "run")
+    direct.wait_for_ready(timeout=120)
+    figures["warm_before_ms"], figures["warm_direct_baseline_ms"] = warm_pair(client, direct, rounds)
+    direct.stop_channels()
+    run.call("kill", "cr-d", "KILL", timeout=60)
     began = time.perf_counter()
     execute(client, SETUP.format(size_mb=size_mb), timeout=TIMEOUT_S)
     figures["setup_s"] = time.perf_counter() - began
@@ -329,10 +360,7 @@ def spike(run: Run, rootfs: str, size_mb: int, rounds: int, inner: str, leave_ru
     image = run.work / "image"
     image.mkdir()
     began = time.perf_counter()
-    if leave_running:
-        error = checkpoint_leaving_running(run, image)
-    else:
-        error = checkpoint_stopping(run, image)
+    error = checkpoint_leaving_running(run, image) if leave_running else checkpoint_stopping(run, image)
     figures["checkpoint_s"] = time.perf_counter() - began
     if error:
         figures["checkpoint_error"] = error
