@@ -94,6 +94,7 @@ class Run:
     ids: list[str] = field(default_factory=list)
     figures: dict[str, object] = field(default_factory=dict)
     waiting: list[tuple[subprocess.Popen[bytes], object]] = field(default_factory=list)
+    unmount: list[Path] = field(default_factory=list)
 
     def call(self, *args: str, timeout: float = TIMEOUT_S) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*self.runsc, *args], capture_output=True, text=True, timeout=timeout)
@@ -109,6 +110,8 @@ class Run:
                 process.kill()
                 process.wait(timeout=30)
             log.close()  # type: ignore[attr-defined]
+        for each in self.unmount:
+            subprocess.run(["umount", str(each)], capture_output=True, timeout=60)
 
 
 def runsc_base(root: Path) -> list[str]:
@@ -259,8 +262,14 @@ def warm(client: BlockingKernelClient, rounds: int) -> float:
 
 
 def first_answer(client: BlockingKernelClient, bound_s: float = 60.0) -> float:
-    """Seconds until the kernel answers 1+1 over a (re)connecting client."""
+    """Seconds until a (re)connecting client has shell AND iopub back and the kernel answers 1+1.
+
+    iopub is a PUB/SUB pair: what the kernel publishes before the host's SUB is connected again
+    is lost (ZMQ's late joiner), so a bare execute can wait for an idle status that already went
+    by. wait_for_ready repeats kernel_info until iopub delivers too, as any Jupyter client must.
+    """
     began = time.perf_counter()
+    client.wait_for_ready(timeout=bound_s)
     execute(client, "1+1", timeout=bound_s)
     return time.perf_counter() - began
 
@@ -329,8 +338,32 @@ def signal_relay(run: Run, name: str, signal: str) -> None:
         raise RuntimeError(f"runsc kill {signal}: {done.stderr.strip()[-300:]}")
 
 
-def spike(run: Run, rootfs: str, size_mb: int, rounds: int, inner: str, leave_running: bool) -> None:
+#: What the restore's bundle varies from the original's (default: its own host dirs, else the same).
+VARIANTS = ("other-dirs", "open-file-missing", "open-file-copied", "rootfs-elsewhere", "extra-mount", "no-quiesce")
+OPEN_FILE_VARIANTS = ("open-file-missing", "open-file-copied")
+
+
+def vary_restore(run: Run, variant: str, live: Path, fork: Path) -> None:
+    """Make the restore bundle differ from the checkpointed one as the variant says."""
+    spec = json.loads((fork / "config.json").read_text())
+    if variant == "open-file-copied":  # as a snapshot's workspace copy would
+        shutil.copy2(live / "run" / "notes.txt", fork / "run" / "notes.txt")
+        os.chown(fork / "run" / "notes.txt", GUEST_UID, GUEST_UID)
+    elif variant == "rootfs-elsewhere":
+        elsewhere = run.work / "rootfs-elsewhere"
+        elsewhere.mkdir()
+        subprocess.run(["mount", "--bind", spec["root"]["path"], str(elsewhere)], check=True, timeout=60)
+        run.unmount.append(elsewhere)
+        spec["root"]["path"] = str(elsewhere)
+    elif variant == "extra-mount":
+        spec["mounts"].append({"destination": "/media", "type": "tmpfs", "source": "tmpfs", "options": ["ro"]})
+    (fork / "config.json").write_text(json.dumps(spec, indent=1))
+
+
+def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
+    size_mb, rounds, inner, leave_running = args.size_mb, args.warm, args.inner, not args.stop
     figures = run.figures
+    figures["variant"] = args.variant
     figures["inner"] = inner
     live = make_bundle(run.work, "a", rootfs, inner)
     began = time.perf_counter()
@@ -348,14 +381,17 @@ def spike(run: Run, rootfs: str, size_mb: int, rounds: int, inner: str, leave_ru
     run.call("kill", "cr-d", "KILL", timeout=60)
     began = time.perf_counter()
     execute(client, SETUP.format(size_mb=size_mb), timeout=TIMEOUT_S)
+    if args.variant in OPEN_FILE_VARIANTS:  # a file the kernel holds open in a writable bind
+        execute(client, "notes = open('/run/coderunner/notes.txt', 'a'); notes.write('before\\n'); notes.flush()")
     figures["setup_s"] = time.perf_counter() - began
     before = probe(client)
     figures["probe_before"] = before
 
     began = time.perf_counter()
-    signal_relay(run, "cr-a", "USR1")
-    generation = wait_state(live / "run", "closed", generation)
-    remove_sockets(live / "run")
+    if args.variant != "no-quiesce":
+        signal_relay(run, "cr-a", "USR1")
+        generation = wait_state(live / "run", "closed", generation)
+        remove_sockets(live / "run")
     figures["quiesce_s"] = time.perf_counter() - began
     image = run.work / "image"
     image.mkdir()
@@ -384,6 +420,7 @@ def spike(run: Run, rootfs: str, size_mb: int, rounds: int, inner: str, leave_ru
         client.stop_channels()
 
     fork = make_bundle(run.work, "b", rootfs, inner)  # other host dirs than the original's
+    vary_restore(run, args.variant, live, fork)
     began = time.perf_counter()
     with open(run.work / "restore.log", "w") as log:
         done = subprocess.run(
@@ -406,6 +443,9 @@ def spike(run: Run, rootfs: str, size_mb: int, rounds: int, inner: str, leave_ru
     again = probe(restored)
     figures["probe_restored"] = again
     figures["thread_kept_counting_restored"] = again[1] > before[1] and again[0] == again[1] and again[2]
+    if args.variant in OPEN_FILE_VARIANTS:
+        execute(restored, "notes.write('after\\n'); notes.flush()")
+        figures["open_file_after_restore"] = (fork / "run" / "notes.txt").read_text().split()
     if live_ok:
         execute(client, "branch = 'a'")
         execute(restored, "branch = 'b'")
@@ -426,6 +466,7 @@ def main() -> int:
     parser.add_argument("--size-mb", type=int, default=500)
     parser.add_argument("--warm", type=int, default=20)
     parser.add_argument("--inner", choices=("ipc", "tcp"), default="ipc", help="the kernel's own channels")
+    parser.add_argument("--variant", choices=VARIANTS, default=VARIANTS[0], help="what the restore varies")
     parser.add_argument("--stop", action="store_true", help="checkpoint without --leave-running")
     parser.add_argument("--debug-log", type=Path, help="runsc --debug logs go to this dir (kept)")
     parser.add_argument("--image", default=Settings.model_fields["image"].default)
@@ -441,7 +482,7 @@ def main() -> int:
     try:
         if mounted.returncode != 0:
             raise RuntimeError(f"podman image mount: {mounted.stderr.strip()}")
-        spike(run, mounted.stdout.strip(), args.size_mb, args.warm, args.inner, not args.stop)
+        spike(run, mounted.stdout.strip(), args)
     except Exception as error:  # the spike's verdict is the report, failures included
         run.figures["error"] = f"{type(error).__name__}: {error}"
     finally:
