@@ -53,7 +53,10 @@ and conf dirs of the restored container are other host dirs: restored); the root
 another host path (a bind of the same tree: restored); an extra mount in the new spec is not
 refused (restored). A file the kernel holds open in a bind must exist at the same path in the new
 bind: without it "restoring container "cr-b": no such file or directory" (restore fails); with a
-copy (as a workspace copy would give) the restored kernel keeps writing to the copy. Not tried: a
+copy (as a workspace copy would give) the restored kernel keeps writing to the copy. Resource
+limits (--limits: memory, pids and cpu quota in the spec's linux.resources, with a cgroupsPath)
+are set by runsc on the host's cgroups (v1 here) for the started, the in-place restored and the
+newly restored container alike, each from its own spec. Not tried: a
 rootfs with other contents, other mount destinations, another runsc version or flags.
 
 Figures (500 MB of random float64, --warm 20, this 2-core shared machine; three runs each):
@@ -69,7 +72,7 @@ Figures (500 MB of random float64, --warm 20, this 2-core shared machine; three 
   18.1 vs 17.2, 18.6 vs 16.3 ms: 1-3 ms. (These round trips are jupyter_client's execute_interactive,
   which also waits for iopub's idle; the product's own client is faster on both.)
   The first-answer figures include wait_for_ready's 0.2 s iopub poll; a bare 1+1 right after the
-  re-bind answered in 0.06-0.11 s.
+  re-bind answered in 0.06-0.18 s.
 
 What it does, all under one tmp dir (runsc --root there too):
 - bundle: rootfs = `podman image mount` of the sandbox image (read-only), /proc, a tmpfs /tmp,
@@ -187,7 +190,7 @@ def runsc_base(root: Path) -> list[str]:
 ENV = ["PATH=/opt/coderunner/env/bin:/usr/bin:/bin", "HOME=/tmp", "IPYTHONDIR=/tmp/.ipython", "MPLCONFIGDIR=/tmp/.mpl"]
 
 
-def make_bundle(work: Path, name: str, rootfs: str, inner: str) -> Path:
+def make_bundle(work: Path, name: str, rootfs: str, inner: str, limits: bool = False) -> Path:
     """A bundle whose conf (read-only) and run (writable, host sockets) dirs are its own host dirs."""
     bundle = work / name
     conf, run = bundle / "conf", bundle / "run"
@@ -235,11 +238,38 @@ def make_bundle(work: Path, name: str, rootfs: str, inner: str) -> Path:
         ],
         "linux": {"namespaces": [{"type": kind} for kind in ("pid", "ipc", "uts", "mount", "network")]},
     }
+    if limits:  # what a runsc-direct backend would set in place of podman's --memory/--cpus/--pids-limit
+        spec["linux"]["cgroupsPath"] = f"/{cgroup_name(work, name)}"
+        spec["linux"]["resources"] = {
+            "memory": {"limit": LIMIT_MEMORY},
+            "pids": {"limit": LIMIT_PIDS},
+            "cpu": {"quota": 100_000, "period": 100_000},
+        }
     (bundle / "config.json").write_text(json.dumps(spec, indent=1))
     return bundle
 
 
 KEY = uuid.uuid4().hex
+
+
+LIMIT_MEMORY = 2 << 30
+LIMIT_PIDS = 4096
+
+
+def cgroup_name(work: Path, name: str) -> str:
+    return f"crspike-{work.name}-{name}"
+
+
+def cgroup_limits(work: Path, name: str) -> dict[str, str]:
+    """What the host's cgroup v1 files say for a container made with limits."""
+    found = {}
+    for key, path in (("memory", "memory/{}/memory.limit_in_bytes"), ("pids", "pids/{}/pids.max"),
+                      ("cpu_quota", "cpu/{}/cpu.cfs_quota_us")):  # fmt: skip
+        try:
+            found[key] = (Path("/sys/fs/cgroup") / path.format(cgroup_name(work, name))).read_text().strip()
+        except OSError as error:
+            found[key] = f"unreadable: {error.strerror}"
+    return found
 
 
 def wait_state(run_dir: Path, word: str, generation_after: int, bound_s: float = 60.0) -> int:
@@ -431,7 +461,7 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     figures = run.figures
     figures["variant"] = args.variant
     figures["inner"] = inner
-    live = make_bundle(run.work, "a", rootfs, inner)
+    live = make_bundle(run.work, "a", rootfs, inner, args.limits)
     began = time.perf_counter()
     start(run, live, "cr-a")
     generation = wait_state(live / "run", "open", 0)
@@ -452,6 +482,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     figures["setup_s"] = time.perf_counter() - began
     before = probe(client)
     figures["probe_before"] = before
+    if args.limits:
+        figures["cgroup_before"] = cgroup_limits(run.work, "a")
 
     began = time.perf_counter()
     if args.variant != "no-quiesce":
@@ -485,7 +517,7 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     else:
         client.stop_channels()
 
-    fork = make_bundle(run.work, "b", rootfs, inner)  # other host dirs than the original's
+    fork = make_bundle(run.work, "b", rootfs, inner, args.limits)  # other host dirs than the original's
     vary_restore(run, args.variant, live, fork)
     began = time.perf_counter()
     with open(run.work / "restore.log", "w") as log:
@@ -508,6 +540,9 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     figures["warm_after_restore_ms"] = warm(restored, rounds)
     again = probe(restored)
     figures["probe_restored"] = again
+    if args.limits:
+        figures["cgroup_restored"] = cgroup_limits(run.work, "b")
+        figures["cgroup_live_after"] = cgroup_limits(run.work, "a") if leave_running else "-"
     figures["thread_kept_counting_restored"] = again[1] > before[1] and again[0] == again[1] and again[2]
     if args.variant in OPEN_FILE_VARIANTS:
         execute(restored, "notes.write('after\\n'); notes.flush()")
@@ -533,6 +568,7 @@ def main() -> int:
     parser.add_argument("--warm", type=int, default=20)
     parser.add_argument("--inner", choices=("ipc", "tcp"), default="ipc", help="the kernel's own channels")
     parser.add_argument("--variant", choices=VARIANTS, default=VARIANTS[0], help="what the restore varies")
+    parser.add_argument("--limits", action="store_true", help="memory/pids/cpu cgroup limits in the specs")
     parser.add_argument("--stop", action="store_true", help="checkpoint without --leave-running")
     parser.add_argument("--debug-log", type=Path, help="runsc --debug logs go to this dir (kept)")
     parser.add_argument("--image", default=Settings.model_fields["image"].default)
