@@ -301,6 +301,26 @@ def remove_sockets(run_dir: Path) -> None:
         os.close(fd)
 
 
+def claim_sockets(bundle: Path) -> Path:
+    """Move the relay's sockets from run/ (the sandbox's) to a host-only sock/ dir, by dir fds, as
+    the product claims a kernel's (session_dirs.py); a rename over a dead socket of an earlier
+    generation replaces it, so ZMQ reconnects to the same host path. The dir to connect in."""
+    sock = bundle / "sock"
+    sock.mkdir(mode=0o700, exist_ok=True)
+    source = os.open(bundle / "run", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    target = os.open(sock, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for port in PORTS.values():
+            name = f"k-{port}"
+            if not stat.S_ISSOCK(os.stat(name, dir_fd=source, follow_symlinks=False).st_mode):
+                raise RuntimeError(f"run/{name} is not a socket")
+            os.rename(name, name, src_dir_fd=source, dst_dir_fd=target)
+    finally:
+        os.close(source)
+        os.close(target)
+    return sock
+
+
 def client_for(run_dir: Path) -> BlockingKernelClient:
     client = BlockingKernelClient()
     client.load_connection_info(
@@ -465,7 +485,7 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     began = time.perf_counter()
     start(run, live, "cr-a")
     generation = wait_state(live / "run", "open", 0)
-    client = client_for(live / "run")
+    client = client_for(claim_sockets(live) if args.claim else live / "run")
     client.wait_for_ready(timeout=120)
     figures["cold_s"] = time.perf_counter() - began
     baseline = make_bundle(run.work, "d", rootfs, "direct")
@@ -489,7 +509,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     if args.variant != "no-quiesce":
         signal_relay(run, "cr-a", "USR1")
         generation = wait_state(live / "run", "closed", generation)
-        remove_sockets(live / "run")
+        if not args.claim:  # claimed sockets are no longer in run/
+            remove_sockets(live / "run")
     figures["quiesce_s"] = time.perf_counter() - began
     image = run.work / "image"
     image.mkdir()
@@ -506,6 +527,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
         began = time.perf_counter()
         signal_relay(run, "cr-a", "USR2")
         generation = wait_state(live / "run", "open", generation)
+        if args.claim:
+            claim_sockets(live)
         figures["reconnect_live_s"] = first_answer(client)
         figures["reopen_to_answer_live_s"] = time.perf_counter() - began
         figures["warm_after_live_ms"] = warm(client, rounds)
@@ -534,7 +557,7 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     began = time.perf_counter()
     signal_relay(run, "cr-b", "USR2")
     wait_state(fork / "run", "open", 0)
-    restored = client_for(fork / "run")
+    restored = client_for(claim_sockets(fork) if args.claim else fork / "run")
     figures["reconnect_restored_s"] = first_answer(restored)
     figures["reopen_to_answer_restored_s"] = time.perf_counter() - began
     figures["warm_after_restore_ms"] = warm(restored, rounds)
@@ -569,6 +592,7 @@ def main() -> int:
     parser.add_argument("--inner", choices=("ipc", "tcp"), default="ipc", help="the kernel's own channels")
     parser.add_argument("--variant", choices=VARIANTS, default=VARIANTS[0], help="what the restore varies")
     parser.add_argument("--limits", action="store_true", help="memory/pids/cpu cgroup limits in the specs")
+    parser.add_argument("--claim", action="store_true", help="connect through claimed sockets, as the product")
     parser.add_argument("--stop", action="store_true", help="checkpoint without --leave-running")
     parser.add_argument("--debug-log", type=Path, help="runsc --debug logs go to this dir (kept)")
     parser.add_argument("--image", default=Settings.model_fields["image"].default)
