@@ -32,9 +32,11 @@ What this needs and why (each found by a run of this script; the exact texts):
    started with that pipe off (KERNEL_BOOT); output printed by forked children then goes to the
    kernel's stdout, not to iopub. Production would rather bind that pipe on ipc in /tmp.
 3. gVisor refuses to unlink a host socket file from inside ("Operation not permitted", also for
-   the relay's own): the host removes the closed ones (by dir fd) before asking for "open"; in the
-   product the host already moves (claims) the kernel's sockets out of run/ into its own sock/ dir,
-   so run/ is free for the relay to bind again and the host claims the new ones.
+   the relay's own): the host removes the closed ones (by dir fd) before asking for "open". With
+   --claim the host does what the product does with a kernel's sockets: it moves them out of run/
+   into a host-only sock/ dir (rename by dir fds) and connects there. run/ is then free for the
+   relay to bind again; the host claims the new sockets over the dead ones and ZMQ reconnects to the
+   same claimed path (checked live and restored, 50 and 500 MB).
 4. This runsc's `checkpoint --leave-running` saves, restores the sandbox in place (a new sandbox
    process, same container id) and then WAITS on the container like `runsc run`: it returns only
    when the container exits. Run it in the background (stdio to a file: the restored sandbox
@@ -65,6 +67,8 @@ Figures (500 MB of random float64, --warm 20, this 2-core shared machine; three 
   before 18.5 / 19.7 / 21.0 ms, after 21.3 / 22.9 / 22.5 ms.
 - restore of that image into a new container (while the original runs): 4.3 / 5.9 / 2.5 s;
   reopen to first answer 0.31-0.33 s; warm 1+1 after 23.1 / 26.2 / 29.2 ms.
+- --claim --limits (500 MB, one run): checkpoint (leave-running) 7.9 s, restore 4.0 s, reopen to
+  first answer 0.35 / 0.31 s, warm 1+1 18.9 before (direct 18.9), 22.3 live after, 24.3 restored.
 - --stop lane: checkpoint 2.23 / 1.40 / 1.45 s; restore 2.77 / 2.23 / 2.03 s; reopen to first
   answer 0.10-0.33 s; warm 1+1 before 22.3 / 18.1 / 18.6 ms, after 23.4 / 24.1 / 22.3 ms.
 - the relay's own cost: warm 1+1 through it vs a kernel bound directly on host sockets (the
