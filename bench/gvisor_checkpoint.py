@@ -50,6 +50,12 @@ What this needs and why (each found by a run of this script; the exact texts):
    publishes before the host's SUB is back is lost, so the first request after a reconnect must be
    a wait_for_ready-style kernel_info loop (a bare execute once waited forever for its idle status).
 
+7. Checkpoint only between cells. With a cell running at the checkpoint (--variant busy: a 3 s
+   sleep, checkpoint 0.5 s in), the cell finishes in both copies (the restored one has its result)
+   but the live host client never gets its execute_reply ("no reply within 30.0 s"): the kernel's
+   ROUTER drops a reply for a peer that is not connected. The session's own lock (one run at a
+   time) gives this; a snapshot must take it.
+
 What a restore must match (variants, 50 MB, --stop): the host dirs of the binds may differ (the run
 and conf dirs of the restored container are other host dirs: restored); the rootfs may be at
 another host path (a bind of the same tree: restored); an extra mount in the new spec is not
@@ -284,6 +290,8 @@ def wait_state(run_dir: Path, word: str, generation_after: int, bound_s: float =
             said, number = (run_dir / "relay.state").read_text().split()
             if said == word and int(number) > generation_after:
                 return int(number)
+            if said == "failed" and int(number) > generation_after:
+                raise RuntimeError("the relay could not bind its sockets (see its stderr in the log)")
         except (FileNotFoundError, ValueError):
             pass
         time.sleep(0.005)
@@ -459,7 +467,16 @@ def signal_relay(run: Run, name: str, signal: str) -> None:
 
 
 #: What the restore's bundle varies from the original's (default: its own host dirs, else the same).
-VARIANTS = ("other-dirs", "open-file-missing", "open-file-copied", "rootfs-elsewhere", "extra-mount", "no-quiesce")
+VARIANTS = (
+    "other-dirs",
+    "open-file-missing",
+    "open-file-copied",
+    "rootfs-elsewhere",
+    "extra-mount",
+    "no-quiesce",
+    "busy",  # a cell is running at the checkpoint: does its reply still reach the host?
+)
+BUSY_CELL = "import time; time.sleep(3); busy_done = 42"
 OPEN_FILE_VARIANTS = ("open-file-missing", "open-file-copied")
 
 
@@ -509,6 +526,10 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     if args.limits:
         figures["cgroup_before"] = cgroup_limits(run.work, "a")
 
+    busy = None
+    if args.variant == "busy":
+        busy = client.execute(BUSY_CELL, store_history=False)
+        time.sleep(0.5)  # well inside the cell
     began = time.perf_counter()
     if args.variant != "no-quiesce":
         signal_relay(run, "cr-a", "USR1")
@@ -533,6 +554,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
         generation = wait_state(live / "run", "open", generation)
         if args.claim:
             claim_sockets(live)
+        if busy:  # before wait_for_ready, which would swallow the reply
+            figures["busy_reply_live"] = reply_to(client, busy)
         figures["reconnect_live_s"] = first_answer(client)
         figures["reopen_to_answer_live_s"] = time.perf_counter() - began
         figures["warm_after_live_ms"] = warm(client, rounds)
@@ -567,6 +590,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     figures["warm_after_restore_ms"] = warm(restored, rounds)
     again = probe(restored)
     figures["probe_restored"] = again
+    if busy:
+        figures["busy_done_restored"] = branch_like(restored)
     if args.limits:
         figures["cgroup_restored"] = cgroup_limits(run.work, "b")
         figures["cgroup_live_after"] = cgroup_limits(run.work, "a") if leave_running else "-"
@@ -580,6 +605,27 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
         figures["forks_diverge"] = branch_of(client) == "a" and branch_of(restored) == "b"
         client.stop_channels()
     restored.stop_channels()
+
+
+def reply_to(client: BlockingKernelClient, msg_id: str, bound_s: float = 30.0) -> str:
+    """The status of the execute_reply to msg_id, or why none came."""
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        try:
+            message = client.get_shell_msg(timeout=1)
+        except Exception:  # queue.Empty
+            continue
+        if message["parent_header"].get("msg_id") == msg_id:
+            return f"{message['content']['status']} after {bound_s - (deadline - time.monotonic()):.1f} s"
+    return f"no reply within {bound_s} s"
+
+
+def branch_like(client: BlockingKernelClient) -> str:
+    reply = client.execute_interactive(
+        "", timeout=30, output_hook=lambda m: None, store_history=False, user_expressions={"b": "busy_done"}
+    )
+    found = reply["content"]["user_expressions"]["b"]
+    return found.get("data", {}).get("text/plain") or f"{found.get('ename')}: {found.get('evalue')}"
 
 
 def branch_of(client: BlockingKernelClient) -> str:

@@ -18,7 +18,7 @@ every one of them on demand:
 gVisor refuses to unlink a host socket file from inside (EPERM), so the host removes the closed
 paths (unlinkat on its dir fd) before it asks for "open"; bind fails while a path is there.
 
-and writes "<open|closed> <generation>" to DIR/STATE (replaced atomically) once done, so the
+and writes "<open|closed|failed> <generation>" to DIR/STATE (replaced atomically) once done, so the
 host knows when the sandbox is quiet and can be checkpointed. This process is the sandbox's
 init (runsc signals it by container id); it starts PROGRAM (the kernel) as its child and exits
 with it. ZMQ on the host reconnects by itself when a path comes back. Stdlib only, one thread,
@@ -34,7 +34,7 @@ import sys
 MAX_CONNECTIONS = 16
 #: Bytes read per chunk; drain() bounds what a direction holds.
 CHUNK = 64 * 1024
-#: Bound on reaching the kernel's TCP port (it binds it while it starts).
+#: Bound on reaching the kernel's channel (it binds it while it starts).
 CONNECT_S = 60.0
 
 
@@ -63,10 +63,18 @@ class Relay:
     async def open(self):
         async with self.lock:
             if not self.servers:
-                for port in self.ports:
-                    path = self.path(port)
-                    server = await asyncio.start_unix_server(lambda r, w, p=port: self.accept(r, w, p), path)
-                    self.servers.append(server)
+                try:
+                    for port in self.ports:
+                        path = self.path(port)
+                        server = await asyncio.start_unix_server(lambda r, w, p=port: self.accept(r, w, p), path)
+                        self.servers.append(server)
+                except OSError as error:  # e.g. a path still there: the host has not removed it
+                    for server in self.servers:
+                        server.close()
+                    self.servers = []
+                    self.report("failed")
+                    print(f"channel relay: cannot bind {path}: {error.strerror}", file=sys.stderr, flush=True)
+                    return
             self.report("open")
 
     async def close(self):
