@@ -17,7 +17,7 @@ What this needs and why (each found by a run of this script; the exact texts):
    host socket" (earlier session); with a connection accepted on one (--variant no-quiesce):
    "encoding error at object transport.connectionedEndpoint{...}: runtime error: invalid memory
    address or nil pointer dereference". Either way the failed save leaves the container "stopped":
-   the kernel is gone. Hence the relay (src/coderunner/guest/channel_relay.py, the container's init):
+   the kernel is gone. Hence the relay (bench/gvisor_relay.py, the container's init):
    it binds the host-visible sockets and relays each connection to the kernel; SIGUSR1 (`runsc kill
    ID USR1`) closes every listener and connection and reports "closed N"; SIGUSR2 binds again.
 2. No TCP socket that anything epolls. The brief's plan (kernel on TCP 127.0.0.1 in gVisor's
@@ -124,7 +124,7 @@ from jupyter_client import BlockingKernelClient
 from coderunner.config import Settings
 from coderunner.sandbox.gvisor import RUNTIME_FLAGS
 
-RELAY = Path(__file__).resolve().parent.parent / "src" / "coderunner" / "guest" / "channel_relay.py"
+RELAY = Path(__file__).resolve().parent / "gvisor_relay.py"
 PYTHON = "/opt/coderunner/env/bin/python"
 PORTS = {"shell_port": 50001, "iopub_port": 50002, "stdin_port": 50003, "control_port": 50004, "hb_port": 50005}
 GUEST_UID = 65534
