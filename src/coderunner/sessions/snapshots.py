@@ -144,9 +144,10 @@ class SessionSnapshots:
                 # The guest's folder never outlives the call, whatever failed: removed from inside
                 # first (under gVisor a host-side delete leaves the space taken until the sandbox
                 # ends), then by the host through fds in case the guest could not.
-                with contextlib.suppress(CodeRunnerError):
-                    await session.call_guest_held("snapshot", {"op": "discard", "dir": state_dir}, GUEST_MARGIN_S)
-                await off_loop(_remove_state_dir, session)
+                with anyio.move_on_after(2 * GUEST_MARGIN_S, shield=True):  # a cancelled call cleans up too
+                    with contextlib.suppress(CodeRunnerError):
+                        await session.call_guest_held("snapshot", {"op": "discard", "dir": state_dir}, GUEST_MARGIN_S)
+                    await off_loop(_remove_state_dir, session)
         return Taken(meta, copied, time.monotonic() - started)
 
     def plant(self, seed: Seed, dirs: SandboxDirs) -> None:
