@@ -168,3 +168,13 @@ def test_the_config_snippet_for_typescript_runs_as_printed(node: str, dirs: Serv
                               capture_output=True, text=True, timeout=SCENARIO_TIMEOUT_S)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.splitlines()[0] == "42"
+
+
+def test_snapshot_fork_and_restore_through_the_typescript_sdk(node: str, spec: dict[str, Any]) -> None:
+    result = play(node, "snapshots", spec)
+    assert {"weights", "score"} <= set(result["taken"]["variables"]) and "np" in result["taken"]["modules"]
+    assert {"weights", "score"} <= set(result["restored"]["restored"]) <= set(result["forked"]["restored"])
+    # The fork zeroed its own weights; the original and the restored copy kept theirs.
+    assert result["original"].splitlines()[0] == "30" and result["inRestored"].splitlines()[0] == "30"
+    assert result["inFork"].splitlines()[0] == "0"
+    assert [entry["snapshot"] for entry in result["listed"]["snapshots"]] == [result["taken"]["snapshot"]]

@@ -21,6 +21,29 @@ async function sessionId(client) {
 }
 
 export const scenarios = {
+  /** Snapshot, fork and restore through the TypeScript SDK: structured replies, state in new sessions. */
+  async snapshots(client) {
+    const call = async (name, args) => {
+      const result = await client.callTool({ name, arguments: args });
+      return { reply: result.structuredContent ?? JSON.parse(textOf(result)), isError: result.isError ?? false };
+    };
+    await run(client, "import numpy as np\nweights = np.arange(6).reshape(2, 3)\ndef score(k):\n    return int(weights.sum()) * k");
+    const taken = await call("snapshot_session", { name: "ts" });
+    const forked = await call("fork_session", {});
+    await run(client, "weights = weights * 0", { }, { session_id: forked.reply.session_id });
+    const restored = await call("restore_session", { snapshot: taken.reply.snapshot });
+    const look = "print(score(2))";
+    return {
+      taken: taken.reply,
+      forked: forked.reply,
+      restored: restored.reply,
+      original: textOf(await run(client, look)),
+      inFork: textOf(await run(client, look, {}, { session_id: forked.reply.session_id })),
+      inRestored: textOf(await run(client, look, {}, { session_id: restored.reply.session_id })),
+      listed: (await call("list_snapshots", {})).reply,
+    };
+  },
+
   /** Variables persist across calls of one client. */
   async state(client) {
     const first = await run(client, "secret = 6 * 7");
