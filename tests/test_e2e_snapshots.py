@@ -6,15 +6,13 @@ by running code in the restored session, not by reading the reply alone.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 from mcp import Client
 
 from .conftest import ServerDirs, connect_http, http_server, open_client, run, server_env, stdio_client, text_of
-from .test_e2e_client_tokens import add_token
+from .test_e2e_client_tokens import add_token, call, refused
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -46,18 +44,6 @@ CHECK_CELL = (
     "print(df['temp'].sum(), predict(2), box.total(), type(box).__name__, np.__name__, open('notes.txt').read())"
 )
 EXPECTED = "54.75 19.0 6 Box numpy written before the snapshot"
-
-
-async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
-    result = await client.call_tool(tool, arguments)
-    assert not result.is_error, text_of(result)
-    return json.loads(text_of(result))
-
-
-async def refused(client: Client, tool: str, **arguments: Any) -> str:
-    result = await client.call_tool(tool, arguments)
-    assert result.is_error, text_of(result)
-    return text_of(result)
 
 
 async def output(client: Client, code: str, session_id: str) -> str:
