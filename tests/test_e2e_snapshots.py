@@ -6,12 +6,28 @@ by running code in the restored session, not by reading the reply alone.
 
 from __future__ import annotations
 
+import subprocess
+import tempfile
 from pathlib import Path
 
+import anyio
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, connect_http, http_server, open_client, run, server_env, stdio_client, text_of
+from .conftest import (
+    REPO,
+    SERVER_CMD,
+    ServerDirs,
+    _await_listening,
+    _free_port,
+    connect_http,
+    http_server,
+    open_client,
+    run,
+    server_env,
+    stdio_client,
+    text_of,
+)
 from .test_e2e_client_tokens import add_token, call, refused
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -133,6 +149,39 @@ async def test_keep_state_brings_variables_back_after_a_server_restart(dirs: Ser
         plain = await call(client, "create_session", name="analysis", persistent=True)
         assert "state" not in plain
         assert "False" in await output(client, "print('df' in dir(), open('notes.txt').read())", plain["session_id"])
+
+
+async def test_keep_state_survives_a_killed_server_once_saved_while_idle(dirs: ServerDirs) -> None:
+    """A reboot or SIGKILL gives no chance to save at close: an idle session saved on its own before."""
+    env = server_env(dirs, CODERUNNER_KEEP_STATE_SAVE_IDLE_S="1")
+    persistent = {"name": "crashy", "persistent": True, "keep_state": True}
+    port = _free_port()
+    with tempfile.TemporaryFile() as log:
+        server = subprocess.Popen(
+            [*SERVER_CMD, "--transport", "streamable-http", "--port", str(port)],
+            env=env, cwd=str(REPO), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        try:
+            _await_listening(server, port, log)
+            async with connect_http(f"http://127.0.0.1:{port}/mcp") as client:
+                sid = (await call(client, "create_session", **persistent))["session_id"]
+                await output(client, "fitted = [1, 2, 3]\ndef total():\n    return sum(fitted)", sid)
+                with anyio.fail_after(60):
+                    while not (note := (await call(client, "session_status", session_id=sid))["state_note"] or ""):
+                        await anyio.sleep(0.2)
+                assert note.startswith("kernel state saved at"), note
+                await anyio.sleep(3)  # idle, nothing new ran: nothing is saved again
+                assert (await call(client, "session_status", session_id=sid))["state_note"] == note
+        finally:
+            server.kill()
+            server.wait(timeout=10)
+
+    # The same client (the same token) on a new server: its named workspace and its saved state.
+    with http_server(env) as url:
+        async with connect_http(url) as client:
+            again = await call(client, "create_session", **persistent)
+            assert {"fitted", "total"} <= set(again["state"]["restored"]), again
+            assert (await output(client, "print(total())", again["session_id"])).splitlines()[0] == "6"
 
 
 async def test_keep_state_needs_a_persistent_session(dirs: ServerDirs) -> None:

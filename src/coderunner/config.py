@@ -208,6 +208,12 @@ class Settings(BaseSettings):
     snapshot_retention_s: float = Field(
         default=7 * 86400.0, gt=0, description="Snapshots older than this are deleted (default 7 days)."
     )
+    keep_state_save_idle_s: float = Field(
+        default=30.0,
+        ge=0,
+        description="A keep_state session that ran something saves its state after this long idle, so a crash "
+        "or reboot loses only the work since (0: only when it closes).",
+    )
     snapshot_timeout_s: float = Field(default=300.0, gt=0, description="Bound on saving or loading one kernel's state.")
 
     # Files.

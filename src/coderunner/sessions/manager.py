@@ -95,6 +95,8 @@ class SessionManager:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._reap_idle)
+        if self.settings.keep_state_save_idle_s > 0:
+            self._task_group.start_soon(self._save_kept_states)
         self.jobs = JobTable(self._task_group)
         self.oneshot = OneShotRunner(
             backend=self.backend,
@@ -128,6 +130,21 @@ class SessionManager:
         """How long closing every session may take: longer while keep_state sessions save their state."""
         saving = any(session.options.keep_state for session in self._sessions.values())
         return SHUTDOWN_TIMEOUT_S + (self.settings.snapshot_timeout_s if saving else 0.0)
+
+    async def _save_kept_states(self) -> None:
+        """Save keep_state sessions that ran something and then sat idle for keep_state_save_idle_s,
+        one at a time: a crash, SIGKILL or reboot then loses at most the work since, not the session."""
+        idle = self.settings.keep_state_save_idle_s
+        while True:
+            await anyio.sleep(min(max(idle / 4, 0.25), 15.0))
+            now = time.monotonic()
+            for session in list(self._sessions.values()):
+                ready = session.options.keep_state and session.state_armed and not session.closed
+                if not ready or session.busy or session.jobs.running() is not None:
+                    continue
+                if session.state_dirty and now - session.last_used >= idle:
+                    note = await self.snapshots.save_kept(session, wait_s=0.5)
+                    log.info("session %s…: %s", session.session_id[:6], note)
 
     async def __aexit__(self, *exc_info: object) -> None:
         with anyio.move_on_after(self.shutdown_bound_s(), shield=True):
@@ -219,6 +236,8 @@ class SessionManager:
         finally:
             session.busy = False
             session.last_used = time.monotonic()
+        # What the kernel holds now is what was loaded (or nothing): not worth saving until it runs.
+        session.mark_state_saved("kernel state loaded" if seed is not None and not seed.with_workspace else None)
         log.info("session %s… started", session.session_id[:6])
         return session
 

@@ -69,6 +69,8 @@ class SessionStatus:
     #: The snapshot it was restored or forked from; keep_state: its state is saved at close.
     restored_from: str | None = None
     keep_state: bool = False
+    #: keep_state: when the state was last saved, or why not.
+    state_note: str | None = None
 
 
 @dataclass
@@ -113,9 +115,23 @@ class Session:
     seeded: Any = None
     #: What closing did beyond stopping it (keep_state: whether the state was saved), for the reply.
     close_note: str | None = None
+    #: keep_state: `last_used` when the state was last saved or loaded (None: never), and what that did.
+    _state_mark: float | None = None
+    state_note: str | None = None
 
     def __post_init__(self) -> None:
         self.jobs = JobTable(self.task_group)
+
+    @property
+    def state_dirty(self) -> bool:
+        """keep_state: the kernel has run something since its state was last saved or loaded."""
+        return self._state_mark is None or self.last_used != self._state_mark
+
+    def mark_state_saved(self, note: str | None = None) -> None:
+        """The kernel's state as of now is saved (or loaded, or was just tried): not dirty until it runs again."""
+        self._state_mark = self.last_used
+        if note is not None:
+            self.state_note = note
 
     @property
     def generation(self) -> int:
@@ -552,6 +568,7 @@ class Session:
             job=running.describe() if (running := self.jobs.running()) is not None else None,
             restored_from=self.restored_from,
             keep_state=self.options.keep_state,
+            state_note=self.state_note,
         )
 
 

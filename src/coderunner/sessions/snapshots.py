@@ -179,29 +179,41 @@ class SessionSnapshots:
             await off_loop(_drop_staged, session.dirs)
 
     async def save_on_close(self, session: Session) -> str | None:
-        """A keep_state session is closing: save its kernel state as keep-<name> (bounded). What
-        happened, in words, or None when there was nothing to do."""
+        """A keep_state session is closing: save its kernel state as keep-<name> unless nothing ran
+        since the last save (bounded). What happened, in words, or None when there was nothing to do."""
         if not session.options.keep_state or not session.state_armed or session.options.name is None:
             return None
+        if not session.state_dirty:
+            return session.state_note or "kernel state unchanged since it was loaded"
+        return await self.save_kept(session, wait_s=self.settings.interrupt_grace_s)
+
+    async def save_kept(self, session: Session, wait_s: float) -> str:
+        """Save a keep_state session's kernel state as keep-<name> (bounded); what happened, in words
+        (also kept as the session's state_note). A failure keeps the last saved state."""
+        assert session.options.name is not None
         kernel = session.kernel
         if kernel is None or not kernel.alive:
             return "kernel state not saved: the kernel was not running (the last saved state is kept)"
         try:
             with anyio.fail_after(self.settings.snapshot_timeout_s + 5):
                 taken = await self.take(
-                    session, kind=PERSISTENT, snapshot_id=keep_id(session.options.name),
-                    wait_s=self.settings.interrupt_grace_s,
-                )  # fmt: skip
+                    session, kind=PERSISTENT, snapshot_id=keep_id(session.options.name), wait_s=wait_s
+                )
         except TimeoutError:
-            return "kernel state not saved: saving took too long (the last saved state is kept)"
+            note = "kernel state not saved: saving took too long (the last saved state is kept)"
         except CodeRunnerError as exc:
-            return f"kernel state not saved: {exc} (the last saved state is kept)"
-        except Exception:  # a bug: the close still goes on, and the log has the traceback
-            log.exception("session %s…: saving its state at close failed", session.session_id[:6])
-            return "kernel state not saved: an internal error (see the server log); the last saved state is kept"
-        saved = len(taken.meta.state_report.get("saved", []))
-        size = taken.meta.state_bytes / 2**20
-        return f"kernel state saved ({saved} variables, {size:.1f} MiB); reopen with keep_state to load it"
+            note = f"kernel state not saved: {exc} (the last saved state is kept)"
+        except Exception:  # a bug: the session goes on, and the log has the traceback
+            log.exception("session %s…: saving its kept state failed", session.session_id[:6])
+            note = "kernel state not saved: an internal error (see the server log); the last saved state is kept"
+        else:
+            saved = len(taken.meta.state_report.get("saved", []))
+            size = taken.meta.state_bytes / 2**20
+            when = time.strftime("%H:%M:%SZ", time.gmtime(taken.meta.created))
+            note = f"kernel state saved at {when} ({saved} variables, {size:.1f} MiB); keep_state reopens it"
+        # Saved or not, this state was tried: the next attempt waits for new work (no retry loop).
+        session.mark_state_saved(note)
+        return note
 
 
 def restore_options(session: Session) -> dict[str, Any]:
