@@ -110,6 +110,8 @@ fi
 
 # 1. System packages: bubblewrap (the sandbox) and the system python3 + venv (the sandbox's interpreter).
 APT_PACKAGES=(bubblewrap python3 python3-venv util-linux mount e2fsprogs libseccomp2 slirp4netns tesseract-ocr tesseract-ocr-eng chromium)
+# mkfs.xfs: tests/test_snapshot_reflink.py makes a reflink=1 XFS to prove snapshots clone, not copy.
+APT_PACKAGES+=(xfsprogs)
 # Node.js runs execute_code's JavaScript inside the sandbox (any /usr/bin/node will do, e.g. NodeSource's).
 [ -x /usr/bin/node ] || APT_PACKAGES+=(nodejs)
 # The podman backend and its tests: podman with runc (crun fails on hybrid cgroup hosts), and
