@@ -2,7 +2,7 @@
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
-from typing import Annotated, Any
+from typing import Annotated
 
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
@@ -11,10 +11,10 @@ from pydantic import Field
 from ..egress_text import STATUS_RECENT, egress_status
 from ..mounts import MountSpec
 from ..sessions import Session
-from ..sessions.snapshots import Seed
 from ..snapshot_store import SnapshotStore
 from .arguments import MemoryMb, NetworkArg, SessionId, Text
 from .context import ToolContext, json_result
+from .snapshots import loaded_report
 
 
 def register(tools: ToolContext) -> None:
@@ -61,7 +61,7 @@ def register(tools: ToolContext) -> None:
         if session.startup is not None:
             summary["startup_files"] = session.startup
         if session.seeded is not None:
-            summary["state"] = kept_state_report(session.seeded)
+            summary["state"] = loaded_report(session.seeded)
         return json_result(summary)
 
     @tools.tool()
@@ -95,18 +95,6 @@ def register(tools: ToolContext) -> None:
         sessions = manager.list(tools.caller(ctx))
         summaries = await tools.off_loop(lambda: [tools.summary(session) for session in sessions])
         return json_result({"sessions": summaries})
-
-
-def kept_state_report(seed: Seed) -> dict[str, Any]:
-    """What a keep_state session's reopening loaded, and what it could not (not saved, or failed to load)."""
-    loaded = seed.loaded
-    report: dict[str, Any] = {"restored": loaded.get("restored", []), "modules": loaded.get("modules", [])}
-    skipped = seed.meta.state_report.get("skipped", []) if seed.meta is not None else []
-    missing = [*skipped, *loaded.get("failed", [])]
-    if missing:
-        report["not_restored"] = [f"{item.get('name')}: {item.get('reason')}" for item in missing]
-    report["never_carried"] = loaded.get("not_carried", [])
-    return report
 
 
 def snapshots_of(store: SnapshotStore, session: Session) -> list[str]:

@@ -38,7 +38,7 @@ def register(tools: ToolContext) -> None:
         client = tools.client(ctx)
         meta = await tools.off_loop(manager.snapshots.store.get, client, snapshot)
         session = await _open(tools, ctx, meta, Seed(client, meta.snapshot_id))
-        return json_result(await _restored(tools, session, meta))
+        return json_result(_restored(session, meta))
 
     @tools.tool()
     async def fork_session(ctx: Context, session_id: SessionId = "") -> CallToolResult:
@@ -50,7 +50,7 @@ def register(tools: ToolContext) -> None:
         finally:
             await tools.off_loop(manager.snapshots.store.delete, taken.meta.client, taken.meta.snapshot_id)
         forked.restored_from = f"fork of session {session.session_id[:8]}"  # its snapshot is gone
-        reply = await _restored(tools, forked, taken.meta)
+        reply = _restored(forked, taken.meta)
         reply["forked_from"] = session.session_id
         del reply["snapshot"]
         return json_result(reply)
@@ -89,7 +89,7 @@ def _taken(taken: Taken) -> dict[str, Any]:
     }
     skipped = report.get("skipped", [])
     if skipped:
-        reply["not_saved"] = [f"{item.get('name')}: {item.get('reason')}" for item in skipped[:SHOWN]]
+        reply["not_saved"] = _reasons(skipped)
     if taken.workspace is not None:
         reply["workspace"] = _copy(taken.workspace)
     reply["never_carried"] = report.get("not_carried", [])
@@ -97,27 +97,36 @@ def _taken(taken: Taken) -> dict[str, Any]:
     return reply
 
 
-async def _restored(tools: ToolContext, session: Session, meta: SnapshotMeta) -> dict[str, Any]:
-    seed_report: Seed | None = session.seeded
-    loaded = seed_report.loaded if seed_report is not None else {}
-    not_restored = [f"{item.get('name')}: {item.get('reason')}" for item in meta.state_report.get("skipped", [])]
-    not_restored += [f"{item.get('name')}: {item.get('reason')}" for item in loaded.get("failed", [])]
-    reply: dict[str, Any] = {
-        "session_id": session.session_id,
-        "snapshot": meta.snapshot_id,
+def _restored(session: Session, meta: SnapshotMeta) -> dict[str, Any]:
+    reply: dict[str, Any] = {"session_id": session.session_id, "snapshot": meta.snapshot_id}
+    reply.update(loaded_report(session.seeded))
+    seed: Seed | None = session.seeded
+    if seed is not None and seed.workspace is not None:
+        reply["workspace"] = _copy(seed.workspace)
+    if session.startup is not None:
+        reply["startup_files"] = session.startup
+    reply["network"], reply["memory_mb"] = session.options.network, session.options.limits.memory_mb
+    return reply
+
+
+def loaded_report(seed: Seed | None) -> dict[str, Any]:
+    """What a seeded session's load brought back, and what it did not: left out at save, or failed to load."""
+    loaded = seed.loaded if seed is not None else {}
+    report: dict[str, Any] = {
         "restored": _names(loaded.get("restored", [])),
         "modules": _names(loaded.get("modules", [])),
     }
-    if not_restored:
-        reply["not_restored"] = not_restored[:SHOWN]
-    reply["never_carried"] = loaded.get("not_carried", [])
-    if seed_report is not None and seed_report.workspace is not None:
-        reply["workspace"] = _copy(seed_report.workspace)
-    if session.startup is not None:
-        reply["startup_files"] = session.startup
-    summary = await tools.off_loop(tools.summary, session)
-    reply["network"], reply["memory_mb"] = summary["network"], session.options.limits.memory_mb
-    return reply
+    skipped = seed.meta.state_report.get("skipped", []) if seed is not None and seed.meta is not None else []
+    missing = _reasons([*skipped, *loaded.get("failed", [])])
+    if missing:
+        report["not_restored"] = missing
+    report["never_carried"] = loaded.get("not_carried", [])
+    return report
+
+
+def _reasons(items: list[dict[str, Any]]) -> list[str]:
+    """'name: reason' for each variable left out, at most SHOWN of them."""
+    return [f"{item.get('name')}: {item.get('reason')}" for item in items[:SHOWN]]
 
 
 def _names(items: list[Any]) -> list[str]:
