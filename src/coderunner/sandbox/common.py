@@ -112,3 +112,17 @@ def rlimit_prefix(limits: Limits, nproc: int | None, memory_cgroup: bool = False
     if nproc is not None:
         flags.append(f"--nproc={nproc}")
     return ["/usr/bin/prlimit", *flags, "--"] if flags else []
+
+# --- gVisor checkpoints (sandbox/gvisor.py and guest/channel_relay.py must agree on these) ---------
+#: Where a runsc-direct sandbox sees its run dir (writable) and host-only dir (read-only). Fixed paths,
+#: not the host's own, so that a checkpoint taken in one session restores into another's dirs.
+RUN_INSIDE = "/run/coderunner/run"
+HOST_INSIDE = "/run/coderunner/host"
+#: The checkpointable sandbox's init: relays the kernel's channels from host-visible sockets in the run
+#: dir to the kernel's own ipc sockets in /tmp, and drops every host socket on SIGUSR1 (rebinds on
+#: SIGUSR2). Run as a script with -I -S: stdlib only.
+CHANNEL_RELAY = f"{GUEST_LIB}/coderunner_guest/channel_relay.py"
+#: What the relay says in the run dir, replaced atomically: "<open|closed|failed> <generation>\n".
+RELAY_STATE = "relay-state"
+#: Most bytes the host reads of that file (it is the sandbox's to write).
+RELAY_STATE_MAX_BYTES = 64
