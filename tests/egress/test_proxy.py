@@ -291,7 +291,9 @@ async def test_a_failing_or_silent_asker_denies(upstream: Upstream, monkeypatch:
 
 
 async def test_over_the_connection_cap_answers_503_at_once(upstream: Upstream) -> None:
-    limits = ProxyLimits(max_connections=2)
+    # The subject is the cap, not connect timing: one clean-clone run saw a loopback connect time out at
+    # the default 10 s on a loaded machine, which freed a slot this test holds.
+    limits = ProxyLimits(max_connections=2, connect_timeout_s=60)
     resolver = resolver_for({"ok.test": ["127.0.0.1"]})
     async with running_proxy(
         policy_for(upstream), limits=limits, resolver=resolver, address_check=loopback_only
@@ -300,7 +302,8 @@ async def test_over_the_connection_cap_answers_503_at_once(upstream: Upstream) -
         for _ in range(2):
             reader, writer = await asyncio.open_unix_connection(run.path)
             writer.write(f"CONNECT ok.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
-            await reader.readuntil(b"\r\n\r\n")
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert status_of(head) == 200, f"a held tunnel was not opened: {head[:200]!r}"
             held.append(writer)
         answer = await exchange(run.path, f"CONNECT ok.test:{upstream.port} HTTP/1.1\r\n\r\n".encode())
         assert status_of(answer) == 503 and "at most 2" in body_of(answer)
