@@ -19,6 +19,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NoReturn
 
 import anyio
@@ -70,6 +71,10 @@ ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
 
 class KernelStartError(CodeRunnerError):
     """The kernel did not come up; the message carries what the sandbox said."""
+
+
+class CheckpointFailed(CodeRunnerError):
+    """A memory checkpoint or restore did not work; the message says what the sandbox said."""
 
 
 class RunStatus(enum.Enum):
@@ -128,6 +133,8 @@ class Kernel:
     #: Set when a cancelled run ignored its interrupt: the kernel is busy for good.
     wedged: bool = False
     _connection_name: str | None = None
+    #: The connection info the kernel was started with (its key included): a checkpoint keeps it.
+    _info: dict[str, Any] | None = None
     _shell: Mailbox | None = None
     _control: Mailbox | None = None
     _iopub: Mailbox | None = None
@@ -148,6 +155,7 @@ class Kernel:
             # sockets to its own sock/ dir (see session_dirs.py).
             address = {"transport": "ipc", "ip": str(self.spec.runtime_dir / f"k{self.generation}")}
         info = _connection_info(key=secrets.token_hex(32), **address)
+        self._info = info
         connection_file = self.dirs.write_host_file(self._connection_name, dump_connection(info))
         argv = [
             self.backend.python, "-m", "ipykernel_launcher",
@@ -158,6 +166,11 @@ class Kernel:
         ]  # fmt: skip
         self.started_at = time.monotonic()
         self.process = await self.backend.spawn(self.spec, argv, self.task_group)
+        await self._attach(info, timeout_s, "start")
+
+    async def _attach(self, info: dict[str, Any], timeout_s: float, what: str) -> None:
+        """Claim the sandbox's sockets, connect and wait for the IOPub handshake; on failure end the
+        sandbox and raise KernelStartError saying what the sandbox said."""
         deadline = _Deadline(time.monotonic() + timeout_s)
         try:
             await self._await_sockets(info, deadline)
@@ -174,13 +187,82 @@ class Kernel:
                 type(exc), str(exc)
             )
             raise KernelStartError(
-                f"the sandboxed kernel failed to start ({reason})" + (f":\n{detail}" if detail else "")
+                f"the sandboxed kernel failed to {what} ({reason})" + (f":\n{detail}" if detail else "")
             ) from None
         except BaseException:
             # Cancelled (or worse) half-way: never leave a sandbox nobody owns.
             with anyio.CancelScope(shield=True):
                 await self.shutdown()
             raise
+
+    # --- memory checkpoints (backends with `checkpoint`/`restore`: gvisor) ----------------------
+
+    def saved_connection(self) -> dict[str, Any]:
+        """What a restored copy of this kernel is reached with: its key, ports and generation (host-only)."""
+        assert self._info is not None
+        keep = ("key", "signature_scheme", "transport", *(name for name in self._info if name.endswith("_port")))
+        return {**{name: self._info[name] for name in keep}, "generation": self.generation}
+
+    async def checkpoint(
+        self, image_dir: Path, timeout_s: float, while_stopped: Callable[[], Awaitable[None]] | None = None
+    ) -> None:
+        """Save this kernel's whole sandbox (memory, threads, open files) into `image_dir` and carry on
+        from that image: the sandbox is stopped, saved, `while_stopped` runs (a consistent copy of the
+        workspace), and the sandbox is restored in place. Between cells only (the caller holds the lock).
+
+        Raises CheckpointFailed; `alive` then says whether the kernel survived (a failed save or
+        restore ends it, and the session's next call starts a fresh one)."""
+        backend: Any = self.backend
+        assert self.process is not None and self._info is not None
+        self._detach()
+        try:
+            await backend.checkpoint(self.process, image_dir, timeout_s)
+        except CodeRunnerError as exc:
+            if self.process.alive:  # quiescing failed and the relay was told to bind again
+                self.dirs.forget_sockets(f"k{self.generation}-")
+                await self._attach(self._info, timeout_s, "reconnect after a refused checkpoint")
+            raise CheckpointFailed(str(exc)) from None
+        failed: BaseException | None = None
+        try:
+            if while_stopped is not None:
+                await while_stopped()
+        except BaseException as exc:  # the kernel is restored whatever happened meanwhile (even a cancel)
+            failed = exc
+        with anyio.CancelScope(shield=True):
+            await self._adopt(image_dir, timeout_s, "carry on after its checkpoint")
+        if failed is not None:
+            raise failed
+
+    async def restore(self, image_dir: Path, saved: dict[str, Any], timeout_s: float) -> None:
+        """Start this kernel as a copy of a checkpointed one (`saved`: its saved_connection())."""
+        kept = {name: value for name, value in saved.items() if name != "generation"}
+        self._info = {**kept, "ip": str(self.spec.runtime_dir / f"k{self.generation}")}
+        self.started_at = time.monotonic()
+        await self._adopt(image_dir, timeout_s, "restore")
+
+    async def _adopt(self, image_dir: Path, timeout_s: float, what: str) -> None:
+        backend: Any = self.backend
+        assert self._info is not None
+        self.dirs.forget_sockets(f"k{self.generation}-")  # the dead ones; the relay binds the names again
+        try:
+            self.process = await backend.restore(self.spec, image_dir, self.task_group, timeout_s)
+        except CodeRunnerError as exc:
+            self.process = None
+            raise CheckpointFailed(f"the kernel could not {what}: {exc}") from None
+        try:
+            await self._attach(self._info, timeout_s, what)
+        except KernelStartError as exc:
+            raise CheckpointFailed(str(exc)) from None
+
+    def _detach(self) -> None:
+        """Stop reading and close the host's ends of the channels, without ending the sandbox."""
+        if self._pumps is not None:
+            self._pumps.cancel()
+            self._pumps = None
+        for mailbox in (self._shell, self._control, self._iopub):
+            if mailbox is not None:
+                mailbox.connection.close()
+        self._shell = self._control = self._iopub = None
 
     def _host_side(self, info: dict[str, Any]) -> dict[str, Any]:
         """The connection info as the host uses it: ipc sockets in its own sock/ dir."""
@@ -427,13 +509,7 @@ class Kernel:
 
     async def shutdown(self) -> None:
         """Kill the sandbox (no polite shutdown: nothing inside needs saving) and close channels."""
-        if self._pumps is not None:
-            self._pumps.cancel()
-            self._pumps = None
-        for mailbox in (self._shell, self._control, self._iopub):
-            if mailbox is not None:
-                mailbox.connection.close()
-        self._shell = self._control = self._iopub = None
+        self._detach()
         if self.process is not None:
             await self.process.kill()
         self._remove_sockets()

@@ -9,6 +9,9 @@ store only the server can reach.
                                 that are only ever read inside a sandbox, never unpickled here
                 workspace/      the workspace's files: regular files, folders and symlinks (kept as
                                 links, never followed); fifos, sockets and devices are left out
+                memory/         a gVisor memory checkpoint instead of state/ (written by runsc, read
+                                only by runsc restoring it), and memory.json beside it: what the
+                                restored kernel is reached with (its key: never shown to anyone)
             .draft-<random>/    a snapshot being made; a dead server's drafts go at the next start
 
 A persistent session with keep_state saves its kernel state as the snapshot `keep-<name>` (no
@@ -56,6 +59,8 @@ SNAPSHOT_ID = re.compile(r"(s-[A-Za-z0-9_-]{12}|keep-[A-Za-z0-9][A-Za-z0-9_.-]{0
 META_NAME = "meta.json"
 STATE_DIR = "state"
 WORKSPACE_DIR = "workspace"
+MEMORY_DIR = "memory"
+MEMORY_CONNECTION = "memory.json"
 #: The names a guest's state folder may hold (manifest.json, v-0001.pkl, ...): anything else is tampering.
 STATE_FILE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 DRAFT_PREFIX = ".draft-"
@@ -299,6 +304,37 @@ class Draft:
         finally:
             os.close(dst)
 
+    def memory_dir(self) -> Path:
+        """An empty host-only folder for a memory checkpoint (runsc writes the image there by path:
+        nothing below the store is the sandbox's)."""
+        self._check_open()
+        try:
+            os.close(hostfs.make_private_dir(self._fd, MEMORY_DIR, 0o700))
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        return self.store.root / self.client / self.name / MEMORY_DIR
+
+    def charge_memory(self, connection: dict[str, Any]) -> int:
+        """Count the checkpoint's bytes against the cap (raises SnapshotTooLarge past it) and keep
+        `connection` (Kernel.saved_connection: the key included) beside it, 0600. Returns the bytes."""
+        self._check_open()
+        fd = hostfs.open_dir(MEMORY_DIR, dir_fd=self._fd)
+        try:
+            total = 0
+            for entry in hostfs.entries(fd):
+                info = os.stat(entry, dir_fd=fd, follow_symlinks=False)
+                total += info.st_size if stat.S_ISREG(info.st_mode) else 0
+        finally:
+            os.close(fd)
+        if total > self._cap.left:
+            raise _too_large(self._cap.used + total, self._cap.limit)
+        self._cap.used += total
+        try:
+            hostfs.write_new_file(self._fd, MEMORY_CONNECTION, json.dumps(connection).encode(), 0o600)
+        except OSError as exc:
+            raise _write_failed(exc) from exc
+        return total
+
     def commit(self, meta: SnapshotMeta) -> SnapshotMeta:
         """Write meta.json and rename the draft to meta.snapshot_id (replacing an older snapshot of
         that id: a persistent session's state); the store then prunes the client's old snapshots."""
@@ -444,6 +480,26 @@ class SnapshotStore:
         if meta is None:
             raise _not_found(snapshot_id)
         return meta
+
+    def memory_image(self, client: str, snapshot_id: str) -> tuple[Path, dict[str, Any]]:
+        """A memory snapshot's checkpoint folder (for runsc restore) and its saved connection."""
+        self.get(client, snapshot_id)
+        with self._client(client) as cfd:
+            if cfd is None:
+                raise _not_found(snapshot_id)
+            top = hostfs.open_dir(snapshot_id, dir_fd=cfd)
+            try:
+                os.close(hostfs.open_dir(MEMORY_DIR, dir_fd=top))
+                fd = os.open(MEMORY_CONNECTION, FILE_FLAGS, dir_fd=top)
+                with open(fd, "rb") as handle:
+                    connection = json.loads(handle.read(MAX_META_BYTES))
+            except (OSError, ValueError) as exc:
+                raise SnapshotError(f"snapshot {snapshot_id} holds no usable memory checkpoint ({exc})") from None
+            finally:
+                os.close(top)
+        if not isinstance(connection, dict):
+            raise SnapshotError(f"snapshot {snapshot_id} holds no usable memory checkpoint")
+        return self.root / client / snapshot_id / MEMORY_DIR, connection
 
     def delete(self, client: str, snapshot_id: str) -> None:
         """Delete `client`'s snapshot for good; raises SnapshotNotFound."""

@@ -223,7 +223,10 @@ class SessionManager:
         session.busy = True  # starting: the idle reaper must not close it under a slow start
         try:
             session.egress = await self.egress.open(options, session.dirs, self._task_group, session.session_id)
-            await session.start_kernel()
+            if seed is not None and seed.memory is not None:
+                await session.restore_kernel(seed.memory.image_dir, seed.memory.connection)
+            else:
+                await session.start_kernel()
             if seed is not None:
                 await self.snapshots.load(seed, session)
                 session.seeded = seed

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -22,7 +23,7 @@ from ..callers import LOCAL_CALLER
 from ..config import Settings
 from ..errors import GuestCallError, SessionBusy, SessionError
 from ..files import SandboxFiles
-from ..kernel import Kernel, ProgressCallback, RunOutcome, RunStatus
+from ..kernel import CheckpointFailed, Kernel, ProgressCallback, RunOutcome, RunStatus
 from ..leases import sandbox_spec
 from ..offload import off_loop
 from ..options import SandboxOptions
@@ -194,6 +195,20 @@ class Session:
         self._generation += 1
         await kernel.start(self.settings.startup_timeout_s)
         if self.closed:  # closed while the kernel was starting
+            await kernel.shutdown()
+            raise SessionError(f"session {self.session_id} was closed")
+        self.kernel = kernel
+
+    async def restore_kernel(self, image_dir: Path, connection: dict[str, Any]) -> None:
+        """Start this session's first kernel as a copy of a checkpointed one (a memory snapshot)."""
+        generation = int(connection["generation"])
+        kernel = Kernel(self.backend, self.spec, self.task_group, self.dirs, generation=generation)
+        self._generation = generation + 1
+        try:
+            await kernel.restore(image_dir, connection, self.settings.snapshot_timeout_s)
+        except CheckpointFailed as exc:
+            raise SessionError(f"could not restore the snapshot's kernel: {exc}") from None
+        if self.closed:
             await kernel.shutdown()
             raise SessionError(f"session {self.session_id} was closed")
         self.kernel = kernel

@@ -9,6 +9,12 @@ files into it, moves planted start-up hooks aside as for a reopened workspace (s
 and stages the state read-only in the new sandbox's host dir; once the kernel is up the guest loads
 it there. Nothing of a snapshot is unpickled on the host, and loading runs no code but unpickling
 the user's own objects, inside the new sandbox.
+
+Memory snapshots (a backend with `checkpoint`: gvisor): snapshot_session, fork_session and
+restore_session save and restore the whole sandbox instead (runsc checkpoint: every variable, thread,
+open file and /tmp), its workspace copied while it is stopped so that files and memory agree. The
+image is written and read by runsc only, in the host-only store. keep_state stays on the pickled
+path on every backend (it must survive an upgrade of runsc or the image, which a checkpoint does not).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -25,6 +32,7 @@ import anyio
 from .. import hostfs
 from ..config import Settings
 from ..errors import CodeRunnerError
+from ..kernel import CheckpointFailed
 from ..offload import off_loop
 from ..sandbox import SandboxBackend
 from ..session_dirs import SandboxDirs
@@ -72,6 +80,31 @@ class Seed:
     loaded: dict[str, Any] = field(default_factory=dict)
     #: Start-up hooks found in the restored files (startup_hooks.py), for the reply.
     startup: dict[str, Any] | None = None
+    #: A memory snapshot's checkpoint, restored in place of a fresh kernel (set by `plant`).
+    memory: MemoryImage | None = None
+
+
+@dataclass(frozen=True)
+class MemoryImage:
+    """A gVisor checkpoint in the store: runsc reads `image_dir`; `connection` reaches the kernel in it."""
+
+    image_dir: Path
+    connection: dict[str, Any]
+
+
+#: What a memory snapshot carries, and what it cannot (for replies).
+MEMORY_CARRIES = "the kernel's whole memory: every variable, import, running thread, open file and /tmp"
+MEMORY_NEVER = ["connections to the outside (the host reconnects the kernel's own channels)"]
+
+
+def memory_key(meta: SnapshotMeta) -> str | None:
+    """The runtime a memory snapshot needs (SandboxBackend.checkpoint_key), or None for a pickled one."""
+    memory = meta.state_report.get("memory")
+    return str(memory.get("runtime")) if isinstance(memory, dict) else None
+
+
+def takes_memory(backend: SandboxBackend) -> bool:
+    return callable(getattr(backend, "checkpoint", None))
 
 
 class SessionSnapshots:
@@ -105,6 +138,8 @@ class SessionSnapshots:
         runs detached. Raises SessionError, GuestCallError, SnapshotError.
         """
         started = time.monotonic()
+        if kind != PERSISTENT and takes_memory(self.backend):
+            return await self._take_memory(session, name, snapshot_id, wait_s, started)
         timeout = self.settings.snapshot_timeout_s
         state_dir = f"{self.backend.workspace_path}/{STATE_IN_WORKSPACE}"
         arguments = {"op": "save", "dir": state_dir, "limit_bytes": self.store.limit_bytes}
@@ -150,10 +185,68 @@ class SessionSnapshots:
                     await off_loop(_remove_state_dir, session)
         return Taken(meta, copied, time.monotonic() - started)
 
+    async def _take_memory(
+        self, session: Session, name: str, snapshot_id: str | None, wait_s: float | None, started: float
+    ) -> Taken:
+        """A memory snapshot: the sandbox checkpointed by runsc (and restored in place to run on), its
+        workspace copied while it is stopped. A failed checkpoint keeps nothing; the reply says
+        whether the kernel carried on."""
+        timeout = self.settings.snapshot_timeout_s
+        client = session.options.client
+        backend: Any = self.backend
+        async with session.held(timeout if wait_s is None else wait_s):
+            kernel = session.kernel
+            assert kernel is not None
+            draft = await off_loop(self.store.draft, client)
+            try:
+                image_dir = await off_loop(draft.memory_dir)
+                copied: list[CopyReport] = []
+
+                def copy_workspace() -> None:
+                    with hostfs.dir_fd(session.workspace.path) as workspace_fd:
+                        copied.append(draft.copy_workspace(workspace_fd, STATE_IN_WORKSPACE))
+
+                async def while_stopped() -> None:
+                    await off_loop(copy_workspace, bulk=True)
+
+                try:
+                    await kernel.checkpoint(image_dir, timeout, while_stopped)
+                except CheckpointFailed as exc:
+                    lost = "" if kernel.alive else "; the kernel did not survive it: the next call starts a fresh one"
+                    raise SnapshotError(f"the memory checkpoint failed: {exc}{lost}") from None
+                state_bytes = await off_loop(draft.charge_memory, kernel.saved_connection())
+                meta = SnapshotMeta(
+                    snapshot_id=snapshot_id or self.store.new_id(),
+                    client=client,
+                    name=name,
+                    created=time.time(),
+                    kind=SNAPSHOT,
+                    source_session=session.session_id[:8],
+                    backend=self.backend.name,
+                    options=restore_options(session),
+                    workspace_bytes=copied[0].bytes if copied else 0,
+                    state_bytes=state_bytes,
+                    state_report={"memory": {"runtime": backend.checkpoint_key()}, "not_carried": MEMORY_NEVER},
+                )
+                meta = await off_loop(draft.commit, meta)
+            except BaseException:
+                await off_loop(draft.discard)
+                raise
+        return Taken(meta, copied[0] if copied else None, time.monotonic() - started)
+
     def plant(self, seed: Seed, dirs: SandboxDirs) -> None:
         """Fill a new sandbox's dirs from `seed` before any sandbox runs on them (a worker thread):
         the workspace files, planted start-up hooks moved aside, the state staged read-only."""
         seed.meta = self.store.get(seed.client, seed.snapshot_id)
+        if (needs := memory_key(seed.meta)) is not None:
+            if not takes_memory(self.backend) or needs != self.backend.checkpoint_key():  # type: ignore[attr-defined]
+                raise SnapshotError(
+                    f"snapshot {seed.snapshot_id} is a gVisor memory snapshot and restores only on the gvisor "
+                    "backend with the same runsc and sandbox image it was taken with; this server runs "
+                    f"{self.backend.name}" + (" with another runsc or image" if takes_memory(self.backend) else "")
+                )
+            image_dir, connection = self.store.memory_image(seed.client, seed.snapshot_id)
+            seed.memory = MemoryImage(image_dir, connection)
         try:
             if seed.with_workspace:
                 with hostfs.dir_fd(dirs.workspace.path) as workspace_fd:
@@ -162,7 +255,8 @@ class SessionSnapshots:
                         seed.client, seed.snapshot_id, workspace_fd, dirs.owner, limit_bytes=cap
                     )
                 seed.startup = disable_startup_hooks(dirs.workspace.path).as_dict()
-            self.store.stage_state(seed.client, seed.snapshot_id, dirs.host_fd, STAGED_STATE, dirs.owner)
+            if seed.memory is None:
+                self.store.stage_state(seed.client, seed.snapshot_id, dirs.host_fd, STAGED_STATE, dirs.owner)
         except OSError as exc:
             raise SnapshotError(
                 f"could not restore snapshot {seed.snapshot_id}: {exc.strerror or exc} (the snapshot is unchanged)"
@@ -170,6 +264,9 @@ class SessionSnapshots:
 
     async def load(self, seed: Seed, session: Session) -> None:
         """Load the staged state into `session`'s fresh kernel, then drop the staged copy."""
+        if seed.memory is not None:  # the kernel was restored whole (Session.restore_kernel)
+            seed.loaded = {"restored": [MEMORY_CARRIES], "not_carried": MEMORY_NEVER}
+            return
         inside = f"{self.backend.host_dir_inside(session.spec)}/{STAGED_STATE}"
         try:
             seed.loaded = await session.call_guest(

@@ -13,7 +13,7 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 
 from ..sessions import Session
-from ..sessions.snapshots import Seed, Taken
+from ..sessions.snapshots import MEMORY_CARRIES, Seed, Taken, memory_key
 from ..snapshot_store import CopyReport, SnapshotMeta
 from .arguments import SessionId, Text
 from .context import ToolContext, json_result
@@ -80,13 +80,12 @@ async def _open(tools: ToolContext, ctx: Context, meta: SnapshotMeta, seed: Seed
 
 def _taken(taken: Taken) -> dict[str, Any]:
     meta, report = taken.meta, taken.meta.state_report
-    reply: dict[str, Any] = {
-        "snapshot": meta.snapshot_id,
-        "name": meta.name,
-        "size_mb": _mb(meta.size_bytes),
-        "variables": _names(report.get("saved", [])),
-        "modules": _names(report.get("modules", [])),
-    }
+    reply: dict[str, Any] = {"snapshot": meta.snapshot_id, "name": meta.name, "size_mb": _mb(meta.size_bytes)}
+    if memory_key(meta) is not None:
+        reply["memory"] = MEMORY_CARRIES
+    else:
+        reply["variables"] = _names(report.get("saved", []))
+        reply["modules"] = _names(report.get("modules", []))
     skipped = report.get("skipped", [])
     if skipped:
         reply["not_saved"] = _reasons(skipped)
@@ -149,7 +148,7 @@ def _listed(meta: SnapshotMeta) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(meta.created)),
         "from_session": meta.source_session,
         "size_mb": _mb(meta.size_bytes),
-        "variables": len(meta.state_report.get("saved", [])),
+        "variables": "all (memory)" if memory_key(meta) is not None else len(meta.state_report.get("saved", [])),
     }
 
 
