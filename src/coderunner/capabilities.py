@@ -13,6 +13,7 @@ from . import __version__
 from .egress_text import allowlist_enforcement, ceiling_summary, presets
 from .sandbox import SandboxUnavailable
 from .sandbox.env import requirements_text
+from .sessions.snapshots import takes_memory
 
 if TYPE_CHECKING:
     from .config import Settings
@@ -94,8 +95,13 @@ class Capabilities:
                 ),
             },
             "snapshots": {
-                "what": "workspace files and the kernel's variables (pickled inside the sandbox); not running "
-                "threads, open files or sockets, or the browser page",
+                "what": (
+                    "workspace files and the whole sandbox's memory (a gVisor checkpoint): every variable, "
+                    "running thread, open file and /tmp; restorable on this backend with the same runsc and image"
+                    if takes_memory(backend)
+                    else "workspace files and the kernel's variables (pickled inside the sandbox); not running "
+                    "threads, open files or sockets, or the browser page"
+                ),
                 "limit_mb": settings.snapshot_limit_mb,
                 "kept": f"{settings.snapshot_keep} per client, at most {settings.snapshot_retention_s / 86400:g} days",
                 "keep_state": "create_session(name=..., persistent=true, keep_state=true) saves variables at close",
