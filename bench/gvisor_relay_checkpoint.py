@@ -424,6 +424,34 @@ def execute(client: BlockingKernelClient, code: str, timeout: float = REPLY_S) -
     return None
 
 
+FORK_CELL = """
+import os
+child = os.fork()
+if child == 0:
+    print("forked-output-{tag}", flush=True)
+    os._exit(0)
+os.waitpid(child, 0)
+"""
+
+
+def forked_output(client: BlockingKernelClient, tag: str, bound_s: float = 30.0) -> bool:
+    """Does a forked child's print reach iopub (kernel_boot's ipc fork pipe)?"""
+    seen: list[str] = []
+
+    def hook(message: dict[str, object]) -> None:
+        if message["msg_type"] == "stream":
+            seen.append(message["content"]["text"])  # type: ignore[index]
+
+    client.execute_interactive(FORK_CELL.format(tag=tag), timeout=bound_s, output_hook=hook, store_history=False)
+    deadline = time.monotonic() + bound_s  # the child's output may trail the parent's idle
+    while f"forked-output-{tag}" not in "".join(seen) and time.monotonic() < deadline:
+        try:
+            hook(client.get_iopub_msg(timeout=1))
+        except Exception:  # queue.Empty
+            continue
+    return f"forked-output-{tag}" in "".join(seen)
+
+
 def probe(client: BlockingKernelClient) -> tuple[int, int, bool, int]:
     value = execute(client, "PROBE")
     length, last, same, threads = str(value).strip("()").split(", ")
@@ -582,6 +610,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     if args.variant in OPEN_FILE_VARIANTS:  # a file the kernel holds open in a writable bind
         execute(client, "notes = open('/run/coderunner/notes.txt', 'a'); notes.write('before\\n'); notes.flush()")
     figures["setup_s"] = time.perf_counter() - began
+    if inner == "relay":
+        figures["forked_output_before"] = forked_output(client, "before")
     before = probe(client)
     figures["probe_before"] = before
     if args.limits:
@@ -622,6 +652,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
         figures["warm_after_live_ms"] = warm(client, rounds)
         after = probe(client)
         figures["probe_after_live"] = after
+        if inner == "relay":
+            figures["forked_output_live_after"] = forked_output(client, "live")
         figures["thread_kept_counting_live"] = after[1] > before[1] and after[0] == after[1]
 
         live_ok = True
@@ -651,6 +683,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     figures["warm_after_restore_ms"] = warm(restored, rounds)
     again = probe(restored)
     figures["probe_restored"] = again
+    if inner == "relay":
+        figures["forked_output_restored"] = forked_output(restored, "restored")
     if busy:
         figures["busy_done_restored"] = branch_like(restored)
     if args.limits:
