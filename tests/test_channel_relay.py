@@ -309,7 +309,8 @@ def test_sigterm_ends_relay_and_kernel(arena: Arena, relays: list[subprocess.Pop
     arena.wait_state("open 1\n")
     arena.claim()
     client = arena.client()
-    kernel = int(value(client, "import os; os.getpid()"))
+    kernel, group = value(client, "import os; os.getpid(), os.getpgid(0)").strip("()").split(", ")
+    assert kernel == group  # its own process group, so an interrupt reaches its children too
     client.stop_channels()
     relay.send_signal(signal.SIGTERM)
     assert relay.wait(timeout=WAIT_S) == 128 + signal.SIGTERM

@@ -272,9 +272,13 @@ def become_subreaper() -> None:
 
 
 def spawn(plan: Plan) -> int:
+    """The kernel in a session of its own, as jupyter_client starts one: an interrupt_request then
+    reaches its whole process group (a running `!sleep`, pip). Python's ignored SIGPIPE and SIGXFSZ
+    go back to the default, as exec from any shell would give."""
     stdin = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
+    defaults = [signal.SIGPIPE, signal.SIGXFSZ]
     try:
-        return os.posix_spawnp(plan.argv[0], plan.argv, plan.env, file_actions=stdin)
+        return os.posix_spawnp(plan.argv[0], plan.argv, plan.env, file_actions=stdin, setsid=True, setsigdef=defaults)
     except OSError as error:
         raise RelayError(f"cannot start the kernel {plan.argv[0]}: {error.strerror}") from None
 
@@ -336,7 +340,10 @@ async def serve(plan: Plan) -> int:
     async def worker() -> None:  # one change at a time, in the order the signals came
         while True:
             word = await requests.get()
-            await (relay.close() if word == "close" else relay.open())
+            try:
+                await (relay.close() if word == "close" else relay.open())
+            except Exception as error:  # the relay must keep answering signals
+                say(f"could not {word} the channels: {type(error).__name__}: {error}")
 
     loop.add_signal_handler(signal.SIGCHLD, init.reap)
     loop.add_signal_handler(signal.SIGUSR1, request, "close")
