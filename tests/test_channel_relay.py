@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import select
 import shutil
 import signal
 import socket
@@ -27,6 +28,7 @@ import pytest
 from jupyter_client import BlockingKernelClient
 
 from coderunner.config import Settings
+from coderunner.guest.channel_relay import MAX_CONNECTIONS
 from coderunner.sandbox.common import RELAY_STATE, RELAY_STATE_MAX_BYTES
 from tests.fakes.backend import kernel_python
 
@@ -222,15 +224,26 @@ def test_close_and_reopen_keep_the_kernel(arena: Arena, relays: list[subprocess.
 
 
 def test_reopen_fails_while_a_path_is_taken(arena: Arena, relays: list[subprocess.Popen[bytes]]) -> None:
-    """A relay whose kernel never binds still closes, fails clearly and opens again."""
+    """A relay whose kernel never binds bounds its connections, closes, fails clearly, opens again."""
     relays.append(relay := arena.start("-c", "import time; time.sleep(600)"))
     arena.wait_state("open 1\n")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as early:
-        early.connect(str(arena.run / arena.names()[0]))  # the relay keeps dialing the absent kernel
-        early.sendall(b"hello")
+    extra = 4
+    early = [socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) for _ in range(MAX_CONNECTIONS + extra)]
+    try:
+        for each in early:  # the relay keeps dialing the absent kernel for each
+            each.connect(str(arena.run / arena.names()[0]))
+            each.sendall(b"hello")
+        deadline = time.monotonic() + WAIT_S
+        while len(ready := select.select(early, [], [], 1)[0]) < extra and time.monotonic() < deadline:
+            pass
+        assert len(ready) == extra  # the connections past the bound are dropped at once
+        assert all(dropped(each) for each in ready)
         relay.send_signal(signal.SIGUSR1)
         arena.wait_state("closed 2\n")
-        assert dropped(early)
+        assert all(dropped(each) for each in early)  # the relay dropped every other one
+    finally:
+        for each in early:
+            each.close()
     relay.send_signal(signal.SIGUSR2)  # the dead socket files are still in run/
     arena.wait_state("failed 3\n")
     assert "cannot bind" in arena.stderr()

@@ -201,6 +201,8 @@ class Relay:
 
     async def close(self, announce: bool = True) -> None:
         self.drop_servers()
+        for _ in range(3):  # let connections accepted just before the close reach accept(), which drops them
+            await asyncio.sleep(0)
         for task, writers in list(self.links.items()):
             for writer in writers:
                 writer.close()
@@ -211,7 +213,7 @@ class Relay:
             self.report("closed")
 
     async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
-        if self.per_port[port] >= MAX_CONNECTIONS:
+        if not self.servers or self.per_port[port] >= MAX_CONNECTIONS:  # closed meanwhile, or too many
             writer.close()
             return
         task = asyncio.current_task()
