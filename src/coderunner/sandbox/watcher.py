@@ -1,5 +1,8 @@
 """A process on the host that removes a server's containers once that server is gone.
 
+(For the gvisor backend, kind "runsc": the containers under the server process's own runsc
+--root; their rootfs mounts and bundle dirs are left to the next server's sweep.)
+
 A container outlives its engine client (conmon keeps it running), so a server that dies by
 SIGKILL, OOM or a crash would leave its kernels running. Nothing inside the container can be
 trusted to end it (the sandbox may kill anything in there), so the watcher lives outside: one
@@ -43,14 +46,20 @@ REMOVE_TIMEOUT_S = 30.0
 class WatchPlan:
     """What the watcher removes, and how: the engine's argv prefix and a `key=value` label."""
 
-    engine: list[str]  # e.g. ["podman", "--runtime", "runc"]
-    kind: str  # "podman" or "docker"
+    engine: list[str]  # e.g. ["podman", "--runtime", "runc"], or ["runsc", "--root=R", ...]
+    kind: str  # "podman", "docker" or "runsc"
+    #: podman/docker: the server process's instance label; runsc: its own --root (R), which every
+    #: runsc client and sandbox process of that server carries in its argv.
     label: str
 
     def list_argv(self) -> list[str]:
+        if self.kind == "runsc":
+            return [*self.engine, "list", "-quiet"]
         return [*self.engine, "ps", "--all", "--quiet", "--filter", f"label={self.label}"]
 
     def remove_argv(self, ids: list[str]) -> list[str]:
+        if self.kind == "runsc":
+            return [*self.engine, "delete", "--force", *ids]
         force = ["--force"] if self.kind == "docker" else ["--force", "--time", "0"]
         return [*self.engine, "rm", *force, *ids]
 
