@@ -70,6 +70,7 @@ async def backend(tmp_path: Path) -> AsyncIterator[object]:
     base.mkdir(mode=0o711)
     made = GvisorBackend(IMAGE, base)
     yield made
+    made.close()  # whatever a failed test left running
 
 
 def runsc_containers(backend: object) -> list[str]:
@@ -91,27 +92,6 @@ def left_behind(backend: object, container: str) -> list[str]:
         found.append("bundle dir")
     found += [f"cgroup {path}" for path in container_cgroup(container).dirs.values() if path.exists()]
     return found
-
-
-async def one_shot(backend: object, spec: SandboxSpec, code: str) -> tuple[int, str, str]:
-    async with anyio.create_task_group() as group:
-        process = await backend.spawn(spec, ["/opt/coderunner/env/bin/python", "-c", code], group, pipes=True)  # type: ignore[attr-defined]
-        stdin, stdout, stderr = process.streams
-        await stdin.aclose()
-        out, err = bytearray(), bytearray()
-
-        async def read(stream: object, into: bytearray) -> None:
-            with pytest.raises(anyio.EndOfStream):
-                while True:
-                    into.extend(await stream.receive())  # type: ignore[attr-defined]
-
-        with anyio.fail_after(TIMEOUT_S):
-            async with anyio.create_task_group() as readers:
-                readers.start_soon(read, stdout, out)
-                readers.start_soon(read, stderr, err)
-            code_ = await process.wait()
-        await process.kill()
-        return code_, out.decode(), err.decode()
 
 
 async def test_a_one_shot_runs_as_the_sandbox_user_in_the_workspace_and_a_kill_leaves_nothing(
@@ -138,7 +118,7 @@ async def test_a_one_shot_runs_as_the_sandbox_user_in_the_workspace_and_a_kill_l
         argv = ["/opt/coderunner/env/bin/python", "-c", program, str(spec.host_dir / "input.txt")]
         process = await backend.spawn(spec, argv, group, pipes=True)  # type: ignore[attr-defined]
         container = process.container
-        stdin, stdout, stderr = process.streams
+        stdin, stdout, _ = process.streams
         await stdin.aclose()
         out = bytearray()
         with anyio.fail_after(TIMEOUT_S):
@@ -242,7 +222,7 @@ async def test_a_new_server_sweeps_what_a_dead_one_left(tmp_path: Path) -> None:
     from coderunner.sandbox.gvisor import GvisorBackend
 
     assert container in Path("/proc/self/mountinfo").read_text(), "the dead server left its rootfs mounted"
-    GvisorBackend(IMAGE, base)
+    GvisorBackend(IMAGE, base).close()
     assert not Path(top).exists(), "the dead server's instance dir is gone"
     assert container not in Path("/proc/self/mountinfo").read_text()
     done = subprocess.run(["runsc", f"--root={top}/root", "list", "-quiet"], capture_output=True, text=True, timeout=60)
@@ -258,7 +238,7 @@ def say(word):
     tmp = os.path.join(run, ".state.tmp")
     with open(tmp, "w") as handle:
         handle.write(f"{word} {state['n']}\\n")
-    os.replace(tmp, os.path.join(run, "%s"))
+    os.replace(tmp, os.path.join(run, "RELAY_STATE_NAME"))
 signal.signal(signal.SIGUSR1, lambda *_: say("closed"))
 signal.signal(signal.SIGUSR2, lambda *_: say("open"))
 say("open")
@@ -271,7 +251,7 @@ while True:
         handle.write(str(count))
     os.replace("/workspace/count.tmp", "/workspace/count")
     time.sleep(0.1)
-""" % RELAY_STATE
+""".replace("RELAY_STATE_NAME", RELAY_STATE)
 
 
 async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: object, tmp_path: Path) -> None:

@@ -163,7 +163,9 @@ async def wait_relay(run_dir: Path, word: str, after: int, timeout_s: float, pro
                 if found[0] == word:
                     return found[1]
                 if found[0] == "failed":
-                    raise CheckpointError(f"the sandbox's channel relay failed to {'bind' if word == 'open' else 'close'} its sockets")
+                    raise CheckpointError(
+                        f"the sandbox's channel relay failed to {'bind' if word == 'open' else 'close'} its sockets"
+                    )
             await anyio.sleep(RELAY_POLL_S)
         raise CheckpointError(f"the sandbox ended before its channel relay reported {word!r}")
     raise CheckpointError(f"the sandbox's channel relay did not report {word!r} within {timeout_s:g} s")
@@ -236,7 +238,9 @@ class GvisorBackend:
         binary = find_runsc(runsc)
         podman = engine or shutil.which("podman")
         if podman is None:
-            raise ContainerUnavailable(f"podman is not installed (it builds and mounts the gvisor image): {INSTALL_HINT}")
+            raise ContainerUnavailable(
+                f"podman is not installed (it builds and mounts the gvisor image): {INSTALL_HINT}"
+            )
         self.identity = identity
         self.dir_mode = shared_dir_mode(identity)
         self.image = image
@@ -322,7 +326,9 @@ class GvisorBackend:
         return {
             "memory_mb": LimitReport(limits.memory_mb, "RLIMIT_AS + cgroup memory limit" if limits.memory_mb else None),
             "cpus": LimitReport(limits.cpus, "cgroup cpu quota" if limits.cpus else None),
-            "pids": LimitReport(limits.pids, "RLIMIT_NPROC in gVisor's kernel + cgroup pids limit" if limits.pids else None),
+            "pids": LimitReport(
+                limits.pids, "RLIMIT_NPROC in gVisor's kernel + cgroup pids limit" if limits.pids else None
+            ),
             "tmp_mb": LimitReport(limits.tmp_mb, "tmpfs size" if limits.tmp_mb else None),
         }
 
@@ -408,7 +414,9 @@ class GvisorBackend:
             raise
         # Before the container exists, so that no container of ours is ever unwatched.
         self.watcher.ensure_running()
-        argv = self.runsc.run(bundle, container) if image_dir is None else self.runsc.restore(image_dir, bundle, container)
+        argv = (
+            self.runsc.run(bundle, container) if image_dir is None else self.runsc.restore(image_dir, bundle, container)
+        )
         try:
             process = await anyio.open_process(
                 argv,
@@ -458,7 +466,9 @@ class GvisorBackend:
                 said = await self.call(self.runsc.kill(process.container, "USR1"), RUNSC_CALL_S)
                 if said is None or said.returncode != 0:
                     raise CheckpointError(f"could not signal the sandbox: {short_reason(said.stderr if said else '')}")
-                process.relay_generation = await wait_relay(run_dir, "closed", before, min(timeout_s, RELAY_WAIT_S), process)
+                process.relay_generation = await wait_relay(
+                    run_dir, "closed", before, min(timeout_s, RELAY_WAIT_S), process
+                )
             except CheckpointError:
                 with anyio.CancelScope(shield=True):
                     if process.alive:
@@ -496,7 +506,9 @@ class GvisorBackend:
                 before = found[1] if found else 0
                 said = await self.call(self.runsc.kill(process.container, "USR2"), RUNSC_CALL_S)
                 if said is None or said.returncode != 0:
-                    raise CheckpointError(f"could not signal the restored sandbox: {short_reason(said.stderr if said else '')}")
+                    raise CheckpointError(
+                        f"could not signal the restored sandbox: {short_reason(said.stderr if said else '')}"
+                    )
                 process.relay_generation = await wait_relay(spec.runtime_dir, "open", before, timeout_s, process)
         except (CheckpointError, TimeoutError) as exc:
             with anyio.CancelScope(shield=True):
@@ -536,7 +548,9 @@ class GvisorBackend:
     def _containers(self, top: Path) -> list[str]:
         runsc = Runsc(self.runsc.binary, top / ROOT_NAME, self.runsc.flags)
         done = self.call_sync(runsc.list(), QUERY_TIMEOUT_S) if (top / ROOT_NAME).is_dir() else None
-        return [line.strip() for line in (done.stdout if done and done.returncode == 0 else "").splitlines() if line.strip()]
+        return [
+            line.strip() for line in (done.stdout if done and done.returncode == 0 else "").splitlines() if line.strip()
+        ]
 
     def _remove(self, top: Path, containers: list[str]) -> None:
         if containers:
@@ -550,7 +564,9 @@ class GvisorBackend:
         self._remove(top, [c for c in containers if session is None or session_of(c, self.tag) == session])
         with contextlib.suppress(OSError):
             for entry in os.scandir(top):
-                if entry.name.startswith(f"{NAME_PREFIX}-") and (session is None or session_of(entry.name, self.tag) == session):
+                if entry.name.startswith(f"{NAME_PREFIX}-") and (
+                    session is None or session_of(entry.name, self.tag) == session
+                ):
                     self.release(entry.name, top)
         if session is None:
             with contextlib.suppress(OSError), hostfs.dir_fd(self.backend_dir) as parent:
@@ -562,8 +578,16 @@ class GvisorBackend:
             if not alive:
                 self._clear_dead(top)
                 continue
-            gone = [c for c in self._containers(top) if not (self.runtime_base / (session_of(c, self.tag) or "-")).exists()]
+            gone = [
+                c for c in self._containers(top) if not (self.runtime_base / (session_of(c, self.tag) or "-")).exists()
+            ]
             self._remove(top, gone)
+
+    def close(self) -> None:
+        """Delete this server process's own sandboxes and dirs (blocking; tests, and a server's exit)."""
+        self._clear_dead(self.instance.top)
+        with contextlib.suppress(OSError):
+            os.close(self.instance.lock_fd)
 
     def remove_stale(self, name: str) -> None:
         """Remove what dead servers left for the sandbox `name`."""
@@ -590,4 +614,3 @@ def _held(lock: Path) -> bool:
 def _hard_limit(kind: int, cap: int) -> int:
     hard = resource.getrlimit(kind)[1]
     return cap if hard == resource.RLIM_INFINITY else min(hard, cap)
-
