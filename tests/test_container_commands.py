@@ -302,6 +302,10 @@ def test_watch_plan_argv_and_round_trip() -> None:
     ]  # fmt: skip
     assert plan.remove_argv(["a1", "b2"]) == ["podman", "--runtime", "runc", "rm", "--force", "--time", "0", "a1", "b2"]
     assert WatchPlan(["docker"], "docker", "l=v").remove_argv(["a1"]) == ["docker", "rm", "--force", "a1"]
+    runsc = WatchPlan(["runsc", "--root=/r/root"], "runsc", "/r/root", clear_dir="/r")
+    assert WatchPlan.from_json(runsc.to_json()) == runsc
+    assert runsc.list_argv() == ["runsc", "--root=/r/root", "list", "-quiet"]
+    assert runsc.remove_argv(["c1", "c2"]) == ["runsc", "--root=/r/root", "delete", "--force", "c1", "c2"]
 
 
 def test_the_watcher_sweeps_when_its_server_lets_go_and_not_before(tmp_path: Path) -> None:

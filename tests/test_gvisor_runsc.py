@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import textwrap
@@ -180,15 +181,17 @@ async def test_the_watcher_deletes_the_sandboxes_of_a_server_that_died(backend: 
         os.close(watcher._write_fd)  # what the server's death does to the pipe
         watcher._write_fd = None
         await anyio.to_thread.run_sync(lambda: watcher._process.wait(timeout=TIMEOUT_S))
-        assert process.container not in runsc_containers(backend)
+        # The container, its rootfs mount, bundle and cgroups: all gone (and the server's dir with them).
+        assert left_behind(backend, process.container) == []
+        assert not backend.instance.top.exists()  # type: ignore[attr-defined]
         with anyio.fail_after(TIMEOUT_S):
             await process.wait()  # its runsc client saw the container go
         await process.kill()
 
 
 async def test_a_new_server_sweeps_what_a_dead_one_left(tmp_path: Path) -> None:
-    """A server SIGKILLed with a sandbox running: the next one on the same runtime dir removes its
-    container, rootfs mount, bundle and instance dir (the session dir is gone)."""
+    """A server SIGKILLed with a sandbox running, its watcher killed too (a host OOM may take both):
+    the next one on the same runtime dir removes its container, rootfs mount, bundle and instance dir."""
     _needs()
     base = tmp_path / "rt"
     base.mkdir(mode=0o711)
@@ -206,22 +209,28 @@ async def test_a_new_server_sweeps_what_a_dead_one_left(tmp_path: Path) -> None:
             backend = GvisorBackend({IMAGE!r}, Path({str(base)!r}))
             async with anyio.create_task_group() as group:
                 process = await backend.spawn(spec, ["/bin/sleep", "600"], group, pipes=True)
-                print(backend.instance.top, process.container, flush=True)
+                while process.container not in backend.call_sync(backend.runsc.list(), 60).stdout:
+                    time.sleep(0.05)
+                print(backend.instance.top, process.container, backend.watcher.pid, flush=True)
                 await anyio.sleep(600)
         anyio.run(main)
     """)
     server = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None
-        top, container = server.stdout.readline().split()
+        top, container, watcher = server.stdout.readline().split()
+        os.kill(int(watcher), signal.SIGKILL)
     finally:
         server.kill()
         server.wait(timeout=60)
-    # Its watcher would remove the container; the rest (rootfs, bundle) is the next server's to sweep.
-    shutil.rmtree(base / "ab12cd34")
+    shutil.rmtree(base / "ab12cd34")  # as remove_stale_dirs does for a dead server's session
     from coderunner.sandbox.gvisor import GvisorBackend
 
     assert container in Path("/proc/self/mountinfo").read_text(), "the dead server left its rootfs mounted"
+    listed = subprocess.run(
+        ["runsc", f"--root={top}/root", "list", "-quiet"], capture_output=True, text=True, timeout=60
+    )
+    assert container in listed.stdout, "and its container"
     GvisorBackend(IMAGE, base).close()
     assert not Path(top).exists(), "the dead server's instance dir is gone"
     assert container not in Path("/proc/self/mountinfo").read_text()

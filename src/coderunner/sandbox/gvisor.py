@@ -34,7 +34,7 @@ Its files on the host (RUNTIME/.runsc, host-only):
     <instance>/root/        runsc --root of that server process
     <instance>/<container>/ the bundle: config.json, upper/, work/, rootfs/ (the overlay mount)
 A server that dies by SIGKILL leaves them; its watcher (watcher.py, kind "runsc") deletes its
-containers, and the next server's sweep the rest.
+containers, unmounts their roots and removes its dir; the next server's sweep whatever is left.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ class GvisorBackend:
             log.warning("%s is set: sandboxes run the guest package from %s, not the image's", DEV_GUEST_LIB_ENV, dev)
         self.nofile = _hard_limit(resource.RLIMIT_NOFILE, NOFILE)
         self.nproc = _hard_limit(resource.RLIMIT_NPROC, NPROC)
-        plan = WatchPlan(self.runsc.base(), "runsc", str(self.instance.root))
+        plan = WatchPlan(self.runsc.base(), "runsc", str(self.instance.root), clear_dir=str(self.instance.top))
         #: Deletes this process's containers when it dies (started with the first container).
         self.watcher = Watcher(plan, self.env)
         self.sweep()
@@ -459,27 +459,27 @@ class GvisorBackend:
         runsc failed: the sandbox is gone (killed fully; CheckpointError with runsc's reason)."""
         assert isinstance(process, GvisorProcess), "not a gvisor sandbox"
         run_dir = process.spec.runtime_dir
-        with anyio.fail_after(timeout_s + 2 * REMOVE_TIMEOUT_S + 10):
-            found = read_relay_state(run_dir)
-            before = found[1] if found else process.relay_generation
-            try:
-                said = await self.call(self.runsc.kill(process.container, "USR1"), RUNSC_CALL_S)
-                if said is None or said.returncode != 0:
-                    raise CheckpointError(f"could not signal the sandbox: {short_reason(said.stderr if said else '')}")
-                process.relay_generation = await wait_relay(
-                    run_dir, "closed", before, min(timeout_s, RELAY_WAIT_S), process
-                )
-            except CheckpointError:
-                with anyio.CancelScope(shield=True):
-                    if process.alive:
-                        await self.call(self.runsc.kill(process.container, "USR2"), RUNSC_CALL_S)
-                raise
+        found = read_relay_state(run_dir)
+        before = found[1] if found else process.relay_generation
+        try:
+            said = await self.call(self.runsc.kill(process.container, "USR1"), RUNSC_CALL_S)
+            if said is None or said.returncode != 0:
+                raise CheckpointError(f"could not signal the sandbox: {short_reason(said.stderr if said else '')}")
+            wait_s = min(timeout_s, RELAY_WAIT_S)
+            process.relay_generation = await wait_relay(run_dir, "closed", before, wait_s, process)
+        except BaseException:  # refused, or cancelled while quiescing: the relay binds again
+            with anyio.CancelScope(shield=True):
+                if process.alive:
+                    await self.call(self.runsc.kill(process.container, "USR2"), RUNSC_CALL_S)
+            raise
+        # From here every step is bounded and runs to its end: a half-done checkpoint owns a stopped sandbox.
+        with anyio.CancelScope(shield=True):
             done = await self.call(self.runsc.checkpoint(image_dir, process.container), timeout_s)
             if done is None or done.returncode != 0:
                 await process.kill()
                 reason = short_reason(done.stderr) if done else f"it did not finish within {timeout_s:g} s"
                 raise CheckpointError(f"runsc could not checkpoint the sandbox: {reason}")
-            with anyio.move_on_after(KILL_WAIT_S, shield=True):
+            with anyio.move_on_after(KILL_WAIT_S):
                 await process.wait()  # runsc run returns once its container has stopped
             await process.kill()
 
