@@ -118,7 +118,8 @@ APT_PACKAGES+=(xfsprogs)
 # mmdebstrap to make a base image from Debian's mirror where no registry is reachable.
 # CODERUNNER_NO_PODMAN=1 skips them (the bwrap backend needs none of these).
 [ -n "${CODERUNNER_NO_PODMAN:-}" ] || APT_PACKAGES+=(podman runc mmdebstrap)
-# The gvisor backend: podman's image run by runsc (gVisor), a kernel of its own per sandbox.
+# The gvisor backend (root servers): podman builds and mounts the image, runsc (gVisor) runs it
+# directly, a kernel of its own per sandbox, checkpointable.
 [ -n "${CODERUNNER_NO_PODMAN:-}" ] || APT_PACKAGES+=(runsc)
 missing=()
 for pkg in "${APT_PACKAGES[@]}"; do

@@ -302,6 +302,10 @@ def test_watch_plan_argv_and_round_trip() -> None:
     ]  # fmt: skip
     assert plan.remove_argv(["a1", "b2"]) == ["podman", "--runtime", "runc", "rm", "--force", "--time", "0", "a1", "b2"]
     assert WatchPlan(["docker"], "docker", "l=v").remove_argv(["a1"]) == ["docker", "rm", "--force", "a1"]
+    runsc = WatchPlan(["runsc", "--root=/r/root"], "runsc", "/r/root", clear_dir="/r")
+    assert WatchPlan.from_json(runsc.to_json()) == runsc
+    assert runsc.list_argv() == ["runsc", "--root=/r/root", "list", "-quiet"]
+    assert runsc.remove_argv(["c1", "c2"]) == ["runsc", "--root=/r/root", "delete", "--force", "c1", "c2"]
 
 
 def test_the_watcher_sweeps_when_its_server_lets_go_and_not_before(tmp_path: Path) -> None:
@@ -333,16 +337,100 @@ def test_the_watcher_sweeps_when_its_server_lets_go_and_not_before(tmp_path: Pat
     assert calls.read_text().splitlines() == [listing, "rm --force --time 0 c1 c2", listing], "sweeps until none"
 
 
-def test_gvisor_runs_podman_with_runsc_flags_and_an_empty_sys() -> None:
-    from coderunner.sandbox.gvisor import RUNTIME_FLAGS, SYS_MOUNT, GvisorCommand, host_pids
+def test_gvisor_runs_runsc_directly_with_its_flags_under_its_own_root() -> None:
+    from coderunner.sandbox.runsc import RUNTIME_FLAGS, Runsc
 
-    command = GvisorCommand(
-        engine="podman", kind="podman", image="img", server="s", runtime="/usr/bin/runsc", runtime_flags=RUNTIME_FLAGS
-    )
-    assert command.base()[:3] == ["podman", "--runtime", "/usr/bin/runsc"]
-    assert "network=none" in command.base() and "host-uds=create" in command.base()
-    argv = command.run(spec(), ["python", "-m", "k"], "n")
-    assert argv[-4:] == ["img", "python", "-m", "k"]
-    assert argv[-6:-4] == ["--mount", SYS_MOUNT]
-    assert command.remove("n")[:3] == command.base()[:3]  # the same runtime removes what it ran
+    runsc = Runsc("/usr/bin/runsc", Path("/var/lib/cr/.runsc/abc/root"))
+    base = ["/usr/bin/runsc", "--root=/var/lib/cr/.runsc/abc/root", *(f"--{flag}" for flag in RUNTIME_FLAGS)]
+    assert runsc.base() == base
+    assert {"--network=none", "--host-uds=create", "--platform=ptrace", "--overlay2=none"} <= set(base)
+    assert runsc.run(Path("/b"), "c1") == [*base, "run", "--bundle=/b", "c1"]
+    assert runsc.restore(Path("/i"), Path("/b"), "c1") == [*base, "restore", "--image-path=/i", "--bundle=/b", "c1"]
+    assert runsc.checkpoint(Path("/i"), "c1") == [*base, "checkpoint", "--image-path=/i", "c1"]  # no --leave-running
+    assert runsc.kill("c1", "USR1") == [*base, "kill", "c1", "USR1"]
+    assert runsc.delete("c1", "c2") == [*base, "delete", "--force", "c1", "c2"]
+
+
+def test_gvisor_argv_names_the_fixed_inside_paths_and_a_kernel_runs_behind_the_relay() -> None:
+    from coderunner.sandbox.common import CHANNEL_RELAY, HOST_INSIDE, IMAGE_PYTHON, RUN_INSIDE
+    from coderunner.sandbox.runsc import inner_argv, translate
+
+    made = spec()
+    argv = ["python", "-f", "/tmp/cr/9f8e7d6c/host/kernel-0.json", "/tmp/cr/9f8e7d6c/run", "/tmp/cr/9f8e7d6c/hostile",
+            "x/tmp/cr/9f8e7d6c/host/a", "/tmp/cr/9f8e7d6c/run/k0"]  # fmt: skip
+    assert translate(argv, made) == [
+        "python", "-f", f"{HOST_INSIDE}/kernel-0.json", RUN_INSIDE, "/tmp/cr/9f8e7d6c/hostile",
+        "x/tmp/cr/9f8e7d6c/host/a", f"{RUN_INSIDE}/k0",
+    ]  # fmt: skip
+    kernel = inner_argv(made, ["python", "-m", "k", "-f", "/tmp/cr/9f8e7d6c/host/kernel-0.json"], pipes=False)
+    prefix = ["/usr/bin/prlimit", f"--as={2048 * 2**20}:unlimited", "--nproc=256", "--"]
+    assert kernel == [IMAGE_PYTHON, "-I", "-S", CHANNEL_RELAY, "--run-dir", RUN_INSIDE, "--",
+                      *prefix, "python", "-m", "k", "-f", f"{HOST_INSIDE}/kernel-0.json"]  # fmt: skip
+    assert inner_argv(made, ["python", "x.py"], pipes=True) == [*prefix, "python", "x.py"]  # one-shot: no relay
+
+
+def test_gvisor_config_holds_what_podman_flags_gave() -> None:
+    from coderunner.sandbox.common import HOST_INSIDE, RUN_INSIDE, SANDBOX_UID
+    from coderunner.sandbox.identity import HostIdentity
+    from coderunner.sandbox.runsc import ConfigInputs, host_pids, mount_points, oci_config
+
+    inputs = ConfigInputs(Path("/b/rootfs"), SANDBOX_UID, SANDBOX_UID, "coderunner-t-9f8e7d6c-abc", 4096, 4096)
+    made = spec(user=HostIdentity("u", 70001, 70001))
+    config = oci_config(made, ["python"], inputs, pipes=False)
+    process = config["process"]
+    assert process["user"]["uid"] == 70001 and process["user"]["gid"] == 70001  # the spec's own identity
+    assert oci_config(spec(), ["p"], inputs, pipes=False)["process"]["user"]["uid"] == SANDBOX_UID
+    assert process["noNewPrivileges"] is True and process["terminal"] is False
+    assert all(value == [] for value in process["capabilities"].values()) and len(process["capabilities"]) == 5
+    assert process["cwd"] == "/workspace"
+    env = dict(item.split("=", 1) for item in process["env"])
+    # exactly the podman backend's environment, nothing of the host's
+    assert process["env"] == ENV_FLAGS[1::2] and env["HOME"] == "/tmp/home"
+    assert {"type": "RLIMIT_NOFILE", "hard": 4096, "soft": 4096} in process["rlimits"]
+    assert config["root"] == {"path": "/b/rootfs", "readonly": True}
+    assert config["hostname"] == "sandbox"
+    mounts = {mount["destination"]: mount for mount in config["mounts"]}
+    assert mounts["/tmp"]["type"] == "tmpfs" and "size=512m" in mounts["/tmp"]["options"]
+    assert "mode=1777" in mounts["/tmp"]["options"]
+    assert mounts["/sys"]["type"] == "tmpfs" and "ro" in mounts["/sys"]["options"]
+    assert "size=64m" in mounts["/dev/shm"]["options"] and mounts["/proc"]["type"] == "proc"
+    for destination, source, mode in (
+        ("/workspace", "/srv/w/9f8e7d6c", "rw"), (RUN_INSIDE, "/tmp/cr/9f8e7d6c/run", "rw"),
+        (HOST_INSIDE, "/tmp/cr/9f8e7d6c/host", "ro"), ("/data", "/home/ann/data", "ro"),
+        ("/out", "/home/ann/out", "rw"),
+        ("/etc/hosts", "/tmp/cr/9f8e7d6c/host/etc/hosts", "ro"),
+        ("/etc/resolv.conf", "/tmp/cr/9f8e7d6c/host/etc/resolv.conf", "ro"),
+    ):  # fmt: skip
+        assert mounts[destination]["source"] == source and mode in mounts[destination]["options"], destination
+    assert "/opt/coderunner/lib/coderunner_guest" not in mounts  # only with the development knob
+    linux = config["linux"]
+    assert linux["cgroupsPath"] == "/coderunner-t-9f8e7d6c-abc"  # named after the container
+    assert linux["resources"] == {
+        "memory": {"limit": 2048 * 2**20, "swap": 2048 * 2**20},
+        "cpu": {"quota": 150_000, "period": 100_000},
+        "pids": {"limit": host_pids(256)},
+    }
+    assert {"type": "network"} in linux["namespaces"]
     assert host_pids(256) > 5 * 256  # measured: ~5 host tasks per guest process under ptrace
+    assert mount_points(made) == ["/workspace", RUN_INSIDE, HOST_INSIDE, "/data", "/out"]
+    assert mount_points(spec(mounts=(Mount(Path("/x"), "/a/../../b/", True),)))[-1] == "/b"
+    for bad in ("relative", "/", "/a/.."):
+        with pytest.raises(ValueError):
+            mount_points(spec(mounts=(Mount(Path("/x"), bad, True),)))
+    dev = ConfigInputs(Path("/b/rootfs"), 1, 1, "c", 1, 1, dev_guest_lib=Path("/src/guest"))
+    guest = {m["destination"]: m for m in oci_config(spec(), ["p"], dev, pipes=False)["mounts"]}
+    assert guest["/opt/coderunner/lib/coderunner_guest"]["source"] == "/src/guest"
+    assert "ro" in guest["/opt/coderunner/lib/coderunner_guest"]["options"]
+
+
+def test_gvisor_relay_state_parsing_and_container_sessions() -> None:
+    from coderunner.sandbox.gvisor import session_of
+    from coderunner.sandbox.runsc import parse_relay_state, short_reason
+
+    assert parse_relay_state(b"closed 3\n") == ("closed", 3)
+    assert parse_relay_state(b"open 12") == ("open", 12)
+    for bad in (b"", b"open", b"shut 1", b"open -1", b"open x", b"\xff 1", b"open 1 2"):
+        assert parse_relay_state(bad) is None, bad
+    name = container_name("1b802d50", "cc33dd44")
+    assert session_of(name, "1b802d50") == "cc33dd44" and session_of(name, "other") is None
+    assert "Cannot save endpoint" in short_reason("W1123 stack\npanic: Cannot save endpoint with bound host socket\n")

@@ -102,8 +102,8 @@ class Settings(BaseSettings):
     # Sandbox.
     backend: Backend = Field(
         default_factory=lambda: default_backend(),
-        description="How sessions are isolated: bwrap (Linux default), podman, docker, gvisor (podman run by "
-        "runsc: a kernel of its own per sandbox), or apple (Apple `container` VMs; the macOS default when "
+        description="How sessions are isolated: bwrap (Linux default), podman, docker, gvisor (runsc on podman's "
+        "image, root only: a kernel of its own per sandbox), or apple (Apple `container` VMs; the macOS default when "
         "`container` is installed).",
     )
     image: str = Field(

@@ -218,9 +218,11 @@ def _engine_problem(settings: Settings, kind: str) -> tuple[str | None, str | No
         return None, None
     if kind == "apple" and sys.platform != "darwin":
         return "macOS 26 on Apple silicon only", None
-    if kind == "gvisor":  # podman's image, run by runsc
+    if kind == "gvisor":  # podman's image (built and mounted by podman), run by runsc directly
         if not sys.platform.startswith("linux"):
             return "Linux only", None
+        if os.getuid() != 0:
+            return "runs runsc directly (memory checkpoints) and needs a root server", "run the server as root"
         if shutil.which("runsc") is None:
             return "runsc (gVisor) is not installed", "sudo apt-get install runsc"
     cli = {"apple": "container", "gvisor": "podman"}.get(kind, kind)

@@ -6,7 +6,8 @@ new backend is one entry in the registry:
 
     bwrap           bwrap.py      Linux default, no daemon
     podman, docker  oci.py        one container per kernel, from the CodeRunner image
-    gvisor          gvisor.py     the podman backend run by runsc: a kernel of its own per sandbox
+    gvisor          gvisor.py     runsc directly on podman's image: a kernel of its own per sandbox,
+                                  checkpointable (runsc.py builds its argv and OCI config)
     apple           apple.py      one lightweight VM per kernel (macOS `container`)
 
 Shared paths, environment and limits live in common.py; building the sandbox's Python

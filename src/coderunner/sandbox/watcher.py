@@ -1,5 +1,8 @@
 """A process on the host that removes a server's containers once that server is gone.
 
+(For the gvisor backend, kind "runsc": the containers under the server process's own runsc
+--root, then their rootfs mounts and that server process's dir, `clear_dir`.)
+
 A container outlives its engine client (conmon keeps it running), so a server that dies by
 SIGKILL, OOM or a crash would leave its kernels running. Nothing inside the container can be
 trusted to end it (the sandbox may kill anything in there), so the watcher lives outside: one
@@ -19,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -43,14 +47,23 @@ REMOVE_TIMEOUT_S = 30.0
 class WatchPlan:
     """What the watcher removes, and how: the engine's argv prefix and a `key=value` label."""
 
-    engine: list[str]  # e.g. ["podman", "--runtime", "runc"]
-    kind: str  # "podman" or "docker"
+    engine: list[str]  # e.g. ["podman", "--runtime", "runc"], or ["runsc", "--root=R", ...]
+    kind: str  # "podman", "docker" or "runsc"
+    #: podman/docker: the server process's instance label; runsc: its own --root (R), which every
+    #: runsc client and sandbox process of that server carries in its argv.
     label: str
+    #: runsc: the server process's own host-only dir (bundles, overlay roots): unmounted and removed
+    #: once its containers are gone.
+    clear_dir: str = ""
 
     def list_argv(self) -> list[str]:
+        if self.kind == "runsc":
+            return [*self.engine, "list", "-quiet"]
         return [*self.engine, "ps", "--all", "--quiet", "--filter", f"label={self.label}"]
 
     def remove_argv(self, ids: list[str]) -> list[str]:
+        if self.kind == "runsc":
+            return [*self.engine, "delete", "--force", *ids]
         force = ["--force"] if self.kind == "docker" else ["--force", "--time", "0"]
         return [*self.engine, "rm", *force, *ids]
 
@@ -60,7 +73,12 @@ class WatchPlan:
     @classmethod
     def from_json(cls, text: str) -> WatchPlan:
         data = json.loads(text)
-        return cls(engine=[str(part) for part in data["engine"]], kind=str(data["kind"]), label=str(data["label"]))
+        return cls(
+            engine=[str(part) for part in data["engine"]],
+            kind=str(data["kind"]),
+            label=str(data["label"]),
+            clear_dir=str(data.get("clear_dir", "")),
+        )
 
 
 def _run(argv: list[str], timeout_s: float) -> str | None:
@@ -111,6 +129,34 @@ def sweep_until_settled(plan: WatchPlan) -> None:
         if (found == 0 and not engine_clients_alive(plan.label)) or time.monotonic() > deadline:
             return
         time.sleep(SWEEP_INTERVAL_S)
+
+
+def _mounts_below(top: str) -> list[str]:
+    """Mount points under `top`, deepest first (/proc/self/mountinfo's 5th field, octal-escaped)."""
+    found = []
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                fields = line.split()
+                if len(fields) > 4:
+                    point = fields[4].encode().decode("unicode_escape")
+                    if point.startswith(top + "/"):
+                        found.append(point)
+    except OSError:
+        return []
+    return sorted(found, key=len, reverse=True)
+
+
+def clear_dir(top: str) -> None:
+    """Unmount every mount below `top` (a dead server's overlay roots), then remove `top`, only once
+    nothing is mounted below it any more (never delete through a mount)."""
+    if not top or not os.path.isdir(top):
+        return
+    for point in _mounts_below(top):
+        if _run(["umount", point], REMOVE_TIMEOUT_S) is None:
+            _run(["umount", "--lazy", point], REMOVE_TIMEOUT_S)
+    if not _mounts_below(top):
+        shutil.rmtree(top, ignore_errors=True)
 
 
 def wait_for_end_of_file(fd: int) -> None:
@@ -172,6 +218,8 @@ def main(argv: list[str]) -> int:
         signal.signal(number, signal.SIG_IGN)  # a terminal's signals are the server's business
     wait_for_end_of_file(0)
     sweep_until_settled(plan)
+    if plan.kind == "runsc":
+        clear_dir(plan.clear_dir)
     return 0
 
 
