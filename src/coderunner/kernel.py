@@ -243,7 +243,9 @@ class Kernel:
     async def _adopt(self, image_dir: Path, timeout_s: float, what: str) -> None:
         backend: Any = self.backend
         assert self._info is not None
-        self.dirs.forget_sockets(f"k{self.generation}-")  # the dead ones; the relay binds the names again
+        # The dead ones: claimed, and left bound (channels the host does not use); the relay binds the names again.
+        self.dirs.forget_sockets(f"k{self.generation}-")
+        self.dirs.drop_bound_sockets(f"k{self.generation}-")
         try:
             self.process = await backend.restore(self.spec, image_dir, self.task_group, timeout_s)
         except CodeRunnerError as exc:
