@@ -36,14 +36,25 @@ class SandboxLeases:
     #: A root server's per-sandbox host uids (None: all sandboxes run as one user).
     users: UidPool | None = None
 
-    async def open_dirs(self, options: SandboxOptions, throwaway: bool = False) -> SandboxDirs:
+    async def open_dirs(
+        self, options: SandboxOptions, throwaway: bool = False, owner: tuple[int, int] | None = None
+    ) -> SandboxDirs:
         """A sandbox's host side (see session_dirs.py), made in a worker thread: creating a capped
         workspace runs mkfs and mount. Raises SessionError.
 
         `throwaway` (a one-shot run): the capped workspace is a tmpfs, at most the memory limit in size.
+        `owner`: the host (uid, gid) a gVisor checkpoint's processes run as, for its restored copy.
         """
         stable = f"named/{options.client}/{options.name}" if options.persistent else None
-        user = self.users.allocate(stable) if self.users is not None else self.backend.identity
+        if self.users is None:
+            user = self.backend.identity
+        elif owner is not None:
+            try:
+                user = self.users.adopt(*owner)
+            except ValueError as exc:
+                raise SessionError(f"cannot restore this snapshot here: {exc}") from None
+        else:
+            user = self.users.allocate(stable)
 
         def make_workspace(key: str, owner: tuple[int, int] | None) -> Workspace:
             if options.persistent:

@@ -11,6 +11,7 @@ instead names one fixed unprivileged user for all of them (then those limits are
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
 import pwd
@@ -56,11 +57,13 @@ class HostIdentity:
 
 @dataclass
 class UidPool:
-    """Hands out a host uid per sandbox (root server only); no two live sandboxes share one."""
+    """Hands out a host uid per sandbox (root server only); no two live sandboxes share one, except
+    a gVisor memory snapshot's copies (see `adopt`)."""
 
     base: int = UID_BASE
     span: int = UID_SPAN
-    _used: set[int] = field(default_factory=set)
+    #: uid -> how many live sandboxes hold it (more than one only through `adopt`).
+    _used: collections.Counter[int] = field(default_factory=collections.Counter)
 
     @property
     def template(self) -> HostIdentity:
@@ -75,12 +78,24 @@ class UidPool:
             uid = self.base + 1 + secrets.randbelow(self.span - 1)
             while uid in self._used:
                 uid = self.base + 1 + secrets.randbelow(self.span - 1)
-        self._used.add(uid)
+        self._used[uid] += 1
         return HostIdentity(f"uid {uid}", uid, uid)
 
+    def adopt(self, uid: int, gid: int) -> HostIdentity:
+        """The uid a checkpointed sandbox ran as, for its restored copy: the processes in a gVisor
+        checkpoint keep their credentials, so the copy's files must be theirs. Shared with the
+        original while both live, which gVisor makes harmless: no host process runs as that uid
+        (the Sentry and its file proxy do), and each sandbox's file proxy serves only its own mounts."""
+        if not self.base < uid < self.base + 2 * self.span or uid != gid:
+            raise ValueError(f"uid {uid} is not one of this pool's")
+        self._used[uid] += 1
+        return HostIdentity(f"uid {uid}", uid, gid)
+
     def release(self, identity: HostIdentity | None) -> None:
-        if identity is not None:
-            self._used.discard(identity.uid)
+        if identity is not None and self._used[identity.uid] > 0:
+            self._used[identity.uid] -= 1
+            if not self._used[identity.uid]:
+                del self._used[identity.uid]
 
 
 def per_sandbox_uids(name: str | None) -> bool:

@@ -257,7 +257,11 @@ class SessionManager:
         `seed`, its workspace filled and its state staged first."""
         assert self._task_group is not None, "SessionManager used outside its `async with`"
         session_id = secrets.token_urlsafe(18)
-        dirs = await self.leases.open_dirs(options)
+        if seed is not None:
+            await off_loop(self.snapshots.resolve, seed)
+        memory = seed.memory if seed is not None else None
+        owner = memory.owner if memory is not None else None
+        dirs = await self.leases.open_dirs(options, owner=owner)
         workspace = dirs.workspace
         try:
             if seed is not None:

@@ -91,6 +91,14 @@ class MemoryImage:
     image_dir: Path
     connection: dict[str, Any]
 
+    @property
+    def owner(self) -> tuple[int, int] | None:
+        """The host (uid, gid) its processes run as (they keep their credentials), or None."""
+        owner = self.connection.get("owner")
+        if isinstance(owner, list) and len(owner) == 2 and all(isinstance(part, int) for part in owner):
+            return owner[0], owner[1]
+        return None
+
 
 #: What a memory snapshot carries, and what it cannot (for replies).
 MEMORY_CARRIES = "the kernel's whole memory: every variable, import, running thread, open file and /tmp"
@@ -214,7 +222,8 @@ class SessionSnapshots:
                 except CheckpointFailed as exc:
                     lost = "" if kernel.alive else "; the kernel did not survive it: the next call starts a fresh one"
                     raise SnapshotError(f"the memory checkpoint failed: {exc}{lost}") from None
-                state_bytes = await off_loop(draft.charge_memory, kernel.saved_connection())
+                saved = {**kernel.saved_connection(), "owner": list(session.dirs.owner) if session.dirs.owner else None}
+                state_bytes = await off_loop(draft.charge_memory, saved)
                 meta = SnapshotMeta(
                     snapshot_id=snapshot_id or self.store.new_id(),
                     client=client,
@@ -234,9 +243,9 @@ class SessionSnapshots:
                 raise
         return Taken(meta, copied[0] if copied else None, time.monotonic() - started)
 
-    def plant(self, seed: Seed, dirs: SandboxDirs) -> None:
-        """Fill a new sandbox's dirs from `seed` before any sandbox runs on them (a worker thread):
-        the workspace files, planted start-up hooks moved aside, the state staged read-only."""
+    def resolve(self, seed: Seed) -> None:
+        """Look `seed`'s snapshot up (a worker thread), before the new sandbox's dirs are made: a
+        memory snapshot says whose uid they must be. Raises SnapshotNotFound, SnapshotError."""
         seed.meta = self.store.get(seed.client, seed.snapshot_id)
         if (needs := memory_key(seed.meta)) is not None:
             if not takes_memory(self.backend) or needs != self.backend.checkpoint_key():  # type: ignore[attr-defined]
@@ -247,6 +256,12 @@ class SessionSnapshots:
                 )
             image_dir, connection = self.store.memory_image(seed.client, seed.snapshot_id)
             seed.memory = MemoryImage(image_dir, connection)
+
+    def plant(self, seed: Seed, dirs: SandboxDirs) -> None:
+        """Fill a new sandbox's dirs from `seed` (after `resolve`) before any sandbox runs on them (a
+        worker thread): the workspace files, planted start-up hooks moved aside, the state staged read-only."""
+        if seed.meta is None:
+            self.resolve(seed)
         try:
             if seed.with_workspace:
                 with hostfs.dir_fd(dirs.workspace.path) as workspace_fd:
