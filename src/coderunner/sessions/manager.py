@@ -260,8 +260,7 @@ class SessionManager:
         if seed is not None:
             await off_loop(self.snapshots.resolve, seed)
         memory = seed.memory if seed is not None else None
-        owner = memory.owner if memory is not None else None
-        dirs = await self.leases.open_dirs(options, owner=owner)
+        dirs = await self.leases.open_dirs(options, owner=memory.owner if memory is not None else None)
         workspace = dirs.workspace
         try:
             if seed is not None:
