@@ -8,6 +8,22 @@ state in RUN_INSIDE/RELAY_STATE, sockets RUN_INSIDE/k0-PORT). Nothing else diffe
 
     .venv/bin/python bench/gvisor_relay_checkpoint.py --inner relay --claim [--size-mb 50] [--stop]
 
+The read-only root has no /run/coderunner/{run,host}, and runsc cannot make a bind's mount point
+in it ("mkdir /proc/root/run/coderunner/host: read-only file system", the gofer), so a host dir
+holding both points is bound at /run/coderunner first (the backend uses an overlay root instead).
+
+RESULT (2026-11-23, this machine, one run each, --claim): WORKS. Live lane and restore lane, 50
+and 500 MB: the thread kept counting, the forks diverge, and a forked child's print reached iopub
+before the checkpoint, in the live copy after it and in the restored copy (kernel_boot's ipc pipe).
+- 50 MB, leave-running: quiesce 0.03 s, checkpoint 2.7 s, image 62 MB, reopen to first answer
+  0.41 s live / 0.32 s restored, restore 0.87 s; warm 1+1 21.4 ms (direct kernel 22.3 ms, the
+  same run, interleaved), 21.8 live after, 31.3 restored.
+- 50 MB, --stop: checkpoint 0.43 s, restore 0.52 s, reopen to first answer 0.33 s.
+- 500 MB, leave-running: checkpoint 4.9 s, image 485 MB, restore 2.1 s, reopen to first answer
+  0.40 / 0.31 s; warm 1+1 21.7 ms (direct 20.2), 20.8 live after, 21.6 restored.
+- Control: the same with kernel_boot's override off (stock IOPub pipe on tcp://127.0.0.1) fails
+  as the spike found: "encoding error at object tcp.endpoint{...}" and the container is stopped.
+
 Original text follows.
 
     .venv/bin/python bench/gvisor_checkpoint.py [--size-mb 500] [--warm 20] [--stop]

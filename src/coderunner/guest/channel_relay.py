@@ -275,10 +275,10 @@ def become_subreaper() -> None:
 
 def spawn(plan: Plan) -> int:
     """The kernel in a session of its own, as jupyter_client starts one: an interrupt_request then
-    reaches its whole process group (a running `!sleep`, pip). Python's ignored SIGPIPE and SIGXFSZ
-    go back to the default, as exec from any shell would give."""
+    reaches its whole process group (a running `!sleep`, pip). Signals ignored here (SIGPIPE and
+    SIGXFSZ by Python, USR1/USR2 until handled) go back to the default for it."""
     stdin = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
-    defaults = [signal.SIGPIPE, signal.SIGXFSZ]
+    defaults = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2]
     try:
         return os.posix_spawnp(plan.argv[0], plan.argv, plan.env, file_actions=stdin, setsid=True, setsigdef=defaults)
     except OSError as error:
@@ -372,6 +372,8 @@ def remove_private(directory: str) -> None:
 
 
 def main(argv: list[str]) -> int:
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):  # their default would end the sandbox: ignore until handled
+        signal.signal(signum, signal.SIG_IGN)
     try:
         run_dir, kernel_argv = parse_argv(argv)
         plan = Plan(run_dir, kernel_argv)
