@@ -1,7 +1,34 @@
 """Spike (issue 19): checkpoint and restore of a LIVE ipykernel under runsc, through a relay.
 
+`--inner relay` (added after the spike) runs the production guest programs
+(src/coderunner/guest/channel_relay.py as init, coderunner_guest.kernel_boot as the kernel, this
+worktree's guest dir bound read-only over the image's) started with the backend's contract
+(common.CHANNEL_RELAY --run-dir RUN_INSIDE -- KERNEL_ARGV, the connection file in HOST_INSIDE,
+state in RUN_INSIDE/RELAY_STATE, sockets RUN_INSIDE/k0-PORT). The other modes use the spike's
+relay (bench/gvisor_relay.py).
+
+    .venv/bin/python bench/gvisor_checkpoint.py --inner relay --claim [--size-mb 50] [--stop]
+
+The read-only root has no /run/coderunner/{run,host}, and runsc cannot make a bind's mount point
+in it ("mkdir /proc/root/run/coderunner/host: read-only file system", the gofer), so a host dir
+holding both points is bound at /run/coderunner first (the backend uses an overlay root instead).
+
+RESULT (2026-11-23, this machine, one run each, --claim): WORKS. Live lane and restore lane, 50
+and 500 MB: the thread kept counting, the forks diverge, and a forked child's print reached iopub
+before the checkpoint, in the live copy after it and in the restored copy (kernel_boot's ipc pipe).
+- 50 MB, leave-running: quiesce 0.03 s, checkpoint 2.7 s, image 62 MB, reopen to first answer
+  0.41 s live / 0.32 s restored, restore 0.87 s; warm 1+1 21.4 ms (direct kernel 22.3 ms, the
+  same run, interleaved), 21.8 live after, 31.3 restored.
+- 50 MB, --stop: checkpoint 0.43 s, restore 0.52 s, reopen to first answer 0.33 s.
+- 500 MB, leave-running: checkpoint 4.9 s, image 485 MB, restore 2.1 s, reopen to first answer
+  0.40 / 0.31 s; warm 1+1 21.7 ms (direct 20.2), 20.8 live after, 21.6 restored.
+- Control: the same with kernel_boot's override off (stock IOPub pipe on tcp://127.0.0.1) fails
+  as the spike found: "encoding error at object tcp.endpoint{...}" and the container is stopped.
+
+The spike's own account follows.
+
     .venv/bin/python bench/gvisor_checkpoint.py [--size-mb 500] [--warm 20] [--stop]
-        [--inner ipc|tcp] [--variant other-dirs|open-file-missing|open-file-copied|
+        [--inner ipc|tcp|relay] [--variant other-dirs|open-file-missing|open-file-copied|
          rootfs-elsewhere|extra-mount|no-quiesce] [--debug-log DIR]
 
 VERDICT (Debian's runsc 0.0~20221219, ptrace, this machine): YES. A live ipykernel holding 500 MB
@@ -122,9 +149,12 @@ from pathlib import Path
 from jupyter_client import BlockingKernelClient
 
 from coderunner.config import Settings
+from coderunner.sandbox.common import CHANNEL_RELAY, GUEST_LIB, HOST_INSIDE, RELAY_STATE, RUN_INSIDE
 from coderunner.sandbox.gvisor import RUNTIME_FLAGS
 
 RELAY = Path(__file__).resolve().parent / "gvisor_relay.py"
+#: --inner relay: this worktree's guest package, bound over the image's (which lacks the relay).
+GUEST = Path(__file__).resolve().parents[1] / "src" / "coderunner" / "guest"
 PYTHON = "/opt/coderunner/env/bin/python"
 PORTS = {"shell_port": 50001, "iopub_port": 50002, "stdin_port": 50003, "control_port": 50004, "hb_port": 50005}
 GUEST_UID = 65534
@@ -200,8 +230,14 @@ def runsc_base(root: Path) -> list[str]:
 ENV = ["PATH=/opt/coderunner/env/bin:/usr/bin:/bin", "HOME=/tmp", "IPYTHONDIR=/tmp/.ipython", "MPLCONFIGDIR=/tmp/.mpl"]
 
 
+#: The state file's and the sockets' names: the spike relay's, or the production relay's (--inner relay).
+NAMES = {"state": "relay.state", "prefix": "k"}
+
+
 def make_bundle(work: Path, name: str, rootfs: str, inner: str, limits: bool = False) -> Path:
     """A bundle whose conf (read-only) and run (writable, host sockets) dirs are its own host dirs."""
+    if inner == "relay":
+        return make_relay_bundle(work, name, rootfs, limits)
     bundle = work / name
     conf, run = bundle / "conf", bundle / "run"
     for each in (conf, run):
@@ -262,6 +298,42 @@ def make_bundle(work: Path, name: str, rootfs: str, inner: str, limits: bool = F
 KEY = uuid.uuid4().hex
 
 
+def make_relay_bundle(work: Path, name: str, rootfs: str, limits: bool) -> Path:
+    """The production relay's contract: host dir at HOST_INSIDE (ro), run dir at RUN_INSIDE (rw)."""
+    bundle = make_bundle(work, name, rootfs, "ipc", limits)
+    conf = bundle / "conf"
+    # the original ip, as kernel.py writes it (the host's run dir + k<generation>): only its basename counts
+    kernel = {"transport": "ipc", "ip": f"{bundle / 'run'}/k0", "key": KEY, "signature_scheme": "hmac-sha256", **PORTS}
+    (conf / "kernel-0.json").write_text(json.dumps(kernel))
+    (conf / "kernel-0.json").chmod(0o644)
+    argv = [PYTHON, "-I", "-S", CHANNEL_RELAY, "--run-dir", RUN_INSIDE, "--",
+            "/usr/bin/prlimit", "--nproc=4096", "--",
+            PYTHON, "-m", "ipykernel_launcher", "-f", f"{HOST_INSIDE}/kernel-0.json",
+            "--HistoryManager.hist_file=:memory:", "--IPKernelApp.extensions=coderunner_guest"]  # fmt: skip
+    points = bundle / "points"
+    for each in ("host", "run"):
+        (points / each).mkdir(parents=True)
+    spec = json.loads((bundle / "config.json").read_text())
+    spec["process"]["args"] = argv
+    spec["process"]["env"] = [*ENV, f"PYTHONPATH={GUEST_LIB}"]
+    mounts = [each for each in spec["mounts"] if each["destination"] not in ("/mnt", "/run/coderunner")]
+    mounts += [
+        # runsc cannot make mount points in a read-only root: a host dir that has them, bound first
+        {"destination": "/run/coderunner", "type": "bind", "source": str(points), "options": ["rbind", "ro"]},
+        {"destination": HOST_INSIDE, "type": "bind", "source": str(conf), "options": ["rbind", "ro"]},
+        {"destination": RUN_INSIDE, "type": "bind", "source": str(bundle / "run"), "options": ["rbind", "rw"]},
+        {
+            "destination": f"{GUEST_LIB}/coderunner_guest",
+            "type": "bind",
+            "source": str(GUEST),
+            "options": ["rbind", "ro"],
+        },
+    ]
+    spec["mounts"] = mounts
+    (bundle / "config.json").write_text(json.dumps(spec, indent=1))
+    return bundle
+
+
 LIMIT_MEMORY = 2 << 30
 LIMIT_PIDS = 4096
 
@@ -287,7 +359,7 @@ def wait_state(run_dir: Path, word: str, generation_after: int, bound_s: float =
     deadline = time.monotonic() + bound_s
     while time.monotonic() < deadline:
         try:
-            said, number = (run_dir / "relay.state").read_text().split()
+            said, number = (run_dir / NAMES["state"]).read_text().split()
             if said == word and int(number) > generation_after:
                 return int(number)
             if said == "failed" and int(number) > generation_after:
@@ -303,7 +375,7 @@ def remove_sockets(run_dir: Path) -> None:
     fd = os.open(run_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for port in PORTS.values():
-            name = f"k-{port}"
+            name = f"{NAMES['prefix']}-{port}"
             try:
                 if stat.S_ISSOCK(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode):
                     os.unlink(name, dir_fd=fd)
@@ -323,7 +395,7 @@ def claim_sockets(bundle: Path) -> Path:
     target = os.open(sock, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         for port in PORTS.values():
-            name = f"k-{port}"
+            name = f"{NAMES['prefix']}-{port}"
             if not stat.S_ISSOCK(os.stat(name, dir_fd=source, follow_symlinks=False).st_mode):
                 raise RuntimeError(f"run/{name} is not a socket")
             os.rename(name, name, src_dir_fd=source, dst_dir_fd=target)
@@ -333,10 +405,16 @@ def claim_sockets(bundle: Path) -> Path:
     return sock
 
 
-def client_for(run_dir: Path) -> BlockingKernelClient:
+def client_for(run_dir: Path, prefix: str | None = None) -> BlockingKernelClient:
     client = BlockingKernelClient()
     client.load_connection_info(
-        {"transport": "ipc", "ip": str(run_dir / "k"), "key": KEY, "signature_scheme": "hmac-sha256", **PORTS}
+        {
+            "transport": "ipc",
+            "ip": str(run_dir / (prefix or NAMES["prefix"])),
+            "key": KEY,
+            "signature_scheme": "hmac-sha256",
+            **PORTS,
+        }
     )
     client.start_channels(hb=False)
     return client
@@ -361,6 +439,34 @@ def execute(client: BlockingKernelClient, code: str, timeout: float = REPLY_S) -
             raise RuntimeError(f"probe: {found.get('ename')}: {found.get('evalue')}")
         return found["data"]["text/plain"]
     return None
+
+
+FORK_CELL = """
+import os
+child = os.fork()
+if child == 0:
+    print("forked-output-{tag}", flush=True)
+    os._exit(0)
+os.waitpid(child, 0)
+"""
+
+
+def forked_output(client: BlockingKernelClient, tag: str, bound_s: float = 30.0) -> bool:
+    """Does a forked child's print reach iopub (kernel_boot's ipc fork pipe)?"""
+    seen: list[str] = []
+
+    def hook(message: dict[str, object]) -> None:
+        if message["msg_type"] == "stream":
+            seen.append(message["content"]["text"])  # type: ignore[index]
+
+    client.execute_interactive(FORK_CELL.format(tag=tag), timeout=bound_s, output_hook=hook, store_history=False)
+    deadline = time.monotonic() + bound_s  # the child's output may trail the parent's idle
+    while f"forked-output-{tag}" not in "".join(seen) and time.monotonic() < deadline:
+        try:
+            hook(client.get_iopub_msg(timeout=1))
+        except Exception:  # queue.Empty
+            continue
+    return f"forked-output-{tag}" in "".join(seen)
 
 
 def probe(client: BlockingKernelClient) -> tuple[int, int, bool, int]:
@@ -511,7 +617,7 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     figures["cold_s"] = time.perf_counter() - began
     baseline = make_bundle(run.work, "d", rootfs, "direct")
     start(run, baseline, "cr-d")
-    direct = client_for(baseline / "run")
+    direct = client_for(baseline / "run", "k")
     direct.wait_for_ready(timeout=120)
     figures["warm_before_ms"], figures["warm_direct_baseline_ms"] = warm_pair(client, direct, rounds)
     direct.stop_channels()
@@ -521,6 +627,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     if args.variant in OPEN_FILE_VARIANTS:  # a file the kernel holds open in a writable bind
         execute(client, "notes = open('/run/coderunner/notes.txt', 'a'); notes.write('before\\n'); notes.flush()")
     figures["setup_s"] = time.perf_counter() - began
+    if inner == "relay":
+        figures["forked_output_before"] = forked_output(client, "before")
     before = probe(client)
     figures["probe_before"] = before
     if args.limits:
@@ -561,6 +669,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
         figures["warm_after_live_ms"] = warm(client, rounds)
         after = probe(client)
         figures["probe_after_live"] = after
+        if inner == "relay":
+            figures["forked_output_live_after"] = forked_output(client, "live")
         figures["thread_kept_counting_live"] = after[1] > before[1] and after[0] == after[1]
 
         live_ok = True
@@ -590,6 +700,8 @@ def spike(run: Run, rootfs: str, args: argparse.Namespace) -> None:
     figures["warm_after_restore_ms"] = warm(restored, rounds)
     again = probe(restored)
     figures["probe_restored"] = again
+    if inner == "relay":
+        figures["forked_output_restored"] = forked_output(restored, "restored")
     if busy:
         figures["busy_done_restored"] = branch_like(restored)
     if args.limits:
@@ -639,7 +751,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mb", type=int, default=500)
     parser.add_argument("--warm", type=int, default=20)
-    parser.add_argument("--inner", choices=("ipc", "tcp"), default="ipc", help="the kernel's own channels")
+    parser.add_argument("--inner", choices=("ipc", "tcp", "relay"), default="ipc", help="the kernel's own channels")
     parser.add_argument("--variant", choices=VARIANTS, default=VARIANTS[0], help="what the restore varies")
     parser.add_argument("--limits", action="store_true", help="memory/pids/cpu cgroup limits in the specs")
     parser.add_argument("--claim", action="store_true", help="connect through claimed sockets, as the product")
@@ -647,6 +759,8 @@ def main() -> int:
     parser.add_argument("--debug-log", type=Path, help="runsc --debug logs go to this dir (kept)")
     parser.add_argument("--image", default=Settings.model_fields["image"].default)
     args = parser.parse_args()
+    if args.inner == "relay":
+        NAMES.update(state=RELAY_STATE, prefix="k0")
     work = Path(tempfile.mkdtemp(prefix="gvck-", dir="/tmp"))
     work.chmod(0o711)
     (work / "root").mkdir()
@@ -669,7 +783,7 @@ def main() -> int:
             tail = log.read_text()[-1500:]
             if tail.strip():
                 print(f"--- {log.name} (tail)\n{tail}", file=sys.stderr)
-        for each in sorted(work.glob("*/run/relay.state")):
+        for each in sorted(work.glob(f"*/run/{NAMES['state']}")):
             print(f"--- {each}: {each.read_text().strip()}", file=sys.stderr)
         shutil.rmtree(work, ignore_errors=True)
     for key, value in run.figures.items():
