@@ -44,6 +44,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 import resource
 import secrets
 import shutil
@@ -66,7 +67,16 @@ from .base import (
     start_failures,
 )
 from .cgroups import SessionCgroup
-from .common import HOST_INSIDE, IMAGE_PYTHON, NETWORK_MODES, RELAY_STATE, RELAY_STATE_MAX_BYTES, WORKSPACE
+from .common import (
+    HOST_INSIDE,
+    IMAGE_PYTHON,
+    NETWORK_MODES,
+    RELAY_STATE,
+    RELAY_STATE_MAX_BYTES,
+    SANDBOX_GID,
+    SANDBOX_UID,
+    WORKSPACE,
+)
 from .container import NAME_PREFIX, ContainerUnavailable, container_name, server_tag, session_key
 from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_async, run_sync
 from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
@@ -104,10 +114,33 @@ RELAY_POLL_S = 0.01
 STATE_POLL_S = 0.05
 CGROUP_CONTROLLERS_V1 = ("memory", "pids", "cpu", "cpuacct", "cpuset", "blkio", "devices", "freezer", "systemd")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: Beside runsc's image in a checkpoint's dir: the host uid/gid its processes keep (checkpoint_owner).
+OWNER_FILE = "coderunner-owner.json"
+#: The relay's host-visible sockets in the run dir: jupyter's ipc naming, <ip basename>-<port>.
+RELAY_SOCKET = re.compile(r"k[0-9]{1,9}-[0-9]{1,5}")
 
 
 class CheckpointError(SandboxUnavailable):
     """A checkpoint or restore did not work; the message says what runsc or the relay said."""
+
+
+def write_owner(image_dir: Path, ids: tuple[int, int]) -> None:
+    """Beside runsc's image: the host uid and gid its processes run as (they keep them when restored)."""
+    with hostfs.dir_fd(image_dir) as folder:
+        hostfs.write_new_file(folder, OWNER_FILE, json.dumps({"uid": ids[0], "gid": ids[1]}).encode(), mode=0o600)
+
+
+def checkpoint_owner(image_dir: Path) -> tuple[int, int] | None:
+    """The host uid and gid a checkpoint's processes run as (and keep when restored): a restore must
+    give the new sandbox the same (SandboxSpec.user). None for an image without the note."""
+    try:
+        with hostfs.dir_fd(image_dir) as folder:
+            fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+            with open(fd, "rb") as handle:
+                data = json.loads(handle.read(4096))
+        return int(data["uid"]), int(data["gid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def find_runsc(runsc: str | None = None) -> str:
@@ -152,6 +185,23 @@ def read_relay_state(run_dir: Path) -> tuple[str, int] | None:
     finally:
         os.close(fd)
     return parse_relay_state(data) if len(data) <= RELAY_STATE_MAX_BYTES else None
+
+
+def clear_relay_sockets(run_dir: Path) -> int:
+    """Unlink the relay's closed sockets (k<gen>-<port>) still in the run dir, by its fd, before it is
+    told to bind again: gVisor refuses the relay an unlink of a host socket (EPERM), and a bind fails
+    while the path is there. The host claims only some channels (kernel.HOST_CHANNELS); the rest stay.
+    Only sockets go (a name the sandbox swapped for something else is left alone)."""
+    removed = 0
+    with contextlib.suppress(OSError), hostfs.dir_fd(run_dir) as folder:
+        for name in hostfs.entries(folder):
+            if not RELAY_SOCKET.fullmatch(name):
+                continue
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=folder)
+                    removed += 1
+    return removed
 
 
 async def wait_relay(run_dir: Path, word: str, after: int, timeout_s: float, process: SandboxProcess) -> int:
@@ -377,6 +427,12 @@ class GvisorBackend:
             return None
         return subprocess.CompletedProcess(argv, done.returncode, done.stdout, done.stderr)
 
+    def _ids(self, spec: SandboxSpec | None) -> tuple[int, int]:
+        """The host uid and gid a sandbox of `spec` runs as."""
+        if spec is not None and spec.user is not None:
+            return spec.user.uid, spec.user.gid
+        return (self.identity.uid, self.identity.gid) if self.identity else (SANDBOX_UID, SANDBOX_GID)
+
     def _bundle(self, container: str) -> Path:
         return self.instance.top / container
 
@@ -397,7 +453,7 @@ class GvisorBackend:
         if done is None or done.returncode != 0:
             said = done.stderr.strip()[-300:] if done else "timed out"
             raise ContainerUnavailable(f"could not mount the sandbox's root file system: {said}")
-        uid, gid = (self.identity.uid, self.identity.gid) if self.identity else (1000, 1000)
+        uid, gid = self._ids(None)
         inputs = ConfigInputs(rootfs, uid, gid, container, self.nofile, self.nproc, self.dev_guest_lib)
         config = oci_config(spec, inner, inputs, pipes=pipes)
         (bundle / "config.json").write_text(json.dumps(config, indent=1))
@@ -470,6 +526,7 @@ class GvisorBackend:
         except BaseException:  # refused, or cancelled while quiescing: the relay binds again
             with anyio.CancelScope(shield=True):
                 if process.alive:
+                    await anyio.to_thread.run_sync(clear_relay_sockets, run_dir)
                     await self.call(self.runsc.kill(process.container, "USR2"), RUNSC_CALL_S)
             raise
         # From here every step is bounded and runs to its end: a half-done checkpoint owns a stopped sandbox.
@@ -482,6 +539,7 @@ class GvisorBackend:
             with anyio.move_on_after(KILL_WAIT_S):
                 await process.wait()  # runsc run returns once its container has stopped
             await process.kill()
+            await anyio.to_thread.run_sync(write_owner, image_dir, self._ids(process.spec))
 
     async def restore(
         self, spec: SandboxSpec, image_dir: Path, task_group: TaskGroup, timeout_s: float
@@ -492,6 +550,14 @@ class GvisorBackend:
         problem = self.network_problem(spec.network)
         if problem:
             raise CheckpointError(problem)
+        owner = await anyio.to_thread.run_sync(checkpoint_owner, image_dir)
+        if owner is not None and owner != self._ids(spec):
+            # The restored processes keep the uid they had (it is in the image): in dirs owned by another
+            # uid they could not write their run dir nor their workspace.
+            raise CheckpointError(
+                f"this checkpoint's sandbox ran as host uid {owner[0]}, the new one would run as uid "
+                f"{self._ids(spec)[0]}: restore it into a sandbox of the same uid"
+            )
         # The argv is in the image; the config needs one (runsc takes the restored process's).
         inner = inner_argv(spec, ["/bin/true"], pipes=False)
         try:
@@ -504,6 +570,7 @@ class GvisorBackend:
                 await self._await_running(process)
                 found = read_relay_state(spec.runtime_dir)
                 before = found[1] if found else 0
+                await anyio.to_thread.run_sync(clear_relay_sockets, spec.runtime_dir)
                 said = await self.call(self.runsc.kill(process.container, "USR2"), RUNSC_CALL_S)
                 if said is None or said.returncode != 0:
                     raise CheckpointError(
