@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -91,7 +92,11 @@ def left_behind(backend: object, container: str) -> list[str]:
         found.append("a mount")
     if bundle.exists():
         found.append("bundle dir")
-    found += [f"cgroup {path}" for path in container_cgroup(container).dirs.values() if path.exists()]
+    cgroups = container_cgroup(container).dirs.values()
+    deadline = time.monotonic() + 30  # a busy cgroup goes from a background thread once its tasks are gone
+    while any(path.exists() for path in cgroups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found += [f"cgroup {path}" for path in cgroups if path.exists()]
     return found
 
 

@@ -50,6 +50,7 @@ import secrets
 import shutil
 import stat
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -157,6 +158,22 @@ def container_cgroup(container: str) -> SessionCgroup:
         return SessionCgroup(2, {"unified": CGROUP_ROOT / container, "memory": CGROUP_ROOT / container})
     dirs = {name: CGROUP_ROOT / name / container for name in CGROUP_CONTROLLERS_V1}
     return SessionCgroup(1, {name: path for name, path in dirs.items() if path.parent.is_dir()})
+
+
+def remove_cgroup_soon(cgroup: SessionCgroup) -> None:
+    """Remove a deleted container's cgroup (runsc usually has): at once if it is empty, else from a
+    background thread once its last tasks (ptrace stubs die slowly) are gone, so that no caller, a
+    server's shutdown least of all, waits for them."""
+    left = False
+    for path in cgroup.dirs.values():
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            left = True
+    if left:
+        threading.Thread(target=cgroup.remove, name="gvisor-cgroup", daemon=True).start()
 
 
 def session_of(container: str, tag: str) -> str | None:
@@ -510,7 +527,7 @@ class GvisorBackend:
                 left = hostfs.remove_tree(parent, bundle.name)
             if left:
                 log.warning("could not remove all of %s: %s", bundle, "; ".join(left[:3]))
-        container_cgroup(container).remove()
+        remove_cgroup_soon(container_cgroup(container))
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
