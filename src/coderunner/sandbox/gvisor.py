@@ -115,6 +115,8 @@ RELAY_POLL_S = 0.01
 STATE_POLL_S = 0.05
 CGROUP_CONTROLLERS_V1 = ("memory", "pids", "cpu", "cpuacct", "cpuset", "blkio", "devices", "freezer", "systemd")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: A dead sandbox's cgroup: removals tried (each kills what is left, then waits up to 3 s).
+STALE_CGROUP_TRIES = 4
 #: Beside runsc's image in a checkpoint's dir: the host uid/gid its processes keep (checkpoint_owner).
 OWNER_FILE = "coderunner-owner.json"
 #: The relay's host-visible sockets in the run dir: jupyter's ipc naming, <ip basename>-<port>.
@@ -174,6 +176,17 @@ def remove_cgroup_soon(cgroup: SessionCgroup) -> None:
             left = True
     if left:
         threading.Thread(target=cgroup.remove, name="gvisor-cgroup", daemon=True).start()
+
+
+def stale_cgroups(prefix: str) -> list[SessionCgroup]:
+    """The host cgroups of containers whose names start with `prefix` (one sandbox's, of any server)."""
+    unified = CGROUP_ROOT / "cgroup.controllers"
+    where = CGROUP_ROOT if unified.exists() else CGROUP_ROOT / "pids"
+    try:
+        names = [entry.name for entry in os.scandir(where) if entry.name.startswith(prefix) and entry.is_dir()]
+    except OSError:
+        return []
+    return [container_cgroup(name) for name in names]
 
 
 def session_of(container: str, tag: str) -> str | None:
@@ -681,10 +694,16 @@ class GvisorBackend:
             os.close(self.instance.lock_fd)
 
     def remove_stale(self, name: str) -> None:
-        """Remove what dead servers left for the sandbox `name`."""
+        """Remove what dead servers left for the sandbox `name`, and wait (bounded) until its sandbox
+        processes are gone: the caller then unmounts its workspace, which their gofer holds open."""
         for top, alive in self._instances():
             if not alive:
                 self._clear_dead(top, name)
+        for cgroup in stale_cgroups(f"{NAME_PREFIX}-{self.tag}-{name}-"):
+            for _ in range(STALE_CGROUP_TRIES):  # each kills what is left and waits up to REMOVE_WAIT_S
+                cgroup.remove()
+                if not any(path.exists() for path in cgroup.dirs.values()):
+                    break
 
 
 def _held(lock: Path) -> bool:
