@@ -272,6 +272,10 @@ class GvisorProcess(SandboxProcess):
             runsc = self.backend.runsc
             if self.alive:  # first: `runsc run` then returns (a delete alone leaves it waiting)
                 await self.backend.call(runsc.kill(self.container, "KILL"), RUNSC_CALL_S)
+            # The Sentry, its gofer and ptrace stubs, at once: runsc's own teardown of a ptrace sandbox can
+            # take seconds (a server's shutdown has about two), and its delete waits for it.
+            if self.cgroup is not None:
+                self.cgroup.kill_all()
             deleted = await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
             # SIGKILL runsc's process group and reap it. The cgroup goes in release(), in a thread: its
             # removal waits for the last tasks to leave, which must not block the event loop.
