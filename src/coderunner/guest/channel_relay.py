@@ -1,0 +1,394 @@
+"""The init of a checkpointable gVisor sandbox: relays the kernel's five channels from host-visible
+unix sockets in the run dir to the kernel's own ipc sockets in the sandbox's /tmp.
+
+    python -I -S channel_relay.py --run-dir RUN_DIR -- KERNEL_ARGV...
+
+Why: runsc cannot save a sandbox that holds a host unix socket or an epoll-watched TCP socket. A
+kernel bound in the run dir holds five host sockets; here the kernel binds ZMQ ipc sockets in a
+private dir of /tmp (Sentry sockets, which gVisor saves) and only this process holds host sockets,
+which it drops on demand:
+
+    SIGUSR1  close every host listener and every relayed connection, both ends (the kernel's
+             ROUTER sees its peer go, so it accepts the same identity again later)
+    SIGUSR2  bind the host listeners again (after a checkpoint, or in a restored sandbox)
+
+Each change is announced in RUN_DIR/relay-state, replaced atomically: "<open|closed|failed> <n>\\n".
+n counts every announcement from 1: the first bind writes "open 1", then e.g. USR1 "closed 2",
+USR2 "open 3". "failed <n>" means a bind failed (a path still there: the host has not claimed or
+removed it); no listener is open then. gVisor refuses to unlink a host socket file from inside, so
+this never unlinks one: the host claims (renames away) each socket right after it appears, and the
+listener keeps working.
+
+KERNEL_ARGV is the host's kernel command (`... -m ipykernel_launcher -f FILE ...`, perhaps behind a
+prlimit prefix). Its connection file is copied with transport "ipc" and ip /tmp/<private>/k, and
+ipykernel_launcher becomes coderunner_guest.kernel_boot (it keeps the kernel free of TCP sockets).
+The host-visible names follow the original ip: RUN_DIR/<basename of ip>-<port>.
+
+It is also init: it reaps every child, forwards SIGTERM/SIGINT/SIGHUP to the kernel and exits with
+the kernel's status (128+signal if a signal ended it). Stdlib only, one thread, bounded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import tempfile
+
+#: The sandbox's copy of common.RELAY_STATE (this script runs with -I -S: no coderunner imports).
+RELAY_STATE = "relay-state"
+#: Most bytes of a connection file this reads (it is the host's, but bounded all the same).
+CONNECTION_MAX_BYTES = 64 * 1024
+#: Connections relayed at once per channel (the host opens one per channel).
+MAX_CONNECTIONS = 16
+#: Bytes read per chunk; drain() bounds what one direction holds in memory.
+CHUNK = 64 * 1024
+#: Bound on reaching the kernel's channel (it binds while it starts).
+DIAL_S = 60.0
+#: After a forwarded SIGTERM, how long the kernel has before SIGKILL.
+TERM_GRACE_S = 10.0
+#: Signals queued for the relay's worker before further ones are dropped (with a line on stderr).
+MAX_PENDING = 32
+#: Environment variable telling kernel_boot where to bind IOPub's fork pipe (an ipc path).
+PIPE_ENV = "CODERUNNER_IOPUB_PIPE"
+CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+PR_SET_CHILD_SUBREAPER = 36
+
+
+class RelayError(Exception):
+    """A problem the relay cannot start with; its message is the line on stderr."""
+
+
+def say(line: str) -> None:
+    print(f"channel relay: {line}", file=sys.stderr, flush=True)
+
+
+# --- the kernel's command ------------------------------------------------------------------------
+
+
+def parse_argv(argv: list[str]) -> tuple[str, list[str]]:
+    """(run dir, kernel argv) from `--run-dir DIR -- KERNEL_ARGV...`."""
+    if len(argv) < 4 or argv[0] != "--run-dir" or argv[2] != "--":
+        raise RelayError("usage: channel_relay.py --run-dir RUN_DIR -- KERNEL_ARGV...")
+    return argv[1], argv[3:]
+
+
+def read_connection(path: str) -> dict[str, object]:
+    """The host's connection file, bounded; only the fields the relay relies on are checked."""
+    try:
+        with open(path, "rb") as source:
+            raw = source.read(CONNECTION_MAX_BYTES + 1)
+    except OSError as error:
+        raise RelayError(f"cannot read the connection file {path}: {error.strerror}") from None
+    if len(raw) > CONNECTION_MAX_BYTES:
+        raise RelayError(f"the connection file {path} is larger than {CONNECTION_MAX_BYTES} bytes")
+    try:
+        info = json.loads(raw)
+    except ValueError as error:
+        raise RelayError(f"the connection file {path} is not JSON: {error}") from None
+    if not isinstance(info, dict):
+        raise RelayError(f"the connection file {path} is not a JSON object")
+    for name in CHANNELS:
+        port = info.get(name)
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise RelayError(f"the connection file {path} has no valid {name}")
+    if len({info[name] for name in CHANNELS}) != len(CHANNELS):
+        raise RelayError(f"the connection file {path} repeats a port")
+    ip = info.get("ip")
+    if info.get("transport") != "ipc" or not isinstance(ip, str) or not ip:
+        raise RelayError(f"the connection file {path} is not for transport 'ipc'")
+    prefix = os.path.basename(ip)
+    if prefix in ("", ".", "..") or len(prefix) > 64:
+        raise RelayError(f"the connection file {path} has an unusable ip {ip!r}")
+    return info
+
+
+class Plan:
+    """What the relay needs from the kernel's command, and the command it runs instead."""
+
+    def __init__(self, run_dir: str, argv: list[str]) -> None:
+        try:
+            at = argv.index("-f")
+        except ValueError:
+            raise RelayError("the kernel command has no '-f CONNECTION_FILE'") from None
+        if at + 1 >= len(argv):
+            raise RelayError("the kernel command ends at '-f'")
+        info = read_connection(argv[at + 1])
+        self.run_dir = run_dir
+        self.prefix = os.path.basename(str(info["ip"]))
+        self.ports = [int(info[name]) for name in CHANNELS]  # type: ignore[call-overload]
+        self.private = tempfile.mkdtemp(prefix="relay-", dir="/tmp")  # mode 0700
+        self.inner = os.path.join(self.private, "k")
+        private_file = os.path.join(self.private, "kernel.json")
+        fd = os.open(private_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as out:
+            json.dump({**info, "transport": "ipc", "ip": self.inner}, out)
+        self.argv = list(argv)
+        self.argv[at + 1] = private_file
+        if "ipykernel_launcher" in self.argv:
+            self.argv[self.argv.index("ipykernel_launcher")] = "coderunner_guest.kernel_boot"
+        else:
+            say("the kernel command has no 'ipykernel_launcher': starting it as given")
+        self.env = {**os.environ, PIPE_ENV: os.path.join(self.private, "pipe")}
+
+    def host_path(self, port: int) -> str:
+        return os.path.join(self.run_dir, f"{self.prefix}-{port}")
+
+    def inner_path(self, port: int) -> str:
+        return f"{self.inner}-{port}"
+
+
+# --- the relay -----------------------------------------------------------------------------------
+
+
+class Relay:
+    def __init__(self, plan: Plan) -> None:
+        self.plan = plan
+        self.servers: list[asyncio.AbstractServer] = []
+        self.links: dict[asyncio.Task[None], list[asyncio.StreamWriter]] = {}
+        self.per_port: dict[int, int] = dict.fromkeys(plan.ports, 0)
+        self.generation = 0
+
+    def report(self, word: str) -> None:
+        """Replace the state file atomically (a temp file in the run dir, then rename)."""
+        self.generation += 1
+        temporary = os.path.join(self.plan.run_dir, f".{RELAY_STATE}.tmp")
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+            with os.fdopen(fd, "w") as out:
+                out.write(f"{word} {self.generation}\n")
+            os.replace(temporary, os.path.join(self.plan.run_dir, RELAY_STATE))
+        except OSError as error:
+            say(f"cannot write {RELAY_STATE} ({word} {self.generation}): {error.strerror}")
+
+    async def open(self) -> None:
+        if not self.servers:
+            path = ""
+            try:
+                for port in self.plan.ports:
+                    path = self.plan.host_path(port)
+                    self.servers.append(await self.listen(path, port))
+            except OSError as error:
+                self.drop_servers()
+                say(f"cannot bind {path}: {error.strerror} (the host must claim or remove it first)")
+                self.report("failed")
+                return
+        self.report("open")
+
+    async def listen(self, path: str, port: int) -> asyncio.AbstractServer:
+        """Bind by hand: asyncio's own bind would unlink a socket file already at the path."""
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(path)
+            listener.listen(MAX_CONNECTIONS)
+        except OSError:
+            listener.close()
+            raise
+        extra = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}
+        return await asyncio.start_unix_server(
+            lambda reader, writer: self.accept(reader, writer, port), sock=listener, **extra
+        )
+
+    def drop_servers(self) -> None:
+        for server in self.servers:
+            server.close()
+        self.servers = []
+
+    async def close(self, announce: bool = True) -> None:
+        self.drop_servers()
+        for _ in range(3):  # let connections accepted just before the close reach accept(), which drops them
+            await asyncio.sleep(0)
+        for task, writers in list(self.links.items()):
+            for writer in writers:
+                writer.close()
+            task.cancel()
+        if self.links:
+            await asyncio.wait(list(self.links), timeout=5)
+        if announce:
+            self.report("closed")
+
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
+        if not self.servers or self.per_port[port] >= MAX_CONNECTIONS:  # closed meanwhile, or too many
+            writer.close()
+            return
+        task = asyncio.current_task()
+        assert task is not None
+        writers = self.links[task] = [writer]
+        self.per_port[port] += 1
+        try:
+            inner_reader, inner_writer = await self.dial(port)
+            writers.append(inner_writer)
+            await asyncio.gather(pump(reader, inner_writer), pump(inner_reader, writer))
+        except (OSError, asyncio.TimeoutError):
+            pass
+        finally:
+            self.per_port[port] -= 1
+            self.links.pop(task, None)
+            for each in writers:
+                each.close()
+
+    async def dial(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + DIAL_S
+        while True:
+            try:
+                return await asyncio.wait_for(asyncio.open_unix_connection(self.plan.inner_path(port)), 5)
+            except (OSError, asyncio.TimeoutError):
+                if loop.time() > deadline:
+                    say(f"the kernel's channel {self.plan.inner_path(port)} did not answer within {DIAL_S:.0f} s")
+                    raise
+                await asyncio.sleep(0.05)
+
+
+async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Copy one direction until EOF, then pass the EOF on; drain() is the backpressure."""
+    while True:
+        data = await reader.read(CHUNK)
+        if not data:
+            break
+        writer.write(data)
+        await writer.drain()
+    if writer.can_write_eof():
+        writer.write_eof()
+
+
+# --- init duties ---------------------------------------------------------------------------------
+
+
+def become_subreaper() -> None:
+    """Outside gVisor (tests, pid != 1) orphans would go past this process: adopt them instead."""
+    if os.getpid() == 1:
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass  # best effort: without it, only the kernel itself is reaped here
+
+
+def spawn(plan: Plan) -> int:
+    """The kernel in a session of its own, as jupyter_client starts one: an interrupt_request then
+    reaches its whole process group (a running `!sleep`, pip). Signals ignored here (SIGPIPE and
+    SIGXFSZ by Python, USR1/USR2 until handled) go back to the default for it."""
+    stdin = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
+    defaults = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2]
+    try:
+        return os.posix_spawnp(plan.argv[0], plan.argv, plan.env, file_actions=stdin, setsid=True, setsigdef=defaults)
+    except OSError as error:
+        raise RelayError(f"cannot start the kernel {plan.argv[0]}: {error.strerror}") from None
+
+
+class Init:
+    """Reaps every child; resolves `ended` with the kernel's exit code."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.kernel = 0
+        self.ended: asyncio.Future[int] = loop.create_future()
+
+    def reap(self) -> None:
+        """Every child that has ended: the kernel's orphans are re-parented here."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.kernel and not self.ended.done():
+                code = os.waitstatus_to_exitcode(status)
+                self.ended.set_result(128 - code if code < 0 else code)
+
+    def started(self, pid: int) -> None:
+        """Called right after the spawn; SIGCHLD's handler runs only from the loop, after this."""
+        self.kernel = pid
+        self.reap()
+
+    def forward(self, signum: int) -> None:
+        if self.kernel and not self.ended.done():
+            try:
+                os.kill(self.kernel, signum)
+            except ProcessLookupError:
+                return
+            if signum == signal.SIGTERM:
+                self.loop.call_later(TERM_GRACE_S, self.kill)
+
+    def kill(self) -> None:
+        if not self.ended.done():
+            say(f"the kernel did not end within {TERM_GRACE_S:.0f} s of SIGTERM: killing it")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.kernel, signal.SIGKILL)
+
+
+async def serve(plan: Plan) -> int:
+    loop = asyncio.get_running_loop()
+    relay = Relay(plan)
+    init = Init(loop)
+    requests: asyncio.Queue[str] = asyncio.Queue(MAX_PENDING)
+
+    def request(word: str) -> None:
+        try:
+            requests.put_nowait(word)
+        except asyncio.QueueFull:
+            say(f"too many pending signals: dropped {word}")
+
+    async def worker() -> None:  # one change at a time, in the order the signals came
+        while True:
+            word = await requests.get()
+            try:
+                await (relay.close() if word == "close" else relay.open())
+            except Exception as error:  # the relay must keep answering signals
+                say(f"could not {word} the channels: {type(error).__name__}: {error}")
+
+    loop.add_signal_handler(signal.SIGCHLD, init.reap)
+    loop.add_signal_handler(signal.SIGUSR1, request, "close")
+    loop.add_signal_handler(signal.SIGUSR2, request, "open")
+    for signum in FORWARDED:
+        loop.add_signal_handler(signum, init.forward, signum)
+    init.started(spawn(plan))
+    request("open")
+    working = loop.create_task(worker())
+    try:
+        return await init.ended
+    finally:
+        working.cancel()
+        await relay.close(announce=False)
+
+
+def remove_private(directory: str) -> None:
+    """The kernel's leftovers in the private dir (a tmpfs in the sandbox; this matters on a host)."""
+    with contextlib.suppress(OSError):
+        for name in os.listdir(directory):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(directory, name))
+        os.rmdir(directory)
+
+
+def main(argv: list[str]) -> int:
+    for signum in (signal.SIGUSR1, signal.SIGUSR2):  # their default would end the sandbox: ignore until handled
+        signal.signal(signum, signal.SIG_IGN)
+    try:
+        run_dir, kernel_argv = parse_argv(argv)
+        plan = Plan(run_dir, kernel_argv)
+    except RelayError as error:
+        say(str(error))
+        return 2
+    become_subreaper()
+    try:
+        return asyncio.run(serve(plan))
+    except RelayError as error:
+        say(str(error))
+        return 2
+    finally:
+        remove_private(plan.private)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

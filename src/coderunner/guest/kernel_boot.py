@@ -1,0 +1,88 @@
+"""`python -m coderunner_guest.kernel_boot ARGS`: ipykernel's launcher, with IOPub's fork pipe on ipc.
+
+ipykernel's IOPubThread binds a PULL socket on tcp://127.0.0.1:<random> that forked children
+(os.fork, multiprocessing's fork) push their output to. gVisor (this runsc) cannot save a sandbox
+with an epoll-watched TCP socket, so under the channel relay the pipe binds an ipc socket at the
+path the relay gives in CODERUNNER_IOPUB_PIPE (in its private /tmp dir) instead: forked output
+still reaches iopub and the kernel holds no TCP socket. Without that variable, or with an ipykernel
+whose private methods are not the ones this was written against (7.4.0), the stock pipe is kept
+and a warning goes to stderr.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import uuid
+from typing import Any
+
+#: Set by channel_relay.py: the ipc path prefix for IOPub's fork pipe.
+PIPE_ENV = "CODERUNNER_IOPUB_PIPE"
+#: ipykernel major versions whose IOPubThread has the pipe methods overridden here.
+KNOWN_MAJORS = ("7",)
+
+
+def warn(line: str) -> None:
+    print(f"coderunner kernel_boot: {line}", file=sys.stderr, flush=True)
+
+
+def install_ipc_pipe(prefix: str) -> bool:
+    """Bind IOPub's fork pipe at ipc://PREFIX-<random> rather than on TCP; False if not applied."""
+    import ipykernel
+    import zmq
+    from ipykernel import iostream
+    from zmq.eventloop.zmqstream import ZMQStream
+
+    thread = iostream.IOPubThread
+    major = str(ipykernel.__version__).split(".")[0]
+    if major not in KNOWN_MAJORS or not all(
+        callable(getattr(thread, name, None)) for name in ("_setup_pipe_in", "_setup_pipe_out", "_handle_pipe_msg")
+    ):
+        warn(
+            f"ipykernel {ipykernel.__version__} is not one this was written for: IOPub's fork pipe stays on "
+            "TCP (a gVisor checkpoint of this kernel will fail)"
+        )
+        return False
+
+    def setup_pipe_in(self: Any) -> None:
+        self._pipe_uuid = os.urandom(16)  # authenticates the children's messages, as stock does
+        pipe_in = self.socket.context.socket(zmq.PULL)
+        pipe_in.linger = 0
+        self._coderunner_pipe = f"ipc://{prefix}-{uuid.uuid4().hex[:8]}"
+        try:
+            pipe_in.bind(self._coderunner_pipe)
+        except zmq.ZMQError as error:
+            warn(f"cannot bind IOPub's fork pipe at {self._coderunner_pipe}: {error}; forked output is lost")
+            self._pipe_flag = False
+            pipe_in.close()
+            return
+        self._pipe_in = ZMQStream(pipe_in, self.io_loop)
+        self._pipe_in.on_recv(self._handle_pipe_msg)
+
+    def setup_pipe_out(self: Any) -> tuple[Any, Any]:
+        ctx = zmq.Context()  # a new context after the fork, as stock does
+        pipe_out = ctx.socket(zmq.PUSH)
+        pipe_out.linger = 3000
+        pipe_out.connect(self._coderunner_pipe)
+        return ctx, pipe_out
+
+    thread._setup_pipe_in = setup_pipe_in  # type: ignore[method-assign]
+    thread._setup_pipe_out = setup_pipe_out  # type: ignore[method-assign]
+    return True
+
+
+def main() -> None:
+    prefix = os.environ.get(PIPE_ENV)
+    if prefix:
+        install_ipc_pipe(prefix)
+    else:
+        warn(f"{PIPE_ENV} is not set: IOPub's fork pipe stays on TCP")
+    if sys.path and sys.path[0] in ("", os.getcwd()):  # as ipykernel_launcher; the kernel adds it back
+        del sys.path[0]
+    from ipykernel import kernelapp
+
+    kernelapp.launch_new_instance()
+
+
+if __name__ == "__main__":
+    main()
