@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -40,7 +41,7 @@ def _needs() -> None:
         pytest.fail("runsc and podman are needed: run ./install.sh")
 
 
-def make_spec(base: Path, key: str, limits: Limits | None = None) -> SandboxSpec:
+def make_spec(base: Path, key: str, limits: Limits | None = None, uid: int = UID) -> SandboxSpec:
     """Session dirs as session_dirs.py makes them: host/ read-only (etc files), run/ and the
     workspace the sandbox user's."""
     top = base / key
@@ -50,15 +51,15 @@ def make_spec(base: Path, key: str, limits: Limits | None = None) -> SandboxSpec
         os.chmod(path, mode)
     for name, text in etc_files("none").items():
         (host / "etc" / name).write_text(text)
-    os.chown(run, UID, UID)
-    os.chown(workspace, UID, UID)
+    os.chown(run, uid, uid)
+    os.chown(workspace, uid, uid)
     return SandboxSpec(
         name=key,
         workspace=workspace,
         runtime_dir=run,
         host_dir=host,
         limits=limits or Limits(memory_mb=512, pids=64, cpus=1.0),
-        user=HostIdentity(f"uid {UID}", UID, UID),
+        user=HostIdentity(f"uid {uid}", uid, uid),
     )
 
 
@@ -91,7 +92,11 @@ def left_behind(backend: object, container: str) -> list[str]:
         found.append("a mount")
     if bundle.exists():
         found.append("bundle dir")
-    found += [f"cgroup {path}" for path in container_cgroup(container).dirs.values() if path.exists()]
+    cgroups = container_cgroup(container).dirs.values()
+    deadline = time.monotonic() + 30  # a busy cgroup goes from a background thread once its tasks are gone
+    while any(path.exists() for path in cgroups) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    found += [f"cgroup {path}" for path in cgroups if path.exists()]
     return found
 
 
@@ -319,3 +324,9 @@ async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: obje
             container = restored.container
             await restored.kill()
         assert left_behind(backend, container) == []
+        # Its processes keep their uid: a sandbox of another uid could not write its own dirs. Refused.
+        assert gvisor.checkpoint_owner(image) == (UID, UID)
+        other = make_spec(tmp_path / "rt", "c3c3c3c3", uid=UID + 1)
+        with pytest.raises(gvisor.CheckpointError, match="same uid"):
+            await backend.restore(other, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
+        assert runsc_containers(backend) == []

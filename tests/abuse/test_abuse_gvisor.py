@@ -1,4 +1,4 @@
-"""The abuse suite's bounds and file-system cases against the gvisor backend (podman + runsc).
+"""The abuse suite's bounds and file-system cases against the gvisor backend (runsc directly).
 
 gVisor puts a kernel of its own between the code and the host, so the cases about the host kernel's
 syscall surface say little new here; what must still hold is the host side the backend shares with
@@ -17,8 +17,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-
-from coderunner.sandbox.container import server_tag
 
 from ..conftest import ServerDirs, run, text_of
 from ..test_e2e_podman import podman_image  # noqa: F401  (the session's image fixture)
@@ -99,11 +97,11 @@ async def test_the_code_runs_in_host_processes_that_are_not_root(arena: Arena) -
     and with a handful of file capabilities, is root. Files the code makes are the per-sandbox uid's."""
     await run(arena.client, "open('mine.txt', 'w').write('x')", session_id=arena.bystander)
     assert arena.bystander_workspace.joinpath("mine.txt").stat().st_uid != 0
-    tag = server_tag(arena.dirs.runtime)
-    ids = subprocess.run(
-        ["podman", "ps", "--no-trunc", "--filter", f"label=coderunner.server={tag}", "--format", "{{.ID}}"],
-        capture_output=True, text=True, timeout=60, check=True,
-    ).stdout.split()  # fmt: skip
+    ids = []  # the server's runsc containers, under its own runsc --root (sandbox/gvisor.py)
+    for root in arena.dirs.runtime.glob(".runsc/*/root"):
+        listed = subprocess.run(["runsc", f"--root={root}", "list", "-quiet"], capture_output=True, text=True,
+                                timeout=60, check=True)  # fmt: skip
+        ids += listed.stdout.split()
     assert ids
     for container in ids:
         sentries = [

@@ -44,11 +44,13 @@ import fcntl
 import json
 import logging
 import os
+import re
 import resource
 import secrets
 import shutil
 import stat
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +68,16 @@ from .base import (
     start_failures,
 )
 from .cgroups import SessionCgroup
-from .common import HOST_INSIDE, IMAGE_PYTHON, NETWORK_MODES, RELAY_STATE, RELAY_STATE_MAX_BYTES, WORKSPACE
+from .common import (
+    HOST_INSIDE,
+    IMAGE_PYTHON,
+    NETWORK_MODES,
+    RELAY_STATE,
+    RELAY_STATE_MAX_BYTES,
+    SANDBOX_GID,
+    SANDBOX_UID,
+    WORKSPACE,
+)
 from .container import NAME_PREFIX, ContainerUnavailable, container_name, server_tag, session_key
 from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_async, run_sync
 from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
@@ -104,10 +115,35 @@ RELAY_POLL_S = 0.01
 STATE_POLL_S = 0.05
 CGROUP_CONTROLLERS_V1 = ("memory", "pids", "cpu", "cpuacct", "cpuset", "blkio", "devices", "freezer", "systemd")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+#: A dead sandbox's cgroup: removals tried (each kills what is left, then waits up to 3 s).
+STALE_CGROUP_TRIES = 4
+#: Beside runsc's image in a checkpoint's dir: the host uid/gid its processes keep (checkpoint_owner).
+OWNER_FILE = "coderunner-owner.json"
+#: The relay's host-visible sockets in the run dir: jupyter's ipc naming, <ip basename>-<port>.
+RELAY_SOCKET = re.compile(r"k[0-9]{1,9}-[0-9]{1,5}")
 
 
 class CheckpointError(SandboxUnavailable):
     """A checkpoint or restore did not work; the message says what runsc or the relay said."""
+
+
+def write_owner(image_dir: Path, ids: tuple[int, int]) -> None:
+    """Beside runsc's image: the host uid and gid its processes run as (they keep them when restored)."""
+    with hostfs.dir_fd(image_dir) as folder:
+        hostfs.write_new_file(folder, OWNER_FILE, json.dumps({"uid": ids[0], "gid": ids[1]}).encode(), mode=0o600)
+
+
+def checkpoint_owner(image_dir: Path) -> tuple[int, int] | None:
+    """The host uid and gid a checkpoint's processes run as (and keep when restored): a restore must
+    give the new sandbox the same (SandboxSpec.user). None for an image without the note."""
+    try:
+        with hostfs.dir_fd(image_dir) as folder:
+            fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=folder)
+            with open(fd, "rb") as handle:
+                data = json.loads(handle.read(4096))
+        return int(data["uid"]), int(data["gid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def find_runsc(runsc: str | None = None) -> str:
@@ -124,6 +160,33 @@ def container_cgroup(container: str) -> SessionCgroup:
         return SessionCgroup(2, {"unified": CGROUP_ROOT / container, "memory": CGROUP_ROOT / container})
     dirs = {name: CGROUP_ROOT / name / container for name in CGROUP_CONTROLLERS_V1}
     return SessionCgroup(1, {name: path for name, path in dirs.items() if path.parent.is_dir()})
+
+
+def remove_cgroup_soon(cgroup: SessionCgroup) -> None:
+    """Remove a deleted container's cgroup (runsc usually has): at once if it is empty, else from a
+    background thread once its last tasks (ptrace stubs die slowly) are gone, so that no caller, a
+    server's shutdown least of all, waits for them."""
+    left = False
+    for path in cgroup.dirs.values():
+        try:
+            path.rmdir()
+        except FileNotFoundError:
+            pass
+        except OSError:
+            left = True
+    if left:
+        threading.Thread(target=cgroup.remove, name="gvisor-cgroup", daemon=True).start()
+
+
+def stale_cgroups(prefix: str) -> list[SessionCgroup]:
+    """The host cgroups of containers whose names start with `prefix` (one sandbox's, of any server)."""
+    unified = CGROUP_ROOT / "cgroup.controllers"
+    where = CGROUP_ROOT if unified.exists() else CGROUP_ROOT / "pids"
+    try:
+        names = [entry.name for entry in os.scandir(where) if entry.name.startswith(prefix) and entry.is_dir()]
+    except OSError:
+        return []
+    return [container_cgroup(name) for name in names]
 
 
 def session_of(container: str, tag: str) -> str | None:
@@ -152,6 +215,23 @@ def read_relay_state(run_dir: Path) -> tuple[str, int] | None:
     finally:
         os.close(fd)
     return parse_relay_state(data) if len(data) <= RELAY_STATE_MAX_BYTES else None
+
+
+def clear_relay_sockets(run_dir: Path) -> int:
+    """Unlink the relay's closed sockets (k<gen>-<port>) still in the run dir, by its fd, before it is
+    told to bind again: gVisor refuses the relay an unlink of a host socket (EPERM), and a bind fails
+    while the path is there. The host claims only some channels (kernel.HOST_CHANNELS); the rest stay.
+    Only sockets go (a name the sandbox swapped for something else is left alone)."""
+    removed = 0
+    with contextlib.suppress(OSError), hostfs.dir_fd(run_dir) as folder:
+        for name in hostfs.entries(folder):
+            if not RELAY_SOCKET.fullmatch(name):
+                continue
+            with contextlib.suppress(OSError):
+                if stat.S_ISSOCK(os.stat(name, dir_fd=folder, follow_symlinks=False).st_mode):
+                    os.unlink(name, dir_fd=folder)
+                    removed += 1
+    return removed
 
 
 async def wait_relay(run_dir: Path, word: str, after: int, timeout_s: float, process: SandboxProcess) -> int:
@@ -190,14 +270,25 @@ class GvisorProcess(SandboxProcess):
         """Kill and delete the container (bounded, shielded), reap runsc, release the rootfs and cgroup."""
         with anyio.CancelScope(shield=True):
             runsc = self.backend.runsc
-            if self.alive:
+            if self.alive:  # first: `runsc run` then returns (a delete alone leaves it waiting)
                 await self.backend.call(runsc.kill(self.container, "KILL"), RUNSC_CALL_S)
-            await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
-            await super().kill()  # SIGKILL runsc's group, reap it; removes the cgroup if left
+            # The Sentry, its gofer and ptrace stubs, at once: runsc's own teardown of a ptrace sandbox can
+            # take seconds (a server's shutdown has about two), and its delete waits for it.
+            if self.cgroup is not None:
+                self.cgroup.kill_all()
+            deleted = await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
+            # SIGKILL runsc's process group and reap it. The cgroup goes in release(), in a thread: its
+            # removal waits for the last tasks to leave, which must not block the event loop.
+            cgroup, self.cgroup = self.cgroup, None
+            try:
+                await super().kill()
+            finally:
+                self.cgroup = cgroup
             if not self._released:
                 self._released = True
-                # A runsc killed half-way through creating may have made it only now.
-                await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
+                if deleted is None or deleted.returncode != 0:
+                    # A runsc killed half-way through creating may have made it only now.
+                    await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
                 await anyio.to_thread.run_sync(self.backend.release, self.container)
 
 
@@ -377,6 +468,12 @@ class GvisorBackend:
             return None
         return subprocess.CompletedProcess(argv, done.returncode, done.stdout, done.stderr)
 
+    def _ids(self, spec: SandboxSpec | None) -> tuple[int, int]:
+        """The host uid and gid a sandbox of `spec` runs as."""
+        if spec is not None and spec.user is not None:
+            return spec.user.uid, spec.user.gid
+        return (self.identity.uid, self.identity.gid) if self.identity else (SANDBOX_UID, SANDBOX_GID)
+
     def _bundle(self, container: str) -> Path:
         return self.instance.top / container
 
@@ -397,7 +494,7 @@ class GvisorBackend:
         if done is None or done.returncode != 0:
             said = done.stderr.strip()[-300:] if done else "timed out"
             raise ContainerUnavailable(f"could not mount the sandbox's root file system: {said}")
-        uid, gid = (self.identity.uid, self.identity.gid) if self.identity else (1000, 1000)
+        uid, gid = self._ids(None)
         inputs = ConfigInputs(rootfs, uid, gid, container, self.nofile, self.nproc, self.dev_guest_lib)
         config = oci_config(spec, inner, inputs, pipes=pipes)
         (bundle / "config.json").write_text(json.dumps(config, indent=1))
@@ -447,7 +544,7 @@ class GvisorBackend:
                 left = hostfs.remove_tree(parent, bundle.name)
             if left:
                 log.warning("could not remove all of %s: %s", bundle, "; ".join(left[:3]))
-        container_cgroup(container).remove()
+        remove_cgroup_soon(container_cgroup(container))
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
@@ -470,6 +567,7 @@ class GvisorBackend:
         except BaseException:  # refused, or cancelled while quiescing: the relay binds again
             with anyio.CancelScope(shield=True):
                 if process.alive:
+                    await anyio.to_thread.run_sync(clear_relay_sockets, run_dir)
                     await self.call(self.runsc.kill(process.container, "USR2"), RUNSC_CALL_S)
             raise
         # From here every step is bounded and runs to its end: a half-done checkpoint owns a stopped sandbox.
@@ -482,6 +580,7 @@ class GvisorBackend:
             with anyio.move_on_after(KILL_WAIT_S):
                 await process.wait()  # runsc run returns once its container has stopped
             await process.kill()
+            await anyio.to_thread.run_sync(write_owner, image_dir, self._ids(process.spec))
 
     async def restore(
         self, spec: SandboxSpec, image_dir: Path, task_group: TaskGroup, timeout_s: float
@@ -492,6 +591,14 @@ class GvisorBackend:
         problem = self.network_problem(spec.network)
         if problem:
             raise CheckpointError(problem)
+        owner = await anyio.to_thread.run_sync(checkpoint_owner, image_dir)
+        if owner is not None and owner != self._ids(spec):
+            # The restored processes keep the uid they had (it is in the image): in dirs owned by another
+            # uid they could not write their run dir nor their workspace.
+            raise CheckpointError(
+                f"this checkpoint's sandbox ran as host uid {owner[0]}, the new one would run as uid "
+                f"{self._ids(spec)[0]}: restore it into a sandbox of the same uid"
+            )
         # The argv is in the image; the config needs one (runsc takes the restored process's).
         inner = inner_argv(spec, ["/bin/true"], pipes=False)
         try:
@@ -504,6 +611,7 @@ class GvisorBackend:
                 await self._await_running(process)
                 found = read_relay_state(spec.runtime_dir)
                 before = found[1] if found else 0
+                await anyio.to_thread.run_sync(clear_relay_sockets, spec.runtime_dir)
                 said = await self.call(self.runsc.kill(process.container, "USR2"), RUNSC_CALL_S)
                 if said is None or said.returncode != 0:
                     raise CheckpointError(
@@ -590,10 +698,16 @@ class GvisorBackend:
             os.close(self.instance.lock_fd)
 
     def remove_stale(self, name: str) -> None:
-        """Remove what dead servers left for the sandbox `name`."""
+        """Remove what dead servers left for the sandbox `name`, and wait (bounded) until its sandbox
+        processes are gone: the caller then unmounts its workspace, which their gofer holds open."""
         for top, alive in self._instances():
             if not alive:
                 self._clear_dead(top, name)
+        for cgroup in stale_cgroups(f"{NAME_PREFIX}-{self.tag}-{name}-"):
+            for _ in range(STALE_CGROUP_TRIES):  # each kills what is left and waits up to REMOVE_WAIT_S
+                cgroup.remove()
+                if not any(path.exists() for path in cgroup.dirs.values()):
+                    break
 
 
 def _held(lock: Path) -> bool:
