@@ -243,9 +243,8 @@ class Kernel:
     async def _adopt(self, image_dir: Path, timeout_s: float, what: str) -> None:
         backend: Any = self.backend
         assert self._info is not None
-        # The dead ones: claimed, and left bound (channels the host does not use); the relay binds the names again.
+        # The dead ones the host claimed (the backend clears those left in run/); the relay binds the names again.
         self.dirs.forget_sockets(f"k{self.generation}-")
-        self.dirs.drop_bound_sockets(f"k{self.generation}-")
         try:
             self.process = await backend.restore(self.spec, image_dir, self.task_group, timeout_s)
         except CodeRunnerError as exc:

@@ -111,16 +111,6 @@ class SandboxDirs:
             hostfs.claim_socket(self.run_fd, name, self.sock_fd, self.sandbox_uid)
         return True
 
-    def drop_bound_sockets(self, prefix: str) -> None:
-        """Remove the sockets a stopped sandbox left bound in run/ under `prefix` (channels the host
-        never claimed), so that its restored copy can bind the same names again. Only sockets go
-        (by the run dir's fd, links not followed); the sandbox is stopped, so nothing races this."""
-        for name in hostfs.entries(self.run_fd):
-            if name.startswith(prefix):
-                with contextlib.suppress(FileNotFoundError):
-                    if stat.S_ISSOCK(os.stat(name, dir_fd=self.run_fd, follow_symlinks=False).st_mode):
-                        os.unlink(name, dir_fd=self.run_fd)
-
     def forget_sockets(self, prefix: str) -> None:
         """Remove the claimed sockets of one kernel (host-only dir: plain unlinks)."""
         for name in hostfs.entries(self.sock_fd):

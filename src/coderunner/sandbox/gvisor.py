@@ -439,6 +439,10 @@ class GvisorBackend:
         """What a checkpoint depends on: image id, runsc version, runsc flags (a restore needs the same)."""
         return f"runsc {self.runsc_version} [{' '.join(self.runsc.flags)}] image {self.image_id[:19]}"
 
+    def checkpoint_owner(self, image_dir: Path) -> tuple[int, int] | None:
+        """The host (uid, gid) a checkpoint's processes keep: its restored copy must run as them."""
+        return checkpoint_owner(image_dir)
+
     async def spawn(
         self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
     ) -> SandboxProcess:

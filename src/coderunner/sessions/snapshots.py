@@ -86,18 +86,12 @@ class Seed:
 
 @dataclass(frozen=True)
 class MemoryImage:
-    """A gVisor checkpoint in the store: runsc reads `image_dir`; `connection` reaches the kernel in it."""
+    """A gVisor checkpoint in the store: runsc reads `image_dir`; `connection` reaches the kernel in it;
+    `owner` is the host (uid, gid) its processes run as and keep when restored (None: the server's)."""
 
     image_dir: Path
     connection: dict[str, Any]
-
-    @property
-    def owner(self) -> tuple[int, int] | None:
-        """The host (uid, gid) its processes run as (they keep their credentials), or None."""
-        owner = self.connection.get("owner")
-        if isinstance(owner, list) and len(owner) == 2 and all(isinstance(part, int) for part in owner):
-            return owner[0], owner[1]
-        return None
+    owner: tuple[int, int] | None
 
 
 #: What a memory snapshot carries, and what it cannot (for replies).
@@ -222,8 +216,7 @@ class SessionSnapshots:
                 except CheckpointFailed as exc:
                     lost = "" if kernel.alive else "; the kernel did not survive it: the next call starts a fresh one"
                     raise SnapshotError(f"the memory checkpoint failed: {exc}{lost}") from None
-                saved = {**kernel.saved_connection(), "owner": list(session.dirs.owner) if session.dirs.owner else None}
-                state_bytes = await off_loop(draft.charge_memory, saved)
+                state_bytes = await off_loop(draft.charge_memory, kernel.saved_connection())
                 meta = SnapshotMeta(
                     snapshot_id=snapshot_id or self.store.new_id(),
                     client=client,
@@ -255,7 +248,8 @@ class SessionSnapshots:
                     f"{self.backend.name}" + (" with another runsc or image" if takes_memory(self.backend) else "")
                 )
             image_dir, connection = self.store.memory_image(seed.client, seed.snapshot_id)
-            seed.memory = MemoryImage(image_dir, connection)
+            owner = self.backend.checkpoint_owner(image_dir)  # type: ignore[attr-defined]
+            seed.memory = MemoryImage(image_dir, connection, owner)
 
     def plant(self, seed: Seed, dirs: SandboxDirs) -> None:
         """Fill a new sandbox's dirs from `seed` (after `resolve`) before any sandbox runs on them (a
