@@ -1,7 +1,7 @@
 """One contract, every backend this machine has: what sessions and one-shot runs rely on.
 
 The same scenarios run on the fake backend (tests/fakes) and on each real one that can work here
-(bwrap on Linux; podman, docker or gvisor (podman + runsc) when the engine answers and the image is
+(bwrap on Linux; podman, docker or gvisor (runsc on the podman-built image) when the engine answers and the image is
 built; Apple `container` on macOS, and on Linux through its stand-in, tests/emulators/container, at one
 release before 0.10 and one 1.x). A real backend that cannot work here is skipped with the reason,
 except bwrap on Linux, whose absence is a failure (it is the default). Containment itself is
@@ -104,7 +104,7 @@ def _backend(name: str, settings: Settings, root: Path) -> SandboxBackend:
     if name in ("podman", "docker") and (problem := _engine_problem(name, settings.image)):
         pytest.skip(problem)
     if name == "gvisor" and (problem := _engine_problem("podman", settings.image)):
-        pytest.skip(f"gvisor runs under podman: {problem}")
+        pytest.skip(f"gvisor runs the image podman builds: {problem}")
     if name.startswith("apple@"):
         return _emulated_apple(name.split("@")[1], settings, root)
     if name == "bwrap" and not sys.platform.startswith("linux"):
