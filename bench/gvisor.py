@@ -22,11 +22,10 @@ import contextlib
 import shutil
 import statistics
 import tempfile
-import time
 from pathlib import Path
-from typing import Any
 
 import anyio
+from snapshots import run, timed  # bench/snapshots.py, beside this script
 
 from coderunner.config import Settings
 from coderunner.sandbox import SandboxUnavailable, make_backend
@@ -62,21 +61,6 @@ def settings(backend: str, root: Path, size_mb: int) -> Settings:
         snapshot_limit_mb=max(4096, 8 * size_mb),
         pool_size=0,
     )
-
-
-async def run(session: Session, code: str) -> str:
-    result = await session.run(code, 600, None)
-    text = result.outcome.output.text()
-    if result.outcome.status.value != "ok":
-        raise RuntimeError(f"{code[:60]!r} failed: {text[-500:]}")
-    return text
-
-
-async def timed(lane: list[float], work: Any) -> Any:
-    began = time.perf_counter()
-    answer = await work
-    lane.append(time.perf_counter() - began)
-    return answer
 
 
 async def cold(manager: SessionManager) -> Session:

@@ -157,19 +157,7 @@ class SessionSnapshots:
                         # Copied, not removed: the guest removes its own folder (see discard).
                         state_bytes = draft.take_state(workspace_fd, STATE_IN_WORKSPACE, remove=False)
                         copied = draft.copy_workspace(workspace_fd, STATE_IN_WORKSPACE) if with_workspace else None
-                    meta = SnapshotMeta(
-                        snapshot_id=snapshot_id or self.store.new_id(),
-                        client=client,
-                        name=name,
-                        created=time.time(),
-                        kind=kind,
-                        source_session=session.session_id[:8],
-                        backend=self.backend.name,
-                        options=restore_options(session),
-                        workspace_bytes=copied.bytes if copied is not None else 0,
-                        state_bytes=state_bytes,
-                        state_report=report,
-                    )
+                    meta = self._meta(session, name, kind, snapshot_id, copied, state_bytes, report)
                     return draft.commit(meta), copied
                 except BaseException:
                     draft.discard()
@@ -217,24 +205,32 @@ class SessionSnapshots:
                     lost = "" if kernel.alive else "; the kernel did not survive it: the next call starts a fresh one"
                     raise SnapshotError(f"the memory checkpoint failed: {exc}{lost}") from None
                 state_bytes = await off_loop(draft.charge_memory, kernel.saved_connection())
-                meta = SnapshotMeta(
-                    snapshot_id=snapshot_id or self.store.new_id(),
-                    client=client,
-                    name=name,
-                    created=time.time(),
-                    kind=SNAPSHOT,
-                    source_session=session.session_id[:8],
-                    backend=self.backend.name,
-                    options=restore_options(session),
-                    workspace_bytes=copied[0].bytes if copied else 0,
-                    state_bytes=state_bytes,
-                    state_report={"memory": {"runtime": backend.checkpoint_key()}, "not_carried": MEMORY_NEVER},
-                )
+                report = {"memory": {"runtime": backend.checkpoint_key()}, "not_carried": MEMORY_NEVER}
+                workspace = copied[0] if copied else None
+                meta = self._meta(session, name, SNAPSHOT, snapshot_id, workspace, state_bytes, report)
                 meta = await off_loop(draft.commit, meta)
             except BaseException:
                 await off_loop(draft.discard)
                 raise
         return Taken(meta, copied[0] if copied else None, time.monotonic() - started)
+
+    def _meta(
+        self, session: Session, name: str, kind: str, snapshot_id: str | None, copied: CopyReport | None,
+        state_bytes: int, report: dict[str, Any],
+    ) -> SnapshotMeta:  # fmt: skip
+        return SnapshotMeta(
+            snapshot_id=snapshot_id or self.store.new_id(),
+            client=session.options.client,
+            name=name,
+            created=time.time(),
+            kind=kind,
+            source_session=session.session_id[:8],
+            backend=self.backend.name,
+            options=restore_options(session),
+            workspace_bytes=copied.bytes if copied is not None else 0,
+            state_bytes=state_bytes,
+            state_report=report,
+        )
 
     def resolve(self, seed: Seed) -> None:
         """Look `seed`'s snapshot up (a worker thread), before the new sandbox's dirs are made: a
