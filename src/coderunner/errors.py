@@ -15,8 +15,10 @@ Each class lives beside the code that raises it; the tree, with where each one i
     │   └── ImageError               sandbox/image.py      the sandbox image could not be built
     ├── SandboxUnavailable           sandbox/base.py       the chosen backend cannot work here
     │   ├── BwrapUnavailable         sandbox/bwrap.py
-    │   └── ContainerUnavailable     sandbox/container.py
+    │   ├── ContainerUnavailable     sandbox/container.py
+    │   └── CheckpointError          sandbox/gvisor.py     runsc could not checkpoint or restore a sandbox
     ├── KernelStartError             kernel.py             the sandboxed kernel did not come up
+    ├── CheckpointFailed             kernel.py             a kernel's memory checkpoint or restore did not work
     ├── SessionError                 here                  a session request that cannot be served
     │   ├── SessionBusy              here                  another call holds the kernel
     │   ├── GuestCallError           here                  a guest tool refused its input or failed
@@ -39,7 +41,8 @@ At the backend seam (sandbox/): a backend's spawn raises SandboxUnavailable only
 translates OSError, EngineError and CgroupsUnavailable); at construction IdentityError and
 SeccompUnavailable become SandboxUnavailable, a missing cgroup tree a note on degraded isolation. In the
 kernel: SandboxExited, HostFsError and timeouts at start -> KernelStartError; a broken or garbled channel
-(ChannelBroken, ZmtpError) ends the kernel and the run's reply says so. In sessions: MountsError,
+(ChannelBroken, ZmtpError) ends the kernel and the run's reply says so; CheckpointError -> CheckpointFailed,
+which sessions turn into SnapshotError (a snapshot) or SessionError (a restore). In sessions: MountsError,
 ExportError and OSError while preparing a sandbox's folders -> SessionError.
 
 MountError keeps ValueError as a second base: pydantic turns it into a settings error only as such.
