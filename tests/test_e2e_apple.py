@@ -173,7 +173,10 @@ async def _tcp_fallback(dirs: ServerDirs) -> None:
     folders = files.host.__wrapped__(dirs)
     env = apple_env(dirs, folders, folder, image, CODERUNNER_KERNEL_CHANNELS="tcp", CODERUNNER_NETWORK="internet")
     async with open_client("stdio", env) as connected:
-        status = json.loads(text_of(await connected.call_tool("session_status", {})))
+        answered = await connected.call_tool("session_status", {})
+        # One clean-clone run got a non-JSON answer here (an error, unrecorded): say what it was next time.
+        assert not answered.is_error, text_of(answered)
+        status = json.loads(text_of(answered))
         assert "reachable at the VM's address" in status["isolation"], status
         code = (
             "import json\n"
