@@ -7,6 +7,9 @@ The server's own token is generated on first use and kept in a 0600 file, or giv
 it is the client `default`. `coderunner token add NAME` makes more, one client each
 (client_tokens.py). The client a token names is put in the request's ASGI scope, where
 callers.py reads it: the token, never a header, decides whose sessions a request may touch.
+The same client is the request's Starlette user (an SDK AuthenticatedUser), so that the SDK's own
+transports, which tie an MCP session to the user that opened it, refuse it to any other token too:
+a second line behind session_binding.py.
 """
 
 from __future__ import annotations
@@ -19,13 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from mcp.server.transport_security import TransportSecurityMiddleware, TransportSecuritySettings
+from starlette.authentication import AuthCredentials
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from .client_tokens import PRIMARY_CLIENT, ClientTokenError, ClientTokens, tokens_dir
 from .errors import CodeRunnerError
+from .http_limits import refuse_repeated, repeated_field
 from .session_binding import BindMcpSessions
 
 if TYPE_CHECKING:
@@ -143,7 +150,7 @@ class AccessPolicy:
 
 
 class RequireToken:
-    """ASGI middleware in front of every route: headers checked, then the bearer token."""
+    """ASGI middleware in front of every route: no repeated identity fields, headers checked, then the bearer token."""
 
     def __init__(self, app: ASGIApp, policy: AccessPolicy) -> None:
         # Behind the token check: an MCP session id works only with the token that opened it.
@@ -155,6 +162,10 @@ class RequireToken:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
+            return
+        # First of all: a request naming its token, session or client twice is ambiguous (http_limits.py).
+        if (repeated := repeated_field(scope)) is not None:
+            await refuse_repeated(repeated, send)
             return
         request = Request(scope)
         refused = await self.headers.validate_request(request, is_post=False)
@@ -173,7 +184,20 @@ class RequireToken:
             await _unauthorized()(scope, receive, send)
             return
         scope[CLIENT_SCOPE_KEY] = client
+        scope["user"] = sdk_user(client)
+        scope["auth"] = AuthCredentials([])
         await self.app(scope, receive, send)
+
+
+def sdk_user(client: str) -> AuthenticatedUser:
+    """The request's user as the SDK's transports read it: one principal per token's client.
+
+    The SDK records the principal (client_id, issuer, subject) that opens an MCP session and
+    answers 404 to a request from any other. Client names are distinct per token (`default` is
+    the server's own), so that check refuses one token another's session. The secret itself is
+    not copied here: nothing downstream needs it.
+    """
+    return AuthenticatedUser(AccessToken(token="", client_id=client, scopes=[]))
 
 
 def _unauthorized() -> Response:

@@ -1,4 +1,4 @@
-"""Bounds on HTTP connections, which anyone who can reach the port may open before any token check.
+"""Bounds on HTTP connections and request heads, which anyone who can reach the port may send before any token check.
 
 uvicorn closes an idle keep-alive connection (timeout_keep_alive), but a connection that has not
 yet sent a complete request head waits forever, and it accepts connections without limit: a flood
@@ -9,16 +9,43 @@ of half-open connections fills the server's file descriptors. This protocol adds
 - a connection cap: over `max_connections`, the oldest connection that is still waiting for its
   request head is closed to make room (it is the cheapest to lose, and a flood is made of them);
   if every connection is busy with a request, the new one is closed at once. Nothing is queued.
+
+And one of each: a request that repeats a header or query parameter which decides who it is or
+where it goes (SINGLE_HEADERS, SINGLE_PARAMS) is refused with 400 before anything reads it
+(auth.RequireToken asks `repeated_field` first). Readers disagree on which copy counts: Starlette's
+`headers.get` takes the first, its `query_params.get` the last, a regex the first literal match.
+A check reading one copy while the SDK routes on another is how a token reached another token's
+MCP session; with one copy there is nothing to disagree about.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import parse_qsl
 
+from starlette.types import Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+#: Request headers (lower case) that name the caller or pick where a request goes: the bearer
+#: token (auth.py), Host and Origin (the DNS-rebinding check), the MCP session (session_binding.py,
+#: callers.py, the SDK), the client name (callers.CLIENT_HEADER, owners.py), the protocol
+#: version (the SDK's choice of transport era) and Last-Event-ID (the SDK's stream replay).
+SINGLE_HEADERS = frozenset(
+    {
+        b"authorization",
+        b"host",
+        b"origin",
+        b"mcp-session-id",
+        b"x-coderunner-client",
+        b"mcp-protocol-version",
+        b"last-event-id",
+    }
+)
+#: Query parameters, by name as the SDK decodes it (`session%5Fid` is `session_id`): legacy SSE's session.
+SINGLE_PARAMS = frozenset({"session_id"})
 
 
 @dataclass(frozen=True)
@@ -118,3 +145,31 @@ class BoundedH11Protocol(H11Protocol):
 def bounded_protocol(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
     """A protocol class for uvicorn.Config(http=...), with its own gate (one per server)."""
     return type("BoundedH11", (BoundedH11Protocol,), {"gate": ConnectionGate(limits)})
+
+
+def repeated_field(scope: Scope) -> str | None:
+    """The first header or query parameter of SINGLE_HEADERS / SINGLE_PARAMS this request repeats."""
+    headers = Counter(name.lower() for name, _ in scope.get("headers", []))
+    for name in sorted(SINGLE_HEADERS):
+        if headers[name] > 1:
+            return f"header {name.decode()}"
+    # Decoded exactly as Starlette's QueryParams does, which is what the SDK reads.
+    query = scope.get("query_string", b"").decode("latin-1")
+    params = Counter(name for name, _ in parse_qsl(query, keep_blank_values=True))
+    for param in sorted(SINGLE_PARAMS):
+        if params[param] > 1:
+            return f"query parameter {param}"
+    return None
+
+
+async def refuse_repeated(field_name: str, send: Send) -> None:
+    """400, plain text: the request is ambiguous, and nothing has acted on it."""
+    body = f"bad request: {field_name} appears more than once; send it once\n".encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 400,
+            "headers": [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})

@@ -7,7 +7,9 @@ requests or take its standalone notification stream. So this ASGI layer, behind 
 notes which client opened each MCP session and answers 404 (as for an unknown session) to any
 other client presenting its id. Bounded: at most MAX_BOUND entries, the least recently used
 forgotten first (the SDK itself holds at most 10,000 streamable sessions); a forgotten id is
-refused too, and its client starts a new session as after any 404.
+refused too, and its client starts a new session as after any 404. auth.RequireToken also makes
+the token's client the request's SDK user, so the SDK's own per-user session check refuses the
+same requests: a second line, should this one ever be bypassed.
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import json
 import re
 from collections import OrderedDict
 from collections.abc import Callable
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 MAX_BOUND = 20_000
 #: Legacy SSE: the stream's first event names the POST endpoint with the new session's id.
 SSE_STREAM_PATH = "/sse"
-SSE_MESSAGES_PREFIX = "/messages"
 _SSE_ENDPOINT = re.compile(rb"session_id=([0-9a-f]{32})")
 #: Body messages of a new SSE stream searched for its endpoint event.
 _SSE_SCAN_MESSAGES = 4
@@ -68,9 +70,10 @@ class BindMcpSessions:
         if client is None:
             await self.app(scope, receive, send)
             return
-        presented = _presented_session(scope)
-        if presented is not None:
-            if not self.owners.allows(presented, client):
+        presented = _presented_sessions(scope)
+        if presented:
+            # Every id the request carries, however the SDK might read it, must be this client's.
+            if not all(self.owners.allows(session_id, client) for session_id in presented):
                 await _not_found(send)
                 return
             await self.app(scope, receive, send)
@@ -102,15 +105,18 @@ def _new_sse_stream(scope: Scope) -> bool:
     return scope["path"] == SSE_STREAM_PATH and scope.get("method") == "GET"
 
 
-def _presented_session(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", []):
-        if name == b"mcp-session-id":
-            return value.decode("latin-1")
-    if scope["path"].startswith(SSE_MESSAGES_PREFIX):
-        query = scope.get("query_string", b"")
-        if found := re.search(rb"(?:^|&)session_id=([^&]*)", query):
-            return found.group(1).decode("latin-1")
-    return None
+def _presented_sessions(scope: Scope) -> list[str]:
+    """Every MCP session id in the request: each `Mcp-Session-Id` header and `session_id` parameter.
+
+    The parameter is decoded as Starlette's QueryParams decodes it (the SDK's SSE transport reads
+    it so: `session%5Fid=` is `session_id=`), on every path. auth.RequireToken has already refused
+    a request repeating either; all are returned anyway, so that this check never reads a
+    different copy than the SDK does.
+    """
+    found = [value.decode("latin-1") for name, value in scope.get("headers", []) if name.lower() == b"mcp-session-id"]
+    query = scope.get("query_string", b"").decode("latin-1")
+    found += [value for name, value in parse_qsl(query, keep_blank_values=True) if name == "session_id"]
+    return found
 
 
 async def _not_found(send: Send) -> None:
