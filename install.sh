@@ -13,12 +13,12 @@ VENV="$REPO/.venv"
 say() { printf '\033[1m==> %s\033[0m\n' "$*" >&2; }
 die() { printf 'install.sh: %s\n' "$*" >&2; exit 1; }
 
-# The host side needs a Python >= 3.10 for the server (the sandbox has its own).
+# The host side needs a Python >= 3.11 for the server (the sandbox has its own).
 find_host_python() {
     local candidate
-    for candidate in ${CODERUNNER_HOST_PYTHON:-} python3.13 python3.12 python3.11 python3.10 python3 /usr/bin/python3; do
+    for candidate in ${CODERUNNER_HOST_PYTHON:-} python3.13 python3.12 python3.11 python3 /usr/bin/python3; do
         if command -v "$candidate" >/dev/null 2>&1 &&
-            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 10))' 2>/dev/null; then
+            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
             echo "$candidate"
             return 0
         fi
@@ -92,7 +92,7 @@ if [ "$(uname -s)" = "Darwin" ]; then
     [ "$have" = "$CONTAINER_VERSION" ] || say "using the installed Apple container $have (tested: $CONTAINER_VERSION)"
     say "starting the container system service"
     container system start --enable-kernel-install
-    HOST_PYTHON="$(find_host_python)" || die "need Python 3.10 or newer for the server (Apple's is 3.9): brew install python@3.12"
+    HOST_PYTHON="$(find_host_python)" || die "need Python 3.11 or newer for the server (Apple's is 3.9): brew install python@3.12"
     install_venv "$HOST_PYTHON"
     say "building the sandbox image with container build (minutes the first time)"
     "$VENV/bin/coderunner" setup --backend apple
@@ -139,8 +139,8 @@ if [ "${#missing[@]}" -gt 0 ]; then
     fi
 fi
 
-# 2. The host side: a Python >= 3.10 for the server (any; the sandbox uses the system python3).
-HOST_PYTHON="$(find_host_python)" || die "need Python 3.10 or newer for the server"
+# 2. The host side: a Python >= 3.11 for the server (any; the sandbox uses the system python3).
+HOST_PYTHON="$(find_host_python)" || die "need Python 3.11 or newer for the server"
 install_venv "$HOST_PYTHON"
 
 # 3. The sandbox's Python environment (ipykernel, numpy, pandas, matplotlib).
