@@ -111,3 +111,11 @@ def test_a_reopened_outbox_is_not_exported_again(places: tuple[Path, Path, Path]
     (outbox / "new.csv").write_text("today")
     assert exporter.export().copied == ["new.csv"]
     assert not (target / "old.csv").exists()
+
+
+def test_a_client_folder_name_must_be_canonical(tmp_path: Path) -> None:
+    """Only lowercase one-component names: `T.alice` and `t.alice` must never be asked for as two folders."""
+    assert exports.client_folder(tmp_path, "t.alice") == tmp_path / "t.alice"
+    for bad in ["T.alice", "Alice", "é", "..", "a/b", "", ".hidden", "x" * 65]:
+        with pytest.raises(exports.ExportError):
+            exports.client_folder(tmp_path, bad)

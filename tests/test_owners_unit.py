@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import unicodedata
 from types import SimpleNamespace
 
 import pytest
 
 from coderunner.callers import UnknownClient
+from coderunner.exports import CLIENT_FOLDER
 from coderunner.owners import ANONYMOUS_HTTP_CLIENT, LOCAL_CLIENT, client_of, folder_name
 from coderunner.workspace import NAME
 
@@ -56,3 +58,29 @@ def test_no_name_of_the_servers_own_token_reaches_an_added_tokens_folder() -> No
 def test_a_request_that_passed_no_token_check_is_nobody() -> None:
     with pytest.raises(UnknownClient):
         client_of(SimpleNamespace(headers={"x-coderunner-client": "zed"}, scope={}))
+
+
+def casefold_nfkc(folder: str) -> str:
+    return unicodedata.normalize("NFKC", folder).casefold()
+
+
+def test_names_differing_only_in_case_or_unicode_form_never_share_a_folder() -> None:
+    """`T.alice` beside `t.alice` is one folder on macOS: every folder name is lowercase ASCII."""
+    names = ["alice", "Alice", "ALICE", "t.alice", "T.alice", "T.Alice", "é", "e\u0301", "\u212a", "k", "K",
+             "Local", "HTTP", "ﬁle", "file", "ǅ", "dž", "Straße", "strasse", "İ", "i"]  # fmt: skip
+    requests = [request(**{"x-coderunner-client": name}) for name in names]
+    requests += [request("laptop", **{"x-coderunner-client": name}) for name in names]
+    folders = [client_of(r) for r in requests]
+    assert len({casefold_nfkc(f) for f in folders}) == len(folders), folders
+    for folder in folders:
+        assert folder == casefold_nfkc(folder) and folder.isascii() and CLIENT_FOLDER.fullmatch(folder), folder
+    assert client_of(request(**{"x-coderunner-client": "T.alice"})) != "t.alice"
+
+
+def test_canonical_names_keep_their_folders() -> None:
+    """Existing lowercase folders stay found; only names with capitals or other characters move."""
+    for name in ["claude-desktop", "cursor.2", "zed", "a_b.c-d"]:
+        assert folder_name(name) == name
+    assert client_of(request("laptop", **{"x-coderunner-client": "zed"})) == "t.laptop.zed"
+    moved = folder_name("Claude-Desktop")
+    assert moved.startswith("claude-desktop-") and moved != folder_name("claude-desktop")

@@ -16,6 +16,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import secrets
 import stat
 from dataclasses import dataclass, field
@@ -245,7 +246,15 @@ def open_target(folder: Path, owner: tuple[int, int] | None) -> int:
         os.close(parent)
 
 
+#: A client's folder name as owners.py makes it: one component, lowercase ASCII, so that no two
+#: clients' folders can be one folder on a case-insensitive or normalising file system.
+CLIENT_FOLDER = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
+
+
 def client_folder(export_dir: Path, client: str) -> Path:
+    """export_dir/<client>; refuses a name that is not canonical (owners.folder_name makes them)."""
+    if not CLIENT_FOLDER.fullmatch(client):
+        raise ExportError(errno.EINVAL, f"{client[:80]!r} is not a client folder name")
     return export_dir / client
 
 

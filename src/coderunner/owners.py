@@ -11,6 +11,13 @@ outlive a connection, so it is keyed on a stable client name instead, one folder
   holds no dot, so two tokens never share an export folder or a named workspace.
 Within one token the header is what the client says it is: it keeps cooperating clients apart,
 it does not authenticate one against another.
+
+Every folder name is lowercase ASCII (`[a-z0-9._-]`), so two names that differ only in case or
+Unicode form (`T.alice` and `t.alice`, `é` composed or not) cannot meet in one folder on a
+case-insensitive or normalising file system (macOS's default). A name that is already canonical
+keeps its folder; any other gets the lowercased safe form plus a short hash of the exact name.
+Folders earlier versions made for names with capitals stay on disk untouched and are no longer
+used (their owners find their files there by hand; nothing is moved or deleted).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ ANONYMOUS_HTTP_CLIENT = "http"
 _RESERVED = (LOCAL_CLIENT, ANONYMOUS_HTTP_CLIENT)
 #: Folder names of added tokens' clients start with this; no other folder name does.
 TOKEN_FOLDER_PREFIX = "t."
-_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_UNSAFE = re.compile(r"[^a-z0-9._-]")
 MAX_FOLDER_CHARS = 64
 _HASH_CHARS = 8
 
@@ -61,8 +68,9 @@ def _short_hash(name: str) -> str:
 
 
 def folder_name(name: str) -> str:
-    """A stable, readable folder name for a client name; distinct names never share a folder."""
-    safe = _UNSAFE.sub("_", name)[:MAX_FOLDER_CHARS]
+    """A stable, readable folder name for a client name; distinct names never share a folder, even
+    on a file system that ignores case or normalises Unicode (the name is lowercase ASCII)."""
+    safe = _UNSAFE.sub("_", name.lower())[:MAX_FOLDER_CHARS]
     if not safe[:1].isalnum() or safe.startswith(TOKEN_FOLDER_PREFIX):
         safe = "c" + safe
     if safe != name or safe in _RESERVED:
