@@ -1,8 +1,13 @@
 """A record of every egress decision: a bounded per-session log and an append-only JSONL file.
 
 The per-session log answers `session_status` (recent entries, totals) and lets a `run_python` reply
-name the hosts denied during that call (mark / denied_since). The file keeps everything, across
-sessions, rotated by size; writing it never blocks the event loop and never grows a queue unbounded.
+name the hosts denied during that call (mark / denied_since). The file keeps every session's
+decisions, rotated by size; writing it never blocks the event loop and never grows a queue unbounded.
+
+One sandbox must not be able to wipe everyone's history by flooding denials (issue 25, finding 4),
+so each session writes through a SessionAudit: a small burst of denial lines per window, then one
+"N more denials of HOST" line per host and window (nothing lost as a count), and a byte share of
+the file it can never exceed (see SessionAudit for why a share of one file, not a file per session).
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import stat
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,21 +50,45 @@ _MAX_DENIED_KEPT = 1_000
 _MAX_DENIED_NAMED = 20
 _WORKER_POLL_S = 0.2
 
+# Per-session rate limit of the audit file (module constants, not settings: the defaults fit any
+# server; a session's own log and session_status keep every decision whatever these say).
+#: Denial lines a session writes one by one per window, and of those at most HOST_BURST per host:port.
+SESSION_BURST = 20
+HOST_BURST = 3
+#: The window: later denials in it are counted per host:port and written as one line when it ends.
+WINDOW_S = 60.0
+#: host:port counted apart in one window; denials of further hosts share one count ("*").
+MAX_FOLDED_HOSTS = 32
+#: A session may fill at most 1/SESSION_SHARE of the audit file's bytes ((keep + 1) * max_bytes).
+SESSION_SHARE = 32
+
 
 class AuditFile:
     """Append-only JSONL at path (in a host-only dir), rotated to path.1 .. path.keep past max_bytes.
 
-    Lines are queued (bounded) and written by one worker thread; when the queue is full a line is
-    dropped and counted, and a `{"dropped": N}` line is written once there is room. The file is opened
-    with O_NOFOLLOW|O_APPEND|O_CREAT and mode 0600: a link planted at the path is refused.
+    On disk at most (keep + 1) * max_bytes (a file passes max_bytes only by a single line longer
+    than that); one session's lines take at most session_bytes of it (SessionAudit), plus one
+    closing line of fixed size. Lines are queued (bounded) and written by one worker thread; when
+    the queue is full a line is dropped and counted, and a `{"dropped": N}` line is written once
+    there is room. The file is opened with O_NOFOLLOW|O_APPEND|O_CREAT and mode 0600: a link
+    planted at the path is refused.
     """
 
-    def __init__(self, path: Path, max_bytes: int = 8 * MiB, keep: int = 3, queue_lines: int = 10_000) -> None:
+    def __init__(
+        self,
+        path: Path,
+        max_bytes: int = 8 * MiB,
+        keep: int = 3,
+        queue_lines: int = 10_000,
+        session_bytes: int | None = None,
+    ) -> None:
         if max_bytes < 1 or keep < 1 or queue_lines < 1:
             raise ValueError("max_bytes, keep and queue_lines must be positive")
         self.path = Path(path)
         self.max_bytes = max_bytes
         self.keep = keep
+        #: What one session's lines may take of the file over its life (SessionAudit keeps to it).
+        self.session_bytes = (keep + 1) * max_bytes // SESSION_SHARE if session_bytes is None else session_bytes
         self._name = self.path.name
         self._dir_fd = os.open(self.path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
@@ -67,7 +97,7 @@ class AuditFile:
             os.close(self._dir_fd)
             raise
         self._size = os.fstat(self._fd).st_size
-        self._queue: queue.Queue[tuple[str, Decision]] = queue.Queue(maxsize=queue_lines)
+        self._queue: queue.Queue[bytes] = queue.Queue(maxsize=queue_lines)
         self._lock = threading.Lock()
         self._dropped = 0
         self._unreported = 0
@@ -76,12 +106,16 @@ class AuditFile:
         self._worker.start()
 
     def write(self, session_id: str, decision: Decision) -> None:
-        """Queue one line; never blocks (drops and counts when the queue is full)."""
+        """Queue the line of one decision as it is (no rate limit: sessions go through SessionAudit)."""
+        self.write_data(encode(_line(session_id, decision)))
+
+    def write_data(self, data: bytes) -> None:
+        """Queue one encoded line; never blocks (drops and counts when the queue is full)."""
         if self._stop.is_set():
             self._count_dropped(1)
             return
         try:
-            self._queue.put_nowait((session_id, decision))
+            self._queue.put_nowait(data)
         except queue.Full:
             self._count_dropped(1)
 
@@ -114,7 +148,7 @@ class AuditFile:
     def _run(self) -> None:
         while True:
             try:
-                session_id, decision = self._queue.get(timeout=_WORKER_POLL_S)
+                data = self._queue.get(timeout=_WORKER_POLL_S)
             except queue.Empty:
                 if self._stop.is_set():
                     return
@@ -124,7 +158,7 @@ class AuditFile:
                     unreported, self._unreported = self._unreported, 0
                 if unreported:
                     self._append({"at": round(time.time(), 3), "dropped": unreported})
-                self._append(_line(session_id, decision))
+                self._append_data(data)
             except OSError as exc:
                 self._count_dropped(1)
                 log.warning("egress audit log %s: a line could not be written: %s", self.path, exc)
@@ -132,7 +166,9 @@ class AuditFile:
                 self._queue.task_done()
 
     def _append(self, obj: dict[str, object]) -> None:
-        data = (json.dumps(obj, ensure_ascii=True, separators=(",", ":")) + "\n").encode()
+        self._append_data(encode(obj))
+
+    def _append_data(self, data: bytes) -> None:
         if self._size > 0 and self._size + len(data) > self.max_bytes:
             self._rotate()
         os.write(self._fd, data)
@@ -171,6 +207,11 @@ class AuditFile:
             self._unreported += n
 
 
+def encode(obj: dict[str, object]) -> bytes:
+    """One JSONL line, ASCII only."""
+    return (json.dumps(obj, ensure_ascii=True, separators=(",", ":")) + "\n").encode()
+
+
 def _line(session_id: str, d: Decision) -> dict[str, object]:
     return {
         "at": round(d.at, 3),
@@ -184,12 +225,160 @@ def _line(session_id: str, d: Decision) -> dict[str, object]:
     }
 
 
+@dataclass
+class _Fold:
+    """Denials of one host:port in the current window not written one by one."""
+
+    host: str
+    port: int
+    count: int = 0
+
+
+@dataclass
+class _Overflow:
+    """What did not fit in the session's share: written as one line when the session closes."""
+
+    denied: int = 0
+    allowed: int = 0
+    sent: int = 0
+    received: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.denied or self.allowed)
+
+
+class SessionAudit:
+    """One session's way into the shared audit file: rate-limited denials, a byte share, exact counts.
+
+    Per window of WINDOW_S, the first SESSION_BURST denials (at most HOST_BURST of one host:port)
+    are written as they come; later ones are counted per host:port (MAX_FOLDED_HOSTS of them, the
+    rest together as host "*") and written as one line each, with "folded": N, when the window has
+    ended (on the session's next decision) or at close. Allowed connections are written one by one.
+    Every line counts against session_bytes; one that does not fit is counted instead and the
+    counts are written as one closing line. So for each session, the denial lines without "folded"
+    plus the sum of "folded" equal its denials, and it never holds more than session_bytes (plus
+    that one line) of the file.
+
+    Why a share of one file rather than a file per session: the file keeps its path, format and
+    on-disk bound ((keep + 1) * max_bytes) for everything that reads it, and files per session
+    would pile up with every session ever opened unless old ones were pruned, which again lets
+    sessions evict each other. With a share, a session can displace at most session_bytes of
+    others' history (1/SESSION_SHARE of the file) however long it floods; only many sessions
+    over time age the file, as they should.
+    """
+
+    def __init__(self, session_id: str, sink: AuditFile, clock: Callable[[], float] = time.time) -> None:
+        self.session_id = session_id
+        self.sink = sink
+        self.clock = clock
+        self._lock = threading.Lock()
+        self._budget = sink.session_bytes
+        self._spent = 0
+        self._window_start: float | None = None
+        self._written = 0
+        self._per_host: dict[tuple[str, int], int] = {}
+        self._folds: dict[str, _Fold] = {}
+        self._over = _Overflow()
+
+    @property
+    def spent(self) -> int:
+        """Bytes of this session's lines queued for the file so far."""
+        with self._lock:
+            return self._spent
+
+    def record(self, decision: Decision) -> None:
+        with self._lock:
+            now = self.clock()
+            if self._window_start is None or not 0 <= now - self._window_start < WINDOW_S:
+                self._end_window(now)
+                self._window_start = now
+            if decision.allowed:
+                self._emit(_line(self.session_id, decision), _Overflow(0, 1, decision.sent, decision.received))
+                return
+            key = (decision.host, decision.port)
+            if self._written < SESSION_BURST and self._per_host.get(key, 0) < HOST_BURST:
+                self._written += 1
+                self._per_host[key] = self._per_host.get(key, 0) + 1
+                self._emit(_line(self.session_id, decision), _Overflow(1, 0, decision.sent, decision.received))
+                return
+            name = _host_port(*key)
+            if name not in self._folds and len(self._folds) >= MAX_FOLDED_HOSTS:
+                name = "*"
+            fold = self._folds.setdefault(name, _Fold(*key) if name != "*" else _Fold("*", 0))
+            fold.count += 1
+
+    def close(self) -> None:
+        """Write the open window's counts and, if the share ran out, the closing line."""
+        with self._lock:
+            self._end_window(self.clock())
+            self._window_start = None
+            if self._over:
+                over, self._over = self._over, _Overflow()
+                self.sink.write_data(encode(self._overflow_line(over)))
+
+    def _end_window(self, now: float) -> None:
+        since = self._window_start if self._window_start is not None else now
+        for name, fold in self._folds.items():
+            what = "other hosts" if name == "*" else name
+            line: dict[str, object] = {
+                "at": round(now, 3),
+                "session": self.session_id,
+                "host": fold.host,
+                "port": fold.port,
+                "allowed": False,
+                "reason": f"{fold.count} more denials of {what} in the last {round(now - since)} s",
+                "sent": 0,
+                "received": 0,
+                "folded": fold.count,
+                "since": round(since, 3),
+            }
+            self._emit(line, _Overflow(denied=fold.count))
+        self._folds = {}
+        self._per_host = {}
+        self._written = 0
+
+    def _emit(self, obj: dict[str, object], stands_for: _Overflow) -> None:
+        """Write one line if it fits in the share, else count what it stands for."""
+        data = encode(obj)
+        if self._spent + len(data) <= self._budget:
+            self._spent += len(data)
+            self.sink.write_data(data)
+            return
+        self._over.denied += stands_for.denied
+        self._over.allowed += stands_for.allowed
+        self._over.sent += stands_for.sent
+        self._over.received += stands_for.received
+
+    def _overflow_line(self, over: _Overflow) -> dict[str, object]:
+        return {
+            "at": round(self.clock(), 3),
+            "session": self.session_id,
+            "host": "*",
+            "port": 0,
+            "allowed": False,
+            "reason": f"past this session's share of the audit log ({self._budget} bytes): "
+            f"{over.denied} denials and {over.allowed} allowed connections counted, not listed",
+            "sent": over.sent,
+            "received": over.received,
+            "folded": over.denied,
+            "folded_allowed": over.allowed,
+        }
+
+
 class DecisionLog:
     """One session's decisions: a bounded ring of recent entries, running totals, marks for denials."""
 
-    def __init__(self, session_id: str, *, capacity: int = 200, sink: AuditFile | None = None) -> None:
+    def __init__(
+        self,
+        session_id: str,
+        *,
+        capacity: int = 200,
+        sink: AuditFile | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.session_id = session_id
         self.sink = sink
+        self.audit = SessionAudit(session_id, sink, clock) if sink is not None else None
         self._lock = threading.Lock()
         self._ring: deque[Decision] = deque(maxlen=capacity)
         self._denied: deque[tuple[int, str]] = deque(maxlen=_MAX_DENIED_KEPT)
@@ -216,8 +405,13 @@ class DecisionLog:
             self._totals["received"] += decision.received
             if not decision.allowed:
                 self._denied.append((self._seq, _host_port(decision.host, decision.port)))
-        if self.sink is not None:
-            self.sink.write(self.session_id, decision)
+        if self.audit is not None:
+            self.audit.record(decision)
+
+    def close(self) -> None:
+        """The session is over: write what its audit still holds as counts (see SessionAudit)."""
+        if self.audit is not None:
+            self.audit.close()
 
     def recent(self, n: int = 10) -> list[Decision]:
         """The last n decisions, oldest first."""

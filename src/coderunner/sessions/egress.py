@@ -102,6 +102,7 @@ class SessionEgress:
             if self._dirs is not None:
                 self._dirs.remove_host_file(EGRESS_SOCKET)
                 self._dirs = None
+            self.log.close()  # the audit's counts of folded denials (egress/audit.py SessionAudit)
 
 
 def make_socket(dirs: SandboxDirs) -> socket.socket:
