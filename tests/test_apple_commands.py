@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import anyio
 import pytest
@@ -20,6 +21,7 @@ from coderunner.sandbox.apple import (
     INIT_VERSION,
     MIN_VERSION,
     PINNED_VERSION,
+    SECRET_VERSION,
     UPGRADE_HINT,
     AppleBackend,
     AppleCommand,
@@ -33,6 +35,7 @@ from coderunner.sandbox.apple import (
 )
 from coderunner.sandbox.base import Limits, Mount, SandboxSpec
 from coderunner.sandbox.container import ContainerUnavailable, name_prefix
+from coderunner.sandbox.image import BuildCommand, build_command
 
 from .test_container_commands import ENV_FLAGS  # the same sandbox environment on every engine
 
@@ -82,7 +85,8 @@ def test_too_old_or_unreadable_versions_are_refused_with_the_upgrade_command() -
     )
     assert "could not read the version" in (version_problem(None) or "")
     assert version_problem(MIN_VERSION) is None and version_problem(V1_2) is None
-    assert "no `run --init`" in (version_caveat(V0_9) or "") and version_caveat(INIT_VERSION) is None
+    assert "no `run --init`" in (version_caveat(V0_9) or "") and "no `build --secret`" in (version_caveat(V0_9) or "")
+    assert "no `build --secret`" in (version_caveat(INIT_VERSION) or "") and version_caveat(SECRET_VERSION) is None
 
 
 # --- run argv per version --------------------------------------------------------------------------------
@@ -161,7 +165,7 @@ def test_plan_relays_each_channel_and_runs_the_kernel_under_the_guest_init(tmp_p
     inner = planned[planned.index("img") + 1 :]
     guests = [f"{GUEST_SOCKETS}-{port}" for port in (1, 2, 3, 4, 5)]
     assert inner[: inner.index("--")] == [
-        "/opt/coderunner/env/bin/python", "-m", "coderunner_guest.vm_init",
+        "/opt/coderunner/env/bin/python", "-P", "-m", "coderunner_guest.vm_init",
         "--ready", f"{GUEST_STATE}/{NAME}.ready",
         *(flag for path in guests for flag in ("--socket", path)),
     ]  # fmt: skip
@@ -266,3 +270,53 @@ def test_sweep_deletes_only_vms_whose_session_dir_is_gone(tmp_path: Path) -> Non
     deleted.clear()
     backend.remove_stale("9f8e7d6c")
     assert deleted == ["coderunner-1a2b3c4d-9f8e7d6c-a1b2c3"]
+
+
+# --- the image build (`coderunner setup --backend apple`) ---------------------------------------------
+
+ROOTS = Path("/etc/ssl/certs/ca-certificates.crt")
+
+
+def _build(version: ContainerVersion | None, ca_bundle: Path | None = ROOTS) -> BuildCommand:
+    return BuildCommand(kind="apple", engine="container", image="img:1", context=Path("/src/cr"), digest="d",
+                        ca_bundle=ca_bundle, apple_version=version)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("version", "secret"),
+    [(V0_9, False), (ContainerVersion(0, 10, 0), False), (SECRET_VERSION, True), (V1_2, True), (None, False)],
+)
+def test_build_hands_pip_the_tls_roots_where_the_release_takes_them(
+    version: ContainerVersion | None, secret: bool
+) -> None:
+    """`build --secret` exists from 0.11.0 (BuildCommand.swift); older releases refuse the option."""
+    base = ["container", "build", "--tag", "img:1", "--file", "/src/cr/Containerfile",
+            "--label", "coderunner.sources=d"]  # fmt: skip
+    roots = ["--secret", f"id=ca_bundle,src={ROOTS}"] if secret else []
+    assert _build(version).argv() == [*base, *roots, "/src/cr"]
+    assert "--secret" not in _build(version, ca_bundle=None).argv()
+
+
+def test_a_failed_build_says_what_to_do_about_an_intercepted_tls(tmp_path: Path) -> None:
+    assert "upgrade with ./install.sh" in _build(V0_9).tls_hint() and "0.11.0" in _build(V0_9).tls_hint()
+    hint = _build(V1_2).tls_hint()
+    assert f"the build got {ROOTS}" in hint and "security find-certificate" in hint and "SSL_CERT_FILE=" in hint
+
+
+def test_setup_reads_the_release_and_finds_the_roots(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cli = tmp_path / "bin" / "container"
+    cli.parent.mkdir()
+    cli.write_text('#!/bin/sh\necho "container CLI version 0.11.0 (build: release, commit: 1a2b3c4)"\n')
+    cli.chmod(0o755)
+    roots = tmp_path / "roots.pem"
+    roots.write_text("-----BEGIN CERTIFICATE-----\n")
+    (tmp_path / "Containerfile").write_text("FROM scratch\n")
+    for relative in ("src/coderunner/sandbox/requirements.txt", "containers/coderunner-kernel"):
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text("x")
+    monkeypatch.setenv("PATH", f"{cli.parent}:{os.environ['PATH']}")
+    monkeypatch.setenv("SSL_CERT_FILE", str(roots))
+    settings = SimpleNamespace(backend="apple", image="img:1", base_image=None, oci_runtime=None)
+    command = build_command(settings, tmp_path)  # type: ignore[arg-type]
+    assert command.apple_version == SECRET_VERSION and command.ca_bundle == roots
+    assert command.argv()[-3:] == ["--secret", f"id=ca_bundle,src={roots}", str(tmp_path)]

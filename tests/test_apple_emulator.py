@@ -1,7 +1,8 @@
 """The `container` stand-in answers as apple/container's sources say each release does.
 
-Only what needs no VM: parsing (argument-parser's refusals), names, `--publish-socket` checks and
-the per-release answers for unknown names. The backend's own use of it is test_e2e_apple.py.
+Only what needs no VM: parsing (argument-parser's refusals), names, `--publish-socket` checks,
+the per-release answers for unknown names, and `build --secret` (a tiny image, built through
+`coderunner setup`'s own code). The backend's own use of it is test_e2e_apple.py.
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import uuid
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from coderunner.sandbox.apple import ContainerVersion, names_with_prefix
+from coderunner.sandbox.image import ImageError, build
 
 from . import apple_emulation
 
@@ -95,3 +99,61 @@ def test_unknown_names_per_release() -> None:
     for version in ("0.9.0", "1.2.2"):
         listed = container(version, "list", "--all", "--format", "json")
         assert listed.returncode == 0 and names_with_prefix(listed.stdout, UNKNOWN) == []
+
+
+# --- `build --secret`: the TLS roots reach pip only if the release takes them and the CLI hands them on ----
+
+
+def _secret_context(tmp_path: Path) -> Path:
+    """A build context whose one RUN step needs the `ca_bundle` secret, as the Containerfile's pip does.
+
+    The step's text is new each run, so no cached layer (podman's, from any earlier build) can
+    stand in for a build that did not get the secret.
+    """
+    context = tmp_path / "context"
+    for relative in ("src/coderunner/sandbox/requirements.txt", "containers/coderunner-kernel"):
+        (context / relative).parent.mkdir(parents=True, exist_ok=True)
+        (context / relative).write_text("x")
+    (context / "Containerfile").write_text(
+        "ARG BASE_IMAGE\nFROM ${BASE_IMAGE}\n"
+        "RUN --mount=type=secret,id=ca_bundle,required=false "
+        f"grep -q CODERUNNER-TEST-ROOT /run/secrets/ca_bundle && echo {uuid.uuid4().hex}\n"
+    )
+    return context
+
+
+@pytest.mark.parametrize("version", ["0.9.0", "1.2.2"])
+def test_setup_hands_the_tls_roots_to_a_release_that_takes_them(
+    version: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`coderunner setup --backend apple`'s build, through the stand-in and podman: at 1.2.2 the
+    roots reach the RUN step; 0.9.0 has no `--secret`, so the build fails and says what to do."""
+    try:
+        base = apple_emulation.base_image()
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    roots = tmp_path / "roots.pem"
+    roots.write_text("-----BEGIN CERTIFICATE-----\nCODERUNNER-TEST-ROOT\n-----END CERTIFICATE-----\n")
+    folder = apple_emulation.cli_dir(tmp_path / "bin", version)
+    monkeypatch.setenv("PATH", f"{folder}:{os.environ['PATH']}")
+    monkeypatch.setenv("SSL_CERT_FILE", str(roots))
+    image = f"localhost/coderunner-apple-secret-test:{uuid.uuid4().hex[:12]}"
+    settings = SimpleNamespace(backend="apple", image=image, base_image=base, oci_runtime=None)
+    try:
+        if version == "1.2.2":
+            assert build(settings, repo=_secret_context(tmp_path)) == image  # type: ignore[arg-type]
+        else:
+            with pytest.raises(ImageError, match="cannot hand the build a TLS root"):
+                build(settings, repo=_secret_context(tmp_path))  # type: ignore[arg-type]
+    finally:
+        subprocess.run(["podman", "rmi", "--force", image], capture_output=True, timeout=120, check=False)
+
+
+def test_secret_options_are_read_as_the_cli_reads_them(tmp_path: Path) -> None:
+    """BuildCommand.validate: `id=` first; `src=` a file the CLI reads before building."""
+    refused = container("1.2.2", "build", "--secret", "src=/x", str(tmp_path))
+    assert refused.returncode == 64 and "secret must start with id=<key>" in refused.stderr
+    missing = container("1.2.2", "build", "--secret", f"id=ca_bundle,src={tmp_path / 'none.pem'}", str(tmp_path))
+    assert missing.returncode == 1 and "No such file" in missing.stderr
+    older = container("0.10.0", "build", "--secret", "id=ca_bundle,src=/x", str(tmp_path))
+    assert older.returncode == 64 and "Unknown option '--secret'" in older.stderr

@@ -99,10 +99,17 @@ class ContainerVersion:
         """`run --init` (Flags.Management.useInit) exists from 0.10.0; older versions reject it."""
         return self >= INIT_VERSION
 
+    @property
+    def has_build_secret(self) -> bool:
+        """`build --secret id=..,src=..` (BuildCommand.swift) exists from 0.11.0; older versions reject it."""
+        return self >= SECRET_VERSION
+
 
 #: `--network none` exists from 0.6.0 (Utility.containerConfigFromFlags): nothing older runs here.
 MIN_VERSION = ContainerVersion(0, 6, 0)
 INIT_VERSION = ContainerVersion(0, 10, 0)
+#: The image build can be handed a TLS root (for pip behind a TLS-intercepting proxy) from here on.
+SECRET_VERSION = ContainerVersion(0, 11, 0)
 #: What install.sh installs on both paths (Homebrew, or Apple's signed package).
 PINNED_VERSION = ContainerVersion(1, 2, 2)
 UPGRADE_HINT = (
@@ -123,8 +130,13 @@ def version_caveat(version: ContainerVersion) -> str | None:
     """What a supported but old version lacks (doctor shows it, with UPGRADE_HINT as the fix)."""
     if version < INIT_VERSION:
         return (
-            f"works, but {version} predates 0.10.0: no `run --init` (the guest's first process reaps instead) "
-            "and an older socket relay"
+            f"works, but {version} predates 0.10.0: no `run --init` (the guest's first process reaps instead), "
+            "an older socket relay, and no `build --secret` (where TLS is intercepted the image cannot be built)"
+        )
+    if version < SECRET_VERSION:
+        return (
+            f"works, but {version} predates 0.11.0: no `build --secret`, so where TLS is intercepted the image "
+            "build cannot be given the network's root"
         )
     return None
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .apple import SECRET_VERSION, ContainerVersion
 from .engine import BUILD_TIMEOUT_S, QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
 from .env import SetupError
 
@@ -27,8 +28,19 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[3]
 LABEL_SOURCES = "coderunner.sources"
 #: TLS roots handed to pip in the build as a secret, for networks that intercept TLS: public
-#: certificates only, mounted for one RUN step and never stored in a layer.
-CA_BUNDLES = (Path("/etc/ssl/certs/ca-certificates.crt"), Path("/etc/pki/tls/certs/ca-bundle.crt"))
+#: certificates only, mounted for one RUN step and never stored in a layer. SSL_CERT_FILE, when
+#: set, is used instead (the way to add a root the system files lack, e.g. on a Mac, where
+#: /etc/ssl/cert.pem holds the system roots but not ones added to the keychain).
+CA_BUNDLES = (
+    Path("/etc/ssl/certs/ca-certificates.crt"),
+    Path("/etc/pki/tls/certs/ca-bundle.crt"),
+    Path("/etc/ssl/cert.pem"),
+)
+#: A Mac's roots, keychain-added ones included, as one PEM file for SSL_CERT_FILE.
+MAC_EXPORT_ROOTS = (
+    "security find-certificate -a -p /System/Library/Keychains/SystemRootCertificates.keychain "
+    "/Library/Keychains/System.keychain > ~/coderunner-roots.pem"
+)
 
 
 class ImageError(SetupError):
@@ -77,6 +89,8 @@ class BuildCommand:
     base_image: str | None = None
     runtime: str | None = None
     ca_bundle: Path | None = None
+    #: Apple `container`'s release (from `container --version`): `build --secret` needs 0.11.0.
+    apple_version: ContainerVersion | None = None
     nofile: int = 4096
     nproc: int = 4096
 
@@ -84,8 +98,9 @@ class BuildCommand:
         containerfile = str(self.context / "Containerfile")
         build_args = ["--build-arg", f"BASE_IMAGE={self.base_image}"] if self.base_image else []
         if self.kind == "apple":
+            secret = ["--secret", f"id=ca_bundle,src={self.ca_bundle}"] if self.apple_secret else []
             return [self.engine, "build", "--tag", self.image, "--file", containerfile, *build_args,
-                    "--label", f"{LABEL_SOURCES}={self.digest}", str(self.context)]  # fmt: skip
+                    "--label", f"{LABEL_SOURCES}={self.digest}", *secret, str(self.context)]  # fmt: skip
         args = [self.engine]
         if self.kind == "podman" and self.runtime:
             args += ["--runtime", self.runtime]
@@ -97,6 +112,30 @@ class BuildCommand:
         if self.ca_bundle is not None:
             args += ["--secret", f"id=ca_bundle,src={self.ca_bundle}"]
         return [*args, str(self.context)]
+
+    @property
+    def apple_secret(self) -> bool:
+        """Apple `container` takes the TLS root only from 0.11.0 (an older one refuses `--secret`)."""
+        return self.ca_bundle is not None and self.apple_version is not None and self.apple_version.has_build_secret
+
+    def tls_hint(self) -> str:
+        """What to do when pip failed with CERTIFICATE_VERIFY_FAILED (a network that intercepts TLS)."""
+        if self.kind != "apple":
+            return (
+                "If pip failed with CERTIFICATE_VERIFY_FAILED, set SSL_CERT_FILE to a PEM file with your network's root"
+            )
+        if self.apple_version is None or not self.apple_version.has_build_secret:
+            return (
+                f"If pip failed with CERTIFICATE_VERIFY_FAILED (your network intercepts TLS): Apple container "
+                f"{self.apple_version or '(version unknown)'} cannot hand the build a TLS root (`build --secret` needs "
+                f"{SECRET_VERSION}): upgrade with ./install.sh, then run setup again"
+            )
+        given = f"the build got {self.ca_bundle}, without your network's root" if self.ca_bundle else "no roots found"
+        return (
+            f"If pip failed with CERTIFICATE_VERIFY_FAILED (your network intercepts TLS; {given}): export the "
+            f"roots, keychain ones included, with `{MAC_EXPORT_ROOTS}`, then run "
+            "`SSL_CERT_FILE=~/coderunner-roots.pem coderunner setup --backend apple`"
+        )
 
     def label_query(self) -> list[str]:
         """The sources label of an existing image (Apple `container` prints JSON instead)."""
@@ -118,6 +157,7 @@ def build_command(settings: Settings, repo: Path = REPO) -> BuildCommand:
         raise ImageError(f"{kind} engine not found: {fix}")
     if not (repo / "Containerfile").is_file():
         raise ImageError(f"no Containerfile in {repo}: build from a source checkout (git clone, then ./install.sh)")
+    apple_version = _apple_version(engine) if kind == "apple" else None
     return BuildCommand(
         kind=kind,
         engine=engine,
@@ -126,10 +166,20 @@ def build_command(settings: Settings, repo: Path = REPO) -> BuildCommand:
         digest=sources_digest(repo),
         base_image=settings.base_image,
         runtime=settings.oci_runtime,
-        ca_bundle=default_ca_bundle() if kind != "apple" and sys.platform.startswith("linux") else None,
+        ca_bundle=default_ca_bundle() if kind == "apple" or sys.platform.startswith("linux") else None,
+        apple_version=apple_version,
         nofile=_ulimit(resource.RLIMIT_NOFILE, 4096),
         nproc=_ulimit(resource.RLIMIT_NPROC, 4096),
     )
+
+
+def _apple_version(engine: str) -> ContainerVersion | None:
+    """Which release builds (its options differ); None when `container --version` does not say."""
+    try:
+        done = run_sync([engine, "--version"], QUERY_TIMEOUT_S, check=False, env=engine_env(dict(os.environ)))
+    except EngineError:
+        return None
+    return ContainerVersion.parse(done.stdout)
 
 
 def current_digest(command: BuildCommand) -> str | None:
@@ -164,5 +214,7 @@ def build(settings: Settings, *, recreate: bool = False, repo: Path = REPO) -> s
     except subprocess.TimeoutExpired:
         raise ImageError(f"building {command.image} took longer than {BUILD_TIMEOUT_S:g}s") from None
     except subprocess.CalledProcessError as exc:
-        raise ImageError(f"`{' '.join(argv)}` failed with exit code {exc.returncode} (its output is above)") from None
+        raise ImageError(
+            f"`{' '.join(argv)}` failed with exit code {exc.returncode} (its output is above). {command.tls_hint()}"
+        ) from None
     return command.image
