@@ -36,7 +36,8 @@ ENV_FLAGS = [
     "--env", "PYTHONDONTWRITEBYTECODE=1",
     "--env", "PYDEVD_DISABLE_FILE_VALIDATION=1",
     "--env", "MALLOC_ARENA_MAX=2",
-    "--env", "PYTHONPATH=/opt/coderunner/lib:/workspace/.coderunner/site-packages",
+    "--env", "PYTHONPATH=/opt/coderunner/lib",
+    "--env", "CODERUNNER_SESSION_PACKAGES=/workspace/.coderunner/site-packages",
 ]  # fmt: skip
 
 

@@ -61,3 +61,26 @@ def test_a_linked_package_folder_is_moved_aside_whole(tmp_path: Path) -> None:
 
 def test_nothing_to_report_for_a_workspace_without_packages(tmp_path: Path) -> None:
     assert disable_startup_hooks(tmp_path).as_dict() is None
+
+
+def test_modules_shadowing_the_stdlib_or_the_kernel_are_named(tmp_path: Path) -> None:
+    """Harmless to the launch now (-P), but user code importing such a name may get the workspace's file."""
+    for name in ("ipykernel_launcher.py", "json.py", "runpy.pyc", "zmq.cpython-311-x86_64-linux-gnu.so", "mine.py"):
+        (tmp_path / name).write_text("open('/workspace/MARKER', 'a')")
+    (tmp_path / "encodings").mkdir()
+    (tmp_path / "encodings" / "__init__.py").write_text("")
+    (tmp_path / "html").mkdir()  # a bare folder (a namespace package) never shadows a module
+    (tmp_path / "traitlets").symlink_to(tmp_path / "encodings")  # named, never followed by the host
+    report = disable_startup_hooks(tmp_path)
+    assert report.shadowing == [
+        "encodings/", "ipykernel_launcher.py", "json.py", "runpy.pyc", "traitlets (link)",
+        "zmq.cpython-311-x86_64-linux-gnu.so",
+    ]  # fmt: skip
+    shown = report.as_dict()
+    assert shown is not None and shown["shadowing"] == report.shadowing and "rename" in str(shown["shadowing_note"])
+
+
+def test_a_workspace_of_ordinary_modules_reports_nothing(tmp_path: Path) -> None:
+    (tmp_path / "analysis.py").write_text("")
+    (tmp_path / "data").mkdir()
+    assert disable_startup_hooks(tmp_path).as_dict() is None

@@ -41,6 +41,7 @@ from .kernel_channels import (
 )
 from .output import OutputCollector
 from .sandbox import SandboxBackend, SandboxProcess, SandboxSpec
+from .sandbox.common import product_python
 from .session_dirs import SandboxDirs, connection_names, dump_connection
 from .zmtp import Limits, ZmtpConnection, ZmtpError
 
@@ -157,13 +158,13 @@ class Kernel:
         info = _connection_info(key=secrets.token_hex(32), **address)
         self._info = info
         connection_file = self.dirs.write_host_file(self._connection_name, dump_connection(info))
-        argv = [
+        argv = product_python(
             self.backend.python, "-m", "ipykernel_launcher",
             "-f", str(connection_file),
             "--HistoryManager.hist_file=:memory:",
             "--IPKernelApp.quiet=True",
             "--IPKernelApp.extensions=coderunner_guest",
-        ]  # fmt: skip
+        )  # fmt: skip
         self.started_at = time.monotonic()
         self.process = await self.backend.spawn(self.spec, argv, self.task_group)
         await self._attach(info, timeout_s, "start")

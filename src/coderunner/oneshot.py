@@ -33,6 +33,7 @@ from .errors import CodeRunnerError
 from .leases import SandboxLeases, sandbox_spec
 from .options import SandboxOptions
 from .sandbox import SandboxBackend, SandboxProcess
+from .sandbox.common import product_python
 from .sandbox_mounts import SandboxMounts
 from .session_dirs import SandboxDirs
 
@@ -414,7 +415,7 @@ class OneShotRunner:
         if variables or language == "javascript":
             variables_file = str(dirs.write_host_file("variables.json", json.dumps(variables).encode()))
         memory = options.limits.memory_mb or 0
-        return [self.backend.python, "-c", LAUNCHER, "run", language, source, variables_file, str(memory)]
+        return product_python(self.backend.python, "-c", LAUNCHER, "run", language, source, variables_file, str(memory))
 
     async def _take_ready(self, options: SandboxOptions) -> _Ready | None:
         """The sandbox started ahead for these options, waited for (bounded) if still starting; else None."""
@@ -458,8 +459,8 @@ class OneShotRunner:
             try:
                 entry.dirs = await self.leases.open_dirs(options, throwaway=True)
                 entry.mounts = await self._mounts(options, entry.dirs)
-                argv = [self.backend.python, "-c", LAUNCHER, "wait", str(entry.dirs.host_dir),
-                        str(options.limits.memory_mb or 0)]  # fmt: skip
+                argv = product_python(self.backend.python, "-c", LAUNCHER, "wait", str(entry.dirs.host_dir),
+                                      str(options.limits.memory_mb or 0))  # fmt: skip
                 spec = sandbox_spec(options, entry.dirs, entry.mounts.mounts)
                 entry.process = await self.backend.spawn(spec, argv, self.task_group, pipes=True)
                 # Ready once its interpreter is up and says so (the first byte of its stdout, never the program's).
@@ -542,7 +543,7 @@ class OneShotRunner:
         try:
             mounts = await self._mounts(options, dirs)
             egress = await self._egress(options, dirs)
-            argv = [self.backend.python, "-c", LAUNCHER, *command]
+            argv = product_python(self.backend.python, "-c", LAUNCHER, *command)
             if code is not None:
                 argv.append(str(dirs.write_host_file(name, code.encode("utf-8", "replace"))))
             answer, problems = BoundedBytes(MAX_CHECK_ANSWER_BYTES), BoundedBytes(4096)

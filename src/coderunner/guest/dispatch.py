@@ -5,10 +5,12 @@ silently (no history, no execution count, no names bound in the user's namespace
 result from a display_data message with RESULT_MIME.
 """
 
+import contextlib
 import importlib
 import inspect
 import json
 import os
+import sys
 
 RESULT_MIME = "application/vnd.coderunner.guest+json"
 TOOLS = {
@@ -19,6 +21,29 @@ TOOLS = {
     "packages": "coderunner_guest.packages",
     "snapshot": "coderunner_guest.snapshot",
 }
+
+#: Modules the product's own work on a tool's input imports by name: loaded from read-only folders
+#: first (a snapshot's pickles name cloudpickle; the user's own modules they name still load as theirs).
+PRELOADS = {"snapshot": ("cloudpickle",)}
+#: Tools whose whole run imports only from read-only folders (snapshot loads the user's own modules).
+SEALED = frozenset(TOOLS) - {"snapshot"}
+
+
+@contextlib.contextmanager
+def read_only_imports():
+    """sys.path cut to the environment, the stdlib and the guest while the product's code imports:
+    never '' or the workspace (the sandbox's to write), so a planted PIL.py or cloudpickle/ is not
+    what a tool runs."""
+    roots = tuple(
+        os.path.join(root, "")
+        for root in {sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
+    )
+    saved = sys.path[:]
+    sys.path[:] = [path for path in saved if os.path.isabs(path) and os.path.join(path, "").startswith(roots)]
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
 
 
 class GuestError(Exception):
@@ -94,10 +119,14 @@ async def call(tool, args_json):
     try:
         if tool not in TOOLS:
             raise GuestError(f"unknown guest tool {tool!r}")
-        module = importlib.import_module(TOOLS[tool])
-        result = module.run(**json.loads(args_json))
-        if inspect.isawaitable(result):
-            result = await result
+        with read_only_imports():
+            module = importlib.import_module(TOOLS[tool])
+            for name in PRELOADS.get(tool, ()):
+                importlib.import_module(name)
+        with read_only_imports() if tool in SEALED else contextlib.nullcontext():
+            result = module.run(**json.loads(args_json))
+            if inspect.isawaitable(result):
+                result = await result
         payload = {"ok": True, "result": result}
     except GuestError as exc:
         payload = {"ok": False, "error": str(exc)}

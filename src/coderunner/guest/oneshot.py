@@ -52,6 +52,9 @@ def _lift_address_space_limit():
 
 
 def run_python(source, variables):
+    from . import user_paths
+
+    user_paths()  # only now: this interpreter started with -P (sandbox/common.py: product_python)
     with open(source, encoding="utf-8") as handle:
         code = compile(handle.read(), os.path.basename(source), "exec")
     namespace = {"__name__": "__main__", "__builtins__": __builtins__, **variables}
@@ -73,6 +76,9 @@ def run_javascript(source, variables_path, memory_mb):
     if _lift_address_space_limit() and memory_mb:
         argv.append(f"--max-old-space-size={max(int(memory_mb * 3 // 4), 64)}")
     argv += ["--require", PRELOAD, source]
+    from . import user_paths
+
+    user_paths()  # the Python programs this one starts see the session's packages on PYTHONPATH
     os.execve(NODE, argv, {**os.environ, VARIABLES_ENV: variables_path})
 
 

@@ -1,7 +1,7 @@
 """pip into this session's own package folder, which the kernel imports from before the base env.
 
 The folder lives in the session's workspace, so other sessions and the shared, read-only
-sandbox environment never change; it stays on sys.path across kernel restarts (PYTHONPATH).
+sandbox environment never change; the guest puts it on sys.path once each kernel is up (user_paths).
 """
 
 import importlib
@@ -32,6 +32,7 @@ def run(packages, target, timeout_s):
     os.makedirs(target, exist_ok=True)
     argv = [
         sys.executable,
+        "-P",  # the kernel's cwd is /workspace: a planted pip/ there must not run as pip
         "-m",
         "pip",
         "install",

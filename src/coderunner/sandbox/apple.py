@@ -41,7 +41,7 @@ from anyio.abc import TaskGroup
 
 from .. import hostfs
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
-from .common import IMAGE_PYTHON, NETWORK_MODES, WORKSPACE, rlimit_prefix, sandbox_environment
+from .common import IMAGE_PYTHON, NETWORK_MODES, WORKSPACE, product_python, rlimit_prefix, sandbox_environment
 from .container import (
     ContainerProcess,
     ContainerUnavailable,
@@ -399,7 +399,7 @@ class AppleBackend:
         # A dedicated VM: RLIMIT_NPROC of its one user is exactly the session's process limit.
         prefix = rlimit_prefix(spec.limits, spec.limits.pids, memory_cgroup=True)
         ports = channel_ports(info)
-        guard = [IMAGE_PYTHON, "-m", VM_INIT, "--ready", f"{GUEST_STATE}/{ready_name(name)}"]
+        guard = product_python(IMAGE_PYTHON, "-m", VM_INIT, "--ready", f"{GUEST_STATE}/{ready_name(name)}")
         if self.channels == "tcp":
             # vm_init puts the VM's own address in place of this one before the kernel starts.
             inner = with_guest_connection(argv, "0.0.0.0", GUEST_RUNTIME)

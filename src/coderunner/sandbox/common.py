@@ -29,6 +29,9 @@ NETWORK_MODES = ("none", "allowlist", "internet")
 #: read-only dir; the in-sandbox forwarder exposes it as 127.0.0.1:EGRESS_PORT.
 EGRESS_SOCKET = "egress.sock"
 EGRESS_PORT = 3128
+#: Set in every sandbox: the session's package folder, which the guest puts on sys.path (and on
+#: PYTHONPATH for the programs user code starts) only once its interpreter is up (guest/__init__.py).
+SESSION_PACKAGES_ENV = "CODERUNNER_SESSION_PACKAGES"
 #: Run as a script with -I -S: stdlib only, so no site-packages scan and no PYTHON* variables.
 EGRESS_FORWARDER = f"{GUEST_LIB}/coderunner_guest/egress_forwarder.py"
 #: A preload (NODE_OPTIONS) that points Node's fetch at the proxy: Node 20 has no NODE_USE_ENV_PROXY.
@@ -75,6 +78,17 @@ def egress_launcher(python: str, network: str, host_dir: str, argv: list[str]) -
     return [python, "-I", "-S", EGRESS_FORWARDER, f"{host_dir}/{EGRESS_SOCKET}", str(EGRESS_PORT), "--", *argv]
 
 
+def product_python(python: str, *args: str) -> list[str]:
+    """The argv of every Python the product starts in a sandbox (kernel, one-shot launcher, vm_init).
+
+    -P keeps the working directory (/workspace) and a script's folder off sys.path: a module planted
+    there (ipykernel_launcher.py, json.py, runpy.py ...) would otherwise run before any user code. The
+    guest adds '' back for user code once the interpreter is up (guest/__init__.py: user_paths).
+    Not PYTHONSAFEPATH: the environment is inherited by the programs user code starts.
+    """
+    return [python, "-P", *args]
+
+
 def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The whole environment of the kernel: nothing of the host's crosses (bwrap --clearenv)."""
     env = {
@@ -91,7 +105,9 @@ def sandbox_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
         "PYDEVD_DISABLE_FILE_VALIDATION": "1",
         # glibc reserves 64 MiB of address space per thread arena; under RLIMIT_AS that is waste.
         "MALLOC_ARENA_MAX": "2",
-        "PYTHONPATH": f"{GUEST_LIB}:{WORKSPACE}/{SESSION_PACKAGES}",
+        # Only read-only folders: what the sandbox writes is on no interpreter's path at start-up.
+        "PYTHONPATH": GUEST_LIB,
+        SESSION_PACKAGES_ENV: f"{WORKSPACE}/{SESSION_PACKAGES}",
     }
     env.update(extra or {})
     return env
