@@ -108,7 +108,9 @@ async def test_interact_fills_a_form_and_reads_the_result(client: Client) -> Non
 async def test_with_network_off_web_pages_fail_and_say_why(client: Client) -> None:
     blocked = await client.call_tool("browser_navigate", {"url": "https://example.com/", "timeout_s": 10})
     assert blocked.is_error
-    assert "network is off" in text_of(blocked) and "network='internet'" in text_of(blocked)
+    # The user allows no network here: the way out is to ask them, not a mode above their ceiling.
+    assert "network is off" in text_of(blocked) and "ask the user" in text_of(blocked), text_of(blocked)
+    assert "network='internet'" not in text_of(blocked)
 
 
 async def test_user_code_drives_the_same_page_and_reset_closes_the_browser(client: Client) -> None:

@@ -28,7 +28,7 @@ from .conftest import (
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
-REFUSED = "belongs to another client"
+REFUSED = "unknown or expired session_id"
 INITIALIZE = {
     "jsonrpc": "2.0",
     "id": 1,

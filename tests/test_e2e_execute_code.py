@@ -26,8 +26,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 @pytest.fixture
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
-    """Over stdio: these tools are transport-blind (the shared HTTP scenarios cover the transports)."""
-    async with stdio_client(server_env(dirs)) as connected:
+    """Over stdio: these tools are transport-blind (the shared HTTP scenarios cover the transports).
+    The user allows network 'internet' here (test_network_flag, install_packages)."""
+    async with stdio_client(server_env(dirs, CODERUNNER_MAX_NETWORK="internet")) as connected:
         yield connected
 
 

@@ -105,7 +105,7 @@ def transport() -> str:
 
 @pytest.fixture
 async def client(podman_image: str, dirs: ServerDirs, host: Host) -> AsyncIterator[Client]:  # noqa: F811
-    async with open_client("stdio", podman_env(dirs, host)) as connected:
+    async with open_client("stdio", podman_env(dirs, host, CODERUNNER_MAX_NETWORK="internet")) as connected:
         yield connected
 
 

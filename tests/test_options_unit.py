@@ -51,7 +51,8 @@ def test_defaults_come_from_the_settings(tmp_path: Path) -> None:
 
 
 def test_what_was_asked_for_wins(tmp_path: Path) -> None:
-    made = options(tmp_path, network="internet", memory_mb=2048, cpus=1.5, timeout_s=30, name="a.b-c_1")
+    config = settings(tmp_path, max_network="internet")
+    made = options(tmp_path, config=config, network="internet", memory_mb=2048, cpus=1.5, timeout_s=30, name="a.b-c_1")
     assert (made.network, made.limits.memory_mb, made.limits.cpus, made.timeout_s) == ("internet", 2048, 1.5, 30)
     assert made.name == "a.b-c_1"
 

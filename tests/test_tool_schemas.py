@@ -73,8 +73,13 @@ def test_schemas_have_no_titles_wrappers_free_form_objects_or_booleans_gemini_ch
 
 def test_fixed_value_sets_are_enums(tools: list[Tool]) -> None:
     by_name = {tool.name: tool.input_schema["properties"] for tool in tools}
-    assert by_name["create_session"]["network"]["enum"] == ["none", "allowlist", "internet"]
-    assert by_name["execute_code"]["network"]["enum"] == ["none", "allowlist", "internet"]
+    # Network modes: only those within the user's ceiling (network_ceiling.py), so by default none.
+    assert by_name["create_session"]["network"]["enum"] == ["none"]
+    assert by_name["execute_code"]["network"]["enum"] == ["none"]
+    for ceiling, modes in [("allowlist", ["none", "allowlist"]), ("internet", ["none", "allowlist", "internet"])]:
+        widened = {tool.name: tool.input_schema["properties"] for tool in tools_of(max_network=ceiling)}
+        assert widened["create_session"]["network"]["enum"] == modes
+        assert widened["execute_code"]["network"]["enum"] == modes
     assert by_name["execute_code"]["language"]["enum"] == ["python", "javascript", "bash"]
     assert by_name["write_file"]["encoding"]["enum"] == ["text", "base64"]
     assert by_name["browser_extract"]["format"]["enum"] == ["text", "html", "json", "table", "links"]

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .egress_text import allowlist_enforcement, ceiling_summary, presets
+from .network_ceiling import modes_within
 from .sandbox import SandboxUnavailable
 from .sandbox.env import requirements_text
 from .sessions.snapshots import takes_memory
@@ -38,20 +39,34 @@ def sandbox_packages() -> dict[str, str]:
 
 
 def network_capabilities(settings: Settings, backend: SandboxBackend) -> dict[str, Any]:
-    """The network modes here, what 'allowlist' enforces on this backend, and the user's ceiling."""
-    modes = ("none", "allowlist", "internet")
-    return {
+    """The network modes an agent may ask for here (never above the user's ceiling), what 'allowlist'
+    enforces on this backend, and the hosts the user allows."""
+    ceiling = settings.network_ceiling
+    modes = modes_within(ceiling)
+    network: dict[str, Any] = {
         "default": settings.network,
+        "ceiling": f"{ceiling} (set by the user; an agent cannot raise it)",
         "modes": {mode: backend.network_problem(mode) or "available" for mode in modes},
-        "allowlist": {
+    }
+    if "allowlist" in modes:
+        network["allowlist"] = {
             "enforcement": allowlist_enforcement(backend.name, backend.network_problem("allowlist")),
             "allowed_domains": ceiling_summary(settings.allowed_domains, settings.allowed_ports),
             "presets": presets(),
             "more_hosts": "create_session(network='allowlist', allow=[...]) takes a subset of allowed_domains; "
             "a host beyond it is asked of the user where the client supports elicitation, else denied",
-        },
-        "install_packages": "needs network 'internet', or 'allowlist' with the python-packages preset allowed",
-    }
+        }
+    network["install_packages"] = install_packages_needs(ceiling)
+    return network
+
+
+def install_packages_needs(ceiling: str) -> str:
+    """What install_packages needs, in terms of the modes this ceiling allows."""
+    if ceiling == "internet":
+        return "needs network 'internet', or 'allowlist' with the python-packages preset allowed"
+    if ceiling == "allowlist":
+        return "needs network 'allowlist' with the python-packages preset in the user's allowed_domains"
+    return "needs network, which the user has not allowed on this server"
 
 
 @dataclass

@@ -52,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--network", choices=["none", "allowlist", "internet"], help="default network of sessions")
     serve.add_argument(
+        "--max-network",
+        choices=["none", "allowlist", "internet"],
+        help="the most network an agent may ask for (default: what --network and --allow-domain turn on)",
+    )
+    serve.add_argument(
         "--allow-domain",
         dest="allowed_domains",
         action="append",
@@ -127,6 +132,7 @@ def _settings(args: argparse.Namespace) -> Settings:
             "log_level",
             "mounts",
             "network",
+            "max_network",
             "allowed_domains",
             "export_dir",
             "import_dirs",

@@ -23,6 +23,7 @@ from . import __version__
 from .egress.policy import EgressPolicy, EgressPolicyError
 from .errors import CodeRunnerError
 from .mounts import MountSpec
+from .network_ceiling import CEILING_SETTING, default_ceiling, rank
 from .toolsets import ALL, TOOL_GROUPS, ToolsetError, check_selection
 
 APP_NAME = "coderunner"
@@ -133,6 +134,12 @@ class Settings(BaseSettings):
         default="none",
         description="Default network of sessions and one-shot runs: none, allowlist (only allowed_domains, "
         "through the host's policy proxy) or internet (outbound anywhere).",
+    )
+    max_network: NetworkMode | None = Field(
+        default=None,
+        description="The most network any session or one-shot run may have; agents may ask for less, never "
+        "more. Default: what you turned on: internet only when `network` is internet, allowlist when "
+        "allowed_domains is set, else none.",
     )
     allowed_domains: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
@@ -366,6 +373,20 @@ class Settings(BaseSettings):
                 "CODERUNNER_ALLOWED_DOMAINS or --allow-domain)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _default_within_ceiling(self) -> Settings:
+        if self.max_network is not None and rank(self.network) > rank(self.max_network):
+            raise ValueError(
+                f"network {self.network!r} is above max_network {self.max_network!r}: lower network or raise "
+                f"max_network ({CEILING_SETTING})"
+            )
+        return self
+
+    @property
+    def network_ceiling(self) -> str:
+        """The most network an agent may ask for (network_ceiling.py)."""
+        return default_ceiling(self.network, self.allowed_domains, self.max_network)
 
     @property
     def snapshot_root(self) -> Path:

@@ -15,6 +15,7 @@ import anyio
 from .config import Settings
 from .egress.policy import PRESETS
 from .egress_text import ceiling_summary
+from .network_ceiling import modes_within
 from .sandbox import SandboxUnavailable, make_backend
 from .sessions import SessionManager
 
@@ -165,12 +166,25 @@ def check_containment(settings: Settings) -> list[Check]:
     else:
         checks.append(Check("ocr", True, "Tesseract missing: image_ops ocr unavailable",
                             "sudo apt-get install tesseract-ocr tesseract-ocr-eng", degraded=True))  # fmt: skip
+    if settings.network_ceiling != "internet":  # above the user's ceiling: nothing to check or suggest
+        return checks
     if shutil.which("slirp4netns"):
         checks.append(Check("network 'internet' mode", True, "slirp4netns available (off unless asked for)"))
     else:
         fix = "sudo apt-get install slirp4netns"
         checks.append(Check("network 'internet' mode", True, "unavailable: slirp4netns missing", fix, degraded=True))
     return checks
+
+
+def check_network_ceiling(settings: Settings) -> Check:
+    """The most network an agent may ask for, and where the user sets it."""
+    ceiling = settings.network_ceiling
+    why = "max_network" if settings.max_network is not None else "what network and allowed_domains turn on"
+    return Check(
+        "network ceiling",
+        True,
+        f"{ceiling} ({why}): agents may ask for {' or '.join(modes_within(ceiling))}, never more",
+    )
 
 
 def check_network_allowlist(settings: Settings) -> Check:
@@ -331,7 +345,9 @@ def run_checks(settings: Settings) -> list[Check]:
         checks += [check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), *check_containment(settings)]
     else:
         checks += check_container_backend(settings)
-    checks.append(check_network_allowlist(settings))
+    checks.append(check_network_ceiling(settings))
+    if "allowlist" in modes_within(settings.network_ceiling):
+        checks.append(check_network_allowlist(settings))
     if all(check.ok for check in checks):
         checks.append(anyio.run(check_sandboxed_run, settings))
     return [*checks, *check_other_backends(settings)]

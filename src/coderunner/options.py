@@ -18,6 +18,7 @@ from .egress.policy import EgressPolicy, EgressPolicyError
 from .errors import SessionError
 from .exports import ExportError, prepare_export_dir
 from .mounts import MountError, MountSpec, check_distinct, check_sandbox_path, resolve_mount
+from .network_ceiling import NetworkCeilingError, check_within
 from .owners import LOCAL_CLIENT
 from .sandbox import HostIdentity, Limits, Mount, SandboxBackend
 
@@ -71,11 +72,15 @@ def sandbox_options(
             "closes (for any other session, use snapshot_session)"
         )
     network = network or settings.network
+    asked = tuple(entry for entry in allow or () if entry)
+    check_allow(settings, network, asked)  # first: without allowed_domains it says how the user sets some
+    try:
+        check_within(network, settings.network_ceiling)
+    except NetworkCeilingError as exc:
+        raise SessionError(str(exc)) from None
     problem = backend.network_problem(network)
     if problem:
         raise SessionError(problem)
-    asked = tuple(entry for entry in allow or () if entry)
-    check_allow(settings, network, asked)
     if memory_mb is not None and memory_mb < MIN_MEMORY_MB:
         raise SessionError(f"memory_mb must be at least {MIN_MEMORY_MB} (a kernel with numpy maps ~420 MiB)")
     if cpus is not None and cpus <= 0:

@@ -136,8 +136,8 @@ class PlainArguments(FuncMetadata):
                 problems.append(f"unknown argument {where!r} (it takes: {', '.join(self.argument_names)})")
             elif error["type"] == "missing":
                 problems.append(f"missing argument {where!r}")
-            else:
-                problems.append(f"{where}: {error['msg']}")
+            else:  # a validator's own sentence goes without pydantic's "Value error, " label
+                problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
         return f"{self.tool_name}: {'; '.join(problems)}"
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +20,7 @@ import pytest
 from mcp.types import CallToolResult
 
 from ..conftest import REPO, SECRET_NAME, SECRET_VALUE, run, sandbox_processes_alive, text_of
-from .conftest import BYSTANDER_VALUE, Arena
+from .conftest import BYSTANDER_VALUE, Arena, ServerDirs, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -41,6 +41,17 @@ def attempt(fn):
     except BaseException as exc:
         return [type(exc).__name__, str(exc)[:200]]
 """
+
+
+#: The network-internet cases need internet within the user's ceiling (off by default).
+INTERNET_ALLOWED = {"CODERUNNER_MAX_NETWORK": "internet"}
+
+
+@pytest.fixture(scope="module")
+async def arena(abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+    """The abuse conftest's arena, where the user allows network 'internet'."""
+    async with open_arena(abuse_dirs, host_listeners, **INTERNET_ALLOWED) as made:
+        yield made
 
 
 def no_ok(result: CallToolResult, arena: Arena) -> None:

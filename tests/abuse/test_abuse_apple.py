@@ -20,7 +20,7 @@ import pytest
 from .. import apple_emulation
 from ..conftest import ServerDirs, _passable
 from .conftest import Arena, open_arena
-from .test_abuse import CASES, Case, assert_still_serving, attack
+from .test_abuse import CASES, INTERNET_ALLOWED, Case, assert_still_serving, attack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -62,7 +62,7 @@ async def arena(apple_abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -
         image = apple_emulation.build_image(folder)
     except RuntimeError as exc:
         pytest.fail(str(exc))
-    settings = {"CODERUNNER_BACKEND": "apple", "CODERUNNER_IMAGE": image}
+    settings = {"CODERUNNER_BACKEND": "apple", "CODERUNNER_IMAGE": image, **INTERNET_ALLOWED}
     async with open_arena(apple_abuse_dirs, host_listeners, path_first=folder, **settings) as made:
         yield made
 

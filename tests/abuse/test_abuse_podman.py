@@ -26,7 +26,7 @@ from coderunner.sandbox.container import LABEL_INSTANCE, server_tag
 from ..conftest import ServerDirs, _passable, raw_stdio_server, run, server_env, text_of, wait_until
 from ..test_e2e_podman import OCI_RUNTIME, podman_image  # noqa: F401  (the session's image fixture)
 from .conftest import Arena, open_arena
-from .test_abuse import CASES, Case, assert_still_serving, attack
+from .test_abuse import CASES, INTERNET_ALLOWED, Case, assert_still_serving, attack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -46,7 +46,7 @@ async def arena(
 ) -> AsyncIterator[Arena]:
     """The abuse conftest's arena, on podman."""
     async with open_arena(
-        abuse_dirs, host_listeners, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME=OCI_RUNTIME
+        abuse_dirs, host_listeners, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME=OCI_RUNTIME, **INTERNET_ALLOWED
     ) as made:
         yield made
 

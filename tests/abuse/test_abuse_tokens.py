@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 CANARY = "alice-token-canary-6b0e"
 BYSTANDER_VALUE = "alice-bystander-4c19"
-REFUSED = "belongs to another client"
+REFUSED = "unknown or expired session_id"
 
 
 @pytest.fixture
@@ -139,6 +139,13 @@ async def test_another_tokens_client_cannot_touch_sessions_or_workspaces(dirs: S
                 assert result.is_error and REFUSED in text_of(result), (tool, text_of(result))
             with pytest.raises(MCPError, match=REFUSED):
                 await mallory.read_resource(f"sandbox://{bystander}/workspace/x")
+            # No existence oracle: her live id and an id that never existed get the same answer.
+            unknown = "s" * len(bystander)
+            for tool in ("run_python", "session_status", "close_session"):
+                arguments = {"code": "1"} if tool == "run_python" else {}
+                live = text_of(await mallory.call_tool(tool, {"session_id": bystander, **arguments}))
+                never = text_of(await mallory.call_tool(tool, {"session_id": unknown, **arguments}))
+                assert live.replace(bystander, "ID") == never.replace(unknown, "ID"), (tool, live, never)
 
             # Her persistent workspace, by its name: mallory's own namespace has none.
             assert (await call(mallory, "list_workspaces"))["workspaces"] == []

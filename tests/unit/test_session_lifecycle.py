@@ -95,10 +95,16 @@ async def test_a_guest_call_waits_for_a_busy_kernel_then_says_busy(manager: Sess
         tg.cancel_scope.cancel()
 
 
-async def test_install_packages_without_network_says_how_to_get_it(manager: SessionManager) -> None:
-    session = await manager.resolve(None)
-    with pytest.raises(SessionError, match=r"create_session\(network='internet'\)"):
-        await session.install_packages(["six"], timeout_s=10)
+async def test_install_packages_without_network_says_how_to_get_it(make_manager: ManagerFactory) -> None:
+    async with make_manager(max_network="internet") as manager:
+        session = await manager.resolve(None)
+        with pytest.raises(SessionError, match=r"create_session\(network='internet'\)"):
+            await session.install_packages(["six"], timeout_s=10)
+    async with make_manager() as manager:  # the user allows no network: nothing above it is named
+        session = await manager.resolve(None)
+        with pytest.raises(SessionError, match="ask the user") as refused:
+            await session.install_packages(["six"], timeout_s=10)
+        assert "network=" not in str(refused.value)
 
 
 async def test_status_tells_the_truth_about_a_live_and_a_dead_kernel(manager: SessionManager) -> None:

@@ -227,7 +227,7 @@ async def test_each_caller_has_its_own_default_session(manager: SessionManager) 
     assert "False" in text(await run(bob, "'who' in dir()"))
     # Same token: bob may use alice's session by id; another token may not.
     assert await manager.resolve(alice.session_id, "tok/client:bob") is alice
-    with pytest.raises(SessionError, match="belongs to another client"):
+    with pytest.raises(SessionError, match="unknown or expired session_id"):
         await manager.resolve(alice.session_id, "other/client:eve")
     assert manager.list("tok/client:alice") == [alice]
     await manager.release_caller("tok/client:alice")

@@ -34,7 +34,7 @@ CHROMIUM_ARGS = [
 ]
 NETWORK_OFF = (
     "network is off for this session, so only pages from inside the sandbox load (file:///workspace/..., or a "
-    "server started in the sandbox on localhost); create a session with network='internet' to browse the web"
+    "server started in the sandbox on localhost)"
 )
 
 _state = {}

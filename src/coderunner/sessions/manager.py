@@ -371,16 +371,11 @@ class SessionManager:
     def _owned(self, session_id: str, owner: str | None) -> Session:
         """The open session `session_id`, if `owner`'s client may use it (None: the server itself)."""
         session = self._sessions.get(session_id)
-        if session is None:
+        if session is None or (owner is not None and client_of_key(session.owner) != client_of_key(owner)):
+            # Another client's session gets the same answer as none at all: ids must not be probed.
             raise SessionError(
-                f"unknown or expired session_id {session_id!r}: call list_sessions to see open sessions, "
-                "create_session for a new one, or omit session_id to use the default session"
-            )
-        if owner is not None and client_of_key(session.owner) != client_of_key(owner):
-            raise SessionError(
-                f"session_id {session_id!r} belongs to another client (it was created with another bearer "
-                "token) and only that client may use it: omit session_id to use your own default session, "
-                "or create_session for a new one"
+                f"unknown or expired session_id {session_id!r}: call list_sessions to see your open sessions, "
+                "create_session for a new one, or omit session_id to use your default session"
             )
         return session
 

@@ -25,6 +25,7 @@ from ..errors import GuestCallError, SessionBusy, SessionError
 from ..files import SandboxFiles
 from ..kernel import CheckpointFailed, Kernel, ProgressCallback, RunOutcome, RunStatus
 from ..leases import sandbox_spec
+from ..network_ceiling import install_way_out
 from ..offload import off_loop
 from ..options import SandboxOptions
 from ..output import OutputCollector, WorkspaceWriter
@@ -492,10 +493,8 @@ class Session:
         """pip into this session's own package folder (in its workspace), from inside its sandbox."""
         if self.options.network == "none":
             raise SessionError(
-                f"install_packages needs network, and session {self.session_id} has network 'none': create a "
-                "session with create_session(network='allowlist', allow=['python-packages']) (only the package "
-                "index; the user must have allowed it in allowed_domains) or create_session(network='internet') "
-                "(code there can reach the whole internet), and install there"
+                f"install_packages needs network, and session {self.session_id} has network 'none': "
+                f"{install_way_out(self.settings.network_ceiling)}"
             )
         target = f"{self.backend.workspace_path}/{SESSION_PACKAGES}"
         arguments = {"packages": packages, "target": target, "timeout_s": timeout_s}

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from ..config import MIN_MEMORY_MB
+from ..network_ceiling import NetworkCeilingError, check_within, modes_within
 
 
 def _none_as_empty(value: Any) -> Any:
@@ -35,7 +36,39 @@ VariablesArg = Annotated[
     Field(description="JSON object text, e.g. '{\"n\": 3}'; keys become variables."),
 ]
 LanguageArg = Literal["python", "javascript", "bash"]
-NetworkArg = Literal["none", "allowlist", "internet"]
+
+
+#: What each mode above none means, for the argument's description.
+_MODE_MEANS = {"allowlist": "allowlist: only the user's allowed_domains", "internet": "internet: anywhere"}
+
+
+def network_arg(ceiling: str) -> Any:
+    """A `network` argument offering only the modes within the user's ceiling (network_ceiling.py).
+
+    A mode above it is refused with the ceiling's own message (ask the user), before the enum check.
+    """
+    modes = modes_within(ceiling)
+    description = "; ".join(_MODE_MEANS[mode] for mode in modes if mode in _MODE_MEANS) + "." if modes[1:] else None
+
+    def within(value: Any) -> Any:
+        if isinstance(value, str):
+            try:
+                check_within(value, ceiling)
+            except NetworkCeilingError as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    def enum(schema: dict[str, Any]) -> None:
+        schema.pop("const", None)  # one mode: an enum still, which every function-calling API reads
+        schema["enum"] = list(modes)
+
+    return Annotated[
+        Literal[modes],  # type: ignore[valid-type]
+        BeforeValidator(within),
+        Field(description=description, json_schema_extra=enum),
+    ]
+
+
 MemoryMb = Annotated[int, Field(ge=MIN_MEMORY_MB)]
 SessionId = Text
 Seconds = Annotated[float | None, Field(ge=1)]

@@ -14,6 +14,8 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
+from ..errors import GuestCallError
+from ..network_ceiling import more_network
 from .arguments import BrowserSeconds, OutputPath, Seconds, SessionId, Text
 from .context import ToolContext
 
@@ -112,7 +114,14 @@ def register(tools: ToolContext) -> None:
         session = await tools.session(ctx, session_id)
         limit = (timeout_s or BROWSER_TIMEOUT_S) + BROWSER_START_S
         async with tools.egress_call(ctx, session) as network:
-            result = await session.guest_op("browser", op, args, limit, paths=("output",))
+            try:
+                result = await session.guest_op("browser", op, args, limit, paths=("output",))
+            except GuestCallError as exc:
+                # The guest says only that the network is off; the way out depends on the user's ceiling.
+                if session.options.network == "none" and "network is off" in str(exc):
+                    way_out = more_network(tools.settings.network_ceiling)
+                    raise GuestCallError(f"{exc}; to browse the web: {way_out}") from None
+                raise
         return network.noted(await tools.guest_reply(session, result))
 
     @tools.tool(annotations=ToolAnnotations(open_world_hint=True))

@@ -13,7 +13,7 @@ from pydantic import Field
 from ..oneshot import OneShotError, OneShotResult
 from ..sessions.jobs import Job, attend, label_of
 from ..variables import check_variables, parse_variables
-from .arguments import DetachAfter, LanguageArg, MemoryMb, NetworkArg, VariablesArg
+from .arguments import DetachAfter, LanguageArg, MemoryMb, VariablesArg, network_arg
 from .context import ToolContext, json_result
 from .jobs import oneshot_job_reply, oneshot_status
 
@@ -36,7 +36,7 @@ def register(tools: ToolContext) -> None:
         variables: VariablesArg = "",
         timeout_s: Annotated[float, Field(ge=1)] = settings.timeout_s,
         memory_mb: MemoryMb = settings.memory_mb,
-        network: NetworkArg = settings.network,
+        network: network_arg(settings.network_ceiling) = (settings.network),
         detach_after_s: DetachAfter = None,
     ) -> CallToolResult:
         """Run a whole program once in a fresh sandbox, nothing kept (javascript: Node.js). Returns exit_code,

@@ -12,7 +12,7 @@ from ..egress_text import STATUS_RECENT, egress_status
 from ..mounts import MountSpec
 from ..sessions import Session
 from ..snapshot_store import SnapshotStore
-from .arguments import MemoryMb, NetworkArg, SessionId, Text
+from .arguments import MemoryMb, SessionId, Text, network_arg
 from .context import ToolContext, json_result
 from .snapshots import loaded_report
 
@@ -24,10 +24,7 @@ def register(tools: ToolContext) -> None:
     @tools.tool()
     async def create_session(
         ctx: Context,
-        network: Annotated[
-            NetworkArg,
-            Field(description="allowlist: only the user's allowed_domains; internet: anywhere."),
-        ] = settings.network,
+        network: network_arg(settings.network_ceiling) = (settings.network),
         allow: Annotated[
             list[str],
             Field(description="allowlist: subset of allowed_domains."),
