@@ -24,8 +24,7 @@ def register(tools: ToolContext) -> None:
         session_id: SessionId = "",
         timeout_s: Annotated[float, Field(ge=1, le=1800)] = PIP_TIMEOUT_S,
     ) -> CallToolResult:
-        """pip install into this session only (kept across kernel_reset). Needs network allowlist or
-        internet."""
+        """pip install into this session only (kept across kernel_reset). Needs a session with network."""
         wanted = check_requirements(packages)
         session = await tools.session(ctx, session_id)
         async with tools.egress_call(ctx, session) as network:
