@@ -492,3 +492,99 @@ def test_reported_names_cannot_forge_lines_and_many_are_counted(tmp_path: Path) 
     named = [line for line in report.skipped if line.startswith("bad")]
     assert named == ["bad??name: a fake line: a fifo, left out"]
     assert all("\n" not in line and line.encode() for line in report.skipped)
+
+
+def plant_damaged(
+    store: SnapshotStore, snapshot_id: str, meta: bytes | None, age_s: float, client: str = "alice"
+) -> Path:
+    """A snapshot folder whose meta.json is `meta` (None: missing), last changed `age_s` ago."""
+    folder = client_dir(store, client) / snapshot_id
+    folder.mkdir(parents=True)
+    (folder / "state").mkdir()
+    (folder / "state" / "v-0001.pkl").write_bytes(b"x" * 5000)
+    if meta is not None:
+        (folder / "meta.json").write_bytes(meta)
+    when = time.time() - age_s
+    os.utime(folder, (when, when))
+    return folder
+
+
+DAMAGE = {
+    "s-oversized000": b"{" + b" " * snapshot_store.MAX_META_BYTES + b"}",
+    "s-garbled00000": b"{not json",
+    "s-missing00000": None,
+    "s-invalid00000": b'{"snapshot_id": "s-invalid00000"}',
+    # A record that claims another client: the folder it lies in says whose it is, not the record.
+    "s-claimsbob000": json.dumps(meta_for("s-claimsbob000", client="bob").as_json()).encode(),
+}
+
+
+def test_a_damaged_snapshot_is_listed_counted_and_deletable_by_its_owner_only(tmp_path: Path) -> None:
+    store = make_store(tmp_path, keep=20, retention_s=3600)
+    now = time.time()
+    commit_empty(store, "s-good-older00", created=now - 30)
+    commit_empty(store, "s-good-newer00", created=now - 20)
+    for age, (snapshot_id, meta) in zip([10, 40, 50, 60, 70], DAMAGE.items(), strict=True):
+        plant_damaged(store, snapshot_id, meta, age)
+
+    listing = store.listing("alice")
+    assert [m.snapshot_id for m in listing.snapshots] == ["s-good-newer00", "s-good-older00"]
+    assert [d.snapshot_id for d in listing.damaged] == list(DAMAGE)
+    oversized = listing.damaged[0]
+    assert "oversized" in oversized.why and oversized.size_bytes > snapshot_store.MAX_META_BYTES
+    assert all(d.size_bytes >= 5000 and d.client == "alice" and d.kind == "snapshot" for d in listing.damaged)
+    with pytest.raises(SnapshotNotFound, match="damaged"):
+        store.get("alice", "s-garbled00000")
+
+    # Another client neither sees nor deletes them, whatever a record claims.
+    assert store.listing("bob") == snapshot_store.Listing([], [])
+    with pytest.raises(SnapshotNotFound):
+        store.delete("bob", "s-claimsbob000")
+    assert (client_dir(store) / "s-claimsbob000").is_dir()
+
+    # Counted against keep with the good ones (aged by their folder's mtime): the two newest stay.
+    store.keep = 2
+    removed = store.prune("alice")
+    assert sorted(removed) == sorted(["s-good-older00", *list(DAMAGE)[1:]])
+    listing = store.listing("alice")
+    assert [m.snapshot_id for m in listing.snapshots] == ["s-good-newer00"]
+    assert [d.snapshot_id for d in listing.damaged] == ["s-oversized000"]
+
+    # Its owner deletes it like any other.
+    store.delete("alice", "s-oversized000")
+    assert sorted(os.listdir(client_dir(store))) == ["s-good-newer00"]
+    with pytest.raises(SnapshotNotFound):
+        store.delete("alice", "s-oversized000")
+
+
+def test_a_damaged_snapshot_past_its_retention_is_pruned(tmp_path: Path) -> None:
+    store = make_store(tmp_path, keep=20, retention_s=3600)
+    plant_damaged(store, "s-garbled00000", b"{not json", 7200)
+    plant_damaged(store, "s-missing00000", None, 10)
+    assert store.prune("alice") == ["s-garbled00000"]
+    assert os.listdir(client_dir(store)) == ["s-missing00000"]
+
+
+def test_the_next_start_removes_every_damaged_snapshot_and_keeps_the_good(tmp_path: Path) -> None:
+    store = make_store(tmp_path, keep=20, retention_s=3600)
+    commit_empty(store, "s-good-newer00")
+    commit_empty(store, "keep-proj", kind="persistent")
+    for snapshot_id, meta in DAMAGE.items():
+        plant_damaged(store, snapshot_id, meta, 5)
+    plant_damaged(store, "keep-broken", b"[]", 5)  # a persistent state's record too
+    plant_damaged(store, "s-ofbob0000000", b"{not json", 5, client="bob")
+    again = SnapshotStore(store.root, limit_bytes=MIB, keep=20, retention_s=3600)
+    again.open()
+    assert sorted(os.listdir(client_dir(store))) == ["keep-proj", "s-good-newer00"]
+    assert os.listdir(client_dir(store, "bob")) == []
+
+
+def test_a_record_past_the_bound_is_never_written(tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    draft = store.draft("alice")
+    meta = meta_for(store.new_id())
+    meta.state_report = {"saved": ["x" * snapshot_store.MAX_META_BYTES]}
+    with pytest.raises(SnapshotError, match="nothing was kept"):
+        draft.commit(meta)
+    draft.discard()
+    assert os.listdir(client_dir(store)) == []

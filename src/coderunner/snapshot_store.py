@@ -17,6 +17,11 @@ store only the server can reach.
 A persistent session with keep_state saves its kernel state as the snapshot `keep-<name>` (no
 workspace copy: the named workspace keeps its own files), replaced at each close.
 
+Every snapshot folder stays countable and deletable by its owner even when its meta.json cannot be
+read (missing, oversized, garbled): it is listed as damaged, counted against snapshot_keep (aged by
+its folder's mtime), deletable, and removed at the next start. Its owner is the client folder it
+lies in, which only the host ever names or writes; nothing in meta.json decides whose it is.
+
 The workspace and the state folder the guest wrote are the sandbox's: the host reads them only
 through directory fds, links never followed, every file opened O_NOFOLLOW and checked to be a
 regular file after opening, and every byte counted against the size cap. The store's own folders
@@ -65,8 +70,10 @@ MEMORY_CONNECTION = "memory.json"
 STATE_FILE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 DRAFT_PREFIX = ".draft-"
 KINDS = ("snapshot", "persistent")
-#: meta.json is the host's own, small: a bigger one is broken.
+#: meta.json is the host's own, small: a bigger one is broken (and never written: commit refuses it).
 MAX_META_BYTES = 1 << 20
+#: Entries a damaged snapshot's size walk visits (its size is then "at least").
+DAMAGED_SIZE_ENTRIES = 100_000
 MIB = 1 << 20
 #: Bits the store's own copy always grants its owner, so a non-root server can read back a file
 #: the sandbox had made 0000 (root reads it anyway, and then keeps the mode exactly).
@@ -146,6 +153,33 @@ class SnapshotMeta:
             state_bytes=data["state_bytes"],
             state_report=data["state_report"],
         )
+
+
+@dataclass(frozen=True)
+class DamagedSnapshot:
+    """A snapshot folder whose meta.json cannot be used: listed, counted and deletable all the same.
+
+    Its owner is the client folder it lies in (host-only); its age is its folder's mtime (the host's)."""
+
+    snapshot_id: str
+    client: str
+    #: Why it cannot be used, in a few words.
+    why: str
+    modified: float
+    #: Bytes of its files (a bounded walk: at least this much).
+    size_bytes: int
+
+    @property
+    def kind(self) -> str:
+        return "persistent" if self.snapshot_id.startswith("keep-") else "snapshot"
+
+
+@dataclass
+class Listing:
+    """One client's snapshot folders: the usable ones and the damaged ones, newest first."""
+
+    snapshots: list[SnapshotMeta]
+    damaged: list[DamagedSnapshot]
 
 
 def _is_int(value: object) -> bool:
@@ -342,6 +376,8 @@ class Draft:
         if not SNAPSHOT_ID.fullmatch(meta.snapshot_id) or meta.kind not in KINDS or meta.client != self.client:
             raise ValueError(f"snapshot meta {meta.snapshot_id!r} ({meta.kind}, {meta.client}) does not fit this draft")
         data = json.dumps(meta.as_json(), sort_keys=True).encode()
+        if len(data) > MAX_META_BYTES:  # the callers bound what goes in; this never stores more
+            raise SnapshotError(f"the snapshot's record is {len(data)} bytes, over {MAX_META_BYTES}; nothing was kept")
         with self.store._lock:
             try:
                 hostfs.write_new_file(self._fd, META_NAME, data, 0o600)
@@ -403,7 +439,7 @@ class SnapshotStore:
         self._lock = threading.RLock()
 
     def open(self) -> None:
-        """Make the root (0700), remove drafts a dead server left, and prune expired snapshots."""
+        """Make the root (0700), remove drafts a dead server left, and prune expired and damaged snapshots."""
         self.root.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         with hostfs.dir_fd(self.root.parent) as parent:
             try:
@@ -433,7 +469,7 @@ class SnapshotStore:
             os.close(fd)
         for client in clients:
             with contextlib.suppress(OSError):
-                self.prune(client)
+                self.prune(client, drop_damaged=True)
 
     @staticmethod
     def new_id() -> str:
@@ -458,28 +494,39 @@ class SnapshotStore:
         return Draft(self, client, cfd, name, fd)
 
     def list(self, client: str) -> list[SnapshotMeta]:
-        """`client`'s snapshots, newest first (unreadable entries are left out)."""
+        """`client`'s usable snapshots, newest first (see `listing` for the damaged ones too)."""
+        return self.listing(client).snapshots
+
+    def listing(self, client: str) -> Listing:
+        """Every snapshot folder of `client`: the usable ones and the damaged ones, newest first."""
+        found = Listing([], [])
         with self._client(client) as cfd:
             if cfd is None:
-                return []
-            metas = []
+                return found
             for name in hostfs.entries(cfd):
                 if SNAPSHOT_ID.fullmatch(name):
-                    meta = _read_meta(cfd, name, client)
-                    if meta is not None:
-                        metas.append(meta)
-        metas.sort(key=lambda meta: (meta.created, meta.snapshot_id), reverse=True)
-        return metas
+                    read = _read_entry(cfd, name, client)
+                    if isinstance(read, SnapshotMeta):
+                        found.snapshots.append(read)
+                    elif read is not None:
+                        found.damaged.append(read)
+        found.snapshots.sort(key=lambda meta: (meta.created, meta.snapshot_id), reverse=True)
+        found.damaged.sort(key=lambda entry: (entry.modified, entry.snapshot_id), reverse=True)
+        return found
 
     def get(self, client: str, snapshot_id: str) -> SnapshotMeta:
-        """`client`'s snapshot `snapshot_id`; raises SnapshotNotFound (a malformed id too)."""
+        """`client`'s snapshot `snapshot_id`; raises SnapshotNotFound (a malformed id, a damaged one too)."""
         if not isinstance(snapshot_id, str) or not SNAPSHOT_ID.fullmatch(snapshot_id):
             raise _not_found(snapshot_id)
         with self._client(client) as cfd:
-            meta = None if cfd is None else _read_meta(cfd, snapshot_id, client)
-        if meta is None:
+            read = None if cfd is None else _read_entry(cfd, snapshot_id, client)
+        if isinstance(read, DamagedSnapshot):
+            raise SnapshotNotFound(
+                f"snapshot {snapshot_id} is damaged ({read.why}) and cannot be restored; delete_snapshot removes it"
+            )
+        if read is None:
             raise _not_found(snapshot_id)
-        return meta
+        return read
 
     def memory_image(self, client: str, snapshot_id: str) -> tuple[Path, dict[str, Any]]:
         """A memory snapshot's checkpoint folder (for runsc restore) and its saved connection."""
@@ -502,32 +549,38 @@ class SnapshotStore:
         return self.root / client / snapshot_id / MEMORY_DIR, connection
 
     def delete(self, client: str, snapshot_id: str) -> None:
-        """Delete `client`'s snapshot for good; raises SnapshotNotFound."""
-        with self._lock:
-            self.get(client, snapshot_id)
-            with self._client(client) as cfd:
-                assert cfd is not None
-                self._remove(cfd, snapshot_id)
+        """Delete `client`'s snapshot for good, damaged or not; raises SnapshotNotFound.
 
-    def prune(self, client: str) -> list[str]:
+        Whose it is comes from the client folder it lies in (host-only), never from its meta.json."""
+        if not isinstance(snapshot_id, str) or not SNAPSHOT_ID.fullmatch(snapshot_id):
+            raise _not_found(snapshot_id)
+        with self._lock, self._client(client) as cfd:
+            if cfd is None or not hostfs.present(cfd, snapshot_id):
+                raise _not_found(snapshot_id)
+            self._remove(cfd, snapshot_id)
+
+    def prune(self, client: str, *, drop_damaged: bool = False) -> list[str]:
         """Delete `client`'s snapshots older than retention_s, and beyond the `keep` newest
-        (kind "snapshot" only); the ids removed.
+        (kind "snapshot" only; damaged ones counted by their folder's mtime); the ids removed.
+        `drop_damaged` (at start): every damaged one goes, whatever its kind.
 
         A persistent session's own state is neither counted nor aged: it lives as long as its named
         workspace (delete_workspace removes both), and is replaced at each close."""
         with self._lock:
             now = time.time()
-            removed: list[str] = []
+            listing = self.listing(client)
+            removed = [entry.snapshot_id for entry in listing.damaged if drop_damaged]
+            ages = [(meta.created, meta.snapshot_id) for meta in listing.snapshots if meta.kind == "snapshot"]
+            ages += [(entry.modified, entry.snapshot_id) for entry in listing.damaged
+                     if entry.kind == "snapshot" and not drop_damaged]  # fmt: skip
             kept = 0
-            for meta in self.list(client):
-                if meta.kind != "snapshot":
-                    continue
-                expired = now - meta.created > self.retention_s
+            for created, snapshot_id in sorted(ages, reverse=True):
+                expired = now - created > self.retention_s
                 if not expired:
                     kept += 1
                     expired = kept > self.keep
                 if expired:
-                    removed.append(meta.snapshot_id)
+                    removed.append(snapshot_id)
             if removed:
                 with self._client(client) as cfd:
                     assert cfd is not None
@@ -648,31 +701,59 @@ def _not_found(snapshot_id: object) -> SnapshotNotFound:
     return SnapshotNotFound(f"no snapshot {shown!r} for this client; list_snapshots shows the ones you can use")
 
 
-def _read_meta(cfd: int, snapshot_id: str, client: str) -> SnapshotMeta | None:
-    """The snapshot's meta.json, or None when it is missing, oversized, garbled or not this snapshot's."""
+def _read_entry(cfd: int, snapshot_id: str, client: str) -> SnapshotMeta | DamagedSnapshot | None:
+    """The snapshot's record; a DamagedSnapshot when its meta.json cannot be used; None when there
+    is no such entry (gone meanwhile)."""
     try:
         top = hostfs.open_dir(snapshot_id, dir_fd=cfd)
-    except OSError:
+    except FileNotFoundError:
         return None
+    except OSError as exc:
+        return _damaged(None, snapshot_id, client, f"not a folder ({exc.strerror})", cfd)
     try:
-        fd = os.open(META_NAME, FILE_FLAGS, dir_fd=top)
-    except OSError:
-        return None
+        why, meta = _read_meta(top, snapshot_id, client)
+        return meta if meta is not None else _damaged(top, snapshot_id, client, why, cfd)
     finally:
         os.close(top)
+
+
+def _read_meta(top: int, snapshot_id: str, client: str) -> tuple[str, SnapshotMeta | None]:
+    """(why not, None) or ("", the record) from meta.json in the snapshot folder `top`: read at most
+    MAX_META_BYTES + 1 bytes, then checked field by field."""
+    try:
+        fd = os.open(META_NAME, FILE_FLAGS, dir_fd=top)
+    except FileNotFoundError:
+        return "its record is missing", None
+    except OSError as exc:
+        return f"its record cannot be opened ({exc.strerror})", None
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_META_BYTES:
-            return None
+        if not stat.S_ISREG(info.st_mode):
+            return "its record is not a file", None
+        if info.st_size > MAX_META_BYTES:
+            return f"its record is oversized ({info.st_size} bytes)", None
         data = os.read(fd, MAX_META_BYTES + 1)
-    except OSError:
-        return None
+    except OSError as exc:
+        return f"its record cannot be read ({exc.strerror})", None
     finally:
         os.close(fd)
+    if len(data) > MAX_META_BYTES:
+        return "its record is oversized", None
     try:
         meta = SnapshotMeta.from_json(json.loads(data))
-    except ValueError:
-        return None
+    except (ValueError, RecursionError):
+        return "its record is not valid JSON", None
     if meta is None or meta.snapshot_id != snapshot_id or meta.client != client:
-        return None
-    return meta
+        return "its record is invalid", None
+    return "", meta
+
+
+def _damaged(top: int | None, snapshot_id: str, client: str, why: str, cfd: int) -> DamagedSnapshot:
+    """A damaged entry's account: its folder's mtime and a bounded count of its bytes (by fd)."""
+    modified, size = 0.0, 0
+    with contextlib.suppress(OSError):
+        modified = os.stat(snapshot_id, dir_fd=cfd, follow_symlinks=False).st_mtime
+    if top is not None:
+        with contextlib.suppress(OSError):
+            size, _complete = hostfs.tree_size(top, max_entries=DAMAGED_SIZE_ENTRIES)
+    return DamagedSnapshot(snapshot_id, client, why, modified, size)
