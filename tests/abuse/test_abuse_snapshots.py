@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from coderunner.snapshot_store import MAX_META_BYTES, SNAPSHOT_ID
+
 from ..conftest import ServerDirs, _passable, run, text_of
 from .conftest import Arena, open_arena
 from .test_abuse import assert_still_serving
@@ -28,6 +30,7 @@ from .test_abuse import assert_still_serving
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 SECRET = b"host-canary-7f3a9c-never-in-a-snapshot"
+MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -198,4 +201,86 @@ plain = 5
     assert seen(canary) == before, "unpickling reached the host"
     for sid in (session, restored["session_id"]):
         await call(arena, "close_session", session_id=sid)
+    await assert_still_serving(arena)
+
+
+# The guest's save report crosses from the sandbox into the host's meta.json. Code in the kernel
+# pads it (the guest module's own constant, and a wrapped write_state): the host must bound it,
+# keep every snapshot listed, counted against snapshot_keep and deletable, and its disk bounded.
+PAD_REPORT = """
+import coderunner_guest.snapshot as guest_snapshot
+guest_snapshot.NOT_CARRIED.append("n" * (1 << 20))
+_real_write_state = guest_snapshot.write_state
+def _padded(*args, **kwargs):
+    report = _real_write_state(*args, **kwargs)
+    report["saved"] = report["saved"] + [
+        {"name": "v" * 300 + str(i), "type": "\\u2603" * 300, "bytes": 1} for i in range(4000)
+    ]
+    report["padding"] = "p" * (2 << 20)
+    return report
+guest_snapshot.write_state = _padded
+value = 7
+"""
+KEEP = 2
+TAKEN = 5
+
+
+@pytest.fixture(scope="module")
+async def keep_arena(host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+    root = _passable(Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp")))
+    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    try:
+        async with open_arena(dirs, host_listeners, CODERUNNER_SNAPSHOT_KEEP=str(KEEP)) as made:
+            yield made
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def stored_snapshots(dirs: ServerDirs) -> dict[str, int]:
+    """Every snapshot folder on disk (drafts aside), by id, with the bytes of its files."""
+    found: dict[str, int] = {}
+    for client in (dirs.root / "snapshots").iterdir():
+        for entry in client.iterdir():
+            if SNAPSHOT_ID.fullmatch(entry.name):
+                found[entry.name] = sum(p.lstat().st_size for p in entry.rglob("*") if p.is_file())
+    return found
+
+
+async def test_a_padded_save_report_cannot_hide_a_snapshot_from_its_owner(keep_arena: Arena) -> None:
+    arena = keep_arena
+    session = await new_session(arena)
+    assert not (await run(arena.client, PAD_REPORT, session_id=session)).is_error
+    taken: list[str] = []
+    for _ in range(TAKEN):
+        result = await arena.client.call_tool("snapshot_session", {"session_id": session})
+        text = text_of(result)
+        assert not result.is_error, text
+        assert len(text) < 64 * 1024, f"the reply carried the padding: {len(text)} characters"
+        taken.append(json.loads(text)["snapshot"])
+
+    # Every stored snapshot is listed (a damaged one marked), and retention held them to KEEP.
+    ok, listed = await call(arena, "list_snapshots")
+    assert ok and isinstance(listed, dict), listed
+    ids = [item["snapshot"] for item in listed["snapshots"]]
+    on_disk = stored_snapshots(arena.dirs)
+    assert sorted(ids) == sorted(on_disk), f"stored but not listed: {set(on_disk) - set(ids)}"
+    assert sorted(ids) == sorted(taken[-KEEP:]), (ids, taken)
+    for item in listed["snapshots"]:
+        assert "damaged" in item or isinstance(item["variables"], int), item
+    for meta in (arena.dirs.root / "snapshots").glob("*/*/meta.json"):
+        assert meta.stat().st_size <= MAX_META_BYTES // 4, f"{meta} holds {meta.stat().st_size} bytes"
+    assert sum(on_disk.values()) <= KEEP * 8 * MIB, on_disk
+
+    # A kept snapshot still restores, and its owner deletes every one of them.
+    ok, restored = await call(arena, "restore_session", snapshot=ids[0])
+    assert ok and isinstance(restored, dict), restored
+    assert "7" in text_of(await run(arena.client, "print(value)", session_id=restored["session_id"]))
+    await call(arena, "close_session", session_id=restored["session_id"])
+    for snapshot in ids:
+        ok, deleted = await call(arena, "delete_snapshot", snapshot=snapshot)
+        assert ok, deleted
+    ok, listed = await call(arena, "list_snapshots")
+    assert ok and isinstance(listed, dict) and listed["snapshots"] == [], listed
+    assert stored_snapshots(arena.dirs) == {}
+    await call(arena, "close_session", session_id=session)
     await assert_still_serving(arena)

@@ -15,19 +15,26 @@ restore_session save and restore the whole sandbox instead (runsc checkpoint: ev
 open file and /tmp), its workspace copied while it is stopped so that files and memory agree. The
 image is written and read by runsc only, in the host-only store. keep_state stays on the pickled
 path on every backend (it must survive an upgrade of runsc or the image, which a checkpoint does not).
+
+What the guest reports (its save and load accounts) comes from inside the sandbox: it is checked
+against a schema (SaveReport, LoadReport) and cut to a fixed size before it is kept in meta.json or
+shown; one of the wrong shape refuses the snapshot. A padded report can thus neither bloat the
+store's records nor hide a snapshot from its owner (a record past MAX_META_BYTES would be unreadable).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import anyio
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from .. import hostfs
 from ..config import Settings
@@ -50,6 +57,129 @@ STAGED_STATE = "snapshot"
 KEEP_PREFIX = "keep-"
 #: Kinds of SnapshotMeta.
 SNAPSHOT, PERSISTENT = "snapshot", "persistent"
+
+
+#: Characters kept of one name, type or reason in a guest report (and of a snapshot's label).
+REPORT_TEXT = 200
+#: Entries of one list of a guest report that are checked (the rest are only counted).
+REPORT_ITEMS = 5_000
+#: Bytes (as JSON) one list of a guest report may take; what does not fit is counted in `left_out`.
+REPORT_LIST_BYTES = 40 * 1024
+
+
+def _clip(value: object) -> object:
+    return value[:REPORT_TEXT] if isinstance(value, str) else value
+
+
+def _head(value: object) -> object:
+    return value[:REPORT_ITEMS] if isinstance(value, list) else value
+
+
+Clipped = Annotated[str, BeforeValidator(_clip)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Report(BaseModel):
+    """A guest account: strict types, unknown keys dropped, every string clipped."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class SavedVariable(_Report):
+    name: Clipped
+    type: Clipped = ""
+    bytes: Count = 0
+
+
+class SavedModule(_Report):
+    name: Clipped
+    module: Clipped = ""
+
+
+class LeftOut(_Report):
+    name: Clipped
+    type: Clipped = ""
+    reason: Clipped = ""
+
+
+class FailedLoad(_Report):
+    name: Clipped
+    reason: Clipped = ""
+
+
+class SaveReport(_Report):
+    """The guest's account of a save (coderunner_guest/snapshot.py `save`), as the host keeps it."""
+
+    saved: Annotated[list[SavedVariable], BeforeValidator(_head)] = []
+    modules: Annotated[list[SavedModule], BeforeValidator(_head)] = []
+    skipped: Annotated[list[LeftOut], BeforeValidator(_head)] = []
+    bytes: Count = 0
+    not_carried: Annotated[list[Clipped], BeforeValidator(_head)] = []
+
+
+class LoadReport(_Report):
+    """The guest's account of a load, as the host shows it."""
+
+    restored: Annotated[list[Clipped], BeforeValidator(_head)] = []
+    modules: Annotated[list[Clipped], BeforeValidator(_head)] = []
+    failed: Annotated[list[FailedLoad], BeforeValidator(_head)] = []
+    not_carried: Annotated[list[Clipped], BeforeValidator(_head)] = []
+    skipped: Annotated[list[LeftOut], BeforeValidator(_head)] = []
+
+
+def bounded_report(raw: object, model: type[_Report]) -> dict[str, Any]:
+    """`raw` (a guest's answer) checked against `model`, each list cut to REPORT_LIST_BYTES;
+    `left_out` counts, per list, the entries cut. Raises SnapshotError when it has another shape."""
+    if not isinstance(raw, dict):
+        raise _bad_report()
+    try:
+        report = model.model_validate(raw).model_dump()
+    except (ValidationError, RecursionError):
+        raise _bad_report() from None
+    left_out: dict[str, int] = {}
+    for key, items in report.items():
+        if isinstance(items, list):
+            report[key] = kept = _fit(items, REPORT_LIST_BYTES)
+            given = raw.get(key)
+            cut = (len(given) if isinstance(given, list) else 0) - len(kept)
+            if cut > 0:
+                left_out[key] = cut
+    if left_out:
+        report["left_out"] = left_out
+    return report
+
+
+def bounded_load_report(raw: object) -> dict[str, Any]:
+    """The load's account (bounded_report); one of another shape is said, not raised: the state is loaded."""
+    try:
+        return bounded_report(raw, LoadReport)
+    except SnapshotError:
+        return {"failed": [{"name": "(all)", "reason": "the kernel's account of the load was unreadable"}]}
+
+
+def report_count(report: dict[str, Any], key: str) -> int:
+    """How many entries the guest's list `key` had, those cut from the record included."""
+    items, left_out = report.get(key), report.get("left_out")
+    cut = left_out.get(key, 0) if isinstance(left_out, dict) else 0
+    return (len(items) if isinstance(items, list) else 0) + (cut if isinstance(cut, int) else 0)
+
+
+def _fit(items: list[Any], budget: int) -> list[Any]:
+    """The first items whose JSON (as meta.json writes it) fits in `budget` bytes."""
+    kept = []
+    for item in items:
+        budget -= len(json.dumps(item)) + 2
+        if budget < 0:
+            break
+        kept.append(item)
+    return kept
+
+
+def _bad_report() -> SnapshotError:
+    return SnapshotError(
+        "the kernel's account of the save is not what CodeRunner's guest writes (it was changed inside the "
+        "sandbox); nothing was kept. Run the snapshot again; if it repeats, restart the session (kernel_reset)"
+    )
 
 
 def keep_id(name: str) -> str:
@@ -148,7 +278,7 @@ class SessionSnapshots:
         client = session.options.client
         with_workspace = kind != PERSISTENT
         async with session.held(timeout if wait_s is None else wait_s):
-            report = await session.call_guest_held("snapshot", arguments, timeout)
+            raw = await session.call_guest_held("snapshot", arguments, timeout)
 
             def build() -> tuple[SnapshotMeta, CopyReport | None]:
                 draft = self.store.draft(client)
@@ -164,6 +294,7 @@ class SessionSnapshots:
                     raise
 
             try:
+                report = bounded_report(raw, SaveReport)  # before anything of it is kept
                 meta, copied = await off_loop(build, bulk=True)
             finally:
                 # The guest's folder never outlives the call, whatever failed: removed from inside
@@ -221,7 +352,7 @@ class SessionSnapshots:
         return SnapshotMeta(
             snapshot_id=snapshot_id or self.store.new_id(),
             client=session.options.client,
-            name=name,
+            name=name[:REPORT_TEXT],
             created=time.time(),
             kind=kind,
             source_session=session.session_id[:8],
@@ -274,9 +405,8 @@ class SessionSnapshots:
             return
         inside = f"{self.backend.host_dir_inside(session.spec)}/{STAGED_STATE}"
         try:
-            seed.loaded = await session.call_guest(
-                "snapshot", {"op": "load", "dir": inside}, self.settings.snapshot_timeout_s
-            )
+            raw = await session.call_guest("snapshot", {"op": "load", "dir": inside}, self.settings.snapshot_timeout_s)
+            seed.loaded = bounded_load_report(raw)
         finally:
             await off_loop(_drop_staged, session.dirs)
 
@@ -309,7 +439,7 @@ class SessionSnapshots:
             log.exception("session %s…: saving its kept state failed", session.session_id[:6])
             note = "kernel state not saved: an internal error (see the server log); the last saved state is kept"
         else:
-            saved = len(taken.meta.state_report.get("saved", []))
+            saved = report_count(taken.meta.state_report, "saved")
             size = taken.meta.state_bytes / 2**20
             when = time.strftime("%H:%M:%SZ", time.gmtime(taken.meta.created))
             note = f"kernel state saved at {when} ({saved} variables, {size:.1f} MiB); keep_state reopens it"

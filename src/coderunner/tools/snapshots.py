@@ -13,8 +13,8 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 
 from ..sessions import Session
-from ..sessions.snapshots import MEMORY_CARRIES, Seed, Taken, memory_key
-from ..snapshot_store import CopyReport, SnapshotMeta
+from ..sessions.snapshots import MEMORY_CARRIES, REPORT_TEXT, Seed, Taken, memory_key, report_count
+from ..snapshot_store import CopyReport, DamagedSnapshot, SnapshotMeta
 from .arguments import SessionId, Text
 from .context import ToolContext, json_result
 
@@ -57,13 +57,16 @@ def register(tools: ToolContext) -> None:
 
     @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def list_snapshots(ctx: Context) -> CallToolResult:
-        """Your snapshots, newest first."""
-        found = await tools.off_loop(manager.snapshots.store.list, tools.client(ctx))
-        return json_result({"snapshots": [_listed(meta) for meta in found]})
+        """Your snapshots, newest first (a damaged one is marked: it cannot be restored, only deleted)."""
+        found = await tools.off_loop(manager.snapshots.store.listing, tools.client(ctx))
+        entries = [(meta.created, _listed(meta)) for meta in found.snapshots]
+        entries += [(entry.modified, _damaged(entry)) for entry in found.damaged]
+        entries.sort(key=lambda pair: pair[0], reverse=True)
+        return json_result({"snapshots": [listed for _, listed in entries]})
 
     @tools.tool(annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
     async def delete_snapshot(snapshot: str, ctx: Context) -> CallToolResult:
-        """Delete one of your snapshots for good."""
+        """Delete one of your snapshots for good (a damaged one too)."""
         await tools.off_loop(manager.snapshots.store.delete, tools.client(ctx), snapshot)
         return json_result({"deleted": snapshot})
 
@@ -84,14 +87,16 @@ def _taken(taken: Taken) -> dict[str, Any]:
     if memory_key(meta) is not None:
         reply["memory"] = MEMORY_CARRIES
     else:
-        reply["variables"] = _names(report.get("saved", []))
-        reply["modules"] = _names(report.get("modules", []))
+        reply["variables"] = _names(report.get("saved", []), report_count(report, "saved"))
+        reply["modules"] = _names(report.get("modules", []), report_count(report, "modules"))
     skipped = report.get("skipped", [])
     if skipped:
         reply["not_saved"] = _reasons(skipped)
+    if report.get("left_out"):
+        reply["report_cut"] = "the kernel's account was too long to keep whole: lists are shortened and counted"
     if taken.workspace is not None:
         reply["workspace"] = _copy(taken.workspace)
-    reply["never_carried"] = report.get("not_carried", [])
+    reply["never_carried"] = _names(report.get("not_carried", []))
     reply["seconds"] = round(taken.seconds, 2)
     return reply
 
@@ -112,25 +117,31 @@ def loaded_report(seed: Seed | None) -> dict[str, Any]:
     """What a seeded session's load brought back, and what it did not: left out at save, or failed to load."""
     loaded = seed.loaded if seed is not None else {}
     report: dict[str, Any] = {
-        "restored": _names(loaded.get("restored", [])),
-        "modules": _names(loaded.get("modules", [])),
+        "restored": _names(loaded.get("restored", []), report_count(loaded, "restored")),
+        "modules": _names(loaded.get("modules", []), report_count(loaded, "modules")),
     }
     skipped = seed.meta.state_report.get("skipped", []) if seed is not None and seed.meta is not None else []
     missing = _reasons([*skipped, *loaded.get("failed", [])])
     if missing:
         report["not_restored"] = missing
-    report["never_carried"] = loaded.get("not_carried", [])
+    report["never_carried"] = _names(loaded.get("not_carried", []))
     return report
 
 
 def _reasons(items: list[dict[str, Any]]) -> list[str]:
     """'name: reason' for each variable left out, at most SHOWN of them."""
-    return [f"{item.get('name')}: {item.get('reason')}" for item in items[:SHOWN]]
+    return [_text(f"{item.get('name')}: {item.get('reason')}") for item in items[:SHOWN] if isinstance(item, dict)]
 
 
-def _names(items: list[Any]) -> list[str]:
-    names = [item.get("name", "?") if isinstance(item, dict) else str(item) for item in items]
-    return names if len(names) <= SHOWN else [*names[:SHOWN], f"... and {len(names) - SHOWN} more"]
+def _names(items: list[Any], total: int | None = None) -> list[str]:
+    """At most SHOWN names, then how many more there were (`total`: the count before the record was cut)."""
+    shown = [_text(item.get("name", "?") if isinstance(item, dict) else item) for item in items[:SHOWN]]
+    more = max(len(items) if total is None else total, len(items)) - len(shown)
+    return shown if more <= 0 else [*shown, f"... and {more} more"]
+
+
+def _text(value: object) -> str:
+    return str(value)[:REPORT_TEXT]
 
 
 def _copy(report: CopyReport) -> dict[str, Any]:
@@ -148,7 +159,17 @@ def _listed(meta: SnapshotMeta) -> dict[str, Any]:
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(meta.created)),
         "from_session": meta.source_session,
         "size_mb": _mb(meta.size_bytes),
-        "variables": "all (memory)" if memory_key(meta) is not None else len(meta.state_report.get("saved", [])),
+        "variables": "all (memory)" if memory_key(meta) is not None else report_count(meta.state_report, "saved"),
+    }
+
+
+def _damaged(entry: DamagedSnapshot) -> dict[str, Any]:
+    return {
+        "snapshot": entry.snapshot_id,
+        "kind": entry.kind,
+        "damaged": f"{entry.why}: it cannot be restored; delete_snapshot removes it (so does the next server start)",
+        "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(entry.modified)),
+        "size_mb": _mb(entry.size_bytes),
     }
 
 
