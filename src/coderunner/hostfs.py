@@ -10,6 +10,7 @@ following links and without leaving the mount it started on.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import os
 import stat
@@ -319,3 +320,25 @@ def chown_tree(fd: int, owner: tuple[int, int]) -> bool:
     except HostFsError:
         return False
     return True
+
+
+#: renameat2's flag: fail with EEXIST instead of replacing what the new name holds.
+RENAME_NOREPLACE = 1
+
+
+def rename_noreplace(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
+    """Rename `src` to `dst` (each relative to a dir fd) only if `dst` does not exist (EEXIST).
+
+    One step, so a dir can be built under a temporary name and appear whole under its real one.
+    Where renameat2 is missing (old libc or file system) plain rename stands in: it replaces an
+    empty dir at most, never a file or a non-empty dir, so it replaces nothing that holds a lock.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    call = getattr(libc, "renameat2", None)
+    if call is not None:
+        if call(src_fd, os.fsencode(src), dst_fd, os.fsencode(dst), RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL):
+            raise OSError(code, f"could not rename {src} to {dst}: {os.strerror(code)}")
+    os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)

@@ -13,6 +13,15 @@
 
 The sandbox cannot write RUNTIME/<key> itself, so `host/` and `sock/` can never be swapped for
 links; what it can write (run/, the workspace) the host only reaches through directory fds.
+
+Several servers (one per MCP client) share RUNTIME, and each sweeps dead servers' dirs when it
+starts, so a dir appears only whole and locked: it is built as RUNTIME/.new-<key> with its lock
+held (the lock file is flocked under a name the sweep never opens, then renamed to `lock`), and
+then renamed to <key> in one step. The sweep removes a dir only when it can prove it dead: it
+takes its lock (held until the removal is done; the lock file goes last). A dir without a lock
+file (a creator or remover caught between two steps) is left alone until it is ABANDONED_AFTER_S
+old. The workspace is made after <key> is locked and removed before its lock goes, so it is never
+without a locked owner either.
 """
 
 from __future__ import annotations
@@ -23,8 +32,10 @@ import fcntl
 import json
 import logging
 import os
+import re
 import secrets
 import stat
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,11 +48,20 @@ from .workspace import Workspace, remove_workspace
 log = logging.getLogger(__name__)
 
 LOCK_NAME = "lock"
+#: The lock file's name until it is flocked (the sweep never opens it).
+NEW_LOCK_NAME = "lock.new"
+#: A session dir under construction: RUNTIME/.new-<key> (renamed to <key> once whole).
+NEW_PREFIX = ".new-"
 HOST_DIR = "host"
 RUN_DIR = "run"
 SOCK_DIR = "sock"
 #: Names of session dirs under RUNTIME: 8 hex digits.
 KEY_CHARS = 8
+KEY = re.compile(f"[0-9a-f]{{{KEY_CHARS}}}")
+NEW_KEY = re.compile(re.escape(NEW_PREFIX) + KEY.pattern)
+#: A dir without a lock file this long after its last change is abandoned: making or removing
+#: one takes milliseconds between the steps that leave it without a lock, not an hour.
+ABANDONED_AFTER_S = 3600.0
 
 
 class SessionDirsError(OSError):
@@ -142,95 +162,184 @@ def open_sandbox_dirs(
     make_workspace: Callable[[str, tuple[int, int] | None], Workspace],
 ) -> SandboxDirs:
     """Create a sandbox's dirs (see the module docstring); raises SessionDirsError."""
-    key = secrets.token_hex(KEY_CHARS // 2)
     owner = (user.uid, user.gid) if user is not None else None
     fds: list[int] = []
     try:
         with hostfs.dir_fd(runtime_base) as base_fd:
-            top_fd = hostfs.make_private_dir(base_fd, key, dir_mode)
-        fds.append(top_fd)
-        lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                          dir_fd=top_fd)  # fmt: skip
-        fds.append(lock_fd)
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        # host/ is passable for the sandbox user (its files are its own, read-only to it).
-        host_fd = hostfs.make_private_dir(top_fd, HOST_DIR, 0o711 if owner else 0o700)
-        fds.append(host_fd)
-        etc_fd = hostfs.make_private_dir(host_fd, "etc", 0o755)
-        try:
-            for name, text in etc_files(network).items():
-                hostfs.write_new_file(etc_fd, name, text.encode(), mode=0o644)
-        finally:
-            os.close(etc_fd)
-        run_fd = hostfs.make_private_dir(top_fd, RUN_DIR, 0o700, owner)
-        fds.append(run_fd)
-        sock_fd = hostfs.make_private_dir(top_fd, SOCK_DIR, 0o700)
-        fds.append(sock_fd)
+            key, top_fd, lock_fd = make_locked_dir(base_fd, dir_mode)
+            fds += [lock_fd, top_fd]
+            try:
+                fds += _fill_session_dir(top_fd, network, owner)
+                _publish(base_fd, key)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    hostfs.remove_tree(base_fd, NEW_PREFIX + key)
+                raise
         os.close(top_fd)
         fds.remove(top_fd)
     except OSError as exc:
         for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        with contextlib.suppress(OSError):
-            remove_session_top(runtime_base / key)
         raise SessionDirsError(exc.errno or errno.EIO, f"could not create the session's runtime dirs: {exc}") from None
+    lock_fd, host_fd, run_fd, sock_fd = fds
     top = runtime_base / key
     try:
         workspace = make_workspace(key, owner)
     except BaseException:
-        for fd in fds:
+        for fd in (host_fd, run_fd, sock_fd):
             with contextlib.suppress(OSError):
                 os.close(fd)
         remove_session_top(top)
+        os.close(lock_fd)
         raise
     return SandboxDirs(key, top, user, workspace, lock_fd, host_fd, run_fd, sock_fd)
 
 
+def make_locked_dir(base_fd: int, dir_mode: int) -> tuple[str, int, int]:
+    """A fresh RUNTIME/.new-<key>, (key, dir fd, lock fd): its lock file is flocked before it gets
+    the name a sweep opens, so no sweep ever finds it there unheld while this process lives."""
+    key = secrets.token_hex(KEY_CHARS // 2)
+    top_fd = hostfs.make_private_dir(base_fd, NEW_PREFIX + key, dir_mode)
+    lock_fd = -1
+    try:
+        lock_fd = os.open(NEW_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                          dir_fd=top_fd)  # fmt: skip
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(NEW_LOCK_NAME, LOCK_NAME, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+    except BaseException:
+        os.close(top_fd)
+        with contextlib.suppress(OSError):
+            hostfs.remove_tree(base_fd, NEW_PREFIX + key)
+        if lock_fd >= 0:
+            os.close(lock_fd)
+        raise
+    return key, top_fd, lock_fd
+
+
+def _fill_session_dir(top_fd: int, network: str, owner: tuple[int, int] | None) -> list[int]:
+    """host/ (with etc/), run/ and sock/ in a session dir under construction: their fds."""
+    fds: list[int] = []
+    try:
+        # host/ is passable for the sandbox user (its files are its own, read-only to it).
+        fds.append(hostfs.make_private_dir(top_fd, HOST_DIR, 0o711 if owner else 0o700))
+        etc_fd = hostfs.make_private_dir(fds[0], "etc", 0o755)
+        try:
+            for name, text in etc_files(network).items():
+                hostfs.write_new_file(etc_fd, name, text.encode(), mode=0o644)
+        finally:
+            os.close(etc_fd)
+        fds.append(hostfs.make_private_dir(top_fd, RUN_DIR, 0o700, owner))
+        fds.append(hostfs.make_private_dir(top_fd, SOCK_DIR, 0o700))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return fds
+
+
+def _publish(base_fd: int, key: str) -> None:
+    """Give a whole, locked session dir its key as its name: never over another's (EEXIST)."""
+    hostfs.rename_noreplace(base_fd, NEW_PREFIX + key, base_fd, key)
+
+
 def remove_session_top(top: Path) -> list[str]:
-    """Remove RUNTIME/<key> and all below it, without following links or leaving its mount."""
+    """Remove RUNTIME/<key> and all below it, without following links or leaving its mount.
+
+    Its lock file goes last, so the dir is never without a lock while anything else is in it."""
     with hostfs.dir_fd(top.parent) as parent:
-        left = hostfs.remove_tree(parent, top.name)
+        left = _remove_locked_dir(parent, top.name)
     if left:
         log.warning("could not remove all of %s: %s", top, "; ".join(left[:5]))
     return left
 
 
-def remove_stale_dirs(runtime_base: Path, workspaces_base: Path, remove_stale: Callable[[str], None]) -> int:
-    """Remove session dirs whose lock no live server holds (their server was SIGKILLed)."""
+def _remove_locked_dir(base_fd: int, name: str) -> list[str]:
+    """Empty `name` but for its lock, then unlink the lock and remove the dir; what was left, and why."""
+    try:
+        top_fd = hostfs.open_dir(name, dir_fd=base_fd)
+    except FileNotFoundError:
+        return []
+    left: list[str] = []
+    try:
+        for entry in hostfs.entries(top_fd):
+            if entry != LOCK_NAME:
+                left += hostfs.remove_tree(top_fd, entry)
+        if not left:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(LOCK_NAME, dir_fd=top_fd)
+    finally:
+        os.close(top_fd)
+    if not left:
+        try:
+            os.rmdir(name, dir_fd=base_fd)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            left.append(f"{name}: {exc.strerror}")
+    return left
+
+
+def remove_stale_dirs(
+    runtime_base: Path,
+    workspaces_base: Path,
+    remove_stale: Callable[[str], None],
+    abandoned_after_s: float = ABANDONED_AFTER_S,
+) -> int:
+    """Remove the session dirs that are provably dead (see the module docstring): those whose lock
+    this call can take (their server is gone), and those without a lock `abandoned_after_s` old."""
     removed = 0
     with hostfs.dir_fd(runtime_base) as base_fd:
         for name in hostfs.entries(base_fd):
-            if len(name) != KEY_CHARS or not all(c in "0123456789abcdef" for c in name):
+            fresh = NEW_KEY.fullmatch(name) is not None
+            if not fresh and KEY.fullmatch(name) is None:
+                continue
+            lock_fd = claim_dead(base_fd, name, abandoned_after_s)
+            if lock_fd is None:
                 continue
             try:
-                info = os.stat(name, dir_fd=base_fd, follow_symlinks=False)
-                if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+                if fresh:  # never started a sandbox nor made a workspace (both come after the rename)
+                    removed += not _remove_locked_dir(base_fd, name)
                     continue
-                top_fd = hostfs.open_dir(name, dir_fd=base_fd)
-            except OSError:
-                continue
-            try:
-                lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top_fd)
-            except OSError:
-                lock_fd = -1  # half-made: no lock was ever taken
-            finally:
-                os.close(top_fd)
-            try:
-                if lock_fd >= 0:
-                    fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue  # a live server owns it
+                remove_stale(name)
+                if not release_mounts(runtime_base / name):
+                    continue  # never delete beneath a staged mount of a user's folder
+                remove_workspace(workspaces_base / name)  # named (persistent) workspaces live elsewhere
+                removed += not _remove_locked_dir(base_fd, name)
             finally:
                 if lock_fd >= 0:
                     os.close(lock_fd)
-            remove_stale(name)
-            if not release_mounts(runtime_base / name):
-                continue  # never delete beneath a staged mount of a user's folder
-            remove_workspace(workspaces_base / name)  # named (persistent) workspaces live elsewhere
-            hostfs.remove_tree(base_fd, name)
-            removed += 1
     return removed
+
+
+def claim_dead(base_fd: int, name: str, abandoned_after_s: float = ABANDONED_AFTER_S) -> int | None:
+    """The session dir `name` is dead: its lock, now held by this process (-1 if it has none but is
+    abandoned). None while it may be alive: its lock is held, or it has none and is recent."""
+    try:
+        info = os.stat(name, dir_fd=base_fd, follow_symlinks=False)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            return None
+        top_fd = hostfs.open_dir(name, dir_fd=base_fd)
+    except OSError:
+        return None
+    try:
+        lock_fd = os.open(LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=top_fd)
+    except OSError:
+        lock_fd = -1
+    finally:
+        os.close(top_fd)
+    if lock_fd < 0:
+        age = time.time() - max(info.st_mtime, info.st_ctime)
+        return -1 if age > abandoned_after_s else None
+    try:
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(lock_fd)
+        return None  # a live server (or another server's sweep) holds it
+    if os.fstat(lock_fd).st_nlink == 0:
+        os.close(lock_fd)
+        return None  # its owner removed it meanwhile and let go: nothing is left to claim
+    return lock_fd
 
 
 def connection_names(info: dict[str, object], channels: tuple[str, ...]) -> list[str]:

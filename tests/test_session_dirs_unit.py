@@ -1,0 +1,237 @@
+"""Session dirs shared by several servers: a dir appears only whole and locked, and a server's
+stale sweep removes only what it can prove dead (security issue 25, finding 6).
+
+Real files, real flocks, the real sweep; the "other server" is another open file description
+(flock locks conflict between those even in one process) or, in the last test, other processes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import multiprocessing
+import os
+from collections.abc import Callable, Iterator
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event
+from pathlib import Path
+
+import pytest
+
+from coderunner import hostfs, session_dirs
+from coderunner.session_dirs import LOCK_NAME, NEW_PREFIX, SandboxDirs, claim_dead, open_sandbox_dirs, remove_stale_dirs
+from coderunner.workspace import Workspace
+
+#: The concurrency test: servers at once, and sessions each opens (a sweep after every one).
+SERVERS = 6
+ROUNDS = 25
+JOIN_TIMEOUT_S = 300
+
+
+def plain_workspace(workspaces: Path) -> Callable[[str, tuple[int, int] | None], Workspace]:
+    """A workspace as a server without quota makes it: a plain dir WORKSPACES/<key>."""
+
+    def make(key: str, owner: tuple[int, int] | None) -> Workspace:
+        return Workspace.create(workspaces / key, None, False)
+
+    return make
+
+
+def open_dirs(runtime: Path, workspaces: Path) -> SandboxDirs:
+    return open_sandbox_dirs(runtime, network="none", dir_mode=0o700, user=None,
+                             make_workspace=plain_workspace(workspaces))  # fmt: skip
+
+
+def sweep(runtime: Path, workspaces: Path, swept: list[str] | None = None, **kwargs: float) -> int:
+    return remove_stale_dirs(runtime, workspaces, (swept if swept is not None else []).append, **kwargs)
+
+
+def whole(dirs: SandboxDirs) -> bool:
+    """Are this live sandbox's dirs all still there (none removed under it)?"""
+    return (
+        (dirs.host_dir / "etc" / "passwd").is_file()
+        and all(os.fstat(fd).st_nlink > 0 for fd in (dirs.host_fd, dirs.run_fd, dirs.sock_fd))
+        and (dirs.top / LOCK_NAME).is_file()
+        and dirs.workspace.path.is_dir()
+    )
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
+    runtime, workspaces = tmp_path / "r", tmp_path / "w"
+    runtime.mkdir(mode=0o700)
+    workspaces.mkdir(mode=0o700)
+    yield runtime, workspaces
+
+
+@pytest.fixture
+def canary(tmp_path: Path) -> Path:
+    folder = tmp_path / "canary"
+    folder.mkdir()
+    (folder / "keep").write_text("untouched")
+    return folder
+
+
+def dead_dir(runtime: Path, workspaces: Path, name: str, *, lock: bool = True) -> None:
+    """What a SIGKILLed server leaves: a dir (with a lock file nobody holds) and its workspace."""
+    (runtime / name / "host" / "etc").mkdir(parents=True)
+    (runtime / name / "host" / "etc" / "passwd").write_text("x")
+    if lock:
+        (runtime / name / LOCK_NAME).write_text("")
+    if not name.startswith(NEW_PREFIX):
+        (workspaces / name).mkdir()
+        (workspaces / name / "file").write_text("x")
+
+
+def test_a_dir_is_made_and_locked_in_one_step(base: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another server sweeps right after each dir of a starting sandbox is made (the window of
+    finding 6: between a dir and its lock): the start still succeeds and its dirs stay whole."""
+    runtime, workspaces = base
+    real = hostfs.make_private_dir
+    sweeps: list[int] = []
+
+    def make_then_sweep(parent_fd: int, name: str, mode: int, owner: tuple[int, int] | None = None) -> int:
+        fd = real(parent_fd, name, mode, owner)
+        sweeps.append(sweep(runtime, workspaces))
+        return fd
+
+    monkeypatch.setattr(session_dirs.hostfs, "make_private_dir", make_then_sweep)
+    dirs = open_dirs(runtime, workspaces)
+    monkeypatch.undo()
+    try:
+        assert sweeps and set(sweeps) == {0}, "a sweep removed the starting sandbox's dir"
+        assert whole(dirs)
+        assert sorted(os.listdir(runtime)) == [dirs.key], "no temporary name is left once it is made"
+        assert sorted(os.listdir(dirs.top)) == ["host", LOCK_NAME, "run", "sock"]
+        with hostfs.dir_fd(runtime) as base_fd:
+            assert claim_dead(base_fd, dirs.key) is None, "its lock is held for its life"
+    finally:
+        dirs.close()
+    assert os.listdir(runtime) == [] and os.listdir(workspaces) == []
+
+
+def test_the_sweep_removes_what_it_can_prove_dead_and_leaves_the_rest(base: tuple[Path, Path], canary: Path) -> None:
+    runtime, workspaces = base
+    live = open_dirs(runtime, workspaces)
+    with hostfs.dir_fd(runtime) as base_fd:
+        making_key, making_fd, making_lock = session_dirs.make_locked_dir(base_fd, 0o700)
+    os.close(making_fd)
+    dead_dir(runtime, workspaces, "0000dead")  # its server was SIGKILLed
+    dead_dir(runtime, workspaces, NEW_PREFIX + "000dead0")  # its creator died while making it
+    dead_dir(runtime, workspaces, "0000aaaa", lock=False)  # no lock file: cannot be proven dead
+    dead_dir(runtime, workspaces, NEW_PREFIX + "0000bbbb", lock=False)
+    (workspaces / "000dead0").mkdir()  # a workspace of that key is not a half-made dir's: kept
+    os.symlink(canary, runtime / "0000cccc")  # never followed
+    os.symlink(canary, runtime / (NEW_PREFIX + "0000dddd"))
+    swept: list[str] = []
+    try:
+        assert sweep(runtime, workspaces, swept) == 2
+        assert swept == ["0000dead"], "only a session dir that was whole gets the backend's sweep"
+        assert sorted(os.listdir(runtime)) == sorted(
+            [
+                live.key,
+                NEW_PREFIX + making_key,
+                "0000aaaa",
+                NEW_PREFIX + "0000bbbb",
+                "0000cccc",
+                NEW_PREFIX + "0000dddd",
+            ]
+        )
+        assert sorted(os.listdir(workspaces)) == sorted([live.key, "0000aaaa", "000dead0"])
+        assert whole(live)
+        # Without a lock file, only an old one is provably abandoned (its age is its mtime/ctime).
+        assert sweep(runtime, workspaces, swept, abandoned_after_s=-1.0) == 2
+        assert sorted(os.listdir(runtime)) == sorted(
+            [live.key, NEW_PREFIX + making_key, "0000cccc", NEW_PREFIX + "0000dddd"]
+        )
+        assert sorted(os.listdir(workspaces)) == sorted([live.key, "000dead0"])
+        assert whole(live) and (canary / "keep").read_text() == "untouched"
+    finally:
+        os.close(making_lock)
+        live.close()
+    # Their owners are gone now: both go, the one its creator never finished as well.
+    assert sweep(runtime, workspaces) == 1
+    assert sorted(os.listdir(runtime)) == sorted(["0000cccc", NEW_PREFIX + "0000dddd"])
+
+
+def test_the_sweep_holds_a_dead_dirs_lock_until_it_is_removed(base: tuple[Path, Path]) -> None:
+    """Two servers starting at once never both remove one dead dir: the first keeps its lock."""
+    runtime, workspaces = base
+    dead_dir(runtime, workspaces, "0000dead")
+    taken: list[bool] = []
+
+    def second_server_tries(name: str) -> None:
+        fd = os.open(runtime / name / LOCK_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken.append(True)
+        except BlockingIOError:
+            taken.append(False)
+        finally:
+            os.close(fd)
+
+    assert remove_stale_dirs(runtime, workspaces, second_server_tries) == 1
+    assert taken == [False], "a second sweep could take the lock of a dir being removed"
+    assert os.listdir(runtime) == [] and os.listdir(workspaces) == []
+
+
+def test_a_closing_dir_keeps_its_lock_until_the_rest_is_gone(
+    base: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Removal takes the lock file last: a dir never lies lockless with anything in it."""
+    runtime, workspaces = base
+    dirs = open_dirs(runtime, workspaces)
+    real = hostfs.remove_tree
+    lock_present: list[bool] = []
+
+    def remove_and_look(parent_fd: int, name: str) -> list[str]:
+        left = real(parent_fd, name)
+        lock_present.append((dirs.top / LOCK_NAME).exists())
+        return left
+
+    monkeypatch.setattr(session_dirs.hostfs, "remove_tree", remove_and_look)
+    assert dirs.close() == []
+    assert lock_present and all(lock_present)
+    assert os.listdir(runtime) == []
+
+
+def _server(runtime: Path, workspaces: Path, start: Event, out: Queue[list[str]]) -> None:
+    """One server: open a sandbox's dirs, sweep as a starting server does, check its own, close."""
+    failures: list[str] = []
+    start.wait(60)
+    for _ in range(ROUNDS):
+        try:
+            dirs = open_dirs(runtime, workspaces)
+        except Exception as exc:  # a failed start is what this test counts
+            failures.append(f"start failed: {exc}")
+            continue
+        sweep(runtime, workspaces)
+        if not whole(dirs):
+            failures.append(f"{dirs.key} was removed while live")
+        dirs.close()
+    out.put(failures)
+
+
+def test_servers_sharing_a_runtime_dir_never_remove_each_others_live_dirs(
+    base: tuple[Path, Path], canary: Path
+) -> None:
+    runtime, workspaces = base
+    os.symlink(canary, runtime / "0000cccc")
+    bystander = open_dirs(runtime, workspaces)
+    context = multiprocessing.get_context("spawn")
+    start, out = context.Event(), context.Queue()
+    servers = [context.Process(target=_server, args=(runtime, workspaces, start, out)) for _ in range(SERVERS)]
+    for server in servers:
+        server.start()
+    start.set()
+    try:
+        results = [out.get(timeout=JOIN_TIMEOUT_S) for _ in servers]
+    finally:
+        for server in servers:
+            server.join(timeout=JOIN_TIMEOUT_S)
+            if server.is_alive():
+                server.kill()
+    failures = [failure for result in results for failure in result]
+    assert failures == []
+    assert whole(bystander) and (canary / "keep").read_text() == "untouched"
+    bystander.close()
+    assert os.listdir(runtime) == ["0000cccc"] and os.listdir(workspaces) == []
