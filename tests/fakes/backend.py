@@ -134,8 +134,9 @@ class FakeBackend:
         elif cue is Cue.HANG_AT_START:
             argv = ["/bin/sh", "-c", "exec sleep 3600"]
         elif cue is Cue.IGNORE_INTERRUPTS:
-            assert argv[1:3] == ["-m", "ipykernel_launcher"], argv
-            argv = [argv[0], "-c", _IGNORE_INTERRUPTS, *argv[3:]]
+            launcher = argv.index("-m")
+            assert argv[launcher : launcher + 2] == ["-m", "ipykernel_launcher"], argv
+            argv = [*argv[:launcher], "-c", _IGNORE_INTERRUPTS, *argv[launcher + 2 :]]
         if spec.user is not None:
             argv = [*spec.user.setpriv_prefix(), *argv]
         env = {
