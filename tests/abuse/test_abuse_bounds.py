@@ -97,9 +97,9 @@ async def test_a_session_that_spins_after_its_call_returned_leaves_the_server_se
         except CgroupsUnavailable:
             pass  # no weight to check; serving is checked below all the same
         else:
-            # Every sandbox (and so whatever it forks) sits in its own group below the low-weight parent.
+            # Every sandbox (and so whatever it forks) sits in its own group below its server's low-weight parent.
             groups = {_cpu_group(pid) for pid in sandbox_processes_alive(arena.dirs)} - {None}
-            assert groups and all(group.split("/")[-2] == "coderunner" for group in groups), groups
+            assert groups and all(group.split("/")[-2].startswith("coderunner-server-") for group in groups), groups
         for _ in range(5):
             await assert_still_serving(arena)
     finally:

@@ -23,6 +23,7 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
+from ..offload import off_loop
 from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, SandboxUnavailable, start_failures
 from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from .common import (
@@ -310,7 +311,8 @@ class BwrapBackend:
         problem = self.network_problem(spec.network)
         if problem:
             raise BwrapUnavailable(problem)
-        cgroup = self._cgroup_for(spec)
+        # mkdirs and writes in cgroupfs (and, on a failure, a removal that may wait): off the loop.
+        cgroup = await off_loop(self._cgroup_for, spec)
         nproc = None
         if cgroup is None and spec.limits.pids:
             if spec.user is not None:
@@ -346,13 +348,14 @@ class BwrapBackend:
             )
         except BaseException:
             if cgroup is not None:
-                cgroup.remove()
+                with anyio.CancelScope(shield=True):
+                    await off_loop(cgroup.remove)
             raise
         finally:
             os.close(seccomp_fd)
             if fds:
                 fds.close_child_ends()
-        sandbox = SandboxProcess(process, task_group, cgroup=cgroup, pipes=pipes)
+        sandbox = BwrapProcess(process, task_group, cgroup=cgroup, pipes=pipes)
         if fds is not None:
             try:
                 with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):
@@ -415,6 +418,23 @@ class BwrapBackend:
             if ready_write >= 0:
                 os.close(ready_write)
         os.write(fds.block_write, b"1")
+
+
+class BwrapProcess(SandboxProcess):
+    """A bwrap sandbox: killed as any, its cgroup then removed in a worker thread, never on the event loop
+    (the removal waits, up to cgroups.REMOVE_WAIT_S, for the last tasks to exit)."""
+
+    async def kill(self) -> None:
+        cgroup, self.cgroup = self.cgroup, None  # SandboxProcess.kill would remove it on the loop
+        try:
+            await super().kill()
+        finally:
+            self.cgroup = cgroup
+            if cgroup is not None:
+                # Awaited, not left to a thread of its own: the session's next kernel makes a cgroup of
+                # the same name, which this removal must not meet (its kill_all would hit the new one).
+                with anyio.CancelScope(shield=True):
+                    await off_loop(cgroup.remove)
 
 
 async def _loopback_ready(pid: int, timeout_s: float) -> bool:

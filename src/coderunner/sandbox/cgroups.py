@@ -2,21 +2,31 @@
 
 cgroup v1 (one hierarchy per controller, as on this project's CI machines) and v2 (one
 unified hierarchy; needs root or a delegated subtree, e.g. from `systemd-run --user --scope`).
-Sessions are created below the server's own cgroup. A process enters its cgroups before it
+Sessions are created below the server's own cgroup, in a parent group of this server process
+alone: `coderunner-server-<pid>-<start time>/<session>`. A process enters its cgroups before it
 execs bwrap (see `enter_command`), so nothing it forks can start outside them.
 
 CPU policy: every session has its own cpu cgroup (equal weights: sessions share fairly among
-themselves, however many threads each runs), and the parent group holding all of them has a
-lower weight than the server and the host's other processes (`cpu_weight`, 100 = neutral).
+themselves, however many threads each runs), and the server's parent group holding all of them
+has a lower weight than the server and the host's other processes (`cpu_weight`, 100 = neutral).
 So code spinning in a sandbox, even after its call returned, takes only idle CPU from the
 server, bystander sessions and the user's own programs. A hard cap is the `cpus` quota.
+
+The parent group is per server, not shared: several servers (one per MCP client) may run on one
+machine with different weights, and a shared group's weight would be whatever the last server to
+start wrote. Each server's group is made with its first session and removed with its last; one
+whose server died is removed by the next server that creates a session (never killing anything:
+a dead server's sandboxes died with it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import re
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -50,6 +60,8 @@ class SessionCgroup:
 
     version: int
     dirs: dict[str, Path] = field(default_factory=dict)
+    #: Called once the dirs are removed (its server's parent group goes with the last session).
+    after_remove: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
     def procs_files(self) -> list[Path]:
         return sorted({path / "cgroup.procs" for path in self.dirs.values()})
@@ -97,7 +109,17 @@ class SessionCgroup:
                         os.kill(int(pid), 9)
 
     def remove(self) -> None:
-        """Kill what is left and remove the dirs, within REMOVE_WAIT_S."""
+        """Kill what is left and remove the dirs, within REMOVE_WAIT_S.
+
+        Blocking (it sleeps while the last tasks exit): async code calls it through off_loop.
+        """
+        try:
+            self._remove_dirs()
+        finally:
+            if self.after_remove is not None:
+                self.after_remove()
+
+    def _remove_dirs(self) -> None:
         self.kill_all()
         deadline = time.monotonic() + REMOVE_WAIT_S
         for path in self.dirs.values():
@@ -133,6 +155,21 @@ def _read_int(directory: Path | None, name: str) -> int | None:
         return None
 
 
+def _process_start(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (with its pid, unique while the host runs), or None if gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+def _server_id() -> str:
+    """This process's id for its parent cgroup: pid and start time, so a reused pid is another server."""
+    return f"{os.getpid()}-{_process_start(os.getpid()) or 0}"
+
+
 def _own_cgroups() -> dict[str, str]:
     """Controller -> path of this process's cgroup, from /proc/self/cgroup ('' is v2's unified one)."""
     result: dict[str, str] = {}
@@ -150,8 +187,18 @@ class CgroupManager:
     version: int
     parents: dict[str, Path]
     prefix: str = "coderunner"
-    #: The sessions' parent group's CPU weight (None: leave it as it is).
+    #: The CPU weight of this server's parent group of sessions (None: leave it as it is).
     cpu_weight: int | None = DEFAULT_CPU_WEIGHT
+    #: Names this server process's own parent group (see _server_id).
+    server_id: str = field(default_factory=_server_id)
+    #: Held while the server's parent group is made or removed: a create never sees it vanish.
+    _lock: threading.RLock = field(default_factory=threading.RLock, init=False, repr=False, compare=False)
+    _swept: bool = field(default=False, init=False, repr=False, compare=False)
+
+    @property
+    def server_group(self) -> str:
+        """The name of this server's parent group, beside the server's own processes."""
+        return f"{self.prefix}-server-{self.server_id}"
 
     @classmethod
     def detect(cls) -> CgroupManager:
@@ -180,25 +227,40 @@ class CgroupManager:
         raise CgroupsUnavailable("no usable cgroup hierarchy (need v1 memory+pids+cpu, or v2 with delegation)")
 
     def create(self, name: str, limits: CgroupLimits) -> SessionCgroup:
-        group = SessionCgroup(version=self.version)
-        try:
-            if self.version == 1:
-                self._create_v1(group, name, limits)
-            else:
-                self._create_v2(group, name, limits)
-        except OSError:
-            group.remove()
-            raise
-        return group
+        """A session's cgroups in this server's parent group (made, with its weight, if need be).
+
+        Blocking file work in cgroupfs: async code calls it through off_loop."""
+        with self._lock:
+            if not self._swept:
+                self._swept = True
+                self.sweep_dead()
+            group = SessionCgroup(version=self.version, after_remove=self._leave)
+            try:
+                if self.version == 1:
+                    self._create_v1(group, name, limits)
+                else:
+                    self._create_v2(group, name, limits)
+            except OSError:
+                group.remove()
+                raise
+            return group
+
+    def _leave(self) -> None:
+        """A session's cgroups are gone: remove this server's parent group if it was the last."""
+        with self._lock:
+            for parent in self.parents.values():
+                with contextlib.suppress(OSError):  # busy: other sessions are in it; or already gone
+                    (parent / self.server_group).rmdir()
 
     def _create_v1(self, group: SessionCgroup, name: str, limits: CgroupLimits) -> None:
         for controller, parent in self.parents.items():
-            path = parent / self.prefix / name
-            path.mkdir(parents=True, exist_ok=True)
+            base = parent / self.server_group
+            base.mkdir(exist_ok=True)
+            if controller == "cpu" and self.cpu_weight is not None:
+                _write_quietly(base / "cpu.shares", str(max(2, self.cpu_weight * 1024 // 100)))
+            path = base / name
+            path.mkdir(exist_ok=True)
             group.dirs[controller] = path
-        if self.cpu_weight is not None:
-            shares = max(2, self.cpu_weight * 1024 // 100)
-            _write_quietly(self.parents["cpu"] / self.prefix / "cpu.shares", str(shares))
         memory = group.dirs["memory"]
         if limits.memory_bytes is not None:
             (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
@@ -214,7 +276,7 @@ class CgroupManager:
 
     def _create_v2(self, group: SessionCgroup, name: str, limits: CgroupLimits) -> None:
         parent = self.parents["unified"]
-        base = parent / self.prefix
+        base = parent / self.server_group
         base.mkdir(exist_ok=True)
         with contextlib.suppress(OSError):
             (base / "cgroup.subtree_control").write_text("+memory +pids +cpu")
@@ -233,11 +295,42 @@ class CgroupManager:
             (path / "cpu.max").write_text(f"{int(limits.cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
 
     def remove_named(self, name: str) -> None:
-        """Remove a session's cgroups left by a server that is gone (the caller checked its lock)."""
-        dirs = {controller: parent / self.prefix / name for controller, parent in self.parents.items()}
-        existing = {controller: path for controller, path in dirs.items() if path.is_dir()}
-        if existing:
-            SessionCgroup(self.version, existing).remove()
+        """Remove a session's cgroups left by a server that is gone (the caller checked its lock),
+        in whichever server's parent group they are (or the shared one of older versions)."""
+        for base in [self.prefix, *self._server_groups()]:
+            dirs = {controller: parent / base / name for controller, parent in self.parents.items()}
+            existing = {controller: path for controller, path in dirs.items() if path.is_dir()}
+            if existing:
+                SessionCgroup(self.version, existing).remove()
+
+    def _server_groups(self) -> list[str]:
+        """Names of every server's parent group (live or dead) beside this server's processes."""
+        pattern = re.compile(rf"{re.escape(self.prefix)}-server-\d+-\d+")
+        names: set[str] = set()
+        for parent in self.parents.values():
+            with contextlib.suppress(OSError):
+                names.update(entry.name for entry in os.scandir(parent) if pattern.fullmatch(entry.name))
+        return sorted(names)
+
+    def sweep_dead(self) -> None:
+        """Remove the empty parent groups (and empty session groups in them) of servers that are gone.
+
+        Only rmdir, never a kill: a group that still has tasks (a server this one cannot see in its
+        /proc, say) stays. A dead server's sandboxes died with it (bwrap --die-with-parent).
+        """
+        for name in self._server_groups():
+            pid, _, start = name.rpartition("-server-")[2].partition("-")
+            if name == self.server_group or _process_start(int(pid)) == start:
+                continue
+            for parent in self.parents.values():
+                base = parent / name
+                with contextlib.suppress(OSError):
+                    for entry in os.scandir(base):
+                        if entry.is_dir(follow_symlinks=False):
+                            with contextlib.suppress(OSError):
+                                os.rmdir(entry.path)
+                with contextlib.suppress(OSError):
+                    base.rmdir()
 
 
 def enter_command(group: SessionCgroup, argv: list[str]) -> list[str]:

@@ -1,0 +1,122 @@
+"""Per-server parent cgroups and cgroup removal off the event loop, on this machine's real cgroupfs.
+
+Several servers share a machine (one per MCP client): each has its own parent group with its own
+CPU weight, so one server's setting never changes another's. Needs root (or a delegated v2 tree).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import threading
+from pathlib import Path
+
+import anyio
+import pytest
+
+from coderunner.sandbox import bwrap
+from coderunner.sandbox.cgroups import (
+    CgroupLimits,
+    CgroupManager,
+    CgroupsUnavailable,
+    SessionCgroup,
+    _process_start,
+    enter_command,
+)
+
+NO_LIMITS = CgroupLimits(memory_bytes=None, pids_max=None, cpus=None)
+
+
+@pytest.fixture
+def manager() -> CgroupManager:
+    try:
+        return CgroupManager.detect()
+    except (CgroupsUnavailable, OSError) as exc:
+        pytest.skip(f"no cgroups this process may create here: {exc}")
+
+
+def _weight_file(manager: CgroupManager, server_group: str) -> Path:
+    if manager.version == 1:
+        return manager.parents["cpu"] / server_group / "cpu.shares"
+    return manager.parents["unified"] / server_group / "cpu.weight"
+
+
+def _weight(manager: CgroupManager, value: int) -> str:
+    return str(value * 1024 // 100) if manager.version == 1 else str(value)
+
+
+def _other_server(manager: CgroupManager, weight: int) -> CgroupManager:
+    """A second server's manager: another live process's id (pid 1's), another weight."""
+    return dataclasses.replace(manager, server_id=f"1-{_process_start(1)}", cpu_weight=weight)
+
+
+def test_each_server_weighs_its_own_parent_group(manager: CgroupManager) -> None:
+    first = dataclasses.replace(manager, cpu_weight=37)
+    second = _other_server(manager, 50)
+    name = f"t-{os.getpid()}-weights"
+    mine = first.create(name, NO_LIMITS)
+    try:
+        theirs = second.create(name, NO_LIMITS)
+        try:
+            for controller, path in mine.dirs.items():
+                assert path.parent.name == first.server_group, (controller, path)
+            assert _weight_file(first, first.server_group).read_text().strip() == _weight(first, 37)
+            assert _weight_file(second, second.server_group).read_text().strip() == _weight(second, 50)
+            # The first server makes another session: still its own weight, the second's untouched.
+            again = first.create(name + "-b", NO_LIMITS)
+            again.remove()
+            assert _weight_file(second, second.server_group).read_text().strip() == _weight(second, 50)
+        finally:
+            theirs.remove()
+        assert not any((parent / second.server_group).exists() for parent in second.parents.values())
+        assert _weight_file(first, first.server_group).read_text().strip() == _weight(first, 37)
+    finally:
+        mine.remove()
+    # The last session gone, so is the server's parent group.
+    assert not any((parent / first.server_group).exists() for parent in first.parents.values())
+
+
+def test_a_dead_servers_empty_groups_are_swept(manager: CgroupManager) -> None:
+    dead = dataclasses.replace(manager, server_id="999999999-1")  # no such pid: a server that is gone
+    left = dead.create("t-left", NO_LIMITS)
+    left.after_remove = None  # as if its server died before removing anything
+    for path in left.dirs.values():
+        path.rmdir()  # its sandboxes died with it: empty session groups (and one removed) stay behind
+    (manager.parents[next(iter(manager.parents))] / dead.server_group / "t-empty").mkdir()
+    fresh = dataclasses.replace(manager, server_id=manager.server_id)
+    created = fresh.create(f"t-{os.getpid()}-sweep", NO_LIMITS)
+    try:
+        assert not any((parent / dead.server_group).exists() for parent in manager.parents.values())
+    finally:
+        created.remove()
+
+
+@pytest.mark.anyio
+async def test_a_killed_sandboxs_cgroup_is_removed_in_a_worker_thread(
+    manager: CgroupManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The removal waits (up to REMOVE_WAIT_S) for the last tasks to exit: never on the event loop."""
+    removed_in: list[int] = []
+    remove = SessionCgroup.remove
+
+    def recording_remove(self: SessionCgroup) -> None:
+        removed_in.append(threading.get_ident())
+        remove(self)
+
+    monkeypatch.setattr(SessionCgroup, "remove", recording_remove)
+    group = manager.create(f"t-{os.getpid()}-kill", NO_LIMITS)
+    loop_thread = threading.get_ident()
+    async with anyio.create_task_group() as tg:
+        process = await anyio.open_process(
+            enter_command(group, ["sleep", "60"]),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        sandbox = bwrap.BwrapProcess(process, tg, cgroup=group)
+        with anyio.fail_after(10):
+            while not any(procs.read_text().split() for procs in group.procs_files()):
+                await anyio.sleep(0.01)
+        await sandbox.kill()
+    assert removed_in and loop_thread not in removed_in, "the cgroup was removed on the event loop thread"
+    assert not any(path.exists() for path in group.dirs.values())
+    assert sandbox.cgroup is group  # still there for what reads it after the kill (memory, OOM)
