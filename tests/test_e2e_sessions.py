@@ -184,3 +184,36 @@ async def test_sandbox_killed_from_outside_gives_clear_error_and_fresh_kernel(cl
     assert result.is_error and "kernel died" in text_of(result) and "fresh kernel is ready" in text_of(result)
     assert text_of(await run(client, "2 + 2", session_id=sid)).splitlines()[0] == "4"
     assert text_of(await run(client, "other", session_id=survivor)).splitlines()[0] == "2"
+
+
+async def test_closing_a_session_while_its_kernel_restarts_stops_the_start_cleanly(
+    client: Client, dirs: ServerDirs
+) -> None:
+    """close_session during kernel_reset's fresh start: the start is cancelled, not left to work in
+    dirs closed under it (its reply was an OSError EBADF from a closed dir fd)."""
+    session = await create(client)
+    sid, generation = session["session_id"], session["kernel_generation"]
+    replies: dict[str, object] = {}
+
+    async def reset() -> None:
+        replies["reset"] = await client.call_tool("kernel_reset", {"session_id": sid})
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(reset)
+        # A new generation and no live kernel: the fresh one is starting (about a second).
+        with anyio.fail_after(30):
+            while "reset" not in replies:
+                status = json.loads(text_of(await client.call_tool("session_status", {"session_id": sid})))
+                if status["kernel_generation"] > generation and not status["alive"]:
+                    break
+        closed = await client.call_tool("close_session", {"session_id": sid})
+    assert not closed.is_error, text_of(closed)
+    reset_reply = replies["reset"]
+    assert isinstance(reset_reply, type(closed))
+    reset_text = text_of(reset_reply)
+    assert "Errno" not in reset_text and "Bad file descriptor" not in reset_text, reset_text
+    if reset_reply.is_error:  # the usual case: the start was under way when the close came
+        assert f"session {sid} was closed" in reset_text, reset_text
+    assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "a sandbox outlived its closed session"
+    assert not any(dirs.workspaces.iterdir()), "the closed session's workspace is left"
+    assert text_of(await run(client, "6 * 7")).splitlines()[0] == "42"

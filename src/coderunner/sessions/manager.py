@@ -344,13 +344,22 @@ class SessionManager:
         return session
 
     async def _close_session(self, session: Session) -> None:
-        note = await self.snapshots.save_on_close(session)
-        if note is not None:
-            session.close_note = note
-            log.info("session %s…: %s", session.session_id[:6], note)
-        await session.close()
-        self.leases.release_user(session.dirs)
-        self.pool.notify()  # its room may go to the pool again
+        """Save (keep_state), close and release `session`, once: a second caller (create's clean-up after a
+        close_session stopped its start) waits for the first, and its host uid is never given back twice."""
+        if session.close_done is not None:
+            await session.close_done.wait()
+            return
+        session.close_done = anyio.Event()
+        try:
+            note = await self.snapshots.save_on_close(session)
+            if note is not None:
+                session.close_note = note
+                log.info("session %s…: %s", session.session_id[:6], note)
+            await session.close()
+            self.leases.release_user(session.dirs)
+            self.pool.notify()  # its room may go to the pool again
+        finally:
+            session.close_done.set()
 
     async def resolve(self, session_id: str | None, owner: str = LOCAL_CALLER, client: str = LOCAL_CLIENT) -> Session:
         """The named session, or `owner`'s default one (created on first use).

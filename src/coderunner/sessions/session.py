@@ -11,7 +11,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +42,9 @@ log = logging.getLogger(__name__)
 
 #: Bound on waiting for a running call to notice its session is being closed.
 CLOSE_WAIT_S = 5.0
+#: Bound on a kernel start that closing cancelled to let go: its sandbox killed and reaped (base.KILL_WAIT_S)
+#: and its cgroup removed (cgroups.REMOVE_WAIT_S), before the dirs it works in by fd are closed.
+START_CANCEL_WAIT_S = 15.0
 #: Bound on a quick guest call (setting variables), and the margin added to a slow one's own bound.
 GUEST_MARGIN_S = 15.0
 
@@ -73,6 +76,15 @@ class SessionStatus:
     keep_state: bool = False
     #: keep_state: when the state was last saved, or why not.
     state_note: str | None = None
+
+
+@dataclass
+class _Start:
+    """A kernel start under way: closing cancels it, and waits for it to end its sandbox, before closing
+    the dirs the start works in by fd (closed under it, they made its reply an EBADF)."""
+
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    ended: anyio.Event = field(default_factory=anyio.Event)
 
 
 @dataclass
@@ -120,6 +132,10 @@ class Session:
     #: keep_state: `last_used` when the state was last saved or loaded (None: never), and what that did.
     _state_mark: float | None = None
     state_note: str | None = None
+    #: The kernel start under way, if any (see _Start).
+    _start: _Start | None = None
+    #: Set once the manager began closing it; done when closed (a session is closed and released once).
+    close_done: anyio.Event | None = None
 
     def __post_init__(self) -> None:
         self.jobs = JobTable(self.task_group)
@@ -194,10 +210,7 @@ class Session:
         """Start this session's first kernel (create_session); later ones come from _ensure_kernel."""
         kernel = Kernel(self.backend, self.spec, self.task_group, self.dirs, generation=self._generation)
         self._generation += 1
-        await kernel.start(self.settings.startup_timeout_s)
-        if self.closed:  # closed while the kernel was starting
-            await kernel.shutdown()
-            raise SessionError(f"session {self.session_id} was closed")
+        await self._cancellable_start(kernel, lambda: kernel.start(self.settings.startup_timeout_s))
         self.kernel = kernel
 
     async def restore_kernel(self, image_dir: Path, connection: dict[str, Any]) -> None:
@@ -206,13 +219,30 @@ class Session:
         kernel = Kernel(self.backend, self.spec, self.task_group, self.dirs, generation=generation)
         self._generation = generation + 1
         try:
-            await kernel.restore(image_dir, connection, self.settings.snapshot_timeout_s)
+            await self._cancellable_start(
+                kernel, lambda: kernel.restore(image_dir, connection, self.settings.snapshot_timeout_s)
+            )
         except CheckpointFailed as exc:
             raise SessionError(f"could not restore the snapshot's kernel: {exc}") from None
-        if self.closed:
-            await kernel.shutdown()
-            raise SessionError(f"session {self.session_id} was closed")
         self.kernel = kernel
+
+    async def _cancellable_start(self, kernel: Kernel, start: Callable[[], Awaitable[None]]) -> None:
+        """Run `start` (of `kernel`) so that close can stop it: a closed session's start ends its sandbox
+        and raises SessionError; close waits for that before closing the dirs the start uses."""
+        if self.closed:
+            raise SessionError(f"session {self.session_id} was closed")
+        starting = _Start()
+        self._start = starting
+        try:
+            with starting.scope:
+                await start()  # cancelled by close: the kernel ends its own sandbox (Kernel._attach)
+            if self.closed:  # closed while it started (or just after)
+                with anyio.CancelScope(shield=True):
+                    await kernel.shutdown()
+                raise SessionError(f"session {self.session_id} was closed")
+        finally:
+            self._start = None
+            starting.ended.set()
 
     async def _replace_kernel(self) -> None:
         """Kill the current kernel (if any) and start a fresh one; workspace files are kept."""
@@ -525,10 +555,21 @@ class Session:
     async def close(self) -> None:
         self.closed = True
         with anyio.CancelScope(shield=True):
-            if self._lock.locked() and self.kernel is not None and self.kernel.process is not None:
+            starting = self._start
+            if starting is not None:
+                # A kernel is starting (create_session, kernel_reset, a restart): stop it and let it end
+                # its sandbox first. Its dirs are never closed under it: rather left, if it never lets go.
+                starting.scope.cancel()
+                with anyio.move_on_after(START_CANCEL_WAIT_S):
+                    await starting.ended.wait()
+                if not starting.ended.is_set():
+                    log.warning("session %s…: its kernel start would not stop; its dirs are left", self.session_id[:6])
+                    return
+            if self._lock.locked():
                 # A call is running: kill the sandbox so that call sees the death and returns,
                 # then take the kernel down once it has let go.
-                await self.kernel.process.kill()
+                if self.kernel is not None and self.kernel.process is not None:
+                    await self.kernel.process.kill()
                 with anyio.move_on_after(CLOSE_WAIT_S):
                     async with self._lock:
                         pass
