@@ -42,10 +42,12 @@ async def test_sigterm_to_http_server_closes_every_sandbox(dirs: ServerDirs) -> 
     assert list(dirs.workspaces.iterdir()) == []
 
 
-def cli(dirs: ServerDirs, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def cli(
+    dirs: ServerDirs, *args: str, stdin: str | None = None, **settings: str
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "coderunner.cli", *args],
-        env=server_env(dirs),
+        env=server_env(dirs, **settings),
         cwd=str(REPO),
         input=stdin,
         capture_output=True,
@@ -66,9 +68,14 @@ def test_cli_doctor_passes_here(dirs: ServerDirs) -> None:
     done = cli(dirs, "doctor")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "[ok  ] sandboxed 1+1" in done.stdout and "FAIL" not in done.stdout
-    # No allowed_domains here: allowlist is enforceable, and the line says how to allow hosts.
-    assert "[ok  ] network 'allowlist' mode: enforced on bwrap" in done.stdout, done.stdout
-    assert "no hosts allowed yet: the user sets `allowed_domains`" in done.stdout
+    # No network turned on: the ceiling is none, and no mode above it is checked or suggested.
+    assert "[ok  ] network ceiling: none" in done.stdout and "max_network" in done.stdout, done.stdout
+    assert "'allowlist' mode" not in done.stdout and "'internet' mode" not in done.stdout, done.stdout
+    # With allowed_domains the ceiling is allowlist: it is enforceable here, and still not internet.
+    allowing = cli(dirs, "doctor", CODERUNNER_ALLOWED_DOMAINS="python-packages")
+    assert allowing.returncode == 0, allowing.stdout + allowing.stderr
+    assert "[ok  ] network 'allowlist' mode: enforced on bwrap" in allowing.stdout, allowing.stdout
+    assert "python-packages" in allowing.stdout and "'internet' mode" not in allowing.stdout
 
 
 def test_cli_reports_a_missing_sandbox_environment(dirs: ServerDirs) -> None:

@@ -183,7 +183,8 @@ def check_network_ceiling(settings: Settings) -> Check:
     return Check(
         "network ceiling",
         True,
-        f"{ceiling} ({why}): agents may ask for {' or '.join(modes_within(ceiling))}, never more",
+        f"{ceiling} ({why}): agents may ask for {' or '.join(modes_within(ceiling))}, never more; you raise it "
+        "with max_network (and name hosts for 'allowlist' in allowed_domains)",
     )
 
 
