@@ -42,9 +42,7 @@ async def test_sigterm_to_http_server_closes_every_sandbox(dirs: ServerDirs) -> 
     assert list(dirs.workspaces.iterdir()) == []
 
 
-def cli(
-    dirs: ServerDirs, *args: str, stdin: str | None = None, **settings: str
-) -> subprocess.CompletedProcess[str]:
+def cli(dirs: ServerDirs, *args: str, stdin: str | None = None, **settings: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "coderunner.cli", *args],
         env=server_env(dirs, **settings),
