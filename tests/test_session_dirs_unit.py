@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import multiprocessing
 import os
+import subprocess
 from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
@@ -235,3 +236,40 @@ def test_servers_sharing_a_runtime_dir_never_remove_each_others_live_dirs(
     assert whole(bystander) and (canary / "keep").read_text() == "untouched"
     bystander.close()
     assert os.listdir(runtime) == ["0000cccc"] and os.listdir(workspaces) == []
+
+
+def stack_mounts(path: Path, count: int) -> None:
+    for _ in range(count):
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], check=True, timeout=10)
+
+
+def unmount_all(path: Path) -> None:
+    for _ in range(8):
+        if not os.path.ismount(path):
+            return
+        subprocess.run(["umount", "-l", str(path)], check=False, timeout=10)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="mounts need root")
+def test_a_dead_sandboxs_workspace_still_mounted_is_retried_and_never_lost(base: tuple[Path, Path]) -> None:
+    """A workspace the first unmount does not free (a dying sandbox's mount on top of it) is
+    tried again after ending the sandbox again; one that outlasts every try keeps its session
+    dir, so a later start finds it instead of leaving it behind for good."""
+    runtime, workspaces = base
+    dead_dir(runtime, workspaces, "0000dead")
+    (workspaces / "0000dead.img").write_text("")
+    dead_dir(runtime, workspaces, "0000beef")
+    try:
+        stack_mounts(workspaces / "0000dead", session_dirs.DEAD_SANDBOX_TRIES - 1)
+        stack_mounts(workspaces / "0000beef", session_dirs.DEAD_SANDBOX_TRIES + 1)
+        swept: list[str] = []
+        assert sweep(runtime, workspaces, swept) == 1
+        assert sorted(swept) == ["0000beef"] * session_dirs.DEAD_SANDBOX_TRIES + ["0000dead"] * 2
+        assert sorted(os.listdir(workspaces)) == ["0000beef"]
+        assert sorted(os.listdir(runtime)) == ["0000beef"]
+        assert (runtime / "0000beef" / LOCK_NAME).is_file(), "kept whole, lock and all, for the next start"
+        assert sweep(runtime, workspaces) == 1, "the next start removes it"
+        assert os.listdir(runtime) == [] and os.listdir(workspaces) == []
+    finally:
+        unmount_all(workspaces / "0000dead")
+        unmount_all(workspaces / "0000beef")

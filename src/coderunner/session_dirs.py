@@ -62,6 +62,8 @@ NEW_KEY = re.compile(re.escape(NEW_PREFIX) + KEY.pattern)
 #: A dir without a lock file this long after its last change is abandoned: making or removing
 #: one takes milliseconds between the steps that leave it without a lock, not an hour.
 ABANDONED_AFTER_S = 3600.0
+#: Rounds of ending a dead sandbox's processes and removing its workspace, in one sweep.
+DEAD_SANDBOX_TRIES = 3
 
 
 class SessionDirsError(OSError):
@@ -301,15 +303,33 @@ def remove_stale_dirs(
                 if fresh:  # never started a sandbox nor made a workspace (both come after the rename)
                     removed += not _remove_locked_dir(base_fd, name)
                     continue
-                remove_stale(name)
-                if not release_mounts(runtime_base / name):
-                    continue  # never delete beneath a staged mount of a user's folder
-                remove_workspace(workspaces_base / name)  # named (persistent) workspaces live elsewhere
-                removed += not _remove_locked_dir(base_fd, name)
+                if _remove_dead_sandbox(runtime_base, workspaces_base, name, remove_stale):
+                    removed += not _remove_locked_dir(base_fd, name)
             finally:
                 if lock_fd >= 0:
                     os.close(lock_fd)
     return removed
+
+
+def _remove_dead_sandbox(
+    runtime_base: Path, workspaces_base: Path, name: str, remove_stale: Callable[[str], None]
+) -> bool:
+    """A dead sandbox's processes, staged mounts and workspace; True once all are gone.
+
+    Its processes may still be dying (a loaded machine, a slow ptrace teardown) and hold its
+    workspace mounted: each try ends them again before unmounting. What is still left keeps its
+    session dir (its lock free), so the next server's start tries again instead of losing track.
+    """
+    workspace = workspaces_base / name  # named (persistent) workspaces live elsewhere
+    for _ in range(DEAD_SANDBOX_TRIES):
+        remove_stale(name)
+        if not release_mounts(runtime_base / name):
+            return False  # never delete beneath a staged mount of a user's folder
+        remove_workspace(workspace)
+        if not any(os.path.lexists(path) for path in (workspace, workspace.with_name(name + ".img"))):
+            return True
+    log.warning("workspace %s of a dead server's session is still there; the next start tries again", workspace)
+    return False
 
 
 def claim_dead(base_fd: int, name: str, abandoned_after_s: float = ABANDONED_AFTER_S) -> int | None:
