@@ -36,6 +36,7 @@ from coderunner.sandbox.apple import (
 from coderunner.sandbox.base import Limits, Mount, SandboxSpec
 from coderunner.sandbox.container import ContainerUnavailable, name_prefix
 from coderunner.sandbox.image import BuildCommand, build_command
+from coderunner.sandbox.watcher import WatchPlan, apple_names
 
 from .test_container_commands import ENV_FLAGS  # the same sandbox environment on every engine
 
@@ -320,3 +321,12 @@ def test_setup_reads_the_release_and_finds_the_roots(tmp_path: Path, monkeypatch
     command = build_command(settings, tmp_path)  # type: ignore[arg-type]
     assert command.apple_version == SECRET_VERSION and command.ca_bundle == roots
     assert command.argv()[-3:] == ["--secret", f"id=ca_bundle,src={roots}", str(tmp_path)]
+
+
+def test_the_watcher_removes_a_dead_server_s_vms_by_name_prefix() -> None:
+    plan = WatchPlan(["container"], "apple", name_prefix("1a2b3c4d"))
+    assert plan.list_argv() == ["container", "list", "--all", "--format", "json"]
+    assert plan.remove_argv(["a", "b"]) == ["container", "delete", "--force", "a", "b"]
+    output = (FIXTURES / "list-mixed.json").read_text()
+    assert apple_names(output, plan.label) == names_with_prefix(output, plan.label) != []
+    assert apple_names("not json", plan.label) == []

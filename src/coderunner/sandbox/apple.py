@@ -55,6 +55,7 @@ from .container import (
 )
 from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
 from .identity import ensure_private_dir
+from .watcher import Watcher, WatchPlan
 
 log = logging.getLogger(__name__)
 
@@ -313,6 +314,11 @@ class AppleBackend:
         self.version = self._read_version(found)
         self.command = AppleCommand(cli=found, image=image, version=self.version)
         self.tag = server_tag(runtime_base)
+        # A `container run` client lives in a session of its own (so a kill reaches all of it), which
+        # the end of the server does not reach: if the server dies before removing its VMs (SIGKILL,
+        # or a client's kill escalation while a VM stops slowly), the watcher removes them, and each
+        # client exits with its VM.
+        self.watcher = Watcher(WatchPlan([found], "apple", name_prefix(self.tag)), self.env)
         ensure_private_dir(runtime_base, self.dir_mode)
         self._check_ready()
         self.sweep()
@@ -431,6 +437,7 @@ class AppleBackend:
         if problem:
             raise ContainerUnavailable(problem)
         name = container_name(self.tag, session_key(spec))
+        self.watcher.ensure_running()
         with GuestReady(spec.runtime_dir, ready_name(name), spec.owner) as ready:
             process = await anyio.open_process(
                 self.plan(spec, argv, name, ready.path),

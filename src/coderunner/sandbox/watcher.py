@@ -1,7 +1,9 @@
 """A process on the host that removes a server's containers once that server is gone.
 
 (For the gvisor backend, kind "runsc": the containers under the server process's own runsc
---root, then their rootfs mounts and that server process's dir, `clear_dir`.)
+--root, then their rootfs mounts and that server process's dir, `clear_dir`. For Apple
+`container`, kind "apple": the VMs whose names start with the server's prefix; each `container
+run` client, in a session of its own that the server's end does not reach, exits with its VM.)
 
 A container outlives its engine client (conmon keeps it running), so a server that dies by
 SIGKILL, OOM or a crash would leave its kernels running. Nothing inside the container can be
@@ -48,9 +50,10 @@ class WatchPlan:
     """What the watcher removes, and how: the engine's argv prefix and a `key=value` label."""
 
     engine: list[str]  # e.g. ["podman", "--runtime", "runc"], or ["runsc", "--root=R", ...]
-    kind: str  # "podman", "docker" or "runsc"
+    kind: str  # "podman", "docker", "runsc" or "apple"
     #: podman/docker: the server process's instance label; runsc: its own --root (R), which every
-    #: runsc client and sandbox process of that server carries in its argv.
+    #: runsc client and sandbox process of that server carries in its argv; apple: the server's VM
+    #: name prefix, in every `container run --name` of it.
     label: str
     #: runsc: the server process's own host-only dir (bundles, overlay roots): unmounted and removed
     #: once its containers are gone.
@@ -59,10 +62,12 @@ class WatchPlan:
     def list_argv(self) -> list[str]:
         if self.kind == "runsc":
             return [*self.engine, "list", "-quiet"]
+        if self.kind == "apple":
+            return [*self.engine, "list", "--all", "--format", "json"]
         return [*self.engine, "ps", "--all", "--quiet", "--filter", f"label={self.label}"]
 
     def remove_argv(self, ids: list[str]) -> list[str]:
-        if self.kind == "runsc":
+        if self.kind in ("runsc", "apple"):
             return [*self.engine, "delete", "--force", *ids]
         force = ["--force"] if self.kind == "docker" else ["--force", "--time", "0"]
         return [*self.engine, "rm", *force, *ids]
@@ -92,10 +97,28 @@ def _run(argv: list[str], timeout_s: float) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
+def apple_names(listed: str, prefix: str) -> list[str]:
+    """The VMs named `prefix...` in `container list --format json` (`configuration.id` in every release)."""
+    try:
+        records = json.loads(listed or "[]")
+    except ValueError:
+        return []
+    names = []
+    for record in records if isinstance(records, list) else [records]:
+        configuration = record.get("configuration") if isinstance(record, dict) else None
+        name = configuration.get("id") if isinstance(configuration, dict) else None
+        if isinstance(name, str) and name.startswith(prefix):
+            names.append(name)
+    return names
+
+
 def sweep(plan: WatchPlan) -> int:
     """Remove every container carrying the plan's label; how many were found."""
     listed = _run(plan.list_argv(), LIST_TIMEOUT_S)
-    ids = [line.strip() for line in (listed or "").splitlines() if line.strip()]
+    if plan.kind == "apple":
+        ids = apple_names(listed or "", plan.label)
+    else:
+        ids = [line.strip() for line in (listed or "").splitlines() if line.strip()]
     if ids:
         _run(plan.remove_argv(ids), REMOVE_TIMEOUT_S + 2 * len(ids))
     return len(ids)
