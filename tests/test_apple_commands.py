@@ -28,10 +28,12 @@ from coderunner.sandbox.apple import (
     ContainerVersion,
     GuestReady,
     container_id,
+    instance_mark,
     names_with_prefix,
     parse_records,
     version_caveat,
     version_problem,
+    vm_name,
 )
 from coderunner.sandbox.base import Limits, Mount, SandboxSpec
 from coderunner.sandbox.container import ContainerUnavailable, name_prefix
@@ -323,10 +325,19 @@ def test_setup_reads_the_release_and_finds_the_roots(tmp_path: Path, monkeypatch
     assert command.argv()[-3:] == ["--secret", f"id=ca_bundle,src={roots}", str(tmp_path)]
 
 
-def test_the_watcher_removes_a_dead_server_s_vms_by_name_prefix() -> None:
-    plan = WatchPlan(["container"], "apple", name_prefix("1a2b3c4d"))
+def test_the_watcher_removes_only_its_own_server_process_s_vms() -> None:
+    """Two servers of one configuration (same runtime dir, same tag): the end of one removes its own
+    VMs, never the other's live ones."""
+    tag, mine, theirs = "1a2b3c4d", "00c0ffee", "0beef000"
+    names = [vm_name(tag, session, instance) for session, instance in
+             [("9f8e7d6c", mine), ("0badc0de", theirs), ("ca11ab1e", mine)]]  # fmt: skip
+    output = json.dumps([{"configuration": {"id": name}, "id": name} for name in [*names, "postgres"]])
+    plan = WatchPlan(["container"], "apple", instance_mark(mine))
     assert plan.list_argv() == ["container", "list", "--all", "--format", "json"]
     assert plan.remove_argv(["a", "b"]) == ["container", "delete", "--force", "a", "b"]
-    output = (FIXTURES / "list-mixed.json").read_text()
-    assert apple_names(output, plan.label) == names_with_prefix(output, plan.label) != []
+    assert apple_names(output, plan.label) == [names[0], names[2]]
+    assert apple_names(output, instance_mark(theirs)) == [names[1]]
+    # The configuration's prefix (the start's sweep, remove_stale) still finds them all, by session too.
+    assert names_with_prefix(output, name_prefix(tag)) == names
+    assert names_with_prefix(output, name_prefix(tag, "0badc0de")) == [names[1]]
     assert apple_names("not json", plan.label) == []

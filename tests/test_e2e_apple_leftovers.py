@@ -87,3 +87,45 @@ async def test_no_container_process_outlives_its_server(root: Path, version: str
         assert marked(real), "the session's `container run` should carry the stand-in's marker"
     # The server is gone; its watcher (a bounded sweep) removes what it could not, and then ends.
     assert await wait_until(lambda: marked(real) == [], timeout_s=90), marked(real)
+
+
+def watchers() -> list[int]:
+    """Live apple watchers (`python -I .../watcher.py PLAN`), of any server."""
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
+                argv = handle.read().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"watcher.py") for part in argv) and b'"apple"' in b" ".join(argv):
+            found.append(int(entry.name))
+    return found
+
+
+async def test_one_servers_end_leaves_anothers_live_vms_alone(root: Path) -> None:
+    """Claude Desktop's and Cursor's servers share a runtime dir (one name prefix): when one ends
+    with a VM slow to stop, its watcher removes its own VMs, never the other server's live one."""
+    real = apple_emulation.cli_dir(root / "bin", apple_emulation.VERSIONS[-1])
+    try:
+        image = apple_emulation.build_image(real)
+    except RuntimeError as exc:
+        pytest.fail(str(exc))
+    dirs = ServerDirs(root=root / "s", runtime=root / "s" / "r", workspaces=root / "s" / "w")
+    dirs.root.mkdir(mode=0o711)
+    base = files_env(dirs, files.host.__wrapped__(dirs))
+    base = {**base, "CODERUNNER_BACKEND": "apple", "CODERUNNER_IMAGE": image}
+    staying = {**base, "PATH": f"{real}:{base['PATH']}"}
+    ending = {**base, "PATH": f"{slow_stop(root, real)}:{base['PATH']}"}
+    before = set(watchers())
+    async with open_client("stdio", staying) as bystander:
+        assert not (await run(bystander, "canary = 'still-here-5e1f'")).is_error
+        theirs = set(watchers()) - before
+        async with open_client("stdio", ending) as leaving:
+            assert "42" in text_of(await run(leaving, "print(6 * 7)"))
+        # The ending server's watcher has done its sweeps once only the bystander's is left.
+        assert await wait_until(lambda: set(watchers()) - before == theirs, timeout_s=90), watchers()
+        kept = await run(bystander, "canary")
+        assert not kept.is_error and "still-here-5e1f" in text_of(kept), text_of(kept)

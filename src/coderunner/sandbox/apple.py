@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import re
+import secrets
 import shutil
 import stat
 import subprocess
@@ -47,7 +48,6 @@ from .container import (
     ContainerUnavailable,
     channel_ports,
     connection_info,
-    container_name,
     name_prefix,
     server_tag,
     session_key,
@@ -225,6 +225,17 @@ def parse_records(output: str) -> list[dict[str, Any]]:
     return [item for item in data if isinstance(item, dict)]
 
 
+def instance_mark(instance: str) -> str:
+    """What only this server process's VM names contain (the watcher's needle)."""
+    return f"-{instance}-"
+
+
+def vm_name(tag: str, session: str, instance: str) -> str:
+    """`coderunner-<tag>-<session>-<instance>-<random>`: found by configuration (the prefix, for the
+    start's sweep and remove_stale), by session, and by server process (the watcher)."""
+    return f"{name_prefix(tag, session)}{instance}-{secrets.token_hex(3)}"
+
+
 def names_with_prefix(output: str, prefix: str) -> list[str]:
     return [name for record in parse_records(output) if (name := container_id(record)) and name.startswith(prefix)]
 
@@ -314,11 +325,14 @@ class AppleBackend:
         self.version = self._read_version(found)
         self.command = AppleCommand(cli=found, image=image, version=self.version)
         self.tag = server_tag(runtime_base)
+        #: This server process's mark in its VMs' names: servers of one configuration (Claude Desktop's
+        #: and Cursor's) share the tag, and one's end must never remove the other's live VMs.
+        self.instance = secrets.token_hex(4)
         # A `container run` client lives in a session of its own (so a kill reaches all of it), which
         # the end of the server does not reach: if the server dies before removing its VMs (SIGKILL,
-        # or a client's kill escalation while a VM stops slowly), the watcher removes them, and each
-        # client exits with its VM.
-        self.watcher = Watcher(WatchPlan([found], "apple", name_prefix(self.tag)), self.env)
+        # or a client's kill escalation while a VM stops slowly), the watcher removes this process's
+        # VMs (and only those), and each client exits with its VM.
+        self.watcher = Watcher(WatchPlan([found], "apple", instance_mark(self.instance)), self.env)
         ensure_private_dir(runtime_base, self.dir_mode)
         self._check_ready()
         self.sweep()
@@ -436,7 +450,7 @@ class AppleBackend:
         problem = self.network_problem(spec.network)
         if problem:
             raise ContainerUnavailable(problem)
-        name = container_name(self.tag, session_key(spec))
+        name = vm_name(self.tag, session_key(spec), self.instance)
         self.watcher.ensure_running()
         with GuestReady(spec.runtime_dir, ready_name(name), spec.owner) as ready:
             process = await anyio.open_process(
@@ -465,7 +479,7 @@ class AppleBackend:
         output = self._query(self.command.list_all())
         prefix = name_prefix(self.tag)
         for name in names_with_prefix(output or "[]", prefix):
-            session = name[len(prefix) :].rsplit("-", 1)[0]
+            session = name[len(prefix) :].split("-", 1)[0]  # a key has no '-' (session_dirs.KEY)
             if not (self.runtime_base / session).exists():
                 self._delete(name)
 

@@ -40,6 +40,8 @@ SWEEP_INTERVAL_S = 1.0
 SWEEP_DEADLINE_S = 60.0
 #: Where /proc cannot tell (no procfs: Docker Desktop on macOS), fixed pauses before each sweep.
 BLIND_SWEEP_DELAYS_S = (0.0, 2.0, 5.0)
+#: Every VM name of ours starts so (container.NAME_PREFIX; this script imports the standard library only).
+APPLE_NAME_PREFIX = "coderunner-"
 #: Bounds on the engine calls (as engine.QUERY_TIMEOUT_S and REMOVE_TIMEOUT_S; engine.py imports anyio).
 LIST_TIMEOUT_S = 20.0
 REMOVE_TIMEOUT_S = 30.0
@@ -52,8 +54,9 @@ class WatchPlan:
     engine: list[str]  # e.g. ["podman", "--runtime", "runc"], or ["runsc", "--root=R", ...]
     kind: str  # "podman", "docker", "runsc" or "apple"
     #: podman/docker: the server process's instance label; runsc: its own --root (R), which every
-    #: runsc client and sandbox process of that server carries in its argv; apple: the server's VM
-    #: name prefix, in every `container run --name` of it.
+    #: runsc client and sandbox process of that server carries in its argv; apple: the server
+    #: process's mark (`-<instance>-`), in the name of each of its VMs and so in every `container run
+    #: --name` of it (servers sharing a runtime dir share the name prefix, never the mark).
     label: str
     #: runsc: the server process's own host-only dir (bundles, overlay roots): unmounted and removed
     #: once its containers are gone.
@@ -97,8 +100,9 @@ def _run(argv: list[str], timeout_s: float) -> str | None:
     return done.stdout if done.returncode == 0 else None
 
 
-def apple_names(listed: str, prefix: str) -> list[str]:
-    """The VMs named `prefix...` in `container list --format json` (`configuration.id` in every release)."""
+def apple_names(listed: str, mark: str) -> list[str]:
+    """The VMs of ours whose name holds `mark`, in `container list --format json` (`configuration.id` in
+    every release)."""
     try:
         records = json.loads(listed or "[]")
     except ValueError:
@@ -107,7 +111,7 @@ def apple_names(listed: str, prefix: str) -> list[str]:
     for record in records if isinstance(records, list) else [records]:
         configuration = record.get("configuration") if isinstance(record, dict) else None
         name = configuration.get("id") if isinstance(configuration, dict) else None
-        if isinstance(name, str) and name.startswith(prefix):
+        if isinstance(name, str) and name.startswith(APPLE_NAME_PREFIX) and mark in name:
             names.append(name)
     return names
 
