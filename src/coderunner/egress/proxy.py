@@ -234,7 +234,7 @@ class EgressProxy:
             head, rest = await asyncio.wait_for(
                 _read_head(reader, self.limits.max_head_bytes), self.limits.head_timeout_s
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await _answer(writer, 408, "Request Timeout", "the request head did not arrive in time")
             return
         except _HeadTooLarge:
@@ -336,7 +336,7 @@ class EgressProxy:
         assert self._asker is not None
         try:
             await asyncio.wait_for(self._ask_lock.acquire(), ASK_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return False
         try:
             if self._policy.allows(host, port):
@@ -346,7 +346,7 @@ class EgressProxy:
             self._asks_made += 1
             try:
                 yes = bool(await asyncio.wait_for(self._asker(host, port), ASK_TIMEOUT_S))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 yes = False
             except Exception as exc:  # the asker is the wiring's code: its failure is a "no", never a crash
                 log.warning("egress proxy for session %s: asking about %s failed: %r", self.session_id, host, exc)
@@ -369,7 +369,7 @@ class EgressProxy:
         """Resolve, check every address, connect to a checked one. Never connects by name."""
         try:
             addresses = await self._resolve(host, port)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None, _Failure(
                 True, "name lookup timed out", 504, "Gateway Timeout", f"looking up {host} timed out", "dns_timeout"
             )
@@ -422,7 +422,7 @@ class EgressProxy:
                 break
             try:
                 return await asyncio.wait_for(_connect_ip(ip, port), remaining), None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 last = "timed out"
             except OSError as exc:
                 last = _os_reason(exc)
