@@ -51,6 +51,7 @@ import shutil
 import stat
 import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -103,6 +104,10 @@ INSTALL_HINT = "sudo apt-get install runsc podman"
 #: The backend's own dir under the runtime base (not a session key: remove_stale_dirs skips it).
 BACKEND_DIR = ".runsc"
 LOCK_NAME = "lock"
+#: A server process's dir while it is made: it gets its name only once its lock is held.
+NEW_INSTANCE = ".new-"
+#: A dir being made with no lock yet is taken for dead only after this long (as session_dirs').
+ABANDONED_AFTER_S = 3600.0
 ROOT_NAME = "root"
 #: Open files and processes per sandbox uid inside (as the podman backend's ulimits).
 NOFILE = 4096
@@ -392,12 +397,19 @@ class GvisorBackend:
         return path
 
     def _new_instance(self) -> _Instance:
+        """This process's dir, which appears under its name already locked: built as `.new-<name>`
+        with its lock held, then renamed (another server's sweep never sees it unlocked)."""
         name = secrets.token_hex(6)
-        top = self.backend_dir / name
-        top.mkdir(mode=0o700)
-        fd = os.open(top / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return _Instance(name, top, fd)
+        with hostfs.dir_fd(self.backend_dir) as parent:
+            top_fd = hostfs.make_private_dir(parent, NEW_INSTANCE + name, 0o700)
+            try:
+                fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                             dir_fd=top_fd)  # fmt: skip
+            finally:
+                os.close(top_fd)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            hostfs.rename_noreplace(parent, NEW_INSTANCE + name, parent, name)
+        return _Instance(name, self.backend_dir / name, fd)
 
     # --- the protocol ---------------------------------------------------------------------------
 
@@ -654,7 +666,13 @@ class GvisorBackend:
             for entry in os.scandir(self.backend_dir):
                 if entry.name == self.instance.name or not entry.is_dir(follow_symlinks=False):
                     continue
-                found.append((Path(entry.path), _held(Path(entry.path) / LOCK_NAME)))
+                lock = Path(entry.path) / LOCK_NAME
+                if entry.name.startswith(NEW_INSTANCE) and not lock.exists():
+                    # Being made, before its lock: alive unless its maker died long ago.
+                    age = time.time() - entry.stat(follow_symlinks=False).st_mtime
+                    found.append((Path(entry.path), age < ABANDONED_AFTER_S))
+                    continue
+                found.append((Path(entry.path), _held(lock)))
         return found
 
     def _containers(self, top: Path) -> list[str]:
