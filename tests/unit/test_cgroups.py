@@ -15,7 +15,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from coderunner.sandbox import bwrap
+from coderunner.sandbox.base import SandboxProcess
 from coderunner.sandbox.cgroups import (
     CgroupLimits,
     CgroupManager,
@@ -112,7 +112,7 @@ async def test_a_killed_sandboxs_cgroup_is_removed_in_a_worker_thread(
             enter_command(group, ["sleep", "60"]),
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
         )  # fmt: skip
-        sandbox = bwrap.BwrapProcess(process, tg, cgroup=group)
+        sandbox = SandboxProcess(process, tg, cgroup=group)
         with anyio.fail_after(10):
             while not any(procs.read_text().split() for procs in group.procs_files()):
                 await anyio.sleep(0.01)

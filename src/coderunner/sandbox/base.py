@@ -19,6 +19,7 @@ import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, Process, TaskGroup
 
 from ..errors import CodeRunnerError
+from ..offload import off_loop
 from .cgroups import CgroupsUnavailable, SessionCgroup
 from .engine import EngineError
 from .identity import HostIdentity
@@ -245,4 +246,8 @@ class SandboxProcess:
             with anyio.move_on_after(KILL_WAIT_S, shield=True):
                 await helper.wait()
         if self.cgroup is not None:
-            self.cgroup.remove()
+            # In a worker thread: the removal waits (up to cgroups.REMOVE_WAIT_S) for the last tasks
+            # to exit, which must not block the event loop. Awaited, not left to a thread of its own:
+            # the session's next kernel makes a cgroup of the same name, which this must not meet.
+            with anyio.CancelScope(shield=True):
+                await off_loop(self.cgroup.remove)

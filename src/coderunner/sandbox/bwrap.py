@@ -355,7 +355,7 @@ class BwrapBackend:
             os.close(seccomp_fd)
             if fds:
                 fds.close_child_ends()
-        sandbox = BwrapProcess(process, task_group, cgroup=cgroup, pipes=pipes)
+        sandbox = SandboxProcess(process, task_group, cgroup=cgroup, pipes=pipes)
         if fds is not None:
             try:
                 with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):
@@ -418,23 +418,6 @@ class BwrapBackend:
             if ready_write >= 0:
                 os.close(ready_write)
         os.write(fds.block_write, b"1")
-
-
-class BwrapProcess(SandboxProcess):
-    """A bwrap sandbox: killed as any, its cgroup then removed in a worker thread, never on the event loop
-    (the removal waits, up to cgroups.REMOVE_WAIT_S, for the last tasks to exit)."""
-
-    async def kill(self) -> None:
-        cgroup, self.cgroup = self.cgroup, None  # SandboxProcess.kill would remove it on the loop
-        try:
-            await super().kill()
-        finally:
-            self.cgroup = cgroup
-            if cgroup is not None:
-                # Awaited, not left to a thread of its own: the session's next kernel makes a cgroup of
-                # the same name, which this removal must not meet (its kill_all would hit the new one).
-                with anyio.CancelScope(shield=True):
-                    await off_loop(cgroup.remove)
 
 
 async def _loopback_ready(pid: int, timeout_s: float) -> bool:
