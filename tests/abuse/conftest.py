@@ -35,11 +35,20 @@ class Arena:
     abstract_socket: str
 
 
+@contextlib.contextmanager
+def fresh_dirs(prefix: str) -> Iterator[ServerDirs]:
+    """A server's own runtime and workspace dirs under a new short /tmp folder (socket paths < 107 bytes)."""
+    root = _passable(Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp")))
+    try:
+        yield ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
 @pytest.fixture(scope="module")
 def abuse_dirs() -> Iterator[ServerDirs]:
-    root = _passable(Path(tempfile.mkdtemp(prefix="cra-", dir="/tmp")))
-    yield ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
-    shutil.rmtree(root, ignore_errors=True)
+    with fresh_dirs("cra-") as dirs:
+        yield dirs
 
 
 @pytest.fixture(scope="module")

@@ -12,12 +12,9 @@ its state and its network.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,9 +22,10 @@ from mcp import Client
 
 from coderunner.egress.audit import MAX_FOLDED_HOSTS, SESSION_BURST, SESSION_SHARE, WINDOW_S, MiB
 
-from ..conftest import ServerDirs, _passable, run, server_env, stdio_client, text_of, wait_until
+from ..conftest import ServerDirs, server_env, stdio_client, text_of, wait_until
 from ..netns_servers import BODY, NetnsServers
-from .conftest import BYSTANDER_VALUE
+from .conftest import BYSTANDER_VALUE, fresh_dirs
+from .test_abuse_egress import create, ok
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -52,33 +50,17 @@ class Arena:
 
 @pytest.fixture(scope="module")
 async def arena(servers: NetnsServers) -> AsyncIterator[Arena]:
-    root = _passable(Path(tempfile.mkdtemp(prefix="crq-", dir="/tmp")))
-    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
-    env = server_env(
-        dirs,
-        CODERUNNER_ALLOWED_DOMAINS=json.dumps([servers.public_ip]),
-        CODERUNNER_EGRESS_AUDIT_LOG=str(root / "audit" / "egress.jsonl"),
-        CODERUNNER_TIMEOUT_S="120",
-    )
-    try:
+    with fresh_dirs("crq-") as dirs:
+        env = server_env(
+            dirs,
+            CODERUNNER_ALLOWED_DOMAINS=json.dumps([servers.public_ip]),
+            CODERUNNER_EGRESS_AUDIT_LOG=str(dirs.root / "audit" / "egress.jsonl"),
+            CODERUNNER_TIMEOUT_S="120",
+        )
         async with stdio_client(env) as client:
             bystander = await create(client, network="allowlist")
             await ok(client, f"guarded = {BYSTANDER_VALUE!r}", bystander)
             yield Arena(client, servers, dirs, bystander)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-async def create(client: Client, **arguments: object) -> str:
-    created = await client.call_tool("create_session", arguments)
-    assert not created.is_error, text_of(created)
-    return json.loads(text_of(created))["session_id"]
-
-
-async def ok(client: Client, code: str, session_id: str) -> str:
-    result = await run(client, code, session_id=session_id)
-    assert not result.is_error, text_of(result)
-    return text_of(result)
 
 
 def get_code(url: str) -> str:

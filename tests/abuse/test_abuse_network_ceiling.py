@@ -10,16 +10,13 @@ server still serves and the bystander keeps its state.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
-from collections.abc import AsyncIterator, Iterator
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import pytest
 from mcp import Client
 
-from ..conftest import ServerDirs, _passable, run, text_of
-from .conftest import BYSTANDER_VALUE, Arena, open_arena
+from ..conftest import run, text_of
+from .conftest import BYSTANDER_VALUE, Arena, fresh_dirs, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -28,19 +25,13 @@ SEE_NETWORK = "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '; echo re
 
 
 @pytest.fixture(scope="module")
-def allowlist_dirs() -> Iterator[ServerDirs]:
-    root = _passable(Path(tempfile.mkdtemp(prefix="crn-", dir="/tmp")))
-    yield ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
-    shutil.rmtree(root, ignore_errors=True)
-
-
-@pytest.fixture(scope="module")
-async def allowlist_arena(allowlist_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+async def allowlist_arena(host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
     """The user allowed the package index and nothing more (so: at most 'allowlist')."""
-    async with open_arena(
-        allowlist_dirs, host_listeners, CODERUNNER_NETWORK="none", CODERUNNER_ALLOWED_DOMAINS="python-packages"
-    ) as made:
-        yield made
+    with fresh_dirs("crn-") as dirs:
+        async with open_arena(
+            dirs, host_listeners, CODERUNNER_NETWORK="none", CODERUNNER_ALLOWED_DOMAINS="python-packages"
+        ) as made:
+            yield made
 
 
 async def _still_serves(client: Client, bystander: str) -> None:
