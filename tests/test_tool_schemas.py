@@ -16,11 +16,12 @@ import pytest
 from agents.mcp import MCPServerStdio, MCPUtil
 from agents.strict_schema import ensure_strict_json_schema
 from google.genai import _mcp_utils as genai_mcp
+from mcp.server.mcpserver import MCPServer
 from mcp.types import Tool
 
 from coderunner.config import ConfigError, Settings, load_settings
 from coderunner.server import build_server
-from coderunner.tool_schemas import SchemaError, portable_schema
+from coderunner.tool_schemas import SchemaError, finish_tools, portable_schema
 from coderunner.toolsets import ALL_TOOLS, TOOL_GROUPS, ToolsetError, selected_tools
 
 from .conftest import ServerDirs, run, server_env, stdio_client, text_of
@@ -56,6 +57,18 @@ def walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, An
 
 def test_every_tool_is_offered_by_default_and_grouped(tools: list[Tool]) -> None:
     assert {tool.name for tool in tools} == ALL_TOOLS
+
+
+def test_a_tool_in_no_group_fails_at_start_instead_of_vanishing() -> None:
+    server = MCPServer("t")
+
+    @server.tool()
+    async def stray_tool() -> str:
+        """Registered, but named in no group."""
+        return ""
+
+    with pytest.raises(SchemaError, match="stray_tool: in no tool group"):
+        finish_tools(server, ALL_TOOLS)
 
 
 def test_schemas_have_no_titles_wrappers_free_form_objects_or_booleans_gemini_chokes_on(tools: list[Tool]) -> None:

@@ -28,6 +28,8 @@ from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.types import CallToolResult, TextContent
 from pydantic import ValidationError
 
+from .toolsets import ALL_TOOLS
+
 NULL = {"type": "null"}
 
 
@@ -88,6 +90,8 @@ def finish_tools(server: MCPServer, enabled: Collection[str]) -> None:
     if manager is None:
         raise SchemaError("this mcp version keeps its tools elsewhere; tool schemas cannot be finished")
     for tool in list(manager.list_tools()):
+        if tool.name not in ALL_TOOLS:  # else no `tools` setting could ever offer it: it would vanish unseen
+            raise SchemaError(f"{tool.name}: in no tool group; add it to toolsets.TOOL_GROUPS")
         if tool.name not in enabled:
             server.remove_tool(tool.name)
             continue
