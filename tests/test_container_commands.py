@@ -37,7 +37,7 @@ ENV_FLAGS = [
     "--env", "PYDEVD_DISABLE_FILE_VALIDATION=1",
     "--env", "MALLOC_ARENA_MAX=2",
     "--env", "PYTHONPATH=/opt/coderunner/lib",
-    "--env", "CODERUNNER_SESSION_PACKAGES=/workspace/.coderunner/site-packages",
+    "--env", "SESSION_SITE_PACKAGES=/workspace/.coderunner/site-packages",
 ]  # fmt: skip
 
 

@@ -45,7 +45,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 @pytest.fixture
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
-    async with stdio_client(server_env(dirs, CODERUNNER_ONESHOT_READY="1")) as connected:
+    # As test_e2e_execute_code's client: the user allows network 'internet' (test_network_flag).
+    env = server_env(dirs, CODERUNNER_ONESHOT_READY="1", CODERUNNER_MAX_NETWORK="internet")
+    async with stdio_client(env) as connected:
         yield connected
 
 
@@ -131,7 +133,8 @@ async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root:
     spawn = backend.spawn
 
     async def recording(spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False) -> Any:
-        started.append(argv[3] if argv[1:2] == ["-c"] else argv[0])
+        # [python, -P, -c, launcher, mode, ...]: the launcher's mode ("run" or "wait"), else the program.
+        started.append(argv[argv.index("-c") + 2] if "-c" in argv[1:3] else argv[0])
         return await spawn(spec, argv, task_group, pipes=pipes)
 
     backend.spawn = recording  # type: ignore[method-assign]

@@ -146,7 +146,8 @@ def test_two_tokens_never_see_each_others_variables_or_sessions(node: str, dirs:
         result = play(node, "two_clients", found, second={"token": second})
     assert result["peekIsError"] and "NameError" in result["peek"]
     assert not result["firstSessionListed"]
-    assert result["borrowedIsError"] and "another client" in result["borrowed"], result["borrowed"]
+    # Answered as an id that never existed: a live id of another client is not told apart.
+    assert result["borrowedIsError"] and "unknown or expired session_id" in result["borrowed"], result["borrowed"]
 
 
 def test_the_sdk_accepts_every_tool(node: str, spec: dict[str, Any]) -> None:

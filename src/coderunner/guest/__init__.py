@@ -8,7 +8,7 @@ import os
 import sys
 
 #: Set by the host (sandbox/common.py): the session's package folder, in the sandbox's workspace.
-SESSION_PACKAGES_ENV = "CODERUNNER_SESSION_PACKAGES"
+SESSION_PACKAGES_ENV = "SESSION_SITE_PACKAGES"
 
 
 def user_paths():

@@ -29,9 +29,10 @@ NETWORK_MODES = ("none", "allowlist", "internet")
 #: read-only dir; the in-sandbox forwarder exposes it as 127.0.0.1:EGRESS_PORT.
 EGRESS_SOCKET = "egress.sock"
 EGRESS_PORT = 3128
-#: Set in every sandbox: the session's package folder, which the guest puts on sys.path (and on
+#: Set in every sandbox (no CODERUNNER_ prefix: none of the host's own settings ever cross): the session's
+#: package folder, which the guest puts on sys.path (and on
 #: PYTHONPATH for the programs user code starts) only once its interpreter is up (guest/__init__.py).
-SESSION_PACKAGES_ENV = "CODERUNNER_SESSION_PACKAGES"
+SESSION_PACKAGES_ENV = "SESSION_SITE_PACKAGES"
 #: Run as a script with -I -S: stdlib only, so no site-packages scan and no PYTHON* variables.
 EGRESS_FORWARDER = f"{GUEST_LIB}/coderunner_guest/egress_forwarder.py"
 #: A preload (NODE_OPTIONS) that points Node's fetch at the proxy: Node 20 has no NODE_USE_ENV_PROXY.
