@@ -13,6 +13,8 @@ import anyio
 import pytest
 
 from .conftest import (
+    REPO,
+    SERVER_CMD,
     TEST_TOKEN,
     ServerDirs,
     connect_http,
@@ -71,6 +73,46 @@ async def test_sigterm_to_stdio_server_closes_every_sandbox_within_bound(dirs: S
         assert time.monotonic() - began < 15, "sessions must be shut down within the bound"
     assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=5)
     assert [p for p in dirs.workspaces.iterdir()] == [], "SIGTERM closes sessions and removes their workspaces"
+
+
+def test_a_sigterm_during_the_close_after_stdin_ends_does_not_cut_it_short(dirs: ServerDirs) -> None:
+    """A client that closes stdin escalates after ~2 s (SIGTERM, then SIGKILL): a SIGTERM that meets the
+    close under way must let it finish, not end the process at once and leave the sessions behind."""
+    env = server_env(dirs, CODERUNNER_LOG_LEVEL="INFO")
+    server = subprocess.Popen(SERVER_CMD, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, cwd=str(REPO))  # fmt: skip
+    try:
+        assert server.stdin and server.stdout and server.stderr
+        handshake = {"protocolVersion": "2025-06-18", "capabilities": {}, "clientInfo": {"name": "t", "version": "0"}}
+        for message in [
+            {"jsonrpc": "2.0", "id": 0, "method": "initialize", "params": handshake},
+            {"jsonrpc": "2.0", "method": "notifications/initialized"},
+            {"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "create_session", "arguments": {}}},
+        ]:
+            server.stdin.write((json.dumps(message) + "\n").encode())
+        server.stdin.flush()
+        replies = 0
+        while replies < 2:
+            line = server.stdout.readline()
+            assert line, "server closed stdout"
+            replies += b'"id":' in line
+        assert sandbox_processes_alive(dirs)
+        server.stdin.close()
+        # The moment the close begins (its first log line), the client's SIGTERM arrives.
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            line = server.stderr.readline()
+            assert line, "the server ended before it began closing its sessions"
+            if b"shutting down: closing" in line:
+                break
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=30) == 0, "a SIGTERM during the close ended the server (the default action)"
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait(timeout=10)
+    assert not sandbox_processes_alive(dirs)
+    assert list(dirs.workspaces.iterdir()) == [], "the close ran to its end and removed the workspace"
 
 
 STDIO_VANISHING_CLIENT = """

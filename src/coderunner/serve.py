@@ -26,48 +26,54 @@ async def serve(settings: Settings) -> None:
     # Refuse an unsafe bind before any sandbox exists.
     policy = policy_for(settings) if settings.transport != "stdio" else None
     backend = make_backend(settings)
-    async with SessionManager(settings, backend) as manager, anyio.create_task_group() as tg:
+    async with SessionManager(settings, backend) as manager:
         server = build_server(manager)
         if settings.transport == "stdio":
-            tg.start_soon(_stop_on_signals, manager)
-            await server.run_stdio_async()
-        else:
-            assert policy is not None
-            # Host and Origin are checked once, for every path, by RequireToken below.
-            security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
-            if settings.transport == "sse":
-                app = server.sse_app(host=settings.host, transport_security=security)
-                path = "/sse"
-            else:
-                app = server.streamable_http_app(host=settings.host, transport_security=security)
-                path = "/mcp"
-            log.info(
-                "serving MCP over %s at http://%s:%d%s; clients need the bearer token (%s)",
-                settings.transport,
-                settings.host,
-                settings.port,
-                path,
-                "as configured" if settings.token else f"in {settings.token_file}; `coderunner token` prints it",
-            )
-            config = uvicorn.Config(
-                RequireToken(app, policy),
-                host=settings.host,
-                port=settings.port,
-                log_level=settings.log_level.lower(),
-                lifespan="on",
-                # Anyone who can reach the port can open connections before any token check: bound them.
-                http=bounded_protocol(ConnectionLimits(settings.http_max_connections, settings.http_head_timeout_s)),
-                timeout_keep_alive=settings.http_idle_timeout_s,  # type: ignore[arg-type]
-                # Open SSE streams would otherwise hold a SIGTERM'd server forever.
-                timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
-            )
-            # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal to the
-            # handler it found. Make that handler ours, so the process lives on long enough for the
-            # SessionManager to close every session on its way out.
-            for signum in (signal.SIGINT, signal.SIGTERM):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(_stop_on_signals, manager)
+                await server.run_stdio_async()
+                tg.cancel_scope.cancel()
+            # The client closed stdin; the sessions close next, on leaving this block. A client then
+            # escalates (SIGTERM after ~2 s, SIGKILL ~2 s later): a SIGTERM now only notes itself, so
+            # that the close runs on until the kill instead of ending at once (the default action).
+            for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(signum, _note_signal)
-            await uvicorn.Server(config).serve()
-        tg.cancel_scope.cancel()
+            return
+        assert policy is not None
+        # Host and Origin are checked once, for every path, by RequireToken below.
+        security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
+        if settings.transport == "sse":
+            app = server.sse_app(host=settings.host, transport_security=security)
+            path = "/sse"
+        else:
+            app = server.streamable_http_app(host=settings.host, transport_security=security)
+            path = "/mcp"
+        log.info(
+            "serving MCP over %s at http://%s:%d%s; clients need the bearer token (%s)",
+            settings.transport,
+            settings.host,
+            settings.port,
+            path,
+            "as configured" if settings.token else f"in {settings.token_file}; `coderunner token` prints it",
+        )
+        config = uvicorn.Config(
+            RequireToken(app, policy),
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level.lower(),
+            lifespan="on",
+            # Anyone who can reach the port can open connections before any token check: bound them.
+            http=bounded_protocol(ConnectionLimits(settings.http_max_connections, settings.http_head_timeout_s)),
+            timeout_keep_alive=settings.http_idle_timeout_s,  # type: ignore[arg-type]
+            # Open SSE streams would otherwise hold a SIGTERM'd server forever.
+            timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
+        )
+        # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal to the
+        # handler it found. Make that handler ours, so the process lives on long enough for the
+        # SessionManager to close every session on its way out.
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _note_signal)
+        await uvicorn.Server(config).serve()
 
 
 async def _stop_on_signals(manager: SessionManager) -> None:

@@ -147,8 +147,11 @@ class SessionManager:
                     log.info("session %s…: %s", session.session_id[:6], note)
 
     async def __aexit__(self, *exc_info: object) -> None:
+        count, began = len(self._sessions), time.monotonic()
+        log.info("shutting down: closing %d session(s)", count)
         with anyio.move_on_after(self.shutdown_bound_s(), shield=True):
             await self.close_all()
+        log.info("closed %d session(s) in %.2fs", count, time.monotonic() - began)
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(None, None, None)
