@@ -61,6 +61,15 @@ class ServerDirs:
 
 
 @pytest.fixture
+def canary(tmp_path: Path) -> Path:
+    """A host folder with one file that no host operation on sandbox-made paths may reach."""
+    folder = tmp_path / "canary"
+    folder.mkdir()
+    (folder / "keep").write_text("untouched")
+    return folder
+
+
+@pytest.fixture
 def dirs() -> Iterator[ServerDirs]:
     # Short path on purpose: ipc socket paths must stay under 107 bytes.
     root = _passable(Path(tempfile.mkdtemp(prefix="crt-", dir="/tmp")))

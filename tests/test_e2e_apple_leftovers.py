@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,20 +42,25 @@ def root() -> Iterator[Path]:
     shutil.rmtree(made, ignore_errors=True)
 
 
-def marked(folder: Path) -> list[int]:
-    """Live processes started through the stand-in wrapper in `folder` (its marker in their environment)."""
-    needle = f"{apple_emulation.MARKER}={folder}\0".encode()
+def processes(proc_file: str, match: Callable[[bytes], bool]) -> list[int]:
+    """Live processes whose /proc/<pid>/<proc_file> (environ, cmdline) `match` says yes to."""
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
         try:
-            with open(f"/proc/{entry.name}/environ", "rb") as handle:
-                if needle in handle.read():
+            with open(f"/proc/{entry.name}/{proc_file}", "rb") as handle:
+                if match(handle.read()):
                     found.append(int(entry.name))
         except OSError:
             continue
     return found
+
+
+def marked(folder: Path) -> list[int]:
+    """Live processes started through the stand-in wrapper in `folder` (its marker in their environment)."""
+    needle = f"{apple_emulation.MARKER}={folder}\0".encode()
+    return processes("environ", lambda environ: needle in environ)
 
 
 def slow_stop(parent: Path, real: Path) -> Path:
@@ -91,18 +96,12 @@ async def test_no_container_process_outlives_its_server(root: Path, version: str
 
 def watchers() -> list[int]:
     """Live apple watchers (`python -I .../watcher.py PLAN`), of any server."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/cmdline", "rb") as handle:
-                argv = handle.read().split(b"\0")
-        except OSError:
-            continue
-        if any(part.endswith(b"watcher.py") for part in argv) and b'"apple"' in b" ".join(argv):
-            found.append(int(entry.name))
-    return found
+
+    def is_watcher(cmdline: bytes) -> bool:
+        argv = cmdline.split(b"\0")
+        return any(part.endswith(b"watcher.py") for part in argv) and b'"apple"' in cmdline
+
+    return processes("cmdline", is_watcher)
 
 
 async def test_one_servers_end_leaves_anothers_live_vms_alone(root: Path) -> None:

@@ -12,14 +12,6 @@ import pytest
 from coderunner import hostfs
 
 
-@pytest.fixture
-def canary(tmp_path: Path) -> Path:
-    folder = tmp_path / "canary"
-    folder.mkdir()
-    (folder / "keep").write_text("untouched")
-    return folder
-
-
 def deep_tree(root: Path, depth: int, link_to: Path) -> None:
     fd = os.open(root, os.O_RDONLY)
     for _ in range(depth):

@@ -64,14 +64,6 @@ def base(tmp_path: Path) -> Iterator[tuple[Path, Path]]:
     yield runtime, workspaces
 
 
-@pytest.fixture
-def canary(tmp_path: Path) -> Path:
-    folder = tmp_path / "canary"
-    folder.mkdir()
-    (folder / "keep").write_text("untouched")
-    return folder
-
-
 def dead_dir(runtime: Path, workspaces: Path, name: str, *, lock: bool = True) -> None:
     """What a SIGKILLed server leaves: a dir (with a lock file nobody holds) and its workspace."""
     (runtime / name / "host" / "etc").mkdir(parents=True)
@@ -113,8 +105,9 @@ def test_a_dir_is_made_and_locked_in_one_step(base: tuple[Path, Path], monkeypat
 def test_the_sweep_removes_what_it_can_prove_dead_and_leaves_the_rest(base: tuple[Path, Path], canary: Path) -> None:
     runtime, workspaces = base
     live = open_dirs(runtime, workspaces)
+    making_key = "0000abcd"
     with hostfs.dir_fd(runtime) as base_fd:
-        making_key, making_fd, making_lock = session_dirs.make_locked_dir(base_fd, 0o700)
+        making_fd, making_lock = hostfs.make_locked_dir(base_fd, making_key, 0o700)
     os.close(making_fd)
     dead_dir(runtime, workspaces, "0000dead")  # its server was SIGKILLed
     dead_dir(runtime, workspaces, NEW_PREFIX + "000dead0")  # its creator died while making it

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import fcntl
 import os
 import stat
 from collections.abc import Iterator
@@ -342,3 +343,43 @@ def rename_noreplace(src_fd: int, src: str, dst_fd: int, dst: str) -> None:
         if code not in (errno.ENOSYS, errno.EINVAL):
             raise OSError(code, f"could not rename {src} to {dst}: {os.strerror(code)}")
     os.rename(src, dst, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+
+
+#: A dir under construction is `.new-<name>`; it gets <name> (publish_dir) only once whole and locked.
+NEW_PREFIX = ".new-"
+#: The flock a live owner holds in such a dir for as long as it lives.
+LOCK_NAME = "lock"
+#: The lock file's name until it is flocked (a sweep never opens it).
+NEW_LOCK_NAME = "lock.new"
+#: A `.new-` dir without its lock this long after its last change is abandoned: making one takes
+#: milliseconds between the steps that leave it without a lock, not an hour.
+ABANDONED_AFTER_S = 3600.0
+
+
+def make_locked_dir(base_fd: int, name: str, mode: int) -> tuple[int, int]:
+    """A fresh `.new-<name>` under `base_fd` whose LOCK_NAME this process holds: (dir fd, lock fd).
+
+    The lock file is flocked under another name and only then renamed to LOCK_NAME, so a sweep
+    (servers sharing a dir sweep each other's) never finds the lock there unheld while its owner
+    lives. The caller fills the dir, then gives it its name with publish_dir.
+    """
+    top_fd = make_private_dir(base_fd, NEW_PREFIX + name, mode)
+    lock_fd = -1
+    try:
+        lock_fd = os.open(NEW_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                          dir_fd=top_fd)  # fmt: skip
+        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.rename(NEW_LOCK_NAME, LOCK_NAME, src_dir_fd=top_fd, dst_dir_fd=top_fd)
+    except BaseException:
+        os.close(top_fd)
+        with contextlib.suppress(OSError):
+            remove_tree(base_fd, NEW_PREFIX + name)
+        if lock_fd >= 0:
+            os.close(lock_fd)
+        raise
+    return top_fd, lock_fd
+
+
+def publish_dir(base_fd: int, name: str) -> None:
+    """Give a whole, locked `.new-<name>` its name, in one step and never over another's (EEXIST)."""
+    rename_noreplace(base_fd, NEW_PREFIX + name, base_fd, name)

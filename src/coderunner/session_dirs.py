@@ -47,11 +47,9 @@ from .workspace import Workspace, remove_workspace
 
 log = logging.getLogger(__name__)
 
-LOCK_NAME = "lock"
-#: The lock file's name until it is flocked (the sweep never opens it).
-NEW_LOCK_NAME = "lock.new"
-#: A session dir under construction: RUNTIME/.new-<key> (renamed to <key> once whole).
-NEW_PREFIX = ".new-"
+#: A session dir's lock, and its name while under construction (hostfs.make_locked_dir).
+LOCK_NAME = hostfs.LOCK_NAME
+NEW_PREFIX = hostfs.NEW_PREFIX
 HOST_DIR = "host"
 RUN_DIR = "run"
 SOCK_DIR = "sock"
@@ -59,9 +57,9 @@ SOCK_DIR = "sock"
 KEY_CHARS = 8
 KEY = re.compile(f"[0-9a-f]{{{KEY_CHARS}}}")
 NEW_KEY = re.compile(re.escape(NEW_PREFIX) + KEY.pattern)
-#: A dir without a lock file this long after its last change is abandoned: making or removing
-#: one takes milliseconds between the steps that leave it without a lock, not an hour.
-ABANDONED_AFTER_S = 3600.0
+#: A dir without a lock file this long after its last change is abandoned (making or removing one
+#: takes milliseconds between the steps that leave it without a lock).
+ABANDONED_AFTER_S = hostfs.ABANDONED_AFTER_S
 #: Rounds of ending a dead sandbox's processes and removing its workspace, in one sweep.
 DEAD_SANDBOX_TRIES = 3
 
@@ -168,11 +166,12 @@ def open_sandbox_dirs(
     fds: list[int] = []
     try:
         with hostfs.dir_fd(runtime_base) as base_fd:
-            key, top_fd, lock_fd = make_locked_dir(base_fd, dir_mode)
+            key = secrets.token_hex(KEY_CHARS // 2)
+            top_fd, lock_fd = hostfs.make_locked_dir(base_fd, key, dir_mode)
             fds += [lock_fd, top_fd]
             try:
                 fds += _fill_session_dir(top_fd, network, owner)
-                _publish(base_fd, key)
+                hostfs.publish_dir(base_fd, key)
             except BaseException:
                 with contextlib.suppress(OSError):
                     hostfs.remove_tree(base_fd, NEW_PREFIX + key)
@@ -198,27 +197,6 @@ def open_sandbox_dirs(
     return SandboxDirs(key, top, user, workspace, lock_fd, host_fd, run_fd, sock_fd)
 
 
-def make_locked_dir(base_fd: int, dir_mode: int) -> tuple[str, int, int]:
-    """A fresh RUNTIME/.new-<key>, (key, dir fd, lock fd): its lock file is flocked before it gets
-    the name a sweep opens, so no sweep ever finds it there unheld while this process lives."""
-    key = secrets.token_hex(KEY_CHARS // 2)
-    top_fd = hostfs.make_private_dir(base_fd, NEW_PREFIX + key, dir_mode)
-    lock_fd = -1
-    try:
-        lock_fd = os.open(NEW_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                          dir_fd=top_fd)  # fmt: skip
-        fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        os.rename(NEW_LOCK_NAME, LOCK_NAME, src_dir_fd=top_fd, dst_dir_fd=top_fd)
-    except BaseException:
-        os.close(top_fd)
-        with contextlib.suppress(OSError):
-            hostfs.remove_tree(base_fd, NEW_PREFIX + key)
-        if lock_fd >= 0:
-            os.close(lock_fd)
-        raise
-    return key, top_fd, lock_fd
-
-
 def _fill_session_dir(top_fd: int, network: str, owner: tuple[int, int] | None) -> list[int]:
     """host/ (with etc/), run/ and sock/ in a session dir under construction: their fds."""
     fds: list[int] = []
@@ -238,11 +216,6 @@ def _fill_session_dir(top_fd: int, network: str, owner: tuple[int, int] | None) 
             os.close(fd)
         raise
     return fds
-
-
-def _publish(base_fd: int, key: str) -> None:
-    """Give a whole, locked session dir its key as its name: never over another's (EEXIST)."""
-    hostfs.rename_noreplace(base_fd, NEW_PREFIX + key, base_fd, key)
 
 
 def remove_session_top(top: Path) -> list[str]:

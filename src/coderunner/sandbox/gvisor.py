@@ -103,11 +103,11 @@ __all__ = ["RUNTIME_FLAGS", "CheckpointError", "GvisorBackend", "GvisorProcess",
 INSTALL_HINT = "sudo apt-get install runsc podman"
 #: The backend's own dir under the runtime base (not a session key: remove_stale_dirs skips it).
 BACKEND_DIR = ".runsc"
-LOCK_NAME = "lock"
+LOCK_NAME = hostfs.LOCK_NAME
 #: A server process's dir while it is made: it gets its name only once its lock is held.
-NEW_INSTANCE = ".new-"
-#: A dir being made with no lock yet is taken for dead only after this long (as session_dirs').
-ABANDONED_AFTER_S = 3600.0
+NEW_INSTANCE = hostfs.NEW_PREFIX
+#: A dir being made with no lock yet is taken for dead only after this long.
+ABANDONED_AFTER_S = hostfs.ABANDONED_AFTER_S
 ROOT_NAME = "root"
 #: Open files and processes per sandbox uid inside (as the podman backend's ulimits).
 NOFILE = 4096
@@ -397,18 +397,13 @@ class GvisorBackend:
         return path
 
     def _new_instance(self) -> _Instance:
-        """This process's dir, which appears under its name already locked: built as `.new-<name>`
-        with its lock held, then renamed (another server's sweep never sees it unlocked)."""
+        """This process's dir, which appears under its name already locked (hostfs.make_locked_dir):
+        another server's sweep never sees it unlocked."""
         name = secrets.token_hex(6)
         with hostfs.dir_fd(self.backend_dir) as parent:
-            top_fd = hostfs.make_private_dir(parent, NEW_INSTANCE + name, 0o700)
-            try:
-                fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                             dir_fd=top_fd)  # fmt: skip
-            finally:
-                os.close(top_fd)
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            hostfs.rename_noreplace(parent, NEW_INSTANCE + name, parent, name)
+            top_fd, fd = hostfs.make_locked_dir(parent, name, 0o700)
+            os.close(top_fd)
+            hostfs.publish_dir(parent, name)
         return _Instance(name, self.backend_dir / name, fd)
 
     # --- the protocol ---------------------------------------------------------------------------
