@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import __version__
 from .egress_text import allowlist_enforcement, ceiling_summary, presets
-from .network_ceiling import modes_within
+from .network_ceiling import install_way_out, modes_within
 from .sandbox import SandboxUnavailable
 from .sandbox.env import requirements_text
 from .sessions.snapshots import takes_memory
@@ -56,17 +56,8 @@ def network_capabilities(settings: Settings, backend: SandboxBackend) -> dict[st
             "more_hosts": "create_session(network='allowlist', allow=[...]) takes a subset of allowed_domains; "
             "a host beyond it is asked of the user where the client supports elicitation, else denied",
         }
-    network["install_packages"] = install_packages_needs(ceiling)
+    network["install_packages"] = f"needs a session with network: {install_way_out(ceiling)}"
     return network
-
-
-def install_packages_needs(ceiling: str) -> str:
-    """What install_packages needs, in terms of the modes this ceiling allows."""
-    if ceiling == "internet":
-        return "needs network 'internet', or 'allowlist' with the python-packages preset allowed"
-    if ceiling == "allowlist":
-        return "needs network 'allowlist' with the python-packages preset in the user's allowed_domains"
-    return "needs network, which the user has not allowed on this server"
 
 
 @dataclass

@@ -67,12 +67,11 @@ def more_network(ceiling: str) -> str:
 
 def install_way_out(ceiling: str) -> str:
     """Where install_packages can work, naming only modes within the ceiling."""
-    packages = "create_session(network='allowlist', allow=['python-packages']) (only the package index, if the user "
-    if ceiling == "internet":
-        return (
-            f"create a session with {packages}allowed it in allowed_domains) or create_session(network='internet') "
-            "(code there can reach the whole internet), and install there"
-        )
-    if ceiling == "allowlist":
-        return f"create a session with {packages}allowed it in allowed_domains), and install there"
-    return more_network(ceiling)
+    if ceiling not in ("allowlist", "internet"):
+        return more_network(ceiling)
+    packages = (
+        "create_session(network='allowlist', allow=['python-packages']) (only the package index, if the user "
+        "allowed it in allowed_domains)"
+    )
+    internet = " or create_session(network='internet') (code there can reach the whole internet)"
+    return f"create a session with {packages}{internet if ceiling == 'internet' else ''}, and install there"
