@@ -30,7 +30,7 @@ from snapshots import run, timed  # bench/snapshots.py, beside this script
 from coderunner.config import Settings
 from coderunner.sandbox import SandboxUnavailable, make_backend
 from coderunner.sessions import Session, SessionManager
-from coderunner.sessions.snapshots import Seed
+from coderunner.sessions.session_snapshots import Seed
 
 FILL = """
 import threading, time

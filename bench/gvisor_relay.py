@@ -102,7 +102,7 @@ class Relay:
             inner_reader, inner_writer = await self.dial(port)
             writers.append(inner_writer)
             await asyncio.gather(pump(reader, inner_writer), pump(inner_reader, writer))
-        except (OSError, asyncio.TimeoutError):
+        except (TimeoutError, OSError):
             pass
         finally:
             self.links.pop(task, None)

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TypeVar
 
-from coderunner import hostfs
-from coderunner.snapshot_store import SnapshotMeta, SnapshotStore
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.snapshots.store import SnapshotMeta, SnapshotStore
 
 MB = 1_000_000
 MIB = 1 << 20

@@ -22,8 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from coderunner import hostfs
-from coderunner.snapshot_store import SnapshotMeta, SnapshotStore
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.snapshots.store import SnapshotMeta, SnapshotStore
 
 SANDBOX = (999, 995)
 

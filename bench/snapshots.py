@@ -29,7 +29,7 @@ import anyio
 from coderunner.config import Settings
 from coderunner.sandbox import SandboxUnavailable, make_backend
 from coderunner.sessions import Session, SessionManager
-from coderunner.sessions.snapshots import Seed
+from coderunner.sessions.session_snapshots import Seed
 
 OCI_RUNTIMES = {"podman": "runc"}
 

@@ -18,8 +18,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from coderunner.hostfs.sandbox_mounts import ExportPlan, prepare_mounts
 from coderunner.sandbox import Mount
-from coderunner.sandbox_mounts import ExportPlan, prepare_mounts
 
 SANDBOX = (999, 995)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 import anyio
 from starlette.requests import Request
 
-from coderunner import client_tokens
-from coderunner.auth import AccessPolicy
-from coderunner.client_tokens import ClientTokens
+from coderunner.edge import client_tokens
+from coderunner.edge.auth import AccessPolicy
+from coderunner.edge.client_tokens import ClientTokens
 
 SERVER_TOKEN = "bench-token-" + "0" * 32
 

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from coderunner.sandbox.image import default_ca_bundle, sources_digest
+from coderunner.sandbox.image_build import default_ca_bundle, sources_digest
 
 REPO = Path(__file__).resolve().parents[1]
 EMULATOR = REPO / "tests" / "emulators" / "container"

@@ -94,6 +94,8 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
         # Never the user's own token file, even where a test drops CODERUNNER_TOKEN.
         "CODERUNNER_TOKEN_FILE": str(dirs.root / "token"),
         SECRET_NAME: SECRET_VALUE,
+        # The server under test is this checkout's, whichever install made the venv (worktrees share one).
+        "PYTHONPATH": str(REPO / "src"),
     }
     for key in (
         "CODERUNNER_SANDBOX_ENV",

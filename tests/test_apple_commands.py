@@ -37,7 +37,7 @@ from coderunner.sandbox.apple import (
 )
 from coderunner.sandbox.base import Limits, Mount, SandboxSpec
 from coderunner.sandbox.container import ContainerUnavailable, name_prefix
-from coderunner.sandbox.image import BuildCommand, build_command
+from coderunner.sandbox.image_build import BuildCommand, build_command
 from coderunner.sandbox.watcher import WatchPlan, apple_names
 
 from .test_container_commands import ENV_FLAGS  # the same sandbox environment on every engine

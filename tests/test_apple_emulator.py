@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 
 from coderunner.sandbox.apple import ContainerVersion, names_with_prefix
-from coderunner.sandbox.image import ImageError, build
+from coderunner.sandbox.image_build import ImageError, build
 
 from . import apple_emulation
 

@@ -10,9 +10,9 @@ from typing import Any
 import anyio
 import pytest
 
-from coderunner.oneshot import OneShotError, OneShotRunner
-from coderunner.output import MAX_INLINE_IMAGES, MAX_SAVED_IMAGES, OutputCollector, WorkspaceWriter
-from coderunner.results import ReplyBounds, guest_tool_result
+from coderunner.kernel.output_capture import MAX_INLINE_IMAGES, MAX_SAVED_IMAGES, OutputCollector, WorkspaceWriter
+from coderunner.sessions.oneshot_runs import OneShotError, OneShotRunner
+from coderunner.tools.replies import ReplyBounds, guest_tool_result
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 16).decode()
 

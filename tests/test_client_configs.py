@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from coderunner.client_code import LIBRARY_CLIENTS
-from coderunner.client_configs import APP_CLIENTS, LaunchCommand, snippet
+from coderunner.edge.client_code import LIBRARY_CLIENTS
+from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, snippet
 
 from .conftest import REPO, TEST_TOKEN, ServerDirs, http_server, server_env
 

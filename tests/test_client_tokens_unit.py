@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from coderunner import client_tokens
-from coderunner.callers import LOCAL_CALLER, caller_key, client_of_key
-from coderunner.client_tokens import ClientTokenError, ClientTokens
+from coderunner.edge import client_tokens
+from coderunner.edge.callers import LOCAL_CALLER, caller_key, client_of_key
+from coderunner.edge.client_tokens import ClientTokenError, ClientTokens
 
 
 @pytest.fixture

@@ -25,12 +25,12 @@ import anyio
 import pytest
 
 from coderunner.config import Settings
-from coderunner.kernel import RunStatus
-from coderunner.results import ExecutionResult
+from coderunner.kernel.incarnation import RunStatus
+from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sandbox import SandboxBackend, SandboxUnavailable, make_backend
 from coderunner.sandbox.identity import sandbox_identity
 from coderunner.sessions import Session, SessionManager
-from coderunner.sessions.snapshots import Seed, takes_memory
+from coderunner.sessions.session_snapshots import Seed, takes_memory
 
 from . import apple_emulation
 from .fakes.backend import FakeBackend, kernel_python

@@ -20,7 +20,7 @@ from coderunner.sandbox.container import (
     session_key,
     with_guest_connection,
 )
-from coderunner.sandbox.image import BuildCommand, sources_digest
+from coderunner.sandbox.image_build import BuildCommand, sources_digest
 from coderunner.sandbox.oci import OciCommand, parse_server_containers
 
 ENV_FLAGS = [

@@ -23,7 +23,7 @@ import pytest
 from mcp import Client, StdioServerParameters, types
 from mcp.types import CallToolResult, TextContent
 
-from coderunner.egress.proxy import MAX_ASKS
+from coderunner.egress.policy_proxy import MAX_ASKS
 from tests.conftest import REPO, SERVER_CMD, ServerDirs, server_env
 from tests.netns_servers import BODY, NetnsServers
 

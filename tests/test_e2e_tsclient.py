@@ -17,8 +17,8 @@ from typing import Any
 
 import pytest
 
-from coderunner.client_configs import LaunchCommand, snippet
 from coderunner.config import Settings
+from coderunner.edge.client_configs import LaunchCommand, snippet
 
 from .conftest import REPO, SERVER_CMD, TEST_TOKEN, ServerDirs, http_server, server_env
 

@@ -22,11 +22,11 @@ from mcp.server.streamable_http import MCP_PROTOCOL_VERSION_HEADER, MCP_SESSION_
 from mcp.server.transport_security import TransportSecuritySettings
 from starlette.types import ASGIApp
 
-from coderunner import client_tokens
-from coderunner.auth import AccessPolicy, RequireToken, sdk_user
-from coderunner.callers import CLIENT_HEADER
-from coderunner.http_limits import SINGLE_HEADERS, SINGLE_PARAMS, repeated_field
-from coderunner.session_binding import BindMcpSessions
+from coderunner.edge import client_tokens
+from coderunner.edge.auth import AccessPolicy, RequireToken, sdk_user
+from coderunner.edge.callers import CLIENT_HEADER
+from coderunner.edge.http_limits import SINGLE_HEADERS, SINGLE_PARAMS, repeated_field
+from coderunner.edge.session_binding import BindMcpSessions
 
 pytestmark = pytest.mark.anyio
 

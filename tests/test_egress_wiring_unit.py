@@ -12,7 +12,7 @@ import pytest
 
 from coderunner.config import ConfigError, Settings, load_settings
 from coderunner.errors import SessionError
-from coderunner.options import sandbox_options
+from coderunner.policy.sandbox_options import sandbox_options
 from coderunner.sandbox.apple import AppleBackend
 from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapCommand

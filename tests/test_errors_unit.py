@@ -16,7 +16,7 @@ import coderunner
 from coderunner import errors
 from coderunner.config import Settings
 from coderunner.errors import CodeRunnerError
-from coderunner.files import FileAccessError
+from coderunner.hostfs.sandbox_files import FileAccessError
 from coderunner.sandbox.base import SandboxUnavailable, start_failures
 from coderunner.sandbox.cgroups import CgroupsUnavailable
 from coderunner.sandbox.engine import EngineError
@@ -47,18 +47,15 @@ def test_every_caller_facing_error_is_drawn_in_the_tree() -> None:
 
 
 def test_errors_the_tools_and_cli_used_to_list_derive_from_the_root() -> None:
-    from coderunner import (
-        auth,
-        client_tokens,
-        config,
-        kernel,
-        mounts,
-        oneshot,
-        packages,
-        variables,
-        workspace,
-    )
+    from coderunner import config
+    from coderunner.edge import auth, client_tokens
+    from coderunner.hostfs import mounts
+    from coderunner.hostfs import workspaces as workspace
+    from coderunner.kernel import incarnation as kernel
+    from coderunner.policy import call_variables as variables
+    from coderunner.policy import requirements as packages
     from coderunner.sandbox import env as sandbox_env
+    from coderunner.sessions import oneshot_runs as oneshot
 
     for cls in (auth.AuthError, client_tokens.ClientTokenError, config.ConfigError, kernel.KernelStartError,
                 mounts.MountError, oneshot.OneShotError, packages.PackagesError, sandbox_env.SetupError,

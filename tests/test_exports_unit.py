@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from coderunner import exports
-from coderunner.exports import Exporter
+from coderunner.hostfs import exports
+from coderunner.hostfs.exports import Exporter
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from coderunner.files import FileAccessError, SandboxFiles
-from coderunner.mounts import MountError, MountSpec, check_sandbox_path, resolve_mount
+from coderunner.hostfs.mounts import MountError, MountSpec, check_sandbox_path, resolve_mount
+from coderunner.hostfs.sandbox_files import FileAccessError, SandboxFiles
 from coderunner.sandbox.base import Mount
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coderunner import hostfs
+from coderunner.hostfs import dirfd as hostfs
 
 
 def deep_tree(root: Path, depth: int, link_to: Path) -> None:

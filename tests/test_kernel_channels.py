@@ -17,8 +17,8 @@ import zmq
 import zmq.asyncio
 from jupyter_client.session import Session
 
-from coderunner.kernel_channels import ChannelBroken, Lost, Mailbox, Message, connect
-from coderunner.zmtp import Limits, ZmtpError
+from coderunner.kernel.channels import ChannelBroken, Lost, Mailbox, Message, connect
+from coderunner.kernel.zmtp import Limits, ZmtpError
 
 pytestmark = pytest.mark.anyio
 

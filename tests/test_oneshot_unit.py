@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from coderunner.oneshot import OneShotError, bash_variables
-from coderunner.workspace import Workspace
+from coderunner.hostfs.workspaces import Workspace
+from coderunner.sessions.oneshot_runs import OneShotError, bash_variables
 
 HOSTILE = {
     "quote": "it's",

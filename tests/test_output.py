@@ -9,7 +9,7 @@ from pathlib import Path
 
 import anyio
 
-from coderunner.output import SPILL_DIR, OutputCollector, WorkspaceWriter, strip_ansi
+from coderunner.kernel.output_capture import SPILL_DIR, OutputCollector, WorkspaceWriter, strip_ansi
 
 
 def collector(tmp_path: Path, **overrides: int) -> OutputCollector:

@@ -7,10 +7,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from coderunner.callers import UnknownClient
-from coderunner.exports import CLIENT_FOLDER
-from coderunner.owners import ANONYMOUS_HTTP_CLIENT, LOCAL_CLIENT, client_of, folder_name
-from coderunner.workspace import NAME
+from coderunner.edge.callers import UnknownClient
+from coderunner.hostfs.exports import CLIENT_FOLDER
+from coderunner.hostfs.workspaces import NAME
+from coderunner.policy.owners import ANONYMOUS_HTTP_CLIENT, LOCAL_CLIENT, client_of, folder_name
 
 
 def test_plain_names_stay_readable() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coderunner.file_results import resource_contents
+from coderunner.tools.file_results import resource_contents
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(32)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from coderunner.session_binding import BindMcpSessions, SessionOwners
+from coderunner.edge.session_binding import BindMcpSessions, SessionOwners
 
 pytestmark = pytest.mark.anyio
 

@@ -18,9 +18,17 @@ from pathlib import Path
 
 import pytest
 
-from coderunner import hostfs, session_dirs
-from coderunner.session_dirs import LOCK_NAME, NEW_PREFIX, SandboxDirs, claim_dead, open_sandbox_dirs, remove_stale_dirs
-from coderunner.workspace import Workspace
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.hostfs import session_dirs
+from coderunner.hostfs.session_dirs import (
+    LOCK_NAME,
+    NEW_PREFIX,
+    SandboxDirs,
+    claim_dead,
+    open_sandbox_dirs,
+    remove_stale_dirs,
+)
+from coderunner.hostfs.workspaces import Workspace
 
 #: The concurrency test: servers at once, and sessions each opens (a sweep after every one).
 SERVERS = 6

@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from coderunner import hostfs, tree_copy
-from coderunner.snapshot_store import SnapshotMeta, SnapshotStore, SnapshotTooLarge
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.hostfs import tree_copy
+from coderunner.snapshots.store import SnapshotMeta, SnapshotStore, SnapshotTooLarge
 
 MIB = 1 << 20
 BIG = 256 * MIB

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from coderunner.sessions.snapshots import (
+from coderunner.sessions.session_snapshots import (
     REPORT_LIST_BYTES,
     REPORT_TEXT,
     LoadReport,
@@ -17,7 +17,7 @@ from coderunner.sessions.snapshots import (
     bounded_report,
     report_count,
 )
-from coderunner.snapshot_store import MAX_META_BYTES, SnapshotError
+from coderunner.snapshots.store import MAX_META_BYTES, SnapshotError
 
 HONEST: dict[str, Any] = {
     "saved": [{"name": "df", "type": "DataFrame", "bytes": 120}],

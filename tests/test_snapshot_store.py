@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from coderunner import hostfs, snapshot_store, tree_copy
-from coderunner.snapshot_store import (
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.hostfs import tree_copy
+from coderunner.snapshots import store as snapshot_store
+from coderunner.snapshots.store import (
     SNAPSHOT_ID,
     SnapshotError,
     SnapshotMeta,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from coderunner import staging
+from coderunner.hostfs import staging
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="only a root server stages mounts")
 

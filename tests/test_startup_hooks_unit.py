@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from coderunner.startup_hooks import DISABLED_DIR, disable_startup_hooks
+from coderunner.kernel.startup_hooks import DISABLED_DIR, disable_startup_hooks
 
 
 def _site(workspace: Path) -> Path:

@@ -20,9 +20,9 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import Tool
 
 from coderunner.config import ConfigError, Settings, load_settings
+from coderunner.policy.tool_groups import ALL_TOOLS, TOOL_GROUPS, ToolsetError, selected_tools
 from coderunner.server import build_server
-from coderunner.tool_schemas import SchemaError, finish_tools, portable_schema
-from coderunner.toolsets import ALL_TOOLS, TOOL_GROUPS, ToolsetError, selected_tools
+from coderunner.tools.schemas import SchemaError, finish_tools, portable_schema
 
 from .conftest import ServerDirs, run, server_env, stdio_client, text_of
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from coderunner.variables import MAX_JSON_BYTES, VariablesError, parse_variables
+from coderunner.policy.call_variables import MAX_JSON_BYTES, VariablesError, parse_variables
 
 
 @pytest.mark.parametrize("empty", ["", "  ", "{}", None, {}])

@@ -9,8 +9,8 @@ import anyio
 import pytest
 from jupyter_client.session import Session
 
-from coderunner.kernel_channels import ChannelBroken, Mailbox
-from coderunner.zmtp import Limits, Skipped, ZmtpConnection, ZmtpError
+from coderunner.kernel.channels import ChannelBroken, Mailbox
+from coderunner.kernel.zmtp import Limits, Skipped, ZmtpConnection, ZmtpError
 
 pytestmark = pytest.mark.anyio
 

@@ -14,14 +14,17 @@ from typing import get_args
 
 import anyio
 
-from . import __version__, client_tokens, doctor
-from .auth import ensure_token, read_token
-from .client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
-from .config import Backend, Settings, load_settings
-from .errors import CodeRunnerError
-from .sandbox import env as sandbox_env
-from .sandbox import image, make_backend
-from .sessions import SessionManager
+from coderunner import __version__, doctor
+from coderunner.config import Backend, Settings, load_settings
+from coderunner.edge import client_tokens
+from coderunner.edge.auth import ensure_token, read_token
+from coderunner.edge.client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
+from coderunner.errors import CodeRunnerError
+from coderunner.sandbox import env as sandbox_env
+from coderunner.sandbox import image_build as image
+from coderunner.sandbox import make_backend
+from coderunner.sessions import SessionManager
+from coderunner.tools.replies import execution_reply
 
 BACKEND_CHOICES = list(get_args(Backend))
 
@@ -159,14 +162,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         if args.command == "serve":
-            from .serve import serve
+            from coderunner.serve import serve
 
             anyio.run(serve, settings)
             return 0
         if args.command == "run":
             return anyio.run(_run_once, settings, sys.stdin.read() if args.code == "-" else args.code)
         if args.command == "proxy":
-            from .proxy import run_proxy
+            from coderunner.edge.stdio_proxy import run_proxy
 
             secret = args.token or (settings.token.get_secret_value() if settings.token else None)
             if secret is None and settings.token_file.exists():
@@ -241,7 +244,7 @@ async def _run_once(settings: Settings, code: str) -> int:
         session = await manager.create(pool_wait_s=settings.startup_timeout_s)
         await manager.pool.drain()
         result = await session.run(code, None, None)
-    call = result.to_call_result()
+    call = execution_reply(result)
     for block in call.content:
         if block.type == "text":
             print(block.text)

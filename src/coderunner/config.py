@@ -19,12 +19,12 @@ from pydantic_settings import (
     TomlConfigSettingsSource,
 )
 
-from . import __version__
-from .egress.policy import EgressPolicy, EgressPolicyError
-from .errors import CodeRunnerError
-from .mounts import MountSpec
-from .network_ceiling import CEILING_SETTING, default_ceiling, rank
-from .toolsets import ALL, TOOL_GROUPS, ToolsetError, check_selection
+from coderunner import __version__
+from coderunner.egress.ceiling import CEILING_SETTING, default_ceiling, rank
+from coderunner.egress.policy import EgressPolicy, EgressPolicyError
+from coderunner.errors import CodeRunnerError
+from coderunner.hostfs.mounts import MountSpec
+from coderunner.policy.tool_groups import ALL, TOOL_GROUPS, ToolsetError, check_selection
 
 APP_NAME = "coderunner"
 

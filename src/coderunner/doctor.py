@@ -12,12 +12,12 @@ from pathlib import Path
 
 import anyio
 
-from .config import Settings
-from .egress.policy import PRESETS
-from .egress_text import ceiling_summary
-from .network_ceiling import modes_within
-from .sandbox import SandboxUnavailable, make_backend
-from .sessions import SessionManager
+from coderunner.config import Settings
+from coderunner.egress.ceiling import modes_within
+from coderunner.egress.policy import PRESETS
+from coderunner.egress.texts import ceiling_summary
+from coderunner.sandbox import SandboxUnavailable, make_backend
+from coderunner.sessions import SessionManager
 
 PROBE_TIMEOUT_S = 30
 
@@ -122,9 +122,9 @@ async def check_sandboxed_run(settings: Settings) -> Check:
 
 def check_containment(settings: Settings) -> list[Check]:
     """Which limits this machine lets the server enforce, and what would enable the rest."""
-    from .sandbox.cgroups import CgroupManager, CgroupsUnavailable
-    from .sandbox.seccomp import SeccompUnavailable, compiled_filter
-    from .workspace import quota_problem
+    from coderunner.hostfs.workspaces import quota_problem
+    from coderunner.sandbox.cgroups import CgroupManager, CgroupsUnavailable
+    from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
 
     checks = []
     try:
@@ -221,7 +221,7 @@ def check_backend_choice(settings: Settings) -> Check:
 
 def _engine_problem(settings: Settings, kind: str) -> tuple[str | None, str | None]:
     """(what is missing for backend `kind` here, the fix), or (None, None) when it looks ready."""
-    from .sandbox.engine import QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
+    from coderunner.sandbox.engine import QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
 
     if kind == "bwrap":
         if not sys.platform.startswith("linux"):
@@ -292,8 +292,8 @@ def check_other_backends(settings: Settings) -> list[Check]:
 
 def _apple_version(path: str) -> tuple[str, tuple[str, str | None] | None]:
     """(`container`'s version and whether it is supported, or (problem, fix) when it is refused)."""
-    from .sandbox.apple import UPGRADE_HINT, ContainerVersion, version_caveat, version_problem
-    from .sandbox.engine import QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
+    from coderunner.sandbox.apple import UPGRADE_HINT, ContainerVersion, version_caveat, version_problem
+    from coderunner.sandbox.engine import QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
 
     try:
         done = run_sync([path, "--version"], QUERY_TIMEOUT_S, check=False, env=engine_env(dict(os.environ)))
@@ -332,7 +332,7 @@ def check_container_backend(settings: Settings) -> list[Check]:
     path = shutil.which("container") or "container"
     version, _ = _apple_version(path)
     caveat = "supported" not in version
-    from .sandbox.apple import UPGRADE_HINT
+    from coderunner.sandbox.apple import UPGRADE_HINT
 
     return [
         Check("apple backend", True, f"{version}, image {settings.image} built", UPGRADE_HINT, degraded=caveat),

@@ -10,12 +10,12 @@ import anyio
 import uvicorn
 from mcp.server.transport_security import TransportSecuritySettings
 
-from .auth import RequireToken, policy_for
-from .config import Settings
-from .http_limits import ConnectionLimits, bounded_protocol
-from .sandbox import make_backend
-from .server import build_server
-from .sessions import SHUTDOWN_TIMEOUT_S, SessionManager
+from coderunner.config import Settings
+from coderunner.edge.auth import RequireToken, policy_for
+from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
+from coderunner.sandbox import make_backend
+from coderunner.server import build_server
+from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
 
 log = logging.getLogger(__name__)
 

@@ -13,13 +13,13 @@ from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import InputRequiredResult
 from pydantic import AnyUrl
 
-from . import __version__
-from .file_results import resource_contents
-from .offload import off_loop
-from .sessions import SessionManager
-from .tool_schemas import finish_tools
-from .tools import MODULES, ToolContext
-from .toolsets import selected_tools
+from coderunner import __version__
+from coderunner.offload import off_loop
+from coderunner.policy.tool_groups import selected_tools
+from coderunner.sessions import SessionManager
+from coderunner.tools import MODULES, ToolContext
+from coderunner.tools.file_results import resource_contents
+from coderunner.tools.schemas import finish_tools
 
 INSTRUCTIONS = """\
 CodeRunner runs Python in a persistent Jupyter kernel inside a sandbox on the user's machine.

@@ -32,7 +32,7 @@ BYSTANDER_SESSIONS = 12
 SWEEP_STORM = """
 import sys, time
 from pathlib import Path
-from coderunner.session_dirs import remove_stale_dirs
+from coderunner.hostfs.session_dirs import remove_stale_dirs
 runtime, workspaces, stop = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 deadline = time.monotonic() + 300
 while not stop.exists() and time.monotonic() < deadline:

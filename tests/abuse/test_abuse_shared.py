@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from mcp import Client
 
-from coderunner import staging
+from coderunner.hostfs import staging
 
 from ..conftest import (
     ServerDirs,

@@ -20,16 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from coderunner import hostfs
-from coderunner.snapshot_store import (
-    CopyReport,
-    Draft,
-    SnapshotError,
-    SnapshotMeta,
-    SnapshotStore,
-    SnapshotTooLarge,
-)
-from coderunner.tree_copy import MAX_DEPTH
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.hostfs.tree_copy import MAX_DEPTH
+from coderunner.snapshots.store import CopyReport, Draft, SnapshotError, SnapshotMeta, SnapshotStore, SnapshotTooLarge
 
 MARKER = b"CANARY-snapshot-store-7b31e"
 CANARY_BYTES = MARKER * 512

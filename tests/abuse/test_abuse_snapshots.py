@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from coderunner.snapshot_store import MAX_META_BYTES, SNAPSHOT_ID
+from coderunner.snapshots.store import MAX_META_BYTES, SNAPSHOT_ID
 
 from ..conftest import ServerDirs, _passable, run, text_of
 from .conftest import Arena, open_arena

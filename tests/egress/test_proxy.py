@@ -263,7 +263,7 @@ async def test_asker_widens_within_the_ceiling_once_and_never_beyond(upstream: U
 
 
 async def test_a_failing_or_silent_asker_denies(upstream: Upstream, monkeypatch: pytest.MonkeyPatch) -> None:
-    import coderunner.egress.proxy as proxy_module
+    import coderunner.egress.policy_proxy as proxy_module
 
     monkeypatch.setattr(proxy_module, "ASK_TIMEOUT_S", 0.2)
 
@@ -379,7 +379,7 @@ async def test_aclose_and_cancel_end_every_connection(upstream: Upstream) -> Non
 
 async def test_questions_are_one_at_a_time_and_bounded_per_session(upstream: Upstream) -> None:
     """Code in the sandbox picks the names: it must not be able to bury the user in prompts."""
-    from coderunner.egress.proxy import MAX_ASKS
+    from coderunner.egress.policy_proxy import MAX_ASKS
 
     asked: list[str] = []
     in_flight = 0

@@ -16,7 +16,7 @@ from mcp.types import ClientCapabilities, ElicitationCapability, FormElicitation
 
 from coderunner.egress.audit import Decision, DecisionLog
 from coderunner.egress.policy import EgressPolicy
-from coderunner.egress_text import denial_note, denied_with_reasons, egress_status
+from coderunner.egress.texts import denial_note, denied_with_reasons, egress_status
 from coderunner.tools.egress import CallAsker, HostPermission
 
 CEILING = EgressPolicy.parse(["ix.example", "fx.example", "*.example.org", "198.51.100.7"])

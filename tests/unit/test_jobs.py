@@ -9,9 +9,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from coderunner.kernel import RunStatus
+from coderunner.kernel.incarnation import RunStatus
 from coderunner.sessions import SessionManager
-from coderunner.sessions.jobs import Job, JobOutput, JobStatus, JobTable, attend, cancel
+from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, cancel
 from tests.fakes.backend import Cue, FakeBackend
 
 from .test_session_states import LONG_CELL, WAIT_S, run, text, until

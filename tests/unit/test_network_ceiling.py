@@ -15,7 +15,7 @@ from mcp import Client
 from mcp.types import TextContent
 
 from coderunner.config import ConfigError, load_settings
-from coderunner.network_ceiling import MODES, NetworkCeilingError, check_within, default_ceiling, modes_within
+from coderunner.egress.ceiling import MODES, NetworkCeilingError, check_within, default_ceiling, modes_within
 from coderunner.server import build_server
 
 from .conftest import ManagerFactory

@@ -10,8 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from coderunner.config import Settings
-from coderunner.kernel import KernelStartError, RunStatus
-from coderunner.output import OutputCollector
+from coderunner.kernel.incarnation import KernelStartError, RunStatus
+from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sessions import GuestCallError, SessionBusy, SessionError, SessionManager
 from tests.fakes.backend import Cue, FakeBackend
 

@@ -12,8 +12,8 @@ import time
 import anyio
 import pytest
 
-from coderunner.kernel import KernelStartError, RunStatus
-from coderunner.results import ExecutionResult
+from coderunner.kernel.incarnation import KernelStartError, RunStatus
+from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sessions import Session, SessionBusy, SessionError, SessionManager
 from tests.fakes.backend import DIE_MESSAGE, Cue, FakeBackend
 

@@ -15,9 +15,9 @@ import pytest
 from mcp import Client
 from mcp.types import CallToolResult, ImageContent, TextContent
 
+from coderunner.policy.tool_groups import selected_tools
 from coderunner.server import build_server
 from coderunner.sessions import SessionManager
-from coderunner.toolsets import selected_tools
 
 pytestmark = pytest.mark.anyio
 

@@ -24,10 +24,10 @@ EgressPolicyError messages are for the caller (they name CEILING_SETTING where i
 
 from __future__ import annotations
 
-from .addresses import IPAddress, forbidden_reason, host_addresses
-from .audit import AuditFile, Decision, DecisionLog
-from .policy import PRESETS, EgressPolicy, EgressPolicyError
-from .proxy import AddressCheck, Asker, EgressProxy, ProxyLimits, Resolver
+from coderunner.egress.addresses import IPAddress, forbidden_reason, host_addresses
+from coderunner.egress.audit import AuditFile, Decision, DecisionLog
+from coderunner.egress.policy import PRESETS, EgressPolicy, EgressPolicyError
+from coderunner.egress.policy_proxy import AddressCheck, Asker, EgressProxy, ProxyLimits, Resolver
 
 __all__ = [
     "PRESETS",

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import idna
 
-from ..errors import CodeRunnerError
+from coderunner.errors import CodeRunnerError
 
 #: Where a user widens the ceiling; named in every refusal beyond it.
 CEILING_SETTING = "`allowed_domains` (config, CODERUNNER_ALLOWED_DOMAINS or --allow-domain)"

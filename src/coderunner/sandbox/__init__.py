@@ -19,12 +19,27 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from .base import LimitReport, Limits, Mount, SandboxBackend, SandboxProcess, SandboxSpec, SandboxUnavailable
-from .common import SESSION_PACKAGES, WORKSPACE, etc_files
-from .identity import HostIdentity, IdentityError, UidPool, ensure_private_dir, per_sandbox_uids, sandbox_identity
+from coderunner.sandbox.base import (
+    LimitReport,
+    Limits,
+    Mount,
+    SandboxBackend,
+    SandboxProcess,
+    SandboxSpec,
+    SandboxUnavailable,
+)
+from coderunner.sandbox.common import SESSION_PACKAGES, WORKSPACE, etc_files
+from coderunner.sandbox.identity import (
+    HostIdentity,
+    IdentityError,
+    UidPool,
+    ensure_private_dir,
+    per_sandbox_uids,
+    sandbox_identity,
+)
 
 if TYPE_CHECKING:
-    from ..config import Settings
+    from coderunner.config import Settings
 
 __all__ = [
     "BACKENDS",
@@ -54,7 +69,7 @@ def _identity(settings: Settings) -> HostIdentity | None:
 
 
 def _bwrap(settings: Settings) -> SandboxBackend:
-    from .bwrap import BwrapBackend
+    from coderunner.sandbox.bwrap import BwrapBackend
 
     identity = _identity(settings)
     backend = BwrapBackend(
@@ -66,7 +81,7 @@ def _bwrap(settings: Settings) -> SandboxBackend:
 
 
 def _oci(settings: Settings) -> SandboxBackend:
-    from .oci import OciBackend
+    from coderunner.sandbox.oci import OciBackend
 
     return OciBackend(
         settings.backend,
@@ -79,13 +94,13 @@ def _oci(settings: Settings) -> SandboxBackend:
 
 
 def _gvisor(settings: Settings) -> SandboxBackend:
-    from .gvisor import GvisorBackend
+    from coderunner.sandbox.gvisor import GvisorBackend
 
     return GvisorBackend(settings.image, settings.runtime_dir, identity=_identity(settings))
 
 
 def _apple(settings: Settings) -> SandboxBackend:
-    from .apple import AppleBackend
+    from coderunner.sandbox.apple import AppleBackend
 
     return AppleBackend(settings.image, settings.runtime_dir, channels=settings.kernel_channels)
 

@@ -40,10 +40,17 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from .. import hostfs
-from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
-from .common import IMAGE_PYTHON, NETWORK_MODES, WORKSPACE, product_python, rlimit_prefix, sandbox_environment
-from .container import (
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.sandbox.base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
+from coderunner.sandbox.common import (
+    IMAGE_PYTHON,
+    NETWORK_MODES,
+    WORKSPACE,
+    product_python,
+    rlimit_prefix,
+    sandbox_environment,
+)
+from coderunner.sandbox.container import (
     ContainerProcess,
     ContainerUnavailable,
     channel_ports,
@@ -53,9 +60,9 @@ from .container import (
     session_key,
     with_guest_connection,
 )
-from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
-from .identity import ensure_private_dir
-from .watcher import Watcher, WatchPlan
+from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
+from coderunner.sandbox.identity import ensure_private_dir
+from coderunner.sandbox.watcher import Watcher, WatchPlan
 
 log = logging.getLogger(__name__)
 

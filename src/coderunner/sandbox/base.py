@@ -18,11 +18,11 @@ from typing import Protocol
 import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, Process, TaskGroup
 
-from ..errors import CodeRunnerError
-from ..offload import off_loop
-from .cgroups import CgroupsUnavailable, SessionCgroup
-from .engine import EngineError
-from .identity import HostIdentity
+from coderunner.errors import CodeRunnerError
+from coderunner.offload import off_loop
+from coderunner.sandbox.cgroups import CgroupsUnavailable, SessionCgroup
+from coderunner.sandbox.engine import EngineError
+from coderunner.sandbox.identity import HostIdentity
 
 #: How much of a sandbox's own stderr (bwrap errors, kernel crash text) is kept for error messages.
 STDERR_TAIL_BYTES = 16 * 1024

@@ -23,10 +23,10 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from ..offload import off_loop
-from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, SandboxUnavailable, start_failures
-from .cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
-from .common import (
+from coderunner.offload import off_loop
+from coderunner.sandbox.base import LimitReport, Limits, SandboxProcess, SandboxSpec, SandboxUnavailable, start_failures
+from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
+from coderunner.sandbox.common import (
     ENV_MOUNT,
     GUEST_LIB,
     HOME,
@@ -42,8 +42,8 @@ from .common import (
     rlimit_prefix,
     sandbox_environment,
 )
-from .identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
-from .seccomp import SeccompUnavailable, compiled_filter
+from coderunner.sandbox.identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
+from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ the same paths as the bwrap sandbox), so that a backend never imports another ba
 
 from __future__ import annotations
 
-from .base import Limits
+from coderunner.sandbox.base import Limits
 
 #: Where the code works, and the one folder of its own it may write to.
 WORKSPACE = "/workspace"

@@ -19,9 +19,9 @@ from typing import Any
 import anyio
 from anyio.abc import Process, TaskGroup
 
-from .. import hostfs
-from .base import SandboxProcess, SandboxSpec, SandboxUnavailable
-from .engine import REMOVE_TIMEOUT_S, EngineError, run_async
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.sandbox.base import SandboxProcess, SandboxSpec, SandboxUnavailable
+from coderunner.sandbox.engine import REMOVE_TIMEOUT_S, EngineError, run_async
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from ..errors import CodeRunnerError
+from coderunner.errors import CodeRunnerError
 
 #: Bounds on the two steps of `coderunner setup`; pip of numpy/pandas/matplotlib takes minutes.
 VENV_TIMEOUT_S = 300

@@ -58,8 +58,8 @@ from pathlib import Path
 import anyio
 from anyio.abc import Process, TaskGroup
 
-from .. import hostfs
-from .base import (
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.sandbox.base import (
     KILL_WAIT_S,
     LimitReport,
     Limits,
@@ -68,8 +68,8 @@ from .base import (
     SandboxUnavailable,
     start_failures,
 )
-from .cgroups import SessionCgroup
-from .common import (
+from coderunner.sandbox.cgroups import SessionCgroup
+from coderunner.sandbox.common import (
     HOST_INSIDE,
     IMAGE_PYTHON,
     NETWORK_MODES,
@@ -79,10 +79,10 @@ from .common import (
     SANDBOX_UID,
     WORKSPACE,
 )
-from .container import NAME_PREFIX, ContainerUnavailable, container_name, server_tag, session_key
-from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_async, run_sync
-from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
-from .runsc import (
+from coderunner.sandbox.container import NAME_PREFIX, ContainerUnavailable, container_name, server_tag, session_key
+from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_async, run_sync
+from coderunner.sandbox.identity import HostIdentity, ensure_private_dir, shared_dir_mode
+from coderunner.sandbox.runsc import (
     DEV_GUEST_LIB_ENV,
     RUNTIME_FLAGS,
     ConfigInputs,
@@ -94,7 +94,7 @@ from .runsc import (
     parse_relay_state,
     short_reason,
 )
-from .watcher import Watcher, WatchPlan
+from coderunner.sandbox.watcher import Watcher, WatchPlan
 
 log = logging.getLogger(__name__)
 

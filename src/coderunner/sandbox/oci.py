@@ -29,8 +29,8 @@ from pathlib import Path
 import anyio
 from anyio.abc import TaskGroup
 
-from .base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
-from .common import (
+from coderunner.sandbox.base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
+from coderunner.sandbox.common import (
     IMAGE_PYTHON,
     NETWORK_MODES,
     PROC_MASKED_DIRS,
@@ -42,7 +42,7 @@ from .common import (
     rlimit_prefix,
     sandbox_environment,
 )
-from .container import (
+from coderunner.sandbox.container import (
     LABEL_INSTANCE,
     LABEL_SERVER,
     LABEL_SESSION,
@@ -55,11 +55,11 @@ from .container import (
     session_key,
     with_guest_connection,
 )
-from .engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
-from .identity import HostIdentity, ensure_private_dir, shared_dir_mode
-from .image import LABEL_SOURCES, sources_digest
-from .seccomp import tightened_profile
-from .watcher import Watcher, WatchPlan
+from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
+from coderunner.sandbox.identity import HostIdentity, ensure_private_dir, shared_dir_mode
+from coderunner.sandbox.image_build import LABEL_SOURCES, sources_digest
+from coderunner.sandbox.seccomp import tightened_profile
+from coderunner.sandbox.watcher import Watcher, WatchPlan
 
 log = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .base import SandboxSpec
-from .common import (
+from coderunner.sandbox.base import SandboxSpec
+from coderunner.sandbox.common import (
     CHANNEL_RELAY,
     GUEST_LIB,
     HOST_INSIDE,

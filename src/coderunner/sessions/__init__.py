@@ -11,10 +11,10 @@ mounts come from leases.py; the errors live in errors.py (one root) so those nee
 
 from __future__ import annotations
 
-from ..errors import GuestCallError, SessionBusy, SessionError
-from ..options import SandboxOptions, sandbox_options
-from .manager import SHUTDOWN_TIMEOUT_S, SessionManager
-from .session import Session, SessionStatus
+from coderunner.errors import GuestCallError, SessionBusy, SessionError
+from coderunner.policy.sandbox_options import SandboxOptions, sandbox_options
+from coderunner.sessions.manager import SHUTDOWN_TIMEOUT_S, SessionManager
+from coderunner.sessions.session import Session, SessionStatus
 
 __all__ = [
     "SHUTDOWN_TIMEOUT_S",

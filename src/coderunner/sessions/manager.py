@@ -16,28 +16,28 @@ import time
 import anyio
 from anyio.abc import TaskGroup
 
-from ..callers import LOCAL_CALLER, client_of_key
-from ..config import Settings
-from ..errors import SessionError
-from ..exports import Exporter, client_folder
-from ..kernel import RunStatus
-from ..leases import SandboxLeases
-from ..mounts import MountSpec
-from ..offload import off_loop
-from ..oneshot import OneShotRunner
-from ..options import SandboxOptions, configured_mounts, sandbox_options
-from ..output import OutputCollector
-from ..owners import LOCAL_CLIENT
-from ..sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
-from ..session_dirs import remove_stale_dirs
-from ..snapshot_store import SnapshotError, SnapshotNotFound
-from ..startup_hooks import disable_startup_hooks
-from .egress import EgressHub
-from .jobs import JobTable
-from .pool import WarmPool
-from .session import Session
-from .snapshots import Seed, SessionSnapshots, keep_id
-from .usage import memory_used_mb
+from coderunner.config import Settings
+from coderunner.edge.callers import LOCAL_CALLER, client_of_key
+from coderunner.egress.gateway import EgressHub
+from coderunner.errors import SessionError
+from coderunner.hostfs.exports import Exporter, client_folder
+from coderunner.hostfs.leases import SandboxLeases
+from coderunner.hostfs.mounts import MountSpec
+from coderunner.hostfs.session_dirs import remove_stale_dirs
+from coderunner.kernel.incarnation import RunStatus
+from coderunner.kernel.output_capture import OutputCollector
+from coderunner.kernel.startup_hooks import disable_startup_hooks
+from coderunner.offload import off_loop
+from coderunner.policy.owners import LOCAL_CLIENT
+from coderunner.policy.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
+from coderunner.sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
+from coderunner.sessions.job_runner import JobTable
+from coderunner.sessions.oneshot_runs import OneShotRunner
+from coderunner.sessions.pool import WarmPool
+from coderunner.sessions.session import Session
+from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, keep_id
+from coderunner.sessions.usage import memory_used_mb
+from coderunner.snapshots.store import SnapshotError, SnapshotNotFound
 
 log = logging.getLogger(__name__)
 

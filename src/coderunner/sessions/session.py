@@ -19,24 +19,24 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
-from ..callers import LOCAL_CALLER
-from ..config import Settings
-from ..errors import GuestCallError, SessionBusy, SessionError
-from ..files import SandboxFiles
-from ..kernel import CheckpointFailed, Kernel, ProgressCallback, RunOutcome, RunStatus
-from ..leases import sandbox_spec
-from ..network_ceiling import install_way_out
-from ..offload import off_loop
-from ..options import SandboxOptions
-from ..output import OutputCollector, WorkspaceWriter
-from ..results import ExecutionResult
-from ..sandbox import SESSION_PACKAGES, LimitReport, Mount, SandboxBackend, SandboxSpec
-from ..sandbox_mounts import SandboxMounts
-from ..session_dirs import SandboxDirs
-from ..workspace import Workspace
-from .egress import SessionEgress
-from .jobs import Job, JobOutput, JobStatus, JobTable, attend, duration, label_of
-from .usage import session_usage
+from coderunner.config import Settings
+from coderunner.edge.callers import LOCAL_CALLER
+from coderunner.egress.ceiling import install_way_out
+from coderunner.egress.gateway import SessionEgress
+from coderunner.errors import GuestCallError, SessionBusy, SessionError
+from coderunner.hostfs.leases import sandbox_spec
+from coderunner.hostfs.sandbox_files import SandboxFiles
+from coderunner.hostfs.sandbox_mounts import SandboxMounts
+from coderunner.hostfs.session_dirs import SandboxDirs
+from coderunner.hostfs.workspaces import Workspace
+from coderunner.kernel.incarnation import CheckpointFailed, Kernel, ProgressCallback, RunOutcome, RunStatus
+from coderunner.kernel.output_capture import OutputCollector, WorkspaceWriter
+from coderunner.kernel.run_result import ExecutionResult
+from coderunner.offload import off_loop
+from coderunner.policy.sandbox_options import SandboxOptions
+from coderunner.sandbox import SESSION_PACKAGES, LimitReport, Mount, SandboxBackend, SandboxSpec
+from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, duration, label_of
+from coderunner.sessions.usage import session_usage
 
 log = logging.getLogger(__name__)
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .. import hostfs
-from ..kernel import Kernel
-from ..workspace import Workspace
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.hostfs.workspaces import Workspace
+from coderunner.kernel.incarnation import Kernel
 
 
 def session_usage(kernel: Kernel | None, workspace: Workspace) -> dict[str, float | None]:

@@ -18,8 +18,10 @@ A tool parses its arguments, calls the session or manager, and shapes the reply;
 MODULES is in the order tools/list shows the tools.
 """
 
-from . import files, guest, jobs, meta, oneshot, packages, python, sessions, snapshots, workspaces
-from .context import ToolContext
+from coderunner.tools import execute_code as oneshot
+from coderunner.tools import files, guest, jobs, meta, python, sessions, snapshots, workspaces
+from coderunner.tools import install_packages as packages
+from coderunner.tools.context import ToolContext
 
 MODULES = (python, jobs, sessions, snapshots, files, guest, oneshot, packages, workspaces, meta)
 

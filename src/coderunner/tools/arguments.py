@@ -12,8 +12,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field
 
-from ..config import MIN_MEMORY_MB
-from ..network_ceiling import NetworkCeilingError, check_within, modes_within
+from coderunner.config import MIN_MEMORY_MB
+from coderunner.egress.ceiling import NetworkCeilingError, check_within, modes_within
 
 
 def _none_as_empty(value: Any) -> Any:

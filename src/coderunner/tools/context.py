@@ -17,17 +17,17 @@ from typing import Any, TypeVar
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
-from ..callers import LOCAL_CALLER, caller_key, on_connection_close
-from ..capabilities import Capabilities
-from ..config import Settings
-from ..errors import CodeRunnerError
-from ..offload import off_loop
-from ..options import egress_ceiling
-from ..output import WorkspaceWriter
-from ..owners import client_of
-from ..results import ReplyBounds, error_result, guest_tool_result
-from ..sessions import Session, SessionManager
-from .egress import EgressCall, EgressCalls
+from coderunner.config import Settings
+from coderunner.edge.callers import LOCAL_CALLER, caller_key, on_connection_close
+from coderunner.errors import CodeRunnerError
+from coderunner.kernel.output_capture import WorkspaceWriter
+from coderunner.offload import off_loop
+from coderunner.policy.owners import client_of
+from coderunner.policy.sandbox_options import egress_ceiling
+from coderunner.sessions import Session, SessionManager
+from coderunner.tools.capabilities import Capabilities
+from coderunner.tools.egress import EgressCall, EgressCalls
+from coderunner.tools.replies import ReplyBounds, error_result, guest_tool_result
 
 T = TypeVar("T")
 ToolFunction = TypeVar("ToolFunction", bound=Callable[..., Awaitable[CallToolResult]])

@@ -19,12 +19,12 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent
 from pydantic import BaseModel, Field
 
-from ..egress.policy import EgressPolicy
-from ..egress_text import denial_note, denied_with_reasons
-from ..errors import CodeRunnerError
+from coderunner.egress.policy import EgressPolicy
+from coderunner.egress.texts import denial_note, denied_with_reasons
+from coderunner.errors import CodeRunnerError
 
 if TYPE_CHECKING:
-    from ..sessions.egress import SessionEgress
+    from coderunner.egress.gateway import SessionEgress
 
 log = logging.getLogger(__name__)
 

@@ -17,12 +17,12 @@ from mcp.server.mcpserver.exceptions import ResourceError
 from mcp.types import CallToolResult
 from pydantic import Field
 
-from ..errors import CodeRunnerError
-from ..file_results import read_file_result
-from ..files import FileAccessError, copy
-from ..transfers import export_target, import_source
-from .arguments import SessionId, Text
-from .context import ToolContext, json_result
+from coderunner.errors import CodeRunnerError
+from coderunner.hostfs.sandbox_files import FileAccessError, copy
+from coderunner.hostfs.transfers import export_target, import_source
+from coderunner.tools.arguments import SessionId, Text
+from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.file_results import read_file_result
 
 
 def decoded(content: str, encoding: str) -> bytes:

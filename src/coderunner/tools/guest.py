@@ -14,10 +14,10 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
-from ..errors import GuestCallError
-from ..network_ceiling import more_network
-from .arguments import BrowserSeconds, OutputPath, Seconds, SessionId, Text
-from .context import ToolContext
+from coderunner.egress.ceiling import more_network
+from coderunner.errors import GuestCallError
+from coderunner.tools.arguments import BrowserSeconds, OutputPath, Seconds, SessionId, Text
+from coderunner.tools.context import ToolContext
 
 PdfOp = Literal["info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt"]
 ImageOp = Literal["info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr"]

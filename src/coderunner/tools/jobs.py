@@ -16,12 +16,12 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
 from pydantic import Field
 
-from ..callers import client_of_key
-from ..file_results import resource_link
-from ..oneshot import OneShotResult
-from ..sessions import Session
-from ..sessions.jobs import Job, JobNotFound, JobStatus, attend, cancel, duration
-from .context import ToolContext, json_result
+from coderunner.edge.callers import client_of_key
+from coderunner.sessions import Session
+from coderunner.sessions.job_runner import Job, JobNotFound, JobStatus, attend, cancel, duration
+from coderunner.sessions.oneshot_runs import OneShotResult
+from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.file_results import resource_link
 
 #: The `_meta` keys of kernel and job state on a reply.
 KERNEL_META = "coderunner/kernel"

@@ -4,7 +4,7 @@
 
 from mcp.types import CallToolResult, ToolAnnotations
 
-from .context import ToolContext, json_result
+from coderunner.tools.context import ToolContext, json_result
 
 
 def register(tools: ToolContext) -> None:

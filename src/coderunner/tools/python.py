@@ -9,11 +9,12 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
-from ..sessions.jobs import Job, attend, duration
-from ..variables import check_variables, parse_variables
-from .arguments import DetachAfter, SessionId, VariablesArg
-from .context import ToolContext, json_result
-from .jobs import KERNEL_META, kernel_stamp, python_job_reply
+from coderunner.policy.call_variables import check_variables, parse_variables
+from coderunner.sessions.job_runner import Job, attend, duration
+from coderunner.tools.arguments import DetachAfter, SessionId, VariablesArg
+from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.jobs import KERNEL_META, kernel_stamp, python_job_reply
+from coderunner.tools.replies import execution_reply
 
 
 def register(tools: ToolContext) -> None:
@@ -56,7 +57,7 @@ def register(tools: ToolContext) -> None:
             return network.noted(python_job_reply(session, job, links))
         session.jobs.forget(job)  # answered whole: never a job the caller needs to know about
         result = session.job_result(job)
-        reply = result.to_call_result(session.session_id, links=links)
+        reply = execution_reply(result, session.session_id, links=links)
         return network.noted(tools.with_export_note(kernel_stamp(reply, session, result.state_lost), session))
 
     @tools.tool()

@@ -8,13 +8,13 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
-from ..egress_text import STATUS_RECENT, egress_status
-from ..mounts import MountSpec
-from ..sessions import Session
-from ..snapshot_store import SnapshotStore
-from .arguments import MemoryMb, SessionId, Text, network_arg
-from .context import ToolContext, json_result
-from .snapshots import loaded_report
+from coderunner.egress.texts import STATUS_RECENT, egress_status
+from coderunner.hostfs.mounts import MountSpec
+from coderunner.sessions import Session
+from coderunner.snapshots.store import SnapshotStore
+from coderunner.tools.arguments import MemoryMb, SessionId, Text, network_arg
+from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.snapshots import loaded_report
 
 
 def register(tools: ToolContext) -> None:

@@ -12,11 +12,11 @@ from typing import Any
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 
-from ..sessions import Session
-from ..sessions.snapshots import MEMORY_CARRIES, REPORT_TEXT, Seed, Taken, memory_key, report_count
-from ..snapshot_store import CopyReport, DamagedSnapshot, SnapshotMeta
-from .arguments import SessionId, Text
-from .context import ToolContext, json_result
+from coderunner.sessions import Session
+from coderunner.sessions.session_snapshots import MEMORY_CARRIES, REPORT_TEXT, Seed, Taken, memory_key, report_count
+from coderunner.snapshots.store import CopyReport, DamagedSnapshot, SnapshotMeta
+from coderunner.tools.arguments import SessionId, Text
+from coderunner.tools.context import ToolContext, json_result
 
 #: Entries of a list a reply shows at most (the rest are counted).
 SHOWN = 50

@@ -10,10 +10,10 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
-from ..sessions.snapshots import keep_id
-from ..snapshot_store import SnapshotNotFound
-from ..workspace import delete_named, list_named
-from .context import ToolContext, json_result
+from coderunner.hostfs.workspaces import delete_named, list_named
+from coderunner.sessions.session_snapshots import keep_id
+from coderunner.snapshots.store import SnapshotNotFound
+from coderunner.tools.context import ToolContext, json_result
 
 
 def register(tools: ToolContext) -> None:

@@ -1,0 +1,67 @@
+"""Snippets that add CodeRunner to MCP clients, with this install's absolute paths.
+
+Each client launches a command over stdio: `coderunner serve` (a server of its own) or, with
+`--url`, `coderunner proxy URL` (one long-running HTTP server shared by several clients).
+Agent libraries (client_code.py) get code instead, speaking HTTP themselves with `--url`.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from coderunner.edge.client_code import LIBRARY_CLIENTS, LIBRARY_LOCATIONS, library_snippet
+
+SERVER_NAME = "coderunner"
+#: Applications configured with a file (or a command); they launch CodeRunner over stdio.
+APP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "windsurf", "zed", "continue")
+CLIENTS = APP_CLIENTS + LIBRARY_CLIENTS
+#: Where each client keeps the file the snippet goes into (the user's, not the project's).
+CONFIG_LOCATIONS = {
+    "claude-code": "run the command in a shell",
+    "claude-desktop": "claude_desktop_config.json (Settings > Developer > Edit Config)",
+    "cursor": "~/.cursor/mcp.json (or .cursor/mcp.json in a project)",
+    "windsurf": "~/.codeium/windsurf/mcp_config.json",
+    "zed": "Zed settings.json (merge into the top-level object)",
+    "continue": "~/.continue/config.yaml (merge the mcpServers list)",
+    **LIBRARY_LOCATIONS,
+}
+
+
+@dataclass(frozen=True)
+class LaunchCommand:
+    """What a client runs to reach CodeRunner over stdio."""
+
+    command: str
+    args: tuple[str, ...]
+
+    @classmethod
+    def for_install(cls, url: str | None = None) -> LaunchCommand:
+        """This install's `coderunner`, serving on its own or proxying to `url`."""
+        script = Path(sys.executable).parent / "coderunner"
+        base = (str(script),) if script.exists() else (sys.executable, "-m", "coderunner.cli")
+        args = ("proxy", url) if url else ("serve",)
+        return cls(base[0], (*base[1:], *args))
+
+
+def snippet(client: str, launch: LaunchCommand, url: str | None = None) -> str:
+    """The text to paste into `client`'s configuration (or run, for Claude Code; or code, for a library)."""
+    if client in LIBRARY_CLIENTS:
+        serve = LaunchCommand.for_install() if url else launch
+        return library_snippet(client, serve.command, list(serve.args), url)
+    entry = {"command": launch.command, "args": list(launch.args)}
+    if client == "claude-code":
+        return shlex.join(["claude", "mcp", "add", SERVER_NAME, "--", launch.command, *launch.args])
+    if client in ("claude-desktop", "cursor", "windsurf"):
+        return json.dumps({"mcpServers": {SERVER_NAME: entry}}, indent=2)
+    if client == "zed":
+        return json.dumps({"context_servers": {SERVER_NAME: {"source": "custom", **entry, "env": {}}}}, indent=2)
+    if client == "continue":
+        # YAML; JSON strings are valid YAML scalars, so paths with spaces stay intact.
+        lines = ["mcpServers:", f"  - name: {SERVER_NAME}", f"    command: {json.dumps(launch.command)}", "    args:"]
+        lines += [f"      - {json.dumps(arg)}" for arg in launch.args]
+        return "\n".join(lines)
+    raise ValueError(f"unknown client {client!r}: use one of {', '.join(CLIENTS)}")

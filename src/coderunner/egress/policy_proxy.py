@@ -1,0 +1,648 @@
+"""EgressProxy: one session's HTTP proxy on a unix socket, deciding by name and checking addresses.
+
+Handles `CONNECT host:port` (then relays bytes both ways; TLS is never intercepted) and absolute-form
+requests such as `GET http://host/path` (forwarded in origin form with hop-by-hop headers stripped and
+`Connection: close`: one request per client connection, which every HTTP client handles). The request
+head is parsed here, bounded in bytes and time; everything malformed gets a 400.
+
+For an allowed name the proxy resolves it itself (bounded), drops every address `address_check`
+refuses (loopback, private, link-local, the host's own: addresses.py) and connects to a checked
+address only, never to a name. A name outside the session's policy but inside the user's ceiling is
+put to `asker` (the user, via MCP elicitation, wired elsewhere); a yes widens the session's policy.
+
+Every decision is recorded in the session's DecisionLog. Caps: concurrent connections (503 over),
+head timeout (slowloris), idle timeout on every relay, connect and resolve timeouts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from coderunner.egress.addresses import IPAddress, cached_host_addresses, forbidden_reason, host_addresses
+from coderunner.egress.audit import Decision, DecisionLog
+from coderunner.egress.policy import CEILING_SETTING, EgressPolicy, EgressPolicyError
+from coderunner.egress.request import BadRequest, parse_request
+
+log = logging.getLogger(__name__)
+
+KiB = 1024
+
+#: Resolves (host, port) to addresses. The default uses getaddrinfo in a worker thread.
+Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
+#: Asked about a host:port outside the session's policy but inside the ceiling; True allows that
+#: host for the rest of the session. The proxy bounds the wait (ASK_TIMEOUT_S).
+Asker = Callable[[str, int], Awaitable[bool]]
+#: Why an address must not be connected to, or None. The default is addresses.forbidden_reason with
+#: the host's own addresses; tests inject a looser one to reach their 127.0.0.1 upstream.
+AddressCheck = Callable[[IPAddress], "str | None"]
+
+#: Bound on the wait for the user's answer to an Asker.
+ASK_TIMEOUT_S = 60.0
+#: Questions one session may put to the user; past it, hosts outside the policy are denied unasked.
+MAX_ASKS = 10
+
+
+@dataclass(frozen=True)
+class ProxyLimits:
+    """Per-proxy (per-session) bounds on what a client inside the sandbox can make the host hold."""
+
+    max_connections: int = 64
+    idle_s: float = 60.0
+    head_timeout_s: float = 10.0
+    max_head_bytes: int = 16 * KiB
+    connect_timeout_s: float = 10.0
+    resolve_timeout_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not value > 0:
+                raise ValueError(f"ProxyLimits.{name} must be positive, not {value!r}")
+
+
+class EgressProxy:
+    """One session's egress proxy. Serve it on a listening unix socket; close it with the session."""
+
+    def __init__(
+        self,
+        policy: EgressPolicy,
+        ceiling: EgressPolicy,
+        *,
+        session_id: str,
+        log: DecisionLog,
+        limits: ProxyLimits = ProxyLimits(),
+        asker: Asker | None = None,
+        resolver: Resolver | None = None,
+        address_check: AddressCheck | None = None,
+    ) -> None:
+        outside = [h for h in policy.hosts if not ceiling.covers(h)]
+        if outside or not policy.ports <= ceiling.ports:
+            raise EgressPolicyError(
+                f"a session's network allowlist must lie inside the user's (allowed: {ceiling.describe()}); "
+                f"outside it: {', '.join(outside) or 'ports ' + str(sorted(policy.ports - ceiling.ports))}. "
+                f"The user can widen it with {CEILING_SETTING}."
+            )
+        self._policy = policy
+        self._ceiling = ceiling
+        self.session_id = session_id
+        self.log = log
+        self.limits = limits
+        self._asker = asker
+        self._resolver = resolver
+        self._address_check = address_check
+        self._conns: dict[asyncio.Task[None], _Conn] = {}
+        self._asks: dict[tuple[str, int], asyncio.Future[bool]] = {}
+        self._declined: set[str] = set()
+        self._ask_lock = asyncio.Lock()
+        self._asks_made = 0
+        self._resolving = asyncio.Semaphore(_RESOLVES_PER_PROXY)
+        self._closed = False
+        #: Connections answered 503 because the proxy was full (for status and tests).
+        self.refused_busy = 0
+
+    @property
+    def policy(self) -> EgressPolicy:
+        """The session's current policy (it grows when the user allows a host)."""
+        return self._policy
+
+    @property
+    def ceiling(self) -> EgressPolicy:
+        """The user's allowlist: the policy can grow up to it, never beyond."""
+        return self._ceiling
+
+    @property
+    def asker(self) -> Asker | None:
+        """Who is asked about hosts inside the ceiling but outside the policy; None: nobody.
+
+        Settable at any time (the client that can answer changes from call to call). A host the
+        user declined stays declined for the session, whoever asks next.
+        """
+        return self._asker
+
+    @asker.setter
+    def asker(self, asker: Asker | None) -> None:
+        self._asker = asker
+
+    @property
+    def active_connections(self) -> int:
+        """Client connections being served now."""
+        return len(self._conns)
+
+    def open_connections(self) -> list[Decision]:
+        """Relays in progress, as decisions with the bytes moved so far (reason "open"): a long
+        download shows in session_status before it ends and is recorded."""
+        return [
+            Decision(c.decided_at, c.host, c.port, True, "open", c.counts.sent, c.counts.received)
+            for c in self._conns.values()
+            if c.counts is not None
+        ]
+
+    def allow(self, host: str) -> None:
+        """Widen the session's policy to one more host; EgressPolicyError if the ceiling does not cover it."""
+        widened = self._policy.with_host(host)
+        added = [h for h in widened.hosts if h not in self._policy.hosts]
+        if added and not self._ceiling.covers(added[0]):
+            raise EgressPolicyError(
+                f"`{added[0]}` is outside the network allowlist the user set (allowed: "
+                f"{self._ceiling.describe()}); the user can widen it with {CEILING_SETTING}."
+            )
+        self._policy = widened
+        self._declined.difference_update(added)
+
+    async def serve(self, listener: socket.socket) -> None:
+        """Serve connections on a bound, listening unix stream socket until cancelled.
+
+        The caller made (and owns) the socket; cancelling serve stops accepting, and the connections
+        in flight are closed too.
+        """
+        own = listener.dup()  # asyncio closes the socket it serves on; the caller's stays the caller's
+        # asyncio listens again with its own backlog (100 by default); a flood past it would make
+        # clients' connects fail oddly instead of being answered 503, so keep the queue deep.
+        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=_READ_CHUNK, backlog=_BACKLOG)
+        try:
+            await server.serve_forever()
+        finally:
+            server.close()
+            await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close every connection this proxy is serving (the listener stays the caller's)."""
+        self._closed = True
+        tasks = list(self._conns)
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
+        for future in self._asks.values():
+            future.cancel()
+
+    # One client connection.
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        if self._closed:
+            _close(writer)
+            return
+        if len(self._conns) >= self.limits.max_connections and not self._evict_stalled_head():
+            self.refused_busy += 1
+            body = f"too many connections through this session's proxy (at most {self.limits.max_connections})"
+            await _answer(writer, 503, "Service Unavailable", body, status="proxy_internal_error")
+            _close(writer)
+            return
+        conn = _Conn(started=time.monotonic(), writer=writer)
+        self._conns[task] = conn
+        try:
+            await self._serve_one(reader, writer, conn)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client went away; nothing to answer
+        except asyncio.CancelledError:
+            # aclose or an eviction. This task is a leaf the stream server made for the connection;
+            # ending it quietly keeps asyncio from logging every closed tunnel as an error.
+            pass
+        except Exception:
+            log.exception("egress proxy for session %s: a connection failed", self.session_id)
+        finally:
+            self._conns.pop(task, None)
+            _close(writer)
+
+    def _evict_stalled_head(self) -> bool:
+        """Free a slot held by a client that has not finished its request head for a while (slowloris)."""
+        now = time.monotonic()
+        stalled = [
+            (conn.started, task)
+            for task, conn in self._conns.items()
+            if conn.in_head and now - conn.started >= min(_STALLED_HEAD_S, self.limits.head_timeout_s)
+        ]
+        if not stalled:
+            return False
+        _, task = min(stalled, key=lambda item: item[0])
+        conn = self._conns.pop(task)
+        conn.writer.transport.abort()
+        task.cancel()
+        return True
+
+    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn) -> None:
+        try:
+            head, rest = await asyncio.wait_for(
+                _read_head(reader, self.limits.max_head_bytes), self.limits.head_timeout_s
+            )
+        except TimeoutError:
+            await _answer(writer, 408, "Request Timeout", "the request head did not arrive in time")
+            return
+        except _HeadTooLarge:
+            body = f"bad proxy request: the request head is larger than {self.limits.max_head_bytes} bytes"
+            await _answer(writer, 400, "Bad Request", body, status="http_request_error")
+            return
+        if head is None:
+            return  # closed before a full head: nothing to answer
+        conn.in_head = False
+        try:
+            request = parse_request(head)
+        except BadRequest as exc:
+            await _answer(writer, 400, "Bad Request", f"bad proxy request: {exc}", status="http_request_error")
+            return
+        started = time.time()
+        denial = await self._decide(request.host, request.port)
+        if denial is not None:
+            self.log.record(Decision(started, request.host, request.port, False, denial.reason))
+            await _answer(writer, 403, "Forbidden", denial.body, status=denial.status)
+            return
+        upstream, failure = await self._open_upstream(request.host, request.port)
+        if upstream is None:
+            assert failure is not None
+            self.log.record(Decision(started, request.host, request.port, failure.allowed, failure.reason))
+            await _answer(writer, failure.code, failure.phrase, failure.body, status=failure.status)
+            return
+        up_reader, up_writer = upstream
+        counts = _Counts()
+        conn.host, conn.port, conn.decided_at, conn.counts = request.host, request.port, started, counts
+        try:
+            if request.kind == "connect":
+                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+            else:
+                first = request.forward_head()
+                up_writer.write(first)
+                counts.sent += len(first)
+            if rest:
+                up_writer.write(rest)
+                counts.sent += len(rest)
+            await _relay(reader, writer, up_reader, up_writer, counts, self.limits.idle_s)
+        finally:
+            _close(up_writer)
+            self.log.record(
+                Decision(started, request.host, request.port, True, "allowed", counts.sent, counts.received)
+            )
+
+    # Decisions.
+
+    async def _decide(self, host: str, port: int) -> _Denial | None:
+        if self._policy.allows(host, port):
+            return None
+        shown = f"[{host}]" if ":" in host else host
+        allowed = self._policy.describe()
+        if port not in self._policy.ports:
+            return _Denial(
+                f"port {port} is not allowed",
+                f"{_BLOCKED}: port {port} of {shown} is not in this session's allowlist (allowed: {allowed})",
+            )
+        if self._asker is not None and self._ceiling.allows(host, port):
+            if host not in self._declined and self._asks_made < MAX_ASKS and await self._ask(host, port):
+                return None
+            why = (
+                "The user declined it for this session."
+                if host in self._declined
+                else f'The user was not asked; create a session with allow=["{host}"] to reach it.'
+            )
+            return _Denial(
+                "declined by the user" if host in self._declined else "not asked",
+                f"{_BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\n{why}",
+            )
+        hint = (
+            f'create a session with allow=["{host}"]'
+            if self._ceiling.allows(host, port)
+            else f"the user can allow it with {CEILING_SETTING}"
+        )
+        return _Denial(
+            "not in the allowlist",
+            f"{_BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\nTo reach it, {hint}.",
+        )
+
+    async def _ask(self, host: str, port: int) -> bool:
+        """Put one host to the user; concurrent connections to it share the question. Bounded."""
+        key = (host, port)
+        future = self._asks.get(key)
+        if future is None:
+            future = asyncio.ensure_future(self._ask_user(host, port))
+            self._asks[key] = future
+            future.add_done_callback(lambda _f: self._asks.pop(key, None))
+        try:
+            return await asyncio.shield(future)
+        except asyncio.CancelledError:
+            if future.cancelled():
+                return False
+            raise
+
+    async def _ask_user(self, host: str, port: int) -> bool:
+        """One question at a time, and at most MAX_ASKS per session: code in the sandbox picks the
+        names, and must not be able to bury the user in prompts."""
+        assert self._asker is not None
+        try:
+            await asyncio.wait_for(self._ask_lock.acquire(), ASK_TIMEOUT_S)
+        except TimeoutError:
+            return False
+        try:
+            if self._policy.allows(host, port):
+                return True  # allowed while this question waited its turn
+            if host in self._declined or self._asks_made >= MAX_ASKS:
+                return False
+            self._asks_made += 1
+            try:
+                yes = bool(await asyncio.wait_for(self._asker(host, port), ASK_TIMEOUT_S))
+            except TimeoutError:
+                yes = False
+            except Exception as exc:  # the asker is the wiring's code: its failure is a "no", never a crash
+                log.warning("egress proxy for session %s: asking about %s failed: %r", self.session_id, host, exc)
+                yes = False
+        finally:
+            self._ask_lock.release()
+        if not yes:
+            self._declined.add(host)
+            return False
+        if not self._policy.allows(host, port):
+            try:
+                self.allow(host)
+            except EgressPolicyError:
+                return False
+        return True
+
+    async def _open_upstream(
+        self, host: str, port: int
+    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, _Failure | None]:
+        """Resolve, check every address, connect to a checked one. Never connects by name."""
+        try:
+            addresses = await self._resolve(host, port)
+        except TimeoutError:
+            return None, _Failure(
+                True, "name lookup timed out", 504, "Gateway Timeout", f"looking up {host} timed out", "dns_timeout"
+            )
+        except OSError as exc:
+            return None, _Failure(
+                True,
+                "name lookup failed",
+                502,
+                "Bad Gateway",
+                f"{host} could not be resolved ({_os_reason(exc)})",
+                "dns_error",
+            )
+        check = self._address_check
+        if check is None:
+            try:
+                own = cached_host_addresses() or await asyncio.to_thread(host_addresses)
+            except OSError as exc:
+                log.warning("egress proxy: the host's own addresses cannot be read: %s", exc)
+                why = "the proxy cannot read this host's own addresses, so it refuses"
+                failure = _Failure(False, "cannot check addresses", 502, "Bad Gateway", why, "proxy_internal_error")
+                return None, failure
+
+            def check(ip: IPAddress) -> str | None:
+                return forbidden_reason(ip, own)
+
+        usable: list[IPAddress] = []
+        refused: list[str] = []
+        for ip in addresses:
+            reason = check(ip)
+            if reason is None:
+                usable.append(ip)
+            else:
+                refused.append(reason)
+        if not usable:
+            why = refused[0] if refused else "no address"
+            return None, _Failure(
+                False,
+                f"resolves to a private/loopback address ({why})",
+                403,
+                "Forbidden",
+                f"{_BLOCKED}: {host} resolves to a private/loopback address ({why}); "
+                "those are never reachable from a sandbox, whatever the allowlist says",
+                "destination_ip_prohibited",
+            )
+        deadline = time.monotonic() + self.limits.connect_timeout_s
+        last = "no address could be tried"
+        for ip in usable[:_MAX_ADDRESSES_TRIED]:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                break
+            try:
+                return await asyncio.wait_for(_connect_ip(ip, port), remaining), None
+            except TimeoutError:
+                last = "timed out"
+            except OSError as exc:
+                last = _os_reason(exc)
+        return None, _Failure(
+            True,
+            f"connect failed: {last}",
+            502,
+            "Bad Gateway",
+            f"could not connect to {host} port {port}: {last}",
+            "destination_unavailable",
+        )
+
+    async def _resolve(self, host: str, port: int) -> list[IPAddress]:
+        try:
+            return [ipaddress.ip_address(host)]
+        except ValueError:
+            pass
+        if self._resolver is not None:
+            found = await asyncio.wait_for(self._resolver(host, port), self.limits.resolve_timeout_s)
+        else:
+            found = await asyncio.wait_for(_getaddrinfo(host, port, self._resolving), self.limits.resolve_timeout_s)
+        unique: list[IPAddress] = []
+        for ip in found:
+            if ip not in unique:
+                unique.append(ip)
+        return unique
+
+
+_BLOCKED = "blocked by CodeRunner's network policy"
+_READ_CHUNK = 64 * KiB
+_CLOSE_WAIT_S = 5.0
+_BACKLOG = 1024
+_STALLED_HEAD_S = 1.0
+_MAX_ADDRESSES_TRIED = 4
+_RESOLVES_PER_PROXY = 4
+_ANSWER_DRAIN_S = 2.0
+_MAX_PHRASE = 400
+
+#: Name lookups run here, not in the loop's default executor: a session that floods slow lookups
+#: then cannot starve the server's other to_thread work.
+_lookups = ThreadPoolExecutor(max_workers=8, thread_name_prefix="egress-lookup")
+
+
+class _HeadTooLarge(Exception):
+    pass
+
+
+@dataclass
+class _Conn:
+    started: float
+    writer: asyncio.StreamWriter
+    in_head: bool = True
+    host: str = ""
+    port: int = 0
+    decided_at: float = 0.0
+    counts: _Counts | None = None
+
+
+@dataclass
+class _Counts:
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass(frozen=True)
+class _Denial:
+    reason: str
+    body: str
+    status: str = "http_request_denied"
+
+
+@dataclass(frozen=True)
+class _Failure:
+    allowed: bool
+    reason: str
+    code: int
+    phrase: str
+    body: str
+    status: str
+
+
+async def _getaddrinfo(host: str, port: int, slots: asyncio.Semaphore) -> list[IPAddress]:
+    """getaddrinfo in the lookup pool. The slot is held until the lookup really ends, not until the
+    caller stops waiting: a timed-out lookup still occupies a thread, and counts against its proxy."""
+    await slots.acquire()
+    future = asyncio.get_running_loop().run_in_executor(
+        _lookups, lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    )
+
+    def done(f: asyncio.Future[object]) -> None:
+        slots.release()
+        if not f.cancelled():
+            f.exception()  # retrieved, so a lookup nobody waits for any more is not logged as lost
+
+    future.add_done_callback(done)
+    infos = await asyncio.shield(future)
+    out: list[IPAddress] = []
+    for family, _, _, _, sockaddr in infos:
+        if family in (socket.AF_INET, socket.AF_INET6):
+            out.append(ipaddress.ip_address(sockaddr[0]))
+    return out
+
+
+async def _connect_ip(ip: IPAddress, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A TCP connection to exactly this address (a socket we made, so no name is ever looked up)."""
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setblocking(False)
+        await asyncio.get_running_loop().sock_connect(sock, (str(ip), port))
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return await asyncio.open_connection(sock=sock, limit=_READ_CHUNK)
+    except BaseException:
+        sock.close()
+        raise
+
+
+async def _read_head(reader: asyncio.StreamReader, max_bytes: int) -> tuple[bytes | None, bytes]:
+    """(head without its CRLFCRLF, bytes read past it); (None, b"") if the client closed first."""
+    buf = bytearray()
+    searched = 0
+    while True:
+        index = buf.find(b"\r\n\r\n", max(0, searched - 3))
+        if index >= 0:
+            if index > max_bytes:
+                raise _HeadTooLarge
+            return bytes(buf[:index]), bytes(buf[index + 4 :])
+        if len(buf) > max_bytes:
+            raise _HeadTooLarge
+        searched = len(buf)
+        chunk = await reader.read(max_bytes + 4 - len(buf) + 1)
+        if not chunk:
+            return None, b""
+        buf += chunk
+
+
+async def _relay(
+    client_r: asyncio.StreamReader,
+    client_w: asyncio.StreamWriter,
+    up_r: asyncio.StreamReader,
+    up_w: asyncio.StreamWriter,
+    counts: _Counts,
+    idle_s: float,
+) -> None:
+    """Copy both ways until the server side finishes, or nothing moves either way for idle_s.
+
+    The idle check is one wait with a timeout here, not a timer per read: wait_for around every
+    read costs a task per chunk on Python < 3.12 and took a third of the throughput.
+    """
+    last = [time.monotonic()]
+
+    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upward: bool) -> None:
+        while True:
+            data = await src.read(_READ_CHUNK)
+            if not data:
+                if dst.can_write_eof():
+                    with contextlib.suppress(OSError, RuntimeError):
+                        dst.write_eof()
+                return
+            last[0] = time.monotonic()
+            dst.write(data)
+            if upward:
+                counts.sent += len(data)
+            else:
+                counts.received += len(data)
+            await dst.drain()  # returns at once below the high-water mark; a stall shows as idleness
+
+    up = asyncio.ensure_future(pump(client_r, up_w, True))
+    down = asyncio.ensure_future(pump(up_r, client_w, False))
+    try:
+        pending: set[asyncio.Future[None]] = {up, down}
+        while pending:
+            wait_s = max(0.0, last[0] + idle_s - time.monotonic())
+            done, pending = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
+            if not done:
+                if time.monotonic() - last[0] >= idle_s:
+                    return  # idle both ways
+                continue
+            for task in done:
+                if task.exception() is not None:
+                    return  # an error on one side ends the whole connection
+            if down in done:
+                return  # the server finished; what the client still sends has nowhere to go
+    finally:
+        for task in (up, down):
+            task.cancel()
+        await asyncio.gather(up, down, return_exceptions=True)
+
+
+async def _answer(writer: asyncio.StreamWriter, code: int, phrase: str, body: str, *, status: str = "") -> None:
+    """Send a short plain-text answer and let the connection close.
+
+    Refusals (403, 5xx) also carry the body's first line in the reason phrase: clients that report a
+    failed CONNECT print the status line but not the body (Python's http.client: "Tunnel connection
+    failed: 403 Forbidden (blocked by ...)"), so that is where pip and requests users can see it.
+    """
+    data = (body + "\n").encode("utf-8", "replace")
+    if code == 403 or code >= 500:
+        first = "".join(ch for ch in body.split("\n", 1)[0] if " " <= ch <= "~")[:_MAX_PHRASE]
+        phrase = f"{phrase} ({first})"
+    lines = [
+        f"HTTP/1.1 {code} {phrase}",
+        "Content-Type: text/plain; charset=utf-8",
+        f"Content-Length: {len(data)}",
+        "Connection: close",
+        "X-CodeRunner-Egress: " + ("denied" if code == 403 else "error"),
+    ]
+    if status:
+        lines.append(f"Proxy-Status: coderunner; error={status}")
+    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + data)
+    with contextlib.suppress(OSError, asyncio.TimeoutError, ConnectionError):
+        await asyncio.wait_for(writer.drain(), _ANSWER_DRAIN_S)
+
+
+def _close(writer: asyncio.StreamWriter) -> None:
+    with contextlib.suppress(OSError, RuntimeError):
+        writer.close()
+
+
+def _os_reason(exc: OSError) -> str:
+    if isinstance(exc, socket.gaierror):
+        return exc.strerror or "lookup failed"
+    return exc.strerror or type(exc).__name__

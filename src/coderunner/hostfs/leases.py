@@ -1,0 +1,153 @@
+"""Leasing a sandbox's host side: its dirs, its host uid, its mounts, and handing them back.
+
+Sessions and one-shot runs both take a lease here before they start a sandbox and return it
+when it ends, so the order (uid, dirs and workspace, mounts; then the reverse) is written once.
+The layout itself is session_dirs.py's; the workspace is workspace.py's. The slow parts (mkfs,
+mount, an id-map helper, chown walks) run in worker threads.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import anyio
+
+from coderunner.config import Settings
+from coderunner.errors import SessionError
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.hostfs.exports import ExportError, client_folder, folder_owner, prepare_export_dir
+from coderunner.hostfs.sandbox_mounts import ExportPlan, MountsError, SandboxMounts, prepare_mounts
+from coderunner.hostfs.session_dirs import SandboxDirs, open_sandbox_dirs
+from coderunner.hostfs.workspaces import Workspace, WorkspaceError, named_workspace_dir
+from coderunner.policy.sandbox_options import SandboxOptions
+from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec, UidPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SandboxLeases:
+    """Hands out and takes back the host side of sandboxes, for one server's settings and backend."""
+
+    settings: Settings
+    backend: SandboxBackend
+    #: A root server's per-sandbox host uids (None: all sandboxes run as one user).
+    users: UidPool | None = None
+
+    async def open_dirs(
+        self, options: SandboxOptions, throwaway: bool = False, owner: tuple[int, int] | None = None
+    ) -> SandboxDirs:
+        """A sandbox's host side (see session_dirs.py), made in a worker thread: creating a capped
+        workspace runs mkfs and mount. Raises SessionError.
+
+        `throwaway` (a one-shot run): the capped workspace is a tmpfs, at most the memory limit in size.
+        `owner`: the host (uid, gid) a gVisor checkpoint's processes run as, for its restored copy.
+        """
+        stable = f"named/{options.client}/{options.name}" if options.persistent else None
+        if self.users is None:
+            user = self.backend.identity
+        elif owner is not None:
+            try:
+                user = self.users.adopt(*owner)
+            except ValueError as exc:
+                raise SessionError(f"cannot restore this snapshot here: {exc}") from None
+        else:
+            user = self.users.allocate(stable)
+
+        def make_workspace(key: str, owner: tuple[int, int] | None) -> Workspace:
+            if options.persistent:
+                assert options.name is not None
+                path = named_workspace_dir(self.settings.workspaces_dir, options.client, options.name,
+                                           self.backend.dir_mode)  # fmt: skip
+            else:
+                path = self.settings.workspaces_dir / key
+            size_mb = options.limits.disk_mb
+            if throwaway and size_mb is not None and options.limits.memory_mb:
+                size_mb = min(size_mb, options.limits.memory_mb)
+            workspace = Workspace.create(
+                path, size_mb, self.settings.workspace_quota, persistent=options.persistent, throwaway=throwaway
+            )
+            try:
+                if owner is not None:
+                    chown_workspace(workspace, owner)
+            except BaseException:
+                workspace.remove()
+                raise
+            return workspace
+
+        def make() -> SandboxDirs:
+            return open_sandbox_dirs(
+                self.settings.runtime_dir,
+                network=options.network,
+                dir_mode=self.backend.dir_mode,
+                user=user,
+                make_workspace=make_workspace,
+            )
+
+        try:
+            return await anyio.to_thread.run_sync(make)
+        except (OSError, WorkspaceError) as exc:
+            if self.users is not None:
+                self.users.release(user)
+            raise SessionError(f"could not open the session workspace: {exc}") from None
+
+    async def close_dirs(self, dirs: SandboxDirs) -> None:
+        """Remove a sandbox's dirs and give its host uid back (shielded: it must finish)."""
+        with anyio.CancelScope(shield=True):
+            await anyio.to_thread.run_sync(dirs.close)
+        self.release_user(dirs)
+
+    def release_user(self, dirs: SandboxDirs) -> None:
+        """Give the sandbox's host uid back to the pool, once nothing of it runs."""
+        if self.users is not None:
+            self.users.release(dirs.user)
+
+    def export_plan(self, client: str) -> ExportPlan | None:
+        """Where `client`'s sandboxes save exports (export_mount) and where those land on the host."""
+        export_dir = self.settings.export_dir
+        if export_dir is None:
+            return None
+        root = prepare_export_dir(export_dir)
+        return ExportPlan(
+            mount=self.settings.export_mount,
+            target=client_folder(root, client),
+            limit_bytes=self.settings.export_limit_mb * 2**20,
+            owner=folder_owner(root, None),
+        )
+
+    def prepare_mounts(self, options: SandboxOptions, dirs: SandboxDirs, fresh: bool = True) -> SandboxMounts:
+        """A sandbox's mounts (staged in its host-only dir on a root server) and its outbox; raises
+        SessionError. Runs in a worker thread (mount syscalls, an id-map helper process)."""
+        try:
+            return prepare_mounts(options.mounts, dirs.top, dirs.workspace.path, dirs.owner,
+                                  self.export_plan(options.client), fresh_workspace=fresh)  # fmt: skip
+        except (MountsError, ExportError, OSError) as exc:
+            raise SessionError(f"could not prepare the sandbox's folders: {exc}") from None
+
+
+def sandbox_spec(options: SandboxOptions, dirs: SandboxDirs, mounts: tuple[Mount, ...]) -> SandboxSpec:
+    """What a backend needs to start a sandbox with these options in these dirs, with these mounts
+    (as the sandbox gets them: staged on a root server)."""
+    return SandboxSpec(
+        name=dirs.key,
+        workspace=dirs.workspace.path,
+        runtime_dir=dirs.run_dir,
+        host_dir=dirs.host_dir,
+        limits=options.limits,
+        network=options.network,
+        mounts=mounts,
+        user=dirs.user,
+    )
+
+
+def chown_workspace(workspace: Workspace, owner: tuple[int, int]) -> None:
+    """Chown the workspace to the sandbox's host user, by fd; a reopened persistent one whose files
+    belong to another uid (an older server's) is re-owned entry by entry, links never followed."""
+    with hostfs.dir_fd(workspace.path) as fd:
+        if workspace.persistent and (os.fstat(fd).st_uid, os.fstat(fd).st_gid) != owner:
+            if not hostfs.chown_tree(fd, owner):
+                log.warning("workspace %s: some entries (too deep, or too many) keep their old owner", workspace.path)
+        else:
+            os.fchown(fd, *owner)

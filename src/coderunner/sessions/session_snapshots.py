@@ -1,0 +1,484 @@
+"""Session snapshots: save a session (workspace files and kernel state) into the store, and seed a
+new session from one. The manager opens sessions; this module says what goes into and out of them.
+
+Saving: with no cell running, the guest (coderunner_guest/snapshot.py) pickles the user's namespace
+inside the sandbox into WORKSPACE/.coderunner/snapshot; the host moves that folder into a draft in
+the store and copies the workspace beside it, both through directory fds (snapshot_store.py), then
+commits. Restoring: before any sandbox runs on the new workspace, the host copies the snapshot's
+files into it, moves planted start-up hooks aside as for a reopened workspace (startup_hooks.py),
+and stages the state read-only in the new sandbox's host dir; once the kernel is up the guest loads
+it there. Nothing of a snapshot is unpickled on the host, and loading runs no code but unpickling
+the user's own objects, inside the new sandbox.
+
+Memory snapshots (a backend with `checkpoint`: gvisor): snapshot_session, fork_session and
+restore_session save and restore the whole sandbox instead (runsc checkpoint: every variable, thread,
+open file and /tmp), its workspace copied while it is stopped so that files and memory agree. The
+image is written and read by runsc only, in the host-only store. keep_state stays on the pickled
+path on every backend (it must survive an upgrade of runsc or the image, which a checkpoint does not).
+
+What the guest reports (its save and load accounts) comes from inside the sandbox: it is checked
+against a schema (SaveReport, LoadReport) and cut to a fixed size before it is kept in meta.json or
+shown; one of the wrong shape refuses the snapshot. A padded report can thus neither bloat the
+store's records nor hide a snapshot from its owner (a record past MAX_META_BYTES would be unreadable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import anyio
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from coderunner.config import Settings
+from coderunner.errors import CodeRunnerError
+from coderunner.hostfs import dirfd as hostfs
+from coderunner.hostfs.session_dirs import SandboxDirs
+from coderunner.kernel.incarnation import CheckpointFailed
+from coderunner.kernel.startup_hooks import disable_startup_hooks
+from coderunner.offload import off_loop
+from coderunner.sandbox import SandboxBackend
+from coderunner.sessions.session import GUEST_MARGIN_S, Session
+from coderunner.snapshots.store import CopyReport, SnapshotError, SnapshotMeta, SnapshotStore
+
+log = logging.getLogger(__name__)
+
+#: Where the guest writes the state, relative to the workspace (host-read by fds, then removed).
+STATE_IN_WORKSPACE = ".coderunner/snapshot"
+#: The staged state's folder in a restored sandbox's host dir (read-only there).
+STAGED_STATE = "snapshot"
+#: What a keep_state session's own snapshot is called.
+KEEP_PREFIX = "keep-"
+#: Kinds of SnapshotMeta.
+SNAPSHOT, PERSISTENT = "snapshot", "persistent"
+
+
+#: Characters kept of one name, type or reason in a guest report (and of a snapshot's label).
+REPORT_TEXT = 200
+#: Entries of one list of a guest report that are checked (the rest are only counted).
+REPORT_ITEMS = 5_000
+#: Bytes (as JSON) one list of a guest report may take; what does not fit is counted in `left_out`.
+REPORT_LIST_BYTES = 40 * 1024
+
+
+def _clip(value: object) -> object:
+    return value[:REPORT_TEXT] if isinstance(value, str) else value
+
+
+def _head(value: object) -> object:
+    return value[:REPORT_ITEMS] if isinstance(value, list) else value
+
+
+Clipped = Annotated[str, BeforeValidator(_clip)]
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Report(BaseModel):
+    """A guest account: strict types, unknown keys dropped, every string clipped."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
+
+
+class SavedVariable(_Report):
+    name: Clipped
+    type: Clipped = ""
+    bytes: Count = 0
+
+
+class SavedModule(_Report):
+    name: Clipped
+    module: Clipped = ""
+
+
+class LeftOut(_Report):
+    name: Clipped
+    type: Clipped = ""
+    reason: Clipped = ""
+
+
+class FailedLoad(_Report):
+    name: Clipped
+    reason: Clipped = ""
+
+
+class SaveReport(_Report):
+    """The guest's account of a save (coderunner_guest/snapshot.py `save`), as the host keeps it."""
+
+    saved: Annotated[list[SavedVariable], BeforeValidator(_head)] = []
+    modules: Annotated[list[SavedModule], BeforeValidator(_head)] = []
+    skipped: Annotated[list[LeftOut], BeforeValidator(_head)] = []
+    bytes: Count = 0
+    not_carried: Annotated[list[Clipped], BeforeValidator(_head)] = []
+
+
+class LoadReport(_Report):
+    """The guest's account of a load, as the host shows it."""
+
+    restored: Annotated[list[Clipped], BeforeValidator(_head)] = []
+    modules: Annotated[list[Clipped], BeforeValidator(_head)] = []
+    failed: Annotated[list[FailedLoad], BeforeValidator(_head)] = []
+    not_carried: Annotated[list[Clipped], BeforeValidator(_head)] = []
+    skipped: Annotated[list[LeftOut], BeforeValidator(_head)] = []
+
+
+def bounded_report(raw: object, model: type[_Report]) -> dict[str, Any]:
+    """`raw` (a guest's answer) checked against `model`, each list cut to REPORT_LIST_BYTES;
+    `left_out` counts, per list, the entries cut. Raises SnapshotError when it has another shape."""
+    if not isinstance(raw, dict):
+        raise _bad_report()
+    try:
+        report = model.model_validate(raw).model_dump()
+    except (ValidationError, RecursionError):
+        raise _bad_report() from None
+    left_out: dict[str, int] = {}
+    for key, items in report.items():
+        if isinstance(items, list):
+            report[key] = kept = _fit(items, REPORT_LIST_BYTES)
+            given = raw.get(key)
+            cut = (len(given) if isinstance(given, list) else 0) - len(kept)
+            if cut > 0:
+                left_out[key] = cut
+    if left_out:
+        report["left_out"] = left_out
+    return report
+
+
+def bounded_load_report(raw: object) -> dict[str, Any]:
+    """The load's account (bounded_report); one of another shape is said, not raised: the state is loaded."""
+    try:
+        return bounded_report(raw, LoadReport)
+    except SnapshotError:
+        return {"failed": [{"name": "(all)", "reason": "the kernel's account of the load was unreadable"}]}
+
+
+def report_count(report: dict[str, Any], key: str) -> int:
+    """How many entries the guest's list `key` had, those cut from the record included."""
+    items, left_out = report.get(key), report.get("left_out")
+    cut = left_out.get(key, 0) if isinstance(left_out, dict) else 0
+    return (len(items) if isinstance(items, list) else 0) + (cut if isinstance(cut, int) else 0)
+
+
+def _fit(items: list[Any], budget: int) -> list[Any]:
+    """The first items whose JSON (as meta.json writes it) fits in `budget` bytes."""
+    kept = []
+    for item in items:
+        budget -= len(json.dumps(item)) + 2
+        if budget < 0:
+            break
+        kept.append(item)
+    return kept
+
+
+def _bad_report() -> SnapshotError:
+    return SnapshotError(
+        "the kernel's account of the save is not what CodeRunner's guest writes (it was changed inside the "
+        "sandbox); nothing was kept. Run the snapshot again; if it repeats, restart the session (kernel_reset)"
+    )
+
+
+def keep_id(name: str) -> str:
+    """The snapshot id of a persistent session's saved state."""
+    return f"{KEEP_PREFIX}{name}"
+
+
+@dataclass
+class Taken:
+    """A snapshot just made, and what its workspace copy took."""
+
+    meta: SnapshotMeta
+    workspace: CopyReport | None
+    seconds: float
+
+
+@dataclass
+class Seed:
+    """What a new session starts from: a snapshot (its workspace files, if `with_workspace`, and its
+    kernel state), filled in by `SessionSnapshots.plant` and `load`."""
+
+    client: str
+    snapshot_id: str
+    with_workspace: bool = True
+    meta: SnapshotMeta | None = None
+    workspace: CopyReport | None = None
+    #: The guest's account of the load (restored, modules, failed, not_carried).
+    loaded: dict[str, Any] = field(default_factory=dict)
+    #: Start-up hooks found in the restored files (startup_hooks.py), for the reply.
+    startup: dict[str, Any] | None = None
+    #: A memory snapshot's checkpoint, restored in place of a fresh kernel (set by `plant`).
+    memory: MemoryImage | None = None
+
+
+@dataclass(frozen=True)
+class MemoryImage:
+    """A gVisor checkpoint in the store: runsc reads `image_dir`; `connection` reaches the kernel in it;
+    `owner` is the host (uid, gid) its processes run as and keep when restored (None: the server's)."""
+
+    image_dir: Path
+    connection: dict[str, Any]
+    owner: tuple[int, int] | None
+
+
+#: What a memory snapshot carries, and what it cannot (for replies).
+MEMORY_CARRIES = "the kernel's whole memory: every variable, import, running thread, open file and /tmp"
+MEMORY_NEVER = ["connections to the outside (the host reconnects the kernel's own channels)"]
+
+
+def memory_key(meta: SnapshotMeta) -> str | None:
+    """The runtime a memory snapshot needs (SandboxBackend.checkpoint_key), or None for a pickled one."""
+    memory = meta.state_report.get("memory")
+    return str(memory.get("runtime")) if isinstance(memory, dict) else None
+
+
+def takes_memory(backend: SandboxBackend) -> bool:
+    return callable(getattr(backend, "checkpoint", None))
+
+
+class SessionSnapshots:
+    """The server's snapshots: its store, and saving and seeding sessions with it."""
+
+    def __init__(self, store: SnapshotStore, settings: Settings, backend: SandboxBackend) -> None:
+        self.store = store
+        self.settings = settings
+        self.backend = backend
+
+    @classmethod
+    def for_settings(cls, settings: Settings, backend: SandboxBackend) -> SessionSnapshots:
+        store = SnapshotStore(
+            settings.snapshot_root,
+            limit_bytes=settings.snapshot_limit_mb * 2**20,
+            keep=settings.snapshot_keep,
+            retention_s=settings.snapshot_retention_s,
+        )
+        return cls(store, settings, backend)
+
+    async def open(self) -> None:
+        await anyio.to_thread.run_sync(self.store.open)
+
+    async def take(
+        self, session: Session, *, name: str = "", kind: str = SNAPSHOT, snapshot_id: str | None = None,
+        wait_s: float | None = None,
+    ) -> Taken:  # fmt: skip
+        """Snapshot `session` (its workspace too unless `kind` is PERSISTENT) with no cell running.
+
+        Waits `wait_s` (default: snapshot_timeout_s) for a running call; refuses at once while a job
+        runs detached. Raises SessionError, GuestCallError, SnapshotError.
+        """
+        started = time.monotonic()
+        if kind != PERSISTENT and takes_memory(self.backend):
+            return await self._take_memory(session, name, snapshot_id, wait_s, started)
+        timeout = self.settings.snapshot_timeout_s
+        state_dir = f"{self.backend.workspace_path}/{STATE_IN_WORKSPACE}"
+        arguments = {"op": "save", "dir": state_dir, "limit_bytes": self.store.limit_bytes}
+        client = session.options.client
+        with_workspace = kind != PERSISTENT
+        async with session.held(timeout if wait_s is None else wait_s):
+            raw = await session.call_guest_held("snapshot", arguments, timeout)
+
+            def build() -> tuple[SnapshotMeta, CopyReport | None]:
+                draft = self.store.draft(client)
+                try:
+                    with hostfs.dir_fd(session.workspace.path) as workspace_fd:
+                        # Copied, not removed: the guest removes its own folder (see discard).
+                        state_bytes = draft.take_state(workspace_fd, STATE_IN_WORKSPACE, remove=False)
+                        copied = draft.copy_workspace(workspace_fd, STATE_IN_WORKSPACE) if with_workspace else None
+                    meta = self._meta(session, name, kind, snapshot_id, copied, state_bytes, report)
+                    return draft.commit(meta), copied
+                except BaseException:
+                    draft.discard()
+                    raise
+
+            try:
+                report = bounded_report(raw, SaveReport)  # before anything of it is kept
+                meta, copied = await off_loop(build, bulk=True)
+            finally:
+                # The guest's folder never outlives the call, whatever failed: removed from inside
+                # first (under gVisor a host-side delete leaves the space taken until the sandbox
+                # ends), then by the host through fds in case the guest could not.
+                with anyio.move_on_after(2 * GUEST_MARGIN_S, shield=True):  # a cancelled call cleans up too
+                    with contextlib.suppress(CodeRunnerError):
+                        await session.call_guest_held("snapshot", {"op": "discard", "dir": state_dir}, GUEST_MARGIN_S)
+                    await off_loop(_remove_state_dir, session)
+        return Taken(meta, copied, time.monotonic() - started)
+
+    async def _take_memory(
+        self, session: Session, name: str, snapshot_id: str | None, wait_s: float | None, started: float
+    ) -> Taken:
+        """A memory snapshot: the sandbox checkpointed by runsc (and restored in place to run on), its
+        workspace copied while it is stopped. A failed checkpoint keeps nothing; the reply says
+        whether the kernel carried on."""
+        timeout = self.settings.snapshot_timeout_s
+        client = session.options.client
+        backend: Any = self.backend
+        async with session.held(timeout if wait_s is None else wait_s):
+            kernel = session.kernel
+            assert kernel is not None
+            draft = await off_loop(self.store.draft, client)
+            try:
+                image_dir = await off_loop(draft.memory_dir)
+                copied: list[CopyReport] = []
+
+                def copy_workspace() -> None:
+                    with hostfs.dir_fd(session.workspace.path) as workspace_fd:
+                        copied.append(draft.copy_workspace(workspace_fd, STATE_IN_WORKSPACE))
+
+                async def while_stopped() -> None:
+                    await off_loop(copy_workspace, bulk=True)
+
+                try:
+                    await kernel.checkpoint(image_dir, timeout, while_stopped)
+                except CheckpointFailed as exc:
+                    lost = "" if kernel.alive else "; the kernel did not survive it: the next call starts a fresh one"
+                    raise SnapshotError(f"the memory checkpoint failed: {exc}{lost}") from None
+                state_bytes = await off_loop(draft.charge_memory, kernel.saved_connection())
+                report = {"memory": {"runtime": backend.checkpoint_key()}, "not_carried": MEMORY_NEVER}
+                workspace = copied[0] if copied else None
+                meta = self._meta(session, name, SNAPSHOT, snapshot_id, workspace, state_bytes, report)
+                meta = await off_loop(draft.commit, meta)
+            except BaseException:
+                await off_loop(draft.discard)
+                raise
+        return Taken(meta, copied[0] if copied else None, time.monotonic() - started)
+
+    def _meta(
+        self, session: Session, name: str, kind: str, snapshot_id: str | None, copied: CopyReport | None,
+        state_bytes: int, report: dict[str, Any],
+    ) -> SnapshotMeta:  # fmt: skip
+        return SnapshotMeta(
+            snapshot_id=snapshot_id or self.store.new_id(),
+            client=session.options.client,
+            name=name[:REPORT_TEXT],
+            created=time.time(),
+            kind=kind,
+            source_session=session.session_id[:8],
+            backend=self.backend.name,
+            options=restore_options(session),
+            workspace_bytes=copied.bytes if copied is not None else 0,
+            state_bytes=state_bytes,
+            state_report=report,
+        )
+
+    def resolve(self, seed: Seed) -> None:
+        """Look `seed`'s snapshot up (a worker thread), before the new sandbox's dirs are made: a
+        memory snapshot says whose uid they must be. Raises SnapshotNotFound, SnapshotError."""
+        seed.meta = self.store.get(seed.client, seed.snapshot_id)
+        if (needs := memory_key(seed.meta)) is not None:
+            if not takes_memory(self.backend) or needs != self.backend.checkpoint_key():  # type: ignore[attr-defined]
+                raise SnapshotError(
+                    f"snapshot {seed.snapshot_id} is a gVisor memory snapshot and restores only on the gvisor "
+                    "backend with the same runsc and sandbox image it was taken with; this server runs "
+                    f"{self.backend.name}" + (" with another runsc or image" if takes_memory(self.backend) else "")
+                )
+            image_dir, connection = self.store.memory_image(seed.client, seed.snapshot_id)
+            owner = self.backend.checkpoint_owner(image_dir)  # type: ignore[attr-defined]
+            seed.memory = MemoryImage(image_dir, connection, owner)
+
+    def plant(self, seed: Seed, dirs: SandboxDirs) -> None:
+        """Fill a new sandbox's dirs from `seed` (after `resolve`) before any sandbox runs on them (a
+        worker thread): the workspace files, planted start-up hooks moved aside, the state staged read-only."""
+        if seed.meta is None:
+            self.resolve(seed)
+        try:
+            if seed.with_workspace:
+                with hostfs.dir_fd(dirs.workspace.path) as workspace_fd:
+                    cap = dirs.workspace.size_mb * 2**20 if dirs.workspace.size_mb is not None else None
+                    seed.workspace = self.store.restore_workspace(
+                        seed.client, seed.snapshot_id, workspace_fd, dirs.owner, limit_bytes=cap
+                    )
+                seed.startup = disable_startup_hooks(dirs.workspace.path).as_dict()
+            if seed.memory is None:
+                self.store.stage_state(seed.client, seed.snapshot_id, dirs.host_fd, STAGED_STATE, dirs.owner)
+        except OSError as exc:
+            raise SnapshotError(
+                f"could not restore snapshot {seed.snapshot_id}: {exc.strerror or exc} (the snapshot is unchanged)"
+            ) from None
+
+    async def load(self, seed: Seed, session: Session) -> None:
+        """Load the staged state into `session`'s fresh kernel, then drop the staged copy."""
+        if seed.memory is not None:  # the kernel was restored whole (Session.restore_kernel)
+            seed.loaded = {"restored": [MEMORY_CARRIES], "not_carried": MEMORY_NEVER}
+            return
+        inside = f"{self.backend.host_dir_inside(session.spec)}/{STAGED_STATE}"
+        try:
+            raw = await session.call_guest("snapshot", {"op": "load", "dir": inside}, self.settings.snapshot_timeout_s)
+            seed.loaded = bounded_load_report(raw)
+        finally:
+            await off_loop(_drop_staged, session.dirs)
+
+    async def save_on_close(self, session: Session) -> str | None:
+        """A keep_state session is closing: save its kernel state as keep-<name> unless nothing ran
+        since the last save (bounded). What happened, in words, or None when there was nothing to do."""
+        if not session.options.keep_state or not session.state_armed or session.options.name is None:
+            return None
+        if not session.state_dirty:
+            return session.state_note or "kernel state unchanged since it was loaded"
+        return await self.save_kept(session, wait_s=self.settings.interrupt_grace_s)
+
+    async def save_kept(self, session: Session, wait_s: float) -> str:
+        """Save a keep_state session's kernel state as keep-<name> (bounded); what happened, in words
+        (also kept as the session's state_note). A failure keeps the last saved state."""
+        assert session.options.name is not None
+        kernel = session.kernel
+        if kernel is None or not kernel.alive:
+            return "kernel state not saved: the kernel was not running (the last saved state is kept)"
+        try:
+            with anyio.fail_after(self.settings.snapshot_timeout_s + 5):
+                taken = await self.take(
+                    session, kind=PERSISTENT, snapshot_id=keep_id(session.options.name), wait_s=wait_s
+                )
+        except TimeoutError:
+            note = "kernel state not saved: saving took too long (the last saved state is kept)"
+        except CodeRunnerError as exc:
+            note = f"kernel state not saved: {exc} (the last saved state is kept)"
+        except Exception:  # a bug: the session goes on, and the log has the traceback
+            log.exception("session %s…: saving its kept state failed", session.session_id[:6])
+            note = "kernel state not saved: an internal error (see the server log); the last saved state is kept"
+        else:
+            saved = report_count(taken.meta.state_report, "saved")
+            size = taken.meta.state_bytes / 2**20
+            when = time.strftime("%H:%M:%SZ", time.gmtime(taken.meta.created))
+            note = f"kernel state saved at {when} ({saved} variables, {size:.1f} MiB); keep_state reopens it"
+        # Saved or not, this state was tried: the next attempt waits for new work (no retry loop).
+        session.mark_state_saved(note)
+        return note
+
+
+def restore_options(session: Session) -> dict[str, Any]:
+    """The options a restore starts from (no mounts, no name: those belong to the original)."""
+    options = session.options
+    return {
+        "network": options.network,
+        "allow": list(options.allow),
+        "memory_mb": options.limits.memory_mb,
+        "cpus": options.limits.cpus,
+        "timeout_s": options.timeout_s,
+    }
+
+
+def _remove_state_dir(session: Session) -> None:
+    """Remove WORKSPACE/.coderunner/snapshot, by fds, if the guest left it (links never followed)."""
+    parent, _, name = STATE_IN_WORKSPACE.rpartition("/")
+    with contextlib.suppress(OSError), hostfs.dir_fd(session.workspace.path) as workspace_fd:
+        parent_fd = hostfs.open_dir(parent, dir_fd=workspace_fd)
+        try:
+            hostfs.remove_tree(parent_fd, name)
+        finally:
+            os.close(parent_fd)
+
+
+def _drop_staged(dirs: SandboxDirs) -> None:
+    """Remove the staged state from the host-only host/ dir: its folder is made writable again first
+    (it is 0500 so that the sandbox user, its owner, cannot change it; a server that is not root
+    needs the write bit back to empty it)."""
+    with contextlib.suppress(FileNotFoundError):
+        folder = hostfs.open_dir(STAGED_STATE, dir_fd=dirs.host_fd)
+        try:
+            os.fchmod(folder, 0o700)
+        finally:
+            os.close(folder)
+    hostfs.remove_tree(dirs.host_fd, STAGED_STATE)

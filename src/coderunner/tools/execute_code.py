@@ -1,0 +1,90 @@
+"""execute_code and validate_code: a whole program once, in a fresh throwaway sandbox."""
+
+# No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
+
+from dataclasses import asdict
+from typing import Annotated
+
+import anyio
+from mcp.server.mcpserver import Context
+from mcp.types import CallToolResult, ToolAnnotations
+from pydantic import Field
+
+from coderunner.policy.call_variables import check_variables, parse_variables
+from coderunner.sessions.job_runner import Job, attend, label_of
+from coderunner.sessions.oneshot_runs import OneShotError, OneShotResult
+from coderunner.tools.arguments import DetachAfter, LanguageArg, MemoryMb, VariablesArg, network_arg
+from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.jobs import oneshot_job_reply, oneshot_status
+
+#: execute_code runs one client may have going or waiting for a slot, per slot of its share (each a task).
+MAX_JOBS_PER_SHARE = 4
+#: Largest stdin execute_code passes on.
+MAX_STDIN_CHARS = 4 * 2**20
+
+
+def register(tools: ToolContext) -> None:
+    settings = tools.settings
+    manager = tools.manager
+
+    @tools.tool()  # not closed-world: it may run with network internet
+    async def execute_code(
+        language: LanguageArg,
+        code: str,
+        ctx: Context,
+        stdin: str = "",
+        variables: VariablesArg = "",
+        timeout_s: Annotated[float, Field(ge=1)] = settings.timeout_s,
+        memory_mb: MemoryMb = settings.memory_mb,
+        network: network_arg(settings.network_ceiling) = (settings.network),
+        detach_after_s: DetachAfter = None,
+    ) -> CallToolResult:
+        """Run a whole program once in a fresh sandbox, nothing kept (javascript: Node.js). Returns exit_code,
+        stdout, stderr, timed_out, time and memory used; or a job id (detach_after_s)."""
+        if len(stdin) > MAX_STDIN_CHARS:
+            raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
+        values = check_variables(parse_variables(variables), language)
+        options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
+        share = tools.share(ctx)
+
+        async def work(job: Job) -> OneShotResult:
+            try:
+                return await manager.oneshot.run(language, code, options, stdin=stdin.encode(), variables=values,
+                                                 caller=share, on_egress=network.attach)  # fmt: skip
+            except anyio.get_cancelled_exc_class():
+                job.notice = "cancelled: its sandbox was killed (a one-shot run keeps nothing)"
+                raise
+
+        table = manager.jobs
+        caller = tools.caller(ctx)
+        most = MAX_JOBS_PER_SHARE * settings.max_oneshot_runs_per_client
+        if table.running_of(caller) >= most:
+            raise OneShotError(
+                f"this client already has {most} execute_code runs going or waiting for a sandbox: wait_job or "
+                "cancel_job one of them (list_jobs shows them)"
+            )
+        job = Job(job_id=table.new_id(), kind="execute_code", label=label_of(code), owner=caller)
+        wait = settings.detach_after_s if detach_after_s is None else detach_after_s
+        with tools.egress_calls.oneshot(ctx) as network:
+            table.start(job, work, oneshot_status)
+            if not await attend(job, wait):
+                job.detached = True
+                if network.egress is not None:
+                    network.egress.set_asker(None)  # this call's client is gone: nobody left to ask
+                return oneshot_job_reply(job)
+            table.forget(job)
+            if job.failure is not None:
+                raise job.failure
+            if not isinstance(job.result, OneShotResult):
+                raise OneShotError(job.notice or "the run ended without a result")
+        payload = asdict(job.result)
+        if note := network.note():
+            payload["network"] = note
+        return json_result(payload, is_error=not job.result.success)
+
+    @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
+        """Syntax errors (line, column) of code, without running it."""
+        options = manager.options(client=tools.client(ctx))
+        errors = await manager.oneshot.check(language, code, options, caller=tools.share(ctx))
+        return json_result({"language": language, "valid": not errors, "errors": errors})

@@ -1,0 +1,159 @@
+"""Tool input schemas that every function-calling API takes unchanged, at the least cost per turn.
+
+The SDK derives each schema from the tool's signature with pydantic; this module tidies the result
+once, at registration, instead of anyone writing JSON by hand:
+
+- no `title` anywhere: pydantic's automatic titles repeat the names and cost tokens on every turn;
+- `anyOf: [X, {type: null}]` becomes `type: [X, "null"]`, and `default` null or "" goes: Gemini drops the
+  description of an argument under `anyOf`, while a nullable type keeps it (google-genai reads it as
+  `nullable`), and OpenAI's strict mode (which makes every argument required) can still say "none";
+- no `additionalProperties` keyword at all: google-genai's MCP conversion fails on any boolean there
+  (`'bool' object has no attribute 'items'`, true or false alike), and strict converters
+  (openai-agents, Anthropic, langchain) add `false` themselves to an object that has properties.
+  Closure is enforced where it counts, on our side: an unknown argument is refused with its name;
+- no free-form objects: an object schema without declared properties is a registration error,
+  since strict converters either reject it or silently close it to `{}`.
+
+`SchemaError` at start-up means a tool signature needs changing, never a client's fault.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Collection
+from typing import Any
+
+from mcp.server.mcpserver import MCPServer
+from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
+from mcp.types import CallToolResult, TextContent
+from pydantic import ValidationError
+
+from coderunner.policy.tool_groups import ALL_TOOLS
+
+NULL = {"type": "null"}
+
+
+class SchemaError(ValueError):
+    """A tool signature produced a schema some function-calling API would reject or degrade."""
+
+
+def portable_schema(schema: dict[str, Any], tool: str = "tool") -> dict[str, Any]:
+    """The tool's input schema as every converter accepts it (see the module doc)."""
+    if "$defs" in schema or "$ref" in str(schema):
+        raise SchemaError(f"{tool}: nested models make $ref schemas; use flat arguments")
+    tidy = _tidy(schema, tool, root=True)
+    tidy.setdefault("properties", {})
+    if tidy.get("type") != "object":
+        raise SchemaError(f"{tool}: the input schema must be an object")
+    return tidy
+
+
+def _tidy(node: dict[str, Any], where: str, root: bool = False) -> dict[str, Any]:
+    node = {key: value for key, value in node.items() if key != "title"}
+    variants = node.pop("anyOf", None)
+    if variants is not None:
+        node = _nullable(variants, node, where)
+    if "default" in node and node["default"] in (None, ""):
+        del node["default"]  # says nothing a model can use
+    extra = node.pop("additionalProperties", False)
+    if extra is not False:
+        raise SchemaError(f"{where}: a free-form object; declare its fields or take a JSON string")
+    if node.get("type") == "object" and not node.get("properties") and not root:
+        raise SchemaError(f"{where}: an object without declared properties")
+    if "properties" in node:
+        node["properties"] = {name: _tidy(sub, f"{where}.{name}") for name, sub in node["properties"].items()}
+    if isinstance(node.get("items"), dict):
+        node["items"] = _tidy(node["items"], f"{where}[]")
+    return node
+
+
+def _nullable(variants: list[Any], rest: dict[str, Any], where: str) -> dict[str, Any]:
+    """`anyOf [X, null]` -> X with a nullable type; any other union is refused."""
+    others = [variant for variant in variants if variant != NULL]
+    if len(variants) != 2 or len(others) != 1 or not isinstance(others[0].get("type"), str):
+        raise SchemaError(f"{where}: a union other than 'X or null'; split it into separate arguments")
+    other = _tidy(others[0], where)
+    return {**other, **rest, "type": [other["type"], "null"]}
+
+
+def tool_description(text: str | None) -> str:
+    """A docstring without its source indentation (which would otherwise go out on every turn)."""
+    return inspect.cleandoc(text or "")
+
+
+def finish_tools(server: MCPServer, enabled: Collection[str]) -> None:
+    """Keep only the enabled tools; make each one's schema portable and its arguments closed.
+
+    mcp 2.3 has no public way to edit a registered tool, hence the guarded private access.
+    """
+    manager = getattr(server, "_tool_manager", None)
+    if manager is None:
+        raise SchemaError("this mcp version keeps its tools elsewhere; tool schemas cannot be finished")
+    for tool in list(manager.list_tools()):
+        if tool.name not in ALL_TOOLS:  # else no `tools` setting could ever offer it: it would vanish unseen
+            raise SchemaError(f"{tool.name}: in no tool group; add it to toolsets.TOOL_GROUPS")
+        if tool.name not in enabled:
+            server.remove_tool(tool.name)
+            continue
+        tool.parameters = portable_schema(tool.parameters, tool.name)
+        tool.description = tool_description(tool.description)
+        tool.fn_metadata = _plain_arguments(tool.name, tool.fn_metadata, list(tool.parameters["properties"]))
+
+
+#: Key under which validation hands its failure on to the call (never a real argument name).
+_INVALID = "\x00invalid"
+
+
+class PlainArguments(FuncMetadata):
+    """Argument checking whose failures reach the model as one plain sentence, not pydantic's report.
+
+    The SDK reports a ValidationError as its repr-like text (error types, input_value=..., a URL). Here the
+    failure is kept from validation to the call, which answers with an isError result naming each argument.
+    Unknown arguments are refused by name (the schema leaves additionalProperties out; see the module doc).
+    """
+
+    tool_name: str
+    argument_names: list[str]
+
+    def validate_arguments(self, arguments_to_validate: dict[str, Any]) -> dict[str, Any]:
+        try:
+            return super().validate_arguments(arguments_to_validate)
+        except ValidationError as exc:
+            return {_INVALID: self.explain(exc)}
+
+    async def call_fn(
+        self,
+        fn: Any,
+        fn_is_async: bool,
+        arguments: dict[str, Any],
+        arguments_to_pass_directly: dict[str, Any] | None = None,
+    ) -> Any:
+        if _INVALID in arguments:
+            return CallToolResult(content=[TextContent(type="text", text=arguments[_INVALID])], is_error=True)
+        return await super().call_fn(fn, fn_is_async, arguments, arguments_to_pass_directly)
+
+    def explain(self, exc: ValidationError) -> str:
+        problems = []
+        for error in exc.errors(include_url=False, include_input=False):
+            where = ".".join(str(part) for part in error["loc"]) or "arguments"
+            if error["type"] == "extra_forbidden":
+                problems.append(f"unknown argument {where!r} (it takes: {', '.join(self.argument_names)})")
+            elif error["type"] == "missing":
+                problems.append(f"missing argument {where!r}")
+            else:  # a validator's own sentence goes without pydantic's "Value error, " label
+                problems.append(f"{where}: {error['msg'].removeprefix('Value error, ')}")
+        return f"{self.tool_name}: {'; '.join(problems)}"
+
+
+def _plain_arguments(name: str, metadata: FuncMetadata, argument_names: list[str]) -> PlainArguments:
+    arg_model = metadata.arg_model
+    arg_model.model_config["extra"] = "forbid"  # a misspelt argument is refused, not silently ignored
+    arg_model.model_rebuild(force=True)
+    return PlainArguments(
+        arg_model=arg_model,
+        output_schema=metadata.output_schema,
+        output_model=metadata.output_model,
+        wrap_output=metadata.wrap_output,
+        tool_name=name,
+        argument_names=argument_names,
+    )
