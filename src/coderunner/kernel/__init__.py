@@ -1,9 +1,9 @@
 """One kernel in a sandbox, spoken to by the host's own bounded channels.
 
-    incarnation.py     Kernel: start, run, interrupt, checkpoint, stop one ipykernel
-    channels.py        shell, control and IOPub, each read within a byte budget
-    zmtp.py            a strict ZMTP 3.0 peer that never holds more than its budget
-    output_capture.py  one call's output, bounded (head and tail, spill, images)
-    run_result.py      ExecutionResult: a run's outcome and what the session did about it
-    startup_hooks.py   files in a workspace that Python would run at start-up
+incarnation.py     Kernel: start, run, interrupt, checkpoint, stop one ipykernel
+channels.py        shell, control and IOPub, each read within a byte budget
+zmtp.py            a strict ZMTP 3.0 peer that never holds more than its budget
+output_capture.py  one call's output, bounded (head and tail, spill, images)
+run_result.py      ExecutionResult: a run's outcome and what the session did about it
+startup_hooks.py   files in a workspace that Python would run at start-up
 """

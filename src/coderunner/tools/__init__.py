@@ -6,23 +6,35 @@
     sessions.py    create_session, close_session, session_status, list_sessions
     files.py       list_files, read_file, write_file, upload_file, download_file; the sandbox:// resource
     guest.py       pdf_ops, image_ops, browser_* (work done inside the sandbox)
-    oneshot.py     execute_code, validate_code
+    execute_code.py      execute_code, validate_code (one-shot runs)
     jobs.py        wait_job, cancel_job, list_jobs (runs that outlived their call)
-    packages.py    install_packages
+    install_packages.py  install_packages
     workspaces.py  list_workspaces, delete_workspace
     snapshots.py   snapshot_session, restore_session, fork_session, list_snapshots, delete_snapshot
     meta.py        get_capabilities
     egress.py      network 'allowlist' during a call: the user asked about a host, denials named in the reply
 
+MCP shaping lives beside them: schemas.py (portable input schemas), replies.py (results as content),
+file_results.py (a file as content), capabilities.py (get_capabilities' answer).
+
 A tool parses its arguments, calls the session or manager, and shapes the reply; the work is elsewhere.
 MODULES is in the order tools/list shows the tools.
 """
 
-from coderunner.tools import execute_code as oneshot
-from coderunner.tools import files, guest, jobs, meta, python, sessions, snapshots, workspaces
-from coderunner.tools import install_packages as packages
+from coderunner.tools import (
+    execute_code,
+    files,
+    guest,
+    install_packages,
+    jobs,
+    meta,
+    python,
+    sessions,
+    snapshots,
+    workspaces,
+)
 from coderunner.tools.context import ToolContext
 
-MODULES = (python, jobs, sessions, snapshots, files, guest, oneshot, packages, workspaces, meta)
+MODULES = (python, jobs, sessions, snapshots, files, guest, execute_code, install_packages, workspaces, meta)
 
 __all__ = ["MODULES", "ToolContext"]
