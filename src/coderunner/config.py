@@ -20,7 +20,7 @@ from pydantic_settings import (
 )
 
 from coderunner import __version__
-from coderunner.egress.ceiling import CEILING_SETTING, default_ceiling, rank
+from coderunner.egress.ceiling import CEILING_SETTING, NetworkMode, default_ceiling, rank
 from coderunner.egress.policy import EgressPolicy, EgressPolicyError
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.mounts import MountSpec
@@ -28,7 +28,6 @@ from coderunner.policy.tool_groups import ALL, TOOL_GROUPS, ToolsetError, check_
 
 APP_NAME = "coderunner"
 
-NetworkMode = Literal["none", "allowlist", "internet"]
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]

@@ -10,9 +10,19 @@ writes (capabilities, hints, schemas) offers a mode above it.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
+
+
+class NetworkMode(StrEnum):
+    """A sandbox's network, least to most: the order is the ceiling's (a StrEnum: equal to its name)."""
+
+    NONE = "none"
+    ALLOWLIST = "allowlist"
+    INTERNET = "internet"
+
 
 #: Least to most network.
-MODES: tuple[str, ...] = ("none", "allowlist", "internet")
+MODES: tuple[str, ...] = tuple(mode.value for mode in NetworkMode)
 
 #: Where the user raises the ceiling, in the words every refusal uses.
 CEILING_SETTING = "max_network (config.toml), CODERUNNER_MAX_NETWORK or `coderunner serve --max-network MODE`"
