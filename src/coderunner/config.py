@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import platformdirs
-from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -22,6 +22,7 @@ from pydantic_settings import (
 from coderunner import __version__
 from coderunner.egress.ceiling import CEILING_SETTING, NetworkMode, default_ceiling, rank
 from coderunner.egress.policy import EgressPolicy, EgressPolicyError
+from coderunner.egress.settings import EgressSettings
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.policy.tool_groups import ALL, TOOL_GROUPS, ToolsetError, check_selection
@@ -80,6 +81,8 @@ class Settings(BaseSettings):
     """Everything the server can be told. Field docs double as the reference for config.toml."""
 
     model_config = SettingsConfigDict(env_prefix="CODERUNNER_", extra="forbid", validate_default=True)
+    #: Built by the `egress` property on first use (the server's start) and kept.
+    _egress: EgressSettings | None = PrivateAttr(default=None)
 
     # Where things live.
     sandbox_env: Path = Field(
@@ -334,6 +337,7 @@ class Settings(BaseSettings):
     @field_validator("allowed_domains")
     @classmethod
     def _known_domains(cls, value: list[str]) -> list[str]:
+        """Bad names are told at load, under the field's name (the ceiling is built by `egress`, with the ports)."""
         if not value:
             return value
         try:
@@ -366,7 +370,7 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _allowlist_needs_a_ceiling(self) -> Settings:
-        if self.network == "allowlist" and not self.allowed_domains:
+        if self.network == NetworkMode.ALLOWLIST and not self.allowed_domains:
             raise ValueError(
                 "network 'allowlist' as the default needs allowed_domains (e.g. [\"python-packages\"]; "
                 "CODERUNNER_ALLOWED_DOMAINS or --allow-domain)"
@@ -383,8 +387,15 @@ class Settings(BaseSettings):
         return self
 
     @property
-    def network_ceiling(self) -> str:
-        """The most network an agent may ask for (network_ceiling.py)."""
+    def egress(self) -> EgressSettings:
+        """The network settings with the host ceiling parsed: once, then the same one (egress/settings.py)."""
+        if self._egress is None or not self._egress.reads(self):
+            self._egress = EgressSettings.of(self)
+        return self._egress
+
+    @property
+    def network_ceiling(self) -> NetworkMode:
+        """The most network an agent may ask for (egress/ceiling.py; no host parsing, unlike `egress`)."""
         return default_ceiling(self.network, self.allowed_domains, self.max_network)
 
     @property

@@ -13,7 +13,7 @@ from pathlib import Path
 import anyio
 
 from coderunner.config import Settings
-from coderunner.egress.ceiling import modes_within
+from coderunner.egress.ceiling import NetworkMode, modes_within
 from coderunner.egress.policy import PRESETS
 from coderunner.egress.texts import ceiling_summary
 from coderunner.sandbox import SandboxUnavailable, make_backend
@@ -166,7 +166,7 @@ def check_containment(settings: Settings) -> list[Check]:
     else:
         checks.append(Check("ocr", True, "Tesseract missing: image_ops ocr unavailable",
                             "sudo apt-get install tesseract-ocr tesseract-ocr-eng", degraded=True))  # fmt: skip
-    if settings.network_ceiling != "internet":  # above the user's ceiling: nothing to check or suggest
+    if settings.network_ceiling != NetworkMode.INTERNET:  # above the user's ceiling: nothing to check or suggest
         return checks
     if shutil.which("slirp4netns"):
         checks.append(Check("network 'internet' mode", True, "slirp4netns available (off unless asked for)"))
@@ -195,7 +195,7 @@ def check_network_allowlist(settings: Settings) -> Check:
         backend = make_backend(settings)
     except SandboxUnavailable as exc:
         return Check(name, True, f"not checked: {exc}", degraded=True)
-    problem = backend.network_problem("allowlist")
+    problem = backend.network_problem(NetworkMode.ALLOWLIST)
     if problem:
         return Check(name, True, f"refused on {backend.name}: {problem}", degraded=True)
     where = f"enforced on {backend.name} (loopback only inside; out through a per-session host proxy)"
@@ -347,7 +347,7 @@ def run_checks(settings: Settings) -> list[Check]:
     else:
         checks += check_container_backend(settings)
     checks.append(check_network_ceiling(settings))
-    if "allowlist" in modes_within(settings.network_ceiling):
+    if NetworkMode.ALLOWLIST in modes_within(settings.network_ceiling):
         checks.append(check_network_allowlist(settings))
     if all(check.ok for check in checks):
         checks.append(anyio.run(check_sandboxed_run, settings))

@@ -6,9 +6,12 @@ decides on the host NAME the client asked for (policy.py), resolves it itself, r
 that points back at the host or a private network (addresses.py), connects only to the address it
 checked, and records every decision (audit.py). It never intercepts TLS.
 
-This package is pure: no settings, no sessions, no sandboxes. The wiring lives elsewhere, roughly:
+The proxy itself is pure: no settings, no sessions, no sandboxes. Beside it: settings.py (the user's
+egress settings with the ceiling parsed once, `Settings.egress`), texts.py (what the agent and the
+user are told), asker.py (who asks the user about a host during a call) and gateway.py (one
+sandbox's proxy on its socket, and the server-wide hub). The wiring, roughly:
 
-    ceiling = EgressPolicy.parse(settings.allowed_domains, settings.allowed_ports)   # at start-up
+    ceiling = settings.egress.ceiling                                                # parsed once
     policy = ceiling.narrowed(allow) if allow else ceiling                           # per session
     audit = AuditFile(state_dir / "egress.jsonl")                                    # one per server
     log = DecisionLog(session_id, sink=audit)

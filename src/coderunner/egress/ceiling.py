@@ -20,6 +20,10 @@ class NetworkMode(StrEnum):
     ALLOWLIST = "allowlist"
     INTERNET = "internet"
 
+    def __repr__(self) -> str:
+        """As its name in quotes, like the plain string it replaces: messages say 'none', not <NetworkMode...>."""
+        return repr(self.value)
+
 
 #: Least to most network.
 MODES: tuple[str, ...] = tuple(mode.value for mode in NetworkMode)
@@ -37,15 +41,15 @@ def rank(mode: str) -> int:
     return MODES.index(mode)
 
 
-def default_ceiling(network: str, allowed_domains: Sequence[str], max_network: str | None) -> str:
+def default_ceiling(network: str, allowed_domains: Sequence[str], max_network: str | None) -> NetworkMode:
     """The ceiling: `max_network` when set, else the most the user turned on."""
     if max_network is not None:
-        return max_network
-    if network == "internet":
-        return "internet"
-    if allowed_domains or network == "allowlist":
-        return "allowlist"
-    return "none"
+        return NetworkMode(max_network)
+    if network == NetworkMode.INTERNET:
+        return NetworkMode.INTERNET
+    if allowed_domains or network == NetworkMode.ALLOWLIST:
+        return NetworkMode.ALLOWLIST
+    return NetworkMode.NONE
 
 
 def modes_within(ceiling: str) -> tuple[str, ...]:
@@ -58,7 +62,7 @@ def check_within(mode: str, ceiling: str) -> None:
     if mode not in MODES or rank(mode) <= rank(ceiling):
         return
     allowed = " or ".join(repr(each) for each in modes_within(ceiling))
-    hosts = "; for 'allowlist' the user also names the hosts: allowed_domains" if mode == "allowlist" else ""
+    hosts = "; for 'allowlist' the user also names the hosts: allowed_domains" if mode == NetworkMode.ALLOWLIST else ""
     raise NetworkCeilingError(
         f"network {mode!r} is above what the user allows on this server (at most {ceiling!r}): use {allowed}, "
         f"or ask the user to raise it ({CEILING_SETTING}{hosts}); an agent cannot raise it"
@@ -68,20 +72,20 @@ def check_within(mode: str, ceiling: str) -> None:
 def more_network(ceiling: str) -> str:
     """How an agent gets more network for a task, naming only modes within the ceiling."""
     allowlist = "create_session(network='allowlist', allow=[...]) (only hosts the user allowed)"
-    if ceiling == "internet":
+    if ceiling == NetworkMode.INTERNET:
         return f"create a session with {allowlist} or create_session(network='internet') (the whole internet)"
-    if ceiling == "allowlist":
+    if ceiling == NetworkMode.ALLOWLIST:
         return f"create a session with {allowlist}"
     return "the user allows no network on this server: ask the user if the task needs it"
 
 
 def install_way_out(ceiling: str) -> str:
     """Where install_packages can work, naming only modes within the ceiling."""
-    if ceiling not in ("allowlist", "internet"):
+    if ceiling not in (NetworkMode.ALLOWLIST, NetworkMode.INTERNET):
         return more_network(ceiling)
     packages = (
         "create_session(network='allowlist', allow=['python-packages']) (only the package index, if the user "
         "allowed it in allowed_domains)"
     )
     internet = " or create_session(network='internet') (code there can reach the whole internet)"
-    return f"create a session with {packages}{internet if ceiling == 'internet' else ''}, and install there"
+    return f"create a session with {packages}{internet if ceiling == NetworkMode.INTERNET else ''}, and install there"

@@ -2,19 +2,18 @@
 
 The socket is made by the host in the sandbox's host-only dir (host/, bound read-only at the same
 path: the sandbox may connect through it but never replace it), owned by the sandbox's host user
-with mode 0600, and served for the sandbox's life by an EgressProxy (egress/proxy.py). Inside,
+with mode 0600, and served for the sandbox's life by an EgressProxy (egress/policy_proxy.py). Inside,
 the forwarder (guest/egress_forwarder.py) exposes it as 127.0.0.1:EGRESS_PORT. No other sandbox
 sees this dir, and on a root server no other sandbox uid may connect, so a session can never use
 another's proxy or policy.
 
-`EgressHub` is the server-wide part: the user's ceiling (allowed_domains, allowed_ports) and the
+`EgressHub` is the server-wide part: the user's ceiling (Settings.egress, parsed once) and the
 audit file every session's decisions also go to.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import os
 import socket
@@ -25,11 +24,12 @@ from anyio.abc import TaskGroup
 
 from coderunner.config import Settings
 from coderunner.egress.audit import AuditFile, DecisionLog
+from coderunner.egress.ceiling import NetworkMode
 from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.policy_proxy import Asker, EgressProxy, ProxyLimits
 from coderunner.errors import SessionError
 from coderunner.hostfs.session_dirs import SandboxDirs
-from coderunner.policy.sandbox_options import SandboxOptions, egress_ceiling
+from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox.common import EGRESS_SOCKET
 
 log = logging.getLogger(__name__)
@@ -132,14 +132,14 @@ class EgressHub:
 
     def __init__(self, settings: Settings, limits: ProxyLimits = DEFAULT_LIMITS) -> None:
         self._settings = settings
-        self._audit_path: Path | None = settings.egress_audit_log
+        self._audit_path: Path | None = settings.egress.audit_log  # the ceiling is parsed here, at start
         self.limits = limits
         self._audit: AuditFile | None = None
 
-    @functools.cached_property
+    @property
     def ceiling(self) -> EgressPolicy:
-        """The most any allowlist sandbox may reach (the settings were checked when loaded)."""
-        return egress_ceiling(self._settings)
+        """The most any allowlist sandbox may reach (the settings' one parse: Settings.egress)."""
+        return self._settings.egress.ceiling
 
     def _audit_file(self) -> AuditFile | None:
         if self._audit is None and self._audit_path is not None:
@@ -160,7 +160,7 @@ class EgressHub:
         self, options: SandboxOptions, dirs: SandboxDirs, task_group: TaskGroup, session_id: str
     ) -> SessionEgress | None:
         """The running proxy of an allowlist sandbox (None for other modes); before the sandbox starts."""
-        if options.network != "allowlist":
+        if options.network != NetworkMode.ALLOWLIST:
             return None
         audit = await anyio.to_thread.run_sync(self._audit_file)
         egress = SessionEgress(self.policy_for(options), self.ceiling, session_id=session_id, audit=audit,

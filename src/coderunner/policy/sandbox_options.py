@@ -14,8 +14,8 @@ from pathlib import Path
 
 from coderunner.config import MIN_MEMORY_MB, Settings
 from coderunner.edge.client_tokens import tokens_dir
-from coderunner.egress.ceiling import NetworkCeilingError, check_within
-from coderunner.egress.policy import EgressPolicy, EgressPolicyError
+from coderunner.egress.ceiling import NetworkCeilingError, NetworkMode, check_within
+from coderunner.egress.policy import EgressPolicyError
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import ExportError, prepare_export_dir
 from coderunner.hostfs.mounts import MountError, MountSpec, check_distinct, check_sandbox_path, resolve_mount
@@ -108,25 +108,21 @@ def sandbox_options(
 
 def check_allow(settings: Settings, network: str, asked: tuple[str, ...]) -> None:
     """Network 'allowlist' needs a ceiling, and what a sandbox asks for must lie within it."""
-    if asked and network != "allowlist":
+    if asked and network != NetworkMode.ALLOWLIST:
         raise SessionError(f"allow applies to network 'allowlist' only (this one has network {network!r})")
-    if network != "allowlist":
+    if network != NetworkMode.ALLOWLIST:
         return
-    if not settings.allowed_domains:
+    egress = settings.egress
+    if not egress.names_hosts:
         raise SessionError(
             "network 'allowlist' needs the user to allow some hosts first: set allowed_domains in the "
             'configuration (e.g. allowed_domains = ["python-packages"]), CODERUNNER_ALLOWED_DOMAINS, or '
             "`coderunner serve --allow-domain NAME`; until then use network 'none'"
         )
     try:
-        egress_ceiling(settings).narrowed(asked)
+        egress.ceiling.narrowed(asked)
     except EgressPolicyError as exc:
         raise SessionError(str(exc)) from None
-
-
-def egress_ceiling(settings: Settings) -> EgressPolicy:
-    """The most any allowlist sandbox may reach: the user's allowed_domains and allowed_ports."""
-    return EgressPolicy.parse(settings.allowed_domains, settings.allowed_ports)
 
 
 def protected_paths(settings: Settings) -> list[Path]:

@@ -23,7 +23,6 @@ from coderunner.errors import CodeRunnerError
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.offload import off_loop
 from coderunner.policy.owners import client_of
-from coderunner.policy.sandbox_options import egress_ceiling
 from coderunner.sessions import Session, SessionManager
 from coderunner.tools.capabilities import Capabilities
 from coderunner.tools.egress import EgressCall, EgressCalls
@@ -63,7 +62,7 @@ class ToolContext:
             reply_bounds=ReplyBounds(
                 settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes
             ),
-            egress_calls=EgressCalls(egress_ceiling(settings)),
+            egress_calls=EgressCalls(settings.egress.ceiling),
         )
 
     @property

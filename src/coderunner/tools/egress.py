@@ -1,24 +1,21 @@
-"""Network 'allowlist' during one tool call: ask the user about a host, then say what was denied.
+"""Network 'allowlist' during one tool call: lend the call's asker, then say what was denied.
 
 While a call runs code in an allowlist sandbox, that sandbox's proxy may meet a host inside the
-user's ceiling (allowed_domains) but outside the session's own list. If the client declared MCP
-elicitation and can take a request during this call, the user is asked (allow for this session, or
-deny); otherwise, or without an answer in time, the host is denied. Either way the reply names every
-host denied during the call and the way to allow it (egress_text.py).
+user's ceiling (allowed_domains) but outside the session's own list; the call's CallAsker
+(egress/asker.py) puts it to the user when the client can be asked. Either way the reply names every
+host denied during the call and the way to allow it (egress/texts.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-import anyio
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent
-from pydantic import BaseModel, Field
 
+from coderunner.egress.asker import CallAsker
 from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.texts import denial_note, denied_with_reasons
 from coderunner.errors import CodeRunnerError
@@ -26,82 +23,8 @@ from coderunner.errors import CodeRunnerError
 if TYPE_CHECKING:
     from coderunner.egress.gateway import SessionEgress
 
-log = logging.getLogger(__name__)
-
-#: Bound on the user's answer (the proxy holds the connection meanwhile, under its own longer bound).
-ASK_WAIT_S = 50.0
 #: Decisions searched for the reasons of this call's denials.
 REASON_WINDOW = 200
-
-
-class HostPermission(BaseModel):
-    """The one closed question put to the user."""
-
-    decision: Literal["allow", "deny"] = Field(
-        title="Network access", description="allow: this host for the rest of this session; deny: not now"
-    )
-
-
-def can_elicit(ctx: Context) -> bool:
-    """Whether this call's client declared form elicitation and can take a request during the call."""
-    session = ctx.request_context.session
-    capabilities = session.client_capabilities
-    elicitation = capabilities.elicitation if capabilities is not None else None
-    if elicitation is None:
-        return False
-    # An empty elicitation capability means form mode (the spec's backwards-compatible reading).
-    form = elicitation.form is not None or elicitation.url is None
-    return form and session.can_send_request
-
-
-class CallAsker:
-    """Puts hosts to the user through one call's client, one question per host. The proxy bounds how
-    many a session may ask (egress/proxy.py MAX_ASKS) and asks one at a time."""
-
-    def __init__(self, ctx: Context, who: str) -> None:
-        self._ctx = ctx
-        self._who = who
-        self.enabled = can_elicit(ctx)
-        #: host -> the user's answer, for this call.
-        self.answers: dict[str, bool] = {}
-        self._pending: dict[str, anyio.Event] = {}
-
-    @property
-    def declined(self) -> list[str]:
-        return [host for host, allowed in self.answers.items() if not allowed]
-
-    async def __call__(self, host: str, port: int) -> bool | None:
-        """True: the user allowed it; False: the user said no; None: nobody was asked (or answered)."""
-        if not self.enabled:
-            return None
-        if host in self.answers:
-            return self.answers[host]
-        if host in self._pending:  # another connection to it is already being asked about
-            await self._pending[host].wait()
-            return self.answers.get(host)
-        self._pending[host] = done = anyio.Event()
-        try:
-            allowed = await self._ask(host, port)
-            if allowed is not None:
-                self.answers[host] = allowed
-            return allowed
-        finally:
-            del self._pending[host]
-            done.set()
-
-    async def _ask(self, host: str, port: int) -> bool | None:
-        message = (
-            f"Code in CodeRunner {self._who} wants to connect to {host}:{port}. "
-            "It is within your allowed_domains but not in this session's allowlist. "
-            "Allow it for the rest of this session?"
-        )
-        try:
-            with anyio.move_on_after(ASK_WAIT_S):
-                answer = await self._ctx.elicit(message, HostPermission)
-                return answer.action == "accept" and answer.data.decision == "allow"
-        except Exception as exc:  # the client refused the request, or answered out of schema: no answer
-            log.info("elicitation about %s:%s failed (%s): denied", host, port, exc)
-        return None
 
 
 class EgressCall:
