@@ -30,7 +30,8 @@ from __future__ import annotations
 from coderunner.egress.addresses import IPAddress, forbidden_reason, host_addresses
 from coderunner.egress.audit import AuditFile, Decision, DecisionLog
 from coderunner.egress.policy import PRESETS, EgressPolicy, EgressPolicyError
-from coderunner.egress.policy_proxy import AddressCheck, Asker, EgressProxy, ProxyLimits, Resolver
+from coderunner.egress.policy_proxy import Asker, EgressProxy, ProxyLimits
+from coderunner.egress.upstream import AddressCheck, Resolver
 
 __all__ = [
     "PRESETS",

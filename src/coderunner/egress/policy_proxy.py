@@ -12,37 +12,41 @@ put to `asker` (the user, via MCP elicitation, wired elsewhere); a yes widens th
 
 Every decision is recorded in the session's DecisionLog. Caps: concurrent connections (503 over),
 head timeout (slowloris), idle timeout on every relay, connect and resolve timeouts.
+
+Here: the decisions and the asking. Reaching the server (resolve, check, connect) is upstream.py;
+the bytes of a connection (its head, the relay, the proxy's own answers) are wire.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ipaddress
 import logging
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from coderunner.egress.addresses import IPAddress, cached_host_addresses, forbidden_reason, host_addresses
 from coderunner.egress.audit import Decision, DecisionLog
 from coderunner.egress.policy import CEILING_SETTING, EgressPolicy, EgressPolicyError
 from coderunner.egress.request import BadRequest, parse_request
+from coderunner.egress.upstream import AddressCheck, Resolver, UpstreamOpener
+from coderunner.egress.wire import (
+    BLOCKED,
+    READ_CHUNK,
+    ByteCounts,
+    HeadTooLarge,
+    KiB,
+    answer,
+    close_quietly,
+    read_head,
+    relay,
+)
 
 log = logging.getLogger(__name__)
 
-KiB = 1024
-
-#: Resolves (host, port) to addresses. The default uses getaddrinfo in a worker thread.
-Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
 #: Asked about a host:port outside the session's policy but inside the ceiling; True allows that
 #: host for the rest of the session. The proxy bounds the wait (ASK_TIMEOUT_S).
 Asker = Callable[[str, int], Awaitable[bool]]
-#: Why an address must not be connected to, or None. The default is addresses.forbidden_reason with
-#: the host's own addresses; tests inject a looser one to reach their 127.0.0.1 upstream.
-AddressCheck = Callable[[IPAddress], "str | None"]
 
 #: Bound on the wait for the user's answer to an Asker.
 ASK_TIMEOUT_S = 60.0
@@ -95,14 +99,14 @@ class EgressProxy:
         self.log = log
         self.limits = limits
         self._asker = asker
-        self._resolver = resolver
-        self._address_check = address_check
+        self._upstream = UpstreamOpener(resolve_timeout_s=limits.resolve_timeout_s,
+                                        connect_timeout_s=limits.connect_timeout_s, resolver=resolver,
+                                        address_check=address_check)  # fmt: skip
         self._conns: dict[asyncio.Task[None], _Conn] = {}
         self._asks: dict[tuple[str, int], asyncio.Future[bool]] = {}
         self._declined: set[str] = set()
         self._ask_lock = asyncio.Lock()
         self._asks_made = 0
-        self._resolving = asyncio.Semaphore(_RESOLVES_PER_PROXY)
         self._closed = False
         #: Connections answered 503 because the proxy was full (for status and tests).
         self.refused_busy = 0
@@ -165,7 +169,7 @@ class EgressProxy:
         own = listener.dup()  # asyncio closes the socket it serves on; the caller's stays the caller's
         # asyncio listens again with its own backlog (100 by default); a flood past it would make
         # clients' connects fail oddly instead of being answered 503, so keep the queue deep.
-        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=_READ_CHUNK, backlog=_BACKLOG)
+        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=READ_CHUNK, backlog=_BACKLOG)
         try:
             await server.serve_forever()
         finally:
@@ -189,13 +193,13 @@ class EgressProxy:
         task = asyncio.current_task()
         assert task is not None
         if self._closed:
-            _close(writer)
+            close_quietly(writer)
             return
         if len(self._conns) >= self.limits.max_connections and not self._evict_stalled_head():
             self.refused_busy += 1
             body = f"too many connections through this session's proxy (at most {self.limits.max_connections})"
-            await _answer(writer, 503, "Service Unavailable", body, status="proxy_internal_error")
-            _close(writer)
+            await answer(writer, 503, "Service Unavailable", body, status="proxy_internal_error")
+            close_quietly(writer)
             return
         conn = _Conn(started=time.monotonic(), writer=writer)
         self._conns[task] = conn
@@ -211,7 +215,7 @@ class EgressProxy:
             log.exception("egress proxy for session %s: a connection failed", self.session_id)
         finally:
             self._conns.pop(task, None)
-            _close(writer)
+            close_quietly(writer)
 
     def _evict_stalled_head(self) -> bool:
         """Free a slot held by a client that has not finished its request head for a while (slowloris)."""
@@ -232,14 +236,14 @@ class EgressProxy:
     async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn) -> None:
         try:
             head, rest = await asyncio.wait_for(
-                _read_head(reader, self.limits.max_head_bytes), self.limits.head_timeout_s
+                read_head(reader, self.limits.max_head_bytes), self.limits.head_timeout_s
             )
         except TimeoutError:
-            await _answer(writer, 408, "Request Timeout", "the request head did not arrive in time")
+            await answer(writer, 408, "Request Timeout", "the request head did not arrive in time")
             return
-        except _HeadTooLarge:
+        except HeadTooLarge:
             body = f"bad proxy request: the request head is larger than {self.limits.max_head_bytes} bytes"
-            await _answer(writer, 400, "Bad Request", body, status="http_request_error")
+            await answer(writer, 400, "Bad Request", body, status="http_request_error")
             return
         if head is None:
             return  # closed before a full head: nothing to answer
@@ -247,22 +251,22 @@ class EgressProxy:
         try:
             request = parse_request(head)
         except BadRequest as exc:
-            await _answer(writer, 400, "Bad Request", f"bad proxy request: {exc}", status="http_request_error")
+            await answer(writer, 400, "Bad Request", f"bad proxy request: {exc}", status="http_request_error")
             return
         started = time.time()
         denial = await self._decide(request.host, request.port)
         if denial is not None:
             self.log.record(Decision(started, request.host, request.port, False, denial.reason))
-            await _answer(writer, 403, "Forbidden", denial.body, status=denial.status)
+            await answer(writer, 403, "Forbidden", denial.body, status=denial.status)
             return
-        upstream, failure = await self._open_upstream(request.host, request.port)
+        upstream, failure = await self._upstream.open(request.host, request.port)
         if upstream is None:
             assert failure is not None
             self.log.record(Decision(started, request.host, request.port, failure.allowed, failure.reason))
-            await _answer(writer, failure.code, failure.phrase, failure.body, status=failure.status)
+            await answer(writer, failure.code, failure.phrase, failure.body, status=failure.status)
             return
         up_reader, up_writer = upstream
-        counts = _Counts()
+        counts = ByteCounts()
         conn.host, conn.port, conn.decided_at, conn.counts = request.host, request.port, started, counts
         try:
             if request.kind == "connect":
@@ -274,9 +278,9 @@ class EgressProxy:
             if rest:
                 up_writer.write(rest)
                 counts.sent += len(rest)
-            await _relay(reader, writer, up_reader, up_writer, counts, self.limits.idle_s)
+            await relay(reader, writer, up_reader, up_writer, counts, self.limits.idle_s)
         finally:
-            _close(up_writer)
+            close_quietly(up_writer)
             self.log.record(
                 Decision(started, request.host, request.port, True, "allowed", counts.sent, counts.received)
             )
@@ -291,7 +295,7 @@ class EgressProxy:
         if port not in self._policy.ports:
             return _Denial(
                 f"port {port} is not allowed",
-                f"{_BLOCKED}: port {port} of {shown} is not in this session's allowlist (allowed: {allowed})",
+                f"{BLOCKED}: port {port} of {shown} is not in this session's allowlist (allowed: {allowed})",
             )
         if self._asker is not None and self._ceiling.allows(host, port):
             if host not in self._declined and self._asks_made < MAX_ASKS and await self._ask(host, port):
@@ -303,7 +307,7 @@ class EgressProxy:
             )
             return _Denial(
                 "declined by the user" if host in self._declined else "not asked",
-                f"{_BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\n{why}",
+                f"{BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\n{why}",
             )
         hint = (
             f'create a session with allow=["{host}"]'
@@ -312,7 +316,7 @@ class EgressProxy:
         )
         return _Denial(
             "not in the allowlist",
-            f"{_BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\nTo reach it, {hint}.",
+            f"{BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\nTo reach it, {hint}.",
         )
 
     async def _ask(self, host: str, port: int) -> bool:
@@ -363,111 +367,10 @@ class EgressProxy:
                 return False
         return True
 
-    async def _open_upstream(
-        self, host: str, port: int
-    ) -> tuple[tuple[asyncio.StreamReader, asyncio.StreamWriter] | None, _Failure | None]:
-        """Resolve, check every address, connect to a checked one. Never connects by name."""
-        try:
-            addresses = await self._resolve(host, port)
-        except TimeoutError:
-            return None, _Failure(
-                True, "name lookup timed out", 504, "Gateway Timeout", f"looking up {host} timed out", "dns_timeout"
-            )
-        except OSError as exc:
-            return None, _Failure(
-                True,
-                "name lookup failed",
-                502,
-                "Bad Gateway",
-                f"{host} could not be resolved ({_os_reason(exc)})",
-                "dns_error",
-            )
-        check = self._address_check
-        if check is None:
-            try:
-                own = cached_host_addresses() or await asyncio.to_thread(host_addresses)
-            except OSError as exc:
-                log.warning("egress proxy: the host's own addresses cannot be read: %s", exc)
-                why = "the proxy cannot read this host's own addresses, so it refuses"
-                failure = _Failure(False, "cannot check addresses", 502, "Bad Gateway", why, "proxy_internal_error")
-                return None, failure
 
-            def check(ip: IPAddress) -> str | None:
-                return forbidden_reason(ip, own)
-
-        usable: list[IPAddress] = []
-        refused: list[str] = []
-        for ip in addresses:
-            reason = check(ip)
-            if reason is None:
-                usable.append(ip)
-            else:
-                refused.append(reason)
-        if not usable:
-            why = refused[0] if refused else "no address"
-            return None, _Failure(
-                False,
-                f"resolves to a private/loopback address ({why})",
-                403,
-                "Forbidden",
-                f"{_BLOCKED}: {host} resolves to a private/loopback address ({why}); "
-                "those are never reachable from a sandbox, whatever the allowlist says",
-                "destination_ip_prohibited",
-            )
-        deadline = time.monotonic() + self.limits.connect_timeout_s
-        last = "no address could be tried"
-        for ip in usable[:_MAX_ADDRESSES_TRIED]:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                break
-            try:
-                return await asyncio.wait_for(_connect_ip(ip, port), remaining), None
-            except TimeoutError:
-                last = "timed out"
-            except OSError as exc:
-                last = _os_reason(exc)
-        return None, _Failure(
-            True,
-            f"connect failed: {last}",
-            502,
-            "Bad Gateway",
-            f"could not connect to {host} port {port}: {last}",
-            "destination_unavailable",
-        )
-
-    async def _resolve(self, host: str, port: int) -> list[IPAddress]:
-        try:
-            return [ipaddress.ip_address(host)]
-        except ValueError:
-            pass
-        if self._resolver is not None:
-            found = await asyncio.wait_for(self._resolver(host, port), self.limits.resolve_timeout_s)
-        else:
-            found = await asyncio.wait_for(_getaddrinfo(host, port, self._resolving), self.limits.resolve_timeout_s)
-        unique: list[IPAddress] = []
-        for ip in found:
-            if ip not in unique:
-                unique.append(ip)
-        return unique
-
-
-_BLOCKED = "blocked by CodeRunner's network policy"
-_READ_CHUNK = 64 * KiB
 _CLOSE_WAIT_S = 5.0
 _BACKLOG = 1024
 _STALLED_HEAD_S = 1.0
-_MAX_ADDRESSES_TRIED = 4
-_RESOLVES_PER_PROXY = 4
-_ANSWER_DRAIN_S = 2.0
-_MAX_PHRASE = 400
-
-#: Name lookups run here, not in the loop's default executor: a session that floods slow lookups
-#: then cannot starve the server's other to_thread work.
-_lookups = ThreadPoolExecutor(max_workers=8, thread_name_prefix="egress-lookup")
-
-
-class _HeadTooLarge(Exception):
-    pass
 
 
 @dataclass
@@ -478,13 +381,7 @@ class _Conn:
     host: str = ""
     port: int = 0
     decided_at: float = 0.0
-    counts: _Counts | None = None
-
-
-@dataclass
-class _Counts:
-    sent: int = 0
-    received: int = 0
+    counts: ByteCounts | None = None
 
 
 @dataclass(frozen=True)
@@ -492,157 +389,3 @@ class _Denial:
     reason: str
     body: str
     status: str = "http_request_denied"
-
-
-@dataclass(frozen=True)
-class _Failure:
-    allowed: bool
-    reason: str
-    code: int
-    phrase: str
-    body: str
-    status: str
-
-
-async def _getaddrinfo(host: str, port: int, slots: asyncio.Semaphore) -> list[IPAddress]:
-    """getaddrinfo in the lookup pool. The slot is held until the lookup really ends, not until the
-    caller stops waiting: a timed-out lookup still occupies a thread, and counts against its proxy."""
-    await slots.acquire()
-    future = asyncio.get_running_loop().run_in_executor(
-        _lookups, lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    )
-
-    def done(f: asyncio.Future[object]) -> None:
-        slots.release()
-        if not f.cancelled():
-            f.exception()  # retrieved, so a lookup nobody waits for any more is not logged as lost
-
-    future.add_done_callback(done)
-    infos = await asyncio.shield(future)
-    out: list[IPAddress] = []
-    for family, _, _, _, sockaddr in infos:
-        if family in (socket.AF_INET, socket.AF_INET6):
-            out.append(ipaddress.ip_address(sockaddr[0]))
-    return out
-
-
-async def _connect_ip(ip: IPAddress, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A TCP connection to exactly this address (a socket we made, so no name is ever looked up)."""
-    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setblocking(False)
-        await asyncio.get_running_loop().sock_connect(sock, (str(ip), port))
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return await asyncio.open_connection(sock=sock, limit=_READ_CHUNK)
-    except BaseException:
-        sock.close()
-        raise
-
-
-async def _read_head(reader: asyncio.StreamReader, max_bytes: int) -> tuple[bytes | None, bytes]:
-    """(head without its CRLFCRLF, bytes read past it); (None, b"") if the client closed first."""
-    buf = bytearray()
-    searched = 0
-    while True:
-        index = buf.find(b"\r\n\r\n", max(0, searched - 3))
-        if index >= 0:
-            if index > max_bytes:
-                raise _HeadTooLarge
-            return bytes(buf[:index]), bytes(buf[index + 4 :])
-        if len(buf) > max_bytes:
-            raise _HeadTooLarge
-        searched = len(buf)
-        chunk = await reader.read(max_bytes + 4 - len(buf) + 1)
-        if not chunk:
-            return None, b""
-        buf += chunk
-
-
-async def _relay(
-    client_r: asyncio.StreamReader,
-    client_w: asyncio.StreamWriter,
-    up_r: asyncio.StreamReader,
-    up_w: asyncio.StreamWriter,
-    counts: _Counts,
-    idle_s: float,
-) -> None:
-    """Copy both ways until the server side finishes, or nothing moves either way for idle_s.
-
-    The idle check is one wait with a timeout here, not a timer per read: wait_for around every
-    read costs a task per chunk on Python < 3.12 and took a third of the throughput.
-    """
-    last = [time.monotonic()]
-
-    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upward: bool) -> None:
-        while True:
-            data = await src.read(_READ_CHUNK)
-            if not data:
-                if dst.can_write_eof():
-                    with contextlib.suppress(OSError, RuntimeError):
-                        dst.write_eof()
-                return
-            last[0] = time.monotonic()
-            dst.write(data)
-            if upward:
-                counts.sent += len(data)
-            else:
-                counts.received += len(data)
-            await dst.drain()  # returns at once below the high-water mark; a stall shows as idleness
-
-    up = asyncio.ensure_future(pump(client_r, up_w, True))
-    down = asyncio.ensure_future(pump(up_r, client_w, False))
-    try:
-        pending: set[asyncio.Future[None]] = {up, down}
-        while pending:
-            wait_s = max(0.0, last[0] + idle_s - time.monotonic())
-            done, pending = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                if time.monotonic() - last[0] >= idle_s:
-                    return  # idle both ways
-                continue
-            for task in done:
-                if task.exception() is not None:
-                    return  # an error on one side ends the whole connection
-            if down in done:
-                return  # the server finished; what the client still sends has nowhere to go
-    finally:
-        for task in (up, down):
-            task.cancel()
-        await asyncio.gather(up, down, return_exceptions=True)
-
-
-async def _answer(writer: asyncio.StreamWriter, code: int, phrase: str, body: str, *, status: str = "") -> None:
-    """Send a short plain-text answer and let the connection close.
-
-    Refusals (403, 5xx) also carry the body's first line in the reason phrase: clients that report a
-    failed CONNECT print the status line but not the body (Python's http.client: "Tunnel connection
-    failed: 403 Forbidden (blocked by ...)"), so that is where pip and requests users can see it.
-    """
-    data = (body + "\n").encode("utf-8", "replace")
-    if code == 403 or code >= 500:
-        first = "".join(ch for ch in body.split("\n", 1)[0] if " " <= ch <= "~")[:_MAX_PHRASE]
-        phrase = f"{phrase} ({first})"
-    lines = [
-        f"HTTP/1.1 {code} {phrase}",
-        "Content-Type: text/plain; charset=utf-8",
-        f"Content-Length: {len(data)}",
-        "Connection: close",
-        "X-CodeRunner-Egress: " + ("denied" if code == 403 else "error"),
-    ]
-    if status:
-        lines.append(f"Proxy-Status: coderunner; error={status}")
-    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + data)
-    with contextlib.suppress(OSError, asyncio.TimeoutError, ConnectionError):
-        await asyncio.wait_for(writer.drain(), _ANSWER_DRAIN_S)
-
-
-def _close(writer: asyncio.StreamWriter) -> None:
-    with contextlib.suppress(OSError, RuntimeError):
-        writer.close()
-
-
-def _os_reason(exc: OSError) -> str:
-    if isinstance(exc, socket.gaierror):
-        return exc.strerror or "lookup failed"
-    return exc.strerror or type(exc).__name__
