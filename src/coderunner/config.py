@@ -133,7 +133,7 @@ class Settings(BaseSettings):
         "per-user kernel limits (inotify, message queues, processes) are per sandbox.",
     )
     network: NetworkMode = Field(
-        default="none",
+        default=NetworkMode.NONE,
         description="Default network of sessions and one-shot runs: none, allowlist (only allowed_domains, "
         "through the host's policy proxy) or internet (outbound anywhere).",
     )

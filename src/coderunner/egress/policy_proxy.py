@@ -45,8 +45,9 @@ from coderunner.egress.wire import (
 log = logging.getLogger(__name__)
 
 #: Asked about a host:port outside the session's policy but inside the ceiling; True allows that
-#: host for the rest of the session. The proxy bounds the wait (ASK_TIMEOUT_S).
-Asker = Callable[[str, int], Awaitable[bool]]
+#: host for the rest of the session, False or None (nobody answered) does not. The proxy bounds the
+#: wait (ASK_TIMEOUT_S).
+Asker = Callable[[str, int], Awaitable[bool | None]]
 
 #: Bound on the wait for the user's answer to an Asker.
 ASK_TIMEOUT_S = 60.0

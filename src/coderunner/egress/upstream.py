@@ -15,6 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from coderunner.egress.addresses import IPAddress, cached_host_addresses, forbidden_reason, host_addresses
 from coderunner.egress.wire import BLOCKED, READ_CHUNK, os_reason
@@ -86,7 +87,8 @@ class UpstreamOpener:
         check = self._address_check
         if check is None:
             try:
-                own = cached_host_addresses() or await asyncio.to_thread(host_addresses)
+                cached = cached_host_addresses()
+                own = cached if cached else await asyncio.to_thread(host_addresses)
             except OSError as exc:
                 log.warning("egress proxy: the host's own addresses cannot be read: %s", exc)
                 why = "the proxy cannot read this host's own addresses, so it refuses"
@@ -160,7 +162,7 @@ async def _getaddrinfo(host: str, port: int, slots: asyncio.Semaphore) -> list[I
         _lookups, lambda: socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     )
 
-    def done(f: asyncio.Future[object]) -> None:
+    def done(f: asyncio.Future[Any]) -> None:
         slots.release()
         if not f.cancelled():
             f.exception()  # retrieved, so a lookup nobody waits for any more is not logged as lost

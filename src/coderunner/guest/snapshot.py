@@ -137,7 +137,10 @@ def write_state(ipython, namespace, dir, limit_bytes):
         pickler_class()
     except ImportError:
         raise GuestError("snapshots need cloudpickle in the sandbox environment; run `coderunner setup`") from None
-    saved, modules, skipped, entries = [], [], [], []
+    saved: list[dict] = []
+    modules: list[dict] = []
+    skipped: list[dict] = []
+    entries: list[dict] = []
     total = 0
     names = user_names(ipython, namespace)
     context = Context(namespace, set(names) | ipython_names(ipython, namespace), NamespaceMarker())

@@ -83,7 +83,7 @@ def refuse_open_file(file):
     raise TypeError("cannot pickle 'TextIOWrapper' object")
 
 
-PICKLER = []
+PICKLER: list[type] = []
 
 
 def pickler_class():

@@ -100,6 +100,7 @@ def class_module(value):
 
 def of_the_guest(value):
     """Whether `value` is CodeRunner's own (a guest module, or its functions, classes, objects)."""
+    module: object
     if isinstance(value, types.ModuleType):
         module = value.__name__
     elif isinstance(value, (types.FunctionType, types.BuiltinFunctionType, type)):

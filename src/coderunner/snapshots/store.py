@@ -19,6 +19,7 @@ fallback.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import json
 import os
@@ -201,7 +202,7 @@ class SnapshotStore:
                 raise not_found(snapshot_id)
             self._remove(cfd, snapshot_id)
 
-    def prune(self, client: str, *, drop_damaged: bool = False) -> list[str]:
+    def prune(self, client: str, *, drop_damaged: bool = False) -> builtins.list[str]:
         """Delete `client`'s snapshots older than retention_s, and beyond the `keep` newest
         (kind "snapshot" only; damaged ones counted by their folder's mtime); the ids removed.
         `drop_damaged` (at start): every damaged one goes, whatever its kind.
