@@ -24,8 +24,9 @@ from coderunner.hostfs.exports import Exporter, client_folder
 from coderunner.hostfs.leases import SandboxLeases
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.hostfs.session_dirs import remove_stale_dirs
-from coderunner.kernel.incarnation import RunStatus
+from coderunner.kernel.incarnation import Kernel, RunStatus
 from coderunner.kernel.output_capture import OutputCollector
+from coderunner.kernel.seam import KernelFactory
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
 from coderunner.policy.owners import LOCAL_CLIENT
@@ -48,9 +49,11 @@ SHUTDOWN_TIMEOUT_S = 10.0
 class SessionManager:
     """Owns every session of one server process, and the task group their sandboxes run in."""
 
-    def __init__(self, settings: Settings, backend: SandboxBackend) -> None:
+    def __init__(self, settings: Settings, backend: SandboxBackend, kernel_factory: KernelFactory = Kernel) -> None:
         self.settings = settings
         self.backend = backend
+        #: Makes every session's kernels (the real Kernel; tests pass a scripted one).
+        self.kernel_factory = kernel_factory
         self._sessions: dict[str, Session] = {}
         #: Each client's default session: caller key -> session id.
         self._default_ids: dict[str, str] = {}
@@ -291,6 +294,7 @@ class SessionManager:
             settings=self.settings,
             task_group=self._task_group,
             owner=owner,
+            kernel_factory=self.kernel_factory,
             sandbox_mounts=mounts,
             startup=startup.as_dict() if startup is not None else (seed.startup if seed is not None else None),
         )

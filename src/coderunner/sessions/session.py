@@ -32,6 +32,7 @@ from coderunner.hostfs.workspaces import Workspace
 from coderunner.kernel.incarnation import CheckpointFailed, Kernel, ProgressCallback, RunOutcome, RunStatus
 from coderunner.kernel.output_capture import OutputCollector, WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
+from coderunner.kernel.seam import KernelFactory
 from coderunner.offload import off_loop
 from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import SESSION_PACKAGES, LimitReport, Mount, SandboxBackend, SandboxSpec
@@ -99,6 +100,8 @@ class Session:
     #: token's client is the only one that may use it.
     owner: str = LOCAL_CALLER
     kernel: Kernel | None = None
+    #: Makes each kernel incarnation (the real Kernel; tests pass a scripted one).
+    kernel_factory: KernelFactory = Kernel
     created_at: float = field(default_factory=time.monotonic)
     last_used: float = field(default_factory=time.monotonic)
     restarts: int = 0
@@ -208,7 +211,7 @@ class Session:
 
     async def start_kernel(self) -> None:
         """Start this session's first kernel (create_session); later ones come from _ensure_kernel."""
-        kernel = Kernel(self.backend, self.spec, self.task_group, self.dirs, generation=self._generation)
+        kernel = self.kernel_factory(self.backend, self.spec, self.task_group, self.dirs, generation=self._generation)
         self._generation += 1
         await self._cancellable_start(kernel, lambda: kernel.start(self.settings.startup_timeout_s))
         self.kernel = kernel
@@ -216,7 +219,7 @@ class Session:
     async def restore_kernel(self, image_dir: Path, connection: dict[str, Any]) -> None:
         """Start this session's first kernel as a copy of a checkpointed one (a memory snapshot)."""
         generation = int(connection["generation"])
-        kernel = Kernel(self.backend, self.spec, self.task_group, self.dirs, generation=generation)
+        kernel = self.kernel_factory(self.backend, self.spec, self.task_group, self.dirs, generation=generation)
         self._generation = generation + 1
         try:
             await self._cancellable_start(
