@@ -1,7 +1,7 @@
-"""Jobs on the fake backend: detaching, reading without repeats, cancel (kept or restarted), loss, lifetimes.
+"""Jobs: detaching, reading without repeats, cancel (kept or restarted), loss, lifetimes.
 
-Real ipykernels in-process (only the sandbox is missing); the e2e suite (test_e2e_jobs.py) drives
-the same paths through the MCP client inside real sandboxes.
+On scripted kernels in-process (tests/fakes/kernel.py); the e2e suite (test_e2e_jobs.py) drives
+the same paths through the MCP client inside real sandboxes with real kernels.
 """
 
 from __future__ import annotations
@@ -12,24 +12,24 @@ import pytest
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.sessions import SessionManager
 from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, cancel
-from tests.fakes.backend import Cue, FakeBackend
+from tests.fakes.kernel import FakeKernels, KernelCue
 
-from .test_session_states import LONG_CELL, WAIT_S, run, text, until
+from .test_session_states import HANG, WAIT_S, run, text, until
 
 pytestmark = pytest.mark.anyio
 
-#: Prints a numbered line every 0.2 s, then defines `finished`.
-TICKING = "import time\nfor i in range({n}):\n    print(f'tick {{i}}', flush=True)\n    time.sleep(0.2)\nfinished = {n}"
+#: Prints a numbered line every 0.05 s, then defines `finished`.
+TICKING = "tick {n} 0.05"
 
 
 def ticks(seen: str) -> list[str]:
     return [line for line in seen.splitlines() if line.startswith("tick ")]
 
 
-async def test_a_detached_job_runs_on_and_each_read_gives_only_what_is_new(manager: SessionManager) -> None:
-    session = await manager.resolve(None)
+async def test_a_detached_job_runs_on_and_each_read_gives_only_what_is_new(scripted: SessionManager) -> None:
+    session = await scripted.resolve(None)
     job = await session.start_run(TICKING.format(n=15), None)
-    assert not await attend(job, 1.0)
+    assert not await attend(job, 0.3)
     job.detached = True
     assert job.output is not None
     first = job.output.take().text
@@ -41,75 +41,75 @@ async def test_a_detached_job_runs_on_and_each_read_gives_only_what_is_new(manag
     assert seen == [f"tick {i}" for i in range(15)]  # each line once, in order
     assert job.status is JobStatus.DONE and not job.state_lost
     assert job.output.take().text == ""  # nothing new
-    assert "15" in text(await run(session, "finished"))
+    assert "15" in text(await run(session, "get finished"))
 
 
-async def test_a_caller_cancelled_before_detaching_interrupts_the_cell(manager: SessionManager) -> None:
-    session = await manager.resolve(None)
-    await run(session, "kept = 7")
-    job = await session.start_run(LONG_CELL, None)
-    with anyio.move_on_after(1.0):
+async def test_a_caller_cancelled_before_detaching_interrupts_the_cell(scripted: SessionManager) -> None:
+    session = await scripted.resolve(None)
+    await run(session, "set kept 7")
+    job = await session.start_run(HANG, None)
+    with anyio.move_on_after(0.3):
         await attend(job, None)
     assert not job.running and job.status is JobStatus.INTERRUPTED
-    assert "7" in text(await run(session, "kept"))
+    assert "7" in text(await run(session, "get kept"))
 
 
-async def test_a_caller_cancelled_after_detaching_leaves_the_job_running(manager: SessionManager) -> None:
-    session = await manager.resolve(None)
+async def test_a_caller_cancelled_after_detaching_leaves_the_job_running(scripted: SessionManager) -> None:
+    session = await scripted.resolve(None)
     job = await session.start_run(TICKING.format(n=10), None, owner="x")
     job.detached = True
-    with anyio.move_on_after(0.5):
+    with anyio.move_on_after(0.2):
         await attend(job, None)
     assert job.running
     assert await attend(job, WAIT_S) and job.status is JobStatus.DONE
 
 
-async def test_cancel_interrupts_and_keeps_state(manager: SessionManager) -> None:
-    session = await manager.resolve(None)
-    await run(session, "kept = 7")
+async def test_cancel_interrupts_and_keeps_state(scripted: SessionManager) -> None:
+    session = await scripted.resolve(None)
+    await run(session, "set kept 7")
     before = session.generation
-    job = await session.start_run("print('started', flush=True)\n" + LONG_CELL, None)
+    job = await session.start_run("print started\n" + HANG, None)
     await until(lambda: job.output is not None and "started" in job.output.tail_text(), "the cell to start")
     assert await cancel(job, WAIT_S)
     assert job.status is JobStatus.INTERRUPTED and not job.state_lost
     assert job.notice == "cancelled: interrupted; the kernel and its state are kept"
     assert session.generation == before and session.kernel_state() == (before, True)
-    assert "7" in text(await run(session, "kept"))
+    assert "7" in text(await run(session, "get kept"))
 
 
 async def test_cancel_restarts_a_kernel_that_ignores_the_interrupt_and_says_state_was_lost(
-    manager: SessionManager,
+    scripted: SessionManager, kernels: FakeKernels
 ) -> None:
-    backend = manager.backend
-    assert isinstance(backend, FakeBackend)
-    backend.cue(Cue.IGNORE_INTERRUPTS)
-    session = await manager.resolve(None)
-    await run(session, "kept = 7")
+    kernels.cue(KernelCue.IGNORE_INTERRUPTS)
+    session = await scripted.resolve(None)
+    await run(session, "set kept 7")
     before, _ = session.kernel_state()
-    job = await session.start_run(LONG_CELL, None)
+    job = await session.start_run(HANG, None)
     await until(lambda: session.busy, "the cell to start")
     assert await cancel(job, WAIT_S)
     assert job.status is JobStatus.INTERRUPTED and job.state_lost
     assert "kernel restarted; state lost" in (job.notice or "")
     assert session.kernel_state(lost=job.state_lost) == (before + 1, False)
-    assert "False" in text(await run(session, "'kept' in dir()"))
+    assert "False" in text(await run(session, "has kept"))
     assert session.kernel_state() == (before + 1, True)
 
 
-async def test_a_job_that_kills_its_kernel_is_lost_and_a_fresh_kernel_is_ready(manager: SessionManager) -> None:
-    session = await manager.resolve(None)
-    job = await session.start_run("import os, time\ntime.sleep(0.5)\nos._exit(9)", None)
+async def test_a_job_that_kills_its_kernel_is_lost_and_a_fresh_kernel_is_ready(scripted: SessionManager) -> None:
+    session = await scripted.resolve(None)
+    job = await session.start_run("sleep 0.5\ndie 9", None)
     job.detached = True
     assert await attend(job, WAIT_S)
     assert job.status is JobStatus.LOST
     result = session.job_result(job)
     assert result.outcome.status is RunStatus.DIED and result.state_lost
-    assert "2" in text(await run(session, "1 + 1"))
+    assert "2" in text(await run(session, "print 2"))
 
 
-async def test_closing_the_session_ends_its_job_and_tells_the_waiter(manager: SessionManager) -> None:
-    session = await manager.create()
-    job = await session.start_run(LONG_CELL, None)
+async def test_closing_the_session_ends_its_job_and_tells_the_waiter(
+    scripted: SessionManager, kernels: FakeKernels
+) -> None:
+    session = await scripted.create()
+    job = await session.start_run(HANG, None)
     job.detached = True
     await until(lambda: session.busy, "the cell to start")
     async with anyio.create_task_group() as tg:
@@ -119,15 +119,15 @@ async def test_closing_the_session_ends_its_job_and_tells_the_waiter(manager: Se
             ended.append(await attend(job, WAIT_S))
 
         tg.start_soon(waiter)
-        await manager.close(session.session_id)
+        await scripted.close(session.session_id)
     assert ended == [True] and job.status is JobStatus.LOST
     assert session.job_result(job).notice == "the session was closed during this call"
-    assert all(not process.alive for process in manager.backend.spawned)  # type: ignore[attr-defined]
+    assert kernels.processes and all(not process.alive for process in kernels.processes)
 
 
-async def test_reset_during_a_job_ends_it_with_state_lost(manager: SessionManager) -> None:
-    session = await manager.resolve(None)
-    job = await session.start_run(LONG_CELL, None)
+async def test_reset_during_a_job_ends_it_with_state_lost(scripted: SessionManager) -> None:
+    session = await scripted.resolve(None)
+    job = await session.start_run(HANG, None)
     job.detached = True
     await until(lambda: session.busy, "the cell to start")
     await session.reset()

@@ -1,4 +1,4 @@
-"""The warm pool: its state machine with stand-in members, then on the fake backend through the
+"""The warm pool: its state machine with stand-in members, then on scripted kernels through the
 SessionManager (what a taker gets, what it never gets, and what is left when the server stops)."""
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import pytest
 
 from coderunner.sessions import SessionError
 from coderunner.sessions.pool import WarmPool
+from tests.fakes.kernel import FakeKernels
 
 from .conftest import ManagerFactory
 from .test_session_states import fake, run, text, until
@@ -180,15 +181,15 @@ async def test_drain_cancels_a_start_under_way_and_it_cleans_up() -> None:
         tg.cancel_scope.cancel()
 
 
-# Through the manager, on the fake backend (real ipykernel processes).
+# Through the manager, on scripted kernels (tests/fakes/kernel.py).
 
 
-async def test_a_default_session_comes_from_the_pool_and_starts_clean(make_manager: ManagerFactory) -> None:
-    async with make_manager(pool_size=1) as manager:
+async def test_a_default_session_comes_from_the_pool_and_starts_clean(make_scripted: ManagerFactory) -> None:
+    async with make_scripted(pool_size=1) as manager:
         await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
         first = await manager.resolve(None, "tok/client:alice")
         assert manager.pool.stats().taken == 1 and first.owner == "tok/client:alice"
-        await run(first, "secret = 41\nopen('left-behind.txt', 'w').write('x')")
+        await run(first, "set secret 41\nwrite left-behind.txt x")
         first_dirs = first.dirs
         await manager.close(first.session_id)
         await until(lambda: manager.pool.stats().ready == 1, "the pool to refill")
@@ -196,22 +197,22 @@ async def test_a_default_session_comes_from_the_pool_and_starts_clean(make_manag
         assert manager.pool.stats().taken == 2
         assert second.dirs.key != first_dirs.key and second.workspace.path != first_dirs.workspace.path
         assert second.dirs.user is None or second.dirs.user.uid != first_dirs.user.uid  # type: ignore[union-attr]
-        found = text(await run(second, "import os\nprint('secret' in globals(), os.listdir('.'))"))
+        found = text(await run(second, "has secret\nls"))
         assert "False" in found and "left-behind" not in found
         assert second.session_id != first.session_id and second.options.client == "local"
 
 
-async def test_non_default_options_start_cold(make_manager: ManagerFactory) -> None:
-    async with make_manager(pool_size=1) as manager:
+async def test_non_default_options_start_cold(make_scripted: ManagerFactory) -> None:
+    async with make_scripted(pool_size=1) as manager:
         await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
         cold = await manager.create(manager.options(memory_mb=1024))
         named = await manager.create(manager.options(name="proj"))
         assert manager.pool.stats().taken == 0 and manager.pool.stats().ready == 1
-        assert "2" in text(await run(cold, "1 + 1")) and named.options.name == "proj"
+        assert "2" in text(await run(cold, "print 2")) and named.options.name == "proj"
 
 
-async def test_the_client_is_bound_at_take(make_manager: ManagerFactory) -> None:
-    async with make_manager(pool_size=1) as manager:
+async def test_the_client_is_bound_at_take(make_scripted: ManagerFactory) -> None:
+    async with make_scripted(pool_size=1) as manager:
         await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
         session = await manager.create(manager.options(client="t.alice"), owner="alice/x")
         assert manager.pool.stats().taken == 1
@@ -219,8 +220,8 @@ async def test_the_client_is_bound_at_take(make_manager: ManagerFactory) -> None
         assert manager.list("alice/x") == [session]
 
 
-async def test_the_pool_never_makes_a_users_create_fail(make_manager: ManagerFactory) -> None:
-    async with make_manager(pool_size=2, max_sessions=2) as manager:
+async def test_the_pool_never_makes_a_users_create_fail(make_scripted: ManagerFactory) -> None:
+    async with make_scripted(pool_size=2, max_sessions=2) as manager:
         await until(lambda: manager.pool.stats().ready == 2, "the pool to fill all the room")
         first = await manager.create(manager.options(memory_mb=1024))  # cold: a pooled one gives way
         second = await manager.create(manager.options(memory_mb=1024))
@@ -232,32 +233,34 @@ async def test_the_pool_never_makes_a_users_create_fail(make_manager: ManagerFac
         assert second in manager.list()
 
 
-async def test_pool_size_zero_starts_nothing_ahead(make_manager: ManagerFactory) -> None:
-    async with make_manager(pool_size=0) as manager:
+async def test_pool_size_zero_starts_nothing_ahead(make_scripted: ManagerFactory, kernels: FakeKernels) -> None:
+    async with make_scripted(pool_size=0) as manager:
         await anyio.sleep(0.3)
-        assert fake(manager).spawned == []
+        assert kernels.made == []
         session = await manager.resolve(None)
-        assert "2" in text(await run(session, "1 + 1")) and manager.pool.stats().taken == 0
+        assert "2" in text(await run(session, "print 2")) and manager.pool.stats().taken == 0
 
 
-async def test_stopping_the_manager_leaves_no_pooled_process(make_manager: ManagerFactory) -> None:
-    async with make_manager(pool_size=2) as manager:
+async def test_stopping_the_manager_leaves_no_pooled_process(
+    make_scripted: ManagerFactory, kernels: FakeKernels
+) -> None:
+    async with make_scripted(pool_size=2) as manager:
         await until(lambda: manager.pool.stats().ready == 2, "the pool to fill")
         await manager.resolve(None)
         await until(lambda: manager.pool.stats().ready + manager.pool.stats().starting == 2, "a refill to begin")
-        spawned = fake(manager).spawned
+        spawned = kernels.processes
         backend = fake(manager)
     assert len(spawned) >= 2 and not any(process.alive for process in spawned)
     assert not any(backend.root.parent.joinpath("w").iterdir())
 
 
-async def test_exports_go_to_the_takers_folder_only(make_manager: ManagerFactory, root: Path) -> None:
+async def test_exports_go_to_the_takers_folder_only(make_scripted: ManagerFactory, root: Path) -> None:
     exports = root / "exports"
-    async with make_manager(pool_size=1, export_dir=exports) as manager:
+    async with make_scripted(pool_size=1, export_dir=exports) as manager:
         await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
         session = await manager.create(manager.options(client="t.alice"), owner="alice/x")
         assert manager.pool.stats().taken == 1
-        await run(session, "import os\nopen(os.path.join('.coderunner', 'outputs', 'made.txt'), 'w').write('x')")
+        await run(session, "write .coderunner/outputs/made.txt x")
         assert (exports / "t.alice" / "made.txt").read_text() == "x"
         await until(lambda: manager.pool.stats().ready == 1, "the pool to refill")
     # The untaken member was closed without copying anywhere: no folder for the placeholder client.

@@ -1,4 +1,4 @@
-"""The manager's side of snapshots on the fake backend: options, and a shutdown that waits for itself."""
+"""The manager's side of snapshots on scripted kernels: options, and a shutdown that waits for itself."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from .conftest import ManagerFactory
 pytestmark = pytest.mark.anyio
 
 
-async def test_keep_state_is_only_for_a_named_persistent_session(make_manager: ManagerFactory) -> None:
-    async with make_manager() as manager:
+async def test_keep_state_is_only_for_a_named_persistent_session(make_scripted: ManagerFactory) -> None:
+    async with make_scripted() as manager:
         with pytest.raises(SessionError, match="keep_state needs persistent=true and a name"):
             manager.options(keep_state=True)
         with pytest.raises(SessionError, match="keep_state needs persistent=true"):
@@ -22,8 +22,8 @@ async def test_keep_state_is_only_for_a_named_persistent_session(make_manager: M
         assert options.keep_state and options.persistent
 
 
-async def test_a_second_close_all_waits_for_the_first(make_manager: ManagerFactory) -> None:
-    async with make_manager() as manager:
+async def test_a_second_close_all_waits_for_the_first(make_scripted: ManagerFactory) -> None:
+    async with make_scripted() as manager:
         sessions = [await manager.create() for _ in range(2)]
         finished: list[str] = []
 
