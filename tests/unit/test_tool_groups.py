@@ -1,0 +1,52 @@
+"""Tool groups: what a `tools` setting exposes, and how a wrong entry is refused."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from coderunner.policy.tool_groups import (
+    ALL,
+    ALL_TOOLS,
+    ALWAYS,
+    TOOL_GROUPS,
+    ToolsetError,
+    check_selection,
+    selected_tools,
+)
+
+
+def test_every_tool_is_in_exactly_one_group_and_get_capabilities_in_none() -> None:
+    grouped = list(itertools.chain.from_iterable(TOOL_GROUPS.values()))
+    assert len(grouped) == len(set(grouped))
+    assert not set(ALWAYS) & set(grouped) and set(grouped) | set(ALWAYS) == ALL_TOOLS
+
+
+def test_a_group_exposes_its_tools_and_get_capabilities() -> None:
+    assert selected_tools(["python"]) == {"get_capabilities", "run_python", "kernel_reset", "install_packages"}
+
+
+def test_groups_and_single_tools_mix() -> None:
+    chosen = selected_tools(["jobs", "read_file"])
+    assert chosen == {"get_capabilities", "wait_job", "cancel_job", "list_jobs", "read_file"}
+
+
+def test_all_is_every_tool() -> None:
+    assert selected_tools([ALL]) == ALL_TOOLS
+    assert selected_tools(["python", ALL]) == ALL_TOOLS
+
+
+def test_entries_are_stripped_and_kept_once_in_order() -> None:
+    assert check_selection([" files ", "python", "files", ""]) == ["files", "python"]
+
+
+def test_an_unknown_entry_is_refused_listing_the_groups() -> None:
+    with pytest.raises(ToolsetError, match=r"unknown tool group 'pyhton': use all, python, sessions"):
+        check_selection(["pyhton"])
+
+
+@pytest.mark.parametrize("entries", [[], [""], ["  ", ""]])
+def test_choosing_nothing_is_refused(entries: list[str]) -> None:
+    with pytest.raises(ToolsetError, match="no tools chosen"):
+        selected_tools(entries)
