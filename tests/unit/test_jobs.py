@@ -96,7 +96,7 @@ async def test_cancel_restarts_a_kernel_that_ignores_the_interrupt_and_says_stat
 
 async def test_a_job_that_kills_its_kernel_is_lost_and_a_fresh_kernel_is_ready(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
-    job = await session.start_run("sleep 0.5\ndie 9", None)
+    job = await session.start_run("sleep 0.2\ndie 9", None)
     job.detached = True
     assert await attend(job, WAIT_S)
     assert job.status is JobStatus.LOST

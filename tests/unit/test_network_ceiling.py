@@ -61,8 +61,8 @@ def _texts(result: object) -> str:
     return "\n".join(block.text for block in result.content if isinstance(block, TextContent))  # type: ignore[attr-defined]
 
 
-async def test_no_tool_offers_or_grants_a_mode_above_the_ceiling(make_manager: ManagerFactory) -> None:
-    async with make_manager() as manager, Client(build_server(manager), raise_exceptions=True) as client:
+async def test_no_tool_offers_or_grants_a_mode_above_the_ceiling(make_scripted: ManagerFactory) -> None:
+    async with make_scripted() as manager, Client(build_server(manager), raise_exceptions=True) as client:
         assert manager.settings.network_ceiling == "none"
         tools = {tool.name: tool for tool in (await client.list_tools()).tools}
         for name in ("create_session", "execute_code"):
@@ -88,9 +88,9 @@ async def test_no_tool_offers_or_grants_a_mode_above_the_ceiling(make_manager: M
         assert "network" in hint and "internet" not in hint and "allowlist" not in hint, hint
 
 
-async def test_within_the_ceiling_the_asked_mode_is_granted(make_manager: ManagerFactory) -> None:
+async def test_within_the_ceiling_the_asked_mode_is_granted(make_scripted: ManagerFactory) -> None:
     async with (
-        make_manager(max_network="internet") as manager,
+        make_scripted(max_network="internet") as manager,
         Client(build_server(manager), raise_exceptions=True) as client,
     ):
         tools = {tool.name: tool for tool in (await client.list_tools()).tools}

@@ -173,7 +173,7 @@ async def test_the_idle_reaper_leaves_a_starting_session_alone(
     make_scripted: ManagerFactory, kernels: FakeKernels
 ) -> None:
     # A start that outlasts idle_timeout_s (a loaded machine) ends by its own bound, not by the reaper.
-    async with make_scripted(idle_timeout_s=0.3, startup_timeout_s=1.5) as manager:
+    async with make_scripted(idle_timeout_s=0.3, startup_timeout_s=1.0) as manager:
         kernels.cue(KernelCue.HANG_AT_START)
         with pytest.raises(KernelStartError, match="did not answer in time"):
             await manager.create()

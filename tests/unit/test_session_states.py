@@ -74,7 +74,7 @@ async def test_error_reports_the_exception_and_keeps_state(scripted: SessionMana
 async def test_timeout_interrupts_and_keeps_state(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
     await run(session, "set kept 7")
-    result = await run(session, "print started\nhang", timeout_s=0.5)
+    result = await run(session, "print started\nhang", timeout_s=0.2)
     assert result.outcome.status is RunStatus.INTERRUPTED
     assert "interrupted; the kernel and its state are kept" in (result.notice or "")
     assert "started" in text(result) and not result.state_lost
@@ -90,7 +90,7 @@ async def test_timeout_restarts_a_kernel_that_ignores_the_interrupt(
     await run(session, "set kept 7")
     stuck = session.kernel
     assert stuck is not None and stuck.process is not None
-    result = await run(session, HANG, timeout_s=0.5)
+    result = await run(session, HANG, timeout_s=0.2)
     assert result.outcome.status is RunStatus.UNRESPONSIVE and result.state_lost
     assert "kernel restarted; state lost" in (result.notice or "")
     assert not stuck.process.alive and session.restarts == 1
@@ -142,7 +142,7 @@ async def test_a_sandbox_that_dies_at_start_is_an_error_with_its_words(
 async def test_a_kernel_that_never_answers_is_bounded_by_startup_timeout(
     make_scripted: ManagerFactory, kernels: FakeKernels
 ) -> None:
-    async with make_scripted(startup_timeout_s=0.5) as manager:
+    async with make_scripted(startup_timeout_s=0.3) as manager:
         kernels.cue(KernelCue.HANG_AT_START)
         with pytest.raises(KernelStartError, match="did not answer in time"):
             await manager.create()
@@ -308,10 +308,11 @@ async def test_the_idle_reaper_closes_idle_sessions_but_not_busy_ones(make_scrip
         # Its idle time counts from before its kernel started: start counting now, so only the run below is tested.
         busy.last_used = time.monotonic()
         # A run much longer than the idle limit: the reaper passes several times and must let it be.
-        result = await run(busy, "sleep 1.5\nprint done", timeout_s=30)
+        result = await run(busy, "sleep 1.0\nprint done", timeout_s=30)
         assert result.outcome.status is RunStatus.OK and result.notice is None
-        await until(lambda: idle not in manager.list(), "the idle session to be reaped")
-        assert idle.closed and not idle.workspace.path.exists()
+        # Reaped: out of the list at once, closed (its dirs removed) a moment later.
+        await until(lambda: idle.close_done is not None and idle.close_done.is_set(), "the idle session to be reaped")
+        assert idle not in manager.list() and idle.closed and not idle.workspace.path.exists()
         await until(lambda: manager.list() == [], "the other session to be reaped once idle")
 
 
