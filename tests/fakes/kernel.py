@@ -254,10 +254,10 @@ class FakeKernel(Kernel):
         try:
             await self._await_end(cell, begun + timeout_s, progress, progress_interval_s, begun)
         except TimeoutError:
-            cell.status = await self._interrupt_and_settle(cell, interrupt_grace_s)
+            cell.status = await self._settle_after_interrupt(cell, interrupt_grace_s)
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
-                if await self._interrupt_and_settle(cell, interrupt_grace_s) is RunStatus.UNRESPONSIVE:
+                if await self._settle_after_interrupt(cell, interrupt_grace_s) is RunStatus.UNRESPONSIVE:
                     self.wedged = True
             raise
         return RunOutcome(
@@ -284,7 +284,7 @@ class FakeKernel(Kernel):
             if progress is not None and not cell.ended.is_set():
                 await progress(time.monotonic() - begun, cell.output)
 
-    async def _interrupt_and_settle(self, cell: _Cell, grace_s: float) -> RunStatus:
+    async def _settle_after_interrupt(self, cell: _Cell, grace_s: float) -> RunStatus:
         self.interrupt()
         with anyio.move_on_after(grace_s):
             await cell.ended.wait()
