@@ -29,8 +29,10 @@ from .conftest import (
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
-#: Prints `tick i` every second for `n` seconds, then defines `finished`.
-TICKING = "import time\nfor i in range({n}):\n    print(f'tick {{i}}', flush=True)\n    time.sleep(1)\nfinished = {n}"
+#: Prints `tick i` every `period` seconds, `n` times, then defines `finished`.
+TICKING = (
+    "import time\nfor i in range({n}):\n    print(f'tick {{i}}', flush=True)\n    time.sleep({period})\nfinished = {n}"
+)
 #: A cell that runs until stopped, after saying it started.
 FOREVER = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)"
 #: The same, deaf to SIGINT (the interrupt a cancel sends).
@@ -94,7 +96,7 @@ async def started(client: Client, code: str) -> str:
 
 
 async def test_a_long_cell_detaches_with_partial_output_and_wait_job_returns_the_rest_once(client: Client) -> None:
-    first = await run(client, TICKING.format(n=15))
+    first = await run(client, TICKING.format(n=15, period=0.4))  # 6 s: well past the 2 s detach
     assert not first.is_error, text_of(first)
     job_id = job_of(first)
     early = ticks(text_of(first))
@@ -226,7 +228,7 @@ async def test_a_client_with_a_shorter_timeout_than_the_job_still_gets_the_whole
     async with memory_client(env(dirs), read_timeout_seconds=5) as client:
         # The kernel is up first (its start, on a loaded machine, may take longer than this client waits).
         await client.call_tool("run_python", {"code": "1"}, read_timeout_seconds=120)
-        first = await run(client, TICKING.format(n=12))
+        first = await run(client, TICKING.format(n=12, period=0.6))  # 7.2 s: past the client's 5 s
         job_id = job_of(first)
         rest, last = await wait_to_end(client, job_id, step_s=2)
         assert ticks(text_of(first)) + ticks(rest) == [f"tick {i}" for i in range(12)]
