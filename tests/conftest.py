@@ -1,4 +1,9 @@
-"""Fixtures: a real `coderunner serve` process, reached through the official MCP client."""
+"""Fixtures: the real server, reached through the official MCP client.
+
+Behaviour tests (`client`, `memory_client`) run the real server in this process on the real default
+backend and reach it in memory; tests about the process itself (transports, signals, HTTP, the
+command line) start a real `coderunner serve` (`stdio_client`, `http_server`, `raw_stdio_server`).
+"""
 
 from __future__ import annotations
 
@@ -14,9 +19,10 @@ import sys
 import tempfile
 import time
 import typing
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import anyio
 import httpx2
@@ -25,6 +31,11 @@ from mcp import Client, StdioServerParameters
 from mcp.client.sse import sse_client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
+
+from coderunner.config import Settings, load_settings
+from coderunner.sandbox import make_backend
+from coderunner.server import build_server
+from coderunner.sessions import SessionManager
 
 from .netns_servers import NetnsServers, available, netns_servers
 
@@ -197,19 +208,42 @@ async def http_client(env: dict[str, str]) -> AsyncIterator[Client]:
 
 @contextlib.asynccontextmanager
 async def open_client(transport: str, env: dict[str, str]) -> AsyncIterator[Client]:
-    factory = stdio_client if transport == "stdio" else http_client
+    factory = {"stdio": stdio_client, "streamable-http": http_client, "memory": memory_client}[transport]
     async with factory(env) as client:
         yield client
 
 
-@pytest.fixture(params=["stdio", "streamable-http"])
-def transport(request: pytest.FixtureRequest) -> str:
-    return request.param
+def server_settings(env: Mapping[str, str]) -> Settings:
+    """The Settings `coderunner serve` reads when `env` is its whole environment (and the config file
+    it names), as load_settings reads them; os.environ is itself again on return."""
+    with mock.patch.dict(os.environ, env, clear=True):
+        return load_settings()
+
+
+@contextlib.asynccontextmanager
+async def memory_client(env: dict[str, str], **options: typing.Any) -> AsyncIterator[Client]:
+    """The real server in this process, reached in memory: the configured backend (bwrap by default),
+    a real SessionManager and build_server, set up from `env` as `coderunner serve` would be.
+
+    For the server's lifetime `env` is also laid over this process's environment, so that its secret
+    (SECRET_NAME) and CODERUNNER_* values are in the environment of the process the sandboxes start
+    from, as they are in a served process: the isolation tests' assertions can still fail.
+    """
+    settings = server_settings(env)
+    options.setdefault("read_timeout_seconds", 120)
+    with mock.patch.dict(os.environ, env):
+        backend = make_backend(settings)
+        async with (
+            SessionManager(settings, backend) as manager,
+            Client(build_server(manager), **options) as client,
+        ):
+            yield client
 
 
 @pytest.fixture
-async def client(transport: str, dirs: ServerDirs) -> AsyncIterator[Client]:
-    async with open_client(transport, server_env(dirs)) as connected:
+async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
+    """A client of the real server with the default test environment, in memory (one test each)."""
+    async with memory_client(server_env(dirs)) as connected:
         yield connected
 
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, images_of, open_client, run, server_env, text_of
+from .conftest import ServerDirs, images_of, memory_client, run, server_env, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -54,7 +54,7 @@ for _ in range(100):
 
 @pytest.fixture
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
-    async with open_client("stdio", server_env(dirs)) as connected:
+    async with memory_client(server_env(dirs)) as connected:
         written = await connected.call_tool("write_file", {"path": "app/index.html", "content": APP})
         assert not written.is_error, text_of(written)
         yield connected

@@ -1,4 +1,4 @@
-"""Network 'allowlist' as the user and the agent see it, through the official MCP client over stdio.
+"""Network 'allowlist' as the user and the agent see it, through the official MCP client (in memory).
 
 - a host inside the user's ceiling but outside the session's list is put to the user by MCP
   elicitation during the call (accept: the request goes through, and the session keeps the host;
@@ -20,11 +20,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from mcp import Client, StdioServerParameters, types
+from mcp import Client, types
 from mcp.types import CallToolResult, TextContent
 
 from coderunner.egress.policy_proxy import MAX_ASKS
-from tests.conftest import REPO, SERVER_CMD, ServerDirs, server_env
+from tests.conftest import ServerDirs, memory_client, server_env
 from tests.netns_servers import BODY, NetnsServers
 
 pytestmark = pytest.mark.anyio
@@ -72,8 +72,7 @@ async def allowlist_server(dirs: ServerDirs, servers: NetnsServers, **client_opt
         CODERUNNER_ALLOWED_DOMAINS=json.dumps(ceiling(servers)),
         CODERUNNER_EGRESS_AUDIT_LOG=str(dirs.root / "egress.jsonl"),
     )
-    params = StdioServerParameters(command=SERVER_CMD[0], args=SERVER_CMD[1:], env=env, cwd=str(REPO))
-    async with Client(params, read_timeout_seconds=120, **client_options) as client:
+    async with memory_client(env, **client_options) as client:
         yield client
 
 

@@ -13,10 +13,10 @@ from .conftest import (
     SECRET_NAME,
     SECRET_VALUE,
     ServerDirs,
+    memory_client,
     run,
     sandbox_processes_alive,
     server_env,
-    stdio_client,
     text_of,
     wait_until,
 )
@@ -26,9 +26,9 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 @pytest.fixture
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
-    """Over stdio: these tools are transport-blind (the shared HTTP scenarios cover the transports).
+    """In memory: these tools are transport-blind (test_e2e_transports.py covers the transports).
     The user allows network 'internet' here (test_network_flag, install_packages)."""
-    async with stdio_client(server_env(dirs, CODERUNNER_MAX_NETWORK="internet")) as connected:
+    async with memory_client(server_env(dirs, CODERUNNER_MAX_NETWORK="internet")) as connected:
         yield connected
 
 

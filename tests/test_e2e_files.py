@@ -17,7 +17,7 @@ import anyio
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, images_of, open_client, run, server_env, text_of
+from .conftest import ServerDirs, images_of, memory_client, run, server_env, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -61,14 +61,14 @@ def files_env(dirs: ServerDirs, host: Host) -> dict[str, str]:
     )
 
 
-def exports_of(host: Host, transport: str) -> Path:
-    """Where a client's exports land: stdio is the client `local`, an unnamed HTTP client is `http`."""
-    return host.out / ("local" if transport == "stdio" else "http")
+def exports_of(host: Host) -> Path:
+    """Where the local client's exports land (an unnamed HTTP client's `http`: test_e2e_transports.py)."""
+    return host.out / "local"
 
 
 @pytest.fixture
-async def client(transport: str, dirs: ServerDirs, host: Host) -> AsyncIterator[Client]:
-    async with open_client(transport, files_env(dirs, host)) as connected:
+async def client(dirs: ServerDirs, host: Host) -> AsyncIterator[Client]:
+    async with memory_client(files_env(dirs, host)) as connected:
         yield connected
 
 
@@ -113,7 +113,7 @@ async def test_story_load_a_read_only_host_folder(client: Client, host: Host) ->
     assert snapshot(host.data, host.out, host.elsewhere) == before
 
 
-async def test_story_export_only_into_the_chosen_folder(client: Client, host: Host, transport: str) -> None:
+async def test_story_export_only_into_the_chosen_folder(client: Client, host: Host) -> None:
     """'Pivot by region x month, show top 5 anomalies. Save the anomalies subset to /out/anomalies.csv on host.'"""
     before = snapshot(host.data, host.elsewhere)
     result = await run(
@@ -129,7 +129,7 @@ async def test_story_export_only_into_the_chosen_folder(client: Client, host: Ho
     )
     assert not result.is_error, text_of(result)
     assert "900" in text_of(result)
-    out = exports_of(host, transport)
+    out = exports_of(host)
     assert str(out / "") in text_of(result) and "anomalies.csv" in text_of(result), "the reply says where it went"
     assert sorted(path.name for path in host.out.iterdir()) == [out.name]
     assert sorted(path.name for path in out.iterdir()) == ["anomalies.csv"]
@@ -137,9 +137,7 @@ async def test_story_export_only_into_the_chosen_folder(client: Client, host: Ho
     assert snapshot(host.data, host.elsewhere) == before
 
 
-async def test_story_chart_and_csv_downloaded_to_the_export_folder_only(
-    client: Client, host: Host, transport: str
-) -> None:
+async def test_story_chart_and_csv_downloaded_to_the_export_folder_only(client: Client, host: Host) -> None:
     """'Add a chart of weekly mileage. Save CSV + chart to ./out/ on host (this only).'"""
     before = snapshot(host.data, host.imports, host.elsewhere)
     made = await run(
@@ -150,7 +148,7 @@ async def test_story_chart_and_csv_downloaded_to_the_export_folder_only(
         "weeks.plot(x='week', y='km', kind='bar').figure.savefig('mileage.png')",
     )
     assert not made.is_error, text_of(made)
-    out = exports_of(host, transport)
+    out = exports_of(host)
     for name in ("mileage.csv", "mileage.png"):
         copied = await call(client, "download_file", sandbox_path=name)
         assert copied["host_path"] == str(out / name)
@@ -289,10 +287,10 @@ async def test_upload_only_from_import_folders(client: Client, host: Host) -> No
                   host_path=str(host.imports / "sneaky-link.txt"))  # fmt: skip
 
 
-async def test_download_only_into_the_export_folder(client: Client, host: Host, transport: str) -> None:
+async def test_download_only_into_the_export_folder(client: Client, host: Host) -> None:
     before = snapshot(host.data, host.imports, host.elsewhere)
     await call(client, "write_file", path="result.txt", content="done")
-    out = exports_of(host, transport)
+    out = exports_of(host)
     for target in (str(host.elsewhere / "result.txt"), "../elsewhere/result.txt", "/tmp/result.txt", str(out),
                    str(host.out / "someone-else" / "result.txt")):  # fmt: skip
         result = await client.call_tool("download_file", {"sandbox_path": "result.txt", "host_path": target})
@@ -332,7 +330,7 @@ async def test_mounting_home_or_root_is_refused(dirs: ServerDirs, host: Host) ->
 
 async def test_named_persistent_workspace_survives_close_and_server_restart(dirs: ServerDirs, host: Host) -> None:
     env = files_env(dirs, host)
-    async with open_client("stdio", env) as client:
+    async with memory_client(env) as client:
         first = await call(client, "create_session", name="analysis", persistent=True)
         assert first["name"] == "analysis" and first["persistent"] is True
         await run(client, "state = 'in memory'\nopen('kept.txt', 'w').write('on disk')", session_id=first["session_id"])
@@ -344,7 +342,7 @@ async def test_named_persistent_workspace_survives_close_and_server_restart(dirs
         assert lost.is_error and "NameError" in text_of(lost)
         temporary = await call(client, "create_session", name="scratch")
         await run(client, "open('gone.txt', 'w').write('x')", session_id=temporary["session_id"])
-    async with open_client("stdio", env) as client:  # a new server process, same configuration
+    async with memory_client(env) as client:  # a new server, same configuration
         reopened = await call(client, "create_session", name="analysis", persistent=True)
         result = await run(client, "sorted(os.listdir('.')) if (os := __import__('os')) else 0",
                            session_id=reopened["session_id"])  # fmt: skip
@@ -359,7 +357,7 @@ async def test_session_mounts_only_under_allowed_roots(dirs: ServerDirs, host: H
     project.mkdir()
     (project / "readme.md").write_text("project files\n")
     env = {**files_env(dirs, host), "CODERUNNER_ALLOWED_MOUNT_ROOTS": json.dumps([str(host.data)])}
-    async with open_client("stdio", env) as client:
+    async with memory_client(env) as client:
         session = await call(client, "create_session", mounts=[f"{project}:/project:ro"])
         seen = await run(client, "open('/project/readme.md').read()", session_id=session["session_id"])
         assert "project files" in text_of(seen)

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, images_of, run, server_env, stdio_client, text_of
+from .conftest import ServerDirs, images_of, memory_client, run, server_env, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -35,7 +35,7 @@ IMAGE_OPS = ("info", "resize", "thumbnail", "crop", "rotate", "flip", "convert",
 
 @pytest.fixture
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
-    async with stdio_client(server_env(dirs)) as connected:
+    async with memory_client(server_env(dirs)) as connected:
         made = await run(connected, MAKE_INPUTS)
         assert not made.is_error, text_of(made)
         yield connected

@@ -13,7 +13,7 @@ import anyio
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, images_of, open_client, run, server_env, text_of
+from .conftest import ServerDirs, images_of, memory_client, run, server_env, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -48,8 +48,8 @@ open('bomb.png', 'wb').write(bomb)
 
 
 @pytest.fixture
-async def client(transport: str, dirs: ServerDirs) -> AsyncIterator[Client]:
-    async with open_client(transport, server_env(dirs)) as connected:
+async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
+    async with memory_client(server_env(dirs)) as connected:
         made = await run(connected, MAKE_INPUTS)
         assert not made.is_error, text_of(made)
         yield connected

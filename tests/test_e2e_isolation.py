@@ -83,7 +83,7 @@ async def test_secret_environment_never_enters_the_sandbox(client: Client) -> No
     await assert_still_serves(client)
 
 
-async def test_no_network_egress(client: Client, transport: str) -> None:
+async def test_no_network_egress(client: Client) -> None:
     """TCP to the internet, UDP/DNS, and the host's loopback services (the MCP server's own port)."""
     outcome = await probe(
         client,

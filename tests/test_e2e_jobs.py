@@ -1,4 +1,4 @@
-"""Jobs through the official MCP client, over stdio and streamable HTTP, in real sandboxes.
+"""Jobs through the official MCP client, in real sandboxes (the server in memory).
 
 The server detaches after 2 s (CODERUNNER_DETACH_AFTER_S): a longer cell answers with its output
 so far and a job id, runs on, and wait_job / cancel_job / list_jobs take it from there. No timing
@@ -8,23 +8,18 @@ running job), never by a clock.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
 import pytest
-from mcp import Client, StdioServerParameters
+from mcp import Client
 from mcp.types import CallToolResult
 
 from .conftest import (
-    REPO,
-    SERVER_CMD,
     ServerDirs,
-    connect_http,
-    http_server,
     images_of,
-    open_client,
+    memory_client,
     run,
     sandbox_processes_alive,
     server_env,
@@ -34,8 +29,10 @@ from .conftest import (
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
-#: Prints `tick i` every second for `n` seconds, then defines `finished`.
-TICKING = "import time\nfor i in range({n}):\n    print(f'tick {{i}}', flush=True)\n    time.sleep(1)\nfinished = {n}"
+#: Prints `tick i` every `period` seconds, `n` times, then defines `finished`.
+TICKING = (
+    "import time\nfor i in range({n}):\n    print(f'tick {{i}}', flush=True)\n    time.sleep({period})\nfinished = {n}"
+)
 #: A cell that runs until stopped, after saying it started.
 FOREVER = "import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)"
 #: The same, deaf to SIGINT (the interrupt a cancel sends).
@@ -49,8 +46,8 @@ def env(dirs: ServerDirs) -> dict[str, str]:
 
 
 @pytest.fixture
-async def client(transport: str, dirs: ServerDirs) -> AsyncIterator[Client]:
-    async with open_client(transport, env(dirs)) as connected:
+async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
+    async with memory_client(env(dirs)) as connected:
         yield connected
 
 
@@ -99,7 +96,7 @@ async def started(client: Client, code: str) -> str:
 
 
 async def test_a_long_cell_detaches_with_partial_output_and_wait_job_returns_the_rest_once(client: Client) -> None:
-    first = await run(client, TICKING.format(n=15))
+    first = await run(client, TICKING.format(n=15, period=0.4))  # 6 s: well past the 2 s detach
     assert not first.is_error, text_of(first)
     job_id = job_of(first)
     early = ticks(text_of(first))
@@ -202,8 +199,8 @@ async def test_execute_code_detaches_and_its_job_holds_the_whole_result(client: 
     assert result["exit_code"] == 3 and result["timed_out"] is False
 
 
-async def test_closing_the_session_ends_its_job_and_tells_the_waiter(transport: str, dirs: ServerDirs) -> None:
-    async with open_client(transport, env(dirs)) as client:
+async def test_closing_the_session_ends_its_job_and_tells_the_waiter(dirs: ServerDirs) -> None:
+    async with memory_client(env(dirs)) as client:
         created = (await client.call_tool("create_session", {})).structured_content
         assert created is not None
         session_id = created["session_id"]
@@ -226,34 +223,20 @@ async def test_closing_the_session_ends_its_job_and_tells_the_waiter(transport: 
         assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) <= 1, 20)  # only the default's, if any
 
 
-@contextlib.asynccontextmanager
-async def impatient_client(transport: str, dirs: ServerDirs, timeout_s: float) -> AsyncIterator[Client]:
-    """A client whose own read timeout is `timeout_s` (openai-agents' default is 5 s)."""
-    if transport == "stdio":
-        params = StdioServerParameters(command=SERVER_CMD[0], args=SERVER_CMD[1:], env=env(dirs), cwd=str(REPO))
-        async with Client(params, read_timeout_seconds=timeout_s) as client:
-            yield client
-        return
-    with http_server(env(dirs)) as url:
-        async with connect_http(url, read_timeout_seconds=timeout_s) as client:
-            yield client
-
-
-async def test_a_client_with_a_shorter_timeout_than_the_job_still_gets_the_whole_result(
-    transport: str, dirs: ServerDirs
-) -> None:
-    async with impatient_client(transport, dirs, 5) as client:
+async def test_a_client_with_a_shorter_timeout_than_the_job_still_gets_the_whole_result(dirs: ServerDirs) -> None:
+    # A client whose own read timeout is 5 s (openai-agents' default).
+    async with memory_client(env(dirs), read_timeout_seconds=5) as client:
         # The kernel is up first (its start, on a loaded machine, may take longer than this client waits).
         await client.call_tool("run_python", {"code": "1"}, read_timeout_seconds=120)
-        first = await run(client, TICKING.format(n=12))
+        first = await run(client, TICKING.format(n=12, period=0.6))  # 7.2 s: past the client's 5 s
         job_id = job_of(first)
         rest, last = await wait_to_end(client, job_id, step_s=2)
         assert ticks(text_of(first)) + ticks(rest) == [f"tick {i}" for i in range(12)]
         assert meta(last, "job")["status"] == "done"
 
 
-async def test_a_server_that_stops_ends_every_job(transport: str, dirs: ServerDirs) -> None:
-    async with open_client(transport, env(dirs)) as client:
+async def test_a_server_that_stops_ends_every_job(dirs: ServerDirs) -> None:
+    async with memory_client(env(dirs)) as client:
         await started(client, FOREVER)
         oneshot = await client.call_tool("execute_code", {"language": "bash", "code": "sleep 600", "detach_after_s": 0})
         assert oneshot.structured_content is not None and oneshot.structured_content["status"] == "running"

@@ -24,7 +24,7 @@ from coderunner.config import Settings
 from coderunner.sandbox import SandboxSpec, make_backend
 from coderunner.sessions.manager import SessionManager
 
-from .conftest import ServerDirs, sandbox_processes_alive, server_env, stdio_client, text_of, wait_until
+from .conftest import ServerDirs, memory_client, sandbox_processes_alive, server_env, text_of, wait_until
 from .test_e2e_execute_code import (
     test_a_fork_bomb_is_contained_and_the_server_serves,  # noqa: F401
     test_each_language_reads_stdin_sees_variables_and_reports_its_exit_code,  # noqa: F401
@@ -47,7 +47,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
     # As test_e2e_execute_code's client: the user allows network 'internet' (test_network_flag).
     env = server_env(dirs, CODERUNNER_ONESHOT_READY="1", CODERUNNER_MAX_NETWORK="internet")
-    async with stdio_client(env) as connected:
+    async with memory_client(env) as connected:
         yield connected
 
 
@@ -97,7 +97,7 @@ async def test_a_timeout_counts_from_the_program_and_leaves_only_the_next_sandbo
 
 
 async def test_the_sandbox_started_ahead_goes_away_with_the_server(dirs: ServerDirs) -> None:
-    async with stdio_client(server_env(dirs, CODERUNNER_ONESHOT_READY="1")) as client:
+    async with memory_client(server_env(dirs, CODERUNNER_ONESHOT_READY="1")) as client:
         done = await execute(client, "python", "print(6 * 7)")
         assert done["stdout"] == "42\n"
         assert await wait_until(lambda: bool(sandbox_processes_alive(dirs)), timeout_s=10)

@@ -12,7 +12,7 @@ import anyio
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, server_env, stdio_client, text_of, wait_until
+from .conftest import ServerDirs, memory_client, server_env, text_of, wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="a capped workspace needs root (a mount)")
@@ -23,7 +23,7 @@ DISK_MB = 32
 
 @pytest.fixture
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
-    async with stdio_client(server_env(dirs, CODERUNNER_DISK_MB=str(DISK_MB))) as connected:
+    async with memory_client(server_env(dirs, CODERUNNER_DISK_MB=str(DISK_MB))) as connected:
         yield connected
 
 
@@ -69,7 +69,7 @@ async def test_a_one_shot_workspace_is_a_capped_tmpfs_and_leaves_no_mount(client
 @root_only
 async def test_the_tmpfs_workspace_is_never_larger_than_the_memory_limit(dirs: ServerDirs) -> None:
     """RAM-backed: a run's workspace can hold no more than the memory it may use."""
-    async with stdio_client(server_env(dirs, CODERUNNER_DISK_MB="4096")) as client:
+    async with memory_client(server_env(dirs, CODERUNNER_DISK_MB="4096")) as client:
         done = await execute(client, "bash", "grep ' /workspace ' /proc/self/mountinfo", memory_mb=600)
     assert "size=614400k" in done["stdout"], done
 
@@ -108,7 +108,7 @@ async def test_bash_runs_directly_and_its_variables_leave_no_trace(client: Clien
 @root_only
 async def test_a_run_cut_short_by_the_server_stopping_leaves_no_mount(dirs: ServerDirs) -> None:
     """Cancelled mid-run (its client went, the server stops): its workspace and outbox still go."""
-    async with stdio_client(server_env(dirs)) as client, anyio.create_task_group() as tg:
+    async with memory_client(server_env(dirs)) as client, anyio.create_task_group() as tg:
         tg.start_soon(client.call_tool, "execute_code", {"language": "bash", "code": "sleep 30", "timeout_s": 60})
         assert await wait_until(lambda: bool(host_mounts_under(dirs.root)), timeout_s=10)
         tg.cancel_scope.cancel()

@@ -9,7 +9,7 @@ import httpx2
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, http_server, images_of, open_client, run, server_env, text_of
+from .conftest import ServerDirs, http_server, images_of, memory_client, run, server_env, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -68,9 +68,8 @@ async def test_resource_reads_carry_the_mime_type_and_text_as_text(client: Clien
     assert base64.b64decode(blob.blob) == bytes(range(256))  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize("transport", ["stdio"])
-async def test_file_links_text_names_files_without_resource_links(transport: str, dirs: ServerDirs) -> None:
-    async with open_client(transport, server_env(dirs, CODERUNNER_FILE_LINKS="text")) as client:
+async def test_file_links_text_names_files_without_resource_links(dirs: ServerDirs) -> None:
+    async with memory_client(server_env(dirs, CODERUNNER_FILE_LINKS="text")) as client:
         spilled = await run(client, "for i in range(100_000):\n    print('row', i)")
         assert [block.type for block in spilled.content] == ["text"]
         assert "full output: /workspace/" in text_of(spilled)

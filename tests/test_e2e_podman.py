@@ -99,11 +99,6 @@ def podman_env(dirs: ServerDirs, folders: Host, **extra: str) -> dict[str, str]:
 
 
 @pytest.fixture
-def transport() -> str:
-    return "stdio"
-
-
-@pytest.fixture
 async def client(podman_image: str, dirs: ServerDirs, host: Host) -> AsyncIterator[Client]:  # noqa: F811
     async with open_client("stdio", podman_env(dirs, host, CODERUNNER_MAX_NETWORK="internet")) as connected:
         yield connected

@@ -13,11 +13,11 @@ from mcp import Client
 
 from .conftest import (
     ServerDirs,
+    memory_client,
     open_client,
     run,
     sandbox_processes_alive,
     server_env,
-    stdio_client,
     text_of,
     wait_until,
 )
@@ -69,7 +69,7 @@ async def pooled_session(client: Client, dirs: ServerDirs, marker: str) -> tuple
 
 
 async def test_a_pooled_session_starts_clean(dirs: ServerDirs) -> None:
-    async with stdio_client(server_env(dirs, CODERUNNER_POOL_SIZE="1")) as client:
+    async with memory_client(server_env(dirs, CODERUNNER_POOL_SIZE="1")) as client:
         first, first_dir = await pooled_session(client, dirs, "marker-a")
         first_uid = first_dir.stat().st_uid
         assert not (await run(client, "secret = 41\nopen('left.txt', 'w').write('x')", session_id=first)).is_error
@@ -84,7 +84,7 @@ async def test_a_pooled_session_starts_clean(dirs: ServerDirs) -> None:
 
 
 async def test_non_default_options_start_cold(dirs: ServerDirs) -> None:
-    async with stdio_client(server_env(dirs, CODERUNNER_POOL_SIZE="1")) as client:
+    async with memory_client(server_env(dirs, CODERUNNER_POOL_SIZE="1")) as client:
         await pooled_session(client, dirs, "marker-warm")  # the pool works here
         assert await wait_until(lambda: len(workspaces(dirs)) == 2, timeout_s=POOL_WAIT_S), "the pool to refill"
         before = workspaces(dirs)
@@ -96,7 +96,7 @@ async def test_non_default_options_start_cold(dirs: ServerDirs) -> None:
 
 
 async def test_pool_size_zero_starts_nothing_ahead(dirs: ServerDirs) -> None:
-    async with stdio_client(server_env(dirs, CODERUNNER_POOL_SIZE="0")) as client:
+    async with memory_client(server_env(dirs, CODERUNNER_POOL_SIZE="0")) as client:
         await client.call_tool("list_sessions", {})
         await anyio.sleep(1.0)  # time a pool would have used to start a sandbox
         assert sandbox_processes_alive(dirs) == [] and workspaces(dirs) == set()

@@ -14,6 +14,7 @@ from mcp import Client
 
 from .conftest import (
     ServerDirs,
+    memory_client,
     open_client,
     raw_stdio_server,
     run,
@@ -79,8 +80,8 @@ async def test_invalid_options_are_refused_plainly(client: Client) -> None:
     assert result.is_error and "timeout_s: Input should be greater than or equal to 1" in text_of(result)
 
 
-async def test_session_limit(dirs: ServerDirs, transport: str) -> None:
-    async with open_client(transport, server_env(dirs, CODERUNNER_MAX_SESSIONS="2")) as client:
+async def test_session_limit(dirs: ServerDirs) -> None:
+    async with memory_client(server_env(dirs, CODERUNNER_MAX_SESSIONS="2")) as client:
         await create(client)
         await create(client)
         refused = await client.call_tool("create_session", {})
@@ -114,7 +115,7 @@ async def test_sigkilled_server_leaves_no_sandbox_and_next_start_cleans_up(dirs:
         server.wait(timeout=10)
     assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "sandbox outlived a SIGKILLed server"
     assert [p for p in dirs.runtime.iterdir() if not p.name.startswith("guest-")], "the killed server left dirs"
-    async with open_client("stdio", env) as client:
+    async with memory_client(env) as client:  # the next start: the same SessionManager start-up, in memory
         assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
         live = {path.name for path in dirs.runtime.iterdir() if not path.name.startswith("guest-")}
         assert len(live) == 1, "stale session dirs are removed at the next start"
@@ -139,7 +140,7 @@ async def test_closing_a_session_mid_run_ends_the_run_and_its_sandbox(client: Cl
 
 
 async def test_idle_sessions_are_reaped(dirs: ServerDirs) -> None:
-    async with open_client("stdio", server_env(dirs, CODERUNNER_IDLE_TIMEOUT_S="2")) as client:
+    async with memory_client(server_env(dirs, CODERUNNER_IDLE_TIMEOUT_S="2")) as client:
         sid = (await create(client))["session_id"]
         await run(client, "1", session_id=sid)
         await anyio.sleep(4.5)

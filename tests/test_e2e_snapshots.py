@@ -22,10 +22,9 @@ from .conftest import (
     _free_port,
     connect_http,
     http_server,
-    open_client,
+    memory_client,
     run,
     server_env,
-    stdio_client,
     text_of,
 )
 from .test_e2e_client_tokens import add_token, call, refused
@@ -68,11 +67,8 @@ async def output(client: Client, code: str, session_id: str) -> str:
     return text_of(result)
 
 
-@pytest.mark.parametrize("transport", ["stdio", "streamable-http"])
-async def test_snapshot_and_restore_bring_back_data_model_function_class_and_files(
-    transport: str, dirs: ServerDirs
-) -> None:
-    async with open_client(transport, server_env(dirs)) as client:
+async def test_snapshot_and_restore_bring_back_data_model_function_class_and_files(dirs: ServerDirs) -> None:
+    async with memory_client(server_env(dirs)) as client:
         original = (await call(client, "create_session"))["session_id"]
         await output(client, STATE_CELL, original)
         taken = await call(client, "snapshot_session", session_id=original, name="before")
@@ -106,7 +102,7 @@ async def test_snapshot_and_restore_bring_back_data_model_function_class_and_fil
 
 
 async def test_fork_gives_two_sessions_that_diverge(dirs: ServerDirs) -> None:
-    async with stdio_client(server_env(dirs)) as client:
+    async with memory_client(server_env(dirs)) as client:
         original = (await call(client, "create_session"))["session_id"]
         await output(client, "path = ['start']\nopen('shared.txt', 'w').write('start')", original)
         forked = await call(client, "fork_session", session_id=original)
@@ -126,13 +122,13 @@ async def test_fork_gives_two_sessions_that_diverge(dirs: ServerDirs) -> None:
 async def test_keep_state_brings_variables_back_after_a_server_restart(dirs: ServerDirs) -> None:
     env = server_env(dirs)
     persistent = {"name": "analysis", "persistent": True, "keep_state": True}
-    async with stdio_client(env) as client:
+    async with memory_client(env) as client:
         first = await call(client, "create_session", **persistent)
         assert first["keep_state"] is True and "state" not in first, "nothing saved yet: nothing loaded"
         await output(client, STATE_CELL, first["session_id"])
-        # The server stops with its client: the session closes and saves its state on the way out.
+        # The server stops: the session closes and saves its state on the way out.
 
-    async with stdio_client(env) as client:
+    async with memory_client(env) as client:
         again = await call(client, "create_session", **persistent)
         assert {"df", "model", "predict", "box"} <= set(again["state"]["restored"]), again
         assert any(line.startswith("guard: a lock") for line in again["state"]["not_restored"]), again
@@ -141,7 +137,7 @@ async def test_keep_state_brings_variables_back_after_a_server_restart(dirs: Ser
         closed = await call(client, "close_session", session_id=again["session_id"])
         assert closed["state"].startswith("kernel state saved"), closed
 
-    async with stdio_client(env) as client:
+    async with memory_client(env) as client:
         third = await call(client, "create_session", **persistent)
         assert "29.0" in await output(client, "print(predict(2))", third["session_id"]), "the later state was kept"
         # Without keep_state the same workspace opens with its files and a fresh kernel.
@@ -185,7 +181,7 @@ async def test_keep_state_survives_a_killed_server_once_saved_while_idle(dirs: S
 
 
 async def test_keep_state_needs_a_persistent_session(dirs: ServerDirs) -> None:
-    async with stdio_client(server_env(dirs)) as client:
+    async with memory_client(server_env(dirs)) as client:
         assert "keep_state needs persistent=true" in await refused(client, "create_session", keep_state=True)
 
 
@@ -209,7 +205,7 @@ async def test_a_snapshot_belongs_to_the_client_that_made_it(dirs: ServerDirs) -
 
 async def test_a_snapshot_past_its_size_cap_is_refused_and_nothing_is_kept(dirs: ServerDirs) -> None:
     env = server_env(dirs, CODERUNNER_SNAPSHOT_LIMIT_MB="2")
-    async with stdio_client(env) as client:
+    async with memory_client(env) as client:
         session = (await call(client, "create_session"))["session_id"]
         await output(client, "big = bytes(3 * 2**20)\nsmall = 1", session)
         answer = await refused(client, "snapshot_session", session_id=session)

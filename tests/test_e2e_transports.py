@@ -1,11 +1,18 @@
-"""Transports and the command line beyond the shared stdio/HTTP scenarios."""
+"""Each transport once, through a real `coderunner serve` process, and the command line.
+
+The behaviour tests reach the server in memory (tests/conftest.py `client`); here each transport
+carries one conversation with what crosses it: state, an error, a chart, progress notifications,
+cancellation and, over HTTP, the export folder of an unnamed client (`http`).
+"""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import anyio
 import pytest
+from mcp import Client
 
 from .conftest import (
     REPO,
@@ -16,10 +23,54 @@ from .conftest import (
     run,
     sandbox_processes_alive,
     server_env,
+    stdio_client,
     text_of,
 )
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+
+async def converse(client: Client) -> None:
+    """One conversation whose every part crosses the transport."""
+    await run(client, "base = 20")
+    assert text_of(await run(client, "base + 22")).splitlines()[0] == "42"
+    failed = await run(client, "1 / 0")
+    assert failed.is_error and "ZeroDivisionError" in text_of(failed)
+    chart = await run(client, "import matplotlib.pyplot as plt\nplt.bar([1, 2], [3, 4])\nplt.show()")
+    assert images_of(chart)[0].startswith(b"\x89PNG")
+    seen: list[str | None] = []
+
+    async def on_progress(progress: float, total: float | None, message: str | None) -> None:
+        seen.append(message)
+
+    ticking = "import time\nfor i in range(6):\n    print(f'step {i}', flush=True)\n    time.sleep(0.3)"
+    done = await client.call_tool("run_python", {"code": ticking}, progress_callback=on_progress)
+    assert not done.is_error and any(message and "step" in message for message in seen), seen
+    with anyio.move_on_after(1.5):
+        await run(client, "while True:\n    pass", timeout_s=120)
+    # Had the cancellation not crossed, this call would wait behind the cell (busy) instead of answering.
+    with anyio.fail_after(30):
+        after = await run(client, "base", timeout_s=20)
+    assert not after.is_error and "20" in text_of(after).splitlines(), text_of(after)
+
+
+async def test_stdio_transport_carries_a_conversation(dirs: ServerDirs) -> None:
+    async with stdio_client(server_env(dirs)) as client:
+        await converse(client)
+
+
+async def test_streamable_http_transport_carries_a_conversation_and_exports_to_http(dirs: ServerDirs) -> None:
+    exports = dirs.root / "out"
+    exports.mkdir(mode=0o755)
+    with http_server(server_env(dirs, CODERUNNER_EXPORT_DIR=str(exports))) as url:
+        async with connect_http(url) as client:
+            await converse(client)
+            await client.call_tool("write_file", {"path": "result.txt", "content": "done"})
+            copied = await client.call_tool("download_file", {"sandbox_path": "result.txt"})
+            assert not copied.is_error, text_of(copied)
+    # An unnamed HTTP client of the server's token is the client `http` (edge/callers.py).
+    assert sorted(path.name for path in exports.iterdir()) == ["http"]
+    assert (exports / "http" / "result.txt").read_text() == "done"
 
 
 async def test_legacy_sse_transport_runs_python_and_returns_charts(dirs: ServerDirs) -> None:
