@@ -43,7 +43,7 @@ def default_backend() -> Backend:
         return "apple"
     for engine in ("docker", "podman"):
         if shutil.which(engine):
-            return engine  # type: ignore[return-value]
+            return engine
     return "apple" if sys.platform == "darwin" else "docker"
 
 

@@ -232,11 +232,11 @@ def build_proxy(upstream: Upstream) -> Server[Any]:
         return await _or_mcp_error(forward(lambda c: _bounded(c.list_tools(cursor=cursor))))
 
     async def call_tool(ctx: ServerRequestContext[Any], params: CallToolRequestParams) -> CallToolResult:
-        async def progress(value: float, total: float | None, message: str | None) -> None:
-            await ctx.session.report_progress(value, total, message)
+        async def relay_progress(progress: float, total: float | None, message: str | None) -> None:
+            await ctx.session.report_progress(progress, total, message)
 
         try:
-            return await forward(lambda c: c.call_tool(params.name, params.arguments, progress_callback=progress))
+            return await forward(lambda c: c.call_tool(params.name, params.arguments, progress_callback=relay_progress))
         except (ProxyError, MCPError) as exc:
             return CallToolResult(content=[TextContent(type="text", text=f"CodeRunner proxy: {exc}")], is_error=True)
 

@@ -32,7 +32,7 @@ def user_paths():
             os.environ["PYTHONPATH"] = os.pathsep.join([*parts, packages])
 
 
-def load_ipython_extension(ipython):  # type: ignore[no-untyped-def]
+def load_ipython_extension(ipython):
     """Loaded by the kernel at start (IPKernelApp.extensions): the last of its start-up."""
     from . import figures, output
 

@@ -11,6 +11,7 @@ kernel and everything it started). User code reaches the same page:
 import base64
 import json
 import os
+from typing import Any
 
 from .dispatch import GuestError
 
@@ -37,7 +38,7 @@ NETWORK_OFF = (
     "server started in the sandbox on localhost)"
 )
 
-_state = {}
+_state: dict[str, Any] = {}
 
 
 def _executable():

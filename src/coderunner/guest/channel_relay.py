@@ -38,6 +38,7 @@ import signal
 import socket
 import sys
 import tempfile
+from typing import Any
 
 #: The sandbox's copy of common.RELAY_STATE (this script runs with -I -S: no coderunner imports).
 RELAY_STATE = "relay-state"
@@ -189,7 +190,7 @@ class Relay:
         except OSError:
             listener.close()
             raise
-        extra = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}
+        extra: dict[str, Any] = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}
         return await asyncio.start_unix_server(
             lambda reader, writer: self.accept(reader, writer, port), sock=listener, **extra
         )

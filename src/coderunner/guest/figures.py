@@ -20,20 +20,20 @@ INLINE_BACKENDS = ("inline", "module://matplotlib_inline.backend_inline")
 NOT_SHOWN_WARNING = r".*non-interactive, and thus cannot be shown"
 
 
-def _backend(matplotlib):  # type: ignore[no-untyped-def]
+def _backend(matplotlib):
     try:
         return matplotlib.get_backend(auto_select=False)  # 3.10+: never resolves (or imports) one
     except TypeError:
         return matplotlib.rcParams._get("backend")
 
 
-def _png(figure):  # type: ignore[no-untyped-def]
+def _png(figure):
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight")
     return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
-def _keeps_figures(matplotlib):  # type: ignore[no-untyped-def]
+def _keeps_figures(matplotlib):
     """Whether the inline backend is active and configured to keep figures open across cells."""
     config = sys.modules.get("matplotlib_inline.config")
     if config is None or _backend(matplotlib) not in INLINE_BACKENDS:
@@ -41,7 +41,7 @@ def _keeps_figures(matplotlib):  # type: ignore[no-untyped-def]
     return not config.InlineBackend.instance().close_figures
 
 
-def send_open_figures():  # type: ignore[no-untyped-def]
+def send_open_figures():
     """Show and close the figures pyplot still holds (see the module's docstring for the exception)."""
     pyplot = sys.modules.get("matplotlib.pyplot")
     if pyplot is None or _keeps_figures(sys.modules["matplotlib"]):
@@ -61,11 +61,11 @@ def send_open_figures():  # type: ignore[no-untyped-def]
             pyplot.close("all")
 
 
-def _after_cell(result):  # type: ignore[no-untyped-def]
+def _after_cell(result):
     send_open_figures()
 
 
-def install(ipython):  # type: ignore[no-untyped-def]
+def install(ipython):
     warnings.filterwarnings("ignore", message=NOT_SHOWN_WARNING, category=UserWarning)
     if _after_cell not in ipython.events.callbacks["post_run_cell"]:
         ipython.events.register("post_run_cell", _after_cell)

@@ -66,8 +66,8 @@ def install_ipc_pipe(prefix: str) -> bool:
         pipe_out.connect(self._coderunner_pipe)
         return ctx, pipe_out
 
-    thread._setup_pipe_in = setup_pipe_in  # type: ignore[method-assign]
-    thread._setup_pipe_out = setup_pipe_out  # type: ignore[method-assign]
+    thread._setup_pipe_in = setup_pipe_in
+    thread._setup_pipe_out = setup_pipe_out
     return True
 
 

@@ -67,7 +67,7 @@ def run_python(source, variables):
         import traceback
 
         # The user's frames only: drop this launcher's own.
-        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next)
+        traceback.print_exception(type(exc), exc, exc.__traceback__.tb_next if exc.__traceback__ else None)
         sys.exit(1)
 
 
@@ -135,7 +135,7 @@ def versions():
     """What each language runs on, as the sandbox sees it."""
     import subprocess
 
-    found = {"python": sys.version.split()[0]}
+    found: dict[str, str | None] = {"python": sys.version.split()[0]}
     for language, argv in (("javascript", [NODE, "--version"]), ("bash", [BASH, "--version"])):
         try:
             done = subprocess.run(argv, capture_output=True, text=True, timeout=CHECK_TIMEOUT_S)

@@ -24,7 +24,7 @@ def _chunked(stream):
             stream.flush()
         return len(text)
 
-    chunked_write.coderunner_chunked = True
+    chunked_write.coderunner_chunked = True  # type: ignore[attr-defined]  # the mark of a patched stream
     return chunked_write
 
 
@@ -32,4 +32,4 @@ def install():
     """Patch the kernel's own stdout/stderr objects (not replace them: ipykernel checks their type)."""
     for stream in (sys.stdout, sys.stderr):
         if not getattr(stream.write, "coderunner_chunked", False):
-            stream.write = _chunked(stream)
+            stream.write = _chunked(stream)  # type: ignore[method-assign]  # patched in place, on purpose

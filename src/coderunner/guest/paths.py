@@ -27,7 +27,7 @@ def page_numbers(pages, count):
     if isinstance(pages, int):
         pages = [pages]
     if isinstance(pages, str):
-        wanted = []
+        wanted: list[int] = []
         for part in pages.replace(" ", "").split(","):
             if not part:
                 continue

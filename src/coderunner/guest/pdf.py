@@ -3,6 +3,7 @@
 import base64
 import io
 import os
+from typing import Any
 
 from .dispatch import GuestError, run_op
 from .paths import existing_file, output_file, page_numbers
@@ -131,7 +132,8 @@ def _to_images(path, output_prefix=None, pages=None, dpi=100, password=None):
     document = pdfium.PdfDocument(path, password=password)
     try:
         scale = min(max(float(dpi), 10.0), 600.0) / 72
-        files, previews = [], []
+        files: list[dict[str, Any]] = []
+        previews: list[str] = []
         for index in page_numbers(pages, len(document)):
             page = document[index]
             width, height = page.get_size()

@@ -99,7 +99,7 @@ class Exporter:
                 os.close(target_fd)
         return report
 
-    def _files(self, report: ExportReport | None = None):  # type: ignore[no-untyped-def]
+    def _files(self, report: ExportReport | None = None):
         """(relative path, parent dir fd, lstat) of each regular file in the outbox; no link followed."""
         try:
             root = os.open(self.outbox, DIR_FLAGS)

@@ -10,6 +10,7 @@ see anyway, or be refused); only regular files are read or written.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
 import os
@@ -184,7 +185,7 @@ class SandboxFiles:
         with self._parent_fd(resolved) as parent:
             return _open_dir(resolved.parts[-1], dir_fd=parent)
 
-    def _walk(self, fd: int, prefix: str, depth: int, entries: list[Entry]) -> None:
+    def _walk(self, fd: int, prefix: str, depth: int, entries: builtins.list[Entry]) -> None:
         for name in sorted(os.listdir(fd)):
             if len(entries) >= MAX_LIST_ENTRIES:
                 return

@@ -225,7 +225,7 @@ class ZmtpConnection:
         filled = have
         while filled < size:
             filled += await self._recv_into(view[filled:])
-        return out  # a bytearray: no second copy of a big frame
+        return out  # type: ignore[return-value]  # a bytearray read as bytes: no second copy of a big frame
 
     async def _skip(self, size: int) -> None:
         have = self._end - self._start

@@ -63,7 +63,7 @@ def network_arg(ceiling: str) -> Any:
         schema["enum"] = list(modes)
 
     return Annotated[
-        Literal[modes],  # type: ignore[valid-type]
+        Literal[modes],
         BeforeValidator(within),
         Field(description=description, json_schema_extra=enum),
     ]

@@ -103,9 +103,9 @@ def read_file_result(
         mime = image_type(head)
         if mime is not None:
             if size <= image_limit:
-                data = base64.b64encode(os.pread(fd, size, 0)).decode()
-                note = TextContent(type="text", text=f"{sandbox_path}: {mime}, {size:,} bytes")
-                return CallToolResult(content=[note, ImageContent(type="image", data=data, mime_type=mime)])
+                encoded = base64.b64encode(os.pread(fd, size, 0)).decode()
+                caption = TextContent(type="text", text=f"{sandbox_path}: {mime}, {size:,} bytes")
+                return CallToolResult(content=[caption, ImageContent(type="image", data=encoded, mime_type=mime)])
             return _linked(session_id, sandbox_path, size, mime, "an image too big to show inline", links)
         if not looks_like_text(head):
             if size <= limit:
@@ -114,8 +114,8 @@ def read_file_result(
                     blob=base64.b64encode(os.pread(fd, size, 0)).decode(),
                     mime_type=mimetypes.guess_type(sandbox_path)[0] or "application/octet-stream",
                 )
-                note = TextContent(type="text", text=f"{sandbox_path}: binary, {size:,} bytes (base64 below)")
-                return CallToolResult(content=[note, EmbeddedResource(type="resource", resource=blob)])
+                caption = TextContent(type="text", text=f"{sandbox_path}: binary, {size:,} bytes (base64 below)")
+                return CallToolResult(content=[caption, EmbeddedResource(type="resource", resource=blob)])
             return _linked(session_id, sandbox_path, size, None, "binary and over the inline limit", links)
         if start_line is not None or end_line is not None:
             text, note = _line_range(fd, start_line or 1, end_line, limit)
