@@ -14,6 +14,7 @@ import pytest
 
 from coderunner import doctor
 from coderunner.config import Settings
+from coderunner.sandbox import apple_doctor
 from coderunner.sandbox.apple import AppleBackend
 from coderunner.sandbox.container import ContainerUnavailable
 
@@ -78,12 +79,12 @@ def test_doctor_reports_the_release_and_whether_it_is_supported(
 ) -> None:
     cli = on_a_mac(version)
     image = apple_emulation.build_image(cli.parent)  # current already, unless the sources changed
-    [backend, channels] = doctor.check_container_backend(Settings(backend="apple", image=image))
+    [backend, channels] = doctor.check_backend(Settings(backend="apple", image=image))
     assert backend.ok and detail in backend.detail and backend.degraded is degraded, backend
     assert channels.ok and not channels.degraded and "relayed over vsock" in channels.detail
 
 
 def test_doctor_tells_the_tcp_fallback_truthfully() -> None:
-    check = doctor._apple_channels(Settings(backend="apple", kernel_channels="tcp"))
+    check = apple_doctor.channels_check(Settings(backend="apple", kernel_channels="tcp"))
     assert check.degraded and "reachable at the VM's address" in check.detail
     assert "other containers" in check.detail and "Local Network" in check.detail

@@ -1,12 +1,12 @@
 """One contract, every backend this machine has: what sessions and one-shot runs rely on.
 
 The same scenarios run on the fake backend (tests/fakes) and on each real one that can work here
-(bwrap on Linux; podman, docker or gvisor (runsc on the podman-built image) when the engine answers and the image is
-built; Apple `container` on macOS, and on Linux through its stand-in, tests/emulators/container, at one
-release before 0.10 and one 1.x). A real backend that cannot work here is skipped with the reason,
-except bwrap on Linux, whose absence is a failure (it is the default). Containment itself is
-the e2e and abuse suites' business; this is about the seam: start, run, interrupt, death,
-files both ways, guest calls, one-shot pipes, and nothing left behind.
+(every entry of the backend registry: bwrap on Linux; podman, docker or gvisor (runsc on the podman-built
+image) when the engine answers and the image is built; Apple `container` on macOS, and on Linux through
+its stand-in, tests/emulators/container, at one release before 0.10 and one 1.x). A real backend that
+cannot work here is skipped with the reason, except the default on Linux (bwrap), whose absence is a
+failure. Containment itself is the e2e and abuse suites' business; this is about the seam: start,
+run, interrupt, death, files both ways, guest calls, one-shot pipes, and nothing left behind.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ from coderunner.kernel.incarnation import RunStatus
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sandbox import SandboxBackend, SandboxUnavailable, make_backend
 from coderunner.sandbox.identity import sandbox_identity
+from coderunner.sandbox.registry import BACKEND_NAMES, Setup, platform_default
+from coderunner.sandbox.registry import entry as registry_entry
 from coderunner.sessions import Session, SessionManager
 from coderunner.sessions.session_snapshots import Seed, takes_memory
 
@@ -37,9 +39,11 @@ from .fakes.backend import FakeBackend, kernel_python
 
 pytestmark = [pytest.mark.anyio, pytest.mark.conformance]
 
-#: Every backend a machine may have; which of them this one has is found out per test run.
-APPLE_LANES = ("apple",) if sys.platform == "darwin" else tuple(f"apple@{v}" for v in apple_emulation.VERSIONS)
-BACKENDS = ("fake", "bwrap", "podman", "docker", "gvisor", *APPLE_LANES)
+#: Backends that run here through a stand-in when their platform is not this one: their lanes.
+EMULATED = {"apple": tuple(f"apple@{v}" for v in apple_emulation.VERSIONS)} if sys.platform != "darwin" else {}
+#: Every backend in the registry (each emulated one at each emulated release), and the fake; which of
+#: them this machine has is found out per test run.
+BACKENDS = ("fake", *(lane for name in BACKEND_NAMES for lane in EMULATED.get(name, (name,))))
 #: Bound on asking an engine whether it and the image are there.
 PROBE_TIMEOUT_S = 60
 #: This machine's podman cannot use crun (hybrid cgroups); runc works (see the podman e2e tests).
@@ -101,18 +105,17 @@ def _backend(name: str, settings: Settings, root: Path) -> SandboxBackend:
             pytest.fail("no interpreter with ipykernel: run `coderunner setup`")
         (root / "f").mkdir(mode=0o711)
         return FakeBackend(python, root / "f", sandbox_identity(settings.sandbox_user))
-    if name in ("podman", "docker") and (problem := _engine_problem(name, settings.image)):
-        pytest.skip(problem)
-    if name == "gvisor" and (problem := _engine_problem("podman", settings.image)):
-        pytest.skip(f"gvisor runs the image podman builds: {problem}")
     if name.startswith("apple@"):
         return _emulated_apple(name.split("@")[1], settings, root)
-    if name == "bwrap" and not sys.platform.startswith("linux"):
-        pytest.skip("bubblewrap runs on Linux only")
+    found = registry_entry(name)
+    if found.setup is Setup.IMAGE:
+        builder = found.image_builder
+        if problem := _engine_problem(builder.engine or builder.name, settings.image):
+            pytest.skip(problem if builder is found else f"{name} runs the image {builder.name} builds: {problem}")
     try:
         return make_backend(settings)
     except SandboxUnavailable as exc:
-        if name == "bwrap":
+        if name == platform_default() and sys.platform.startswith("linux"):
             pytest.fail(f"the default backend cannot work here: {exc}")
         pytest.skip(f"{name}: {exc}")
 

@@ -300,12 +300,12 @@ async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: obje
             while not counter.exists() or int(counter.read_text() or 0) < 20:
                 await anyio.sleep(0.1)
         container = process.container
-        await backend.checkpoint(process, image, TIMEOUT_S)  # type: ignore[attr-defined]
+        await backend.checkpointer.checkpoint(process, image, TIMEOUT_S)  # type: ignore[attr-defined]
         assert not process.alive
         at_checkpoint = int(counter.read_text())
         assert at_checkpoint >= 20
         assert left_behind(backend, container) == []
-        restored = await backend.restore(second, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
+        restored = await backend.checkpointer.restore(second, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
         try:
             with anyio.fail_after(TIMEOUT_S):
                 while not (second.workspace / "count").exists():
@@ -328,5 +328,5 @@ async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: obje
         assert gvisor.checkpoint_owner(image) == (UID, UID)
         other = make_spec(tmp_path / "rt", "c3c3c3c3", uid=UID + 1)
         with pytest.raises(gvisor.CheckpointError, match="same uid"):
-            await backend.restore(other, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
+            await backend.checkpointer.restore(other, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
         assert runsc_containers(backend) == []

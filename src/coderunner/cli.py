@@ -10,12 +10,11 @@ import base64
 import logging
 import sys
 from pathlib import Path
-from typing import get_args
 
 import anyio
 
 from coderunner import __version__, doctor
-from coderunner.config import Backend, Settings, load_settings
+from coderunner.config import Settings, load_settings
 from coderunner.edge import client_tokens
 from coderunner.edge.auth import ensure_token, read_token
 from coderunner.edge.client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
@@ -23,10 +22,11 @@ from coderunner.errors import CodeRunnerError
 from coderunner.sandbox import env as sandbox_env
 from coderunner.sandbox import image_build as image
 from coderunner.sandbox import make_backend
+from coderunner.sandbox.registry import BACKEND_NAMES, Setup, entry
 from coderunner.sessions import SessionManager
 from coderunner.tools.replies import execution_reply
 
-BACKEND_CHOICES = list(get_args(Backend))
+BACKEND_CHOICES = list(BACKEND_NAMES)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             print(doctor.report(checks))
             return 0 if all(check.ok for check in checks) else 1
         if args.command == "setup":
-            if settings.backend != "bwrap":
+            if entry(settings.backend).setup is Setup.IMAGE:
                 print(f"sandbox image ready: {image.build(settings, recreate=args.recreate)}")
                 return 0
             sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -26,25 +24,22 @@ from coderunner.egress.settings import EgressSettings
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.policy.tool_groups import ALL, TOOL_GROUPS, ToolsetError, check_selection
+from coderunner.sandbox.registry import BACKEND_NAMES, platform_default
 
 APP_NAME = "coderunner"
 
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
-Backend = Literal["bwrap", "podman", "docker", "apple", "gvisor"]
+#: The names `backend` may be set to: one per entry of the backend registry (sandbox/registry.py),
+#: in its order (a Literal made from it, so the settings' schema and errors list them as before).
+Backend = Literal[BACKEND_NAMES]  # type: ignore[valid-type]
 
 
 def default_backend() -> Backend:
-    """Linux: bwrap (no daemon, embedded). macOS: Apple `container` VMs when the CLI is installed."""
-    if sys.platform.startswith("linux"):
-        return "bwrap"
-    if sys.platform == "darwin" and shutil.which("container"):
-        return "apple"
-    for engine in ("docker", "podman"):
-        if shutil.which(engine):
-            return engine
-    return "apple" if sys.platform == "darwin" else "docker"
+    """Linux: bwrap (no daemon, embedded). macOS: Apple `container` VMs when the CLI is installed.
+    Each backend's entry says when it is the default (registry.platform_default)."""
+    return platform_default()
 
 
 def default_config_dir() -> Path:

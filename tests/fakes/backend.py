@@ -30,7 +30,17 @@ import anyio
 from anyio.abc import TaskGroup
 
 import coderunner
-from coderunner.sandbox import SESSION_PACKAGES, HostIdentity, LimitReport, Limits, SandboxProcess, SandboxSpec
+from coderunner.egress.ceiling import NetworkMode
+from coderunner.sandbox import (
+    SESSION_PACKAGES,
+    HostIdentity,
+    KernelChannels,
+    LimitReport,
+    Limits,
+    SandboxBackend,
+    SandboxProcess,
+    SandboxSpec,
+)
 from coderunner.sandbox.identity import shared_dir_mode
 
 #: What a sandbox started on DIE_AT_START says before it exits.
@@ -69,12 +79,13 @@ def kernel_python(env_dir: Path) -> Path | None:
     return None
 
 
-class FakeBackend:
-    """The SandboxBackend protocol, without the sandbox (see the module docstring)."""
+class FakeBackend(SandboxBackend):
+    """A SandboxBackend without the sandbox (see the module docstring)."""
 
     name = "fake"
     workspace_path = "/workspace"
-    channels = "ipc"
+    channels = KernelChannels.IPC
+    network_modes = frozenset({NetworkMode.NONE, NetworkMode.INTERNET})
 
     def __init__(self, python: Path, root: Path, identity: HostIdentity | None = None) -> None:
         """`root`: a folder of the test's own; `identity`: the kind of user sandboxes run as (as the
@@ -111,19 +122,13 @@ class FakeBackend:
             "tmp_mb": LimitReport(limits.tmp_mb, None),
         }
 
-    def network_problem(self, network: str) -> str | None:
-        if network == "allowlist":
-            return "the fake backend has no egress proxy wiring: use 'none' or 'internet'"
-        if network not in ("none", "internet"):
-            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
-        return None
+    def refusal(self, mode: NetworkMode) -> str:
+        return "the fake backend has no egress proxy wiring: use 'none' or 'internet'"
 
     def remove_stale(self, name: str) -> None:
         """Nothing of a fake sandbox lives outside its dirs."""
 
-    async def spawn(
-        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
-    ) -> SandboxProcess:
+    async def start(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool) -> SandboxProcess:
         cue = self.cues.popleft() if self.cues else None
         # Its HOME and TMPDIR: gone with `root`, which the test that made it removes.
         home = Path(tempfile.mkdtemp(prefix=f"home-{spec.name}-", dir=self.root))

@@ -1,6 +1,9 @@
 """One kernel in a sandbox, spoken to by the host's own bounded channels.
 
 incarnation.py     Kernel: start, run, interrupt, checkpoint, stop one ipykernel
+execution.py       one execute's outcome, gathered from its IOPub messages
+connection_info.py a kernel's connection info and its channels' addresses
+host_channels.py   the host's ends of shell, control and IOPub, connected and drained
 channels.py        shell, control and IOPub, each read within a byte budget
 zmtp.py            a strict ZMTP 3.0 peer that never holds more than its budget
 output_capture.py  one call's output, bounded (head and tail, spill, images)

@@ -12,10 +12,8 @@ noticed through liveness, not by waiting for a reply that will never come.
 from __future__ import annotations
 
 import contextlib
-import enum
 import logging
 import secrets
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -24,36 +22,33 @@ from typing import Any, NoReturn
 
 import anyio
 from anyio.abc import TaskGroup
-from jupyter_client.session import Session
 
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.dirfd import HostFsError
 from coderunner.hostfs.session_dirs import SandboxDirs, connection_names, dump_connection
 from coderunner.kernel.channels import (
     IOPUB_LIMITS,
-    IOPUB_QUEUE_BYTES,
     NO_PARENT,
-    REPLY_LIMITS,
     ChannelBroken,
     Lost,
     Mailbox,
     Message,
-    connect,
 )
+from coderunner.kernel.connection_info import connection_info
+from coderunner.kernel.execution import RunOutcome, RunState, RunStatus
+from coderunner.kernel.host_channels import Deadline, open_mailboxes, pump_all
 from coderunner.kernel.output_capture import OutputCollector
-from coderunner.kernel.zmtp import Limits, ZmtpConnection, ZmtpError
-from coderunner.sandbox import SandboxBackend, SandboxProcess, SandboxSpec
+from coderunner.sandbox import KernelChannels, SandboxBackend, SandboxProcess, SandboxSpec
 from coderunner.sandbox.common import product_python
 
 log = logging.getLogger(__name__)
+
+__all__ = ["CheckpointFailed", "Kernel", "KernelStartError", "ProgressCallback", "RunOutcome", "RunStatus"]
 
 #: How often a silent wait checks that the sandbox is still alive.
 LIVENESS_POLL_S = 0.25
 #: Quiet IOPub this long after the execute_reply means the idle status was lost.
 IDLE_AFTER_REPLY_S = 1.0
-IMAGE_MIME_TYPES = ("image/png", "image/jpeg")
-#: The display bundle type guest tools answer with (coderunner_guest.dispatch.RESULT_MIME).
-GUEST_RESULT_MIME = "application/vnd.coderunner.guest+json"
 #: Largest IOPub message the host accepts from a kernel (a bigger one is skipped, and the
 #: run it belongs to says that some output was lost).
 MAX_MESSAGE_BYTES = IOPUB_LIMITS.max_message_bytes
@@ -61,9 +56,6 @@ MAX_MESSAGE_BYTES = IOPUB_LIMITS.max_message_bytes
 INTERRUPT_SEND_S = 1.0
 #: How long a kernel whose channel closed may take to exit by itself before it is killed.
 EXIT_WAIT_S = 2.0
-#: Pause between attempts to reach a kernel's channel while it starts (TCP channels accept
-#: before the kernel listens).
-CONNECT_RETRY_S = 0.05
 #: The kernel's channels the host connects to (heartbeat and stdin are not used).
 HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 
@@ -76,44 +68,6 @@ class KernelStartError(CodeRunnerError):
 
 class CheckpointFailed(CodeRunnerError):
     """A memory checkpoint or restore did not work; the message says what the sandbox said."""
-
-
-class RunStatus(enum.Enum):
-    OK = "ok"
-    ERROR = "error"  # the code raised
-    INTERRUPTED = "interrupted"  # deadline hit, interrupt worked: state kept
-    UNRESPONSIVE = "unresponsive"  # deadline hit, interrupt ignored: needs a restart
-    DIED = "died"  # the sandbox exited during the run
-
-
-@dataclass
-class CellError:
-    """The exception a cell raised (not an error of the kernel itself): name, value, traceback text."""
-
-    ename: str
-    evalue: str
-    traceback: str
-
-
-@dataclass
-class RunOutcome:
-    status: RunStatus
-    output: OutputCollector
-    error: CellError | None = None
-    execution_count: int | None = None
-    duration_s: float = 0.0
-    exit_code: int | None = None
-    output_lost: bool = False
-    #: What a guest tool answered (see coderunner_guest.dispatch), when this run was one.
-    guest_payload: dict[str, Any] | None = None
-
-
-@dataclass
-class _Deadline:
-    at: float
-
-    def remaining(self) -> float:
-        return self.at - time.monotonic()
 
 
 class SandboxExited(Exception):
@@ -148,14 +102,14 @@ class Kernel:
     async def start(self, timeout_s: float) -> None:
         """Start the sandbox and wait for the IOPub handshake (ipykernel's iopub_welcome)."""
         self._connection_name = f"kernel-{self.generation}.json"
-        if self.backend.channels == "tcp":
+        if self.backend.channels == KernelChannels.TCP:
             # The backend publishes these (free) ports on the host's loopback only.
             address = {"transport": "tcp", "ip": "127.0.0.1"}
         else:
             # The kernel binds in its own run/ dir; the host connects only after moving the
             # sockets to its own sock/ dir (see session_dirs.py).
             address = {"transport": "ipc", "ip": str(self.spec.runtime_dir / f"k{self.generation}")}
-        info = _connection_info(key=secrets.token_hex(32), **address)
+        info = connection_info(key=secrets.token_hex(32), **address)
         self._info = info
         connection_file = self.dirs.write_host_file(self._connection_name, dump_connection(info))
         argv = product_python(
@@ -172,7 +126,7 @@ class Kernel:
     async def _attach(self, info: dict[str, Any], timeout_s: float, what: str) -> None:
         """Claim the sandbox's sockets, connect and wait for the IOPub handshake; on failure end the
         sandbox and raise KernelStartError saying what the sandbox said."""
-        deadline = _Deadline(time.monotonic() + timeout_s)
+        deadline = Deadline(time.monotonic() + timeout_s)
         try:
             await self._await_sockets(info, deadline)
             await self._open_channels(self._host_side(info), deadline)
@@ -196,7 +150,7 @@ class Kernel:
                 await self.shutdown()
             raise
 
-    # --- memory checkpoints (backends with `checkpoint`/`restore`: gvisor) ----------------------
+    # --- memory checkpoints (backends with a checkpointer: gvisor) ----------------------------
 
     def saved_connection(self) -> dict[str, Any]:
         """What a restored copy of this kernel is reached with: its key, ports and generation (host-only)."""
@@ -213,11 +167,11 @@ class Kernel:
 
         Raises CheckpointFailed; `alive` then says whether the kernel survived (a failed save or
         restore ends it, and the session's next call starts a fresh one)."""
-        backend: Any = self.backend
-        assert self.process is not None and self._info is not None
+        checkpointer = self.backend.checkpointer
+        assert checkpointer is not None and self.process is not None and self._info is not None
         self._detach()
         try:
-            await backend.checkpoint(self.process, image_dir, timeout_s)
+            await checkpointer.checkpoint(self.process, image_dir, timeout_s)
         except CodeRunnerError as exc:
             if self.process.alive:  # quiescing failed and the relay was told to bind again
                 self.dirs.forget_sockets(f"k{self.generation}-")
@@ -242,12 +196,12 @@ class Kernel:
         await self._adopt(image_dir, timeout_s, "restore")
 
     async def _adopt(self, image_dir: Path, timeout_s: float, what: str) -> None:
-        backend: Any = self.backend
-        assert self._info is not None
+        checkpointer = self.backend.checkpointer
+        assert checkpointer is not None and self._info is not None
         # The dead ones the host claimed (the backend clears those left in run/); the relay binds the names again.
         self.dirs.forget_sockets(f"k{self.generation}-")
         try:
-            self.process = await backend.restore(self.spec, image_dir, self.task_group, timeout_s)
+            self.process = await checkpointer.restore(self.spec, image_dir, self.task_group, timeout_s)
         except CodeRunnerError as exc:
             self.process = None
             raise CheckpointFailed(f"the kernel could not {what}: {exc}") from None
@@ -272,7 +226,7 @@ class Kernel:
             return info
         return {**info, "ip": str(self.dirs.sock_dir / f"k{self.generation}")}
 
-    async def _await_sockets(self, info: dict[str, Any], deadline: _Deadline) -> None:
+    async def _await_sockets(self, info: dict[str, Any], deadline: Deadline) -> None:
         """Claim the kernel's sockets once it has bound them: no ZMQ reconnect back-off on start,
         and never a connect through a name the sandbox could swap."""
         if info["transport"] != "ipc":
@@ -284,50 +238,14 @@ class Kernel:
                 raise TimeoutError
             await anyio.sleep(0.005)
 
-    async def _open_channels(self, info: dict[str, Any], deadline: _Deadline) -> None:
-        """Connect shell, control and IOPub with the host's own bounded ZMTP reader, and start
-        draining them at once: whatever the kernel sends is read, kept only when expected."""
-        key = info["key"].encode() if isinstance(info["key"], str) else info["key"]
-        session = Session(key=key, signature_scheme=info.get("signature_scheme", "hmac-sha256"), username="coderunner")
-        mailboxes = []
-        for name, socket_type, limits in (
-            ("shell", "DEALER", REPLY_LIMITS),
-            ("control", "DEALER", REPLY_LIMITS),
-            ("iopub", "SUB", IOPUB_LIMITS),
-        ):
-            url = _channel_url(info, info[f"{name}_port"])
-            connection = await self._connect(url, socket_type, limits, session.bsession, deadline)
-            queue = IOPUB_QUEUE_BYTES if name == "iopub" else limits.max_message_bytes
-            mailbox = Mailbox(name, connection, session, queue_bytes=queue)
-            mailboxes.append(mailbox)
-            setattr(self, f"_{name}", mailbox)
-        assert self._iopub is not None
+    async def _open_channels(self, info: dict[str, Any], deadline: Deadline) -> None:
+        """Connect shell, control and IOPub and start draining them at once (host_channels.py)."""
+        self._shell, self._control, self._iopub = await open_mailboxes(info, deadline, self._check_alive)
         self._iopub.expect(NO_PARENT)  # ipykernel's iopub_welcome answers our subscription
         self._pumps = anyio.CancelScope()
-        self.task_group.start_soon(self._pump, self._pumps, mailboxes)
+        self.task_group.start_soon(pump_all, self._pumps, [self._shell, self._control, self._iopub])
 
-    async def _connect(
-        self, url: str, socket_type: str, limits: Limits, identity: bytes, deadline: _Deadline
-    ) -> ZmtpConnection:
-        while True:
-            self._check_alive()
-            if deadline.remaining() <= 0:
-                raise TimeoutError
-            with anyio.move_on_after(deadline.remaining()):
-                try:
-                    return await connect(url, socket_type, limits, identity)
-                except (OSError, ZmtpError) as exc:
-                    log.debug("kernel channel %s not ready: %s", url, exc)
-            await anyio.sleep(CONNECT_RETRY_S)
-
-    @staticmethod
-    async def _pump(scope: anyio.CancelScope, mailboxes: list[Mailbox]) -> None:
-        with scope:
-            async with anyio.create_task_group() as group:
-                for mailbox in mailboxes:
-                    group.start_soon(mailbox.pump)
-
-    async def _await_welcome(self, deadline: _Deadline) -> None:
+    async def _await_welcome(self, deadline: Deadline) -> None:
         assert self._iopub is not None
         while True:
             msg = await self._next_iopub(deadline)
@@ -339,7 +257,7 @@ class Kernel:
         if self.process is None or not self.process.alive:
             raise SandboxExited(self.process.returncode if self.process else None)
 
-    async def _next_iopub(self, deadline: _Deadline | None) -> Message | Lost | None:
+    async def _next_iopub(self, deadline: Deadline | None) -> Message | Lost | None:
         """The next expected IOPub message, or None after a quiet LIVENESS_POLL_S (the sandbox was alive).
 
         Raises TimeoutError at the deadline and SandboxExited when the sandbox is gone.
@@ -405,7 +323,7 @@ class Kernel:
             },
         )
         msg_id = str(request["header"]["msg_id"])
-        run = _Run(msg_id=msg_id, output=output)
+        run = RunState(msg_id=msg_id, output=output)
         # Expected before it is sent: anything else either channel carries is dropped on arrival.
         iopub.expect(msg_id)
         shell.expect(msg_id)
@@ -415,7 +333,7 @@ class Kernel:
                     await shell.send(request, timeout=max(timeout_s, 0.0))
                 except ChannelBroken as exc:
                     await self._channel_broken(exc)
-                await self._collect(run, _Deadline(begun + timeout_s), progress, progress_interval_s, begun)
+                await self._collect(run, Deadline(begun + timeout_s), progress, progress_interval_s, begun)
             except TimeoutError:
                 run.status = await self._interrupt_and_settle(run, interrupt_grace_s, begun)
             except anyio.get_cancelled_exc_class():
@@ -443,19 +361,19 @@ class Kernel:
             guest_payload=run.guest_payload,
         )
 
-    async def _interrupt_and_settle(self, run: _Run, grace_s: float, begun: float) -> RunStatus:
+    async def _interrupt_and_settle(self, run: RunState, grace_s: float, begun: float) -> RunStatus:
         """Interrupt the cell and wait up to `grace_s` for the kernel to go idle."""
         await self._interrupt()
         try:
-            await self._collect(run, _Deadline(time.monotonic() + grace_s), None, 0, begun)
+            await self._collect(run, Deadline(time.monotonic() + grace_s), None, 0, begun)
         except TimeoutError:
             return RunStatus.UNRESPONSIVE
         return RunStatus.INTERRUPTED
 
     async def _collect(
         self,
-        run: _Run,
-        deadline: _Deadline,
+        run: RunState,
+        deadline: Deadline,
         progress: ProgressCallback | None,
         progress_interval_s: float,
         begun: float,
@@ -479,7 +397,7 @@ class Kernel:
                 last_progress = time.monotonic()
                 await progress(last_progress - begun, run.output)
 
-    async def _reply_without_idle(self, run: _Run) -> bool:
+    async def _reply_without_idle(self, run: RunState) -> bool:
         """Look (without waiting) for our execute_reply; True once it came and IOPub stayed quiet."""
         if self._shell is None:  # shut down under us
             raise SandboxExited(self.process.returncode if self.process else None)
@@ -521,94 +439,3 @@ class Kernel:
         self.dirs.forget_sockets(f"k{self.generation}-")
         if self._connection_name is not None:
             self.dirs.remove_host_file(self._connection_name)
-
-
-def _connection_info(key: str, transport: str, ip: str) -> dict[str, Any]:
-    """A kernel's connection info: ipc "ports" are only name suffixes; tcp ports are free ones."""
-    ports = _free_tcp_ports(5) if transport == "tcp" else secrets.SystemRandom().sample(range(1000, 61000), 5)
-    names = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
-    return {
-        **dict(zip(names, ports, strict=True)),
-        "ip": ip,
-        "key": key,
-        "transport": transport,
-        "signature_scheme": "hmac-sha256",
-        "kernel_name": "python3",
-    }
-
-
-def _free_tcp_ports(count: int) -> list[int]:
-    sockets = []
-    try:
-        for _ in range(count):
-            sock = socket.socket()
-            sock.bind(("127.0.0.1", 0))
-            sockets.append(sock)
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-@dataclass
-class _Run:
-    """State of one execute while its IOPub messages arrive."""
-
-    msg_id: str
-    output: OutputCollector
-    status: RunStatus = RunStatus.OK
-    error: CellError | None = None
-    execution_count: int | None = None
-    exit_code: int | None = None
-    idle: bool = False
-    #: When the execute_reply was seen on the shell channel (only looked for while IOPub is quiet).
-    reply_at: float | None = None
-    #: IOPub messages of this run were skipped (over MAX_MESSAGE_BYTES, or unreadable).
-    output_lost: bool = False
-    guest_payload: dict[str, Any] | None = None
-
-    def take_reply(self, content: dict[str, Any]) -> None:
-        self.reply_at = time.monotonic()
-        self.execution_count = content.get("execution_count", self.execution_count)
-        if content.get("status") == "error" and self.status is RunStatus.OK:
-            self.status = RunStatus.ERROR
-            self.error = CellError(str(content.get("ename", "")), str(content.get("evalue", "")), "")
-
-    def handle(self, msg: Message) -> None:
-        kind = msg.msg_type
-        content = msg.content
-        if kind == "stream":
-            self.output.add_text(str(content.get("text", "")))
-        elif kind in ("execute_result", "display_data"):
-            self._add_bundle(content.get("data", {}))
-            if kind == "execute_result":
-                self.execution_count = content.get("execution_count", self.execution_count)
-        elif kind == "execute_input":
-            self.execution_count = content.get("execution_count")
-        elif kind == "error":
-            self.status = RunStatus.ERROR
-            self.error = CellError(
-                ename=str(content.get("ename", "")),
-                evalue=str(content.get("evalue", "")),
-                traceback="\n".join(str(line) for line in content.get("traceback", [])),
-            )
-            self.output.add_text(self.error.traceback + "\n")
-        elif kind == "status" and content.get("execution_state") == "idle":
-            self.idle = True
-
-    def _add_bundle(self, data: dict[str, Any]) -> None:
-        if isinstance(data.get(GUEST_RESULT_MIME), dict):
-            self.guest_payload = data[GUEST_RESULT_MIME]
-            return
-        images = [mime for mime in IMAGE_MIME_TYPES if isinstance(data.get(mime), str)]
-        for mime in images:
-            self.output.add_image(mime, data[mime])
-        text = data.get("text/plain")
-        if isinstance(text, str) and not (images and text.startswith("<Figure")):
-            self.output.add_text(text if text.endswith("\n") else text + "\n")
-
-
-def _channel_url(info: dict[str, Any], port: int) -> str:
-    if info["transport"] == "ipc":
-        return f"ipc://{info['ip']}-{port}"
-    return f"tcp://{info['ip']}:{port}"

@@ -1,25 +1,33 @@
-"""Sandbox backends behind one face: the protocol, its errors, and `make_backend`.
+"""Sandbox backends behind one face: the base class, its errors, and `make_backend`.
 
-Everything outside this package imports from here. A backend is found by name in BACKENDS and
-its module imported only when chosen, so a bwrap server never loads the container code, and a
-new backend is one entry in the registry:
+Everything outside this package imports from here. Each backend is a SandboxBackend subclass
+(base.py: spawn, the network-mode check and start-failure translation written once; a backend
+declares its network modes, kernel channels and checkpointer) and one entry in registry.py, which
+names its modules as text: a backend's code is imported only when it is chosen, so a bwrap server
+never loads the container code. A new backend is its own modules plus one registry entry:
 
-    bwrap           bwrap.py      Linux default, no daemon
-    podman, docker  oci.py        one container per kernel, from the CodeRunner image
-    gvisor          gvisor.py     runsc directly on podman's image: a kernel of its own per sandbox,
-                                  checkpointable (runsc.py builds its argv and OCI config)
-    apple           apple.py      one lightweight VM per kernel (macOS `container`)
+    bwrap           bwrap.py        Linux default, no daemon (bwrap_argv.py builds its argv)
+    podman, docker  oci.py          one container per kernel, from the CodeRunner image
+                                    (oci_argv.py builds the engine's argv)
+    gvisor          gvisor.py       runsc directly on podman's image: a kernel of its own per sandbox;
+                                    its checkpointer (gvisor_checkpoint.py) saves and restores one whole;
+                                    runsc.py builds runsc's argv and OCI config, gvisor_instances.py
+                                    keeps each server's dirs and clears dead servers'
+    apple           apple.py        one lightweight VM per kernel (macOS `container`); apple_version.py
+                                    says what each `container` release can do
 
-Shared paths, environment and limits live in common.py; building the sandbox's Python
-environment (env.py) sits beside building the image (image.py).
+Each backend's doctor probes are in <module>_doctor.py (the registry names them; probes.py holds
+what they share). Shared paths, environment and limits live in common.py; the container backends
+share container.py (names, labels, the attached engine client), engine.py (bounded engine calls)
+and watcher.py (a server's leftovers removed when it dies). Building the sandbox's Python
+environment (env.py) sits beside building the image (image_build.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 from coderunner.sandbox.base import (
+    Checkpointer,
+    KernelChannels,
     LimitReport,
     Limits,
     Mount,
@@ -37,15 +45,16 @@ from coderunner.sandbox.identity import (
     per_sandbox_uids,
     sandbox_identity,
 )
-
-if TYPE_CHECKING:
-    from coderunner.config import Settings
+from coderunner.sandbox.registry import BACKENDS, make_backend
 
 __all__ = [
     "BACKENDS",
     "SESSION_PACKAGES",
     "WORKSPACE",
+    "Checkpointer",
     "HostIdentity",
+    "IdentityError",
+    "KernelChannels",
     "LimitReport",
     "Limits",
     "Mount",
@@ -58,66 +67,5 @@ __all__ = [
     "etc_files",
     "make_backend",
     "per_sandbox_uids",
+    "sandbox_identity",
 ]
-
-
-def _identity(settings: Settings) -> HostIdentity | None:
-    try:
-        return sandbox_identity(settings.sandbox_user)
-    except IdentityError as exc:
-        raise SandboxUnavailable(str(exc)) from None
-
-
-def _bwrap(settings: Settings) -> SandboxBackend:
-    from coderunner.sandbox.bwrap import BwrapBackend
-
-    identity = _identity(settings)
-    backend = BwrapBackend(
-        settings.sandbox_env, runtime_base=settings.runtime_dir, identity=identity, use_cgroups=settings.cgroups
-    )
-    if backend.cgroups is not None:
-        backend.cgroups.cpu_weight = settings.session_cpu_weight
-    return backend
-
-
-def _oci(settings: Settings) -> SandboxBackend:
-    from coderunner.sandbox.oci import OciBackend
-
-    return OciBackend(
-        settings.backend,
-        settings.image,
-        settings.runtime_dir,
-        identity=_identity(settings),
-        runtime=settings.oci_runtime,
-        channels=settings.kernel_channels,
-    )
-
-
-def _gvisor(settings: Settings) -> SandboxBackend:
-    from coderunner.sandbox.gvisor import GvisorBackend
-
-    return GvisorBackend(settings.image, settings.runtime_dir, identity=_identity(settings))
-
-
-def _apple(settings: Settings) -> SandboxBackend:
-    from coderunner.sandbox.apple import AppleBackend
-
-    return AppleBackend(settings.image, settings.runtime_dir, channels=settings.kernel_channels)
-
-
-#: Backends by the name `backend` is set to; each builder imports its module when called.
-BACKENDS: dict[str, Callable[[Settings], SandboxBackend]] = {
-    "bwrap": _bwrap,
-    "podman": _oci,
-    "docker": _oci,
-    "gvisor": _gvisor,
-    "apple": _apple,
-}
-
-
-def make_backend(settings: Settings) -> SandboxBackend:
-    """Raises SandboxUnavailable (with the fix in its message) when the backend cannot work here."""
-    builder = BACKENDS.get(settings.backend)
-    if builder is None:
-        raise SandboxUnavailable(f"unknown backend {settings.backend!r}: use one of {', '.join(BACKENDS)}")
-    return builder(settings)

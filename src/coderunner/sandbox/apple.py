@@ -23,28 +23,35 @@ are named `coderunner-<server tag>-<session>-<random>`, so leftovers are found b
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
-import re
 import secrets
 import shutil
-import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.hostfs import dirfd as hostfs
-from coderunner.sandbox.base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
+from coderunner.egress.ceiling import NetworkMode
+from coderunner.sandbox.apple_ready import GuestReady
+from coderunner.sandbox.apple_version import (
+    INIT_VERSION,
+    MIN_VERSION,
+    PINNED_VERSION,
+    SECRET_VERSION,
+    UPGRADE_HINT,
+    ContainerVersion,
+    version_caveat,
+    version_problem,
+)
+from coderunner.sandbox.base import KernelChannels, LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec
 from coderunner.sandbox.common import (
     IMAGE_PYTHON,
-    NETWORK_MODES,
     WORKSPACE,
     product_python,
     rlimit_prefix,
@@ -64,6 +71,32 @@ from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineE
 from coderunner.sandbox.identity import ensure_private_dir
 from coderunner.sandbox.watcher import Watcher, WatchPlan
 
+if TYPE_CHECKING:
+    from coderunner.config import Settings
+
+__all__ = [
+    "GUEST_RUNTIME",
+    "GUEST_SOCKETS",
+    "GUEST_STATE",
+    "INIT_VERSION",
+    "MIN_VERSION",
+    "PINNED_VERSION",
+    "SECRET_VERSION",
+    "UPGRADE_HINT",
+    "AppleBackend",
+    "AppleCommand",
+    "ContainerVersion",
+    "GuestReady",
+    "build",
+    "container_id",
+    "instance_mark",
+    "names_with_prefix",
+    "parse_records",
+    "version_caveat",
+    "version_problem",
+    "vm_name",
+]
+
 log = logging.getLogger(__name__)
 
 #: Inside the VM: where the session's host-only dir (connection files) is mounted read-only.
@@ -75,78 +108,11 @@ GUEST_RUNTIME = "/run/coderunner/session"
 GUEST_SOCKETS = "/run/coderunner/k"
 #: Inside the VM: a writable share where the guest marks its kernel ready (see GuestReady).
 GUEST_STATE = "/run/coderunner/state"
-#: On the host: that share, a dir in the sandbox's run/ dir (which the VM does not otherwise see).
-STATE_DIR = "vm"
 STOP_WAIT_S = 2
 #: Bound on a VM's boot plus the kernel's start until its sockets are bound.
 READY_TIMEOUT_S = 120.0
-READY_POLL_S = 0.02
 #: The guest's first process (src/coderunner/guest/vm_init.py).
 VM_INIT = "coderunner_guest.vm_init"
-
-
-@dataclass(frozen=True, order=True)
-class ContainerVersion:
-    """A `container` release, read once from `container --version`, and what it changes for us."""
-
-    major: int
-    minor: int
-    patch: int
-
-    @classmethod
-    def parse(cls, text: str) -> ContainerVersion | None:
-        """`container CLI version 0.6.0 (build: release, commit: 1a2b3c4)` (ReleaseVersion.swift)."""
-        found = re.search(r"version (\d+)\.(\d+)\.(\d+)", text)
-        return cls(*(int(part) for part in found.groups())) if found else None
-
-    def __str__(self) -> str:
-        return f"{self.major}.{self.minor}.{self.patch}"
-
-    @property
-    def has_init(self) -> bool:
-        """`run --init` (Flags.Management.useInit) exists from 0.10.0; older versions reject it."""
-        return self >= INIT_VERSION
-
-    @property
-    def has_build_secret(self) -> bool:
-        """`build --secret id=..,src=..` (BuildCommand.swift) exists from 0.11.0; older versions reject it."""
-        return self >= SECRET_VERSION
-
-
-#: `--network none` exists from 0.6.0 (Utility.containerConfigFromFlags): nothing older runs here.
-MIN_VERSION = ContainerVersion(0, 6, 0)
-INIT_VERSION = ContainerVersion(0, 10, 0)
-#: The image build can be handed a TLS root (for pip behind a TLS-intercepting proxy) from here on.
-SECRET_VERSION = ContainerVersion(0, 11, 0)
-#: What install.sh installs on both paths (Homebrew, or Apple's signed package).
-PINNED_VERSION = ContainerVersion(1, 2, 2)
-UPGRADE_HINT = (
-    f"upgrade with `brew upgrade container`, or run ./install.sh (it installs Apple's signed package {PINNED_VERSION})"
-)
-
-
-def version_problem(version: ContainerVersion | None) -> str | None:
-    """Why this `container` cannot run sessions (UPGRADE_HINT is the fix), or None."""
-    if version is None:
-        return "could not read the version of `container` (`container --version`)"
-    if version < MIN_VERSION:
-        return f"Apple container {version} is older than {MIN_VERSION}, the oldest this server supports"
-    return None
-
-
-def version_caveat(version: ContainerVersion) -> str | None:
-    """What a supported but old version lacks (doctor shows it, with UPGRADE_HINT as the fix)."""
-    if version < INIT_VERSION:
-        return (
-            f"works, but {version} predates 0.10.0: no `run --init` (the guest's first process reaps instead), "
-            "an older socket relay, and no `build --secret` (where TLS is intercepted the image cannot be built)"
-        )
-    if version < SECRET_VERSION:
-        return (
-            f"works, but {version} predates 0.11.0: no `build --secret`, so where TLS is intercepted the image "
-            "build cannot be given the network's root"
-        )
-    return None
 
 
 @dataclass(frozen=True)
@@ -251,66 +217,12 @@ def ready_name(container: str) -> str:
     return f"{container}.ready"
 
 
-class GuestReady:
-    """The host's side of the guest's readiness marker: a share in run/ the VM writes to.
-
-    `--publish-socket` creates the host-side socket files as the VM starts, before the kernel
-    binds, so they say nothing; the guest creates `<container>.ready` once its sockets are
-    bound (vm_init), and spawn waits for that, bounded. The share is the sandbox's to write:
-    the host only looks for one name in it through a dir fd, without following links.
-    """
-
-    def __init__(self, run_dir: Path, name: str, owner: tuple[int, int] | None = None) -> None:
-        self.path = run_dir / STATE_DIR
-        self.name = name
-        #: Host (uid, gid) the guest writes as, when not the server's own (a root server's sandbox user).
-        self.owner = owner
-        self._fd: int | None = None
-
-    def __enter__(self) -> GuestReady:
-        uid = self.owner[0] if self.owner else os.getuid()
-        with hostfs.dir_fd(self.path.parent) as run_fd:
-            with contextlib.suppress(FileExistsError):
-                os.mkdir(STATE_DIR, 0o700, dir_fd=run_fd)
-            fd = os.open(STATE_DIR, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=run_fd)
-        if self.owner and os.fstat(fd).st_uid == os.getuid():
-            os.fchown(fd, *self.owner)
-        if os.fstat(fd).st_uid != uid:
-            os.close(fd)
-            raise ContainerUnavailable(f"{self.path} is not the sandbox's own: remove it")
-        # Writable whatever uid the guest's user appears as through virtiofs; run/ above it is
-        # private to the host, so nobody else reaches it.
-        os.fchmod(fd, 0o777)
-        self._fd = fd
-        return self
-
-    def __exit__(self, *_exc: object) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self.name, dir_fd=self._fd)
-            os.close(self._fd)
-            self._fd = None
-
-    def marked(self) -> bool:
-        assert self._fd is not None
-        try:
-            found = os.stat(self.name, dir_fd=self._fd, follow_symlinks=False)
-        except OSError:
-            return False
-        return stat.S_ISREG(found.st_mode)
-
-    async def wait(self, sandbox: SandboxProcess, timeout_s: float) -> None:
-        """Until the marker is there or the VM has exited (the kernel's start then reports why)."""
-        with anyio.move_on_after(timeout_s):
-            while sandbox.alive and not self.marked():
-                await anyio.sleep(READY_POLL_S)
-            return
-        raise ContainerUnavailable(
-            f"the kernel in the VM did not bind its sockets within {timeout_s:g}s (`container logs` may say why)"
-        )
+def build(settings: Settings) -> AppleBackend:
+    """The registry's builder: an Apple `container` backend as the settings say."""
+    return AppleBackend(settings.image, settings.runtime_dir, channels=settings.kernel_channels)
 
 
-class AppleBackend:
+class AppleBackend(SandboxBackend):
     """Sandboxes as Apple `container` VMs of the CodeRunner image."""
 
     name = "apple"
@@ -318,6 +230,15 @@ class AppleBackend:
     python = IMAGE_PYTHON
     dir_mode = 0o700
     identity = None
+    # 'allowlist' is refused (see refusal).
+    network_modes = frozenset({NetworkMode.NONE, NetworkMode.INTERNET})
+    # The VM sees the runtime dir at another path, and one-shot runs name files in it.
+    pipes_refusal = (
+        "one-shot runs (execute_code, validate_code) are not available on the Apple container backend "
+        "yet: use run_python in a session"
+    )
+    start_label = "Apple container"
+    unavailable = ContainerUnavailable
 
     def __init__(self, image: str, runtime_base: Path, cli: str | None = None, channels: str = "auto") -> None:
         found = cli or shutil.which("container")
@@ -326,7 +247,7 @@ class AppleBackend:
                 "Apple `container` is not installed (macOS 26 on Apple silicon): run ./install.sh, or install "
                 f"the signed package {PINNED_VERSION} from https://github.com/apple/container/releases"
             )
-        self.channels = "ipc" if channels == "auto" else channels
+        self.channels = KernelChannels.chosen(channels, KernelChannels.IPC)
         self.runtime_base = runtime_base
         self.env = engine_env(dict(os.environ))
         self.version = self._read_version(found)
@@ -398,20 +319,19 @@ class AppleBackend:
             "tmp_mb": LimitReport(limits.tmp_mb, None),
         }
 
-    def network_problem(self, network: str) -> str | None:
-        if network not in NETWORK_MODES:
-            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
-        if network == "allowlist":
-            # --publish-socket relays guest -> host listeners only (direction .outOf). The other way
-            # exists too: a --volume whose source is a host socket becomes a relay into the guest
-            # (apple/container SandboxService: UnixSocketConfiguration, default direction .into), which
-            # could carry the proxy socket; it is not wired up or tested here, so refuse, never pretend.
-            return (
-                "network 'allowlist' is not available with Apple `container` yet (the policy proxy's socket "
-                "is not relayed into the VM): use network 'none', or 'internet' (unfiltered), or run the "
-                "server on Linux (bwrap or podman)"
-            )
-        if network == "none" and self.channels == "tcp":
+    def refusal(self, mode: NetworkMode) -> str:
+        # --publish-socket relays guest -> host listeners only (direction .outOf). The other way
+        # exists too: a --volume whose source is a host socket becomes a relay into the guest
+        # (apple/container SandboxService: UnixSocketConfiguration, default direction .into), which
+        # could carry the proxy socket; it is not wired up or tested here, so refuse, never pretend.
+        return (
+            "network 'allowlist' is not available with Apple `container` yet (the policy proxy's socket "
+            "is not relayed into the VM): use network 'none', or 'internet' (unfiltered), or run the "
+            "server on Linux (bwrap or podman)"
+        )
+
+    def mode_problem(self, mode: NetworkMode) -> str | None:
+        if mode is NetworkMode.NONE and self.channels == "tcp":
             return "kernel_channels 'tcp' needs the container network: use network 'internet' or kernel_channels 'ipc'"
         return None
 
@@ -439,24 +359,7 @@ class AppleBackend:
         guard.append("--")
         return self.command.run(spec, [*guard, *prefix, *inner], name, sockets=sockets, state_dir=state_dir)
 
-    async def spawn(
-        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
-    ) -> SandboxProcess:
-        with start_failures("Apple container"):
-            return await self._spawn(spec, argv, task_group, pipes=pipes)
-
-    async def _spawn(
-        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
-    ) -> SandboxProcess:
-        if pipes:
-            # The VM sees the runtime dir at another path, and one-shot runs name files in it.
-            raise ContainerUnavailable(
-                "one-shot runs (execute_code, validate_code) are not available on the Apple container backend "
-                "yet: use run_python in a session"
-            )
-        problem = self.network_problem(spec.network)
-        if problem:
-            raise ContainerUnavailable(problem)
+    async def start(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool) -> SandboxProcess:
         name = vm_name(self.tag, session_key(spec), self.instance)
         self.watcher.ensure_running()
         with GuestReady(spec.runtime_dir, ready_name(name), spec.owner) as ready:

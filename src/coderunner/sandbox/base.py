@@ -1,7 +1,8 @@
-"""The Sandbox protocol: what every backend (bwrap, podman, Apple `container`, ...) provides.
+"""The backend base class: what every backend (bwrap, podman, Apple `container`, ...) provides.
 
 A backend turns a `SandboxSpec` plus a command into a running, isolated process tree that
-the host can wait on and kill. The kernel code never learns which backend it runs on.
+the host can wait on and kill. The kernel code never learns which backend it runs on: it asks
+only what a backend declares (its channels, its network modes, its checkpointer or None).
 """
 
 from __future__ import annotations
@@ -10,19 +11,26 @@ import collections
 import contextlib
 import os
 import signal
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, ClassVar
 
 import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, Process, TaskGroup
 
+from coderunner.egress.ceiling import MODES as NETWORK_MODES
+from coderunner.egress.ceiling import NetworkMode
 from coderunner.errors import CodeRunnerError
 from coderunner.offload import off_loop
 from coderunner.sandbox.cgroups import CgroupsUnavailable, SessionCgroup
 from coderunner.sandbox.engine import EngineError
-from coderunner.sandbox.identity import HostIdentity
+from coderunner.sandbox.identity import HostIdentity, IdentityError, sandbox_identity
+
+if TYPE_CHECKING:
+    from coderunner.config import Settings
 
 #: How much of a sandbox's own stderr (bwrap errors, kernel crash text) is kept for error messages.
 STDERR_TAIL_BYTES = 16 * 1024
@@ -32,6 +40,14 @@ KILL_WAIT_S = 5.0
 
 class SandboxUnavailable(CodeRunnerError):
     """The chosen backend cannot work here; the message says how to fix it."""
+
+
+def backend_identity(settings: Settings) -> HostIdentity | None:
+    """The host user sandboxes run as (settings.sandbox_user), for a backend's builder."""
+    try:
+        return sandbox_identity(settings.sandbox_user)
+    except IdentityError as exc:
+        raise SandboxUnavailable(str(exc)) from None
 
 
 @contextlib.contextmanager
@@ -101,8 +117,52 @@ class SandboxSpec:
         return self.host_dir / "etc"
 
 
-class SandboxBackend(Protocol):
-    """One way of isolating a process tree."""
+class KernelChannels(StrEnum):
+    """How the host reaches a kernel: ipc sockets in the runtime dir (seen at the same path inside, or
+    relayed into a VM), or tcp ports the backend publishes on 127.0.0.1. A StrEnum: equal to its name,
+    so the settings' strings ("ipc", "tcp") stay what they were."""
+
+    IPC = "ipc"
+    TCP = "tcp"
+
+    @classmethod
+    def chosen(cls, setting: str, auto: KernelChannels) -> KernelChannels:
+        """The `kernel_channels` setting, with "auto" meaning the backend's own choice `auto`."""
+        return auto if setting == "auto" else cls(setting)
+
+
+class Checkpointer(ABC):
+    """Saves a live sandbox whole (memory, threads, open files) and starts a copy of it: what a backend
+    that can (gvisor) offers as `SandboxBackend.checkpointer`; the rest offer None."""
+
+    @abstractmethod
+    def key(self) -> str:
+        """What a checkpoint depends on (a restore needs the same): recorded with every memory snapshot."""
+
+    @abstractmethod
+    def image_owner(self, image_dir: Path) -> tuple[int, int] | None:
+        """The host (uid, gid) a checkpoint's processes keep: its restored copy must run as them."""
+
+    @abstractmethod
+    async def checkpoint(self, process: SandboxProcess, image_dir: Path, timeout_s: float) -> None:
+        """Save `process`'s sandbox into `image_dir` (an empty host-only dir); it has ended afterwards.
+        Raises SandboxUnavailable (a subclass) saying what went wrong."""
+
+    @abstractmethod
+    async def restore(
+        self, spec: SandboxSpec, image_dir: Path, task_group: TaskGroup, timeout_s: float
+    ) -> SandboxProcess:
+        """A new sandbox from `spec` running the checkpoint in `image_dir`; nothing runs on failure."""
+
+
+class SandboxBackend(ABC):
+    """One way of isolating a process tree: what a backend declares, and a spawn written once.
+
+    A backend says which network modes it can give at all (`network_modes`; `refusal` words the
+    rest), what this machine lacks for the ones it can (`mode_problem`), how the host reaches its
+    kernels (`channels`) and whether it checkpoints (`checkpointer`). `spawn` checks the network and
+    translates start failures the same way for every backend; `start` is each backend's own part.
+    """
 
     name: str
     #: Where the session workspace appears inside the sandbox.
@@ -114,25 +174,50 @@ class SandboxBackend(Protocol):
     #: A host user of the kind sandboxes run as when it is not the server's own (for reachability
     #: checks of what gets bound in), else None. Each sandbox's own is in its SandboxSpec.
     identity: HostIdentity | None
-    #: How the host reaches the kernel: "ipc" (sockets in the runtime dir, seen at the same path
-    #: inside, or relayed into a VM) or "tcp" (ports the backend publishes on 127.0.0.1).
-    channels: str
+    channels: KernelChannels = KernelChannels.IPC
+    #: The network modes this backend can give at all; `refusal` says why not for the others.
+    network_modes: ClassVar[frozenset[NetworkMode]] = frozenset(NetworkMode)
+    #: Why this backend cannot run one-shot programs (spawn with pipes), or None when it can.
+    pipes_refusal: ClassVar[str | None] = None
+    #: How start failures name the backend ("could not start the ... sandbox"); None: its name.
+    start_label: ClassVar[str | None] = None
+    #: The error this backend's refusals raise (a SandboxUnavailable).
+    unavailable: ClassVar[type[SandboxUnavailable]] = SandboxUnavailable
+    #: Saves and restores a live sandbox whole, or None where this backend cannot.
+    checkpointer: Checkpointer | None = None
 
+    @abstractmethod
     def describe_isolation(self) -> str:
         """One line for status and capabilities: what separates the sandbox from the host."""
-        ...
 
+    @abstractmethod
     def host_dir_inside(self, spec: SandboxSpec) -> str:
         """Where the sandbox sees `spec.host_dir` (read-only): files the host staged for it."""
-        ...
 
+    @abstractmethod
     def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
         """How each limit in `limits` is enforced by this backend on this machine."""
-        ...
+
+    @abstractmethod
+    def remove_stale(self, name: str) -> None:
+        """Remove what a dead server left for the sandbox `name` outside its dirs (e.g. cgroups)."""
 
     def network_problem(self, network: str) -> str | None:
         """Why network mode `network` cannot be had with this backend here, or None."""
-        ...
+        if network not in NETWORK_MODES:
+            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
+        mode = NetworkMode(network)
+        if mode not in self.network_modes:
+            return self.refusal(mode)
+        return self.mode_problem(mode)
+
+    def refusal(self, mode: NetworkMode) -> str:
+        """Why this backend never gives `mode` (one not in network_modes), and what to use instead."""
+        return f"network {mode.value!r} is not available with the {self.name} backend"
+
+    def mode_problem(self, mode: NetworkMode) -> str | None:
+        """What this machine or configuration lacks for `mode` (one of network_modes), or None."""
+        return None
 
     async def spawn(
         self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
@@ -142,13 +227,18 @@ class SandboxBackend(Protocol):
         With `pipes`, the program's stdin, stdout and stderr are pipes the caller reads and
         writes (one-shot runs); otherwise stdin and stdout are /dev/null and stderr is kept as
         a bounded tail for error messages (kernels, whose channels are ZMQ sockets).
-        Raises SandboxUnavailable only: an implementation translates the rest with start_failures.
+        Raises SandboxUnavailable only: what starting meets from below is translated here.
         """
-        ...
+        with start_failures(self.start_label or self.name):
+            if pipes and self.pipes_refusal is not None:
+                raise self.unavailable(self.pipes_refusal)
+            if (problem := self.network_problem(spec.network)) is not None:
+                raise self.unavailable(problem)
+            return await self.start(spec, argv, task_group, pipes=pipes)
 
-    def remove_stale(self, name: str) -> None:
-        """Remove what a dead server left for the sandbox `name` outside its dirs (e.g. cgroups)."""
-        ...
+    @abstractmethod
+    async def start(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool) -> SandboxProcess:
+        """The backend's own part of spawn, once the network mode is known to be possible here."""
 
 
 class SandboxProcess:

@@ -19,43 +19,36 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
 
+from coderunner.egress.ceiling import NetworkMode
 from coderunner.offload import off_loop
-from coderunner.sandbox.base import LimitReport, Limits, SandboxProcess, SandboxSpec, SandboxUnavailable, start_failures
-from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
-from coderunner.sandbox.common import (
-    ENV_MOUNT,
-    GUEST_LIB,
-    HOME,
-    NETWORK_MODES,
-    PROC_MASKED_DIRS,
-    PROC_MASKED_FILES,
-    SANDBOX_GID,
-    SANDBOX_UID,
-    SHM_MB,
-    WORKSPACE,
-    egress_environment,
-    egress_launcher,
-    rlimit_prefix,
-    sandbox_environment,
+from coderunner.sandbox.base import (
+    KernelChannels,
+    LimitReport,
+    Limits,
+    SandboxBackend,
+    SandboxProcess,
+    SandboxSpec,
+    SandboxUnavailable,
+    backend_identity,
 )
+from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand
+from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
+from coderunner.sandbox.common import ENV_MOUNT, WORKSPACE
 from coderunner.sandbox.identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
 
+if TYPE_CHECKING:
+    from coderunner.config import Settings
+
+__all__ = ["BwrapBackend", "BwrapCommand", "BwrapUnavailable", "build", "install_guest"]
+
 log = logging.getLogger(__name__)
 
-GUEST_SOURCE = Path(__file__).resolve().parent.parent / "guest"
-#: Top-level entries of a merged-/usr system that are symlinks into /usr, or real dirs elsewhere.
-USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
-#: Harmless host /etc files some programs need (dynamic linker cache, time zone, TLS roots, fonts).
-ETC_PASSTHROUGH = ("ld.so.cache", "localtime", "ssl/certs", "fonts", "mime.types")
-#: /proc entries made read-only: sysctls are checked against the writer's host uid, and when the
-#: server runs as root the sandbox's uid maps to host root (kernel.core_pattern would be a host
-#: root escape). bwrap 0.8 does not cover /proc/sys itself, so this must.
-PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs", "irq", "bus")
 #: Bound on bwrap reporting its child and slirp4netns reporting the network is up.
 NETWORK_SETUP_TIMEOUT_S = 10.0
 #: Bound on waiting for bwrap's child to set up its loopback before slirp4netns starts.
@@ -64,105 +57,25 @@ LOOPBACK_WAIT_S = 3.0
 GUEST_COMPILE_TIMEOUT_S = 60
 
 
+#: What installs bubblewrap (its refusal, doctor, the registry entry).
+INSTALL_HINT = "sudo apt-get install bubblewrap"
+
+
 class BwrapUnavailable(SandboxUnavailable):
     """bubblewrap is missing or cannot create namespaces here."""
 
 
-@dataclass(frozen=True)
-class BwrapCommand:
-    """Builds the bwrap argv; pure, so the exact flags are unit-testable."""
-
-    bwrap: str
-    env_dir: Path
-    host_root: Path = Path("/")
-    guest_dir: Path = GUEST_SOURCE
-
-    def argv(
-        self,
-        spec: SandboxSpec,
-        inner: list[str],
-        *,
-        seccomp_fd: int | None = None,
-        info_fd: int | None = None,
-        block_fd: int | None = None,
-        nproc: int | None = None,
-        memory_cgroup: bool = False,
-    ) -> list[str]:
-        args = [
-            self.bwrap,
-            "--unshare-all",
-            "--unshare-user",
-            "--uid", str(SANDBOX_UID),
-            "--gid", str(SANDBOX_GID),
-            "--disable-userns",
-            "--die-with-parent",
-            "--new-session",
-            "--cap-drop", "ALL",
-            "--hostname", "sandbox",
-            "--ro-bind", "/usr", "/usr",
-        ]  # fmt: skip
-        if seccomp_fd is not None:
-            args += ["--seccomp", str(seccomp_fd)]
-        if info_fd is not None:
-            args += ["--info-fd", str(info_fd)]
-        if block_fd is not None:
-            args += ["--block-fd", str(block_fd)]
-        for name in USR_ALIASES:
-            host = self.host_root / name
-            if host.is_symlink():
-                args += ["--symlink", os.readlink(host), f"/{name}"]
-            elif host.is_dir():
-                args += ["--ro-bind", str(host), f"/{name}"]
-        for name in ETC_PASSTHROUGH:
-            host = self.host_root / "etc" / name
-            if host.exists():
-                args += ["--ro-bind", str(host), f"/etc/{name}"]
-        for name in ("passwd", "group", "hosts", "hostname", "resolv.conf"):
-            args += ["--ro-bind", str(spec.etc_dir / name), f"/etc/{name}"]
-        tmp_size = ["--size", str(spec.limits.tmp_mb * 2**20)] if spec.limits.tmp_mb else []
-        args += [
-            "--ro-bind", str(self.env_dir), ENV_MOUNT,
-            "--ro-bind", str(self.guest_dir), f"{GUEST_LIB}/coderunner_guest",
-            "--proc", "/proc",
-            *self._proc_cover(),
-            "--dev", "/dev",
-            *tmp_size, "--tmpfs", "/tmp",
-            "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm",
-            "--dir", HOME,
-            "--bind", str(spec.runtime_dir), str(spec.runtime_dir),
-            "--ro-bind", str(spec.host_dir), str(spec.host_dir),
-            "--bind", str(spec.workspace), WORKSPACE,
-            *_mount_binds(spec),
-            "--chdir", WORKSPACE,
-            "--remount-ro", "/",
-            "--clearenv",
-        ]  # fmt: skip
-        for key, value in sandbox_environment(egress_environment(spec.network)).items():
-            args += ["--setenv", key, value]
-        inner = egress_launcher(f"{ENV_MOUNT}/bin/python", spec.network, str(spec.host_dir), inner)
-        return [*args, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
-
-    def _proc_cover(self) -> list[str]:
-        """Read-only binds and masks over the sandbox's /proc, for entries the host has."""
-        args: list[str] = []
-        proc = self.host_root / "proc"
-        for name in PROC_READ_ONLY:
-            if (proc / name).exists():
-                args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
-        for name in PROC_MASKED_FILES:
-            if (proc / name).exists():
-                args += ["--ro-bind", "/dev/null", f"/proc/{name}"]
-        for name in PROC_MASKED_DIRS:
-            if (proc / name).is_dir():
-                args += ["--tmpfs", f"/proc/{name}"]
-        return args
-
-
-def _mount_binds(spec: SandboxSpec) -> list[str]:
-    args: list[str] = []
-    for mount in spec.mounts:
-        args += ["--bind" if mount.writable else "--ro-bind", str(mount.host), mount.sandbox]
-    return args
+def build(settings: Settings) -> BwrapBackend:
+    """The registry's builder: a bwrap backend as the settings say."""
+    backend = BwrapBackend(
+        settings.sandbox_env,
+        runtime_base=settings.runtime_dir,
+        identity=backend_identity(settings),
+        use_cgroups=settings.cgroups,
+    )
+    if backend.cgroups is not None:
+        backend.cgroups.cpu_weight = settings.session_cpu_weight
+    return backend
 
 
 def install_guest(runtime_base: Path, python: Path | None = None) -> Path:
@@ -215,13 +128,14 @@ def _count_tasks(uid: int) -> int:
     return count
 
 
-class BwrapBackend:
+class BwrapBackend(SandboxBackend):
     """Sandboxes made with bubblewrap (Debian/Ubuntu package `bubblewrap`)."""
 
     name = "bwrap"
     workspace_path = WORKSPACE
     python = f"{ENV_MOUNT}/bin/python"
-    channels = "ipc"
+    channels = KernelChannels.IPC
+    unavailable = BwrapUnavailable
 
     def __init__(
         self,
@@ -233,7 +147,7 @@ class BwrapBackend:
     ) -> None:
         found = bwrap or shutil.which("bwrap")
         if found is None:
-            raise BwrapUnavailable("bubblewrap (bwrap) is not installed: sudo apt-get install bubblewrap")
+            raise BwrapUnavailable(f"bubblewrap (bwrap) is not installed: {INSTALL_HINT}")
         if not (env_dir / "bin" / "python").exists():
             raise BwrapUnavailable(
                 f"the sandbox Python environment {env_dir} is missing: run `coderunner setup` (or ./install.sh)"
@@ -287,11 +201,8 @@ class BwrapBackend:
             "tmp_mb": LimitReport(limits.tmp_mb, "tmpfs size" if limits.tmp_mb else None),
         }
 
-    def network_problem(self, network: str) -> str | None:
-        """Why `network` cannot be had here, or None."""
-        if network not in NETWORK_MODES:
-            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
-        if network == "internet" and self.slirp4netns is None:
+    def mode_problem(self, mode: NetworkMode) -> str | None:
+        if mode is NetworkMode.INTERNET and self.slirp4netns is None:
             return "network mode 'internet' needs slirp4netns: sudo apt-get install slirp4netns"
         return None
 
@@ -299,18 +210,7 @@ class BwrapBackend:
         if self.cgroups is not None:
             self.cgroups.remove_named(name)
 
-    async def spawn(
-        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
-    ) -> SandboxProcess:
-        with start_failures("bwrap"):
-            return await self._spawn(spec, argv, task_group, pipes=pipes)
-
-    async def _spawn(
-        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
-    ) -> SandboxProcess:
-        problem = self.network_problem(spec.network)
-        if problem:
-            raise BwrapUnavailable(problem)
+    async def start(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool) -> SandboxProcess:
         # mkdirs and writes in cgroupfs (and, on a failure, a removal that may wait): off the loop.
         cgroup = await off_loop(self._cgroup_for, spec)
         nproc = None

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coderunner.sandbox.apple import SECRET_VERSION, ContainerVersion
+from coderunner.sandbox.apple_version import SECRET_VERSION, ContainerVersion
 from coderunner.sandbox.engine import BUILD_TIMEOUT_S, QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
 from coderunner.sandbox.env import SetupError
+from coderunner.sandbox.registry import Setup, entry
 
 if TYPE_CHECKING:
     from coderunner.config import Settings
@@ -146,15 +147,11 @@ class BuildCommand:
 
 
 def build_command(settings: Settings, repo: Path = REPO) -> BuildCommand:
-    kind = "podman" if settings.backend == "gvisor" else settings.backend  # gvisor runs podman's image
-    engine = shutil.which("container" if kind == "apple" else kind)
+    builder = entry(settings.backend).image_builder  # gvisor runs podman's image
+    kind = builder.name
+    engine = shutil.which(builder.engine or kind)
     if engine is None:
-        fix = {
-            "apple": "./install.sh installs it (macOS 26, Apple silicon), or get it from github.com/apple/container",
-            "podman": "sudo apt-get install podman runc",
-            "docker": "install Docker Engine or Docker Desktop",
-        }[kind]
-        raise ImageError(f"{kind} engine not found: {fix}")
+        raise ImageError(f"{kind} engine not found: {builder.install_hint}")
     if not (repo / "Containerfile").is_file():
         raise ImageError(f"no Containerfile in {repo}: build from a source checkout (git clone, then ./install.sh)")
     apple_version = _apple_version(engine) if kind == "apple" else None
@@ -198,8 +195,8 @@ def current_digest(command: BuildCommand) -> str | None:
 
 def build(settings: Settings, *, recreate: bool = False, repo: Path = REPO) -> str:
     """Build the image unless one from the same sources exists; the build's output goes to stderr."""
-    if settings.backend == "bwrap":
-        raise ImageError("the bwrap backend uses no image: run `coderunner setup` without --backend")
+    if entry(settings.backend).setup is not Setup.IMAGE:
+        raise ImageError(f"the {settings.backend} backend uses no image: run `coderunner setup` without --backend")
     command = build_command(settings, repo)
     if not recreate and current_digest(command) == command.digest:
         print(f"coderunner setup: {command.image} is current ({command.digest})", file=sys.stderr)

@@ -23,29 +23,25 @@ import secrets
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.sandbox.base import LimitReport, Limits, SandboxProcess, SandboxSpec, start_failures
-from coderunner.sandbox.common import (
-    IMAGE_PYTHON,
-    NETWORK_MODES,
-    PROC_MASKED_DIRS,
-    PROC_MASKED_FILES,
-    SHM_MB,
-    WORKSPACE,
-    egress_environment,
-    egress_launcher,
-    rlimit_prefix,
-    sandbox_environment,
+from coderunner.egress.ceiling import NetworkMode
+from coderunner.sandbox.base import (
+    KernelChannels,
+    LimitReport,
+    Limits,
+    SandboxBackend,
+    SandboxProcess,
+    SandboxSpec,
+    backend_identity,
 )
+from coderunner.sandbox.common import IMAGE_PYTHON, WORKSPACE, rlimit_prefix
 from coderunner.sandbox.container import (
     LABEL_INSTANCE,
-    LABEL_SERVER,
-    LABEL_SESSION,
     ContainerProcess,
     ContainerUnavailable,
     channel_ports,
@@ -57,166 +53,28 @@ from coderunner.sandbox.container import (
 )
 from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
 from coderunner.sandbox.identity import HostIdentity, ensure_private_dir, shared_dir_mode
-from coderunner.sandbox.image_build import LABEL_SOURCES, sources_digest
+from coderunner.sandbox.image_build import sources_digest
+from coderunner.sandbox.oci_argv import NOFILE, OciCommand, parse_server_containers
+from coderunner.sandbox.registry import install_hint
 from coderunner.sandbox.seccomp import tightened_profile
 from coderunner.sandbox.watcher import Watcher, WatchPlan
+
+if TYPE_CHECKING:
+    from coderunner.config import Settings
+
+__all__ = ["OciBackend", "OciCommand", "build", "parse_server_containers", "write_seccomp_profile"]
 
 log = logging.getLogger(__name__)
 
 ENGINES = ("podman", "docker")
 #: Where podman's default seccomp profile lives (containers-common), most specific first.
 ENGINE_SECCOMP_PROFILES = (Path("/etc/containers/seccomp.json"), Path("/usr/share/containers/seccomp.json"))
-#: Open files per process inside; the engine's default (2^20) can exceed what the host allows.
-NOFILE = 4096
 #: Exit codes of an engine client that could not create or start the container (125: engine
 #: error, 126: the runtime could not start the command, 127: command not found).
 ENGINE_FAILURE_CODES = (125, 126, 127)
 START_ATTEMPTS = 2
 #: Processes per host uid (RLIMIT_NPROC) inside; runc here refuses values near the host's own limit.
 NPROC = 4096
-#: Hidden under podman as under bwrap: all of /sys (bwrap mounts none; the engine's sysfs shows the
-#: host's devices and cgroup tree) and the /proc entries bwrap masks (podman masks some already).
-MASKED_PATHS = ("/sys", *(f"/proc/{name}" for name in (*PROC_MASKED_FILES, *PROC_MASKED_DIRS)))
-
-
-@dataclass(frozen=True)
-class OciCommand:
-    """Builds podman/docker argv; pure, so the exact flags are unit-testable."""
-
-    engine: str
-    kind: str  # "podman" or "docker"
-    image: str
-    server: str
-    runtime: str | None = None
-    #: "UID:GID" the kernel runs as on the host, or None for the image's user.
-    user: str | None = None
-    #: Rootless podman: map the server's own user into the container.
-    keep_id: bool = False
-    nofile: int = NOFILE
-    nproc: int | None = None
-    #: Our tightened seccomp profile (see seccomp.tightened_profile), or None for the engine's.
-    seccomp_profile: Path | None = None
-    #: This server process's LABEL_INSTANCE value (what its watcher removes), or None.
-    instance: str | None = None
-    #: podman only: flags for the runtime itself ("platform=ptrace" becomes runsc's --platform=ptrace).
-    runtime_flags: tuple[str, ...] = ()
-
-    def base(self) -> list[str]:
-        """The engine and its global flags (podman takes --runtime globally, docker per run)."""
-        if self.kind == "podman" and self.runtime:
-            flags = [arg for flag in self.runtime_flags for arg in ("--runtime-flag", flag)]
-            return [self.engine, "--runtime", self.runtime, *flags]
-        return [self.engine]
-
-    def run(
-        self,
-        spec: SandboxSpec,
-        inner: list[str],
-        name: str,
-        *,
-        tcp_ports: list[int] | None = None,
-        etc_dir: Path | None = None,
-        interactive: bool = False,
-    ) -> list[str]:
-        """`etc_dir`: our own hosts and resolv.conf, over the engine's copies of the host's."""
-        limits = spec.limits
-        args = [
-            *self.base(), "run", "--rm", "--init",
-            *(["--interactive"] if interactive else []),
-            "--name", name,
-            "--label", f"{LABEL_SESSION}={session_key(spec)}",
-            "--label", f"{LABEL_SERVER}={self.server}",
-            *(["--label", f"{LABEL_INSTANCE}={self.instance}"] if self.instance else []),
-            "--pull", "never",
-            "--hostname", "sandbox",
-            "--cap-drop", "ALL",
-            "--security-opt", "no-new-privileges",
-            *(["--security-opt", f"seccomp={self.seccomp_profile}"] if self.seccomp_profile else []),
-            "--read-only",
-            "--tmpfs", f"/tmp:rw,nosuid,nodev,size={limits.tmp_mb or 512}m,mode=1777",
-            "--shm-size", f"{SHM_MB}m",
-            "--ulimit", f"nofile={self.nofile}:{self.nofile}",
-        ]  # fmt: skip
-        if self.nproc is not None:
-            args += ["--ulimit", f"nproc={self.nproc}:{self.nproc}"]
-        if self.kind == "docker" and self.runtime:
-            args += ["--runtime", self.runtime]
-        if self.kind == "podman":
-            args += ["--http-proxy=false"]  # podman would copy the engine's proxy variables in
-            # An empty read-only tmpfs over /sys, /dev/null over the /proc files. Docker's CLI has
-            # no such option (its defaults mask less).
-            args += ["--security-opt", "mask=" + ":".join(MASKED_PATHS)]
-        if tcp_ports:
-            # Published on loopback only; a bare port would listen on every interface.
-            for port in tcp_ports:
-                args += ["--publish", f"127.0.0.1:{port}:{port}"]
-        elif spec.network in ("none", "allowlist"):  # allowlist: out only through the bound proxy socket
-            args += ["--network", "none"]
-        if limits.memory_mb is not None:
-            args += ["--memory", f"{limits.memory_mb}m", "--memory-swap", f"{limits.memory_mb}m"]
-        if limits.cpus is not None:
-            args += ["--cpus", f"{limits.cpus:g}"]
-        if limits.pids is not None:
-            args += ["--pids-limit", str(limits.pids)]
-        if self.keep_id:
-            args += ["--userns=keep-id"]
-        if spec.user is not None:
-            args += ["--user", f"{spec.user.uid}:{spec.user.gid}"]
-        elif self.user:
-            args += ["--user", self.user]
-        args += [
-            "--mount", _bind(spec.runtime_dir, str(spec.runtime_dir), writable=True),
-            "--mount", _bind(spec.host_dir, str(spec.host_dir), writable=False),
-            "--mount", _bind(spec.workspace, WORKSPACE, writable=True),
-        ]  # fmt: skip
-        for mount in spec.mounts:
-            args += ["--mount", _bind(mount.host, mount.sandbox, writable=mount.writable)]
-        for name_ in ("hosts", "resolv.conf") if etc_dir is not None else ():
-            args += ["--mount", _bind(etc_dir / name_, f"/etc/{name_}", writable=False)]
-        args += ["--workdir", WORKSPACE]
-        for key, value in sandbox_environment({"HOME": "/tmp/home", **egress_environment(spec.network)}).items():
-            args += ["--env", f"{key}={value}"]
-        inner = egress_launcher(IMAGE_PYTHON, spec.network, str(spec.host_dir), inner)
-        return [*args, self.image, *inner]
-
-    def remove(self, name: str) -> list[str]:
-        return (
-            [*self.base(), "rm", "--force", name]
-            if self.kind == "docker"
-            else [*self.base(), "rm", "--force", "--time", "0", name]
-        )
-
-    def inspect_pid(self, name: str) -> list[str]:
-        return [*self.base(), "inspect", "--format", "{{.State.Pid}}", name]
-
-    def list_server(self) -> list[str]:
-        """Every container of this server configuration: name and session label, one per line."""
-        return [
-            *self.base(), "ps", "--all", "--filter", f"label={LABEL_SERVER}={self.server}",
-            "--format", f'{{{{.Names}}}} {{{{index .Labels "{LABEL_SESSION}"}}}}',
-        ]  # fmt: skip
-
-    def image_exists(self) -> list[str]:
-        """Prints the image's sources label (empty when unlabelled); fails when there is no image."""
-        return [*self.base(), "image", "inspect", "--format", f'{{{{index .Config.Labels "{LABEL_SOURCES}"}}}}',
-                self.image]  # fmt: skip
-
-
-def _bind(host: Path, target: str, *, writable: bool) -> str:
-    """A --mount spec (unlike -v, safe for paths that contain ':')."""
-    if "," in str(host) or "," in target:
-        raise ContainerUnavailable(f"paths with a comma cannot be mounted into a container: {host}")
-    return f"type=bind,source={host},target={target}" + ("" if writable else ",readonly")
-
-
-def parse_server_containers(output: str) -> list[tuple[str, str]]:
-    """`ps --format '{{.Names}} {{index .Labels ...}}'` lines -> (name, session)."""
-    found = []
-    for line in output.splitlines():
-        parts = line.split()
-        if len(parts) == 2:
-            found.append((parts[0], parts[1]))
-    return found
 
 
 def write_seccomp_profile(runtime_base: Path) -> Path | None:
@@ -248,13 +106,24 @@ def _hard_limit(kind: int, cap: int) -> int:
     return cap if hard == resource.RLIM_INFINITY else min(hard, cap)
 
 
-class OciBackend:
+def build(settings: Settings) -> OciBackend:
+    """The registry's builder (podman and docker): a container backend as the settings say."""
+    return OciBackend(
+        settings.backend,
+        settings.image,
+        settings.runtime_dir,
+        identity=backend_identity(settings),
+        runtime=settings.oci_runtime,
+        channels=settings.kernel_channels,
+    )
+
+
+class OciBackend(SandboxBackend):
     """Sandboxes as podman or docker containers of the CodeRunner image."""
 
     workspace_path = WORKSPACE
     python = IMAGE_PYTHON
-    #: Where the kernel's channels go: ipc sockets in the bound runtime dir, or loopback TCP.
-    channels = "ipc"
+    unavailable = ContainerUnavailable
 
     def __init__(
         self,
@@ -271,12 +140,14 @@ class OciBackend:
             raise ContainerUnavailable(f"unknown engine {kind!r}: use podman or docker")
         found = engine or shutil.which(kind)
         if found is None:
-            fix = "sudo apt-get install podman runc" if kind == "podman" else "install Docker Engine or Docker Desktop"
-            raise ContainerUnavailable(f"{kind} is not installed: {fix}")
+            raise ContainerUnavailable(f"{kind} is not installed: {install_hint(kind)}")
         self.name = kind
         self.identity = identity
         self.dir_mode = shared_dir_mode(identity)
-        self.channels = ("ipc" if sys.platform.startswith("linux") else "tcp") if channels == "auto" else channels
+        #: Where the kernel's channels go: ipc sockets in the bound runtime dir, or loopback TCP.
+        self.channels = KernelChannels.chosen(
+            channels, KernelChannels.IPC if sys.platform.startswith("linux") else KernelChannels.TCP
+        )
         ensure_private_dir(runtime_base, self.dir_mode)
         self.runtime_base = runtime_base
         rootless = os.getuid() != 0
@@ -351,29 +222,16 @@ class OciBackend:
             "tmp_mb": LimitReport(limits.tmp_mb, "tmpfs size" if limits.tmp_mb else None),
         }
 
-    def network_problem(self, network: str) -> str | None:
-        if network not in NETWORK_MODES:
-            return f"unknown network mode {network!r}: use 'none', 'allowlist' or 'internet'"
-        if network in ("none", "allowlist") and self.channels == "tcp":
+    def mode_problem(self, mode: NetworkMode) -> str | None:
+        if mode in (NetworkMode.NONE, NetworkMode.ALLOWLIST) and self.channels == "tcp":
             return (
                 f"{self.name} here reaches the kernel over published TCP ports, which needs the engine's "
-                f"network, so network {network!r} cannot be had: use network 'internet', or a Linux host "
+                f"network, so network {mode.value!r} cannot be had: use network 'internet', or a Linux host "
                 "(ipc sockets, no network)"
             )
         return None
 
-    async def spawn(
-        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
-    ) -> SandboxProcess:
-        with start_failures(self.name):
-            return await self._spawn(spec, argv, task_group, pipes=pipes)
-
-    async def _spawn(
-        self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False
-    ) -> SandboxProcess:
-        problem = self.network_problem(spec.network)
-        if problem:
-            raise ContainerUnavailable(problem)
+    async def start(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool) -> SandboxProcess:
         ports = None
         if self.channels == "tcp" and not pipes:  # a one-shot run has no kernel channels
             ports = channel_ports(connection_info(argv))

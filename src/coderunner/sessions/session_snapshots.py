@@ -10,7 +10,7 @@ and stages the state read-only in the new sandbox's host dir; once the kernel is
 it there. Nothing of a snapshot is unpickled on the host, and loading runs no code but unpickling
 the user's own objects, inside the new sandbox.
 
-Memory snapshots (a backend with `checkpoint`: gvisor): snapshot_session, fork_session and
+Memory snapshots (a backend with a checkpointer: gvisor): snapshot_session, fork_session and
 restore_session save and restore the whole sandbox instead (runsc checkpoint: every variable, thread,
 open file and /tmp), its workspace copied while it is stopped so that files and memory agree. The
 image is written and read by runsc only, in the host-only store. keep_state stays on the pickled
@@ -230,13 +230,14 @@ MEMORY_NEVER = ["connections to the outside (the host reconnects the kernel's ow
 
 
 def memory_key(meta: SnapshotMeta) -> str | None:
-    """The runtime a memory snapshot needs (SandboxBackend.checkpoint_key), or None for a pickled one."""
+    """The runtime a memory snapshot needs (Checkpointer.key), or None for a pickled one."""
     memory = meta.state_report.get("memory")
     return str(memory.get("runtime")) if isinstance(memory, dict) else None
 
 
 def takes_memory(backend: SandboxBackend) -> bool:
-    return callable(getattr(backend, "checkpoint", None))
+    """Does `backend` save sandboxes whole (a checkpointer: gvisor), so snapshots keep memory?"""
+    return backend.checkpointer is not None
 
 
 class SessionSnapshots:
@@ -314,7 +315,8 @@ class SessionSnapshots:
         whether the kernel carried on."""
         timeout = self.settings.snapshot_timeout_s
         client = session.options.client
-        backend: Any = self.backend
+        checkpointer = self.backend.checkpointer
+        assert checkpointer is not None, "memory snapshots are taken only on a backend with a checkpointer"
         async with session.held(timeout if wait_s is None else wait_s):
             kernel = session.kernel
             assert kernel is not None
@@ -336,7 +338,7 @@ class SessionSnapshots:
                     lost = "" if kernel.alive else "; the kernel did not survive it: the next call starts a fresh one"
                     raise SnapshotError(f"the memory checkpoint failed: {exc}{lost}") from None
                 state_bytes = await off_loop(draft.charge_memory, kernel.saved_connection())
-                report = {"memory": {"runtime": backend.checkpoint_key()}, "not_carried": MEMORY_NEVER}
+                report = {"memory": {"runtime": checkpointer.key()}, "not_carried": MEMORY_NEVER}
                 workspace = copied[0] if copied else None
                 meta = self._meta(session, name, SNAPSHOT, snapshot_id, workspace, state_bytes, report)
                 meta = await off_loop(draft.commit, meta)
@@ -368,14 +370,15 @@ class SessionSnapshots:
         memory snapshot says whose uid they must be. Raises SnapshotNotFound, SnapshotError."""
         seed.meta = self.store.get(seed.client, seed.snapshot_id)
         if (needs := memory_key(seed.meta)) is not None:
-            if not takes_memory(self.backend) or needs != self.backend.checkpoint_key():  # type: ignore[attr-defined]
+            checkpointer = self.backend.checkpointer
+            if checkpointer is None or needs != checkpointer.key():
                 raise SnapshotError(
                     f"snapshot {seed.snapshot_id} is a gVisor memory snapshot and restores only on the gvisor "
                     "backend with the same runsc and sandbox image it was taken with; this server runs "
-                    f"{self.backend.name}" + (" with another runsc or image" if takes_memory(self.backend) else "")
+                    f"{self.backend.name}" + (" with another runsc or image" if checkpointer is not None else "")
                 )
             image_dir, connection = self.store.memory_image(seed.client, seed.snapshot_id)
-            owner = self.backend.checkpoint_owner(image_dir)  # type: ignore[attr-defined]
+            owner = checkpointer.image_owner(image_dir)
             seed.memory = MemoryImage(image_dir, connection, owner)
 
     def plant(self, seed: Seed, dirs: SandboxDirs) -> None:

@@ -1,0 +1,131 @@
+"""The bwrap argv of one sandbox: pure, so the exact flags are unit-testable (tests/test_bwrap_command.py)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from coderunner.sandbox.base import SandboxSpec
+from coderunner.sandbox.common import (
+    ENV_MOUNT,
+    GUEST_LIB,
+    HOME,
+    PROC_MASKED_DIRS,
+    PROC_MASKED_FILES,
+    SANDBOX_GID,
+    SANDBOX_UID,
+    SHM_MB,
+    WORKSPACE,
+    egress_environment,
+    egress_launcher,
+    rlimit_prefix,
+    sandbox_environment,
+)
+
+GUEST_SOURCE = Path(__file__).resolve().parent.parent / "guest"
+#: Top-level entries of a merged-/usr system that are symlinks into /usr, or real dirs elsewhere.
+USR_ALIASES = ("bin", "sbin", "lib", "lib32", "lib64", "libx32")
+#: Harmless host /etc files some programs need (dynamic linker cache, time zone, TLS roots, fonts).
+ETC_PASSTHROUGH = ("ld.so.cache", "localtime", "ssl/certs", "fonts", "mime.types")
+#: /proc entries made read-only: sysctls are checked against the writer's host uid, and when the
+#: server runs as root the sandbox's uid maps to host root (kernel.core_pattern would be a host
+#: root escape). bwrap 0.8 does not cover /proc/sys itself, so this must.
+PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs", "irq", "bus")
+
+
+@dataclass(frozen=True)
+class BwrapCommand:
+    """Builds the bwrap argv; pure, so the exact flags are unit-testable."""
+
+    bwrap: str
+    env_dir: Path
+    host_root: Path = Path("/")
+    guest_dir: Path = GUEST_SOURCE
+
+    def argv(
+        self,
+        spec: SandboxSpec,
+        inner: list[str],
+        *,
+        seccomp_fd: int | None = None,
+        info_fd: int | None = None,
+        block_fd: int | None = None,
+        nproc: int | None = None,
+        memory_cgroup: bool = False,
+    ) -> list[str]:
+        args = [
+            self.bwrap,
+            "--unshare-all",
+            "--unshare-user",
+            "--uid", str(SANDBOX_UID),
+            "--gid", str(SANDBOX_GID),
+            "--disable-userns",
+            "--die-with-parent",
+            "--new-session",
+            "--cap-drop", "ALL",
+            "--hostname", "sandbox",
+            "--ro-bind", "/usr", "/usr",
+        ]  # fmt: skip
+        if seccomp_fd is not None:
+            args += ["--seccomp", str(seccomp_fd)]
+        if info_fd is not None:
+            args += ["--info-fd", str(info_fd)]
+        if block_fd is not None:
+            args += ["--block-fd", str(block_fd)]
+        for name in USR_ALIASES:
+            host = self.host_root / name
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), f"/{name}"]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), f"/{name}"]
+        for name in ETC_PASSTHROUGH:
+            host = self.host_root / "etc" / name
+            if host.exists():
+                args += ["--ro-bind", str(host), f"/etc/{name}"]
+        for name in ("passwd", "group", "hosts", "hostname", "resolv.conf"):
+            args += ["--ro-bind", str(spec.etc_dir / name), f"/etc/{name}"]
+        tmp_size = ["--size", str(spec.limits.tmp_mb * 2**20)] if spec.limits.tmp_mb else []
+        args += [
+            "--ro-bind", str(self.env_dir), ENV_MOUNT,
+            "--ro-bind", str(self.guest_dir), f"{GUEST_LIB}/coderunner_guest",
+            "--proc", "/proc",
+            *self._proc_cover(),
+            "--dev", "/dev",
+            *tmp_size, "--tmpfs", "/tmp",
+            "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm",
+            "--dir", HOME,
+            "--bind", str(spec.runtime_dir), str(spec.runtime_dir),
+            "--ro-bind", str(spec.host_dir), str(spec.host_dir),
+            "--bind", str(spec.workspace), WORKSPACE,
+            *_mount_binds(spec),
+            "--chdir", WORKSPACE,
+            "--remount-ro", "/",
+            "--clearenv",
+        ]  # fmt: skip
+        for key, value in sandbox_environment(egress_environment(spec.network)).items():
+            args += ["--setenv", key, value]
+        inner = egress_launcher(f"{ENV_MOUNT}/bin/python", spec.network, str(spec.host_dir), inner)
+        return [*args, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
+
+    def _proc_cover(self) -> list[str]:
+        """Read-only binds and masks over the sandbox's /proc, for entries the host has."""
+        args: list[str] = []
+        proc = self.host_root / "proc"
+        for name in PROC_READ_ONLY:
+            if (proc / name).exists():
+                args += ["--ro-bind", f"/proc/{name}", f"/proc/{name}"]
+        for name in PROC_MASKED_FILES:
+            if (proc / name).exists():
+                args += ["--ro-bind", "/dev/null", f"/proc/{name}"]
+        for name in PROC_MASKED_DIRS:
+            if (proc / name).is_dir():
+                args += ["--tmpfs", f"/proc/{name}"]
+        return args
+
+
+def _mount_binds(spec: SandboxSpec) -> list[str]:
+    args: list[str] = []
+    for mount in spec.mounts:
+        args += ["--bind" if mount.writable else "--ro-bind", str(mount.host), mount.sandbox]
+    return args
