@@ -23,8 +23,6 @@ SANDBOX_GID = 1000
 HOME = "/tmp/home"
 #: slirp4netns's fixed DNS address inside a sandbox with network.
 SLIRP_DNS = "10.0.2.3"
-#: The network modes (a backend may refuse one in its network_problem).
-NETWORK_MODES = ("none", "allowlist", "internet")
 #: Network 'allowlist': the host's policy proxy listens on this socket in the sandbox's host-only,
 #: read-only dir; the in-sandbox forwarder exposes it as 127.0.0.1:EGRESS_PORT.
 EGRESS_SOCKET = "egress.sock"

@@ -118,8 +118,9 @@ class OciCommand:
         ]  # fmt: skip
         for mount in spec.mounts:
             args += ["--mount", _bind(mount.host, mount.sandbox, writable=mount.writable)]
-        for name_ in ("hosts", "resolv.conf") if etc_dir is not None else ():
-            args += ["--mount", _bind(etc_dir / name_, f"/etc/{name_}", writable=False)]
+        if etc_dir is not None:
+            for name_ in ("hosts", "resolv.conf"):
+                args += ["--mount", _bind(etc_dir / name_, f"/etc/{name_}", writable=False)]
         args += ["--workdir", WORKSPACE]
         for key, value in sandbox_environment({"HOME": "/tmp/home", **egress_environment(spec.network)}).items():
             args += ["--env", f"{key}={value}"]
