@@ -129,7 +129,7 @@ def rlimit_prefix(limits: Limits, nproc: int | None, memory_cgroup: bool = False
     return ["/usr/bin/prlimit", *flags, "--"] if flags else []
 
 
-# --- gVisor checkpoints (sandbox/gvisor.py and guest/channel_relay.py must agree on these) ---------
+# --- gVisor checkpoints (gvisor.py, gvisor_checkpoint.py and guest/channel_relay.py agree on these) ---
 #: Where a runsc-direct sandbox sees its run dir (writable) and host-only dir (read-only). Fixed paths,
 #: not the host's own, so that a checkpoint taken in one session restores into another's dirs.
 RUN_INSIDE = "/run/coderunner/run"
