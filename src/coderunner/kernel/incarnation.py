@@ -138,9 +138,11 @@ class Kernel:
                 detail = await self.process.stderr_settled() if exited else self.process.stderr_tail()
                 detail = detail.strip()[-2000:]
             await self.shutdown()
-            reason = {TimeoutError: "did not answer in time", HostFsError: f"refused its sockets: {exc}"}.get(
-                type(exc), str(exc)
-            )
+            reasons: dict[type[Exception], str] = {
+                TimeoutError: "did not answer in time",
+                HostFsError: f"refused its sockets: {exc}",
+            }
+            reason = reasons.get(type(exc), str(exc))
             raise KernelStartError(
                 f"the sandboxed kernel failed to {what} ({reason})" + (f":\n{detail}" if detail else "")
             ) from None

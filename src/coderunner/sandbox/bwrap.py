@@ -19,7 +19,7 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -335,7 +335,7 @@ async def _loopback_ready(pid: int, timeout_s: float) -> bool:
     return False
 
 
-async def _read_json_document(fd: int) -> dict[str, object]:
+async def _read_json_document(fd: int) -> dict[str, Any]:
     """bwrap writes one JSON object to --info-fd and keeps it open: read until it parses."""
     data = b""
     while True:
