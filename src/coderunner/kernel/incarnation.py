@@ -35,7 +35,7 @@ from coderunner.kernel.channels import (
     Message,
 )
 from coderunner.kernel.connection_info import connection_info
-from coderunner.kernel.execution import RunOutcome, RunState, RunStatus
+from coderunner.kernel.execution import CellError, RunOutcome, RunState, RunStatus
 from coderunner.kernel.host_channels import Deadline, open_mailboxes, pump_all
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sandbox import KernelChannels, SandboxBackend, SandboxProcess, SandboxSpec
@@ -43,7 +43,15 @@ from coderunner.sandbox.common import product_python
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointFailed", "Kernel", "KernelStartError", "ProgressCallback", "RunOutcome", "RunStatus"]
+__all__ = [
+    "CellError",
+    "CheckpointFailed",
+    "Kernel",
+    "KernelStartError",
+    "ProgressCallback",
+    "RunOutcome",
+    "RunStatus",
+]
 
 #: How often a silent wait checks that the sandbox is still alive.
 LIVENESS_POLL_S = 0.25
