@@ -174,6 +174,7 @@ class SandboxBackend(ABC):
     #: A host user of the kind sandboxes run as when it is not the server's own (for reachability
     #: checks of what gets bound in), else None. Each sandbox's own is in its SandboxSpec.
     identity: HostIdentity | None
+    #: How the host reaches this backend's kernels.
     channels: KernelChannels = KernelChannels.IPC
     #: The network modes this backend can give at all; `refusal` says why not for the others.
     network_modes: ClassVar[frozenset[NetworkMode]] = frozenset(NetworkMode)
