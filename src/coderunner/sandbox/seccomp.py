@@ -132,10 +132,11 @@ def compiled_filter() -> bytes:
     rules.add_rule(seccomp.ERRNO(errno.ENOSYS), "clone3")
     for call in MODE_CALLS:
         for bit in SETID_BITS:
-            for flag in CREATING_FLAGS if call.flags is not None else (None,):
+            creating_flags: tuple[int | None, ...] = CREATING_FLAGS if call.flags is not None else (None,)
+            for creating in creating_flags:
                 args = [seccomp.Arg(call.mode, seccomp.MASKED_EQ, bit, bit)]
-                if flag is not None and call.flags is not None:
-                    args.append(seccomp.Arg(call.flags, seccomp.MASKED_EQ, flag, flag))
+                if creating is not None and call.flags is not None:
+                    args.append(seccomp.Arg(call.flags, seccomp.MASKED_EQ, creating, creating))
                 with contextlib.suppress(ValueError, RuntimeError, OSError):  # absent on this arch
                     rules.add_rule(seccomp.ERRNO(errno.EPERM), call.name, *args)
     for name in OPAQUE_MODE_CALLS:
@@ -193,7 +194,7 @@ def _arg(index: int, op: str, value: int, value_two: int = 0) -> dict[str, Any]:
 
 
 def _clone_rules() -> list[dict[str, Any]]:
-    rules = []
+    rules: list[dict[str, Any]] = []
     for index, arches in (
         (0, {"excludes": {"arches": CLONE_FLAGS_SECOND}}),
         (1, {"includes": {"arches": CLONE_FLAGS_SECOND}}),

@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 import anyio
 
@@ -59,7 +59,7 @@ class WarmPool(Generic[T]):
         memory_budget_mb: float,
         start: Callable[[], Awaitable[T]],
         refill_delay_s: float = REFILL_DELAY_S,
-        discard: Callable[[T], Awaitable[None]],
+        discard: Callable[[T], Coroutine[Any, Any, None]],
         alive: Callable[[T], bool],
         room: Callable[[], bool],
         measure_mb: Callable[[T], float | None] | None = None,
