@@ -16,7 +16,7 @@ from pydantic import AnyUrl
 from coderunner import __version__
 from coderunner.offload import off_loop
 from coderunner.policy.tool_groups import selected_tools
-from coderunner.sessions import SessionManager
+from coderunner.sessions.seam import SessionHost
 from coderunner.tools import MODULES, ToolContext
 from coderunner.tools.file_results import resource_contents
 from coderunner.tools.schemas import finish_tools
@@ -54,11 +54,14 @@ class CodeRunnerServer(MCPServer):
         return typed
 
 
-def build_server(manager: SessionManager) -> MCPServer:
-    """The server with every tool registered, then trimmed to the `tools` setting and made portable."""
+def build_server(host: SessionHost) -> MCPServer:
+    """The server with every tool registered, then trimmed to the `tools` setting and made portable.
+
+    `host` is where sessions live (sessions/seam.py): the local SessionManager today.
+    """
     server = CodeRunnerServer("coderunner", version=__version__, instructions=INSTRUCTIONS)
-    tools = ToolContext.create(server, manager)
+    tools = ToolContext.create(server, host)
     for module in MODULES:
         module.register(tools)
-    finish_tools(server, selected_tools(manager.settings.tools))
+    finish_tools(server, selected_tools(host.settings.tools))
     return server

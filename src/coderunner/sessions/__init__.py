@@ -1,5 +1,7 @@
 """Sessions: a workspace plus a sandboxed kernel each, and the manager that owns them all.
 
+    seam.py      SessionHost, SessionHandle: all the tools may use of sessions (the manager and Session
+                 implement them here; a session living elsewhere may implement them too)
     manager.py   SessionManager: handles, per-caller defaults, limits, the idle reaper
     session.py   Session: one kernel at a time, run/reset/close, the one start-or-replace path
     jobs.py      Job, JobTable: runs that outlive their call (detach, read since last, cancel)

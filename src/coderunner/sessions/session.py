@@ -36,7 +36,7 @@ from coderunner.kernel.seam import KernelFactory
 from coderunner.offload import off_loop
 from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import SESSION_PACKAGES, LimitReport, Mount, SandboxBackend, SandboxSpec
-from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, duration, label_of
+from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, cancel, duration, label_of
 from coderunner.sessions.usage import session_usage
 
 log = logging.getLogger(__name__)
@@ -196,6 +196,31 @@ class Session:
         return self.dirs.workspace
 
     @property
+    def sandbox_uid(self) -> int | None:
+        """The host uid its sandbox runs as, when it has one of its own (a root server)."""
+        return self.dirs.user.uid if self.dirs.user is not None else None
+
+    def reply_writer(self) -> WorkspaceWriter:
+        """Where output too big for a reply spills: the workspace, owned by the sandbox's user."""
+        return WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.dirs.owner)
+
+    def note_restored_from(self, text: str) -> None:
+        self.restored_from = text
+
+    def job(self, job_id: str) -> Job | None:
+        return self.jobs.get(job_id)
+
+    def list_jobs(self) -> list[Job]:
+        return list(self.jobs.jobs.values())
+
+    def forget_job(self, job: Job) -> None:
+        self.jobs.forget(job)
+
+    async def cancel_job(self, job: Job) -> None:
+        """Interrupt one of its jobs; a kernel that ignores that is restarted (within _cancel_wait_s)."""
+        await cancel(job, self._cancel_wait_s)
+
+    @property
     def spec(self) -> SandboxSpec:
         """What the backend needs to start this session's next kernel."""
         return sandbox_spec(self.options, self.dirs, self.mounts)
@@ -334,7 +359,7 @@ class Session:
             limit_chars=self.settings.output_limit_chars,
             spill_limit_bytes=self.settings.spill_limit_bytes,
             image_limit_bytes=self.settings.image_limit_bytes,
-            writer=WorkspaceWriter(self.workspace.path, self.backend.workspace_path, self.dirs.owner),
+            writer=self.reply_writer(),
             defer_files=True,  # kernel.execute drains its file writes off the event loop
         )
         job = Job(

@@ -1,6 +1,6 @@
 """The MCP tools, one module per concern; server.build_server registers them through one ToolContext.
 
-    context.py     ToolContext (manager, settings, caller lookup, session by id) and its `tool` decorator
+    context.py     ToolContext (session host, settings, caller lookup, session by id) and its `tool` decorator
     arguments.py   argument types shared by several tools
     python.py      run_python, kernel_reset
     sessions.py    create_session, close_session, session_status, list_sessions
@@ -17,7 +17,8 @@
 MCP shaping lives beside them: schemas.py (portable input schemas), replies.py (results as content),
 file_results.py (a file as content), capabilities.py (get_capabilities' answer).
 
-A tool parses its arguments, calls the session or manager, and shapes the reply; the work is elsewhere.
+A tool parses its arguments, calls a session or the session host (sessions/seam.py, the only way in),
+and shapes the reply; the work is elsewhere.
 MODULES is in the order tools/list shows the tools.
 """
 

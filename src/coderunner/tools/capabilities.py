@@ -14,12 +14,10 @@ from coderunner.egress.ceiling import install_way_out, modes_within
 from coderunner.egress.texts import allowlist_enforcement, ceiling_summary, presets
 from coderunner.sandbox import SandboxUnavailable
 from coderunner.sandbox.env import requirements_text
-from coderunner.sessions.session_snapshots import takes_memory
 
 if TYPE_CHECKING:
     from coderunner.config import Settings
-    from coderunner.sandbox import SandboxBackend
-    from coderunner.sessions import SessionManager
+    from coderunner.sessions.seam import SandboxProfile, SessionHost
 
 LANGUAGE_TOOLS = {
     "python": ["run_python (persistent kernel)", "execute_code", "validate_code"],
@@ -38,7 +36,7 @@ def sandbox_packages() -> dict[str, str]:
     return pins
 
 
-def network_capabilities(settings: Settings, backend: SandboxBackend) -> dict[str, Any]:
+def network_capabilities(settings: Settings, profile: SandboxProfile) -> dict[str, Any]:
     """The network modes an agent may ask for here (never above the user's ceiling), what 'allowlist'
     enforces on this backend, and the hosts the user allows."""
     ceiling = settings.network_ceiling
@@ -46,11 +44,11 @@ def network_capabilities(settings: Settings, backend: SandboxBackend) -> dict[st
     network: dict[str, Any] = {
         "default": settings.network,
         "ceiling": f"{ceiling} (set by the user; an agent cannot raise it)",
-        "modes": {mode: backend.network_problem(mode) or "available" for mode in modes},
+        "modes": {mode: profile.network_problems[mode] or "available" for mode in modes},
     }
     if "allowlist" in modes:
         network["allowlist"] = {
-            "enforcement": allowlist_enforcement(backend.name, backend.network_problem("allowlist")),
+            "enforcement": allowlist_enforcement(profile.backend, profile.network_problems["allowlist"]),
             "allowed_domains": ceiling_summary(settings.allowed_domains, settings.allowed_ports),
             "presets": presets(),
             "more_hosts": "create_session(network='allowlist', allow=[...]) takes a subset of allowed_domains; "
@@ -64,13 +62,13 @@ def network_capabilities(settings: Settings, backend: SandboxBackend) -> dict[st
 class Capabilities:
     _versions: dict[str, Any] | None = None
 
-    async def describe(self, manager: SessionManager, tools: list[str]) -> dict[str, Any]:
-        settings, backend = manager.settings, manager.backend
-        defaults = manager.options()
+    async def describe(self, host: SessionHost, tools: list[str]) -> dict[str, Any]:
+        settings, profile = host.settings, host.profile()
+        defaults = host.options()
         versions = self._versions
         if versions is None:
             try:
-                versions = self._versions = await manager.oneshot.versions(defaults)
+                versions = self._versions = await host.language_versions(defaults)
             except SandboxUnavailable:  # no one-shot sandboxes here (the Apple backend, so far): unknown
                 versions = {}
         return {
@@ -79,20 +77,20 @@ class Capabilities:
                 language: {"version": versions.get(language), "tools": used_by}
                 for language, used_by in LANGUAGE_TOOLS.items()
             },
-            "sandbox": {"backend": backend.name, "isolation": backend.describe_isolation()},
+            "sandbox": {"backend": profile.backend, "isolation": profile.isolation},
             "limits": {
                 "timeout_s": settings.timeout_s,
                 "max_timeout_s": settings.max_timeout_s,
-                **{name: asdict(report) for name, report in backend.limit_reports(defaults.limits).items()},
+                **{name: asdict(report) for name, report in profile.limit_reports.items()},
                 "disk_mb": settings.disk_mb,
                 "max_sessions": settings.max_sessions,
                 "idle_timeout_s": settings.idle_timeout_s,
                 "output_limit_chars": settings.output_limit_chars,
             },
-            "network": network_capabilities(settings, backend),
+            "network": network_capabilities(settings, profile),
             "files": {
-                "workspace": backend.workspace_path,
-                "mounts": [{"sandbox": m.sandbox, "mode": "rw" if m.writable else "ro"} for m in manager.base_mounts],
+                "workspace": profile.workspace_path,
+                "mounts": [{"sandbox": path, "mode": "rw" if writable else "ro"} for path, writable in profile.mounts],
                 "import_dirs": len(settings.import_dirs),
                 "export": (
                     f"save to {settings.export_mount}: copied to your own export folder after each call"
@@ -104,7 +102,7 @@ class Capabilities:
                 "what": (
                     "workspace files and the whole sandbox's memory (a gVisor checkpoint): every variable, "
                     "running thread, open file and /tmp; restorable on this backend with the same runsc and image"
-                    if takes_memory(backend)
+                    if profile.memory_snapshots
                     else "workspace files and the kernel's variables (pickled inside the sandbox); not running "
                     "threads, open files or sockets, or the browser page"
                 ),

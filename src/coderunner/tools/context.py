@@ -20,10 +20,9 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, caller_key, on_connection_close
 from coderunner.errors import CodeRunnerError
-from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.offload import off_loop
 from coderunner.policy.owners import client_of
-from coderunner.sessions import Session, SessionManager
+from coderunner.sessions.seam import SessionHandle, SessionHost
 from coderunner.tools.capabilities import Capabilities
 from coderunner.tools.egress import EgressCall, EgressCalls
 from coderunner.tools.replies import ReplyBounds, error_result, guest_tool_result
@@ -43,21 +42,24 @@ def json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolResu
 
 @dataclass
 class ToolContext:
-    """The server and what its tools need: the manager, settings, caller lookup, a session by id."""
+    """The server and what its tools need: where sessions live, settings, caller lookup, a session by id.
+
+    Tools reach sessions only through `host` and the handles it gives (sessions/seam.py).
+    """
 
     server: MCPServer
-    manager: SessionManager
+    host: SessionHost
     capabilities: Capabilities
     reply_bounds: ReplyBounds
     #: Network 'allowlist': who is asked about a host during a call, and what the reply says was denied.
     egress_calls: EgressCalls
 
     @classmethod
-    def create(cls, server: MCPServer, manager: SessionManager) -> "ToolContext":
-        settings = manager.settings
+    def create(cls, server: MCPServer, host: SessionHost) -> "ToolContext":
+        settings = host.settings
         return cls(
             server=server,
-            manager=manager,
+            host=host,
             capabilities=Capabilities(),  # caches the versions it reads from a sandbox
             reply_bounds=ReplyBounds(
                 settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes
@@ -67,7 +69,7 @@ class ToolContext:
 
     @property
     def settings(self) -> Settings:
-        return self.manager.settings
+        return self.host.settings
 
     def tool(self, annotations: ToolAnnotations | None = None) -> Callable[[ToolFunction], ToolFunction]:
         """Register a tool (unstructured output: images stay images) whose CodeRunnerError is an isError reply."""
@@ -93,7 +95,7 @@ class ToolContext:
     def caller(self, ctx: Context) -> str:
         """Which client this call is from: each has its own default session (see callers.py)."""
         key = caller_key(ctx.request_context.request)
-        on_connection_close(ctx.request_context.session, key, self.manager.release_caller)
+        on_connection_close(ctx.request_context.session, key, self.host.release_caller)
         return key
 
     @staticmethod
@@ -107,29 +109,28 @@ class ToolContext:
         key = caller_key(ctx.request_context.request)
         return None if key == LOCAL_CALLER else key
 
-    async def session(self, ctx: Context, session_id: str | None) -> Session:
+    async def session(self, ctx: Context, session_id: str | None) -> SessionHandle:
         """The session a call names ('' or None: the caller's default), or SessionError saying why not."""
-        return await self.manager.resolve(session_id or None, self.caller(ctx), self.client(ctx))
+        return await self.host.resolve(session_id or None, self.caller(ctx), self.client(ctx))
 
-    def egress_call(self, ctx: Context, session: Session) -> contextlib.AbstractAsyncContextManager[EgressCall]:
+    def egress_call(self, ctx: Context, session: SessionHandle) -> contextlib.AbstractAsyncContextManager[EgressCall]:
         """Around code that runs in the session's sandbox: ask this call's user about hosts, note denials."""
         return self.egress_calls.during(ctx, session.egress, session.session_id)
 
-    def summary(self, session: Session) -> dict[str, Any]:
+    def summary(self, session: SessionHandle) -> dict[str, Any]:
         """A session's status as the session tools report it."""
         status = asdict(session.status())
-        status["default"] = self.manager.is_default(session)
+        status["default"] = self.host.is_default(session)
         return status
 
-    async def guest_reply(self, session: Session, result: dict[str, Any]) -> CallToolResult:
+    async def guest_reply(self, session: SessionHandle, result: dict[str, Any]) -> CallToolResult:
         """A guest tool's answer under the bounds of cell output; an oversized answer spills to the workspace."""
         if session.export_note:
             result["exported"] = session.export_note
-        writer = WorkspaceWriter(session.workspace.path, self.manager.backend.workspace_path, session.dirs.owner)
-        return await self.off_loop(guest_tool_result, result, self.reply_bounds, writer)
+        return await self.off_loop(guest_tool_result, result, self.reply_bounds, session.reply_writer())
 
     @staticmethod
-    def with_export_note(reply: CallToolResult, session: Session) -> CallToolResult:
+    def with_export_note(reply: CallToolResult, session: SessionHandle) -> CallToolResult:
         """Say what the call's copy-out put in the client's export folder (or refused), if anything."""
         if session.export_note:
             reply.content.append(TextContent(type="text", text=f"[{session.export_note}]"))

@@ -25,7 +25,7 @@ MAX_STDIN_CHARS = 4 * 2**20
 
 def register(tools: ToolContext) -> None:
     settings = tools.settings
-    manager = tools.manager
+    host = tools.host
 
     @tools.tool()  # not closed-world: it may run with network internet
     async def execute_code(
@@ -44,18 +44,18 @@ def register(tools: ToolContext) -> None:
         if len(stdin) > MAX_STDIN_CHARS:
             raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
         values = check_variables(parse_variables(variables), language)
-        options = manager.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
+        options = host.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
         share = tools.share(ctx)
 
         async def work(job: Job) -> OneShotResult:
             try:
-                return await manager.oneshot.run(language, code, options, stdin=stdin.encode(), variables=values,
+                return await host.run_oneshot(language, code, options, stdin=stdin.encode(), variables=values,
                                                  caller=share, on_egress=network.attach)  # fmt: skip
             except anyio.get_cancelled_exc_class():
                 job.notice = "cancelled: its sandbox was killed (a one-shot run keeps nothing)"
                 raise
 
-        table = manager.jobs
+        table = host.oneshot_jobs
         caller = tools.caller(ctx)
         most = MAX_JOBS_PER_SHARE * settings.max_oneshot_runs_per_client
         if table.running_of(caller) >= most:
@@ -85,6 +85,6 @@ def register(tools: ToolContext) -> None:
     @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
         """Syntax errors (line, column) of code, without running it."""
-        options = manager.options(client=tools.client(ctx))
-        errors = await manager.oneshot.check(language, code, options, caller=tools.share(ctx))
+        options = host.options(client=tools.client(ctx))
+        errors = await host.check_code(language, code, options, caller=tools.share(ctx))
         return json_result({"language": language, "valid": not errors, "errors": errors})

@@ -112,9 +112,10 @@ def register(tools: ToolContext) -> None:
     ) -> CallToolResult:
         """Copy a sandbox file to the user's export folder on the host."""
         session = await tools.session(ctx, session_id)
-        sandbox_uid = session.dirs.user.uid if session.dirs.user is not None else None
-        target = await tools.off_loop(export_target, settings.export_dir, session.options.client,  # mkdir, open
-                                      host_path or None, posixpath.basename(sandbox_path), sandbox_uid)  # fmt: skip
+        target = await tools.off_loop(
+            export_target, settings.export_dir, session.options.client,  # mkdir, open
+            host_path or None, posixpath.basename(sandbox_path), session.sandbox_uid,
+        )  # fmt: skip
         copied, read_from, written = await tools.off_loop(
             copy, session.files, sandbox_path, target.view, target.path, bulk=True,
             limit=settings.transfer_limit_bytes, overwrite=overwrite,
@@ -130,7 +131,7 @@ def register(tools: ToolContext) -> None:
     async def sandbox_file(session_id: str, path: str, ctx: Context) -> bytes:
         limit = settings.resource_limit_bytes
         try:
-            session = await tools.manager.resolve(session_id, tools.caller(ctx))
+            session = await tools.host.resolve(session_id, tools.caller(ctx))
             data, size, _ = await tools.off_loop(session.files.read, "/" + path, limit=limit + 1, bulk=True)
         except CodeRunnerError as exc:
             raise ResourceError(str(exc)) from None  # the SDK shows a ResourceError's own words

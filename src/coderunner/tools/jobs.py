@@ -17,9 +17,9 @@ from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
 from pydantic import Field
 
 from coderunner.edge.callers import client_of_key
-from coderunner.sessions import Session
 from coderunner.sessions.job_runner import Job, JobNotFound, JobStatus, attend, cancel, duration
 from coderunner.sessions.oneshot_runs import OneShotResult
+from coderunner.sessions.seam import SessionHandle
 from coderunner.tools.context import ToolContext, json_result
 from coderunner.tools.file_results import resource_link
 
@@ -28,7 +28,7 @@ KERNEL_META = "coderunner/kernel"
 JOB_META = "coderunner/job"
 
 
-def kernel_stamp(reply: CallToolResult, session: Session, lost: bool = False) -> CallToolResult:
+def kernel_stamp(reply: CallToolResult, session: SessionHandle, lost: bool = False) -> CallToolResult:
     """Add the kernel's generation and whether state survived: one line of text and `_meta`."""
     generation, preserved = session.kernel_state(lost)
     words = "state kept" if preserved else "new kernel, state lost (variables and imports; files kept)"
@@ -49,7 +49,7 @@ def running_note(job: Job) -> str:
     )
 
 
-def python_job_reply(session: Session, job: Job, links: bool) -> CallToolResult:
+def python_job_reply(session: SessionHandle, job: Job, links: bool) -> CallToolResult:
     """What is new in a python job since the last read, then where it stands."""
     assert job.output is not None
     read = job.output.take()
@@ -104,17 +104,17 @@ def oneshot_job_reply(job: Job) -> CallToolResult:
 
 def register(tools: ToolContext) -> None:
     settings = tools.settings
-    manager = tools.manager
+    host = tools.host
     links = settings.file_links == "resource_link"
 
-    async def find(ctx: Context, job_id: str) -> tuple[Job, Session | None]:
+    async def find(ctx: Context, job_id: str) -> tuple[Job, SessionHandle | None]:
         """The caller's job `job_id`, with its session (None for a one-shot job)."""
         client = client_of_key(tools.caller(ctx))
-        job = manager.jobs.get(job_id)
+        job = host.oneshot_jobs.get(job_id)
         if job is not None and client_of_key(job.owner) == client:
             return job, None
-        for session in manager.list():
-            found = session.jobs.get(job_id)
+        for session in host.list():
+            found = session.job(job_id)
             # Another client's job is unknown here: its session's handle is not told either.
             if found is not None and client_of_key(session.owner) == client:
                 return found, await tools.session(ctx, session.session_id)
@@ -123,7 +123,7 @@ def register(tools: ToolContext) -> None:
             "session; finished ones beyond the last few are forgotten)"
         )
 
-    def reply(job: Job, session: Session | None) -> CallToolResult:
+    def reply(job: Job, session: SessionHandle | None) -> CallToolResult:
         if session is None:
             return oneshot_job_reply(job)
         return tools.with_export_note(python_job_reply(session, job, links), session)
@@ -148,8 +148,10 @@ def register(tools: ToolContext) -> None:
     async def cancel_job(job_id: str, ctx: Context) -> CallToolResult:
         """Interrupt a job; a kernel that ignores that is restarted (the reply says)."""
         job, session = await find(ctx, job_id)
-        wait = settings.interrupt_grace_s + settings.startup_timeout_s + 5.0
-        await cancel(job, wait)
+        if session is not None:
+            await session.cancel_job(job)
+        else:
+            await cancel(job, settings.interrupt_grace_s + settings.startup_timeout_s + 5.0)
         return reply(job, session)
 
     @tools.tool()
@@ -158,9 +160,9 @@ def register(tools: ToolContext) -> None:
         client = client_of_key(tools.caller(ctx))
         found = [
             job.describe()
-            for session in manager.list()
+            for session in host.list()
             if client_of_key(session.owner) == client
-            for job in session.jobs.jobs.values()
+            for job in session.list_jobs()
         ]
-        found += [job.describe() for job in manager.jobs.jobs.values() if client_of_key(job.owner) == client]
+        found += [job.describe() for job in host.oneshot_jobs.jobs.values() if client_of_key(job.owner) == client]
         return json_result({"jobs": found})

@@ -12,4 +12,4 @@ def register(tools: ToolContext) -> None:
     async def get_capabilities() -> CallToolResult:
         """This server's languages, isolation, limits, network policy, packages and tools."""
         names = sorted(tool.name for tool in await tools.server.list_tools())
-        return json_result(await tools.capabilities.describe(tools.manager, names))
+        return json_result(await tools.capabilities.describe(tools.host, names))

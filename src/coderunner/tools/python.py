@@ -55,7 +55,7 @@ def register(tools: ToolContext) -> None:
         if not attended:
             job.detached = True
             return network.noted(python_job_reply(session, job, links))
-        session.jobs.forget(job)  # answered whole: never a job the caller needs to know about
+        session.forget_job(job)  # answered whole: never a job the caller needs to know about
         result = session.job_result(job)
         reply = execution_reply(result, session.session_id, links=links)
         return network.noted(tools.with_export_note(kernel_stamp(reply, session, result.state_lost), session))

@@ -10,8 +10,6 @@ from pydantic import Field
 
 from coderunner.egress.texts import STATUS_RECENT, egress_status
 from coderunner.hostfs.mounts import MountSpec
-from coderunner.sessions import Session
-from coderunner.snapshots.store import SnapshotStore
 from coderunner.tools.arguments import MemoryMb, SessionId, Text, network_arg
 from coderunner.tools.context import ToolContext, json_result
 from coderunner.tools.snapshots import loaded_report
@@ -19,7 +17,7 @@ from coderunner.tools.snapshots import loaded_report
 
 def register(tools: ToolContext) -> None:
     settings = tools.settings
-    manager = tools.manager
+    host = tools.host
 
     @tools.tool()
     async def create_session(
@@ -49,11 +47,11 @@ def register(tools: ToolContext) -> None:
         """New session (own kernel and workspace). Other tools take its session_id; without one they use your
         default session."""
         specs = [MountSpec.parse(text) for text in mounts or []]
-        options = manager.options(
+        options = host.options(
             network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name or None,
             persistent=persistent, client=tools.client(ctx), allow=allow or None, keep_state=keep_state,
         )  # fmt: skip
-        session = await manager.create(options, owner=tools.caller(ctx))
+        session = await host.create(options, owner=tools.caller(ctx))
         summary = await tools.off_loop(tools.summary, session)  # reads /proc and the workspace
         if session.startup is not None:
             summary["startup_files"] = session.startup
@@ -67,7 +65,7 @@ def register(tools: ToolContext) -> None:
         ctx: Context,
     ) -> CallToolResult:
         """Stop a session's kernel and delete its workspace."""
-        session = await manager.close(session_id, tools.caller(ctx))
+        session = await host.close(session_id, tools.caller(ctx))
         reply = {"closed": session_id}
         if session.close_note is not None:
             reply["state"] = session.close_note
@@ -78,7 +76,7 @@ def register(tools: ToolContext) -> None:
         """A session's state, uptime, memory, limits and network."""
         session = await tools.session(ctx, session_id)
         summary = await tools.off_loop(tools.summary, session)
-        summary["snapshots"] = await tools.off_loop(snapshots_of, manager.snapshots.store, session)
+        summary["snapshots"] = await host.snapshots_of(session)
         if session.egress is not None:
             log, proxy = session.egress.log, session.egress.proxy
             summary["egress"] = egress_status(
@@ -89,12 +87,6 @@ def register(tools: ToolContext) -> None:
     @tools.tool()
     async def list_sessions(ctx: Context) -> CallToolResult:
         """Your open sessions."""
-        sessions = manager.list(tools.caller(ctx))
+        sessions = host.list(tools.caller(ctx))
         summaries = await tools.off_loop(lambda: [tools.summary(session) for session in sessions])
         return json_result({"sessions": summaries})
-
-
-def snapshots_of(store: SnapshotStore, session: Session) -> list[str]:
-    """The ids of the snapshots taken of `session` (kept in its client's store)."""
-    mark = session.session_id[:8]
-    return [meta.snapshot_id for meta in store.list(session.options.client) if meta.source_session == mark]

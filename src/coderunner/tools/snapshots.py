@@ -12,7 +12,7 @@ from typing import Any
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 
-from coderunner.sessions import Session
+from coderunner.sessions.seam import SessionHandle
 from coderunner.sessions.session_snapshots import MEMORY_CARRIES, REPORT_TEXT, Seed, Taken, memory_key, report_count
 from coderunner.snapshots.store import CopyReport, DamagedSnapshot, SnapshotMeta
 from coderunner.tools.arguments import SessionId, Text
@@ -23,20 +23,20 @@ SHOWN = 50
 
 
 def register(tools: ToolContext) -> None:
-    manager = tools.manager  # its snapshots are looked up per call (they exist once the manager runs)
+    host = tools.host
 
     @tools.tool()
     async def snapshot_session(ctx: Context, session_id: SessionId = "", name: Text = "") -> CallToolResult:
         """Save a session's files and variables as a snapshot; it keeps running."""
         session = await tools.session(ctx, session_id)
-        taken = await manager.snapshots.take(session, name=name)
+        taken = await host.take_snapshot(session, name)
         return json_result(_taken(taken))
 
     @tools.tool()
     async def restore_session(snapshot: str, ctx: Context) -> CallToolResult:
         """New session from a snapshot: its files and variables (the reply lists what did not come back)."""
         client = tools.client(ctx)
-        meta = await tools.off_loop(manager.snapshots.store.get, client, snapshot)
+        meta = await host.snapshot(client, snapshot)
         session = await _open(tools, ctx, meta, Seed(client, meta.snapshot_id))
         return json_result(_restored(session, meta))
 
@@ -44,12 +44,12 @@ def register(tools: ToolContext) -> None:
     async def fork_session(ctx: Context, session_id: SessionId = "") -> CallToolResult:
         """Copy a session, variables included, into a new one; both go on independently."""
         session = await tools.session(ctx, session_id)
-        taken = await manager.snapshots.take(session, name=f"fork of {session.session_id[:8]}")
+        taken = await host.take_snapshot(session, f"fork of {session.session_id[:8]}")
         try:
             forked = await _open(tools, ctx, taken.meta, Seed(taken.meta.client, taken.meta.snapshot_id))
         finally:
-            await tools.off_loop(manager.snapshots.store.delete, taken.meta.client, taken.meta.snapshot_id)
-        forked.restored_from = f"fork of session {session.session_id[:8]}"  # its snapshot is gone
+            await host.delete_snapshot(taken.meta.client, taken.meta.snapshot_id)
+        forked.note_restored_from(f"fork of session {session.session_id[:8]}")  # its snapshot is gone
         reply = _restored(forked, taken.meta)
         reply["forked_from"] = session.session_id
         del reply["snapshot"]
@@ -58,7 +58,7 @@ def register(tools: ToolContext) -> None:
     @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def list_snapshots(ctx: Context) -> CallToolResult:
         """Your snapshots, newest first (a damaged one is marked: it cannot be restored, only deleted)."""
-        found = await tools.off_loop(manager.snapshots.store.listing, tools.client(ctx))
+        found = await host.snapshot_listing(tools.client(ctx))
         entries = [(meta.created, _listed(meta)) for meta in found.snapshots]
         entries += [(entry.modified, _damaged(entry)) for entry in found.damaged]
         entries.sort(key=lambda pair: pair[0], reverse=True)
@@ -67,18 +67,18 @@ def register(tools: ToolContext) -> None:
     @tools.tool(annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
     async def delete_snapshot(snapshot: str, ctx: Context) -> CallToolResult:
         """Delete one of your snapshots for good (a damaged one too)."""
-        await tools.off_loop(manager.snapshots.store.delete, tools.client(ctx), snapshot)
+        await host.delete_snapshot(tools.client(ctx), snapshot)
         return json_result({"deleted": snapshot})
 
 
-async def _open(tools: ToolContext, ctx: Context, meta: SnapshotMeta, seed: Seed) -> Session:
+async def _open(tools: ToolContext, ctx: Context, meta: SnapshotMeta, seed: Seed) -> SessionHandle:
     """A new session with the snapshot's options, checked against today's settings."""
     saved = meta.options
-    options = tools.manager.options(
+    options = tools.host.options(
         network=saved.get("network"), memory_mb=saved.get("memory_mb"), cpus=saved.get("cpus"),
         timeout_s=saved.get("timeout_s"), client=tools.client(ctx), allow=saved.get("allow") or None,
     )  # fmt: skip
-    return await tools.manager.create(options, owner=tools.caller(ctx), seed=seed)
+    return await tools.host.create(options, owner=tools.caller(ctx), seed=seed)
 
 
 def _taken(taken: Taken) -> dict[str, Any]:
@@ -101,7 +101,7 @@ def _taken(taken: Taken) -> dict[str, Any]:
     return reply
 
 
-def _restored(session: Session, meta: SnapshotMeta) -> dict[str, Any]:
+def _restored(session: SessionHandle, meta: SnapshotMeta) -> dict[str, Any]:
     reply: dict[str, Any] = {"session_id": session.session_id, "snapshot": meta.snapshot_id}
     reply.update(loaded_report(session.seeded))
     seed: Seed | None = session.seeded
