@@ -20,11 +20,16 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import Tool
 
 from coderunner.config import ConfigError, Settings, load_settings
-from coderunner.policy.tool_groups import ALL_TOOLS, TOOL_GROUPS, ToolsetError, selected_tools
+from coderunner.policy.tool_groups import ALWAYS, GROUP_NAMES, ToolGroups, ToolsetError, selected_tools
 from coderunner.server import build_server
+from coderunner.tools import ToolContext, declared_groups
 from coderunner.tools.schemas import SchemaError, finish_tools, portable_schema
 
 from .conftest import ServerDirs, run, server_env, stdio_client, text_of
+
+#: The tools as they declare their groups (tools/context.py's decorator).
+GROUPS = declared_groups()
+ALL_TOOLS = GROUPS.all_tools
 
 #: Schema keywords google-genai's MCP conversion keeps (it silently drops the rest, e.g. exclusiveMinimum).
 GEMINI_KEPT = {"type", "description", "enum", "default", "minimum", "maximum", "items", "pattern"}
@@ -59,6 +64,13 @@ def test_every_tool_is_offered_by_default_and_grouped(tools: list[Tool]) -> None
     assert {tool.name for tool in tools} == ALL_TOOLS
 
 
+def test_the_declared_groups_are_exactly_the_names_a_setting_may_use() -> None:
+    declared = set(GROUPS.of.values())
+    assert declared == {*GROUP_NAMES, ALWAYS}
+    assert GROUPS.members(ALWAYS) == ("get_capabilities",)
+    assert all(GROUPS.members(group) for group in GROUP_NAMES)
+
+
 def test_a_tool_in_no_group_fails_at_start_instead_of_vanishing() -> None:
     server = MCPServer("t")
 
@@ -68,7 +80,21 @@ def test_a_tool_in_no_group_fails_at_start_instead_of_vanishing() -> None:
         return ""
 
     with pytest.raises(SchemaError, match="stray_tool: in no tool group"):
-        finish_tools(server, ALL_TOOLS)
+        finish_tools(server, ALL_TOOLS, GROUPS)
+
+
+def test_a_tool_that_declares_no_group_or_an_unknown_one_fails_at_start() -> None:
+    tools = ToolContext.create(MCPServer("t"), types.SimpleNamespace(settings=Settings()))  # type: ignore[arg-type]
+
+    @tools.tool()
+    async def undeclared() -> str:
+        """Declares no group."""
+        return ""
+
+    with pytest.raises(SchemaError, match="undeclared: in no tool group"):
+        finish_tools(tools.server, {"undeclared"}, ToolGroups(tools.groups))
+    with pytest.raises(ToolsetError, match="odd_tool: declares tool group 'pythn'"):
+        ToolGroups({"odd_tool": "pythn"})
 
 
 def test_schemas_have_no_titles_wrappers_free_form_objects_or_booleans_gemini_chokes_on(tools: list[Tool]) -> None:
@@ -152,7 +178,7 @@ def test_the_default_tool_list_fits_the_token_budget(tools: list[Tool]) -> None:
 
 def test_tools_setting_exposes_groups_and_always_capabilities() -> None:
     names = {tool.name for tool in tools_of(tools=["python", "files"])}
-    assert names == {*TOOL_GROUPS["python"], *TOOL_GROUPS["files"], "get_capabilities"}
+    assert names == {*GROUPS.members("python"), *GROUPS.members("files"), "get_capabilities"}
     assert {tool.name for tool in tools_of(tools="oneshot,read_file")} == {
         "execute_code", "validate_code", "read_file", "get_capabilities",
     }  # fmt: skip
@@ -220,7 +246,7 @@ async def test_wrong_arguments_are_refused_in_plain_words_before_any_work() -> N
 async def test_a_server_started_with_some_groups_lists_and_serves_only_those(dirs: ServerDirs) -> None:
     async with stdio_client(server_env(dirs, CODERUNNER_TOOLS="python")) as client:
         listed = await client.list_tools()
-        assert {tool.name for tool in listed.tools} == {*TOOL_GROUPS["python"], "get_capabilities"}
+        assert {tool.name for tool in listed.tools} == {*GROUPS.members("python"), "get_capabilities"}
         assert text_of(await run(client, "6 * 7")).splitlines()[0] == "42"
         hidden = await client.call_tool("read_file", {"path": "x"})
         assert hidden.is_error and "read_file" in text_of(hidden)

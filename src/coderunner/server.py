@@ -15,7 +15,7 @@ from pydantic import AnyUrl
 
 from coderunner import __version__
 from coderunner.offload import off_loop
-from coderunner.policy.tool_groups import selected_tools
+from coderunner.policy.tool_groups import ToolGroups
 from coderunner.sessions.seam import SessionHost
 from coderunner.tools import MODULES, ToolContext
 from coderunner.tools.file_results import resource_contents
@@ -63,5 +63,6 @@ def build_server(host: SessionHost) -> MCPServer:
     tools = ToolContext.create(server, host)
     for module in MODULES:
         module.register(tools)
-    finish_tools(server, selected_tools(host.settings.tools))
+    groups = ToolGroups(tools.groups)  # as the tools declared them
+    finish_tools(server, groups.selected(host.settings.tools), groups)
     return server

@@ -1,54 +1,92 @@
 """Named groups of tools, so a user who wants fewer tools (and a cheaper tools/list) can say which.
 
-Every tool belongs to exactly one group; `get_capabilities` is in none and always offered, since
-it is how a model learns what this server can do. A `tools` setting may name groups or single tools.
+Each tool declares its group where it is defined (`@tools.tool(group=...)`, tools/context.py); the
+table of which tools a group holds is built from those declarations (ToolGroups), and a tool that
+declares none, or a group not named here, stops the server at start. The group NAMES are a constant
+here because the settings are checked before any tool is registered. `get_capabilities` is in the
+ALWAYS group: offered whatever the setting says, since it is how a model learns what this server can
+do. A `tools` setting may name groups or single tools.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
 
-TOOL_GROUPS: dict[str, tuple[str, ...]] = {
-    "python": ("run_python", "kernel_reset", "install_packages"),
-    "sessions": ("create_session", "close_session", "session_status", "list_sessions"),
-    "files": ("list_files", "read_file", "write_file", "upload_file", "download_file"),
-    "browser": ("browser_navigate", "browser_extract", "browser_screenshot", "browser_interact"),
-    "documents": ("pdf_ops", "image_ops"),
-    "oneshot": ("execute_code", "validate_code"),
-    "jobs": ("wait_job", "cancel_job", "list_jobs"),
-    "workspaces": ("list_workspaces", "delete_workspace"),
-    "snapshots": ("snapshot_session", "restore_session", "fork_session", "list_snapshots", "delete_snapshot"),
-}
-ALWAYS = ("get_capabilities",)
+#: The groups a `tools` setting may name, in the order the help lists them.
+GROUP_NAMES: tuple[str, ...] = (
+    "python", "sessions", "files", "browser", "documents", "oneshot", "jobs", "workspaces", "snapshots",
+)  # fmt: skip
+#: The same names, under the name config.py reads them by.
+TOOL_GROUPS = GROUP_NAMES
+#: The group of tools offered whatever `tools` says (not a name a setting may use).
+ALWAYS = "always"
 ALL = "all"
-ALL_TOOLS = frozenset(ALWAYS).union(*TOOL_GROUPS.values())
 
 
 class ToolsetError(ValueError):
-    """A `tools` entry names neither a group nor a tool."""
+    """A `tools` entry names neither a group nor a tool; or a tool declares no group, or an unknown one."""
 
 
-def check_selection(entries: Iterable[str]) -> list[str]:
-    """The entries, stripped, once each; unknown names refused with the valid ones listed."""
+@dataclass(frozen=True)
+class ToolGroups:
+    """Which group each registered tool declared: tool name -> group."""
+
+    of: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        for tool, group in self.of.items():
+            if group != ALWAYS and group not in GROUP_NAMES:
+                raise ToolsetError(f"{tool}: declares tool group {group!r}, which is none of {', '.join(GROUP_NAMES)}")
+
+    @property
+    def all_tools(self) -> frozenset[str]:
+        return frozenset(self.of)
+
+    def members(self, group: str) -> tuple[str, ...]:
+        """The tools that declared `group`, in the order they were registered."""
+        return tuple(tool for tool, declared in self.of.items() if declared == group)
+
+    def selected(self, entries: Iterable[str]) -> frozenset[str]:
+        """The tool names a `tools` setting exposes."""
+        names: set[str] = set(self.members(ALWAYS))
+        for entry in check_selection(entries, self.all_tools):
+            if entry == ALL:
+                return self.all_tools
+            names.update(self.members(entry) if entry in GROUP_NAMES else (entry,))
+        return frozenset(names)
+
+
+def check_selection(entries: Iterable[str], tool_names: Collection[str] | None = None) -> list[str]:
+    """The entries, stripped, once each; unknown names refused with the valid ones listed.
+
+    `tool_names`: the tools there are (None: the declared ones, gathered only if an entry needs them).
+    """
     chosen: list[str] = []
     for raw in entries:
         entry = raw.strip()
         if not entry or entry in chosen:
             continue
-        if entry != ALL and entry not in TOOL_GROUPS and entry not in ALL_TOOLS:
-            groups = ", ".join([ALL, *TOOL_GROUPS])
-            raise ToolsetError(f"unknown tool group {entry!r}: use {groups}, or single tool names")
+        if entry != ALL and entry not in GROUP_NAMES:
+            if tool_names is None:
+                tool_names = declared().all_tools
+            if entry not in tool_names:
+                groups = ", ".join([ALL, *GROUP_NAMES])
+                raise ToolsetError(f"unknown tool group {entry!r}: use {groups}, or single tool names")
         chosen.append(entry)
     if not chosen:
-        raise ToolsetError(f"no tools chosen: use {ALL} or some of {', '.join(TOOL_GROUPS)}")
+        raise ToolsetError(f"no tools chosen: use {ALL} or some of {', '.join(GROUP_NAMES)}")
     return chosen
 
 
-def selected_tools(entries: Iterable[str]) -> frozenset[str]:
-    """The tool names a `tools` setting exposes."""
-    names: set[str] = set(ALWAYS)
-    for entry in check_selection(entries):
-        if entry == ALL:
-            return ALL_TOOLS
-        names.update(TOOL_GROUPS.get(entry, (entry,)))
-    return frozenset(names)
+def selected_tools(entries: Iterable[str], groups: ToolGroups | None = None) -> frozenset[str]:
+    """The tool names a `tools` setting exposes, of `groups` (None: the declared ones)."""
+    return (groups or declared()).selected(entries)
+
+
+def declared() -> ToolGroups:
+    """The groups the tools declare. Imported here, not at the top: the settings (which the tools read)
+    check a `tools` entry against these, and the tools import the settings."""
+    from coderunner.tools import declared_groups
+
+    return declared_groups()

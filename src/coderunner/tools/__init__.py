@@ -19,9 +19,17 @@ file_results.py (a file as content), capabilities.py (get_capabilities' answer).
 
 A tool parses its arguments, calls a session or the session host (sessions/seam.py, the only way in),
 and shapes the reply; the work is elsewhere.
-MODULES is in the order tools/list shows the tools.
+MODULES is in the order tools/list shows the tools. Each tool declares its group (`--tools`) where it
+is defined; declared_groups() is that table, for checking a setting before any server is built.
 """
 
+import functools
+import types
+
+from mcp.server.mcpserver import MCPServer
+
+from coderunner.config import Settings
+from coderunner.policy.tool_groups import ToolGroups
 from coderunner.tools import (
     execute_code,
     files,
@@ -38,4 +46,19 @@ from coderunner.tools.context import ToolContext
 
 MODULES = (python, jobs, sessions, snapshots, files, guest, execute_code, install_packages, workspaces, meta)
 
-__all__ = ["MODULES", "ToolContext"]
+
+@functools.cache
+def declared_groups() -> ToolGroups:
+    """The group each tool declares, read by registering every tool once on a bare server.
+
+    The settings are the defaults, unvalidated (model_construct): the settings' own check of a `tools`
+    entry asks for this table, so building it must not read or check the settings again.
+    """
+    host = types.SimpleNamespace(settings=Settings.model_construct())  # registration reads only settings
+    tools = ToolContext.create(MCPServer("declarations"), host)  # type: ignore[arg-type]
+    for module in MODULES:
+        module.register(tools)
+    return ToolGroups(tools.groups)
+
+
+__all__ = ["MODULES", "ToolContext", "declared_groups"]

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
@@ -53,6 +53,8 @@ class ToolContext:
     reply_bounds: ReplyBounds
     #: Network 'allowlist': who is asked about a host during a call, and what the reply says was denied.
     egress_calls: EgressCalls
+    #: The group each registered tool declared (tool name -> group; policy/tool_groups.py).
+    groups: dict[str, str] = field(default_factory=dict)
 
     @classmethod
     def create(cls, server: MCPServer, host: SessionHost) -> "ToolContext":
@@ -71,10 +73,18 @@ class ToolContext:
     def settings(self) -> Settings:
         return self.host.settings
 
-    def tool(self, annotations: ToolAnnotations | None = None) -> Callable[[ToolFunction], ToolFunction]:
-        """Register a tool (unstructured output: images stay images) whose CodeRunnerError is an isError reply."""
+    def tool(
+        self, group: str | None = None, annotations: ToolAnnotations | None = None
+    ) -> Callable[[ToolFunction], ToolFunction]:
+        """Register a tool (unstructured output: images stay images) whose CodeRunnerError is an isError reply.
+
+        `group`: the tool group it is in (`--tools`); one that declares none stops the server at start.
+        """
 
         def register(function: ToolFunction) -> ToolFunction:
+            if group is not None:
+                self.groups[function.__name__] = group
+
             @functools.wraps(function)  # the SDK reads name, docstring and signature through the wrapper
             async def guarded(*args: Any, **kwargs: Any) -> CallToolResult:
                 try:

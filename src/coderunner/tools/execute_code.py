@@ -27,7 +27,7 @@ def register(tools: ToolContext) -> None:
     settings = tools.settings
     host = tools.host
 
-    @tools.tool()  # not closed-world: it may run with network internet
+    @tools.tool(group="oneshot")  # not closed-world: it may run with network internet
     async def execute_code(
         language: LanguageArg,
         code: str,
@@ -82,7 +82,7 @@ def register(tools: ToolContext) -> None:
             payload["network"] = note
         return json_result(payload, is_error=not job.result.success)
 
-    @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    @tools.tool(group="oneshot", annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
         """Syntax errors (line, column) of code, without running it."""
         options = host.options(client=tools.client(ctx))

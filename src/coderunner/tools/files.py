@@ -36,7 +36,7 @@ def decoded(content: str, encoding: str) -> bytes:
 def register(tools: ToolContext) -> None:
     settings = tools.settings
 
-    @tools.tool()
+    @tools.tool(group="files")
     async def list_files(
         ctx: Context,
         path: str = "/workspace",
@@ -48,7 +48,7 @@ def register(tools: ToolContext) -> None:
         entries = await tools.off_loop(session.files.list, path, depth)
         return json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
 
-    @tools.tool()
+    @tools.tool(group="files")
     async def read_file(
         path: str,
         ctx: Context,
@@ -66,7 +66,7 @@ def register(tools: ToolContext) -> None:
             start_line=start_line, end_line=end_line, links=settings.file_links == "resource_link",
         )  # fmt: skip
 
-    @tools.tool()
+    @tools.tool(group="files")
     async def write_file(
         path: str,
         content: str,
@@ -85,7 +85,7 @@ def register(tools: ToolContext) -> None:
             payload["exported"] = session.export_note
         return json_result(payload)
 
-    @tools.tool()
+    @tools.tool(group="files")
     async def upload_file(
         host_path: str,
         ctx: Context,
@@ -102,7 +102,7 @@ def register(tools: ToolContext) -> None:
         return json_result({"host_path": str(source.host_path(source.path)), "sandbox_path": written,
                             "bytes": copied})  # fmt: skip
 
-    @tools.tool()
+    @tools.tool(group="files")
     async def download_file(
         sandbox_path: str,
         ctx: Context,

@@ -62,7 +62,7 @@ def register(tools: ToolContext) -> None:
             result = await session.guest_op(tool, op, args, limit, paths=DOCUMENT_PATHS, input_path=input_path)
         return network.noted(await tools.guest_reply(session, result))
 
-    @tools.tool()
+    @tools.tool(group="documents")
     async def pdf_ops(
         ctx: Context,
         input_path: str,
@@ -84,7 +84,7 @@ def register(tools: ToolContext) -> None:
         arguments = op_arguments(pdf_ops, locals())
         return await document(ctx, "pdf_ops", session_id, input_path, op, arguments, timeout_s)
 
-    @tools.tool()
+    @tools.tool(group="documents")
     async def image_ops(
         ctx: Context,
         input_path: str,
@@ -124,7 +124,7 @@ def register(tools: ToolContext) -> None:
                 raise
         return network.noted(await tools.guest_reply(session, result))
 
-    @tools.tool(annotations=ToolAnnotations(open_world_hint=True))
+    @tools.tool(group="browser", annotations=ToolAnnotations(open_world_hint=True))
     async def browser_navigate(
         ctx: Context,
         url: str,
@@ -137,7 +137,7 @@ def register(tools: ToolContext) -> None:
         args = {"url": url, "wait_for": wait_for or None, "timeout_s": timeout_s or BROWSER_TIMEOUT_S}
         return await browser(ctx, session_id, "navigate", args, timeout_s)
 
-    @tools.tool()
+    @tools.tool(group="browser")
     async def browser_extract(
         ctx: Context,
         selector: str,
@@ -149,7 +149,7 @@ def register(tools: ToolContext) -> None:
         args = {"selector": selector, "format": format, "attribute": attribute or None}
         return await browser(ctx, session_id, "extract", args, None)
 
-    @tools.tool()
+    @tools.tool(group="browser")
     async def browser_screenshot(
         ctx: Context,
         full_page: bool = False,
@@ -161,7 +161,7 @@ def register(tools: ToolContext) -> None:
         args = {"full_page": full_page, "selector": selector or None, "output": output}
         return await browser(ctx, session_id, "screenshot", args, None)
 
-    @tools.tool()
+    @tools.tool(group="browser")
     async def browser_interact(
         ctx: Context,
         action: Literal["click", "fill", "press", "select", "scroll", "wait_for"],

@@ -17,7 +17,7 @@ PIP_TIMEOUT_S = 300.0
 
 
 def register(tools: ToolContext) -> None:
-    @tools.tool(annotations=ToolAnnotations(open_world_hint=True))
+    @tools.tool(group="python", annotations=ToolAnnotations(open_world_hint=True))
     async def install_packages(
         ctx: Context,
         packages: list[str],

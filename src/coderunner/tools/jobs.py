@@ -128,7 +128,7 @@ def register(tools: ToolContext) -> None:
             return oneshot_job_reply(job)
         return tools.with_export_note(python_job_reply(session, job, links), session)
 
-    @tools.tool()
+    @tools.tool(group="jobs")
     async def wait_job(
         job_id: str, ctx: Context, timeout_s: Annotated[float, Field(ge=0)] = settings.detach_after_s
     ) -> CallToolResult:
@@ -144,7 +144,7 @@ def register(tools: ToolContext) -> None:
         await attend(job, min(timeout_s, settings.max_timeout_s), tick, settings.progress_interval_s)
         return reply(job, session)
 
-    @tools.tool()
+    @tools.tool(group="jobs")
     async def cancel_job(job_id: str, ctx: Context) -> CallToolResult:
         """Interrupt a job; a kernel that ignores that is restarted (the reply says)."""
         job, session = await find(ctx, job_id)
@@ -154,7 +154,7 @@ def register(tools: ToolContext) -> None:
             await cancel(job, settings.interrupt_grace_s + settings.startup_timeout_s + 5.0)
         return reply(job, session)
 
-    @tools.tool()
+    @tools.tool(group="jobs")
     async def list_jobs(ctx: Context) -> CallToolResult:
         """Your jobs, running and finished."""
         client = client_of_key(tools.caller(ctx))

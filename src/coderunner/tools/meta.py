@@ -4,11 +4,12 @@
 
 from mcp.types import CallToolResult, ToolAnnotations
 
+from coderunner.policy.tool_groups import ALWAYS
 from coderunner.tools.context import ToolContext, json_result
 
 
 def register(tools: ToolContext) -> None:
-    @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    @tools.tool(group=ALWAYS, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def get_capabilities() -> CallToolResult:
         """This server's languages, isolation, limits, network policy, packages and tools."""
         names = sorted(tool.name for tool in await tools.server.list_tools())

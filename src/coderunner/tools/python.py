@@ -21,7 +21,7 @@ def register(tools: ToolContext) -> None:
     settings = tools.settings
     links = settings.file_links == "resource_link"
 
-    @tools.tool()  # not closed-world: a session may have network internet
+    @tools.tool(group="python")  # not closed-world: a session may have network internet
     async def run_python(
         code: Annotated[str, Field(description="The last expression's value is shown.")],
         ctx: Context,
@@ -60,7 +60,7 @@ def register(tools: ToolContext) -> None:
         reply = execution_reply(result, session.session_id, links=links)
         return network.noted(tools.with_export_note(kernel_stamp(reply, session, result.state_lost), session))
 
-    @tools.tool()
+    @tools.tool(group="python")
     async def kernel_reset(ctx: Context, session_id: SessionId = "") -> CallToolResult:
         """Restart the session's kernel: fresh state, files kept."""
         session = await tools.session(ctx, session_id)

@@ -28,7 +28,7 @@ from mcp.server.mcpserver.utilities.func_metadata import FuncMetadata
 from mcp.types import CallToolResult, TextContent
 from pydantic import ValidationError
 
-from coderunner.policy.tool_groups import ALL_TOOLS
+from coderunner.policy.tool_groups import ToolGroups
 
 NULL = {"type": "null"}
 
@@ -81,8 +81,9 @@ def tool_description(text: str | None) -> str:
     return inspect.cleandoc(text or "")
 
 
-def finish_tools(server: MCPServer, enabled: Collection[str]) -> None:
-    """Keep only the enabled tools; make each one's schema portable and its arguments closed.
+def finish_tools(server: MCPServer, enabled: Collection[str], groups: ToolGroups) -> None:
+    """Keep only the enabled tools; make each one's schema portable and its arguments closed. A tool
+    in none of the declared `groups` is refused: no `tools` setting could ever offer it.
 
     mcp 2.3 has no public way to edit a registered tool, hence the guarded private access.
     """
@@ -90,8 +91,8 @@ def finish_tools(server: MCPServer, enabled: Collection[str]) -> None:
     if manager is None:
         raise SchemaError("this mcp version keeps its tools elsewhere; tool schemas cannot be finished")
     for tool in list(manager.list_tools()):
-        if tool.name not in ALL_TOOLS:  # else no `tools` setting could ever offer it: it would vanish unseen
-            raise SchemaError(f"{tool.name}: in no tool group; add it to toolsets.TOOL_GROUPS")
+        if tool.name not in groups.of:  # else no `tools` setting could ever offer it: it would vanish unseen
+            raise SchemaError(f"{tool.name}: in no tool group; declare one where it is defined: @tools.tool(group=...)")
         if tool.name not in enabled:
             server.remove_tool(tool.name)
             continue

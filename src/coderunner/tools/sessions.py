@@ -19,7 +19,7 @@ def register(tools: ToolContext) -> None:
     settings = tools.settings
     host = tools.host
 
-    @tools.tool()
+    @tools.tool(group="sessions")
     async def create_session(
         ctx: Context,
         network: network_arg(settings.network_ceiling) = (settings.network),
@@ -59,7 +59,7 @@ def register(tools: ToolContext) -> None:
             summary["state"] = loaded_report(session.seeded)
         return json_result(summary)
 
-    @tools.tool()
+    @tools.tool(group="sessions")
     async def close_session(
         session_id: str,
         ctx: Context,
@@ -71,7 +71,7 @@ def register(tools: ToolContext) -> None:
             reply["state"] = session.close_note
         return json_result(reply)
 
-    @tools.tool()
+    @tools.tool(group="sessions")
     async def session_status(ctx: Context, session_id: SessionId = "") -> CallToolResult:
         """A session's state, uptime, memory, limits and network."""
         session = await tools.session(ctx, session_id)
@@ -84,7 +84,7 @@ def register(tools: ToolContext) -> None:
             )
         return json_result(summary)
 
-    @tools.tool()
+    @tools.tool(group="sessions")
     async def list_sessions(ctx: Context) -> CallToolResult:
         """Your open sessions."""
         sessions = host.list(tools.caller(ctx))

@@ -25,14 +25,14 @@ SHOWN = 50
 def register(tools: ToolContext) -> None:
     host = tools.host
 
-    @tools.tool()
+    @tools.tool(group="snapshots")
     async def snapshot_session(ctx: Context, session_id: SessionId = "", name: Text = "") -> CallToolResult:
         """Save a session's files and variables as a snapshot; it keeps running."""
         session = await tools.session(ctx, session_id)
         taken = await host.take_snapshot(session, name)
         return json_result(_taken(taken))
 
-    @tools.tool()
+    @tools.tool(group="snapshots")
     async def restore_session(snapshot: str, ctx: Context) -> CallToolResult:
         """New session from a snapshot: its files and variables (the reply lists what did not come back)."""
         client = tools.client(ctx)
@@ -40,7 +40,7 @@ def register(tools: ToolContext) -> None:
         session = await _open(tools, ctx, meta, Seed(client, meta.snapshot_id))
         return json_result(_restored(session, meta))
 
-    @tools.tool()
+    @tools.tool(group="snapshots")
     async def fork_session(ctx: Context, session_id: SessionId = "") -> CallToolResult:
         """Copy a session, variables included, into a new one; both go on independently."""
         session = await tools.session(ctx, session_id)
@@ -55,7 +55,7 @@ def register(tools: ToolContext) -> None:
         del reply["snapshot"]
         return json_result(reply)
 
-    @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    @tools.tool(group="snapshots", annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def list_snapshots(ctx: Context) -> CallToolResult:
         """Your snapshots, newest first (a damaged one is marked: it cannot be restored, only deleted)."""
         found = await host.snapshot_listing(tools.client(ctx))
@@ -64,7 +64,7 @@ def register(tools: ToolContext) -> None:
         entries.sort(key=lambda pair: pair[0], reverse=True)
         return json_result({"snapshots": [listed for _, listed in entries]})
 
-    @tools.tool(annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
+    @tools.tool(group="snapshots", annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
     async def delete_snapshot(snapshot: str, ctx: Context) -> CallToolResult:
         """Delete one of your snapshots for good (a damaged one too)."""
         await host.delete_snapshot(tools.client(ctx), snapshot)

@@ -13,13 +13,13 @@ from coderunner.tools.context import ToolContext, json_result
 
 
 def register(tools: ToolContext) -> None:
-    @tools.tool(annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+    @tools.tool(group="workspaces", annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def list_workspaces(ctx: Context) -> CallToolResult:
         """Your persistent workspaces: name, size, in use."""
         found = await tools.host.list_workspaces(tools.client(ctx))
         return json_result({"workspaces": [asdict(entry) for entry in found]})
 
-    @tools.tool(annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
+    @tools.tool(group="workspaces", annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
     async def delete_workspace(
         ctx: Context,
         name: Annotated[str, Field(description="From list_workspaces.")],
