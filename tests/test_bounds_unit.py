@@ -62,7 +62,7 @@ async def test_one_caller_takes_only_its_share_of_one_shot_slots() -> None:
 
     async def hold(caller: str) -> None:
         nonlocal holding
-        async with shots._slot(30, caller):
+        async with shots.slots.slot(30, caller):
             holding += 1
             await release.wait()
 
@@ -72,11 +72,11 @@ async def test_one_caller_takes_only_its_share_of_one_shot_slots() -> None:
         await anyio.sleep(0.1)
         assert holding == 2  # its share, though a third global slot is free
         with pytest.raises(OneShotError, match="this client already has 2"):
-            async with shots._slot(0.1, "greedy"):
+            async with shots.slots.slot(0.1, "greedy"):
                 pass
-        async with shots._slot(0.1, "other"):  # not queued behind the greedy caller
+        async with shots.slots.slot(0.1, "other"):  # not queued behind the greedy caller
             pass
-        async with shots._slot(0.1, None):  # the server's own probe takes no share
+        async with shots.slots.slot(0.1, None):  # the server's own probe takes no share
             pass
         release.set()
-    assert holding == 4 and shots._callers == {}
+    assert holding == 4 and shots.slots._callers == {}

@@ -1,7 +1,7 @@
-"""Leasing a sandbox's host side: its dirs, its host uid, its mounts, and handing them back.
+"""Leasing a sandbox's host side: its dirs, its host uid, its mounts, its egress proxy, and handing them back.
 
-Sessions and one-shot runs both take a lease here before they start a sandbox and return it
-when it ends, so the order (uid, dirs and workspace, mounts; then the reverse) is written once.
+Sessions and one-shot runs both take a SandboxLease here before they start a sandbox and release
+it when it ends, so the order (uid, dirs and workspace, mounts, egress; then the reverse) is written once.
 The layout itself is session_dirs.py's; the workspace is workspace.py's. The slow parts (mkfs,
 mount, an id-map helper, chown walks) run in worker threads.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -24,6 +25,11 @@ from coderunner.hostfs.workspaces import Workspace, WorkspaceError, named_worksp
 from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec, UidPool
 
+if TYPE_CHECKING:  # the egress gateway runs its proxy in these dirs
+    from anyio.abc import TaskGroup
+
+    from coderunner.egress.gateway import EgressHub, SessionEgress
+
 log = logging.getLogger(__name__)
 
 
@@ -35,6 +41,12 @@ class SandboxLeases:
     backend: SandboxBackend
     #: A root server's per-sandbox host uids (None: all sandboxes run as one user).
     users: UidPool | None = None
+
+    async def lease(
+        self, options: SandboxOptions, throwaway: bool = False, owner: tuple[int, int] | None = None
+    ) -> SandboxLease:
+        """A new lease holding the sandbox's dirs (see open_dirs); its mounts and egress are added to it."""
+        return SandboxLease(self, options, await self.open_dirs(options, throwaway, owner))
 
     async def open_dirs(
         self, options: SandboxOptions, throwaway: bool = False, owner: tuple[int, int] | None = None
@@ -125,6 +137,61 @@ class SandboxLeases:
                                   self.export_plan(options.client), fresh_workspace=fresh)  # fmt: skip
         except (MountsError, ExportError, OSError) as exc:
             raise SessionError(f"could not prepare the sandbox's folders: {exc}") from None
+
+
+@dataclass(eq=False)
+class SandboxLease:
+    """One sandbox's host side, held from before it starts until after it ends: its dirs (with its host uid
+    and workspace), its mounts and export outbox, its egress proxy. release() hands them back in reverse."""
+
+    leases: SandboxLeases
+    #: The options it was taken for.
+    options: SandboxOptions
+    dirs: SandboxDirs
+    mounts: SandboxMounts | None = None
+    egress: SessionEgress | None = None
+    _user_released: bool = False
+
+    async def mount(self, fresh: bool = True) -> SandboxMounts:
+        """Prepare its mounts and outbox (in a worker thread: mount syscalls); raises SessionError."""
+        self.mounts = await anyio.to_thread.run_sync(self.leases.prepare_mounts, self.options, self.dirs, fresh)
+        return self.mounts
+
+    async def open_egress(
+        self, hub: EgressHub | None, task_group: TaskGroup, label: str, options: SandboxOptions | None = None
+    ) -> SessionEgress | None:
+        """Network 'allowlist': start its policy proxy, labelled `label` in the audit log (None otherwise)."""
+        if hub is not None:
+            self.egress = await hub.open(options or self.options, self.dirs, task_group, label)
+        return self.egress
+
+    def spec(self, options: SandboxOptions | None = None) -> SandboxSpec:
+        """What a backend needs to start the sandbox: its mounts as it gets them (staged on a root server)."""
+        options = options or self.options
+        mounts = self.mounts.mounts if self.mounts is not None else options.mounts
+        return sandbox_spec(options, self.dirs, mounts)
+
+    async def release(self) -> bool:
+        """Hand back its egress proxy, mounts and dirs, in that order (shielded: it must finish). False when a
+        staged mount would not detach: its dirs are then left, never deleted beneath it. The uid is release_user's."""
+        with anyio.CancelScope(shield=True):
+            if self.egress is not None:
+                await self.egress.aclose()
+            if self.mounts is not None and not await anyio.to_thread.run_sync(self.mounts.close):
+                return False
+            await anyio.to_thread.run_sync(self.dirs.close)
+        return True
+
+    async def close(self) -> None:
+        """release(), then the uid too unless something was left (a sandbox that ended: a one-shot run's)."""
+        if await self.release():
+            self.release_user()
+
+    def release_user(self) -> None:
+        """Give its host uid back to the pool, once, when nothing of the sandbox runs."""
+        if not self._user_released:
+            self._user_released = True
+            self.leases.release_user(self.dirs)
 
 
 def sandbox_spec(options: SandboxOptions, dirs: SandboxDirs, mounts: tuple[Mount, ...]) -> SandboxSpec:

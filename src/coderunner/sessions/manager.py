@@ -236,7 +236,7 @@ class SessionManager:
             self._cold_starts -= 1
         session.busy = True  # starting: the idle reaper must not close it under a slow start
         try:
-            session.egress = await self.egress.open(options, session.dirs, self._task_group, session.session_id)
+            await session.lease.open_egress(self.egress, self._task_group, session.session_id, options)
             if seed is not None and seed.memory is not None:
                 await session.restore_kernel(seed.memory.image_dir, seed.memory.connection)
             else:
@@ -274,36 +274,35 @@ class SessionManager:
         if seed is not None:
             await off_loop(self.snapshots.resolve, seed)
         memory = seed.memory if seed is not None else None
-        dirs = await self.leases.open_dirs(options, owner=memory.owner if memory is not None else None)
-        workspace = dirs.workspace
+        lease = await self.leases.lease(options, owner=memory.owner if memory is not None else None)
+        workspace = lease.dirs.workspace
         try:
             if seed is not None:
-                await off_loop(self.snapshots.plant, seed, dirs, bulk=True)
+                await off_loop(self.snapshots.plant, seed, lease.dirs, bulk=True)
             # File walks and mount syscalls (and, for an id mapping, a helper process): off the loop.
             startup = (
                 await anyio.to_thread.run_sync(disable_startup_hooks, workspace.path) if workspace.reopened else None
             )
             fresh = not workspace.reopened and (seed is None or not seed.with_workspace)
-            mounts = await anyio.to_thread.run_sync(self.leases.prepare_mounts, options, dirs, fresh)
+            await lease.mount(fresh)
         except SnapshotError:
-            await self.leases.close_dirs(dirs)
+            await lease.close()
             raise
         except OSError as exc:
-            await self.leases.close_dirs(dirs)
+            await lease.close()
             raise SessionError(f"could not check the reopened workspace's start-up files: {exc}") from None
         except BaseException:
-            await self.leases.close_dirs(dirs)
+            await lease.close()
             raise
         return Session(
             session_id=session_id,
             options=options,
-            dirs=dirs,
+            lease=lease,
             backend=self.backend,
             settings=self.settings,
             task_group=self._task_group,
             owner=owner,
             kernel_factory=self.kernel_factory,
-            sandbox_mounts=mounts,
             startup=startup.as_dict() if startup is not None else (seed.startup if seed is not None else None),
         )
 
@@ -371,7 +370,7 @@ class SessionManager:
                 session.close_note = note
                 log.info("session %s…: %s", session.session_id[:6], note)
             await session.close()
-            self.leases.release_user(session.dirs)
+            session.lease.release_user()
             self.pool.notify()  # its room may go to the pool again
         finally:
             session.close_done.set()

@@ -24,7 +24,7 @@ from coderunner.edge.callers import LOCAL_CALLER
 from coderunner.egress.ceiling import install_way_out
 from coderunner.egress.gateway import SessionEgress
 from coderunner.errors import GuestCallError, SessionBusy, SessionError
-from coderunner.hostfs.leases import sandbox_spec
+from coderunner.hostfs.leases import SandboxLease
 from coderunner.hostfs.sandbox_files import SandboxFiles
 from coderunner.hostfs.sandbox_mounts import SandboxMounts
 from coderunner.hostfs.session_dirs import SandboxDirs
@@ -92,7 +92,8 @@ class _Start:
 class Session:
     session_id: str
     options: SandboxOptions
-    dirs: SandboxDirs
+    #: Its sandbox's host side (leases.py): dirs, workspace and uid, mounts and outbox, egress proxy.
+    lease: SandboxLease
     backend: SandboxBackend
     settings: Settings
     task_group: TaskGroup
@@ -111,14 +112,10 @@ class Session:
     _resetting: bool = False
     _generation: int = 0
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
-    #: Its mounts as the sandbox gets them (staged on a root server) and its export outbox.
-    sandbox_mounts: SandboxMounts | None = None
     #: What the last copy-out to the export folder did, for the reply.
     export_note: str | None = None
     #: A reopened workspace's start-up files and packages (startup_hooks.py), for create_session's reply.
     startup: dict[str, Any] | None = None
-    #: Network 'allowlist': the session's own policy proxy and its decisions (None otherwise).
-    egress: SessionEgress | None = None
     #: Its cells, each run as a job in the task group (sessions/jobs.py); set up after construction.
     jobs: JobTable = field(init=False)
     #: The kernel generation the last reply told the caller about (None: none yet), for state_preserved.
@@ -166,6 +163,20 @@ class Session:
         preserved = not lost and previous in (None, self._generation)
         self._reported_generation = self._generation
         return self._generation, preserved
+
+    @property
+    def dirs(self) -> SandboxDirs:
+        return self.lease.dirs
+
+    @property
+    def sandbox_mounts(self) -> SandboxMounts | None:
+        """Its mounts as the sandbox gets them (staged on a root server) and its export outbox."""
+        return self.lease.mounts
+
+    @property
+    def egress(self) -> SessionEgress | None:
+        """Network 'allowlist': the session's own policy proxy and its decisions (None otherwise)."""
+        return self.lease.egress
 
     @property
     def mounts(self) -> tuple[Mount, ...]:
@@ -223,7 +234,7 @@ class Session:
     @property
     def spec(self) -> SandboxSpec:
         """What the backend needs to start this session's next kernel."""
-        return sandbox_spec(self.options, self.dirs, self.mounts)
+        return self.lease.spec(self.options)
 
     @property
     def files(self) -> SandboxFiles:
@@ -606,12 +617,8 @@ class Session:
                 await self.kernel.shutdown()
                 self.kernel = None
             await self.copy_out()
-            if self.egress is not None:
-                await self.egress.aclose()
-            if self.sandbox_mounts is not None and not await anyio.to_thread.run_sync(self.sandbox_mounts.close):
+            if not await self.lease.release():  # egress proxy, mounts, dirs
                 log.warning("session %s…: a staged mount would not detach; its dirs are left", self.session_id[:6])
-                return
-            await anyio.to_thread.run_sync(self.dirs.close)
 
     def usage(self) -> dict[str, float | None]:
         """What the session uses, in the units of its limits."""
