@@ -12,22 +12,19 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
 
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
-from coderunner.egress.ceiling import modes_within
 from coderunner.egress.gateway import EgressHub
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter, client_folder
 from coderunner.hostfs.leases import SandboxLeases
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.hostfs.session_dirs import remove_stale_dirs
-from coderunner.hostfs.workspaces import NamedWorkspace, delete_named, list_named
 from coderunner.kernel.incarnation import Kernel, RunStatus
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.seam import KernelFactory
@@ -36,17 +33,18 @@ from coderunner.offload import off_loop
 from coderunner.policy.owners import LOCAL_CLIENT
 from coderunner.policy.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
 from coderunner.sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
+from coderunner.sessions.host_services import HostServices
 from coderunner.sessions.job_runner import JobTable
-from coderunner.sessions.oneshot_runs import Language, OneShotResult, OneShotRunner
+from coderunner.sessions.oneshot_runs import OneShotRunner
 from coderunner.sessions.pool import WarmPool
-from coderunner.sessions.seam import SandboxProfile, SessionHandle
+from coderunner.sessions.seam import SessionHandle
 from coderunner.sessions.session import Session
-from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, Taken, keep_id, takes_memory
+from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, keep_id
 from coderunner.sessions.usage import memory_used_mb
-from coderunner.snapshots.store import Listing, SnapshotError, SnapshotMeta, SnapshotNotFound
+from coderunner.snapshots.store import SnapshotError, SnapshotNotFound
 
 if TYPE_CHECKING:
-    from coderunner.egress.gateway import SessionEgress
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +52,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
-class SessionManager:
+class SessionManager(HostServices):
     """Owns every session of one server process, and the task group their sandboxes run in."""
 
     def __init__(self, settings: Settings, backend: SandboxBackend, kernel_factory: KernelFactory = Kernel) -> None:
@@ -150,10 +148,10 @@ class SessionManager:
             await anyio.sleep(min(max(idle / 4, 0.25), 15.0))
             now = time.monotonic()
             for session in list(self._sessions.values()):
-                ready = session.options.keep_state and session.state_armed and not session.closed
+                ready = session.options.keep_state and session.kept.armed and not session.closed
                 if not ready or session.busy or session.jobs.running() is not None:
                     continue
-                if session.state_dirty and now - session.last_used >= idle:
+                if session.kept.dirty(session.last_used) and now - session.last_used >= idle:
                     note = await self.snapshots.save_kept(session, wait_s=0.5)
                     log.info("session %s…: %s", session.session_id[:6], note)
 
@@ -243,9 +241,9 @@ class SessionManager:
                 await session.start_kernel()
             if seed is not None:
                 await self.snapshots.load(seed, session)
-                session.seeded = seed
-                session.restored_from = seed.snapshot_id if seed.with_workspace else None
-            session.state_armed = True
+                session.kept.seeded = seed
+                session.kept.restored_from = seed.snapshot_id if seed.with_workspace else None
+            session.kept.armed = True
         except BaseException:
             self._sessions.pop(session.session_id, None)
             await self._close_session(session)
@@ -254,7 +252,8 @@ class SessionManager:
             session.busy = False
             session.last_used = time.monotonic()
         # What the kernel holds now is what was loaded (or nothing): not worth saving until it runs.
-        session.mark_state_saved("kernel state loaded" if seed is not None and not seed.with_workspace else None)
+        loaded = seed is not None and not seed.with_workspace
+        session.kept.mark_saved(session.last_used, "kernel state loaded" if loaded else None)
         log.info("session %s… started", session.session_id[:6])
         return session
 
@@ -367,7 +366,7 @@ class SessionManager:
         try:
             note = await self.snapshots.save_on_close(session)
             if note is not None:
-                session.close_note = note
+                session.kept.close_note = note
                 log.info("session %s…: %s", session.session_id[:6], note)
             await session.close()
             session.lease.release_user()
@@ -441,71 +440,6 @@ class SessionManager:
 
     def is_default(self, session: SessionHandle) -> bool:
         return self._default_ids.get(session.owner) == session.session_id
-
-    @property
-    def oneshot_jobs(self) -> JobTable:
-        return self.jobs
-
-    def profile(self) -> SandboxProfile:
-        """The sandboxes here as get_capabilities describes them (the default options' limits)."""
-        backend, modes = self.backend, modes_within(self.settings.network_ceiling)
-        return SandboxProfile(
-            backend=backend.name,
-            isolation=backend.describe_isolation(),
-            workspace_path=backend.workspace_path,
-            network_problems={mode: backend.network_problem(mode) for mode in modes},
-            limit_reports=backend.limit_reports(self.options().limits),
-            mounts=tuple((mount.sandbox, mount.writable) for mount in self.base_mounts),
-            memory_snapshots=takes_memory(backend),
-        )
-
-    async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
-        return await self.snapshots.take(self._local(session), name=name)
-
-    async def snapshot(self, client: str, snapshot_id: str) -> SnapshotMeta:
-        return await off_loop(self.snapshots.store.get, client, snapshot_id)
-
-    async def snapshot_listing(self, client: str) -> Listing:
-        return await off_loop(self.snapshots.store.listing, client)
-
-    async def delete_snapshot(self, client: str, snapshot_id: str) -> None:
-        await off_loop(self.snapshots.store.delete, client, snapshot_id)
-
-    async def snapshots_of(self, session: SessionHandle) -> list[str]:
-        mark, client = session.session_id[:8], session.options.client
-        found = await off_loop(self.snapshots.store.list, client)
-        return [meta.snapshot_id for meta in found if meta.source_session == mark]
-
-    async def list_workspaces(self, client: str) -> list[NamedWorkspace]:
-        return await off_loop(list_named, self.settings.workspaces_dir, client)
-
-    async def delete_workspace(self, client: str, name: str) -> None:
-        await off_loop(delete_named, self.settings.workspaces_dir, client, name, bulk=True)
-        # Its saved kernel state (keep_state) goes with it.
-        with contextlib.suppress(SnapshotNotFound):
-            await off_loop(self.snapshots.store.delete, client, keep_id(name))
-
-    async def run_oneshot(
-        self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
-        variables: dict[str, Any] | None = None, caller: str | None = None,
-        on_egress: Callable[[SessionEgress], None] | None = None,
-    ) -> OneShotResult:  # fmt: skip
-        return await self.oneshot.run(
-            language, code, options, stdin=stdin, variables=variables, caller=caller, on_egress=on_egress
-        )
-
-    async def check_code(
-        self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
-    ) -> list[dict[str, Any]]:
-        return await self.oneshot.check(language, code, options, caller=caller)
-
-    async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
-        return await self.oneshot.versions(options)
-
-    def _local(self, session: SessionHandle) -> Session:
-        """A handle this manager gave out is one of its own sessions."""
-        assert isinstance(session, Session), "a session of another host"
-        return session
 
     def list(self, owner: str | None = None) -> list[Session]:
         """Every open session, or those `owner` created."""

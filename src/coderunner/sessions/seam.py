@@ -29,8 +29,8 @@ if TYPE_CHECKING:
     from coderunner.sandbox import LimitReport
     from coderunner.sessions.job_runner import Job, JobTable
     from coderunner.sessions.oneshot_runs import Language, OneShotResult
-    from coderunner.sessions.session import SessionStatus
     from coderunner.sessions.session_snapshots import Seed, Taken
+    from coderunner.sessions.session_status import SessionStatus
     from coderunner.snapshots.store import Listing, SnapshotMeta
 
 

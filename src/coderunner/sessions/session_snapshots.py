@@ -416,10 +416,10 @@ class SessionSnapshots:
     async def save_on_close(self, session: Session) -> str | None:
         """A keep_state session is closing: save its kernel state as keep-<name> unless nothing ran
         since the last save (bounded). What happened, in words, or None when there was nothing to do."""
-        if not session.options.keep_state or not session.state_armed or session.options.name is None:
+        if not session.options.keep_state or not session.kept.armed or session.options.name is None:
             return None
-        if not session.state_dirty:
-            return session.state_note or "kernel state unchanged since it was loaded"
+        if not session.kept.dirty(session.last_used):
+            return session.kept.note or "kernel state unchanged since it was loaded"
         return await self.save_kept(session, wait_s=self.settings.interrupt_grace_s)
 
     async def save_kept(self, session: Session, wait_s: float) -> str:
@@ -447,7 +447,7 @@ class SessionSnapshots:
             when = time.strftime("%H:%M:%SZ", time.gmtime(taken.meta.created))
             note = f"kernel state saved at {when} ({saved} variables, {size:.1f} MiB); keep_state reopens it"
         # Saved or not, this state was tried: the next attempt waits for new work (no retry loop).
-        session.mark_state_saved(note)
+        session.kept.mark_saved(session.last_used, note)
         return note
 
 

@@ -1,0 +1,106 @@
+"""What a local SessionHost offers besides sessions: its snapshots, named workspaces and one-shot runs,
+and what its sandboxes are like (SandboxProfile). SessionManager takes these from here.
+
+The store and workspace calls are file work: they run in the server's worker threads (offload.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from coderunner.config import Settings
+from coderunner.egress.ceiling import modes_within
+from coderunner.hostfs.workspaces import NamedWorkspace, delete_named, list_named
+from coderunner.offload import off_loop
+from coderunner.policy.sandbox_options import SandboxOptions
+from coderunner.sandbox import Mount, SandboxBackend
+from coderunner.sessions.job_runner import JobTable
+from coderunner.sessions.oneshot_runs import Language, OneShotResult, OneShotRunner
+from coderunner.sessions.seam import SandboxProfile, SessionHandle
+from coderunner.sessions.session import Session
+from coderunner.sessions.session_snapshots import SessionSnapshots, Taken, keep_id, takes_memory
+from coderunner.snapshots.store import Listing, SnapshotMeta, SnapshotNotFound
+
+if TYPE_CHECKING:
+    from coderunner.egress.gateway import SessionEgress
+
+
+class HostServices:
+    """The SessionHost calls that are not about one session (a base of SessionManager, which sets these)."""
+
+    settings: Settings
+    backend: SandboxBackend
+    base_mounts: list[Mount]
+    snapshots: SessionSnapshots
+    oneshot: OneShotRunner
+    jobs: JobTable
+
+    def options(self) -> SandboxOptions:
+        raise NotImplementedError  # SessionManager.options: the settings' defaults, checked
+
+    @property
+    def oneshot_jobs(self) -> JobTable:
+        return self.jobs
+
+    def profile(self) -> SandboxProfile:
+        """The sandboxes here as get_capabilities describes them (the default options' limits)."""
+        backend, modes = self.backend, modes_within(self.settings.network_ceiling)
+        return SandboxProfile(
+            backend=backend.name,
+            isolation=backend.describe_isolation(),
+            workspace_path=backend.workspace_path,
+            network_problems={mode: backend.network_problem(mode) for mode in modes},
+            limit_reports=backend.limit_reports(self.options().limits),
+            mounts=tuple((mount.sandbox, mount.writable) for mount in self.base_mounts),
+            memory_snapshots=takes_memory(backend),
+        )
+
+    async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
+        return await self.snapshots.take(self._local(session), name=name)
+
+    async def snapshot(self, client: str, snapshot_id: str) -> SnapshotMeta:
+        return await off_loop(self.snapshots.store.get, client, snapshot_id)
+
+    async def snapshot_listing(self, client: str) -> Listing:
+        return await off_loop(self.snapshots.store.listing, client)
+
+    async def delete_snapshot(self, client: str, snapshot_id: str) -> None:
+        await off_loop(self.snapshots.store.delete, client, snapshot_id)
+
+    async def snapshots_of(self, session: SessionHandle) -> list[str]:
+        mark, client = session.session_id[:8], session.options.client
+        found = await off_loop(self.snapshots.store.list, client)
+        return [meta.snapshot_id for meta in found if meta.source_session == mark]
+
+    async def list_workspaces(self, client: str) -> list[NamedWorkspace]:
+        return await off_loop(list_named, self.settings.workspaces_dir, client)
+
+    async def delete_workspace(self, client: str, name: str) -> None:
+        await off_loop(delete_named, self.settings.workspaces_dir, client, name, bulk=True)
+        # Its saved kernel state (keep_state) goes with it.
+        with contextlib.suppress(SnapshotNotFound):
+            await off_loop(self.snapshots.store.delete, client, keep_id(name))
+
+    async def run_oneshot(
+        self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
+        variables: dict[str, Any] | None = None, caller: str | None = None,
+        on_egress: Callable[[SessionEgress], None] | None = None,
+    ) -> OneShotResult:  # fmt: skip
+        return await self.oneshot.run(
+            language, code, options, stdin=stdin, variables=variables, caller=caller, on_egress=on_egress
+        )
+
+    async def check_code(
+        self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
+    ) -> list[dict[str, Any]]:
+        return await self.oneshot.check(language, code, options, caller=caller)
+
+    async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
+        return await self.oneshot.versions(options)
+
+    def _local(self, session: SessionHandle) -> Session:
+        """A handle this manager gave out is one of its own sessions."""
+        assert isinstance(session, Session), "a session of another host"
+        return session

@@ -1,0 +1,93 @@
+"""What session_status and list_sessions say of a session: its state, uptime, usage, limits and mounts.
+
+Read from the session without changing it; usage is one walk of /proc (or its cgroup) and the workspace.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from coderunner.sandbox import LimitReport
+from coderunner.sessions.usage import session_usage
+
+if TYPE_CHECKING:  # session.py imports this module
+    from coderunner.hostfs.sandbox_mounts import SandboxMounts
+    from coderunner.sessions.session import Session
+
+
+@dataclass
+class SessionStatus:
+    session_id: str
+    name: str | None
+    persistent: bool
+    alive: bool
+    busy: bool
+    uptime_s: float
+    kernel_uptime_s: float
+    memory_used_mb: float | None
+    usage: dict[str, float | None]
+    idle_s: float
+    restarts: int
+    network: str
+    timeout_s: float
+    workspace: str
+    mounts: list[dict[str, str]]
+    limits: dict[str, LimitReport]
+    isolation: str
+    kernel_generation: int = 0
+    #: The running job, if any (its id, kind, elapsed time, first line of code).
+    job: dict[str, Any] | None = None
+    #: The snapshot it was restored or forked from; keep_state: its state is saved at close.
+    restored_from: str | None = None
+    keep_state: bool = False
+    #: keep_state: when the state was last saved, or why not.
+    state_note: str | None = None
+
+
+def session_status(session: Session) -> SessionStatus:
+    """`session` as it stands now."""
+    kernel = session.kernel
+    alive = kernel is not None and kernel.alive
+    now = time.monotonic()
+    usage = session_usage(kernel, session.workspace)  # one walk of /proc: memory_used_mb is its memory_mb
+    options, backend, workspace = session.options, session.backend, session.workspace
+    return SessionStatus(
+        session_id=session.session_id,
+        name=options.name,
+        persistent=options.persistent,
+        alive=alive,
+        busy=session.busy,
+        uptime_s=now - session.created_at,
+        kernel_uptime_s=(now - kernel.started_at) if kernel is not None and alive else 0.0,
+        memory_used_mb=usage["memory_mb"],
+        usage=usage,
+        idle_s=0.0 if session.busy else now - session.last_used,
+        restarts=session.restarts,
+        network=options.network,
+        timeout_s=options.timeout_s,
+        workspace=backend.workspace_path,
+        mounts=[
+            {"sandbox": m.sandbox, "host": str(m.host), "mode": "rw" if m.writable else "ro"} for m in options.mounts
+        ]
+        + export_status(session.sandbox_mounts),
+        limits={
+            **backend.limit_reports(options.limits),
+            "disk_mb": LimitReport(workspace.size_mb, workspace.enforced_by),
+        },
+        isolation=backend.describe_isolation(),
+        kernel_generation=session.generation,
+        job=running.describe() if (running := session.jobs.running()) is not None else None,
+        restored_from=session.restored_from,
+        keep_state=options.keep_state,
+        state_note=session.kept.note,
+    )
+
+
+def export_status(plan: SandboxMounts | None) -> list[dict[str, str]]:
+    """The export mount, as a status lists it beside the others."""
+    if plan is None or plan.exporter is None or plan.export_mount is None:
+        return []
+    target = str(plan.exporter.target)
+    return [{"sandbox": plan.export_mount, "host": target, "mode": "rw", "exported": "after each call"}]
