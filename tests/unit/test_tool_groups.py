@@ -8,19 +8,25 @@ import pytest
 
 from coderunner.policy.tool_groups import (
     ALL,
-    ALL_TOOLS,
     ALWAYS,
-    TOOL_GROUPS,
+    GROUP_NAMES,
     ToolsetError,
     check_selection,
     selected_tools,
 )
+from coderunner.tools import declared_groups
+
+#: The groups as the tools declare them (tools/context.py's decorator).
+GROUPS = declared_groups()
+ALL_TOOLS = GROUPS.all_tools
 
 
 def test_every_tool_is_in_exactly_one_group_and_get_capabilities_in_none() -> None:
-    grouped = list(itertools.chain.from_iterable(TOOL_GROUPS.values()))
+    grouped = list(itertools.chain.from_iterable(GROUPS.members(group) for group in GROUP_NAMES))
+    always = GROUPS.members(ALWAYS)
     assert len(grouped) == len(set(grouped))
-    assert not set(ALWAYS) & set(grouped) and set(grouped) | set(ALWAYS) == ALL_TOOLS
+    assert always == ("get_capabilities",)
+    assert not set(always) & set(grouped) and set(grouped) | set(always) == ALL_TOOLS
 
 
 def test_a_group_exposes_its_tools_and_get_capabilities() -> None:

@@ -10,6 +10,8 @@ import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
 from coderunner.config import Settings
 from coderunner.egress.ceiling import modes_within
 from coderunner.hostfs.workspaces import NamedWorkspace, delete_named, list_named
@@ -20,7 +22,7 @@ from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.oneshot_runs import Language, OneShotResult, OneShotRunner
 from coderunner.sessions.seam import SandboxProfile, SessionHandle
 from coderunner.sessions.session import Session
-from coderunner.sessions.session_snapshots import SessionSnapshots, Taken, keep_id, takes_memory
+from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, Taken, keep_id, takes_memory
 from coderunner.snapshots.store import Listing, SnapshotMeta, SnapshotNotFound
 
 if TYPE_CHECKING:
@@ -99,6 +101,14 @@ class HostServices:
 
     async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
         return await self.oneshot.versions(options)
+
+    async def _kept_state(self, options: SandboxOptions) -> Seed | None:
+        """A keep_state session's saved state, as a seed (state only: the workspace is its own), or None."""
+        assert options.name is not None
+        with contextlib.suppress(SnapshotNotFound):
+            await anyio.to_thread.run_sync(self.snapshots.store.get, options.client, keep_id(options.name))
+            return Seed(options.client, keep_id(options.name), with_workspace=False)
+        return None
 
     def _local(self, session: SessionHandle) -> Session:
         """A handle this manager gave out is one of its own sessions."""

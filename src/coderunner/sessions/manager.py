@@ -39,9 +39,9 @@ from coderunner.sessions.oneshot_runs import OneShotRunner
 from coderunner.sessions.pool import WarmPool
 from coderunner.sessions.seam import SessionHandle
 from coderunner.sessions.session import Session
-from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, keep_id
+from coderunner.sessions.session_snapshots import Seed, SessionSnapshots
 from coderunner.sessions.usage import memory_used_mb
-from coderunner.snapshots.store import SnapshotError, SnapshotNotFound
+from coderunner.snapshots.store import SnapshotError
 
 if TYPE_CHECKING:
     pass
@@ -256,14 +256,6 @@ class SessionManager(HostServices):
         session.kept.mark_saved(session.last_used, "kernel state loaded" if loaded else None)
         log.info("session %s… started", session.session_id[:6])
         return session
-
-    async def _kept_state(self, options: SandboxOptions) -> Seed | None:
-        """A keep_state session's saved state, as a seed (state only: the workspace is its own), or None."""
-        assert options.name is not None
-        with contextlib.suppress(SnapshotNotFound):
-            await anyio.to_thread.run_sync(self.snapshots.store.get, options.client, keep_id(options.name))
-            return Seed(options.client, keep_id(options.name), with_workspace=False)
-        return None
 
     async def _prepare(self, options: SandboxOptions, owner: str, seed: Seed | None = None) -> Session:
         """A session's host side (dirs, mounts) and its Session, its kernel not yet started; with a

@@ -55,7 +55,7 @@ def declared_groups() -> ToolGroups:
     entry asks for this table, so building it must not read or check the settings again.
     """
     host = types.SimpleNamespace(settings=Settings.model_construct())  # registration reads only settings
-    tools = ToolContext.create(MCPServer("declarations"), host)  # type: ignore[arg-type]
+    tools = ToolContext.create(MCPServer("declarations"), host)
     for module in MODULES:
         module.register(tools)
     return ToolGroups(tools.groups)
