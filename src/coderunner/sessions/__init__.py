@@ -1,14 +1,20 @@
 """Sessions: a workspace plus a sandboxed kernel each, and the manager that owns them all.
 
-    seam.py      SessionHost, SessionHandle: all the tools may use of sessions (the manager and Session
-                 implement them here; a session living elsewhere may implement them too)
-    manager.py   SessionManager: handles, per-caller defaults, limits, the idle reaper
-    session.py   Session: one kernel at a time, run/reset/close, the one start-or-replace path
-    jobs.py      Job, JobTable: runs that outlive their call (detach, read since last, cancel)
-    usage.py     what a session uses (cgroup or /proc, and its workspace's disk)
+    seam.py           SessionHost, SessionHandle: all the tools may use of sessions (the manager and
+                      Session implement them here; a session living elsewhere may implement them too)
+    manager.py        SessionManager: handles, per-caller defaults, limits, the idle reaper
+    host_services.py  the host's calls beside sessions: snapshots, named workspaces, one-shot runs
+    session.py        Session: one kernel at a time, reset/close, the one start-or-replace path
+    kernel_calls.py   what a call does with the kernel it holds: cells as jobs, guest calls
+    session_status.py what a session reports; kept_state.py its snapshot bookkeeping
+    job_runner.py     Job, JobTable: runs that outlive their call (detach, read since last, cancel)
+    oneshot_runs.py   one-shot runs (oneshot_program.py: argv and pipes; oneshot_slots.py: how many at
+                      once; oneshot_ready.py: a sandbox started ahead)
+    usage.py          what a session uses (cgroup or /proc, and its workspace's disk)
 
-What a sandbox may be given is options.py's (SandboxOptions, mount policy); its dirs, uid and
-mounts come from leases.py; the errors live in errors.py (one root) so those need not import this.
+What a sandbox may be given is options.py's (SandboxOptions, mount policy); its dirs, uid, mounts
+and egress proxy are one SandboxLease (leases.py); the errors live in errors.py (one root) so those
+need not import this.
 """
 
 from __future__ import annotations
