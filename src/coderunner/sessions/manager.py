@@ -234,7 +234,7 @@ class SessionManager(HostServices):
             self._cold_starts -= 1
         session.busy = True  # starting: the idle reaper must not close it under a slow start
         try:
-            await session.lease.open_egress(self.egress, self._task_group, session.session_id, options)
+            await session.lease.open_egress(self.egress, session.task_group, session.session_id, options)
             if seed is not None and seed.memory is not None:
                 await session.restore_kernel(seed.memory.image_dir, seed.memory.connection)
             else:
