@@ -36,7 +36,7 @@ def register(tools: ToolContext) -> None:
         variables: VariablesArg = "",
         timeout_s: Annotated[float, Field(ge=1)] = settings.timeout_s,
         memory_mb: MemoryMb = settings.memory_mb,
-        network: network_arg(settings.network_ceiling) = (settings.network),
+        network: network_arg(settings.network_ceiling) = (settings.network),  # type: ignore[valid-type]  # per ceiling
         detach_after_s: DetachAfter = None,
     ) -> CallToolResult:
         """Run a whole program once in a fresh sandbox, nothing kept (javascript: Node.js). Returns exit_code,

@@ -22,7 +22,7 @@ def register(tools: ToolContext) -> None:
     @tools.tool(group="sessions")
     async def create_session(
         ctx: Context,
-        network: network_arg(settings.network_ceiling) = (settings.network),
+        network: network_arg(settings.network_ceiling) = (settings.network),  # type: ignore[valid-type]  # per ceiling
         allow: Annotated[
             list[str],
             Field(description="allowlist: subset of allowed_domains."),
