@@ -12,12 +12,12 @@ import pytest
 
 from coderunner.config import ConfigError, Settings, load_settings
 from coderunner.errors import SessionError
-from coderunner.policy.sandbox_options import sandbox_options
 from coderunner.sandbox.apple import AppleBackend
 from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapCommand
 from coderunner.sandbox.common import EGRESS_FORWARDER, EGRESS_PORT, EGRESS_SOCKET, egress_environment
 from coderunner.sandbox.oci import OciCommand
+from coderunner.sessions.sandbox_options import sandbox_options
 
 PROXY = f"http://127.0.0.1:{EGRESS_PORT}"
 

@@ -10,14 +10,14 @@ import pytest
 from coderunner.config import MIN_MEMORY_MB, Settings, load_settings
 from coderunner.errors import SessionError
 from coderunner.hostfs.mounts import MountSpec
-from coderunner.policy.sandbox_options import (
+from coderunner.sandbox import Mount, SandboxBackend
+from coderunner.sessions.sandbox_options import (
     SandboxOptions,
     export_mount,
     protected_paths,
     sandbox_options,
     session_mounts,
 )
-from coderunner.sandbox import Mount, SandboxBackend
 
 
 @dataclass

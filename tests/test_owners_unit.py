@@ -8,9 +8,9 @@ from types import SimpleNamespace
 import pytest
 
 from coderunner.edge.callers import UnknownClient
+from coderunner.edge.owners import ANONYMOUS_HTTP_CLIENT, LOCAL_CLIENT, client_of, folder_name
 from coderunner.hostfs.exports import CLIENT_FOLDER
 from coderunner.hostfs.workspaces import NAME
-from coderunner.policy.owners import ANONYMOUS_HTTP_CLIENT, LOCAL_CLIENT, client_of, folder_name
 
 
 def test_plain_names_stay_readable() -> None:

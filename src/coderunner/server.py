@@ -14,20 +14,13 @@ from mcp.types import InputRequiredResult
 from pydantic import AnyUrl
 
 from coderunner import __version__
+from coderunner.edge.instructions import INSTRUCTIONS
 from coderunner.offload import off_loop
 from coderunner.policy.tool_groups import ToolGroups
 from coderunner.sessions.seam import SessionHost
 from coderunner.tools import MODULES, ToolContext
 from coderunner.tools.file_results import resource_contents
 from coderunner.tools.schemas import finish_tools
-
-INSTRUCTIONS = """\
-CodeRunner runs Python in a persistent Jupyter kernel inside a sandbox on the user's machine.
-Variables, imports and files in the workspace persist across run_python calls until kernel_reset.
-The sandbox has no network and sees none of the user's files: only its own workspace
-(the current directory, /workspace). Charts (matplotlib) come back as images.
-Files saved under /mnt/outputs are copied to the user's export folder after each call.
-Without session_id every call uses one default session; create_session gives an independent one."""
 
 #: URIs of files in a session (see the sandbox-file resource template in tools/files.py).
 SANDBOX_SCHEME = "sandbox://"

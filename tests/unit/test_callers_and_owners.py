@@ -10,16 +10,9 @@ from typing import Any
 import pytest
 
 from coderunner.edge.auth import CLIENT_SCOPE_KEY
-from coderunner.edge.callers import (
-    LOCAL_CALLER,
-    MAX_KEY_CHARS,
-    UnknownClient,
-    caller_key,
-    client_of_key,
-    token_client,
-)
+from coderunner.edge.callers import LOCAL_CALLER, MAX_KEY_CHARS, UnknownClient, caller_key, client_of_key, token_client
 from coderunner.edge.client_tokens import PRIMARY_CLIENT
-from coderunner.policy.owners import (
+from coderunner.edge.owners import (
     ANONYMOUS_HTTP_CLIENT,
     LOCAL_CLIENT,
     MAX_FOLDER_CHARS,

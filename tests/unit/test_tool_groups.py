@@ -6,14 +6,7 @@ import itertools
 
 import pytest
 
-from coderunner.policy.tool_groups import (
-    ALL,
-    ALWAYS,
-    GROUP_NAMES,
-    ToolsetError,
-    check_selection,
-    selected_tools,
-)
+from coderunner.policy.tool_groups import ALL, ALWAYS, GROUP_NAMES, ToolsetError, check_selection, selected_tools
 from coderunner.tools import declared_groups
 
 #: The groups as the tools declare them (tools/context.py's decorator).

@@ -45,8 +45,8 @@ from mcp.types import (
 from coderunner import __version__
 from coderunner.edge.auth import HEALTH_PATH
 from coderunner.edge.callers import CLIENT_HEADER
+from coderunner.edge.instructions import INSTRUCTIONS
 from coderunner.errors import CodeRunnerError
-from coderunner.server import INSTRUCTIONS
 
 log = logging.getLogger(__name__)
 

@@ -18,6 +18,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
@@ -29,8 +30,10 @@ from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.policy_proxy import Asker, EgressProxy, ProxyLimits
 from coderunner.errors import SessionError
 from coderunner.hostfs.session_dirs import SandboxDirs
-from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox.common import EGRESS_SOCKET
+
+if TYPE_CHECKING:  # a session's options are what it asked; the hub reads two of them
+    from coderunner.sessions.sandbox_options import SandboxOptions
 
 log = logging.getLogger(__name__)
 

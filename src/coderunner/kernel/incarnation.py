@@ -26,14 +26,7 @@ from anyio.abc import TaskGroup
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.dirfd import HostFsError
 from coderunner.hostfs.session_dirs import SandboxDirs, connection_names, dump_connection
-from coderunner.kernel.channels import (
-    IOPUB_LIMITS,
-    NO_PARENT,
-    ChannelBroken,
-    Lost,
-    Mailbox,
-    Message,
-)
+from coderunner.kernel.channels import IOPUB_LIMITS, NO_PARENT, ChannelBroken, Lost, Mailbox, Message
 from coderunner.kernel.connection_info import connection_info
 from coderunner.kernel.execution import CellError, RunOutcome, RunState, RunStatus
 from coderunner.kernel.host_channels import Deadline, open_mailboxes, pump_all

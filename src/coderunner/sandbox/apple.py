@@ -50,13 +50,7 @@ from coderunner.sandbox.apple_version import (
     version_problem,
 )
 from coderunner.sandbox.base import KernelChannels, LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec
-from coderunner.sandbox.common import (
-    IMAGE_PYTHON,
-    WORKSPACE,
-    product_python,
-    rlimit_prefix,
-    sandbox_environment,
-)
+from coderunner.sandbox.common import IMAGE_PYTHON, WORKSPACE, product_python, rlimit_prefix, sandbox_environment
 from coderunner.sandbox.container import (
     ContainerProcess,
     ContainerUnavailable,

@@ -63,12 +63,7 @@ from coderunner.sandbox.base import (
 from coderunner.sandbox.common import HOST_INSIDE, IMAGE_PYTHON, SANDBOX_GID, SANDBOX_UID, WORKSPACE
 from coderunner.sandbox.container import NAME_PREFIX, ContainerUnavailable, container_name, server_tag, session_key
 from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_async, run_sync
-from coderunner.sandbox.gvisor_checkpoint import (
-    CheckpointError,
-    GvisorCheckpointer,
-    checkpoint_owner,
-    read_relay_state,
-)
+from coderunner.sandbox.gvisor_checkpoint import CheckpointError, GvisorCheckpointer, checkpoint_owner, read_relay_state
 from coderunner.sandbox.gvisor_instances import (
     ABANDONED_AFTER_S,
     LOCK_NAME,

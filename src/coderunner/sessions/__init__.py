@@ -20,8 +20,8 @@ need not import this.
 from __future__ import annotations
 
 from coderunner.errors import GuestCallError, SessionBusy, SessionError
-from coderunner.policy.sandbox_options import SandboxOptions, sandbox_options
 from coderunner.sessions.manager import SHUTDOWN_TIMEOUT_S, SessionManager
+from coderunner.sessions.sandbox_options import SandboxOptions, sandbox_options
 from coderunner.sessions.session import Session
 from coderunner.sessions.session_status import SessionStatus
 

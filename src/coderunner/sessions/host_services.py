@@ -16,10 +16,10 @@ from coderunner.config import Settings
 from coderunner.egress.ceiling import modes_within
 from coderunner.hostfs.workspaces import NamedWorkspace, delete_named, list_named
 from coderunner.offload import off_loop
-from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import Mount, SandboxBackend
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.oneshot_runs import Language, OneShotResult, OneShotRunner
+from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.seam import SandboxProfile, SessionHandle
 from coderunner.sessions.session import Session
 from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, Taken, keep_id, takes_memory

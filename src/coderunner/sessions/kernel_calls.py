@@ -23,9 +23,9 @@ from coderunner.kernel.incarnation import Kernel, ProgressCallback, RunOutcome, 
 from coderunner.kernel.output_capture import OutputCollector, WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.offload import off_loop
-from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import SESSION_PACKAGES, SandboxBackend
 from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, label_of
+from coderunner.sessions.sandbox_options import SandboxOptions
 
 #: Bound on a quick guest call (setting variables), and the margin added to a slow one's own bound.
 GUEST_MARGIN_S = 15.0

@@ -19,10 +19,10 @@ from anyio.abc import TaskGroup
 
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
+from coderunner.edge.owners import LOCAL_CLIENT
 from coderunner.egress.gateway import EgressHub
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter, client_folder
-from coderunner.hostfs.leases import SandboxLeases
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.hostfs.session_dirs import remove_stale_dirs
 from coderunner.kernel.incarnation import Kernel, RunStatus
@@ -30,13 +30,13 @@ from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.seam import KernelFactory
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
-from coderunner.policy.owners import LOCAL_CLIENT
-from coderunner.policy.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
 from coderunner.sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
 from coderunner.sessions.host_services import HostServices
 from coderunner.sessions.job_runner import JobTable
+from coderunner.sessions.leases import SandboxLeases
 from coderunner.sessions.oneshot_runs import OneShotRunner
 from coderunner.sessions.pool import WarmPool
+from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
 from coderunner.sessions.seam import SessionHandle
 from coderunner.sessions.session import Session
 from coderunner.sessions.session_snapshots import Seed, SessionSnapshots

@@ -18,9 +18,9 @@ from anyio.abc import ByteReceiveStream
 
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.session_dirs import SandboxDirs
-from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import SandboxProcess
 from coderunner.sandbox.common import product_python
+from coderunner.sessions.sandbox_options import SandboxOptions
 
 Language = Literal["python", "javascript", "bash"]
 LANGUAGES: tuple[Language, ...] = ("python", "javascript", "bash")

@@ -14,11 +14,11 @@ from typing import Literal
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.hostfs.leases import SandboxLease, SandboxLeases
-from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import SandboxBackend, SandboxProcess
 from coderunner.sandbox.common import product_python
+from coderunner.sessions.leases import SandboxLease, SandboxLeases
 from coderunner.sessions.oneshot_program import LAUNCHER
+from coderunner.sessions.sandbox_options import SandboxOptions
 
 log = logging.getLogger(__name__)
 

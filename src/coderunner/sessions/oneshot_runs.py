@@ -25,10 +25,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.hostfs.leases import SandboxLease, SandboxLeases
-from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import SandboxBackend, SandboxProcess
 from coderunner.sandbox.common import product_python
+from coderunner.sessions.leases import SandboxLease, SandboxLeases
 from coderunner.sessions.oneshot_program import (
     LAUNCHER,
     SOURCE_NAMES,
@@ -40,6 +39,7 @@ from coderunner.sessions.oneshot_program import (
 )
 from coderunner.sessions.oneshot_ready import ReadySandbox, ReadySandboxes
 from coderunner.sessions.oneshot_slots import OneShotSlots
+from coderunner.sessions.sandbox_options import SandboxOptions
 
 if TYPE_CHECKING:  # sessions/ imports this module
     from coderunner.egress.gateway import EgressHub, SessionEgress

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from coderunner.edge.callers import LOCAL_CALLER
-from coderunner.policy.owners import LOCAL_CLIENT
+from coderunner.edge.owners import LOCAL_CLIENT
 
 if TYPE_CHECKING:
     from coderunner.config import Settings
@@ -25,10 +25,10 @@ if TYPE_CHECKING:
     from coderunner.hostfs.workspaces import NamedWorkspace
     from coderunner.kernel.output_capture import WorkspaceWriter
     from coderunner.kernel.run_result import ExecutionResult
-    from coderunner.policy.sandbox_options import SandboxOptions
     from coderunner.sandbox import LimitReport
     from coderunner.sessions.job_runner import Job, JobTable
     from coderunner.sessions.oneshot_runs import Language, OneShotResult
+    from coderunner.sessions.sandbox_options import SandboxOptions
     from coderunner.sessions.session_snapshots import Seed, Taken
     from coderunner.sessions.session_status import SessionStatus
     from coderunner.snapshots.store import Listing, SnapshotMeta

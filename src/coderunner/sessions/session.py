@@ -24,7 +24,6 @@ from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER
 from coderunner.egress.gateway import SessionEgress
 from coderunner.errors import SessionBusy, SessionError
-from coderunner.hostfs.leases import SandboxLease
 from coderunner.hostfs.sandbox_files import SandboxFiles
 from coderunner.hostfs.sandbox_mounts import SandboxMounts
 from coderunner.hostfs.session_dirs import SandboxDirs
@@ -33,11 +32,12 @@ from coderunner.kernel.incarnation import CheckpointFailed, Kernel
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.kernel.seam import KernelFactory
 from coderunner.offload import off_loop
-from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec
 from coderunner.sessions.job_runner import Job, JobTable, cancel, duration
 from coderunner.sessions.kept_state import KeptState
 from coderunner.sessions.kernel_calls import GUEST_MARGIN_S, KernelCalls
+from coderunner.sessions.leases import SandboxLease
+from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.session_status import SessionStatus, session_status
 from coderunner.sessions.usage import session_usage
 

@@ -19,9 +19,9 @@ from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, caller_key, on_connection_close
+from coderunner.edge.owners import client_of
 from coderunner.errors import CodeRunnerError
 from coderunner.offload import off_loop
-from coderunner.policy.owners import client_of
 from coderunner.sessions.seam import SessionHandle, SessionHost
 from coderunner.tools.capabilities import Capabilities
 from coderunner.tools.egress import EgressCall, EgressCalls

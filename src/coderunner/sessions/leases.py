@@ -22,8 +22,8 @@ from coderunner.hostfs.exports import ExportError, client_folder, folder_owner, 
 from coderunner.hostfs.sandbox_mounts import ExportPlan, MountsError, SandboxMounts, prepare_mounts
 from coderunner.hostfs.session_dirs import SandboxDirs, open_sandbox_dirs
 from coderunner.hostfs.workspaces import Workspace, WorkspaceError, named_workspace_dir
-from coderunner.policy.sandbox_options import SandboxOptions
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec, UidPool
+from coderunner.sessions.sandbox_options import SandboxOptions
 
 if TYPE_CHECKING:  # the egress gateway runs its proxy in these dirs
     from anyio.abc import TaskGroup
