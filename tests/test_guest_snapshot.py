@@ -201,7 +201,7 @@ def test_state_survives_a_fresh_kernel_and_live_resources_are_named(tmp_path: Pa
     assert loaded["skipped"] == saved["skipped"]
     assert tree(state) == before, "load wrote into the snapshot folder"
     # The host's schema for these accounts takes what the guest writes whole (cwd is not kept).
-    from coderunner.sessions.session_snapshots import LoadReport, SaveReport, bounded_report
+    from coderunner.sessions.snapshot_reports import LoadReport, SaveReport, bounded_report
 
     assert bounded_report(saved, SaveReport) == {key: value for key, value in saved.items() if key != "cwd"}
     assert bounded_report(loaded, LoadReport) == loaded

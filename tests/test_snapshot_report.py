@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from coderunner.sessions.session_snapshots import (
+from coderunner.sessions.snapshot_reports import (
     REPORT_LIST_BYTES,
     REPORT_TEXT,
     LoadReport,

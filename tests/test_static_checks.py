@@ -6,6 +6,7 @@ Both are pinned in the dev extras; each check prints what it found, so a failure
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -42,3 +43,26 @@ def test_no_blanket_type_ignores() -> None:
         if "type: ignore" in line and "type: ignore[" not in line
     ]
     assert not bare, bare
+
+
+#: The house's sizes (issue 26): a module past this is more than one idea; a longer function says why at its top.
+MAX_MODULE_LINES = 450
+MAX_FUNCTION_LINES = 80
+REASON_MARK = "on purpose"
+
+
+def test_modules_and_functions_stay_small() -> None:
+    too_long: list[str] = []
+    for path in sorted((REPO / "src").rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        name = str(path.relative_to(REPO))
+        if len(lines) > MAX_MODULE_LINES:
+            too_long.append(f"{name}: {len(lines)} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                first_lines = "\n".join(lines[node.lineno - 1 : node.body[0].lineno + 1])
+                if length > MAX_FUNCTION_LINES and REASON_MARK not in first_lines:
+                    too_long.append(f"{name}:{node.lineno} {node.name}: {length} lines and no reason at its top")
+    assert not too_long, too_long

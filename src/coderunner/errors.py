@@ -8,33 +8,33 @@ its text stays in the server's log.
 Each class lives beside the code that raises it; the tree, with where each one is defined:
 
     CodeRunnerError
-    ├── ConfigError                  config.py             a setting that cannot be used
-    ├── AuthError                    auth.py               the token cannot be read or made; a bind not allowed
-    ├── ClientTokenError             client_tokens.py      a token command that cannot be done
-    ├── SetupError                   sandbox_env.py        the sandbox environment could not be made
-    │   └── ImageError               sandbox/image.py      the sandbox image could not be built
-    ├── SandboxUnavailable           sandbox/base.py       the chosen backend cannot work here
+    ├── ConfigError                  config.py                     a setting that cannot be used
+    ├── AuthError                    edge/auth.py                  the token cannot be read or made; a bind not allowed
+    ├── ClientTokenError             edge/client_tokens.py         a token command that cannot be done
+    ├── SetupError                   sandbox/env.py                the sandbox environment could not be made
+    │   └── ImageError               sandbox/image_build.py        the sandbox image could not be built
+    ├── SandboxUnavailable           sandbox/base.py               the chosen backend cannot work here
     │   ├── BwrapUnavailable         sandbox/bwrap.py
     │   ├── ContainerUnavailable     sandbox/container.py
-    │   └── CheckpointError          sandbox/gvisor.py     runsc could not checkpoint or restore a sandbox
-    ├── KernelStartError             kernel.py             the sandboxed kernel did not come up
-    ├── CheckpointFailed             kernel.py             a kernel's memory checkpoint or restore did not work
-    ├── SessionError                 here                  a session request that cannot be served
-    │   ├── SessionBusy              here                  another call holds the kernel
-    │   ├── GuestCallError           here                  a guest tool refused its input or failed
-    │   └── JobNotFound              sessions/jobs.py      a job id this caller does not have
-    ├── OneShotError                 oneshot.py            a one-shot run that could not be set up
-    ├── MountError (+ ValueError)    mounts.py             a mount that is refused
-    ├── WorkspaceError               workspace.py          a persistent workspace that cannot be used
-    ├── SnapshotError                snapshot_store.py     a snapshot that cannot be made, found or restored
-    │   ├── SnapshotTooLarge         snapshot_store.py     ... past snapshot_limit_mb (nothing kept)
-    │   └── SnapshotNotFound         snapshot_store.py     ... no such snapshot for this client
-    ├── FileAccessError              files.py              a file request refused or failed
-    ├── VariablesError               variables.py          a variable that cannot be passed
-    ├── PackagesError                packages.py           a package list pip must not be given
-    ├── EgressPolicyError            egress/policy.py      an allowlist entry refused, or a host beyond the ceiling
-    └── ProxyError                   proxy.py              `coderunner proxy` cannot use the upstream server
-        └── RequestNeverRan          proxy.py              ... and the request certainly did not run there
+    │   └── CheckpointError          sandbox/gvisor_checkpoint.py  runsc could not checkpoint or restore a sandbox
+    ├── KernelStartError             kernel/incarnation.py         the sandboxed kernel did not come up
+    ├── CheckpointFailed             kernel/incarnation.py         a kernel's memory checkpoint or restore did not work
+    ├── SessionError                 here                          a session request that cannot be served
+    │   ├── SessionBusy              here                          another call holds the kernel
+    │   ├── GuestCallError           here                          a guest tool refused its input or failed
+    │   └── JobNotFound              sessions/job_runner.py        a job id this caller does not have
+    ├── OneShotError                 sessions/oneshot_program.py   a one-shot run that could not be set up
+    ├── MountError (+ ValueError)    hostfs/mounts.py              a mount that is refused
+    ├── WorkspaceError               hostfs/workspaces.py          a persistent workspace that cannot be used
+    ├── SnapshotError                snapshots/layout.py           a snapshot that cannot be made, found or restored
+    │   ├── SnapshotTooLarge         snapshots/layout.py           ... past snapshot_limit_mb (nothing kept)
+    │   └── SnapshotNotFound         snapshots/layout.py           ... no such snapshot for this client
+    ├── FileAccessError              hostfs/sandbox_files.py       a file request refused or failed
+    ├── VariablesError               policy/call_variables.py      a variable that cannot be passed
+    ├── PackagesError                policy/requirements.py        a package list pip must not be given
+    ├── EgressPolicyError            egress/policy.py              an allowlist entry refused, a host past the ceiling
+    └── ProxyError                   edge/stdio_proxy.py           `coderunner proxy` cannot use the upstream server
+        └── RequestNeverRan          edge/stdio_proxy.py           ... and the request certainly did not run there
 
 Internal errors are not in the tree: they are translated where they cross into caller-facing code.
 At the backend seam (sandbox/): a backend's spawn raises SandboxUnavailable only (base.start_failures

@@ -34,6 +34,7 @@ def decoded(content: str, encoding: str) -> bytes:
 
 
 def register(tools: ToolContext) -> None:
+    # Over 80 lines on purpose: one short nested function per tool, registered by its decorator here.
     settings = tools.settings
 
     @tools.tool(group="files")

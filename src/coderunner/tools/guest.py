@@ -45,6 +45,7 @@ def op_arguments(tool: Callable[..., Any], values: dict[str, Any]) -> dict[str, 
 
 
 def register(tools: ToolContext) -> None:
+    # Over 80 lines on purpose: one short nested function per tool, registered by its decorator here.
     settings = tools.settings
 
     async def document(

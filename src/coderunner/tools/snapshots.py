@@ -13,7 +13,8 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 
 from coderunner.sessions.seam import SessionHandle
-from coderunner.sessions.session_snapshots import MEMORY_CARRIES, REPORT_TEXT, Seed, Taken, memory_key, report_count
+from coderunner.sessions.session_snapshots import MEMORY_CARRIES, Seed, Taken, memory_key
+from coderunner.sessions.snapshot_reports import REPORT_TEXT, report_count
 from coderunner.snapshots.store import CopyReport, DamagedSnapshot, SnapshotMeta
 from coderunner.tools.arguments import SessionId, Text
 from coderunner.tools.context import ToolContext, json_result
