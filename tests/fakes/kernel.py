@@ -1,6 +1,6 @@
 """A scripted kernel for fast tests: what a session sees of a kernel, with no ipykernel behind it.
 
-`FakeKernels` is a KernelFactory (coderunner.kernel.seam): a SessionManager given one gets a
+`FakeKernels` is a KernelFactory (coderunner.kernel.kernel_factory): a SessionManager given one gets a
 `FakeKernel` wherever it would start a real one. A FakeKernel is a `Kernel` whose start, execute,
 interrupt, checkpoint and shutdown are played from a script, on the event loop, deterministically:
 no process, no sockets. Its `process` is a `FakeProcess` that can be killed, die, or be OOM-killed.

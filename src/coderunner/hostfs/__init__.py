@@ -11,4 +11,6 @@ sandbox_files.py   the sandbox's files as the tools may touch them
 transfers.py       import_dirs in, the export folder out
 exports.py         /mnt/outputs to export_dir/<client>/
 tree_copy.py       copying a tree the sandbox can write, bounded
+
+sessions/leases.py puts these together into one SandboxLease per sandbox (session or one-shot run).
 """

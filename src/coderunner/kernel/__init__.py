@@ -9,5 +9,5 @@ zmtp.py            a strict ZMTP 3.0 peer that never holds more than its budget
 output_capture.py  one call's output, bounded (head and tail, spill, images)
 run_result.py      ExecutionResult: a run's outcome and what the session did about it
 startup_hooks.py   files in a workspace that Python would run at start-up
-seam.py            KernelFactory: where a session gets its kernels (a scripted one in tests)
+kernel_factory.py  KernelFactory: where a session gets its kernels (a scripted one in tests)
 """

@@ -10,11 +10,15 @@
     job_runner.py     Job, JobTable: runs that outlive their call (detach, read since last, cancel)
     oneshot_runs.py   one-shot runs (oneshot_program.py: argv and pipes; oneshot_slots.py: how many at
                       once; oneshot_ready.py: a sandbox started ahead)
+    session_snapshots.py  snapshots of a session and sessions seeded from one (snapshot_reports.py:
+                      the guest's accounts, checked and cut)
+    pool.py           sandboxes started ahead (the warm pool)
     usage.py          what a session uses (cgroup or /proc, and its workspace's disk)
+    sandbox_options.py  SandboxOptions: what a sandbox may be given, within the user's ceilings
+    leases.py         one SandboxLease per sandbox: its dirs, host uid, workspace, mounts and egress
+                      proxy, handed back in reverse in one place (sessions and one-shot runs alike)
 
-What a sandbox may be given is options.py's (SandboxOptions, mount policy); its dirs, uid, mounts
-and egress proxy are one SandboxLease (leases.py); the errors live in errors.py (one root) so those
-need not import this.
+The errors live in errors.py (one root) so those need not import this.
 """
 
 from __future__ import annotations

@@ -26,8 +26,8 @@ from coderunner.hostfs.exports import Exporter, client_folder
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.hostfs.session_dirs import remove_stale_dirs
 from coderunner.kernel.incarnation import Kernel, RunStatus
+from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import OutputCollector
-from coderunner.kernel.seam import KernelFactory
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
 from coderunner.sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids

@@ -29,8 +29,8 @@ from coderunner.hostfs.sandbox_mounts import SandboxMounts
 from coderunner.hostfs.session_dirs import SandboxDirs
 from coderunner.hostfs.workspaces import Workspace
 from coderunner.kernel.incarnation import CheckpointFailed, Kernel
+from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import WorkspaceWriter
-from coderunner.kernel.seam import KernelFactory
 from coderunner.offload import off_loop
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec
 from coderunner.sessions.job_runner import Job, JobTable, cancel, duration

@@ -9,7 +9,7 @@
     execute_code.py      execute_code, validate_code (one-shot runs)
     jobs.py        wait_job, cancel_job, list_jobs (runs that outlived their call)
     install_packages.py  install_packages
-    workspaces.py  list_workspaces, delete_workspace
+    named_workspaces.py  list_workspaces, delete_workspace
     snapshots.py   snapshot_session, restore_session, fork_session, list_snapshots, delete_snapshot
     meta.py        get_capabilities
     egress.py      network 'allowlist' during a call: the user asked about a host, denials named in the reply
@@ -37,14 +37,14 @@ from coderunner.tools import (
     install_packages,
     jobs,
     meta,
+    named_workspaces,
     python,
     sessions,
     snapshots,
-    workspaces,
 )
 from coderunner.tools.context import ToolContext
 
-MODULES = (python, jobs, sessions, snapshots, files, guest, execute_code, install_packages, workspaces, meta)
+MODULES = (python, jobs, sessions, snapshots, files, guest, execute_code, install_packages, named_workspaces, meta)
 
 
 @functools.cache
