@@ -1,5 +1,5 @@
 """The guest's save and load accounts cross from the sandbox into the host's meta.json and replies:
-checked against a schema and cut to a fixed size first (sessions/snapshots.py)."""
+checked against a schema and cut to a fixed size first (sessions/session_snapshots.py)."""
 
 from __future__ import annotations
 

@@ -365,7 +365,7 @@ async def test_a_killed_servers_staged_mounts_are_detached_before_its_dirs_are_r
 
 
 async def test_workspace_tools_take_nothing_but_their_arguments(shared: Shared) -> None:
-    """No free-form input (tool_schemas.py leaves `additionalProperties` out for google-genai's sake),
+    """No free-form input (tools/schemas.py leaves `additionalProperties` out for google-genai's sake),
     and an argument the tool does not take is refused by name rather than ignored."""
     tools = {tool.name: tool for tool in (await shared.alice.list_tools()).tools}
     for name in ("list_workspaces", "delete_workspace"):

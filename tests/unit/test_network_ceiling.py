@@ -1,6 +1,6 @@
 """The user's network ceiling: what the agent is offered, and what it is refused, in memory.
 
-Containment of each mode is the abuse suite's (tests/abuse/test_abuse_network_ceiling.py); here
+Containment of each mode is the abuse suite's (tests/abuse/test_abuse_egress/ceiling.py); here
 the rules: the ceiling that follows from the settings, the tool schemas and texts that offer only
 modes within it, and a refusal that names the setting from every tool that takes a network.
 """

@@ -2,7 +2,7 @@
 
 Sessions and one-shot runs both take a SandboxLease here before they start a sandbox and release
 it when it ends, so the order (uid, dirs and workspace, mounts, egress; then the reverse) is written once.
-The layout itself is session_dirs.py's; the workspace is workspace.py's. The slow parts (mkfs,
+The layout itself is session_dirs.py's; the workspace is hostfs/workspaces.py's. The slow parts (mkfs,
 mount, an id-map helper, chown walks) run in worker threads.
 """
 

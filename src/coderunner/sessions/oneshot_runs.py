@@ -86,7 +86,7 @@ class OneShotRunner:
     max_concurrent: int = 4
     #: Of those, how many one caller may hold, so that one client cannot keep the others waiting.
     max_per_caller: int = 2
-    #: Network 'allowlist': each run gets a policy proxy of its own (sessions/egress.py).
+    #: Network 'allowlist': each run gets a policy proxy of its own (egress/gateway.py).
     egress: EgressHub | None = None
     #: Where run() reports how long each phase took (None: not measured).
     phases: PhaseSink | None = None

@@ -89,7 +89,7 @@ class Session(KernelCalls):
     export_note: str | None = None
     #: A reopened workspace's start-up files and packages (startup_hooks.py), for create_session's reply.
     startup: dict[str, Any] | None = None
-    #: Its cells, each run as a job in the task group (sessions/jobs.py); set up after construction.
+    #: Its cells, each run as a job in the task group (sessions/job_runner.py); set up after construction.
     jobs: JobTable = field(init=False)
     #: The kernel generation the last reply told the caller about (None: none yet), for state_preserved.
     _reported_generation: int | None = None

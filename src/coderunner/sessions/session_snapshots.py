@@ -3,7 +3,7 @@ new session from one. The manager opens sessions; this module says what goes int
 
 Saving: with no cell running, the guest (coderunner_guest/snapshot.py) pickles the user's namespace
 inside the sandbox into WORKSPACE/.coderunner/snapshot; the host moves that folder into a draft in
-the store and copies the workspace beside it, both through directory fds (snapshot_store.py), then
+the store and copies the workspace beside it, both through directory fds (snapshots/store.py), then
 commits. Restoring: before any sandbox runs on the new workspace, the host copies the snapshot's
 files into it, moves planted start-up hooks aside as for a reopened workspace (startup_hooks.py),
 and stages the state read-only in the new sandbox's host dir; once the kernel is up the guest loads

@@ -43,7 +43,7 @@ _MODE_MEANS = {"allowlist": "allowlist: only the user's allowed_domains", "inter
 
 
 def network_arg(ceiling: str) -> Any:
-    """A `network` argument offering only the modes within the user's ceiling (network_ceiling.py).
+    """A `network` argument offering only the modes within the user's ceiling (egress/ceiling.py).
 
     A mode above it is refused with the ceiling's own message (ask the user), before the enum check.
     """

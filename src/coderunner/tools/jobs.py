@@ -1,4 +1,4 @@
-"""wait_job, cancel_job, list_jobs: runs that went on after their call answered (sessions/jobs.py).
+"""wait_job, cancel_job, list_jobs: runs that went on after their call answered (sessions/job_runner.py).
 
 Also the reply shapes of a job, shared with run_python and execute_code: a python job's reply is
 its new output (text, images, links) plus a status line and the kernel line; a one-shot job's is

@@ -1,6 +1,6 @@
 """snapshot_session, restore_session, fork_session, list_snapshots, delete_snapshot.
 
-The work is in sessions/snapshots.py (saving and seeding) and snapshot_store.py (the host's store);
+The work is in sessions/session_snapshots.py (saving and seeding) and snapshots/store.py (the host's store);
 these parse, call and say plainly what came back and what did not.
 """
 
