@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 HERE_SRC = Path(__file__).resolve().parent.parent / "src"
-#: The same budget tests/test_tools/schemas.py holds the default list to (see its history there).
+#: The same budget tests/test_tool_schemas.py holds the default list to (see its history there).
 BUDGET_TOKENS = 3_040
 
 #: Run inside the measured tree: build the server as `serve` does (no sandbox is started) and list tools.
