@@ -135,7 +135,7 @@ class AppleCommand:
             args += ["--memory", f"{limits.memory_mb}M"]
         # No network unless asked. Without `--network` the VM joins the default network; TCP
         # channels need it (and it allows internet).
-        if not tcp_ports and spec.network != "internet":
+        if not tcp_ports and spec.network != NetworkMode.INTERNET:
             args += ["--network", "none"]
         for host, guest in sockets or []:
             args += ["--publish-socket", f"{host}:{guest}"]

@@ -220,7 +220,7 @@ class BwrapBackend(SandboxBackend):
             elif os.getuid() != 0:
                 nproc = _count_tasks(os.getuid()) + spec.limits.pids
         seccomp_fd = os.memfd_create("coderunner-seccomp", 0)
-        fds = _NetworkFds.open() if spec.network == "internet" else None
+        fds = _NetworkFds.open() if spec.network == NetworkMode.INTERNET else None
         try:
             os.write(seccomp_fd, self.seccomp_filter)
             os.lseek(seccomp_fd, 0, os.SEEK_SET)

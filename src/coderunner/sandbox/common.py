@@ -6,6 +6,7 @@ the same paths as the bwrap sandbox), so that a backend never imports another ba
 
 from __future__ import annotations
 
+from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox.base import Limits
 
 #: Where the code works, and the one folder of its own it may write to.
@@ -50,14 +51,14 @@ def etc_files(network: str) -> dict[str, str]:
         "group": f"sandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
         "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
         "hostname": "sandbox\n",
-        "resolv.conf": f"nameserver {SLIRP_DNS}\n" if network == "internet" else "",
+        "resolv.conf": f"nameserver {SLIRP_DNS}\n" if network == NetworkMode.INTERNET else "",
     }
 
 
 def egress_environment(network: str) -> dict[str, str]:
     """Network 'allowlist': every HTTP client in the sandbox (pip, requests, urllib, httpx, curl, git,
     Node's fetch, Chromium) goes through the forwarder; a program that ignores proxies gets nothing."""
-    if network != "allowlist":
+    if network != NetworkMode.ALLOWLIST:
         return {}
     url = f"http://127.0.0.1:{EGRESS_PORT}"
     env = {}
@@ -72,7 +73,7 @@ def egress_environment(network: str) -> dict[str, str]:
 
 def egress_launcher(python: str, network: str, host_dir: str, argv: list[str]) -> list[str]:
     """`argv` behind the forwarder in network 'allowlist' (it starts, then execs argv); else argv."""
-    if network != "allowlist":
+    if network != NetworkMode.ALLOWLIST:
         return argv
     return [python, "-I", "-S", EGRESS_FORWARDER, f"{host_dir}/{EGRESS_SOCKET}", str(EGRESS_PORT), "--", *argv]
 

@@ -240,7 +240,7 @@ class OciBackend(SandboxBackend):
         # limit is the hard bound (Chromium lifts the soft one for itself, as under bwrap).
         inner = [*rlimit_prefix(spec.limits, None, memory_cgroup=True), *argv]
         # Without a network the engine would still copy the host's /etc/hosts and resolv.conf in.
-        etc_dir = spec.etc_dir if spec.network != "internet" else None
+        etc_dir = spec.etc_dir if spec.network != NetworkMode.INTERNET else None
         for attempt in range(1, START_ATTEMPTS + 1):
             name = container_name(self.command.server, session_key(spec))
             sandbox = await self._start(spec, inner, name, task_group, ports, etc_dir, pipes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox.base import SandboxSpec
 from coderunner.sandbox.common import (
     IMAGE_PYTHON,
@@ -97,7 +98,10 @@ class OciCommand:
             # Published on loopback only; a bare port would listen on every interface.
             for port in tcp_ports:
                 args += ["--publish", f"127.0.0.1:{port}:{port}"]
-        elif spec.network in ("none", "allowlist"):  # allowlist: out only through the bound proxy socket
+        elif spec.network in (
+            NetworkMode.NONE,
+            NetworkMode.ALLOWLIST,
+        ):  # allowlist: out only through the bound proxy socket
             args += ["--network", "none"]
         if limits.memory_mb is not None:
             args += ["--memory", f"{limits.memory_mb}m", "--memory-swap", f"{limits.memory_mb}m"]

@@ -20,6 +20,7 @@ from anyio.abc import TaskGroup
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
+from coderunner.egress.ceiling import NetworkMode
 from coderunner.egress.gateway import EgressHub
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter, client_folder
@@ -117,7 +118,7 @@ class SessionManager(HostServices):
             egress=self.egress,
             ready=self.settings.oneshot_ready,
         )
-        if self.pool.enabled and self.settings.network != "allowlist":
+        if self.pool.enabled and self.settings.network != NetworkMode.ALLOWLIST:
             # An allowlist sandbox's proxy is labelled with its session in the audit log: start cold.
             self._pool_options = self.options()
             self._task_group.start_soon(self.pool.run)

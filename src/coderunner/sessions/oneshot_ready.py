@@ -14,6 +14,7 @@ from typing import Literal
 import anyio
 from anyio.abc import TaskGroup
 
+from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox import SandboxBackend, SandboxProcess
 from coderunner.sandbox.common import product_python
 from coderunner.sessions.leases import SandboxLease, SandboxLeases
@@ -85,7 +86,7 @@ class ReadySandboxes:
 
     def start_ahead(self, options: SandboxOptions) -> None:
         """Have a sandbox for the next run with these options start now (the previous one is dropped)."""
-        if options.network == "allowlist":
+        if options.network == NetworkMode.ALLOWLIST:
             return  # its proxy is made per run, with the run (a sandbox started ahead would have none)
         key = ready_key(options)
         current = self._next

@@ -14,7 +14,7 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
-from coderunner.egress.ceiling import more_network
+from coderunner.egress.ceiling import NetworkMode, more_network
 from coderunner.errors import GuestCallError
 from coderunner.tools.arguments import BrowserSeconds, OutputPath, Seconds, SessionId, Text
 from coderunner.tools.context import ToolContext
@@ -119,7 +119,7 @@ def register(tools: ToolContext) -> None:
                 result = await session.guest_op("browser", op, args, limit, paths=("output",))
             except GuestCallError as exc:
                 # The guest says only that the network is off; the way out depends on the user's ceiling.
-                if session.options.network == "none" and "network is off" in str(exc):
+                if session.options.network == NetworkMode.NONE and "network is off" in str(exc):
                     way_out = more_network(tools.settings.network_ceiling)
                     raise GuestCallError(f"{exc}; to browse the web: {way_out}") from None
                 raise
