@@ -33,7 +33,7 @@ MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
 #: The names `backend` may be set to: one per entry of the backend registry (sandbox/registry.py),
 #: in its order (a Literal made from it, so the settings' schema and errors list them as before).
-Backend = Literal[BACKEND_NAMES]  # type: ignore[valid-type]
+Backend = Literal[BACKEND_NAMES]  # type: ignore[valid-type]  # a Literal built from the registry
 
 
 def default_backend() -> Backend:

@@ -64,7 +64,7 @@ async def serve(settings: Settings) -> None:
             lifespan="on",
             # Anyone who can reach the port can open connections before any token check: bound them.
             http=bounded_protocol(ConnectionLimits(settings.http_max_connections, settings.http_head_timeout_s)),
-            timeout_keep_alive=settings.http_idle_timeout_s,  # type: ignore[arg-type]
+            timeout_keep_alive=settings.http_idle_timeout_s,  # type: ignore[arg-type]  # uvicorn takes a float too
             # Open SSE streams would otherwise hold a SIGTERM'd server forever.
             timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
         )

@@ -80,7 +80,7 @@ class BoundedH11Protocol(H11Protocol):
         self._head_timer: asyncio.TimerHandle | None = None
         self._waiting_since_cycle: object = None
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's protocol takes the concrete Transport
         super().connection_made(transport)
         self._start_waiting(timed=True)
         if len(self.connections) > self.gate.limits.max_connections:

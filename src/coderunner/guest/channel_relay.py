@@ -122,7 +122,7 @@ class Plan:
         info = read_connection(argv[at + 1])
         self.run_dir = run_dir
         self.prefix = os.path.basename(str(info["ip"]))
-        self.ports = [int(info[name]) for name in CHANNELS]  # type: ignore[call-overload]
+        self.ports = [int(info[name]) for name in CHANNELS]  # type: ignore[call-overload]  # JSON ints
         self.private = tempfile.mkdtemp(prefix="relay-", dir="/tmp")  # mode 0700
         self.inner = os.path.join(self.private, "k")
         private_file = os.path.join(self.private, "kernel.json")

@@ -44,7 +44,7 @@ class MountSpec(BaseModel):
         mode = parts[2] if len(parts) == 3 else "ro"
         if mode not in ("ro", "rw"):
             raise MountError(f"mount {text!r}: the mode must be ro or rw, not {mode!r}")
-        return cls(host=Path(parts[0]), sandbox=parts[1], mode=mode)  # type: ignore[arg-type]
+        return cls(host=Path(parts[0]), sandbox=parts[1], mode=mode)  # type: ignore[arg-type]  # checked ro|rw above
 
     @field_validator("sandbox")
     @classmethod

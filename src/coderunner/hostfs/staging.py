@@ -159,7 +159,7 @@ def _make_userns_fd(idmap: IdMap) -> int:
         return os.open(f"/proc/{helper.pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         with contextlib.suppress(OSError):
-            helper.stdin.close()  # type: ignore[union-attr]
+            helper.stdin.close()  # type: ignore[union-attr]  # made with stdin=PIPE
         try:
             helper.wait(timeout=USERNS_HELPER_TIMEOUT_S)
         except subprocess.TimeoutExpired:

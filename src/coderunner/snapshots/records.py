@@ -66,7 +66,7 @@ class SnapshotMeta:
             snapshot_id=data["snapshot_id"],
             client=data["client"],
             name=data["name"],
-            created=float(created),  # type: ignore[arg-type]
+            created=float(created),  # type: ignore[arg-type]  # checked a number above
             kind=data["kind"],
             source_session=data["source_session"],
             backend=data["backend"],
