@@ -19,6 +19,8 @@ from pathlib import Path
 
 from coderunner.sandbox.image_build import default_ca_bundle, sources_digest
 
+from .image_lock import image_build_lock
+
 REPO = Path(__file__).resolve().parents[1]
 EMULATOR = REPO / "tests" / "emulators" / "container"
 #: One release before 0.10.0 (no `run --init`, the older relay) and one 1.x (install.sh's pin).
@@ -81,10 +83,11 @@ def build_image(folder: Path) -> str:
     if image in _BUILT:
         return image
     folder = cli_dir(folder.parent, BUILD_VERSION)
-    base_image()
-    env = {**os.environ, "PATH": f"{folder}:{os.environ.get('PATH', '/usr/bin:/bin')}", "CODERUNNER_IMAGE": image}
-    setup = [sys.executable, "-m", "coderunner.cli", "setup", "--backend", "apple", "--base-image", BASE_IMAGE]
-    done = subprocess.run(setup, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env, check=False)
+    with image_build_lock():
+        base_image()
+        env = {**os.environ, "PATH": f"{folder}:{os.environ.get('PATH', '/usr/bin:/bin')}", "CODERUNNER_IMAGE": image}
+        setup = [sys.executable, "-m", "coderunner.cli", "setup", "--backend", "apple", "--base-image", BASE_IMAGE]
+        done = subprocess.run(setup, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S, env=env, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"`{' '.join(setup)}` failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
     roots = default_ca_bundle()

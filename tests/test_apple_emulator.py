@@ -20,6 +20,7 @@ from coderunner.sandbox.apple import ContainerVersion, names_with_prefix
 from coderunner.sandbox.image_build import ImageError, build
 
 from . import apple_emulation
+from .image_lock import image_build_lock
 
 UNKNOWN = "coderunner-no-such-vm-0"
 
@@ -129,7 +130,8 @@ def test_setup_hands_the_tls_roots_to_a_release_that_takes_them(
     """`coderunner setup --backend apple`'s build, through the stand-in and podman: at 1.2.2 the
     roots reach the RUN step; 0.9.0 has no `--secret`, so the build fails and says what to do."""
     try:
-        base = apple_emulation.base_image()
+        with image_build_lock():
+            base = apple_emulation.base_image()
     except RuntimeError as exc:
         pytest.fail(str(exc))
     roots = tmp_path / "roots.pem"

@@ -35,6 +35,7 @@ from . import test_e2e_isolation as isolation
 from . import test_e2e_run_python as run_python
 from . import test_e2e_sessions as sessions
 from .conftest import REPO, SECRET_NAME, ServerDirs, open_client, raw_stdio_server, run, text_of, wait_until
+from .image_lock import image_build_lock
 from .test_e2e_files import Host, files_env, host  # noqa: F401  (the `host` fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -74,14 +75,16 @@ def podman_image() -> Iterator[str]:
     """The sandbox image, built by `coderunner setup --backend podman` (skipped when current)."""
     podman = _require("podman")
     _require("runc")
-    exists = subprocess.run([podman, "image", "exists", BASE_IMAGE], timeout=60, check=False).returncode == 0
-    if not exists:
-        _require("mmdebstrap")
-        _step([str(REPO / "containers" / "make-base-image.sh"), "podman", BASE_IMAGE], BASE_TIMEOUT_S, "base image")
-    env = {**os.environ, "CODERUNNER_OCI_RUNTIME": OCI_RUNTIME}
-    env.pop("CODERUNNER_IMAGE", None)
-    setup = [sys.executable, "-m", "coderunner.cli", "setup", "--backend", "podman", "--base-image", BASE_IMAGE]
-    _step(setup, BUILD_TIMEOUT_S, "sandbox image build", env=env)
+    with image_build_lock():
+        exists = subprocess.run([podman, "image", "exists", BASE_IMAGE], timeout=60, check=False).returncode == 0
+        if not exists:
+            _require("mmdebstrap")
+            base = [str(REPO / "containers" / "make-base-image.sh"), "podman", BASE_IMAGE]
+            _step(base, BASE_TIMEOUT_S, "base image")
+        env = {**os.environ, "CODERUNNER_OCI_RUNTIME": OCI_RUNTIME}
+        env.pop("CODERUNNER_IMAGE", None)
+        setup = [sys.executable, "-m", "coderunner.cli", "setup", "--backend", "podman", "--base-image", BASE_IMAGE]
+        _step(setup, BUILD_TIMEOUT_S, "sandbox image build", env=env)
     from coderunner.config import Settings
 
     yield Settings.model_fields["image"].default
