@@ -36,6 +36,7 @@ from coderunner.sessions.session_snapshots import Seed, takes_memory
 
 from . import apple_emulation
 from .fakes.backend import FakeBackend, kernel_python
+from .test_e2e_podman import podman_image  # noqa: F401  (the session's image fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.conformance]
 
@@ -138,8 +139,22 @@ def _emulated_apple(version: str, settings: Settings, root: Path) -> SandboxBack
     return AppleBackend(_APPLE_IMAGE["image"], settings.runtime_dir, cli=str(folder / "container"))
 
 
+def _needs_podman_image(name: str) -> bool:
+    """A lane that runs the image podman builds (podman itself, gvisor): built here if missing, so the
+    lane never depends on which test happened to build it first (the suite runs on two workers)."""
+    if name == "fake" or name.startswith("apple@"):
+        return False
+    found = registry_entry(name)
+    if found.setup is not Setup.IMAGE:
+        return False
+    builder = found.image_builder
+    return (builder.engine or builder.name) == "podman" and shutil.which("podman") is not None
+
+
 @pytest.fixture(params=BACKENDS)
 async def manager(request: pytest.FixtureRequest, root: Path) -> AsyncIterator[SessionManager]:
+    if _needs_podman_image(request.param):
+        request.getfixturevalue("podman_image")  # session-scoped: built once per worker, under a lock
     settings = _settings(request.param, root)
     backend = _backend(request.param, settings, root)
     async with SessionManager(settings, backend) as running:
