@@ -54,6 +54,20 @@ def test_a_link_swapped_in_after_the_check_is_not_followed(
     assert (tmp_path / "host-secret").read_text() == "secret"
 
 
+def test_a_link_swapped_out_while_being_resolved_is_a_refusal_not_a_crash(
+    view: SandboxFiles, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Failure injection: the sandbox replaces the link with a file between the host's stat and readlink."""
+    os.symlink("/data/table.csv", tmp_path / "ws" / "flipping")
+
+    def swapped(path: str, *, dir_fd: int | None = None) -> str:
+        raise OSError(22, "Invalid argument")  # what readlink says of what is no longer a link
+
+    monkeypatch.setattr(os, "readlink", swapped)
+    with pytest.raises(FileAccessError, match="changed while being looked up"):
+        view.read("flipping")
+
+
 def test_read_only_mounts_and_special_files(view: SandboxFiles, tmp_path: Path) -> None:
     with pytest.raises(FileAccessError, match="read-only mount /data"):
         view.write("/data/new.csv", b"x")

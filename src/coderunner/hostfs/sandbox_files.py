@@ -132,11 +132,17 @@ class SandboxFiles:
                     info = os.stat(part, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     return None  # the rest does not exist yet (write_file may create it)
-                if stat.S_ISLNK(info.st_mode):
-                    return index, os.readlink(part, dir_fd=fd)
-                if index == len(resolved.parts) - 1 or not stat.S_ISDIR(info.st_mode):
-                    return None
-                next_fd = _open_dir(part, dir_fd=fd)
+                try:
+                    if stat.S_ISLNK(info.st_mode):
+                        return index, os.readlink(part, dir_fd=fd)
+                    if index == len(resolved.parts) - 1 or not stat.S_ISDIR(info.st_mode):
+                        return None
+                    next_fd = _open_dir(part, dir_fd=fd)
+                except OSError:  # swapped between the stat and this step: the sandbox is racing the host
+                    raise FileAccessError(
+                        f"{resolved.sandbox_path}: it changed while being looked up (a link swapped in or out); "
+                        "nothing was read. Try again once nothing in the sandbox is changing it"
+                    ) from None
                 os.close(fd)
                 fd = next_fd
             return None
