@@ -228,15 +228,30 @@ print(json.dumps(results))
 
 async def test_killing_the_forwarder_leaves_no_network_not_an_open_one(net: Net) -> None:
     kill = """
-import os, signal
+import os, signal, time
+killed = []
 for pid in filter(str.isdigit, os.listdir('/proc')):
     try:
         cmdline = open(f'/proc/{pid}/cmdline', 'rb').read()
     except OSError:
         continue
-    if b'egress_forwarder' in cmdline:
+    # pid 1 is the sandbox's init, whose own argv names the forwarder; it ignores the signal.
+    if b'egress_forwarder' in cmdline and pid != '1':
         os.kill(int(pid), signal.SIGKILL)
-        print('killed', pid)
+        killed.append(pid)
+# SIGKILL lands asynchronously: until the process has exited, its listening socket still
+# queues a connect, which is then reset rather than refused. Wait (bounded) for the exit.
+deadline = time.monotonic() + 10
+while time.monotonic() < deadline:
+    def alive(pid):
+        try:
+            return 'State:\tZ' not in open(f'/proc/{pid}/status').read()
+        except OSError:
+            return False
+    if killed and not any(alive(pid) for pid in killed):
+        print('killed', killed)
+        break
+    time.sleep(0.05)
 """
     session = await create(net.client, network="allowlist")
     assert "killed" in await ok(net.client, kill, session)
