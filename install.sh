@@ -34,7 +34,8 @@ install_venv() {
     fi
     say "installing coderunner into $VENV"
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
-    "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[dev]"
+    # The `ray` extra is the cluster mode (README, "Beyond one machine"); its tests run a real cluster.
+    "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[dev,ray]"
 }
 
 # --- macOS: Apple `container` (one lightweight Linux VM per session) --------------------------------

@@ -72,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--import-dir", dest="import_dirs", type=Path, action="append", help="upload_file source")
     serve.add_argument("--token-file", type=Path, help="HTTP bearer token file (default: made on first use)")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    serve.add_argument(
+        "--ray",
+        dest="ray_address",
+        metavar="ADDRESS",
+        help="cluster mode: sessions live on this Ray cluster (HOST:PORT, or auto); needs the ray extra",
+    )
 
     run = commands.add_parser("run", help="run code once in a fresh sandboxed session and print the result")
     run.add_argument("code", help="Python source, or - to read it from stdin")
@@ -144,6 +150,7 @@ def _settings(args: argparse.Namespace) -> Settings:
             "backend",
             "base_image",
             "tools",
+            "ray_address",
         )
     }
     return load_settings(args.config, **flags)

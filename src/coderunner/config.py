@@ -190,6 +190,12 @@ class Settings(BaseSettings):
         "dropped after 60 s unused): a run skips the sandbox's start.",
     )
     idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
+    ray_address: str | None = Field(
+        default=None,
+        description="Cluster mode: the Ray cluster sessions live on (HOST:PORT of its head, or 'auto' for the "
+        "cluster this process runs in). Each session is a detached actor on a worker node; see the README's "
+        "'Beyond one machine'. Needs the `ray` extra.",
+    )
     pool_size: int = Field(
         default=2,
         ge=0,

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+from typing import Any
 
 import anyio
 import uvicorn
 from mcp.server.transport_security import TransportSecuritySettings
 
-from coderunner.config import Settings
+from coderunner.config import ConfigError, Settings
 from coderunner.edge.auth import RequireToken, policy_for
 from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
 from coderunner.sandbox import make_backend
@@ -25,8 +27,7 @@ HTTP_SHUTDOWN_GRACE_S = 5
 async def serve(settings: Settings) -> None:
     # Refuse an unsafe bind before any sandbox exists.
     policy = policy_for(settings) if settings.transport != "stdio" else None
-    backend = make_backend(settings)
-    async with SessionManager(settings, backend) as manager:
+    async with _session_host(settings) as manager:
         server = build_server(manager)
         if settings.transport == "stdio":
             async with anyio.create_task_group() as tg:
@@ -76,7 +77,20 @@ async def serve(settings: Settings) -> None:
         await uvicorn.Server(config).serve()
 
 
-async def _stop_on_signals(manager: SessionManager) -> None:
+def _session_host(settings: Settings) -> contextlib.AbstractAsyncContextManager[Any]:
+    """Where sessions live: this machine, or (cluster mode, `--ray`) a Ray cluster's nodes."""
+    if settings.ray_address:
+        try:
+            from coderunner.cluster.host import ClusterHost
+        except ImportError as exc:
+            raise ConfigError(
+                f"cluster mode needs Ray, which is not installed here ({exc}): pip install 'coderunner[ray]'"
+            ) from None
+        return ClusterHost(settings)
+    return SessionManager(settings, make_backend(settings))
+
+
+async def _stop_on_signals(manager: Any) -> None:
     """stdio: on SIGTERM/SIGINT/SIGHUP close every session (bounded), then leave at once.
 
     The SDK reads stdin in a worker thread that no cancellation reaches, so a graceful unwind

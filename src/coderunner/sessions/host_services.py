@@ -48,16 +48,7 @@ class HostServices:
 
     def profile(self) -> SandboxProfile:
         """The sandboxes here as get_capabilities describes them (the default options' limits)."""
-        backend, modes = self.backend, modes_within(self.settings.network_ceiling)
-        return SandboxProfile(
-            backend=backend.name,
-            isolation=backend.describe_isolation(),
-            workspace_path=backend.workspace_path,
-            network_problems={mode: backend.network_problem(mode) for mode in modes},
-            limit_reports=backend.limit_reports(self.options().limits),
-            mounts=tuple((mount.sandbox, mount.writable) for mount in self.base_mounts),
-            memory_snapshots=takes_memory(backend),
-        )
+        return sandbox_profile(self.settings, self.backend, self.base_mounts, self.options())
 
     async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
         return await self.snapshots.take(self._local(session), name=name)
@@ -114,3 +105,19 @@ class HostServices:
         """A handle this manager gave out is one of its own sessions."""
         assert isinstance(session, Session), "a session of another host"
         return session
+
+
+def sandbox_profile(
+    settings: Settings, backend: SandboxBackend, base_mounts: list[Mount], defaults: SandboxOptions
+) -> SandboxProfile:
+    """What sandboxes of `backend` are like, as get_capabilities describes them (`defaults`' limits)."""
+    modes = modes_within(settings.network_ceiling)
+    return SandboxProfile(
+        backend=backend.name,
+        isolation=backend.describe_isolation(),
+        workspace_path=backend.workspace_path,
+        network_problems={mode: backend.network_problem(mode) for mode in modes},
+        limit_reports=backend.limit_reports(defaults.limits),
+        mounts=tuple((mount.sandbox, mount.writable) for mount in base_mounts),
+        memory_snapshots=takes_memory(backend),
+    )

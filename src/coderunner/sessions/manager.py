@@ -199,11 +199,12 @@ class SessionManager(HostServices):
 
     async def create(
         self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
-        seed: Seed | None = None,
+        seed: Seed | None = None, session_id: str | None = None,
     ) -> Session:  # fmt: skip
         """A new session; from the warm pool when its options are the defaults (`pool_wait_s`: how
         long to wait for a pooled start under way instead of starting cold). `seed`: start from a
         snapshot (its files before the sandbox starts, its state once the kernel is up; never pooled).
+        `session_id`: the handle to give it (a cluster names its actor by it first); else a new one.
 
         A keep_state session whose name has saved state starts from that state."""
         options = options or self.options()
@@ -224,12 +225,12 @@ class SessionManager(HostServices):
         if pooled_options and self._pool_options == dataclasses.replace(options, client=LOCAL_CLIENT):
             pooled = await self.pool.take_or_wait(pool_wait_s) if pool_wait_s > 0 else self.pool.take()
             if pooled is not None:
-                return self._adopt(pooled, options, owner)
+                return self._adopt(pooled, options, owner, session_id)
         self._cold_starts += 1
         try:
             if len(self._sessions) + self._cold_starts + self.pool.held > self.settings.max_sessions:
                 await self.pool.evict_one()  # the pool gives its room back to a user's session
-            session = await self._prepare(options, owner, seed)
+            session = await self._prepare(options, owner, seed, session_id)
             self._sessions[session.session_id] = session
         finally:
             self._cold_starts -= 1
@@ -258,11 +259,13 @@ class SessionManager(HostServices):
         log.info("session %s… started", session.session_id[:6])
         return session
 
-    async def _prepare(self, options: SandboxOptions, owner: str, seed: Seed | None = None) -> Session:
+    async def _prepare(
+        self, options: SandboxOptions, owner: str, seed: Seed | None = None, session_id: str | None = None
+    ) -> Session:
         """A session's host side (dirs, mounts) and its Session, its kernel not yet started; with a
         `seed`, its workspace filled and its state staged first."""
         assert self._task_group is not None, "SessionManager used outside its `async with`"
-        session_id = secrets.token_urlsafe(18)
+        session_id = session_id or secrets.token_urlsafe(18)
         if seed is not None:
             await off_loop(self.snapshots.resolve, seed)
         memory = seed.memory if seed is not None else None
@@ -334,10 +337,10 @@ class SessionManager(HostServices):
     async def _discard_pooled(self, pooled: Pooled) -> None:
         await self._close_session(pooled.session)
 
-    def _adopt(self, pooled: Pooled, options: SandboxOptions, owner: str) -> Session:
+    def _adopt(self, pooled: Pooled, options: SandboxOptions, owner: str, session_id: str | None = None) -> Session:
         """Bind a pool member to the caller that takes it: its id, owner and client are set now."""
         session = pooled.session
-        session.session_id = secrets.token_urlsafe(18)
+        session.session_id = session_id or secrets.token_urlsafe(18)
         session.owner = owner
         session.options = options
         if pooled.exporter is not None and session.sandbox_mounts is not None:

@@ -44,6 +44,8 @@ class SessionStatus:
     keep_state: bool = False
     #: keep_state: when the state was last saved, or why not.
     state_note: str | None = None
+    #: Cluster mode: the Ray node that holds the session (None on one machine, and then not shown).
+    node: str | None = None
 
 
 def session_status(session: Session) -> SessionStatus:

@@ -130,6 +130,8 @@ class ToolContext:
     def summary(self, session: SessionHandle) -> dict[str, Any]:
         """A session's status as the session tools report it."""
         status = asdict(session.status())
+        if status.get("node") is None:
+            status.pop("node", None)  # one machine: no node to name
         status["default"] = self.host.is_default(session)
         return status
 

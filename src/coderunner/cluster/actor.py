@@ -1,0 +1,268 @@
+"""SessionActor: one session on one node, as a detached named Ray actor.
+
+The actor runs an ordinary SessionManager on its node (the node's own backend, dirs, uid pool and
+egress proxy) holding exactly one session, and answers the front doors' calls with plain data
+(wire.py). The kernel's ZMQ stays on ipc:// on this node: only these actor calls cross the network.
+
+The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left
+in the same task. When its session closes (a close_session, or the manager's idle reaper) the actor
+ends itself, so nothing is left on the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from dataclasses import asdict
+from typing import Any
+
+import anyio
+
+from coderunner.cluster.wire import PIECE_BYTES, JobDelta, NodeInfo, SessionInfo, portable_result
+from coderunner.config import Settings
+from coderunner.errors import CodeRunnerError, SessionError
+from coderunner.hostfs.sandbox_files import Entry, FileAccessError
+from coderunner.sandbox import make_backend
+from coderunner.sessions.job_runner import Job
+from coderunner.sessions.manager import SessionManager
+from coderunner.sessions.sandbox_options import SandboxOptions
+from coderunner.sessions.session import Session
+
+log = logging.getLogger(__name__)
+
+#: How often the actor checks whether its session is still open (reaped sessions end their actor).
+WATCH_INTERVAL_S = 2.0
+#: Uploads staged at once per session, and how long an unfinished one may sit.
+MAX_UPLOADS = 4
+
+
+class SessionActor:
+    """Ray wraps this class (`ray.remote`) in the front door; it holds no Ray import of its own."""
+
+    def __init__(self, settings: dict[str, Any], session_id: str) -> None:
+        # One session per actor: no warm pool here (a node's pool is its own actor's concern).
+        self.settings = Settings.model_validate({**settings, "pool_size": 0, "ray_address": None})
+        self.session_id = session_id
+        self.manager: SessionManager | None = None
+        self.session: Session | None = None
+        self._ready = asyncio.Event()
+        self._stop = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._main: asyncio.Task[None] | None = None
+        self._uploads: dict[str, tuple[int, int, float]] = {}
+        self.node = _this_node()
+
+    async def open(self, options: SandboxOptions, owner: str, seed: Any = None) -> SessionInfo:
+        """Start the manager (in its own task) and create the session: its id is the actor's name."""
+        self._main = asyncio.get_running_loop().create_task(self._hold(options, owner, seed))
+        await self._ready.wait()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            if isinstance(failure, CodeRunnerError):
+                raise SessionError(str(failure))
+            raise SessionError(f"the session could not start on node {self.node.label}: {failure!r}")
+        return self.info()
+
+    async def _hold(self, options: SandboxOptions, owner: str, seed: Any) -> None:
+        try:
+            backend = make_backend(self.settings)
+            async with SessionManager(self.settings, backend) as manager:
+                self.manager = manager
+                try:
+                    self.session = await manager.create(options, owner=owner, seed=seed, session_id=self.session_id)
+                except BaseException as exc:  # told to the caller of open(), then the manager closes
+                    self._failure = exc
+                    return
+                finally:
+                    self._ready.set()
+                while not self._stop.is_set() and self.session.session_id in {s.session_id for s in manager.list()}:
+                    with anyio.move_on_after(WATCH_INTERVAL_S):
+                        await self._stop.wait()
+        except BaseException as exc:
+            self._failure = self._failure or exc
+            self._ready.set()
+            raise
+        finally:
+            self._end_soon()
+
+    def _end_soon(self) -> None:
+        """The session is gone: end this process a moment later (after the reply to close has left)."""
+        asyncio.get_running_loop().call_later(0.2, os._exit, 0)
+
+    def _session(self) -> Session:
+        if self.session is None or self.session.closed:
+            raise SessionError(f"unknown or expired session_id {self.session_id!r}")
+        return self.session
+
+    def info(self) -> SessionInfo:
+        session = self._session()
+        return SessionInfo(
+            session_id=session.session_id, owner=session.owner, options=session.options, node=self.node,
+            generation=session.generation, startup=session.startup, seeded=session.seeded,
+            workspace_path=session.backend.workspace_path,
+        )  # fmt: skip
+
+    async def ping(self) -> str:
+        return self.node.node_id
+
+    # --- jobs -----------------------------------------------------------------------------------
+
+    async def start_run(
+        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None, owner: str, wait_s: float
+    ) -> JobDelta:
+        job = await self._session().start_run(code, timeout_s, variables, owner=owner)
+        return await self._delta(job, wait_s)
+
+    async def read_job(self, job_id: str, wait_s: float) -> JobDelta:
+        job = self._session().job(job_id)
+        if job is None:
+            return JobDelta(job_id, gone=True, ended=True, status="lost", notice="the job is no longer known")
+        return await self._delta(job, wait_s)
+
+    async def cancel_job(self, job_id: str) -> None:
+        session = self._session()
+        job = session.job(job_id)
+        if job is not None:
+            await session.cancel_job(job)
+
+    async def forget_job(self, job_id: str) -> None:
+        session = self._session()
+        job = session.job(job_id)
+        if job is not None:
+            session.forget_job(job)
+
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        return [job.describe() for job in self._session().list_jobs()]
+
+    async def _delta(self, job: Job, wait_s: float) -> JobDelta:
+        """Wait up to `wait_s` for the job to end, then say what is new (its end and result, if it ended)."""
+        if wait_s > 0 and job.running:
+            with anyio.move_on_after(wait_s):
+                await job.done.wait()
+        session = self._session()
+        assert job.output is not None
+        read = job.output.take()
+        since = job.executing_since
+        delta = JobDelta(
+            job.job_id, text=read.text, images=read.images, saved=read.saved, spill_path=read.spill_path,
+            executing_for_s=None if since is None else time.monotonic() - since, elapsed_s=job.elapsed_s(),
+            generation=session.generation, dropped_images=job.output.dropped_images,
+        )  # fmt: skip
+        if not job.running:
+            delta.ended, delta.status, delta.notice, delta.state_lost = (
+                True,
+                job.status.value,
+                job.notice,
+                job.state_lost,
+            )
+            try:
+                delta.result = portable_result(session.job_result(job))
+            except CodeRunnerError as exc:
+                delta.failure = str(exc)
+        return delta
+
+    # --- the session ---------------------------------------------------------------------------
+
+    async def reset(self) -> int:
+        session = self._session()
+        await session.reset()
+        return session.generation
+
+    async def generation(self) -> int:
+        return self._session().generation
+
+    async def copy_out(self) -> str | None:
+        session = self._session()
+        await session.copy_out()
+        return session.export_note
+
+    async def guest_op(
+        self, tool: str, op: str, args: dict[str, Any], timeout_s: float, paths: list[str], input_path: str | None
+    ) -> dict[str, Any]:
+        return await self._session().guest_op(tool, op, args, timeout_s, paths=paths, input_path=input_path)
+
+    async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
+        return await self._session().install_packages(packages, timeout_s)
+
+    async def status(self) -> dict[str, Any]:
+        session = self._session()
+        status = await anyio.to_thread.run_sync(session.status)
+        return {**asdict(status), "node": self.node.node_id, "node_address": self.node.address}
+
+    async def close(self) -> str | None:
+        """Close the session (its kernel, sandbox and workspace); the actor then ends itself."""
+        session = self._session()
+        assert self.manager is not None
+        await self.manager.close(session.session_id)
+        self._stop.set()
+        return session.close_note
+
+    # --- files (each call resolves its path again on the node, never following a link) ----------
+
+    async def list_files(self, path: str, depth: int) -> list[Entry]:
+        return await anyio.to_thread.run_sync(self._session().files.list, path, depth)
+
+    async def read_piece(self, path: str, offset: int, size: int) -> tuple[bytes, int, str]:
+        files = self._session().files
+        return await anyio.to_thread.run_sync(lambda: files.read(path, offset=offset, limit=size))
+
+    async def stage_piece(self, upload_id: str, data: bytes) -> str:
+        """Add a piece to an upload (a memfd on this node, never a path); '' starts a new one."""
+        if not upload_id:
+            self._drop_stale_uploads()
+            if len(self._uploads) >= MAX_UPLOADS:
+                raise FileAccessError("too many uploads to this session at once; try again")
+            upload_id = secrets.token_hex(8)
+            self._uploads[upload_id] = (os.memfd_create("coderunner-upload", os.MFD_CLOEXEC), 0, time.monotonic())
+        fd, size, _ = self._uploads[upload_id]
+        if size + len(data) > self.settings.transfer_limit_bytes:
+            self._drop_upload(upload_id)
+            raise FileAccessError(f"over the transfer limit of {self.settings.transfer_limit_bytes:,} bytes")
+        await anyio.to_thread.run_sync(os.pwrite, fd, data, size)
+        self._uploads[upload_id] = (fd, size + len(data), time.monotonic())
+        return upload_id
+
+    async def commit_upload(self, upload_id: str, path: str, overwrite: bool) -> str:
+        """Write a staged upload to `path` in the session's files; returns its sandbox path."""
+        if upload_id not in self._uploads:
+            raise FileAccessError("that upload is gone (too slow, or a second commit)")
+        fd, size, _ = self._uploads[upload_id]
+        files = self._session().files
+
+        def write() -> str:
+            with files.open_write(path, overwrite=overwrite) as (target, written):
+                offset = 0
+                while offset < size:
+                    piece = os.pread(fd, min(PIECE_BYTES, size - offset), offset)
+                    if not piece:
+                        break
+                    view = memoryview(piece)
+                    while view:
+                        view = view[os.write(target, view) :]
+                    offset += len(piece)
+                return written
+
+        try:
+            return await anyio.to_thread.run_sync(write)
+        finally:
+            self._drop_upload(upload_id)
+
+    def _drop_upload(self, upload_id: str) -> None:
+        entry = self._uploads.pop(upload_id, None)
+        if entry is not None:
+            os.close(entry[0])
+
+    def _drop_stale_uploads(self, older_than_s: float = 300.0) -> None:
+        now = time.monotonic()
+        for upload_id, (_, _, touched) in list(self._uploads.items()):
+            if now - touched > older_than_s:
+                self._drop_upload(upload_id)
+
+
+def _this_node() -> NodeInfo:
+    import ray  # imported here: the class itself must load where ray is absent (a front door's checks)
+
+    return NodeInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())

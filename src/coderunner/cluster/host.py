@@ -1,0 +1,284 @@
+"""ClusterHost: the SessionHost (sessions/seam.py) of a front door whose sessions live on a Ray cluster.
+
+Every session is a detached named actor (`session-<id>` in namespace `coderunner`, actor.py) placed
+by Ray's scheduler (placement.py). Any front door finds any session by name, so several front doors
+serve the same sessions and one that dies loses none. What a caller may see is decided here, in the
+front door, exactly as on one machine: a session belongs to the client whose caller created it.
+
+The front door itself starts no sandbox: its backend object only checks options and describes the
+sandboxes (get_capabilities); the nodes run them.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import secrets
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import ray
+from anyio.abc import TaskGroup
+
+from coderunner.cluster.actor import SessionActor
+from coderunner.cluster.placement import Request, check_fits
+from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
+from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
+from coderunner.config import Settings
+from coderunner.edge.callers import LOCAL_CALLER, client_of_key
+from coderunner.edge.owners import LOCAL_CLIENT
+from coderunner.errors import SessionError
+from coderunner.hostfs.mounts import MountSpec
+from coderunner.sandbox import make_backend
+from coderunner.sessions.host_services import sandbox_profile
+from coderunner.sessions.job_runner import JobTable
+from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
+from coderunner.sessions.seam import SandboxProfile, SessionHandle
+
+if TYPE_CHECKING:
+    from coderunner.egress.gateway import SessionEgress
+    from coderunner.hostfs.workspaces import NamedWorkspace
+    from coderunner.sessions.oneshot_runs import Language, OneShotResult
+    from coderunner.sessions.session_snapshots import Seed, Taken
+    from coderunner.snapshots.store import Listing, SnapshotMeta
+
+log = logging.getLogger(__name__)
+
+#: Bound on joining the cluster at start.
+CONNECT_S = 60.0
+#: Concurrent calls one session actor serves (long-polls of jobs, file pieces, status).
+ACTOR_CONCURRENCY = 64
+#: Settings a session actor is not given: the front door alone holds the tokens.
+FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
+
+SessionActorClass = ray.remote(SessionActor)
+
+
+def not_in_cluster_mode(what: str) -> SessionError:
+    return SessionError(
+        f"{what} is not available in cluster mode yet (README, 'Beyond one machine'): run it on a server without --ray"
+    )
+
+
+class ClusterHost:
+    """Sessions on a Ray cluster, as the tools see them. Use as `async with ClusterHost(settings)`."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.backend = make_backend(settings)  # checks options and describes sandboxes; starts none
+        self.base_mounts = configured_mounts(settings, self.backend.identity)
+        self._sessions: dict[str, RemoteSession] = {}
+        self._default_ids: dict[str, str] = {}
+        self._default_lock = anyio.Lock()
+        self._task_group: TaskGroup | None = None
+        self.oneshot_jobs: JobTable
+
+    async def __aenter__(self) -> ClusterHost:
+        with anyio.fail_after(CONNECT_S):
+            await anyio.to_thread.run_sync(self._connect)
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self.oneshot_jobs = JobTable(self._task_group)
+        return self
+
+    def _connect(self) -> None:
+        address = self.settings.ray_address
+        # Ray prints the cluster's notices to stdout, which is the MCP channel of a stdio server (the
+        # SDK points fd 1 at stderr once it serves; until then, this keeps the channel clean).
+        with contextlib.redirect_stdout(sys.stderr):
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        log.info("cluster mode: joined the Ray cluster at %s (%d nodes)", address, len(ray.nodes()))
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        with anyio.move_on_after(CALL_S, shield=True):
+            await self.close_all()
+        assert self._task_group is not None
+        self._task_group.cancel_scope.cancel()
+        await self._task_group.__aexit__(None, None, None)
+        await anyio.to_thread.run_sync(ray.shutdown)
+
+    async def close_all(self) -> None:
+        """Close the callers' default sessions; sessions made with create_session stay for other front
+        doors (the idle reaper on their node closes what nobody uses)."""
+        for owner in list(self._default_ids):
+            await self.release_caller(owner)
+
+    # --- sessions --------------------------------------------------------------------------------
+
+    def options(
+        self, network: str | None = None, memory_mb: int | None = None, cpus: float | None = None,
+        timeout_s: float | None = None, mounts: list[MountSpec] | None = None, name: str | None = None,
+        persistent: bool = False, client: str = LOCAL_CLIENT, allow: list[str] | None = None, keep_state: bool = False,
+    ) -> SandboxOptions:  # fmt: skip
+        return sandbox_options(
+            self.settings, self.backend, self.base_mounts, network=network, memory_mb=memory_mb, cpus=cpus,
+            timeout_s=timeout_s, mounts=mounts, name=name, persistent=persistent, client=client, allow=allow,
+            keep_state=keep_state,
+        )  # fmt: skip
+
+    async def create(
+        self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
+        seed: Seed | None = None,
+    ) -> RemoteSession:  # fmt: skip
+        if seed is not None:
+            raise not_in_cluster_mode("restoring or forking a snapshot")
+        options = options or self.options()
+        if options.persistent or options.keep_state:
+            raise not_in_cluster_mode("a persistent workspace")
+        self._check_room(owner)
+        request = Request.of(options, self.backend.name)
+        check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
+        session_id = secrets.token_urlsafe(18)
+        settings = self.settings.model_dump(exclude=FRONT_DOOR_ONLY)
+        actor: Any = SessionActorClass.options(
+            name=actor_name(session_id), namespace=NAMESPACE, lifetime="detached", max_restarts=0,
+            max_concurrency=ACTOR_CONCURRENCY, **request.actor_options(),
+        ).remote(settings, session_id)  # fmt: skip
+        bound = self.settings.startup_timeout_s + CALL_S
+        try:
+            with anyio.fail_after(bound):
+                info: SessionInfo = await actor.open.remote(options, owner, None)
+        except TimeoutError:
+            await anyio.to_thread.run_sync(_kill, actor)
+            raise SessionError(
+                f"no node had room for this session within {bound:g}s: it asks for {request.describe()} "
+                "(the nodes that could hold it are full; close a session, or add a node)"
+            ) from None
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_kill, actor)
+            if isinstance(exc, Exception) and hasattr(exc, "cause"):
+                raise cause_of(exc) from None
+            raise
+        session = RemoteSession(actor, info, self.settings, self._group())
+        self._sessions[session_id] = session
+        log.info("session %s… started on node %s", session_id[:6], info.node.label)
+        return session
+
+    def _check_room(self, owner: str) -> None:
+        open_here = [session for session in self._sessions.values() if not session.closed]
+        if len(open_here) >= self.settings.max_sessions:
+            raise SessionError(
+                f"session limit reached ({self.settings.max_sessions} open through this front door): close one "
+                "with close_session or raise max_sessions in the configuration"
+            )
+        held = sum(session.owner == owner for session in open_here)
+        if owner != LOCAL_CALLER and held >= self.settings.max_sessions_per_client:
+            raise SessionError(
+                f"this client already holds {held} sessions, its share of this server: close one with "
+                "close_session (list_sessions shows them), or raise max_sessions_per_client in the configuration"
+            )
+
+    def _group(self) -> TaskGroup:
+        assert self._task_group is not None, "ClusterHost used outside its `async with`"
+        return self._task_group
+
+    async def resolve(
+        self, session_id: str | None, owner: str = LOCAL_CALLER, client: str = LOCAL_CLIENT
+    ) -> RemoteSession:
+        if session_id:
+            return await self._owned(session_id, owner)
+        async with self._default_lock:
+            default_id = self._default_ids.get(owner)
+            session = self._sessions.get(default_id) if default_id is not None else None
+            if session is None or session.closed:
+                session = await self.create(self.options(client=client), owner=owner)
+                self._default_ids[owner] = session.session_id
+            return session
+
+    async def _owned(self, session_id: str, owner: str | None) -> RemoteSession:
+        """The session `session_id`, found here or by name in the cluster, if `owner`'s client may use it."""
+        session = self._sessions.get(session_id)
+        if session is None or session.closed:
+            session = await self._find(session_id)
+        if session is None or (owner is not None and client_of_key(session.owner) != client_of_key(owner)):
+            raise SessionError(
+                f"unknown or expired session_id {session_id!r}: call list_sessions to see your open sessions, "
+                "create_session for a new one, or omit session_id to use your default session"
+            )
+        return session
+
+    async def _find(self, session_id: str) -> RemoteSession | None:
+        """A session another front door made: its actor, found by name through Ray."""
+        try:
+            actor = await anyio.to_thread.run_sync(lambda: ray.get_actor(actor_name(session_id), namespace=NAMESPACE))
+        except ValueError:
+            return None
+        try:
+            with anyio.fail_after(CALL_S):
+                info: SessionInfo = await actor.info.remote()
+        except (TimeoutError, ray.exceptions.RayError):
+            return None
+        session = RemoteSession(actor, info, self.settings, self._group())
+        self._sessions[session_id] = session
+        return session
+
+    async def close(self, session_id: str, owner: str | None = None) -> RemoteSession:
+        session = await self._owned(session_id, owner)
+        self._sessions.pop(session_id, None)
+        if self._default_ids.get(session.owner) == session_id:
+            del self._default_ids[session.owner]
+        await session.close()
+        return session
+
+    def is_default(self, session: SessionHandle) -> bool:
+        return self._default_ids.get(session.owner) == session.session_id
+
+    async def release_caller(self, owner: str) -> None:
+        session_id = self._default_ids.pop(owner, None)
+        if session_id is not None and session_id in self._sessions:
+            with contextlib.suppress(SessionError):
+                await self.close(session_id)
+
+    def list(self, owner: str | None = None) -> Sequence[RemoteSession]:
+        """The open sessions this front door made or found (a caller's own are always among them)."""
+        return [s for s in self._sessions.values() if not s.closed and (owner is None or s.owner == owner)]
+
+    def profile(self) -> SandboxProfile:
+        return sandbox_profile(self.settings, self.backend, self.base_mounts, self.options())
+
+    # --- not yet in cluster mode -----------------------------------------------------------------
+
+    async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
+        raise not_in_cluster_mode("snapshot_session")
+
+    async def snapshot(self, client: str, snapshot_id: str) -> SnapshotMeta:
+        raise not_in_cluster_mode("snapshots")
+
+    async def snapshot_listing(self, client: str) -> Listing:
+        raise not_in_cluster_mode("snapshots")
+
+    async def delete_snapshot(self, client: str, snapshot_id: str) -> None:
+        raise not_in_cluster_mode("snapshots")
+
+    async def snapshots_of(self, session: SessionHandle) -> builtins.list[str]:
+        return []
+
+    async def list_workspaces(self, client: str) -> builtins.list[NamedWorkspace]:
+        return []
+
+    async def delete_workspace(self, client: str, name: str) -> None:
+        raise not_in_cluster_mode("a persistent workspace")
+
+    async def run_oneshot(
+        self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
+        variables: dict[str, Any] | None = None, caller: str | None = None,
+        on_egress: Callable[[SessionEgress], None] | None = None,
+    ) -> OneShotResult:  # fmt: skip
+        raise not_in_cluster_mode("execute_code")
+
+    async def check_code(
+        self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        raise not_in_cluster_mode("validate_code")
+
+    async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
+        raise not_in_cluster_mode("the language versions")
+
+
+def _kill(actor: Any) -> None:
+    with contextlib.suppress(Exception):
+        ray.kill(actor, no_restart=True)

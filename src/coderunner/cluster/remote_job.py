@@ -1,0 +1,95 @@
+"""A job whose cell runs in a session actor, mirrored at the front door.
+
+The tools attend a Job (sessions/job_runner.py): wait on `done`, read `output` for progress and for
+what is new, read the result at the end. RemoteJob is that Job at the front door; a pump task keeps
+it in step with the real one on the node by long-polling the actor (each read waits up to
+POLL_S for the end, then brings what is new). Cancelling it asks the actor to cancel the real one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+
+from coderunner.cluster.wire import JobDelta
+from coderunner.errors import CodeRunnerError, SessionError
+from coderunner.sessions.job_runner import Job, JobOutput, JobStatus
+
+log = logging.getLogger(__name__)
+
+#: How long one read of a running job waits on the node for its end (the latency of progress notes).
+POLL_S = 1.0
+
+
+@dataclass
+class RemoteJob(Job):
+    """A Job whose work happens in a session actor; `cancel` is forwarded there."""
+
+    #: Asks the actor to cancel the real job (set by the session that made this one).
+    request_cancel: Callable[[], None] | None = None
+    #: The node's answer was a refusal before the job ran (the session closed, busy behind another call).
+    remote_failure: str | None = None
+    _applied_end: bool = field(default=False, repr=False)
+
+    def cancel(self) -> None:
+        self.cancel_requested = True
+        if self.request_cancel is not None:
+            self.request_cancel()
+
+    def apply(self, delta: JobDelta) -> None:
+        """Take in what the actor said is new; at the job's end, its status and result, and wake waiters."""
+        output = self.output
+        assert output is not None
+        if delta.text:
+            output.add_text(delta.text)
+        output.images.extend(delta.images)
+        output.saved_images.extend(delta.saved)
+        if delta.spill_path:
+            output.spill_path = delta.spill_path
+        output.dropped_images = delta.dropped_images
+        if delta.executing_for_s is not None and self.executing_since is None:
+            self.executing_since = time.monotonic() - delta.executing_for_s
+        self.generation = delta.generation
+        if delta.ended and not self._applied_end:
+            self.end(JobStatus(delta.status), delta.result, delta.notice, delta.state_lost, delta.failure)
+
+    def end(
+        self, status: JobStatus, result: Any = None, notice: str | None = None, state_lost: bool = False,
+        failure: str | None = None,
+    ) -> None:  # fmt: skip
+        self._applied_end = True
+        self.status, self.result, self.notice, self.state_lost = status, result, notice, state_lost
+        if failure is not None:
+            self.failure = SessionError(failure)
+        self.ended_at = time.monotonic()
+        self.done.set()
+
+
+def mirror_output(limit_chars: int) -> JobOutput:
+    """The front door's copy of a job's output: no files (the node spilled them), images as sent."""
+    return JobOutput(limit_chars=limit_chars, spill_limit_bytes=0, image_limit_bytes=0, writer=None)
+
+
+async def pump(
+    job: RemoteJob, read: Callable[[float], Awaitable[JobDelta]], lost: Callable[[BaseException], str]
+) -> None:
+    """Keep `job` in step with the node until it ends; a node that is gone ends it as lost."""
+    while not job.done.is_set():
+        try:
+            delta = await read(POLL_S)
+        except CodeRunnerError as exc:
+            job.end(JobStatus.LOST, notice=str(exc), failure=str(exc))
+            return
+        except Exception as exc:  # the actor or its node is gone: say so instead of waiting forever
+            log.info("job %s: %r", job.job_id, exc)
+            job.end(JobStatus.LOST, notice=lost(exc))
+            return
+        job.apply(delta)
+        if delta.gone and not job.done.is_set():
+            job.end(JobStatus.LOST, notice=delta.notice)
+    await anyio.lowlevel.checkpoint()

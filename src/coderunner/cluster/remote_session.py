@@ -1,0 +1,289 @@
+"""RemoteSession: a SessionHandle (sessions/seam.py) for a session that lives in an actor on some node.
+
+Calls go to the actor, each bounded; what the tools read synchronously (options, the kernel's
+generation, export note) is kept here from the actor's answers. A node that stops answering turns
+every call into a SessionError that says the session was lost with that node, and what was lost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import fields
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import ray
+from anyio.abc import TaskGroup
+
+from coderunner.cluster.remote_files import RemoteFiles
+from coderunner.cluster.remote_job import RemoteJob, mirror_output, pump
+from coderunner.cluster.wire import JobDelta, SessionInfo
+from coderunner.errors import CodeRunnerError, SessionError
+from coderunner.kernel.execution import RunOutcome, RunStatus
+from coderunner.kernel.output_capture import WorkspaceWriter
+from coderunner.kernel.run_result import ExecutionResult
+from coderunner.sessions.job_runner import Job, JobStatus, label_of
+from coderunner.sessions.session_status import SessionStatus
+
+if TYPE_CHECKING:
+    from coderunner.config import Settings
+    from coderunner.egress.gateway import SessionEgress
+    from coderunner.sessions.sandbox_options import SandboxOptions
+
+log = logging.getLogger(__name__)
+
+#: Bound on a control call to a session actor (status, files piece, job read beyond its own wait).
+CALL_S = 30.0
+#: How long a run waits on the node for a quick cell to end before its first answer comes back.
+FIRST_WAIT_S = 0.5
+
+
+class RemoteSession:
+    """One session in an actor, as the tools use it."""
+
+    def __init__(self, actor: Any, info: SessionInfo, settings: Settings, task_group: TaskGroup) -> None:
+        self.actor = actor
+        self.info = info
+        self.settings = settings
+        self._task_group = task_group
+        self._generation = info.generation
+        self._reported_generation: int | None = None
+        self._jobs: dict[str, RemoteJob] = {}
+        self.export_note: str | None = None
+        self.close_note: str | None = None
+        self.closed = False
+
+    # --- what the tools read ---------------------------------------------------------------------
+
+    @property
+    def session_id(self) -> str:
+        return self.info.session_id
+
+    @property
+    def owner(self) -> str:
+        return self.info.owner
+
+    @property
+    def options(self) -> SandboxOptions:
+        return self.info.options
+
+    @property
+    def node(self) -> str:
+        return self.info.node.node_id
+
+    @property
+    def startup(self) -> dict[str, Any] | None:
+        return self.info.startup
+
+    @property
+    def seeded(self) -> Any:
+        return self.info.seeded
+
+    @property
+    def egress(self) -> SessionEgress | None:
+        # The allowlist is enforced by the node's own proxy; asking the user about a host needs the
+        # proxy's decisions here, which do not cross yet (README: what cluster mode lacks).
+        return None
+
+    @property
+    def sandbox_uid(self) -> None:
+        return None  # a uid of another machine means nothing here
+
+    @property
+    def files(self) -> RemoteFiles:
+        return RemoteFiles(self.call, self.settings.transfer_limit_bytes)
+
+    def reply_writer(self) -> WorkspaceWriter:
+        raise SessionError("a reply too big to send cannot be saved in a session on another node")
+
+    def note_restored_from(self, text: str) -> None:
+        pass
+
+    def lost_text(self, exc: BaseException | None = None) -> str:
+        return (
+            f"session {self.session_id} was lost with node {self.info.node.label}: its kernel, variables and "
+            "workspace files there are gone (the node stopped answering"
+            + (f": {type(exc).__name__}" if exc is not None else "")
+            + "). create_session starts a new one; sessions on other nodes are unharmed."
+        )
+
+    def gone(self, exc: BaseException) -> SessionError:
+        """The actor is gone: with its node (lost), or because its session was closed (expired)."""
+        self.closed = True
+        if _node_lost(exc):
+            return SessionError(self.lost_text(exc))
+        return SessionError(
+            f"unknown or expired session_id {self.session_id!r}: it was closed (by another front door, or "
+            "after sitting idle); create_session starts a new one"
+        )
+
+    # --- calls -----------------------------------------------------------------------------------
+
+    async def acall(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
+        """One actor call from the event loop, bounded; a node gone is a SessionError saying so."""
+        try:
+            with anyio.fail_after(timeout_s):
+                return await getattr(self.actor, method).remote(*args)
+        except TimeoutError:
+            raise SessionError(
+                f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s"
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise cause_of(exc) from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise self.gone(exc) from None
+
+    def call(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
+        """One actor call from a worker thread (the file view's), bounded the same way."""
+        try:
+            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise SessionError(
+                f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s"
+            ) from None
+        except ray.exceptions.RayTaskError as exc:
+            raise cause_of(exc) from None
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise self.gone(exc) from None
+
+    # --- jobs ------------------------------------------------------------------------------------
+
+    async def start_run(self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None) -> Job:
+        limit = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
+        first: JobDelta = await self.acall(
+            "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, timeout_s=limit + CALL_S
+        )
+        job = RemoteJob(
+            job_id=first.job_id, kind="python", label=label_of(code), owner=self.owner, session_id=self.session_id,
+            output=mirror_output(self.settings.output_limit_chars),
+        )  # fmt: skip
+
+        def request_cancel() -> None:
+            self._task_group.start_soon(self._cancel_remote, job.job_id)
+
+        job.request_cancel = request_cancel
+        self._jobs[job.job_id] = job
+        job.apply(first)
+        if not job.done.is_set():
+            self._task_group.start_soon(pump, job, lambda wait: self._read(job.job_id, wait), self.lost_text)
+        self._track(first.generation)
+        return job
+
+    async def _read(self, job_id: str, wait_s: float) -> JobDelta:
+        delta: JobDelta = await self.acall("read_job", job_id, wait_s, timeout_s=wait_s + CALL_S)
+        self._track(delta.generation)
+        return delta
+
+    async def _cancel_remote(self, job_id: str) -> None:
+        try:
+            await self.acall("cancel_job", job_id, timeout_s=self.settings.interrupt_grace_s + CALL_S)
+        except SessionError as exc:
+            log.info("cancelling %s: %s", job_id, exc)
+
+    def job_result(self, job: Job) -> ExecutionResult:
+        if isinstance(job.result, ExecutionResult):
+            return job.result
+        if job.failure is not None:
+            raise job.failure
+        assert job.output is not None
+        outcome = RunOutcome(status=RunStatus.INTERRUPTED, output=job.output, duration_s=job.elapsed_s())
+        return ExecutionResult(outcome, notice=job.notice, state_lost=job.state_lost)
+
+    def job(self, job_id: str) -> Job | None:
+        return self._jobs.get(job_id)
+
+    def list_jobs(self) -> list[Job]:
+        return list(self._jobs.values())
+
+    def forget_job(self, job: Job) -> None:
+        self._jobs.pop(job.job_id, None)
+        self._task_group.start_soon(self._forget_remote, job.job_id)
+
+    async def _forget_remote(self, job_id: str) -> None:
+        with contextlib.suppress(SessionError):
+            await self.acall("forget_job", job_id)
+
+    async def cancel_job(self, job: Job) -> None:
+        job.cancel_requested = True
+        await self.acall(
+            "cancel_job",
+            job.job_id,
+            timeout_s=self.settings.interrupt_grace_s + self.settings.startup_timeout_s + CALL_S,
+        )
+        with anyio.move_on_after(CALL_S):
+            await job.done.wait()
+
+    # --- the session -----------------------------------------------------------------------------
+
+    def _track(self, generation: int) -> None:
+        self._generation = max(self._generation, generation)
+
+    def kernel_state(self, lost: bool = False) -> tuple[int, bool]:
+        previous = self._reported_generation
+        preserved = not lost and previous in (None, self._generation)
+        self._reported_generation = self._generation
+        return self._generation, preserved
+
+    async def reset(self) -> None:
+        self._track(await self.acall("reset", timeout_s=self.settings.startup_timeout_s + CALL_S))
+
+    async def copy_out(self) -> None:
+        self.export_note = await self.acall("copy_out")
+
+    async def guest_op(
+        self, tool: str, op: str, args: dict[str, Any], timeout_s: float, *,
+        paths: Iterable[str] = (), input_path: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        return dict(await self.acall("guest_op", tool, op, args, timeout_s, list(paths), input_path,
+                                     timeout_s=timeout_s + CALL_S))  # fmt: skip
+
+    async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
+        return dict(await self.acall("install_packages", packages, timeout_s, timeout_s=timeout_s + CALL_S))
+
+    def status(self) -> SessionStatus:
+        """Called in a worker thread (the tools' summary): a blocking, bounded call is fine there."""
+        raw: dict[str, Any] = self.call("status")
+        self._track(raw.get("kernel_generation", 0))
+        known = {field.name for field in fields(SessionStatus)}
+        return SessionStatus(**{key: value for key, value in raw.items() if key in known})
+
+    async def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.close_note = await self.acall("close", timeout_s=self.settings.snapshot_timeout_s + CALL_S)
+        finally:
+            for job in self._jobs.values():
+                if not job.done.is_set():
+                    job.end(JobStatus.LOST, notice=f"session {self.session_id} was closed")
+            with anyio.move_on_after(1.0):
+                await anyio.to_thread.run_sync(_kill_quietly, self.actor)
+
+
+def _kill_quietly(actor: Any) -> None:
+    """The actor ends itself once its session is closed; this makes sure (a wedged one, a lost node)."""
+    time.sleep(0.3)
+    with contextlib.suppress(Exception):  # already gone
+        ray.kill(actor, no_restart=True)
+
+
+def cause_of(exc: Any) -> BaseException:
+    """What the actor raised, as the tools would have seen it here: a CodeRunnerError (SessionError,
+    FileAccessError, SessionBusy) as itself; anything else, a crash on the node, as a SessionError."""
+    original = getattr(exc, "cause", None)
+    if isinstance(original, CodeRunnerError):
+        return original
+    what = type(original).__name__ if original is not None else "an error"
+    return SessionError(f"the session's node failed with {what} (its log says more)")
+
+
+def _node_lost(exc: BaseException) -> bool:
+    """Whether Ray says the actor's node went away (rather than the actor ending itself)."""
+    if isinstance(exc, ray.exceptions.ActorUnavailableError):
+        return True
+    text = str(exc).lower()
+    return "node" in text and ("died" in text or "dead" in text or "failed" in text)

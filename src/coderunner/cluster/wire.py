@@ -1,0 +1,92 @@
+"""What crosses between a front door and a session actor: plain, picklable data, never a live object.
+
+A session's kernel, sandbox, dirs and jobs stay on its node; the front door gets copies of what the
+tools read (an ExecutionResult whose output holds no file descriptor, a JobDelta of new output).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any
+
+from coderunner.kernel.output_capture import ImageOutput, OutputCollector
+from coderunner.kernel.run_result import ExecutionResult
+from coderunner.sessions.sandbox_options import SandboxOptions
+
+#: Ray namespace every session actor is named in (found by name from any front door).
+NAMESPACE = "coderunner"
+#: Actor name prefix: `session-<session id>`.
+ACTOR_PREFIX = "session-"
+#: Bytes per piece of a file moved between a front door and a node (through Ray's object store).
+PIECE_BYTES = 1 << 20
+
+
+def actor_name(session_id: str) -> str:
+    return f"{ACTOR_PREFIX}{session_id}"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """Where a session lives: Ray's node id and the node's address."""
+
+    node_id: str
+    address: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.node_id[:12]} ({self.address})"
+
+
+@dataclass
+class SessionInfo:
+    """A session as its actor describes it on creation and on each lookup."""
+
+    session_id: str
+    owner: str
+    options: SandboxOptions
+    node: NodeInfo
+    generation: int
+    startup: dict[str, Any] | None = None
+    seeded: Any = None
+    workspace_path: str = "/workspace"
+
+
+@dataclass
+class JobDelta:
+    """What is new in a job since the last read: text, images, saved files; its end, once it ended."""
+
+    job_id: str
+    text: str = ""
+    images: list[ImageOutput] = field(default_factory=list)
+    saved: list[str] = field(default_factory=list)
+    spill_path: str | None = None
+    #: Seconds since the job started running its code (None: still waiting for the kernel).
+    executing_for_s: float | None = None
+    elapsed_s: float = 0.0
+    ended: bool = False
+    status: str = "running"
+    result: ExecutionResult | None = None
+    notice: str | None = None
+    state_lost: bool = False
+    #: A refusal the job raised before it ran, as the caller should read it.
+    failure: str | None = None
+    generation: int = 0
+    dropped_images: int = 0
+    #: The actor no longer knows the job (forgotten, or its session closed).
+    gone: bool = False
+
+
+def portable_output(output: OutputCollector) -> OutputCollector:
+    """A copy of a finished collector that holds no fd, writer or pending write (safe to pickle)."""
+    moved = copy.copy(output)
+    moved.writer = None
+    moved._pending = []
+    moved._spill_fd = None
+    return moved
+
+
+def portable_result(result: ExecutionResult) -> ExecutionResult:
+    outcome = copy.copy(result.outcome)
+    outcome.output = portable_output(outcome.output)
+    return ExecutionResult(outcome, notice=result.notice, state_lost=result.state_lost)
