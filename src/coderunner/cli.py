@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import json
 import logging
 import sys
 from pathlib import Path
@@ -113,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     commands.add_parser("doctor", help="check that sandboxes work here; say how to fix what does not")
+    commands.add_parser(
+        "node-resources",
+        help="cluster mode: the Ray resources this node offers (the backends that work here), as JSON for "
+        "`ray start --resources`",
+    )
 
     setup = commands.add_parser("setup", help="create the sandbox's Python environment (or image)")
     setup.add_argument("--recreate", action="store_true", help="delete and rebuild it")
@@ -194,6 +200,14 @@ def main(argv: list[str] | None = None) -> int:
             checks = doctor.run_checks(settings)
             print(doctor.report(checks))
             return 0 if all(check.ok for check in checks) else 1
+        if args.command == "node-resources":
+            from coderunner.cluster.placement import node_resources
+
+            found = node_resources(settings)
+            print(json.dumps(found))
+            if not found:
+                print("coderunner: no backend works on this node (coderunner doctor says why)", file=sys.stderr)
+            return 0 if found else 1
         if args.command == "setup":
             if entry(settings.backend).setup is Setup.IMAGE:
                 print(f"sandbox image ready: {image.build(settings, recreate=args.recreate)}")

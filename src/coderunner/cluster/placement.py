@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from coderunner.config import Settings
 from coderunner.errors import SessionError
+from coderunner.sandbox.registry import ENTRIES
 from coderunner.sessions.sandbox_options import SandboxOptions
 
 MIB = 1 << 20
@@ -74,3 +76,14 @@ def check_fits(request: Request, nodes: list[dict[str, Any]]) -> None:
         f"no node of the cluster can hold this session: it asks for {request.describe()}. The cluster has: "
         f"{have}. Ask for less (memory_mb, cpus), or add a node (README: 'Beyond one machine')."
     )
+
+
+def node_resources(settings: Settings) -> dict[str, float]:
+    """What this node should advertise to Ray: `coderunner-<backend>` for each backend whose doctor
+    readiness finds nothing missing here, as many units as sessions it may hold (max_sessions)."""
+    found: dict[str, float] = {}
+    for backend in ENTRIES:
+        missing, _ = backend.readiness(settings)
+        if missing is None:
+            found[backend_resource(backend.name)] = float(settings.max_sessions)
+    return found

@@ -12,6 +12,8 @@ instead names one fixed unprivileged user for all of them (then those limits are
 from __future__ import annotations
 
 import collections
+import contextlib
+import fcntl
 import hashlib
 import os
 import pwd
@@ -25,6 +27,8 @@ from pathlib import Path
 #: is derived from a persistent workspace's key, so its files keep one owner across sessions.
 UID_BASE = 1_900_000_000
 UID_SPAN = 1 << 24
+#: Random draws of a free uid before giving up (the range is nearly empty: one or two draws in practice).
+MAX_DRAWS = 1000
 
 
 class IdentityError(RuntimeError):
@@ -62,8 +66,15 @@ class UidPool:
 
     base: int = UID_BASE
     span: int = UID_SPAN
+    #: A host-only folder of lock files, one per drawn uid held by any server process on this host
+    #: (a cluster node runs one process per session; two servers may share a machine): a uid is
+    #: drawn only if its lock is free, and its lock is held while the sandbox lives. None: this
+    #: process's own count only.
+    claims_dir: Path | None = None
     #: uid -> how many live sandboxes hold it (more than one only through `adopt`).
     _used: collections.Counter[int] = field(default_factory=collections.Counter)
+    #: uid -> the fd of its claim (held flock).
+    _claims: dict[int, int] = field(default_factory=dict)
 
     @property
     def template(self) -> HostIdentity:
@@ -75,11 +86,48 @@ class UidPool:
             digest = int.from_bytes(hashlib.sha256(stable_key.encode()).digest()[:8], "big")
             uid = self.base + self.span + digest % self.span
         else:
-            uid = self.base + 1 + secrets.randbelow(self.span - 1)
-            while uid in self._used:
+            for _ in range(MAX_DRAWS):
                 uid = self.base + 1 + secrets.randbelow(self.span - 1)
+                if uid not in self._used and self._claim(uid):
+                    break
+            else:
+                raise IdentityError(f"no free sandbox uid after {MAX_DRAWS} draws: too many sandboxes on this host")
         self._used[uid] += 1
         return HostIdentity(f"uid {uid}", uid, uid)
+
+    def _claim(self, uid: int) -> bool:
+        """Take uid's host-wide lock (without blocking); False if another process holds it."""
+        if self.claims_dir is None:
+            return True
+        ensure_private_dir(self.claims_dir)
+        dir_fd = os.open(self.claims_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fd = os.open(str(uid), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dir_fd)
+        finally:
+            os.close(dir_fd)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return False
+        if os.fstat(fd).st_nlink == 0:  # its holder let go and removed it between our open and lock
+            os.close(fd)
+            return False
+        self._claims[uid] = fd
+        return True
+
+    def _unclaim(self, uid: int) -> None:
+        fd = self._claims.pop(uid, None)
+        if fd is None:
+            return
+        if self.claims_dir is not None:
+            with contextlib.suppress(OSError):  # removed while locked: a later opener sees nlink 0
+                dir_fd = os.open(self.claims_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+                try:
+                    os.unlink(str(uid), dir_fd=dir_fd)
+                finally:
+                    os.close(dir_fd)
+        os.close(fd)
 
     def adopt(self, uid: int, gid: int) -> HostIdentity:
         """The uid a checkpointed sandbox ran as, for its restored copy: the processes in a gVisor
@@ -96,6 +144,7 @@ class UidPool:
             self._used[identity.uid] -= 1
             if not self._used[identity.uid]:
                 del self._used[identity.uid]
+                self._unclaim(identity.uid)
 
 
 def per_sandbox_uids(name: str | None) -> bool:

@@ -12,7 +12,6 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
@@ -44,9 +43,6 @@ from coderunner.sessions.session_snapshots import Seed, SessionSnapshots
 from coderunner.sessions.usage import memory_used_mb
 from coderunner.snapshots.store import SnapshotError
 
-if TYPE_CHECKING:
-    pass
-
 log = logging.getLogger(__name__)
 
 #: Bound on closing every session at server shutdown.
@@ -68,7 +64,8 @@ class SessionManager(HostServices):
         self._task_group: TaskGroup | None = None
         self.base_mounts: list[Mount] = []
         #: The host side of every sandbox (dirs, host uid, mounts), sessions' and one-shot runs' alike.
-        self.leases = SandboxLeases(settings, backend, UidPool() if per_sandbox_uids(settings.sandbox_user) else None)
+        users = UidPool(claims_dir=settings.runtime_dir / "uids") if per_sandbox_uids(settings.sandbox_user) else None
+        self.leases = SandboxLeases(settings, backend, users)
         #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
         self.oneshot: OneShotRunner
         #: Sandboxes started ahead for sessions with default options (sessions/pool.py).
