@@ -342,6 +342,7 @@ def servers() -> Iterator[NetnsServers]:
 SLOWEST_FILES = (
     "test_e2e_podman.py",  # ~115 s
     "test_conformance.py",  # ~95 s
+    "test_cluster_mode.py",  # ~55 s (a real Ray cluster)
     "test_abuse_gvisor.py",  # ~60 s
     "test_abuse_podman.py",  # ~60 s
     "test_e2e_tsclient.py",  # ~45 s

@@ -6,6 +6,8 @@ import contextlib
 import logging
 import os
 import signal
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import anyio
@@ -27,13 +29,16 @@ HTTP_SHUTDOWN_GRACE_S = 5
 async def serve(settings: Settings) -> None:
     # Refuse an unsafe bind before any sandbox exists.
     policy = policy_for(settings) if settings.transport != "stdio" else None
-    async with _session_host(settings) as manager:
-        server = build_server(manager)
+    async with contextlib.AsyncExitStack() as stack:
+        with _stdout_held(settings.transport == "stdio"):
+            manager = await stack.enter_async_context(_session_host(settings))
+            server = build_server(manager)
         if settings.transport == "stdio":
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, manager)
                 await server.run_stdio_async()
                 tg.cancel_scope.cancel()
+            _divert_stdout()  # the channel is done; what is printed while sessions close goes to the log
             # The client closed stdin; the sessions close next, on leaving this block. A client then
             # escalates (SIGTERM after ~2 s, SIGKILL ~2 s later): a SIGTERM now only notes itself, so
             # that the close runs on until the kill instead of ending at once (the default action).
@@ -75,6 +80,34 @@ async def serve(settings: Settings) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _note_signal)
         await uvicorn.Server(config).serve()
+
+
+@contextlib.contextmanager
+def _stdout_held(held: bool) -> Iterator[None]:
+    """stdio: until the SDK serves the MCP channel (and points fd 1 at stderr itself), fd 1 is stderr.
+
+    Anything printed while the sessions' host starts (Ray prints its cluster's notices to stdout)
+    then lands in the log instead of reaching the client as a broken message. The channel is given
+    back just before run_stdio_async claims it, with no await in between.
+    """
+    if not held:
+        yield
+        return
+    wire = os.dup(1)
+    _divert_stdout()
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(wire, 1)
+        os.close(wire)
+
+
+def _divert_stdout() -> None:
+    """Point fd 1 at stderr (what was printed before goes first)."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    os.dup2(2, 1)
 
 
 def _session_host(settings: Settings) -> contextlib.AbstractAsyncContextManager[Any]:

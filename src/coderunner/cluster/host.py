@@ -15,7 +15,6 @@ import builtins
 import contextlib
 import logging
 import secrets
-import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -86,10 +85,9 @@ class ClusterHost:
 
     def _connect(self) -> None:
         address = self.settings.ray_address
-        # Ray prints the cluster's notices to stdout, which is the MCP channel of a stdio server (the
-        # SDK points fd 1 at stderr once it serves; until then, this keeps the channel clean).
-        with contextlib.redirect_stdout(sys.stderr):
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        # Ray prints the cluster's notices to stdout: a stdio server holds fd 1 for the MCP channel
+        # (serve.py) until the SDK serves it.
+        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
         log.info("cluster mode: joined the Ray cluster at %s (%d nodes)", address, len(ray.nodes()))
 
     async def __aexit__(self, *exc_info: object) -> None:

@@ -1,0 +1,317 @@
+"""Cluster mode end to end: front doors (`coderunner serve --ray`) on a real three-node Ray cluster.
+
+Every front door runs inside the cluster's network namespace (nsenter) and is driven by the SDK's
+client over stdio, or over HTTP through `coderunner proxy` (also inside the namespace). Sessions are
+real bwrap sandboxes with real kernels, started by session actors on the worker nodes.
+
+The tests of this module share one cluster and run in order: the last one SIGKILLs a worker's
+raylet, which takes that node away for good.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from mcp import Client, StdioServerParameters
+from mcp.types import CallToolResult
+
+from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, server_env, text_of
+from .conftest import REPO, RayCluster
+
+pytestmark = pytest.mark.anyio
+
+#: Each session asks for more than half a worker's 2 CPUs, so two sessions never share a worker.
+WIDE_CPUS = 1.5
+
+
+def cluster_env(cluster: RayCluster, dirs: ServerDirs, **extra: str) -> dict[str, str]:
+    """A front door's environment: the suite's (with its canary secret), Ray's PATH, the cluster's address."""
+    env = server_env(dirs, **extra)
+    env["PATH"] = cluster.env["PATH"]
+    env["RAY_USAGE_STATS_ENABLED"] = "0"
+    return env
+
+
+@contextlib.asynccontextmanager
+async def front_door(cluster: RayCluster, env: dict[str, str]) -> AsyncIterator[Client]:
+    """A stdio front door in the cluster's namespace, driven by the SDK's client."""
+    argv = [*cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "serve", "--ray", cluster.address]
+    params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(REPO))
+    async with Client(params, read_timeout_seconds=180) as client:
+        yield client
+
+
+async def call(client: Client, tool: str, **arguments: Any) -> CallToolResult:
+    return await client.call_tool(tool, arguments)
+
+
+async def ok(client: Client, tool: str, **arguments: Any) -> CallToolResult:
+    result = await call(client, tool, **arguments)
+    assert not result.is_error, text_of(result)
+    return result
+
+
+def node_name(cluster: RayCluster, node_id: str) -> str:
+    return next(name for name, node in cluster.nodes.items() if node.node_id == node_id)
+
+
+def named_actors(cluster: RayCluster) -> list[str]:
+    """The session actors the cluster still has (asked by a driver of our own)."""
+    done = cluster.run_python(
+        "import json, ray, sys; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR'); "
+        "print(json.dumps([a['name'] for a in ray.util.list_named_actors(all_namespaces=True) "
+        "if a['namespace'] == 'coderunner']))",
+        cluster.address,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def sandboxes_on(cluster: RayCluster) -> list[int]:
+    """bwrap processes alive in the cluster's namespace (every node's sandboxes)."""
+    return [pid for pid in cluster.netns_pids() if _comm(pid) == "bwrap"]
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        ids, nodes = [], []
+        for value in (1, 2):
+            made = (await ok(client, "create_session", cpus=WIDE_CPUS)).structured_content
+            assert made is not None
+            ids.append(made["session_id"])
+            nodes.append(node_name(ray_cluster, made["node"]))
+            await ok(client, "run_python", code=f"x = {value}", session_id=made["session_id"])
+        assert sorted(nodes) == ["w1", "w2"], nodes  # neither on the head, which offers no bwrap
+        for value, session_id in zip((1, 2), ids, strict=True):
+            assert f"{value * 10}" in text_of(await ok(client, "run_python", code="x * 10", session_id=session_id))
+        leak = await ok(client, "run_python", code=f"import os; print(repr(os.environ.get({SECRET_NAME!r})))",
+                        session_id=ids[0])  # fmt: skip
+        assert "None" in text_of(leak) and SECRET_VALUE not in text_of(leak)
+        # Files, a traceback, and the status, all from the session's node.
+        await ok(client, "write_file", path="data/a.txt", content="hello from the front door", session_id=ids[0])
+        assert "hello from the front door" in text_of(
+            await ok(client, "read_file", path="data/a.txt", session_id=ids[0])
+        )
+        error = await call(client, "run_python", code="1/0", session_id=ids[0])
+        assert error.is_error and "ZeroDivisionError" in text_of(error)
+        status = (await ok(client, "session_status", session_id=ids[1])).structured_content
+        assert status is not None and node_name(ray_cluster, status["node"]) == nodes[1]
+        for session_id in ids:
+            await ok(client, "close_session", session_id=session_id)
+    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+
+
+async def test_a_second_front_door_finds_and_uses_a_session_the_first_made(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    env = cluster_env(ray_cluster, dirs)
+    async with front_door(ray_cluster, env) as first:
+        made = (await ok(first, "create_session")).structured_content
+        assert made is not None
+        session_id = made["session_id"]
+        await ok(first, "run_python", code="shared = 'made by the first'", session_id=session_id)
+        async with front_door(ray_cluster, env) as second:
+            seen = await ok(second, "run_python", code="shared", session_id=session_id)
+            assert "made by the first" in text_of(seen)
+            await ok(second, "run_python", code="shared = 'changed by the second'", session_id=session_id)
+        # The second front door is gone; the session is not.
+        assert "changed by the second" in text_of(await ok(first, "run_python", code="shared", session_id=session_id))
+        await ok(first, "close_session", session_id=session_id)
+        gone = await call(first, "run_python", code="1", session_id=session_id)
+        assert gone.is_error and "unknown or expired" in text_of(gone)
+
+
+async def test_progress_detach_and_cancel_cross_the_cluster(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        session_id = (await ok(client, "create_session")).structured_content["session_id"]  # type: ignore[index]
+        notes: list[str] = []
+
+        async def progress(done: float, total: float | None, message: str | None) -> None:
+            notes.append(message or "")
+
+        slow = "import time\nfor i in range(6):\n    print('tick', i, flush=True)\n    time.sleep(0.5)"
+        result = await client.call_tool(
+            "run_python", {"code": slow, "session_id": session_id}, progress_callback=progress
+        )
+        assert not result.is_error and "tick 5" in text_of(result)
+        assert any("tick" in note for note in notes), notes  # output seen while it ran, from the node
+        detached = await ok(client, "run_python", code="import time; time.sleep(60)", session_id=session_id,
+                            detach_after_s=1)  # fmt: skip
+        job_id = detached.meta["coderunner/job"]["job_id"]  # type: ignore[index]
+        began = time.monotonic()
+        cancelled = await call(client, "cancel_job", job_id=job_id)
+        assert "interrupted" in text_of(cancelled), text_of(cancelled)
+        assert time.monotonic() - began < 30
+        assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=session_id))
+        await ok(client, "close_session", session_id=session_id)
+
+
+async def test_a_session_no_node_can_hold_is_refused_clearly(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        refused = await call(client, "create_session", memory_mb=64 * 1024)
+        text = text_of(refused)
+        assert refused.is_error and "no node of the cluster can hold this session" in text, text
+        assert "65,536 MiB" in text and "backends: bwrap" in text  # what was asked, and what there is
+        assert "2" in text_of(await ok(client, "run_python", code="1 + 1"))  # the front door still serves
+        await call(client, "close_session", session_id="")
+
+
+@contextlib.contextmanager
+def http_front_door(cluster: RayCluster, env: dict[str, str], port: int, log: Path) -> Any:
+    argv = [*cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "serve", "--ray", cluster.address,
+            "--transport", "streamable-http", "--port", str(port)]  # fmt: skip
+    with log.open("wb") as sink:
+        process = subprocess.Popen(argv, env=env, cwd=REPO, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        yield process
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=10)
+
+
+@contextlib.asynccontextmanager
+async def through_proxy(cluster: RayCluster, env: dict[str, str], port: int, token: str) -> AsyncIterator[Client]:
+    """The SDK's client on `coderunner proxy`, which speaks HTTP to a front door inside the namespace."""
+    argv = [*cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "proxy",
+            f"http://127.0.0.1:{port}/mcp", "--token", token]  # fmt: skip
+    params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(REPO))
+    async with Client(params, read_timeout_seconds=180) as client:
+        yield client
+
+
+def token_cli(env: dict[str, str], *args: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-m", "coderunner.cli", "token", *args], env=env, cwd=REPO,
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def initialize_status(cluster: RayCluster, port: int, token: str) -> int:
+    """The HTTP status a front door in the namespace gives an initialize request with `token`."""
+    done = cluster.run_python(
+        """
+import json, sys, urllib.error, urllib.request
+body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {"protocolVersion": "2025-06-18",
+        "capabilities": {}, "clientInfo": {"name": "probe", "version": "0"}}}
+request = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/mcp", json.dumps(body).encode(), method="POST",
+    headers={"Authorization": "Bearer " + sys.argv[2], "Content-Type": "application/json",
+             "Accept": "application/json, text/event-stream"})
+try:
+    print(urllib.request.urlopen(request, timeout=30).status)
+except urllib.error.HTTPError as exc:
+    print(exc.code)
+""",
+        str(port), token, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+async def refusal(client: Client, tool: str, **arguments: Any) -> str:
+    """What a refused call says: the proxy relays the front door's 401 as an error (an exception or an
+    error result, as the client spells it); a call that went through fails the test."""
+    try:
+        result = await call(client, tool, **arguments)
+    except Exception as exc:  # the SDK's error for a JSON-RPC error answer
+        return str(exc)
+    assert result.is_error, f"a revoked token's call went through: {text_of(result)}"
+    return text_of(result)
+
+
+async def test_a_revoked_token_is_refused_by_every_front_door(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
+    env = cluster_env(ray_cluster, dirs)
+    env.pop("CODERUNNER_TOKEN")  # the token file and its per-client tokens, shared by both front doors
+    token = token_cli(env, "add", "agent").splitlines()[-1]
+    ports = (18761, 18762)
+    with contextlib.ExitStack() as stack:
+        for port in ports:
+            stack.enter_context(http_front_door(ray_cluster, env, port, dirs.root / f"door-{port}.log"))
+        assert await _eventually(lambda: all(_listening(ray_cluster, port) for port in ports), 90), [
+            (dirs.root / f"door-{port}.log").read_text()[-2000:] for port in ports
+        ]
+        async with through_proxy(ray_cluster, env, ports[0], token) as first:
+            session_id = (await ok(first, "create_session")).structured_content["session_id"]  # type: ignore[index]
+            await ok(first, "run_python", code="owned = 1", session_id=session_id)
+            async with through_proxy(ray_cluster, env, ports[1], token) as second:
+                assert "1" in text_of(await ok(second, "run_python", code="owned", session_id=session_id))
+                assert [initialize_status(ray_cluster, port, token) for port in ports] == [200, 200]
+                token_cli(env, "revoke", "agent")
+                assert [initialize_status(ray_cluster, port, token) for port in ports] == [401, 401]
+                for door in (first, second):
+                    assert "owned" not in await refusal(door, "run_python", code="owned", session_id=session_id)
+        # A new token for the same client reaches the same session through either front door.
+        renewed = token_cli(env, "add", "agent").splitlines()[-1]
+        async with through_proxy(ray_cluster, env, ports[1], renewed) as again:
+            assert "1" in text_of(await ok(again, "run_python", code="owned", session_id=session_id))
+            await ok(again, "close_session", session_id=session_id)
+    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+
+
+async def test_a_lost_node_says_so_while_other_nodes_serve(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        by_node: dict[str, str] = {}
+        for _ in range(2):
+            made = (await ok(client, "create_session", cpus=WIDE_CPUS)).structured_content
+            assert made is not None
+            by_node[node_name(ray_cluster, made["node"])] = made["session_id"]
+        assert sorted(by_node) == ["w1", "w2"]
+        for session_id in by_node.values():
+            await ok(client, "run_python", code="kept = 'yes'", session_id=session_id)
+        ray_cluster.kill_raylet("w2")
+        # Its actor may answer a moment longer (calls go worker to worker, not through the raylet);
+        # then every call says the session was lost with its node. Each call is bounded: never a hang.
+        began, answers = time.monotonic(), []
+        while time.monotonic() - began < 120:
+            asked = time.monotonic()
+            answer = await call(client, "run_python", code="kept", session_id=by_node["w2"])
+            answers.append((round(time.monotonic() - asked, 1), answer.is_error, text_of(answer)[:200]))
+            if answer.is_error:
+                break
+            await anyio.sleep(1.0)
+        assert answers[-1][1] and "lost with node" in answers[-1][2], answers
+        assert max(took for took, _, _ in answers) < 60, answers
+        assert "yes" in text_of(await ok(client, "run_python", code="kept", session_id=by_node["w1"]))
+        await ok(client, "close_session", session_id=by_node["w1"])
+    assert await _eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+
+
+def _listening(cluster: RayCluster, port: int) -> bool:
+    done = cluster.run_python(
+        "import socket, sys; socket.create_connection(('127.0.0.1', int(sys.argv[1])), timeout=2)", str(port),
+        timeout=30,
+    )  # fmt: skip
+    return done.returncode == 0
+
+
+async def _eventually(predicate: Any, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await anyio.to_thread.run_sync(predicate):
+            return True
+        await anyio.sleep(0.5)
+    return bool(await anyio.to_thread.run_sync(predicate))
