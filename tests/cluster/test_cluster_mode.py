@@ -165,6 +165,24 @@ async def test_progress_detach_and_cancel_cross_the_cluster(ray_cluster: RayClus
         await ok(client, "close_session", session_id=session_id)
 
 
+async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        ran = (await ok(client, "execute_code", language="python", code="import sys; print(6 * 7); "
+                        "print(sys.stdin.read())", stdin="fed in")).structured_content  # fmt: skip
+        assert ran is not None and ran["stdout"] == "42\nfed in\n" and ran["exit_code"] == 0, ran
+        failed = (await call(client, "execute_code", language="python", code="raise SystemExit(3)")).structured_content
+        assert failed is not None and failed["exit_code"] == 3
+        checked = (await ok(client, "validate_code", language="python", code="def f(:\n pass")).structured_content
+        assert checked is not None and checked["valid"] is False and checked["errors"][0]["line"] == 1
+        slow = await ok(client, "execute_code", language="python", code="import time; time.sleep(60)",
+                        detach_after_s=1)  # fmt: skip
+        job_id = slow.structured_content["job_id"]  # type: ignore[index]
+        began = time.monotonic()
+        await call(client, "cancel_job", job_id=job_id)
+        assert time.monotonic() - began < 30
+    assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+
+
 async def test_a_session_no_node_can_hold_is_refused_clearly(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
         refused = await call(client, "create_session", memory_mb=64 * 1024)

@@ -23,6 +23,7 @@ import ray
 from anyio.abc import TaskGroup
 
 from coderunner.cluster.actor import SessionActor
+from coderunner.cluster.oneshots import NodeCalls
 from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
@@ -74,6 +75,8 @@ class ClusterHost:
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
         self.oneshot_jobs: JobTable
+        self._settings_sent = settings.model_dump(exclude=FRONT_DOOR_ONLY)
+        self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
 
     async def __aenter__(self) -> ClusterHost:
         with anyio.fail_after(CONNECT_S):
@@ -130,11 +133,10 @@ class ClusterHost:
         request = Request.of(options, self.backend.name)
         check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
         session_id = secrets.token_urlsafe(18)
-        settings = self.settings.model_dump(exclude=FRONT_DOOR_ONLY)
         actor: Any = SessionActorClass.options(
             name=actor_name(session_id), namespace=NAMESPACE, lifetime="detached", max_restarts=0,
             max_concurrency=ACTOR_CONCURRENCY, **request.actor_options(),
-        ).remote(settings, session_id)  # fmt: skip
+        ).remote(self._settings_sent, session_id)  # fmt: skip
         bound = self.settings.startup_timeout_s + CALL_S
         try:
             with anyio.fail_after(bound):
@@ -261,20 +263,30 @@ class ClusterHost:
     async def delete_workspace(self, client: str, name: str) -> None:
         raise not_in_cluster_mode("a persistent workspace")
 
+    # --- one-shot runs: a task each, on any node (oneshots.py) -------------------------------------
+
     async def run_oneshot(
         self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
         variables: dict[str, Any] | None = None, caller: str | None = None,
         on_egress: Callable[[SessionEgress], None] | None = None,
     ) -> OneShotResult:  # fmt: skip
-        raise not_in_cluster_mode("execute_code")
+        # `on_egress` (the call's view of an allowlist run's proxy) stays on the node: its policy applies there.
+        result: OneShotResult = await self._node_calls.run(
+            "run_oneshot", options, language, code, options, stdin=stdin, variables=variables
+        )
+        return result
 
     async def check_code(
         self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
     ) -> builtins.list[dict[str, Any]]:
-        raise not_in_cluster_mode("validate_code")
+        found: builtins.list[dict[str, Any]] = await self._node_calls.run(
+            "check_code", options, language, code, options
+        )
+        return found
 
     async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
-        raise not_in_cluster_mode("the language versions")
+        found: dict[str, Any] = await self._node_calls.run("language_versions", options, options)
+        return found
 
 
 def _kill(actor: Any) -> None:

@@ -1,0 +1,76 @@
+"""One-shot runs (execute_code, validate_code) in cluster mode: each one a Ray task on some node.
+
+A one-shot keeps nothing, so it needs no actor: a task placed like a session (its CPUs, memory and
+one `coderunner-<backend>` unit) runs it through the node's own SessionManager and OneShotRunner,
+exactly as one machine would, and returns the OneShotResult. Ray reuses its worker processes for
+tasks, so no process starts per run. A cancelled or over-time run cancels its task (force: the
+worker is killed, and its sandbox, started with --die-with-parent, dies with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import anyio
+import ray
+
+from coderunner.cluster.placement import Request, check_fits
+from coderunner.cluster.remote_session import CALL_S, cause_of
+from coderunner.config import Settings
+from coderunner.errors import SessionError
+from coderunner.sandbox import make_backend
+from coderunner.sessions.manager import SessionManager
+from coderunner.sessions.sandbox_options import SandboxOptions
+
+
+def node_call(settings: dict[str, Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """On the node: one SessionHost call (run_oneshot, check_code, language_versions) by its own manager."""
+    chosen = Settings.model_validate({**settings, "pool_size": 0, "ray_address": None})
+
+    async def call() -> Any:
+        async with SessionManager(chosen, make_backend(chosen)) as manager:
+            return await getattr(manager, method)(*args, **kwargs)
+
+    return anyio.run(call)
+
+
+NodeCall = ray.remote(node_call)
+
+
+class NodeCalls:
+    """Runs host calls as tasks on the cluster's nodes, at most `limit` at once from this front door."""
+
+    def __init__(self, settings: Settings, settings_sent: dict[str, Any], backend: str) -> None:
+        self.settings = settings
+        self.settings_sent = settings_sent
+        self.backend = backend
+        self.slots = anyio.CapacityLimiter(settings.max_oneshot_runs)
+
+    async def run(self, method: str, options: SandboxOptions, *args: Any, **kwargs: Any) -> Any:
+        request = Request.of(options, self.backend)
+        check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
+        bound = options.timeout_s + self.settings.startup_timeout_s + CALL_S
+        async with self.slots:
+            ref = NodeCall.options(max_retries=0, **request.actor_options()).remote(
+                self.settings_sent, method, args, kwargs
+            )
+            try:
+                with anyio.fail_after(bound):
+                    return await ref
+            except ray.exceptions.RayTaskError as exc:
+                raise cause_of(exc) from None
+            except ray.exceptions.RayError as exc:  # its worker or node went away
+                raise SessionError(f"the run was lost with its node ({type(exc).__name__}); run it again") from None
+            except TimeoutError:
+                await _cancel(ref)
+                raise SessionError(f"the run did not end within {bound:g}s on its node; it was stopped") from None
+            except BaseException:
+                await _cancel(ref)
+                raise
+
+
+async def _cancel(ref: Any) -> None:
+    """Stop a task whatever happens to its caller (force: its worker, and so its sandbox, is killed)."""
+    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+        await anyio.to_thread.run_sync(lambda: ray.cancel(ref, force=True))
