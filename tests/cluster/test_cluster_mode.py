@@ -183,6 +183,49 @@ async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dir
     assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
 
+async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_POOL_SIZE="1")
+    try:
+        async with front_door(ray_cluster, env) as client:
+            # Each worker's pool starts one session actor ahead (named session-<id> from the start).
+            assert await _eventually(lambda: len(_pooled(ray_cluster)) == 2, 120), named_actors(ray_cluster)
+            pooled = set(_pooled(ray_cluster))
+            made = (await ok(client, "create_session")).structured_content
+            assert made is not None and made["session_id"] in pooled  # claimed, not started cold
+            assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=made["session_id"]))
+            # Its pool starts a replacement; the claimed one is the caller's alone.
+            assert await _eventually(lambda: len(set(_pooled(ray_cluster)) - {made["session_id"]}) == 2, 120)
+            ready = set(_pooled(ray_cluster)) - {made["session_id"]}
+            other = (await ok(client, "create_session", memory_mb=768)).structured_content  # not the defaults
+            assert other is not None and other["session_id"] not in ready | pooled  # started cold
+            for session_id in (made["session_id"], other["session_id"]):
+                await ok(client, "close_session", session_id=session_id)
+    finally:
+        _stop_pools(ray_cluster)
+    assert await _eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
+    assert await _eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+
+
+def _pooled(cluster: RayCluster) -> list[str]:
+    return [name.removeprefix("session-") for name in named_actors(cluster) if name.startswith("session-")]
+
+
+def _stop_pools(cluster: RayCluster) -> None:
+    """Pools outlive front doors (they are the cluster's): this test ends them, and their sessions."""
+    done = cluster.run_python(
+        "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR')\n"
+        "for a in ray.util.list_named_actors(all_namespaces=True):\n"
+        "    if a['namespace'] == 'coderunner' and a['name'].startswith('pool-'):\n"
+        "        ray.kill(ray.get_actor(a['name'], namespace='coderunner'), no_restart=True)\n"
+        "import time; time.sleep(1)\n"
+        "for a in ray.util.list_named_actors(all_namespaces=True):\n"
+        "    if a['namespace'] == 'coderunner':\n"
+        "        ray.kill(ray.get_actor(a['name'], namespace='coderunner'), no_restart=True)\n",
+        cluster.address,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+
+
 async def test_a_session_no_node_can_hold_is_refused_clearly(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
         refused = await call(client, "create_session", memory_mb=64 * 1024)

@@ -40,53 +40,85 @@ MAX_UPLOADS = 4
 
 
 class SessionActor:
-    """Ray wraps this class (`ray.remote`) in the front door; it holds no Ray import of its own."""
+    """Ray wraps this class (`ray.remote`) in the front door; it holds no Ray import of its own.
 
-    def __init__(self, settings: dict[str, Any], session_id: str) -> None:
-        # One session per actor: no warm pool here (a node's pool is its own actor's concern).
-        self.settings = Settings.model_validate({**settings, "pool_size": 0, "ray_address": None})
+    `pooled`: started ahead by a node's pool (node_pool.py): its manager keeps one warm sandbox
+    (its own warm pool of one, for the default options) until a create claims the actor and opens
+    its session from that sandbox. Its max_sessions of one stops the pool refilling after that.
+    """
+
+    def __init__(self, settings: dict[str, Any], session_id: str, pooled: bool = False) -> None:
+        pool_size = 1 if pooled else 0
+        self.settings = Settings.model_validate(
+            {**settings, "pool_size": pool_size, "max_sessions": 1, "ray_address": None}
+        )
         self.session_id = session_id
         self.manager: SessionManager | None = None
         self.session: Session | None = None
-        self._ready = asyncio.Event()
+        self._entered = asyncio.Event()
+        self._opened = asyncio.Event()
+        self._opening = False
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
         self._main: asyncio.Task[None] | None = None
         self._uploads: dict[str, tuple[int, int, float]] = {}
         self.node = _this_node()
 
+    async def _manager(self) -> SessionManager:
+        """The node's manager for this actor, entered in a task of its own on first use."""
+        if self._main is None:
+            self._main = asyncio.get_running_loop().create_task(self._hold())
+        await self._entered.wait()
+        if self.manager is None:
+            raise SessionError(f"the session could not start on node {self.node.label}: {self._failure!r}")
+        return self.manager
+
+    async def prestart(self, wait_s: float) -> bool:
+        """Pooled: start the manager and wait (bounded) until its warm sandbox is ready."""
+        manager = await self._manager()
+        with anyio.move_on_after(wait_s):
+            while manager.pool.held < 1:
+                await anyio.sleep(0.05)
+        return manager.pool.held >= 1
+
     async def open(self, options: SandboxOptions, owner: str, seed: Any = None) -> SessionInfo:
-        """Start the manager (in its own task) and create the session: its id is the actor's name."""
-        self._main = asyncio.get_running_loop().create_task(self._hold(options, owner, seed))
-        await self._ready.wait()
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            if isinstance(failure, CodeRunnerError):
-                raise SessionError(str(failure))
-            raise SessionError(f"the session could not start on node {self.node.label}: {failure!r}")
+        """Create the session (from the warm sandbox when pooled and `options` are the defaults);
+        its id is the actor's name. A second open is refused: a pooled actor is claimed once."""
+        manager = await self._manager()
+        if self._opening:
+            raise SessionError("this session actor is already taken")
+        self._opening = True
+        try:
+            self.session = await manager.create(options, owner=owner, seed=seed, session_id=self.session_id)
+        except CodeRunnerError as exc:
+            self._stop.set()
+            raise SessionError(str(exc)) from None
+        except BaseException:
+            self._stop.set()
+            raise
+        finally:
+            self._opened.set()
         return self.info()
 
-    async def _hold(self, options: SandboxOptions, owner: str, seed: Any) -> None:
+    async def _hold(self) -> None:
         try:
             backend = make_backend(self.settings)
             async with SessionManager(self.settings, backend) as manager:
                 self.manager = manager
-                try:
-                    self.session = await manager.create(options, owner=owner, seed=seed, session_id=self.session_id)
-                except BaseException as exc:  # told to the caller of open(), then the manager closes
-                    self._failure = exc
-                    return
-                finally:
-                    self._ready.set()
-                while not self._stop.is_set() and self.session.session_id in {s.session_id for s in manager.list()}:
+                self._entered.set()
+                await self._opened.wait()
+                while not self._stop.is_set() and self._open_in(manager):
                     with anyio.move_on_after(WATCH_INTERVAL_S):
                         await self._stop.wait()
         except BaseException as exc:
             self._failure = self._failure or exc
-            self._ready.set()
             raise
         finally:
+            self._entered.set()
             self._end_soon()
+
+    def _open_in(self, manager: SessionManager) -> bool:
+        return self.session is not None and self.session.session_id in {s.session_id for s in manager.list()}
 
     def _end_soon(self) -> None:
         """The session is gone: end this process a moment later (after the reply to close has left)."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import dataclasses
 import logging
 import secrets
 from collections.abc import Callable, Sequence
@@ -23,6 +24,7 @@ import ray
 from anyio.abc import TaskGroup
 
 from coderunner.cluster.actor import SessionActor
+from coderunner.cluster.node_pool import NodePools
 from coderunner.cluster.oneshots import NodeCalls
 from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
@@ -51,6 +53,10 @@ log = logging.getLogger(__name__)
 CONNECT_S = 60.0
 #: Concurrent calls one session actor serves (long-polls of jobs, file pieces, status).
 ACTOR_CONCURRENCY = 64
+#: Bound on asking one node's pool for a ready session.
+CLAIM_S = 5.0
+#: How often the front door looks for nodes whose pool it has not met yet.
+POOL_SCAN_S = 30.0
 #: Settings a session actor is not given: the front door alone holds the tokens.
 FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
 
@@ -77,6 +83,13 @@ class ClusterHost:
         self.oneshot_jobs: JobTable
         self._settings_sent = settings.model_dump(exclude=FRONT_DOOR_ONLY)
         self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
+        self._defaults = self.options()
+        #: Warm pools per node (pool_size each), for sessions with the default options.
+        self._pools = (
+            NodePools(self._settings_sent, settings.pool_size, self.backend.name,
+                      Request.of(self._defaults, self.backend.name).actor_options())
+            if settings.pool_size > 0 else None
+        )  # fmt: skip
 
     async def __aenter__(self) -> ClusterHost:
         with anyio.fail_after(CONNECT_S):
@@ -84,7 +97,18 @@ class ClusterHost:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self.oneshot_jobs = JobTable(self._task_group)
+        if self._pools is not None:
+            self._task_group.start_soon(self._keep_pools, self._pools)
         return self
+
+    async def _keep_pools(self, pools: NodePools) -> None:
+        """Find or start every node's pool now, and again now and then (nodes come and go)."""
+        while True:
+            try:
+                await anyio.to_thread.run_sync(pools.ensure)
+            except Exception as exc:  # the cluster is unreachable for a moment: the next round tries again
+                log.warning("warm pools: %r", exc)
+            await anyio.sleep(POOL_SCAN_S)
 
     def _connect(self) -> None:
         address = self.settings.ray_address
@@ -130,6 +154,10 @@ class ClusterHost:
         if options.persistent or options.keep_state:
             raise not_in_cluster_mode("a persistent workspace")
         self._check_room(owner)
+        if self._pools is not None and dataclasses.replace(options, client=LOCAL_CLIENT) == self._defaults:
+            claimed = await self._claim(options, owner)
+            if claimed is not None:
+                return claimed
         request = Request.of(options, self.backend.name)
         check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
         session_id = secrets.token_urlsafe(18)
@@ -156,6 +184,24 @@ class ClusterHost:
         session = RemoteSession(actor, info, self.settings, self._group())
         self._sessions[session_id] = session
         log.info("session %s… started on node %s", session_id[:6], info.node.label)
+        return session
+
+    async def _claim(self, options: SandboxOptions, owner: str) -> RemoteSession | None:
+        """A session from some node's warm pool, or None (then the create starts cold)."""
+        assert self._pools is not None
+        session_id = await self._pools.claim(CLAIM_S)
+        if session_id is None:
+            return None
+        try:
+            actor = await anyio.to_thread.run_sync(lambda: ray.get_actor(actor_name(session_id), namespace=NAMESPACE))
+            with anyio.fail_after(self.settings.startup_timeout_s + CALL_S):
+                info: SessionInfo = await actor.open.remote(options, owner, None)
+        except (ValueError, TimeoutError, ray.exceptions.RayError) as exc:
+            log.info("a pooled session could not be opened (%r): starting one cold", exc)
+            return None
+        session = RemoteSession(actor, info, self.settings, self._group())
+        self._sessions[session_id] = session
+        log.info("session %s… taken from the pool of node %s", session_id[:6], info.node.label)
         return session
 
     def _check_room(self, owner: str) -> None:

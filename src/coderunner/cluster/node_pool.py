@@ -1,0 +1,152 @@
+"""Warm pools per node: a few session actors started ahead on each node, claimed by a create.
+
+As kubernetes-sigs/agent-sandbox's SandboxWarmPool and SandboxClaim: a NodePool actor (one per node,
+named `pool-<node id>`, detached, pinned to its node) keeps `size` pooled SessionActors ready
+(each with a started sandbox and a warm kernel, named `session-<id>` from the start). A front
+door's create with the default options asks the pools for one; the pool hands its id out once
+(claims are made one at a time in the pool actor) and starts a replacement. The front door then
+opens the session in that actor, which adopts its warm sandbox. A pool that has none answers None
+and the create starts cold, placed by Ray's scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from typing import Any
+
+import anyio
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from coderunner.cluster.actor import SessionActor
+from coderunner.cluster.placement import backend_resource
+from coderunner.cluster.wire import NAMESPACE, actor_name
+
+log = logging.getLogger(__name__)
+
+#: Bound on one pooled actor's start (its process, manager, sandbox and kernel).
+PRESTART_S = 120.0
+#: Pause after a failed start before the next try (a full node, a broken backend).
+RETRY_S = 10.0
+
+PooledActor = ray.remote(SessionActor)
+
+
+def pool_name(node_id: str) -> str:
+    return f"pool-{node_id}"
+
+
+class NodePool:
+    """Keeps `size` pooled session actors ready on one node (a Ray actor itself: `ray.remote(NodePool)`)."""
+
+    def __init__(self, settings: dict[str, Any], node_id: str, size: int, actor_options: dict[str, Any]) -> None:
+        self.settings = settings
+        self.node_id = node_id
+        self.size = size
+        self.actor_options = actor_options
+        self.ready: list[str] = []
+        self.starting = 0
+        self.claimed = 0
+        self._wake = anyio.Event()
+        self._running = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Begin filling (once; later calls only wake it)."""
+        if not self._running:
+            self._running = True
+            self._task = asyncio.get_running_loop().create_task(self._fill())
+        self._wake.set()
+
+    async def claim(self) -> str | None:
+        """A ready session actor's id, handed out once; None when none is ready."""
+        if not self.ready:
+            return None
+        session_id = self.ready.pop(0)
+        self.claimed += 1
+        self._wake.set()
+        return session_id
+
+    async def stats(self) -> dict[str, Any]:
+        return {"node": self.node_id, "size": self.size, "ready": len(self.ready), "starting": self.starting,
+                "claimed": self.claimed}  # fmt: skip
+
+    async def _fill(self) -> None:
+        while True:
+            while len(self.ready) + self.starting < self.size:
+                self.starting += 1
+                try:
+                    session_id = await self._start_one()
+                finally:
+                    self.starting -= 1
+                if session_id is None:
+                    await anyio.sleep(RETRY_S)
+                    break
+                self.ready.append(session_id)
+            self._wake = anyio.Event()
+            await self._wake.wait()
+
+    async def _start_one(self) -> str | None:
+        session_id = secrets.token_urlsafe(18)
+        actor: Any = PooledActor.options(
+            name=actor_name(session_id), namespace=NAMESPACE, lifetime="detached", max_restarts=0,
+            max_concurrency=64, scheduling_strategy=NodeAffinitySchedulingStrategy(self.node_id, soft=False),
+            **self.actor_options,
+        ).remote(self.settings, session_id, pooled=True)  # fmt: skip
+        try:
+            with anyio.fail_after(PRESTART_S):
+                ready = await actor.prestart.remote(PRESTART_S)
+        except Exception as exc:
+            log.warning("node %s: a pooled session did not start: %r", self.node_id[:12], exc)
+            ready = False
+        if not ready:
+            ray.kill(actor, no_restart=True)
+            return None
+        return session_id
+
+
+PoolActor = ray.remote(NodePool)
+
+
+class NodePools:
+    """A front door's view of the pools: one per live node that offers the backend, found or made by name."""
+
+    def __init__(self, settings_sent: dict[str, Any], size: int, backend: str, actor_options: dict[str, Any]) -> None:
+        self.settings_sent = settings_sent
+        self.size = size
+        self.backend = backend
+        self.actor_options = actor_options
+        self.pools: dict[str, Any] = {}
+        self._turn = 0
+
+    def ensure(self) -> None:
+        """Find or start the pool of every live node that offers the backend (blocking: a worker thread)."""
+        for node in ray.nodes():
+            node_id = node["NodeID"]
+            offers = node.get("Resources", {}).get(backend_resource(self.backend), 0) >= 1
+            if not node.get("Alive") or not offers or node_id in self.pools:
+                continue
+            handle: Any = PoolActor.options(
+                name=pool_name(node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_restarts=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(self.settings_sent, node_id, self.size, self.actor_options)  # fmt: skip
+            handle.start.remote()
+            self.pools[node_id] = handle
+
+    async def claim(self, wait_s: float) -> str | None:
+        """A ready pooled session's id from some node's pool (each asked in turn), or None."""
+        order = list(self.pools.items())
+        self._turn = (self._turn + 1) % max(len(order), 1)
+        for node_id, handle in order[self._turn :] + order[: self._turn]:
+            try:
+                with anyio.fail_after(wait_s):
+                    session_id: str | None = await handle.claim.remote()
+            except Exception as exc:  # its node is gone: ensure() finds it again if it comes back
+                log.info("pool of node %s: %r", node_id[:12], exc)
+                self.pools.pop(node_id, None)
+                continue
+            if session_id is not None:
+                return session_id
+        return None
