@@ -36,9 +36,10 @@ async def serve(settings: Settings) -> None:
         if settings.transport == "stdio":
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, manager)
+                tg.start_soon(_print_to_log)  # runs once the SDK holds the channel (its claim has no await)
                 await server.run_stdio_async()
+                _divert_stdout()  # the channel is done; what is printed while sessions close goes to the log
                 tg.cancel_scope.cancel()
-            _divert_stdout()  # the channel is done; what is printed while sessions close goes to the log
             # The client closed stdin; the sessions close next, on leaving this block. A client then
             # escalates (SIGTERM after ~2 s, SIGKILL ~2 s later): a SIGTERM now only notes itself, so
             # that the close runs on until the kill instead of ending at once (the default action).
@@ -101,6 +102,11 @@ def _stdout_held(held: bool) -> Iterator[None]:
         sys.stdout.flush()
         os.dup2(wire, 1)
         os.close(wire)
+
+
+async def _print_to_log() -> None:
+    """stdio: Python's own prints (Ray's notices among them) go to stderr, whatever fd 1 is."""
+    sys.stdout = sys.stderr
 
 
 def _divert_stdout() -> None:

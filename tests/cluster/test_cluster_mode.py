@@ -165,6 +165,29 @@ async def test_progress_detach_and_cancel_cross_the_cluster(ray_cluster: RayClus
         await ok(client, "close_session", session_id=session_id)
 
 
+async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_IDLE_TIMEOUT_S="6")
+    async with front_door(ray_cluster, env) as client:
+        session_id = (await ok(client, "create_session")).structured_content["session_id"]  # type: ignore[index]
+        await ok(client, "run_python", session_id=session_id,
+                 code="from PIL import Image; Image.new('RGB', (64, 32), 'red').save('red.png')")  # fmt: skip
+        info = await ok(client, "image_ops", input_path="red.png", op="info", session_id=session_id)
+        assert "64" in text_of(info) and "32" in text_of(info), text_of(info)
+        # A file of several pieces (1 MiB each) both ways, checked byte for byte on the node.
+        blob = "".join(f"{i:08d}\n" for i in range(300_000))  # 2.7 MB
+        await ok(client, "write_file", path="blob.txt", content=blob, session_id=session_id)
+        digest = await ok(client, "run_python", session_id=session_id,
+                          code="import hashlib; hashlib.sha256(open('blob.txt','rb').read()).hexdigest()")  # fmt: skip
+        assert __import__("hashlib").sha256(blob.encode()).hexdigest() in text_of(digest)
+        # Left alone past idle_timeout_s, the node's manager closes it and its actor ends.
+        assert await _eventually(lambda: f"session-{session_id}" not in named_actors(ray_cluster), 60)
+        gone = await call(client, "run_python", code="1", session_id=session_id)
+        assert gone.is_error and "unknown or expired" in text_of(gone), text_of(gone)
+    assert await _eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+
+
 async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
         ran = (await ok(client, "execute_code", language="python", code="import sys; print(6 * 7); "

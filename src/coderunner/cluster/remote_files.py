@@ -13,12 +13,19 @@ A read is brought into an anonymous memory file (memfd) at the front door, whole
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import secrets
+import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 from coderunner.cluster.wire import PIECE_BYTES
 from coderunner.hostfs.sandbox_files import Entry, FileAccessError, SandboxFiles
+from coderunner.kernel.output_capture import SPILL_DIR, WorkspaceWriter
+
+log = logging.getLogger(__name__)
 
 #: Runs one actor call from a worker thread and returns its answer (bounded; see remote_session.py).
 Call = Callable[..., Any]
@@ -30,7 +37,7 @@ class RemoteFiles(SandboxFiles):
     def __init__(self, call: Call, limit: int) -> None:
         super().__init__([])
         self._call = call
-        self._limit = limit
+        self.limit = limit
 
     def describe(self) -> str:
         return "the session's workspace and mounts, on its node"
@@ -39,7 +46,7 @@ class RemoteFiles(SandboxFiles):
         return list(self._call("list_files", path, depth))
 
     def read(self, path: str, offset: int = 0, limit: int | None = None) -> tuple[bytes, int, str]:
-        want = self._limit if limit is None else min(limit, self._limit)
+        want = self.limit if limit is None else min(limit, self.limit)
         pieces: list[bytes] = []
         got, size, resolved = 0, 0, path
         while True:
@@ -52,9 +59,9 @@ class RemoteFiles(SandboxFiles):
     @contextlib.contextmanager
     def open_read(self, path: str) -> Iterator[tuple[int, int, str]]:
         _, size, resolved = self._call("read_piece", path, 0, 0)
-        if size > self._limit:
+        if size > self.limit:
             raise FileAccessError(
-                f"{resolved} is {size:,} bytes, over the limit of {self._limit:,} for a file moved from its node"
+                f"{resolved} is {size:,} bytes, over the limit of {self.limit:,} for a file moved from its node"
             )
         data, size, resolved = self.read(path, 0, size)
         fd = os.memfd_create("coderunner-read", os.MFD_CLOEXEC)
@@ -69,7 +76,7 @@ class RemoteFiles(SandboxFiles):
         fd = os.memfd_create("coderunner-write", os.MFD_CLOEXEC)
         try:
             yield fd, self.normalize(path)
-            self._send(fd, path, overwrite)
+            self.send(fd, path, overwrite)
         finally:
             os.close(fd)
 
@@ -77,15 +84,15 @@ class RemoteFiles(SandboxFiles):
         fd = os.memfd_create("coderunner-write", os.MFD_CLOEXEC)
         try:
             os.pwrite(fd, data, 0)
-            return self._send(fd, path, overwrite)
+            return self.send(fd, path, overwrite)
         finally:
             os.close(fd)
 
-    def _send(self, fd: int, path: str, overwrite: bool) -> str:
+    def send(self, fd: int, path: str, overwrite: bool) -> str:
         """Stage the memfd's bytes on the node piece by piece, then write them to `path` there."""
         size = os.fstat(fd).st_size
-        if size > self._limit:
-            raise FileAccessError(f"{path}: {size:,} bytes is over the limit of {self._limit:,}")
+        if size > self.limit:
+            raise FileAccessError(f"{path}: {size:,} bytes is over the limit of {self.limit:,}")
         upload, offset = "", 0
         while True:  # at least one piece: an empty file is still written
             piece = os.pread(fd, PIECE_BYTES, offset)
@@ -99,3 +106,35 @@ class RemoteFiles(SandboxFiles):
 
     def confine(self, arguments: dict[str, Any], names: Any) -> dict[str, Any]:
         raise FileAccessError("paths of a session on another node are confined on its node")
+
+
+class RemoteWorkspaceWriter(WorkspaceWriter):
+    """Where a reply too big to send spills, for a session on another node: each file is the write end
+    of a pipe, streamed by a thread of its own to a new file under the workspace's SPILL_DIR on the
+    node (created there with O_EXCL, never following a link) when the writer closes it."""
+
+    def __init__(self, files: RemoteFiles, sandbox_root: str) -> None:
+        super().__init__(Path("/nonexistent"), sandbox_root)
+        self._files = files
+
+    def create(self, prefix: str, suffix: str) -> tuple[int, str]:
+        path = f"{self.sandbox_root}/{SPILL_DIR}/{prefix}-{secrets.token_hex(4)}{suffix}"
+        read_end, write_end = os.pipe2(os.O_CLOEXEC)
+        threading.Thread(target=self._send, args=(read_end, path), name="coderunner-spill", daemon=True).start()
+        return write_end, path
+
+    def _send(self, read_end: int, path: str) -> None:
+        staged = os.memfd_create("coderunner-spill", os.MFD_CLOEXEC)
+        try:
+            size = 0
+            while chunk := os.read(read_end, PIECE_BYTES):
+                size += len(chunk)
+                if size > self._files.limit:
+                    return  # the writer bounds what it writes; this never holds more than the transfer limit
+                os.write(staged, chunk)
+            self._files.send(staged, path, overwrite=False)
+        except Exception as exc:  # a reply's spill file is a courtesy: its loss is logged, not raised
+            log.warning("a spill file for %s was not saved: %r", path, exc)
+        finally:
+            os.close(read_end)
+            os.close(staged)

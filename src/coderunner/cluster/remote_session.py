@@ -18,7 +18,7 @@ import anyio
 import ray
 from anyio.abc import TaskGroup
 
-from coderunner.cluster.remote_files import RemoteFiles
+from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
 from coderunner.cluster.remote_job import RemoteJob, mirror_output, pump
 from coderunner.cluster.wire import JobDelta, SessionInfo
 from coderunner.errors import CodeRunnerError, SessionError
@@ -97,7 +97,7 @@ class RemoteSession:
         return RemoteFiles(self.call, self.settings.transfer_limit_bytes)
 
     def reply_writer(self) -> WorkspaceWriter:
-        raise SessionError("a reply too big to send cannot be saved in a session on another node")
+        return RemoteWorkspaceWriter(self.files, self.info.workspace_path)
 
     def note_restored_from(self, text: str) -> None:
         pass
@@ -111,9 +111,10 @@ class RemoteSession:
         )
 
     def gone(self, exc: BaseException) -> SessionError:
-        """The actor is gone: with its node (lost), or because its session was closed (expired)."""
+        """The actor is gone: with its node (lost), or because its session was closed (expired).
+        Blocking (it asks Ray whether the node lives): call it from a worker thread."""
         self.closed = True
-        if _node_lost(exc):
+        if _node_lost(exc, self.info.node.node_id):
             return SessionError(self.lost_text(exc))
         return SessionError(
             f"unknown or expired session_id {self.session_id!r}: it was closed (by another front door, or "
@@ -134,7 +135,7 @@ class RemoteSession:
         except ray.exceptions.RayTaskError as exc:
             raise cause_of(exc) from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise self.gone(exc) from None
+            raise await anyio.to_thread.run_sync(self.gone, exc) from None
 
     def call(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
         """One actor call from a worker thread (the file view's), bounded the same way."""
@@ -281,9 +282,12 @@ def cause_of(exc: Any) -> BaseException:
     return SessionError(f"the session's node failed with {what} (its log says more)")
 
 
-def _node_lost(exc: BaseException) -> bool:
-    """Whether Ray says the actor's node went away (rather than the actor ending itself)."""
+def _node_lost(exc: BaseException, node_id: str) -> bool:
+    """Whether the actor went away with its node (rather than ending itself after its session closed)."""
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
         return True
-    text = str(exc).lower()
-    return "node" in text and ("died" in text or "dead" in text or "failed" in text)
+    try:
+        alive = {node["NodeID"] for node in ray.nodes() if node.get("Alive")}
+    except Exception:  # the cluster itself does not answer: nothing of it can be relied on
+        return True
+    return node_id not in alive
