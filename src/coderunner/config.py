@@ -211,6 +211,11 @@ class Settings(BaseSettings):
         default=None,
         description="Where snapshots are kept, host-only (default: 'snapshots' beside workspaces_dir).",
     )
+    snapshots_shared: bool = Field(
+        default=False,
+        description="Cluster mode: snapshots_dir is one store every node sees (shared storage), so a snapshot "
+        "restores on any node; otherwise on the node that took it.",
+    )
     snapshot_limit_mb: int = Field(
         default=4096, ge=1, description="Largest snapshot (workspace files plus kernel state), in MiB."
     )

@@ -188,6 +188,48 @@ async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
     assert await _eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
 
 
+async def test_snapshots_and_persistent_workspaces_live_on_their_node(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        made = (await ok(client, "create_session")).structured_content
+        assert made is not None
+        source, home = made["session_id"], made["node"]
+        await ok(client, "run_python", code="kept = [1, 2, 3]\nopen('notes.txt', 'w').write('saved')",
+                 session_id=source)  # fmt: skip
+        taken = (await ok(client, "snapshot_session", session_id=source, name="first")).structured_content
+        assert taken is not None
+        listed = (await ok(client, "list_snapshots")).structured_content
+        assert listed is not None and [entry["snapshot"] for entry in listed["snapshots"]] == [taken["snapshot"]]
+        restored = (await ok(client, "restore_session", snapshot=taken["snapshot"])).structured_content
+        assert restored is not None and "kept" in restored["restored"], restored
+        status = (await ok(client, "session_status", session_id=restored["session_id"])).structured_content
+        assert status is not None and status["node"] == home  # restored where the snapshot is
+        back = await ok(client, "run_python", code="print(kept, open('notes.txt').read())",
+                        session_id=restored["session_id"])  # fmt: skip
+        assert "[1, 2, 3] saved" in text_of(back)
+        forked = (await ok(client, "fork_session", session_id=source)).structured_content
+        assert forked is not None and "kept" in forked["restored"]
+        await ok(client, "delete_snapshot", snapshot=taken["snapshot"])
+        assert (await ok(client, "list_snapshots")).structured_content == {"snapshots": []}
+        for session_id in (source, restored["session_id"], forked["session_id"]):
+            await ok(client, "close_session", session_id=session_id)
+        # A persistent workspace reopens on the node that holds it, with its files.
+        first = (await ok(client, "create_session", name="proj", persistent=True)).structured_content
+        assert first is not None
+        await ok(client, "write_file", path="keep.txt", content="still here", session_id=first["session_id"])
+        await ok(client, "close_session", session_id=first["session_id"])
+        again = (await ok(client, "create_session", name="proj", persistent=True)).structured_content
+        assert again is not None and again["node"] == first["node"]
+        assert "still here" in text_of(await ok(client, "read_file", path="keep.txt", session_id=again["session_id"]))
+        await ok(client, "close_session", session_id=again["session_id"])
+        listed_workspaces = (await ok(client, "list_workspaces")).structured_content
+        assert listed_workspaces is not None and [w["name"] for w in listed_workspaces["workspaces"]] == ["proj"]
+        await ok(client, "delete_workspace", name="proj")
+        assert (await ok(client, "list_workspaces")).structured_content == {"workspaces": []}
+    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+
+
 async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
         ran = (await ok(client, "execute_code", language="python", code="import sys; print(6 * 7); "

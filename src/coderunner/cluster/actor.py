@@ -206,6 +206,11 @@ class SessionActor:
     async def generation(self) -> int:
         return self._session().generation
 
+    async def take_snapshot(self, name: str) -> Any:
+        """A snapshot of the session in this node's store (its Taken record)."""
+        assert self.manager is not None
+        return await self.manager.take_snapshot(self._session(), name)
+
     async def copy_out(self) -> str | None:
         session = self._session()
         await session.copy_out()

@@ -22,12 +22,14 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import ray
 from anyio.abc import TaskGroup
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coderunner.cluster.actor import SessionActor
+from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.node_pool import NodePools
-from coderunner.cluster.oneshots import NodeCalls
 from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
+from coderunner.cluster.stored import StoredOnNodes
 from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
@@ -63,12 +65,6 @@ FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
 SessionActorClass = ray.remote(SessionActor)
 
 
-def not_in_cluster_mode(what: str) -> SessionError:
-    return SessionError(
-        f"{what} is not available in cluster mode yet (README, 'Beyond one machine'): run it on a server without --ray"
-    )
-
-
 class ClusterHost:
     """Sessions on a Ray cluster, as the tools see them. Use as `async with ClusterHost(settings)`."""
 
@@ -83,6 +79,7 @@ class ClusterHost:
         self.oneshot_jobs: JobTable
         self._settings_sent = settings.model_dump(exclude=FRONT_DOOR_ONLY)
         self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
+        self.stored = StoredOnNodes(self._node_calls, self.backend.name, settings.snapshots_shared)
         self._defaults = self.options()
         #: Warm pools per node (pool_size each), for sessions with the default options.
         self._pools = (
@@ -148,27 +145,26 @@ class ClusterHost:
         self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
         seed: Seed | None = None,
     ) -> RemoteSession:  # fmt: skip
-        if seed is not None:
-            raise not_in_cluster_mode("restoring or forking a snapshot")
         options = options or self.options()
-        if options.persistent or options.keep_state:
-            raise not_in_cluster_mode("a persistent workspace")
         self._check_room(owner)
-        if self._pools is not None and dataclasses.replace(options, client=LOCAL_CLIENT) == self._defaults:
+        pooled = seed is None and not options.persistent
+        if pooled and self._pools is not None and dataclasses.replace(options, client=LOCAL_CLIENT) == self._defaults:
             claimed = await self._claim(options, owner)
             if claimed is not None:
                 return claimed
+        node = await self._home(options, seed)
         request = Request.of(options, self.backend.name)
         check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
         session_id = secrets.token_urlsafe(18)
+        placed = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
         actor: Any = SessionActorClass.options(
             name=actor_name(session_id), namespace=NAMESPACE, lifetime="detached", max_restarts=0,
-            max_concurrency=ACTOR_CONCURRENCY, **request.actor_options(),
+            max_concurrency=ACTOR_CONCURRENCY, **request.actor_options(), **placed,
         ).remote(self._settings_sent, session_id)  # fmt: skip
-        bound = self.settings.startup_timeout_s + CALL_S
+        bound = self.settings.startup_timeout_s + CALL_S + (self.settings.snapshot_timeout_s if seed else 0.0)
         try:
             with anyio.fail_after(bound):
-                info: SessionInfo = await actor.open.remote(options, owner, None)
+                info: SessionInfo = await actor.open.remote(options, owner, seed)
         except TimeoutError:
             await anyio.to_thread.run_sync(_kill, actor)
             raise SessionError(
@@ -185,6 +181,16 @@ class ClusterHost:
         self._sessions[session_id] = session
         log.info("session %s… started on node %s", session_id[:6], info.node.label)
         return session
+
+    async def _home(self, options: SandboxOptions, seed: Seed | None) -> str | None:
+        """The node a session must start on: the one holding its snapshot or its persistent workspace
+        (None: wherever Ray places it)."""
+        if seed is not None:
+            node, _ = await self.stored.snapshot_node(seed.client, seed.snapshot_id)
+            return node
+        if options.persistent and options.name is not None:
+            return await self.stored.workspace_node(options.client, options.name)
+        return None
 
     async def _claim(self, options: SandboxOptions, owner: str) -> RemoteSession | None:
         """A session from some node's warm pool, or None (then the create starts cold)."""
@@ -286,28 +292,41 @@ class ClusterHost:
     def profile(self) -> SandboxProfile:
         return sandbox_profile(self.settings, self.backend, self.base_mounts, self.options())
 
-    # --- not yet in cluster mode -----------------------------------------------------------------
+    # --- snapshots and persistent workspaces: kept by the node that made them (stored.py) -----------
 
     async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
-        raise not_in_cluster_mode("snapshot_session")
+        remote = self._remote(session)
+        taken: Taken = await remote.acall("take_snapshot", name, timeout_s=self.settings.snapshot_timeout_s + CALL_S)
+        self.stored.remember(taken.meta.snapshot_id, remote.node)
+        return taken
 
     async def snapshot(self, client: str, snapshot_id: str) -> SnapshotMeta:
-        raise not_in_cluster_mode("snapshots")
+        _, meta = await self.stored.snapshot_node(client, snapshot_id)
+        return meta
 
     async def snapshot_listing(self, client: str) -> Listing:
-        raise not_in_cluster_mode("snapshots")
+        return await self.stored.listing(client)
 
     async def delete_snapshot(self, client: str, snapshot_id: str) -> None:
-        raise not_in_cluster_mode("snapshots")
+        await self.stored.delete(client, snapshot_id)
 
     async def snapshots_of(self, session: SessionHandle) -> builtins.list[str]:
-        return []
+        remote = self._remote(session)
+        found: Listing = await self._node_calls.run_on(remote.node, "snapshot_listing", session.options.client)
+        return [meta.snapshot_id for meta in found.snapshots if meta.source_session == session.session_id[:8]]
 
     async def list_workspaces(self, client: str) -> builtins.list[NamedWorkspace]:
-        return []
+        return [workspace for _, workspace in await self.stored.workspaces(client)]
 
     async def delete_workspace(self, client: str, name: str) -> None:
-        raise not_in_cluster_mode("a persistent workspace")
+        node = await self.stored.workspace_node(client, name)
+        if node is None:
+            raise SessionError(f"no persistent workspace {name!r}: list_workspaces shows yours")
+        await self._node_calls.run_on(node, "delete_workspace", client, name)
+
+    def _remote(self, session: SessionHandle) -> RemoteSession:
+        assert isinstance(session, RemoteSession), "a session of another host"
+        return session
 
     # --- one-shot runs: a task each, on any node (oneshots.py) -------------------------------------
 

@@ -1,4 +1,6 @@
-"""One-shot runs (execute_code, validate_code) in cluster mode: each one a Ray task on some node.
+"""Host calls run on the nodes as Ray tasks: one-shot runs anywhere, store lookups on a given node.
+
+One-shot runs (execute_code, validate_code) in cluster mode are each one a Ray task on some node.
 
 A one-shot keeps nothing, so it needs no actor: a task placed like a session (its CPUs, memory and
 one `coderunner-<backend>` unit) runs it through the node's own SessionManager and OneShotRunner,
@@ -14,6 +16,7 @@ from typing import Any
 
 import anyio
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_session import CALL_S, cause_of
@@ -48,6 +51,7 @@ class NodeCalls:
         self.slots = anyio.CapacityLimiter(settings.max_oneshot_runs)
 
     async def run(self, method: str, options: SandboxOptions, *args: Any, **kwargs: Any) -> Any:
+        """A call that starts a sandbox (a one-shot run): placed by Ray like a session with `options`."""
         request = Request.of(options, self.backend)
         check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
         bound = options.timeout_s + self.settings.startup_timeout_s + CALL_S
@@ -55,19 +59,31 @@ class NodeCalls:
             ref = NodeCall.options(max_retries=0, **request.actor_options()).remote(
                 self.settings_sent, method, args, kwargs
             )
-            try:
-                with anyio.fail_after(bound):
-                    return await ref
-            except ray.exceptions.RayTaskError as exc:
-                raise cause_of(exc) from None
-            except ray.exceptions.RayError as exc:  # its worker or node went away
-                raise SessionError(f"the run was lost with its node ({type(exc).__name__}); run it again") from None
-            except TimeoutError:
-                await _cancel(ref)
-                raise SessionError(f"the run did not end within {bound:g}s on its node; it was stopped") from None
-            except BaseException:
-                await _cancel(ref)
-                raise
+            return await self._result(ref, bound)
+
+    async def run_on(self, node_id: str, method: str, *args: Any) -> Any:
+        """A call about what one node keeps (its snapshot store, its workspaces): no sandbox, no CPU asked."""
+        strategy = NodeAffinitySchedulingStrategy(node_id, soft=False)
+        ref = NodeCall.options(max_retries=0, num_cpus=0, scheduling_strategy=strategy).remote(
+            self.settings_sent, method, args, {}
+        )
+        return await self._result(ref, self.settings.snapshot_timeout_s + CALL_S)
+
+    async def _result(self, ref: Any, bound: float) -> Any:
+        """The task's answer within `bound`; what it raised as the tools would see it here."""
+        try:
+            with anyio.fail_after(bound):
+                return await ref
+        except ray.exceptions.RayTaskError as exc:
+            raise cause_of(exc) from None
+        except ray.exceptions.RayError as exc:  # its worker or node went away
+            raise SessionError(f"the call was lost with its node ({type(exc).__name__}); try again") from None
+        except TimeoutError:
+            await _cancel(ref)
+            raise SessionError(f"the call did not end within {bound:g}s on its node; it was stopped") from None
+        except BaseException:
+            await _cancel(ref)
+            raise
 
 
 async def _cancel(ref: Any) -> None:

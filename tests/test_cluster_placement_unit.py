@@ -1,0 +1,57 @@
+"""Cluster placement, without a cluster: what a session asks Ray for, and the refusal when nothing fits."""
+
+from __future__ import annotations
+
+import pytest
+
+from coderunner.cluster.placement import MIB, Request, check_fits, describe_node
+from coderunner.errors import SessionError
+from coderunner.sandbox.base import Limits
+from coderunner.sessions.sandbox_options import SandboxOptions
+
+
+def node(node_id: str, cpus: float, memory_mb: int, *backends: str, alive: bool = True) -> dict[str, object]:
+    resources: dict[str, float] = {"CPU": cpus, "memory": memory_mb * MIB}
+    resources.update({f"coderunner-{name}": 16.0 for name in backends})
+    return {"NodeID": node_id, "NodeManagerAddress": "10.0.0.7", "Alive": alive, "Resources": resources}
+
+
+def options(memory_mb: int | None = 1024, cpus: float | None = None) -> SandboxOptions:
+    return SandboxOptions(network="none", limits=Limits(memory_mb=memory_mb, cpus=cpus), timeout_s=60)
+
+
+def test_a_session_asks_for_its_limits_and_one_unit_of_its_backend() -> None:
+    asked = Request.of(options(2048, 1.5), "bwrap").actor_options()
+    assert asked == {"num_cpus": 1.5, "memory": 2048 * MIB, "resources": {"coderunner-bwrap": 1}}
+    # No cpus limit: a small share (idle kernels are many to a core); no memory limit: none asked.
+    assert Request.of(options(None, None), "gvisor").actor_options() == {
+        "num_cpus": 0.1,
+        "resources": {"coderunner-gvisor": 1},
+    }
+
+
+def test_a_request_some_live_node_could_hold_is_let_through() -> None:
+    check_fits(Request.of(options(2048), "bwrap"), [node("a" * 56, 2, 4096, "bwrap")])
+
+
+@pytest.mark.parametrize(
+    ("nodes", "why"),
+    [
+        ([node("a" * 56, 2, 1024, "bwrap")], "1,024 MiB"),  # too little memory anywhere
+        ([node("a" * 56, 8, 65536, "podman")], "backends: podman"),  # no node runs bwrap
+        ([node("a" * 56, 8, 65536, "bwrap", alive=False)], "no live node"),  # the only fit is dead
+    ],
+)
+def test_a_request_no_live_node_could_hold_is_refused_saying_what_there_is(
+    nodes: list[dict[str, object]], why: str
+) -> None:
+    with pytest.raises(SessionError) as refused:
+        check_fits(Request.of(options(2048), "bwrap"), nodes)
+    text = str(refused.value)
+    assert "no node of the cluster can hold this session" in text
+    assert "2,048 MiB of memory" in text and "bwrap backend" in text and why in text
+
+
+def test_a_node_is_described_by_its_id_address_and_what_it_offers() -> None:
+    described = describe_node(node("0123456789abcdef" * 3, 2, 4096, "bwrap", "gvisor"))
+    assert described == "0123456789ab (10.0.0.7): 2 CPU, 4,096 MiB, backends: bwrap, gvisor"
