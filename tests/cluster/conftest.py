@@ -101,6 +101,8 @@ class TeardownReport:
     survivors: list[str] = field(default_factory=list)
     #: Processes still in the namespace after the holder was killed: must be empty.
     after_release: list[str] = field(default_factory=list)
+    #: Mounts left on the workers' disks after coderunner's own clean-up of dead sessions: must be empty.
+    left_on_disks: list[str] = field(default_factory=list)
     seconds: float = 0.0
 
 
@@ -273,12 +275,22 @@ def _node_argv(cluster: RayCluster, name: str) -> list[str]:
     return [*cluster.exec_prefix, str(RAY), "start", *role, *common]
 
 
+def node_disks(cluster: RayCluster, name: str) -> dict[str, str]:
+    """A node's own disks, as on a machine of its own: its session dirs, workspaces and snapshot store.
+    Its sandboxes' uids must pass through (o+x), as /var/lib/coderunner lets them on a real node."""
+    root = cluster.temp_dir / name
+    root.mkdir(mode=0o711, exist_ok=True)
+    os.chmod(cluster.temp_dir, 0o711)
+    return {"CODERUNNER_RUNTIME_DIR": str(root / "run"), "CODERUNNER_WORKSPACES_DIR": str(root / "ws")}
+
+
 def _start_node(cluster: RayCluster, name: str) -> RayNode:
     output = cluster.temp_dir / f"{name}.out"
+    env = {**cluster.env, **(node_disks(cluster, name) if name != "head" else {})}
     with output.open("wb") as sink:
         process = subprocess.Popen(
             _node_argv(cluster, name),
-            env=cluster.env, cwd=cluster.temp_dir, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
+            env=env, cwd=cluster.temp_dir, stdin=subprocess.DEVNULL, stdout=sink, stderr=subprocess.STDOUT,
             start_new_session=True,
         )  # fmt: skip
     node = RayNode(name=name, process=process, output=output)
@@ -367,9 +379,30 @@ def stop_cluster(cluster: RayCluster) -> TeardownReport:
     with contextlib.suppress(subprocess.TimeoutExpired):
         cluster.holder.wait(timeout=KILL_WAIT_S)
     report.after_release = [_describe(pid) for pid in _live_pids() if _netns_inode(pid) == cluster.netns_inode]
+    report.left_on_disks = _clean_node_disks(cluster)
     shutil.rmtree(cluster.temp_dir, ignore_errors=True)
     report.seconds = time.monotonic() - began
     return report
+
+
+def _clean_node_disks(cluster: RayCluster) -> list[str]:
+    """What a node's next start does with what a lost one left (a session on a killed raylet's node
+    keeps its workspace mounted): coderunner's own clean-up of dead session dirs, on each worker's
+    disks. Returns what even that left behind."""
+    from coderunner.config import load_settings
+    from coderunner.hostfs.session_dirs import remove_stale_dirs
+    from coderunner.sandbox import make_backend
+
+    left: list[str] = []
+    for name in WORKERS:
+        disks = {key.removeprefix("CODERUNNER_").lower(): value for key, value in node_disks(cluster, name).items()}
+        if not Path(disks["runtime_dir"]).is_dir():
+            continue
+        settings = load_settings(Path(os.devnull), **disks)
+        remove_stale_dirs(settings.runtime_dir, settings.workspaces_dir, make_backend(settings).remove_stale, 0.0)
+        left += [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
+                 if f" {cluster.temp_dir}/" in line]  # fmt: skip
+    return left
 
 
 def unavailable() -> str | None:
@@ -411,4 +444,5 @@ def ray_cluster() -> Iterator[RayCluster]:
     assert report is not None
     assert not report.survivors, f"processes outlived teardown in {cluster.netns}: {report.survivors}"
     assert not report.after_release, f"namespace {cluster.netns} still has processes: {report.after_release}"
+    assert not report.left_on_disks, f"mounts left on the nodes' disks: {report.left_on_disks}"
     assert not cluster.temp_dir.exists(), f"{cluster.temp_dir} was not removed"

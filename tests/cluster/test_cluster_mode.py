@@ -192,7 +192,7 @@ async def test_snapshots_and_persistent_workspaces_live_on_their_node(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
-        made = (await ok(client, "create_session")).structured_content
+        made = (await ok(client, "create_session", memory_mb=1024)).structured_content  # three fit on one worker
         assert made is not None
         source, home = made["session_id"], made["node"]
         await ok(client, "run_python", code="kept = [1, 2, 3]\nopen('notes.txt', 'w').write('saved')",

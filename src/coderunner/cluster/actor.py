@@ -21,8 +21,8 @@ from typing import Any
 
 import anyio
 
-from coderunner.cluster.wire import PIECE_BYTES, JobDelta, NodeInfo, SessionInfo, portable_result
-from coderunner.config import Settings
+from coderunner.cluster.wire import NODE_LOCAL, PIECE_BYTES, JobDelta, NodeInfo, SessionInfo, portable_result
+from coderunner.config import Settings, load_settings
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.hostfs.sandbox_files import Entry, FileAccessError
 from coderunner.sandbox import make_backend
@@ -49,9 +49,7 @@ class SessionActor:
 
     def __init__(self, settings: dict[str, Any], session_id: str, pooled: bool = False) -> None:
         pool_size = 1 if pooled else 0
-        self.settings = Settings.model_validate(
-            {**settings, "pool_size": pool_size, "max_sessions": 1, "ray_address": None}
-        )
+        self.settings = node_settings(settings, pool_size=pool_size, max_sessions=1)
         self.session_id = session_id
         self.manager: SessionManager | None = None
         self.session: Session | None = None
@@ -303,3 +301,10 @@ def _this_node() -> NodeInfo:
     import ray  # imported here: the class itself must load where ray is absent (a front door's checks)
 
     return NodeInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
+
+
+def node_settings(sent: dict[str, Any], **fixed: Any) -> Settings:
+    """The front door's settings with this node's own NODE_LOCAL ones (its disks, its sandbox environment)."""
+    local = load_settings()
+    mine = {name: getattr(local, name) for name in NODE_LOCAL}
+    return Settings.model_validate({**sent, **mine, **fixed, "ray_address": None})

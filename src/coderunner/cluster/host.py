@@ -55,6 +55,8 @@ log = logging.getLogger(__name__)
 CONNECT_S = 60.0
 #: Concurrent calls one session actor serves (long-polls of jobs, file pieces, status).
 ACTOR_CONCURRENCY = 64
+#: Bound on Ray placing a session's actor and starting its process (a node with room now).
+PLACE_S = 45.0
 #: Bound on asking one node's pool for a ready session.
 CLAIM_S = 5.0
 #: How often the front door looks for nodes whose pool it has not met yet.
@@ -163,14 +165,29 @@ class ClusterHost:
         ).remote(self._settings_sent, session_id)  # fmt: skip
         bound = self.settings.startup_timeout_s + CALL_S + (self.settings.snapshot_timeout_s if seed else 0.0)
         try:
+            with anyio.fail_after(PLACE_S):  # placed and running: Ray keeps a request it cannot place now waiting
+                await actor.ping.remote()
+        except TimeoutError:
+            await anyio.to_thread.run_sync(_kill, actor)
+            where = f"node {node[:12]}, which holds what it starts from," if node is not None else "any node"
+            raise SessionError(
+                f"no room for this session on {where} within {PLACE_S:g}s: it asks for {request.describe()}. "
+                "Close a session there, ask for less (memory_mb, cpus), or add a node."
+            ) from None
+        except BaseException as exc:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(_kill, actor)
+            if isinstance(exc, ray.exceptions.RayError):
+                raise SessionError(
+                    f"the session's actor could not start ({type(exc).__name__}); its node's log says why"
+                ) from None
+            raise
+        try:
             with anyio.fail_after(bound):
                 info: SessionInfo = await actor.open.remote(options, owner, seed)
         except TimeoutError:
             await anyio.to_thread.run_sync(_kill, actor)
-            raise SessionError(
-                f"no node had room for this session within {bound:g}s: it asks for {request.describe()} "
-                "(the nodes that could hold it are full; close a session, or add a node)"
-            ) from None
+            raise SessionError(f"the session did not start within {bound:g}s on its node") from None
         except BaseException as exc:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(_kill, actor)

@@ -18,6 +18,7 @@ import anyio
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from coderunner.cluster.actor import node_settings
 from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_session import CALL_S, cause_of
 from coderunner.config import Settings
@@ -29,7 +30,7 @@ from coderunner.sessions.sandbox_options import SandboxOptions
 
 def node_call(settings: dict[str, Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """On the node: one SessionHost call (run_oneshot, check_code, language_versions) by its own manager."""
-    chosen = Settings.model_validate({**settings, "pool_size": 0, "ray_address": None})
+    chosen = node_settings(settings, pool_size=0)
 
     async def call() -> Any:
         async with SessionManager(chosen, make_backend(chosen)) as manager:

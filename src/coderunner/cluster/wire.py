@@ -22,6 +22,12 @@ ACTOR_PREFIX = "session-"
 PIECE_BYTES = 1 << 20
 
 
+#: Settings that describe a node, not the front door: where it keeps its disks and its sandbox
+#: environment. Each node takes them from its own configuration (config file, CODERUNNER_* of the
+#: `ray start` that started it), whatever the front door's say.
+NODE_LOCAL = ("runtime_dir", "workspaces_dir", "snapshots_dir", "sandbox_env", "export_dir")
+
+
 def actor_name(session_id: str) -> str:
     return f"{ACTOR_PREFIX}{session_id}"
 
