@@ -7,6 +7,7 @@ cancellation and, over HTTP, the export folder of an unnamed client (`http`).
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -128,7 +129,7 @@ def test_cli_doctor_passes_here(dirs: ServerDirs) -> None:
 
 
 def test_cli_reports_a_missing_sandbox_environment(dirs: ServerDirs) -> None:
-    done = cli(dirs, "--config", str(dirs.root / "none.toml"), "run", "1", "--sandbox-env", str(dirs.root / "nope"))
+    done = cli(dirs, "--config", os.devnull, "run", "1", "--sandbox-env", str(dirs.root / "nope"))
     assert done.returncode == 1
     assert "run `coderunner setup`" in done.stderr and "Traceback" not in done.stderr
     doctor = subprocess.run(
