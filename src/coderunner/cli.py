@@ -214,7 +214,7 @@ def _proxy_command(args: argparse.Namespace, settings: Settings) -> int:
 def _config_command(args: argparse.Namespace, _settings: Settings) -> int:
     from coderunner.edge.client_configs import CONFIG_LOCATIONS, LaunchCommand, snippet
 
-    print(snippet(args.client, LaunchCommand.for_install(args.url), args.url))
+    print(snippet(args.client, LaunchCommand.for_install(args.url, args.client), args.url))
     print(f"# goes into: {CONFIG_LOCATIONS[args.client]}", file=sys.stderr)
     return 0
 
