@@ -44,7 +44,7 @@ def params(root: Path, src: Path, size_mb: int, copies: int) -> StdioServerParam
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
         "PYTHONPATH": str(src),
-        "CODERUNNER_CONFIG": str(root / "none.toml"),
+        "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_EXPORT_DIR": str(root / "out"),

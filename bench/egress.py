@@ -181,7 +181,7 @@ def server_params(root: Path) -> StdioServerParameters:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
-        "CODERUNNER_CONFIG": str(root / "none.toml"),
+        "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_ALLOWED_DOMAINS": json.dumps([SERVER_IP]),

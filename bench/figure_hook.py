@@ -35,7 +35,7 @@ async def main(calls: int) -> None:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
-        "CODERUNNER_CONFIG": str(root / "none.toml"),
+        "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
     }

@@ -61,7 +61,7 @@ def server(src: Path, nofile: int) -> Iterator[int]:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
         "PYTHONPATH": str(src),
-        "CODERUNNER_CONFIG": str(root / "none.toml"),
+        "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_TOKEN": TOKEN,

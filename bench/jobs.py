@@ -35,7 +35,7 @@ def server_params(root: Path, src: str | None = None) -> StdioServerParameters:
         "HOME": os.environ.get("HOME", "/root"),
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
-        "CODERUNNER_CONFIG": str(root / "none.toml"),
+        "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_LOG_LEVEL": "WARNING",
     }
     for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):

@@ -155,7 +155,7 @@ async def phases(
 
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     os.environ.update(
-        CODERUNNER_CONFIG=str(root / "no-such-config.toml"),
+        CODERUNNER_CONFIG=os.devnull,
         CODERUNNER_RUNTIME_DIR=str(root / "run"),
         CODERUNNER_WORKSPACES_DIR=str(root / "workspaces"),
     )

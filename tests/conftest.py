@@ -94,7 +94,8 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
     env = {
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
-        "CODERUNNER_CONFIG": str(dirs.root / "no-such-config.toml"),
+        # os.devnull: no config file at all (never the user's own; a named file that is missing is an error).
+        "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(dirs.runtime),
         "CODERUNNER_WORKSPACES_DIR": str(dirs.workspaces),
         "CODERUNNER_INTERRUPT_GRACE_S": "1.5",

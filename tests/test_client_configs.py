@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from coderunner.cli import _parser
 from coderunner.edge.client_code import LIBRARY_CLIENTS
-from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, snippet
+from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, proxy_args, snippet
 
 from .conftest import REPO, TEST_TOKEN, ServerDirs, http_server, server_env
 
@@ -22,7 +23,7 @@ EXAMPLE_FILES = {
     "claude_desktop_config.json": ("claude-desktop", PLACEHOLDER),
     "claude_desktop_proxy_config.json": (
         "claude-desktop",
-        LaunchCommand(PLACEHOLDER.command, ("proxy", "http://127.0.0.1:8765/mcp")),
+        LaunchCommand(PLACEHOLDER.command, proxy_args("http://127.0.0.1:8765/mcp", "claude-desktop")),
     ),
     "cursor-mcp.json": ("cursor", PLACEHOLDER),
     "windsurf-mcp_config.json": ("windsurf", PLACEHOLDER),
@@ -47,32 +48,39 @@ def test_config_command_names_this_install_and_a_command_that_starts(client: str
         [sys.executable, "-m", "coderunner.cli", "config", client], capture_output=True, text=True, timeout=60
     )
     assert printed.returncode == 0, printed.stderr
-    text = printed.stdout
-    if client == "claude-code":
-        argv = shlex.split(text)
-        command, args = argv[argv.index("--") + 1], argv[argv.index("--") + 2 :]
-    elif client == "continue":
-        lines = [line.strip() for line in text.splitlines()]
-        command = json.loads(lines[2].removeprefix("command: "))
-        args = [json.loads(line.removeprefix("- ")) for line in lines[4:]]
-    else:
-        servers = json.loads(text)["context_servers" if client == "zed" else "mcpServers"]
-        command, args = servers["coderunner"]["command"], servers["coderunner"]["args"]
+    command, args = launched(client, printed.stdout)
     assert Path(command).is_absolute() and Path(command).exists()
     assert args[-1] == "serve"
     started = subprocess.run([command, *args[:-1], "--help"], capture_output=True, text=True, timeout=60)
     assert started.returncode == 0 and "serve" in started.stdout
 
 
-def test_config_command_for_a_shared_server_uses_the_proxy() -> None:
+def launched(client: str, text: str) -> tuple[str, list[str]]:
+    """The command and arguments an app's snippet makes it launch."""
+    if client == "claude-code":
+        argv = shlex.split(text)
+        return argv[argv.index("--") + 1], argv[argv.index("--") + 2 :]
+    if client == "continue":
+        lines = [line.strip() for line in text.splitlines()]
+        return json.loads(lines[2].removeprefix("command: ")), [json.loads(line[2:]) for line in lines[4:]]
+    servers = json.loads(text)["context_servers" if client == "zed" else "mcpServers"]
+    return servers["coderunner"]["command"], servers["coderunner"]["args"]
+
+
+@pytest.mark.parametrize("client", APP_CLIENTS)
+def test_config_command_for_a_shared_server_uses_the_proxy_with_a_stable_client_name(client: str) -> None:
+    """Without --client each proxy process is a new client: its named workspaces seem gone after a restart."""
+    url = "http://127.0.0.1:9999/mcp"
     printed = subprocess.run(
-        [sys.executable, "-m", "coderunner.cli", "config", "cursor", "--url", "http://127.0.0.1:9999/mcp"],
+        [sys.executable, "-m", "coderunner.cli", "config", client, "--url", url],
         capture_output=True,
         text=True,
         timeout=60,
     )
-    entry = json.loads(printed.stdout)["mcpServers"]["coderunner"]
-    assert entry["args"][-2:] == ["proxy", "http://127.0.0.1:9999/mcp"]
+    assert printed.returncode == 0, printed.stderr
+    _command, args = launched(client, printed.stdout)
+    proxy = _parser().parse_args(args[args.index("proxy") :])
+    assert (proxy.command, proxy.url, proxy.client_name) == ("proxy", url, client)
 
 
 #: What each library's snippet must set, beyond where the server is (see client_code.py).

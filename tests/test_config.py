@@ -2,18 +2,48 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
+from coderunner.cli import main
 from coderunner.config import ConfigError, load_settings
 
 
 def test_defaults_without_a_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-user default file may be absent (a first run has none)."""
     monkeypatch.delenv("CODERUNNER_TIMEOUT_S", raising=False)
-    settings = load_settings(tmp_path / "absent.toml")
+    monkeypatch.delenv("CODERUNNER_CONFIG", raising=False)
+    monkeypatch.setattr("coderunner.config.default_config_file", lambda: tmp_path / "absent.toml")
+    settings = load_settings()
     assert settings.transport == "stdio" and settings.network == "none" and settings.timeout_s == 900
     assert settings.detach_after_s == 40
+    assert load_settings(Path(os.devnull)).timeout_s == 900  # os.devnull: read no file, on purpose
+
+
+def test_a_named_file_that_is_missing_is_an_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A typo in --config or $CODERUNNER_CONFIG would otherwise drop its mounts and domains unseen."""
+    missing = tmp_path / "typo.toml"
+    with pytest.raises(ConfigError, match=r"no configuration file at .*typo\.toml \(named by --config\)"):
+        load_settings(missing)
+    monkeypatch.setenv("CODERUNNER_CONFIG", str(missing))
+    with pytest.raises(ConfigError, match=r"typo\.toml \(named by CODERUNNER_CONFIG\)"):
+        load_settings()
+    with pytest.raises(ConfigError, match="no configuration file"):
+        load_settings(tmp_path)  # a folder is not a file either
+
+
+@pytest.mark.parametrize("via", ["flag", "environment"])
+def test_cli_stops_on_a_missing_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], via: str
+) -> None:
+    missing = tmp_path / "typo.toml"
+    monkeypatch.setenv("CODERUNNER_CONFIG", str(missing))
+    argv = ["--config", str(missing), "doctor"] if via == "flag" else ["doctor"]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and str(missing) in err and "correct the path" in err, err
 
 
 def test_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -58,13 +88,13 @@ def test_mounts_from_flags_strings_and_an_empty_export_dir(tmp_path: Path, monke
     monkeypatch.setenv(
         "CODERUNNER_MOUNTS", '["/srv/data:/data", {"host": "/srv/out", "sandbox": "/out", "mode": "rw"}]'
     )
-    settings = load_settings(tmp_path / "absent.toml")
+    settings = load_settings(Path(os.devnull))
     assert settings.export_dir is None
     assert [(str(m.host), m.sandbox, m.mode) for m in settings.mounts] == [
         ("/srv/data", "/data", "ro"),
         ("/srv/out", "/out", "rw"),
     ]
-    flagged = load_settings(tmp_path / "absent.toml", mounts=["/x:/y:rw"])
+    flagged = load_settings(Path(os.devnull), mounts=["/x:/y:rw"])
     assert [(str(m.host), m.sandbox, m.mode) for m in flagged.mounts] == [("/x", "/y", "rw")]
     with pytest.raises(ConfigError, match="HOST:SANDBOX"):
-        load_settings(tmp_path / "absent.toml", mounts=["/just-a-path"])
+        load_settings(Path(os.devnull), mounts=["/just-a-path"])

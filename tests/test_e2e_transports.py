@@ -7,6 +7,8 @@ cancellation and, over HTTP, the export folder of an unnamed client (`http`).
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
 import sys
 
@@ -128,7 +130,7 @@ def test_cli_doctor_passes_here(dirs: ServerDirs) -> None:
 
 
 def test_cli_reports_a_missing_sandbox_environment(dirs: ServerDirs) -> None:
-    done = cli(dirs, "--config", str(dirs.root / "none.toml"), "run", "1", "--sandbox-env", str(dirs.root / "nope"))
+    done = cli(dirs, "--config", os.devnull, "run", "1", "--sandbox-env", str(dirs.root / "nope"))
     assert done.returncode == 1
     assert "run `coderunner setup`" in done.stderr and "Traceback" not in done.stderr
     doctor = subprocess.run(
@@ -139,3 +141,18 @@ def test_cli_reports_a_missing_sandbox_environment(dirs: ServerDirs) -> None:
         timeout=120,
     )
     assert doctor.returncode == 1 and "fix: coderunner setup" in doctor.stdout
+
+
+def test_a_busy_port_is_one_line_and_starts_no_sandbox(dirs: ServerDirs) -> None:
+    """Once "serving ... at" and a page of traceback, with a warm sandbox started first (issue 28)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = cli(dirs, "serve", "--transport", "streamable-http", "--port", str(port), CODERUNNER_POOL_SIZE="1")
+    assert done.returncode == 1, done.stderr
+    assert done.stderr == (
+        f"coderunner: cannot listen on 127.0.0.1:{port}: the port is in use (another server?); "
+        "choose another with --port\n"
+    )
+    assert not sandbox_processes_alive(dirs) and not dirs.runtime.exists()

@@ -5,6 +5,7 @@ No server and no sandbox here; the real thing runs in test_e2e_egress.py and abu
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,7 +34,7 @@ class AnyNetwork:
 def settings(tmp_path: Path, **overrides: object) -> Settings:
     base = {"runtime_dir": tmp_path / "r", "workspaces_dir": tmp_path / "w", "sandbox_env": tmp_path / "env",
             "token_file": tmp_path / "token", "export_dir": ""}  # fmt: skip
-    return load_settings(tmp_path / "absent.toml", **{**base, **overrides})
+    return load_settings(Path(os.devnull), **{**base, **overrides})
 
 
 # --- settings ------------------------------------------------------------------------------------------

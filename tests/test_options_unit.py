@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +38,7 @@ def settings(tmp_path: Path, **overrides: object) -> Settings:
         "sandbox_env": tmp_path / "env",
         "token_file": tmp_path / "token",
     }
-    loaded = load_settings(tmp_path / "absent.toml", **{**base, **overrides})
+    loaded = load_settings(Path(os.devnull), **{**base, **overrides})
     return loaded if "export_dir" in overrides else loaded.model_copy(update={"export_dir": None})
 
 

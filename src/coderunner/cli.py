@@ -6,26 +6,20 @@ Logs go to stderr; stdout is MCP's in stdio mode.
 from __future__ import annotations
 
 import argparse
-import base64
-import json
-import logging
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import anyio
+# Only what the parser needs is imported here: `--help` and a bad argument answer without loading the
+# MCP SDK, the settings or the sessions (seconds on a cold disk); each command imports its own below.
+from coderunner import __version__
+from coderunner.edge.client_configs import CLIENTS
+from coderunner.sandbox.registry import BACKEND_NAMES
 
-from coderunner import __version__, doctor
-from coderunner.config import Settings, load_settings
-from coderunner.edge import client_tokens
-from coderunner.edge.auth import ensure_token, read_token
-from coderunner.edge.client_configs import CLIENTS, CONFIG_LOCATIONS, LaunchCommand, snippet
-from coderunner.errors import CodeRunnerError
-from coderunner.sandbox import env as sandbox_env
-from coderunner.sandbox import image_build as image
-from coderunner.sandbox import make_backend
-from coderunner.sandbox.registry import BACKEND_NAMES, Setup, entry
-from coderunner.sessions import SessionManager
-from coderunner.tools.replies import execution_reply
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from coderunner.config import Settings
 
 BACKEND_CHOICES = list(BACKEND_NAMES)
 
@@ -135,6 +129,8 @@ def _add_session_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
+    from coderunner.config import load_settings
+
     flags = {
         key: getattr(args, key, None)
         for key in (
@@ -164,6 +160,10 @@ def _settings(args: argparse.Namespace) -> Settings:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    import logging
+
+    from coderunner.errors import CodeRunnerError
+
     try:
         settings = _settings(args)
     except CodeRunnerError as exc:  # a ConfigError: exit 2, as for bad arguments
@@ -175,56 +175,88 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        if args.command == "serve":
-            from coderunner.serve import serve
-
-            anyio.run(serve, settings)
-            return 0
-        if args.command == "run":
-            return anyio.run(_run_once, settings, sys.stdin.read() if args.code == "-" else args.code)
-        if args.command == "proxy":
-            from coderunner.edge.stdio_proxy import run_proxy
-
-            secret = args.token or (settings.token.get_secret_value() if settings.token else None)
-            if secret is None and settings.token_file.exists():
-                secret = read_token(settings.token_file)
-            anyio.run(run_proxy, args.url, secret, args.proxy_transport, args.client_name)
-            return 0
-        if args.command == "token":
-            return _token_command(args, settings)
-        if args.command == "config":
-            print(snippet(args.client, LaunchCommand.for_install(args.url), args.url))
-            print(f"# goes into: {CONFIG_LOCATIONS[args.client]}", file=sys.stderr)
-            return 0
-        if args.command == "doctor":
-            checks = doctor.run_checks(settings)
-            print(doctor.report(checks))
-            return 0 if all(check.ok for check in checks) else 1
-        if args.command == "node-resources":
-            from coderunner.cluster.placement import node_resources
-
-            found = node_resources(settings)
-            print(json.dumps(found))
-            if not found:
-                print("coderunner: no backend works on this node (coderunner doctor says why)", file=sys.stderr)
-            return 0 if found else 1
-        if args.command == "setup":
-            if entry(settings.backend).setup is Setup.IMAGE:
-                print(f"sandbox image ready: {image.build(settings, recreate=args.recreate)}")
-                return 0
-            sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
-            print(f"sandbox environment ready: {settings.sandbox_env}")
-            return 0
+        return COMMANDS[args.command](args, settings)
     except CodeRunnerError as exc:  # the message says the fix; anything else is a bug, with its traceback
         print(f"coderunner: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    return 2
+
+
+def _serve_command(_args: argparse.Namespace, settings: Settings) -> int:
+    import anyio
+
+    from coderunner.serve import serve
+
+    anyio.run(serve, settings)
+    return 0
+
+
+def _run_command(args: argparse.Namespace, settings: Settings) -> int:
+    import anyio
+
+    return anyio.run(_run_once, settings, sys.stdin.read() if args.code == "-" else args.code)
+
+
+def _proxy_command(args: argparse.Namespace, settings: Settings) -> int:
+    import anyio
+
+    from coderunner.edge.auth import read_token
+    from coderunner.edge.stdio_proxy import run_proxy
+
+    secret = args.token or (settings.token.get_secret_value() if settings.token else None)
+    if secret is None and settings.token_file.exists():
+        secret = read_token(settings.token_file)
+    anyio.run(run_proxy, args.url, secret, args.proxy_transport, args.client_name)
+    return 0
+
+
+def _config_command(args: argparse.Namespace, _settings: Settings) -> int:
+    from coderunner.edge.client_configs import CONFIG_LOCATIONS, LaunchCommand, snippet
+
+    print(snippet(args.client, LaunchCommand.for_install(args.url, args.client), args.url))
+    print(f"# goes into: {CONFIG_LOCATIONS[args.client]}", file=sys.stderr)
+    return 0
+
+
+def _doctor_command(_args: argparse.Namespace, settings: Settings) -> int:
+    from coderunner import doctor
+
+    checks = doctor.run_checks(settings)
+    print(doctor.report(checks))
+    return 0 if all(check.ok for check in checks) else 1
+
+
+def _node_resources_command(_args: argparse.Namespace, settings: Settings) -> int:
+    import json
+
+    from coderunner.cluster.placement import node_resources
+
+    found = node_resources(settings)
+    print(json.dumps(found))
+    if not found:
+        print("coderunner: no backend works on this node (coderunner doctor says why)", file=sys.stderr)
+    return 0 if found else 1
+
+
+def _setup_command(args: argparse.Namespace, settings: Settings) -> int:
+    from coderunner.sandbox import env as sandbox_env
+    from coderunner.sandbox import image_build as image
+    from coderunner.sandbox.registry import Setup, entry
+
+    if entry(settings.backend).setup is Setup.IMAGE:
+        print(f"sandbox image ready: {image.build(settings, recreate=args.recreate)}")
+        return 0
+    sandbox_env.create(settings.sandbox_env, settings.sandbox_python, recreate=args.recreate)
+    print(f"sandbox environment ready: {settings.sandbox_env}")
+    return 0
 
 
 def _token_command(args: argparse.Namespace, settings: Settings) -> int:
     """`coderunner token [add NAME | list | revoke NAME]`: secrets go to stdout, notes to stderr."""
+    from coderunner.edge import client_tokens
+    from coderunner.edge.auth import ensure_token
+
     folder = client_tokens.tokens_dir(settings.token_file)
     if args.action is None:
         if args.name is not None:
@@ -261,6 +293,12 @@ def _token_command(args: argparse.Namespace, settings: Settings) -> int:
 async def _run_once(settings: Settings, code: str) -> int:
     # One process, one session: a pool of one, started as the manager opens, is taken (waiting for its
     # start rather than starting a second, cold one beside it) and never refilled.
+    import base64
+
+    from coderunner.sandbox import make_backend
+    from coderunner.sessions import SessionManager
+    from coderunner.tools.replies import execution_reply
+
     settings = settings.model_copy(update={"pool_size": min(settings.pool_size, 1)})
     async with SessionManager(settings, make_backend(settings)) as manager:
         session = await manager.create(pool_wait_s=settings.startup_timeout_s)
@@ -274,6 +312,18 @@ async def _run_once(settings: Settings, code: str) -> int:
             print(f"[{block.mime_type} image, {len(base64.b64decode(block.data)):,} bytes]")
     return 1 if call.is_error else 0
 
+
+#: Each subcommand's function: it imports what it needs, so `--help` loads none of it.
+COMMANDS: dict[str, Callable[[argparse.Namespace, Settings], int]] = {
+    "serve": _serve_command,
+    "run": _run_command,
+    "proxy": _proxy_command,
+    "token": _token_command,
+    "config": _config_command,
+    "doctor": _doctor_command,
+    "node-resources": _node_resources_command,
+    "setup": _setup_command,
+}
 
 if __name__ == "__main__":
     sys.exit(main())

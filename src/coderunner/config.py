@@ -422,8 +422,14 @@ class Settings(BaseSettings):
 
 
 def load_settings(config_file: Path | None = None, **overrides: Any) -> Settings:
-    """Read the TOML file (flag, else $CODERUNNER_CONFIG, else the per-user default) under env and flags."""
-    path = config_file or Path(os.environ.get("CODERUNNER_CONFIG") or default_config_file())
+    """Read the TOML file (flag, else $CODERUNNER_CONFIG, else the per-user default) under env and flags.
+
+    Only the default may be absent: a named file that is not there is a typo that would drop its settings."""
+    named = config_file or os.environ.get("CODERUNNER_CONFIG")
+    path = Path(named or default_config_file())
+    if named and not path.is_file() and path != Path(os.devnull):  # os.devnull: on purpose, no file
+        source = "--config" if config_file else "CODERUNNER_CONFIG"
+        raise ConfigError(f"no configuration file at {path} (named by {source}): correct the path or create the file")
     file_bound = type(
         "FileSettings",
         (Settings,),

@@ -17,6 +17,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.auth import RequireToken, policy_for
 from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
+from coderunner.edge.listener import bind_listener
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server
 from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
@@ -27,9 +28,14 @@ HTTP_SHUTDOWN_GRACE_S = 5
 
 
 async def serve(settings: Settings) -> None:
-    # Refuse an unsafe bind before any sandbox exists.
+    # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
     policy = policy_for(settings) if settings.transport != "stdio" else None
     async with contextlib.AsyncExitStack() as stack:
+        listener = (
+            None
+            if settings.transport == "stdio"
+            else stack.enter_context(contextlib.closing(bind_listener(settings.host, settings.port)))
+        )
         with _stdout_held(settings.transport == "stdio"):
             manager = await stack.enter_async_context(_session_host(settings))
             server = build_server(manager)
@@ -46,7 +52,7 @@ async def serve(settings: Settings) -> None:
             for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
                 signal.signal(signum, _note_signal)
             return
-        assert policy is not None
+        assert policy is not None and listener is not None
         # Host and Origin are checked once, for every path, by RequireToken below.
         security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
         if settings.transport == "sse":
@@ -59,7 +65,7 @@ async def serve(settings: Settings) -> None:
             "serving MCP over %s at http://%s:%d%s; clients need the bearer token (%s)",
             settings.transport,
             settings.host,
-            settings.port,
+            listener.getsockname()[1],  # the port bound (port 0: the one the system chose)
             path,
             "as configured" if settings.token else f"in {settings.token_file}; `coderunner token` prints it",
         )
@@ -80,7 +86,7 @@ async def serve(settings: Settings) -> None:
         # SessionManager to close every session on its way out.
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _note_signal)
-        await uvicorn.Server(config).serve()
+        await uvicorn.Server(config).serve(sockets=[listener])
 
 
 @contextlib.contextmanager

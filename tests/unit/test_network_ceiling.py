@@ -8,6 +8,7 @@ modes within it, and a refusal that names the setting from every tool that takes
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,7 @@ from .conftest import ManagerFactory
 
 pytestmark = pytest.mark.anyio
 
-NO_FILE = Path("/nonexistent/coderunner.toml")
+NO_FILE = Path(os.devnull)  # read no config file
 
 
 @pytest.mark.parametrize(

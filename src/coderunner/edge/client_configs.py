@@ -1,7 +1,7 @@
 """Snippets that add CodeRunner to MCP clients, with this install's absolute paths.
 
 Each client launches a command over stdio: `coderunner serve` (a server of its own) or, with
-`--url`, `coderunner proxy URL` (one long-running HTTP server shared by several clients).
+`--url`, `coderunner proxy URL --client APP` (one long-running HTTP server shared by several clients).
 Agent libraries (client_code.py) get code instead, speaking HTTP themselves with `--url`.
 """
 
@@ -39,12 +39,18 @@ class LaunchCommand:
     args: tuple[str, ...]
 
     @classmethod
-    def for_install(cls, url: str | None = None) -> LaunchCommand:
-        """This install's `coderunner`, serving on its own or proxying to `url`."""
+    def for_install(cls, url: str | None = None, client: str = SERVER_NAME) -> LaunchCommand:
+        """This install's `coderunner`, serving on its own or proxying to `url` as `client`."""
         script = Path(sys.executable).parent / "coderunner"
         base = (str(script),) if script.exists() else (sys.executable, "-m", "coderunner.cli")
-        args = ("proxy", url) if url else ("serve",)
+        args = proxy_args(url, client) if url else ("serve",)
         return cls(base[0], (*base[1:], *args))
+
+
+def proxy_args(url: str, client: str) -> tuple[str, ...]:
+    """`proxy URL --client NAME`: one stable name per app, so its export folder and named workspaces
+    are found again after a restart (without it, each proxy process is a new client)."""
+    return ("proxy", url, "--client", client)
 
 
 def snippet(client: str, launch: LaunchCommand, url: str | None = None) -> str:
