@@ -393,16 +393,14 @@ def _clean_node_disks(cluster: RayCluster) -> list[str]:
     from coderunner.hostfs.session_dirs import remove_stale_dirs
     from coderunner.sandbox import make_backend
 
-    left: list[str] = []
     for name in WORKERS:
         disks = {key.removeprefix("CODERUNNER_").lower(): value for key, value in node_disks(cluster, name).items()}
         if not Path(disks["runtime_dir"]).is_dir():
             continue
         settings = load_settings(Path(os.devnull), **disks)
         remove_stale_dirs(settings.runtime_dir, settings.workspaces_dir, make_backend(settings).remove_stale, 0.0)
-        left += [line.split()[1] for line in Path("/proc/mounts").read_text().splitlines()
-                 if f" {cluster.temp_dir}/" in line]  # fmt: skip
-    return left
+    mounts = Path("/proc/mounts").read_text().splitlines()
+    return [line.split()[1] for line in mounts if f" {cluster.temp_dir}/" in line]
 
 
 def unavailable() -> str | None:
