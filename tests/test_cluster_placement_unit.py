@@ -55,3 +55,16 @@ def test_a_request_no_live_node_could_hold_is_refused_saying_what_there_is(
 def test_a_node_is_described_by_its_id_address_and_what_it_offers() -> None:
     described = describe_node(node("0123456789abcdef" * 3, 2, 4096, "bwrap", "gvisor"))
     assert described == "0123456789ab (10.0.0.7): 2 CPU, 4,096 MiB, backends: bwrap, gvisor"
+
+
+def test_cluster_mode_refuses_a_network_ceiling_of_internet() -> None:
+    """An internet sandbox reaches its node's own addresses, Ray's ports among them: never in a cluster."""
+    import os
+    from pathlib import Path
+
+    from coderunner.cluster.host import ClusterHost
+    from coderunner.config import ConfigError, load_settings
+
+    settings = load_settings(Path(os.devnull), network="internet", ray_address="127.0.0.1:6379")
+    with pytest.raises(ConfigError, match="refuses max_network 'internet'.*Ray's ports"):
+        ClusterHost(settings)

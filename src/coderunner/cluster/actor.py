@@ -35,6 +35,8 @@ log = logging.getLogger(__name__)
 
 #: How often the actor checks whether its session is still open (reaped sessions end their actor).
 WATCH_INTERVAL_S = 2.0
+#: After a close_session, how long the actor waits for its front door to kill it before it ends itself.
+KILL_BACKUP_S = 10.0
 #: Uploads staged at once per session, and how long an unfinished one may sit.
 MAX_UPLOADS = 4
 
@@ -56,6 +58,7 @@ class SessionActor:
         self._entered = asyncio.Event()
         self._opened = asyncio.Event()
         self._opening = False
+        self._closed_by_call = False
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
         self._main: asyncio.Task[None] | None = None
@@ -116,11 +119,16 @@ class SessionActor:
             self._end_soon()
 
     def _open_in(self, manager: SessionManager) -> bool:
-        return self.session is not None and self.session.session_id in {s.session_id for s in manager.list()}
+        """Until its close has finished (a close under way has taken it off the list already)."""
+        session = self.session
+        return session is not None and (session.close_done is None or not session.close_done.is_set())
 
     def _end_soon(self) -> None:
-        """The session is gone: end this process a moment later (after the reply to close has left)."""
-        asyncio.get_running_loop().call_later(0.2, os._exit, 0)
+        """The session is gone: end this process. Closed by a front door, which kills the actor once
+        the reply to close has left (an intended exit, as Ray sees it), this only backs that up;
+        reaped idle, nobody else will end it."""
+        delay = KILL_BACKUP_S if self._closed_by_call else 0.2
+        asyncio.get_running_loop().call_later(delay, os._exit, 0)
 
     def _session(self) -> Session:
         if self.session is None or self.session.closed:
@@ -143,8 +151,14 @@ class SessionActor:
     async def start_run(
         self, code: str, timeout_s: float | None, variables: dict[str, Any] | None, owner: str, wait_s: float
     ) -> JobDelta:
-        job = await self._session().start_run(code, timeout_s, variables, owner=owner)
-        return await self._delta(job, wait_s)
+        """Start a cell and wait up to `wait_s` for it: a quick cell's whole answer comes back at once,
+        and its job is dropped here (the front door has all of it; one call fewer per run)."""
+        session = self._session()
+        job = await session.start_run(code, timeout_s, variables, owner=owner)
+        delta = await self._delta(job, wait_s)
+        if delta.ended:
+            session.forget_job(job)
+        return delta
 
     async def read_job(self, job_id: str, wait_s: float) -> JobDelta:
         job = self._session().job(job_id)
@@ -228,9 +242,10 @@ class SessionActor:
         return {**asdict(status), "node": self.node.node_id, "node_address": self.node.address}
 
     async def close(self) -> str | None:
-        """Close the session (its kernel, sandbox and workspace); the actor then ends itself."""
+        """Close the session (its kernel, sandbox and workspace); the front door then kills the actor."""
         session = self._session()
         assert self.manager is not None
+        self._closed_by_call = True
         await self.manager.close(session.session_id)
         self._stop.set()
         return session.close_note

@@ -31,9 +31,10 @@ from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
 from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
-from coderunner.config import Settings
+from coderunner.config import ConfigError, Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
+from coderunner.egress.ceiling import NetworkMode
 from coderunner.errors import SessionError
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.sandbox import make_backend
@@ -57,6 +58,9 @@ CONNECT_S = 60.0
 ACTOR_CONCURRENCY = 64
 #: Bound on Ray placing a session's actor and starting its process (a node with room now).
 PLACE_S = 45.0
+#: Cold session starts one front door runs at once, and how long a create waits for its turn.
+COLD_STARTS = 4
+COLD_QUEUE_S = 120.0
 #: Bound on asking one node's pool for a ready session.
 CLAIM_S = 5.0
 #: How often the front door looks for nodes whose pool it has not met yet.
@@ -71,6 +75,12 @@ class ClusterHost:
     """Sessions on a Ray cluster, as the tools see them. Use as `async with ClusterHost(settings)`."""
 
     def __init__(self, settings: Settings) -> None:
+        if settings.network_ceiling == NetworkMode.INTERNET:
+            raise ConfigError(
+                "cluster mode refuses max_network 'internet': such a sandbox reaches its node's own addresses, "
+                "Ray's ports among them, and whoever reaches those runs code on every node. Use 'allowlist' "
+                "(its proxy never connects to the node, loopback or private addresses) with allowed_domains."
+            )
         self.settings = settings
         self.backend = make_backend(settings)  # checks options and describes sandboxes; starts none
         self.base_mounts = configured_mounts(settings, self.backend.identity)
@@ -79,6 +89,9 @@ class ClusterHost:
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
         self.oneshot_jobs: JobTable
+        #: Cold starts under way at once (each starts a worker process on a node; more at once overload
+        #: Ray's process start-up and all of them miss their bound): the rest queue for a turn.
+        self._cold_starts = anyio.Semaphore(COLD_STARTS)
         self._settings_sent = settings.model_dump(exclude=FRONT_DOOR_ONLY)
         self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
         self.stored = StoredOnNodes(self._node_calls, self.backend.name, settings.snapshots_shared)
@@ -157,6 +170,23 @@ class ClusterHost:
         node = await self._home(options, seed)
         request = Request.of(options, self.backend.name)
         check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
+        try:
+            with anyio.fail_after(COLD_QUEUE_S):
+                await self._cold_starts.acquire()
+        except TimeoutError:
+            raise SessionError(
+                f"{COLD_STARTS} sessions at a time start through this front door and more were waiting: this one "
+                f"waited {COLD_QUEUE_S:g}s for its turn; try again in a moment"
+            ) from None
+        try:
+            return await self._start_cold(options, owner, seed, node, request)
+        finally:
+            self._cold_starts.release()
+
+    async def _start_cold(
+        self, options: SandboxOptions, owner: str, seed: Seed | None, node: str | None, request: Request
+    ) -> RemoteSession:
+        """A new session actor, placed by Ray (or on `node`), then its session opened."""
         session_id = secrets.token_urlsafe(18)
         placed = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
         actor: Any = SessionActorClass.options(
@@ -169,10 +199,11 @@ class ClusterHost:
                 await actor.ping.remote()
         except TimeoutError:
             await anyio.to_thread.run_sync(_kill, actor)
-            where = f"node {node[:12]}, which holds what it starts from," if node is not None else "any node"
+            where = f"node {node[:12]}, which holds what it starts from," if node is not None else "a node"
             raise SessionError(
-                f"no room for this session on {where} within {PLACE_S:g}s: it asks for {request.describe()}. "
-                "Close a session there, ask for less (memory_mb, cpus), or add a node."
+                f"this session's actor was not running on {where} within {PLACE_S:g}s: no node has room for it "
+                f"now (it asks for {request.describe()}), or the nodes are slow starting processes. Close a "
+                "session, ask for less (memory_mb, cpus), add a node, or try again."
             ) from None
         except BaseException as exc:
             with anyio.CancelScope(shield=True):

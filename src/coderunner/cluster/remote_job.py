@@ -32,8 +32,8 @@ class RemoteJob(Job):
 
     #: Asks the actor to cancel the real job (set by the session that made this one).
     request_cancel: Callable[[], None] | None = None
-    #: The node's answer was a refusal before the job ran (the session closed, busy behind another call).
-    remote_failure: str | None = None
+    #: The node dropped it already (it ended within the first call, whose answer had all of it).
+    node_forgot: bool = False
     _applied_end: bool = field(default=False, repr=False)
 
     def cancel(self) -> None:

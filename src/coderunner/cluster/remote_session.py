@@ -168,6 +168,7 @@ class RemoteSession:
         job.request_cancel = request_cancel
         self._jobs[job.job_id] = job
         job.apply(first)
+        job.node_forgot = first.ended  # the node dropped a job it answered whole
         if not job.done.is_set():
             self._task_group.start_soon(pump, job, lambda wait: self._read(job.job_id, wait), self.lost_text)
         self._track(first.generation)
@@ -201,7 +202,8 @@ class RemoteSession:
 
     def forget_job(self, job: Job) -> None:
         self._jobs.pop(job.job_id, None)
-        self._task_group.start_soon(self._forget_remote, job.job_id)
+        if not (isinstance(job, RemoteJob) and job.node_forgot):
+            self._task_group.start_soon(self._forget_remote, job.job_id)
 
     async def _forget_remote(self, job_id: str) -> None:
         with contextlib.suppress(SessionError):

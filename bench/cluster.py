@@ -1,0 +1,720 @@
+"""Cluster mode beside one machine, on a real Ray cluster (a head and two workers) made for the run.
+
+    sudo .venv/bin/python bench/cluster.py [--rounds 50] [--colds 10] [--sessions 100] [--no-local-burst]
+
+The cluster is tests/cluster/conftest.py's: three `ray start --block` nodes in a network namespace of
+their own with only loopback. Every front door runs in that namespace too (nsenter), the local ones
+included, so all lanes share the same conditions; all are driven by the MCP SDK's client over stdio.
+Four front doors: `serve --ray` with pool_size=0 and with pool_size=2 (each worker node's warm pool),
+and plain `serve` (bwrap) with pool_size=0 and with its default pool of 2.
+
+a. Warm `run_python('1+1')` round trip into the caller's default session, cluster against local (the
+   pool_size=0 front doors): `--rounds` rounds of one call per lane, the lanes in a fresh random order
+   each round, after a warm-up, so drift on a shared machine hits both alike. Beside them, the floor:
+   a bare Ray actor call (`ping`) to the same session actor from a driver of our own (a block after the
+   rounds, not interleaved), and the same actor call a front door makes for a run (`start_run`), from
+   that driver: what a warm run costs on the node's side.
+b. create_session to first result (`create_session`, then `run_python('1')` in it; closed untimed),
+   `--colds` shuffled rounds of the four lanes: cluster and local, each from its warm pool and cold.
+   Before each round the cluster's node pools are full again (waited for, untimed).
+c. `--sessions` sessions created at once through the cluster front door without pool (memory_mb=512,
+   the least a session may ask for, and the default 0.1 CPU each), each then running `1`: time until
+   all answered, and where they landed. If some fail, they are closed and half as many are tried at
+   once, down to 5: the largest burst that all started. Then `--sessions` sessions are held at once
+   (made in waves of that size): memory with all of them alive (host MemAvailable; PSS of the session
+   actors' processes and of their sandboxes), then all closed at once, and what the cluster still held
+   afterwards (actor processes, sandboxes, named actors, mounts on the nodes' disks). Beside it the
+   same burst on the local front door (--no-local-burst skips it).
+
+Ray's `memory` and `CPU` are logical resources that each session reserves (its memory_mb, an address
+space cap, not RAM in use; its cpus). The fixture's workers advertise 4 GiB and 2 CPUs each: room for 16
+sessions of 512 MiB, or two of the default 2048 MiB. This bench has each worker advertise room for its
+half of `--sessions` plus the sessions and pools of parts a and b (printed at the start); what the
+machine really holds is what part c measures.
+
+No timing assertions: figures only. Every wait is bounded; the sessions, front doors and the cluster
+(with everything in its namespace, the pools' actors included) are gone at the end, also after a
+failure or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from mcp import Client, StdioServerParameters
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.cluster import conftest as fixture  # noqa: E402 - needs the repo root on sys.path
+from tests.cluster.conftest import RayCluster, ray_cluster_running, unavailable  # noqa: E402
+
+#: What part c asks for per session: the least memory_mb a session may have (config.MIN_MEMORY_MB).
+BURST_MEMORY_MB = 512
+#: The CPU share a session without a cpus limit asks for (cluster/placement.py DEFAULT_CPUS).
+SESSION_CPUS = 0.1
+#: The smallest burst part c tries when bigger ones fail.
+MIN_BURST = 5
+#: Each node's warm pool in the pooled lanes (the server's default pool_size).
+POOL_SIZE = 2
+#: Room each worker keeps beyond its half of part c, at the default memory_mb (2048): part a's default
+#: session, a cold create of part b, its node pool (POOL_SIZE) and a claimed pooled session.
+SPARE_MEMORY = 10 * 2**30
+SPARE_CPUS = 1.0
+#: Bounds: one MCP call; a whole burst; everything closed and gone; the node pools filling.
+CALL_TIMEOUT_S = 300.0
+BURST_TIMEOUT_S = 1800.0
+GONE_TIMEOUT_S = 120.0
+POOLS_TIMEOUT_S = 180.0
+WARMUP_CALLS = 10
+#: Think time after each create of part b (a closed actor ends itself a moment after close_session;
+#: a local pool starts its replacement a moment after a take).
+COLD_PAUSE_S = 1.0
+
+PING_SCRIPT = """
+import json, sys, time
+import ray
+ray.init(address=sys.argv[1], namespace="coderunner", logging_level="ERROR", log_to_driver=False)
+actor = ray.get_actor("session-" + sys.argv[2], namespace="coderunner")
+for _ in range(20):
+    ray.get(actor.ping.remote(), timeout=30)
+samples = []
+for _ in range(int(sys.argv[3])):
+    began = time.perf_counter()
+    ray.get(actor.ping.remote(), timeout=30)
+    samples.append(time.perf_counter() - began)
+# The node's side of a warm run_python: the same actor call the front door makes, from a bare driver.
+from coderunner.edge.callers import LOCAL_CALLER
+runs = []
+for index in range(20 + int(sys.argv[3])):
+    began = time.perf_counter()
+    delta = ray.get(actor.start_run.remote("1+1", None, None, LOCAL_CALLER, 0.5), timeout=60)
+    if index >= 20:
+        runs.append(time.perf_counter() - began)
+    assert delta.ended, delta
+    ray.get(actor.forget_job.remote(delta.job_id), timeout=30)
+print(json.dumps({"ping": samples, "run": runs}))
+"""
+
+ACTORS_SCRIPT = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+print(json.dumps([a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["namespace"] == "coderunner"]))
+"""
+
+#: Waits (up to argv[3] s) until every node pool (actors `pool-<node id>`) has argv[2] ready; prints their stats.
+POOLS_SCRIPT = """
+import json, sys, time
+import ray
+ray.init(address=sys.argv[1], namespace="coderunner", logging_level="ERROR", log_to_driver=False)
+size, deadline = int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
+while True:
+    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "coderunner" and a["name"].startswith("pool-")]
+    stats = [ray.get(ray.get_actor(name).stats.remote(), timeout=30) for name in names]
+    if (len(stats) >= int(sys.argv[4]) and all(s["ready"] >= size for s in stats)) or time.monotonic() > deadline:
+        break
+    time.sleep(0.5)
+print(json.dumps(stats))
+"""
+
+
+# --- figures ------------------------------------------------------------------------------------------
+
+
+def pct(samples: list[float], q: float) -> float:
+    """The q-quantile in ms (nearest rank, as bench/latency.py's p90)."""
+    ordered = sorted(samples)
+    return ordered[max(math.ceil(len(ordered) * q) - 1, 0)] * 1000
+
+
+def line(name: str, samples: list[float]) -> str:
+    if not samples:
+        return f"{name:46} (no samples)"
+    return (
+        f"{name:46} median {pct(samples, 0.5):8.2f} ms  p90 {pct(samples, 0.9):8.2f}  "
+        f"min {min(samples) * 1000:8.2f}  n {len(samples)}"
+    )
+
+
+def mem_available_mb() -> float:
+    with open("/proc/meminfo") as handle:
+        for row in handle:
+            if row.startswith("MemAvailable:"):
+                return int(row.split()[1]) / 1024
+    return 0.0
+
+
+def free_m() -> str:
+    done = subprocess.run(["free", "-m"], capture_output=True, text=True, timeout=10)
+    return next((row for row in done.stdout.splitlines() if row.startswith("Mem:")), done.stdout.strip())
+
+
+def pss_mb(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/smaps_rollup") as handle:
+            total += next((int(row.split()[1]) for row in handle if row.startswith("Pss:")), 0)
+    return total / 1024
+
+
+def _argv0(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode(errors="replace")
+    return ""
+
+
+def _descendants(pid: int) -> list[int]:
+    found, pending = [], [pid]
+    while pending:
+        current = pending.pop()
+        found.append(current)
+        with contextlib.suppress(OSError):
+            for task in os.listdir(f"/proc/{current}/task"):
+                with contextlib.suppress(OSError):
+                    pending += [int(c) for c in Path(f"/proc/{current}/task/{task}/children").read_text().split()]
+    return found
+
+
+def session_actor_pids(cluster: RayCluster) -> list[int]:
+    """The processes of live session actors (Ray titles them after the class)."""
+    return [pid for pid in cluster.netns_pids() if _argv0(pid).startswith("ray::SessionActor")]
+
+
+def _comm(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    return ""
+
+
+def _parent(pid: int) -> int:
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    return 0
+
+
+def sandbox_pids(cluster: RayCluster) -> list[int]:
+    """Each sandbox's outermost bwrap in the namespace (what runs inside is in namespaces of its own)."""
+    return [pid for pid in cluster.netns_pids() if _comm(pid) == "bwrap" and _comm(_parent(pid)) != "bwrap"]
+
+
+def named_actors(cluster: RayCluster) -> list[str] | str:
+    done = cluster.run_python(ACTORS_SCRIPT, cluster.address, timeout=120)
+    if done.returncode != 0:
+        return f"(could not list: {done.stderr.strip()[-300:]})"
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await anyio.to_thread.run_sync(predicate):
+            return True
+        await anyio.sleep(0.5)
+    return bool(await anyio.to_thread.run_sync(predicate))
+
+
+# --- front doors ----------------------------------------------------------------------------------------
+
+
+def door_env(cluster: RayCluster, root: Path, **extra: str) -> dict[str, str]:
+    """A front door's whole environment: dirs of its own under `root`, no pool, no config file, no export."""
+    root.mkdir(mode=0o711)
+    root.chmod(0o711)  # a root server's sandbox users must pass through
+    env = {
+        "PATH": cluster.env["PATH"],
+        "HOME": os.environ.get("HOME", "/root"),
+        "LANG": "C.UTF-8",
+        "CODERUNNER_CONFIG": os.devnull,  # no config file: never the user's own
+        "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
+        "CODERUNNER_TOKEN_FILE": str(root / "token"),
+        "CODERUNNER_BACKEND": "bwrap",
+        "CODERUNNER_POOL_SIZE": "0",
+        "CODERUNNER_EXPORT_DIR": "",
+        "CODERUNNER_LOG_LEVEL": "WARNING",
+        "RAY_USAGE_STATS_ENABLED": "0",
+        "PYTHONPATH": str(REPO / "src"),
+    }
+    if "CODERUNNER_SANDBOX_ENV" in os.environ:
+        env["CODERUNNER_SANDBOX_ENV"] = os.environ["CODERUNNER_SANDBOX_ENV"]
+    env.update(extra)
+    return env
+
+
+@contextlib.asynccontextmanager
+async def front_door(cluster: RayCluster, env: dict[str, str], ray: bool) -> AsyncIterator[Client]:
+    """A stdio front door inside the cluster's namespace: `serve --ray` (ray) or plain `serve`."""
+    argv = [*cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "serve"]
+    if ray:
+        argv += ["--ray", cluster.address]
+    params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(REPO))
+    async with Client(params, read_timeout_seconds=CALL_TIMEOUT_S) as client:
+        yield client
+
+
+async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
+    result = await client.call_tool(tool, arguments)
+    text = "".join(getattr(block, "text", "") for block in result.content)
+    if result.is_error:
+        raise RuntimeError(f"{tool}: {text[:800]}")
+    return result.structured_content or {"text": text}
+
+
+# --- a. warm round trip ---------------------------------------------------------------------------------
+
+
+async def warm(lanes: dict[str, Client], rounds: int) -> dict[str, list[float]]:
+    samples: dict[str, list[float]] = {name: [] for name in lanes}
+    for client in lanes.values():
+        for _ in range(WARMUP_CALLS):  # the first makes the default session (on a node, for the cluster)
+            await call(client, "run_python", code="1+1")
+    for _ in range(rounds):
+        for name in random.sample(list(lanes), len(lanes)):
+            began = time.perf_counter()
+            await call(lanes[name], "run_python", code="1+1")
+            samples[name].append(time.perf_counter() - began)
+    return samples
+
+
+def actor_floor(cluster: RayCluster, session_id: str, calls: int) -> dict[str, list[float]]:
+    """Bare actor calls to the session's actor from a driver of our own, in the namespace: `ping`, and
+    `start_run('1+1')` as the front door calls it (the node's side of a warm run_python)."""
+    done = cluster.run_python(PING_SCRIPT, cluster.address, session_id, str(calls), timeout=300)
+    if done.returncode != 0:
+        print(f"   (the actor-call floor failed: {done.stderr.strip()[-500:]})")
+        return {}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+# --- b. create to first result --------------------------------------------------------------------------
+
+
+def pools_full(cluster: RayCluster) -> list[dict[str, Any]]:
+    """Waits (bounded) until every worker's pool has POOL_SIZE ready; the pools' stats."""
+    workers = len(cluster.nodes) - 1
+    done = cluster.run_python(
+        POOLS_SCRIPT, cluster.address, str(POOL_SIZE), str(POOLS_TIMEOUT_S), str(workers),
+        timeout=POOLS_TIMEOUT_S + 120,
+    )  # fmt: skip
+    if done.returncode != 0:
+        return [{"error": done.stderr.strip()[-300:]}]
+    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+async def first_results(cluster: RayCluster, lanes: dict[str, Client], rounds: int) -> dict[str, Any]:
+    samples: dict[str, list[float]] = {name: [] for name in lanes}
+    short: list[str] = []  # rounds that began with a node pool not full
+    for index in range(rounds):
+        stats = await anyio.to_thread.run_sync(pools_full, cluster)
+        if any(entry.get("ready", 0) < POOL_SIZE for entry in stats):
+            short.append(f"round {index}: {stats}")
+        for name in random.Random(index).sample(list(lanes), len(lanes)):
+            client = lanes[name]
+            began = time.perf_counter()
+            session_id = (await call(client, "create_session"))["session_id"]
+            await call(client, "run_python", code="1", session_id=session_id)
+            samples[name].append(time.perf_counter() - began)
+            await call(client, "close_session", session_id=session_id)
+            await anyio.sleep(COLD_PAUSE_S)
+    return {"samples": samples, "short": short}
+
+
+# --- c. many at once ------------------------------------------------------------------------------------
+
+
+class Burst:
+    """`count` sessions made at once through one front door (each then runs `1`), and closed at once."""
+
+    def __init__(self, client: Client, count: int) -> None:
+        self.client = client
+        self.count = count
+        self.ready: list[float] = []  # seconds from the start to each session's first result
+        self.made: dict[str, str] = {}  # session id -> node id ('' on one machine)
+        self.errors: list[str] = []
+        self.all_ready_s = 0.0
+        self.close_s = 0.0
+        self.close_errors: list[str] = []
+
+    @property
+    def complete(self) -> bool:
+        return len(self.ready) == self.count
+
+    async def open(self) -> Burst:
+        began = time.perf_counter()
+
+        async def one() -> None:
+            try:
+                made = await call(self.client, "create_session", memory_mb=BURST_MEMORY_MB)
+                self.made[made["session_id"]] = made.get("node", "")
+                await call(self.client, "run_python", code="1", session_id=made["session_id"])
+                self.ready.append(time.perf_counter() - began)
+            except Exception as exc:  # counted and shown: a refusal is a finding, not a crash
+                self.errors.append(str(exc))
+
+        with anyio.move_on_after(BURST_TIMEOUT_S) as scope:
+            async with anyio.create_task_group() as group:
+                for _ in range(self.count):
+                    group.start_soon(one)
+        if scope.cancelled_caught:
+            self.errors.append(f"the burst did not finish within {BURST_TIMEOUT_S:.0f} s")
+        self.all_ready_s = time.perf_counter() - began
+        return self
+
+    async def close(self) -> None:
+        began = time.perf_counter()
+
+        async def one(session_id: str) -> None:
+            try:
+                await call(self.client, "close_session", session_id=session_id)
+            except Exception as exc:
+                self.close_errors.append(str(exc))
+
+        with anyio.move_on_after(BURST_TIMEOUT_S):
+            async with anyio.create_task_group() as group:
+                for session_id in list(self.made):
+                    group.start_soon(one, session_id)
+        self.close_s = time.perf_counter() - began
+
+
+def error_summary(errors: list[str]) -> list[str]:
+    return [f"{count} x {text[:400]}" for text, count in Counter(errors).most_common(5)]
+
+
+class Baseline:
+    """What the cluster holds before part c (part a's default session, the pools): part c counts the rest."""
+
+    def __init__(self, cluster: RayCluster) -> None:
+        self.cluster = cluster
+        self.actors = len(session_actor_pids(cluster))
+        self.sandboxes = len(sandbox_pids(cluster))
+        self.names = named_actors(cluster)
+        self.mounts = set(self.mounted())
+
+    def mounted(self) -> list[str]:
+        """Mounts on the nodes' disks (each session's workspace, and what is staged for its sandbox)."""
+        inside = f" {self.cluster.temp_dir}/"
+        return [row.split()[1] for row in Path("/proc/mounts").read_text().splitlines() if inside in row]
+
+    def extra(self) -> tuple[int, int]:
+        return len(session_actor_pids(self.cluster)) - self.actors, len(sandbox_pids(self.cluster)) - self.sandboxes
+
+    async def settled(self) -> tuple[bool, float]:
+        """Whether everything part c made is gone (bounded), and how long that took."""
+        began = time.monotonic()
+        gone = await wait_until(lambda: max(self.extra()) <= 0, GONE_TIMEOUT_S)
+        return gone, time.monotonic() - began
+
+
+async def burst_cluster(cluster: RayCluster, client: Client, count: int) -> dict[str, Any]:
+    base = await anyio.to_thread.run_sync(Baseline, cluster)
+    found: dict[str, Any] = {"tries": []}
+    before_mb = mem_available_mb()
+    size = count
+    while True:  # the largest burst that all started, halving from `count`
+        burst = await Burst(client, size).open()
+        found["tries"].append(burst)
+        if burst.complete or size // 2 < MIN_BURST:
+            break
+        await burst.close()
+        found.setdefault("cleanup", []).append(await base.settled())
+        size //= 2
+    held = [burst] if burst.complete else []
+    if held:  # hold `count` at once, made in waves of the largest burst that all started
+        while sum(len(wave.made) for wave in held) < count:
+            wave = await Burst(client, min(size, count - sum(len(w.made) for w in held))).open()
+            held.append(wave)
+            if not wave.complete:
+                break
+        found["waves"] = held
+        await anyio.sleep(3)  # settle: the actors' first allocations
+        alive = sum(len(wave.made) for wave in held)
+        found["held"] = alive
+        found["mem"] = (before_mb, mem_available_mb())
+        found["free_peak"] = free_m()
+        actors, sandboxes = session_actor_pids(cluster), sandbox_pids(cluster)
+        new_actors, new_sandboxes = base.extra()
+        found["actors"] = (new_actors, pss_mb(actors) / max(len(actors), 1))
+        sandbox_pss = pss_mb([pid for root in sandboxes for pid in _descendants(root)])
+        found["sandboxes"] = (new_sandboxes, sandbox_pss / max(len(sandboxes), 1))
+        names = {node.node_id: name for name, node in cluster.nodes.items()}
+        placed = Counter(names.get(node, node[:12] or "?") for wave in held for node in wave.made.values())
+        found["placed"] = dict(placed)
+    closing = held or [burst]
+    began = time.perf_counter()
+    async with anyio.create_task_group() as group:
+        for wave in closing:
+            group.start_soon(wave.close)
+    found["close_s"] = time.perf_counter() - began
+    found["close_errors"] = [text for wave in closing for text in wave.close_errors]
+    found["gone"] = await base.settled()
+    names_now = await anyio.to_thread.run_sync(named_actors, cluster)
+    if isinstance(names_now, str) or isinstance(base.names, str):
+        found["left_names"] = names_now
+    else:
+        found["left_names"] = sorted(set(names_now) - set(base.names))
+    found["left"] = base.extra()
+    found["left_mounts"] = sorted(set(base.mounted()) - base.mounts)
+    found["free_after"] = free_m()
+    return found
+
+
+async def burst_local(cluster: RayCluster, client: Client, count: int) -> dict[str, Any]:
+    had = set(sandbox_pids(cluster))  # the cluster's sessions and pools, the local pool's
+    burst = await Burst(client, count).open()
+    await anyio.sleep(3)
+    mine = [pid for pid in sandbox_pids(cluster) if pid not in had]
+    sandboxes_pss = pss_mb([pid for root in mine for pid in _descendants(root)])
+    await burst.close()
+    await wait_until(lambda: len(sandbox_pids(cluster)) <= len(had), GONE_TIMEOUT_S)
+    return {"burst": burst, "sandboxes": len(mine), "sandboxes_pss": sandboxes_pss}
+
+
+# --- the run --------------------------------------------------------------------------------------------
+
+
+def size_workers(sessions: int) -> tuple[int, int]:
+    """What each worker advertises: room for its half of part c plus parts a and b (at least the fixture's;
+    `ray start --num-cpus` takes whole CPUs)."""
+    half = math.ceil(sessions / 2)
+    memory = max(fixture.WORKER_MEMORY, half * BURST_MEMORY_MB * 2**20 + SPARE_MEMORY)
+    cpus = max(fixture.WORKER_CPUS, math.ceil(half * SESSION_CPUS + SPARE_CPUS))
+    return memory, cpus
+
+
+async def run(cluster: RayCluster, root: Path, args: argparse.Namespace) -> None:
+    limit = str(args.sessions + 10)
+    limits = {"CODERUNNER_MAX_SESSIONS": limit, "CODERUNNER_MAX_SESSIONS_PER_CLIENT": limit}
+    doors = {  # lane: (serve --ray?, pool_size)
+        "cluster": (True, 0),
+        "local": (False, 0),
+        "cluster, node pool": (True, POOL_SIZE),
+        "local, pool": (False, POOL_SIZE),
+    }
+    figures: dict[str, Any] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        # Not under a cancel scope: the clients' task groups must be left in the scope they were entered in
+        # (the SDK bounds its own start and stop; the namespace's teardown ends whatever is left).
+        lanes: dict[str, Client] = {}
+        for index, (lane, (ray, pool)) in enumerate(doors.items()):
+            env = door_env(cluster, root / f"d{index}", CODERUNNER_POOL_SIZE=str(pool), **limits)
+            lanes[lane] = await stack.enter_async_context(front_door(cluster, env, ray=ray))
+        for client in lanes.values():
+            await call(client, "list_sessions")  # up and answering (the pools start filling)
+        await anyio.to_thread.run_sync(pools_full, cluster)  # none of the warm calls shares the CPU with them
+        await anyio.sleep(3)  # nor with the local pool's
+        figures["warm"] = await warm({lane: lanes[lane] for lane in ("cluster", "local")}, args.rounds)
+        status = await call(lanes["cluster"], "session_status")
+        figures["home"] = {node.node_id: name for name, node in cluster.nodes.items()}.get(status.get("node", ""), "?")
+        figures["floor"] = await anyio.to_thread.run_sync(actor_floor, cluster, status["session_id"], args.rounds)
+        print_warm(figures)
+        figures["first"] = await first_results(cluster, lanes, args.colds)
+        print_first(figures["first"])
+        if args.sessions > 0:
+            figures["burst"] = await burst_cluster(cluster, lanes["cluster"], args.sessions)
+            print_burst(figures["burst"], args.sessions)
+            if args.local_burst:
+                figures["local_burst"] = await burst_local(cluster, lanes["local"], args.sessions)
+                print_local_burst(figures["local_burst"], args.sessions)
+        await stack.aclose()  # the front doors go: each closes its default session
+    print_table(figures, args)
+
+
+def print_warm(figures: dict[str, Any]) -> None:
+    warm_samples = figures["warm"]
+    cl, lo = warm_samples["cluster"], warm_samples["local"]
+    paired = [c - loc for c, loc in zip(cl, lo, strict=True)]
+    print(
+        f"\na. warm run_python('1+1'), {len(cl)} rounds, one call per lane each, shuffled "
+        f"(the cluster session on {figures['home']})"
+    )
+    print(line("cluster front door (serve --ray)", cl))
+    print(line("local front door (serve, bwrap)", lo))
+    print(
+        f"   cluster - local: medians {pct(cl, 0.5) - pct(lo, 0.5):+.2f} ms, p90s {pct(cl, 0.9) - pct(lo, 0.9):+.2f} "
+        f"ms, median of round-by-round differences {statistics.median(paired) * 1000:+.2f} ms  "
+        "(the issue's target: <= +2 ms)"
+    )
+    floor = figures["floor"]
+    if floor:
+        print("   from a driver of our own (blocks after the rounds, not interleaved):")
+        print(line("bare Ray actor call (ping)", floor["ping"]))
+        print(line("actor start_run('1+1'), as a front door", floor["run"]))
+
+
+def print_first(found: dict[str, Any]) -> None:
+    samples = found["samples"]
+    print(
+        f"\nb. create_session + run_python('1'), {len(samples['cluster'])} shuffled rounds "
+        f"(pools: {POOL_SIZE} per worker node / {POOL_SIZE} on the local server, full at each round's start)"
+    )
+    for lane, label in (
+        ("cluster, node pool", "cluster, from a node's warm pool"),
+        ("local, pool", "local, from the server's warm pool"),
+        ("cluster", "cluster, cold (an actor, then a sandbox)"),
+        ("local", "local, cold (a sandbox)"),
+    ):
+        print(line(label, samples[lane]))
+    pooled, cold = pct(samples["cluster, node pool"], 0.5), pct(samples["cluster"], 0.5)
+    print(
+        f"   cluster - local: pooled {pooled - pct(samples['local, pool'], 0.5):+.1f} ms, cold "
+        f"{cold - pct(samples['local'], 0.5):+.1f} ms (medians). The issue's target: 100 ms from a node's pool"
+    )
+    for text in found["short"]:
+        print(f"   a node pool was not full: {text}")
+
+
+def print_burst(found: dict[str, Any], count: int) -> None:
+    print(
+        f"\nc. sessions at once through one cluster front door (memory_mb={BURST_MEMORY_MB}, cpus {SESSION_CPUS}, "
+        "no pool)"
+    )
+    for index, burst in enumerate(found["tries"]):
+        print(f"   {burst.count} at once: first result in {len(burst.ready)}/{burst.count}, {burst.all_ready_s:.1f} s")
+        if burst.ready:
+            print(line("      each session's start to first result", burst.ready))
+        for text in error_summary(burst.errors):
+            print(f"      refused/failed: {text}")
+        cleanup = found.get("cleanup", [])
+        if index < len(cleanup):
+            gone, seconds = cleanup[index]
+            print(f"      closed; its actors and sandboxes gone: {gone} ({seconds:.1f} s)")
+    if "held" in found:
+        waves = found["waves"]
+        before_mb, peak_mb = found["mem"]
+        print(
+            f"   held at once: {found['held']} sessions (in {len(waves)} wave(s) of up to {waves[0].count}: "
+            + ", ".join(f"{len(w.ready)}/{w.count} in {w.all_ready_s:.1f} s" for w in waves)
+            + f"); placed: {found['placed']}"
+        )
+        for wave in waves[1:]:
+            for text in error_summary(wave.errors):
+                print(f"      refused/failed: {text}")
+        actors, actor_pss = found["actors"]
+        sandboxes, sandbox_pss = found["sandboxes"]
+        print(
+            f"   alive: {actors} more session actor processes (PSS {actor_pss:.1f} MiB each, mean over all), "
+            f"{sandboxes} more sandboxes (PSS {sandbox_pss:.1f} MiB each)"
+        )
+        if found["held"]:
+            print(
+                f"   host MemAvailable {before_mb:.0f} MiB before part c -> {peak_mb:.0f} MiB with them alive: "
+                f"{(before_mb - peak_mb) / found['held']:.1f} MiB per session (its actor and sandbox)"
+            )
+        print(f"   free -m with them alive: {found['free_peak']}")
+    else:
+        print(f"   no burst of {MIN_BURST} or more started completely: nothing held")
+    print(f"   closed at once in {found['close_s']:.1f} s; close errors: {len(found['close_errors'])}")
+    for text in error_summary(found["close_errors"]):
+        print(f"      close failed: {text}")
+    gone, seconds = found["gone"]
+    left_actors, left_sandboxes = found["left"]
+    print(
+        f"   afterwards: all gone: {gone} ({seconds:.1f} s after the last close answered); named actors left: "
+        f"{found['left_names'] or 'none'}; actor processes left {left_actors}, sandboxes left {left_sandboxes}"
+    )
+    left_mounts = found["left_mounts"]
+    print(
+        f"   mounts on the nodes' disks beyond those before part c: {len(left_mounts)}"
+        + (f" (workspaces of closed sessions still mounted, e.g. {left_mounts[:2]})" if left_mounts else "")
+    )
+    print(f"   free -m afterwards:    {found['free_after']}")
+
+
+def print_local_burst(found: dict[str, Any], count: int) -> None:
+    burst: Burst = found["burst"]
+    print(f"\nc'. the same {count} at once through the local front door (baseline, after the cluster's)")
+    print(f"   first result in {len(burst.ready)}/{count}, {burst.all_ready_s:.1f} s; closed in {burst.close_s:.1f} s")
+    if burst.ready:
+        print(line("      each session's start to first result", burst.ready))
+    print(
+        f"   {found['sandboxes']} sandboxes alive, PSS {found['sandboxes_pss'] / (found['sandboxes'] or 1):.1f} MiB "
+        "each (no actor process per session here)"
+    )
+    for text in error_summary(burst.errors):
+        print(f"      refused/failed: {text}")
+
+
+def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
+    warm_samples, first = figures["warm"], figures["first"]["samples"]
+    print("\nsummary (ms unless said)            cluster     local   cluster-local")
+    rows = [
+        ("warm 1+1, median", pct(warm_samples["cluster"], 0.5), pct(warm_samples["local"], 0.5)),
+        ("warm 1+1, p90", pct(warm_samples["cluster"], 0.9), pct(warm_samples["local"], 0.9)),
+        ("create to first result, pool", pct(first["cluster, node pool"], 0.5), pct(first["local, pool"], 0.5)),
+        ("create to first result, cold", pct(first["cluster"], 0.5), pct(first["local"], 0.5)),
+    ]
+    for name, ours, theirs in rows:
+        print(f"{name:34} {ours:9.1f} {theirs:9.1f} {ours - theirs:+15.1f}")
+    if "burst" in figures:
+        found = figures["burst"]
+        complete = [burst for burst in found["tries"] if burst.complete]
+        cluster_text = f"{complete[0].count} in {complete[0].all_ready_s:.1f} s" if complete else "none"
+        local = figures.get("local_burst")
+        local_text = f"{len(local['burst'].ready)} in {local['burst'].all_ready_s:.1f} s" if local else "-"
+        print(f"largest burst that all started: cluster {cluster_text}, local {local_text} (asked: {args.sessions})")
+        if "held" in found:
+            print(f"sessions held at once through the cluster: {found['held']}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=50, help="warm rounds (one call per lane each)")
+    parser.add_argument("--colds", type=int, default=10, help="create-to-first-result rounds (four lanes each)")
+    parser.add_argument("--sessions", type=int, default=100, help="sessions at once in part c (0: skip it)")
+    parser.add_argument("--no-local-burst", dest="local_burst", action="store_false", help="skip part c's baseline")
+    args = parser.parse_args()
+    if reason := unavailable():
+        print(f"bench/cluster.py {reason}", file=sys.stderr)
+        return 2
+    fixture.WORKER_MEMORY, fixture.WORKER_CPUS = size_workers(args.sessions)
+    print(
+        f"cluster: a head and two workers in a private network namespace; each worker advertises "
+        f"{fixture.WORKER_CPUS:g} CPU, {fixture.WORKER_MEMORY / 2**30:.1f} GiB memory, "
+        f"{fixture.BWRAP_RESOURCE}: {fixture.BWRAP_SLOTS} (logical; this machine: {os.cpu_count()} cores, "
+        f"{mem_available_mb():,.0f} MiB available)"
+    )
+    root = Path(tempfile.mkdtemp(prefix="crr-", dir="/tmp"))  # short: ipc socket paths stay under 107 bytes
+    root.chmod(0o711)
+    began = time.monotonic()
+    cluster: RayCluster | None = None
+    try:
+        with ray_cluster_running() as cluster:
+            print(
+                f"cluster up in {time.monotonic() - began:.0f} s; nodes: "
+                + ", ".join(f"{name} {node.node_id[:12]}" for name, node in cluster.nodes.items())
+            )
+            anyio.run(run, cluster, root, args)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+        if cluster is not None and cluster.teardown is not None:
+            report = cluster.teardown
+            print(
+                f"\nteardown: {report.seconds:.1f} s; killed at teardown (still in the namespace once the nodes "
+                f"stopped): {len(report.strays)} {report.strays[:3] or ''}; survivors: {report.survivors or 'none'}; "
+                f"after release: {report.after_release or 'none'}; mounts left on the nodes' disks after "
+                f"coderunner's clean-up: {getattr(report, 'left_on_disks', '(not checked)') or 'none'}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
