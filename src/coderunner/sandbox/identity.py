@@ -27,6 +27,9 @@ from pathlib import Path
 #: is derived from a persistent workspace's key, so its files keep one owner across sessions.
 UID_BASE = 1_900_000_000
 UID_SPAN = 1 << 24
+#: Where every server process of this host claims the uids it draws (root only: per-sandbox uids
+#: exist only for a root server). One folder per host, whatever runtime_dir each server uses.
+UID_CLAIMS_DIR = Path("/run/coderunner/uids")
 #: Random draws of a free uid before giving up (the range is nearly empty: one or two draws in practice).
 MAX_DRAWS = 1000
 

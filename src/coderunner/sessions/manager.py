@@ -31,6 +31,7 @@ from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
 from coderunner.sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
+from coderunner.sandbox.identity import UID_CLAIMS_DIR
 from coderunner.sessions.host_services import HostServices
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.leases import SandboxLeases
@@ -64,7 +65,7 @@ class SessionManager(HostServices):
         self._task_group: TaskGroup | None = None
         self.base_mounts: list[Mount] = []
         #: The host side of every sandbox (dirs, host uid, mounts), sessions' and one-shot runs' alike.
-        users = UidPool(claims_dir=settings.runtime_dir / "uids") if per_sandbox_uids(settings.sandbox_user) else None
+        users = UidPool(claims_dir=UID_CLAIMS_DIR) if per_sandbox_uids(settings.sandbox_user) else None
         self.leases = SandboxLeases(settings, backend, users)
         #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
         self.oneshot: OneShotRunner
