@@ -66,5 +66,5 @@ def test_cluster_mode_refuses_a_network_ceiling_of_internet() -> None:
     from coderunner.config import ConfigError, load_settings
 
     settings = load_settings(Path(os.devnull), network="internet", ray_address="127.0.0.1:6379")
-    with pytest.raises(ConfigError, match="refuses max_network 'internet'.*Ray's ports"):
+    with pytest.raises(ConfigError, match=r"refuses max_network 'internet'.*Ray's ports"):
         ClusterHost(settings)

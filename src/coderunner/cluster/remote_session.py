@@ -22,10 +22,10 @@ from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
 from coderunner.cluster.remote_job import RemoteJob, mirror_output, pump
 from coderunner.cluster.wire import JobDelta, SessionInfo
 from coderunner.errors import CodeRunnerError, SessionError
-from coderunner.kernel.execution import RunOutcome, RunStatus
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sessions.job_runner import Job, JobStatus, label_of
+from coderunner.sessions.kernel_calls import python_job_result
 from coderunner.sessions.session_status import SessionStatus
 
 if TYPE_CHECKING:
@@ -186,13 +186,7 @@ class RemoteSession:
             log.info("cancelling %s: %s", job_id, exc)
 
     def job_result(self, job: Job) -> ExecutionResult:
-        if isinstance(job.result, ExecutionResult):
-            return job.result
-        if job.failure is not None:
-            raise job.failure
-        assert job.output is not None
-        outcome = RunOutcome(status=RunStatus.INTERRUPTED, output=job.output, duration_s=job.elapsed_s())
-        return ExecutionResult(outcome, notice=job.notice, state_lost=job.state_lost)
+        return python_job_result(job)
 
     def job(self, job_id: str) -> Job | None:
         return self._jobs.get(job_id)

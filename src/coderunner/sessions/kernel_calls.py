@@ -123,17 +123,7 @@ class KernelCalls:
         return self.settings.interrupt_grace_s + self.settings.startup_timeout_s + 5.0
 
     def job_result(self, job: Job) -> ExecutionResult:
-        """A finished python job's result; one ended without one (cancelled) gets one from its output.
-
-        Raises the refusal of a job that never ran (the session closed, or busy behind another call).
-        """
-        if isinstance(job.result, ExecutionResult):
-            return job.result
-        if job.failure is not None:
-            raise job.failure
-        assert job.output is not None
-        outcome = RunOutcome(status=RunStatus.INTERRUPTED, output=job.output, duration_s=job.elapsed_s())
-        return ExecutionResult(outcome, notice=job.notice, state_lost=job.state_lost)
+        return python_job_result(job)
 
     async def _run_job(
         self, job: Job, code: str, timeout: float, variables: dict[str, Any] | None, output: OutputCollector
@@ -282,6 +272,20 @@ class KernelCalls:
         target = f"{self.backend.workspace_path}/{SESSION_PACKAGES}"
         arguments = {"packages": packages, "target": target, "timeout_s": timeout_s}
         return await self.call_guest("packages", arguments, timeout_s + GUEST_MARGIN_S)
+
+
+def python_job_result(job: Job) -> ExecutionResult:
+    """A finished python job's result; one ended without one (cancelled) gets one from its output.
+
+    Raises the refusal of a job that never ran (the session closed, or busy behind another call).
+    """
+    if isinstance(job.result, ExecutionResult):
+        return job.result
+    if job.failure is not None:
+        raise job.failure
+    assert job.output is not None
+    outcome = RunOutcome(status=RunStatus.INTERRUPTED, output=job.output, duration_s=job.elapsed_s())
+    return ExecutionResult(outcome, notice=job.notice, state_lost=job.state_lost)
 
 
 def _python_status(job: Job) -> JobStatus:
