@@ -108,7 +108,7 @@ class SessionActor:
                 self.manager = manager
                 self._entered.set()
                 await self._opened.wait()
-                while not self._stop.is_set() and self._open_in(manager):
+                while not self._stop.is_set() and self._still_open():
                     with anyio.move_on_after(WATCH_INTERVAL_S):
                         await self._stop.wait()
         except BaseException as exc:
@@ -118,7 +118,7 @@ class SessionActor:
             self._entered.set()
             self._end_soon()
 
-    def _open_in(self, manager: SessionManager) -> bool:
+    def _still_open(self) -> bool:
         """Until its close has finished (a close under way has taken it off the list already)."""
         session = self.session
         return session is not None and (session.close_done is None or not session.close_done.is_set())
