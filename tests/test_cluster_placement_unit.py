@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import pytest
 
-from coderunner.cluster.placement import MIB, Request, check_fits, describe_node
+from coderunner.cluster.placement import MIB, Request, check_fits, check_home, describe_node
 from coderunner.errors import SessionError
 from coderunner.sandbox.base import Limits
 from coderunner.sessions.sandbox_options import SandboxOptions
 
 
-def node(node_id: str, cpus: float, memory_mb: int, *backends: str, alive: bool = True) -> dict[str, object]:
+def node(
+    node_id: str, cpus: float, memory_mb: int, *backends: str, alive: bool = True, labels: dict[str, str] | None = None
+) -> dict[str, object]:
     resources: dict[str, float] = {"CPU": cpus, "memory": memory_mb * MIB}
     resources.update({f"coderunner-{name}": 16.0 for name in backends})
-    return {"NodeID": node_id, "NodeManagerAddress": "10.0.0.7", "Alive": alive, "Resources": resources}
+    return {
+        "NodeID": node_id, "NodeManagerAddress": "10.0.0.7", "Alive": alive, "Resources": resources,
+        "Labels": {"ray.io/node-id": node_id, **(labels or {})},
+    }  # fmt: skip
 
 
 def options(memory_mb: int | None = 1024, cpus: float | None = None) -> SandboxOptions:
@@ -68,3 +73,39 @@ def test_cluster_mode_refuses_a_network_ceiling_of_internet() -> None:
     settings = load_settings(Path(os.devnull), network="internet", ray_address="127.0.0.1:6379")
     with pytest.raises(ConfigError, match=r"refuses max_network 'internet'.*Ray's ports"):
         ClusterHost(settings)
+
+
+POOL = {"pool": "agents"}
+
+
+def test_labels_go_to_rays_label_selector_and_only_labelled_nodes_fit() -> None:
+    request = Request.of(options(2048), "bwrap", POOL)
+    assert request.actor_options()["label_selector"] == {"pool": "agents"}
+    check_fits(request, [node("a" * 56, 2, 4096, "bwrap"), node("b" * 56, 2, 4096, "bwrap", labels=POOL)])
+    with pytest.raises(SessionError) as refused:
+        check_fits(request, [node("a" * 56, 2, 4096, "bwrap", labels={"pool": "batch"})])
+    text = str(refused.value)
+    # What was asked, what the nodes carry (Ray's own ray.io labels left out), and how to add one.
+    assert "a node labelled pool=agents where the bwrap backend works" in text
+    assert "labels: pool=batch" in text and "ray.io" not in text
+    assert "ray start --labels" in text and "ray_node_labels" in text
+
+
+def test_a_session_pinned_to_a_node_without_the_labels_is_refused_saying_where_it_is() -> None:
+    request = Request.of(options(2048), "bwrap", POOL)
+    plain, labelled = node("a" * 56, 2, 4096, "bwrap"), node("b" * 56, 2, 4096, "bwrap", labels=POOL)
+    check_home(request, "b" * 56, [plain, labelled])
+    with pytest.raises(SessionError, match=r"kept on node aaaaaaaaaaaa .*lacks the labels .*pool=agents"):
+        check_home(request, "a" * 56, [plain, labelled])
+
+
+@pytest.mark.parametrize("labels", [{"pool": "!agents"}, {"pool": "in(a,b)"}, {"": "x"}, {"pool": ""}])
+def test_node_labels_are_plain_names_and_values(labels: dict[str, str]) -> None:
+    """Ray reads '!' and 'in(...)' as operators, which the refusal above would misread: refused at start."""
+    import os
+    from pathlib import Path
+
+    from coderunner.config import ConfigError, load_settings
+
+    with pytest.raises(ConfigError, match="ray_node_labels"):
+        load_settings(Path(os.devnull), ray_node_labels=labels)

@@ -196,6 +196,11 @@ class Settings(BaseSettings):
         "cluster this process runs in). Each session is a detached actor on a worker node; see the README's "
         "'Beyond one machine'. Needs the `ray` extra.",
     )
+    ray_node_labels: dict[str, str] = Field(
+        default_factory=dict,
+        description="Cluster mode: the node labels (`ray start --labels`) a node must have to hold this front "
+        'door\'s sessions and one-shot runs, e.g. {"pool" = "agents"}; plain values only (no operators).',
+    )
     pool_size: int = Field(
         default=2,
         ge=0,
@@ -351,6 +356,18 @@ class Settings(BaseSettings):
         except EgressPolicyError as exc:
             raise ValueError(str(exc)) from None
         return value
+
+    @field_validator("ray_node_labels")
+    @classmethod
+    def _plain_labels(cls, labels: dict[str, str]) -> dict[str, str]:
+        """Label equality only: Ray reads '!', 'in(...)' and the like as operators, which the refusal
+        that says what the cluster has (cluster/placement.py) would not understand."""
+        for key, value in labels.items():
+            if not key or not value or not all(ch.isalnum() or ch in "-_./" for ch in key + value):
+                raise ValueError(
+                    f"ray_node_labels {key!r}: {value!r}: names and values are letters, digits and - _ . / only"
+                )
+        return labels
 
     @field_validator("tools", mode="before")
     @classmethod

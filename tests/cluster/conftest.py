@@ -259,6 +259,10 @@ def _make_namespace(label: str, temp_dir: Path) -> RayCluster:
     return cluster
 
 
+#: Each worker carries this label, its name as the value (for `ray_node_labels`).
+NODE_LABEL = "coderunner-test-node"
+
+
 def _node_argv(cluster: RayCluster, name: str) -> list[str]:
     common = [
         "--block", "--node-ip-address=127.0.0.1", f"--temp-dir={cluster.temp_dir}", "--disable-usage-stats",
@@ -270,7 +274,7 @@ def _node_argv(cluster: RayCluster, name: str) -> list[str]:
         resources = {f"coderunner-node-{name}": 1, BWRAP_RESOURCE: BWRAP_SLOTS}
         role = [
             f"--address={cluster.address}", f"--num-cpus={WORKER_CPUS}", f"--memory={WORKER_MEMORY}",
-            f"--resources={json.dumps(resources)}",
+            f"--resources={json.dumps(resources)}", f"--labels={NODE_LABEL}={name}",
         ]  # fmt: skip
     return [*cluster.exec_prefix, str(RAY), "start", *role, *common]
 

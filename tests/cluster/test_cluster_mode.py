@@ -25,7 +25,7 @@ from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult
 
 from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, server_env, text_of
-from .conftest import REPO, RayCluster
+from .conftest import NODE_LABEL, REPO, RayCluster
 
 pytestmark = pytest.mark.anyio
 
@@ -299,6 +299,35 @@ async def test_a_session_no_node_can_hold_is_refused_clearly(ray_cluster: RayClu
         assert "65,536 MiB" in text and "backends: bwrap" in text  # what was asked, and what there is
         assert "2" in text_of(await ok(client, "run_python", code="1 + 1"))  # the front door still serves
         await call(client, "close_session", session_id="")
+
+
+async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    held = cluster_env(
+        ray_cluster, dirs, CODERUNNER_POOL_SIZE="0", CODERUNNER_RAY_NODE_LABELS=f'{{"{NODE_LABEL}": "w2"}}'
+    )
+    async with front_door(ray_cluster, held) as client:
+        ids = []
+        for _ in range(2):  # each fits on either worker: Ray alone would spread or pick either
+            made = (await ok(client, "create_session", cpus=0.5)).structured_content
+            assert made is not None and node_name(ray_cluster, made["node"]) == "w2", made
+            ids.append(made["session_id"])
+        assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=ids[0]))
+        for session_id in ids:
+            await ok(client, "close_session", session_id=session_id)
+    nowhere = cluster_env(
+        ray_cluster, dirs, CODERUNNER_POOL_SIZE="0", CODERUNNER_RAY_NODE_LABELS=f'{{"{NODE_LABEL}": "w9"}}'
+    )
+    async with front_door(ray_cluster, nowhere) as client:
+        refused = await call(client, "create_session")
+        text = text_of(refused)
+        assert refused.is_error and f"a node labelled {NODE_LABEL}=w9" in text, text
+        assert f"labels: {NODE_LABEL}=w1" in text and f"labels: {NODE_LABEL}=w2" in text  # what there is
+        # Refused by the check (not after waiting PLACE_S for a node that never comes), saying how to add one.
+        assert "no node of the cluster can hold this session" in text and "ray start --labels" in text
+    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
 
 @contextlib.contextmanager

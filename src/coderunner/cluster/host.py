@@ -27,7 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coderunner.cluster.actor import SessionActor
 from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.node_pool import NodePools
-from coderunner.cluster.placement import Request, check_fits
+from coderunner.cluster.placement import Request, check_fits, check_home
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
 from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
@@ -98,8 +98,8 @@ class ClusterHost:
         self._defaults = self.options()
         #: Warm pools per node (pool_size each), for sessions with the default options.
         self._pools = (
-            NodePools(self._settings_sent, settings.pool_size, self.backend.name,
-                      Request.of(self._defaults, self.backend.name).actor_options())
+            NodePools(self._settings_sent, settings.pool_size,
+                      Request.of(self._defaults, self.backend.name, settings.ray_node_labels))
             if settings.pool_size > 0 else None
         )  # fmt: skip
 
@@ -168,8 +168,11 @@ class ClusterHost:
             if claimed is not None:
                 return claimed
         node = await self._home(options, seed)
-        request = Request.of(options, self.backend.name)
-        check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
+        request = Request.of(options, self.backend.name, self.settings.ray_node_labels)
+        nodes = await anyio.to_thread.run_sync(ray.nodes)
+        check_fits(request, nodes)
+        if node is not None:
+            check_home(request, node, nodes)
         try:
             with anyio.fail_after(COLD_QUEUE_S):
                 await self._cold_starts.acquire()
@@ -188,10 +191,13 @@ class ClusterHost:
     ) -> RemoteSession:
         """A new session actor, placed by Ray (or on `node`), then its session opened."""
         session_id = secrets.token_urlsafe(18)
-        placed = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
+        asked = request.actor_options()
+        if node is not None:  # pinned where its snapshot or workspace is (check_home: that node has the labels)
+            asked.pop("label_selector", None)
+            asked["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
         actor: Any = SessionActorClass.options(
             name=actor_name(session_id), namespace=NAMESPACE, lifetime="detached", max_restarts=0,
-            max_concurrency=ACTOR_CONCURRENCY, **request.actor_options(), **placed,
+            max_concurrency=ACTOR_CONCURRENCY, **asked,
         ).remote(self._settings_sent, session_id)  # fmt: skip
         bound = self.settings.startup_timeout_s + CALL_S + (self.settings.snapshot_timeout_s if seed else 0.0)
         try:

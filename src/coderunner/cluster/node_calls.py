@@ -53,7 +53,7 @@ class NodeCalls:
 
     async def run(self, method: str, options: SandboxOptions, *args: Any, **kwargs: Any) -> Any:
         """A call that starts a sandbox (a one-shot run): placed by Ray like a session with `options`."""
-        request = Request.of(options, self.backend)
+        request = Request.of(options, self.backend, self.settings.ray_node_labels)
         check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
         bound = options.timeout_s + self.settings.startup_timeout_s + CALL_S
         async with self.slots:

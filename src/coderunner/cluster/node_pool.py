@@ -21,7 +21,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coderunner.cluster.actor import SessionActor
-from coderunner.cluster.placement import backend_resource
+from coderunner.cluster.placement import Request, backend_resource
 from coderunner.cluster.wire import NAMESPACE, actor_name
 
 log = logging.getLogger(__name__)
@@ -113,20 +113,22 @@ PoolActor = ray.remote(NodePool)
 class NodePools:
     """A front door's view of the pools: one per live node that offers the backend, found or made by name."""
 
-    def __init__(self, settings_sent: dict[str, Any], size: int, backend: str, actor_options: dict[str, Any]) -> None:
+    def __init__(self, settings_sent: dict[str, Any], size: int, request: Request) -> None:
         self.settings_sent = settings_sent
         self.size = size
-        self.backend = backend
-        self.actor_options = actor_options
+        self.request = request
+        # Pinned to their node: the labels chose the node (ensure), the actors need no selector.
+        self.actor_options = {key: value for key, value in request.actor_options().items() if key != "label_selector"}
         self.pools: dict[str, Any] = {}
         self._turn = 0
 
     def ensure(self) -> None:
-        """Find or start the pool of every live node that offers the backend (blocking: a worker thread)."""
+        """Find or start the pool of every live node that offers the backend and carries the front door's
+        labels (blocking: a worker thread)."""
         for node in ray.nodes():
             node_id = node["NodeID"]
-            offers = node.get("Resources", {}).get(backend_resource(self.backend), 0) >= 1
-            if not node.get("Alive") or not offers or node_id in self.pools:
+            offers = node.get("Resources", {}).get(backend_resource(self.request.backend), 0) >= 1
+            if not node.get("Alive") or not offers or not self.request.labelled(node) or node_id in self.pools:
                 continue
             handle: Any = PoolActor.options(
                 name=pool_name(node_id), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,

@@ -5,10 +5,14 @@ advertises that resource only where the backend works (`coderunner node-resource
 to pass to `ray start --resources` after running the backend's doctor probe). Ray's scheduler
 then picks the node; a request that no live node could ever hold is refused at once, saying what
 was asked and what the cluster has, instead of waiting for a node that will never come.
+
+A front door may also hold its sessions to nodes with some labels (`ray_node_labels`, which nodes
+get from `ray start --labels`): Ray's label selector places them, and the refusal counts the labels.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,49 +37,84 @@ class Request:
     cpus: float
     memory_mb: int | None
     backend: str
+    #: Node labels the node must carry (the `ray_node_labels` setting), as sorted pairs.
+    labels: tuple[tuple[str, str], ...] = ()
 
     @classmethod
-    def of(cls, options: SandboxOptions, backend: str) -> Request:
-        return cls(options.limits.cpus or DEFAULT_CPUS, options.limits.memory_mb, backend)
+    def of(cls, options: SandboxOptions, backend: str, labels: Mapping[str, str] | None = None) -> Request:
+        pairs = tuple(sorted((labels or {}).items()))
+        return cls(options.limits.cpus or DEFAULT_CPUS, options.limits.memory_mb, backend, pairs)
 
     def actor_options(self) -> dict[str, Any]:
-        """ray.remote options for the session's actor."""
+        """ray.remote options for the session's actor (or a one-shot's task)."""
         chosen: dict[str, Any] = {"num_cpus": self.cpus, "resources": {backend_resource(self.backend): 1}}
         if self.memory_mb:
             chosen["memory"] = self.memory_mb * MIB
+        if self.labels:
+            chosen["label_selector"] = dict(self.labels)
         return chosen
 
     def describe(self) -> str:
         memory = f"{self.memory_mb:,} MiB of memory" if self.memory_mb else "no memory limit"
-        return f"{self.cpus:g} CPU, {memory} and a node where the {self.backend} backend works"
+        labelled = f" labelled {format_labels(dict(self.labels))}" if self.labels else ""
+        return f"{self.cpus:g} CPU, {memory} and a node{labelled} where the {self.backend} backend works"
 
-    def fits(self, total: dict[str, float]) -> bool:
+    def fits(self, node: dict[str, Any]) -> bool:
+        """Whether `node` (an entry of ray.nodes()) could ever hold this, with nothing else on it."""
+        total: dict[str, float] = node.get("Resources", {})
+        labels: dict[str, str] = node.get("Labels") or {}
         return (
             total.get("CPU", 0.0) >= self.cpus
             and total.get("memory", 0.0) >= (self.memory_mb or 0) * MIB
             and total.get(backend_resource(self.backend), 0.0) >= 1
+            and all(labels.get(key) == value for key, value in self.labels)
         )
+
+    def labelled(self, node: dict[str, Any]) -> bool:
+        """Whether `node` carries the labels asked for (where a front door keeps warm pools)."""
+        labels: dict[str, str] = node.get("Labels") or {}
+        return all(labels.get(key) == value for key, value in self.labels)
+
+
+def format_labels(labels: Mapping[str, str]) -> str:
+    """Labels as `ray start --labels` takes them, Ray's own (ray.io/...) left out."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()) if not key.startswith("ray.io/"))
 
 
 def describe_node(node: dict[str, Any]) -> str:
     total = node.get("Resources", {})
     backends = sorted(name.removeprefix("coderunner-") for name in total if name.startswith("coderunner-"))
+    labels = format_labels(node.get("Labels") or {})
     return (
         f"{node.get('NodeID', '?')[:12]} ({node.get('NodeManagerAddress', '?')}): {total.get('CPU', 0):g} CPU, "
         f"{total.get('memory', 0) / MIB:,.0f} MiB, backends: {', '.join(backends) or 'none'}"
+        + (f", labels: {labels}" if labels else "")
     )
 
 
 def check_fits(request: Request, nodes: list[dict[str, Any]]) -> None:
     """Refuse at once a request no live node could ever hold (Ray would leave it pending forever)."""
     alive = [node for node in nodes if node.get("Alive")]
-    if any(request.fits(node.get("Resources", {})) for node in alive):
+    if any(request.fits(node) for node in alive):
         return
     have = "; ".join(describe_node(node) for node in alive) or "no live node"
+    labelled = " with those labels (ray start --labels; the setting ray_node_labels)" if request.labels else ""
     raise SessionError(
         f"no node of the cluster can hold this session: it asks for {request.describe()}. The cluster has: "
-        f"{have}. Ask for less (memory_mb, cpus), or add a node (README: 'Beyond one machine')."
+        f"{have}. Ask for less (memory_mb, cpus), or add a node{labelled} (README: 'Beyond one machine')."
     )
+
+
+def check_home(request: Request, node_id: str, nodes: list[dict[str, Any]]) -> None:
+    """A session that must start on `node_id` (its snapshot or workspace is there) needs that node to
+    carry the front door's labels: refuse it, saying so, rather than start it where it may not run."""
+    home = next((node for node in nodes if node.get("NodeID") == node_id and node.get("Alive")), None)
+    if home is not None and not request.labelled(home):
+        raise SessionError(
+            f"what this session starts from is kept on node {describe_node(home)}, which lacks the labels "
+            f"this server holds its sessions to ({format_labels(dict(request.labels))}; the setting "
+            "ray_node_labels); start it from a front door without them, or set snapshots_shared."
+        )
 
 
 def node_resources(settings: Settings) -> dict[str, float]:
