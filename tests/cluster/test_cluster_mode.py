@@ -330,6 +330,43 @@ async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
     assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
 
+FETCH = """
+import time, urllib.request, urllib.error
+time.sleep({pause})
+try:
+    urllib.request.urlopen("http://{host}/", timeout=30)
+except urllib.error.HTTPError as error:
+    print("HTTP", error.code)
+"""
+
+
+async def test_an_allowlist_sessions_denials_reach_the_reply_and_status_from_its_node(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """The node's proxy decides; the front door's reply names what was denied and how to allow it."""
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_ALLOWED_DOMAINS='["a.example.org", "b.example.org"]')
+    async with front_door(ray_cluster, env) as client:
+        made = (await ok(client, "create_session", network="allowlist", allow=["a.example.org"])).structured_content
+        assert made is not None
+        session_id = made["session_id"]
+        # A quick cell (its whole answer in the first call) and a slow one (read by the pump after).
+        for host, pause in (("b.example.org", 0), ("outside.example.net", 1.5)):
+            reply = text_of(await ok(client, "run_python", code=FETCH.format(host=host, pause=pause),
+                                     session_id=session_id))  # fmt: skip
+            assert "HTTP 403" in reply, reply
+            assert f"[network: denied {host}:80 (" in reply, reply
+        assert "b.example.org" not in reply, reply  # a reply names only the hosts denied during its call
+        quiet = text_of(await ok(client, "run_python", code="1 + 1", session_id=session_id))
+        assert "[network:" not in quiet, quiet
+        status = (await ok(client, "session_status", session_id=session_id)).structured_content
+        assert status is not None and "egress" in status, status
+        egress = status["egress"]
+        assert egress["allowed_hosts"] == ["a.example.org"] and egress["totals"]["denied"] == 2, egress
+        assert [row["host"] for row in egress["recent"]] == ["b.example.org", "outside.example.net"], egress
+        await ok(client, "close_session", session_id=session_id)
+    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+
+
 @contextlib.contextmanager
 def http_front_door(cluster: RayCluster, env: dict[str, str], port: int, log: Path) -> Any:
     argv = [*cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "serve", "--ray", cluster.address,

@@ -21,7 +21,15 @@ from typing import Any
 
 import anyio
 
-from coderunner.cluster.wire import NODE_LOCAL, PIECE_BYTES, JobDelta, NodeInfo, SessionInfo, portable_result
+from coderunner.cluster.wire import (
+    NODE_LOCAL,
+    PIECE_BYTES,
+    EgressDelta,
+    JobDelta,
+    NodeInfo,
+    SessionInfo,
+    portable_result,
+)
 from coderunner.config import Settings, load_settings
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.hostfs.sandbox_files import Entry, FileAccessError
@@ -140,7 +148,7 @@ class SessionActor:
         return SessionInfo(
             session_id=session.session_id, owner=session.owner, options=session.options, node=self.node,
             generation=session.generation, startup=session.startup, seeded=session.seeded,
-            workspace_path=session.backend.workspace_path,
+            workspace_path=session.backend.workspace_path, egress=self.egress_delta(0),
         )  # fmt: skip
 
     async def ping(self) -> str:
@@ -149,22 +157,24 @@ class SessionActor:
     # --- jobs -----------------------------------------------------------------------------------
 
     async def start_run(
-        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None, owner: str, wait_s: float
-    ) -> JobDelta:
+        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None, owner: str, wait_s: float,
+        egress_since: int | None = None,
+    ) -> JobDelta:  # fmt: skip
         """Start a cell and wait up to `wait_s` for it: a quick cell's whole answer comes back at once,
-        and its job is dropped here (the front door has all of it; one call fewer per run)."""
+        and its job is dropped here (the front door has all of it; one call fewer per run).
+        `egress_since`: the caller's mark in this session's egress log (see egress_delta)."""
         session = self._session()
         job = await session.start_run(code, timeout_s, variables, owner=owner)
-        delta = await self._delta(job, wait_s)
+        delta = await self._delta(job, wait_s, egress_since)
         if delta.ended:
             session.forget_job(job)
         return delta
 
-    async def read_job(self, job_id: str, wait_s: float) -> JobDelta:
+    async def read_job(self, job_id: str, wait_s: float, egress_since: int | None = None) -> JobDelta:
         job = self._session().job(job_id)
         if job is None:
             return JobDelta(job_id, gone=True, ended=True, status="lost", notice="the job is no longer known")
-        return await self._delta(job, wait_s)
+        return await self._delta(job, wait_s, egress_since)
 
     async def cancel_job(self, job_id: str) -> None:
         session = self._session()
@@ -181,7 +191,7 @@ class SessionActor:
     async def list_jobs(self) -> list[dict[str, Any]]:
         return [job.describe() for job in self._session().list_jobs()]
 
-    async def _delta(self, job: Job, wait_s: float) -> JobDelta:
+    async def _delta(self, job: Job, wait_s: float, egress_since: int | None = None) -> JobDelta:
         """Wait up to `wait_s` for the job to end, then say what is new (its end and result, if it ended)."""
         if wait_s > 0 and job.running:
             with anyio.move_on_after(wait_s):
@@ -194,6 +204,7 @@ class SessionActor:
             job.job_id, text=read.text, images=read.images, saved=read.saved, spill_path=read.spill_path,
             executing_for_s=None if since is None else time.monotonic() - since, elapsed_s=job.elapsed_s(),
             generation=session.generation, dropped_images=job.output.dropped_images,
+            egress=self.egress_delta(egress_since),
         )  # fmt: skip
         if not job.running:
             delta.ended, delta.status, delta.notice, delta.state_lost = (
@@ -229,17 +240,40 @@ class SessionActor:
         return session.export_note
 
     async def guest_op(
-        self, tool: str, op: str, args: dict[str, Any], timeout_s: float, paths: list[str], input_path: str | None
-    ) -> dict[str, Any]:
-        return await self._session().guest_op(tool, op, args, timeout_s, paths=paths, input_path=input_path)
+        self, tool: str, op: str, args: dict[str, Any], timeout_s: float, paths: list[str], input_path: str | None,
+        egress_since: int | None = None,
+    ) -> tuple[dict[str, Any], EgressDelta | None]:  # fmt: skip
+        try:
+            done = await self._session().guest_op(tool, op, args, timeout_s, paths=paths, input_path=input_path)
+        except CodeRunnerError as exc:  # the denials that made it fail still reach the caller's reply
+            exc.egress = self.egress_delta(egress_since)  # type: ignore[attr-defined]
+            raise
+        return done, self.egress_delta(egress_since)
 
-    async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
-        return await self._session().install_packages(packages, timeout_s)
+    async def install_packages(
+        self, packages: list[str], timeout_s: float, egress_since: int | None = None
+    ) -> tuple[dict[str, Any], EgressDelta | None]:
+        try:
+            done = await self._session().install_packages(packages, timeout_s)
+        except CodeRunnerError as exc:
+            exc.egress = self.egress_delta(egress_since)  # type: ignore[attr-defined]
+            raise
+        return done, self.egress_delta(egress_since)
 
-    async def status(self) -> dict[str, Any]:
+    async def status(self, egress_since: int | None = None) -> dict[str, Any]:
         session = self._session()
         status = await anyio.to_thread.run_sync(session.status)
-        return {**asdict(status), "node": self.node.node_id, "node_address": self.node.address}
+        return {**asdict(status), "node": self.node.node_id, "node_address": self.node.address,
+                "egress": self.egress_delta(egress_since)}  # fmt: skip
+
+    def egress_delta(self, since: int | None) -> EgressDelta | None:
+        """The session's allowlist proxy after the caller's mark `since` (None: not asked; or no proxy)."""
+        session = self.session
+        egress = session.egress if session is not None else None
+        if since is None or egress is None:
+            return None
+        decisions, mark = egress.log.since(since)
+        return EgressDelta(decisions, mark, egress.log.totals(), egress.proxy.open_connections(), egress.proxy.policy)
 
     async def close(self) -> str | None:
         """Close the session (its kernel, sandbox and workspace); the front door then kills the actor."""

@@ -18,9 +18,10 @@ import anyio
 import ray
 from anyio.abc import TaskGroup
 
+from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
 from coderunner.cluster.remote_job import RemoteJob, mirror_output, pump
-from coderunner.cluster.wire import JobDelta, SessionInfo
+from coderunner.cluster.wire import EgressDelta, JobDelta, SessionInfo
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
@@ -55,6 +56,9 @@ class RemoteSession:
         self.export_note: str | None = None
         self.close_note: str | None = None
         self.closed = False
+        #: Network 'allowlist': the node's proxy, mirrored from the actor's answers (remote_egress.py).
+        self._egress = RemoteEgress(info.session_id, info.egress.policy) if info.egress is not None else None
+        self._take_egress(info.egress)
 
     # --- what the tools read ---------------------------------------------------------------------
 
@@ -84,9 +88,16 @@ class RemoteSession:
 
     @property
     def egress(self) -> SessionEgress | None:
-        # The allowlist is enforced by the node's own proxy; asking the user about a host needs the
-        # proxy's decisions here, which do not cross yet (README: what cluster mode lacks).
-        return None
+        """The node's proxy as the tools read it (its decisions and policy; asking does not cross)."""
+        return self._egress  # type: ignore[return-value]  # the part of SessionEgress the tools use
+
+    @property
+    def _egress_mark(self) -> int | None:
+        return self._egress.mark if self._egress is not None else None
+
+    def _take_egress(self, delta: EgressDelta | None) -> None:
+        if self._egress is not None:
+            self._egress.apply(delta)
 
     @property
     def sandbox_uid(self) -> None:
@@ -155,8 +166,10 @@ class RemoteSession:
     async def start_run(self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None) -> Job:
         limit = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
         first: JobDelta = await self.acall(
-            "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, timeout_s=limit + CALL_S
-        )
+            "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark,
+            timeout_s=limit + CALL_S,
+        )  # fmt: skip
+        self._take_egress(first.egress)
         job = RemoteJob(
             job_id=first.job_id, kind="python", label=label_of(code), owner=self.owner, session_id=self.session_id,
             output=mirror_output(self.settings.output_limit_chars),
@@ -175,8 +188,9 @@ class RemoteSession:
         return job
 
     async def _read(self, job_id: str, wait_s: float) -> JobDelta:
-        delta: JobDelta = await self.acall("read_job", job_id, wait_s, timeout_s=wait_s + CALL_S)
+        delta: JobDelta = await self.acall("read_job", job_id, wait_s, self._egress_mark, timeout_s=wait_s + CALL_S)
         self._track(delta.generation)
+        self._take_egress(delta.egress)
         return delta
 
     async def _cancel_remote(self, job_id: str) -> None:
@@ -234,16 +248,27 @@ class RemoteSession:
         self, tool: str, op: str, args: dict[str, Any], timeout_s: float, *,
         paths: Iterable[str] = (), input_path: str | None = None,
     ) -> dict[str, Any]:  # fmt: skip
-        return dict(await self.acall("guest_op", tool, op, args, timeout_s, list(paths), input_path,
-                                     timeout_s=timeout_s + CALL_S))  # fmt: skip
+        return await self._with_egress("guest_op", tool, op, args, timeout_s, list(paths), input_path,
+                                       timeout_s=timeout_s + CALL_S)  # fmt: skip
 
     async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
-        return dict(await self.acall("install_packages", packages, timeout_s, timeout_s=timeout_s + CALL_S))
+        return await self._with_egress("install_packages", packages, timeout_s, timeout_s=timeout_s + CALL_S)
+
+    async def _with_egress(self, method: str, *args: Any, timeout_s: float) -> dict[str, Any]:
+        """A call that may reach the network: its answer (or its refusal) brings the proxy's decisions."""
+        try:
+            done, egress = await self.acall(method, *args, self._egress_mark, timeout_s=timeout_s)
+        except CodeRunnerError as exc:
+            self._take_egress(getattr(exc, "egress", None))
+            raise
+        self._take_egress(egress)
+        return dict(done)
 
     def status(self) -> SessionStatus:
         """Called in a worker thread (the tools' summary): a blocking, bounded call is fine there."""
-        raw: dict[str, Any] = self.call("status")
+        raw: dict[str, Any] = self.call("status", self._egress_mark)
         self._track(raw.get("kernel_generation", 0))
+        self._take_egress(raw.pop("egress", None))
         known = {field.name for field in fields(SessionStatus)}
         return SessionStatus(**{key: value for key, value in raw.items() if key in known})
 

@@ -10,6 +10,8 @@ import copy
 from dataclasses import dataclass, field
 from typing import Any
 
+from coderunner.egress.audit import Decision
+from coderunner.egress.policy import EgressPolicy
 from coderunner.kernel.output_capture import ImageOutput, OutputCollector
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sessions.sandbox_options import SandboxOptions
@@ -45,6 +47,18 @@ class NodeInfo:
 
 
 @dataclass
+class EgressDelta:
+    """An allowlist session's proxy on its node, as of one answer: the decisions after the asker's
+    mark (the last of them, if more came), the new mark, totals, open connections and the policy."""
+
+    decisions: list[Decision]
+    mark: int
+    totals: dict[str, int]
+    open_now: list[Decision]
+    policy: EgressPolicy
+
+
+@dataclass
 class SessionInfo:
     """A session as its actor describes it on creation and on each lookup."""
 
@@ -56,6 +70,8 @@ class SessionInfo:
     startup: dict[str, Any] | None = None
     seeded: Any = None
     workspace_path: str = "/workspace"
+    #: Its allowlist proxy from the start (network 'allowlist' only).
+    egress: EgressDelta | None = None
 
 
 @dataclass
@@ -81,6 +97,8 @@ class JobDelta:
     dropped_images: int = 0
     #: The actor no longer knows the job (forgotten, or its session closed).
     gone: bool = False
+    #: The session's egress since the caller's mark (network 'allowlist' only).
+    egress: EgressDelta | None = None
 
 
 def portable_output(output: OutputCollector) -> OutputCollector:

@@ -428,6 +428,13 @@ class DecisionLog:
         with self._lock:
             return self._seq
 
+    def since(self, mark: int) -> tuple[list[Decision], int]:
+        """The decisions after `mark` still in the ring (the last ones, if more came), and the new mark:
+        what a mirror of this log elsewhere (a cluster's front door) has not seen yet."""
+        with self._lock:
+            new = max(0, self._seq - mark)
+            return (list(self._ring)[-new:] if new else []), self._seq
+
     def denied_since(self, mark: int) -> list[str]:
         """Distinct "host:port" denied since mark, in first-seen order (at most 20)."""
         seen: dict[str, None] = {}
