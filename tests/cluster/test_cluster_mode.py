@@ -165,6 +165,26 @@ async def test_progress_detach_and_cancel_cross_the_cluster(ray_cluster: RayClus
         await ok(client, "close_session", session_id=session_id)
 
 
+async def test_a_run_cancelled_before_its_first_answer_is_interrupted_on_its_node(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """The first answer of a run waits on the node for half a second; a cancel within it still reaches the cell."""
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        session_id = (await ok(client, "create_session")).structured_content["session_id"]  # type: ignore[index]
+        long_cell = "import time\ntime.sleep(40)\nfinished = True"
+        with anyio.move_on_after(0.2):  # the client cancels its call (notifications/cancelled) at once
+            await client.call_tool("run_python", {"code": long_cell, "session_id": session_id})
+        check = "'finished' in globals()"
+        for _ in range(100):  # until the kernel is free again: interrupted, not after its 40 s
+            reply = await call(client, "run_python", code=check, session_id=session_id)
+            if not reply.is_error:
+                break
+            assert "busy" in text_of(reply), text_of(reply)
+            await anyio.sleep(0.2)
+        assert not reply.is_error and "False" in text_of(reply), text_of(reply)
+        await ok(client, "close_session", session_id=session_id)
+
+
 async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:

@@ -47,6 +47,8 @@ WATCH_INTERVAL_S = 2.0
 KILL_BACKUP_S = 10.0
 #: Uploads staged at once per session, and how long an unfinished one may sit.
 MAX_UPLOADS = 4
+#: Cancels remembered for runs not started yet (a front door cancelled before its start arrived).
+MAX_CANCELLED_RUNS = 64
 
 
 class SessionActor:
@@ -71,6 +73,9 @@ class SessionActor:
         self._failure: BaseException | None = None
         self._main: asyncio.Task[None] | None = None
         self._uploads: dict[str, tuple[int, int, float]] = {}
+        #: Runs whose start_run has not answered yet, by their caller's token (cancel_run).
+        self._runs: dict[str, Job] = {}
+        self._cancelled_runs: set[str] = set()
         self.node = _this_node()
 
     async def _manager(self) -> SessionManager:
@@ -158,14 +163,24 @@ class SessionActor:
 
     async def start_run(
         self, code: str, timeout_s: float | None, variables: dict[str, Any] | None, owner: str, wait_s: float,
-        egress_since: int | None = None,
+        egress_since: int | None = None, run_token: str | None = None,
     ) -> JobDelta:  # fmt: skip
         """Start a cell and wait up to `wait_s` for it: a quick cell's whole answer comes back at once,
         and its job is dropped here (the front door has all of it; one call fewer per run).
-        `egress_since`: the caller's mark in this session's egress log (see egress_delta)."""
+        `egress_since`: the caller's mark in this session's egress log (see egress_delta).
+        `run_token`: the caller's name for this run, so that it can cancel it before this answers."""
         session = self._session()
         job = await session.start_run(code, timeout_s, variables, owner=owner)
-        delta = await self._delta(job, wait_s, egress_since)
+        if run_token is not None:
+            self._runs[run_token] = job
+            if run_token in self._cancelled_runs:
+                await session.cancel_job(job)
+        try:
+            delta = await self._delta(job, wait_s, egress_since)
+        finally:
+            if run_token is not None:
+                self._runs.pop(run_token, None)
+                self._cancelled_runs.discard(run_token)
         if delta.ended:
             session.forget_job(job)
         return delta
@@ -175,6 +190,16 @@ class SessionActor:
         if job is None:
             return JobDelta(job_id, gone=True, ended=True, status="lost", notice="the job is no longer known")
         return await self._delta(job, wait_s, egress_since)
+
+    async def cancel_run(self, run_token: str) -> None:
+        """Cancel a run whose start_run has not answered (its caller was cancelled meanwhile); a token
+        not seen yet is remembered, so a start that arrives after this is cancelled as it starts."""
+        job = self._runs.get(run_token)
+        if job is None:
+            if len(self._cancelled_runs) < MAX_CANCELLED_RUNS:
+                self._cancelled_runs.add(run_token)
+            return
+        await self._session().cancel_job(job)
 
     async def cancel_job(self, job_id: str) -> None:
         session = self._session()

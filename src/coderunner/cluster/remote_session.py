@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import time
 from collections.abc import Iterable
 from dataclasses import fields
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 CALL_S = 30.0
 #: How long a run waits on the node for a quick cell to end before its first answer comes back.
 FIRST_WAIT_S = 0.5
+#: Bound on cancelling a run whose first answer had not come (beyond the interrupt's own grace).
+CANCEL_S = 5.0
 
 
 class RemoteSession:
@@ -165,10 +168,16 @@ class RemoteSession:
 
     async def start_run(self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None) -> Job:
         limit = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
-        first: JobDelta = await self.acall(
-            "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark,
-            timeout_s=limit + CALL_S,
-        )  # fmt: skip
+        token = secrets.token_hex(8)
+        try:
+            first: JobDelta = await self.acall(
+                "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark, token,
+                timeout_s=limit + CALL_S,
+            )  # fmt: skip
+        except anyio.get_cancelled_exc_class():  # cancelled before the node answered: the cell must not run on
+            with anyio.CancelScope(shield=True), contextlib.suppress(SessionError):
+                await self.acall("cancel_run", token, timeout_s=self.settings.interrupt_grace_s + CANCEL_S)
+            raise
         self._take_egress(first.egress)
         job = RemoteJob(
             job_id=first.job_id, kind="python", label=label_of(code), owner=self.owner, session_id=self.session_id,
