@@ -80,11 +80,11 @@ def _fenced(path: Path) -> tuple[list[tuple[int, str]], str]:
     return shell, "\n".join(prose)
 
 
-def _invocations(line: str) -> list[list[str]]:
-    """The argument lists of every coderunner the line runs, those in `$(...)` included."""
+def _segments(line: str) -> list[list[str]]:
+    """The simple commands of a shell line (comments dropped), those in `$(...)` included."""
     found: list[list[str]] = []
     for inner in SUBSTITUTION.findall(line):
-        found += _invocations(inner)
+        found += _segments(inner)
     lexer = shlex.shlex(SUBSTITUTION.sub("SUBST", line), posix=True, punctuation_chars=True)
     lexer.whitespace_split = True
     lexer.commenters = "#"
@@ -92,14 +92,22 @@ def _invocations(line: str) -> list[list[str]]:
     for word in [*lexer, ";"]:
         if word not in OPERATORS:
             segment.append(word)
-            continue
+        elif segment:
+            found.append(segment)
+            segment = []
+    return found
+
+
+def _invocations(line: str) -> list[list[str]]:
+    """The argument lists of every coderunner the line runs."""
+    found: list[list[str]] = []
+    for segment in _segments(line):
         for index, part in enumerate(segment):
             # The executable: a path ending in /coderunner, or the bare name where a command starts
             # (`claude mcp add coderunner -- ...` names the server, it runs nothing).
             if part.endswith("/coderunner") or (part == "coderunner" and index == 0):
                 found.append(segment[index + 1 :])
                 break
-        segment = []
     return found
 
 
@@ -149,6 +157,18 @@ def test_every_coderunner_command_in_the_docs_parses(command: Command) -> None:
     if code is not None and not command.complete and "the following arguments are required" in said:
         return  # an inline mention (`coderunner proxy`): its flags and choices were still checked
     assert code is None, f"{command.where}: coderunner {shlex.join(command.argv)}\n{said}"
+
+
+def test_shell_blocks_run_the_installed_coderunner() -> None:
+    """install.sh puts coderunner in .venv/bin, not on PATH: a bare `coderunner` in a block fails as printed."""
+    bare = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in PAGES
+        for number, line in _fenced(path)[0]
+        for segment in _segments(line)
+        if segment[0] == "coderunner"
+    ]
+    assert not bare, f"write .venv/bin/coderunner: {bare}"
 
 
 def test_a_command_that_does_not_exist_fails_here() -> None:
