@@ -142,6 +142,18 @@ def _parse(argv: list[str]) -> tuple[int | None, str]:
     return None, ""
 
 
+#: Issue 28: the README is the first screen and a map; the depth lives in docs/.
+README_MAX_LINES = 250
+
+
+def test_the_readme_gets_a_user_to_an_answer_on_its_first_screen() -> None:
+    lines = README.read_text().splitlines()
+    assert len(lines) <= README_MAX_LINES, f"README.md has {len(lines)} lines: move the depth to docs/"
+    first_block = [line for number, line in _fenced(README)[0] if number <= 30]
+    steps = ["./install.sh", ".venv/bin/coderunner doctor", ".venv/bin/coderunner config"]
+    assert all(any(line.startswith(step) for line in first_block) for step in steps), first_block
+
+
 def test_the_docs_print_the_commands_a_user_needs() -> None:
     """Not vacuous: the quick start's commands are found, in the README's own shell blocks."""
     in_readme = {command.argv[0] for command in COMMANDS_IN_DOCS if command.where.startswith("README.md:")}
