@@ -34,7 +34,7 @@ install_venv() {
     fi
     say "installing coderunner into $VENV"
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q --upgrade pip
-    # The `ray` extra is the cluster mode (README, "Beyond one machine"); its tests run a real cluster.
+    # The `ray` extra is the cluster mode (docs/cluster.md); its tests run a real cluster.
     "$VENV/bin/python" -m pip install --disable-pip-version-check -q -e "$REPO[dev,ray]"
 }
 

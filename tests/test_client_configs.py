@@ -103,6 +103,8 @@ def test_library_snippets_set_what_matters_and_parse(client: str, url: str | Non
         assert setting in text, (setting, text)
     if url:
         assert url in text and "CODERUNNER_TOKEN" in text and TEST_TOKEN not in text
+        if client != "typescript":  # the command that prints the token is this install's, not a bare name
+            assert f'CODERUNNER_TOKEN="$({Path(sys.executable).parent / "coderunner"} token)"' in text, text
     else:
         assert '"serve"' in text and str(Path(sys.executable).parent) in text
     if client != "typescript":  # that one runs for real in test_e2e_tsclient.py

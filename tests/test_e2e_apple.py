@@ -5,7 +5,7 @@ per release, with podman underneath. Each release below gets one server for the 
 before 0.10.0, which has no `run --init` and where the guest's own first process reaps; and 1.2.2,
 install.sh's pin), running the bwrap backend's spine scenarios unchanged, then what is particular
 to this backend. What the stand-in cannot show (vsock timing, virtiofs ownership on a Mac) is on
-the checklist in README's macOS section.
+the checklist in docs/backends-and-macos.md (macOS).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ BASE_IMAGE = "localhost/coderunner-base:bookworm"
 OCI_RUNTIME = "runc"
 BASE_TIMEOUT_S = 900
 BUILD_TIMEOUT_S = 1800
-#: What the image build and a test run took, printed at the end of the session (see README).
+#: What the image build and a test run took, printed at the end of the session (see docs/backends-and-macos.md).
 TIMINGS: dict[str, float] = {}
 
 

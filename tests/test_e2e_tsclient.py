@@ -96,7 +96,7 @@ def test_a_chart_is_an_image_block(node: str, spec: dict[str, Any]) -> None:
 
 
 def test_progress_notifications_keep_a_short_request_alive(node: str, spec: dict[str, Any]) -> None:
-    """A 2 s request timeout with resetTimeoutOnProgress outlives a 3 s cell: the README's advice works."""
+    """A 2 s request timeout with resetTimeoutOnProgress outlives a 3 s cell (docs/clients-and-http.md's advice)."""
     result = play(node, "progress", spec)
     assert not result["isError"] and "'done'" in result["text"]
     assert len(result["progress"]) >= 2

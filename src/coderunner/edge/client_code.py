@@ -4,12 +4,14 @@ Each library has its own limits that a long cell or a failing one runs into, and
 so: the TypeScript SDK gives up on a request after 60 s, openai-agents after 5 s, and pydantic-ai
 ends a whole run when a tool fails twice (a traceback is an `isError` result). The snippets set
 those, next to the command or URL of this install. Over HTTP they read the bearer token from
-$CODERUNNER_TOKEN (`export CODERUNNER_TOKEN=$(coderunner token)`), never from the snippet itself.
+$CODERUNNER_TOKEN (the comment says which command prints it: this install's own, since
+install.sh puts nothing on PATH), never from the snippet itself.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 
 LIBRARY_CLIENTS = ("typescript", "openai-agents", "pydantic-ai", "langchain")
 LIBRARY_LOCATIONS = {
@@ -29,12 +31,13 @@ def _py(value: object) -> str:
     return json.dumps(value)
 
 
-def _python(imports: list[str], url: str | None, body: str) -> str:
+def _python(imports: list[str], url: str | None, body: str, token_command: str) -> str:
     """A Python snippet: its imports, over HTTP the headers (token from the environment), then `body`."""
     head = "\n".join(["import os", "", *imports] if url else imports) + "\n\n"
     if url:
         head += (
-            "# export CODERUNNER_TOKEN=$(coderunner token); the client name gives this agent its own default session.\n"
+            f'# export CODERUNNER_TOKEN="$({token_command})"; the client name gives this agent its own default '
+            "session.\n"
             "headers = {\n"
             '    "Authorization": f"Bearer {os.environ[\'CODERUNNER_TOKEN\']}",\n'
             f'    "X-CodeRunner-Client": {_py(CLIENT_NAME)},\n'
@@ -88,7 +91,7 @@ def openai_agents(command: str, args: list[str], url: str | None) -> str:
         "# async with coderunner:\n"
         '#     agent = Agent(name="analyst", mcp_servers=[coderunner])'
     )
-    return _python([f"from agents.mcp import {kind}"], url, body)
+    return _python([f"from agents.mcp import {kind}"], url, body, _token_command(command, args))
 
 
 def pydantic_ai(command: str, args: list[str], url: str | None) -> str:
@@ -106,7 +109,7 @@ def pydantic_ai(command: str, args: list[str], url: str | None) -> str:
         ")\n"
         "# agent = Agent(model, toolsets=[coderunner])"
     )
-    return _python([f"from pydantic_ai.mcp import {kind}"], url, body)
+    return _python([f"from pydantic_ai.mcp import {kind}"], url, body, _token_command(command, args))
 
 
 def langchain(command: str, args: list[str], url: str | None) -> str:
@@ -126,7 +129,12 @@ def langchain(command: str, args: list[str], url: str | None) -> str:
         "from langchain_mcp_adapters.client import MultiServerMCPClient",
         "from langchain_mcp_adapters.tools import load_mcp_tools",
     ]
-    return _python(imports, url, body)
+    return _python(imports, url, body, _token_command(command, args))
+
+
+def _token_command(command: str, args: list[str]) -> str:
+    """This install's `coderunner token`: the launch command with `token` for `serve`."""
+    return shlex.join([command, *(arg for arg in args if arg != "serve"), "token"])
 
 
 WRITERS = {"typescript": typescript, "openai-agents": openai_agents, "pydantic-ai": pydantic_ai, "langchain": langchain}
