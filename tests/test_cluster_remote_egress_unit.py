@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.wire import EgressDelta
 from coderunner.egress.audit import Decision, DecisionLog
 from coderunner.egress.policy import EgressPolicy
 
 POLICY = EgressPolicy.parse(["a.example.org"])
+
+pytestmark = pytest.mark.anyio
 
 
 def denied(host: str) -> Decision:
@@ -42,5 +46,33 @@ def test_a_ring_that_moved_on_still_gives_the_nodes_totals() -> None:
     mirror.apply(answer(node, mirror.mark))
     assert [d.host for d in mirror.log.recent(10)] == ["h7.example", "h8.example", "h9.example"]
     assert mirror.log.totals()["denied"] == 10 and mirror.mark == 10
-    mirror.set_asker(object())  # asking does not cross: accepted and ignored
     assert mirror.proxy.policy == POLICY and mirror.proxy.open_connections() == []
+
+
+async def test_a_relayed_question_goes_out_once_and_waits_for_its_answer() -> None:
+    import anyio
+
+    from coderunner.cluster.relay_asker import RelayAsker
+
+    relay = RelayAsker()
+    answers: list[bool | None] = []
+
+    async def proxy_asks() -> None:
+        answers.append(await relay("b.example.org", 443))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(proxy_asks)
+        with anyio.fail_after(5):
+            await relay.asked.wait()
+        (question,) = relay.take()
+        assert (question.host, question.port) == ("b.example.org", 443)
+        assert relay.take() == [] and not relay.asked.is_set()  # sent once; a read would not spin on it
+        relay.answer(question.question_id, True)
+    assert answers == [True]
+    # The run that could ask ended: a question still waiting gets no answer (the proxy denies).
+    async with anyio.create_task_group() as group:
+        group.start_soon(proxy_asks)
+        with anyio.fail_after(5):
+            await relay.asked.wait()
+        relay.give_up()
+    assert answers == [True, None] and not relay.asked.is_set()

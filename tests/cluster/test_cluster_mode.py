@@ -25,6 +25,7 @@ from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult
 
 from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, server_env, text_of
+from ..test_e2e_egress_ux import Asked
 from .conftest import NODE_LABEL, REPO, RayCluster
 
 pytestmark = pytest.mark.anyio
@@ -42,11 +43,11 @@ def cluster_env(cluster: RayCluster, dirs: ServerDirs, **extra: str) -> dict[str
 
 
 @contextlib.asynccontextmanager
-async def front_door(cluster: RayCluster, env: dict[str, str]) -> AsyncIterator[Client]:
+async def front_door(cluster: RayCluster, env: dict[str, str], **client_options: Any) -> AsyncIterator[Client]:
     """A stdio front door in the cluster's namespace, driven by the SDK's client."""
     argv = [*cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "serve", "--ray", cluster.address]
     params = StdioServerParameters(command=argv[0], args=argv[1:], env=env, cwd=str(REPO))
-    async with Client(params, read_timeout_seconds=180) as client:
+    async with Client(params, read_timeout_seconds=180, **client_options) as client:
         yield client
 
 
@@ -383,6 +384,34 @@ async def test_an_allowlist_sessions_denials_reach_the_reply_and_status_from_its
         egress = status["egress"]
         assert egress["allowed_hosts"] == ["a.example.org"] and egress["totals"]["denied"] == 2, egress
         assert [row["host"] for row in egress["recent"]] == ["b.example.org", "outside.example.net"], egress
+        await ok(client, "close_session", session_id=session_id)
+    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+
+
+async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
+    """A host inside the user's ceiling but outside the session's list: the node's proxy asks, the front
+    door puts it to its client (elicitation), and the answer decides on the node."""
+    asked = Asked()
+    env = cluster_env(
+        ray_cluster, dirs, CODERUNNER_ALLOWED_DOMAINS='["a.example.org", "b.example.org", "c.example.org"]'
+    )
+    async with front_door(ray_cluster, env, mode="legacy", elicitation_callback=asked) as client:
+        made = (await ok(client, "create_session", network="allowlist", allow=["a.example.org"])).structured_content
+        assert made is not None
+        session_id = made["session_id"]
+        asked.answer = "decline"
+        declined = text_of(await ok(client, "run_python", code=FETCH.format(host="b.example.org", pause=0),
+                                    session_id=session_id))  # fmt: skip
+        assert len(asked.messages) == 1 and "b.example.org:80" in asked.messages[0], (asked.messages, declined)
+        assert "HTTP 403" in declined and "[network: denied b.example.org:80 (the user declined)]" in declined, declined
+        asked.answer = "accept"
+        await call(client, "run_python", code=FETCH.format(host="c.example.org", pause=1), session_id=session_id)
+        assert len(asked.messages) == 2 and "c.example.org:80" in asked.messages[1], asked.messages
+        status = (await ok(client, "session_status", session_id=session_id)).structured_content
+        assert status is not None and status["egress"]["allowed_hosts"] == ["a.example.org", "c.example.org"], status
+        # b was declined for this session: not asked again.
+        await call(client, "run_python", code=FETCH.format(host="b.example.org", pause=0), session_id=session_id)
+        assert len(asked.messages) == 2, asked.messages
         await ok(client, "close_session", session_id=session_id)
     assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 

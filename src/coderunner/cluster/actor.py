@@ -16,11 +16,13 @@ import logging
 import os
 import secrets
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
 import anyio
 
+from coderunner.cluster.relay_asker import RelayAsker
 from coderunner.cluster.wire import (
     NODE_LOCAL,
     PIECE_BYTES,
@@ -76,6 +78,9 @@ class SessionActor:
         #: Runs whose start_run has not answered yet, by their caller's token (cancel_run).
         self._runs: dict[str, Job] = {}
         self._cancelled_runs: set[str] = set()
+        #: Asking the user about hosts across the cluster: the run whose caller can be asked, if any.
+        self._relay = RelayAsker()
+        self._asking: Job | None = None
         self.node = _this_node()
 
     async def _manager(self) -> SessionManager:
@@ -163,14 +168,18 @@ class SessionActor:
 
     async def start_run(
         self, code: str, timeout_s: float | None, variables: dict[str, Any] | None, owner: str, wait_s: float,
-        egress_since: int | None = None, run_token: str | None = None,
+        egress_since: int | None = None, run_token: str | None = None, ask: bool = False,
     ) -> JobDelta:  # fmt: skip
         """Start a cell and wait up to `wait_s` for it: a quick cell's whole answer comes back at once,
         and its job is dropped here (the front door has all of it; one call fewer per run).
         `egress_since`: the caller's mark in this session's egress log (see egress_delta).
-        `run_token`: the caller's name for this run, so that it can cancel it before this answers."""
+        `run_token`: the caller's name for this run, so that it can cancel it before this answers.
+        `ask`: the caller's user can be asked about hosts while this run goes (relay_asker.py)."""
         session = self._session()
         job = await session.start_run(code, timeout_s, variables, owner=owner)
+        if ask and session.egress is not None:
+            self._asking = job
+            session.egress.set_asker(self._relay)
         if run_token is not None:
             self._runs[run_token] = job
             if run_token in self._cancelled_runs:
@@ -201,6 +210,10 @@ class SessionActor:
             return
         await self._session().cancel_job(job)
 
+    async def answer_egress(self, question_id: str, allowed: bool | None) -> None:
+        """The front door's answer to a question its read brought (None: nobody answered)."""
+        self._relay.answer(question_id, allowed)
+
     async def cancel_job(self, job_id: str) -> None:
         session = self._session()
         job = session.job(job_id)
@@ -218,9 +231,13 @@ class SessionActor:
 
     async def _delta(self, job: Job, wait_s: float, egress_since: int | None = None) -> JobDelta:
         """Wait up to `wait_s` for the job to end, then say what is new (its end and result, if it ended)."""
+        asking = self._asking is job
         if wait_s > 0 and job.running:
             with anyio.move_on_after(wait_s):
-                await job.done.wait()
+                if asking:
+                    await _first_of(job.done.wait, self._relay.asked.wait)  # a question goes out at once
+                else:
+                    await job.done.wait()
         session = self._session()
         assert job.output is not None
         read = job.output.take()
@@ -229,8 +246,13 @@ class SessionActor:
             job.job_id, text=read.text, images=read.images, saved=read.saved, spill_path=read.spill_path,
             executing_for_s=None if since is None else time.monotonic() - since, elapsed_s=job.elapsed_s(),
             generation=session.generation, dropped_images=job.output.dropped_images,
-            egress=self.egress_delta(egress_since),
+            egress=self.egress_delta(egress_since), questions=self._relay.take() if asking else [],
         )  # fmt: skip
+        if asking and not job.running:  # the run that could ask is over: its questions go unanswered
+            self._asking = None
+            self._relay.give_up()
+            if session.egress is not None:
+                session.egress.set_asker(None)
         if not job.running:
             delta.ended, delta.status, delta.notice, delta.state_lost = (
                 True,
@@ -369,6 +391,18 @@ class SessionActor:
         for upload_id, (_, _, touched) in list(self._uploads.items()):
             if now - touched > older_than_s:
                 self._drop_upload(upload_id)
+
+
+async def _first_of(*waits: Callable[[], Awaitable[Any]]) -> None:
+    """Return as soon as one of `waits` returns."""
+    async with anyio.create_task_group() as group:
+
+        async def one(wait: Callable[[], Awaitable[Any]]) -> None:
+            await wait()
+            group.cancel_scope.cancel()
+
+        for wait in waits:
+            group.start_soon(one, wait)
 
 
 def _this_node() -> NodeInfo:

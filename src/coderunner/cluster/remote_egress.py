@@ -3,8 +3,9 @@
 The proxy runs on the session's node and enforces the policy there. What the tools read of it (the
 decisions behind a reply's "network: denied ..." line and session_status's egress section) is
 mirrored here from the EgressDelta that actor answers carry: each answer brings the decisions after
-this mirror's mark. Asking the user about a host does not cross: a host outside the session's list
-is denied on its node with the hint that says how to allow it, as for a client that cannot be asked.
+this mirror's mark. The asker a call lends is kept here: during run_python the node relays its
+questions to it (relay_asker.py); other calls do not ask across the cluster, and the node denies such
+a host with the hint that says how to allow it, as for a client that cannot be asked.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import threading
 from coderunner.cluster.wire import EgressDelta
 from coderunner.egress.audit import Decision, DecisionLog
 from coderunner.egress.policy import EgressPolicy
+from coderunner.egress.policy_proxy import Asker
 
 
 class MirroredLog(DecisionLog):
@@ -51,6 +53,7 @@ class RemoteEgress:
         #: The node log's position this mirror has seen up to (what the next call asks after).
         self.mark = 0
         self._lock = threading.Lock()  # answers arrive on the loop and in worker threads (status)
+        self.asker: Asker | None = None
 
     def apply(self, delta: EgressDelta | None) -> None:
         """Take in what an answer brought; an older or overlapping answer adds nothing twice."""
@@ -68,5 +71,6 @@ class RemoteEgress:
             self.proxy.policy = delta.policy
             self.proxy.open_now = list(delta.open_now)
 
-    def set_asker(self, asker: object) -> None:
-        """Asking does not cross to the node (module docstring): its proxy denies with a hint."""
+    def set_asker(self, asker: Asker | None) -> None:
+        """The asker the node's questions go to while a run that can ask goes (module docstring)."""
+        self.asker = asker

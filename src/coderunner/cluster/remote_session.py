@@ -22,7 +22,7 @@ from anyio.abc import TaskGroup
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
 from coderunner.cluster.remote_job import RemoteJob, mirror_output, pump
-from coderunner.cluster.wire import EgressDelta, JobDelta, SessionInfo
+from coderunner.cluster.wire import EgressDelta, JobDelta, Question, SessionInfo
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
@@ -102,6 +102,17 @@ class RemoteSession:
         if self._egress is not None:
             self._egress.apply(delta)
 
+    def _take_questions(self, delta: JobDelta) -> None:
+        for question in delta.questions:
+            self._task_group.start_soon(self._answer, question)
+
+    async def _answer(self, question: Question) -> None:
+        """Put a node's question to the user of the call lent now (none: no answer, the node denies)."""
+        asker = self._egress.asker if self._egress is not None else None
+        allowed = await asker(question.host, question.port) if asker is not None else None
+        with contextlib.suppress(SessionError):
+            await self.acall("answer_egress", question.question_id, allowed)
+
     @property
     def sandbox_uid(self) -> None:
         return None  # a uid of another machine means nothing here
@@ -172,13 +183,14 @@ class RemoteSession:
         try:
             first: JobDelta = await self.acall(
                 "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark, token,
-                timeout_s=limit + CALL_S,
+                self._egress is not None and self._egress.asker is not None, timeout_s=limit + CALL_S,
             )  # fmt: skip
         except anyio.get_cancelled_exc_class():  # cancelled before the node answered: the cell must not run on
             with anyio.CancelScope(shield=True), contextlib.suppress(SessionError):
                 await self.acall("cancel_run", token, timeout_s=self.settings.interrupt_grace_s + CANCEL_S)
             raise
         self._take_egress(first.egress)
+        self._take_questions(first)
         job = RemoteJob(
             job_id=first.job_id, kind="python", label=label_of(code), owner=self.owner, session_id=self.session_id,
             output=mirror_output(self.settings.output_limit_chars),
@@ -200,6 +212,7 @@ class RemoteSession:
         delta: JobDelta = await self.acall("read_job", job_id, wait_s, self._egress_mark, timeout_s=wait_s + CALL_S)
         self._track(delta.generation)
         self._take_egress(delta.egress)
+        self._take_questions(delta)
         return delta
 
     async def _cancel_remote(self, job_id: str) -> None:

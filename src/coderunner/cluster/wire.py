@@ -74,6 +74,15 @@ class SessionInfo:
     egress: EgressDelta | None = None
 
 
+@dataclass(frozen=True)
+class Question:
+    """A host a node's proxy would put to the user (cluster/relay_asker.py)."""
+
+    question_id: str
+    host: str
+    port: int
+
+
 @dataclass
 class JobDelta:
     """What is new in a job since the last read: text, images, saved files; its end, once it ended."""
@@ -99,6 +108,8 @@ class JobDelta:
     gone: bool = False
     #: The session's egress since the caller's mark (network 'allowlist' only).
     egress: EgressDelta | None = None
+    #: Hosts the node's proxy asks the caller's user about (answer with answer_egress).
+    questions: list[Question] = field(default_factory=list)
 
 
 def portable_output(output: OutputCollector) -> OutputCollector:
