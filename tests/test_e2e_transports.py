@@ -127,6 +127,11 @@ def test_cli_doctor_passes_here(dirs: ServerDirs) -> None:
     assert allowing.returncode == 0, allowing.stdout + allowing.stderr
     assert "[ok  ] network 'allowlist' mode: enforced on bwrap" in allowing.stdout, allowing.stdout
     assert "python-packages" in allowing.stdout and "'internet' mode" not in allowing.stdout
+    # Backends not in use: one line, never a warning; --all checks each, with its fix.
+    others = [line for line in done.stdout.splitlines() if "other backend" in line]
+    assert len(others) == 1 and others[0].startswith("[ok  ] other backends: ") and "doctor --all" in others[0], others
+    every = cli(dirs, "doctor", "--all")
+    assert every.returncode == 0 and "other backend podman:" in every.stdout and "other backend apple:" in every.stdout
 
 
 def test_cli_reports_a_missing_sandbox_environment(dirs: ServerDirs) -> None:

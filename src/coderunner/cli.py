@@ -108,7 +108,8 @@ def _parser() -> argparse.ArgumentParser:
         "--url", help="reach a running HTTP server instead (apps through `coderunner proxy URL`, libraries directly)"
     )
 
-    commands.add_parser("doctor", help="check that sandboxes work here; say how to fix what does not")
+    doctor = commands.add_parser("doctor", help="check that sandboxes work here; say how to fix what does not")
+    doctor.add_argument("--all", action="store_true", help="also check each backend not in use, with its fix")
     commands.add_parser(
         "node-resources",
         help="cluster mode: the Ray resources this node offers (the backends that work here), as JSON for "
@@ -220,10 +221,10 @@ def _config_command(args: argparse.Namespace, _settings: Settings) -> int:
     return 0
 
 
-def _doctor_command(_args: argparse.Namespace, settings: Settings) -> int:
+def _doctor_command(args: argparse.Namespace, settings: Settings) -> int:
     from coderunner import doctor
 
-    checks = doctor.run_checks(settings)
+    checks = doctor.run_checks(settings, every_backend=args.all)
     print(doctor.report(checks))
     return 0 if all(check.ok for check in checks) else 1
 

@@ -82,6 +82,18 @@ def _engine_problem(settings: Settings, kind: str) -> Readiness:
     return entry(kind).readiness(settings)
 
 
+def summarize_other_backends(settings: Settings) -> Check:
+    """One line on the backends not in use: which are ready here (information, never a warning: a user
+    of bwrap need not hear that docker's daemon is down). `doctor --all` has a line each, with fixes."""
+    ready, unavailable = [], []
+    for other in ENTRIES:
+        if other.name != settings.backend:
+            missing, _ = other.readiness(settings)
+            (ready if missing is None else unavailable).append(other.name)
+    parts = [f"{', '.join(ready)} ready" if ready else "", f"{', '.join(unavailable)} not here" if unavailable else ""]
+    return Check("other backends", True, "; ".join(part for part in parts if part) + " (doctor --all says more)")
+
+
 def check_other_backends(settings: Settings) -> list[Check]:
     """What each backend not in use would need here (information, never a failure)."""
     checks = []
@@ -101,14 +113,16 @@ def check_backend(settings: Settings) -> list[Check]:
     return entry(settings.backend).checks(settings)
 
 
-def run_checks(settings: Settings) -> list[Check]:
+def run_checks(settings: Settings, every_backend: bool = False) -> list[Check]:
+    """The backend in use (and its sandboxed 1+1); the others in one line, or each (`every_backend`)."""
     checks = [check_backend_choice(settings), *check_backend(settings)]
     checks.append(check_network_ceiling(settings))
     if NetworkMode.ALLOWLIST in modes_within(settings.network_ceiling):
         checks.append(check_network_allowlist(settings))
     if all(check.ok for check in checks):
         checks.append(anyio.run(check_sandboxed_run, settings))
-    return [*checks, *check_other_backends(settings)]
+    others = check_other_backends(settings) if every_backend else [summarize_other_backends(settings)]
+    return [*checks, *others]
 
 
 def report(checks: list[Check]) -> str:
