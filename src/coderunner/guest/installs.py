@@ -217,6 +217,8 @@ def install(ipython):
     stock = ipython.find_line_magic("pip")
 
     def pip(line):
+        """%pip install NAME...: into this session's own packages, as the install_packages tool does (-q, -U
+        accepted). Other pip commands (list, show, ...) run as IPython's %pip runs them."""
         try:
             words = shlex.split(line)
         except ValueError as exc:
