@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from coderunner.guest.installs import PackageInstallError, parse_install, shell_magic
+from coderunner.guest.installs import PackageInstallError, install_words, parse_install, shell_magic
 
 
 @pytest.mark.parametrize(
@@ -68,3 +68,25 @@ def test_nothing_to_install_or_too_much_is_refused() -> None:
         parse_install(["-q"])
     with pytest.raises(PackageInstallError, match="at most 32"):
         parse_install([f"p{n}" for n in range(33)])
+
+
+@pytest.mark.parametrize(
+    ("line", "words"),
+    [
+        ("install six", ["six"]),
+        ("install -q 'pandas>=2' six  # for the table", ["-q", "pandas>=2", "six"]),
+        ("install -q six > /dev/null 2>&1", ["-q", "six"]),
+        ("install six &>/dev/null", ["six"]),
+        ("install six > out.txt", ["six", ">", "out.txt"]),  # a real file: refused by parse_install
+        ("list", None),
+        ("show six", None),
+        ("", None),
+    ],
+)
+def test_a_percent_pip_line_is_an_install_or_left_to_pip(line: str, words: list[str] | None) -> None:
+    assert install_words(line) == words
+
+
+def test_an_unreadable_line_says_so() -> None:
+    with pytest.raises(PackageInstallError, match="cannot read this pip command"):
+        install_words("install 'six")

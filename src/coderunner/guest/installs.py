@@ -50,6 +50,8 @@ WORKS = "%pip install NAME (or the install_packages tool), e.g. %pip install req
 _PYTHON = r"(?:\{sys\.executable\}|(?:\S*/)?python[0-9.]*)"
 #: A `!` command that is a pip install, and the part %pip gets ("install ...").
 _PIP_SHELL = re.compile(rf"\s*(?:{_PYTHON}\s+-m\s+pip|(?:\S*/)?pip[0-9.]*)\s+(install(?:\s.*)?)\Z", re.S)
+#: A trailing redirect of pip's output to nowhere (`> /dev/null 2>&1`), which changes nothing here.
+_QUIET_REDIRECT = re.compile(r"\s+(?:[12&]?>>?\s*/dev/null|2>&1)\s*\Z")
 #: `!` commands that install with another package manager: the magic that refuses them.
 _OTHER_SHELL = re.compile(
     r"\s*(?:\S*/)?(conda|mamba|micromamba)\s+install\b|\s*(?:\S*/)?(uv)\s+(?:pip\s+install|add)\b"
@@ -73,6 +75,18 @@ def shell_magic(command):
     if other:
         return other.group(1) or other.group(2), command.strip()
     return None
+
+
+def install_words(line):
+    """The words after `install` in a %pip line (a shell comment and a trailing output redirect to
+    /dev/null dropped: this prints little), or None when the line is not an install."""
+    while (quiet := _QUIET_REDIRECT.search(line)) is not None:
+        line = line[: quiet.start()]
+    try:
+        words = shlex.split(line, comments=True)
+    except ValueError as exc:
+        raise PackageInstallError(f"cannot read this pip command: {exc}") from None
+    return words[1:] if words[:1] == ["install"] else None
 
 
 def parse_install(words):
@@ -219,15 +233,12 @@ def install(ipython):
     def pip(line):
         """%pip install NAME...: into this session's own packages, as the install_packages tool does (-q, -U
         accepted). Other pip commands (list, show, ...) run as IPython's %pip runs them."""
-        try:
-            words = shlex.split(line)
-        except ValueError as exc:
-            raise PackageInstallError(f"cannot read this pip command: {exc}") from None
-        if words[:1] != ["install"]:
+        words = install_words(line)
+        if words is None:
             if stock is None:
                 raise PackageInstallError(f"only pip install is available here: {WORKS}")
             return stock(line)
-        pip_install(words[1:])
+        pip_install(words)
         return None
 
     ipython.register_magic_function(pip, "line", "pip")
