@@ -19,8 +19,8 @@ from .test_e2e_egress import create, egress_env, module_dirs, ok  # noqa: F401 -
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
-#: What %pip prints before pip runs: absent from a refusal, which must come before any pip.
-PIP_STARTED = "into this session's packages"
+#: What %pip prints when pip starts: absent from a refusal, which must come before any pip.
+PIP_STARTED = "pip install six"
 
 
 @pytest.fixture(scope="module")
@@ -67,6 +67,10 @@ async def test_an_allowlist_without_the_index_fails_at_once_naming_the_way(
     assert "not in this session's allowlist" in text and PIP_STARTED not in text, text
     # The reply's network line names the host and how to get a session that reaches it.
     assert "create_session(network='allowlist', allow=[" in text, text
+    # install_packages runs the same guest code: the same refusal, before pip too (no "pip failed").
+    tool = await client.call_tool("install_packages", {"packages": ["six"], "session_id": session})
+    assert tool.is_error and "pip cannot reach the package index" in text_of(tool), text_of(tool)
+    assert "pip failed" not in text_of(tool) and "not in this session's allowlist" in text_of(tool), text_of(tool)
 
 
 async def test_network_none_fails_at_once_with_install_packages_words(client: Client) -> None:

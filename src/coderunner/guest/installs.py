@@ -8,36 +8,25 @@ guest code (packages.run): the session's own package folder, through the sandbox
 whose proxy alone decides what is reached. Where that network cannot reach the package index, it
 fails at once rather than after pip's retries: network 'none' with the host's own text (the
 SESSION_INSTALL_REFUSAL variable the host sets, which names the ways out within the user's ceiling),
-an allowlist without the index with the proxy's own refusal of a CONNECT to it. conda, mamba,
+an allowlist without the index with the proxy's own refusal (index_probe.py, as for install_packages). conda, mamba,
 micromamba and uv installs are refused naming what works. Other `!` commands run as before.
 """
 
 import os
 import re
 import shlex
-import socket
 import sys
-import time
-from urllib.parse import urlsplit
 
 from . import packages
-from .dispatch import GuestError, read_only_imports
+from .dispatch import GuestError
 
 #: Set by the host in a sandbox with network 'none' (sandbox/common.py INSTALL_REFUSAL_ENV).
 REFUSAL_ENV = "SESSION_INSTALL_REFUSAL"
-#: Set by the host in a sandbox with network 'allowlist': its policy proxy (sandbox/common.py).
-PROXY_ENV = "CODERUNNER_EGRESS_PROXY"
 #: Where the session's packages go (guest/__init__.py SESSION_PACKAGES_ENV).
 TARGET_ENV = "SESSION_SITE_PACKAGES"
 #: pip's bound: install_packages' default (tools/install_packages.py PIP_TIMEOUT_S); the cell's own
 #: timeout still interrupts it first when shorter.
 PIP_TIMEOUT_S = 300.0
-#: Bound on the CONNECT probe: the proxy may put the host to the user first (up to a minute to queue,
-#: a minute to answer: egress/policy_proxy.py ASK_TIMEOUT_S).
-PROBE_TIMEOUT_S = 130.0
-#: Bounds on what the probe reads of the proxy's answer.
-PROBE_HEAD_BYTES = 16384
-PROBE_BODY_BYTES = 4096
 MAX_PACKAGES = 32
 
 #: pip options that change nothing here: output, the (always on) upgrade, and where it would go.
@@ -113,78 +102,13 @@ def parse_install(words):
     return wanted
 
 
-def index_hosts():
-    """The hosts pip fetches from: PIP_INDEX_URL's, else pip's default index and file hosts."""
-    configured = os.environ.get("PIP_INDEX_URL")
-    if configured:
-        parts = urlsplit(configured)
-        if parts.hostname:
-            return [(parts.hostname, parts.port or (80 if parts.scheme == "http" else 443))]
-        return []
-    try:
-        with read_only_imports():  # pip of the environment, never a pip/ planted in the workspace
-            from pip._internal.models.index import PyPI
-    except ImportError:
-        return []
-    return [(str(PyPI.netloc), 443), (str(PyPI.file_storage_domain), 443)]
-
-
-def _read_answer(sock, deadline):
-    """The status code and body text of the proxy's answer to a CONNECT (bounded)."""
-    data = b""
-    while b"\r\n\r\n" not in data:
-        sock.settimeout(max(0.1, deadline - time.monotonic()))
-        chunk = sock.recv(4096)
-        if not chunk or len(data) > PROBE_HEAD_BYTES:
-            break
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    status = head.split(b"\r\n", 1)[0].split(b" ", 2)
-    code = int(status[1]) if len(status) > 1 and status[1].isdigit() else 0
-    if code == 200:
-        return code, ""
-    length = re.search(rb"(?im)^content-length:\s*(\d+)", head)
-    wanted = min(int(length.group(1)) if length else PROBE_BODY_BYTES, PROBE_BODY_BYTES)
-    while len(body) < wanted and time.monotonic() < deadline:
-        sock.settimeout(max(0.1, deadline - time.monotonic()))
-        chunk = sock.recv(wanted - len(body))
-        if not chunk:
-            break
-        body += chunk
-    text = body[:wanted].decode("utf-8", "replace").strip()
-    return code, text or head.split(b"\r\n", 1)[0].decode("ascii", "replace")
-
-
-def proxy_refusal(proxy, host, port):
-    """What the session's proxy says to a CONNECT to host:port, or None when it lets it through."""
-    parts = urlsplit(proxy)
-    deadline = time.monotonic() + PROBE_TIMEOUT_S
-    try:
-        with socket.create_connection((parts.hostname, parts.port or 80), timeout=10) as sock:
-            sock.sendall(f"CONNECT {host}:{port} HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode("ascii"))
-            code, text = _read_answer(sock, deadline)
-    except OSError as exc:
-        return f"the session's network proxy did not answer ({exc})"
-    return None if code == 200 else text
-
-
 def check_network():
-    """PackageInstallError at once when this sandbox's network cannot reach the package index."""
+    """PackageInstallError at once in a sandbox with network 'none' (pip would only retry there)."""
     refusal = os.environ.get(REFUSAL_ENV)
     if refusal:
         raise PackageInstallError(
             f"{refusal}\n(install_packages cannot either: it installs through the session's network)"
         )
-    proxy = os.environ.get(PROXY_ENV)
-    if not proxy:
-        return  # network 'internet': pip's own errors say what went wrong
-    for host, port in index_hosts():
-        said = proxy_refusal(proxy, host, port)
-        if said is not None:
-            raise PackageInstallError(
-                f"pip cannot reach the package index ({host}) from this session: {said}\n"
-                "(install_packages cannot either: it installs through the session's network)"
-            )
 
 
 def report(result):
@@ -205,9 +129,11 @@ def pip_install(words):
     if not target:
         raise PackageInstallError(f"this sandbox has no session package folder ({TARGET_ENV} is not set)")
     check_network()
-    print(f"pip install {' '.join(wanted)} (into this session's packages)", flush=True)
-    try:
-        result = packages.run(wanted, target, PIP_TIMEOUT_S)
+    shown = " ".join(wanted)
+    try:  # an allowlist without the package index: refused before pip runs (packages.run)
+        result = packages.run(
+            wanted, target, PIP_TIMEOUT_S, started=lambda: print(f"pip install {shown} ...", flush=True)
+        )
     except GuestError as exc:
         raise PackageInstallError(str(exc)) from None
     print(report(result), flush=True)
