@@ -8,8 +8,9 @@ guest code (packages.run): the session's own package folder, through the sandbox
 whose proxy alone decides what is reached. Where that network cannot reach the package index, it
 fails at once rather than after pip's retries: network 'none' with the host's own text (the
 SESSION_INSTALL_REFUSAL variable the host sets, which names the ways out within the user's ceiling),
-an allowlist without the index with the proxy's own refusal (index_probe.py, as for install_packages). conda, mamba,
-micromamba and uv installs are refused naming what works. Other `!` commands run as before.
+an allowlist without the index with the proxy's own refusal (index_probe.py, as for install_packages).
+conda, mamba, micromamba and uv installs are refused naming what works. Other `!` commands run as
+before, and so do other pip commands (list, show).
 """
 
 import os
