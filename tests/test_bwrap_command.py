@@ -7,7 +7,7 @@ from pathlib import Path
 
 from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapCommand
-from coderunner.sandbox.common import ENV_MOUNT, sandbox_environment
+from coderunner.sandbox.common import ENV_MOUNT, INSTALL_REFUSAL_ENV, sandbox_environment
 
 
 def build(tmp_path: Path, limits: Limits | None = None, **fds: int) -> list[str]:
@@ -110,3 +110,12 @@ def test_network_waits_for_the_sandboxs_own_loopback_first() -> None:
     finally:
         fresh.kill()
         fresh.wait()
+
+
+def test_a_network_none_sandbox_is_told_why_nothing_installs_and_no_other_is(tmp_path: Path) -> None:
+    """The host's own refusal (the user's ceiling's way out) reaches the kernel's %pip as a variable."""
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
+    told = SandboxSpec(name="a", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path, install_refusal="why")
+    untold = SandboxSpec(name="b", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path, network="internet")
+    assert dict(pairs(command.argv(told, ["python"]), "--setenv"))[INSTALL_REFUSAL_ENV] == "why"
+    assert INSTALL_REFUSAL_ENV not in dict(pairs(command.argv(untold, ["python"]), "--setenv"))

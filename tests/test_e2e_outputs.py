@@ -49,6 +49,20 @@ async def test_a_figure_that_cannot_be_drawn_says_so_and_the_kernel_serves(clien
     assert pngs(await run(client, "1")) == []  # closed even though it failed
 
 
+async def test_a_pil_image_arrives_once_and_html_or_markdown_as_their_text(client: Client) -> None:
+    # A PIL image offers PNG and JPEG: one image, the PNG.
+    image = await run(client, "from PIL import Image\nImage.new('RGB', (8, 8), 'red')")
+    assert len(pngs(image)) == 1, text_of(image)
+    shown = await run(
+        client,
+        "from IPython.display import HTML, Markdown, display\n"
+        "display(HTML('<b>bold</b> text'))\ndisplay(Markdown('# A title'))\nHTML('<i>last</i>')",
+    )
+    text = text_of(shown)
+    assert "<b>bold</b> text" in text and "# A title" in text and "<i>last</i>" in text, text
+    assert "IPython.core.display" not in text, text
+
+
 async def test_resource_reads_carry_the_mime_type_and_text_as_text(client: Client) -> None:
     await run(client, "import matplotlib\nmatplotlib.use('Agg')\nimport matplotlib.pyplot as plt\n"
                       + PLOT + "fig.savefig('chart.png')\nplt.close(fig)\n"

@@ -16,7 +16,14 @@ from mcp import Client
 from mcp.types import TextContent
 
 from coderunner.config import ConfigError, load_settings
-from coderunner.egress.ceiling import MODES, NetworkCeilingError, check_within, default_ceiling, modes_within
+from coderunner.egress.ceiling import (
+    MODES,
+    NetworkCeilingError,
+    check_within,
+    default_ceiling,
+    modes_within,
+    offline_install,
+)
 from coderunner.server import build_server
 
 from .conftest import ManagerFactory
@@ -39,6 +46,17 @@ NO_FILE = Path(os.devnull)  # read no config file
 )
 def test_the_ceiling_is_what_the_user_turned_on(overrides: dict[str, object], ceiling: str) -> None:
     assert load_settings(NO_FILE, **overrides).network_ceiling == ceiling
+
+
+@pytest.mark.parametrize("ceiling", MODES)
+def test_the_offline_install_refusal_names_no_mode_above_the_ceiling(ceiling: str) -> None:
+    """install_packages' refusal in network 'none', which the kernel's %pip says too (in every sandbox)."""
+    text = offline_install(ceiling)
+    assert text.startswith("installing packages needs network, and this session has network 'none': ")
+    for mode in MODES[MODES.index(ceiling) + 1 :]:
+        assert f"network={mode!r}" not in text, text
+    if ceiling != "none":
+        assert f"network={ceiling!r}" in text, text
 
 
 def test_a_default_network_above_max_network_is_a_configuration_error() -> None:

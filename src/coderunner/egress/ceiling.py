@@ -89,3 +89,9 @@ def install_way_out(ceiling: str) -> str:
     )
     internet = " or create_session(network='internet') (code there can reach the whole internet)"
     return f"create a session with {packages}{internet if ceiling == NetworkMode.INTERNET else ''}, and install there"
+
+
+def offline_install(ceiling: str, who: str = "this session") -> str:
+    """Why nothing installs in a session with network 'none', and where it can: install_packages' refusal
+    and the kernel's %pip's (the host hands it to the sandbox: sandbox/common.py spec_environment), one text."""
+    return f"installing packages needs network, and {who} has network 'none': {install_way_out(ceiling)}"

@@ -1,16 +1,19 @@
 """pip into this session's own package folder, which the kernel imports from before the base env.
 
-The folder lives in the session's workspace, so other sessions and the shared, read-only
-sandbox environment never change; the guest puts it on sys.path once each kernel is up (user_paths).
+The folder lives in the session's workspace, so other sessions and the shared, read-only sandbox
+environment never change; the guest puts it on sys.path once each kernel is up (user_paths). An
+allowlist sandbox whose proxy refuses the package index is told so before pip runs (index_probe.py).
 """
 
 import importlib
 import importlib.metadata
 import os
 import re
+import shutil
 import subprocess
 import sys
 
+from . import index_probe
 from .dispatch import GuestError
 
 #: System trust store (bound read-only from the host): honours proxies that re-sign TLS.
@@ -26,10 +29,32 @@ def _name(requirement):
     return re.split(r"[\[<>=!~]", requirement, maxsplit=1)[0]
 
 
-def run(packages, target, timeout_s):
+def _drop_stale_metadata(target):
+    """Keep one metadata folder per project: pip --target --upgrade moves the new six-1.17.0.dist-info in
+    beside the old six-1.16.0.dist-info (the code itself is replaced), and the report, and
+    importlib.metadata, would then read either. The newest, moved in by this run, stays."""
+    projects: dict[str, list[os.DirEntry[str]]] = {}
+    with os.scandir(target) as entries:
+        for entry in entries:
+            if entry.name.endswith(".dist-info") and entry.is_dir(follow_symlinks=False):
+                project = entry.name[: -len(".dist-info")].rsplit("-", 1)[0]
+                projects.setdefault(re.sub(r"[-_.]+", "-", project).lower(), []).append(entry)
+    for folders in projects.values():
+        folders.sort(key=lambda entry: entry.stat(follow_symlinks=False).st_mtime_ns)
+        for stale in folders[:-1]:
+            shutil.rmtree(stale.path, ignore_errors=True)
+
+
+def run(packages, target, timeout_s, started=None):
+    """Install; `started` is called once pip is about to run (%pip prints a line for the wait)."""
     if not packages or not all(isinstance(p, str) and REQUIREMENT.fullmatch(p) for p in packages):
         raise GuestError("packages must be requirement specifiers like 'requests' or 'httpx==0.28.1'")
+    refused = index_probe.unreachable()
+    if refused:
+        raise GuestError(refused)
     os.makedirs(target, exist_ok=True)
+    if started is not None:
+        started()
     argv = [
         sys.executable,
         "-P",  # the kernel's cwd is /workspace: a planted pip/ there must not run as pip
@@ -52,6 +77,7 @@ def run(packages, target, timeout_s):
         raise GuestError(f"pip did not finish within {timeout_s:g}s") from None
     if done.returncode != 0:
         raise GuestError(f"pip failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-1500:]}")
+    _drop_stale_metadata(target)
     if target not in sys.path:
         sys.path.insert(0, target)
     importlib.invalidate_caches()

@@ -4,6 +4,8 @@ into a RunOutcome (status, output, the cell's error, the execution count, a gues
 from __future__ import annotations
 
 import enum
+import json
+import re
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +13,12 @@ from typing import Any
 from coderunner.kernel.channels import Message
 from coderunner.kernel.output_capture import OutputCollector
 
+#: Richest first: a display that offers several (a PIL image: PNG and JPEG) sends one, the first that fits.
 IMAGE_MIME_TYPES = ("image/png", "image/jpeg")
+#: Text a display offers when its text/plain says nothing (a repr like <IPython.core.display.HTML object>).
+RICH_TEXT_TYPES = ("text/markdown", "text/html", "text/latex", "application/json")
+#: A default object repr: the class, and perhaps an address, and nothing else.
+_BARE_REPR = re.compile(r"<[\w.]+ object(?: at 0x[0-9a-fA-F]+)?>")
 #: The display bundle type guest tools answer with (coderunner_guest.dispatch.RESULT_MIME).
 GUEST_RESULT_MIME = "application/vnd.coderunner.guest+json"
 
@@ -97,8 +104,25 @@ class RunState:
             self.guest_payload = data[GUEST_RESULT_MIME]
             return
         images = [mime for mime in IMAGE_MIME_TYPES if isinstance(data.get(mime), str)]
-        for mime in images:
-            self.output.add_image(mime, data[mime])
-        text = data.get("text/plain")
-        if isinstance(text, str) and not (images and text.startswith("<Figure")):
+        if images:
+            # One image per display: the richest kind that still goes in the reply, else the richest (saved).
+            chosen = next((mime for mime in images if self.output.fits_inline(data[mime])), images[0])
+            self.output.add_image(chosen, data[chosen])
+        text = display_text(data)
+        if text is not None and not (images and text.startswith("<Figure")):
             self.output.add_text(text if text.endswith("\n") else text + "\n")
+
+
+def display_text(data: dict[str, Any]) -> str | None:
+    """A display bundle's text: its text/plain, unless that only names the object's class and the bundle
+    has the content as text of another kind (HTML, Markdown, LaTeX, JSON), which the model reads instead."""
+    plain = data.get("text/plain")
+    if isinstance(plain, str) and not _BARE_REPR.fullmatch(plain.strip()):
+        return plain
+    for mime in RICH_TEXT_TYPES:
+        rich = data.get(mime)
+        if isinstance(rich, str):
+            return rich
+        if mime == "application/json" and isinstance(rich, (dict, list)):
+            return json.dumps(rich, indent=1)
+    return plain if isinstance(plain, str) else None

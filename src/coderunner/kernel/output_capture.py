@@ -138,11 +138,15 @@ class OutputCollector:
                 self.tail[0] = only
                 self._tail_chars = len(only)
 
+    def fits_inline(self, data_b64: str) -> bool:
+        """Whether an image this size would still go in the reply (else it is saved to the workspace)."""
+        fits = self._image_bytes + len(data_b64.strip()) <= self.image_limit_bytes
+        return fits and len(self.images) < MAX_INLINE_IMAGES
+
     def add_image(self, mime_type: str, data_b64: str) -> None:
         data_b64 = data_b64.strip()
         self._image_count += 1
-        fits = self._image_bytes + len(data_b64) <= self.image_limit_bytes
-        if fits and len(self.images) < MAX_INLINE_IMAGES:
+        if self.fits_inline(data_b64):
             self._image_bytes += len(data_b64)
             self.images.append(ImageOutput(mime_type, data_b64))
             return

@@ -50,7 +50,14 @@ from coderunner.sandbox.apple_version import (
     version_problem,
 )
 from coderunner.sandbox.base import KernelChannels, LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec
-from coderunner.sandbox.common import IMAGE_PYTHON, WORKSPACE, product_python, rlimit_prefix, sandbox_environment
+from coderunner.sandbox.common import (
+    IMAGE_PYTHON,
+    WORKSPACE,
+    product_python,
+    rlimit_prefix,
+    sandbox_environment,
+    spec_environment,
+)
 from coderunner.sandbox.container import (
     ContainerProcess,
     ContainerUnavailable,
@@ -147,7 +154,7 @@ class AppleCommand:
         for mount in spec.mounts:
             args += ["--volume", f"{mount.host}:{mount.sandbox}" + ("" if mount.writable else ":ro")]
         args += ["--workdir", WORKSPACE]
-        for key, value in sandbox_environment({"HOME": "/tmp/home"}).items():
+        for key, value in sandbox_environment({"HOME": "/tmp/home", **spec_environment(spec)}).items():
             args += ["--env", f"{key}={value}"]
         return [*args, self.image, *inner]
 

@@ -107,6 +107,9 @@ class SandboxSpec:
     network: str = "none"
     mounts: tuple[Mount, ...] = ()
     user: HostIdentity | None = None
+    #: Network 'none': why nothing installs there and where it can (the user's ceiling's way out); the
+    #: kernel's %pip says it at once rather than letting pip retry (sandbox/common.py spec_environment).
+    install_refusal: str | None = None
 
     @property
     def owner(self) -> tuple[int, int] | None:

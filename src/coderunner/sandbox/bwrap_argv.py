@@ -17,10 +17,10 @@ from coderunner.sandbox.common import (
     SANDBOX_UID,
     SHM_MB,
     WORKSPACE,
-    egress_environment,
     egress_launcher,
     rlimit_prefix,
     sandbox_environment,
+    spec_environment,
 )
 
 GUEST_SOURCE = Path(__file__).resolve().parent.parent / "guest"
@@ -103,7 +103,7 @@ class BwrapCommand:
             "--remount-ro", "/",
             "--clearenv",
         ]  # fmt: skip
-        for key, value in sandbox_environment(egress_environment(spec.network)).items():
+        for key, value in sandbox_environment(spec_environment(spec)).items():
             args += ["--setenv", key, value]
         inner = egress_launcher(f"{ENV_MOUNT}/bin/python", spec.network, str(spec.host_dir), inner)
         return [*args, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]

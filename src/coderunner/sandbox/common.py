@@ -7,7 +7,7 @@ the same paths as the bwrap sandbox), so that a backend never imports another ba
 from __future__ import annotations
 
 from coderunner.egress.ceiling import NetworkMode
-from coderunner.sandbox.base import Limits
+from coderunner.sandbox.base import Limits, SandboxSpec
 
 #: Where the code works, and the one folder of its own it may write to.
 WORKSPACE = "/workspace"
@@ -32,6 +32,8 @@ EGRESS_PORT = 3128
 #: package folder, which the guest puts on sys.path (and on
 #: PYTHONPATH for the programs user code starts) only once its interpreter is up (guest/__init__.py).
 SESSION_PACKAGES_ENV = "SESSION_SITE_PACKAGES"
+#: Set in a sandbox with network 'none' (SandboxSpec.install_refusal): what the kernel's %pip answers.
+INSTALL_REFUSAL_ENV = "SESSION_INSTALL_REFUSAL"
 #: Run as a script with -I -S: stdlib only, so no site-packages scan and no PYTHON* variables.
 EGRESS_FORWARDER = f"{GUEST_LIB}/coderunner_guest/egress_forwarder.py"
 #: A preload (NODE_OPTIONS) that points Node's fetch at the proxy: Node 20 has no NODE_USE_ENV_PROXY.
@@ -68,6 +70,14 @@ def egress_environment(network: str) -> dict[str, str]:
     env["NODE_USE_ENV_PROXY"] = "1"  # Node 24+ does it natively; the preload covers older ones
     env["NODE_OPTIONS"] = f"--require {EGRESS_NODE_PRELOAD}"
     env["CODERUNNER_EGRESS_PROXY"] = url  # guest/browser.py launches Chromium with it
+    return env
+
+
+def spec_environment(spec: SandboxSpec) -> dict[str, str]:
+    """What a sandbox's own options add to its environment: the proxy ('allowlist'), the install refusal ('none')."""
+    env = egress_environment(spec.network)
+    if spec.install_refusal:
+        env[INSTALL_REFUSAL_ENV] = spec.install_refusal
     return env
 
 

@@ -13,9 +13,9 @@ from coderunner.sandbox.common import (
     PROC_MASKED_FILES,
     SHM_MB,
     WORKSPACE,
-    egress_environment,
     egress_launcher,
     sandbox_environment,
+    spec_environment,
 )
 from coderunner.sandbox.container import LABEL_INSTANCE, LABEL_SERVER, LABEL_SESSION, ContainerUnavailable, session_key
 from coderunner.sandbox.image_build import LABEL_SOURCES
@@ -126,7 +126,7 @@ class OciCommand:
             for name_ in ("hosts", "resolv.conf"):
                 args += ["--mount", _bind(etc_dir / name_, f"/etc/{name_}", writable=False)]
         args += ["--workdir", WORKSPACE]
-        for key, value in sandbox_environment({"HOME": "/tmp/home", **egress_environment(spec.network)}).items():
+        for key, value in sandbox_environment({"HOME": "/tmp/home", **spec_environment(spec)}).items():
             args += ["--env", f"{key}={value}"]
         inner = egress_launcher(IMAGE_PYTHON, spec.network, str(spec.host_dir), inner)
         return [*args, self.image, *inner]

@@ -23,6 +23,7 @@ from coderunner.sandbox.common import (
     WORKSPACE,
     rlimit_prefix,
     sandbox_environment,
+    spec_environment,
 )
 
 #: runsc's global flags; a checkpoint restores only under the same ones (checkpoint_key).
@@ -186,7 +187,7 @@ def oci_config(spec: SandboxSpec, inner: list[str], inputs: ConfigInputs, *, pip
     if limits.pids is not None:
         # The guest's own bound is RLIMIT_NPROC (inner_argv); the host's must leave room for the Sentry.
         resources["pids"] = {"limit": host_pids(limits.pids)}
-    env = sandbox_environment({"HOME": "/tmp/home"})
+    env = sandbox_environment({"HOME": "/tmp/home", **spec_environment(spec)})
     return {
         "ociVersion": "1.0.2",
         "process": {

@@ -16,7 +16,7 @@ from typing import Any
 import anyio
 
 from coderunner.config import Settings
-from coderunner.egress.ceiling import NetworkMode, install_way_out
+from coderunner.egress.ceiling import NetworkMode, offline_install
 from coderunner.errors import GuestCallError, SessionError
 from coderunner.hostfs.sandbox_files import SandboxFiles
 from coderunner.kernel.incarnation import Kernel, ProgressCallback, RunOutcome, RunStatus
@@ -265,10 +265,7 @@ class KernelCalls:
     async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
         """pip into this session's own package folder (in its workspace), from inside its sandbox."""
         if self.options.network == NetworkMode.NONE:
-            raise SessionError(
-                f"install_packages needs network, and session {self.session_id} has network 'none': "
-                f"{install_way_out(self.settings.network_ceiling)}"
-            )
+            raise SessionError(offline_install(self.settings.network_ceiling, f"session {self.session_id}"))
         target = f"{self.backend.workspace_path}/{SESSION_PACKAGES}"
         arguments = {"packages": packages, "target": target, "timeout_s": timeout_s}
         return await self.call_guest("packages", arguments, timeout_s + GUEST_MARGIN_S)

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from coderunner.config import Settings
+from coderunner.egress.ceiling import NetworkMode, offline_install
 from coderunner.errors import SessionError
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs.exports import ExportError, client_folder, folder_owner, prepare_export_dir
@@ -169,7 +170,7 @@ class SandboxLease:
         """What a backend needs to start the sandbox: its mounts as it gets them (staged on a root server)."""
         options = options or self.options
         mounts = self.mounts.mounts if self.mounts is not None else options.mounts
-        return sandbox_spec(options, self.dirs, mounts)
+        return sandbox_spec(options, self.dirs, mounts, self.leases.settings.network_ceiling)
 
     async def release(self) -> bool:
         """Hand back its egress proxy, mounts and dirs, in that order (shielded: it must finish). False when a
@@ -194,9 +195,9 @@ class SandboxLease:
             self.leases.release_user(self.dirs)
 
 
-def sandbox_spec(options: SandboxOptions, dirs: SandboxDirs, mounts: tuple[Mount, ...]) -> SandboxSpec:
+def sandbox_spec(options: SandboxOptions, dirs: SandboxDirs, mounts: tuple[Mount, ...], ceiling: str) -> SandboxSpec:
     """What a backend needs to start a sandbox with these options in these dirs, with these mounts
-    (as the sandbox gets them: staged on a root server)."""
+    (as the sandbox gets them: staged on a root server), under the user's network `ceiling`."""
     return SandboxSpec(
         name=dirs.key,
         workspace=dirs.workspace.path,
@@ -206,6 +207,7 @@ def sandbox_spec(options: SandboxOptions, dirs: SandboxDirs, mounts: tuple[Mount
         network=options.network,
         mounts=mounts,
         user=dirs.user,
+        install_refusal=offline_install(ceiling) if options.network == NetworkMode.NONE else None,
     )
 
 
