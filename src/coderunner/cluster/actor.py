@@ -117,7 +117,9 @@ class SessionActor:
             raise
         finally:
             self._opened.set()
-        return self.info()
+        info = self.info()
+        info.status = await self.status()  # the create's reply shows it: one actor call fewer
+        return info
 
     async def _hold(self) -> None:
         try:

@@ -249,11 +249,11 @@ class ClusterHost:
     async def _claim(self, options: SandboxOptions, owner: str) -> RemoteSession | None:
         """A session from some node's warm pool, or None (then the create starts cold)."""
         assert self._pools is not None
-        session_id = await self._pools.claim(CLAIM_S)
-        if session_id is None:
+        claimed = await self._pools.claim(CLAIM_S)
+        if claimed is None:
             return None
+        session_id, actor = claimed
         try:
-            actor = await anyio.to_thread.run_sync(lambda: ray.get_actor(actor_name(session_id), namespace=NAMESPACE))
             with anyio.fail_after(self.settings.startup_timeout_s + CALL_S):
                 info: SessionInfo = await actor.open.remote(options, owner, None)
         except (ValueError, TimeoutError, ray.exceptions.RayError) as exc:

@@ -46,7 +46,7 @@ class NodePool:
         self.node_id = node_id
         self.size = size
         self.actor_options = actor_options
-        self.ready: list[str] = []
+        self.ready: list[tuple[str, Any]] = []
         self.starting = 0
         self.claimed = 0
         self._wake = anyio.Event()
@@ -60,14 +60,14 @@ class NodePool:
             self._task = asyncio.get_running_loop().create_task(self._fill())
         self._wake.set()
 
-    async def claim(self) -> str | None:
-        """A ready session actor's id, handed out once; None when none is ready."""
+    async def claim(self) -> tuple[str, Any] | None:
+        """A ready session actor's id and handle, handed out once; None when none is ready."""
         if not self.ready:
             return None
-        session_id = self.ready.pop(0)
+        session_id, actor = self.ready.pop(0)
         self.claimed += 1
         self._wake.set()
-        return session_id
+        return session_id, actor
 
     async def stats(self) -> dict[str, Any]:
         return {"node": self.node_id, "size": self.size, "ready": len(self.ready), "starting": self.starting,
@@ -78,17 +78,17 @@ class NodePool:
             while len(self.ready) + self.starting < self.size:
                 self.starting += 1
                 try:
-                    session_id = await self._start_one()
+                    started = await self._start_one()
                 finally:
                     self.starting -= 1
-                if session_id is None:
+                if started is None:
                     await anyio.sleep(RETRY_S)
                     break
-                self.ready.append(session_id)
+                self.ready.append(started)
             self._wake = anyio.Event()
             await self._wake.wait()
 
-    async def _start_one(self) -> str | None:
+    async def _start_one(self) -> tuple[str, Any] | None:
         session_id = secrets.token_urlsafe(18)
         actor: Any = PooledActor.options(
             name=actor_name(session_id), namespace=NAMESPACE, lifetime="detached", max_restarts=0,
@@ -104,7 +104,7 @@ class NodePool:
         if not ready:
             ray.kill(actor, no_restart=True)
             return None
-        return session_id
+        return session_id, actor
 
 
 PoolActor = ray.remote(NodePool)
@@ -137,18 +137,18 @@ class NodePools:
             handle.start.remote()
             self.pools[node_id] = handle
 
-    async def claim(self, wait_s: float) -> str | None:
-        """A ready pooled session's id from some node's pool (each asked in turn), or None."""
+    async def claim(self, wait_s: float) -> tuple[str, Any] | None:
+        """A ready pooled session's id and actor handle from some node's pool (each asked in turn), or None."""
         order = list(self.pools.items())
         self._turn = (self._turn + 1) % max(len(order), 1)
         for node_id, handle in order[self._turn :] + order[: self._turn]:
             try:
                 with anyio.fail_after(wait_s):
-                    session_id: str | None = await handle.claim.remote()
+                    claimed: tuple[str, Any] | None = await handle.claim.remote()
             except Exception as exc:  # its node is gone: ensure() finds it again if it comes back
                 log.info("pool of node %s: %r", node_id[:12], exc)
                 self.pools.pop(node_id, None)
                 continue
-            if session_id is not None:
-                return session_id
+            if claimed is not None:
+                return claimed
         return None

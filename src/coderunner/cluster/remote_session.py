@@ -287,8 +287,10 @@ class RemoteSession:
         return dict(done)
 
     def status(self) -> SessionStatus:
-        """Called in a worker thread (the tools' summary): a blocking, bounded call is fine there."""
-        raw: dict[str, Any] = self.call("status", self._egress_mark)
+        """Called in a worker thread (the tools' summary): a blocking, bounded call is fine there.
+        The first, right after the open, is the status the open brought (its create's reply)."""
+        opened, self.info.status = self.info.status, None
+        raw: dict[str, Any] = opened if opened is not None else self.call("status", self._egress_mark)
         self._track(raw.get("kernel_generation", 0))
         self._take_egress(raw.pop("egress", None))
         known = {field.name for field in fields(SessionStatus)}

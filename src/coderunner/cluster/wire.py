@@ -72,6 +72,8 @@ class SessionInfo:
     workspace_path: str = "/workspace"
     #: Its allowlist proxy from the start (network 'allowlist' only).
     egress: EgressDelta | None = None
+    #: Its status when it opened (SessionActor.status), for the create's reply.
+    status: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
