@@ -42,8 +42,10 @@ QUIET_POLL_S = 0.1
 #: Bound on the standby's warm-up and its swap-in cell (a kernel that is up answers in milliseconds).
 CELL_TIMEOUT_S = 10.0
 #: The swap-in cell: the file system may have changed since the standby started (install_packages
-#: made the package folder, say), and its import system cached what it saw, missing folders included.
-#: Silent and without a name bound: nothing in the user's namespace or history.
+#: made the package folder, say), and an import system caches what it saw, a missing folder included
+#: (none of today's start-up imports looks there; this keeps it so whatever a start-up imports). It
+#: also shows the standby answers before it is handed out. Silent, no name bound: nothing in the
+#: user's namespace or history.
 SWAP_IN_CODE = "__import__('importlib').invalidate_caches()"
 
 
