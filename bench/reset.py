@@ -1,6 +1,6 @@
 """kernel_reset to first result: with the session's standby kernel, without it, and (optionally) another tree.
 
-    .venv/bin/python bench/reset.py [--rounds 20] [--baseline-src /tmp/base/src] [--backend bwrap]
+    .venv/bin/python bench/reset.py [--rounds 20] [--load 2] [--baseline-src /tmp/base/src] [--backend bwrap]
 
 Each lane is its own `coderunner serve` over stdio (the official MCP client), one session each:
 - standby: reset_standby on (the default): a reset swaps in the fresh kernel the session started ahead;
@@ -9,7 +9,9 @@ Each lane is its own `coderunner serve` over stdio (the official MCP client), on
 One sample is `kernel_reset` then `run_python('1+1')`, timed from the reset's call to the result. Every
 round takes one sample of each lane, the lanes in a fresh random order, so drift on a shared machine
 hits every lane alike; between samples the bench waits `--settle` seconds (the standby is started again
-in the background after a swap, as an agent's think time would let it). Printed: median, p90 and min.
+in the background after a swap, as an agent's think time would let it). `--load N` runs N busy host
+processes (the bench's own, killed at its end) throughout: the issue's figure was taken under load.
+Printed: median, p90 and min.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import random
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -87,7 +90,20 @@ async def main() -> None:
     parser.add_argument("--settle", type=float, default=1.5, help="seconds between samples")
     parser.add_argument("--backend", default="bwrap")
     parser.add_argument("--baseline-src", type=Path, help="another tree's src/ (a 'before' lane)")
+    parser.add_argument("--load", type=int, default=0, help="busy host processes running throughout")
     args = parser.parse_args()
+    spinners = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL) for _ in range(args.load)
+    ]
+    try:
+        await measure(args)
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait(timeout=10)
+
+
+async def measure(args: argparse.Namespace) -> None:
     root = Path(tempfile.mkdtemp(prefix="crr-", dir="/tmp"))
     root.chmod(0o711)
     lanes = {"standby": (REPO / "src", True), "cold": (REPO / "src", False)}
@@ -110,7 +126,8 @@ async def main() -> None:
                 print(f"round {round_number + 1}/{args.rounds}", file=sys.stderr, end="\r")
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"kernel_reset then run_python('1+1'), {args.backend}, {args.rounds} rounds, lanes interleaved:")
+    load = f", {args.load} busy host processes" if args.load else ""
+    print(f"kernel_reset then run_python('1+1'), {args.backend}{load}, {args.rounds} rounds, lanes interleaved:")
     for name, taken in samples.items():
         print(f"  {name:9} {summarize(taken)}")
 
