@@ -110,3 +110,17 @@ def test_network_waits_for_the_sandboxs_own_loopback_first() -> None:
     finally:
         fresh.kill()
         fresh.wait()
+
+
+def test_a_private_file_is_read_from_an_fd_into_the_sandboxs_own_root(tmp_path: Path) -> None:
+    """A kernel's connection file (its key): copied by bwrap from an fd, never a bind of a host path that
+    another sandbox of the session binds too; placed before the root goes read-only."""
+    spec = SandboxSpec(
+        name="abcd1234", workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", host_dir=tmp_path / "host"
+    )
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
+    argv = command.argv(spec, ["python"], private_fds=((7, "/run/kernel/connection.json"),))
+    assert pairs(argv, "--ro-bind-data") == [("7", "/run/kernel/connection.json")]
+    assert argv.index("--ro-bind-data") < argv.index("--remount-ro")
+    assert "--ro-bind-data" not in build(tmp_path)
+    assert SandboxSpec(name="k", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path).twin().twin().name == "k"

@@ -112,12 +112,9 @@ class Kernel:
             address = {"transport": "ipc", "ip": str(self.spec.runtime_dir / f"k{self.generation}")}
         info = connection_info(key=secrets.token_hex(32), **address)
         self._info = info
-        spec = self.spec
-        if self.backend.private_files:
-            # Its key in its own sandbox only: not in host/, which every sandbox of the session reads.
-            self._connection_name = None
-            connection_file = PRIVATE_CONNECTION
-            spec = replace(spec, private_files=((PRIVATE_CONNECTION, dump_connection(info)),))
+        spec, connection_file = self.spec, PRIVATE_CONNECTION
+        if self.backend.private_files:  # its key in its own sandbox only, not in host/ (every sandbox of the session's)
+            spec, self._connection_name = replace(spec, private_files=((connection_file, dump_connection(info)),)), None
         else:
             connection_file = str(self.dirs.write_host_file(self._connection_name, dump_connection(info)))
         argv = product_python(
