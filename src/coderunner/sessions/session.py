@@ -89,7 +89,7 @@ class Session(KernelCalls):
     _resetting: bool = False
     _generation: int = 0
     #: The number the next kernel made gets (its sockets' and files' names): kernels are numbered in the
-    #: order they are made, standbys included; `_generation` is the live kernel's number + 1.
+    #: order they are made, standbys included; `_generation` counts those that became the session's.
     _next_kernel: int = 0
     #: When the call holding the kernel began (while `busy`).
     _busy_since: float = 0.0
@@ -136,7 +136,8 @@ class Session(KernelCalls):
 
     @property
     def generation(self) -> int:
-        """How many kernels this session has started: each (re)start, loss or reset makes a new one."""
+        """How many kernels this session has had (a standby counts once swapped in): each (re)start, loss or reset
+        makes a new one."""
         return self._generation
 
     def kernel_state(self, lost: bool = False) -> tuple[int, bool]:
@@ -239,7 +240,7 @@ class Session(KernelCalls):
     async def start_kernel(self) -> None:
         """Start this session's first kernel (create_session); later ones come from _ensure_kernel."""
         kernel = self._new_kernel()
-        self._generation = kernel.generation + 1
+        self._generation += 1
         await self._cancellable_start(kernel, lambda: kernel.start(self.settings.startup_timeout_s))
         self.kernel = kernel
 
@@ -286,7 +287,7 @@ class Session(KernelCalls):
             self.restarts += 1
             fresh = await self.standby.take()
             if fresh is not None:
-                self._generation = fresh.generation + 1
+                self._generation += 1
                 self.kernel = fresh
                 if self.closed:  # closed during its swap-in: close shuts it down once this call lets go
                     raise SessionError(f"session {self.session_id} was closed")
