@@ -7,11 +7,12 @@ of the same spec (workspace, mounts, network, limits, host uid) under the sessio
 The rules that keep it honest:
 - it is a fresh interpreter: it ran nothing but a silent warm-up; the live kernel's code cannot reach it
   (its key is only in its own sandbox: SandboxSpec.private_files; pid, net, ipc namespaces of its own,
-  its own /tmp). What it shares with the live kernel is what a reset keeps anyway (workspace, mounts).
-  At the swap it drops what it cached of the file system (a package installed since it started is found);
+  its own /tmp). It shares with the live kernel what a reset keeps anyway (workspace, mounts), and the
+  run dir its sockets are bound in, where the live kernel's code can at most make its start fail (a
+  message without the key is dropped). At the swap it drops what it cached of the file system;
 - it starts at the session's first quiet moment after a kernel started (no call, or one running
   for a while), in the background, one start at a time; a failed start is not retried before the next swap;
-- taking it never waits: not ready means the caller starts a kernel cold, as before;
+- taking it never waits for a start: not ready means the caller starts a kernel cold, as before;
 - close() cancels a start under way and waits for it to end its sandbox, and shuts the ready one down.
 Enabled by the `reset_standby` setting, on backends with private files (bwrap).
 """
@@ -73,8 +74,7 @@ class Standby:
     kernel: Kernel | None = None
     closed: bool = False
     _fill: _Fill | None = None
-    #: Standbys started, swapped in, and failed (for status).
-    started: int = 0
+    #: Standbys swapped in, and those that failed to start or to swap in (for status).
     taken: int = 0
     failed: int = 0
 
@@ -102,7 +102,6 @@ class Standby:
                 await self._cell(fill.kernel, "pass", "warm-up")  # a first execute's one-off costs, paid now
                 if not self.closed:
                     self.kernel, fill.kernel = fill.kernel, None
-                    self.started += 1
         except Exception as exc:  # never the caller's: the next reset starts cold, and this tries again after it
             self.failed += 1
             log.warning("a standby kernel failed to start (%s); the next reset starts one cold", exc)
