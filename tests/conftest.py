@@ -303,17 +303,29 @@ async def run(client: Client, code: str, **arguments: object) -> CallToolResult:
 
 
 def sandbox_processes_alive(dirs: ServerDirs) -> list[int]:
-    """Host pids of bwrap processes whose command line names one of this test's runtime dirs."""
+    """Host pids of the processes whose command line names one of this test's runtime dirs (bwrap and its
+    pid 1), and of everything below them (the kernel, which reads its connection file from its own root,
+    and whatever it forked)."""
     found = []
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
+            parents[int(entry.name)] = int((entry / "stat").read_text().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
             continue
         if str(dirs.runtime).encode() in cmdline:
             found.append(int(entry.name))
+    named = set(found)
+    for pid, parent in parents.items():
+        seen: set[int] = set()
+        while parent in parents and parent not in named and parent not in seen:  # bounded: each pid once
+            seen.add(parent)
+            parent = parents[parent]
+        if parent in named and pid not in named:
+            found.append(pid)
     return found
 
 

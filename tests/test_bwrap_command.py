@@ -119,3 +119,17 @@ def test_a_network_none_sandbox_is_told_why_nothing_installs_and_no_other_is(tmp
     untold = SandboxSpec(name="b", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path, network="internet")
     assert dict(pairs(command.argv(told, ["python"]), "--setenv"))[INSTALL_REFUSAL_ENV] == "why"
     assert INSTALL_REFUSAL_ENV not in dict(pairs(command.argv(untold, ["python"]), "--setenv"))
+
+
+def test_a_private_file_is_read_from_an_fd_into_the_sandboxs_own_root(tmp_path: Path) -> None:
+    """A kernel's connection file (its key): copied by bwrap from an fd, never a bind of a host path that
+    another sandbox of the session binds too; placed before the root goes read-only."""
+    spec = SandboxSpec(
+        name="abcd1234", workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", host_dir=tmp_path / "host"
+    )
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
+    argv = command.argv(spec, ["python"], private_fds=((7, "/run/kernel/connection.json"),))
+    assert pairs(argv, "--ro-bind-data") == [("7", "/run/kernel/connection.json")]
+    assert argv.index("--ro-bind-data") < argv.index("--remount-ro")
+    assert "--ro-bind-data" not in build(tmp_path)
+    assert SandboxSpec(name="k", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path).twin().twin().name == "k"

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from coderunner.sandbox.base import TWIN_SUFFIX
 from coderunner.sandbox.cgroups import CGROUP_ROOT, CgroupManager, CgroupsUnavailable
 
 from .conftest import ServerDirs, run, sandbox_processes_alive, server_env, stdio_client, text_of
@@ -31,10 +32,12 @@ spinners = [subprocess.Popen([sys.executable, '-c', 'while True: pass']) for _ i
 
 
 def _cpu_cgroup(pid: int) -> str | None:
+    """The session's cpu cgroup of a sandbox process: its standby kernel's (the session's other sandbox name,
+    SandboxSpec.twin) counts as the session's, which it becomes at a reset."""
     for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
         _, controllers, path = line.split(":", 2)
         if "cpu" in controllers.split(",") or (controllers == "" and CgroupManager.detect().version == 2):
-            return path
+            return path.removesuffix(TWIN_SUFFIX)
     return None
 
 

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import anyio
 import pytest
 from mcp import Client
 
@@ -142,6 +143,27 @@ async def test_one_shot_runs_of_every_language_reach_the_allowlisted_server(egre
     node = await execute(egress.client, "javascript", f"fetch({url!r}).then(r => r.text()).then(console.log)",
                          network="allowlist")  # fmt: skip
     assert node["stdout"].strip() == BODY, node
+
+
+async def test_a_reset_swaps_to_a_standby_behind_the_same_allowlist(egress: Egress) -> None:
+    """The session's standby kernel (sessions/standby.py) reaches what the session may, and nothing more."""
+    session = await create(egress.client, network="allowlist", allow=[egress.servers.public_ip])
+    with anyio.fail_after(60):
+        while (await status(egress.client, session))["standby"]["state"] != "ready":
+            await anyio.sleep(0.1)
+    reset = await egress.client.call_tool("kernel_reset", {"session_id": session})
+    assert not reset.is_error, text_of(reset)
+    assert (await status(egress.client, session))["standby"]["swapped_in"] == 1
+    assert f"200 {BODY}" in await ok(egress.client, fetch(f"http://{egress.servers.public_ip}/"), session)
+    denied = await ok(egress.client, fetch(f"http://{DENIED_HOST}/"), session)
+    assert denied.startswith("403 ") and BLOCKED in denied, denied
+    await egress.client.call_tool("close_session", {"session_id": session})
+
+
+async def status(client: Client, session: str) -> dict:  # type: ignore[type-arg]
+    result = await client.call_tool("session_status", {"session_id": session})
+    assert not result.is_error, text_of(result)
+    return json.loads(text_of(result))
 
 
 # --- what it refuses -------------------------------------------------------------------------------

@@ -210,6 +210,8 @@ class Settings(BaseSettings):
     pool_memory_mb: int = Field(
         default=512, ge=0, description="Most memory the warm pool's idle sandboxes may use together, in MiB."
     )
+    reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
+        "idle; in session_status) that kernel_reset and restarts swap to instead of starting one (bwrap).")  # fmt: skip
 
     # Snapshots (snapshot_session, restore_session, fork_session; keep_state).
     snapshots_dir: Path | None = Field(

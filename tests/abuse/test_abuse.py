@@ -462,6 +462,13 @@ async def test_daemon_does_not_outlive_its_kernel(arena: Arena) -> None:
         "len(open('/workspace/heartbeat').read()) > 0"
     )
     assert "True" in text_of(await run(arena.client, code))
+    # The session's standby kernel (started ahead for the reset; none on some backends) is up, so that
+    # `before` counts it too.
+    with anyio.fail_after(60):
+        while (json.loads(text_of(await arena.client.call_tool("session_status", {}))).get("standby") or {}).get(
+            "state", "ready"
+        ) != "ready":
+            await anyio.sleep(0.1)
     before = len(sandbox_processes_alive(arena.dirs))
     reset = await arena.client.call_tool("kernel_reset", {})
     assert not reset.is_error

@@ -22,7 +22,8 @@ A cell is a small line language, one command a line (`;` also separates commands
     write FILE TEXT   a file in the workspace; `read FILE` prints it; `ls` prints the names there
 
 A guest call (what Session sends to coderunner_guest.dispatch) is answered by `guest_tools`:
-`variables` binds its values; an unknown tool answers as the real dispatcher does.
+`variables` binds its values; an unknown tool answers as the real dispatcher does. The standby's swap-in
+cell (sessions/standby.py) does nothing, as in a real kernel, and is counted (`swap_ins`).
 
 Cues (`FakeKernels.cue`) script the next kernels made, oldest first (like FakeBackend's cues).
 """
@@ -57,6 +58,7 @@ from coderunner.kernel.incarnation import (
 )
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sandbox import SandboxBackend, SandboxSpec
+from coderunner.sessions.standby import SWAP_IN_CODE
 
 #: What a kernel cued to die at start says, and the code it exits with.
 START_DEATH_MESSAGE = "fake kernel: told to die at start"
@@ -176,6 +178,8 @@ class FakeKernel(Kernel):
     #: How many interrupts it was sent.
     interrupts: int = 0
     execution_count: int = 0
+    #: How often it was swapped in as its session's kernel (a standby).
+    swap_ins: int = 0
     #: Checkpoints taken into, and restored from (memory snapshots).
     checkpoints: list[Path] = field(default_factory=list)
     _cell: _Cell | None = None
@@ -298,7 +302,9 @@ class FakeKernel(Kernel):
                 self.execution_count += 1
                 cell.execution_count = self.execution_count
             guest = _GUEST_CALL.match(cell.code)
-            if guest is not None:
+            if cell.code == SWAP_IN_CODE:
+                self.swap_ins += 1
+            elif guest is not None:
                 cell.guest_payload = self._guest_answer(guest.group(1))
             else:
                 for command in _commands(cell.code):

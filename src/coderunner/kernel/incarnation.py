@@ -16,7 +16,7 @@ import logging
 import secrets
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,7 +31,7 @@ from coderunner.kernel.connection_info import connection_info
 from coderunner.kernel.execution import CellError, RunOutcome, RunState, RunStatus
 from coderunner.kernel.host_channels import Deadline, open_mailboxes, pump_all
 from coderunner.kernel.output_capture import OutputCollector
-from coderunner.sandbox import KernelChannels, SandboxBackend, SandboxProcess, SandboxSpec
+from coderunner.sandbox import PRIVATE_CONNECTION, KernelChannels, SandboxBackend, SandboxProcess, SandboxSpec
 from coderunner.sandbox.common import product_python
 
 log = logging.getLogger(__name__)
@@ -112,16 +112,20 @@ class Kernel:
             address = {"transport": "ipc", "ip": str(self.spec.runtime_dir / f"k{self.generation}")}
         info = connection_info(key=secrets.token_hex(32), **address)
         self._info = info
-        connection_file = self.dirs.write_host_file(self._connection_name, dump_connection(info))
+        spec, connection_file = self.spec, PRIVATE_CONNECTION
+        if self.backend.private_files:  # its key in its own sandbox only, not in host/ (every sandbox of the session's)
+            spec, self._connection_name = replace(spec, private_files=((connection_file, dump_connection(info)),)), None
+        else:
+            connection_file = str(self.dirs.write_host_file(self._connection_name, dump_connection(info)))
         argv = product_python(
             self.backend.python, "-m", "ipykernel_launcher",
-            "-f", str(connection_file),
+            "-f", connection_file,
             "--HistoryManager.hist_file=:memory:",
             "--IPKernelApp.quiet=True",
             "--IPKernelApp.extensions=coderunner_guest",
         )  # fmt: skip
         self.started_at = time.monotonic()
-        self.process = await self.backend.spawn(self.spec, argv, self.task_group)
+        self.process = await self.backend.spawn(spec, argv, self.task_group)
         await self._attach(info, timeout_s, "start")
 
     async def _attach(self, info: dict[str, Any], timeout_s: float, what: str) -> None:

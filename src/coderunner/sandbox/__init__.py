@@ -36,7 +36,7 @@ from coderunner.sandbox.base import (
     SandboxSpec,
     SandboxUnavailable,
 )
-from coderunner.sandbox.common import SESSION_PACKAGES, WORKSPACE, etc_files
+from coderunner.sandbox.common import PRIVATE_CONNECTION, SESSION_PACKAGES, WORKSPACE, etc_files
 from coderunner.sandbox.identity import (
     HostIdentity,
     IdentityError,
@@ -49,6 +49,7 @@ from coderunner.sandbox.registry import BACKENDS, make_backend
 
 __all__ = [
     "BACKENDS",
+    "PRIVATE_CONNECTION",
     "SESSION_PACKAGES",
     "WORKSPACE",
     "Checkpointer",

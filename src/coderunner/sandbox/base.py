@@ -13,7 +13,7 @@ import os
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
@@ -110,6 +110,9 @@ class SandboxSpec:
     #: Network 'none': why nothing installs there and where it can (the user's ceiling's way out); the
     #: kernel's %pip says it at once rather than letting pip retry (sandbox/common.py spec_environment).
     install_refusal: str | None = None
+    #: Files this one sandbox sees, read-only (path inside -> content), where the backend has
+    #: `private_files`: a kernel's connection key, which no other sandbox of its session may read.
+    private_files: tuple[tuple[str, bytes], ...] = ()
 
     @property
     def owner(self) -> tuple[int, int] | None:
@@ -118,6 +121,21 @@ class SandboxSpec:
     @property
     def etc_dir(self) -> Path:
         return self.host_dir / "etc"
+
+    def twin(self) -> SandboxSpec:
+        """The same sandbox under its session's other name (see twin_name): a second kernel of one
+        session (its standby) must not share the first's cgroup, which a kill removes whole."""
+        return replace(self, name=twin_name(self.name))
+
+
+#: What a session's second sandbox name ends with.
+TWIN_SUFFIX = "-b"
+
+
+def twin_name(name: str) -> str:
+    """A session's other sandbox name: `name` + TWIN_SUFFIX, and back. Two kernels of a session may run
+    at once (the live one and its standby), each under one of the two."""
+    return name.removesuffix(TWIN_SUFFIX) if name.endswith(TWIN_SUFFIX) else name + TWIN_SUFFIX
 
 
 class KernelChannels(StrEnum):
@@ -189,6 +207,9 @@ class SandboxBackend(ABC):
     unavailable: ClassVar[type[SandboxUnavailable]] = SandboxUnavailable
     #: Saves and restores a live sandbox whole, or None where this backend cannot.
     checkpointer: Checkpointer | None = None
+    #: Whether spawn honours SandboxSpec.private_files (a file no other sandbox sees). A session keeps a
+    #: standby kernel only where it does: the live kernel must not read the standby's key.
+    private_files: ClassVar[bool] = False
 
     @abstractmethod
     def describe_isolation(self) -> str:
@@ -238,6 +259,8 @@ class SandboxBackend(ABC):
                 raise self.unavailable(self.pipes_refusal)
             if (problem := self.network_problem(spec.network)) is not None:
                 raise self.unavailable(problem)
+            if spec.private_files and not self.private_files:
+                raise self.unavailable("this backend cannot give a sandbox files of its own")
             return await self.start(spec, argv, task_group, pipes=pipes)
 
     @abstractmethod

@@ -35,6 +35,7 @@ from coderunner.sandbox.base import (
     SandboxSpec,
     SandboxUnavailable,
     backend_identity,
+    twin_name,
 )
 from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand
 from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
@@ -117,6 +118,18 @@ def _compile_guest(python: Path, folder: Path) -> None:
         os.chmod(path, 0o755 if path.is_dir() else 0o644)
 
 
+def _memfd(name: str, data: bytes) -> int:
+    """An fd a child inherits to read `data` from its start (a seccomp filter, a private file)."""
+    fd = os.memfd_create(name, 0)
+    try:
+        os.write(fd, data)
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def _count_tasks(uid: int) -> int:
     """Tasks (threads count) of `uid`: RLIMIT_NPROC counts them all, not just the sandbox's."""
     count = 0
@@ -132,6 +145,7 @@ class BwrapBackend(SandboxBackend):
     """Sandboxes made with bubblewrap (Debian/Ubuntu package `bubblewrap`)."""
 
     name = "bwrap"
+    private_files = True
     workspace_path = WORKSPACE
     python = f"{ENV_MOUNT}/bin/python"
     channels = KernelChannels.IPC
@@ -208,7 +222,8 @@ class BwrapBackend(SandboxBackend):
 
     def remove_stale(self, name: str) -> None:
         if self.cgroups is not None:
-            self.cgroups.remove_named(name)
+            for each in (name, twin_name(name)):  # the session's standby kernel ran under the other
+                self.cgroups.remove_named(each)
 
     async def start(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool) -> SandboxProcess:
         # mkdirs and writes in cgroupfs (and, on a failure, a removal that may wait): off the loop.
@@ -219,11 +234,12 @@ class BwrapBackend(SandboxBackend):
                 nproc = _count_tasks(spec.user.uid) + spec.limits.pids
             elif os.getuid() != 0:
                 nproc = _count_tasks(os.getuid()) + spec.limits.pids
-        seccomp_fd = os.memfd_create("coderunner-seccomp", 0)
+        seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
+        private_fds: list[tuple[int, str]] = []
         fds = _NetworkFds.open() if spec.network == NetworkMode.INTERNET else None
         try:
-            os.write(seccomp_fd, self.seccomp_filter)
-            os.lseek(seccomp_fd, 0, os.SEEK_SET)
+            for path, data in spec.private_files:
+                private_fds.append((_memfd("coderunner-private", data), path))
             full = self.command.argv(
                 spec,
                 argv,
@@ -232,6 +248,7 @@ class BwrapBackend(SandboxBackend):
                 block_fd=fds.block_read if fds else None,
                 nproc=nproc,
                 memory_cgroup=cgroup is not None and "memory" in cgroup.dirs and spec.limits.memory_mb is not None,
+                private_fds=tuple(private_fds),
             )
             if spec.user is not None:
                 full = [*spec.user.setpriv_prefix(), *full]
@@ -244,7 +261,7 @@ class BwrapBackend(SandboxBackend):
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                pass_fds=(seccomp_fd, *(fds.child_fds() if fds else ())),
+                pass_fds=(seccomp_fd, *(fd for fd, _ in private_fds), *(fds.child_fds() if fds else ())),
             )
         except BaseException:
             if cgroup is not None:
@@ -252,7 +269,8 @@ class BwrapBackend(SandboxBackend):
                     await off_loop(cgroup.remove)
             raise
         finally:
-            os.close(seccomp_fd)
+            for fd in (seccomp_fd, *(fd for fd, _ in private_fds)):
+                os.close(fd)
             if fds:
                 fds.close_child_ends()
         sandbox = SandboxProcess(process, task_group, cgroup=cgroup, pipes=pipes)

@@ -53,7 +53,10 @@ class BwrapCommand:
         block_fd: int | None = None,
         nproc: int | None = None,
         memory_cgroup: bool = False,
+        private_fds: tuple[tuple[int, str], ...] = (),
     ) -> list[str]:
+        """`private_fds`: (fd, path inside) of spec.private_files, each read by bwrap into a read-only
+        file of this sandbox's own root (no bind of a host path: no other sandbox sees it)."""
         args = [
             self.bwrap,
             "--unshare-all",
@@ -99,6 +102,7 @@ class BwrapCommand:
             "--ro-bind", str(spec.host_dir), str(spec.host_dir),
             "--bind", str(spec.workspace), WORKSPACE,
             *_mount_binds(spec),
+            *[arg for fd, path in private_fds for arg in ("--ro-bind-data", str(fd), path)],
             "--chdir", WORKSPACE,
             "--remount-ro", "/",
             "--clearenv",

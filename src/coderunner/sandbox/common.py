@@ -38,6 +38,9 @@ INSTALL_REFUSAL_ENV = "SESSION_INSTALL_REFUSAL"
 EGRESS_FORWARDER = f"{GUEST_LIB}/coderunner_guest/egress_forwarder.py"
 #: A preload (NODE_OPTIONS) that points Node's fetch at the proxy: Node 20 has no NODE_USE_ENV_PROXY.
 EGRESS_NODE_PRELOAD = f"{GUEST_LIB}/coderunner_guest/egress_node.cjs"
+#: Where a kernel reads its connection file (its key) where the backend gives it privately (bwrap):
+#: in its own sandbox's root, which no other sandbox of the session (its standby kernel) sees.
+PRIVATE_CONNECTION = "/run/kernel/connection.json"
 #: Size of the sandbox's /dev/shm.
 SHM_MB = 64
 #: /proc entries hidden entirely (as container runtimes do): kernel memory, keys, timers, hardware.

@@ -254,6 +254,7 @@ class SessionManager(HostServices):
         # What the kernel holds now is what was loaded (or nothing): not worth saving until it runs.
         loaded = seed is not None and not seed.with_workspace
         session.kept.mark_saved(session.last_used, "kernel state loaded" if loaded else None)
+        session.keep_standby()
         log.info("session %s… started", session.session_id[:6])
         return session
 
@@ -347,6 +348,7 @@ class SessionManager(HostServices):
             session.sandbox_mounts.exporter = pooled.exporter
         session.created_at = session.last_used = time.monotonic()
         self._sessions[session.session_id] = session
+        session.keep_standby()  # not while pooled: the pool's memory budget counts one kernel a member
         log.info("session %s… taken from the warm pool", session.session_id[:6])
         return session
 

@@ -1,7 +1,8 @@
 """A Session: a workspace plus a sandboxed kernel that may be replaced while the session lives on.
 
 The kernel is replaced on a timeout it ignores, on its death, and on reset; the workspace, its
-mounts and its export outbox stay. One call at a time holds the kernel (`_exclusive`); every
+mounts and its export outbox stay. The replacement is the session's standby kernel when one is
+ready (standby.py), else one started cold. One call at a time holds the kernel (`_exclusive`); every
 call that needs a kernel gets it from `_ensure_kernel`, and a cancelled call leaves none wedged.
 What a call does with the kernel it holds (cells, guest calls) is kernel_calls.py's; the status a
 session reports is session_status.py's; its snapshot bookkeeping is kept_state.py's.
@@ -39,6 +40,7 @@ from coderunner.sessions.kernel_calls import GUEST_MARGIN_S, KernelCalls
 from coderunner.sessions.leases import SandboxLease
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.session_status import SessionStatus, session_status
+from coderunner.sessions.standby import Standby
 from coderunner.sessions.usage import session_usage
 
 __all__ = ["GUEST_MARGIN_S", "Session"]  # GUEST_MARGIN_S: session_snapshots.py reads it here
@@ -50,6 +52,8 @@ CLOSE_WAIT_S = 5.0
 #: Bound on a kernel start that closing cancelled to let go: its sandbox killed and reaped (base.KILL_WAIT_S)
 #: and its cgroup removed (cgroups.REMOVE_WAIT_S), before the dirs it works in by fd are closed.
 START_CANCEL_WAIT_S = 15.0
+#: A call running this long leaves room for the standby kernel's start beside it (standby.py).
+STANDBY_BESIDE_CALL_S = 1.0
 
 
 @dataclass
@@ -84,6 +88,11 @@ class Session(KernelCalls):
     #: Set while kernel_reset stops a running call, so that call's reply says why it ended.
     _resetting: bool = False
     _generation: int = 0
+    #: The number the next kernel made gets (its sockets' and files' names): kernels are numbered in the
+    #: order they are made, standbys included; `_generation` counts those that became the session's.
+    _next_kernel: int = 0
+    #: When the call holding the kernel began (while `busy`).
+    _busy_since: float = 0.0
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
     #: What the last copy-out to the export folder did, for the reply.
     export_note: str | None = None
@@ -99,9 +108,18 @@ class Session(KernelCalls):
     _start: _Start | None = None
     #: Set once the manager began closing it; done when closed (a session is closed and released once).
     close_done: anyio.Event | None = None
+    #: Its standby kernel, started ahead for the next reset or restart (standby.py); set up after construction.
+    standby: Standby = field(init=False)
 
     def __post_init__(self) -> None:
         self.jobs = JobTable(self.task_group)
+        self.standby = Standby(
+            settings=self.settings,
+            task_group=self.task_group,
+            make=self._new_kernel,
+            quiet=lambda: not self.busy or time.monotonic() - self._busy_since >= STANDBY_BESIDE_CALL_S,
+            enabled=self.settings.reset_standby and self.backend.private_files,
+        )
 
     @property
     def seeded(self) -> Any:
@@ -118,7 +136,8 @@ class Session(KernelCalls):
 
     @property
     def generation(self) -> int:
-        """How many kernels this session has started: each (re)start, loss or reset makes a new one."""
+        """How many kernels this session has had (a standby counts once swapped in): each (re)start, loss or reset
+        makes a new one."""
         return self._generation
 
     def kernel_state(self, lost: bool = False) -> tuple[int, bool]:
@@ -203,9 +222,24 @@ class Session(KernelCalls):
             return SandboxFiles([workspace, *self.options.mounts], owner=self.dirs.owner)
         return SandboxFiles([workspace, *plan.host_view], owner=self.dirs.owner, owners=plan.owners)
 
+    def _new_kernel(self) -> Kernel:
+        """A kernel not yet started, numbered after every other, in a sandbox under a name no other kernel
+        of this session holds (the live one and a standby each have one of the session's two)."""
+        spec = self.spec
+        taken = {kernel.spec.name for kernel in (self.kernel, *self.standby.kernels()) if kernel is not None}
+        if spec.name in taken:
+            spec = spec.twin()
+        kernel = self.kernel_factory(self.backend, spec, self.task_group, self.dirs, generation=self._next_kernel)
+        self._next_kernel += 1
+        return kernel
+
+    def keep_standby(self) -> None:
+        """Have a standby kernel started ahead, at a quiet moment (if the setting and the backend allow)."""
+        self.standby.want()
+
     async def start_kernel(self) -> None:
         """Start this session's first kernel (create_session); later ones come from _ensure_kernel."""
-        kernel = self.kernel_factory(self.backend, self.spec, self.task_group, self.dirs, generation=self._generation)
+        kernel = self._new_kernel()
         self._generation += 1
         await self._cancellable_start(kernel, lambda: kernel.start(self.settings.startup_timeout_s))
         self.kernel = kernel
@@ -214,7 +248,7 @@ class Session(KernelCalls):
         """Start this session's first kernel as a copy of a checkpointed one (a memory snapshot)."""
         generation = int(connection["generation"])
         kernel = self.kernel_factory(self.backend, self.spec, self.task_group, self.dirs, generation=generation)
-        self._generation = generation + 1
+        self._generation = self._next_kernel = generation + 1
         try:
             await self._cancellable_start(
                 kernel, lambda: kernel.restore(image_dir, connection, self.settings.snapshot_timeout_s)
@@ -242,7 +276,8 @@ class Session(KernelCalls):
             starting.ended.set()
 
     async def _replace_kernel(self) -> None:
-        """Kill the current kernel (if any) and start a fresh one; workspace files are kept."""
+        """Kill the current kernel (if any) and put a fresh one in its place, the standby if one is ready,
+        else one started cold; workspace files are kept. Then a new standby is wanted."""
         with anyio.CancelScope(shield=True):
             if self.kernel is not None:
                 await self.kernel.shutdown()
@@ -250,7 +285,18 @@ class Session(KernelCalls):
             if self.closed:
                 raise SessionError(f"session {self.session_id} was closed")
             self.restarts += 1
-            await self.start_kernel()
+            fresh = await self.standby.take()
+            if fresh is not None:
+                self._generation += 1
+                self.kernel = fresh
+                if self.closed:  # closed during its swap-in: close shuts it down once this call lets go
+                    raise SessionError(f"session {self.session_id} was closed")
+            else:
+                # None ready: a start under way would only share the CPU with this one (and take a name).
+                if not await self.standby.stop():
+                    raise SessionError(f"session {self.session_id}: its standby kernel's start would not stop")
+                await self.start_kernel()
+            self.standby.want()
 
     async def _ensure_kernel(self) -> Kernel:
         """The live kernel, started afresh first if there is none or it died (caller holds the lock)."""
@@ -283,6 +329,7 @@ class Session(KernelCalls):
             if self.closed:
                 raise SessionError(f"session {self.session_id} was closed")
             self.busy = True
+            self._busy_since = time.monotonic()
             self.export_note = None
             try:
                 yield
@@ -340,6 +387,9 @@ class Session(KernelCalls):
     async def close(self) -> None:
         self.closed = True
         with anyio.CancelScope(shield=True):
+            if not await self.standby.close():
+                log.warning("session %s…: its standby's start would not stop; its dirs are left", self.session_id[:6])
+                return
             starting = self._start
             if starting is not None:
                 # A kernel is starting (create_session, kernel_reset, a restart): stop it and let it end

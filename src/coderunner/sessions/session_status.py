@@ -46,6 +46,9 @@ class SessionStatus:
     state_note: str | None = None
     #: Cluster mode: the Ray node that holds the session (None on one machine, and then not shown).
     node: str | None = None
+    #: Its standby kernel (reset_standby): ready, starting or none, and the memory it holds beside
+    #: `memory_used_mb` (None: no standby kept, by the setting or the backend).
+    standby: dict[str, Any] | None = None
 
 
 def session_status(session: Session) -> SessionStatus:
@@ -84,6 +87,7 @@ def session_status(session: Session) -> SessionStatus:
         restored_from=session.restored_from,
         keep_state=options.keep_state,
         state_note=session.kept.note,
+        standby=session.standby.describe(),
     )
 
 

@@ -130,8 +130,9 @@ class ToolContext:
     def summary(self, session: SessionHandle) -> dict[str, Any]:
         """A session's status as the session tools report it."""
         status = asdict(session.status())
-        if status.get("node") is None:
-            status.pop("node", None)  # one machine: no node to name
+        for optional in ("node", "standby"):  # one machine: no node to name; no standby kept
+            if status.get(optional) is None:
+                status.pop(optional, None)
         status["default"] = self.host.is_default(session)
         return status
 

@@ -1,0 +1,174 @@
+"""A session's standby kernel: one fresh kernel started ahead, so that kernel_reset (or a restart) swaps to it.
+
+A cold replacement kills the kernel and starts a sandbox: about 0.25 s on an idle machine, seconds under
+load. With a standby the session kills the kernel and hands over one that started earlier, in a sandbox
+of the same spec (workspace, mounts, network, limits, host uid) under the session's other sandbox name
+(SandboxSpec.twin: its own cgroup, so its memory never eats the live kernel's limit; status shows it).
+The rules that keep it honest:
+- it is a fresh interpreter: it ran nothing but a silent warm-up; the live kernel's code cannot reach it
+  (its key is only in its own sandbox: SandboxSpec.private_files; pid, net, ipc namespaces of its own,
+  its own /tmp). It shares with the live kernel what a reset keeps anyway (workspace, mounts), and the
+  run dir its sockets are bound in, where the live kernel's code can at most make its start fail (a
+  message without the key is dropped). At the swap it drops what it cached of the file system;
+- it starts at the session's first quiet moment after a kernel started (no call, or one running
+  for a while), in the background, one start at a time; a failed start is not retried before the next swap;
+- taking it never waits for a start: not ready means the caller starts a kernel cold, as before;
+- close() cancels a start under way and waits for it to end its sandbox, and shuts the ready one down.
+Enabled by the `reset_standby` setting, on backends with private files (bwrap).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from coderunner.config import Settings
+from coderunner.kernel.incarnation import Kernel, RunStatus
+from coderunner.kernel.output_capture import OutputCollector
+from coderunner.sessions.usage import memory_used_mb
+
+log = logging.getLogger(__name__)
+
+#: Wait after a kernel started before starting its standby: a start is a burst of CPU (bwrap, the
+#: interpreter, imports) that the caller's next calls should not share two cores with.
+START_DELAY_S = 0.5
+#: How often a standby waiting for a quiet moment looks again.
+QUIET_POLL_S = 0.1
+#: Bound on the standby's warm-up and its swap-in cell (a kernel that is up answers in milliseconds).
+CELL_TIMEOUT_S = 10.0
+#: The swap-in cell: the file system may have changed since the standby started (install_packages
+#: made the package folder, say), and an import system caches what it saw, a missing folder included
+#: (none of today's start-up imports looks there; this keeps it so whatever a start-up imports). It
+#: also shows the standby answers before it is handed out. Silent, no name bound: nothing in the
+#: user's namespace or history.
+SWAP_IN_CODE = "__import__('importlib').invalidate_caches()"
+
+
+@dataclass
+class _Fill:
+    """A standby start under way: close cancels it and waits for it to end its sandbox."""
+
+    scope: anyio.CancelScope = field(default_factory=anyio.CancelScope)
+    ended: anyio.Event = field(default_factory=anyio.Event)
+    #: The kernel being started, once made (its sandbox name is taken).
+    kernel: Kernel | None = None
+
+
+@dataclass
+class Standby:
+    """At most one ready standby kernel of a session, and at most one start of one."""
+
+    settings: Settings
+    task_group: TaskGroup
+    #: Makes a kernel, not yet started, under a sandbox name no other kernel of the session uses.
+    make: Callable[[], Kernel]
+    #: Whether the session is quiet enough for a start now.
+    quiet: Callable[[], bool]
+    enabled: bool
+    kernel: Kernel | None = None
+    closed: bool = False
+    _fill: _Fill | None = None
+    #: Standbys swapped in, and those that failed to start or to swap in (for status).
+    taken: int = 0
+    failed: int = 0
+
+    def kernels(self) -> list[Kernel]:
+        """Its kernels, ready or starting: their sandbox names are taken."""
+        starting = self._fill.kernel if self._fill is not None else None
+        return [kernel for kernel in (self.kernel, starting) if kernel is not None]
+
+    def want(self) -> None:
+        """Start one in the background (after START_DELAY_S, at a quiet moment) unless one is ready or starting."""
+        if not self.enabled or self.closed or self.kernel is not None or self._fill is not None:
+            return
+        fill = _Fill()
+        self._fill = fill
+        self.task_group.start_soon(self._run_fill, fill)
+
+    async def _run_fill(self, fill: _Fill) -> None:
+        try:
+            with fill.scope:
+                await anyio.sleep(START_DELAY_S)
+                while not self.quiet():
+                    await anyio.sleep(QUIET_POLL_S)
+                fill.kernel = self.make()
+                await fill.kernel.start(self.settings.startup_timeout_s)
+                await self._cell(fill.kernel, "pass", "warm-up")  # a first execute's one-off costs, paid now
+                if not self.closed:
+                    self.kernel, fill.kernel = fill.kernel, None
+        except Exception as exc:  # never the caller's: the next reset starts cold, and this tries again after it
+            self.failed += 1
+            log.warning("a standby kernel failed to start (%s); the next reset starts one cold", exc)
+        finally:
+            with anyio.CancelScope(shield=True):
+                if fill.kernel is not None:  # cancelled, failed or closed meanwhile: never left running
+                    await fill.kernel.shutdown()
+                    fill.kernel = None
+                self._fill = None
+                fill.ended.set()
+
+    async def take(self) -> Kernel | None:
+        """The ready standby, made ready for user code (it forgot what it cached of the file system), or
+        None at once: none ready, or the one ready died or failed its swap-in (then it is shut down)."""
+        kernel, self.kernel = self.kernel, None
+        if kernel is None:
+            return None
+        if kernel.alive:
+            try:
+                await self._cell(kernel, SWAP_IN_CODE, "swap-in")
+            except Exception as exc:
+                log.warning("a standby kernel failed its swap-in (%s); starting one cold", exc)
+            else:
+                self.taken += 1
+                kernel.started_at = time.monotonic()  # its uptime as the session's kernel
+                return kernel
+        self.failed += 1
+        await kernel.shutdown()
+        return None
+
+    async def stop(self) -> bool:
+        """Cancel a start under way and wait for it to end its sandbox; False if it would not, in time."""
+        fill = self._fill
+        if fill is None:
+            return True
+        fill.scope.cancel()
+        with anyio.move_on_after(self.settings.interrupt_grace_s + 15.0):
+            await fill.ended.wait()
+        return fill.ended.is_set()
+
+    async def close(self) -> bool:
+        """No more standbys: stop a start under way and shut the ready one down. False: a start would
+        not end (its sandbox may still use the session's dirs, which must then be left)."""
+        self.closed = True
+        with anyio.CancelScope(shield=True):
+            stopped = await self.stop()
+            kernel, self.kernel = self.kernel, None
+            if kernel is not None:
+                await kernel.shutdown()
+        return stopped
+
+    def describe(self) -> dict[str, Any] | None:
+        """For session_status: whether one is ready, and the memory it holds (beside the kernel's own)."""
+        if not self.enabled:
+            return None
+        state = "ready" if self.kernel is not None else "starting" if self._fill is not None else "none"
+        memory = memory_used_mb(self.kernel) if self.kernel is not None and self.kernel.alive else None
+        return {"state": state, "memory_mb": memory, "swapped_in": self.taken, "failed": self.failed}
+
+    async def _cell(self, kernel: Kernel, code: str, what: str) -> None:
+        """Run a silent cell of ours in `kernel`; raises RuntimeError unless it ran cleanly."""
+        output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
+        try:
+            outcome = await kernel.execute(
+                code, output, timeout_s=CELL_TIMEOUT_S, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
+            )
+        finally:
+            output.close()
+        if outcome.status is not RunStatus.OK:
+            raise RuntimeError(f"its {what} cell ended {outcome.status.value}")

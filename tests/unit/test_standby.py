@@ -1,0 +1,130 @@
+"""The reset standby's state machine (sessions/standby.py) on scripted kernels: which kernel a reset or
+a restart hands over, and that a standby's start never outlives its session.
+
+The e2e suite (tests/test_e2e_reset_standby.py) proves the same in real sandboxes; here a start can be
+made to hang or a standby to die at a chosen moment.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import anyio
+import pytest
+
+from coderunner.kernel.incarnation import RunStatus
+from coderunner.sessions import Session, SessionManager
+from tests.fakes.backend import FakeBackend
+from tests.fakes.kernel import FakeKernel, FakeKernels, KernelCue
+
+from .conftest import ManagerFactory
+
+pytestmark = pytest.mark.anyio
+
+WAIT_S = 20.0
+
+
+@pytest.fixture
+async def standing(make_scripted: ManagerFactory) -> AsyncIterator[SessionManager]:
+    """A scripted manager whose backend gives private files: its sessions keep a standby."""
+    async with make_scripted() as manager:
+        assert isinstance(manager.backend, FakeBackend)
+        manager.backend.private_files = True  # type: ignore[misc]
+        yield manager
+
+
+async def until(condition: object, what: str) -> None:
+    with anyio.fail_after(WAIT_S):
+        while not condition():  # type: ignore[operator]
+            await anyio.sleep(0.02)
+
+
+def ready(session: Session) -> FakeKernel:
+    kernel = session.standby.kernel
+    assert isinstance(kernel, FakeKernel)
+    return kernel
+
+
+async def has(session: Session, name: str) -> str:
+    result = await session.run(f"has {name}", None, None)
+    assert result.outcome.status is RunStatus.OK
+    return result.outcome.output.text().strip()
+
+
+async def test_a_reset_hands_over_the_ready_standby_under_the_other_sandbox_name(standing: SessionManager) -> None:
+    session = await standing.create()
+    first = session.kernel
+    assert first is not None
+    await session.run("set kept 1", None, None)
+    await until(lambda: session.standby.kernel is not None, "the standby to be ready")
+    standby = ready(session)
+    assert {first.spec.name, standby.spec.name} == {first.spec.name, f"{first.spec.name}-b"}
+    assert standby.executed == ["pass"]  # its warm-up, silent: nothing in its namespace
+    await session.reset()
+    assert session.kernel is standby and standby.swap_ins == 1
+    assert first.process is not None and not first.process.alive
+    assert await has(session, "kept") == "False"
+    assert session.generation == 2 and session.restarts == 1
+    # The next standby takes the name the first kernel let go of.
+    await until(lambda: session.standby.kernel is not None, "the next standby")
+    assert ready(session).spec.name == first.spec.name
+
+
+async def test_a_reset_while_the_standby_still_starts_stops_that_start_and_starts_cold(
+    standing: SessionManager, kernels: FakeKernels
+) -> None:
+    session = await standing.create()
+    kernels.cue(KernelCue.HANG_AT_START)  # the standby's start never ends by itself
+    await until(lambda: len(kernels.made) == 2, "the standby's start")
+    hanging = kernels.made[1]
+    await session.reset()
+    assert session.kernel is kernels.made[2] and session.kernel.alive  # cold
+    assert session.generation == 2  # the kernels the session had, not the kernels made
+    assert hanging.process is not None and not hanging.process.alive
+    assert session.standby.describe() is not None and session.standby.describe()["swapped_in"] == 0  # type: ignore[index]
+    await until(lambda: session.standby.kernel is not None, "a new standby")
+
+
+async def test_a_standby_that_died_is_not_handed_out(standing: SessionManager, kernels: FakeKernels) -> None:
+    session = await standing.create()
+    await until(lambda: session.standby.kernel is not None, "the standby")
+    dead = ready(session)
+    dead.fake_process.end(9)
+    await session.reset()
+    assert session.kernel is not dead and session.kernel is kernels.made[-1] and session.kernel.alive
+    assert dead.swap_ins == 0 and session.standby.failed == 1
+
+
+async def test_a_kernel_death_is_also_replaced_by_the_standby(standing: SessionManager) -> None:
+    session = await standing.create()
+    await until(lambda: session.standby.kernel is not None, "the standby")
+    standby = ready(session)
+    died = await session.run("die 1", None, None)
+    assert died.outcome.status is RunStatus.DIED and died.state_lost
+    assert session.kernel is standby and standby.swap_ins == 1
+
+
+async def test_closing_while_the_standby_starts_leaves_no_kernel_running(
+    standing: SessionManager, kernels: FakeKernels
+) -> None:
+    session = await standing.create()
+    kernels.cue(KernelCue.HANG_AT_START)
+    await until(lambda: len(kernels.made) == 2, "the standby's start")
+    await standing.close(session.session_id)
+    assert all(process.returncode is not None for process in kernels.processes)
+    assert session.standby.kernel is None and session.standby.describe()["state"] == "none"  # type: ignore[index]
+
+
+async def test_closing_with_a_standby_ready_shuts_it_down(standing: SessionManager, kernels: FakeKernels) -> None:
+    session = await standing.create()
+    await until(lambda: session.standby.kernel is not None, "the standby")
+    await standing.close(session.session_id)
+    assert len(kernels.processes) == 2 and all(process.returncode is not None for process in kernels.processes)
+
+
+async def test_without_private_files_no_standby_is_kept(scripted: SessionManager, kernels: FakeKernels) -> None:
+    session = await scripted.create()
+    await anyio.sleep(0.8)  # past a standby's start delay
+    assert len(kernels.made) == 1 and session.standby.describe() is None
+    await session.reset()
+    assert len(kernels.made) == 2
