@@ -85,7 +85,8 @@ def _engine_problem(settings: Settings, kind: str) -> Readiness:
 def summarize_other_backends(settings: Settings) -> Check:
     """One line on the backends not in use: which are ready here (information, never a warning: a user
     of bwrap need not hear that docker's daemon is down). `doctor --all` has a line each, with fixes."""
-    ready, unavailable = [], []
+    ready: list[str] = []
+    unavailable: list[str] = []
     for other in ENTRIES:
         if other.name != settings.backend:
             missing, _ = other.readiness(settings)
