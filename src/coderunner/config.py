@@ -245,7 +245,7 @@ class Settings(BaseSettings):
         description="Where a sandbox saves files for export; they are copied to export_dir/<client>/ after each call.",
     )
     export_limit_mb: int = Field(default=1024, ge=0, description="Most bytes one session or run may export.")
-    import_dirs: list[Path] = Field(default_factory=list, description="Host folders upload_file may read from.")
+    import_dirs: list[Path] = Field(default_factory=list, description="Host folders transfer_file may upload from.")
     allowed_mount_roots: list[Path] = Field(
         default_factory=list, description="Host folders under which create_session may mount more folders."
     )
@@ -263,7 +263,7 @@ class Settings(BaseSettings):
     detach_after_s: float = Field(
         default=40.0,
         ge=0,
-        description="A run still going after this long answers with its output so far and a job id (wait_job "
+        description="A run still going after this long answers with its output so far and a job id (manage_jobs "
         "reads the rest). Kept under the 60 s many clients wait for a reply (the TypeScript SDK's default).",
     )
     max_timeout_s: float = Field(default=3600.0, gt=0, description="Largest timeout_s a caller may ask for.")

@@ -210,14 +210,14 @@ class SessionManager(HostServices):
             seed = await self._kept_state(options)
         if len(self._sessions) >= self.settings.max_sessions:
             raise SessionError(
-                f"session limit reached ({self.settings.max_sessions} open): close one with close_session "
-                "or raise max_sessions in the configuration"
+                f"session limit reached ({self.settings.max_sessions} open): close one with manage_sessions "
+                "(action 'close') or raise max_sessions in the configuration"
             )
         held = sum(session.owner == owner for session in self._sessions.values())
         if owner != LOCAL_CALLER and held >= self.settings.max_sessions_per_client:
             raise SessionError(
                 f"this client already holds {held} sessions, its share of this server: close one with "
-                "close_session (list_sessions shows them), or raise max_sessions_per_client in the configuration"
+                "manage_sessions (action 'list' shows them), or raise max_sessions_per_client in the configuration"
             )
         pooled_options = seed is None and self._pool_options is not None
         if pooled_options and self._pool_options == dataclasses.replace(options, client=LOCAL_CLIENT):
@@ -390,8 +390,8 @@ class SessionManager(HostServices):
         if session is None or (owner is not None and client_of_key(session.owner) != client_of_key(owner)):
             # Another client's session gets the same answer as none at all: ids must not be probed.
             raise SessionError(
-                f"unknown or expired session_id {session_id!r}: call list_sessions to see your open sessions, "
-                "create_session for a new one, or omit session_id to use your default session"
+                f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your open "
+                "sessions, create_session makes a new one, or omit session_id to use your default session"
             )
         return session
 

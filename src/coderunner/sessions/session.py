@@ -309,7 +309,7 @@ class Session(KernelCalls):
         if job.detached:
             raise SessionBusy(
                 f"session {self.session_id} is busy with job {job.job_id} (running {duration(job.elapsed_s())}): "
-                "wait_job, cancel_job, or use another session"
+                "manage_jobs (wait or cancel), or use another session"
             )
         raise SessionBusy(
             f"session {self.session_id} is busy with another call; try again when it finishes (or use another session)"

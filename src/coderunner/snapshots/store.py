@@ -165,7 +165,8 @@ class SnapshotStore:
             read = None if cfd is None else read_entry(cfd, snapshot_id, client)
         if isinstance(read, DamagedSnapshot):
             raise SnapshotNotFound(
-                f"snapshot {snapshot_id} is damaged ({read.why}) and cannot be restored; delete_snapshot removes it"
+                f"snapshot {snapshot_id} is damaged ({read.why}) and cannot be restored; manage_snapshots "
+                "(action 'delete') removes it"
             )
         if read is None:
             raise not_found(snapshot_id)
