@@ -190,12 +190,13 @@ async def test_a_host_off_the_list_is_denied_with_the_message_from_curl_and_node
 
 async def test_browser_navigate_is_denied_with_the_message(egress: Egress) -> None:
     result = await egress.client.call_tool(
-        "browser_navigate", {"url": f"http://{DENIED_HOST}/", "session_id": egress.session}
+        "use_browser", {"action": "navigate", "url": f"http://{DENIED_HOST}/", "session_id": egress.session}
     )
     text = text_of(result)
     assert BLOCKED in text, text
     allowed = await egress.client.call_tool(
-        "browser_navigate", {"url": f"http://{egress.servers.public_ip}/", "session_id": egress.session}
+        "use_browser",
+        {"action": "navigate", "url": f"http://{egress.servers.public_ip}/", "session_id": egress.session},
     )
     assert BODY in text_of(allowed), text_of(allowed)
 
@@ -226,7 +227,7 @@ async def test_a_session_may_ask_for_a_subset_but_never_more(egress: Egress) -> 
     assert text.startswith("403 ") and BLOCKED in text, text
     wider = await egress.client.call_tool("create_session", {"network": "allowlist", "allow": ["example.com"]})
     assert wider.is_error and "allowed_domains" in text_of(wider), text_of(wider)
-    await egress.client.call_tool("close_session", {"session_id": narrow})
+    await egress.client.call_tool("manage_sessions", {"action": "close", "session_id": narrow})
 
 
 async def test_install_packages_without_network_names_the_way_out_within_the_ceiling(egress: Egress) -> None:
@@ -235,7 +236,7 @@ async def test_install_packages_without_network_names_the_way_out_within_the_cei
     assert result.is_error
     # The user allowed domains, not the internet: the hint names the allowlist only.
     assert "network='allowlist'" in text_of(result) and "internet" not in text_of(result), text_of(result)
-    await egress.client.call_tool("close_session", {"session_id": plain})
+    await egress.client.call_tool("manage_sessions", {"action": "close", "session_id": plain})
 
 
 def audit_lines(dirs: ServerDirs) -> list[dict]:  # type: ignore[type-arg]
