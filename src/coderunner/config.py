@@ -180,7 +180,7 @@ class Settings(BaseSettings):
         description="Sessions one HTTP client may hold open (see callers.py for how clients are told apart); "
         "a stdio server's one client may use all of max_sessions.",
     )
-    max_oneshot_runs: int = Field(default=4, ge=1, description="execute_code/validate_code sandboxes at once.")
+    max_oneshot_runs: int = Field(default=4, ge=1, description="execute_code sandboxes at once (check_only too).")
     max_oneshot_runs_per_client: int = Field(
         default=2, ge=1, description="One-shot sandboxes one HTTP client may run at once; more wait for its own slot."
     )
@@ -206,7 +206,7 @@ class Settings(BaseSettings):
         default=512, ge=0, description="Most memory the warm pool's idle sandboxes may use together, in MiB."
     )
 
-    # Snapshots (snapshot_session, restore_session, fork_session; keep_state).
+    # Snapshots (manage_snapshots: save, restore, fork; keep_state).
     snapshots_dir: Path | None = Field(
         default=None,
         description="Where snapshots are kept, host-only (default: 'snapshots' beside workspaces_dir).",

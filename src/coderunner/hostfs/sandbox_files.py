@@ -26,7 +26,7 @@ from coderunner.sandbox import WORKSPACE, Mount
 
 #: How many symlinks one resolution may follow (the kernel's own limit).
 MAX_SYMLINK_HOPS = 40
-#: Entries one list_files call returns at most.
+#: Entries one folder listing (read_file on a folder) returns at most.
 MAX_LIST_ENTRIES = 2000
 
 

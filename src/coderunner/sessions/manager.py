@@ -67,7 +67,7 @@ class SessionManager(HostServices):
         #: The host side of every sandbox (dirs, host uid, mounts), sessions' and one-shot runs' alike.
         users = UidPool(claims_dir=UID_CLAIMS_DIR) if per_sandbox_uids(settings.sandbox_user) else None
         self.leases = SandboxLeases(settings, backend, users)
-        #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
+        #: Throwaway sandboxes for execute_code, check_only too (set up on entry).
         self.oneshot: OneShotRunner
         #: Sandboxes started ahead for sessions with default options (sessions/pool.py).
         self.pool: WarmPool[Pooled] = WarmPool(
@@ -87,7 +87,7 @@ class SessionManager(HostServices):
         self.egress = EgressHub(settings)
         #: execute_code runs that outlived their call (sessions' own jobs are in each session).
         self.jobs: JobTable
-        #: Saved sessions (snapshot_session, restore_session, fork_session, keep_state).
+        #: Saved sessions (manage_snapshots: save, restore, fork; keep_state).
         self.snapshots = SessionSnapshots.for_settings(settings, backend)
         #: Set while close_all runs: a second caller (a signal during shutdown) waits for it.
         self._closing_all: anyio.Event | None = None
@@ -352,7 +352,7 @@ class SessionManager(HostServices):
 
     async def _close_session(self, session: Session) -> None:
         """Save (keep_state), close and release `session`, once: a second caller (create's clean-up after a
-        close_session stopped its start) waits for the first, and its host uid is never given back twice."""
+        a close stopped its start) waits for the first, and its host uid is never given back twice."""
         if session.close_done is not None:
             await session.close_done.wait()
             return

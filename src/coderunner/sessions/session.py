@@ -81,7 +81,7 @@ class Session(KernelCalls):
     restarts: int = 0
     busy: bool = False
     closed: bool = False
-    #: Set while kernel_reset stops a running call, so that call's reply says why it ended.
+    #: Set while a kernel reset stops a running call, so that call's reply says why it ended.
     _resetting: bool = False
     _generation: int = 0
     _lock: anyio.Lock = field(default_factory=anyio.Lock)
@@ -342,7 +342,7 @@ class Session(KernelCalls):
         with anyio.CancelScope(shield=True):
             starting = self._start
             if starting is not None:
-                # A kernel is starting (create_session, kernel_reset, a restart): stop it and let it end
+                # A kernel is starting (create_session, a reset, a restart): stop it and let it end
                 # its sandbox first. Its dirs are never closed under it: rather left, if it never lets go.
                 starting.scope.cancel()
                 with anyio.move_on_after(START_CANCEL_WAIT_S):

@@ -209,7 +209,7 @@ class SnapshotStore:
         `drop_damaged` (at start): every damaged one goes, whatever its kind.
 
         A persistent session's own state is neither counted nor aged: it lives as long as its named
-        workspace (delete_workspace removes both), and is replaced at each close."""
+        workspace (manage_workspaces delete removes both), and is replaced at each close."""
         with self.lock:
             now = time.time()
             listing = self.listing(client)

@@ -107,6 +107,10 @@ class ToolContext:
         """Whether the `tools` setting offers `tool`: a reply the tool layer writes names it only then."""
         return self.mentions is None or self.mentions.offers(tool)
 
+    def say(self, text: str) -> str:
+        """`text` naming only offered tools (for answers that are not tool replies, e.g. a resource read)."""
+        return text if self.mentions is None else self.mentions.text(text)
+
     def unnamed(self, reply: CallToolResult) -> CallToolResult:
         """The reply with each tool that is not offered named only by the group the user would add."""
         mentions = self.mentions

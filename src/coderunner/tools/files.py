@@ -140,5 +140,5 @@ def register(tools: ToolContext) -> None:
         except CodeRunnerError as exc:
             raise ResourceError(str(exc)) from None  # the SDK shows a ResourceError's own words
         if size > limit:
-            raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use transfer_file (download)")
+            raise ResourceError(tools.say(f"/{path} is {size:,} bytes, over the resource limit; use transfer_file"))
         return data
