@@ -26,6 +26,7 @@ from coderunner.policy.tool_groups import ALWAYS, GROUP_NAMES, ToolGroups, Tools
 from coderunner.policy.tool_mentions import Mentions, names_in
 from coderunner.server import build_server
 from coderunner.tools import ToolContext, declared_groups
+from coderunner.tools.guest import called_as, document_kind
 from coderunner.tools.schemas import SchemaError, finish_tools, portable_schema
 
 from .conftest import ServerDirs, run, server_env, stdio_client, text_of
@@ -290,6 +291,35 @@ async def test_wrong_arguments_are_refused_in_plain_words_before_any_work() -> N
     assert missing.is_error and missing.content[0].text == "document_ops: missing argument 'input_path'"
     for text in (unknown.content[0].text, typed.content[0].text):
         assert "input_value" not in text and "pydantic" not in text and "validation error" not in text
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("tool", "arguments", "said"),
+    [
+        ("manage_jobs", {"action": "wait"}, "manage_jobs action 'wait' needs a job_id"),
+        ("manage_sessions", {"action": "close"}, "manage_sessions action 'close' needs the session_id"),
+        ("manage_snapshots", {"action": "restore"}, "manage_snapshots action 'restore' needs a snapshot"),
+        ("manage_workspaces", {"action": "delete"}, "manage_workspaces action 'delete' needs the name"),
+        ("transfer_file", {"direction": "download", "host_path": "x"}, "direction 'download' needs sandbox_path"),
+        ("use_browser", {"action": "navigate"}, "use_browser action 'navigate' needs a url"),
+        ("use_browser", {"action": "extract", "selector": "p", "url": "x"}, "'extract' takes no url (it takes"),
+        ("use_browser", {"action": "click", "selector": "p", "full_page": True}, "'click' takes no full_page"),
+    ],
+)
+async def test_a_folded_tool_says_what_its_action_lacks_or_does_not_take(
+    tool: str, arguments: dict[str, Any], said: str
+) -> None:
+    """Checked before any session is touched: the host here has nothing but settings."""
+    refused = await call(tool, arguments)
+    assert refused.is_error and said in refused.content[0].text, refused.content[0].text
+
+
+def test_document_ops_picks_the_pdf_or_the_image_helper_by_op_then_by_name() -> None:
+    assert document_kind("merge", "a.png") == "pdf_ops" and document_kind("ocr", "a.pdf") == "image_ops"
+    assert document_kind("rotate", "Report.PDF") == "pdf_ops" and document_kind("info", "scan.png") == "image_ops"
+    assert called_as("pdf_ops: bad page", "pdf_ops", "document_ops") == "document_ops: bad page"
+    assert called_as("network is off", "browser", "use_browser") == "network is off"
 
 
 @pytest.mark.anyio

@@ -30,8 +30,8 @@ DOCUMENT_PATHS = ("output", "output_prefix", "inputs")
 #: Default wait for a page, and the extra allowance for starting the browser on first use.
 BROWSER_TIMEOUT_S = 30.0
 BROWSER_START_S = 30.0
-#: What each use_browser action does in the guest (guest/browser.py's ops), and the arguments it takes.
-
+#: The arguments each use_browser action takes: navigate, extract and screenshot are guest/browser.py's ops of
+#: those names; every other action is its `interact` op.
 BROWSER_TAKES = {
     "navigate": ("url", "selector", "timeout_s"),
     "extract": ("selector", "format", "attribute"),
@@ -57,6 +57,11 @@ def op_arguments(tool: Callable[..., Any], values: dict[str, Any]) -> dict[str, 
     }
 
 
+def called_as(message: str, helper: str, tool: str) -> str:
+    """A guest helper's failure as the tool the model called: the session names the helper it ran."""
+    return tool + message.removeprefix(helper) if message.startswith(helper) else message
+
+
 def document_kind(op: str, input_path: str) -> str:
     """Which guest helper does `op`: the PDF one or the image one (info and rotate: as the input's name says)."""
     if op not in IMAGE_OPS:
@@ -69,21 +74,6 @@ def document_kind(op: str, input_path: str) -> str:
 def register(tools: ToolContext) -> None:
     # Over 80 lines on purpose: one short nested function per tool, registered by its decorator here.
     settings = tools.settings
-
-    async def document(
-        ctx: Context,
-        tool: str,
-        session_id: str,
-        input_path: str,
-        op: str,
-        args: dict[str, Any],
-        timeout_s: float | None,
-    ) -> CallToolResult:
-        session = await tools.session(ctx, session_id)
-        limit = timeout_s or settings.timeout_s
-        async with tools.egress_call(ctx, session) as network:
-            result = await session.guest_op(tool, op, args, limit, paths=DOCUMENT_PATHS, input_path=input_path)
-        return network.noted(await tools.guest_reply(session, result))
 
     @tools.tool(group="documents")
     async def document_ops(
@@ -120,7 +110,10 @@ def register(tools: ToolContext) -> None:
         session = await tools.session(ctx, session_id)
         limit = timeout_s or settings.timeout_s
         async with tools.egress_call(ctx, session) as network:
-            result = await session.guest_op(kind, op, arguments, limit, paths=DOCUMENT_PATHS, input_path=input_path)
+            try:
+                result = await session.guest_op(kind, op, arguments, limit, paths=DOCUMENT_PATHS, input_path=input_path)
+            except GuestCallError as exc:
+                raise GuestCallError(called_as(str(exc), kind, "document_ops")) from None
         return network.noted(await tools.guest_reply(session, result))
 
     async def browser(
@@ -131,12 +124,13 @@ def register(tools: ToolContext) -> None:
         async with tools.egress_call(ctx, session) as network:
             try:
                 result = await session.guest_op("browser", op, args, limit, paths=("output",))
-            except GuestCallError as exc:
+            except GuestCallError as failed:
+                exc = GuestCallError(called_as(str(failed), "browser", "use_browser"))
                 # The guest says only that the network is off; the way out depends on the user's ceiling.
                 if session.options.network == NetworkMode.NONE and "network is off" in str(exc):
                     way_out = more_network(tools.settings.network_ceiling)
                     raise GuestCallError(f"{exc}; to browse the web: {way_out}") from None
-                raise
+                raise exc from None
         return network.noted(await tools.guest_reply(session, result))
 
     @tools.tool(group="browser")
