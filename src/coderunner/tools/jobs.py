@@ -23,6 +23,7 @@ from coderunner.edge.callers import client_of_key
 from coderunner.sessions.job_runner import Job, JobNotFound, JobStatus, attend, cancel, duration
 from coderunner.sessions.oneshot_runs import OneShotResult
 from coderunner.sessions.seam import SessionHandle
+from coderunner.tools.arguments import Text
 from coderunner.tools.context import ToolContext, json_result
 from coderunner.tools.file_results import resource_link
 
@@ -163,7 +164,7 @@ def register(tools: ToolContext) -> None:
     async def manage_jobs(
         action: Literal["wait", "cancel", "list"],
         ctx: Context,
-        job_id: str = "",
+        job_id: Text = "",
         timeout_s: Annotated[float, Field(ge=0)] = settings.detach_after_s,
     ) -> CallToolResult:
         """Runs that answered with a job id: wait up to timeout_s for new output, cancel, list."""
