@@ -4,9 +4,9 @@
 
 Lanes, in turn each round, all through the official MCP client over stdio to one server:
 - quiet:   the bystander's `1+1` alone (its idle latency, measured in the same run);
-- uploads: the same while another session runs `--copies` parallel upload_file calls of a
+- uploads: the same while another session runs `--copies` parallel transfer_file uploads of a
   `--size-mb` file from an import folder (the host copies each into the sandbox's workspace);
-- copies:  the same while another session runs `--copies` parallel download_file calls of a
+- copies:  the same while another session runs `--copies` parallel transfer_file downloads of a
   `--size-mb` file (the host copies each out of the sandbox into the export folder);
 - burst:   the same while `--burst` parallel execute_code calls run (each a fresh sandbox).
 Each lane reports median, p95 and max of the bystander's round trips. --src runs another source
@@ -59,11 +59,13 @@ def params(root: Path, src: Path, size_mb: int, copies: int) -> StdioServerParam
 
 
 def copy_arguments(number: int, session_id: str) -> dict[str, object]:
-    return {"sandbox_path": "big.bin", "host_path": f"copy-{number}.bin", "overwrite": True, "session_id": session_id}
+    return {"direction": "download", "sandbox_path": "big.bin", "host_path": f"copy-{number}.bin", "overwrite": True,
+            "session_id": session_id}  # fmt: skip
 
 
 def upload_arguments(number: int, session_id: str, source: Path) -> dict[str, object]:
-    return {"host_path": str(source), "sandbox_path": f"up-{number}.bin", "overwrite": True, "session_id": session_id}
+    return {"direction": "upload", "host_path": str(source), "sandbox_path": f"up-{number}.bin", "overwrite": True,
+            "session_id": session_id}  # fmt: skip
 
 
 def make_import(root: Path, size_mb: int) -> Path:
@@ -129,10 +131,10 @@ async def main(rounds: int, copies: int, size_mb: int, burst: int, src: Path) ->
             await checked(client, "run_python", {"code": MAKE_BIG.format(size_mb=size_mb), "session_id": session_id,
                                                  "timeout_s": 300})  # fmt: skip
             copy_work: list[tuple[str, dict[str, object]]] = [
-                ("download_file", copy_arguments(n, session_id)) for n in range(copies)
+                ("transfer_file", copy_arguments(n, session_id)) for n in range(copies)
             ]
             upload_work: list[tuple[str, dict[str, object]]] = [
-                ("upload_file", upload_arguments(n, session_id, source)) for n in range(copies)
+                ("transfer_file", upload_arguments(n, session_id, source)) for n in range(copies)
             ]
             burst_work: list[tuple[str, dict[str, object]]] = [
                 ("execute_code", {"language": "bash", "code": "echo hi"}) for _ in range(burst)
@@ -146,8 +148,8 @@ async def main(rounds: int, copies: int, size_mb: int, burst: int, src: Path) ->
                 lanes["burst"] += await loaded_lane(client, burst_work)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"server from {src}: bystander run_python('1+1'); {copies} x {size_mb} MiB upload_file, then as many "
-          f"download_file; {burst} x execute_code; {rounds} rounds")  # fmt: skip
+    print(f"server from {src}: bystander run_python('1+1'); {copies} x {size_mb} MiB uploads, then as many "
+          f"downloads; {burst} x execute_code; {rounds} rounds")  # fmt: skip
     quiet = statistics.median(lanes["quiet"])
     for name, samples in lanes.items():
         print(row(name, samples) + f"   median {statistics.median(samples) / quiet:5.2f}x quiet")

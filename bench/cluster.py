@@ -83,7 +83,7 @@ BURST_TIMEOUT_S = 1800.0
 GONE_TIMEOUT_S = 120.0
 POOLS_TIMEOUT_S = 180.0
 WARMUP_CALLS = 10
-#: Think time after each create of part b (a closed actor ends itself a moment after close_session;
+#: Think time after each create of part b (a closed actor ends itself a moment after its close;
 #: a local pool starts its replacement a moment after a take).
 COLD_PAUSE_S = 1.0
 
@@ -333,7 +333,7 @@ async def first_results(cluster: RayCluster, lanes: dict[str, Client], rounds: i
             session_id = (await call(client, "create_session"))["session_id"]
             await call(client, "run_python", code="1", session_id=session_id)
             samples[name].append(time.perf_counter() - began)
-            await call(client, "close_session", session_id=session_id)
+            await call(client, "manage_sessions", action="close", session_id=session_id)
             await anyio.sleep(COLD_PAUSE_S)
     return {"samples": samples, "short": short}
 
@@ -384,7 +384,7 @@ class Burst:
 
         async def one(session_id: str) -> None:
             try:
-                await call(self.client, "close_session", session_id=session_id)
+                await call(self.client, "manage_sessions", action="close", session_id=session_id)
             except Exception as exc:
                 self.close_errors.append(str(exc))
 
@@ -518,11 +518,11 @@ async def run(cluster: RayCluster, root: Path, args: argparse.Namespace) -> None
             env = door_env(cluster, root / f"d{index}", CODERUNNER_POOL_SIZE=str(pool), **limits)
             lanes[lane] = await stack.enter_async_context(front_door(cluster, env, ray=ray))
         for client in lanes.values():
-            await call(client, "list_sessions")  # up and answering (the pools start filling)
+            await call(client, "manage_sessions", action="list")  # up and answering (the pools start filling)
         await anyio.to_thread.run_sync(pools_full, cluster)  # none of the warm calls shares the CPU with them
         await anyio.sleep(3)  # nor with the local pool's
         figures["warm"] = await warm({lane: lanes[lane] for lane in ("cluster", "local")}, args.rounds)
-        status = await call(lanes["cluster"], "session_status")
+        status = await call(lanes["cluster"], "manage_sessions", action="status")
         figures["home"] = {node.node_id: name for name, node in cluster.nodes.items()}.get(status.get("node", ""), "?")
         figures["floor"] = await anyio.to_thread.run_sync(actor_floor, cluster, status["session_id"], args.rounds)
         print_warm(figures)

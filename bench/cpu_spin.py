@@ -5,7 +5,7 @@
 Each spinning session starts `--spinners` busy processes from its kernel (they keep burning after
 the call that started them returned, like a forgotten background thread) and later kills them.
 Lanes alternate: quiet (nobody spins) and spinning (two sessions spin). Figures: the bystander's
-1+1, the server's own turn-around (list_sessions, which needs no kernel), and the wall time of a
+1+1, the server's own turn-around (manage_sessions list, which needs no kernel), and the wall time of a
 fixed piece of host work outside any sandbox (the user's own programs, which sandboxes should not
 crowd out). --src runs another source tree's
 server (e.g. an older commit exported with `git archive`) to measure before and after;
@@ -95,7 +95,9 @@ async def main(rounds: int, probes: int, spinners: int, src: Path) -> None:
                         await anyio.sleep(1)
                     for _ in range(probes):
                         lanes[f"{lane} 1+1"].append(await timed_call(client, "run_python", {"code": "1+1"}))
-                        lanes[f"{lane} list_sessions"].append(await timed_call(client, "list_sessions", {}))
+                        lanes[f"{lane} list_sessions"].append(
+                            await timed_call(client, "manage_sessions", {"action": "list"})
+                        )
                     for _ in range(3):
                         lanes[f"{lane} host work"].append(await host_work())
                     if lane == "spinning":

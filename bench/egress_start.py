@@ -43,7 +43,7 @@ async def main(runs: int) -> None:
                 ran = await client.call_tool("run_python", {"code": "1+1", "session_id": session_id})
                 if ran.is_error:
                     raise RuntimeError(ran.content)
-                await client.call_tool("close_session", {"session_id": session_id})
+                await client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
 
             async def oneshot(network: str) -> None:
                 ran = await client.call_tool(

@@ -6,7 +6,7 @@ One SessionManager per backend. Per round, backends in turn (so drift hits both 
 - cold: create a session and answer `1+1`;
 - warm: the median of `--warm` further `1+1` round trips in it;
 - then that session gets `--size-mb` MB of random numpy data and a thread counting in a local variable;
-- snapshot: snapshot_session's work. On gvisor a memory checkpoint (runsc checkpoint of the whole
+- snapshot: manage_snapshots save's work. On gvisor a memory checkpoint (runsc checkpoint of the whole
   sandbox, the workspace copied while it is stopped, and the sandbox restored in place to run on);
   on bwrap the pickled namespace (the thread is listed as not saved);
 - restore: a new session from that snapshot, to its first answer (`data.nbytes`);

@@ -4,8 +4,8 @@
 
 One `coderunner serve` over stdio (the official MCP client), one session. Each round runs, in turn:
 - plain:      run_python('1+1'), answered whole (the baseline);
-- wait_job:   wait_job on a job that has ended (a read: nothing new, its status and kernel line);
-- background: run_python('1+1', detach_after_s=0), then wait_job until it is done (the job path whole).
+- wait_job:   manage_jobs wait on a job that has ended (a read: nothing new, its status and kernel line);
+- background: run_python('1+1', detach_after_s=0), then manage_jobs wait until it is done (the job path whole).
 With --before SRC, a second server runs the code in SRC (e.g. the main branch's src/, without jobs)
 and a fourth lane, plain@before, times run_python there: what the job machinery costs a plain run.
 Lanes interleave round by round, so drift of a shared machine falls on all of them alike.
@@ -75,10 +75,13 @@ async def bench(rounds: int, root: Path, before: str | None) -> dict[str, list[f
 
 
 async def job_lanes(client: Client) -> dict[str, Callable[[], Awaitable[None]]]:
-    """The lanes on the server with jobs: plain run_python, a wait_job read, a background run."""
+    """The lanes on the server with jobs: plain run_python, a manage_jobs wait read, a background run."""
     await client.call_tool("run_python", {"code": "1+1"})  # the kernel is up
     ended, _ = job_of(await client.call_tool("run_python", {"code": "1+1", "detach_after_s": 0}))
-    while job_of(await client.call_tool("wait_job", {"job_id": ended, "timeout_s": 30}))[1] == "running":
+    while (
+        job_of(await client.call_tool("manage_jobs", {"action": "wait", "job_id": ended, "timeout_s": 30}))[1]
+        == "running"
+    ):
         pass
 
     async def plain() -> None:
@@ -86,14 +89,16 @@ async def job_lanes(client: Client) -> dict[str, Callable[[], Awaitable[None]]]:
         assert not result.is_error
 
     async def read() -> None:
-        result = await client.call_tool("wait_job", {"job_id": ended, "timeout_s": 0})
+        result = await client.call_tool("manage_jobs", {"action": "wait", "job_id": ended, "timeout_s": 0})
         assert job_of(result)[1] == "done", result
 
     async def background() -> None:
         nonlocal ended  # the newest ended job: a session keeps only its last few
         job_id, status = job_of(await client.call_tool("run_python", {"code": "1+1", "detach_after_s": 0}))
         while status == "running":
-            _, status = job_of(await client.call_tool("wait_job", {"job_id": job_id, "timeout_s": 30}))
+            _, status = job_of(
+                await client.call_tool("manage_jobs", {"action": "wait", "job_id": job_id, "timeout_s": 30})
+            )
         ended = job_id
 
     return {"plain": plain, "wait_job": read, "background": background}
@@ -118,8 +123,8 @@ def main() -> None:
         p90 = ordered[int(len(ordered) * 0.9) - 1] * 1000
         print(f"{name:11s} median {median[name]:7.2f} ms   p90 {p90:7.2f} ms   n={len(values)}")
     plain = median["plain"]
-    print(f"wait_job on an ended job: {median['wait_job']:.2f} ms per call (plain run_python: {plain:.2f} ms)")
-    print(f"background run + wait_job over plain run_python: {median['background'] - median['plain']:+.2f} ms")
+    print(f"manage_jobs wait on an ended job: {median['wait_job']:.2f} ms per call (plain run_python: {plain:.2f} ms)")
+    print(f"background run + manage_jobs wait over plain run_python: {median['background'] - median['plain']:+.2f} ms")
     if "plain@before" in median:
         print(f"plain run_python, jobs over before: {median['plain'] - median['plain@before']:+.2f} ms")
 

@@ -115,7 +115,7 @@ async def flood(lane: Lane, client: Client) -> str:
     between = status_mb(pid, "VmRSS")
     await call(client, "flood_done.wait(120)", session, timeout_s=150)
     peak = status_mb(pid, "VmHWM")
-    await client.call_tool("close_session", {"session_id": session})
+    await client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     return f"RSS {before:.0f} MiB before, {between:.0f} MiB between calls, peak {peak:.0f} MiB"
 
 
@@ -135,7 +135,7 @@ async def spam(client: Client, calls: int) -> str:
         began = time.perf_counter()
         await call(client, "1+1")
         noisy.append(time.perf_counter() - began)
-    await client.call_tool("close_session", {"session_id": session})
+    await client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     return (
         f"bystander 1+1 median {statistics.median(quiet) * 1000:.2f} ms quiet, "
         f"{statistics.median(noisy) * 1000:.2f} ms while another kernel spams tiny IOPub messages"
@@ -171,7 +171,7 @@ async def main(rounds: int, calls: int, baseline: str | None) -> None:
                         session = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
                         await call(client, "1+1", session)
                         lane.cold.append(time.perf_counter() - began)
-                        await client.call_tool("close_session", {"session_id": session})
+                        await client.call_tool("manage_sessions", {"action": "close", "session_id": session})
                 for lane, client in zip(lanes, clients, strict=True):
                     floods[lane.name] = await flood(lane, client)
                 for lane, client in zip(lanes, clients, strict=True):

@@ -209,7 +209,7 @@ async def coderunner_cold(client: Client) -> float:
     session_id = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
     await mcp_run(client, session_id)
     elapsed = time.perf_counter() - began
-    await client.call_tool("close_session", {"session_id": session_id})
+    await client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
     return elapsed
 
 

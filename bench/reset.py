@@ -75,7 +75,7 @@ async def lane(root: Path, backend: str, src: Path, standby: bool) -> AsyncItera
 
 async def sample(client: Client) -> float:
     began = time.perf_counter()
-    reset = await client.call_tool("kernel_reset", {})
+    reset = await client.call_tool("manage_sessions", {"action": "reset"})
     result = await client.call_tool("run_python", {"code": "1+1"})
     took = time.perf_counter() - began
     assert not reset.is_error and not result.is_error, (reset, result)

@@ -310,8 +310,8 @@ async def many(root: Path, sessions: int, raw_count: int) -> None:
         stdio_server(pooled_root, **limits) as pooled,
         stdio_server(cold_root, CODERUNNER_POOL_SIZE="0", **limits) as cold,
     ):
-        await call(pooled, "list_sessions")
-        await call(cold, "list_sessions")
+        await call(pooled, "manage_sessions", action="list")
+        await call(cold, "manage_sessions", action="list")
         await anyio.sleep(5)  # the pool's first fill, as on a server that has been up a moment
         available_before = mem_available_mb()
         for _ in range(sessions):
@@ -361,7 +361,7 @@ async def burst(root: Path, sessions: int) -> None:
     totals: dict[str, list[float]] = {}
     for name, extra in (("cold", {"CODERUNNER_POOL_SIZE": "0"}), ("pool", {})):
         async with stdio_server(root / f"b{name}", **limits, **extra) as client:
-            await call(client, "list_sessions")
+            await call(client, "manage_sessions", action="list")
             await anyio.sleep(5)  # the pool's first fill
             samples = []
             for _ in range(sessions):
@@ -399,7 +399,7 @@ async def first_result(root: Path, rounds: int) -> None:
                 session_id = await create(client)
                 await call(client, "run_python", code="1+1", session_id=session_id)
                 samples[name].append(time.perf_counter() - began)
-                await call(client, "close_session", session_id=session_id)
+                await call(client, "manage_sessions", action="close", session_id=session_id)
             await anyio.sleep(THINK_S)
     print(f"\n4. create_session to first `1+1` result, {rounds} shuffled rounds, {THINK_S:g} s between rounds")
     print(row("warm pool", samples["pool"]))

@@ -5,7 +5,7 @@
 Each backend gets a SessionManager and one session holding a numpy array of --size-mb MB (random,
 so nothing compresses) plus a file of the same size in its workspace. Per round, backends and
 lanes in turn (so drift hits every lane alike):
-- snapshot: snapshot_session's work (guest pickles the namespace, the host moves it and copies the
+- snapshot: manage_snapshots save's work (guest pickles the namespace, the host moves it and copies the
   workspace into the store);
 - restore: a new session from that snapshot, to its first answer (`data.nbytes`);
 - baseline: what a user would do by hand in the same kernel: `np.save` the array to the workspace and

@@ -119,7 +119,7 @@ test_every_image_op = guest_tools.test_every_image_op
 
 
 async def test_status_names_the_vm_and_the_release(client: Client, version: str) -> None:
-    status = json.loads(text_of(await client.call_tool("session_status", {})))
+    status = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "status"})))
     assert status["isolation"].startswith(f"Apple container {version}: its own lightweight Linux VM"), status
     assert "no network (kernel sockets relayed over vsock)" in status["isolation"]
     assert status["workspace"] == "/workspace"
@@ -149,7 +149,7 @@ async def test_closing_a_session_removes_its_vm(client: Client, server_dirs: Ser
     created = json.loads(text_of(await client.call_tool("create_session", {})))
     assert not (await run(client, "1", session_id=created["session_id"])).is_error
     [new] = set(vms(server_dirs, apple_bin)) - before
-    closed = await client.call_tool("close_session", {"session_id": created["session_id"]})
+    closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": created["session_id"]})
     assert not closed.is_error
     assert new not in vms(server_dirs, apple_bin)
 
@@ -173,7 +173,7 @@ async def _tcp_fallback(dirs: ServerDirs) -> None:
     folders = files.host.__wrapped__(dirs)
     env = apple_env(dirs, folders, folder, image, CODERUNNER_KERNEL_CHANNELS="tcp", CODERUNNER_NETWORK="internet")
     async with open_client("stdio", env) as connected:
-        answered = await connected.call_tool("session_status", {})
+        answered = await connected.call_tool("manage_sessions", {"action": "status"})
         # One clean-clone run got a non-JSON answer here (an error, unrecorded): say what it was next time.
         assert not answered.is_error, text_of(answered)
         status = json.loads(text_of(answered))

@@ -98,10 +98,10 @@ async def test_two_tokens_never_see_each_others_variables_or_sessions(dirs: Serv
             await run(alice, "kept = 'alice-kept'", session_id=alice_session)
             for tool, arguments in [
                 ("run_python", {"code": "kept"}),
-                ("session_status", {}),
-                ("list_files", {}),
-                ("kernel_reset", {}),
-                ("close_session", {}),
+                ("manage_sessions", {"action": "status"}),
+                ("read_file", {"path": "/workspace"}),
+                ("manage_sessions", {"action": "reset"}),
+                ("manage_sessions", {"action": "close"}),
             ]:
                 message = await refused(bob, tool, session_id=alice_session, **arguments)
                 assert REFUSED in message and "alice-kept" not in message, (tool, message)
@@ -114,8 +114,8 @@ async def test_two_tokens_never_see_each_others_variables_or_sessions(dirs: Serv
 
             # Listings are per client.
             bob_session = (await call(bob, "create_session"))["session_id"]
-            alice_sees = listed(await call(alice, "list_sessions"))
-            bob_sees = listed(await call(bob, "list_sessions"))
+            alice_sees = listed(await call(alice, "manage_sessions", action="list"))
+            bob_sees = listed(await call(bob, "manage_sessions", action="list"))
             assert alice_session in alice_sees and bob_session not in alice_sees
             assert bob_session in bob_sees and alice_session not in bob_sees
             assert REFUSED in await refused(alice, "run_python", code="1", session_id=bob_session)
@@ -158,11 +158,11 @@ async def test_the_client_header_narrows_within_a_token_and_keeps_state_across_m
         # The MCP session is gone; a new one with the same header finds the same kernel.
         async with connect_http(url, token=token, headers=agent, mode="legacy") as call_two:
             assert text_of(await run(call_two, "x + 1")).splitlines()[0] == "42"
-            assert made in listed(await call(call_two, "list_sessions"))
+            assert made in listed(await call(call_two, "manage_sessions", action="list"))
         # Another name under the same token is another default session and another listing ...
         async with connect_http(url, token=token, headers={"X-CodeRunner-Client": "agent-2"}) as other:
             assert "NameError" in text_of(await run(other, "x"))
-            assert made not in listed(await call(other, "list_sessions"))
+            assert made not in listed(await call(other, "manage_sessions", action="list"))
             # ... but the same client: a session id of its token is usable (the header is no boundary).
             await run(other, "y = 'shared within a token'", session_id=made)
         # Without the header, each MCP session is a caller of its own, as before.
@@ -211,14 +211,16 @@ async def test_exports_and_named_workspaces_follow_the_token(dirs: ServerDirs) -
             for client, owner in ((alice, "alice"), (bob, "bob")):
                 made = await call(client, "create_session", name="project", persistent=True)
                 await run(client, f"open('owner.txt', 'w').write({owner!r})", session_id=made["session_id"])
-                await call(client, "close_session", session_id=made["session_id"])
+                await call(client, "manage_sessions", action="close", session_id=made["session_id"])
                 await run(client, f"open('/mnt/outputs/from-{owner}.txt', 'w').write({owner!r})")
             # Same header, same workspace name: two workspaces, one per token.
             for client, owner in ((alice, "alice"), (bob, "bob")):
                 reopened = await call(client, "create_session", name="project", persistent=True)
                 found = await run(client, "open('owner.txt').read()", session_id=reopened["session_id"])
                 assert text_of(found).splitlines()[0] == repr(owner)
-                names = [entry["name"] for entry in (await call(client, "list_workspaces"))["workspaces"]]
+                names = [
+                    entry["name"] for entry in (await call(client, "manage_workspaces", action="list"))["workspaces"]
+                ]
                 assert names == ["project"]
     # The server's own token keeps the folder names of earlier versions; the added token has its own.
     assert sorted(path.name for path in out.iterdir()) == ["laptop", "t.bob.laptop"]

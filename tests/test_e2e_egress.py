@@ -151,17 +151,17 @@ async def test_a_reset_swaps_to_a_standby_behind_the_same_allowlist(egress: Egre
     with anyio.fail_after(60):
         while (await status(egress.client, session))["standby"]["state"] != "ready":
             await anyio.sleep(0.1)
-    reset = await egress.client.call_tool("kernel_reset", {"session_id": session})
+    reset = await egress.client.call_tool("manage_sessions", {"action": "reset", "session_id": session})
     assert not reset.is_error, text_of(reset)
     assert (await status(egress.client, session))["standby"]["swapped_in"] == 1
     assert f"200 {BODY}" in await ok(egress.client, fetch(f"http://{egress.servers.public_ip}/"), session)
     denied = await ok(egress.client, fetch(f"http://{DENIED_HOST}/"), session)
     assert denied.startswith("403 ") and BLOCKED in denied, denied
-    await egress.client.call_tool("close_session", {"session_id": session})
+    await egress.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
 
 
 async def status(client: Client, session: str) -> dict:  # type: ignore[type-arg]
-    result = await client.call_tool("session_status", {"session_id": session})
+    result = await client.call_tool("manage_sessions", {"action": "status", "session_id": session})
     assert not result.is_error, text_of(result)
     return json.loads(text_of(result))
 
@@ -212,12 +212,13 @@ async def test_a_host_off_the_list_is_denied_with_the_message_from_curl_and_node
 
 async def test_browser_navigate_is_denied_with_the_message(egress: Egress) -> None:
     result = await egress.client.call_tool(
-        "browser_navigate", {"url": f"http://{DENIED_HOST}/", "session_id": egress.session}
+        "use_browser", {"action": "navigate", "url": f"http://{DENIED_HOST}/", "session_id": egress.session}
     )
     text = text_of(result)
     assert BLOCKED in text, text
     allowed = await egress.client.call_tool(
-        "browser_navigate", {"url": f"http://{egress.servers.public_ip}/", "session_id": egress.session}
+        "use_browser",
+        {"action": "navigate", "url": f"http://{egress.servers.public_ip}/", "session_id": egress.session},
     )
     assert BODY in text_of(allowed), text_of(allowed)
 
@@ -248,7 +249,7 @@ async def test_a_session_may_ask_for_a_subset_but_never_more(egress: Egress) -> 
     assert text.startswith("403 ") and BLOCKED in text, text
     wider = await egress.client.call_tool("create_session", {"network": "allowlist", "allow": ["example.com"]})
     assert wider.is_error and "allowed_domains" in text_of(wider), text_of(wider)
-    await egress.client.call_tool("close_session", {"session_id": narrow})
+    await egress.client.call_tool("manage_sessions", {"action": "close", "session_id": narrow})
 
 
 async def test_install_packages_without_network_names_the_way_out_within_the_ceiling(egress: Egress) -> None:
@@ -257,7 +258,7 @@ async def test_install_packages_without_network_names_the_way_out_within_the_cei
     assert result.is_error
     # The user allowed domains, not the internet: the hint names the allowlist only.
     assert "network='allowlist'" in text_of(result) and "internet" not in text_of(result), text_of(result)
-    await egress.client.call_tool("close_session", {"session_id": plain})
+    await egress.client.call_tool("manage_sessions", {"action": "close", "session_id": plain})
 
 
 def audit_lines(dirs: ServerDirs) -> list[dict]:  # type: ignore[type-arg]

@@ -5,7 +5,7 @@
   decline: denied, and the reply says the user declined);
 - without elicitation it is denied, and the reply says how to allow it;
 - a host beyond the ceiling is never asked about, and the reply names allowed_domains;
-- session_status shows the session's hosts, its recent decisions and the totals; get_capabilities
+- manage_sessions status shows the session's hosts, its recent decisions and the totals; get_capabilities
   says what is enforced here.
 
 The upstream is tests/netns_servers.py's public server (TEST-NET-2, in a namespace of its own); the
@@ -102,7 +102,7 @@ async def test_the_user_is_asked_and_the_answer_holds(servers: NetnsServers, dir
         assert BODY in allowed and "[network:" not in allowed, allowed
         # The session keeps the host: no question the next time.
         assert BODY in text(await call(client, "run_python", fetch)) and len(asked.messages) == 1
-        status = json.loads(text(await call(client, "session_status", {"session_id": session})))
+        status = json.loads(text(await call(client, "manage_sessions", {"action": "status", "session_id": session})))
         egress = status["egress"]
         assert status["network"] == "allowlist" and egress["ports"] == [80, 443]
         assert set(egress["allowed_hosts"]) == {"a.example.org", server}
@@ -130,7 +130,7 @@ async def test_the_user_is_asked_and_the_answer_holds(servers: NetnsServers, dir
         assert len(asked.messages) == MAX_ASKS, "no more questions, and a host beyond the ceiling is never one"
         assert f"[network: denied {beyond_host}:80 (" in beyond and "allowed_domains" in beyond, beyond
 
-        status = json.loads(text(await call(client, "session_status", {"session_id": session})))
+        status = json.loads(text(await call(client, "manage_sessions", {"action": "status", "session_id": session})))
         egress = status["egress"]
         assert set(egress["allowed_hosts"]) == {"a.example.org", server}, "allowed, not declined, hosts join"
         assert (egress["recent"][-1]["host"], egress["recent"][-1]["allowed"]) == (beyond_host, False)

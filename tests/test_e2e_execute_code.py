@@ -1,4 +1,4 @@
-"""execute_code, validate_code, variables, install_packages and get_capabilities through the MCP client."""
+"""execute_code (check_only too), variables, install_packages and get_capabilities through the MCP client."""
 
 from __future__ import annotations
 
@@ -251,19 +251,20 @@ async def test_a_fork_bomb_is_contained_and_the_server_serves(client: Client) ->
 async def test_syntax_errors_per_language(
     client: Client, language: str, code: str, line: int, column: int | None
 ) -> None:
-    result = await client.call_tool("validate_code", {"language": language, "code": code})
+    result = await client.call_tool("execute_code", {"check_only": True, "language": language, "code": code})
     assert not result.is_error, text_of(result)
     answer = result.structured_content
     assert answer["valid"] is False
     error = answer["errors"][0]
     assert error["line"] == line and error["column"] == column and error["message"]
-    fine = await client.call_tool("validate_code", {"language": language, "code": "x=1\n"})
+    fine = await client.call_tool("execute_code", {"check_only": True, "language": language, "code": "x=1\n"})
     assert fine.structured_content == {"language": language, "valid": True, "errors": []}
 
 
 async def test_validate_code_does_not_run_the_code(client: Client, dirs: ServerDirs) -> None:
     result = await client.call_tool(
-        "validate_code", {"language": "python", "code": "import os\nos.system('touch /workspace/ran')"}
+        "execute_code",
+        {"check_only": True, "language": "python", "code": "import os\nos.system('touch /workspace/ran')"},
     )
     assert result.structured_content["valid"] is True
     assert not list(dirs.workspaces.rglob("ran"))
@@ -277,7 +278,7 @@ async def test_install_packages_into_one_session_only(client: Client) -> None:
     assert not installed.is_error, text_of(installed)
     assert installed.structured_content["installed"] == {"six": "1.17.0"}
     assert "1.17.0" in text_of(await run(client, "import six; six.__version__", session_id=online))
-    await client.call_tool("kernel_reset", {"session_id": online})
+    await client.call_tool("manage_sessions", {"action": "reset", "session_id": online})
     assert "1.17.0" in text_of(await run(client, "import six; six.__version__", session_id=online))
     for elsewhere in (other, None):
         missing = (
@@ -307,4 +308,4 @@ async def test_get_capabilities(client: Client) -> None:
     assert caps["network"]["modes"]["allowlist"] == "available" and "allowed_domains" in allowlist["allowed_domains"]
     assert allowlist["enforcement"].startswith("enforced on bwrap:") and "github" in allowlist["presets"]
     assert {"numpy", "pandas", "matplotlib"} <= set(caps["packages"])
-    assert {"run_python", "execute_code", "validate_code", "install_packages", "get_capabilities"} <= set(caps["tools"])
+    assert {"run_python", "execute_code", "install_packages", "get_capabilities"} <= set(caps["tools"])

@@ -150,14 +150,14 @@ async def test_story_chart_and_csv_downloaded_to_the_export_folder_only(client: 
     assert not made.is_error, text_of(made)
     out = exports_of(host)
     for name in ("mileage.csv", "mileage.png"):
-        copied = await call(client, "download_file", sandbox_path=name)
+        copied = await call(client, "transfer_file", direction="download", sandbox_path=name)
         assert copied["host_path"] == str(out / name)
     assert sorted(path.name for path in out.iterdir()) == ["mileage.csv", "mileage.png"]
     assert (out / "mileage.png").read_bytes().startswith(b"\x89PNG")
     assert "40" in (out / "mileage.csv").read_text()
     chart = await client.call_tool("read_file", {"path": "mileage.png"})
     assert images_of(chart)[0] == (out / "mileage.png").read_bytes()
-    await refused(client, "download_file", "already exists", sandbox_path="mileage.csv")
+    await refused(client, "transfer_file", "already exists", direction="download", sandbox_path="mileage.csv")
     assert snapshot(host.data, host.imports, host.elsewhere) == before
 
 
@@ -174,7 +174,7 @@ async def test_story_only_the_chosen_folders_are_visible(client: Client, host: H
     assert seen["elsewhere"] is False and seen["home"] is False
     assert set(seen["root"]) <= {"bin", "dev", "etc", "lib", "lib64", "opt", "proc", "sbin", "tmp", "usr", "workspace",
                                  "data", "out", "lib32", "libx32"}  # fmt: skip
-    status = json.loads(text_of(await client.call_tool("session_status", {})))
+    status = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "status"})))
     assert {(m["sandbox"], m["mode"]) for m in status["mounts"]} == {("/data", "ro"), ("/out", "rw")}
 
 
@@ -185,7 +185,7 @@ async def test_write_list_read_roundtrip_and_ranges(client: Client) -> None:
     await call(client, "write_file", path="notes/day1.txt", content="\n".join(f"line {i}" for i in range(1, 101)))
     await call(client, "write_file", path="blob.bin", content=base64.b64encode(bytes(range(256))).decode(),
                encoding="base64")  # fmt: skip
-    listing = await call(client, "list_files", path="/workspace", depth=2)
+    listing = await call(client, "read_file", path="/workspace", depth=2)
     paths = {entry["path"]: entry for entry in listing["entries"]}
     assert paths["/workspace/notes/day1.txt"]["size"] > 0 and paths["/workspace/notes"]["kind"] == "dir"
     lines = await client.call_tool("read_file", {"path": "notes/day1.txt", "start_line": 10, "end_line": 12})
@@ -213,7 +213,7 @@ async def test_big_files_and_spilled_output_come_back_as_resource_links(client: 
 
 
 async def test_upload_from_an_import_folder(client: Client, host: Host) -> None:
-    uploaded = await call(client, "upload_file", host_path=str(host.imports / "notes.txt"))
+    uploaded = await call(client, "transfer_file", direction="upload", host_path=str(host.imports / "notes.txt"))
     assert uploaded["sandbox_path"] == "/workspace/notes.txt"
     assert "imported from the host" in text_of(await run(client, "open('notes.txt').read()"))
 
@@ -226,7 +226,7 @@ async def test_paths_outside_the_workspace_and_mounts_are_refused(client: Client
                  str(Path.home() / ".bashrc")):  # fmt: skip
         await refused(client, "read_file", "outside what the sandbox shares", path=path)
     await refused(client, "write_file", "outside what the sandbox shares", path="/tmp/../etc/evil", content="x")
-    await refused(client, "list_files", "outside what the sandbox shares", path="/")
+    await refused(client, "read_file", "outside what the sandbox shares", path="/")
 
 
 async def test_symlinks_out_of_the_workspace_and_mounts_are_refused(client: Client, host: Host) -> None:
@@ -246,7 +246,9 @@ async def test_symlinks_out_of_the_workspace_and_mounts_are_refused(client: Clie
     await refused(client, "write_file", "outside what the sandbox shares", path="to-root/tmp/x", content="x")
     # A link that stays inside what the sandbox shares is followed, as the sandbox itself would.
     assert "region" in text_of(await client.call_tool("read_file", {"path": "to-data", "end_line": 1}))
-    await refused(client, "download_file", "outside what the sandbox shares", sandbox_path="to-host-path")
+    await refused(
+        client, "transfer_file", "outside what the sandbox shares", direction="download", sandbox_path="to-host-path"
+    )
 
 
 #: Bound on the swap test's racing reads (each one is checked for a leak).
@@ -288,11 +290,17 @@ async def test_a_symlink_swapped_in_during_reads_never_leaks_host_files(client: 
 
 
 async def test_upload_only_from_import_folders(client: Client, host: Host) -> None:
-    await refused(client, "upload_file", "outside the folders allowed", host_path=str(host.elsewhere / "secret.txt"))
-    await refused(client, "upload_file", "outside the folders allowed",
-                  host_path=str(host.imports / ".." / "elsewhere" / "secret.txt"))  # fmt: skip
-    await refused(client, "upload_file", "outside what the sandbox shares",
-                  host_path=str(host.imports / "sneaky-link.txt"))  # fmt: skip
+    await refused(
+        client,
+        "transfer_file",
+        "outside the folders allowed",
+        direction="upload",
+        host_path=str(host.elsewhere / "secret.txt"),
+    )
+    await refused(client, "transfer_file", "outside the folders allowed",
+                  direction="upload", host_path=str(host.imports / ".." / "elsewhere" / "secret.txt"))  # fmt: skip
+    await refused(client, "transfer_file", "outside what the sandbox shares",
+                  direction="upload", host_path=str(host.imports / "sneaky-link.txt"))  # fmt: skip
 
 
 async def test_download_only_into_the_export_folder(client: Client, host: Host) -> None:
@@ -301,12 +309,16 @@ async def test_download_only_into_the_export_folder(client: Client, host: Host) 
     out = exports_of(host)
     for target in (str(host.elsewhere / "result.txt"), "../elsewhere/result.txt", "/tmp/result.txt", str(out),
                    str(host.out / "someone-else" / "result.txt")):  # fmt: skip
-        result = await client.call_tool("download_file", {"sandbox_path": "result.txt", "host_path": target})
+        result = await client.call_tool(
+            "transfer_file", {"direction": "download", "sandbox_path": "result.txt", "host_path": target}
+        )
         assert result.is_error, target
     # A link planted in the sandbox's export mount is neither exported nor followed.
     planted = await run(client, f"import os\nos.symlink({str(host.elsewhere)!r}, '/out/escape')")
     assert "escape (not a regular file)" in text_of(planted)
-    copied = await call(client, "download_file", sandbox_path="result.txt", host_path="escape/result.txt")
+    copied = await call(
+        client, "transfer_file", direction="download", sandbox_path="result.txt", host_path="escape/result.txt"
+    )
     assert copied["host_path"] == str(out / "escape" / "result.txt")
     assert not (out / "escape").is_symlink()
     assert snapshot(host.data, host.imports, host.elsewhere) == before
@@ -343,7 +355,7 @@ async def test_named_persistent_workspace_survives_close_and_server_restart(dirs
         assert first["name"] == "analysis" and first["persistent"] is True
         await run(client, "state = 'in memory'\nopen('kept.txt', 'w').write('on disk')", session_id=first["session_id"])
         await refused(client, "create_session", "in use", name="analysis", persistent=True)
-        await call(client, "close_session", session_id=first["session_id"])
+        await call(client, "manage_sessions", action="close", session_id=first["session_id"])
         again = await call(client, "create_session", name="analysis", persistent=True)
         assert "'on disk'" in text_of(await run(client, "open('kept.txt').read()", session_id=again["session_id"]))
         lost = await run(client, "state", session_id=again["session_id"])

@@ -1,6 +1,6 @@
 """gVisor memory snapshots through the MCP client: what no pickle can carry comes back.
 
-On the gvisor backend snapshot_session, restore_session and fork_session checkpoint the whole
+On the gvisor backend manage_snapshots save, restore and fork checkpoint the whole
 sandbox with runsc. These run a real server on gvisor and the SDK client over stdio, and check by
 running code in each session: a running thread keeps counting in a local variable only it holds,
 an open file handle reads on, a lock is still a lock; the original runs on after its checkpoint;
@@ -70,10 +70,10 @@ async def test_a_thread_an_open_file_and_a_lock_survive_snapshot_restore_and_for
     async with stdio_client(env) as client:
         original = (await call(client, "create_session"))["session_id"]
         await output(client, STATE_CELL, original)
-        taken = await call(client, "snapshot_session", session_id=original, name="live")
+        taken = await call(client, "manage_snapshots", action="save", session_id=original, name="live")
         assert "memory" in taken and "thread" in taken["memory"], taken
         assert taken["workspace"]["files"] >= 1 and taken["size_mb"] > 0, taken
-        listed = (await call(client, "list_snapshots"))["snapshots"]
+        listed = (await call(client, "manage_snapshots", action="list"))["snapshots"]
         assert [entry["snapshot"] for entry in listed] == [taken["snapshot"]] and listed[0][
             "variables"
         ] == "all (memory)"
@@ -82,17 +82,17 @@ async def test_a_thread_an_open_file_and_a_lock_survive_snapshot_restore_and_for
         seen = await output(client, PROBE, original)
         assert "alive True True True" in seen and "file one two" in seen and "lock True 6" in seen, seen
 
-        restored = await call(client, "restore_session", snapshot=taken["snapshot"])
+        restored = await call(client, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
         copy = restored["session_id"]
         assert copy != original and restored["restored"] and "not_restored" not in restored, restored
         seen = await output(client, PROBE, copy)
         # The restored copy read "two" at the snapshot's point too: the file handle's offset came back.
         assert "alive True True True" in seen and "file one two" in seen and "lock True 6" in seen, seen
-        status = await call(client, "session_status", session_id=copy)
+        status = await call(client, "manage_sessions", action="status", session_id=copy)
         assert status["restored_from"] == taken["snapshot"], status
 
         # A fork: both go on alone, in memory and in files.
-        forked = await call(client, "fork_session", session_id=copy)
+        forked = await call(client, "manage_snapshots", action="fork", session_id=copy)
         fork = forked["session_id"]
         assert forked["forked_from"] == copy
         await output(client, "df.loc[3] = [100]\nopen('lines.txt', 'a').write('fork\\n')", fork)
@@ -101,7 +101,7 @@ async def test_a_thread_an_open_file_and_a_lock_survive_snapshot_restore_and_for
         assert "sum 6 ['one', 'two', 'three']" in await output(client, look, copy)
 
         # The restored copy answers a plain call as any session does, and a reset starts it clean.
-        await call(client, "kernel_reset", session_id=copy)
+        await call(client, "manage_sessions", action="reset", session_id=copy)
         assert "False" in await output(client, "print('counts' in dir())", copy)
 
 
@@ -115,9 +115,9 @@ async def test_a_memory_snapshot_past_the_size_cap_is_refused_and_the_session_ru
         session = (await call(client, "create_session"))["session_id"]
         # Random bytes (runsc compresses its image: an idle kernel's comes to about 14 MB).
         await output(client, "import numpy as np\nbig = np.random.default_rng(1).random(100 * 2**20 // 8)", session)
-        refusal = await refused(client, "snapshot_session", session_id=session)
+        refusal = await refused(client, "manage_snapshots", action="save", session_id=session)
         assert "size cap" in refusal and "64 MiB" in refusal, refusal
-        assert (await call(client, "list_snapshots"))["snapshots"] == []
+        assert (await call(client, "manage_snapshots", action="list"))["snapshots"] == []
         # The session carried on after the refused snapshot.
         result = await client.call_tool("run_python", {"code": "print(big.size)", "session_id": session})
         assert not result.is_error and str(100 * 2**20 // 8) in text_of(result), text_of(result)

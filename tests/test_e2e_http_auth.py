@@ -159,15 +159,20 @@ async def test_two_http_clients_each_get_their_own_default_session(dirs: ServerD
                 tg.start_soon(timed_run, bob, "bob", "1 + 1")
             assert finished == ["bob", "alice"]
 
-            listed_by_alice = (await alice.call_tool("list_sessions", {})).structured_content["sessions"]
-            listed_by_bob = (await bob.call_tool("list_sessions", {})).structured_content["sessions"]
+            listed_by_alice = (await alice.call_tool("manage_sessions", {"action": "list"})).structured_content[
+                "sessions"
+            ]
+            listed_by_bob = (await bob.call_tool("manage_sessions", {"action": "list"})).structured_content["sessions"]
             assert len(listed_by_alice) == len(listed_by_bob) == 1
             assert listed_by_alice[0]["session_id"] != listed_by_bob[0]["session_id"]
 
             # A stateless client naming itself gets its own default too, and sees neither.
             async with connect_http(url, headers={"X-CodeRunner-Client": "carol"}) as carol:
                 assert "NameError" in text_of(await run(carol, "owner_name"))
-                assert len((await carol.call_tool("list_sessions", {})).structured_content["sessions"]) == 1
+                assert (
+                    len((await carol.call_tool("manage_sessions", {"action": "list"})).structured_content["sessions"])
+                    == 1
+                )
 
 
 async def test_session_ids_are_unguessable_handles(dirs: ServerDirs) -> None:

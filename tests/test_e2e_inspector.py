@@ -50,7 +50,7 @@ def test_inspector_over_streamable_http_with_the_token(inspector: Path, dirs: Se
         listed = inspect(inspector, url, *auth, "--method", "tools/list")
         assert listed.returncode == 0, listed.stderr
         names = {tool["name"] for tool in json.loads(listed.stdout)["tools"]}
-        assert {"run_python", "kernel_reset", "create_session", "list_files"} <= names
+        assert {"run_python", "manage_sessions", "create_session", "read_file"} <= names
 
         called = inspect(
             inspector, url, *auth, "--method", "tools/call", "--tool-name", "run_python",

@@ -1,7 +1,7 @@
 """Jobs through the official MCP client, in real sandboxes (the server in memory).
 
 The server detaches after 2 s (CODERUNNER_DETACH_AFTER_S): a longer cell answers with its output
-so far and a job id, runs on, and wait_job / cancel_job / list_jobs take it from there. No timing
+so far and a job id, runs on, and manage_jobs (wait, cancel, list) takes it from there. No timing
 assertions: "answered before the end" is shown by what the reply holds (part of the output, a
 running job), never by a clock.
 """
@@ -69,7 +69,9 @@ def ticks(text: str) -> list[str]:
 
 
 async def wait_job(client: Client, job_id: str, timeout_s: float = 30, **options: Any) -> CallToolResult:
-    return await client.call_tool("wait_job", {"job_id": job_id, "timeout_s": timeout_s}, **options)
+    return await client.call_tool(
+        "manage_jobs", {"action": "wait", "job_id": job_id, "timeout_s": timeout_s}, **options
+    )
 
 
 async def wait_to_end(client: Client, job_id: str, step_s: float = 30, **options: Any) -> tuple[str, CallToolResult]:
@@ -114,7 +116,7 @@ async def test_a_long_cell_detaches_with_partial_output_and_wait_job_returns_the
     assert meta(last, "kernel")["state_preserved"] is True and "state kept]" in text_of(last)
     after = await run(client, "finished")
     assert "15" in text_of(after).splitlines() and meta(after, "kernel")["state_preserved"] is True
-    listed = (await client.call_tool("list_jobs", {})).structured_content
+    listed = (await client.call_tool("manage_jobs", {"action": "list"})).structured_content
     assert listed is not None and [job["status"] for job in listed["jobs"]] == ["done"]
 
 
@@ -122,19 +124,19 @@ async def test_a_second_run_during_a_job_is_told_busy_while_file_tools_and_statu
     job_id = await started(client, FOREVER)
     busy = await run(client, "1 + 1")
     assert busy.is_error
-    assert f"busy with job {job_id} (running" in text_of(busy) and "wait_job, cancel_job" in text_of(busy)
-    listed = await client.call_tool("list_files", {})
+    assert f"busy with job {job_id} (running" in text_of(busy) and "manage_jobs (wait or cancel)" in text_of(busy)
+    listed = await client.call_tool("read_file", {"path": "/workspace"})
     assert not listed.is_error, text_of(listed)
-    status = (await client.call_tool("session_status", {})).structured_content
+    status = (await client.call_tool("manage_sessions", {"action": "status"})).structured_content
     assert status is not None and status["job"]["job_id"] == job_id and status["job"]["status"] == "running"
-    cancelled = await client.call_tool("cancel_job", {"job_id": job_id})
+    cancelled = await client.call_tool("manage_jobs", {"action": "cancel", "job_id": job_id})
     assert meta(cancelled, "job")["status"] == "interrupted"
 
 
 async def test_cancel_job_interrupts_and_keeps_state(client: Client) -> None:
     await run(client, "kept = 7")
     job_id = await started(client, FOREVER)
-    cancelled = await client.call_tool("cancel_job", {"job_id": job_id})
+    cancelled = await client.call_tool("manage_jobs", {"action": "cancel", "job_id": job_id})
     assert "interrupted; the kernel and its state are kept" in text_of(cancelled)
     assert meta(cancelled, "job")["status"] == "interrupted"
     assert meta(cancelled, "kernel")["state_preserved"] is True
@@ -146,7 +148,7 @@ async def test_cancel_job_restarts_a_kernel_that_ignores_the_interrupt_and_says_
     await run(client, "kept = 7")
     before = meta(await run(client, "1"), "kernel")["generation"]
     job_id = await started(client, DEAF)
-    cancelled = await client.call_tool("cancel_job", {"job_id": job_id})
+    cancelled = await client.call_tool("manage_jobs", {"action": "cancel", "job_id": job_id})
     assert "kernel restarted; state lost" in text_of(cancelled)
     kernel = meta(cancelled, "kernel")
     assert kernel == {"generation": before + 1, "state_preserved": False}
@@ -177,7 +179,7 @@ async def test_a_chart_drawn_in_a_job_arrives_through_wait_job(client: Client) -
 
 async def test_kernel_reset_says_its_new_generation_and_that_state_was_lost(client: Client) -> None:
     before = meta(await run(client, "x = 1"), "kernel")
-    reset = await client.call_tool("kernel_reset", {})
+    reset = await client.call_tool("manage_sessions", {"action": "reset"})
     assert reset.structured_content is not None
     assert reset.structured_content["state_preserved"] is False
     assert meta(reset, "kernel") == {"generation": before["generation"] + 1, "state_preserved": False}
@@ -214,7 +216,7 @@ async def test_closing_the_session_ends_its_job_and_tells_the_waiter(dirs: Serve
         async with anyio.create_task_group() as tg:
             tg.start_soon(waiter)
             await anyio.sleep(1)
-            closed = await client.call_tool("close_session", {"session_id": session_id})
+            closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
             assert not closed.is_error, text_of(closed)
         assert meta(replies[0], "job")["status"] == "lost"
         assert "the session was closed" in text_of(replies[0])
@@ -249,10 +251,10 @@ async def test_cancel_job_kills_a_one_shot_run(client: Client, dirs: ServerDirs)
     assert first.structured_content is not None
     job_id = first.structured_content["job_id"]
     assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) >= 1, 30)
-    cancelled = await client.call_tool("cancel_job", {"job_id": job_id})
+    cancelled = await client.call_tool("manage_jobs", {"action": "cancel", "job_id": job_id})
     assert cancelled.is_error and cancelled.structured_content is not None
     assert cancelled.structured_content["status"] == "interrupted"
     assert "its sandbox was killed" in cancelled.structured_content["note"]
     assert await wait_until(lambda: sandbox_processes_alive(dirs) == [], 20), sandbox_processes_alive(dirs)
-    listed = (await client.call_tool("list_jobs", {})).structured_content
+    listed = (await client.call_tool("manage_jobs", {"action": "list"})).structured_content
     assert listed is not None and [(job["job_id"], job["kind"]) for job in listed["jobs"]] == [(job_id, "execute_code")]

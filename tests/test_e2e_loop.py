@@ -67,7 +67,9 @@ async def check_bystander_during_copy(copier: Client, bystander: Client, source:
     upload_result: list[str] = []
 
     async def upload() -> None:
-        result = await copier.call_tool("upload_file", {"host_path": str(source), "overwrite": True})
+        result = await copier.call_tool(
+            "transfer_file", {"direction": "upload", "host_path": str(source), "overwrite": True}
+        )
         upload_result.append(text_of(result))
         assert not result.is_error, text_of(result)
         upload_done.set()

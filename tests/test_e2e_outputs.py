@@ -68,7 +68,7 @@ async def test_resource_reads_carry_the_mime_type_and_text_as_text(client: Clien
                       + PLOT + "fig.savefig('chart.png')\nplt.close(fig)\n"
                       "open('table.csv', 'w').write('x,y\\n1,2\\n')\nopen('blob.bin', 'wb').write(bytes(range(256)))\n"
                       "open('notes', 'w').write('héllo')")  # fmt: skip
-    session = (await client.call_tool("session_status", {})).structured_content
+    session = (await client.call_tool("manage_sessions", {"action": "status"})).structured_content
     assert session is not None
     base = f"sandbox://{session['session_id']}/workspace/"
     png = (await client.read_resource(base + "chart.png")).contents[0]
@@ -90,7 +90,7 @@ async def test_file_links_text_names_files_without_resource_links(dirs: ServerDi
         await run(client, "open('big.bin', 'wb').write(bytes(1_000_000))")
         big = await client.call_tool("read_file", {"path": "big.bin"})
         assert [block.type for block in big.content] == ["text"]
-        assert "/workspace/big.bin: 1,000,000 bytes" in text_of(big) and "download_file" in text_of(big)
+        assert "/workspace/big.bin: 1,000,000 bytes" in text_of(big) and "transfer_file (download)" in text_of(big)
 
 
 async def test_oauth_discovery_answers_404_so_clients_send_the_token(dirs: ServerDirs) -> None:

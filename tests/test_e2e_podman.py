@@ -149,7 +149,7 @@ test_status_reports_usage_against_limits = sessions.test_status_reports_usage_ag
 
 
 async def test_status_names_the_podman_backend(client: Client) -> None:
-    status = json.loads(text_of(await client.call_tool("session_status", {})))
+    status = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "status"})))
     assert status["isolation"].startswith("podman container"), status["isolation"]
     assert status["limits"]["pids"]["enforced_by"] == "container pids limit"
     assert status["workspace"] == "/workspace"
@@ -217,7 +217,7 @@ async def test_container_killed_from_outside_gives_clear_error_and_fresh_kernel(
 async def test_closing_a_session_removes_its_container(client: Client, dirs: ServerDirs) -> None:
     created = json.loads(text_of(await client.call_tool("create_session", {})))
     assert len(containers(dirs)) == 1  # the new session's; the default one is not started yet
-    closed = await client.call_tool("close_session", {"session_id": created["session_id"]})
+    closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": created["session_id"]})
     assert not closed.is_error
     assert containers(dirs) == []
 
@@ -272,7 +272,7 @@ async def test_internet_mode_uses_the_engines_network(client: Client) -> None:
     )
     assert outcome["ifaces"] != ["lo"], "internet mode attaches the engine's network"
     with contextlib.suppress(Exception):
-        await client.call_tool("close_session", {"session_id": sid})
+        await client.call_tool("manage_sessions", {"action": "close", "session_id": sid})
 
 
 # --- the guest tools (Playwright with Debian's Chromium, PDF, images with Tesseract) in the image ----
@@ -404,7 +404,7 @@ async def test_an_engine_that_fails_once_to_create_a_container_is_tried_again(
     assert await wait_until(lambda: containers(dirs) == [], timeout_s=30)
 
 
-# --- one-shot runs (execute_code, validate_code) in a throwaway container ----------------------------
+# --- one-shot runs (execute_code, check_only too) in a throwaway container ----------------------------
 
 test_one_shot_languages_stdin_variables_exit_codes = (
     execute_code.test_each_language_reads_stdin_sees_variables_and_reports_its_exit_code

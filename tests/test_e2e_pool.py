@@ -63,7 +63,7 @@ async def pooled_session(client: Client, dirs: ServerDirs, marker: str) -> tuple
             if where.name in before:
                 assert "cell 1]" in reply, reply  # the pool's warm-up cell left no count behind
                 return session_id, where
-            await client.call_tool("close_session", {"session_id": session_id})
+            await client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
             await anyio.sleep(0.5)
     pytest.fail(f"no default create_session took a pooled sandbox within {POOL_WAIT_S:g}s")
 
@@ -73,7 +73,7 @@ async def test_a_pooled_session_starts_clean(dirs: ServerDirs) -> None:
         first, first_dir = await pooled_session(client, dirs, "marker-a")
         first_uid = first_dir.stat().st_uid
         assert not (await run(client, "secret = 41\nopen('left.txt', 'w').write('x')", session_id=first)).is_error
-        await client.call_tool("close_session", {"session_id": first})
+        await client.call_tool("manage_sessions", {"action": "close", "session_id": first})
         second, second_dir = await pooled_session(client, dirs, "marker-b")
         assert second_dir != first_dir
         if os.getuid() == 0:  # a root server gives each sandbox a host uid of its own
@@ -97,7 +97,7 @@ async def test_non_default_options_start_cold(dirs: ServerDirs) -> None:
 
 async def test_pool_size_zero_starts_nothing_ahead(dirs: ServerDirs) -> None:
     async with memory_client(server_env(dirs, CODERUNNER_POOL_SIZE="0")) as client:
-        await client.call_tool("list_sessions", {})
+        await client.call_tool("manage_sessions", {"action": "list"})
         await anyio.sleep(1.0)  # time a pool would have used to start a sandbox
         assert sandbox_processes_alive(dirs) == [] and workspaces(dirs) == set()
         assert text_of(await run(client, "1 + 1")).startswith("2")

@@ -40,8 +40,10 @@ async def test_one_client_cannot_take_every_session(dirs: ServerDirs) -> None:
             own = await bystander.call_tool("create_session", {})
             assert not own.is_error, text_of(own)
             # Closing one gives the greedy client its share back.
-            first = json.loads(text_of(await greedy.call_tool("list_sessions", {})))["sessions"][0]["session_id"]
-            assert not (await greedy.call_tool("close_session", {"session_id": first})).is_error
+            first = json.loads(text_of(await greedy.call_tool("manage_sessions", {"action": "list"})))["sessions"][0][
+                "session_id"
+            ]
+            assert not (await greedy.call_tool("manage_sessions", {"action": "close", "session_id": first})).is_error
             assert text_of(await run(greedy, "2 + 2")).splitlines()[0] == "4"
 
 
@@ -62,7 +64,9 @@ async def test_one_client_cannot_hold_every_one_shot_slot(dirs: ServerDirs) -> N
                 tg.start_soon(long_run)
                 tg.start_soon(long_run)
                 await anyio.sleep(1.5)  # both greedy runs have asked for a slot
-                checked = await bystander.call_tool("validate_code", {"language": "python", "code": "x = ("})
+                checked = await bystander.call_tool(
+                    "execute_code", {"check_only": True, "language": "python", "code": "x = ("}
+                )
                 assert not checked.is_error and json.loads(text_of(checked))["valid"] is False, text_of(checked)
                 finished.append("bystander")
                 tg.cancel_scope.cancel()  # the greedy runs have made their point

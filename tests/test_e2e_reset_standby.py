@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 
 async def status(client: Client, session_id: str) -> dict[str, Any]:
-    result = await client.call_tool("session_status", {"session_id": session_id})
+    result = await client.call_tool("manage_sessions", {"action": "status", "session_id": session_id})
     assert not result.is_error, text_of(result)
     return json.loads(text_of(result))
 
@@ -45,7 +45,7 @@ async def create(client: Client, **arguments: object) -> str:
 
 
 async def reset(client: Client, session_id: str) -> CallToolResult:
-    result = await client.call_tool("kernel_reset", {"session_id": session_id})
+    result = await client.call_tool("manage_sessions", {"action": "reset", "session_id": session_id})
     assert not result.is_error, text_of(result)
     return result
 
@@ -205,7 +205,7 @@ async def test_closing_after_a_reset_leaves_nothing(dirs: ServerDirs) -> None:
         groups = session_cgroups(key)
         if groups:  # a server that makes cgroups: the live kernel's and the standby's, each its own
             assert len(groups) == 2, groups
-        closed = await client.call_tool("close_session", {"session_id": sid})
+        closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": sid})
         assert not closed.is_error, text_of(closed)
         assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "a sandbox outlived its closed session"
         assert not (dirs.runtime / key).exists(), "the closed session's dirs are left"
@@ -221,7 +221,7 @@ async def test_closing_while_the_standby_starts_leaves_nothing(dirs: ServerDirs)
                 while (await status(client, sid))["standby"]["state"] != "starting":
                     await anyio.sleep(0.02)
             await anyio.sleep(0.55)  # past its start delay: its sandbox is being started
-            closed = await client.call_tool("close_session", {"session_id": sid})
+            closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": sid})
             assert not closed.is_error, text_of(closed)
             assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "a standby outlived its session"
             assert not any(dirs.workspaces.iterdir()), "the closed session's workspace is left"

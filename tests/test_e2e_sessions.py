@@ -42,14 +42,14 @@ async def test_create_status_list_close(client: Client, dirs: ServerDirs) -> Non
     assert session["network"] == "none" and session["alive"] is True and session["timeout_s"] == 30
 
     await run(client, "import numpy as np\nbig = np.ones(10_000_000)", session_id=sid)
-    status = json.loads(text_of(await client.call_tool("session_status", {"session_id": sid})))
+    status = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "status", "session_id": sid})))
     assert status["alive"] and not status["busy"]
     assert status["memory_used_mb"] > 60, status
 
-    listed = json.loads(text_of(await client.call_tool("list_sessions", {})))
+    listed = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "list"})))
     assert sid in [entry["session_id"] for entry in listed["sessions"]]
 
-    closed = await client.call_tool("close_session", {"session_id": sid})
+    closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": sid})
     assert not closed.is_error
     assert len(list(dirs.workspaces.iterdir())) == 0, "a closed session's workspace is removed"
     gone = await run(client, "1", session_id=sid)
@@ -132,7 +132,7 @@ async def test_closing_a_session_mid_run_ends_the_run_and_its_sandbox(client: Cl
         tg.start_soon(long_run)
         await anyio.sleep(1.0)
         with anyio.fail_after(30):
-            closed = await client.call_tool("close_session", {"session_id": sid})
+            closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": sid})
     assert not closed.is_error
     assert replies[0].is_error and "closed during this call" in text_of(replies[0])
     assert await wait_until(lambda: not sandbox_processes_alive(dirs))
@@ -157,7 +157,7 @@ async def test_status_reports_usage_against_limits(client: Client) -> None:
         "import numpy as np\nkeep = np.ones(20_000_000)\nopen('blob', 'wb').write(b'x' * 5_000_000)",
         session_id=sid,
     )
-    status = json.loads(text_of(await client.call_tool("session_status", {"session_id": sid})))
+    status = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "status", "session_id": sid})))
     usage, limits = status["usage"], status["limits"]
     assert usage["memory_mb"] > 150 and limits["memory_mb"]["value"] == 2048
     assert usage["disk_mb"] >= 4.5 and limits["disk_mb"]["value"] == 2048
@@ -190,24 +190,26 @@ async def test_sandbox_killed_from_outside_gives_clear_error_and_fresh_kernel(cl
 async def test_closing_a_session_while_its_kernel_restarts_stops_the_start_cleanly(
     client: Client, dirs: ServerDirs
 ) -> None:
-    """close_session during kernel_reset's fresh start: the start is cancelled, not left to work in
+    """A close during a kernel reset's fresh start: the start is cancelled, not left to work in
     dirs closed under it (its reply was an OSError EBADF from a closed dir fd)."""
     session = await create(client)
     sid, generation = session["session_id"], session["kernel_generation"]
     replies: dict[str, object] = {}
 
     async def reset() -> None:
-        replies["reset"] = await client.call_tool("kernel_reset", {"session_id": sid})
+        replies["reset"] = await client.call_tool("manage_sessions", {"action": "reset", "session_id": sid})
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(reset)
         # A new generation and no live kernel: the fresh one is starting (about a second).
         with anyio.fail_after(30):
             while "reset" not in replies:
-                status = json.loads(text_of(await client.call_tool("session_status", {"session_id": sid})))
+                status = json.loads(
+                    text_of(await client.call_tool("manage_sessions", {"action": "status", "session_id": sid}))
+                )
                 if status["kernel_generation"] > generation and not status["alive"]:
                     break
-        closed = await client.call_tool("close_session", {"session_id": sid})
+        closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": sid})
     assert not closed.is_error, text_of(closed)
     reset_reply = replies["reset"]
     assert isinstance(reset_reply, type(closed))

@@ -71,7 +71,7 @@ async def test_snapshot_and_restore_bring_back_data_model_function_class_and_fil
     async with memory_client(server_env(dirs)) as client:
         original = (await call(client, "create_session"))["session_id"]
         await output(client, STATE_CELL, original)
-        taken = await call(client, "snapshot_session", session_id=original, name="before")
+        taken = await call(client, "manage_snapshots", action="save", session_id=original, name="before")
         assert {"df", "model", "predict", "Box", "box", "offset"} <= set(taken["variables"]), taken
         assert "np" in taken["modules"] and "pd" in taken["modules"]
         not_saved = "\n".join(taken["not_saved"])
@@ -79,7 +79,7 @@ async def test_snapshot_and_restore_bring_back_data_model_function_class_and_fil
             assert expected in not_saved, not_saved
         assert taken["workspace"]["files"] >= 1 and taken["never_carried"]
 
-        restored = await call(client, "restore_session", snapshot=taken["snapshot"])
+        restored = await call(client, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
         new = restored["session_id"]
         assert new != original
         assert {"df", "model", "predict", "box"} <= set(restored["restored"])
@@ -89,23 +89,25 @@ async def test_snapshot_and_restore_bring_back_data_model_function_class_and_fil
 
         # The original runs on, untouched; listing and status name the snapshot.
         assert EXPECTED in await output(client, CHECK_CELL, original)
-        listed = await call(client, "list_snapshots")
+        listed = await call(client, "manage_snapshots", action="list")
         assert [entry["snapshot"] for entry in listed["snapshots"]] == [taken["snapshot"]]
         assert listed["snapshots"][0]["name"] == "before"
-        status = await call(client, "session_status", session_id=original)
+        status = await call(client, "manage_sessions", action="status", session_id=original)
         assert status["snapshots"] == [taken["snapshot"]]
-        assert (await call(client, "session_status", session_id=new))["restored_from"] == taken["snapshot"]
+        assert (await call(client, "manage_sessions", action="status", session_id=new))["restored_from"] == taken[
+            "snapshot"
+        ]
 
-        await call(client, "delete_snapshot", snapshot=taken["snapshot"])
-        assert (await call(client, "list_snapshots"))["snapshots"] == []
-        assert "no snapshot" in await refused(client, "restore_session", snapshot=taken["snapshot"])
+        await call(client, "manage_snapshots", action="delete", snapshot=taken["snapshot"])
+        assert (await call(client, "manage_snapshots", action="list"))["snapshots"] == []
+        assert "no snapshot" in await refused(client, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
 
 
 async def test_fork_gives_two_sessions_that_diverge(dirs: ServerDirs) -> None:
     async with memory_client(server_env(dirs)) as client:
         original = (await call(client, "create_session"))["session_id"]
         await output(client, "path = ['start']\nopen('shared.txt', 'w').write('start')", original)
-        forked = await call(client, "fork_session", session_id=original)
+        forked = await call(client, "manage_snapshots", action="fork", session_id=original)
         fork = forked["session_id"]
         assert forked["forked_from"] == original and "path" in forked["restored"]
 
@@ -116,7 +118,7 @@ async def test_fork_gives_two_sessions_that_diverge(dirs: ServerDirs) -> None:
         assert "['start', 'fork'] start+fork True" in fork_view
         assert "['start', 'original'] start+original False" in original_view
         # A fork's snapshot is only the means: it is not kept.
-        assert (await call(client, "list_snapshots"))["snapshots"] == []
+        assert (await call(client, "manage_snapshots", action="list"))["snapshots"] == []
 
 
 async def test_keep_state_brings_variables_back_after_a_server_restart(dirs: ServerDirs) -> None:
@@ -134,14 +136,14 @@ async def test_keep_state_brings_variables_back_after_a_server_restart(dirs: Ser
         assert any(line.startswith("guard: a lock") for line in again["state"]["not_restored"]), again
         assert EXPECTED in await output(client, CHECK_CELL, again["session_id"])
         await output(client, "offset = 20", again["session_id"])
-        closed = await call(client, "close_session", session_id=again["session_id"])
+        closed = await call(client, "manage_sessions", action="close", session_id=again["session_id"])
         assert closed["state"].startswith("kernel state saved"), closed
 
     async with memory_client(env) as client:
         third = await call(client, "create_session", **persistent)
         assert "29.0" in await output(client, "print(predict(2))", third["session_id"]), "the later state was kept"
         # Without keep_state the same workspace opens with its files and a fresh kernel.
-        await call(client, "close_session", session_id=third["session_id"])
+        await call(client, "manage_sessions", action="close", session_id=third["session_id"])
         plain = await call(client, "create_session", name="analysis", persistent=True)
         assert "state" not in plain
         assert "False" in await output(client, "print('df' in dir(), open('notes.txt').read())", plain["session_id"])
@@ -163,11 +165,14 @@ async def test_keep_state_survives_a_killed_server_once_saved_while_idle(dirs: S
                 sid = (await call(client, "create_session", **persistent))["session_id"]
                 await output(client, "fitted = [1, 2, 3]\ndef total():\n    return sum(fitted)", sid)
                 with anyio.fail_after(60):
-                    while not (note := (await call(client, "session_status", session_id=sid))["state_note"] or ""):
+                    while not (
+                        note := (await call(client, "manage_sessions", action="status", session_id=sid))["state_note"]
+                        or ""
+                    ):
                         await anyio.sleep(0.2)
                 assert note.startswith("kernel state saved at"), note
                 await anyio.sleep(3)  # idle, nothing new ran: nothing is saved again
-                assert (await call(client, "session_status", session_id=sid))["state_note"] == note
+                assert (await call(client, "manage_sessions", action="status", session_id=sid))["state_note"] == note
         finally:
             server.kill()
             server.wait(timeout=10)
@@ -192,14 +197,16 @@ async def test_a_snapshot_belongs_to_the_client_that_made_it(dirs: ServerDirs) -
         async with connect_http(url) as alice, connect_http(url, token=bob_token) as bob:
             session = (await call(alice, "create_session"))["session_id"]
             await output(alice, "secret_plan = 'alice only'", session)
-            taken = await call(alice, "snapshot_session", session_id=session)
-            answer = await refused(bob, "restore_session", snapshot=taken["snapshot"])
+            taken = await call(alice, "manage_snapshots", action="save", session_id=session)
+            answer = await refused(bob, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
             assert "no snapshot" in answer and "alice only" not in answer
-            assert (await call(bob, "list_snapshots"))["snapshots"] == []
-            assert "no snapshot" in await refused(bob, "delete_snapshot", snapshot=taken["snapshot"])
-            assert "unknown or expired session_id" in await refused(bob, "snapshot_session", session_id=session)
+            assert (await call(bob, "manage_snapshots", action="list"))["snapshots"] == []
+            assert "no snapshot" in await refused(bob, "manage_snapshots", action="delete", snapshot=taken["snapshot"])
+            assert "unknown or expired session_id" in await refused(
+                bob, "manage_snapshots", action="save", session_id=session
+            )
             # Alice's snapshot is whole, and hers to restore.
-            restored = await call(alice, "restore_session", snapshot=taken["snapshot"])
+            restored = await call(alice, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
             assert "alice only" in await output(alice, "print(secret_plan)", restored["session_id"])
 
 
@@ -208,12 +215,12 @@ async def test_a_snapshot_past_its_size_cap_is_refused_and_nothing_is_kept(dirs:
     async with memory_client(env) as client:
         session = (await call(client, "create_session"))["session_id"]
         await output(client, "big = bytes(3 * 2**20)\nsmall = 1", session)
-        answer = await refused(client, "snapshot_session", session_id=session)
+        answer = await refused(client, "manage_snapshots", action="save", session_id=session)
         assert "snapshot_limit_mb" in answer and "big" in answer, answer
         await output(client, "del big\nopen('large.bin', 'wb').write(bytes(3 * 2**20))", session)
-        answer = await refused(client, "snapshot_session", session_id=session)
+        answer = await refused(client, "manage_snapshots", action="save", session_id=session)
         assert "snapshot_limit_mb" in answer, answer
-        assert (await call(client, "list_snapshots"))["snapshots"] == []
+        assert (await call(client, "manage_snapshots", action="list"))["snapshots"] == []
         store = Path(dirs.root) / "snapshots"
         assert not [path for path in store.rglob("*") if path.is_file() and path.stat().st_size > 2**20]
         # The session goes on, its state intact, and nothing of the attempt is left in its workspace.

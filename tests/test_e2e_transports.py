@@ -68,7 +68,7 @@ async def test_streamable_http_transport_carries_a_conversation_and_exports_to_h
         async with connect_http(url) as client:
             await converse(client)
             await client.call_tool("write_file", {"path": "result.txt", "content": "done"})
-            copied = await client.call_tool("download_file", {"sandbox_path": "result.txt"})
+            copied = await client.call_tool("transfer_file", {"direction": "download", "sandbox_path": "result.txt"})
             assert not copied.is_error, text_of(copied)
     # An unnamed HTTP client of the server's token is the client `http` (edge/callers.py).
     assert sorted(path.name for path in exports.iterdir()) == ["http"]

@@ -340,7 +340,7 @@ def test_another_clients_snapshot_is_not_found(tmp_path: Path, ws_fd: int) -> No
     fresh.mkdir()
     with pytest.raises(SnapshotNotFound) as caught:
         store.get("bob", meta.snapshot_id)
-    assert "list_snapshots" in str(caught.value)
+    assert "manage_snapshots (action 'list')" in str(caught.value)
     with hostfs.dir_fd(fresh) as fd:
         with pytest.raises(SnapshotNotFound):
             store.restore_workspace("bob", meta.snapshot_id, fd, None)

@@ -23,8 +23,10 @@ from mcp.types import Tool
 
 from coderunner.config import ConfigError, Settings, load_settings
 from coderunner.policy.tool_groups import ALWAYS, GROUP_NAMES, ToolGroups, ToolsetError, selected_tools
+from coderunner.policy.tool_mentions import Mentions, names_in
 from coderunner.server import build_server
 from coderunner.tools import ToolContext, declared_groups
+from coderunner.tools.guest import called_as, document_kind
 from coderunner.tools.schemas import SchemaError, finish_tools, portable_schema
 
 from .conftest import ServerDirs, run, server_env, stdio_client, text_of
@@ -38,8 +40,10 @@ GEMINI_KEPT = {"type", "description", "enum", "default", "minimum", "maximum", "
 #: 2,500 before issue 15/16: +41 for network "allowlist" (two enums) and create_session's allow, +234 for
 #: the job tools (wait_job, cancel_job, list_jobs, and detach_after_s on two tools); issue 19: +265 for the
 #: snapshot tools (snapshot_session, restore_session, fork_session, list_snapshots, delete_snapshot) and
-#: create_session's keep_state.
-BUDGET_TOKENS = 3_040
+#: create_session's keep_state: 3,040. Issue 28: 1,970 (31 tools, 12,109 bytes, became 14, 7,811 bytes):
+#: operations that share arguments folded into one tool with an action, descriptions cut to what picks
+#: the tool and fills its arguments, defaults that say nothing (false, []) left out.
+BUDGET_TOKENS = 1_970
 
 
 def tools_of(**settings: Any) -> list[Tool]:
@@ -67,7 +71,7 @@ def test_every_tool_is_offered_by_default_and_grouped(tools: list[Tool]) -> None
 
 
 def test_the_declared_groups_are_exactly_the_names_a_setting_may_use() -> None:
-    declared = set(GROUPS.of.values())
+    declared = {group for groups in GROUPS.of.values() for group in groups}
     assert declared == {*GROUP_NAMES, ALWAYS}
     assert GROUPS.members(ALWAYS) == ("get_capabilities",)
     assert all(GROUPS.members(group) for group in GROUP_NAMES)
@@ -96,7 +100,7 @@ def test_a_tool_that_declares_no_group_or_an_unknown_one_fails_at_start() -> Non
     with pytest.raises(SchemaError, match="undeclared: in no tool group"):
         finish_tools(tools.server, {"undeclared"}, ToolGroups(tools.groups))
     with pytest.raises(ToolsetError, match="odd_tool: declares tool group 'pythn'"):
-        ToolGroups({"odd_tool": "pythn"})
+        ToolGroups({"odd_tool": ("python", "pythn")})
 
 
 def test_schemas_have_no_titles_wrappers_free_form_objects_or_booleans_gemini_chokes_on(tools: list[Tool]) -> None:
@@ -123,10 +127,13 @@ def test_fixed_value_sets_are_enums(tools: list[Tool]) -> None:
         assert widened["execute_code"]["network"]["enum"] == modes
     assert by_name["execute_code"]["language"]["enum"] == ["python", "javascript", "bash"]
     assert by_name["write_file"]["encoding"]["enum"] == ["text", "base64"]
-    assert by_name["browser_extract"]["format"]["enum"] == ["text", "html", "json", "table", "links"]
-    assert by_name["browser_interact"]["action"]["enum"][0] == "click"
-    assert "to_images" in by_name["pdf_ops"]["op"]["enum"] and "ocr" in by_name["image_ops"]["op"]["enum"]
-    assert by_name["image_ops"]["format"]["enum"][:2] == ["png", "jpeg"]
+    assert by_name["use_browser"]["format"]["enum"] == ["text", "html", "json", "table", "links"]
+    assert by_name["use_browser"]["action"]["enum"][:2] == ["navigate", "extract"]
+    assert {"to_images", "ocr"} <= set(by_name["document_ops"]["op"]["enum"])
+    assert by_name["document_ops"]["format"]["enum"][:2] == ["png", "jpeg"]
+    schemas = {tool.name: tool.input_schema for tool in tools}
+    for tool, count in [("manage_jobs", 3), ("manage_sessions", 4), ("manage_snapshots", 5), ("manage_workspaces", 2)]:
+        assert len(by_name[tool]["action"]["enum"]) == count and schemas[tool]["required"] == ["action"], tool
     assert by_name["run_python"]["variables"]["type"] == "string"
 
 
@@ -182,9 +189,52 @@ def test_tools_setting_exposes_groups_and_always_capabilities() -> None:
     names = {tool.name for tool in tools_of(tools=["python", "files"])}
     assert names == {*GROUPS.members("python"), *GROUPS.members("files"), "get_capabilities"}
     assert {tool.name for tool in tools_of(tools="oneshot,read_file")} == {
-        "execute_code", "validate_code", "read_file", "get_capabilities",
+        "execute_code", "manage_jobs", "read_file", "get_capabilities",
     }  # fmt: skip
     assert selected_tools(["all", "python"]) == ALL_TOOLS
+
+
+#: Every group alone, and each with python (where most narrower settings start).
+NARROW_SETTINGS = [[group] for group in GROUP_NAMES] + [["python", group] for group in GROUP_NAMES if group != "python"]
+
+
+@pytest.mark.parametrize("entries", NARROW_SETTINGS, ids=",".join)
+def test_no_description_or_instruction_names_a_tool_the_setting_leaves_out(entries: list[str]) -> None:
+    server = build_server(types.SimpleNamespace(settings=Settings(tools=entries)))  # type: ignore[arg-type]
+    listed = anyio.run(server.list_tools)
+    offered = {tool.name for tool in listed}
+    assert offered == selected_tools(entries)
+    hidden = ALL_TOOLS - offered
+    for tool in listed:
+        text = f"{tool.description} {json.dumps(tool.input_schema)}"
+        assert not names_in(text, hidden), (tool.name, names_in(text, hidden))
+    assert server.instructions and not names_in(server.instructions, hidden)
+
+
+def test_a_run_answering_with_a_job_id_is_followed_by_a_job_tool_in_its_group() -> None:
+    for group in ("python", "oneshot"):
+        assert "manage_jobs" in selected_tools([group])
+
+
+def test_a_mention_of_a_tool_not_offered_becomes_the_group_the_user_can_add() -> None:
+    mentions = Mentions(selected_tools(["python"]), GROUPS)
+    reply = (
+        "denied 'a.org'; to reach it: create_session(network='allowlist', allow=['a.org']); or copy it with "
+        "transfer_file (download); manage_jobs reads the rest; run_python (persistent kernel)"
+    )
+    assert mentions.text(reply) == (
+        "denied 'a.org'; to reach it: a tool not offered here (the user can add 'sessions' to the tools setting); "
+        "or copy it with a tool not offered here (the user can add 'files' to the tools setting) (download); "
+        "manage_jobs reads the rest; run_python (persistent kernel)"
+    )
+    only_run = Mentions(selected_tools(["run_python"]), GROUPS)
+    assert only_run.value({"note": ["manage_jobs reads the rest"], "n": 1}) == {
+        "note": ["a tool not offered here (the user can add 'python' or 'oneshot' or 'jobs' to the tools setting) "
+                 "reads the rest"],
+        "n": 1,
+    }  # fmt: skip
+    everything = Mentions(ALL_TOOLS, GROUPS)
+    assert everything.text(reply) == reply
 
 
 def test_an_unknown_group_is_refused_with_the_valid_ones(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,12 +285,41 @@ async def test_wrong_arguments_are_refused_in_plain_words_before_any_work() -> N
     assert unknown.content[0].text == (
         "run_python: unknown argument 'sesion_id' (it takes: code, session_id, timeout_s, variables, detach_after_s)"
     )
-    typed = await call("image_ops", {"input_path": "a.png", "op": "crop", "box": ["a", 0, 1, 1]})
-    assert typed.is_error and typed.content[0].text.startswith("image_ops: box.0: Input should be a valid integer")
-    missing = await call("pdf_ops", {"op": "info"})
-    assert missing.is_error and missing.content[0].text == "pdf_ops: missing argument 'input_path'"
+    typed = await call("document_ops", {"input_path": "a.png", "op": "crop", "box": ["a", 0, 1, 1]})
+    assert typed.is_error and typed.content[0].text.startswith("document_ops: box.0: Input should be a valid integer")
+    missing = await call("document_ops", {"op": "info"})
+    assert missing.is_error and missing.content[0].text == "document_ops: missing argument 'input_path'"
     for text in (unknown.content[0].text, typed.content[0].text):
         assert "input_value" not in text and "pydantic" not in text and "validation error" not in text
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("tool", "arguments", "said"),
+    [
+        ("manage_jobs", {"action": "wait"}, "manage_jobs action 'wait' needs a job_id"),
+        ("manage_sessions", {"action": "close"}, "manage_sessions action 'close' needs the session_id"),
+        ("manage_snapshots", {"action": "restore"}, "manage_snapshots action 'restore' needs a snapshot"),
+        ("manage_workspaces", {"action": "delete"}, "manage_workspaces action 'delete' needs the name"),
+        ("transfer_file", {"direction": "download", "host_path": "x"}, "direction 'download' needs sandbox_path"),
+        ("use_browser", {"action": "navigate"}, "use_browser action 'navigate' needs a url"),
+        ("use_browser", {"action": "extract", "selector": "p", "url": "x"}, "'extract' takes no url (it takes"),
+        ("use_browser", {"action": "click", "selector": "p", "full_page": True}, "'click' takes no full_page"),
+    ],
+)
+async def test_a_folded_tool_says_what_its_action_lacks_or_does_not_take(
+    tool: str, arguments: dict[str, Any], said: str
+) -> None:
+    """Checked before any session is touched: the host here has nothing but settings."""
+    refused = await call(tool, arguments)
+    assert refused.is_error and said in refused.content[0].text, refused.content[0].text
+
+
+def test_document_ops_picks_the_pdf_or_the_image_helper_by_op_then_by_name() -> None:
+    assert document_kind("merge", "a.png") == "pdf_ops" and document_kind("ocr", "a.pdf") == "image_ops"
+    assert document_kind("rotate", "Report.PDF") == "pdf_ops" and document_kind("info", "scan.png") == "image_ops"
+    assert called_as("pdf_ops: bad page", "pdf_ops", "document_ops") == "document_ops: bad page"
+    assert called_as("network is off", "browser", "use_browser") == "network is off"
 
 
 @pytest.mark.anyio

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 # MCP SDK, the settings or the sessions (seconds on a cold disk); each command imports its own below.
 from coderunner import __version__
 from coderunner.edge.client_configs import CLIENTS
-from coderunner.policy.tool_groups import GROUP_NAMES
+from coderunner.policy.tool_groups import ALL, GROUP_NAMES
 from coderunner.sandbox.registry import BACKEND_NAMES
 
 if TYPE_CHECKING:
@@ -40,8 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-sessions", type=int)
     serve.add_argument(
         "--tools",
-        help=f"tool groups to offer, e.g. python,files (all, {', '.join(GROUP_NAMES)}; single tool names too); "
-        "default all",
+        help=f"tool groups to offer, e.g. python,files ({', '.join([ALL, *GROUP_NAMES])}; single tool names "
+        "too); default all",
     )
     serve.add_argument(
         "--mount",
@@ -65,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
         "(python-packages, github)",
     )
     serve.add_argument("--export-dir", type=Path, help="where exports land, one subfolder per client")
-    serve.add_argument("--import-dir", dest="import_dirs", type=Path, action="append", help="upload_file source")
+    serve.add_argument(
+        "--import-dir", dest="import_dirs", type=Path, action="append", help="where transfer_file uploads from"
+    )
     serve.add_argument("--token-file", type=Path, help="HTTP bearer token file (default: made on first use)")
     serve.add_argument("--log-level", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     serve.add_argument(

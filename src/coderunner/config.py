@@ -180,7 +180,7 @@ class Settings(BaseSettings):
         description="Sessions one HTTP client may hold open (see callers.py for how clients are told apart); "
         "a stdio server's one client may use all of max_sessions.",
     )
-    max_oneshot_runs: int = Field(default=4, ge=1, description="execute_code/validate_code sandboxes at once.")
+    max_oneshot_runs: int = Field(default=4, ge=1, description="execute_code sandboxes at once (check_only too).")
     max_oneshot_runs_per_client: int = Field(
         default=2, ge=1, description="One-shot sandboxes one HTTP client may run at once; more wait for its own slot."
     )
@@ -213,7 +213,7 @@ class Settings(BaseSettings):
     reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
         "idle; in session_status) that kernel_reset and restarts swap to instead of starting one (bwrap).")  # fmt: skip
 
-    # Snapshots (snapshot_session, restore_session, fork_session; keep_state).
+    # Snapshots (manage_snapshots: save, restore, fork; keep_state).
     snapshots_dir: Path | None = Field(
         default=None,
         description="Where snapshots are kept, host-only (default: 'snapshots' beside workspaces_dir).",
@@ -252,7 +252,7 @@ class Settings(BaseSettings):
         description="Where a sandbox saves files for export; they are copied to export_dir/<client>/ after each call.",
     )
     export_limit_mb: int = Field(default=1024, ge=0, description="Most bytes one session or run may export.")
-    import_dirs: list[Path] = Field(default_factory=list, description="Host folders upload_file may read from.")
+    import_dirs: list[Path] = Field(default_factory=list, description="Host folders transfer_file may upload from.")
     allowed_mount_roots: list[Path] = Field(
         default_factory=list, description="Host folders under which create_session may mount more folders."
     )
@@ -270,7 +270,7 @@ class Settings(BaseSettings):
     detach_after_s: float = Field(
         default=40.0,
         ge=0,
-        description="A run still going after this long answers with its output so far and a job id (wait_job "
+        description="A run still going after this long answers with its output so far and a job id (manage_jobs "
         "reads the rest). Kept under the 60 s many clients wait for a reply (the TypeScript SDK's default).",
     )
     max_timeout_s: float = Field(default=3600.0, gt=0, description="Largest timeout_s a caller may ask for.")

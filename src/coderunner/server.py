@@ -17,8 +17,9 @@ from coderunner import __version__
 from coderunner.edge.instructions import INSTRUCTIONS
 from coderunner.offload import off_loop
 from coderunner.policy.tool_groups import ToolGroups
+from coderunner.policy.tool_mentions import Mentions
 from coderunner.sessions.seam import SessionHost
-from coderunner.tools import MODULES, ToolContext
+from coderunner.tools import MODULES, ToolContext, declared_groups
 from coderunner.tools.file_results import resource_contents
 from coderunner.tools.schemas import finish_tools
 
@@ -52,10 +53,13 @@ def build_server(host: SessionHost) -> MCPServer:
 
     `host` is where sessions live (sessions/seam.py): the local SessionManager today.
     """
-    server = CodeRunnerServer("coderunner", version=__version__, instructions=INSTRUCTIONS)
+    declared = declared_groups()
+    offered = declared.selected(host.settings.tools)
+    mentions = Mentions(offered, declared)  # replies and instructions name only these (policy/tool_mentions.py)
+    server = CodeRunnerServer("coderunner", version=__version__, instructions=mentions.text(INSTRUCTIONS))
     tools = ToolContext.create(server, host)
+    tools.mentions = mentions
     for module in MODULES:
         module.register(tools)
-    groups = ToolGroups(tools.groups)  # as the tools declared them
-    finish_tools(server, groups.selected(host.settings.tools), groups)
+    finish_tools(server, offered, ToolGroups(tools.groups))  # as these tools declared them
     return server

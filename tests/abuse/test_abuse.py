@@ -430,7 +430,7 @@ async def attack(arena: Arena, case: Case) -> CallToolResult:
         with anyio.fail_after(case.timeout_s + 60):
             return await run(arena.client, source, session_id=session_id, timeout_s=case.timeout_s)
     finally:
-        await arena.client.call_tool("close_session", {"session_id": session_id})
+        await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
 
 
 async def assert_still_serving(arena: Arena) -> None:
@@ -448,7 +448,7 @@ async def test_boundary_holds(arena: Arena, case: Case) -> None:
 
 
 async def test_daemon_does_not_outlive_its_kernel(arena: Arena) -> None:
-    """boundary: processes. A double-forked daemon is killed with its kernel at kernel_reset."""
+    """boundary: processes. A double-forked daemon is killed with its kernel at a reset."""
     code = (
         "import os, time\n"
         "if os.fork() == 0:\n"
@@ -465,17 +465,18 @@ async def test_daemon_does_not_outlive_its_kernel(arena: Arena) -> None:
     # The session's standby kernel (started ahead for the reset; none on some backends) is up, so that
     # `before` counts it too.
     with anyio.fail_after(60):
-        while (json.loads(text_of(await arena.client.call_tool("session_status", {}))).get("standby") or {}).get(
-            "state", "ready"
-        ) != "ready":
+        while (
+            json.loads(text_of(await arena.client.call_tool("manage_sessions", {"action": "status"}))).get("standby")
+            or {}
+        ).get("state", "ready") != "ready":
             await anyio.sleep(0.1)
     before = len(sandbox_processes_alive(arena.dirs))
-    reset = await arena.client.call_tool("kernel_reset", {})
+    reset = await arena.client.call_tool("manage_sessions", {"action": "reset"})
     assert not reset.is_error
     size = len(text_of(await run(arena.client, "open('heartbeat').read()")))
     await anyio.sleep(1.0)
     later = len(text_of(await run(arena.client, "open('heartbeat').read()")))
-    assert later == size, "the daemon kept writing after kernel_reset"
+    assert later == size, "the daemon kept writing after the kernel reset"
     assert len(sandbox_processes_alive(arena.dirs)) <= before
     await assert_still_serving(arena)
 

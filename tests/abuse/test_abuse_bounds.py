@@ -59,7 +59,7 @@ async def test_a_guest_answer_over_every_bound_is_cut_and_its_spill_never_follow
     try:
         assert "armed" in text_of(await run(arena.client, flood_answer(canary_dir), session_id=session_id))
         result = await arena.client.call_tool(
-            "image_ops", {"input_path": "x.png", "op": "info", "session_id": session_id}
+            "document_ops", {"input_path": "x.png", "op": "info", "session_id": session_id}
         )
         text = text_of(result)
         assert len(text) < 30_000 and "characters omitted" in text, text[:500]
@@ -69,7 +69,7 @@ async def test_a_guest_answer_over_every_bound_is_cut_and_its_spill_never_follow
         assert sorted(path.name for path in canary_dir.iterdir()) == ["canary.txt"]
         assert (canary_dir / "canary.txt").read_text() == "untouched"
     finally:
-        await arena.client.call_tool("close_session", {"session_id": session_id})
+        await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
     await assert_still_serving(arena)
 
 
@@ -103,7 +103,7 @@ async def test_a_session_that_spins_after_its_call_returned_leaves_the_server_se
         for _ in range(5):
             await assert_still_serving(arena)
     finally:
-        await arena.client.call_tool("close_session", {"session_id": session_id})
+        await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
 
 
 def _cpu_group(pid: int) -> str | None:

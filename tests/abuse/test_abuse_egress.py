@@ -198,7 +198,7 @@ print(json.dumps(reached))
         assert len(owners) == len(sockets), "sandboxes share a host uid: sockets would be connectable by others"
     assert BODY in await ok(net.client, get_code(f"http://{net.servers.public_ip}/"), b)
     for session in (a, b):
-        await net.client.call_tool("close_session", {"session_id": session})
+        await net.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     await assert_unharmed(net)
 
 
@@ -223,7 +223,7 @@ print(json.dumps(results))
     results = last_json(await ok(net.client, code, session))
     assert "DONE" not in results.values(), results
     assert BODY in await ok(net.client, get_code(f"http://{net.servers.public_ip}/"), session)
-    await net.client.call_tool("close_session", {"session_id": session})
+    await net.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
 
 
 async def test_killing_the_forwarder_leaves_no_network_not_an_open_one(net: Net) -> None:
@@ -266,10 +266,10 @@ except OSError as exc:
 """
     assert "refused" in await ok(net.client, raw, session)
     # A fresh kernel comes with a fresh forwarder.
-    reset = await net.client.call_tool("kernel_reset", {"session_id": session})
+    reset = await net.client.call_tool("manage_sessions", {"action": "reset", "session_id": session})
     assert not reset.is_error, text_of(reset)
     assert BODY in await ok(net.client, get_code(f"http://{net.servers.public_ip}/"), session)
-    await net.client.call_tool("close_session", {"session_id": session})
+    await net.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     await assert_unharmed(net)
 
 
@@ -312,5 +312,5 @@ async def test_a_flood_and_a_slowloris_leave_the_proxy_and_a_bystander_serving(n
     )
     text = await ok(net.client, release, session)
     assert BODY in text, f"the flooded session's proxy did not recover: {text[-1500:]}"
-    await net.client.call_tool("close_session", {"session_id": session})
+    await net.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     await assert_unharmed(net)

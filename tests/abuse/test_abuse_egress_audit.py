@@ -136,7 +136,7 @@ async def test_a_denial_flood_cannot_rotate_away_a_bystanders_audit_records(aren
     elapsed = time.monotonic() - started
     answered = json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
     assert answered["403"] >= 500, answered  # a flood worth the name reached the proxy
-    closed = await arena.client.call_tool("close_session", {"session_id": flooder})
+    closed = await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": flooder})
     assert not closed.is_error, text_of(closed)
 
     def flooded() -> list[dict[str, Any]]:

@@ -1,6 +1,6 @@
 """Jobs under abuse: a detached job that floods output and charts stays bounded on the host.
 
-A job outlives the call that started it, so its output is read in pieces by wait_job: each piece
+A job outlives the call that started it, so its output is read in pieces by manage_jobs (wait): each piece
 must be bounded like a reply (the whole goes to the spill file), the server must keep serving, and
 a bystander session must be unharmed. The canary is the arena's own bystander session.
 """
@@ -40,7 +40,7 @@ async def test_a_flooding_job_is_read_in_bounded_pieces(arena: Arena) -> None:
     job_id = (started.meta or {})["coderunner/job"]["job_id"]
     reads = []
     for _ in range(60):
-        reply = await arena.client.call_tool("wait_job", {"job_id": job_id, "timeout_s": 10})
+        reply = await arena.client.call_tool("manage_jobs", {"action": "wait", "job_id": job_id, "timeout_s": 10})
         text = text_of(reply)
         assert len(text) < 30_000, "a read must be bounded like a reply"
         assert len([block for block in reply.content if block.type == "image"]) <= 20
@@ -51,5 +51,5 @@ async def test_a_flooding_job_is_read_in_bounded_pieces(arena: Arena) -> None:
     seen = "\n".join(reads)
     assert "flood over" in seen and "characters not shown here; full output: /workspace/.coderunner/output-" in seen
     assert "more images were neither shown nor saved" in seen
-    await arena.client.call_tool("close_session", {"session_id": session_id})
+    await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
     await assert_still_serving(arena)

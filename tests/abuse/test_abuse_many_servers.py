@@ -63,7 +63,7 @@ async def one_server(env: dict[str, str], wave: int, index: int, failures: list[
                 failures.append(f"wave {wave} server {index}: run: {text_of(wrote)}")
             if default.is_error or "42" not in text_of(default):
                 failures.append(f"wave {wave} server {index}: default session: {text_of(default)}")
-            await client.call_tool("close_session", {"session_id": session})
+            await client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     except Exception as exc:  # a server that failed to start is the finding itself
         failures.append(f"wave {wave} server {index}: {type(exc).__name__}: {exc}")
 
@@ -98,7 +98,7 @@ async def bystander_sessions(client: object, failures: list[str]) -> None:
         done = await run(client, "7 * 6", session_id=session)  # type: ignore[arg-type]
         if done.is_error or "42" not in text_of(done):
             failures.append(f"bystander session {index}: {text_of(done)}")
-        await client.call_tool("close_session", {"session_id": session})  # type: ignore[attr-defined]
+        await client.call_tool("manage_sessions", {"action": "close", "session_id": session})  # type: ignore[attr-defined]
 
 
 async def test_servers_sharing_a_runtime_dir_never_break_each_others_sessions(dirs: ServerDirs) -> None:

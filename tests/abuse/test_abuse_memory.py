@@ -93,7 +93,7 @@ async def test_an_iopub_flood_between_and_during_calls_keeps_the_server_bounded(
     # The session itself still works, and so does everyone else.
     again = await run(arena.client, "print(6 * 7)", session_id=session)
     assert "42" in text_of(again), text_of(again)
-    await arena.client.call_tool("close_session", {"session_id": session})
+    await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     await assert_still_serving(arena)
 
 
@@ -134,7 +134,7 @@ threading.Thread(target=_spam, daemon=True).start()
     assert peak_mb - before_mb < GROWTH_BOUND_MB
     again = await run(arena.client, "print(6 * 7)", session_id=session)
     assert "42" in text_of(again), text_of(again)
-    await arena.client.call_tool("close_session", {"session_id": session})
+    await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     await assert_still_serving(arena)
 
 
@@ -152,5 +152,5 @@ async def test_a_kernel_that_closes_its_iopub_socket_is_replaced(arena: Arena) -
     assert closed.is_error and "fresh kernel is ready" in text_of(closed), text_of(closed)
     fresh = await run(arena.client, "print('kept' in dir())", session_id=session)
     assert "False" in text_of(fresh), text_of(fresh)
-    await arena.client.call_tool("close_session", {"session_id": session})
+    await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
     await assert_still_serving(arena)

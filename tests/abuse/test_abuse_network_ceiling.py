@@ -64,7 +64,7 @@ async def test_with_network_none_no_session_gets_more(arena: Arena) -> None:
     asked = await arena.client.call_tool("create_session", {"network": "allowlist"})
     assert asked.is_error and "allowed_domains" in text_of(asked), text_of(asked)
     _refused(text_of(asked))
-    sessions = json.loads(text_of(await arena.client.call_tool("list_sessions", {})))["sessions"]
+    sessions = json.loads(text_of(await arena.client.call_tool("manage_sessions", {"action": "list"})))["sessions"]
     assert {session["network"] for session in sessions} == {"none"}, sessions
     await _still_serves(arena.client, arena.bystander)
 
@@ -76,7 +76,7 @@ async def test_nothing_the_server_writes_offers_more_than_none(arena: Arena) -> 
     capabilities = text_of(await arena.client.call_tool("get_capabilities", {}))
     assert "internet" not in json.dumps(json.loads(capabilities)["network"])
     hint = text_of(await arena.client.call_tool("install_packages", {"packages": ["six"]}))
-    browse = text_of(await arena.client.call_tool("browser_navigate", {"url": "http://example.com/"}))
+    browse = text_of(await arena.client.call_tool("use_browser", {"action": "navigate", "url": "http://example.com/"}))
     for text in (hint, browse):
         assert "network='internet'" not in text and "network='allowlist'" not in text, text
         assert "ask the user" in text, text
@@ -108,5 +108,5 @@ async def test_under_an_allowlist_ceiling_internet_is_refused_from_every_tool(al
     capabilities = json.loads(text_of(await client.call_tool("get_capabilities", {})))
     assert list(capabilities["network"]["modes"]) == ["none", "allowlist"]
     assert "internet" not in json.dumps(capabilities["network"])
-    await client.call_tool("close_session", {"session_id": session["session_id"]})
+    await client.call_tool("manage_sessions", {"action": "close", "session_id": session["session_id"]})
     await _still_serves(client, allowlist_arena.bystander)

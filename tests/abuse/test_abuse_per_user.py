@@ -54,5 +54,5 @@ async def test_one_sessions_inotify_hog_leaves_others_theirs(arena: Arena) -> No
         oneshot = await arena.client.call_tool("execute_code", {"language": "python", "code": PROBE})
         assert "inotify ok" in oneshot.structured_content["stdout"], oneshot.structured_content
     finally:
-        await arena.client.call_tool("close_session", {"session_id": hog})
+        await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": hog})
     await assert_still_serving(arena)

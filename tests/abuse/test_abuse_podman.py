@@ -177,7 +177,7 @@ async def test_links_in_the_runtime_dir_make_root_create_nothing(arena: Arena) -
         assert "kernel died" in text_of(died) and "fresh kernel is ready" in text_of(died), text_of(died)
         after = await run(arena.client, "6 * 7", session_id=session_id)
         assert text_of(after).splitlines()[0] == "42", text_of(after)
-        await arena.client.call_tool("close_session", {"session_id": session_id})
+        await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
         assert not canary.exists() and not canary.is_symlink(), "the host created a file through a link"
         assert os.listdir(canaries) == []
     finally:

@@ -151,12 +151,13 @@ async def test_clients_cannot_read_or_overwrite_each_others_exports(shared: Shar
             result = await mallory.call_tool("write_file", {"path": "x.txt", "content": "x"})
             assert not result.is_error
             refused = await mallory.call_tool(
-                "download_file", {"sandbox_path": "x.txt", "host_path": target, "overwrite": True}
+                "transfer_file",
+                {"direction": "download", "sandbox_path": "x.txt", "host_path": target, "overwrite": True},
             )
             assert refused.is_error, target
         written = await call(mallory, "write_file", path="/mnt/outputs/report.txt", content="mallory again")
         assert "report.txt" in written["exported"], written
-        sessions = await call(mallory, "list_sessions")
+        sessions = await call(mallory, "manage_sessions", action="list")
         assert shared.bystander not in json.dumps(sessions)
     assert canary.read_text() == CANARY, "another client's export was overwritten"
     assert (shared.out / "mallory" / "report.txt").read_text() == "mallory again"
@@ -217,7 +218,7 @@ async def test_exports_count_against_a_cap(shared: Shared) -> None:
             assert "refused: No space left on device" in text, text
         more = await run(filler, "open('/mnt/outputs/late.bin', 'wb').write(b'z' * (4 << 20))", session_id=session)
         assert "late.bin" in text_of(more) and "over the export limit" in text_of(more), text_of(more)
-        await call(filler, "close_session", session_id=session)
+        await call(filler, "manage_sessions", action="close", session_id=session)
     assert tree_bytes(shared.out / "filler") <= EXPORT_LIMIT_MB * 2**20
     await assert_still_serving(shared)
 
@@ -226,28 +227,28 @@ async def test_a_persistent_name_belongs_to_its_client(shared: Shared) -> None:
     """boundary: persistent workspaces. Another client's same name is another workspace."""
     first = await call(shared.alice, "create_session", name="project", persistent=True)
     await run(shared.alice, f"open('secret.txt', 'w').write({CANARY!r})", session_id=first["session_id"])
-    await call(shared.alice, "close_session", session_id=first["session_id"])
+    await call(shared.alice, "manage_sessions", action="close", session_id=first["session_id"])
     async with as_client(shared.url, "mallory") as mallory:
         theirs = await call(mallory, "create_session", name="project", persistent=True)
         probe = await run(mallory, "import os\nsorted(os.listdir('.'))", session_id=theirs["session_id"])
         assert "secret.txt" not in text_of(probe), text_of(probe)
-        await call(mallory, "close_session", session_id=theirs["session_id"])
-        listed = await call(mallory, "list_workspaces")
+        await call(mallory, "manage_sessions", action="close", session_id=theirs["session_id"])
+        listed = await call(mallory, "manage_workspaces", action="list")
         assert [entry["name"] for entry in listed["workspaces"]] == ["project"]
-        await call(mallory, "delete_workspace", name="project")
-        gone = await mallory.call_tool("delete_workspace", {"name": "project"})
+        await call(mallory, "manage_workspaces", action="delete", name="project")
+        gone = await mallory.call_tool("manage_workspaces", {"action": "delete", "name": "project"})
         assert gone.is_error and "no persistent workspace" in text_of(gone)
         for bad in ("../alice/project", "project/../../alice/project", "x/../../alice/project"):
-            refused = await mallory.call_tool("delete_workspace", {"name": bad})
+            refused = await mallory.call_tool("manage_workspaces", {"action": "delete", "name": bad})
             assert refused.is_error, bad
-    mine = await call(shared.alice, "list_workspaces")
+    mine = await call(shared.alice, "manage_workspaces", action="list")
     assert [entry["name"] for entry in mine["workspaces"]] == ["project"]
     again = await call(shared.alice, "create_session", name="project", persistent=True)
     kept = await run(shared.alice, "open('secret.txt').read()", session_id=again["session_id"])
     assert CANARY in text_of(kept), text_of(kept)
-    await call(shared.alice, "close_session", session_id=again["session_id"])
-    await call(shared.alice, "delete_workspace", name="project")
-    assert (await call(shared.alice, "list_workspaces"))["workspaces"] == []
+    await call(shared.alice, "manage_sessions", action="close", session_id=again["session_id"])
+    await call(shared.alice, "manage_workspaces", action="delete", name="project")
+    assert (await call(shared.alice, "manage_workspaces", action="list"))["workspaces"] == []
     await assert_still_serving(shared)
 
 
@@ -266,7 +267,7 @@ async def test_a_planted_sitecustomize_does_not_run_silently(shared: Shared) -> 
         "open(site + '/helper/__init__.py', 'w').write('X = 1\\n')\n"
     )
     await run(shared.alice, plant, session_id=first["session_id"])
-    await call(shared.alice, "close_session", session_id=first["session_id"])
+    await call(shared.alice, "manage_sessions", action="close", session_id=first["session_id"])
     again = await call(shared.alice, "create_session", name="hooked", persistent=True)
     startup = again.get("startup_files")
     assert startup is not None, again
@@ -282,8 +283,8 @@ async def test_a_planted_sitecustomize_does_not_run_silently(shared: Shared) -> 
     )
     first_line = text_of(probe).splitlines()[0]
     assert first_line.startswith("False [") and "'sitecustomize.py." in first_line, text_of(probe)
-    await call(shared.alice, "close_session", session_id=again["session_id"])
-    await call(shared.alice, "delete_workspace", name="hooked")
+    await call(shared.alice, "manage_sessions", action="close", session_id=again["session_id"])
+    await call(shared.alice, "manage_workspaces", action="delete", name="hooked")
     await assert_still_serving(shared)
 
 
@@ -368,7 +369,8 @@ async def test_workspace_tools_take_nothing_but_their_arguments(shared: Shared) 
     """No free-form input (tools/schemas.py leaves `additionalProperties` out for google-genai's sake),
     and an argument the tool does not take is refused by name rather than ignored."""
     tools = {tool.name: tool for tool in (await shared.alice.list_tools()).tools}
-    for name in ("list_workspaces", "delete_workspace"):
-        assert tools[name].input_schema.get("additionalProperties") in (None, False), name
-    smuggled = await shared.alice.call_tool("delete_workspace", {"name": "nothing-here", "client": "bob"})
+    assert tools["manage_workspaces"].input_schema.get("additionalProperties") in (None, False)
+    smuggled = await shared.alice.call_tool(
+        "manage_workspaces", {"action": "delete", "name": "nothing-here", "client": "bob"}
+    )
     assert smuggled.is_error and "unknown argument 'client'" in text_of(smuggled), text_of(smuggled)

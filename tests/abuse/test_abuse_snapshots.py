@@ -99,9 +99,9 @@ value = 41
     assert not (await run(arena.client, links, session_id=session)).is_error
     # Links in the workspace travel as links: the snapshot holds no canary byte, and the restored
     # sandbox cannot read through them (the host paths are not there inside).
-    ok, taken = await call(arena, "snapshot_session", session_id=session)
+    ok, taken = await call(arena, "manage_snapshots", action="save", session_id=session)
     assert ok and isinstance(taken, dict), taken
-    ok, restored = await call(arena, "restore_session", snapshot=taken["snapshot"])
+    ok, restored = await call(arena, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
     assert ok and isinstance(restored, dict), restored
     probe = (
         "import os\nprint(value, os.path.islink('link_file'), os.path.islink('link_dir'))\n"
@@ -111,7 +111,7 @@ value = 41
     )
     looked = text_of(await run(arena.client, probe, session_id=restored["session_id"]))
     assert "41 True True" in looked and SECRET.decode() not in looked, looked
-    await call(arena, "close_session", session_id=restored["session_id"])
+    await call(arena, "manage_sessions", action="close", session_id=restored["session_id"])
     store_holds_no_secret(arena.dirs)
 
     # Now a thread swaps the guest's state folder and its files for links while the host takes them.
@@ -137,7 +137,7 @@ racer = threading.Thread(target=race, daemon=True)
 racer.start()
 """
     assert not (await run(arena.client, race, session_id=session)).is_error
-    outcomes = [await call(arena, "snapshot_session", session_id=session) for _ in range(6)]
+    outcomes = [await call(arena, "manage_snapshots", action="save", session_id=session) for _ in range(6)]
     await run(arena.client, "stop = True\nracer.join(5)", session_id=session)
     assert seen(canary) == before, "a canary changed"
     store_holds_no_secret(arena.dirs)
@@ -146,13 +146,13 @@ racer.start()
             assert isinstance(reply, str) and "Traceback" not in reply and reply.strip(), reply
             continue
         assert isinstance(reply, dict)
-        ok, raced = await call(arena, "restore_session", snapshot=reply["snapshot"])
+        ok, raced = await call(arena, "manage_snapshots", action="restore", snapshot=reply["snapshot"])
         assert ok and isinstance(raced, dict), raced
         looked = text_of(await run(arena.client, probe, session_id=raced["session_id"]))
         assert SECRET.decode() not in looked, looked
-        await call(arena, "close_session", session_id=raced["session_id"])
+        await call(arena, "manage_sessions", action="close", session_id=raced["session_id"])
     assert seen(canary) == before
-    await call(arena, "close_session", session_id=session)
+    await call(arena, "manage_sessions", action="close", session_id=session)
     await assert_still_serving(arena)
 
 
@@ -164,9 +164,9 @@ async def test_a_planted_start_up_hook_does_not_run_in_the_restored_session(aren
         "kept = 'state'"
     )
     assert not (await run(arena.client, plant, session_id=session)).is_error
-    ok, taken = await call(arena, "snapshot_session", session_id=session)
+    ok, taken = await call(arena, "manage_snapshots", action="save", session_id=session)
     assert ok and isinstance(taken, dict), taken
-    ok, restored = await call(arena, "restore_session", snapshot=taken["snapshot"])
+    ok, restored = await call(arena, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
     assert ok and isinstance(restored, dict), restored
     assert "sitecustomize.py" in json.dumps(restored.get("startup_files")), restored
     looked = text_of(
@@ -174,7 +174,7 @@ async def test_a_planted_start_up_hook_does_not_run_in_the_restored_session(aren
     )
     assert "state False" in looked, looked
     for sid in (session, restored["session_id"]):
-        await call(arena, "close_session", session_id=sid)
+        await call(arena, "manage_sessions", action="close", session_id=sid)
     await assert_still_serving(arena)
 
 
@@ -190,9 +190,9 @@ trap = Trap()
 plain = 5
 """
     assert not (await run(arena.client, cell, session_id=session)).is_error
-    ok, taken = await call(arena, "snapshot_session", session_id=session)
+    ok, taken = await call(arena, "manage_snapshots", action="save", session_id=session)
     assert ok and isinstance(taken, dict), taken
-    ok, restored = await call(arena, "restore_session", snapshot=taken["snapshot"])
+    ok, restored = await call(arena, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
     assert ok and isinstance(restored, dict), restored
     assert "plain" in restored["restored"]
     assert "trap" not in restored["restored"] and any(line.startswith("trap: ") for line in restored["not_restored"]), (
@@ -200,7 +200,7 @@ plain = 5
     )
     assert seen(canary) == before, "unpickling reached the host"
     for sid in (session, restored["session_id"]):
-        await call(arena, "close_session", session_id=sid)
+        await call(arena, "manage_sessions", action="close", session_id=sid)
     await assert_still_serving(arena)
 
 
@@ -252,14 +252,14 @@ async def test_a_padded_save_report_cannot_hide_a_snapshot_from_its_owner(keep_a
     assert not (await run(arena.client, PAD_REPORT, session_id=session)).is_error
     taken: list[str] = []
     for _ in range(TAKEN):
-        result = await arena.client.call_tool("snapshot_session", {"session_id": session})
+        result = await arena.client.call_tool("manage_snapshots", {"action": "save", "session_id": session})
         text = text_of(result)
         assert not result.is_error, text
         assert len(text) < 64 * 1024, f"the reply carried the padding: {len(text)} characters"
         taken.append(json.loads(text)["snapshot"])
 
     # Every stored snapshot is listed (a damaged one marked), and retention held them to KEEP.
-    ok, listed = await call(arena, "list_snapshots")
+    ok, listed = await call(arena, "manage_snapshots", action="list")
     assert ok and isinstance(listed, dict), listed
     ids = [item["snapshot"] for item in listed["snapshots"]]
     on_disk = stored_snapshots(arena.dirs)
@@ -272,15 +272,15 @@ async def test_a_padded_save_report_cannot_hide_a_snapshot_from_its_owner(keep_a
     assert sum(on_disk.values()) <= KEEP * 8 * MIB, on_disk
 
     # A kept snapshot still restores, and its owner deletes every one of them.
-    ok, restored = await call(arena, "restore_session", snapshot=ids[0])
+    ok, restored = await call(arena, "manage_snapshots", action="restore", snapshot=ids[0])
     assert ok and isinstance(restored, dict), restored
     assert "7" in text_of(await run(arena.client, "print(value)", session_id=restored["session_id"]))
-    await call(arena, "close_session", session_id=restored["session_id"])
+    await call(arena, "manage_sessions", action="close", session_id=restored["session_id"])
     for snapshot in ids:
-        ok, deleted = await call(arena, "delete_snapshot", snapshot=snapshot)
+        ok, deleted = await call(arena, "manage_snapshots", action="delete", snapshot=snapshot)
         assert ok, deleted
-    ok, listed = await call(arena, "list_snapshots")
+    ok, listed = await call(arena, "manage_snapshots", action="list")
     assert ok and isinstance(listed, dict) and listed["snapshots"] == [], listed
     assert stored_snapshots(arena.dirs) == {}
-    await call(arena, "close_session", session_id=session)
+    await call(arena, "manage_sessions", action="close", session_id=session)
     await assert_still_serving(arena)

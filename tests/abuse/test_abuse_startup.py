@@ -3,7 +3,7 @@
 Sandboxed code writes, at the top of /workspace and in the session's package folder, modules
 named like ipykernel's launcher, the standard library and the guest tools' libraries; each one,
 if imported, appends its name to a marker file. Every interpreter the product then starts in
-that workspace (the kernel after kernel_reset, on reopening the workspace, in a restored
+that workspace (the kernel after a reset, on reopening the workspace, in a restored
 snapshot; a guest tool; a one-shot run) must come up without importing one, the start-up report
 must name them, user code must still import its own workspace modules, the server must still
 serve, and the bystander keeps its state.
@@ -62,8 +62,10 @@ async def probe(arena: Arena, session: str) -> str:
 
 
 async def guest_tool_is_clean(arena: Arena, session: str) -> None:
-    """image_ops imports PIL in the kernel: never the workspace's PIL.py."""
-    result = await arena.client.call_tool("image_ops", {"input_path": "pic.png", "op": "info", "session_id": session})
+    """document_ops on images imports PIL in the kernel: never the workspace's PIL.py."""
+    result = await arena.client.call_tool(
+        "document_ops", {"input_path": "pic.png", "op": "info", "session_id": session}
+    )
     assert not result.is_error and "8" in text_of(result), text_of(result)
 
 
@@ -73,11 +75,11 @@ async def test_planted_modules_do_not_run_before_user_code(arena: Arena) -> None
     planted = await run(arena.client, PLANT, session_id=first)
     assert not planted.is_error, text_of(planted)
 
-    reset = await arena.client.call_tool("kernel_reset", {"session_id": first})
+    reset = await arena.client.call_tool("manage_sessions", {"action": "reset", "session_id": first})
     assert not reset.is_error, text_of(reset)
     await guest_tool_is_clean(arena, first)
     assert await probe(arena, first) == CLEAN
-    await call(arena, "close_session", session_id=first)
+    await call(arena, "manage_sessions", action="close", session_id=first)
 
     reopened = await call(arena, "create_session", name="planted", persistent=True)
     shadowing = (reopened.get("startup_files") or {}).get("shadowing", [])
@@ -88,14 +90,14 @@ async def test_planted_modules_do_not_run_before_user_code(arena: Arena) -> None
     assert await probe(arena, again) == CLEAN
 
     await run(arena.client, "kept = 'state'", session_id=again)
-    taken = await call(arena, "snapshot_session", session_id=again)
-    restored = (await call(arena, "restore_session", snapshot=taken["snapshot"]))["session_id"]
+    taken = await call(arena, "manage_snapshots", action="save", session_id=again)
+    restored = (await call(arena, "manage_snapshots", action="restore", snapshot=taken["snapshot"]))["session_id"]
     assert await probe(arena, restored) == CLEAN
     looked = await run(arena.client, "print(kept)", session_id=restored)
     assert text_of(looked).splitlines()[0] == "state", text_of(looked)
     for session in (again, restored):
-        await call(arena, "close_session", session_id=session)
-    await call(arena, "delete_workspace", name="planted")
+        await call(arena, "manage_sessions", action="close", session_id=session)
+    await call(arena, "manage_workspaces", action="delete", name="planted")
     await assert_still_serving(arena)
 
 

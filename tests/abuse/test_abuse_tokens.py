@@ -123,17 +123,17 @@ async def test_another_tokens_client_cannot_touch_sessions_or_workspaces(dirs: S
             await run(alice, f"guarded = {BYSTANDER_VALUE!r}", session_id=bystander)
             project = (await call(alice, "create_session", name="project", persistent=True))["session_id"]
             await run(alice, f"open('canary.txt', 'w').write({CANARY!r})", session_id=project)
-            await call(alice, "close_session", session_id=project)
+            await call(alice, "manage_sessions", action="close", session_id=project)
             before = named_workspace_digest(dirs, "laptop")
 
             # Her session ids, whatever tool carries them.
             for tool, arguments in [
                 ("run_python", {"code": "guarded = 'mallory was here'"}),
-                ("kernel_reset", {}),
-                ("close_session", {}),
+                ("manage_sessions", {"action": "reset"}),
+                ("manage_sessions", {"action": "close"}),
                 ("write_file", {"path": "planted.txt", "content": "x"}),
                 ("read_file", {"path": "/workspace/planted.txt"}),
-                ("session_status", {}),
+                ("manage_sessions", {"action": "status"}),
             ]:
                 result = await mallory.call_tool(tool, {"session_id": bystander, **arguments})
                 assert result.is_error and REFUSED in text_of(result), (tool, text_of(result))
@@ -141,15 +141,18 @@ async def test_another_tokens_client_cannot_touch_sessions_or_workspaces(dirs: S
                 await mallory.read_resource(f"sandbox://{bystander}/workspace/x")
             # No existence oracle: her live id and an id that never existed get the same answer.
             unknown = "s" * len(bystander)
-            for tool in ("run_python", "session_status", "close_session"):
-                arguments = {"code": "1"} if tool == "run_python" else {}
+            for tool, arguments in [
+                ("run_python", {"code": "1"}),
+                ("manage_sessions", {"action": "status"}),
+                ("manage_sessions", {"action": "close"}),
+            ]:
                 live = text_of(await mallory.call_tool(tool, {"session_id": bystander, **arguments}))
                 never = text_of(await mallory.call_tool(tool, {"session_id": unknown, **arguments}))
                 assert live.replace(bystander, "ID") == never.replace(unknown, "ID"), (tool, live, never)
 
             # Her persistent workspace, by its name: mallory's own namespace has none.
-            assert (await call(mallory, "list_workspaces"))["workspaces"] == []
-            gone = await mallory.call_tool("delete_workspace", {"name": "project"})
+            assert (await call(mallory, "manage_workspaces", action="list"))["workspaces"] == []
+            gone = await mallory.call_tool("manage_workspaces", {"action": "delete", "name": "project"})
             assert gone.is_error and "no persistent workspace" in text_of(gone)
             own = (await call(mallory, "create_session", name="project", persistent=True))["session_id"]
             probe = await run(mallory, "open('canary.txt').read()", session_id=own)
@@ -159,7 +162,9 @@ async def test_another_tokens_client_cannot_touch_sessions_or_workspaces(dirs: S
             # Untouched canaries, a bystander with its state, a server that serves both.
             assert named_workspace_digest(dirs, "laptop") == before
             assert (dirs.workspaces / "named" / "t.mallory.laptop" / "project").is_dir()
-            assert [s["session_id"] for s in (await call(mallory, "list_sessions"))["sessions"]] == [own]
+            assert [s["session_id"] for s in (await call(mallory, "manage_sessions", action="list"))["sessions"]] == [
+                own
+            ]
             assert BYSTANDER_VALUE in text_of(await run(alice, "guarded", session_id=bystander))
             reopened = (await call(alice, "create_session", name="project", persistent=True))["session_id"]
             assert CANARY in text_of(await run(alice, "open('canary.txt').read()", session_id=reopened))

@@ -113,10 +113,10 @@ async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret
         )
         error = await call(client, "run_python", code="1/0", session_id=ids[0])
         assert error.is_error and "ZeroDivisionError" in text_of(error)
-        status = (await ok(client, "session_status", session_id=ids[1])).structured_content
+        status = (await ok(client, "manage_sessions", action="status", session_id=ids[1])).structured_content
         assert status is not None and node_name(ray_cluster, status["node"]) == nodes[1]
         for session_id in ids:
-            await ok(client, "close_session", session_id=session_id)
+            await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
     assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
@@ -136,7 +136,7 @@ async def test_a_second_front_door_finds_and_uses_a_session_the_first_made(
             await ok(second, "run_python", code="shared = 'changed by the second'", session_id=session_id)
         # The second front door is gone; the session is not.
         assert "changed by the second" in text_of(await ok(first, "run_python", code="shared", session_id=session_id))
-        await ok(first, "close_session", session_id=session_id)
+        await ok(first, "manage_sessions", action="close", session_id=session_id)
         gone = await call(first, "run_python", code="1", session_id=session_id)
         assert gone.is_error and "unknown or expired" in text_of(gone)
 
@@ -159,11 +159,11 @@ async def test_progress_detach_and_cancel_cross_the_cluster(ray_cluster: RayClus
                             detach_after_s=1)  # fmt: skip
         job_id = detached.meta["coderunner/job"]["job_id"]  # type: ignore[index]
         began = time.monotonic()
-        cancelled = await call(client, "cancel_job", job_id=job_id)
+        cancelled = await call(client, "manage_jobs", action="cancel", job_id=job_id)
         assert "interrupted" in text_of(cancelled), text_of(cancelled)
         assert time.monotonic() - began < 30
         assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=session_id))
-        await ok(client, "close_session", session_id=session_id)
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
 
 
 async def test_a_run_cancelled_before_its_first_answer_is_interrupted_on_its_node(
@@ -183,7 +183,7 @@ async def test_a_run_cancelled_before_its_first_answer_is_interrupted_on_its_nod
             assert "busy" in text_of(reply), text_of(reply)
             await anyio.sleep(0.2)
         assert not reply.is_error and "False" in text_of(reply), text_of(reply)
-        await ok(client, "close_session", session_id=session_id)
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
 
 
 async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
@@ -194,7 +194,7 @@ async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
         session_id = (await ok(client, "create_session")).structured_content["session_id"]  # type: ignore[index]
         await ok(client, "run_python", session_id=session_id,
                  code="from PIL import Image; Image.new('RGB', (64, 32), 'red').save('red.png')")  # fmt: skip
-        info = await ok(client, "image_ops", input_path="red.png", op="info", session_id=session_id)
+        info = await ok(client, "document_ops", input_path="red.png", op="info", session_id=session_id)
         assert "64" in text_of(info) and "32" in text_of(info), text_of(info)
         # A file of several pieces (1 MiB each) both ways, checked byte for byte on the node.
         blob = "".join(f"{i:08d}\n" for i in range(300_000))  # 2.7 MB
@@ -218,36 +218,42 @@ async def test_snapshots_and_persistent_workspaces_live_on_their_node(
         source, home = made["session_id"], made["node"]
         await ok(client, "run_python", code="kept = [1, 2, 3]\nopen('notes.txt', 'w').write('saved')",
                  session_id=source)  # fmt: skip
-        taken = (await ok(client, "snapshot_session", session_id=source, name="first")).structured_content
+        taken = (
+            await ok(client, "manage_snapshots", action="save", session_id=source, name="first")
+        ).structured_content
         assert taken is not None
-        listed = (await ok(client, "list_snapshots")).structured_content
+        listed = (await ok(client, "manage_snapshots", action="list")).structured_content
         assert listed is not None and [entry["snapshot"] for entry in listed["snapshots"]] == [taken["snapshot"]]
-        restored = (await ok(client, "restore_session", snapshot=taken["snapshot"])).structured_content
+        restored = (
+            await ok(client, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
+        ).structured_content
         assert restored is not None and "kept" in restored["restored"], restored
-        status = (await ok(client, "session_status", session_id=restored["session_id"])).structured_content
+        status = (
+            await ok(client, "manage_sessions", action="status", session_id=restored["session_id"])
+        ).structured_content
         assert status is not None and status["node"] == home  # restored where the snapshot is
         back = await ok(client, "run_python", code="print(kept, open('notes.txt').read())",
                         session_id=restored["session_id"])  # fmt: skip
         assert "[1, 2, 3] saved" in text_of(back)
-        forked = (await ok(client, "fork_session", session_id=source)).structured_content
+        forked = (await ok(client, "manage_snapshots", action="fork", session_id=source)).structured_content
         assert forked is not None and "kept" in forked["restored"]
-        await ok(client, "delete_snapshot", snapshot=taken["snapshot"])
-        assert (await ok(client, "list_snapshots")).structured_content == {"snapshots": []}
+        await ok(client, "manage_snapshots", action="delete", snapshot=taken["snapshot"])
+        assert (await ok(client, "manage_snapshots", action="list")).structured_content == {"snapshots": []}
         for session_id in (source, restored["session_id"], forked["session_id"]):
-            await ok(client, "close_session", session_id=session_id)
+            await ok(client, "manage_sessions", action="close", session_id=session_id)
         # A persistent workspace reopens on the node that holds it, with its files.
         first = (await ok(client, "create_session", name="proj", persistent=True)).structured_content
         assert first is not None
         await ok(client, "write_file", path="keep.txt", content="still here", session_id=first["session_id"])
-        await ok(client, "close_session", session_id=first["session_id"])
+        await ok(client, "manage_sessions", action="close", session_id=first["session_id"])
         again = (await ok(client, "create_session", name="proj", persistent=True)).structured_content
         assert again is not None and again["node"] == first["node"]
         assert "still here" in text_of(await ok(client, "read_file", path="keep.txt", session_id=again["session_id"]))
-        await ok(client, "close_session", session_id=again["session_id"])
-        listed_workspaces = (await ok(client, "list_workspaces")).structured_content
+        await ok(client, "manage_sessions", action="close", session_id=again["session_id"])
+        listed_workspaces = (await ok(client, "manage_workspaces", action="list")).structured_content
         assert listed_workspaces is not None and [w["name"] for w in listed_workspaces["workspaces"]] == ["proj"]
-        await ok(client, "delete_workspace", name="proj")
-        assert (await ok(client, "list_workspaces")).structured_content == {"workspaces": []}
+        await ok(client, "manage_workspaces", action="delete", name="proj")
+        assert (await ok(client, "manage_workspaces", action="list")).structured_content == {"workspaces": []}
     assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
@@ -258,13 +264,15 @@ async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dir
         assert ran is not None and ran["stdout"] == "42\nfed in\n" and ran["exit_code"] == 0, ran
         failed = (await call(client, "execute_code", language="python", code="raise SystemExit(3)")).structured_content
         assert failed is not None and failed["exit_code"] == 3
-        checked = (await ok(client, "validate_code", language="python", code="def f(:\n pass")).structured_content
+        checked = (
+            await ok(client, "execute_code", check_only=True, language="python", code="def f(:\n pass")
+        ).structured_content
         assert checked is not None and checked["valid"] is False and checked["errors"][0]["line"] == 1
         slow = await ok(client, "execute_code", language="python", code="import time; time.sleep(60)",
                         detach_after_s=1)  # fmt: skip
         job_id = slow.structured_content["job_id"]  # type: ignore[index]
         began = time.monotonic()
-        await call(client, "cancel_job", job_id=job_id)
+        await call(client, "manage_jobs", action="cancel", job_id=job_id)
         assert time.monotonic() - began < 30
     assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
@@ -285,7 +293,7 @@ async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayC
             other = (await ok(client, "create_session", memory_mb=768)).structured_content  # not the defaults
             assert other is not None and other["session_id"] not in ready | pooled  # started cold
             for session_id in (made["session_id"], other["session_id"]):
-                await ok(client, "close_session", session_id=session_id)
+                await ok(client, "manage_sessions", action="close", session_id=session_id)
     finally:
         _stop_pools(ray_cluster)
     assert await _eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
@@ -319,7 +327,7 @@ async def test_a_session_no_node_can_hold_is_refused_clearly(ray_cluster: RayClu
         assert refused.is_error and "no node of the cluster can hold this session" in text, text
         assert "65,536 MiB" in text and "backends: bwrap" in text  # what was asked, and what there is
         assert "2" in text_of(await ok(client, "run_python", code="1 + 1"))  # the front door still serves
-        await call(client, "close_session", session_id="")
+        await call(client, "manage_sessions", action="close", session_id="")
 
 
 async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
@@ -336,7 +344,7 @@ async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
             ids.append(made["session_id"])
         assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=ids[0]))
         for session_id in ids:
-            await ok(client, "close_session", session_id=session_id)
+            await ok(client, "manage_sessions", action="close", session_id=session_id)
     nowhere = cluster_env(
         ray_cluster, dirs, CODERUNNER_POOL_SIZE="0", CODERUNNER_RAY_NODE_LABELS=f'{{"{NODE_LABEL}": "w9"}}'
     )
@@ -379,12 +387,12 @@ async def test_an_allowlist_sessions_denials_reach_the_reply_and_status_from_its
         assert "b.example.org" not in reply, reply  # a reply names only the hosts denied during its call
         quiet = text_of(await ok(client, "run_python", code="1 + 1", session_id=session_id))
         assert "[network:" not in quiet, quiet
-        status = (await ok(client, "session_status", session_id=session_id)).structured_content
+        status = (await ok(client, "manage_sessions", action="status", session_id=session_id)).structured_content
         assert status is not None and "egress" in status, status
         egress = status["egress"]
         assert egress["allowed_hosts"] == ["a.example.org"] and egress["totals"]["denied"] == 2, egress
         assert [row["host"] for row in egress["recent"]] == ["b.example.org", "outside.example.net"], egress
-        await ok(client, "close_session", session_id=session_id)
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
@@ -407,12 +415,12 @@ async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: Ra
         asked.answer = "accept"
         await call(client, "run_python", code=FETCH.format(host="c.example.org", pause=1), session_id=session_id)
         assert len(asked.messages) == 2 and "c.example.org:80" in asked.messages[1], asked.messages
-        status = (await ok(client, "session_status", session_id=session_id)).structured_content
+        status = (await ok(client, "manage_sessions", action="status", session_id=session_id)).structured_content
         assert status is not None and status["egress"]["allowed_hosts"] == ["a.example.org", "c.example.org"], status
         # b was declined for this session: not asked again.
         await call(client, "run_python", code=FETCH.format(host="b.example.org", pause=0), session_id=session_id)
         assert len(asked.messages) == 2, asked.messages
-        await ok(client, "close_session", session_id=session_id)
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
@@ -509,7 +517,7 @@ async def test_a_revoked_token_is_refused_by_every_front_door(ray_cluster: RayCl
         renewed = token_cli(env, "add", "agent").splitlines()[-1]
         async with through_proxy(ray_cluster, env, ports[1], renewed) as again:
             assert "1" in text_of(await ok(again, "run_python", code="owned", session_id=session_id))
-            await ok(again, "close_session", session_id=session_id)
+            await ok(again, "manage_sessions", action="close", session_id=session_id)
     assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
@@ -537,7 +545,7 @@ async def test_a_lost_node_says_so_while_other_nodes_serve(ray_cluster: RayClust
         assert answers[-1][1] and "lost with node" in answers[-1][2], answers
         assert max(took for took, _, _ in answers) < 60, answers
         assert "yes" in text_of(await ok(client, "run_python", code="kept", session_id=by_node["w1"]))
-        await ok(client, "close_session", session_id=by_node["w1"])
+        await ok(client, "manage_sessions", action="close", session_id=by_node["w1"])
     assert await _eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
 
 

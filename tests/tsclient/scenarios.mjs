@@ -16,7 +16,7 @@ export function run(client, code, options, extra = {}) {
 }
 
 async function sessionId(client) {
-  const status = await client.callTool({ name: "session_status", arguments: {} });
+  const status = await client.callTool({ name: "manage_sessions", arguments: { action: "status" } });
   return JSON.parse(textOf(status)).session_id;
 }
 
@@ -28,10 +28,10 @@ export const scenarios = {
       return { reply: result.structuredContent ?? JSON.parse(textOf(result)), isError: result.isError ?? false };
     };
     await run(client, "import numpy as np\nweights = np.arange(6).reshape(2, 3)\ndef score(k):\n    return int(weights.sum()) * k");
-    const taken = await call("snapshot_session", { name: "ts" });
-    const forked = await call("fork_session", {});
+    const taken = await call("manage_snapshots", { action: "save", name: "ts" });
+    const forked = await call("manage_snapshots", { action: "fork" });
     await run(client, "weights = weights * 0", { }, { session_id: forked.reply.session_id });
-    const restored = await call("restore_session", { snapshot: taken.reply.snapshot });
+    const restored = await call("manage_snapshots", { action: "restore", snapshot: taken.reply.snapshot });
     const look = "print(score(2))";
     return {
       taken: taken.reply,
@@ -40,7 +40,7 @@ export const scenarios = {
       original: textOf(await run(client, look)),
       inFork: textOf(await run(client, look, {}, { session_id: forked.reply.session_id })),
       inRestored: textOf(await run(client, look, {}, { session_id: restored.reply.session_id })),
-      listed: (await call("list_snapshots", {})).reply,
+      listed: (await call("manage_snapshots", { action: "list" })).reply,
     };
   },
 
@@ -150,9 +150,9 @@ export const scenarios = {
     const made = JSON.parse(textOf(await client.callTool({ name: "create_session", arguments: {} })));
     const other = await ctx.connect(ctx.params.second ?? {});
     const peek = await run(other, "private_value");
-    const listed = JSON.parse(textOf(await other.callTool({ name: "list_sessions", arguments: {} })));
+    const listed = JSON.parse(textOf(await other.callTool({ name: "manage_sessions", arguments: { action: "list" } })));
     const borrowed = await run(other, "1 + 1", undefined, { session_id: made.session_id });
-    await client.callTool({ name: "close_session", arguments: { session_id: made.session_id } });
+    await client.callTool({ name: "manage_sessions", arguments: { action: "close", session_id: made.session_id } });
     return {
       peek: textOf(peek),
       peekIsError: peek.isError ?? false,

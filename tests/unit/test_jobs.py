@@ -132,7 +132,7 @@ async def test_reset_during_a_job_ends_it_with_state_lost(scripted: SessionManag
     await until(lambda: session.busy, "the cell to start")
     await session.reset()
     assert await attend(job, WAIT_S)
-    assert session.job_result(job).notice == "stopped by kernel_reset: state lost"
+    assert session.job_result(job).notice == "stopped by a kernel reset: state lost"
     assert session.job_result(job).state_lost
 
 

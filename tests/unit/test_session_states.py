@@ -168,7 +168,9 @@ async def test_a_second_call_waits_for_an_attended_run_and_is_told_at_once_of_a_
         with pytest.raises(SessionBusy, match="is busy with another call"):
             await run(session, "print 1", timeout_s=0.3)
         job.detached = True  # as run_python does once detach_after_s has passed
-        with pytest.raises(SessionBusy, match=rf"busy with job {job.job_id} \(running \d+s\): wait_job, cancel_job"):
+        with pytest.raises(
+            SessionBusy, match=rf"busy with job {job.job_id} \(running \d+s\): manage_jobs \(wait or cancel\)"
+        ):
             await run(session, "print 1", timeout_s=30)
         with pytest.raises(SessionBusy, match=f"busy with job {job.job_id}"):
             await session.call_guest("variables", {"values": {"x": 1}}, 30)
@@ -206,7 +208,7 @@ async def _reset_during_a_run(session: Session) -> ExecutionResult:
 async def test_reset_while_busy_stops_the_run(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
     stopped = await _reset_during_a_run(session)
-    assert stopped.notice == "stopped by kernel_reset: state lost" and stopped.state_lost
+    assert stopped.notice == "stopped by a kernel reset: state lost" and stopped.state_lost
 
 
 async def test_reset_while_busy_kills_a_run_that_ignores_the_interrupt(
@@ -216,7 +218,7 @@ async def test_reset_while_busy_kills_a_run_that_ignores_the_interrupt(
     session = await scripted.resolve(None)
     first = session.kernel
     stopped = await _reset_during_a_run(session)
-    assert stopped.notice == "stopped by kernel_reset: state lost" and stopped.state_lost
+    assert stopped.notice == "stopped by a kernel reset: state lost" and stopped.state_lost
     assert first is not None and first.process is not None and not first.process.alive
 
 

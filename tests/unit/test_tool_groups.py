@@ -14,21 +14,26 @@ GROUPS = declared_groups()
 ALL_TOOLS = GROUPS.all_tools
 
 
-def test_every_tool_is_in_exactly_one_group_and_get_capabilities_in_none() -> None:
-    grouped = list(itertools.chain.from_iterable(GROUPS.members(group) for group in GROUP_NAMES))
+def test_every_tool_is_in_a_group_and_get_capabilities_in_none() -> None:
+    grouped = set(itertools.chain.from_iterable(GROUPS.members(group) for group in GROUP_NAMES))
     always = GROUPS.members(ALWAYS)
-    assert len(grouped) == len(set(grouped))
     assert always == ("get_capabilities",)
-    assert not set(always) & set(grouped) and set(grouped) | set(always) == ALL_TOOLS
+    assert not set(always) & grouped and grouped | set(always) == ALL_TOOLS
+
+
+def test_only_the_tools_a_group_needs_from_another_are_in_several() -> None:
+    shared = {tool: groups for tool, groups in GROUPS.of.items() if len(groups) > 1}
+    assert shared == {"manage_jobs": ("python", "oneshot", "jobs"), "manage_sessions": ("python", "sessions")}
 
 
 def test_a_group_exposes_its_tools_and_get_capabilities() -> None:
-    assert selected_tools(["python"]) == {"get_capabilities", "run_python", "kernel_reset", "install_packages"}
+    assert selected_tools(["python"]) == {
+        "get_capabilities", "run_python", "install_packages", "manage_jobs", "manage_sessions",
+    }  # fmt: skip
 
 
 def test_groups_and_single_tools_mix() -> None:
-    chosen = selected_tools(["jobs", "read_file"])
-    assert chosen == {"get_capabilities", "wait_job", "cancel_job", "list_jobs", "read_file"}
+    assert selected_tools(["jobs", "read_file"]) == {"get_capabilities", "manage_jobs", "read_file"}
 
 
 def test_all_is_every_tool() -> None:

@@ -42,7 +42,7 @@ def payload(result: CallToolResult) -> dict[str, Any]:
 async def test_lists_the_configured_tools(client: Client, manager: SessionManager) -> None:
     listed = {tool.name for tool in (await client.list_tools()).tools}
     assert listed == set(selected_tools(manager.settings.tools))
-    assert {"run_python", "kernel_reset", "create_session", "read_file"} <= listed
+    assert {"run_python", "manage_sessions", "create_session", "read_file"} <= listed
 
 
 async def test_run_python_keeps_state_and_answers_in_text(client: Client) -> None:
@@ -82,7 +82,7 @@ async def test_a_timeout_interrupts_and_says_the_state_is_kept(client: Client) -
 
 async def test_kernel_reset_clears_state(client: Client) -> None:
     await client.call_tool("run_python", {"code": "kept = 5"})
-    reset = payload(await client.call_tool("kernel_reset", {}))
+    reset = payload(await client.call_tool("manage_sessions", {"action": "reset"}))
     assert reset["reset"] is True and reset["restarts"] == 1
     assert "False" in text(await client.call_tool("run_python", {"code": "'kept' in dir()"}))
 
@@ -96,17 +96,19 @@ async def test_sessions_are_created_used_listed_and_closed(client: Client) -> No
     assert "own" in text(own)
     default = await client.call_tool("run_python", {"code": "'where' in dir()"})
     assert "False" in text(default)
-    listed = payload(await client.call_tool("list_sessions", {}))["sessions"]
+    listed = payload(await client.call_tool("manage_sessions", {"action": "list"}))["sessions"]
     assert {entry["session_id"] for entry in listed} >= {session_id}
-    status = payload(await client.call_tool("session_status", {"session_id": session_id}))
+    status = payload(await client.call_tool("manage_sessions", {"action": "status", "session_id": session_id}))
     assert status["alive"] is True and status["busy"] is False
-    assert payload(await client.call_tool("close_session", {"session_id": session_id})) == {"closed": session_id}
+    assert payload(await client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})) == {
+        "closed": session_id
+    }
     gone = await client.call_tool("run_python", {"code": "1", "session_id": session_id})
     assert gone.is_error and "unknown or expired session_id" in text(gone)
 
 
 async def test_bad_session_arguments_are_plain_errors(client: Client, manager: SessionManager) -> None:
-    result = await client.call_tool("close_session", {"session_id": "no-such-session"})
+    result = await client.call_tool("manage_sessions", {"action": "close", "session_id": "no-such-session"})
     assert result.is_error and "unknown or expired session_id 'no-such-session'" in text(result)
     named = await client.call_tool("create_session", {"name": "bad name!"})
     assert named.is_error and "use 1-40 letters" in text(named)
@@ -118,7 +120,7 @@ async def test_files_written_are_seen_by_the_kernel_and_read_back(client: Client
     assert written["path"] == "/workspace/in.txt" and written["bytes"] == 2
     result = await client.call_tool("run_python", {"code": "open('out.txt', 'w').write(open('in.txt').read() * 2)"})
     assert not result.is_error, text(result)
-    paths = {entry["path"] for entry in payload(await client.call_tool("list_files", {}))["entries"]}
+    paths = {entry["path"] for entry in payload(await client.call_tool("read_file", {"path": "/workspace"}))["entries"]}
     assert {"/workspace/in.txt", "/workspace/out.txt"} <= paths
     assert "hihi" in text(await client.call_tool("read_file", {"path": "/workspace/out.txt"}))
     escape = await client.call_tool("read_file", {"path": "/workspace/../etc/passwd"})
@@ -160,8 +162,10 @@ async def test_execute_code_kills_a_run_at_its_deadline(client: Client) -> None:
 
 
 async def test_validate_code_checks_syntax_without_running(client: Client) -> None:
-    good = await client.call_tool("validate_code", {"language": "python", "code": "open('ran', 'w')"})
-    bad = await client.call_tool("validate_code", {"language": "python", "code": "def f(:\n  pass"})
+    good = await client.call_tool(
+        "execute_code", {"check_only": True, "language": "python", "code": "open('ran', 'w')"}
+    )
+    bad = await client.call_tool("execute_code", {"check_only": True, "language": "python", "code": "def f(:\n  pass"})
     assert not good.is_error and "SyntaxError" not in text(good)
     assert "invalid syntax" in text(bad) or "SyntaxError" in text(bad)
 
@@ -174,20 +178,20 @@ async def test_jobs_through_the_tools_and_another_clients_job_is_unknown(
     )
     job = (started.meta or {})["coderunner/job"]
     assert job["status"] == "running" and f"still running as job {job['job_id']}" in text(started)
-    done = await client.call_tool("wait_job", {"job_id": job["job_id"], "timeout_s": WAIT_S})
+    done = await client.call_tool("manage_jobs", {"action": "wait", "job_id": job["job_id"], "timeout_s": WAIT_S})
     assert "slept" in text(done) and (done.meta or {})["coderunner/job"]["status"] == "done"
     assert (done.meta or {})["coderunner/kernel"]["state_preserved"] is True
-    listed = payload(await client.call_tool("list_jobs", {}))["jobs"]
+    listed = payload(await client.call_tool("manage_jobs", {"action": "list"}))["jobs"]
     assert [entry["job_id"] for entry in listed] == [job["job_id"]]
     theirs = await manager.create(owner="tok/client:eve")
     their_job = await theirs.start_run("import time\ntime.sleep(30)", None)
     their_job.detached = True
-    for tool in ("wait_job", "cancel_job"):
-        refused = await client.call_tool(tool, {"job_id": their_job.job_id})
+    for action in ("wait", "cancel"):
+        refused = await client.call_tool("manage_jobs", {"action": action, "job_id": their_job.job_id})
         assert refused.is_error and f"unknown job_id {their_job.job_id!r}" in text(refused)
         assert theirs.session_id not in text(refused)
     assert their_job.running
-    assert their_job.job_id not in json.dumps(payload(await client.call_tool("list_jobs", {})))
+    assert their_job.job_id not in json.dumps(payload(await client.call_tool("manage_jobs", {"action": "list"})))
     await manager.close(theirs.session_id)
 
 
@@ -202,6 +206,8 @@ async def test_a_client_has_only_so_many_execute_code_jobs_going(make_manager: A
         refused = await client.call_tool("execute_code", arguments)
         assert refused.is_error and "already has 4 execute_code runs going" in text(refused)
         for job in jobs:
-            await client.call_tool("cancel_job", {"job_id": (job.structured_content or {})["job_id"]})
+            await client.call_tool(
+                "manage_jobs", {"action": "cancel", "job_id": (job.structured_content or {})["job_id"]}
+            )
         again = await client.call_tool("execute_code", {**arguments, "code": "echo ok", "detach_after_s": 30})
         assert payload(again)["stdout"] == "ok\n"

@@ -5,7 +5,7 @@ egress proxy) holding exactly one session, and answers the front doors' calls wi
 (wire.py). The kernel's ZMQ stays on ipc:// on this node: only these actor calls cross the network.
 
 The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left
-in the same task. When its session closes (a close_session, or the manager's idle reaper) the actor
+in the same task. When its session closes (a close by manage_sessions, or the manager's idle reaper) the actor
 ends itself, so nothing is left on the node.
 """
 
@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 
 #: How often the actor checks whether its session is still open (reaped sessions end their actor).
 WATCH_INTERVAL_S = 2.0
-#: After a close_session, how long the actor waits for its front door to kill it before it ends itself.
+#: After a session close, how long the actor waits for its front door to kill it before it ends itself.
 KILL_BACKUP_S = 10.0
 #: Uploads staged at once per session, and how long an unfinished one may sit.
 MAX_UPLOADS = 4

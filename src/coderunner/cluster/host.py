@@ -269,13 +269,13 @@ class ClusterHost:
         if len(open_here) >= self.settings.max_sessions:
             raise SessionError(
                 f"session limit reached ({self.settings.max_sessions} open through this front door): close one "
-                "with close_session or raise max_sessions in the configuration"
+                "with manage_sessions (action 'close') or raise max_sessions in the configuration"
             )
         held = sum(session.owner == owner for session in open_here)
         if owner != LOCAL_CALLER and held >= self.settings.max_sessions_per_client:
             raise SessionError(
                 f"this client already holds {held} sessions, its share of this server: close one with "
-                "close_session (list_sessions shows them), or raise max_sessions_per_client in the configuration"
+                "manage_sessions (action 'list' shows them), or raise max_sessions_per_client in the configuration"
             )
 
     def _group(self) -> TaskGroup:
@@ -302,8 +302,8 @@ class ClusterHost:
             session = await self._find(session_id)
         if session is None or (owner is not None and client_of_key(session.owner) != client_of_key(owner)):
             raise SessionError(
-                f"unknown or expired session_id {session_id!r}: call list_sessions to see your open sessions, "
-                "create_session for a new one, or omit session_id to use your default session"
+                f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your open "
+                "sessions, create_session makes a new one, or omit session_id to use your default session"
             )
         return session
 
@@ -375,7 +375,7 @@ class ClusterHost:
     async def delete_workspace(self, client: str, name: str) -> None:
         node = await self.stored.workspace_node(client, name)
         if node is None:
-            raise SessionError(f"no persistent workspace {name!r}: list_workspaces shows yours")
+            raise SessionError(f"no persistent workspace {name!r}: manage_workspaces (action 'list') shows yours")
         await self._node_calls.run_on(node, "delete_workspace", client, name)
 
     def _remote(self, session: SessionHandle) -> RemoteSession:

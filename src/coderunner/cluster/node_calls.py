@@ -1,6 +1,6 @@
 """Host calls run on the nodes as Ray tasks: one-shot runs anywhere, store lookups on a given node.
 
-One-shot runs (execute_code, validate_code) in cluster mode are each one a Ray task on some node.
+One-shot runs (execute_code, check_only too) in cluster mode are each one a Ray task on some node.
 
 A one-shot keeps nothing, so it needs no actor: a task placed like a session (its CPUs, memory and
 one `coderunner-<backend>` unit) runs it through the node's own SessionManager and OneShotRunner,

@@ -54,7 +54,7 @@ class StoredOnNodes:
                 meta: SnapshotMeta = await self.calls.run_on(node_id, "snapshot", client, snapshot_id)
                 self.snapshot_nodes[snapshot_id] = node_id
                 return (None if self.shared else node_id), meta
-        raise SnapshotNotFound(f"unknown snapshot {snapshot_id!r}: list_snapshots shows yours")
+        raise SnapshotNotFound(f"unknown snapshot {snapshot_id!r}: manage_snapshots (action 'list') shows yours")
 
     async def listing(self, client: str) -> Listing:
         """Every live node's snapshots of `client` (one store's, when it is shared)."""
@@ -77,7 +77,7 @@ class StoredOnNodes:
             await self.listing(client)  # learns where each snapshot is, damaged ones too
             node_id = self.snapshot_nodes.get(snapshot_id)
         if node_id is None:
-            raise SnapshotNotFound(f"unknown snapshot {snapshot_id!r}: list_snapshots shows yours")
+            raise SnapshotNotFound(f"unknown snapshot {snapshot_id!r}: manage_snapshots (action 'list') shows yours")
         await self.calls.run_on(node_id, "delete_snapshot", client, snapshot_id)
         self.snapshot_nodes.pop(snapshot_id, None)
 

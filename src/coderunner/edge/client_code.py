@@ -65,7 +65,7 @@ def typescript(command: str, args: list[str], url: str | None) -> str:
         'import { Client } from "@modelcontextprotocol/sdk/client/index.js";\n'
         + connect
         + "\n// The SDK gives up on a request after 60 s; a cell still running at 40 s answers first with a job id\n"
-        "// (wait_job reads the rest). To wait longer in one call, let progress notifications keep it alive:\n"
+        "// (manage_jobs reads the rest). To wait longer in one call, let progress notifications keep it alive:\n"
         "const result = await client.callTool(\n"
         '  { name: "run_python", arguments: { code: "6 * 7", detach_after_s: 600 } },\n'
         "  undefined,\n"

@@ -1,6 +1,6 @@
 """The session's browser, inside the sandbox: Playwright's async API driving Debian's Chromium.
 
-One persistent context per kernel, so it lives until kernel_reset or close_session (which end the
+One persistent context per kernel, so it lives until a kernel reset or a session close (which end the
 kernel and everything it started). User code reaches the same page:
 
     from coderunner_guest import browser

@@ -1,4 +1,4 @@
-"""pdf_ops, run inside the sandbox: untrusted PDFs are parsed only here (pypdf, pypdfium2)."""
+"""document_ops on PDFs, run inside the sandbox: untrusted PDFs are parsed only here (pypdf, pypdfium2)."""
 
 import base64
 import io
@@ -17,7 +17,7 @@ TEXT_LIMIT = 200_000
 
 
 def run(op, input_path, args=None):
-    return run_op("pdf_ops", {name: globals()[f"_{name}"] for name in OPS}, op, input_path, args)
+    return run_op("document_ops", {name: globals()[f"_{name}"] for name in OPS}, op, input_path, args)
 
 
 def _beside(path, suffix):

@@ -26,7 +26,7 @@ from coderunner.sandbox import WORKSPACE, Mount
 
 #: How many symlinks one resolution may follow (the kernel's own limit).
 MAX_SYMLINK_HOPS = 40
-#: Entries one list_files call returns at most.
+#: Entries one folder listing (read_file on a folder) returns at most.
 MAX_LIST_ENTRIES = 2000
 
 
@@ -214,7 +214,7 @@ class SandboxFiles:
         """(fd, size, sandbox path) of a regular file, opened without following any link."""
         resolved = self.resolve(path)
         if not resolved.parts:
-            raise FileAccessError(f"{resolved.sandbox_path} is a folder: use list_files")
+            raise FileAccessError(f"{resolved.sandbox_path} is a folder")
         try:
             with self._parent_fd(resolved) as parent:
                 fd = os.open(resolved.parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,

@@ -222,10 +222,12 @@ def _in_use(path: Path) -> bool:
 def delete_named(base: Path, client: str, name: str) -> None:
     """Delete `client`'s persistent workspace `name` for good; refuses one in use."""
     if not NAME.fullmatch(name) or not NAME.fullmatch(client):
-        raise WorkspaceError(f"{name!r} is not a workspace name: list_workspaces shows yours")
+        raise WorkspaceError(f"{name!r} is not a workspace name: manage_workspaces (action 'list') shows yours")
     path = base / NAMED_DIR / client / name
     if not os.path.lexists(path):
-        raise WorkspaceError(f"there is no persistent workspace {name!r}: list_workspaces shows yours")
+        raise WorkspaceError(
+            f"there is no persistent workspace {name!r}: manage_workspaces (action 'list') shows yours"
+        )
     fd = _lock_named(path)
     try:
         remove_workspace(path)

@@ -314,7 +314,7 @@ class Kernel:
 
         `silent` runs it without history or execution count (guest tool calls).
         """
-        # Held here: a shutdown from elsewhere (close_session) clears the attributes mid-run.
+        # Held here: a shutdown from elsewhere (a session close) clears the attributes mid-run.
         shell, iopub = self._shell, self._iopub
         assert shell is not None and iopub is not None
         begun = time.monotonic()

@@ -6,6 +6,10 @@ declares none, or a group not named here, stops the server at start. The group N
 here because the settings are checked before any tool is registered. `get_capabilities` is in the
 ALWAYS group: offered whatever the setting says, since it is how a model learns what this server can
 do. A `tools` setting may name groups or single tools.
+
+A tool may declare several groups when each needs it: the job tool is in `python` and `oneshot` as well
+as `jobs`, since a run in either may answer with a job id, and a group must hold every tool its replies
+name (policy/tool_mentions.py rewrites a mention of one the setting leaves out).
 """
 
 from __future__ import annotations
@@ -30,14 +34,17 @@ class ToolsetError(ValueError):
 
 @dataclass(frozen=True)
 class ToolGroups:
-    """Which group each registered tool declared: tool name -> group."""
+    """Which groups each registered tool declared: tool name -> its groups (one, or several)."""
 
-    of: Mapping[str, str]
+    of: Mapping[str, tuple[str, ...]]
 
     def __post_init__(self) -> None:
-        for tool, group in self.of.items():
-            if group != ALWAYS and group not in GROUP_NAMES:
-                raise ToolsetError(f"{tool}: declares tool group {group!r}, which is none of {', '.join(GROUP_NAMES)}")
+        for tool, groups in self.of.items():
+            for group in groups or ("",):
+                if group != ALWAYS and group not in GROUP_NAMES:
+                    raise ToolsetError(
+                        f"{tool}: declares tool group {group!r}, which is none of {', '.join(GROUP_NAMES)}"
+                    )
 
     @property
     def all_tools(self) -> frozenset[str]:
@@ -45,7 +52,7 @@ class ToolGroups:
 
     def members(self, group: str) -> tuple[str, ...]:
         """The tools that declared `group`, in the order they were registered."""
-        return tuple(tool for tool, declared in self.of.items() if declared == group)
+        return tuple(tool for tool, declared in self.of.items() if group in declared)
 
     def selected(self, entries: Iterable[str]) -> frozenset[str]:
         """The tool names a `tools` setting exposes."""

@@ -235,8 +235,7 @@ class AppleBackend(SandboxBackend):
     network_modes = frozenset({NetworkMode.NONE, NetworkMode.INTERNET})
     # The VM sees the runtime dir at another path, and one-shot runs name files in it.
     pipes_refusal = (
-        "one-shot runs (execute_code, validate_code) are not available on the Apple container backend "
-        "yet: use run_python in a session"
+        "one-shot runs (execute_code) are not available on the Apple container backend yet: use run_python in a session"
     )
     start_label = "Apple container"
     unavailable = ContainerUnavailable

@@ -4,7 +4,7 @@ MCP clients give up on a call at their own timeout (60 s in the TypeScript SDK, 
 openai-agents). So a cell runs as a job, a task in a task group its owner holds (the session's,
 or the manager's for one-shot runs), not in the request: the call waits for it up to
 `detach_after_s`, then answers with what it has and the job's id, and the job goes on.
-`wait_job` reads what is new since the last read (a cursor per job); `cancel_job` cancels the
+manage_jobs `wait` reads what is new since the last read (a cursor per job); `cancel` cancels the
 job's own scope, which the kernel answers by interrupting the cell (and the session by
 restarting a kernel that ignores that).
 
@@ -33,11 +33,11 @@ from coderunner.kernel.output_capture import OutputCollector, strip_ansi
 
 log = logging.getLogger(__name__)
 
-#: Finished jobs a table keeps for wait_job; the oldest finished one goes first.
+#: Finished jobs a table keeps for manage_jobs wait; the oldest finished one goes first.
 MAX_KEPT_JOBS = 16
 #: Bound on waiting for a cancelled job to end (its kernel may need a restart after the grace).
 CANCEL_MARGIN_S = 10.0
-#: Characters of the code a job is labelled with in list_jobs and busy messages.
+#: Characters of the code a job is labelled with in manage_jobs list and busy messages.
 LABEL_CHARS = 60
 
 
@@ -65,7 +65,7 @@ def duration(seconds: float) -> str:
 
 @dataclass
 class JobOutput(OutputCollector):
-    """A call's output collector that also keeps what no reply has shown yet (bounded), for wait_job.
+    """A call's output collector that also keeps what no reply has shown yet (bounded), for manage_jobs wait.
 
     The base keeps head and tail for the whole run and spills everything to a file; this adds a
     window of unread text (its last `limit_chars`; what falls out of it is in the spill file) and
@@ -175,7 +175,7 @@ class Job:
         self.scope.cancel()
 
     def describe(self) -> dict[str, Any]:
-        """The job as list_jobs and session_status show it."""
+        """The job as manage_jobs list and manage_sessions status show it."""
         described: dict[str, Any] = {
             "job_id": self.job_id,
             "kind": self.kind,

@@ -177,8 +177,8 @@ class KernelCalls:
         if self.closed:
             return ExecutionResult(outcome, notice="the session was closed during this call", state_lost=True)
         if self._resetting:
-            # kernel_reset is waiting for this call to end; it starts the fresh kernel itself.
-            return ExecutionResult(outcome, notice="stopped by kernel_reset: state lost", state_lost=True)
+            # a kernel reset is waiting for this call to end; it starts the fresh kernel itself.
+            return ExecutionResult(outcome, notice="stopped by a kernel reset: state lost", state_lost=True)
         if outcome.status is RunStatus.DIED:
             assert self.kernel is not None
             process = self.kernel.process

@@ -67,7 +67,7 @@ class SessionManager(HostServices):
         #: The host side of every sandbox (dirs, host uid, mounts), sessions' and one-shot runs' alike.
         users = UidPool(claims_dir=UID_CLAIMS_DIR) if per_sandbox_uids(settings.sandbox_user) else None
         self.leases = SandboxLeases(settings, backend, users)
-        #: Throwaway sandboxes for execute_code / validate_code (set up on entry).
+        #: Throwaway sandboxes for execute_code, check_only too (set up on entry).
         self.oneshot: OneShotRunner
         #: Sandboxes started ahead for sessions with default options (sessions/pool.py).
         self.pool: WarmPool[Pooled] = WarmPool(
@@ -87,7 +87,7 @@ class SessionManager(HostServices):
         self.egress = EgressHub(settings)
         #: execute_code runs that outlived their call (sessions' own jobs are in each session).
         self.jobs: JobTable
-        #: Saved sessions (snapshot_session, restore_session, fork_session, keep_state).
+        #: Saved sessions (manage_snapshots: save, restore, fork; keep_state).
         self.snapshots = SessionSnapshots.for_settings(settings, backend)
         #: Set while close_all runs: a second caller (a signal during shutdown) waits for it.
         self._closing_all: anyio.Event | None = None
@@ -210,14 +210,14 @@ class SessionManager(HostServices):
             seed = await self._kept_state(options)
         if len(self._sessions) >= self.settings.max_sessions:
             raise SessionError(
-                f"session limit reached ({self.settings.max_sessions} open): close one with close_session "
-                "or raise max_sessions in the configuration"
+                f"session limit reached ({self.settings.max_sessions} open): close one with manage_sessions "
+                "(action 'close') or raise max_sessions in the configuration"
             )
         held = sum(session.owner == owner for session in self._sessions.values())
         if owner != LOCAL_CALLER and held >= self.settings.max_sessions_per_client:
             raise SessionError(
                 f"this client already holds {held} sessions, its share of this server: close one with "
-                "close_session (list_sessions shows them), or raise max_sessions_per_client in the configuration"
+                "manage_sessions (action 'list' shows them), or raise max_sessions_per_client in the configuration"
             )
         pooled_options = seed is None and self._pool_options is not None
         if pooled_options and self._pool_options == dataclasses.replace(options, client=LOCAL_CLIENT):
@@ -354,7 +354,7 @@ class SessionManager(HostServices):
 
     async def _close_session(self, session: Session) -> None:
         """Save (keep_state), close and release `session`, once: a second caller (create's clean-up after a
-        close_session stopped its start) waits for the first, and its host uid is never given back twice."""
+        a close stopped its start) waits for the first, and its host uid is never given back twice."""
         if session.close_done is not None:
             await session.close_done.wait()
             return
@@ -392,8 +392,8 @@ class SessionManager(HostServices):
         if session is None or (owner is not None and client_of_key(session.owner) != client_of_key(owner)):
             # Another client's session gets the same answer as none at all: ids must not be probed.
             raise SessionError(
-                f"unknown or expired session_id {session_id!r}: call list_sessions to see your open sessions, "
-                "create_session for a new one, or omit session_id to use your default session"
+                f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your open "
+                "sessions, create_session makes a new one, or omit session_id to use your default session"
             )
         return session
 

@@ -69,7 +69,7 @@ def sandbox_options(
     if keep_state and not persistent:
         raise SessionError(
             "keep_state needs persistent=true and a name: the state is saved under that name when the session "
-            "closes (for any other session, use snapshot_session)"
+            "closes (for any other session, use manage_snapshots)"
         )
     network = network or settings.network
     asked = tuple(entry for entry in allow or () if entry)

@@ -85,7 +85,7 @@ class Session(KernelCalls):
     restarts: int = 0
     busy: bool = False
     closed: bool = False
-    #: Set while kernel_reset stops a running call, so that call's reply says why it ended.
+    #: Set while a kernel reset stops a running call, so that call's reply says why it ended.
     _resetting: bool = False
     _generation: int = 0
     #: The number the next kernel made gets (its sockets' and files' names): kernels are numbered in the
@@ -356,7 +356,7 @@ class Session(KernelCalls):
         if job.detached:
             raise SessionBusy(
                 f"session {self.session_id} is busy with job {job.job_id} (running {duration(job.elapsed_s())}): "
-                "wait_job, cancel_job, or use another session"
+                "manage_jobs (wait or cancel), or use another session"
             )
         raise SessionBusy(
             f"session {self.session_id} is busy with another call; try again when it finishes (or use another session)"
@@ -392,7 +392,7 @@ class Session(KernelCalls):
                 return
             starting = self._start
             if starting is not None:
-                # A kernel is starting (create_session, kernel_reset, a restart): stop it and let it end
+                # A kernel is starting (create_session, a reset, a restart): stop it and let it end
                 # its sandbox first. Its dirs are never closed under it: rather left, if it never lets go.
                 starting.scope.cancel()
                 with anyio.move_on_after(START_CANCEL_WAIT_S):

@@ -10,8 +10,8 @@ and stages the state read-only in the new sandbox's host dir; once the kernel is
 it there. Nothing of a snapshot is unpickled on the host, and loading runs no code but unpickling
 the user's own objects, inside the new sandbox.
 
-Memory snapshots (a backend with a checkpointer: gvisor): snapshot_session, fork_session and
-restore_session save and restore the whole sandbox instead (runsc checkpoint: every variable, thread,
+Memory snapshots (a backend with a checkpointer: gvisor): manage_snapshots save, fork and
+restore save and restore the whole sandbox instead (runsc checkpoint: every variable, thread,
 open file and /tmp), its workspace copied while it is stopped so that files and memory agree. The
 image is written and read by runsc only, in the host-only store. keep_state stays on the pickled
 path on every backend (it must survive an upgrade of runsc or the image, which a checkpoint does not).

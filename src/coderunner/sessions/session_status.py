@@ -1,4 +1,4 @@
-"""What session_status and list_sessions say of a session: its state, uptime, usage, limits and mounts.
+"""What manage_sessions status and list say of a session: its state, uptime, usage, limits and mounts.
 
 Read from the session without changing it; usage is one walk of /proc (or its cgroup) and the workspace.
 """

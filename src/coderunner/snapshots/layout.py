@@ -71,7 +71,7 @@ def too_large(so_far: int, limit: int) -> SnapshotTooLarge:
 def tampered(why: str) -> SnapshotError:
     return SnapshotError(
         f"the saved state was tampered with inside the sandbox ({why}); nothing was kept. "
-        "Run the snapshot again; if it repeats, restart the session (kernel_reset)"
+        "Run the snapshot again; if it repeats, reset the kernel (manage_sessions)"
     )
 
 
@@ -100,4 +100,6 @@ def no_state() -> SnapshotError:
 
 def not_found(snapshot_id: object) -> SnapshotNotFound:
     shown = snapshot_id[:80] if isinstance(snapshot_id, str) else snapshot_id
-    return SnapshotNotFound(f"no snapshot {shown!r} for this client; list_snapshots shows the ones you can use")
+    return SnapshotNotFound(
+        f"no snapshot {shown!r} for this client; manage_snapshots (action 'list') shows the ones you can use"
+    )

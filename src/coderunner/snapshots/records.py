@@ -25,7 +25,7 @@ class SnapshotMeta:
     name: str
     #: Unix time it was made.
     created: float
-    #: "snapshot" (snapshot_session / fork_session) or "persistent" (a keep_state session's own).
+    #: "snapshot" (manage_snapshots save / fork) or "persistent" (a keep_state session's own).
     kind: str
     #: The first characters of the session it was taken from (for session_status).
     source_session: str

@@ -165,7 +165,8 @@ class SnapshotStore:
             read = None if cfd is None else read_entry(cfd, snapshot_id, client)
         if isinstance(read, DamagedSnapshot):
             raise SnapshotNotFound(
-                f"snapshot {snapshot_id} is damaged ({read.why}) and cannot be restored; delete_snapshot removes it"
+                f"snapshot {snapshot_id} is damaged ({read.why}) and cannot be restored; manage_snapshots "
+                "(action 'delete') removes it"
             )
         if read is None:
             raise not_found(snapshot_id)
@@ -208,7 +209,7 @@ class SnapshotStore:
         `drop_damaged` (at start): every damaged one goes, whatever its kind.
 
         A persistent session's own state is neither counted nor aged: it lives as long as its named
-        workspace (delete_workspace removes both), and is replaced at each close."""
+        workspace (manage_workspaces delete removes both), and is replaced at each close."""
         with self.lock:
             now = time.time()
             listing = self.listing(client)

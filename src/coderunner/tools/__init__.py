@@ -2,15 +2,15 @@
 
     context.py     ToolContext (session host, settings, caller lookup, session by id) and its `tool` decorator
     arguments.py   argument types shared by several tools
-    python.py      run_python, kernel_reset
-    sessions.py    create_session, close_session, session_status, list_sessions
-    files.py       list_files, read_file, write_file, upload_file, download_file; the sandbox:// resource
-    guest.py       pdf_ops, image_ops, browser_* (work done inside the sandbox)
-    execute_code.py      execute_code, validate_code (one-shot runs)
-    jobs.py        wait_job, cancel_job, list_jobs (runs that outlived their call)
+    python.py      run_python
+    sessions.py    create_session, manage_sessions (status, reset, close, list)
+    files.py       read_file (a file or a folder), write_file, transfer_file; the sandbox:// resource
+    guest.py       document_ops (PDFs, images), use_browser (work done inside the sandbox)
+    execute_code.py      execute_code (one-shot runs; check_only: a syntax check)
+    jobs.py        manage_jobs (wait, cancel, list: runs that outlived their call)
     install_packages.py  install_packages
-    named_workspaces.py  list_workspaces, delete_workspace
-    snapshots.py   snapshot_session, restore_session, fork_session, list_snapshots, delete_snapshot
+    named_workspaces.py  manage_workspaces (list, delete)
+    snapshots.py   manage_snapshots (save, restore, fork, list, delete)
     meta.py        get_capabilities
     egress.py      network 'allowlist' during a call: the user asked about a host, denials named in the reply
 
@@ -19,8 +19,10 @@ file_results.py (a file as content), capabilities.py (get_capabilities' answer).
 
 A tool parses its arguments, calls a session or the session host (sessions/seam.py, the only way in),
 and shapes the reply; the work is elsewhere.
-MODULES is in the order tools/list shows the tools. Each tool declares its group (`--tools`) where it
+MODULES is in the order tools/list shows the tools. Each tool declares its group(s) (`--tools`) where it
 is defined; declared_groups() is that table, for checking a setting before any server is built.
+Operations that share their arguments are one tool with an `action` (or `op`): tools/list goes to the
+model on every turn, and its budget is held by tests/test_tool_schemas.py.
 """
 
 import functools

@@ -33,7 +33,7 @@ def _object_as_text(value: Any) -> Any:
 VariablesArg = Annotated[
     str,
     BeforeValidator(_object_as_text),
-    Field(description="JSON object text, e.g. '{\"n\": 3}'; keys become variables."),
+    Field(description="JSON object; keys become variables."),
 ]
 LanguageArg = Literal["python", "javascript", "bash"]
 
@@ -79,5 +79,5 @@ OutputPath = Text
 #: When a run answers with a job id instead of waiting for its end (None: the detach_after_s setting).
 DetachAfter = Annotated[
     float | None,
-    Field(ge=0, description="Then answer with a job id, running on (0: at once)."),
+    Field(ge=0, description="Then answer with a job id (0: at once)."),
 ]

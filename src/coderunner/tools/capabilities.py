@@ -20,9 +20,9 @@ if TYPE_CHECKING:
     from coderunner.sessions.seam import SandboxProfile, SessionHost
 
 LANGUAGE_TOOLS = {
-    "python": ["run_python (persistent kernel)", "execute_code", "validate_code"],
-    "javascript": ["execute_code (Node.js)", "validate_code"],
-    "bash": ["execute_code", "validate_code"],
+    "python": ["run_python (persistent kernel)", "execute_code"],
+    "javascript": ["execute_code (Node.js)"],
+    "bash": ["execute_code"],
 }
 
 
@@ -74,7 +74,14 @@ class Capabilities:
         return {
             "server": {"name": "coderunner", "version": __version__, "transport": settings.transport},
             "languages": {
-                language: {"version": versions.get(language), "tools": used_by}
+                language: {
+                    "version": versions.get(language),
+                    "tools": [
+                        use
+                        for use in used_by
+                        if use.split(" ")[0] in tools  # only the tools offered here
+                    ],
+                }
                 for language, used_by in LANGUAGE_TOOLS.items()
             },
             "sandbox": {"backend": profile.backend, "isolation": profile.isolation},

@@ -22,6 +22,7 @@ from coderunner.edge.callers import LOCAL_CALLER, caller_key, on_connection_clos
 from coderunner.edge.owners import client_of
 from coderunner.errors import CodeRunnerError
 from coderunner.offload import off_loop
+from coderunner.policy.tool_mentions import Mentions
 from coderunner.sessions.seam import SessionHandle, SessionHost
 from coderunner.tools.capabilities import Capabilities
 from coderunner.tools.egress import EgressCall, EgressCalls
@@ -53,8 +54,11 @@ class ToolContext:
     reply_bounds: ReplyBounds
     #: Network 'allowlist': who is asked about a host during a call, and what the reply says was denied.
     egress_calls: EgressCalls
-    #: The group each registered tool declared (tool name -> group; policy/tool_groups.py).
-    groups: dict[str, str] = field(default_factory=dict)
+    #: The groups each registered tool declared (tool name -> groups; policy/tool_groups.py).
+    groups: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    #: Which tools the `tools` setting offers (set by build_server once all are registered); replies
+    #: name no other tool (policy/tool_mentions.py). None: not yet known, nothing rewritten.
+    mentions: Mentions | None = None
 
     @classmethod
     def create(cls, server: MCPServer, host: SessionHost) -> "ToolContext":
@@ -74,28 +78,50 @@ class ToolContext:
         return self.host.settings
 
     def tool(
-        self, group: str | None = None, annotations: ToolAnnotations | None = None
+        self, group: str | tuple[str, ...] | None = None, annotations: ToolAnnotations | None = None
     ) -> Callable[[ToolFunction], ToolFunction]:
         """Register a tool (unstructured output: images stay images) whose CodeRunnerError is an isError reply.
 
-        `group`: the tool group it is in (`--tools`); one that declares none stops the server at start.
+        `group`: the tool group(s) it is in (`--tools`); one that declares none stops the server at start.
+        Every reply leaves unnamed the tools the setting does not offer (policy/tool_mentions.py).
         """
 
         def register(function: ToolFunction) -> ToolFunction:
             if group is not None:
-                self.groups[function.__name__] = group
+                self.groups[function.__name__] = (group,) if isinstance(group, str) else group
 
             @functools.wraps(function)  # the SDK reads name, docstring and signature through the wrapper
             async def guarded(*args: Any, **kwargs: Any) -> CallToolResult:
                 try:
-                    return await function(*args, **kwargs)
+                    reply = await function(*args, **kwargs)
                 except CodeRunnerError as exc:
-                    return error_result(str(exc))
+                    reply = error_result(str(exc))
+                return self.unnamed(reply)
 
             self.server.tool(structured_output=False, annotations=annotations)(guarded)
             return function
 
         return register
+
+    def offers(self, tool: str) -> bool:
+        """Whether the `tools` setting offers `tool`: a reply the tool layer writes names it only then."""
+        return self.mentions is None or self.mentions.offers(tool)
+
+    def say(self, text: str) -> str:
+        """`text` naming only offered tools (for answers that are not tool replies, e.g. a resource read)."""
+        return text if self.mentions is None else self.mentions.text(text)
+
+    def unnamed(self, reply: CallToolResult) -> CallToolResult:
+        """The reply with each tool that is not offered named only by the group the user would add."""
+        mentions = self.mentions
+        if mentions is None:
+            return reply
+        for block in reply.content:
+            if isinstance(block, TextContent):
+                block.text = mentions.text(block.text)
+        if reply.structured_content is not None:
+            reply.structured_content = mentions.value(reply.structured_content)
+        return reply
 
     @staticmethod
     async def off_loop(function: Callable[..., T], *args: Any, bulk: bool = False, **kwargs: Any) -> T:

@@ -1,4 +1,8 @@
-"""execute_code and validate_code: a whole program once, in a fresh throwaway sandbox."""
+"""execute_code: a whole program once, in a fresh throwaway sandbox; or (check_only) its syntax errors.
+
+The syntax check is an argument, not a tool of its own: it takes the same language and code, and a
+tools/list entry costs every turn.
+"""
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
@@ -7,7 +11,7 @@ from typing import Annotated
 
 import anyio
 from mcp.server.mcpserver import Context
-from mcp.types import CallToolResult, ToolAnnotations
+from mcp.types import CallToolResult
 from pydantic import Field
 
 from coderunner.policy.call_variables import check_variables, parse_variables
@@ -27,6 +31,11 @@ def register(tools: ToolContext) -> None:
     settings = tools.settings
     host = tools.host
 
+    async def validate(ctx: Context, language: LanguageArg, code: str) -> CallToolResult:
+        options = host.options(client=tools.client(ctx))
+        errors = await host.check_code(language, code, options, caller=tools.share(ctx))
+        return json_result({"language": language, "valid": not errors, "errors": errors})
+
     @tools.tool(group="oneshot")  # not closed-world: it may run with network internet
     async def execute_code(
         language: LanguageArg,
@@ -38,9 +47,11 @@ def register(tools: ToolContext) -> None:
         memory_mb: MemoryMb = settings.memory_mb,
         network: network_arg(settings.network_ceiling) = (settings.network),  # type: ignore[valid-type]  # per ceiling
         detach_after_s: DetachAfter = None,
+        check_only: Annotated[bool, Field(description="Just report syntax errors.")] = False,
     ) -> CallToolResult:
-        """Run a whole program once in a fresh sandbox, nothing kept (javascript: Node.js). Returns exit_code,
-        stdout, stderr, timed_out, time and memory used; or a job id (detach_after_s)."""
+        """A program run once in a fresh sandbox, nothing kept: exit_code, stdout, stderr, time, memory."""
+        if check_only:
+            return await validate(ctx, language, code)
         if len(stdin) > MAX_STDIN_CHARS:
             raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
         values = check_variables(parse_variables(variables), language)
@@ -60,8 +71,8 @@ def register(tools: ToolContext) -> None:
         most = MAX_JOBS_PER_SHARE * settings.max_oneshot_runs_per_client
         if table.running_of(caller) >= most:
             raise OneShotError(
-                f"this client already has {most} execute_code runs going or waiting for a sandbox: wait_job or "
-                "cancel_job one of them (list_jobs shows them)"
+                f"this client already has {most} execute_code runs going or waiting for a sandbox: wait for or "
+                "cancel one of them with manage_jobs (action 'list' shows them)"
             )
         job = Job(job_id=table.new_id(), kind="execute_code", label=label_of(code), owner=caller)
         wait = settings.detach_after_s if detach_after_s is None else detach_after_s
@@ -81,10 +92,3 @@ def register(tools: ToolContext) -> None:
         if note := network.note():
             payload["network"] = note
         return json_result(payload, is_error=not job.result.success)
-
-    @tools.tool(group="oneshot", annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
-    async def validate_code(language: LanguageArg, code: str, ctx: Context) -> CallToolResult:
-        """Syntax errors (line, column) of code, without running it."""
-        options = host.options(client=tools.client(ctx))
-        errors = await host.check_code(language, code, options, caller=tools.share(ctx))
-        return json_result({"language": language, "valid": not errors, "errors": errors})

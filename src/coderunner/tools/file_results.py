@@ -178,7 +178,7 @@ def _range_note(start: int, last: int, *, truncated: bool = False, at_end: bool 
 
 def _linked(session_id: str, path: str, size: int, mime: str | None, why: str, links: bool) -> CallToolResult:
     if not links:
-        advice = "work with it in run_python, or copy it to the export folder with download_file"
+        advice = "work with it in run_python, or copy it to the export folder with transfer_file (download)"
         return CallToolResult(content=[TextContent(type="text", text=f"{path}: {size:,} bytes, {why}; {advice}")])
     text = TextContent(type="text", text=f"{path}: {size:,} bytes, {why}; read the linked resource instead")
     return CallToolResult(content=[text, resource_link(session_id, path, size, mime)])

@@ -1,4 +1,5 @@
-"""list_files, read_file, write_file, upload_file, download_file and the sandbox:// resource.
+"""read_file (a file, or a folder's listing), write_file, transfer_file (upload, download) and the
+sandbox:// resource.
 
 Every path goes through the session's file view (files.py): the host never follows what the
 sandbox wrote. Copies and walks run off the event loop.
@@ -38,18 +39,6 @@ def register(tools: ToolContext) -> None:
     settings = tools.settings
 
     @tools.tool(group="files")
-    async def list_files(
-        ctx: Context,
-        path: str = "/workspace",
-        depth: Annotated[int, Field(ge=1, le=5)] = 1,
-        session_id: SessionId = "",
-    ) -> CallToolResult:
-        """List a folder of the sandbox (workspace or mounts)."""
-        session = await tools.session(ctx, session_id)
-        entries = await tools.off_loop(session.files.list, path, depth)
-        return json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
-
-    @tools.tool(group="files")
     async def read_file(
         path: str,
         ctx: Context,
@@ -58,14 +47,23 @@ def register(tools: ToolContext) -> None:
         length: Annotated[int | None, Field(ge=1)] = None,
         start_line: Annotated[int | None, Field(ge=1)] = None,
         end_line: Annotated[int | None, Field(ge=1)] = None,
+        depth: Annotated[int, Field(ge=1, le=5, description="Of a folder.")] = 1,
     ) -> CallToolResult:
-        """Read a sandbox file: text (byte offset/length or 1-based lines), images as images; big files as links."""
+        """Read a sandbox file (text by byte offset/length or lines; images; big files as links) or list a
+        folder."""
         session = await tools.session(ctx, session_id)
-        return await tools.off_loop(
-            read_file_result, session.files, session.session_id, path, limit=settings.read_limit_bytes,
-            image_limit=settings.image_limit_bytes, offset=offset, length=length,
-            start_line=start_line, end_line=end_line, links=settings.file_links == "resource_link",
-        )  # fmt: skip
+        try:
+            return await tools.off_loop(
+                read_file_result, session.files, session.session_id, path, limit=settings.read_limit_bytes,
+                image_limit=settings.image_limit_bytes, offset=offset, length=length,
+                start_line=start_line, end_line=end_line, links=settings.file_links == "resource_link",
+            )  # fmt: skip
+        except FileAccessError as refused:  # a folder is listed; anything else is refused as the read said
+            try:
+                entries = await tools.off_loop(session.files.list, path, depth)
+            except FileAccessError:
+                raise refused from None
+        return json_result({"path": path, "entries": [asdict(entry) for entry in entries]})
 
     @tools.tool(group="files")
     async def write_file(
@@ -86,15 +84,9 @@ def register(tools: ToolContext) -> None:
             payload["exported"] = session.export_note
         return json_result(payload)
 
-    @tools.tool(group="files")
-    async def upload_file(
-        host_path: str,
-        ctx: Context,
-        sandbox_path: Annotated[Text, Field(description="Default /workspace/NAME.")] = "",
-        overwrite: bool = False,
-        session_id: SessionId = "",
+    async def upload(
+        ctx: Context, host_path: str, sandbox_path: str, overwrite: bool, session_id: str
     ) -> CallToolResult:
-        """Copy a file from a host import folder into the sandbox."""
         session = await tools.session(ctx, session_id)
         source = await tools.off_loop(import_source, settings.import_dirs, host_path)  # resolves: stats
         target = sandbox_path or posixpath.basename(source.path)
@@ -103,15 +95,9 @@ def register(tools: ToolContext) -> None:
         return json_result({"host_path": str(source.host_path(source.path)), "sandbox_path": written,
                             "bytes": copied})  # fmt: skip
 
-    @tools.tool(group="files")
-    async def download_file(
-        sandbox_path: str,
-        ctx: Context,
-        host_path: Annotated[Text, Field(description="Name in the export folder.")] = "",
-        overwrite: bool = False,
-        session_id: SessionId = "",
+    async def download(
+        ctx: Context, host_path: str, sandbox_path: str, overwrite: bool, session_id: str
     ) -> CallToolResult:
-        """Copy a sandbox file to the user's export folder on the host."""
         session = await tools.session(ctx, session_id)
         target = await tools.off_loop(
             export_target, settings.export_dir, session.options.client,  # mkdir, open
@@ -123,6 +109,23 @@ def register(tools: ToolContext) -> None:
         )  # fmt: skip
         return json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),
                             "bytes": copied})  # fmt: skip
+
+    @tools.tool(group="files")
+    async def transfer_file(
+        direction: Literal["upload", "download"],
+        ctx: Context,
+        host_path: Text = "",
+        sandbox_path: Text = "",
+        overwrite: bool = False,
+        session_id: SessionId = "",
+    ) -> CallToolResult:
+        """upload: host_path (from an import folder) into the sandbox; download: sandbox_path to the export
+        folder. The other path defaults to the name."""
+        given, side = (host_path, "host_path") if direction == "upload" else (sandbox_path, "sandbox_path")
+        if not given:
+            raise FileAccessError(f"transfer_file direction {direction!r} needs {side}")
+        move = upload if direction == "upload" else download
+        return await move(ctx, host_path, sandbox_path, overwrite, session_id)
 
     @tools.server.resource(
         "sandbox://{session_id}/{+path}",
@@ -137,5 +140,5 @@ def register(tools: ToolContext) -> None:
         except CodeRunnerError as exc:
             raise ResourceError(str(exc)) from None  # the SDK shows a ResourceError's own words
         if size > limit:
-            raise ResourceError(f"/{path} is {size:,} bytes, over the resource limit; use download_file")
+            raise ResourceError(tools.say(f"/{path} is {size:,} bytes, over the resource limit; use transfer_file"))
         return data

@@ -1,4 +1,4 @@
-"""pdf_ops, image_ops and the browser tools: work done by the guest helpers inside the sandbox.
+"""document_ops (PDFs and images) and use_browser: work done by the guest helpers inside the sandbox.
 
 Untrusted bytes (PDFs, images, web pages) are parsed in the sandbox, never here. Paths are confined
 by the session (Session.guest_op) before the guest sees them; answers are bounded like cell output.
@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver import Context
-from mcp.types import CallToolResult, ToolAnnotations
+from mcp.types import CallToolResult
 from pydantic import Field
 
 from coderunner.egress.ceiling import NetworkMode, more_network
@@ -19,14 +19,27 @@ from coderunner.errors import GuestCallError
 from coderunner.tools.arguments import BrowserSeconds, OutputPath, Seconds, SessionId, Text
 from coderunner.tools.context import ToolContext
 
-PdfOp = Literal["info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt"]
-ImageOp = Literal["info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr"]
+PDF_OPS = ("info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt")
+IMAGE_OPS = ("info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr")
+DocumentOp = Literal[
+    "info", "extract_text", "extract_pages", "rotate", "to_images", "merge", "split", "encrypt", "decrypt",
+    "resize", "thumbnail", "crop", "flip", "convert", "grayscale", "ocr",
+]  # fmt: skip
 #: Arguments of the document tools that name sandbox files (besides input_path).
 DOCUMENT_PATHS = ("output", "output_prefix", "inputs")
 #: Default wait for a page, and the extra allowance for starting the browser on first use.
 BROWSER_TIMEOUT_S = 30.0
 BROWSER_START_S = 30.0
-#: Arguments of pdf_ops and image_ops that are not the op's own.
+#: The arguments each use_browser action takes: navigate, extract and screenshot are guest/browser.py's ops of
+#: those names; every other action is its `interact` op.
+BROWSER_TAKES = {
+    "navigate": ("url", "selector", "timeout_s"),
+    "extract": ("selector", "format", "attribute"),
+    "screenshot": ("full_page", "selector", "output"),
+}
+INTERACT_TAKES = ("selector", "value", "timeout_s")
+BrowserAction = Literal["navigate", "extract", "screenshot", "click", "fill", "press", "select", "scroll", "wait_for"]
+#: Arguments of document_ops that are not the op's own.
 _NOT_OP_ARGUMENTS = frozenset({"ctx", "input_path", "op", "session_id", "timeout_s"})
 
 
@@ -44,70 +57,64 @@ def op_arguments(tool: Callable[..., Any], values: dict[str, Any]) -> dict[str, 
     }
 
 
+def called_as(message: str, helper: str, tool: str) -> str:
+    """A guest helper's failure as the tool the model called: the session names the helper it ran."""
+    return tool + message.removeprefix(helper) if message.startswith(helper) else message
+
+
+def document_kind(op: str, input_path: str) -> str:
+    """Which guest helper does `op`: the PDF one or the image one (info and rotate: as the input's name says)."""
+    if op not in IMAGE_OPS:
+        return "pdf_ops"
+    if op not in PDF_OPS:
+        return "image_ops"
+    return "pdf_ops" if input_path.lower().endswith(".pdf") else "image_ops"
+
+
 def register(tools: ToolContext) -> None:
     # Over 80 lines on purpose: one short nested function per tool, registered by its decorator here.
     settings = tools.settings
 
-    async def document(
-        ctx: Context,
-        tool: str,
-        session_id: str,
-        input_path: str,
-        op: str,
-        args: dict[str, Any],
-        timeout_s: float | None,
-    ) -> CallToolResult:
-        session = await tools.session(ctx, session_id)
-        limit = timeout_s or settings.timeout_s
-        async with tools.egress_call(ctx, session) as network:
-            result = await session.guest_op(tool, op, args, limit, paths=DOCUMENT_PATHS, input_path=input_path)
-        return network.noted(await tools.guest_reply(session, result))
-
     @tools.tool(group="documents")
-    async def pdf_ops(
+    async def document_ops(
         ctx: Context,
         input_path: str,
-        op: PdfOp,
-        pages: Annotated[Text, Field(description="e.g. '1-3,5'; default all.")] = "",
-        inputs: list[str] | None = None,
-        ranges: Annotated[list[str] | None, Field(description="e.g. ['1-2','3-']")] = None,
-        degrees: int | None = None,
+        op: DocumentOp,
+        pages: Annotated[Text, Field(description="e.g. 1-3,5")] = "",
+        inputs: list[str] = [],  # noqa: B006 - read only; no null for a strict-mode model to send
+        ranges: Annotated[list[str], Field(description="e.g. 1-2, 3-")] = [],  # noqa: B006 - as inputs
+        degrees: float | None = None,
         dpi: int = 100,
         password: Text = "",
+        width: int | None = None,
+        height: int | None = None,
+        keep_aspect: bool = True,
+        size: int = 256,
+        box: Annotated[list[int], Field(description="left, top, right, bottom")] = [],  # noqa: B006 - as inputs
+        direction: Literal["horizontal", "vertical"] = "horizontal",
+        format: Literal["png", "jpeg", "webp", "gif", "bmp", "tiff"] = "png",
+        lang: str = "eng",
         output: OutputPath = "",
         output_prefix: OutputPath = "",
         session_id: SessionId = "",
         timeout_s: Seconds = None,
     ) -> CallToolResult:
-        """PDF ops in the sandbox. pages: extract_text, extract_pages, rotate, to_images; merge: inputs; split:
-        ranges; rotate: degrees (90s); to_images: dpi; encrypt, decrypt: password (also opens encrypted
-        input). Outputs default beside the input."""
-        arguments = op_arguments(pdf_ops, locals())
-        return await document(ctx, "pdf_ops", session_id, input_path, op, arguments, timeout_s)
-
-    @tools.tool(group="documents")
-    async def image_ops(
-        ctx: Context,
-        input_path: str,
-        op: ImageOp,
-        width: int | None = None,
-        height: int | None = None,
-        keep_aspect: bool = True,
-        size: int = 256,
-        box: Annotated[list[int] | None, Field(description="[left, top, right, bottom]")] = None,
-        degrees: float | None = None,
-        direction: Literal["horizontal", "vertical"] = "horizontal",
-        format: Literal["png", "jpeg", "webp", "gif", "bmp", "tiff"] = "png",
-        lang: str = "eng",
-        output: OutputPath = "",
-        session_id: SessionId = "",
-        timeout_s: Seconds = None,
-    ) -> CallToolResult:
-        """Image ops in the sandbox, with a preview. resize: width/height, keep_aspect; thumbnail: size; crop:
-        box; rotate: degrees (clockwise); flip: direction; convert: format; ocr: lang. output defaults beside
-        the input."""
-        arguments = op_arguments(image_ops, locals())
-        return await document(ctx, "image_ops", session_id, input_path, op, arguments, timeout_s)
+        """PDFs and images in the sandbox, output beside input. PDF: info, extract_text, extract_pages, rotate,
+        to_images (pages, dpi), merge (inputs), split (ranges), encrypt, decrypt (password). Image:
+        info, resize (width, height, keep_aspect), thumbnail (size), crop (box), rotate (degrees), flip
+        (direction), convert (format), grayscale, ocr (lang)."""
+        kind = document_kind(op, input_path)
+        arguments = op_arguments(document_ops, locals())
+        if kind == "pdf_ops" and isinstance(degrees, float) and degrees.is_integer():
+            arguments["degrees"] = int(degrees)  # pdf pages turn in whole quarter turns
+        session = await tools.session(ctx, session_id)
+        limit = timeout_s or settings.timeout_s
+        async with tools.egress_call(ctx, session) as network:
+            try:
+                result = await session.guest_op(kind, op, arguments, limit, paths=DOCUMENT_PATHS, input_path=input_path)
+            except GuestCallError as exc:
+                raise GuestCallError(called_as(str(exc), kind, "document_ops")) from None
+        return network.noted(await tools.guest_reply(session, result))
 
     async def browser(
         ctx: Context, session_id: str, op: str, args: dict[str, Any], timeout_s: float | None
@@ -117,60 +124,62 @@ def register(tools: ToolContext) -> None:
         async with tools.egress_call(ctx, session) as network:
             try:
                 result = await session.guest_op("browser", op, args, limit, paths=("output",))
-            except GuestCallError as exc:
+            except GuestCallError as failed:
+                exc = GuestCallError(called_as(str(failed), "browser", "use_browser"))
                 # The guest says only that the network is off; the way out depends on the user's ceiling.
                 if session.options.network == NetworkMode.NONE and "network is off" in str(exc):
                     way_out = more_network(tools.settings.network_ceiling)
                     raise GuestCallError(f"{exc}; to browse the web: {way_out}") from None
-                raise
+                raise exc from None
         return network.noted(await tools.guest_reply(session, result))
 
-    @tools.tool(group="browser", annotations=ToolAnnotations(open_world_hint=True))
-    async def browser_navigate(
-        ctx: Context,
-        url: str,
-        wait_for: Annotated[Text, Field(description="CSS selector.")] = "",
-        timeout_s: BrowserSeconds = None,
-        session_id: SessionId = "",
-    ) -> CallToolResult:
-        """Open a page in the session's Chromium (offline: file:///workspace/... or sandbox servers only):
-        url, status, title, text."""
-        args = {"url": url, "wait_for": wait_for or None, "timeout_s": timeout_s or BROWSER_TIMEOUT_S}
-        return await browser(ctx, session_id, "navigate", args, timeout_s)
-
     @tools.tool(group="browser")
-    async def browser_extract(
+    async def use_browser(
         ctx: Context,
-        selector: str,
+        action: BrowserAction,
+        url: Text = "",
+        selector: Annotated[Text, Field(description="CSS; navigate waits for it")] = "",
+        value: Annotated[Text, Field(description="fill, press, select")] = "",
         format: Literal["text", "html", "json", "table", "links"] = "text",
-        attribute: Annotated[Text, Field(description="Instead: this attribute of each match.")] = "",
-        session_id: SessionId = "",
-    ) -> CallToolResult:
-        """Matches of a CSS selector on the current page as text, html, JSON, table rows or links."""
-        args = {"selector": selector, "format": format, "attribute": attribute or None}
-        return await browser(ctx, session_id, "extract", args, None)
-
-    @tools.tool(group="browser")
-    async def browser_screenshot(
-        ctx: Context,
+        attribute: Annotated[Text, Field(description="extract it instead")] = "",
         full_page: bool = False,
-        selector: Annotated[Text, Field(description="Only this element.")] = "",
-        output: str = "screenshot.png",
-        session_id: SessionId = "",
-    ) -> CallToolResult:
-        """Screenshot of the current page or an element, as an image; also saved to output."""
-        args = {"full_page": full_page, "selector": selector or None, "output": output}
-        return await browser(ctx, session_id, "screenshot", args, None)
-
-    @tools.tool(group="browser")
-    async def browser_interact(
-        ctx: Context,
-        action: Literal["click", "fill", "press", "select", "scroll", "wait_for"],
-        selector: str,
-        value: Annotated[Text, Field(description="Text to fill, key to press, option to select.")] = "",
+        output: Annotated[Text, Field(description="screenshot.png")] = "",
         timeout_s: BrowserSeconds = None,
         session_id: SessionId = "",
     ) -> CallToolResult:
-        """Act on an element of the current page (CSS selector)."""
-        args = {"action": action, "selector": selector, "value": value or None, "timeout_s": timeout_s or 10}
-        return await browser(ctx, session_id, "interact", args, timeout_s)
+        """The session's Chromium: navigate (url; offline only file:///workspace/...), extract (selector's
+        matches), screenshot, click, fill, press, select, scroll, wait_for (selector)."""
+        given = {name: item for name, item in locals().items() if name in _BROWSER_ARGUMENTS}
+        op, args = browser_call(action, given)
+        return await browser(ctx, session_id, op, args, timeout_s)
+
+
+#: use_browser's own arguments, each with the value that means "not given".
+_BROWSER_ARGUMENTS = {
+    "url": "", "selector": "", "value": "", "format": "text", "attribute": "", "full_page": False, "output": "",
+    "timeout_s": None,
+}  # fmt: skip
+
+
+def browser_call(action: str, given: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """The guest op and its arguments for a use_browser action; an argument the action does not take, or a
+    missing url or selector, is refused by name."""
+    takes = BROWSER_TAKES.get(action, INTERACT_TAKES)
+    stray = [name for name, value in given.items() if name not in takes and value != _BROWSER_ARGUMENTS[name]]
+    if stray:
+        raise GuestCallError(f"use_browser action {action!r} takes no {', '.join(stray)} (it takes {', '.join(takes)})")
+    needed = "url" if action == "navigate" else "selector" if action != "screenshot" else None
+    if needed and not given[needed]:
+        raise GuestCallError(f"use_browser action {action!r} needs a {needed}")
+    timeout_s = given["timeout_s"]
+    if action == "navigate":
+        return "navigate", {"url": given["url"], "wait_for": given["selector"] or None,
+                            "timeout_s": timeout_s or BROWSER_TIMEOUT_S}  # fmt: skip
+    if action == "extract":
+        return "extract", {"selector": given["selector"], "format": given["format"],
+                           "attribute": given["attribute"] or None}  # fmt: skip
+    if action == "screenshot":
+        return "screenshot", {"full_page": given["full_page"], "selector": given["selector"] or None,
+                              "output": given["output"] or "screenshot.png"}  # fmt: skip
+    return "interact", {"action": action, "selector": given["selector"], "value": given["value"] or None,
+                        "timeout_s": timeout_s or 10}  # fmt: skip

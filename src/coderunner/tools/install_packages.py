@@ -5,7 +5,7 @@
 from typing import Annotated
 
 from mcp.server.mcpserver import Context
-from mcp.types import CallToolResult, ToolAnnotations
+from mcp.types import CallToolResult
 from pydantic import Field
 
 from coderunner.policy.requirements import check_requirements
@@ -17,14 +17,14 @@ PIP_TIMEOUT_S = 300.0
 
 
 def register(tools: ToolContext) -> None:
-    @tools.tool(group="python", annotations=ToolAnnotations(open_world_hint=True))
+    @tools.tool(group="python")  # open-world: the default the spec gives a tool without annotations
     async def install_packages(
         ctx: Context,
         packages: list[str],
         session_id: SessionId = "",
         timeout_s: Annotated[float, Field(ge=1, le=1800)] = PIP_TIMEOUT_S,
     ) -> CallToolResult:
-        """pip install into this session only (kept across kernel_reset). Needs a session with network."""
+        """pip install into this session (kept across kernel resets); needs network."""
         wanted = check_requirements(packages)
         session = await tools.session(ctx, session_id)
         async with tools.egress_call(ctx, session) as network:

@@ -1,4 +1,7 @@
-"""wait_job, cancel_job, list_jobs: runs that went on after their call answered (sessions/job_runner.py).
+"""manage_jobs (wait, cancel, list): runs that went on after their call answered (sessions/job_runner.py).
+
+One tool, not three: the actions share their arguments, and a tools/list entry costs every turn. It is
+in the `python` and `oneshot` groups as well as `jobs`, since a run in either may answer with a job id.
 
 Also the reply shapes of a job, shared with run_python and execute_code: a python job's reply is
 its new output (text, images, links) plus a status line and the kernel line; a one-shot job's is
@@ -10,7 +13,7 @@ structured copy would show it instead of the images).
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
 from dataclasses import asdict
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
@@ -20,6 +23,7 @@ from coderunner.edge.callers import client_of_key
 from coderunner.sessions.job_runner import Job, JobNotFound, JobStatus, attend, cancel, duration
 from coderunner.sessions.oneshot_runs import OneShotResult
 from coderunner.sessions.seam import SessionHandle
+from coderunner.tools.arguments import Text
 from coderunner.tools.context import ToolContext, json_result
 from coderunner.tools.file_results import resource_link
 
@@ -44,8 +48,8 @@ def kernel_stamp(reply: CallToolResult, session: SessionHandle, lost: bool = Fal
 
 def running_note(job: Job) -> str:
     return (
-        f"still running as job {job.job_id} after {duration(job.elapsed_s())}: wait_job for the rest, "
-        "cancel_job to stop it"
+        f"still running as job {job.job_id} after {duration(job.elapsed_s())}: manage_jobs action 'wait' for "
+        "the rest, 'cancel' to stop it"
     )
 
 
@@ -119,8 +123,8 @@ def register(tools: ToolContext) -> None:
             if found is not None and client_of_key(session.owner) == client:
                 return found, await tools.session(ctx, session.session_id)
         raise JobNotFound(
-            f"unknown job_id {job_id!r}: list_jobs shows your jobs (a job and its result last as long as its "
-            "session; finished ones beyond the last few are forgotten)"
+            f"unknown job_id {job_id!r}: manage_jobs action 'list' shows yours (a job and its result last as long "
+            "as its session; finished ones beyond the last few are forgotten)"
         )
 
     def reply(job: Job, session: SessionHandle | None) -> CallToolResult:
@@ -128,13 +132,7 @@ def register(tools: ToolContext) -> None:
             return oneshot_job_reply(job)
         return tools.with_export_note(python_job_reply(session, job, links), session)
 
-    @tools.tool(group="jobs")
-    async def wait_job(
-        job_id: str, ctx: Context, timeout_s: Annotated[float, Field(ge=0)] = settings.detach_after_s
-    ) -> CallToolResult:
-        """Wait up to timeout_s for a job: its output since the last read, and its status."""
-        job, session = await find(ctx, job_id)
-
+    async def wait(job: Job, session: SessionHandle | None, ctx: Context, timeout_s: float) -> CallToolResult:
         async def tick(job: Job) -> None:
             tail = job.output.tail_text(200) if job.output is not None else ""
             await ctx.report_progress(
@@ -144,19 +142,14 @@ def register(tools: ToolContext) -> None:
         await attend(job, min(timeout_s, settings.max_timeout_s), tick, settings.progress_interval_s)
         return reply(job, session)
 
-    @tools.tool(group="jobs")
-    async def cancel_job(job_id: str, ctx: Context) -> CallToolResult:
-        """Interrupt a job; a kernel that ignores that is restarted (the reply says)."""
-        job, session = await find(ctx, job_id)
+    async def stop(job: Job, session: SessionHandle | None) -> CallToolResult:
         if session is not None:
             await session.cancel_job(job)
         else:
             await cancel(job, settings.interrupt_grace_s + settings.startup_timeout_s + 5.0)
         return reply(job, session)
 
-    @tools.tool(group="jobs")
-    async def list_jobs(ctx: Context) -> CallToolResult:
-        """Your jobs, running and finished."""
+    def listing(ctx: Context) -> CallToolResult:
         client = client_of_key(tools.caller(ctx))
         found = [
             job.describe()
@@ -166,3 +159,18 @@ def register(tools: ToolContext) -> None:
         ]
         found += [job.describe() for job in host.oneshot_jobs.jobs.values() if client_of_key(job.owner) == client]
         return json_result({"jobs": found})
+
+    @tools.tool(group=("python", "oneshot", "jobs"))
+    async def manage_jobs(
+        action: Literal["wait", "cancel", "list"],
+        ctx: Context,
+        job_id: Text = "",
+        timeout_s: Annotated[float, Field(ge=0)] = settings.detach_after_s,
+    ) -> CallToolResult:
+        """Runs that answered with a job id: wait up to timeout_s for new output, cancel, list."""
+        if action == "list":
+            return listing(ctx)
+        if not job_id:
+            raise JobNotFound(f"manage_jobs action {action!r} needs a job_id (action 'list' shows yours)")
+        job, session = await find(ctx, job_id)
+        return await (wait(job, session, ctx, timeout_s) if action == "wait" else stop(job, session))

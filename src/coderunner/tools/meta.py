@@ -11,6 +11,6 @@ from coderunner.tools.context import ToolContext, json_result
 def register(tools: ToolContext) -> None:
     @tools.tool(group=ALWAYS, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
     async def get_capabilities() -> CallToolResult:
-        """This server's languages, isolation, limits, network policy, packages and tools."""
+        """This server's languages, sandbox, limits, network, packages, tools."""
         names = sorted(tool.name for tool in await tools.server.list_tools())
         return json_result(await tools.capabilities.describe(tools.host, names))

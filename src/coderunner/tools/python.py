@@ -1,4 +1,4 @@
-"""run_python and kernel_reset: the session's persistent kernel."""
+"""run_python: the session's persistent kernel (its reset is manage_sessions'; tools/sessions.py)."""
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
@@ -12,8 +12,8 @@ from pydantic import Field
 from coderunner.policy.call_variables import check_variables, parse_variables
 from coderunner.sessions.job_runner import Job, attend, duration
 from coderunner.tools.arguments import DetachAfter, SessionId, VariablesArg
-from coderunner.tools.context import ToolContext, json_result
-from coderunner.tools.jobs import KERNEL_META, kernel_stamp, python_job_reply
+from coderunner.tools.context import ToolContext
+from coderunner.tools.jobs import kernel_stamp, python_job_reply
 from coderunner.tools.replies import execution_reply
 
 
@@ -23,19 +23,17 @@ def register(tools: ToolContext) -> None:
 
     @tools.tool(group="python")  # not closed-world: a session may have network internet
     async def run_python(
-        code: Annotated[str, Field(description="The last expression's value is shown.")],
+        code: str,
         ctx: Context,
         session_id: SessionId = "",
         timeout_s: Annotated[
             float | None,
-            Field(ge=1, description=f"Seconds (default: the session's, {settings.timeout_s:g} unless set)."),
+            Field(ge=1, description=f"Default: the session's ({settings.timeout_s:g})."),
         ] = None,
         variables: VariablesArg = "",
         detach_after_s: DetachAfter = None,
     ) -> CallToolResult:
-        """Run Python in the session's persistent sandboxed Jupyter kernel. Returns text output, charts as
-        images. On timeout the cell is interrupted, state kept (or the kernel restarted: the reply says).
-        Still running after detach_after_s: answers with a job id."""
+        """Python in the session's persistent sandboxed Jupyter kernel; charts come back as images."""
         values = check_variables(parse_variables(variables), "python")
         session = await tools.session(ctx, session_id)
         async with tools.egress_call(ctx, session) as network:
@@ -59,15 +57,3 @@ def register(tools: ToolContext) -> None:
         result = session.job_result(job)
         reply = execution_reply(result, session.session_id, links=links)
         return network.noted(tools.with_export_note(kernel_stamp(reply, session, result.state_lost), session))
-
-    @tools.tool(group="python")
-    async def kernel_reset(ctx: Context, session_id: SessionId = "") -> CallToolResult:
-        """Restart the session's kernel: fresh state, files kept."""
-        session = await tools.session(ctx, session_id)
-        await session.reset()
-        generation, preserved = session.kernel_state(lost=True)
-        state = {"generation": generation, "state_preserved": preserved}
-        summary = await tools.off_loop(tools.summary, session)
-        reply = json_result({"reset": True, "state_preserved": preserved, **summary})
-        reply.meta = {KERNEL_META: state}
-        return reply

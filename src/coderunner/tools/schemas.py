@@ -4,7 +4,7 @@ The SDK derives each schema from the tool's signature with pydantic; this module
 once, at registration, instead of anyone writing JSON by hand:
 
 - no `title` anywhere: pydantic's automatic titles repeat the names and cost tokens on every turn;
-- `anyOf: [X, {type: null}]` becomes `type: [X, "null"]`, and `default` null or "" goes: Gemini drops the
+- `anyOf: [X, {type: null}]` becomes `type: [X, "null"]`, and a `default` null, "", [] or false goes: Gemini drops the
   description of an argument under `anyOf`, while a nullable type keeps it (google-genai reads it as
   `nullable`), and OpenAI's strict mode (which makes every argument required) can still say "none";
 - no `additionalProperties` keyword at all: google-genai's MCP conversion fails on any boolean there
@@ -53,8 +53,8 @@ def _tidy(node: dict[str, Any], where: str, root: bool = False) -> dict[str, Any
     variants = node.pop("anyOf", None)
     if variants is not None:
         node = _nullable(variants, node, where)
-    if "default" in node and node["default"] in (None, ""):
-        del node["default"]  # says nothing a model can use
+    if "default" in node and _says_nothing(node["default"]):
+        del node["default"]
     extra = node.pop("additionalProperties", False)
     if extra is not False:
         raise SchemaError(f"{where}: a free-form object; declare its fields or take a JSON string")
@@ -67,6 +67,11 @@ def _tidy(node: dict[str, Any], where: str, root: bool = False) -> dict[str, Any
     return node
 
 
+def _says_nothing(default: Any) -> bool:
+    """A default a model assumes anyway (none, empty, a flag off), which would cost tokens every turn."""
+    return default is None or default is False or (isinstance(default, str | list) and not default)
+
+
 def _nullable(variants: list[Any], rest: dict[str, Any], where: str) -> dict[str, Any]:
     """`anyOf [X, null]` -> X with a nullable type; any other union is refused."""
     others = [variant for variant in variants if variant != NULL]
@@ -77,8 +82,8 @@ def _nullable(variants: list[Any], rest: dict[str, Any], where: str) -> dict[str
 
 
 def tool_description(text: str | None) -> str:
-    """A docstring without its source indentation (which would otherwise go out on every turn)."""
-    return inspect.cleandoc(text or "")
+    """A docstring on one line, without its source indentation and line breaks (both go out on every turn)."""
+    return " ".join(inspect.cleandoc(text or "").split("\n"))
 
 
 def finish_tools(server: MCPServer, enabled: Collection[str], groups: ToolGroups) -> None:

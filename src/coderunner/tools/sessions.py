@@ -1,17 +1,24 @@
-"""create_session, close_session, session_status, list_sessions: a caller's sessions."""
+"""create_session and manage_sessions (status, reset, close, list): a caller's sessions.
+
+create_session stands alone (its many options are its own); the other four share one argument, so they
+are one tool with an action. It is in the `python` group as well: a kernel's reset and its status belong
+with run_python.
+"""
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
 from coderunner.egress.texts import STATUS_RECENT, egress_status
+from coderunner.errors import SessionError
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.tools.arguments import MemoryMb, SessionId, Text, network_arg
 from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.jobs import KERNEL_META
 from coderunner.tools.snapshots import loaded_report
 
 
@@ -25,27 +32,26 @@ def register(tools: ToolContext) -> None:
         network: network_arg(settings.network_ceiling) = (settings.network),  # type: ignore[valid-type]  # per ceiling
         allow: Annotated[
             list[str],
-            Field(description="allowlist: subset of allowed_domains."),
+            Field(description="allowlist: hosts of allowed_domains."),
         ] = [],  # noqa: B006 - read only, and the schema shows it
         memory_mb: MemoryMb = settings.memory_mb,
         cpus: Annotated[float | None, Field(ge=0.1)] = None,
-        timeout_s: Annotated[float, Field(ge=1, description="run_python's default, seconds.")] = settings.timeout_s,
+        timeout_s: Annotated[float, Field(ge=1, description="Default run limit.")] = settings.timeout_s,
         name: Text = "",
         persistent: Annotated[
             bool,
-            Field(description="Keep the named workspace's files; the same name reopens them."),
+            Field(description="Keep files; the name reopens them."),
         ] = False,
         keep_state: Annotated[
             bool,
-            Field(description="persistent: also save variables at close, load them at reopen."),
+            Field(description="persistent: keep variables too."),
         ] = False,
         mounts: Annotated[
             list[str],
-            Field(description="'HOST:SANDBOX[:ro|rw]' under allowed roots."),
+            Field(description="HOST:SANDBOX[:ro|rw]"),
         ] = [],  # noqa: B006 - read only, and the schema shows it
     ) -> CallToolResult:
-        """New session (own kernel and workspace). Other tools take its session_id; without one they use your
-        default session."""
+        """A new session (own kernel, workspace); tools without session_id use your default one."""
         specs = [MountSpec.parse(text) for text in mounts or []]
         options = host.options(
             network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name or None,
@@ -59,21 +65,16 @@ def register(tools: ToolContext) -> None:
             summary["state"] = loaded_report(session.seeded)
         return json_result(summary)
 
-    @tools.tool(group="sessions")
-    async def close_session(
-        session_id: str,
-        ctx: Context,
-    ) -> CallToolResult:
-        """Stop a session's kernel and delete its workspace."""
+    async def close(ctx: Context, session_id: str) -> CallToolResult:
+        if not session_id:
+            raise SessionError("manage_sessions action 'close' needs the session_id to close")
         session = await host.close(session_id, tools.caller(ctx))
         reply = {"closed": session_id}
         if session.close_note is not None:
             reply["state"] = session.close_note
         return json_result(reply)
 
-    @tools.tool(group="sessions")
-    async def session_status(ctx: Context, session_id: SessionId = "") -> CallToolResult:
-        """A session's state, uptime, memory, limits and network."""
+    async def status(ctx: Context, session_id: str) -> CallToolResult:
         session = await tools.session(ctx, session_id)
         summary = await tools.off_loop(tools.summary, session)
         summary["snapshots"] = await host.snapshots_of(session)
@@ -84,9 +85,28 @@ def register(tools: ToolContext) -> None:
             )
         return json_result(summary)
 
-    @tools.tool(group="sessions")
-    async def list_sessions(ctx: Context) -> CallToolResult:
-        """Your open sessions."""
+    async def reset(ctx: Context, session_id: str) -> CallToolResult:
+        session = await tools.session(ctx, session_id)
+        await session.reset()
+        generation, preserved = session.kernel_state(lost=True)
+        state = {"generation": generation, "state_preserved": preserved}
+        summary = await tools.off_loop(tools.summary, session)
+        reply = json_result({"reset": True, "state_preserved": preserved, **summary})
+        reply.meta = {KERNEL_META: state}
+        return reply
+
+    async def listing(ctx: Context) -> CallToolResult:
         sessions = host.list(tools.caller(ctx))
         summaries = await tools.off_loop(lambda: [tools.summary(session) for session in sessions])
         return json_result({"sessions": summaries})
+
+    @tools.tool(group=("python", "sessions"))
+    async def manage_sessions(
+        action: Literal["status", "reset", "close", "list"], ctx: Context, session_id: SessionId = ""
+    ) -> CallToolResult:
+        """status, reset (a new kernel; files kept), close (deletes its workspace), list."""
+        if action == "list":
+            return await listing(ctx)
+        if action == "reset":
+            return await reset(ctx, session_id)
+        return await (close(ctx, session_id) if action == "close" else status(ctx, session_id))

@@ -1,4 +1,7 @@
-"""snapshot_session, restore_session, fork_session, list_snapshots, delete_snapshot.
+"""manage_snapshots: save, restore, fork, list and delete snapshots of a session, one tool with an action.
+
+The actions share their few arguments (session_id, snapshot, name), and a tools/list entry costs every
+turn: one tool with an enum is cheaper than five and as easy for a model to fill in.
 
 The work is in sessions/session_snapshots.py (saving and seeding) and snapshots/store.py (the host's store);
 these parse, call and say plainly what came back and what did not.
@@ -7,15 +10,15 @@ these parse, call and say plainly what came back and what did not.
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
 import time
-from typing import Any
+from typing import Any, Literal
 
 from mcp.server.mcpserver import Context
-from mcp.types import CallToolResult, ToolAnnotations
+from mcp.types import CallToolResult
 
 from coderunner.sessions.seam import SessionHandle
 from coderunner.sessions.session_snapshots import MEMORY_CARRIES, Seed, Taken, memory_key
 from coderunner.sessions.snapshot_reports import REPORT_TEXT, report_count
-from coderunner.snapshots.store import CopyReport, DamagedSnapshot, SnapshotMeta
+from coderunner.snapshots.store import CopyReport, DamagedSnapshot, SnapshotMeta, SnapshotNotFound
 from coderunner.tools.arguments import SessionId, Text
 from coderunner.tools.context import ToolContext, json_result
 
@@ -26,24 +29,18 @@ SHOWN = 50
 def register(tools: ToolContext) -> None:
     host = tools.host
 
-    @tools.tool(group="snapshots")
-    async def snapshot_session(ctx: Context, session_id: SessionId = "", name: Text = "") -> CallToolResult:
-        """Save a session's files and variables as a snapshot; it keeps running."""
+    async def save(ctx: Context, session_id: str, name: str) -> CallToolResult:
         session = await tools.session(ctx, session_id)
         taken = await host.take_snapshot(session, name)
         return json_result(_taken(taken))
 
-    @tools.tool(group="snapshots")
-    async def restore_session(snapshot: str, ctx: Context) -> CallToolResult:
-        """New session from a snapshot: its files and variables (the reply lists what did not come back)."""
+    async def restore(ctx: Context, snapshot: str) -> CallToolResult:
         client = tools.client(ctx)
         meta = await host.snapshot(client, snapshot)
         session = await _open(tools, ctx, meta, Seed(client, meta.snapshot_id))
         return json_result(_restored(session, meta))
 
-    @tools.tool(group="snapshots")
-    async def fork_session(ctx: Context, session_id: SessionId = "") -> CallToolResult:
-        """Copy a session, variables included, into a new one; both go on independently."""
+    async def fork(ctx: Context, session_id: str) -> CallToolResult:
         session = await tools.session(ctx, session_id)
         taken = await host.take_snapshot(session, f"fork of {session.session_id[:8]}")
         try:
@@ -56,20 +53,34 @@ def register(tools: ToolContext) -> None:
         del reply["snapshot"]
         return json_result(reply)
 
-    @tools.tool(group="snapshots", annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
-    async def list_snapshots(ctx: Context) -> CallToolResult:
-        """Your snapshots, newest first (a damaged one is marked: it cannot be restored, only deleted)."""
+    async def listing(ctx: Context) -> CallToolResult:
         found = await host.snapshot_listing(tools.client(ctx))
         entries = [(meta.created, _listed(meta)) for meta in found.snapshots]
         entries += [(entry.modified, _damaged(entry)) for entry in found.damaged]
         entries.sort(key=lambda pair: pair[0], reverse=True)
         return json_result({"snapshots": [listed for _, listed in entries]})
 
-    @tools.tool(group="snapshots", annotations=ToolAnnotations(destructive_hint=True, open_world_hint=False))
-    async def delete_snapshot(snapshot: str, ctx: Context) -> CallToolResult:
-        """Delete one of your snapshots for good (a damaged one too)."""
+    async def delete(ctx: Context, snapshot: str) -> CallToolResult:
         await host.delete_snapshot(tools.client(ctx), snapshot)
         return json_result({"deleted": snapshot})
+
+    @tools.tool(group="snapshots")
+    async def manage_snapshots(
+        action: Literal["save", "restore", "fork", "list", "delete"],
+        ctx: Context,
+        session_id: SessionId = "",
+        snapshot: Text = "",
+        name: Text = "",
+    ) -> CallToolResult:
+        """Snapshots of a session's files and variables: save, restore (a new session), fork (copy a session),
+        list, delete."""
+        if action in ("save", "fork"):
+            return await (save(ctx, session_id, name) if action == "save" else fork(ctx, session_id))
+        if action == "list":
+            return await listing(ctx)
+        if not snapshot:
+            raise SnapshotNotFound(f"manage_snapshots action {action!r} needs a snapshot (action 'list' shows yours)")
+        return await (restore(ctx, snapshot) if action == "restore" else delete(ctx, snapshot))
 
 
 async def _open(tools: ToolContext, ctx: Context, meta: SnapshotMeta, seed: Seed) -> SessionHandle:
@@ -168,7 +179,7 @@ def _damaged(entry: DamagedSnapshot) -> dict[str, Any]:
     return {
         "snapshot": entry.snapshot_id,
         "kind": entry.kind,
-        "damaged": f"{entry.why}: it cannot be restored; delete_snapshot removes it (so does the next server start)",
+        "damaged": f"{entry.why}: it cannot be restored; action 'delete' removes it (so does the next server start)",
         "modified": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(entry.modified)),
         "size_mb": _mb(entry.size_bytes),
     }
