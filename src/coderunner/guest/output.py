@@ -2,7 +2,9 @@
 
 ipykernel sends whatever a stream buffered since its last flush as one message, so
 `print("x" * 10**8)` becomes a single 100 MB message. The host refuses messages over its
-size limit, so an honest program would lose its output; split large writes instead.
+size limit, so an honest program would lose its output; split large writes instead. Many small
+writes add up the same way when ipykernel's timed flush (every 0.2 s, on its IO thread) falls
+behind on a busy machine, so a stream is also flushed after every FLUSH_CHARS written.
 """
 
 import functools
@@ -10,18 +12,28 @@ import sys
 
 #: Characters per message at most.
 CHUNK_CHARS = 256 * 1024
+#: Characters written between two flushes at most, whatever the sizes of the writes (at most 4 MiB).
+FLUSH_CHARS = 1 << 20
 
 
 def _chunked(stream):
     write = stream.write
 
+    unflushed = [0]  # characters written since this wrapper last flushed
+
     @functools.wraps(write)
     def chunked_write(text):
         if not isinstance(text, str) or len(text) <= CHUNK_CHARS:
-            return write(text)
+            written = write(text)
+            unflushed[0] += len(text) if isinstance(text, str) else 0
+            if unflushed[0] >= FLUSH_CHARS:
+                unflushed[0] = 0
+                stream.flush()
+            return written
         for start in range(0, len(text), CHUNK_CHARS):
             write(text[start : start + CHUNK_CHARS])
             stream.flush()
+        unflushed[0] = 0
         return len(text)
 
     chunked_write.coderunner_chunked = True  # type: ignore[attr-defined]  # the mark of a patched stream
