@@ -10,7 +10,9 @@ from __future__ import annotations
 import fcntl
 import multiprocessing
 import os
+import shutil
 import subprocess
+import time
 from collections.abc import Callable, Iterator
 from multiprocessing.queues import Queue
 from multiprocessing.synchronize import Event
@@ -274,3 +276,33 @@ def test_a_dead_sandboxs_workspace_still_mounted_is_retried_and_never_lost(base:
     finally:
         unmount_all(workspaces / "0000dead")
         unmount_all(workspaces / "0000beef")
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="loop-mounted images need root")
+def test_a_persistent_image_is_final_when_its_workspace_is_removed(tmp_path: Path) -> None:
+    """umount only takes the host's mount away: a sandbox's mount namespace still being torn down holds
+    the file system, which writes the image when it lets go. remove() waits for that (bounded), so the
+    image is final, and its lock free, only once no mount namespace holds it."""
+    from coderunner.hostfs import workspaces as module
+
+    path = tmp_path / "named" / "project"
+    path.parent.mkdir(parents=True)
+    workspace = Workspace.create(path, 64, True, persistent=True)
+    assert workspace.image is not None
+    (path / "canary.txt").write_text("kept")
+    # A mount namespace holding a copy of the mount for a moment, as a sandbox's being torn down does.
+    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "2"])
+    try:
+        time.sleep(0.3)  # its namespace exists
+        workspace.remove()
+        assert module._loop_released(workspace.image, 0.0), "removed while another namespace held the image"
+        assert holder.poll() is not None, "remove returned before the holder let go"
+        assert workspace.lock_fd is None
+    finally:
+        holder.kill()
+        holder.wait()
+    reopened = Workspace.create(path, 64, True, persistent=True)
+    try:
+        assert (path / "canary.txt").read_text() == "kept"
+    finally:
+        reopened.remove()

@@ -20,6 +20,7 @@ import re
 import shutil
 import stat
 import subprocess
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from coderunner.hostfs import staging
 
 log = logging.getLogger(__name__)
 
+#: Bound on waiting for a persistent image's file system to be let go by every mount namespace.
+LOOP_RELEASE_S = 10.0
 #: Bound on each mkfs/mount/umount call.
 COMMAND_TIMEOUT_S = 30
 #: mount(2) flags of a throwaway workspace's tmpfs.
@@ -142,11 +145,35 @@ class Workspace:
             if os.path.ismount(self.path):
                 with contextlib.suppress(WorkspaceError):
                     _run(["umount", str(self.path)])
+            if self.image is not None and not _loop_released(self.image, LOOP_RELEASE_S):
+                # Another mount namespace (a sandbox of the session still being torn down) holds the file
+                # system: it writes the image when it lets go. Keep the lock, so that no one mounts the
+                # image twice meanwhile; the next server's lock is free once this process ends.
+                log.warning("workspace image %s is still in use after its unmount; its lock is kept", self.image)
+                return
         else:
             remove_workspace(self.path)
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None
+
+
+def _loop_released(image: Path, timeout_s: float) -> bool:
+    """Wait (bounded) until no loop device is backed by `image`: its file system was let go everywhere
+    (umount only removes the host's mount of it; a sandbox's mount namespace may hold it a moment longer),
+    so the image is final. Host-only: reads /sys/block, never the image's folder."""
+    target = str(image)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        backed = False
+        for backing in Path("/sys/block").glob("loop*/loop/backing_file"):
+            with contextlib.suppress(OSError):
+                backed = backed or backing.read_text().strip().removesuffix(" (deleted)") == target
+        if not backed:
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
 
 
 def _mount_tmpfs(path: Path, size_mb: int) -> None:
