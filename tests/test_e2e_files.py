@@ -167,13 +167,16 @@ async def test_story_only_the_chosen_folders_are_visible(client: Client, host: H
         client,
         "import os, json\n"
         f"print(json.dumps({{'root': sorted(os.listdir('/')), 'data': os.listdir('/data'),"
+        f" 'run': [[d, sorted(f)] for d, _, f in os.walk('/run')] if os.path.isdir('/run') else [],"
         f" 'elsewhere': os.path.exists({str(host.elsewhere)!r}), 'home': os.path.exists({str(Path.home())!r})}}))",
     )
     seen = json.loads(text_of(result).splitlines()[0])
     assert "sales.csv" in seen["data"]
     assert seen["elsewhere"] is False and seen["home"] is False
     assert set(seen["root"]) <= {"bin", "dev", "etc", "lib", "lib64", "opt", "proc", "sbin", "tmp", "usr", "workspace",
-                                 "data", "out", "lib32", "libx32"}  # fmt: skip
+                                 "data", "out", "lib32", "libx32", "run"}  # fmt: skip
+    # /run holds only the kernel's own connection file (its key, private to this sandbox), nothing of the host.
+    assert all(files in ([], ["connection.json"]) for _, files in seen["run"]), seen["run"]
     status = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "status"})))
     assert {(m["sandbox"], m["mode"]) for m in status["mounts"]} == {("/data", "ro"), ("/out", "rw")}
 

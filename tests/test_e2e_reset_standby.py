@@ -114,7 +114,7 @@ async def test_a_reset_during_a_running_cell_stops_it_and_swaps(client: Client) 
         await standby_ready(client, sid)
         with anyio.fail_after(30):
             await reset(client, sid)
-    assert replies[0].is_error and "stopped by kernel_reset: state lost" in text_of(replies[0])
+    assert replies[0].is_error and "stopped by a kernel reset: state lost" in text_of(replies[0])
     assert (await status(client, sid))["standby"]["swapped_in"] == 1
     gone = await run(client, "before", session_id=sid)
     assert gone.is_error and "NameError" in text_of(gone), text_of(gone)

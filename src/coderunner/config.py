@@ -7,8 +7,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import platformdirs
-from pydantic import Field, PrivateAttr, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, SecretStr, StringConstraints, ValidationError, field_validator, model_validator
 from pydantic_settings import (
     BaseSettings,
     NoDecode,
@@ -18,6 +17,14 @@ from pydantic_settings import (
 )
 
 from coderunner import __version__
+from coderunner.app_dirs import (  # noqa: F401 - re-exported: where settings live by default
+    APP_NAME,
+    default_config_dir,
+    default_config_file,
+    default_data_dir,
+    default_export_dir,
+    default_runtime_dir,
+)
 from coderunner.egress.ceiling import CEILING_SETTING, NetworkMode, default_ceiling, rank
 from coderunner.egress.policy import EgressPolicy, EgressPolicyError
 from coderunner.egress.settings import EgressSettings
@@ -26,46 +33,20 @@ from coderunner.hostfs.mounts import MountSpec
 from coderunner.policy.tool_groups import ALL, TOOL_GROUPS, ToolsetError, check_selection
 from coderunner.sandbox.registry import BACKEND_NAMES, platform_default
 
-APP_NAME = "coderunner"
-
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
 #: The names `backend` may be set to: one per entry of the backend registry (sandbox/registry.py),
 #: in its order (a Literal made from it, so the settings' schema and errors list them as before).
 Backend = Literal[BACKEND_NAMES]  # type: ignore[valid-type]  # a Literal built from the registry
+#: A node label's name or value: plain text, as Ray would otherwise read '!' or 'in(...)' as operators.
+RayLabel = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._/-]+$")]
 
 
 def default_backend() -> Backend:
     """Linux: bwrap (no daemon, embedded). macOS: Apple `container` VMs when the CLI is installed.
     Each backend's entry says when it is the default (registry.platform_default)."""
     return platform_default()
-
-
-def default_config_dir() -> Path:
-    return Path(platformdirs.user_config_dir(APP_NAME))
-
-
-def default_config_file() -> Path:
-    return default_config_dir() / "config.toml"
-
-
-def default_data_dir() -> Path:
-    """Per user; for root a system path, because the unprivileged sandbox user cannot enter /root."""
-    if os.getuid() == 0:
-        return Path("/var/lib") / APP_NAME
-    return Path(platformdirs.user_data_dir(APP_NAME))
-
-
-def default_export_dir() -> Path:
-    if os.getuid() == 0:
-        return Path("/var/lib") / APP_NAME / "outputs"
-    return Path.home() / "coderunner" / "outputs"
-
-
-def default_runtime_dir() -> Path:
-    """Short on purpose: ZMQ ipc socket paths must stay under 107 bytes."""
-    return Path("/tmp") / f"coderunner-{os.getuid()}"
 
 
 class ConfigError(CodeRunnerError):
@@ -151,9 +132,7 @@ class Settings(BaseSettings):
         description="Append-only JSONL of every allowlist network decision (rotated by size; host-only).",
     )
     memory_mb: int = Field(
-        default=2048,
-        ge=MIN_MEMORY_MB,
-        description="Address-space (RLIMIT_AS) limit of a session's kernel, in MiB.",
+        2048, ge=MIN_MEMORY_MB, description="Address-space (RLIMIT_AS) limit of a session's kernel, MiB."
     )
     cpus: float | None = Field(default=None, gt=0, description="CPU quota per session (cgroups).")
     session_cpu_weight: int = Field(
@@ -196,7 +175,7 @@ class Settings(BaseSettings):
         "cluster this process runs in). Each session is a detached actor on a worker node; see the README's "
         "'Beyond one machine'. Needs the `ray` extra.",
     )
-    ray_node_labels: dict[str, str] = Field(
+    ray_node_labels: dict[RayLabel, RayLabel] = Field(
         default_factory=dict,
         description="Cluster mode: the node labels (`ray start --labels`) a node must have to hold this front "
         'door\'s sessions and one-shot runs, e.g. {"pool" = "agents"}; plain values only (no operators).',
@@ -231,10 +210,10 @@ class Settings(BaseSettings):
         default=7 * 86400.0, gt=0, description="Snapshots older than this are deleted (default 7 days)."
     )
     keep_state_save_idle_s: float = Field(
-        default=30.0,
+        30.0,
         ge=0,
-        description="A keep_state session that ran something saves its state after this long idle, so a crash "
-        "or reboot loses only the work since (0: only when it closes).",
+        description="A keep_state session that ran something saves "
+        "its state after this long idle, so a crash or reboot loses only the work since (0: only at close).",
     )
     snapshot_timeout_s: float = Field(default=300.0, gt=0, description="Bound on saving or loading one kernel's state.")
 
@@ -262,10 +241,10 @@ class Settings(BaseSettings):
 
     # Execution.
     timeout_s: float = Field(
-        default=900.0,
+        900.0,
         gt=0,
-        description="Default wall-time limit of one run_python or execute_code run. A run longer than "
-        "detach_after_s goes on as a job, so this may exceed what clients wait for a reply.",
+        description="Default wall-time limit of one run_python or "
+        "execute_code run. A run longer than detach_after_s goes on as a job: this may exceed what clients wait.",
     )
     detach_after_s: float = Field(
         default=40.0,
@@ -358,18 +337,6 @@ class Settings(BaseSettings):
         except EgressPolicyError as exc:
             raise ValueError(str(exc)) from None
         return value
-
-    @field_validator("ray_node_labels")
-    @classmethod
-    def _plain_labels(cls, labels: dict[str, str]) -> dict[str, str]:
-        """Label equality only: Ray reads '!', 'in(...)' and the like as operators, which the refusal
-        that says what the cluster has (cluster/placement.py) would not understand."""
-        for key, value in labels.items():
-            if not key or not value or not all(ch.isalnum() or ch in "-_./" for ch in key + value):
-                raise ValueError(
-                    f"ray_node_labels {key!r}: {value!r}: names and values are letters, digits and - _ . / only"
-                )
-        return labels
 
     @field_validator("tools", mode="before")
     @classmethod

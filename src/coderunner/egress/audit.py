@@ -429,8 +429,7 @@ class DecisionLog:
             return self._seq
 
     def since(self, mark: int) -> tuple[list[Decision], int]:
-        """The decisions after `mark` still in the ring (the last ones, if more came), and the new mark:
-        what a mirror of this log elsewhere (a cluster's front door) has not seen yet."""
+        """The decisions after `mark` still in the ring (the last, if more came) and the new mark (a mirror's)."""
         with self._lock:
             new = max(0, self._seq - mark)
             return (list(self._ring)[-new:] if new else []), self._seq

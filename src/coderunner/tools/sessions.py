@@ -23,6 +23,7 @@ from coderunner.tools.snapshots import loaded_report
 
 
 def register(tools: ToolContext) -> None:
+    # Over 80 lines on purpose: one short nested function per tool, registered by its decorator here.
     settings = tools.settings
     host = tools.host
 
