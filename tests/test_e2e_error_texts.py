@@ -111,7 +111,7 @@ async def test_restore_takes_a_snapshot_s_name(client: Client) -> None:
     restored = answer(await client.call_tool("manage_snapshots", {"action": "restore", "snapshot": "baseline"}))
     assert restored["snapshot"] == newest["snapshot"]
     seen = await run(client, "marker", session_id=restored["session_id"])
-    assert "'newer'" in text_of(seen), text_of(seen)
+    assert "'newer'" in text_of(seen) and "[kernel 1: new session, state restored]" in text_of(seen), text_of(seen)
     unknown = await refusal(client, "manage_snapshots", action="restore", snapshot="baselin")
     assert "'baselin'" in unknown and f"'baseline' ({newest['snapshot']})" in unknown, unknown
 
