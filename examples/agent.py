@@ -33,6 +33,15 @@ PLAN = [
 ]
 
 
+#: Set when the server answers 401: the MCP client reports that only as "Server returned an error response".
+UNAUTHORIZED: list[int] = []
+
+
+async def note_refusal(response: httpx2.Response) -> None:
+    if response.status_code == 401:
+        UNAUTHORIZED.append(response.status_code)
+
+
 @contextlib.asynccontextmanager
 async def connect(url: str | None, token: str | None) -> AsyncIterator[Client]:
     if url is None:
@@ -47,8 +56,9 @@ async def connect(url: str | None, token: str | None) -> AsyncIterator[Client]:
             yield client
         return
     headers = {"Authorization": f"Bearer {token}"} if token else {}
+    hooks = {"response": [note_refusal]}
     async with (
-        httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=None)) as http,
+        httpx2.AsyncClient(headers=headers, timeout=httpx2.Timeout(30, read=None), event_hooks=hooks) as http,
         Client(streamable_http_client(url, http_client=http)) as client,
     ):
         yield client
@@ -79,4 +89,11 @@ if __name__ == "__main__":
     parser.add_argument("--token", default=os.environ.get("CODERUNNER_TOKEN"), help="its bearer token")
     parser.add_argument("--out", type=Path, default=Path("agent-output"), help="where charts are saved")
     arguments = parser.parse_args()
-    sys.exit(anyio.run(main, arguments.url, arguments.token, arguments.out))
+    try:
+        sys.exit(anyio.run(main, arguments.url, arguments.token, arguments.out))
+    except Exception:
+        if not UNAUTHORIZED:
+            raise
+        given = "no token was given" if not arguments.token else "the token was refused"
+        sys.exit(f"agent.py: {arguments.url} answered 401 Unauthorized: {given}; pass --token (or set "
+                 "CODERUNNER_TOKEN) with the one `coderunner token` prints on the server's machine")  # fmt: skip

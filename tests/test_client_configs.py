@@ -125,6 +125,16 @@ def test_example_agent_runs_its_plan_over_stdio_and_http(dirs: ServerDirs, tmp_p
     assert "step 1: 10000" in over_stdio.stdout and "most common total: 7" in over_stdio.stdout
     assert (tmp_path / "stdio" / "step3.png").read_bytes().startswith(b"\x89PNG")
     with http_server(env) as url:
+        wrong_token = subprocess.run(
+            [sys.executable, str(EXAMPLES / "agent.py"), "--url", url, "--token", "not-the-token",
+             "--out", str(tmp_path / "refused")],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )  # fmt: skip
+        said = (wrong_token.stdout + wrong_token.stderr).strip()
+        assert wrong_token.returncode == 1 and len(said.splitlines()) == 1, said[-3000:]
+        assert "401" in said and "--token" in said and "coderunner token" in said, said
         over_http = subprocess.run(
             [sys.executable, str(EXAMPLES / "agent.py"), "--url", url, "--token", TEST_TOKEN,
              "--out", str(tmp_path / "http")],

@@ -84,7 +84,7 @@ async def test_wrong_arguments_are_named_not_raised(client: Client) -> None:
     corrupt = await run(client, "open('bad.pdf', 'wb').write(b'%PDF-1.7\\n' + bytes(range(256)) * 8)")
     assert not corrupt.is_error
     bad = await client.call_tool("document_ops", {"input_path": "bad.pdf", "op": "extract_text"})
-    assert bad.is_error and "document_ops extract_text" in text_of(bad) and plain(text_of(bad)), text_of(bad)
+    assert bad.is_error and "document_ops: extract_text" in text_of(bad) and plain(text_of(bad)), text_of(bad)
 
 
 #: Sandboxed code swaps a guest op for one that answers with far more than a reply may carry.
@@ -123,7 +123,7 @@ async def test_a_hostile_guest_answer_is_bounded_like_cell_output(client: Client
     assert "END-OF-ANSWER" in text_of(tail)
     assert "swapped" in text_of(await run(client, HOSTILE_RAISE))
     raised = await client.call_tool("document_ops", {"input_path": "doc.pdf", "op": "info"})
-    assert raised.is_error and "INTERNAL-DETAIL" not in text_of(raised) and "document_ops info" in text_of(raised)
+    assert raised.is_error and "INTERNAL-DETAIL" not in text_of(raised) and "document_ops: info" in text_of(raised)
     # The server and a bystander session still serve.
     assert text_of(await run(client, "6 * 7")).splitlines()[0] == "42"
     assert text_of(await run(client, "1 + 1", session_id=bystander)).splitlines()[0] == "2"

@@ -254,6 +254,10 @@ class RemoteSession:
     def _track(self, generation: int) -> None:
         self._generation = max(self._generation, generation)
 
+    @property
+    def kernel_reported(self) -> bool:
+        return self._reported_generation is not None
+
     def kernel_state(self, lost: bool = False) -> tuple[int, bool]:
         previous = self._reported_generation
         preserved = not lost and previous in (None, self._generation)

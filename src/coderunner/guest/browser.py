@@ -38,6 +38,13 @@ NETWORK_OFF = (
     "server started in the sandbox on localhost)"
 )
 
+NOTHING_LISTENS = (
+    "nothing listens on that port inside the sandbox (localhost here is the sandbox's own); start the server "
+    "in this session first, e.g. from run_python: subprocess.Popen(['python', '-m', 'http.server', '8000'])"
+)
+#: Names of the sandbox itself: a refused connection to one is a server not started, not the network.
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "0.0.0.0")
+
 _state: dict[str, Any] = {}
 
 
@@ -106,6 +113,8 @@ async def _navigate(url, wait_for=None, timeout_s=30):
             await current.wait_for_selector(wait_for, timeout=_milliseconds(timeout_s))
     except Exception as exc:
         message = str(exc).splitlines()[0]
+        if "ERR_CONNECTION_REFUSED" in message and _in_sandbox(url):
+            raise GuestError(f"could not load {url}: {NOTHING_LISTENS}") from None
         if _network_refused(message) and not url.startswith(("file:", "about:", "data:")):
             raise GuestError(f"could not load {url}: {NETWORK_OFF}") from None
         raise GuestError(f"could not load {url}: {message}") from None
@@ -118,6 +127,16 @@ async def _navigate(url, wait_for=None, timeout_s=30):
         "text_truncated": len(text) > TEXT_LIMIT,
         "links": await current.locator("a[href]").count(),
     }
+
+
+def _in_sandbox(url):
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(url).hostname or ""
+    except ValueError:
+        return False
+    return host in LOOPBACK_HOSTS or host.startswith("127.") or host.endswith(".localhost")
 
 
 def _network_refused(message):

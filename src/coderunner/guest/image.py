@@ -152,5 +152,24 @@ def _ocr(path, lang="eng"):
     except pytesseract.TesseractNotFoundError:
         raise GuestError("Tesseract is not installed in the sandbox (apt-get install tesseract-ocr)") from None
     except RuntimeError as exc:
+        installed = _ocr_languages(pytesseract.pytesseract.tesseract_cmd)
+        missing = [part for part in str(lang).split("+") if installed is not None and part not in installed]
+        if missing:  # Tesseract's own text here is about TESSDATA_PREFIX, which the caller cannot set
+            raise GuestError(
+                f"no OCR language {'+'.join(missing)!r} in the sandbox; installed: {', '.join(installed) or 'none'} "
+                "(join several with '+'; more: the user installs tesseract-ocr-LANG)"
+            ) from None
         raise GuestError(f"OCR failed: {exc}") from None
     return {"path": path, "text": text, "lang": lang}
+
+
+def _ocr_languages(command):
+    """The languages Tesseract has data for, or None when it cannot say within a few seconds."""
+    import subprocess
+
+    try:
+        listed = subprocess.run([command, "--list-langs"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = (listed.stdout + listed.stderr).splitlines()
+    return sorted({line.strip() for line in lines if line.strip() and " " not in line.strip() and ":" not in line})

@@ -74,10 +74,12 @@ def _merge(path, inputs, output=None, password=None):
     if isinstance(inputs, str) or not isinstance(inputs, list):
         raise GuestError('merge needs inputs as a list of PDF paths to append, e.g. ["b.pdf", "c.pdf"]')
     writer = PdfWriter()
-    for source in [path, *inputs]:
-        for page in _reader(existing_file(str(source)), password).pages:
+    order = [path, *(existing_file(str(source)) for source in inputs)]
+    for source in order:
+        for page in _reader(source, password).pages:
             writer.add_page(page)
-    return _write(writer, output or _beside(path, "merged.pdf"))
+    # Said in the answer: input_path comes first, then inputs in their order.
+    return {**_write(writer, output or _beside(path, "merged.pdf")), "merged_in_order": order}
 
 
 def _split(path, ranges=None, output_prefix=None, password=None):

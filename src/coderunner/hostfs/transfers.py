@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import posixpath
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +33,12 @@ class HostFolder:
         base = EXPORT_ROOT if view_path.startswith(EXPORT_ROOT) else IMPORT_ROOT
         return self.root / view_path[len(base) :].lstrip("/")
 
+    def in_host_words(self, refused: FileAccessError) -> FileAccessError:
+        """A refusal about this file as the user knows it: its host path, never the view's /export/... name."""
+        base = EXPORT_ROOT if self.path.startswith(EXPORT_ROOT) else IMPORT_ROOT
+        folder = str(self.root)
+        return FileAccessError(re.sub(rf"(?<!\S){base}(?=/|[\s:;,)]|$)", lambda _: folder, str(refused)))
+
 
 def _inside(path: Path, roots: list[Path], what: str) -> tuple[Path, str]:
     for root in roots:
@@ -51,8 +58,15 @@ def _absolute(host_path: str, base: Path | None = None) -> Path:
 
 
 def import_source(import_dirs: list[Path], host_path: str) -> HostFolder:
+    """A file in an import folder; a relative path starts in the only one (with several: refused, naming them)."""
     roots = [root.expanduser().resolve() for root in import_dirs]
-    root, relative = _inside(_absolute(host_path), roots, "import_dirs")
+    if not roots:
+        raise FileAccessError("no import folder is configured (import_dirs), so nothing can be uploaded")
+    if len(roots) > 1 and not Path(host_path).expanduser().is_absolute():
+        listed = ", ".join(str(root) for root in roots)
+        raise FileAccessError(f"{host_path} is relative and there are several import folders: give its full path "
+                              f"in one of {listed}")  # fmt: skip
+    root, relative = _inside(_absolute(host_path, roots[0]), roots, "import_dirs")
     view = SandboxFiles([Mount(root, IMPORT_ROOT, writable=False)])
     return HostFolder(view, posixpath.join(IMPORT_ROOT, relative), root)
 

@@ -85,8 +85,7 @@ def sandbox_options(
         raise SessionError(f"memory_mb must be at least {MIN_MEMORY_MB} (a kernel with numpy maps ~420 MiB)")
     if cpus is not None and cpus <= 0:
         raise SessionError("cpus must be positive")
-    if timeout_s is not None and not 0 < timeout_s <= settings.max_timeout_s:
-        raise SessionError(f"timeout_s must be between 0 and {settings.max_timeout_s:g} seconds")
+    check_timeout(settings, timeout_s)
     return SandboxOptions(
         network=network,
         limits=Limits(
@@ -104,6 +103,13 @@ def sandbox_options(
         allow=asked,
         keep_state=keep_state,
     )
+
+
+def check_timeout(settings: Settings, timeout_s: float | None) -> None:
+    """A timeout past the user's max_timeout_s is refused, by create_session and run_python alike (never
+    cut down silently: the caller would wait for a run that ends sooner than it asked)."""
+    if timeout_s is not None and not 0 < timeout_s <= settings.max_timeout_s:
+        raise SessionError(f"timeout_s must be between 0 and {settings.max_timeout_s:g} seconds (max_timeout_s)")
 
 
 def check_allow(settings: Settings, network: str, asked: tuple[str, ...]) -> None:

@@ -116,6 +116,11 @@ class SessionHandle(Protocol):
         """Interrupt a job; a kernel that ignores that is restarted."""
         ...
 
+    @property
+    def kernel_reported(self) -> bool:
+        """Whether a reply has named this session's kernel yet (the first says 'new session')."""
+        ...
+
     def kernel_state(self, lost: bool = False) -> tuple[int, bool]:
         """(generation, state_preserved) for a reply; every reply that reports it moves the mark."""
         ...

@@ -140,6 +140,10 @@ class Session(KernelCalls):
         makes a new one."""
         return self._generation
 
+    @property
+    def kernel_reported(self) -> bool:
+        return self._reported_generation is not None
+
     def kernel_state(self, lost: bool = False) -> tuple[int, bool]:
         """(generation, state_preserved) for a reply: preserved if nothing was `lost` and the kernel is
         the one the previous reply named. Every reply that reports it moves the mark."""

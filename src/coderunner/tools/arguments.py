@@ -25,6 +25,18 @@ def _none_as_empty(value: Any) -> Any:
 Text = Annotated[str, BeforeValidator(_none_as_empty)]
 
 
+def _numbers_as_pages(value: Any) -> Any:
+    """A page number (2) or a list of them ([1, 3]) is what '2' or '1,3' says: models send either."""
+    numbers = value if isinstance(value, list) and value else [value]
+    if all(isinstance(item, int) and not isinstance(item, bool) for item in numbers):
+        return ",".join(str(item) for item in numbers)
+    return _none_as_empty(value)
+
+
+#: Pages of a document as text like '1-3,5'; a whole number or a list of them is taken too (the schema stays text).
+Pages = Annotated[str, BeforeValidator(_numbers_as_pages), Field(description="e.g. 1-3,5")]
+
+
 def _object_as_text(value: Any) -> Any:
     """A client that still sends an object for `variables` is served: it becomes the JSON text."""
     return json.dumps(value) if isinstance(value, dict) else _none_as_empty(value)

@@ -98,7 +98,7 @@ class Capabilities:
             "files": {
                 "workspace": profile.workspace_path,
                 "mounts": [{"sandbox": path, "mode": "rw" if writable else "ro"} for path, writable in profile.mounts],
-                "import_dirs": len(settings.import_dirs),
+                "import_dirs": [str(folder) for folder in settings.import_dirs],  # the user's, to upload from
                 "export": (
                     f"save to {settings.export_mount}: copied to your own export folder after each call"
                     if settings.export_dir is not None

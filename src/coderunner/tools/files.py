@@ -90,8 +90,13 @@ def register(tools: ToolContext) -> None:
         session = await tools.session(ctx, session_id)
         source = await tools.off_loop(import_source, settings.import_dirs, host_path)  # resolves: stats
         target = sandbox_path or posixpath.basename(source.path)
-        copied, _, written = await tools.off_loop(copy, source.view, source.path, session.files, target, bulk=True,
-                                                  limit=settings.transfer_limit_bytes, overwrite=overwrite)  # fmt: skip
+        try:
+            copied, _, written = await tools.off_loop(
+                copy, source.view, source.path, session.files, target, bulk=True,
+                limit=settings.transfer_limit_bytes, overwrite=overwrite,
+            )  # fmt: skip
+        except FileAccessError as refused:
+            raise source.in_host_words(refused) from None
         return json_result({"host_path": str(source.host_path(source.path)), "sandbox_path": written,
                             "bytes": copied})  # fmt: skip
 
@@ -103,10 +108,13 @@ def register(tools: ToolContext) -> None:
             export_target, settings.export_dir, session.options.client,  # mkdir, open
             host_path or None, posixpath.basename(sandbox_path), session.sandbox_uid,
         )  # fmt: skip
-        copied, read_from, written = await tools.off_loop(
-            copy, session.files, sandbox_path, target.view, target.path, bulk=True,
-            limit=settings.transfer_limit_bytes, overwrite=overwrite,
-        )  # fmt: skip
+        try:
+            copied, read_from, written = await tools.off_loop(
+                copy, session.files, sandbox_path, target.view, target.path, bulk=True,
+                limit=settings.transfer_limit_bytes, overwrite=overwrite,
+            )  # fmt: skip
+        except FileAccessError as refused:  # named as the user knows the export folder, not as the view does
+            raise target.in_host_words(refused) from None
         return json_result({"sandbox_path": read_from, "host_path": str(target.host_path(written)),
                             "bytes": copied})  # fmt: skip
 

@@ -7,6 +7,7 @@ by the session (Session.guest_op) before the guest sees them; answers are bounde
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
 import inspect
+import re
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -16,7 +17,7 @@ from pydantic import Field
 
 from coderunner.egress.ceiling import NetworkMode, more_network
 from coderunner.errors import GuestCallError
-from coderunner.tools.arguments import BrowserSeconds, OutputPath, Seconds, SessionId, Text
+from coderunner.tools.arguments import BrowserSeconds, OutputPath, Pages, Seconds, SessionId, Text
 from coderunner.tools.context import ToolContext
 
 PDF_OPS = ("info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt")
@@ -58,8 +59,12 @@ def op_arguments(tool: Callable[..., Any], values: dict[str, Any]) -> dict[str, 
 
 
 def called_as(message: str, helper: str, tool: str) -> str:
-    """A guest helper's failure as the tool the model called: the session names the helper it ran."""
-    return tool + message.removeprefix(helper) if message.startswith(helper) else message
+    """A guest helper's failure as the tool the model called: the session names the helper it ran, and
+    the guest's own text may name the tool again ('pdf_ops: document_ops merge ...'): said once."""
+    if not message.startswith(helper):
+        return message
+    rest = message.removeprefix(helper)
+    return tool + (": " + rest.removeprefix(f": {tool} ") if rest.startswith(f": {tool} ") else rest)
 
 
 def document_kind(op: str, input_path: str) -> str:
@@ -80,7 +85,7 @@ def register(tools: ToolContext) -> None:
         ctx: Context,
         input_path: str,
         op: DocumentOp,
-        pages: Annotated[Text, Field(description="e.g. 1-3,5")] = "",
+        pages: Pages = "",
         inputs: list[str] = [],  # noqa: B006 - read only; no null for a strict-mode model to send
         ranges: Annotated[list[str], Field(description="e.g. 1-2, 3-")] = [],  # noqa: B006 - as inputs
         degrees: float | None = None,
@@ -172,6 +177,11 @@ def browser_call(action: str, given: dict[str, Any]) -> tuple[str, dict[str, Any
     if needed and not given[needed]:
         raise GuestCallError(f"use_browser action {action!r} needs a {needed}")
     timeout_s = given["timeout_s"]
+    if action == "navigate" and not absolute_url(given["url"]):
+        raise GuestCallError(
+            f"use_browser navigate needs an absolute URL (http://..., https://... or file:///workspace/...), "
+            f"not {given['url'][:200]!r}"
+        )
     if action == "navigate":
         return "navigate", {"url": given["url"], "wait_for": given["selector"] or None,
                             "timeout_s": timeout_s or BROWSER_TIMEOUT_S}  # fmt: skip
@@ -183,3 +193,8 @@ def browser_call(action: str, given: dict[str, Any]) -> tuple[str, dict[str, Any
                               "output": given["output"] or "screenshot.png"}  # fmt: skip
     return "interact", {"action": action, "selector": given["selector"], "value": given["value"] or None,
                         "timeout_s": timeout_s or 10}  # fmt: skip
+
+
+def absolute_url(url: str) -> bool:
+    """A URL the browser can open as it is: a scheme and '//' (http, https, file), or about: and data:."""
+    return bool(re.match(r"[a-zA-Z][a-zA-Z0-9+.-]*://", url)) or url.startswith(("about:", "data:"))

@@ -34,8 +34,11 @@ JOB_META = "coderunner/job"
 
 def kernel_stamp(reply: CallToolResult, session: SessionHandle, lost: bool = False) -> CallToolResult:
     """Add the kernel's generation and whether state survived: one line of text and `_meta`."""
+    new_session = not session.kernel_reported
     generation, preserved = session.kernel_state(lost)
     words = "state kept" if preserved else "new kernel, state lost (variables and imports; files kept)"
+    if new_session and preserved:  # nothing was there to keep, unless it was loaded from a snapshot
+        words = "new session" if session.seeded is None else "new session, state restored"
     line = f"[kernel {generation}: {words}]"
     first = reply.content[0] if reply.content else None
     if isinstance(first, TextContent):  # the reply's own text: the block types stay as they were

@@ -11,6 +11,7 @@ from pydantic import Field
 
 from coderunner.policy.call_variables import check_variables, parse_variables
 from coderunner.sessions.job_runner import Job, attend, duration
+from coderunner.sessions.sandbox_options import check_timeout
 from coderunner.tools.arguments import DetachAfter, SessionId, VariablesArg
 from coderunner.tools.context import ToolContext
 from coderunner.tools.jobs import kernel_stamp, python_job_reply
@@ -34,6 +35,7 @@ def register(tools: ToolContext) -> None:
         detach_after_s: DetachAfter = None,
     ) -> CallToolResult:
         """Python in the session's persistent sandboxed Jupyter kernel; charts come back as images."""
+        check_timeout(settings, timeout_s)
         values = check_variables(parse_variables(variables), "python")
         session = await tools.session(ctx, session_id)
         async with tools.egress_call(ctx, session) as network:

@@ -18,12 +18,15 @@ from mcp.types import CallToolResult
 from coderunner.sessions.seam import SessionHandle
 from coderunner.sessions.session_snapshots import MEMORY_CARRIES, Seed, Taken, memory_key
 from coderunner.sessions.snapshot_reports import REPORT_TEXT, report_count
-from coderunner.snapshots.store import CopyReport, DamagedSnapshot, SnapshotMeta, SnapshotNotFound
+from coderunner.snapshots.layout import SNAPSHOT_ID
+from coderunner.snapshots.store import CopyReport, DamagedSnapshot, Listing, SnapshotMeta, SnapshotNotFound
 from coderunner.tools.arguments import SessionId, Text
 from coderunner.tools.context import ToolContext, json_result
 
 #: Entries of a list a reply shows at most (the rest are counted).
 SHOWN = 50
+#: Snapshots an error names when a name matched none.
+SHOWN_NAMES = 10
 
 
 def register(tools: ToolContext) -> None:
@@ -36,7 +39,10 @@ def register(tools: ToolContext) -> None:
 
     async def restore(ctx: Context, snapshot: str) -> CallToolResult:
         client = tools.client(ctx)
-        meta = await host.snapshot(client, snapshot)
+        try:
+            meta = await host.snapshot(client, snapshot)
+        except SnapshotNotFound as missing:  # not an id of theirs: a name, then (its newest snapshot)
+            meta = named(await host.snapshot_listing(client), snapshot, missing)
         session = await _open(tools, ctx, meta, Seed(client, meta.snapshot_id))
         return json_result(_restored(session, meta))
 
@@ -81,6 +87,21 @@ def register(tools: ToolContext) -> None:
         if not snapshot:
             raise SnapshotNotFound(f"manage_snapshots action {action!r} needs a snapshot (action 'list' shows yours)")
         return await (restore(ctx, snapshot) if action == "restore" else delete(ctx, snapshot))
+
+
+def named(found: Listing, name: str, missing: SnapshotNotFound) -> SnapshotMeta:
+    """The newest of the client's snapshots called `name`; none: `missing`, saying which there are."""
+    for meta in found.snapshots:  # newest first
+        if meta.name == name:
+            return meta
+    if SNAPSHOT_ID.fullmatch(name) or not found.snapshots:
+        raise missing  # an id (maybe a damaged one: its own message says so), or nothing to offer
+    shown = [f"{meta.name!r} ({meta.snapshot_id})" if meta.name else meta.snapshot_id for meta in found.snapshots]
+    more = f" and {len(shown) - SHOWN_NAMES} more" if len(shown) > SHOWN_NAMES else ""
+    raise SnapshotNotFound(
+        f"no snapshot with the id or name {name[:80]!r} for this client; yours, newest first: "
+        f"{', '.join(shown[:SHOWN_NAMES])}{more}"
+    )
 
 
 async def _open(tools: ToolContext, ctx: Context, meta: SnapshotMeta, seed: Seed) -> SessionHandle:
