@@ -13,8 +13,8 @@ The workspace and the state folder the guest wrote are the sandbox's: the host r
 through directory fds, links never followed, every file opened O_NOFOLLOW and checked to be a
 regular file after opening, and every byte counted against the size cap. The store's own folders
 are the host's, made through fds too. Copies use copy_file_range (a reflink where the file system
-shares extents across the two paths, an in-kernel copy elsewhere), with plain read/write as the
-fallback.
+shares extents across the two paths, an in-kernel copy elsewhere), sendfile across file systems (a
+loop-mounted workspace and the store), with plain read/write as the last resort.
 """
 
 from __future__ import annotations
