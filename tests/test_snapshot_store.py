@@ -166,7 +166,8 @@ def test_the_store_is_host_only(tmp_path: Path, ws_fd: int) -> None:
     assert sorted(os.listdir(top / "state")) == ["manifest.json", "v-0001.pkl"]
 
 
-def test_stage_state_gives_the_sandbox_read_only_files(tmp_path: Path, ws_fd: int) -> None:
+def test_stage_state_gives_the_sandbox_read_only_links(tmp_path: Path, ws_fd: int) -> None:
+    """On one file system the staged files are links to the store's own, read-only for all: no copy."""
     store = make_store(tmp_path)
     meta = snapshot(store, ws_fd)
     host = tmp_path / "host"
@@ -179,9 +180,35 @@ def test_stage_state_gives_the_sandbox_read_only_files(tmp_path: Path, ws_fd: in
     staged = host / "owned"
     assert stat.S_IMODE(os.stat(staged).st_mode) == 0o500
     assert (os.stat(staged).st_uid, os.stat(staged).st_gid) == OWNER
+    stored = client_dir(store) / meta.snapshot_id / "state"
+    for name in ("manifest.json", "v-0001.pkl"):
+        info = os.stat(staged / name)
+        assert stat.S_IMODE(info.st_mode) == 0o444 and info.st_uid == os.geteuid()
+        assert info.st_ino == os.stat(stored / name).st_ino
+    assert (staged / "v-0001.pkl").read_bytes() == b"\x80\x05pickled"
+    assert stat.S_IMODE(os.stat(stored).st_mode) == 0o700, "the store's folders keep everyone else out"
+
+
+def test_stage_state_copies_where_it_cannot_link(tmp_path: Path, ws_fd: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another file system (EXDEV): copies of the store's files, 0400 and the sandbox's."""
+    store = make_store(tmp_path)
+    meta = snapshot(store, ws_fd)
+    host = tmp_path / "host"
+    host.mkdir()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "link", refuse)
+    with hostfs.dir_fd(host) as fd:
+        assert store.stage_state("alice", meta.snapshot_id, fd, "owned", OWNER) == meta.state_bytes
+        assert store.stage_state("alice", meta.snapshot_id, fd, "restore", None) == meta.state_bytes
+    staged = host / "owned"
+    assert stat.S_IMODE(os.stat(staged).st_mode) == 0o500
     for name in ("manifest.json", "v-0001.pkl"):
         info = os.stat(staged / name)
         assert stat.S_IMODE(info.st_mode) == 0o400 and (info.st_uid, info.st_gid) == OWNER
+        assert info.st_ino != os.stat(client_dir(store) / meta.snapshot_id / "state" / name).st_ino
     assert (staged / "v-0001.pkl").read_bytes() == b"\x80\x05pickled"
     assert os.stat(host / "restore" / "manifest.json").st_uid == os.geteuid()
 
