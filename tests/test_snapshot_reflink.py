@@ -1,8 +1,8 @@
 """A snapshot's workspace copy is a reflink where the file system has them (issue 19): on a loop-mounted
 XFS made with reflink=1, Draft.copy_workspace and restore_workspace give byte-identical files that
 share the source's extents (FIEMAP says so, block for block, and free space barely moves), while the
-size cap still counts every byte. A control lane copies with read/write on the same file system and
-must show no sharing, so the extent check itself is proven able to fail."""
+size cap still counts every byte. A control lane copies byte by byte (sendfile) on the same file
+system and must show no sharing, so the extent check itself is proven able to fail."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from coderunner.snapshots.store import SnapshotMeta, SnapshotStore, SnapshotTooL
 
 MIB = 1 << 20
 BIG = 256 * MIB
-#: The image: room for the file, a control copy made with read/write, and XFS's own log and metadata.
+#: The image: room for the file, a control copy made byte by byte, and XFS's own log and metadata.
 IMAGE_BYTES = 1024 * MIB
 OWNER = (23456, 23457)
 
@@ -220,11 +220,10 @@ def test_a_cloned_workspace_still_counts_against_the_snapshot_cap(reflink_fs: Pa
     assert [name for name in os.listdir(store.root / "alice") if not name.startswith(".")] == []
 
 
-def test_the_extent_check_fails_for_a_copy_made_with_read_and_write(
-    reflink_fs: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_the_extent_check_fails_for_a_byte_copy(reflink_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The control: the same snapshot with copy_file_range refused (as on a pair it cannot serve), so
-    tree_copy falls back to read/write. The bytes match, and the checks above must say it is no clone."""
+    tree_copy falls back to sendfile (a byte copy in the kernel, never a clone). The bytes match, and
+    the checks above must say it is no clone."""
     workspace = reflink_fs / "workspace"
     workspace.mkdir()
     original = workspace / "data.bin"

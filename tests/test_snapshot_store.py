@@ -166,7 +166,8 @@ def test_the_store_is_host_only(tmp_path: Path, ws_fd: int) -> None:
     assert sorted(os.listdir(top / "state")) == ["manifest.json", "v-0001.pkl"]
 
 
-def test_stage_state_gives_the_sandbox_read_only_files(tmp_path: Path, ws_fd: int) -> None:
+def test_stage_state_gives_the_sandbox_read_only_links(tmp_path: Path, ws_fd: int) -> None:
+    """On one file system the staged files are links to the store's own, read-only for all: no copy."""
     store = make_store(tmp_path)
     meta = snapshot(store, ws_fd)
     host = tmp_path / "host"
@@ -179,9 +180,35 @@ def test_stage_state_gives_the_sandbox_read_only_files(tmp_path: Path, ws_fd: in
     staged = host / "owned"
     assert stat.S_IMODE(os.stat(staged).st_mode) == 0o500
     assert (os.stat(staged).st_uid, os.stat(staged).st_gid) == OWNER
+    stored = client_dir(store) / meta.snapshot_id / "state"
+    for name in ("manifest.json", "v-0001.pkl"):
+        info = os.stat(staged / name)
+        assert stat.S_IMODE(info.st_mode) == 0o444 and info.st_uid == os.geteuid()
+        assert info.st_ino == os.stat(stored / name).st_ino
+    assert (staged / "v-0001.pkl").read_bytes() == b"\x80\x05pickled"
+    assert stat.S_IMODE(os.stat(stored).st_mode) == 0o700, "the store's folders keep everyone else out"
+
+
+def test_stage_state_copies_where_it_cannot_link(tmp_path: Path, ws_fd: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another file system (EXDEV): copies of the store's files, 0400 and the sandbox's."""
+    store = make_store(tmp_path)
+    meta = snapshot(store, ws_fd)
+    host = tmp_path / "host"
+    host.mkdir()
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "link", refuse)
+    with hostfs.dir_fd(host) as fd:
+        assert store.stage_state("alice", meta.snapshot_id, fd, "owned", OWNER) == meta.state_bytes
+        assert store.stage_state("alice", meta.snapshot_id, fd, "restore", None) == meta.state_bytes
+    staged = host / "owned"
+    assert stat.S_IMODE(os.stat(staged).st_mode) == 0o500
     for name in ("manifest.json", "v-0001.pkl"):
         info = os.stat(staged / name)
         assert stat.S_IMODE(info.st_mode) == 0o400 and (info.st_uid, info.st_gid) == OWNER
+        assert info.st_ino != os.stat(client_dir(store) / meta.snapshot_id / "state" / name).st_ino
     assert (staged / "v-0001.pkl").read_bytes() == b"\x80\x05pickled"
     assert os.stat(host / "restore" / "manifest.json").st_uid == os.geteuid()
 
@@ -256,24 +283,52 @@ def test_a_file_beyond_the_cap_is_cut_one_byte_past_it() -> None:
         assert tree_copy.copy_bytes(src.fileno(), dst.fileno(), 10 * MIB) == 3 * MIB
 
 
-def test_copy_falls_back_to_read_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = []
-
-    def refuse(*args: object) -> int:
-        calls.append(args)
-        raise OSError(errno.EXDEV, "cross-device")
-
-    monkeypatch.setattr(os, "copy_file_range", refuse)
-    data = os.urandom(3 * MIB + 17)
+def copy_with(tmp_path: Path, data: bytes) -> bytes:
+    """`data` through copy_bytes from one file to another; the copy's bytes."""
     (tmp_path / "src").write_bytes(data)
     src = os.open(tmp_path / "src", os.O_RDONLY)
-    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT, 0o600)
+    dst = os.open(tmp_path / "dst", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
         assert tree_copy.copy_bytes(src, dst, 10 * MIB) == len(data)
     finally:
         os.close(src)
         os.close(dst)
-    assert calls and (tmp_path / "dst").read_bytes() == data
+    return (tmp_path / "dst").read_bytes()
+
+
+def test_a_copy_across_file_systems_goes_through_sendfile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """copy_file_range refuses two file systems (EXDEV: a loop-mounted workspace and the store);
+    sendfile still copies in the kernel, and the bytes are the file's."""
+    refused, sent = [], []
+    real_sendfile = os.sendfile
+
+    def refuse(*args: object) -> int:
+        refused.append(args)
+        raise OSError(errno.EXDEV, "cross-device")
+
+    def sendfile(out_fd: int, in_fd: int, offset: int | None, count: int) -> int:
+        sent.append(count)
+        return real_sendfile(out_fd, in_fd, offset, count)
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    monkeypatch.setattr(os, "sendfile", sendfile)
+    data = os.urandom(3 * MIB + 17)
+    assert copy_with(tmp_path, data) == data
+    assert len(refused) == 1 and sent, "refused once, then sendfile to the end"
+
+
+def test_copy_falls_back_to_read_write(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = []
+
+    def refuse(*args: object) -> int:
+        calls.append(args)
+        raise OSError(errno.EXDEV if len(calls) == 1 else errno.EINVAL, "refused")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    monkeypatch.setattr(os, "sendfile", refuse)
+    data = os.urandom(3 * MIB + 17)
+    assert copy_with(tmp_path, data) == data
+    assert len(calls) == 2, "copy_file_range, then sendfile, each tried once"
 
 
 def test_take_state_missing_is_a_plain_error(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ The limiters are per event loop (anyio RunVar), as anyio's own default thread li
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -26,6 +26,7 @@ FILE_WORKERS = 4
 BULK_WORKERS = FILE_WORKERS - 1
 
 T = TypeVar("T")
+R = TypeVar("R")
 
 _workers: RunVar[anyio.CapacityLimiter] = RunVar("coderunner_file_workers")
 _bulk: RunVar[anyio.CapacityLimiter] = RunVar("coderunner_bulk_workers")
@@ -56,3 +57,34 @@ async def off_loop(function: Callable[..., T], *args: Any, bulk: bool = False, *
         return await anyio.to_thread.run_sync(call, limiter=file_workers())
     async with _limiter(_bulk, BULK_WORKERS):
         return await anyio.to_thread.run_sync(call, limiter=file_workers())
+
+
+async def alongside(work: Callable[[], T], main: Callable[[], Awaitable[R]]) -> tuple[R, T]:
+    """`main()` awaited while `work()` (blocking, bounded) runs in a bulk file worker: both results.
+
+    For host work that needs nothing of what `main` does (a snapshot's workspace copy while the
+    guest pickles; a restore's state staged while the kernel starts), so the two take the longer
+    of their times, not the sum. `work` always runs to its end before this returns or raises
+    (nothing is left touching fds the caller closes next); `main`'s error is raised first, else `work`'s.
+    """
+    done: list[T] = []
+    failed: list[Exception] = []
+
+    async def run_work() -> None:
+        try:
+            done.append(await off_loop(work, bulk=True))
+        except Exception as exc:  # raised below, once `main` is through: never wrapped in a group
+            failed.append(exc)
+
+    main_failed: Exception | None = None
+    async with anyio.create_task_group() as group:
+        group.start_soon(run_work)
+        try:
+            answer = await main()
+        except Exception as exc:
+            main_failed = exc
+    if main_failed is not None:
+        raise main_failed
+    if failed:
+        raise failed[0]
+    return answer, done[0]

@@ -204,6 +204,67 @@ plain = 5
     await assert_still_serving(arena)
 
 
+# A restore stages the state as links to the store's own files where it can (no copy): code that
+# runs while the state loads aims at them, to change a snapshot for every later restore.
+TAMPER = """
+def _tamper():
+    import os, sys
+    frame = sys._getframe()
+    while frame is not None and not (frame.f_code.co_name == "load" and "dir" in frame.f_locals):
+        frame = frame.f_back
+    folder = frame.f_locals["dir"]
+    tried = {}
+    for name in sorted(os.listdir(folder)):
+        path = os.path.join(folder, name)
+        attempts = (("chmod", lambda: os.chmod(path, 0o666)), ("write", lambda: open(path, "r+b").write(b"X")),
+                    ("truncate", lambda: os.truncate(path, 0)), ("unlink", lambda: os.unlink(path)),
+                    ("rename", lambda: os.rename(path, path + ".x")))
+        for label, attempt in attempts:
+            try:
+                attempt()
+                tried[name + " " + label] = "done"
+            except OSError as exc:
+                tried[name + " " + label] = type(exc).__name__
+    try:
+        open(os.path.join(folder, "v-9999.pkl"), "wb").close()
+        tried["create"] = "done"
+    except OSError as exc:
+        tried["create"] = type(exc).__name__
+    return tried
+class Tamper:
+    def __reduce__(self):
+        return (_tamper, ())
+tamper = Tamper()
+plain = 5
+"""
+
+
+def state_files(dirs: ServerDirs, snapshot_id: str) -> dict[str, bytes]:
+    (found,) = list((dirs.root / "snapshots").glob(f"*/{snapshot_id}/state"))
+    return {path.name: path.read_bytes() for path in sorted(found.iterdir())}
+
+
+async def test_code_run_by_a_load_cannot_change_the_stored_state(arena: Arena) -> None:
+    session = await new_session(arena)
+    assert not (await run(arena.client, TAMPER, session_id=session)).is_error
+    ok, taken = await call(arena, "manage_snapshots", action="save", session_id=session)
+    assert ok and isinstance(taken, dict), taken
+    before = state_files(arena.dirs, taken["snapshot"])
+    assert len(before) >= 3, before  # the manifest and a pickle for each of tamper and plain
+    for _ in range(2):  # the second restore loads what the first one's code could reach
+        ok, restored = await call(arena, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
+        assert ok and isinstance(restored, dict), restored
+        assert {"tamper", "plain"} <= set(restored["restored"]), restored
+        looked = text_of(
+            await run(arena.client, "print(sorted(tamper.items()), plain)", session_id=restored["session_id"])
+        )
+        await call(arena, "manage_sessions", action="close", session_id=restored["session_id"])
+        assert "'done'" not in looked and "'create'" in looked and "v-0001.pkl chmod" in looked, looked
+        assert state_files(arena.dirs, taken["snapshot"]) == before, "a load changed the stored state"
+    await call(arena, "manage_sessions", action="close", session_id=session)
+    await assert_still_serving(arena)
+
+
 # The guest's save report crosses from the sandbox into the host's meta.json. Code in the kernel
 # pads it (the guest module's own constant, and a wrapped write_state): the host must bound it,
 # keep every snapshot listed, counted against snapshot_keep and deletable, and its disk bounded.

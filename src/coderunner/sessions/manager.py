@@ -235,14 +235,13 @@ class SessionManager(HostServices):
         session.busy = True  # starting: the idle reaper must not close it under a slow start
         try:
             await session.lease.open_egress(self.egress, session.task_group, session.session_id, options)
-            if seed is not None and seed.memory is not None:
-                await session.restore_kernel(seed.memory.image_dir, seed.memory.connection)
-            else:
-                await session.start_kernel()
             if seed is not None:
+                await self.snapshots.start(seed, session)
                 await self.snapshots.load(seed, session)
                 session.kept.seeded = seed
                 session.kept.restored_from = seed.snapshot_id if seed.with_workspace else None
+            else:
+                await session.start_kernel()
             session.kept.armed = True
         except BaseException:
             self._sessions.pop(session.session_id, None)

@@ -2,12 +2,13 @@
 new session from one. The manager opens sessions; this module says what goes into and out of them.
 
 Saving: with no cell running, the guest (coderunner_guest/snapshot.py) pickles the user's namespace
-inside the sandbox into WORKSPACE/.coderunner/snapshot; the host moves that folder into a draft in
-the store and copies the workspace beside it, both through directory fds (snapshots/store.py), then
-commits. Restoring: before any sandbox runs on the new workspace, the host copies the snapshot's
-files into it, moves planted start-up hooks aside as for a reopened workspace (startup_hooks.py),
-and stages the state read-only in the new sandbox's host dir; once the kernel is up the guest loads
-it there. Nothing of a snapshot is unpickled on the host, and loading runs no code but unpickling
+inside the sandbox into WORKSPACE/.coderunner/snapshot while the host copies the workspace (that
+folder left out) into a draft in the store; then the host copies that folder beside it, both
+through directory fds (snapshots/store.py), and commits. Restoring: before any sandbox runs on the
+new workspace, the host copies the snapshot's files into it and moves planted start-up hooks aside
+as for a reopened workspace (startup_hooks.py); while the kernel starts, it stages the state
+read-only in the new sandbox's host dir (host-only, bound read-only); once the kernel is up the
+guest loads it there. Nothing of a snapshot is unpickled on the host, and loading runs no code but unpickling
 the user's own objects, inside the new sandbox.
 
 Memory snapshots (a backend with a checkpointer: gvisor): manage_snapshots save, fork and
@@ -40,7 +41,7 @@ from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs.session_dirs import SandboxDirs
 from coderunner.kernel.incarnation import CheckpointFailed
 from coderunner.kernel.startup_hooks import disable_startup_hooks
-from coderunner.offload import off_loop
+from coderunner.offload import alongside, off_loop
 from coderunner.sandbox import SandboxBackend
 from coderunner.sessions.session import GUEST_MARGIN_S, Session
 from coderunner.sessions.snapshot_reports import (
@@ -81,7 +82,7 @@ class Taken:
 @dataclass
 class Seed:
     """What a new session starts from: a snapshot (its workspace files, if `with_workspace`, and its
-    kernel state), filled in by `SessionSnapshots.plant` and `load`."""
+    kernel state), filled in by `SessionSnapshots.plant`, `start` and `load`."""
 
     client: str
     snapshot_id: str
@@ -161,24 +162,32 @@ class SessionSnapshots:
         client = session.options.client
         with_workspace = kind != PERSISTENT
         async with session.held(timeout if wait_s is None else wait_s):
-            raw = await session.call_guest_held("snapshot", arguments, timeout)
+            draft = await off_loop(self.store.draft, client)
+            try:
 
-            def build() -> tuple[SnapshotMeta, CopyReport | None]:
-                draft = self.store.draft(client)
-                try:
+                def copy_workspace() -> CopyReport | None:
+                    if not with_workspace:
+                        return None
+                    with hostfs.dir_fd(session.workspace.path) as workspace_fd:
+                        return draft.copy_workspace(workspace_fd, STATE_IN_WORKSPACE)
+
+                def take_state(report: dict[str, Any], copied: CopyReport | None) -> SnapshotMeta:
                     with hostfs.dir_fd(session.workspace.path) as workspace_fd:
                         # Copied, not removed: the guest removes its own folder (see discard).
                         state_bytes = draft.take_state(workspace_fd, STATE_IN_WORKSPACE, remove=False)
-                        copied = draft.copy_workspace(workspace_fd, STATE_IN_WORKSPACE) if with_workspace else None
-                    meta = self._meta(session, name, kind, snapshot_id, copied, state_bytes, report)
-                    return draft.commit(meta), copied
-                except BaseException:
-                    draft.discard()
-                    raise
+                    return draft.commit(self._meta(session, name, kind, snapshot_id, copied, state_bytes, report))
 
-            try:
+                # The workspace is copied while the guest pickles (no cell runs, and the copy
+                # leaves the state's folder out): the snapshot takes the longer of the two, not both.
+                raw, copied = await alongside(
+                    copy_workspace, lambda: session.call_guest_held("snapshot", arguments, timeout)
+                )
                 report = bounded_report(raw, SaveReport)  # before anything of it is kept
-                meta, copied = await off_loop(build, bulk=True)
+                meta = await off_loop(take_state, report, copied, bulk=True)
+            except BaseException:
+                with anyio.CancelScope(shield=True):
+                    await off_loop(draft.discard)
+                raise
             finally:
                 # The guest's folder never outlives the call, whatever failed: removed from inside
                 # first (under gVisor a host-side delete leaves the space taken until the sandbox
@@ -264,24 +273,38 @@ class SessionSnapshots:
             seed.memory = MemoryImage(image_dir, connection, owner)
 
     def plant(self, seed: Seed, dirs: SandboxDirs) -> None:
-        """Fill a new sandbox's dirs from `seed` (after `resolve`) before any sandbox runs on them (a
-        worker thread): the workspace files, planted start-up hooks moved aside, the state staged read-only."""
+        """Fill a new sandbox's workspace from `seed` (after `resolve`) before any sandbox runs on it (a
+        worker thread): the workspace files, planted start-up hooks moved aside."""
         if seed.meta is None:
             self.resolve(seed)
+        if not seed.with_workspace:
+            return
         try:
-            if seed.with_workspace:
-                with hostfs.dir_fd(dirs.workspace.path) as workspace_fd:
-                    cap = dirs.workspace.size_mb * 2**20 if dirs.workspace.size_mb is not None else None
-                    seed.workspace = self.store.restore_workspace(
-                        seed.client, seed.snapshot_id, workspace_fd, dirs.owner, limit_bytes=cap
-                    )
-                seed.startup = disable_startup_hooks(dirs.workspace.path).as_dict()
-            if seed.memory is None:
-                self.store.stage_state(seed.client, seed.snapshot_id, dirs.host_fd, STAGED_STATE, dirs.owner)
+            with hostfs.dir_fd(dirs.workspace.path) as workspace_fd:
+                cap = dirs.workspace.size_mb * 2**20 if dirs.workspace.size_mb is not None else None
+                seed.workspace = self.store.restore_workspace(
+                    seed.client, seed.snapshot_id, workspace_fd, dirs.owner, limit_bytes=cap
+                )
+            seed.startup = disable_startup_hooks(dirs.workspace.path).as_dict()
         except OSError as exc:
-            raise SnapshotError(
-                f"could not restore snapshot {seed.snapshot_id}: {exc.strerror or exc} (the snapshot is unchanged)"
-            ) from None
+            raise _not_restored(seed, exc) from None
+
+    def stage(self, seed: Seed, dirs: SandboxDirs) -> None:
+        """Stage `seed`'s pickled state read-only in the sandbox's host dir (a worker thread). The host
+        dir is host-only and bound read-only, so this may run while the sandbox starts: the sandbox
+        can neither change the staged files nor enter their folder before it is complete."""
+        try:
+            self.store.stage_state(seed.client, seed.snapshot_id, dirs.host_fd, STAGED_STATE, dirs.owner)
+        except OSError as exc:
+            raise _not_restored(seed, exc) from None
+
+    async def start(self, seed: Seed, session: Session) -> None:
+        """Start `session`'s kernel from `seed` (after `plant`): a memory snapshot's is restored whole;
+        else a fresh kernel starts while the state is staged (`stage`), for `load` to load next."""
+        if seed.memory is not None:
+            await session.restore_kernel(seed.memory.image_dir, seed.memory.connection)
+            return
+        await alongside(lambda: self.stage(seed, session.dirs), session.start_kernel)
 
     async def load(self, seed: Seed, session: Session) -> None:
         """Load the staged state into `session`'s fresh kernel, then drop the staged copy."""
@@ -354,6 +377,12 @@ def _remove_state_dir(session: Session) -> None:
             hostfs.remove_tree(parent_fd, name)
         finally:
             os.close(parent_fd)
+
+
+def _not_restored(seed: Seed, exc: OSError) -> SnapshotError:
+    return SnapshotError(
+        f"could not restore snapshot {seed.snapshot_id}: {exc.strerror or exc} (the snapshot is unchanged)"
+    )
 
 
 def _drop_staged(dirs: SandboxDirs) -> None:

@@ -6,7 +6,8 @@ when it cannot.
             <snapshot_id>/      one whole snapshot (renamed into place once complete)
                 meta.json       SnapshotMeta, written by the host last
                 state/          the kernel state the guest saved (manifest.json, v-NNNN.pkl): bytes
-                                that are only ever read inside a sandbox, never unpickled here
+                                that are only ever read inside a sandbox, never unpickled here (a
+                                restore stages them as links, the files made 0444: store.stage_state)
                 workspace/      the workspace's files: regular files, folders and symlinks (kept as
                                 links, never followed); fifos, sockets and devices are left out
                 memory/         a gVisor memory checkpoint instead of state/ (written by runsc, read

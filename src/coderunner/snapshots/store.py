@@ -13,8 +13,8 @@ The workspace and the state folder the guest wrote are the sandbox's: the host r
 through directory fds, links never followed, every file opened O_NOFOLLOW and checked to be a
 regular file after opening, and every byte counted against the size cap. The store's own folders
 are the host's, made through fds too. Copies use copy_file_range (a reflink where the file system
-shares extents across the two paths, an in-kernel copy elsewhere), with plain read/write as the
-fallback.
+shares extents across the two paths, an in-kernel copy elsewhere), sendfile across file systems (a
+loop-mounted workspace and the store), with plain read/write as the last resort.
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ from coderunner.snapshots.layout import (
     write_failed,
 )
 from coderunner.snapshots.records import DamagedSnapshot, Listing, SnapshotMeta, read_entry
+
+#: A staged link's mode: the store's own file, read-only for all (its folders keep everyone else out).
+STAGED_LINK_BITS = 0o444
 
 #: What callers take from here (the models and errors live beside it, in layout.py and records.py).
 __all__ = [
@@ -249,9 +252,14 @@ class SnapshotStore:
 
     def stage_state(self, client: str, snapshot_id: str, dest_fd: int, name: str,
                     owner: tuple[int, int] | None) -> int:  # fmt: skip
-        """Copy the snapshot's state/ as folder `name` into the host-only folder `dest_fd` (the new
-        sandbox's host/ dir, bound read-only): files 0400 and the folder 0500, owned by `owner`
-        when set, so the sandbox may read them and nobody there may change them. Returns the bytes."""
+        """Stage the snapshot's state/ as folder `name` in the host-only folder `dest_fd` (the new
+        sandbox's host/ dir, bound read-only), the folder 0500 and owned by `owner` when set, so the
+        sandbox may read the files and nobody there may change them. Returns the bytes.
+
+        Each file is a hard link to the store's own (made 0444 first: server-owned, read-only for
+        all; the store's folders stay 0700, so only the staged folder's owner reaches it) where the
+        two folders share a file system: a 500 MiB state is staged without a byte copied or written
+        back to disk. Elsewhere it is copied, 0400 and owned by `owner`."""
         self.get(client, snapshot_id)
         with self._snapshot_part(client, snapshot_id, STATE_DIR) as src:
             if src is None:
@@ -263,16 +271,13 @@ class SnapshotStore:
                 for entry in sorted(hostfs.entries(src)):
                     fd = os.open(entry, FILE_FLAGS, dir_fd=src)
                     try:
-                        if not stat.S_ISREG(os.fstat(fd).st_mode) or not STATE_FILE.fullmatch(entry):
+                        info = os.fstat(fd)
+                        if not stat.S_ISREG(info.st_mode) or not STATE_FILE.fullmatch(entry):
                             continue  # the store only ever holds regular files here
-                        out = os.open(entry, NEW_FILE_FLAGS, 0o600, dir_fd=dst)
-                        try:
-                            total += copy_bytes(fd, out, 1 << 62)
-                            if owner is not None:
-                                os.fchown(out, *owner)
-                            os.fchmod(out, 0o400)
-                        finally:
-                            os.close(out)
+                        if _link_read_only(fd, src, entry, dst):
+                            total += info.st_size
+                        else:
+                            total += _copy_read_only(fd, dst, entry, owner)
                     finally:
                         os.close(fd)
                 if owner is not None:
@@ -338,3 +343,28 @@ class SnapshotStore:
         except FileNotFoundError:
             return
         hostfs.remove_tree(cfd, aside)
+
+
+def _link_read_only(fd: int, src: int, name: str, dst: int) -> bool:
+    """Link the store's file `name` (open as `fd` in the store's folder `src`) into `dst`, made
+    read-only for all first; False where a link cannot be made (another file system: copy instead)."""
+    try:
+        if stat.S_IMODE(os.fstat(fd).st_mode) != STAGED_LINK_BITS:
+            os.fchmod(fd, STAGED_LINK_BITS)
+        os.link(name, name, src_dir_fd=src, dst_dir_fd=dst, follow_symlinks=False)
+    except OSError:
+        return False
+    return True
+
+
+def _copy_read_only(fd: int, dst: int, name: str, owner: tuple[int, int] | None) -> int:
+    """A copy of the store's file `fd` as `name` in `dst`: 0400, owned by `owner` when set; its bytes."""
+    out = os.open(name, NEW_FILE_FLAGS, 0o600, dir_fd=dst)
+    try:
+        count = copy_bytes(fd, out, 1 << 62)
+        if owner is not None:
+            os.fchown(out, *owner)
+        os.fchmod(out, 0o400)
+    finally:
+        os.close(out)
+    return count
