@@ -165,6 +165,8 @@ def _line_range(fd: int, start: int, end: int | None, limit: int, path: str) -> 
         if end is not None and number > end:
             return _joined(kept), _range_note(start, number - 1)
         if kept_bytes + len(line) + 1 > limit:
+            if not kept:
+                return "", f"[line {number} is over the size limit: read it with offset/length]"
             return _joined(kept), _range_note(start, number - 1, truncated=True, path=path)
         kept.append(line)
         kept_bytes += len(line) + 1

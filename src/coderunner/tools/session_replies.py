@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 BRIEF_BYTES = 400
 
 
-def state_of(status: SessionStatus) -> str:
-    """One word for where the kernel stands."""
+def kernel_of(status: SessionStatus) -> str:
+    """One word for where the kernel stands ("state" is what a session's variables did: restored, saved)."""
     if not status.alive:
         return "dead"
     return "busy" if status.busy else "idle"
@@ -26,11 +26,13 @@ def state_of(status: SessionStatus) -> str:
 
 def brief(status: SessionStatus, default: bool) -> dict[str, Any]:
     """What an agent acts on: the id, whether it can run, its network and the limits a run meets."""
-    described: dict[str, Any] = {"session_id": status.session_id, "state": state_of(status)}
+    described: dict[str, Any] = {"session_id": status.session_id, "kernel": kernel_of(status)}
     if status.name is not None:
         described["name"] = status.name
     if status.persistent:
         described["persistent"] = True
+    if status.keep_state:
+        described["keep_state"] = True
     described["network"] = status.network
     described["timeout_s"] = seconds(status.timeout_s)
     for limit in ("memory_mb", "cpus"):
@@ -66,8 +68,8 @@ def detailed(status: SessionStatus, default: bool) -> dict[str, Any]:
         described["standby"] = {name: _rounded(value) for name, value in status.standby.items()}
     if status.restored_from is not None:
         described["restored_from"] = status.restored_from
-    if status.keep_state:
-        described["keep_state"] = status.state_note or True
+    if status.state_note is not None:
+        described["state_note"] = status.state_note
     return described
 
 
