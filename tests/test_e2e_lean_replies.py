@@ -122,3 +122,22 @@ async def test_image_info_is_metadata_without_a_preview(client: Client) -> None:
     assert json_of(info) == {"path": "/workspace/red.png", "width": 800, "height": 600, "mode": "RGB",
                              "format": "PNG", "bytes": json_of(info)["bytes"]}  # fmt: skip
     assert sent_bytes(info) < 200
+
+
+async def test_a_job_read_that_skips_output_says_where_the_skipped_part_is(client: Client) -> None:
+    # The first reply takes "first" (as a rule): the skipped part then starts past what it showed.
+    code = "import time\nprint('first', flush=True)\ntime.sleep(2)\nprint('a' * 2_000 + 'SKIP' + 'b' * 22_000)"
+    started = await run(client, code, detach_after_s=1)
+    job_id = (started.meta or {})["coderunner/job"]["job_id"]
+    waited = text_of(await call(client, "manage_jobs", action="wait", job_id=job_id, timeout_s=60))
+    marker = re.search(
+        r"\[\.\.\. ([\d,]+) characters not shown here; full output: (\S+) \(read_file offset=(\d+) for them\)\]\n",
+        waited,
+    )
+    assert marker is not None, waited[:300]
+    skipped, path, offset = int(marker.group(1).replace(",", "")), marker.group(2), int(marker.group(3))
+    shown = waited[marker.end() :].split("\n[job ")[0] + "\n"  # the reply's text leaves out the last newline
+    assert len(shown) == CAP  # the window of unread output a read keeps
+    missed = text_of(await call(client, "read_file", path=path, offset=offset, length=skipped)).split("\n[bytes ")[0]
+    whole = "first\n" + "a" * 2_000 + "SKIP" + "b" * 22_000 + "\n"
+    assert missed + shown == whole[-(skipped + len(shown)) :] and len(missed) == skipped
