@@ -294,6 +294,13 @@ def text_of(result: CallToolResult) -> str:
     return "\n".join(block.text for block in result.content if block.type == "text")
 
 
+def json_of(result: CallToolResult) -> typing.Any:
+    """A JSON reply's value: replies carry it once, as the first text block (no structured copy)."""
+    first = result.content[0]
+    assert first.type == "text", result
+    return json.loads(first.text)
+
+
 def images_of(result: CallToolResult) -> list[bytes]:
     return [base64.b64decode(block.data) for block in result.content if block.type == "image"]
 

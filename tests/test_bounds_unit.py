@@ -37,10 +37,10 @@ def test_a_guest_answer_is_cut_to_the_bounds_of_cell_output() -> None:
     assert result.structured_content is None
 
 
-def test_a_small_guest_answer_is_whole_and_structured() -> None:
+def test_a_small_guest_answer_is_whole_and_said_once() -> None:
     result = guest_tool_result({"path": "/workspace/a.png", "preview": PNG}, ReplyBounds(2_000, 10_000, 0))
     assert json.loads(result.content[0].text) == {"path": "/workspace/a.png"}  # type: ignore[union-attr]
-    assert result.structured_content == {"path": "/workspace/a.png"}
+    assert result.structured_content is None  # no structured copy doubling the text
     assert [block.type for block in result.content] == ["text", "image"]
 
 

@@ -118,11 +118,13 @@ test_every_image_op = guest_tools.test_every_image_op
 # --- what is particular to this backend -----------------------------------------------------------------
 
 
-async def test_status_names_the_vm_and_the_release(client: Client, version: str) -> None:
-    status = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "status"})))
-    assert status["isolation"].startswith(f"Apple container {version}: its own lightweight Linux VM"), status
-    assert "no network (kernel sockets relayed over vsock)" in status["isolation"]
-    assert status["workspace"] == "/workspace"
+async def test_capabilities_name_the_vm_and_the_release(client: Client, version: str) -> None:
+    """How the sandbox is built is get_capabilities' to say, once (session replies leave it out)."""
+    described = json.loads(text_of(await client.call_tool("get_capabilities", {})))
+    isolation = described["sandbox"]["isolation"]
+    assert isolation.startswith(f"Apple container {version}: its own lightweight Linux VM"), described
+    assert "no network (kernel sockets relayed over vsock)" in isolation
+    assert described["files"]["workspace"] == "/workspace"
 
 
 async def test_orphans_are_reaped_with_or_without_run_init(client: Client, version: str) -> None:
@@ -173,11 +175,11 @@ async def _tcp_fallback(dirs: ServerDirs) -> None:
     folders = files.host.__wrapped__(dirs)
     env = apple_env(dirs, folders, folder, image, CODERUNNER_KERNEL_CHANNELS="tcp", CODERUNNER_NETWORK="internet")
     async with open_client("stdio", env) as connected:
-        answered = await connected.call_tool("manage_sessions", {"action": "status"})
+        answered = await connected.call_tool("get_capabilities", {})
         # One clean-clone run got a non-JSON answer here (an error, unrecorded): say what it was next time.
         assert not answered.is_error, text_of(answered)
-        status = json.loads(text_of(answered))
-        assert "reachable at the VM's address" in status["isolation"], status
+        described = json.loads(text_of(answered))
+        assert "reachable at the VM's address" in described["sandbox"]["isolation"], described
         code = (
             "import json\n"
             "rows = [l.split() for l in open('/proc/net/tcp').read().splitlines()[1:]]\n"

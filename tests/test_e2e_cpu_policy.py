@@ -9,7 +9,6 @@ with weights of their own, never change it.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import pytest
 from coderunner.sandbox.base import TWIN_SUFFIX
 from coderunner.sandbox.cgroups import CGROUP_ROOT, CgroupManager, CgroupsUnavailable
 
-from .conftest import ServerDirs, run, sandbox_processes_alive, server_env, stdio_client, text_of
+from .conftest import ServerDirs, json_of, run, sandbox_processes_alive, server_env, stdio_client, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -91,7 +90,7 @@ async def test_spinning_sessions_run_under_a_low_weight_parent(dirs: ServerDirs)
         # The server and a bystander session are still served while it spins.
         created = await client.call_tool("create_session", {})
         assert not created.is_error, text_of(created)
-        bystander = created.structured_content or json.loads(text_of(created))
+        bystander = json_of(created)
         assert text_of(await run(client, "6 * 7", session_id=bystander["session_id"])).splitlines()[0] == "42"
         assert text_of(await run(client, "[p.kill() for p in spinners]; 'stopped'")).splitlines()[0] == "'stopped'"
 

@@ -18,6 +18,7 @@ from .conftest import (
     ServerDirs,
     connect_http,
     http_server,
+    json_of,
     run,
     server_env,
     text_of,
@@ -159,20 +160,15 @@ async def test_two_http_clients_each_get_their_own_default_session(dirs: ServerD
                 tg.start_soon(timed_run, bob, "bob", "1 + 1")
             assert finished == ["bob", "alice"]
 
-            listed_by_alice = (await alice.call_tool("manage_sessions", {"action": "list"})).structured_content[
-                "sessions"
-            ]
-            listed_by_bob = (await bob.call_tool("manage_sessions", {"action": "list"})).structured_content["sessions"]
+            listed_by_alice = json_of(await alice.call_tool("manage_sessions", {"action": "list"}))["sessions"]
+            listed_by_bob = json_of(await bob.call_tool("manage_sessions", {"action": "list"}))["sessions"]
             assert len(listed_by_alice) == len(listed_by_bob) == 1
             assert listed_by_alice[0]["session_id"] != listed_by_bob[0]["session_id"]
 
             # A stateless client naming itself gets its own default too, and sees neither.
             async with connect_http(url, headers={"X-CodeRunner-Client": "carol"}) as carol:
                 assert "NameError" in text_of(await run(carol, "owner_name"))
-                assert (
-                    len((await carol.call_tool("manage_sessions", {"action": "list"})).structured_content["sessions"])
-                    == 1
-                )
+                assert len(json_of(await carol.call_tool("manage_sessions", {"action": "list"}))["sessions"]) == 1
 
 
 async def test_session_ids_are_unguessable_handles(dirs: ServerDirs) -> None:
@@ -181,7 +177,7 @@ async def test_session_ids_are_unguessable_handles(dirs: ServerDirs) -> None:
             ids = set()
             for _ in range(3):
                 created = await client.call_tool("create_session", {})
-                ids.add(created.structured_content["session_id"])
+                ids.add(json_of(created)["session_id"])
             assert len(ids) == 3
             for session_id in ids:
                 assert len(session_id) >= 22  # >= 128 random bits, URL-safe base64
@@ -230,7 +226,7 @@ async def test_a_departed_clients_default_session_is_closed_and_its_handles_kept
         async with connect_http(url, mode="legacy") as leaving:
             await run(leaving, "scratch = 1")
             created = await leaving.call_tool("create_session", {})
-            kept_id = created.structured_content["session_id"]
+            kept_id = json_of(created)["session_id"]
             await run(leaving, "kept = 'still here'", session_id=kept_id)
             assert len(workspaces(dirs)) == 2
         # The client closed its MCP session: its default kernel goes, the handle it made stays.

@@ -19,6 +19,7 @@ from mcp.types import CallToolResult
 from .conftest import (
     ServerDirs,
     images_of,
+    json_of,
     memory_client,
     run,
     sandbox_processes_alive,
@@ -116,7 +117,7 @@ async def test_a_long_cell_detaches_with_partial_output_and_wait_job_returns_the
     assert meta(last, "kernel")["state_preserved"] is True and "state kept]" in text_of(last)
     after = await run(client, "finished")
     assert "15" in text_of(after).splitlines() and meta(after, "kernel")["state_preserved"] is True
-    listed = (await client.call_tool("manage_jobs", {"action": "list"})).structured_content
+    listed = json_of(await client.call_tool("manage_jobs", {"action": "list"}))
     assert listed is not None and [job["status"] for job in listed["jobs"]] == ["done"]
 
 
@@ -127,7 +128,7 @@ async def test_a_second_run_during_a_job_is_told_busy_while_file_tools_and_statu
     assert f"busy with job {job_id} (running" in text_of(busy) and "manage_jobs (wait or cancel)" in text_of(busy)
     listed = await client.call_tool("read_file", {"path": "/workspace"})
     assert not listed.is_error, text_of(listed)
-    status = (await client.call_tool("manage_sessions", {"action": "status"})).structured_content
+    status = json_of(await client.call_tool("manage_sessions", {"action": "status"}))
     assert status is not None and status["job"]["job_id"] == job_id and status["job"]["status"] == "running"
     cancelled = await client.call_tool("manage_jobs", {"action": "cancel", "job_id": job_id})
     assert meta(cancelled, "job")["status"] == "interrupted"
@@ -180,8 +181,8 @@ async def test_a_chart_drawn_in_a_job_arrives_through_wait_job(client: Client) -
 async def test_kernel_reset_says_its_new_generation_and_that_state_was_lost(client: Client) -> None:
     before = meta(await run(client, "x = 1"), "kernel")
     reset = await client.call_tool("manage_sessions", {"action": "reset"})
-    assert reset.structured_content is not None
-    assert reset.structured_content["state_preserved"] is False
+    assert json_of(reset) is not None
+    assert json_of(reset)["state_preserved"] is False
     assert meta(reset, "kernel") == {"generation": before["generation"] + 1, "state_preserved": False}
     assert meta(await run(client, "1"), "kernel")["state_preserved"] is True
 
@@ -189,13 +190,13 @@ async def test_kernel_reset_says_its_new_generation_and_that_state_was_lost(clie
 async def test_execute_code_detaches_and_its_job_holds_the_whole_result(client: Client) -> None:
     code = "import sys, time\nprint('out', flush=True)\nprint('err', file=sys.stderr)\ntime.sleep(4)\nsys.exit(3)"
     first = await client.call_tool("execute_code", {"language": "python", "code": code})
-    assert first.structured_content is not None and first.structured_content["status"] == "running"
-    job_id = first.structured_content["job_id"]
+    assert json_of(first) is not None and json_of(first)["status"] == "running"
+    job_id = json_of(first)["job_id"]
     for _ in range(10):
         last = await wait_job(client, job_id)
-        if last.structured_content is not None and last.structured_content["status"] != "running":
+        if json_of(last) is not None and json_of(last)["status"] != "running":
             break
-    result = last.structured_content
+    result = json_of(last)
     assert result is not None and result["status"] == "error" and last.is_error
     assert result["stdout"] == "out\n" and "err" in result["stderr"]
     assert result["exit_code"] == 3 and result["timed_out"] is False
@@ -203,7 +204,7 @@ async def test_execute_code_detaches_and_its_job_holds_the_whole_result(client: 
 
 async def test_closing_the_session_ends_its_job_and_tells_the_waiter(dirs: ServerDirs) -> None:
     async with memory_client(env(dirs)) as client:
-        created = (await client.call_tool("create_session", {})).structured_content
+        created = json_of(await client.call_tool("create_session", {}))
         assert created is not None
         session_id = created["session_id"]
         first = await run(client, FOREVER, session_id=session_id, detach_after_s=0)
@@ -241,20 +242,20 @@ async def test_a_server_that_stops_ends_every_job(dirs: ServerDirs) -> None:
     async with memory_client(env(dirs)) as client:
         await started(client, FOREVER)
         oneshot = await client.call_tool("execute_code", {"language": "bash", "code": "sleep 600", "detach_after_s": 0})
-        assert oneshot.structured_content is not None and oneshot.structured_content["status"] == "running"
+        assert json_of(oneshot) is not None and json_of(oneshot)["status"] == "running"
         assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) >= 2, 30)
     assert await wait_until(lambda: sandbox_processes_alive(dirs) == [], 20), sandbox_processes_alive(dirs)
 
 
 async def test_cancel_job_kills_a_one_shot_run(client: Client, dirs: ServerDirs) -> None:
     first = await client.call_tool("execute_code", {"language": "bash", "code": "sleep 600", "detach_after_s": 0})
-    assert first.structured_content is not None
-    job_id = first.structured_content["job_id"]
+    assert json_of(first) is not None
+    job_id = json_of(first)["job_id"]
     assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) >= 1, 30)
     cancelled = await client.call_tool("manage_jobs", {"action": "cancel", "job_id": job_id})
-    assert cancelled.is_error and cancelled.structured_content is not None
-    assert cancelled.structured_content["status"] == "interrupted"
-    assert "its sandbox was killed" in cancelled.structured_content["note"]
+    assert cancelled.is_error and json_of(cancelled) is not None
+    assert json_of(cancelled)["status"] == "interrupted"
+    assert "its sandbox was killed" in json_of(cancelled)["note"]
     assert await wait_until(lambda: sandbox_processes_alive(dirs) == [], 20), sandbox_processes_alive(dirs)
-    listed = (await client.call_tool("manage_jobs", {"action": "list"})).structured_content
+    listed = json_of(await client.call_tool("manage_jobs", {"action": "list"}))
     assert listed is not None and [(job["job_id"], job["kind"]) for job in listed["jobs"]] == [(job_id, "execute_code")]

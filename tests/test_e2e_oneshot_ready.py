@@ -24,7 +24,7 @@ from coderunner.config import Settings
 from coderunner.sandbox import SandboxSpec, make_backend
 from coderunner.sessions.manager import SessionManager
 
-from .conftest import ServerDirs, memory_client, sandbox_processes_alive, server_env, text_of, wait_until
+from .conftest import ServerDirs, json_of, memory_client, sandbox_processes_alive, server_env, text_of, wait_until
 from .test_e2e_execute_code import (
     test_a_fork_bomb_is_contained_and_the_server_serves,  # noqa: F401
     test_each_language_reads_stdin_sees_variables_and_reports_its_exit_code,  # noqa: F401
@@ -53,7 +53,7 @@ async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
 
 async def execute(client: Client, language: str, code: str, **arguments: Any) -> dict[str, Any]:
     result = await client.call_tool("execute_code", {"language": language, "code": code, **arguments})
-    payload = result.structured_content
+    payload = json_of(result)
     assert payload is not None, text_of(result)
     return payload
 
@@ -78,7 +78,7 @@ async def test_nothing_of_one_run_reaches_the_next(client: Client) -> None:
     # A different language, and different options (a sandbox started ahead must match them).
     marks = "import os; print([d for d in ('/workspace', '/tmp', '/dev/shm') if 'mark' in os.listdir(d)])"
     python = await execute(client, "python", marks, memory_mb=700)
-    assert python["stdout"] == "[]\n" and python["limits"]["memory_mb"]["value"] == 700, python
+    assert python["stdout"] == "[]\n" and python["limits"]["memory_mb"] == 700, python
     again = await execute(client, "python", marks)
     assert again["stdout"] == "[]\n", again
 

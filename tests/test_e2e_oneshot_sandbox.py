@@ -12,7 +12,7 @@ import anyio
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, memory_client, server_env, text_of, wait_until
+from .conftest import ServerDirs, json_of, memory_client, server_env, text_of, wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 root_only = pytest.mark.skipif(os.getuid() != 0, reason="a capped workspace needs root (a mount)")
@@ -29,7 +29,7 @@ async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
 
 async def execute(client: Client, language: str, code: str, **arguments: Any) -> dict[str, Any]:
     result = await client.call_tool("execute_code", {"language": language, "code": code, **arguments})
-    payload = result.structured_content
+    payload = json_of(result)
     assert payload is not None, text_of(result)
     return payload
 

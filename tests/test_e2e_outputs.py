@@ -9,7 +9,7 @@ import httpx2
 import pytest
 from mcp import Client
 
-from .conftest import ServerDirs, http_server, images_of, memory_client, run, server_env, text_of
+from .conftest import ServerDirs, http_server, images_of, json_of, memory_client, run, server_env, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -68,7 +68,7 @@ async def test_resource_reads_carry_the_mime_type_and_text_as_text(client: Clien
                       + PLOT + "fig.savefig('chart.png')\nplt.close(fig)\n"
                       "open('table.csv', 'w').write('x,y\\n1,2\\n')\nopen('blob.bin', 'wb').write(bytes(range(256)))\n"
                       "open('notes', 'w').write('héllo')")  # fmt: skip
-    session = (await client.call_tool("manage_sessions", {"action": "status"})).structured_content
+    session = json_of(await client.call_tool("manage_sessions", {"action": "status"}))
     assert session is not None
     base = f"sandbox://{session['session_id']}/workspace/"
     png = (await client.read_resource(base + "chart.png")).contents[0]

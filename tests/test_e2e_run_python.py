@@ -102,7 +102,7 @@ async def test_huge_output_keeps_head_and_tail_and_spills_to_workspace(client: C
     assert len(text) < 30_000
     assert "line 0\n" in text and "line 199999" in text
     assert "characters omitted; full output: /workspace/.coderunner/output-" in text
-    path = text.split("full output: ")[1].split("]")[0].strip()
+    path = text.split("full output: ")[1].split(" (read_file offset=")[0]
     check = await run(client, f"lines = open({path!r}).read().splitlines()\nlen(lines), lines[-1]")
     assert "(200000, 'line 199999')" in text_of(check)
 

@@ -37,14 +37,15 @@ async def test_create_status_list_close(client: Client, dirs: ServerDirs) -> Non
     session = await create(client, memory_mb=1024, timeout_s=30)
     sid = session["session_id"]
     assert len(sid) >= 22, "handles are high-entropy"
-    assert session["limits"]["memory_mb"]["value"] == 1024
-    assert session["limits"]["memory_mb"]["enforced_by"].startswith("RLIMIT_AS")
-    assert session["network"] == "none" and session["alive"] is True and session["timeout_s"] == 30
+    assert session["memory_mb"] == 1024
+    assert session["network"] == "none" and session["kernel"] == "idle" and session["timeout_s"] == 30
 
     await run(client, "import numpy as np\nbig = np.ones(10_000_000)", session_id=sid)
     status = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "status", "session_id": sid})))
-    assert status["alive"] and not status["busy"]
-    assert status["memory_used_mb"] > 60, status
+    assert status["kernel"] == "idle"
+    assert status["usage"]["memory_mb"] > 60, status
+    assert status["limits"]["memory_mb"]["value"] == 1024
+    assert status["limits"]["memory_mb"]["enforced_by"].startswith("RLIMIT_AS")
 
     listed = json.loads(text_of(await client.call_tool("manage_sessions", {"action": "list"})))
     assert sid in [entry["session_id"] for entry in listed["sessions"]]
@@ -193,7 +194,10 @@ async def test_closing_a_session_while_its_kernel_restarts_stops_the_start_clean
     """A close during a kernel reset's fresh start: the start is cancelled, not left to work in
     dirs closed under it (its reply was an OSError EBADF from a closed dir fd)."""
     session = await create(client)
-    sid, generation = session["session_id"], session["kernel_generation"]
+    sid = session["session_id"]
+    generation = json.loads(
+        text_of(await client.call_tool("manage_sessions", {"action": "status", "session_id": sid}))
+    )["kernel_generation"]
     replies: dict[str, object] = {}
 
     async def reset() -> None:
@@ -207,7 +211,7 @@ async def test_closing_a_session_while_its_kernel_restarts_stops_the_start_clean
                 status = json.loads(
                     text_of(await client.call_tool("manage_sessions", {"action": "status", "session_id": sid}))
                 )
-                if status["kernel_generation"] > generation and not status["alive"]:
+                if status["kernel_generation"] > generation and status["kernel"] == "dead":
                     break
         closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": sid})
     assert not closed.is_error, text_of(closed)

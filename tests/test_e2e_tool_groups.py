@@ -15,7 +15,7 @@ from mcp import Client
 from coderunner.policy.tool_mentions import names_in
 from coderunner.tools import declared_groups
 
-from .conftest import ServerDirs, memory_client, run, server_env, text_of
+from .conftest import ServerDirs, json_of, memory_client, run, server_env, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -53,7 +53,7 @@ async def test_under_the_python_group_a_long_run_names_only_tools_it_offers(dirs
             assert not unoffered_named(text_of(reply), tools), text_of(reply)
         assert "the user can add 'sessions' to the tools setting" in text_of(refused), text_of(refused)
         capabilities = await client.call_tool("get_capabilities", {})
-        assert not unoffered_named(json.dumps(capabilities.structured_content), tools)
+        assert not unoffered_named(json.dumps(json_of(capabilities)), tools)
         assert not unoffered_named(text_of(capabilities), tools)
 
 

@@ -19,7 +19,7 @@ import anyio
 import pytest
 from mcp.types import CallToolResult
 
-from ..conftest import REPO, SECRET_NAME, SECRET_VALUE, run, sandbox_processes_alive, text_of
+from ..conftest import REPO, SECRET_NAME, SECRET_VALUE, json_of, run, sandbox_processes_alive, text_of
 from .conftest import BYSTANDER_VALUE, Arena, ServerDirs, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -572,7 +572,7 @@ async def test_one_shot_sandboxes_hold_the_same_boundaries(arena: Arena) -> None
             ),
         },
     )
-    stdout = result.structured_content["stdout"]
+    stdout = json_of(result)["stdout"]
     outcome = json.loads(stdout.strip().splitlines()[-1])
     crossed = {name: value for name, value in outcome.items() if value[0] == "OK"}
     assert not crossed, crossed

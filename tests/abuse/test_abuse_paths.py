@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import ServerDirs, _passable, raw_stdio_server, run, server_env, stdio_client, text_of
+from ..conftest import ServerDirs, _passable, json_of, raw_stdio_server, run, server_env, stdio_client, text_of
 from ..test_e2e_podman import OCI_RUNTIME, podman_image  # noqa: F401  (the session's image fixture)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -226,7 +226,7 @@ async def test_planted_links_never_lead_the_host_anywhere(
             "execute_code",
             {"language": "python", "code": trap(canaries)},
         )
-        assert oneshot.structured_content is not None
+        assert json_of(oneshot) is not None
 
         again = await run(client, "kept", session_id=bystander)
         assert "bystander-9c1" in text_of(again), text_of(again)

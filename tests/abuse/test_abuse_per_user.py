@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from ..conftest import run, text_of
+from ..conftest import json_of, run, text_of
 from .conftest import Arena
 from .test_abuse import assert_still_serving
 
@@ -52,7 +52,7 @@ async def test_one_sessions_inotify_hog_leaves_others_theirs(arena: Arena) -> No
         probe = await run(arena.client, PROBE, session_id=arena.bystander)
         assert "inotify ok" in text_of(probe), text_of(probe)
         oneshot = await arena.client.call_tool("execute_code", {"language": "python", "code": PROBE})
-        assert "inotify ok" in oneshot.structured_content["stdout"], oneshot.structured_content
+        assert "inotify ok" in json_of(oneshot)["stdout"], json_of(oneshot)
     finally:
         await arena.client.call_tool("manage_sessions", {"action": "close", "session_id": hog})
     await assert_still_serving(arena)

@@ -24,7 +24,7 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult
 
-from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, server_env, text_of
+from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, json_of, server_env, text_of
 from ..test_e2e_egress_ux import Asked
 from .conftest import NODE_LABEL, REPO, RayCluster
 
@@ -95,7 +95,7 @@ async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
         ids, nodes = [], []
         for value in (1, 2):
-            made = (await ok(client, "create_session", cpus=WIDE_CPUS)).structured_content
+            made = json_of(await ok(client, "create_session", cpus=WIDE_CPUS))
             assert made is not None
             ids.append(made["session_id"])
             nodes.append(node_name(ray_cluster, made["node"]))
@@ -113,7 +113,7 @@ async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret
         )
         error = await call(client, "run_python", code="1/0", session_id=ids[0])
         assert error.is_error and "ZeroDivisionError" in text_of(error)
-        status = (await ok(client, "manage_sessions", action="status", session_id=ids[1])).structured_content
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=ids[1]))
         assert status is not None and node_name(ray_cluster, status["node"]) == nodes[1]
         for session_id in ids:
             await ok(client, "manage_sessions", action="close", session_id=session_id)
@@ -126,7 +126,7 @@ async def test_a_second_front_door_finds_and_uses_a_session_the_first_made(
 ) -> None:
     env = cluster_env(ray_cluster, dirs)
     async with front_door(ray_cluster, env) as first:
-        made = (await ok(first, "create_session")).structured_content
+        made = json_of(await ok(first, "create_session"))
         assert made is not None
         session_id = made["session_id"]
         await ok(first, "run_python", code="shared = 'made by the first'", session_id=session_id)
@@ -143,7 +143,7 @@ async def test_a_second_front_door_finds_and_uses_a_session_the_first_made(
 
 async def test_progress_detach_and_cancel_cross_the_cluster(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
-        session_id = (await ok(client, "create_session")).structured_content["session_id"]  # type: ignore[index]
+        session_id = json_of(await ok(client, "create_session"))["session_id"]  # type: ignore[index]
         notes: list[str] = []
 
         async def progress(done: float, total: float | None, message: str | None) -> None:
@@ -171,7 +171,7 @@ async def test_a_run_cancelled_before_its_first_answer_is_interrupted_on_its_nod
 ) -> None:
     """The first answer of a run waits on the node for half a second; a cancel within it still reaches the cell."""
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
-        session_id = (await ok(client, "create_session")).structured_content["session_id"]  # type: ignore[index]
+        session_id = json_of(await ok(client, "create_session"))["session_id"]  # type: ignore[index]
         long_cell = "import time\ntime.sleep(40)\nfinished = True"
         with anyio.move_on_after(0.2):  # the client cancels its call (notifications/cancelled) at once
             await client.call_tool("run_python", {"code": long_cell, "session_id": session_id})
@@ -191,7 +191,7 @@ async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
 ) -> None:
     env = cluster_env(ray_cluster, dirs, CODERUNNER_IDLE_TIMEOUT_S="6")
     async with front_door(ray_cluster, env) as client:
-        session_id = (await ok(client, "create_session")).structured_content["session_id"]  # type: ignore[index]
+        session_id = json_of(await ok(client, "create_session"))["session_id"]  # type: ignore[index]
         await ok(client, "run_python", session_id=session_id,
                  code="from PIL import Image; Image.new('RGB', (64, 32), 'red').save('red.png')")  # fmt: skip
         info = await ok(client, "document_ops", input_path="red.png", op="info", session_id=session_id)
@@ -213,64 +213,56 @@ async def test_snapshots_and_persistent_workspaces_live_on_their_node(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
-        made = (await ok(client, "create_session", memory_mb=1024)).structured_content  # three fit on one worker
+        made = json_of(await ok(client, "create_session", memory_mb=1024))  # three fit on one worker
         assert made is not None
         source, home = made["session_id"], made["node"]
         await ok(client, "run_python", code="kept = [1, 2, 3]\nopen('notes.txt', 'w').write('saved')",
                  session_id=source)  # fmt: skip
-        taken = (
-            await ok(client, "manage_snapshots", action="save", session_id=source, name="first")
-        ).structured_content
+        taken = json_of(await ok(client, "manage_snapshots", action="save", session_id=source, name="first"))
         assert taken is not None
-        listed = (await ok(client, "manage_snapshots", action="list")).structured_content
+        listed = json_of(await ok(client, "manage_snapshots", action="list"))
         assert listed is not None and [entry["snapshot"] for entry in listed["snapshots"]] == [taken["snapshot"]]
-        restored = (
-            await ok(client, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
-        ).structured_content
+        restored = json_of(await ok(client, "manage_snapshots", action="restore", snapshot=taken["snapshot"]))
         assert restored is not None and "kept" in restored["restored"], restored
-        status = (
-            await ok(client, "manage_sessions", action="status", session_id=restored["session_id"])
-        ).structured_content
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=restored["session_id"]))
         assert status is not None and status["node"] == home  # restored where the snapshot is
         back = await ok(client, "run_python", code="print(kept, open('notes.txt').read())",
                         session_id=restored["session_id"])  # fmt: skip
         assert "[1, 2, 3] saved" in text_of(back)
-        forked = (await ok(client, "manage_snapshots", action="fork", session_id=source)).structured_content
+        forked = json_of(await ok(client, "manage_snapshots", action="fork", session_id=source))
         assert forked is not None and "kept" in forked["restored"]
         await ok(client, "manage_snapshots", action="delete", snapshot=taken["snapshot"])
-        assert (await ok(client, "manage_snapshots", action="list")).structured_content == {"snapshots": []}
+        assert json_of(await ok(client, "manage_snapshots", action="list")) == {"snapshots": []}
         for session_id in (source, restored["session_id"], forked["session_id"]):
             await ok(client, "manage_sessions", action="close", session_id=session_id)
         # A persistent workspace reopens on the node that holds it, with its files.
-        first = (await ok(client, "create_session", name="proj", persistent=True)).structured_content
+        first = json_of(await ok(client, "create_session", name="proj", persistent=True))
         assert first is not None
         await ok(client, "write_file", path="keep.txt", content="still here", session_id=first["session_id"])
         await ok(client, "manage_sessions", action="close", session_id=first["session_id"])
-        again = (await ok(client, "create_session", name="proj", persistent=True)).structured_content
+        again = json_of(await ok(client, "create_session", name="proj", persistent=True))
         assert again is not None and again["node"] == first["node"]
         assert "still here" in text_of(await ok(client, "read_file", path="keep.txt", session_id=again["session_id"]))
         await ok(client, "manage_sessions", action="close", session_id=again["session_id"])
-        listed_workspaces = (await ok(client, "manage_workspaces", action="list")).structured_content
+        listed_workspaces = json_of(await ok(client, "manage_workspaces", action="list"))
         assert listed_workspaces is not None and [w["name"] for w in listed_workspaces["workspaces"]] == ["proj"]
         await ok(client, "manage_workspaces", action="delete", name="proj")
-        assert (await ok(client, "manage_workspaces", action="list")).structured_content == {"workspaces": []}
+        assert json_of(await ok(client, "manage_workspaces", action="list")) == {"workspaces": []}
     assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
 async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
-        ran = (await ok(client, "execute_code", language="python", code="import sys; print(6 * 7); "
-                        "print(sys.stdin.read())", stdin="fed in")).structured_content  # fmt: skip
+        ran = json_of(await ok(client, "execute_code", language="python", code="import sys; print(6 * 7); "
+                               "print(sys.stdin.read())", stdin="fed in"))  # fmt: skip
         assert ran is not None and ran["stdout"] == "42\nfed in\n" and ran["exit_code"] == 0, ran
-        failed = (await call(client, "execute_code", language="python", code="raise SystemExit(3)")).structured_content
+        failed = json_of(await call(client, "execute_code", language="python", code="raise SystemExit(3)"))
         assert failed is not None and failed["exit_code"] == 3
-        checked = (
-            await ok(client, "execute_code", check_only=True, language="python", code="def f(:\n pass")
-        ).structured_content
+        checked = json_of(await ok(client, "execute_code", check_only=True, language="python", code="def f(:\n pass"))
         assert checked is not None and checked["valid"] is False and checked["errors"][0]["line"] == 1
         slow = await ok(client, "execute_code", language="python", code="import time; time.sleep(60)",
                         detach_after_s=1)  # fmt: skip
-        job_id = slow.structured_content["job_id"]  # type: ignore[index]
+        job_id = json_of(slow)["job_id"]  # type: ignore[index]
         began = time.monotonic()
         await call(client, "manage_jobs", action="cancel", job_id=job_id)
         assert time.monotonic() - began < 30
@@ -284,13 +276,13 @@ async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayC
             # Each worker's pool starts one session actor ahead (named session-<id> from the start).
             assert await _eventually(lambda: len(_pooled(ray_cluster)) == 2, 120), named_actors(ray_cluster)
             pooled = set(_pooled(ray_cluster))
-            made = (await ok(client, "create_session")).structured_content
+            made = json_of(await ok(client, "create_session"))
             assert made is not None and made["session_id"] in pooled  # claimed, not started cold
             assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=made["session_id"]))
             # Its pool starts a replacement; the claimed one is the caller's alone.
             assert await _eventually(lambda: len(set(_pooled(ray_cluster)) - {made["session_id"]}) == 2, 120)
             ready = set(_pooled(ray_cluster)) - {made["session_id"]}
-            other = (await ok(client, "create_session", memory_mb=768)).structured_content  # not the defaults
+            other = json_of(await ok(client, "create_session", memory_mb=768))  # not the defaults
             assert other is not None and other["session_id"] not in ready | pooled  # started cold
             for session_id in (made["session_id"], other["session_id"]):
                 await ok(client, "manage_sessions", action="close", session_id=session_id)
@@ -339,7 +331,7 @@ async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
     async with front_door(ray_cluster, held) as client:
         ids = []
         for _ in range(2):  # each fits on either worker: Ray alone would spread or pick either
-            made = (await ok(client, "create_session", cpus=0.5)).structured_content
+            made = json_of(await ok(client, "create_session", cpus=0.5))
             assert made is not None and node_name(ray_cluster, made["node"]) == "w2", made
             ids.append(made["session_id"])
         assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=ids[0]))
@@ -375,7 +367,7 @@ async def test_an_allowlist_sessions_denials_reach_the_reply_and_status_from_its
     """The node's proxy decides; the front door's reply names what was denied and how to allow it."""
     env = cluster_env(ray_cluster, dirs, CODERUNNER_ALLOWED_DOMAINS='["a.example.org", "b.example.org"]')
     async with front_door(ray_cluster, env) as client:
-        made = (await ok(client, "create_session", network="allowlist", allow=["a.example.org"])).structured_content
+        made = json_of(await ok(client, "create_session", network="allowlist", allow=["a.example.org"]))
         assert made is not None
         session_id = made["session_id"]
         # A quick cell (its whole answer in the first call) and a slow one (read by the pump after).
@@ -387,7 +379,7 @@ async def test_an_allowlist_sessions_denials_reach_the_reply_and_status_from_its
         assert "b.example.org" not in reply, reply  # a reply names only the hosts denied during its call
         quiet = text_of(await ok(client, "run_python", code="1 + 1", session_id=session_id))
         assert "[network:" not in quiet, quiet
-        status = (await ok(client, "manage_sessions", action="status", session_id=session_id)).structured_content
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
         assert status is not None and "egress" in status, status
         egress = status["egress"]
         assert egress["allowed_hosts"] == ["a.example.org"] and egress["totals"]["denied"] == 2, egress
@@ -404,7 +396,7 @@ async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: Ra
         ray_cluster, dirs, CODERUNNER_ALLOWED_DOMAINS='["a.example.org", "b.example.org", "c.example.org"]'
     )
     async with front_door(ray_cluster, env, mode="legacy", elicitation_callback=asked) as client:
-        made = (await ok(client, "create_session", network="allowlist", allow=["a.example.org"])).structured_content
+        made = json_of(await ok(client, "create_session", network="allowlist", allow=["a.example.org"]))
         assert made is not None
         session_id = made["session_id"]
         asked.answer = "decline"
@@ -415,7 +407,7 @@ async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: Ra
         asked.answer = "accept"
         await call(client, "run_python", code=FETCH.format(host="c.example.org", pause=1), session_id=session_id)
         assert len(asked.messages) == 2 and "c.example.org:80" in asked.messages[1], asked.messages
-        status = (await ok(client, "manage_sessions", action="status", session_id=session_id)).structured_content
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
         assert status is not None and status["egress"]["allowed_hosts"] == ["a.example.org", "c.example.org"], status
         # b was declined for this session: not asked again.
         await call(client, "run_python", code=FETCH.format(host="b.example.org", pause=0), session_id=session_id)
@@ -504,7 +496,7 @@ async def test_a_revoked_token_is_refused_by_every_front_door(ray_cluster: RayCl
             (dirs.root / f"door-{port}.log").read_text()[-2000:] for port in ports
         ]
         async with through_proxy(ray_cluster, env, ports[0], token) as first:
-            session_id = (await ok(first, "create_session")).structured_content["session_id"]  # type: ignore[index]
+            session_id = json_of(await ok(first, "create_session"))["session_id"]  # type: ignore[index]
             await ok(first, "run_python", code="owned = 1", session_id=session_id)
             async with through_proxy(ray_cluster, env, ports[1], token) as second:
                 assert "1" in text_of(await ok(second, "run_python", code="owned", session_id=session_id))
@@ -525,7 +517,7 @@ async def test_a_lost_node_says_so_while_other_nodes_serve(ray_cluster: RayClust
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
         by_node: dict[str, str] = {}
         for _ in range(2):
-            made = (await ok(client, "create_session", cpus=WIDE_CPUS)).structured_content
+            made = json_of(await ok(client, "create_session", cpus=WIDE_CPUS))
             assert made is not None
             by_node[node_name(ray_cluster, made["node"])] = made["session_id"]
         assert sorted(by_node) == ["w1", "w2"]

@@ -82,7 +82,7 @@ def test_a_guest_answer_is_json_with_its_previews_as_images_within_budget() -> N
     assert json.loads(body.split("\n[")[0]) == {"pages": 3}
     assert "[2 of 4 previews not shown: over the inline image budget]" in body
     assert [block.data for block in reply.content if isinstance(block, ImageContent)] == ["a" * 15, "c" * 5]
-    assert reply.structured_content == {"pages": 3}
+    assert reply.structured_content is None  # the JSON once, as text
 
 
 def test_a_truncated_guest_answer_has_no_structured_copy() -> None:

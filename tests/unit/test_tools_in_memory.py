@@ -83,7 +83,7 @@ async def test_a_timeout_interrupts_and_says_the_state_is_kept(client: Client) -
 async def test_kernel_reset_clears_state(client: Client) -> None:
     await client.call_tool("run_python", {"code": "kept = 5"})
     reset = payload(await client.call_tool("manage_sessions", {"action": "reset"}))
-    assert reset["reset"] is True and reset["restarts"] == 1
+    assert reset["reset"] is True and reset["state_preserved"] is False and reset["kernel"] == "idle"
     assert "False" in text(await client.call_tool("run_python", {"code": "'kept' in dir()"}))
 
 
@@ -99,7 +99,7 @@ async def test_sessions_are_created_used_listed_and_closed(client: Client) -> No
     listed = payload(await client.call_tool("manage_sessions", {"action": "list"}))["sessions"]
     assert {entry["session_id"] for entry in listed} >= {session_id}
     status = payload(await client.call_tool("manage_sessions", {"action": "status", "session_id": session_id}))
-    assert status["alive"] is True and status["busy"] is False
+    assert status["kernel"] == "idle" and status["restarts"] == 0
     assert payload(await client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})) == {
         "closed": session_id
     }
@@ -202,12 +202,10 @@ async def test_a_client_has_only_so_many_execute_code_jobs_going(make_manager: A
     ):
         arguments = {"language": "bash", "code": "sleep 60", "detach_after_s": 0}
         jobs = [await client.call_tool("execute_code", arguments) for _ in range(4)]
-        assert all((job.structured_content or {}).get("status") == "running" for job in jobs)
+        assert all(payload(job).get("status") == "running" for job in jobs)
         refused = await client.call_tool("execute_code", arguments)
         assert refused.is_error and "already has 4 execute_code runs going" in text(refused)
         for job in jobs:
-            await client.call_tool(
-                "manage_jobs", {"action": "cancel", "job_id": (job.structured_content or {})["job_id"]}
-            )
+            await client.call_tool("manage_jobs", {"action": "cancel", "job_id": payload(job)["job_id"]})
         again = await client.call_tool("execute_code", {**arguments, "code": "echo ok", "detach_after_s": 30})
         assert payload(again)["stdout"] == "ok\n"

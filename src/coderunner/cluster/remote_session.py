@@ -26,6 +26,7 @@ from coderunner.cluster.wire import EgressDelta, JobDelta, Question, SessionInfo
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
+from coderunner.sandbox import LimitReport
 from coderunner.sessions.job_runner import Job, JobStatus, label_of
 from coderunner.sessions.kernel_calls import python_job_result
 from coderunner.sessions.session_status import SessionStatus
@@ -298,7 +299,10 @@ class RemoteSession:
         self._track(raw.get("kernel_generation", 0))
         self._take_egress(raw.pop("egress", None))
         known = {field.name for field in fields(SessionStatus)}
-        return SessionStatus(**{key: value for key, value in raw.items() if key in known})
+        status = {key: value for key, value in raw.items() if key in known}
+        # The node sent each LimitReport as a dict: typed again, as a local session's are.
+        status["limits"] = {name: LimitReport(**report) for name, report in status.get("limits", {}).items()}
+        return SessionStatus(**status)
 
     async def close(self) -> None:
         if self.closed:

@@ -76,8 +76,7 @@ def _info(path):
         "mode": image.mode,
         "format": image.format,
         "bytes": os.path.getsize(path),
-        "preview": _preview(image),
-    }
+    }  # metadata only: a preview is for what an op made (read_file shows the image itself)
 
 
 def _resize(path, width=None, height=None, output=None, keep_aspect=True):

@@ -189,12 +189,15 @@ class OutputCollector:
             return "".join(self.head) + "".join(self.tail)
         tail = "".join(self.tail)[-(self.limit_chars // 2) :]
         omitted = self.total_chars - self._head_chars - len(tail)
+        head = "".join(self.head)
         where = self.spill_path or "not saved"
         if self.spill_error:
             where = f"not saved: {self.spill_error}"
-        marker = f"\n\n[... {omitted:,} characters omitted; full output: {where}"
-        marker += " (cut at the spill limit)]\n\n" if self.spill_truncated else "]\n\n"
-        return "".join(self.head) + marker + tail
+        elif self.spill_path:  # the file holds everything from the start: the omitted part begins after the head
+            where += f" (read_file offset={len(head.encode('utf-8', 'replace'))} for what is omitted here"
+            where += "; cut at the spill limit)" if self.spill_truncated else ")"
+        marker = f"\n\n[... {omitted:,} characters omitted; full output: {where}]\n\n"
+        return head + marker + tail
 
     def tail_text(self, chars: int = 500) -> str:
         return "".join(self.tail)[-chars:] if self.tail else "".join(self.head)[-chars:]

@@ -20,7 +20,7 @@ import enum
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +53,11 @@ class JobNotFound(SessionError):
     """No job of this caller has that id."""
 
 
+def text_bytes(pieces: Iterable[str]) -> bytes:
+    """Text as the spill file holds it (OutputCollector._spill encodes it so)."""
+    return "".join(pieces).encode("utf-8", "replace")
+
+
 def duration(seconds: float) -> str:
     """3m12s, 1h04m, 7s: how long a job has run, for a model to read."""
     whole = int(seconds)
@@ -74,8 +79,11 @@ class JobOutput(OutputCollector):
 
     _unread: collections.deque[str] = field(default_factory=collections.deque)
     _unread_chars: int = 0
-    #: Unread characters dropped from the window since the last read.
+    #: Unread characters dropped from the window since the last read, and their UTF-8 bytes.
     _skipped: int = 0
+    _skipped_bytes: int = 0
+    #: UTF-8 bytes of the text before the unread window (shown or skipped): where it starts in the spill file.
+    _read_bytes: int = 0
     _images_read: int = 0
     _saved_read: int = 0
     _spill_linked: bool = False
@@ -92,24 +100,28 @@ class JobOutput(OutputCollector):
             first = self._unread[0]
             if len(first) <= extra:
                 self._unread.popleft()
-                cut = len(first)
+                cut = first
             else:
                 self._unread[0] = first[extra:]
-                cut = extra
-            self._unread_chars -= cut
-            self._skipped += cut
+                cut = first[:extra]
+            self._unread_chars -= len(cut)
+            self._skipped += len(cut)
+            self._skipped_bytes += len(text_bytes([cut]))
 
     def take(self) -> JobRead:
         """What is new since the last take, and move the cursors past it."""
         text = "".join(self._unread)
         if self._skipped:
             where = self.spill_path or (f"not saved: {self.spill_error}" if self.spill_error else "not saved")
+            if self.spill_path and not self.spill_error:  # the file holds all: they begin where the last read ended
+                where += f" (read_file offset={self._read_bytes} for them)"
             text = f"[... {self._skipped:,} characters not shown here; full output: {where}]\n" + text
         images = self.images[self._images_read :]
         saved = self.saved_images[self._saved_read :]
         new_spill = self.spill_path if self.spill_path and not self._spill_linked else None
+        self._read_bytes += self._skipped_bytes + len(text_bytes(self._unread))
         self._unread.clear()
-        self._unread_chars = self._skipped = 0
+        self._unread_chars = self._skipped = self._skipped_bytes = 0
         self._images_read = len(self.images)
         self._saved_read = len(self.saved_images)
         self._spill_linked = self._spill_linked or new_spill is not None

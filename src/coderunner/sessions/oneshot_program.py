@@ -71,7 +71,8 @@ class BoundedBytes:
         if not self.truncated:
             return head + self.tail.decode("utf-8", "replace")
         omitted = self.total - len(self.head) - len(self.tail)
-        return f"{head}\n[... {omitted:,} bytes omitted ...]\n{self.tail.decode('utf-8', 'replace')}"
+        marker = f"[... {omitted:,} bytes omitted (a one-shot run keeps no copy)]"
+        return f"{head}\n{marker}\n{self.tail.decode('utf-8', 'replace')}"
 
 
 async def _capture(stream: ByteReceiveStream, sink: BoundedBytes, done: anyio.Event) -> None:

@@ -1,4 +1,5 @@
-"""What manage_sessions status and list say of a session: its state, uptime, usage, limits and mounts.
+"""A session as it stands: its state, uptime, usage, limits and mounts (tools/session_replies.py picks what
+each session reply says of it).
 
 Read from the session without changing it; usage is one walk of /proc (or its cgroup) and the workspace.
 """

@@ -11,7 +11,7 @@ import contextlib
 import functools
 import json
 from collections.abc import Awaitable, Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from mcp.server.mcpserver import Context, MCPServer
@@ -27,18 +27,25 @@ from coderunner.sessions.seam import SessionHandle, SessionHost
 from coderunner.tools.capabilities import Capabilities
 from coderunner.tools.egress import EgressCall, EgressCalls
 from coderunner.tools.replies import ReplyBounds, error_result, guest_tool_result
+from coderunner.tools.session_replies import brief, detailed
 
 T = TypeVar("T")
 ToolFunction = TypeVar("ToolFunction", bound=Callable[..., Awaitable[CallToolResult]])
 
 
 def json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolResult:
-    """A JSON answer, as text for the model and as structured content for programs."""
-    return CallToolResult(
-        content=[TextContent(type="text", text=json.dumps(payload, indent=2))],
-        structured_content=payload,
-        is_error=is_error,
-    )
+    """A JSON answer as one compact text block, once.
+
+    No structured copy: no tool declares an outputSchema, so the spec asks for none, and a copy
+    doubled every answer on the wire (the model reads the text; a program parses the same JSON).
+    """
+    return CallToolResult(content=[TextContent(type="text", text=compact_json(payload))], is_error=is_error)
+
+
+def compact_json(payload: Any) -> str:
+    """JSON without indentation or padding (what a reply carries costs every byte); ASCII, so a lone
+    surrogate a sandbox wrote cannot break the wire."""
+    return json.dumps(payload, separators=(",", ":"))
 
 
 @dataclass
@@ -153,14 +160,10 @@ class ToolContext:
         """Around code that runs in the session's sandbox: ask this call's user about hosts, note denials."""
         return self.egress_calls.during(ctx, session.egress, session.session_id)
 
-    def summary(self, session: SessionHandle) -> dict[str, Any]:
-        """A session's status as the session tools report it."""
-        status = asdict(session.status())
-        for optional in ("node", "standby"):  # one machine: no node to name; no standby kept
-            if status.get(optional) is None:
-                status.pop(optional, None)
-        status["default"] = self.host.is_default(session)
-        return status
+    def summary(self, session: SessionHandle, *, detail: bool = False) -> dict[str, Any]:
+        """A session as the session tools report it: brief, or (`detail`) manage_sessions status' view."""
+        describe = detailed if detail else brief
+        return describe(session.status(), self.host.is_default(session))
 
     async def guest_reply(self, session: SessionHandle, result: dict[str, Any]) -> CallToolResult:
         """A guest tool's answer under the bounds of cell output; an oversized answer spills to the workspace."""

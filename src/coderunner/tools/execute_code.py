@@ -6,7 +6,6 @@ tools/list entry costs every turn.
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
-from dataclasses import asdict
 from typing import Annotated
 
 import anyio
@@ -19,7 +18,7 @@ from coderunner.sessions.job_runner import Job, attend, label_of
 from coderunner.sessions.oneshot_runs import OneShotError, OneShotResult
 from coderunner.tools.arguments import DetachAfter, LanguageArg, MemoryMb, VariablesArg, network_arg
 from coderunner.tools.context import ToolContext, json_result
-from coderunner.tools.jobs import oneshot_job_reply, oneshot_status
+from coderunner.tools.jobs import oneshot_job_reply, oneshot_payload, oneshot_status
 
 #: execute_code runs one client may have going or waiting for a slot, per slot of its share (each a task).
 MAX_JOBS_PER_SHARE = 4
@@ -88,7 +87,7 @@ def register(tools: ToolContext) -> None:
                 raise job.failure
             if not isinstance(job.result, OneShotResult):
                 raise OneShotError(job.notice or "the run ended without a result")
-        payload = asdict(job.result)
+        payload = oneshot_payload(job.result)
         if note := network.note():
             payload["network"] = note
         return json_result(payload, is_error=not job.result.success)

@@ -90,6 +90,7 @@ def read_file_result(
     path: str,
     *,
     limit: int,
+    text_limit: int,
     image_limit: int,
     offset: int = 0,
     length: int | None = None,
@@ -97,7 +98,9 @@ def read_file_result(
     end_line: int | None = None,
     links: bool = True,
 ) -> CallToolResult:
-    """`links=False`: what is too big to send inline is named in the text, without a resource_link."""
+    """`limit`: bytes sent inline (binary); text keeps within `text_limit` too (the cap of cell output), and a
+    note says how to read the next range. `links=False`: what is too big to send inline is named in the text,
+    without a resource_link."""
     with files.open_read(path) as (fd, size, sandbox_path):
         head = os.pread(fd, SNIFF_BYTES, 0)
         mime = image_type(head)
@@ -117,21 +120,40 @@ def read_file_result(
                 caption = TextContent(type="text", text=f"{sandbox_path}: binary, {size:,} bytes (base64 below)")
                 return CallToolResult(content=[caption, EmbeddedResource(type="resource", resource=blob)])
             return _linked(session_id, sandbox_path, size, None, "binary and over the inline limit", links)
+        text_limit = min(limit, text_limit)
         if start_line is not None or end_line is not None:
-            text, note = _line_range(fd, start_line or 1, end_line, limit)
+            text, note = _line_range(fd, start_line or 1, end_line, text_limit, sandbox_path)
         else:
-            want = min(length if length is not None else limit, limit)
+            want = min(length if length is not None else text_limit, text_limit)
             data = os.pread(fd, want, offset)
-            text = data.decode("utf-8", "replace")
             shown_to = offset + len(data)
+            if shown_to < size:
+                data = _whole_characters(data)  # the next range starts on a character
+                shown_to = offset + len(data)
+            text = data.decode("utf-8", "replace")
             note = ""
-            if offset or shown_to < size:
-                note = f"[bytes {offset:,}-{shown_to:,} of {size:,}; ask with offset/length or start_line/end_line]"
+            if shown_to < size:
+                then = f"next: read_file path={sandbox_path} offset={shown_to}"
+                note = f"[bytes {offset:,}-{shown_to:,} of {size:,}; {then}]"
+            elif offset:
+                note = f"[bytes {offset:,}-{shown_to:,} of {size:,}; end of file]"
     body = f"{text}\n{note}" if note else text
     return CallToolResult(content=[TextContent(type="text", text=body)])
 
 
-def _line_range(fd: int, start: int, end: int | None, limit: int) -> tuple[str, str]:
+def _whole_characters(data: bytes) -> bytes:
+    """`data` without a UTF-8 character cut at its end (at most 3 bytes go)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte < 0x80:
+            return data  # ASCII: nothing cut
+        if byte >= 0xC0:  # a lead byte: keep its character if all its bytes are here
+            needed = 2 if byte < 0xE0 else 3 if byte < 0xF0 else 4
+            return data if back >= needed or back == len(data) else data[:-back]
+    return data  # not UTF-8 there: sent as it is
+
+
+def _line_range(fd: int, start: int, end: int | None, limit: int, path: str) -> tuple[str, str]:
     """Lines start..end (1-based, inclusive), read sequentially, keeping at most `limit` bytes."""
     kept: list[bytes] = []
     kept_bytes = 0
@@ -143,7 +165,9 @@ def _line_range(fd: int, start: int, end: int | None, limit: int) -> tuple[str, 
         if end is not None and number > end:
             return _joined(kept), _range_note(start, number - 1)
         if kept_bytes + len(line) + 1 > limit:
-            return _joined(kept), _range_note(start, number - 1, truncated=True)
+            if not kept:
+                return "", f"[line {number} is over the size limit: read it with offset/length]"
+            return _joined(kept), _range_note(start, number - 1, truncated=True, path=path)
         kept.append(line)
         kept_bytes += len(line) + 1
     return _joined(kept), _range_note(start, number, at_end=True)
@@ -167,12 +191,12 @@ def _joined(lines: list[bytes]) -> str:
     return b"\n".join(lines).decode("utf-8", "replace")
 
 
-def _range_note(start: int, last: int, *, truncated: bool = False, at_end: bool = False) -> str:
+def _range_note(start: int, last: int, *, truncated: bool = False, at_end: bool = False, path: str = "") -> str:
     if last < start:
         return f"[no lines from {start}: the file has {last} lines]"
     note = f"[lines {start}-{last}"
     if truncated:
-        note += "; stopped at the size limit"
+        note += f"; stopped at the size limit; next: read_file path={path} start_line={last + 1}"
     return note + ("; end of file]" if at_end else "]")
 
 

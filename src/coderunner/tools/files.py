@@ -55,8 +55,8 @@ def register(tools: ToolContext) -> None:
         try:
             return await tools.off_loop(
                 read_file_result, session.files, session.session_id, path, limit=settings.read_limit_bytes,
-                image_limit=settings.image_limit_bytes, offset=offset, length=length,
-                start_line=start_line, end_line=end_line, links=settings.file_links == "resource_link",
+                text_limit=settings.output_limit_chars, image_limit=settings.image_limit_bytes, offset=offset,
+                length=length, start_line=start_line, end_line=end_line, links=settings.file_links == "resource_link",
             )  # fmt: skip
         except FileAccessError as refused:  # a folder is listed; anything else is refused as the read said
             try:

@@ -26,6 +26,7 @@ from coderunner.sessions.seam import SessionHandle
 from coderunner.tools.arguments import Text
 from coderunner.tools.context import ToolContext, json_result
 from coderunner.tools.file_results import resource_link
+from coderunner.tools.session_replies import seconds
 
 #: The `_meta` keys of kernel and job state on a reply.
 KERNEL_META = "coderunner/kernel"
@@ -99,13 +100,29 @@ def oneshot_status(job: Job) -> JobStatus:
     return JobStatus.ERROR if result.exit_code is not None else JobStatus.LOST
 
 
+def oneshot_payload(result: OneShotResult) -> dict[str, Any]:
+    """execute_code's answer, lean: each limit by its value (get_capabilities says how each is held), times
+    and MiB as whole numbers, and `truncated` and `exported` only when they say something."""
+    payload = asdict(result)
+    values = {name: value["value"] if isinstance(value, dict) else value for name, value in result.limits.items()}
+    payload["limits"] = {name: value for name, value in values.items() if value is not None}
+    payload["limits"]["timeout_s"] = seconds(result.limits["timeout_s"])
+    payload["execution_time_ms"] = round(result.execution_time_ms)
+    if result.memory_peak_mb is not None:
+        payload["memory_peak_mb"] = round(result.memory_peak_mb)
+    for quiet in ("truncated", "exported"):
+        if not payload[quiet]:
+            del payload[quiet]
+    return payload
+
+
 def oneshot_job_reply(job: Job) -> CallToolResult:
     """execute_code's JSON answer with the job's id and status (or only those, while it runs)."""
     head: dict[str, Any] = {"job_id": job.job_id, "status": job.status.value}
     if job.running:
         return json_result({**head, "elapsed_s": round(job.elapsed_s(), 1), "note": running_note(job)})
     if isinstance(job.result, OneShotResult):
-        return json_result({**head, **asdict(job.result)}, is_error=not job.result.success)
+        return json_result({**head, **oneshot_payload(job.result)}, is_error=not job.result.success)
     return json_result({**head, "note": job.notice or "ended without a result"}, is_error=True)
 
 

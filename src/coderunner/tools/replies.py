@@ -62,7 +62,7 @@ class ReplyBounds:
 def guest_tool_result(
     result: dict[str, Any], bounds: ReplyBounds, writer: WorkspaceWriter | None = None
 ) -> CallToolResult:
-    """A guest tool's answer (untrusted: the sandbox wrote it) as JSON text plus its previews as images.
+    """A guest tool's answer (untrusted: the sandbox wrote it) as compact JSON text plus its previews as images.
 
     Bounded like cell output: the text keeps head and tail (the whole JSON goes to a workspace file
     when `writer` is given), and previews are shown within the image byte and count budgets. Every
@@ -86,7 +86,7 @@ def guest_tool_result(
     text = OutputCollector(limit_chars=bounds.text_chars, spill_limit_bytes=bounds.spill_bytes, image_limit_bytes=0,
                            writer=writer)  # fmt: skip
     try:
-        text.add_text(json.dumps(result, indent=2))
+        text.add_text(json.dumps(result, separators=(",", ":")))
     finally:
         text.close()
     body = text.text()
@@ -95,9 +95,7 @@ def guest_tool_result(
         body += f"\n[{left:,} of {len(previews):,} previews not shown: over the inline image budget]"
     content: list[ContentBlock] = [TextContent(type="text", text=body)]
     content.extend(ImageContent(type="image", data=data, mime_type="image/png") for data in shown)
-    # The structured copy repeats the text; a truncated answer has only the bounded text.
-    structured = None if text.truncated else result
-    return CallToolResult(content=content, structured_content=structured)
+    return CallToolResult(content=content)  # the text only, once (as json_result)
 
 
 #: Longest error message a reply carries (some quote what a sandbox said).

@@ -77,8 +77,9 @@ def register(tools: ToolContext) -> None:
 
     async def status(ctx: Context, session_id: str) -> CallToolResult:
         session = await tools.session(ctx, session_id)
-        summary = await tools.off_loop(tools.summary, session)
-        summary["snapshots"] = await host.snapshots_of(session)
+        summary = await tools.off_loop(tools.summary, session, detail=True)
+        if snapshots := await host.snapshots_of(session):
+            summary["snapshots"] = snapshots
         if session.egress is not None:
             log, proxy = session.egress.log, session.egress.proxy
             summary["egress"] = egress_status(
