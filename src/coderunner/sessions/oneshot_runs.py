@@ -37,7 +37,7 @@ from coderunner.sessions.oneshot_program import (
     collect,
     program,
 )
-from coderunner.sessions.oneshot_ready import ReadySandbox, ReadySandboxes
+from coderunner.sessions.oneshot_ready import ReadySandbox, ReadySandboxes, Room
 from coderunner.sessions.oneshot_slots import OneShotSlots
 from coderunner.sessions.sandbox_options import SandboxOptions
 
@@ -90,18 +90,22 @@ class OneShotRunner:
     egress: EgressHub | None = None
     #: Where run() reports how long each phase took (None: not measured).
     phases: PhaseSink | None = None
-    #: Keep one sandbox started ahead, with the options of the last run (oneshot_ready.py): a run with
+    #: Keep a sandbox started ahead for the options of the last runs (oneshot_ready.py): a run with
     #: the same options skips the start. Such a run's dirs are removed just after its reply (its
     #: processes are gone before it).
     ready: bool = False
+    #: Whether so many sandboxes started ahead fit the user's limits (the manager's room and memory budget).
+    ready_room: Room = lambda count, member_mb: True
     #: Dirs of finished runs (with ready) being removed after their reply; at most max_concurrent.
     _closing: int = 0
     slots: OneShotSlots = field(init=False)
-    _ahead: ReadySandboxes = field(init=False)
+    #: The sandboxes started ahead (none unless `ready`): one per option set, for as many sets as may run at once.
+    ahead: ReadySandboxes = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots = OneShotSlots(self.max_concurrent, self.max_per_caller)
-        self._ahead = ReadySandboxes(self.backend, self.task_group, self.leases)
+        self.ahead = ReadySandboxes(self.backend, self.task_group, self.leases, most=self.max_concurrent,
+                                    room=self.ready_room)  # fmt: skip
 
     async def run(
         self,
@@ -116,12 +120,12 @@ class OneShotRunner:
     ) -> OneShotResult:
         """`on_egress`: given an allowlist run's proxy once it exists (the tool lends it an asker)."""
         async with self.slots.slot(options.timeout_s, caller):
-            ready = await self._ahead.take(options) if self.ready else None
+            ready = await self.ahead.take(options) if self.ready else None
             try:
                 return await self._run(language, code, options, stdin, variables or {}, ready, on_egress)
             finally:
                 if self.ready:
-                    self._ahead.start_ahead(options)
+                    self.ahead.start_ahead(options)
 
     async def _run(
         self,
