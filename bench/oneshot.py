@@ -21,7 +21,9 @@ server reports of its sandboxes started ahead (get_capabilities): how many runs 
 
 --phases runs the same one-shots in this process (no MCP, no server) and prints where each
 run's time goes, phase by phase, beside the plain subprocess and the sandbox's layers started
-by hand (bwrap alone; bwrap in the run's cgroups), all interleaved in the same rounds:
+by hand (bwrap alone; bwrap in the run's cgroups), all interleaved in the same rounds; --cold
+there starts each run's sandbox on its path (oneshot_ready off), --cpu-weight sets the sandboxes'
+weight (default: the setting):
 
     dirs     the host dirs and the workspace (a size-capped tmpfs; was a loop-mounted image)
     mounts   configured mounts and the export outbox
@@ -30,7 +32,7 @@ by hand (bwrap alone; bwrap in the run's cgroups), all interleaved in the same r
     program  cgroup entry, setpriv, bwrap, prlimit, the launcher if any, the program, its exit
     reap     the sandbox killed and reaped, its cgroups removed
     export   the outbox copied to the client's export folder
-    close    the mounts released, the dirs and workspace removed
+    close    the mounts released, the dirs and workspace removed (after the reply: only handed over here)
 """
 
 from __future__ import annotations

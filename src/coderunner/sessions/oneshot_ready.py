@@ -39,6 +39,9 @@ READY_WAIT_S = 5.0
 #: Bound on a sandbox started ahead saying it is up, and what it says (guest oneshot.READY).
 READY_START_S = 30.0
 READY_BYTE = b"R"
+#: Work a run leaves for after its reply (the next sandbox's start, its own dirs' removal) waits this
+#: long first: a start is a burst of CPU that on a small machine would share two cores with the reply.
+REPLY_FIRST_S = 0.05
 #: Bound on a user's session waiting for the sandbox it takes the room of to be gone.
 EVICT_WAIT_S = 10.0
 
@@ -192,6 +195,9 @@ class ReadySandboxes:
         options = entry.key
         try:
             try:
+                await anyio.sleep(REPLY_FIRST_S)
+                if not self._wanted(entry):
+                    return
                 entry.lease = lease = await self.leases.lease(options, throwaway=True)
                 await lease.mount()
                 argv = product_python(self.backend.python, "-c", LAUNCHER, "wait", str(lease.dirs.host_dir),
