@@ -93,12 +93,12 @@ class OneShotRunner:
     #: Where run() reports how long each phase took (None: not measured).
     phases: PhaseSink | None = None
     #: Keep a sandbox started ahead for the options of the last runs (oneshot_ready.py): a run with
-    #: the same options skips the start. Such a run's dirs are removed just after its reply (its
-    #: processes are gone before it).
+    #: the same options skips the start.
     ready: bool = False
     #: Whether so many sandboxes started ahead fit the user's limits (the manager's room and memory budget).
     ready_room: Room = lambda count, member_mb: True
-    #: Dirs of finished runs (with ready) being removed after their reply; at most max_concurrent.
+    #: Finished runs whose cgroup and dirs are being removed after their reply (their processes are gone
+    #: before it); at most max_concurrent, beyond which a run removes its own before replying.
     _closing: int = 0
     slots: OneShotSlots = field(init=False)
     #: The sandboxes started ahead (none unless `ready`): one per option set, for as many sets as may run at once.
