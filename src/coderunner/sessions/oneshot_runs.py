@@ -202,8 +202,10 @@ class OneShotRunner:
         exit_code = None if timed_out else process.returncode
         mounts = lease.mounts
         assert mounts is not None
-        with anyio.CancelScope(shield=True):
-            exported = mounts.note(await anyio.to_thread.run_sync(mounts.export))
+        exported = None
+        if not mounts.nothing_to_export():  # the sandbox is dead: its outbox no longer changes
+            with anyio.CancelScope(shield=True):
+                exported = mounts.note(await anyio.to_thread.run_sync(mounts.export))
         clock.mark("export")
         err_text = stderr.text()
         if oom:
