@@ -1,23 +1,29 @@
 """execute_code round trip per language beside the same program as a plain host subprocess.
 
-    .venv/bin/python bench/oneshot.py [--runs 20] [--phases] [--before SRC] [--ready] [--gap-ms MS]
+    .venv/bin/python bench/oneshot.py [--runs 20] [--phases [--cold]] [--before SRC] [--gap-ms MS]
+                                      [--cpu-weight N]
 
-Both sides run a trivial program (print one line) from nothing: CodeRunner through the official
-MCP client over stdio (a fresh throwaway sandbox per call: dirs, bwrap, seccomp, cgroups, the
-interpreter, teardown); the baseline as an unsandboxed subprocess of the same interpreter, timed
-in the same run. Lanes are interleaved in shuffled rounds, so that the load of a shared machine
-hits both alike; the ratio (and the difference) is the price of the sandbox for a one-shot run.
---before SRC adds a third lane: a second server running the package found in SRC (e.g. an older
-commit's src/, from `git archive COMMIT src | tar -x -C DIR`), so before and after share a run.
---cpu-weight N (with --phases) gives this bench's sandboxes a cpu weight of their own: at the
-default (session_cpu_weight 20) a sandbox gets only idle CPU, so on a busy machine the phases
-measure the load; 100 (neutral) measures the fixed cost.
---ready adds a lane with oneshot_ready on (a sandbox started ahead); it needs time between calls
-to start the next one, which --gap-ms gives every lane alike (an agent thinks between tool calls).
+Both sides run a trivial program (print one line): CodeRunner through the official MCP client over
+stdio (a fresh throwaway sandbox per call: dirs, bwrap, seccomp, cgroups, the interpreter,
+teardown); the baseline as an unsandboxed subprocess of the same interpreter, timed in the same
+run. Lanes are interleaved in shuffled rounds, so that the load of a shared machine hits all of
+them alike; the ratio (and the difference) is the price of the sandbox for a one-shot run.
+The servers' lanes: "ours" is this tree as a user gets it (oneshot_ready: the next run's sandbox
+started ahead), "cold" the same with oneshot_ready off (each run starts its own sandbox);
+--before SRC adds "before": a server running the package found in SRC (e.g. an older commit's
+src/, from `git archive COMMIT src | tar -x -C DIR`), so before and after share a run.
+A sandbox started ahead needs time between calls to start the next one: --gap-ms (default
+200 ms) pauses before every call of every lane alike, an agent's time between tool calls.
+The sandboxes run at cpu weight 100 here (--cpu-weight), as the plain programs do: the server's
+default (session_cpu_weight 20) gives them only idle CPU, so on a busy machine they would
+measure the load, which is its purpose, not a run's cost. The foot of the table says what each
+server reports of its sandboxes started ahead (get_capabilities): how many runs took one.
 
 --phases runs the same one-shots in this process (no MCP, no server) and prints where each
 run's time goes, phase by phase, beside the plain subprocess and the sandbox's layers started
-by hand (bwrap alone; bwrap in the run's cgroups), all interleaved in the same rounds:
+by hand (bwrap alone; bwrap in the run's cgroups), all interleaved in the same rounds; --cold
+there starts each run's sandbox on its path (oneshot_ready off), --cpu-weight sets the sandboxes'
+weight (default: the setting):
 
     dirs     the host dirs and the workspace (a size-capped tmpfs; was a loop-mounted image)
     mounts   configured mounts and the export outbox
@@ -26,13 +32,14 @@ by hand (bwrap alone; bwrap in the run's cgroups), all interleaved in the same r
     program  cgroup entry, setpriv, bwrap, prlimit, the launcher if any, the program, its exit
     reap     the sandbox killed and reaped, its cgroups removed
     export   the outbox copied to the client's export folder
-    close    the mounts released, the dirs and workspace removed
+    close    the mounts released, the dirs and workspace removed (after the reply: only handed over here)
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -45,7 +52,7 @@ from pathlib import Path
 
 import anyio
 from latency import _passable, server_params
-from mcp import Client
+from mcp import Client, StdioServerParameters
 
 from coderunner.config import load_settings
 
@@ -54,6 +61,8 @@ PROGRAMS = {
     "javascript": "console.log('hi')",
     "bash": "echo hi",
 }
+#: Pause before each call: an agent's time between tool calls, in which the next sandbox starts.
+GAP_MS = 200.0
 PHASES = ("dirs", "mounts", "inputs", "spawn", "program", "reap", "export", "close")
 
 
@@ -104,33 +113,57 @@ def caller(client: Client, language: str) -> Callable[[], Awaitable[None]]:
     return call
 
 
-async def round_trips(runs: int, languages: list[str], before: Path | None, ready: bool, gap_ms: float) -> None:
+#: This tree's package: a bench server runs it, not whatever the venv has installed.
+OWN_SRC = Path(__file__).resolve().parent.parent / "src"
+
+
+def lane_servers(root: Path, before: Path | None, cpu_weight: int) -> dict[str, StdioServerParameters]:
+    """The servers compared: this tree as a user gets it ("ours": a sandbox started ahead), this tree
+    with oneshot_ready off ("cold"), and optionally another tree ("before")."""
+    trees = {"ours": (OWN_SRC, {}), "cold": (OWN_SRC, {"CODERUNNER_ONESHOT_READY": "0"})}
+    if before is not None:
+        trees["before"] = (before.resolve(), {})
+    servers = {}
+    for side, (src, extra) in trees.items():
+        params = server_params(root / side, lane=f"oneshot {side}", src=src, cpu_weight=cpu_weight)
+        params.env = {**(params.env or {}), **extra}
+        servers[side] = params
+    return servers
+
+
+async def oneshot_figures(client: Client) -> str:
+    """What the server says of its sandboxes started ahead (get_capabilities), for the table's foot."""
+    result = await client.call_tool("get_capabilities", {})
+    found = (result.structured_content or {}).get("sandbox", {}).get("oneshot_ready")
+    return json.dumps(found) if found is not None else "not reported"
+
+
+async def round_trips(runs: int, languages: list[str], before: Path | None, gap_ms: float, cpu_weight: int) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
-    servers = {"ours": server_params(root / "ours")}
-    if ready:
-        servers["ready"] = server_params(root / "ready")
-        servers["ready"].env = {**(servers["ready"].env or {}), "CODERUNNER_ONESHOT_READY": "1"}
-    if before is not None:
-        servers["before"] = server_params(root / "before")
-        servers["before"].env = {**(servers["before"].env or {}), "PYTHONPATH": str(before.resolve())}
+    servers = lane_servers(root, before, cpu_weight)
+    figures: dict[str, str] = {}
     try:
         async with contextlib.AsyncExitStack() as stack:
             lanes: dict[str, Callable[[], Awaitable[None]]] = {}
             for language in languages:
                 argv = baseline_argv(language, settings.sandbox_env / "bin" / "python")
                 lanes[f"{language}/plain"] = lambda argv=argv: plain(argv)
+            clients = {}
             for side, params in servers.items():
                 (root / side).mkdir(mode=0o711)
-                client = await stack.enter_async_context(Client(params, read_timeout_seconds=120))
+                clients[side] = client = await stack.enter_async_context(Client(params, read_timeout_seconds=120))
                 for language in languages:
                     lanes[f"{language}/{side}"] = caller(client, language)
             await interleaved(2, lanes, gap_ms)  # warm the page cache for every lane alike
             samples = await interleaved(runs, lanes, gap_ms)
+            for side, client in clients.items():
+                figures[side] = await oneshot_figures(client)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    gap = f", {gap_ms:g} ms between calls" if gap_ms else ", calls back to back"
-    print(f"execute_code over MCP (stdio), {runs} interleaved rounds{gap}; median ms (min in brackets)")
+    gap = f", {gap_ms:g} ms before each call" if gap_ms else ", calls back to back"
+    print(f"execute_code over MCP (stdio), {runs} interleaved rounds{gap}, sandboxes' cpu weight {cpu_weight}")
+    print("median ms [min] of each lane beside the same program as a plain subprocess, timed in the same rounds")
     print(f"{'language':12} {'side':7} {'plain':>14} {'execute_code':>14} {'p90':>7} {'ratio':>6} {'over plain':>11}")
     for language in languages:
         raw = samples[f"{language}/plain"]
@@ -140,11 +173,11 @@ async def round_trips(runs: int, languages: list[str], before: Path | None, read
                 f"{language:12} {side:7} {median(raw):6.1f} [{min(raw):5.1f}] {median(ours):6.1f} [{min(ours):5.1f}] "
                 f"{p90(ours):7.1f} {median(ours) / median(raw):5.1f}x {median(ours) - median(raw):11.1f}"
             )
+    for side, text in figures.items():
+        print(f"{side}: sandboxes started ahead {text}")
 
 
-async def phases(
-    runs: int, languages: list[str], before: Path | None, ready: bool, gap_ms: float, cpu_weight: int | None
-) -> None:
+async def phases(runs: int, languages: list[str], ready: bool, gap_ms: float, cpu_weight: int | None) -> None:
     """The runner's own phases, in process, beside the plain program and the sandbox's bare layers."""
     from coderunner.sandbox import UidPool, ensure_private_dir, make_backend, per_sandbox_uids
     from coderunner.sandbox.bwrap import BwrapBackend
@@ -192,7 +225,7 @@ async def phases(
                 lanes[f"{language}/ours"] = run
             # The bare layers: /bin/true in bwrap (as the run's user, with its seccomp filter), then in cgroups too.
             layer_dirs = await leases.open_dirs(options, throwaway=True)
-            spec = sandbox_spec(options, layer_dirs, ())
+            spec = sandbox_spec(options, layer_dirs, (), settings.network_ceiling)
             seccomp = os.memfd_create("bench-seccomp", 0)
             os.write(seccomp, backend.seccomp_filter if isinstance(backend, BwrapBackend) else b"")
             if isinstance(backend, BwrapBackend):
@@ -259,15 +292,16 @@ if __name__ == "__main__":
     parser.add_argument("--phases", action="store_true", help="the breakdown per phase, in process")
     parser.add_argument("--languages", default=",".join(PROGRAMS), help="comma-separated, default all")
     parser.add_argument("--before", type=Path, help="a src/ dir holding the coderunner package to compare with")
-    parser.add_argument("--ready", action="store_true", help="add a lane (--phases: use) oneshot_ready")
-    parser.add_argument("--gap-ms", type=float, default=0.0, help="pause before each call (an agent's think time)")
-    parser.add_argument("--cpu-weight", type=int, help="--phases: the sandboxes' cpu weight (default: the setting)")
+    parser.add_argument("--cold", action="store_true", help="--phases: each run starts its own sandbox")
+    parser.add_argument("--gap-ms", type=float, default=GAP_MS, help="pause before each call (an agent's think time)")
+    parser.add_argument("--cpu-weight", type=int, help="the sandboxes' cpu weight (round trips: default 100)")
     arguments = parser.parse_args()
     chosen = [name for name in arguments.languages.split(",") if name in PROGRAMS]
-    if arguments.phases and arguments.before:
-        parser.error("--before compares round trips; --phases measures this tree only")
-    anyio.run(
-        phases if arguments.phases else round_trips,
-        max(arguments.runs, 10), chosen, arguments.before, arguments.ready, arguments.gap_ms,
-        *([arguments.cpu_weight] if arguments.phases else []),
-    )  # fmt: skip
+    runs = max(arguments.runs, 10)
+    if arguments.phases:
+        if arguments.before:
+            parser.error("--before compares round trips; --phases measures this tree only")
+        anyio.run(phases, runs, chosen, not arguments.cold, arguments.gap_ms, arguments.cpu_weight)
+    else:
+        weight = 100 if arguments.cpu_weight is None else arguments.cpu_weight
+        anyio.run(round_trips, runs, chosen, arguments.before, arguments.gap_ms, weight)

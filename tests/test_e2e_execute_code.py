@@ -28,8 +28,11 @@ pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 @pytest.fixture
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
     """In memory: these tools are transport-blind (test_e2e_transports.py covers the transports).
-    The user allows network 'internet' here (test_network_flag, install_packages)."""
-    async with memory_client(server_env(dirs, CODERUNNER_MAX_NETWORK="internet")) as connected:
+    The user allows network 'internet' here (test_network_flag, install_packages). Each run starts its
+    own sandbox here (oneshot_ready off, so a test may count what a run leaves): test_e2e_oneshot_ready.py
+    collects these scenarios again with sandboxes started ahead, the default."""
+    env = server_env(dirs, CODERUNNER_MAX_NETWORK="internet", CODERUNNER_ONESHOT_READY="0")
+    async with memory_client(env) as connected:
         yield connected
 
 
@@ -167,7 +170,10 @@ async def test_timeouts_kill_the_run_and_leave_nothing(
     assert done["timed_out"] is True and done["success"] is False and done["exit_code"] is None
     assert "timed out after 1.5s" in done["stderr"]
     assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=10)
-    assert not [entry for entry in dirs.runtime.iterdir() if entry.is_dir() and not entry.name.startswith("guest")]
+    # Its dirs go just after the reply.
+    assert await wait_until(
+        lambda: not [entry for entry in dirs.runtime.iterdir() if entry.is_dir() and not entry.name.startswith("guest")]
+    )
     assert text_of(await run(client, "'still serving'")).startswith("'still serving'")
 
 

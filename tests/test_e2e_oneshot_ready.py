@@ -1,9 +1,10 @@
-"""execute_code with `oneshot_ready` on: a sandbox started ahead for each run, used once.
+"""execute_code with `oneshot_ready` on (the default): a sandbox started ahead for each run, used once.
 
 The scenarios of test_e2e_execute_code.py that exercise a run's sandbox are collected again here,
-under this module's `client` (a server with oneshot_ready), so the same assertions hold for a
+under this module's `client` (oneshot_ready set explicitly), so the same assertions hold for a
 sandbox that was started before its program was known. The tests below add what is particular
-to it: nothing of one run reaches the next, and a sandbox started ahead goes away with the server.
+to it: the default takes one, nothing of one run reaches the next, it holds only room left under
+max_sessions and the memory budget (a session takes it back), and it goes away with the server.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from anyio.abc import TaskGroup
 from mcp import Client
@@ -36,6 +38,7 @@ from .test_e2e_execute_code import (
     test_variables_of_every_json_type_arrive_as_data,  # noqa: F401
 )
 from .test_e2e_oneshot_sandbox import (
+    host_mounts_under,
     test_bash_runs_directly_and_its_variables_leave_no_trace,  # noqa: F401
     test_every_one_shot_runs_under_the_seccomp_filter,  # noqa: F401
 )
@@ -174,3 +177,77 @@ async def test_a_run_refused_before_its_program_starts_leaves_no_sandbox(client:
     )
     done = await execute(client, "bash", "echo fine")
     assert done["stdout"] == "fine\n"
+
+
+async def ahead(client: Client) -> dict[str, int]:
+    """What the server reports of its sandboxes started ahead (get_capabilities)."""
+    result = await client.call_tool("get_capabilities", {})
+    assert result.structured_content is not None, text_of(result)
+    counts = result.structured_content["sandbox"]["oneshot_ready"]
+    assert counts is not None, "oneshot_ready is off"
+    return dict(counts)
+
+
+async def wait_for_ahead(client: Client, **wanted: int) -> dict[str, int]:
+    """The counts once they show `wanted` (bounded: a start may be slow on a loaded machine)."""
+    found: dict[str, int] = {}
+    for _ in range(200):
+        found = await ahead(client)
+        if all(found[name] == value for name, value in wanted.items()):
+            return found
+        await anyio.sleep(0.1)
+    raise AssertionError(f"never {wanted}: {found}")
+
+
+async def test_by_default_a_run_takes_a_sandbox_started_ahead(dirs: ServerDirs) -> None:
+    """No setting: the first run starts its own sandbox, the next takes the one started after it."""
+    async with memory_client(server_env(dirs)) as client:
+        assert await ahead(client) == {"ready": 0, "starting": 0, "runs_taken": 0, "runs_cold": 0, "dropped": 0}
+        first = await execute(client, "python", "print(1)")
+        assert first["stdout"] == "1\n"
+        await wait_for_ahead(client, ready=1, runs_cold=1)
+        second = await execute(client, "bash", "echo 2")
+        assert second["stdout"] == "2\n"
+        counts = await ahead(client)
+        assert counts["runs_taken"] == 1 and counts["runs_cold"] == 1, counts
+
+
+async def test_a_sandbox_started_ahead_gives_its_room_to_a_session_and_nothing_is_left(dirs: ServerDirs) -> None:
+    """max_sessions 1: the sandbox started ahead holds the only room until a session wants it; the
+    create takes it back (never fails), runs start their own meanwhile, and the room comes back."""
+    async with memory_client(server_env(dirs, CODERUNNER_MAX_SESSIONS="1")) as client:
+        await execute(client, "bash", "echo warm")
+        await wait_for_ahead(client, ready=1)
+        created = await client.call_tool("create_session", {})
+        assert not created.is_error, text_of(created)
+        session_id = json.loads(text_of(created))["session_id"]
+        counts = await ahead(client)
+        assert counts["ready"] == 0 and counts["starting"] == 0 and counts["dropped"] == 1, counts
+        # The session holds the room: a run starts its own sandbox, and none is started after it.
+        done = await execute(client, "bash", "echo cold")
+        assert done["stdout"] == "cold\n"
+        counts = await ahead(client)
+        assert counts["runs_cold"] == 2 and counts["ready"] == 0 and counts["starting"] == 0, counts
+        ran = await client.call_tool("run_python", {"code": "print(6 * 7)", "session_id": session_id})
+        assert "42" in text_of(ran), text_of(ran)
+        closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
+        assert not closed.is_error, text_of(closed)
+        await execute(client, "bash", "echo again")
+        await wait_for_ahead(client, ready=1)
+    assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=10)
+    assert await wait_until(lambda: not host_mounts_under(dirs.root), timeout_s=10), host_mounts_under(dirs.root)
+    assert not [entry for entry in dirs.runtime.iterdir() if entry.is_dir() and not entry.name.startswith("guest")]
+    assert list(dirs.workspaces.iterdir()) == []
+
+
+async def test_no_sandbox_is_started_ahead_beyond_the_memory_budget(root: Path) -> None:
+    """pool_memory_mb is the idle sandboxes' budget, the one-shot ones' too: with none, none starts."""
+    settings = Settings(runtime_dir=root / "r", workspaces_dir=root / "w", token_file=root / "token",
+                        export_dir=None, pool_size=0, pool_memory_mb=0)  # fmt: skip
+    async with SessionManager(settings, make_backend(settings)) as manager:
+        assert manager.oneshot.ready  # the default
+        for _ in range(2):
+            done = await manager.oneshot.run("bash", "echo hi", manager.options())
+            assert done.stdout == "hi\n"
+            assert manager.oneshot.ahead.held == 0
+        assert manager.oneshot.ahead.stats().runs_cold == 2

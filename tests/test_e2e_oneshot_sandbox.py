@@ -1,5 +1,9 @@
 """What cheap one-shot runs rely on, through a real server: a tmpfs workspace with its cap held, the
-seccomp filter (compiled once per server) applied to every run, and bash started without a launcher."""
+seccomp filter (compiled once per server) applied to every run, and bash started without a launcher.
+
+This module's server starts each run's sandbox on the run's path (oneshot_ready off): the cold path a
+run takes when no sandbox was started ahead for it. test_e2e_oneshot_ready.py runs the same checks
+on sandboxes started ahead (the default)."""
 
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ DISK_MB = 32
 
 @pytest.fixture
 async def client(dirs: ServerDirs) -> AsyncIterator[Client]:
-    async with memory_client(server_env(dirs, CODERUNNER_DISK_MB=str(DISK_MB))) as connected:
+    env = server_env(dirs, CODERUNNER_DISK_MB=str(DISK_MB), CODERUNNER_ONESHOT_READY="0")
+    async with memory_client(env) as connected:
         yield connected
 
 
@@ -62,14 +67,15 @@ async def test_a_one_shot_workspace_is_a_capped_tmpfs_and_leaves_no_mount(client
     # The cap is on this run's tmpfs: once the file is gone there is room again (nothing outlived the run).
     again = await execute(client, "bash", "echo fresh > /workspace/f && ls /workspace")
     assert again["stdout"] == "f\n" and again["success"], again
-    assert host_mounts_under(dirs.workspaces) == []
-    assert list(dirs.workspaces.iterdir()) == []
+    # A run's dirs go just after its reply.
+    assert await wait_until(lambda: host_mounts_under(dirs.workspaces) == [], timeout_s=10)
+    assert await wait_until(lambda: list(dirs.workspaces.iterdir()) == [], timeout_s=10)
 
 
 @root_only
 async def test_the_tmpfs_workspace_is_never_larger_than_the_memory_limit(dirs: ServerDirs) -> None:
     """RAM-backed: a run's workspace can hold no more than the memory it may use."""
-    async with memory_client(server_env(dirs, CODERUNNER_DISK_MB="4096")) as client:
+    async with memory_client(server_env(dirs, CODERUNNER_DISK_MB="4096", CODERUNNER_ONESHOT_READY="0")) as client:
         done = await execute(client, "bash", "grep ' /workspace ' /proc/self/mountinfo", memory_mb=600)
     assert "size=614400k" in done["stdout"], done
 

@@ -119,3 +119,19 @@ def test_a_client_folder_name_must_be_canonical(tmp_path: Path) -> None:
     for bad in ["T.alice", "Alice", "é", "..", "a/b", "", ".hidden", "x" * 65]:
         with pytest.raises(exports.ExportError):
             exports.client_folder(tmp_path, bad)
+
+
+def test_an_empty_outbox_is_told_apart_without_a_walk(places: tuple[Path, Path, Path]) -> None:
+    """A one-shot skips the export's worker thread only when export() would copy nothing."""
+    outbox, target, canary_dir = places
+    exporter = Exporter(outbox, target, limit_bytes=1 << 20)
+    assert exporter.outbox_empty() and exporter.export().copied == []
+    (outbox / "empty-dir").mkdir()
+    assert not exporter.outbox_empty()  # an entry: export() walks it (and finds nothing to copy)
+    (outbox / "empty-dir" / "late.txt").write_text("x")
+    assert not exporter.outbox_empty() and exporter.export().copied == ["empty-dir/late.txt"]
+    # A link in the outbox's place is never followed: like export(), nothing is there.
+    linked = Exporter(outbox.parent / "link", target, limit_bytes=1 << 20)
+    (outbox.parent / "link").symlink_to(canary_dir)
+    assert linked.outbox_empty() and linked.export().copied == []
+    assert Exporter(outbox.parent / "missing", target, limit_bytes=1 << 20).outbox_empty()

@@ -164,9 +164,10 @@ class Settings(BaseSettings):
         default=2, ge=1, description="One-shot sandboxes one HTTP client may run at once; more wait for its own slot."
     )
     oneshot_ready: bool = Field(
-        default=False,
-        description="Keep one execute_code sandbox started ahead (options of the last run; each used once, "
-        "dropped after 60 s unused): a run skips the sandbox's start.",
+        default=True,
+        description="Keep an execute_code sandbox started ahead for the options of the last runs (each used "
+        "once, dropped after 60 s unused): a run skips the sandbox's start. They use only room left under "
+        "max_sessions and pool_memory_mb, and a session takes their room back.",
     )
     idle_timeout_s: float = Field(default=3600.0, gt=0, description="Close sessions unused this long.")
     ray_address: str | None = Field(
@@ -187,7 +188,10 @@ class Settings(BaseSettings):
         "room left under max_sessions, and a cold session takes a pooled one's room back.",
     )
     pool_memory_mb: int = Field(
-        default=512, ge=0, description="Most memory the warm pool's idle sandboxes may use together, in MiB."
+        default=512,
+        ge=0,
+        description="Most memory the idle sandboxes started ahead (the warm pool's and execute_code's) may use "
+        "together, in MiB.",
     )
     reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
         "idle; in session_status) that kernel_reset and restarts swap to instead of starting one (bwrap).")  # fmt: skip

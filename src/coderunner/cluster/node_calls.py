@@ -30,7 +30,8 @@ from coderunner.sessions.sandbox_options import SandboxOptions
 
 def node_call(settings: dict[str, Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """On the node: one SessionHost call (run_oneshot, check_code, language_versions) by its own manager."""
-    chosen = node_settings(settings, pool_size=0)
+    # A manager per call: a sandbox started ahead for the next run would only be started and dropped.
+    chosen = node_settings(settings, pool_size=0, oneshot_ready=False)
 
     async def call() -> Any:
         async with SessionManager(chosen, make_backend(chosen)) as manager:

@@ -99,6 +99,19 @@ class Exporter:
                 os.close(target_fd)
         return report
 
+    def outbox_empty(self) -> bool:
+        """Whether the outbox holds no entry at all (its first directory read; nothing followed): then
+        export() has nothing to copy. Cheap enough for the event loop, unlike a walk."""
+        try:
+            fd = os.open(self.outbox, DIR_FLAGS)
+        except OSError:
+            return True  # export() finds nothing either
+        try:
+            with os.scandir(fd) as entries:
+                return next(entries, None) is None
+        finally:
+            os.close(fd)
+
     def _files(self, report: ExportReport | None = None):
         """(relative path, parent dir fd, lstat) of each regular file in the outbox; no link followed."""
         try:

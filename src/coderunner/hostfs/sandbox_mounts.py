@@ -57,6 +57,10 @@ class SandboxMounts:
     def export(self) -> ExportReport | None:
         return self.exporter.export() if self.exporter is not None else None
 
+    def nothing_to_export(self) -> bool:
+        """No exporter, or an outbox with no entry (export() would copy nothing): no worker thread needed."""
+        return self.exporter is None or self.exporter.outbox_empty()
+
     def note(self, report: ExportReport | None) -> str | None:
         return report.note(self.export_mount or "") if report is not None else None
 

@@ -344,6 +344,12 @@ class SandboxProcess:
     async def wait(self) -> int:
         return await self._process.wait()
 
+    def take_cgroup(self) -> SessionCgroup | None:
+        """Its cgroup, which the caller now removes (kill() leaves it): a one-shot run replies first.
+        Its limits hold until then over whatever of the sandbox has not exited yet."""
+        cgroup, self.cgroup = self.cgroup, None
+        return cgroup
+
     async def kill(self) -> None:
         """Kill the whole sandbox and reap it, within KILL_WAIT_S."""
         if self._process.returncode is None:

@@ -34,6 +34,10 @@ class GvisorProcess(SandboxProcess):
         self.relay_generation = 0
         self._released = False
 
+    def take_cgroup(self) -> None:
+        """Never handed out: kill() kills through it (runsc's own teardown may be slow) and release() removes it."""
+        return None
+
     async def kill(self) -> None:
         """Kill and delete the container (bounded, shielded), reap runsc, release the rootfs and cgroup."""
         with anyio.CancelScope(shield=True):

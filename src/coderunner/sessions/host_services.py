@@ -7,6 +7,7 @@ The store and workspace calls are file work: they run in the server's worker thr
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +49,10 @@ class HostServices:
 
     def profile(self) -> SandboxProfile:
         """The sandboxes here as get_capabilities describes them (the default options' limits)."""
-        return sandbox_profile(self.settings, self.backend, self.base_mounts, self.options())
+        profile = sandbox_profile(self.settings, self.backend, self.base_mounts, self.options())
+        if not self.oneshot.ready:
+            return profile
+        return dataclasses.replace(profile, oneshot_ready=dataclasses.asdict(self.oneshot.ahead.stats()))
 
     async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
         return await self.snapshots.take(self._local(session), name=name)

@@ -77,8 +77,9 @@ class SessionManager(HostServices):
             discard=self._discard_pooled,
             alive=lambda pooled: pooled.session.kernel is not None and pooled.session.kernel.alive,
             # Pooled sandboxes fill only spare room: a user's session never finds max_sessions taken by them.
-            room=lambda: len(self._sessions) + self._cold_starts + self.pool.held < self.settings.max_sessions,
+            room=lambda: self._in_use() + self.pool.held + self.oneshot.ahead.held < self.settings.max_sessions,
             measure_mb=lambda pooled: memory_used_mb(pooled.session.kernel) if pooled.session.kernel else None,
+            others_mb=lambda: self.oneshot.ahead.held_mb,
         )
         self._pool_options: SandboxOptions | None = None
         #: Cold sessions being prepared (not yet in _sessions): their room is not the pool's.
@@ -115,12 +116,32 @@ class SessionManager(HostServices):
             max_per_caller=self.settings.max_oneshot_runs_per_client,
             egress=self.egress,
             ready=self.settings.oneshot_ready,
+            ready_room=self._room_ahead,
         )
         if self.pool.enabled and self.settings.network != NetworkMode.ALLOWLIST:
             # An allowlist sandbox's proxy is labelled with its session in the audit log: start cold.
             self._pool_options = self.options()
             self._task_group.start_soon(self.pool.run)
         return self
+
+    def _in_use(self) -> int:
+        """Sandboxes of users' sessions, open or starting: what sandboxes kept idle may never take room from."""
+        return len(self._sessions) + self._cold_starts
+
+    def _room_ahead(self, count: int, member_mb: float | None) -> bool:
+        """Whether `count` one-shot sandboxes started ahead fit beside the sessions and the warm pool: under
+        max_sessions, and with the pool's members within pool_memory_mb (unmeasured yet: if any is left)."""
+        if self._in_use() + self.pool.held + count > self.settings.max_sessions:
+            return False
+        left = self.settings.pool_memory_mb - self.pool.held_mb
+        return left > 0 if member_mb is None else count * member_mb <= left
+
+    async def _make_room(self) -> None:
+        """A user's session takes room back from the sandboxes kept idle: one-shot ones started ahead
+        first (the quicker to start again), then the warm pool's."""
+        while self._in_use() + self.pool.held + self.oneshot.ahead.held > self.settings.max_sessions:
+            if not await self.oneshot.ahead.evict_one() and not await self.pool.evict_one():
+                return
 
     async def _reap_idle(self) -> None:
         """Close sessions nobody used for idle_timeout_s (their sandboxes hold memory and disk)."""
@@ -226,8 +247,7 @@ class SessionManager(HostServices):
                 return self._adopt(pooled, options, owner, session_id)
         self._cold_starts += 1
         try:
-            if len(self._sessions) + self._cold_starts + self.pool.held > self.settings.max_sessions:
-                await self.pool.evict_one()  # the pool gives its room back to a user's session
+            await self._make_room()
             session = await self._prepare(options, owner, seed, session_id)
             self._sessions[session.session_id] = session
         finally:
@@ -426,6 +446,7 @@ class SessionManager(HostServices):
 
     async def _close_all(self) -> None:
         await self.pool.drain()
+        await self.oneshot.ahead.drain()
         sessions = list(self._sessions.values())
         self._sessions.clear()
         self._default_ids.clear()

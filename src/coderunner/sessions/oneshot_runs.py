@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup
 
+from coderunner.offload import off_loop
 from coderunner.sandbox import SandboxBackend, SandboxProcess
+from coderunner.sandbox.cgroups import SessionCgroup
 from coderunner.sandbox.common import product_python
 from coderunner.sessions.leases import SandboxLease, SandboxLeases
 from coderunner.sessions.oneshot_program import (
@@ -37,7 +39,7 @@ from coderunner.sessions.oneshot_program import (
     collect,
     program,
 )
-from coderunner.sessions.oneshot_ready import ReadySandbox, ReadySandboxes
+from coderunner.sessions.oneshot_ready import REPLY_FIRST_S, ReadySandbox, ReadySandboxes, Room
 from coderunner.sessions.oneshot_slots import OneShotSlots
 from coderunner.sessions.sandbox_options import SandboxOptions
 
@@ -90,18 +92,22 @@ class OneShotRunner:
     egress: EgressHub | None = None
     #: Where run() reports how long each phase took (None: not measured).
     phases: PhaseSink | None = None
-    #: Keep one sandbox started ahead, with the options of the last run (oneshot_ready.py): a run with
-    #: the same options skips the start. Such a run's dirs are removed just after its reply (its
-    #: processes are gone before it).
+    #: Keep a sandbox started ahead for the options of the last runs (oneshot_ready.py): a run with
+    #: the same options skips the start.
     ready: bool = False
-    #: Dirs of finished runs (with ready) being removed after their reply; at most max_concurrent.
+    #: Whether so many sandboxes started ahead fit the user's limits (the manager's room and memory budget).
+    ready_room: Room = lambda count, member_mb: True
+    #: Finished runs whose cgroup and dirs are being removed after their reply (their processes are gone
+    #: before it); at most max_concurrent, beyond which a run removes its own before replying.
     _closing: int = 0
     slots: OneShotSlots = field(init=False)
-    _ahead: ReadySandboxes = field(init=False)
+    #: The sandboxes started ahead (none unless `ready`): one per option set, for as many sets as may run at once.
+    ahead: ReadySandboxes = field(init=False)
 
     def __post_init__(self) -> None:
         self.slots = OneShotSlots(self.max_concurrent, self.max_per_caller)
-        self._ahead = ReadySandboxes(self.backend, self.task_group, self.leases)
+        self.ahead = ReadySandboxes(self.backend, self.task_group, self.leases, most=self.max_concurrent,
+                                    room=self.ready_room)  # fmt: skip
 
     async def run(
         self,
@@ -116,12 +122,11 @@ class OneShotRunner:
     ) -> OneShotResult:
         """`on_egress`: given an allowlist run's proxy once it exists (the tool lends it an asker)."""
         async with self.slots.slot(options.timeout_s, caller):
-            ready = await self._ahead.take(options) if self.ready else None
-            try:
-                return await self._run(language, code, options, stdin, variables or {}, ready, on_egress)
-            finally:
-                if self.ready:
-                    self._ahead.start_ahead(options)
+            ready = await self.ahead.take(options) if self.ready else None
+            result = await self._run(language, code, options, stdin, variables or {}, ready, on_egress)
+            if self.ready:  # not after a run that failed or was cancelled (a server that stops, a client gone)
+                self.ahead.start_ahead(options)
+            return result
 
     async def _run(
         self,
@@ -135,6 +140,8 @@ class OneShotRunner:
     ) -> OneShotResult:
         """One run on its lease (the one started ahead, or its own), which it hands back however it ends."""
         clock = _Clock(self.phases)
+        #: The sandbox's cgroup once it is dead and reaped: removed with the lease (after the reply).
+        cgroups: list[SessionCgroup] = []
         if ready is not None:
             assert ready.lease is not None and ready.lease.mounts is not None and ready.process is not None
             lease = ready.lease
@@ -159,25 +166,26 @@ class OneShotRunner:
             else:
                 process = await self.backend.spawn(lease.spec(options), argv, self.task_group, pipes=True)
             clock.mark("spawn")
-            return await self._finish(language, options, lease, process, stdin, began, clock)
+            return await self._finish(language, options, lease, process, stdin, began, clock, cgroups)
         finally:
             if ready is not None and ready.process is not None and ready.process.alive:
                 with anyio.CancelScope(shield=True):
                     await ready.process.kill()  # the run failed before its program started
-            if ready is not None and self._closing < self.max_concurrent:
-                # The sandbox is dead and reaped: its dirs go while the reply does (bounded, like the runs).
+            if self._closing < self.max_concurrent:
+                # The sandbox is dead and reaped: its cgroup and dirs go after the reply (bounded, like the runs).
                 self._closing += 1
-                self.task_group.start_soon(self._close_later, lease)
+                self.task_group.start_soon(self._close_later, lease, cgroups)
             else:
                 with anyio.CancelScope(shield=True):  # a cancelled run (client gone, shutdown) must not leak mounts
-                    await lease.close()
+                    await _close(lease, cgroups)
             clock.mark("close")
 
     async def _finish(
         self, language: Language, options: SandboxOptions, lease: SandboxLease, process: SandboxProcess,
-        stdin: bytes, began: float, clock: _Clock,
+        stdin: bytes, began: float, clock: _Clock, cgroups: list[SessionCgroup],
     ) -> OneShotResult:  # fmt: skip
-        """Feed and read the running program to its end (or deadline), kill it, export; its result."""
+        """Feed and read the running program to its end (or deadline), kill it, export; its result.
+        The killed sandbox's cgroup goes into `cgroups`, for the caller to remove."""
         stdout, stderr = BoundedBytes(self.output_limit_chars), BoundedBytes(self.output_limit_chars)
         try:
             timed_out = await collect(process, stdout, stderr, stdin, options.timeout_s)
@@ -186,14 +194,18 @@ class OneShotRunner:
             peak = process.cgroup.memory_peak_bytes() if process.cgroup is not None else None
             oom = process.oom_killed()
         finally:
+            if (cgroup := process.take_cgroup()) is not None:
+                cgroups.append(cgroup)
             with anyio.CancelScope(shield=True):
                 await process.kill()
         clock.mark("reap")
         exit_code = None if timed_out else process.returncode
         mounts = lease.mounts
         assert mounts is not None
-        with anyio.CancelScope(shield=True):
-            exported = mounts.note(await anyio.to_thread.run_sync(mounts.export))
+        exported = None
+        if not mounts.nothing_to_export():  # the sandbox is dead: its outbox no longer changes
+            with anyio.CancelScope(shield=True):
+                exported = mounts.note(await anyio.to_thread.run_sync(mounts.export))
         clock.mark("export")
         err_text = stderr.text()
         if oom:
@@ -216,12 +228,16 @@ class OneShotRunner:
             exported=exported,
         )
 
-    async def _close_later(self, lease: SandboxLease) -> None:
+    async def _close_later(self, lease: SandboxLease, cgroups: list[SessionCgroup]) -> None:
+        """Close a finished run's lease a moment after its reply went (at once if cancelled: shutdown)."""
         try:
-            with anyio.CancelScope(shield=True):
-                await lease.close()
+            await anyio.sleep(REPLY_FIRST_S)
         finally:
-            self._closing -= 1
+            try:
+                with anyio.CancelScope(shield=True):
+                    await _close(lease, cgroups)
+            finally:
+                self._closing -= 1
 
     async def check(
         self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
@@ -280,6 +296,13 @@ class OneShotRunner:
         finally:
             with anyio.CancelScope(shield=True):
                 await lease.close()
+
+
+async def _close(lease: SandboxLease, cgroups: list[SessionCgroup]) -> None:
+    """A finished run's cgroup (its tasks reaped or dying), then its lease."""
+    for cgroup in cgroups:
+        await off_loop(cgroup.remove)
+    await lease.close()
 
 
 @dataclass

@@ -8,7 +8,8 @@ one has paid already, so taking it costs a few attribute writes. The rules that 
   the pool starts a brand-new one (fresh workspace, fresh kernel, its own host uid);
 - the pool never makes a user's call fail or wait: it refills in the background, one start at
   a time (on a small machine, parallel starts only slow each other and the users), only into
-  spare room the manager grants (`room`), within a memory budget measured on its own members;
+  spare room the manager grants (`room`), within a memory budget measured on its own members
+  (shared with the one-shot sandboxes started ahead: `others_mb`, oneshot_ready.py);
 - `drain()` stops the refill (an in-flight start is cancelled and cleaned up by the start
   itself) and closes every member: after it nothing of the pool runs.
 The pool knows nothing of sandboxes: the manager gives it `start` (build one), `discard` (close
@@ -63,6 +64,7 @@ class WarmPool(Generic[T]):
         alive: Callable[[T], bool],
         room: Callable[[], bool],
         measure_mb: Callable[[T], float | None] | None = None,
+        others_mb: Callable[[], float] = lambda: 0.0,
     ) -> None:
         self.size = size
         self.memory_budget_mb = memory_budget_mb
@@ -73,6 +75,8 @@ class WarmPool(Generic[T]):
         self._alive = alive
         self._room = room
         self._measure_mb = measure_mb
+        #: What other idle sandboxes (one-shot ones started ahead) hold of the same memory budget.
+        self._others_mb = others_mb
         self._ready: deque[T] = deque()
         #: Members take() found dead: closed by the refill loop, never on a caller's path.
         self._dead: list[T] = []
@@ -106,6 +110,11 @@ class WarmPool(Generic[T]):
         """Members ready or being started: what the pool holds of the server's sandbox room."""
         return len(self._ready) + self._starting
 
+    @property
+    def held_mb(self) -> float:
+        """The memory its members hold of the budget, judged by the largest measured (none yet: 0)."""
+        return self.held * (self._member_mb or 0.0)
+
     def notify(self) -> None:
         """Something changed that may let the pool refill (a session closed, a member was taken)."""
         self._changed.set()
@@ -119,9 +128,10 @@ class WarmPool(Generic[T]):
     def _within_budget(self, members: int) -> bool:
         """`members` fit the budget, judged by the largest member measured so far (none yet: one may
         start, and is measured before it is offered)."""
+        budget = self.memory_budget_mb - self._others_mb()
         if self._member_mb is None:
-            return self.memory_budget_mb > 0
-        return members * self._member_mb <= self.memory_budget_mb
+            return budget > 0
+        return members * self._member_mb <= budget
 
     async def run(self) -> None:
         """The refill loop (a task in the manager's task group) until drain()."""

@@ -50,6 +50,8 @@ class SandboxProfile:
     mounts: tuple[tuple[str, bool], ...]
     #: Whether snapshots carry the whole sandbox's memory (a checkpointing backend).
     memory_snapshots: bool
+    #: execute_code's sandboxes started ahead, counted (oneshot_ready.ReadyStats); None where there are none.
+    oneshot_ready: dict[str, int] | None = None
 
 
 class SessionHandle(Protocol):

@@ -84,7 +84,11 @@ class Capabilities:
                 }
                 for language, used_by in LANGUAGE_TOOLS.items()
             },
-            "sandbox": {"backend": profile.backend, "isolation": profile.isolation},
+            "sandbox": {
+                "backend": profile.backend,
+                "isolation": profile.isolation,
+                "oneshot_ready": profile.oneshot_ready,
+            },
             "limits": {
                 "timeout_s": settings.timeout_s,
                 "max_timeout_s": settings.max_timeout_s,
