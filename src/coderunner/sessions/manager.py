@@ -41,6 +41,7 @@ from coderunner.sessions.sandbox_options import SandboxOptions, configured_mount
 from coderunner.sessions.seam import SessionHandle
 from coderunner.sessions.session import Session
 from coderunner.sessions.session_snapshots import Seed, SessionSnapshots
+from coderunner.sessions.upkeep import reap_idle, save_kept_states
 from coderunner.sessions.usage import memory_used_mb
 from coderunner.snapshots.store import SnapshotError
 
@@ -103,9 +104,9 @@ class SessionManager(HostServices):
         await self.snapshots.open()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
-        self._task_group.start_soon(self._reap_idle)
+        self._task_group.start_soon(reap_idle, self)
         if self.settings.keep_state_save_idle_s > 0:
-            self._task_group.start_soon(self._save_kept_states)
+            self._task_group.start_soon(save_kept_states, self)
         self.jobs = JobTable(self._task_group)
         self.oneshot = OneShotRunner(
             backend=self.backend,
@@ -143,37 +144,10 @@ class SessionManager(HostServices):
             if not await self.oneshot.ahead.evict_one() and not await self.pool.evict_one():
                 return
 
-    async def _reap_idle(self) -> None:
-        """Close sessions nobody used for idle_timeout_s (their sandboxes hold memory and disk)."""
-        limit = self.settings.idle_timeout_s
-        while True:
-            await anyio.sleep(min(max(limit / 4, 0.5), 30.0))
-            now = time.monotonic()
-            for session in list(self._sessions.values()):
-                if not session.busy and now - session.last_used > limit:
-                    log.info("closing session %s… after %.0fs idle", session.session_id[:6], now - session.last_used)
-                    with contextlib.suppress(SessionError):
-                        await self.close(session.session_id)
-
     def shutdown_bound_s(self) -> float:
         """How long closing every session may take: longer while keep_state sessions save their state."""
         saving = any(session.options.keep_state for session in self._sessions.values())
         return SHUTDOWN_TIMEOUT_S + (self.settings.snapshot_timeout_s if saving else 0.0)
-
-    async def _save_kept_states(self) -> None:
-        """Save keep_state sessions that ran something and then sat idle for keep_state_save_idle_s,
-        one at a time: a crash, SIGKILL or reboot then loses at most the work since, not the session."""
-        idle = self.settings.keep_state_save_idle_s
-        while True:
-            await anyio.sleep(min(max(idle / 4, 0.25), 15.0))
-            now = time.monotonic()
-            for session in list(self._sessions.values()):
-                ready = session.options.keep_state and session.kept.armed and not session.closed
-                if not ready or session.busy or session.jobs.running() is not None:
-                    continue
-                if session.kept.dirty(session.last_used) and now - session.last_used >= idle:
-                    note = await self.snapshots.save_kept(session, wait_s=0.5)
-                    log.info("session %s…: %s", session.session_id[:6], note)
 
     async def __aexit__(self, *exc_info: object) -> None:
         count, began = len(self._sessions), time.monotonic()
