@@ -45,3 +45,24 @@ def install():
     for stream in (sys.stdout, sys.stderr):
         if not getattr(stream.write, "coderunner_chunked", False):
             stream.write = _chunked(stream)  # type: ignore[method-assign]  # patched in place, on purpose
+    _wait_rather_than_drop()
+
+
+def _wait_rather_than_drop():
+    """IOPub is an XPUB socket, which drops messages past its high-water mark (1,000) while the host
+    reads slower than code prints; and the host stops reading on purpose while a run's bounded queue
+    is full (kernel/channels.py), so on a busy machine output was lost, its last lines too. With
+    XPUB_NODROP the IO thread's send waits instead: the backlog stays inside the sandbox, bounded by
+    the high-water mark, and the writer waits at its next flush."""
+    try:
+        import zmq
+        from ipykernel.kernelapp import IPKernelApp
+
+        if not IPKernelApp.initialized():
+            return
+        thread = IPKernelApp.instance().iopub_thread
+        socket = thread.socket
+        if socket.socket_type == zmq.XPUB:
+            thread.schedule(lambda: socket.setsockopt(zmq.XPUB_NODROP, 1))  # the socket's own thread sets it
+    except Exception as error:  # an ipykernel this was not written for: output may drop under load, as before
+        print(f"coderunner: IOPub keeps dropping under load ({error!r})", file=sys.__stderr__)
