@@ -103,7 +103,9 @@ def podman_env(dirs: ServerDirs, folders: Host, **extra: str) -> dict[str, str]:
 
 @pytest.fixture
 async def client(podman_image: str, dirs: ServerDirs, host: Host) -> AsyncIterator[Client]:  # noqa: F811
-    async with open_client("stdio", podman_env(dirs, host, CODERUNNER_MAX_NETWORK="internet")) as connected:
+    # One-shots start cold, as in test_e2e_execute_code (whose tests run here too): a test may count what a run leaves.
+    env = podman_env(dirs, host, CODERUNNER_MAX_NETWORK="internet", CODERUNNER_ONESHOT_READY="0")
+    async with open_client("stdio", env) as connected:
         yield connected
 
 
