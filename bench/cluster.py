@@ -276,7 +276,11 @@ async def call(client: Client, tool: str, **arguments: Any) -> dict[str, Any]:
     text = "".join(getattr(block, "text", "") for block in result.content)
     if result.is_error:
         raise RuntimeError(f"{tool}: {text[:800]}")
-    return result.structured_content or {"text": text}
+    try:
+        parsed = json.loads(text)  # replies carry their JSON once, as text
+    except ValueError:
+        return {"text": text}
+    return parsed if isinstance(parsed, dict) else {"text": text}
 
 
 # --- a. warm round trip ---------------------------------------------------------------------------------

@@ -134,7 +134,11 @@ def lane_servers(root: Path, before: Path | None, cpu_weight: int) -> dict[str, 
 async def oneshot_figures(client: Client) -> str:
     """What the server says of its sandboxes started ahead (get_capabilities), for the table's foot."""
     result = await client.call_tool("get_capabilities", {})
-    found = (result.structured_content or {}).get("sandbox", {}).get("oneshot_ready")
+    text = "".join(getattr(block, "text", "") for block in result.content)  # the JSON, once, as text
+    try:
+        found = json.loads(text).get("sandbox", {}).get("oneshot_ready")
+    except (ValueError, AttributeError):
+        found = None
     return json.dumps(found) if found is not None else "not reported"
 
 
