@@ -52,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tests.cluster import conftest as fixture  # noqa: E402 - needs the repo root on sys.path
-from tests.cluster.conftest import RayCluster, ray_cluster_running, unavailable  # noqa: E402
+from tests.cluster.conftest import RayCluster, eventually, ray_cluster_running, unavailable  # noqa: E402
 
 #: What part c asks for per session: the least memory_mb a session may have (config.MIN_MEMORY_MB).
 BURST_MEMORY_MB = 512
@@ -221,15 +221,6 @@ def named_actors(cluster: RayCluster) -> list[str] | str:
     if done.returncode != 0:
         return f"(could not list: {done.stderr.strip()[-300:]})"
     return list(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await anyio.to_thread.run_sync(predicate):
-            return True
-        await anyio.sleep(0.5)
-    return bool(await anyio.to_thread.run_sync(predicate))
 
 
 # --- front doors ----------------------------------------------------------------------------------------
@@ -424,7 +415,7 @@ class Baseline:
     async def settled(self) -> tuple[bool, float]:
         """Whether everything part c made is gone (bounded), and how long that took."""
         began = time.monotonic()
-        gone = await wait_until(lambda: max(self.extra()) <= 0, GONE_TIMEOUT_S)
+        gone = await eventually(lambda: max(self.extra()) <= 0, GONE_TIMEOUT_S)
         return gone, time.monotonic() - began
 
 
@@ -488,7 +479,7 @@ async def burst_local(cluster: RayCluster, client: Client, count: int) -> dict[s
     mine = [pid for pid in sandbox_pids(cluster) if pid not in had]
     sandboxes_pss = pss_mb([pid for root in mine for pid in _descendants(root)])
     await burst.close()
-    await wait_until(lambda: len(sandbox_pids(cluster)) <= len(had), GONE_TIMEOUT_S)
+    await eventually(lambda: len(sandbox_pids(cluster)) <= len(had), GONE_TIMEOUT_S)
     return {"burst": burst, "sandboxes": len(mine), "sandboxes_pss": sandboxes_pss}
 
 

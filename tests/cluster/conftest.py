@@ -32,7 +32,9 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import anyio
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -156,6 +158,16 @@ def _wait_until(done: Callable[[], bool], timeout: float, interval: float = 0.1)
             return False
         time.sleep(interval)
     return True
+
+
+async def eventually(predicate: Callable[[], Any], timeout_s: float = 30.0) -> bool:
+    """Polls `predicate` (blocking: run in a worker thread) every 0.5 s until it holds or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await anyio.to_thread.run_sync(predicate):
+            return True
+        await anyio.sleep(0.5)
+    return bool(await anyio.to_thread.run_sync(predicate))
 
 
 def _tail(path: Path, lines: int = 30) -> str:

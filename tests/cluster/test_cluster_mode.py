@@ -26,7 +26,7 @@ from mcp.types import CallToolResult
 
 from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, json_of, server_env, text_of
 from ..test_e2e_egress_ux import Asked
-from .conftest import NODE_LABEL, REPO, RayCluster
+from .conftest import NODE_LABEL, REPO, RayCluster, eventually
 
 pytestmark = pytest.mark.anyio
 
@@ -117,8 +117,8 @@ async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret
         assert status is not None and node_name(ray_cluster, status["node"]) == nodes[1]
         for session_id in ids:
             await ok(client, "manage_sessions", action="close", session_id=session_id)
-    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
-    assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
 
 async def test_a_second_front_door_finds_and_uses_a_session_the_first_made(
@@ -203,10 +203,10 @@ async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
                           code="import hashlib; hashlib.sha256(open('blob.txt','rb').read()).hexdigest()")  # fmt: skip
         assert __import__("hashlib").sha256(blob.encode()).hexdigest() in text_of(digest)
         # Left alone past idle_timeout_s, the node's manager closes it and its actor ends.
-        assert await _eventually(lambda: f"session-{session_id}" not in named_actors(ray_cluster), 60)
+        assert await eventually(lambda: f"session-{session_id}" not in named_actors(ray_cluster), 60)
         gone = await call(client, "run_python", code="1", session_id=session_id)
         assert gone.is_error and "unknown or expired" in text_of(gone), text_of(gone)
-    assert await _eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
 
 
 async def test_snapshots_and_persistent_workspaces_live_on_their_node(
@@ -248,7 +248,7 @@ async def test_snapshots_and_persistent_workspaces_live_on_their_node(
         assert listed_workspaces is not None and [w["name"] for w in listed_workspaces["workspaces"]] == ["proj"]
         await ok(client, "manage_workspaces", action="delete", name="proj")
         assert json_of(await ok(client, "manage_workspaces", action="list")) == {"workspaces": []}
-    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
 async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
@@ -266,7 +266,7 @@ async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dir
         began = time.monotonic()
         await call(client, "manage_jobs", action="cancel", job_id=job_id)
         assert time.monotonic() - began < 30
-    assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
 
 async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
@@ -274,13 +274,13 @@ async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayC
     try:
         async with front_door(ray_cluster, env) as client:
             # Each worker's pool starts one session actor ahead (named session-<id> from the start).
-            assert await _eventually(lambda: len(_pooled(ray_cluster)) == 2, 120), named_actors(ray_cluster)
+            assert await eventually(lambda: len(_pooled(ray_cluster)) == 2, 120), named_actors(ray_cluster)
             pooled = set(_pooled(ray_cluster))
             made = json_of(await ok(client, "create_session"))
             assert made is not None and made["session_id"] in pooled  # claimed, not started cold
             assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=made["session_id"]))
             # Its pool starts a replacement; the claimed one is the caller's alone.
-            assert await _eventually(lambda: len(set(_pooled(ray_cluster)) - {made["session_id"]}) == 2, 120)
+            assert await eventually(lambda: len(set(_pooled(ray_cluster)) - {made["session_id"]}) == 2, 120)
             ready = set(_pooled(ray_cluster)) - {made["session_id"]}
             other = json_of(await ok(client, "create_session", memory_mb=768))  # not the defaults
             assert other is not None and other["session_id"] not in ready | pooled  # started cold
@@ -288,8 +288,8 @@ async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayC
                 await ok(client, "manage_sessions", action="close", session_id=session_id)
     finally:
         _stop_pools(ray_cluster)
-    assert await _eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
-    assert await _eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
 
 
 def _pooled(cluster: RayCluster) -> list[str]:
@@ -347,8 +347,8 @@ async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
         assert f"labels: {NODE_LABEL}=w1" in text and f"labels: {NODE_LABEL}=w2" in text  # what there is
         # Refused by the check (not after waiting PLACE_S for a node that never comes), saying how to add one.
         assert "no node of the cluster can hold this session" in text and "ray start --labels" in text
-    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
-    assert await _eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
 
 FETCH = """
@@ -385,7 +385,7 @@ async def test_an_allowlist_sessions_denials_reach_the_reply_and_status_from_its
         assert egress["allowed_hosts"] == ["a.example.org"] and egress["totals"]["denied"] == 2, egress
         assert [row["host"] for row in egress["recent"]] == ["b.example.org", "outside.example.net"], egress
         await ok(client, "manage_sessions", action="close", session_id=session_id)
-    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
 async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
@@ -413,7 +413,7 @@ async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: Ra
         await call(client, "run_python", code=FETCH.format(host="b.example.org", pause=0), session_id=session_id)
         assert len(asked.messages) == 2, asked.messages
         await ok(client, "manage_sessions", action="close", session_id=session_id)
-    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
 @contextlib.contextmanager
@@ -492,7 +492,7 @@ async def test_a_revoked_token_is_refused_by_every_front_door(ray_cluster: RayCl
     with contextlib.ExitStack() as stack:
         for port in ports:
             stack.enter_context(http_front_door(ray_cluster, env, port, dirs.root / f"door-{port}.log"))
-        assert await _eventually(lambda: all(_listening(ray_cluster, port) for port in ports), 90), [
+        assert await eventually(lambda: all(_listening(ray_cluster, port) for port in ports), 90), [
             (dirs.root / f"door-{port}.log").read_text()[-2000:] for port in ports
         ]
         async with through_proxy(ray_cluster, env, ports[0], token) as first:
@@ -510,7 +510,7 @@ async def test_a_revoked_token_is_refused_by_every_front_door(ray_cluster: RayCl
         async with through_proxy(ray_cluster, env, ports[1], renewed) as again:
             assert "1" in text_of(await ok(again, "run_python", code="owned", session_id=session_id))
             await ok(again, "manage_sessions", action="close", session_id=session_id)
-    assert await _eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
 async def test_a_lost_node_says_so_while_other_nodes_serve(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
@@ -538,7 +538,7 @@ async def test_a_lost_node_says_so_while_other_nodes_serve(ray_cluster: RayClust
         assert max(took for took, _, _ in answers) < 60, answers
         assert "yes" in text_of(await ok(client, "run_python", code="kept", session_id=by_node["w1"]))
         await ok(client, "manage_sessions", action="close", session_id=by_node["w1"])
-    assert await _eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
 
 
 def _listening(cluster: RayCluster, port: int) -> bool:
@@ -547,12 +547,3 @@ def _listening(cluster: RayCluster, port: int) -> bool:
         timeout=30,
     )  # fmt: skip
     return done.returncode == 0
-
-
-async def _eventually(predicate: Any, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if await anyio.to_thread.run_sync(predicate):
-            return True
-        await anyio.sleep(0.5)
-    return bool(await anyio.to_thread.run_sync(predicate))
