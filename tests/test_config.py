@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from coderunner.cli import main
+from coderunner.cli import _parser, main
 from coderunner.config import ConfigError, load_settings
 
 
@@ -34,16 +34,31 @@ def test_a_named_file_that_is_missing_is_an_error(tmp_path: Path, monkeypatch: p
         load_settings(tmp_path)  # a folder is not a file either
 
 
-@pytest.mark.parametrize("via", ["flag", "environment"])
+@pytest.mark.parametrize("via", ["flag", "flag after the command", "environment"])
 def test_cli_stops_on_a_missing_config_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], via: str
 ) -> None:
     missing = tmp_path / "typo.toml"
     monkeypatch.setenv("CODERUNNER_CONFIG", str(missing))
-    argv = ["--config", str(missing), "doctor"] if via == "flag" else ["doctor"]
+    argv = {
+        "flag": ["--config", str(missing), "doctor"],
+        "flag after the command": ["doctor", "--config", str(missing)],
+        "environment": ["doctor"],
+    }[via]
+    if via != "environment":
+        monkeypatch.setenv("CODERUNNER_CONFIG", os.devnull)  # only the flag names the missing file
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and str(missing) in err and "correct the path" in err, err
+
+
+def test_config_flag_before_or_after_the_command(tmp_path: Path) -> None:
+    """`coderunner serve --config X` is what users type; the flag before the command works as ever."""
+    parser = _parser()
+    assert parser.parse_args(["serve", "--config", "/a.toml"]).config == Path("/a.toml")
+    assert parser.parse_args(["--config", "/b.toml", "serve"]).config == Path("/b.toml")
+    assert parser.parse_args(["--config", "/b.toml", "doctor", "--config", "/c.toml"]).config == Path("/c.toml")
+    assert parser.parse_args(["serve"]).config is None
 
 
 def test_file_then_env_then_flags(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,16 +23,21 @@ if TYPE_CHECKING:
     from coderunner.config import Settings
 
 BACKEND_CHOICES = list(BACKEND_NAMES)
+CONFIG_HELP = "TOML settings file (default ~/.config/coderunner/config.toml)"
 
 
 def _parser() -> argparse.ArgumentParser:
     # Over 80 lines on purpose: one add_argument per flag of every subcommand, read top to bottom.
     parser = argparse.ArgumentParser(prog="coderunner", description=__doc__)
     parser.add_argument("--version", action="version", version=f"coderunner {__version__}")
-    parser.add_argument("--config", type=Path, help="TOML settings file (default ~/.config/coderunner/config.toml)")
+    parser.add_argument("--config", type=Path, help=CONFIG_HELP)
+    # `coderunner serve --config X` as well as `coderunner --config X serve`: a subcommand's own flag
+    # is SUPPRESSed when absent, so it never overwrites the one given before the subcommand.
+    config_flag = argparse.ArgumentParser(add_help=False)
+    config_flag.add_argument("--config", type=Path, default=argparse.SUPPRESS, help=CONFIG_HELP)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    serve = commands.add_parser("serve", help="run the MCP server")
+    serve = commands.add_parser("serve", parents=[config_flag], help="run the MCP server")
     serve.add_argument("--transport", choices=["stdio", "streamable-http", "sse"])
     serve.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (default 8765)")
@@ -77,11 +82,15 @@ def _parser() -> argparse.ArgumentParser:
         help="cluster mode: sessions live on this Ray cluster (HOST:PORT, or auto); needs the ray extra",
     )
 
-    run = commands.add_parser("run", help="run code once in a fresh sandboxed session and print the result")
+    run = commands.add_parser(
+        "run", parents=[config_flag], help="run code once in a fresh sandboxed session and print the result"
+    )
     run.add_argument("code", help="Python source, or - to read it from stdin")
     _add_session_flags(run)
 
-    proxy = commands.add_parser("proxy", help="bridge stdio to a running HTTP server (for command-launching clients)")
+    proxy = commands.add_parser(
+        "proxy", parents=[config_flag], help="bridge stdio to a running HTTP server (for command-launching clients)"
+    )
     proxy.add_argument("url", help="the server's MCP endpoint, e.g. http://127.0.0.1:8765/mcp (or .../sse)")
     proxy.add_argument("--token", help="its bearer token (default: $CODERUNNER_TOKEN, else this machine's token file)")
     proxy.add_argument("--transport", dest="proxy_transport", choices=["streamable-http", "sse"])
@@ -94,6 +103,7 @@ def _parser() -> argparse.ArgumentParser:
 
     token = commands.add_parser(
         "token",
+        parents=[config_flag],
         help="print the server's bearer token (made on first use), or manage one token per client",
         description="With no action: print the server's own token (the client 'default'). "
         "add NAME: make a token for a new client and print it (only once: it is stored hashed). "
@@ -104,21 +114,28 @@ def _parser() -> argparse.ArgumentParser:
     token.add_argument("--rotate", action="store_true", help="replace it with a new one (old clients are refused)")
     token.add_argument("--file", dest="token_file", type=Path, help="the token file (default: token_file setting)")
 
-    config = commands.add_parser("config", help="print the snippet that adds CodeRunner to an MCP client")
+    config = commands.add_parser(
+        "config", parents=[config_flag], help="print the snippet that adds CodeRunner to an MCP client"
+    )
     config.add_argument("client", choices=CLIENTS)
     config.add_argument(
         "--url", help="reach a running HTTP server instead (apps through `coderunner proxy URL`, libraries directly)"
     )
 
-    doctor = commands.add_parser("doctor", help="check that sandboxes work here; say how to fix what does not")
+    doctor = commands.add_parser(
+        "doctor", parents=[config_flag], help="check that sandboxes work here; say how to fix what does not"
+    )
     doctor.add_argument("--all", action="store_true", help="also check each backend not in use, with its fix")
     commands.add_parser(
         "node-resources",
+        parents=[config_flag],
         help="cluster mode: the Ray resources this node offers (the backends that work here), as JSON for "
         "`ray start --resources`",
     )
 
-    setup = commands.add_parser("setup", help="create the sandbox's Python environment (or image)")
+    setup = commands.add_parser(
+        "setup", parents=[config_flag], help="create the sandbox's Python environment (or image)"
+    )
     setup.add_argument("--recreate", action="store_true", help="delete and rebuild it")
     setup.add_argument("--backend", choices=BACKEND_CHOICES, help="build for this backend")
     setup.add_argument("--base-image", help="container backends: the image the sandbox image is built FROM")
