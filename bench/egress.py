@@ -187,7 +187,6 @@ def server_params(root: Path) -> StdioServerParameters:
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_ALLOWED_DOMAINS": json.dumps([SERVER_IP]),
         "CODERUNNER_EGRESS_AUDIT_LOG": str(root / "egress.jsonl"),
-        "CODERUNNER_MAX_TIMEOUT_S": "600",
         "CODERUNNER_MAX_NETWORK": "internet",  # the internet/direct baseline lane
     }
     for key in (
