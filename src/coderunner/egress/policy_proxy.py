@@ -109,7 +109,8 @@ class EgressProxy:
         self._refusing = 0
         #: Connections answered 503 because the proxy was full (for status and tests).
         self.refused_busy = 0
-        #: Handoffs refused (a bad fd, none, or several): for tests.
+        #: Client sockets the sandbox handed over, and handoffs refused (a bad fd, none, or several).
+        self.handoffs = 0
         self.refused_handoffs = 0
 
     @property
@@ -268,6 +269,7 @@ class EgressProxy:
 
     async def _read_request(self, conn: _Conn) -> tuple[bytes | None, bytes]:
         conn.client = await receive_client(conn.conn)
+        self.handoffs += conn.client.handed_over
         return await read_head(conn.client.sock, self.limits.max_head_bytes, conn.client.prefix)
 
     async def _serve_one(self, conn: _Conn) -> None:
