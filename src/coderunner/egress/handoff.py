@@ -100,6 +100,9 @@ def checked_socket(fd: int) -> socket.socket:
         flags = fcntl.fcntl(fd, fcntl.F_GETFL)
         fcntl.fcntl(fd, fcntl.F_SETFL, (flags | os.O_NONBLOCK) & ~os.O_ASYNC)
         sock.setblocking(False)
+        # As asyncio does for every TCP stream (and the byte relay did here): without it Nagle holds a
+        # relayed answer's second small segment until the client's delayed ACK, tens of ms.
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except BaseException:
         sock.close()
         raise
