@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from coderunner.egress import EgressPolicy, ProxyLimits
+from coderunner.egress import EgressPolicy, ProxyLimits, relay
 from coderunner.egress import handoff as host_side
 
 from .harness import Upstream, exchange, loopback_only, resolver_for, running_proxy, status_of
@@ -379,3 +379,36 @@ def test_the_forwarder_speaks_the_hosts_handoff_bytes() -> None:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     assert (module.HANDOFF, module.TAKEN, module.NO_FD) == (host_side.HANDOFF, host_side.TAKEN, host_side.NO_FD)
+
+
+async def test_a_relay_in_worker_threads_ends_when_idle_even_if_the_sandbox_makes_it_blocking(
+    upstream: Upstream,
+) -> None:
+    """The sandbox keeps a copy of the socket it handed over and flips it to blocking (the file's
+    flags are shared): the relay's workers still end at the idle bound and give their threads back."""
+    free_before = relay.slots.free
+    async with proxy_for(upstream, limits=ProxyLimits(idle_s=0.5)) as run:
+        client, accepted = tcp_pair()
+        with client, accepted:
+            assert await hand_over(run.path, [accepted.fileno()]) == host_side.TAKEN
+            payload = os.urandom(2 * relay.ON_LOOP_BYTES)  # both directions go on in worker threads
+            loop = asyncio.get_running_loop()
+            client.setblocking(False)
+            await loop.sock_sendall(client, CONNECT % upstream.port)
+            await loop.sock_sendall(client, payload)
+            echoed = bytearray()
+            while len(echoed) < len(payload) + len(b"HTTP/1.1 200 Connection established\r\n\r\n"):
+                chunk = await asyncio.wait_for(loop.sock_recv(client, 1 << 16), 10)
+                assert chunk
+                echoed += chunk
+            assert relay.slots.free < free_before, "the relay never went to worker threads"
+            accepted.setblocking(True)  # the sandbox's move; the host's calls must not depend on it
+            # Silence both ways: the proxy ends the tunnel (the client sees EOF) and the workers end.
+            assert await asyncio.wait_for(loop.sock_recv(client, 1), 10) == b""
+            for _ in range(200):
+                if relay.slots.free == free_before:
+                    break
+                await asyncio.sleep(0.05)
+            assert relay.slots.free == free_before
+        (decision,) = run.log.recent()
+        assert decision.sent == decision.received == len(payload)

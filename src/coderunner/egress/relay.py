@@ -53,8 +53,14 @@ class ByteCounts:
 class _Shared:
     """What a relay's workers and its watcher on the loop share (plain attribute writes only)."""
 
+    idle_s: float
     last: float = field(default_factory=time.monotonic)
     stopped: bool = False
+
+    def over(self) -> bool:
+        """Whether a worker should end: stopped, or idle past the bound on its own (its watcher on
+        the loop stops it first; this keeps a worker from outliving a loop that is gone)."""
+        return self.stopped or time.monotonic() - self.last >= self.idle_s
 
 
 class _Slots:
@@ -85,7 +91,7 @@ slots = _Slots(RELAY_THREADS)
 
 async def relay(client: socket.socket, upstream: socket.socket, counts: ByteCounts, idle_s: float) -> None:
     """Copy both ways until the server side finishes, either side fails, or idle_s of silence."""
-    shared = _Shared()
+    shared = _Shared(idle_s)
 
     def sent(n: int) -> None:
         counts.sent += n
@@ -149,7 +155,7 @@ def _worker(src: socket.socket, dst: socket.socket, moved: Callable[[int], None]
     try:
         buffer = bytearray(CHUNK)
         view = memoryview(buffer)
-        while not shared.stopped:
+        while not shared.over():
             try:
                 n = src.recv_into(buffer)
             except (BlockingIOError, InterruptedError):
@@ -163,7 +169,7 @@ def _worker(src: socket.socket, dst: socket.socket, moved: Callable[[int], None]
             moved(n)  # counted as taken on (before the other side can have it, as a reader would expect)
             sent = 0
             while sent < n:
-                if shared.stopped:
+                if shared.over():
                     return
                 try:
                     sent += dst.send(view[sent:n], socket.MSG_NOSIGNAL)
