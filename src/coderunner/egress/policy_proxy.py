@@ -229,8 +229,10 @@ class EgressProxy:
         self._conns[task] = state
         try:
             await self._serve_one(state)
-        except (ConnectionError, TimeoutError):
-            pass  # the client went away, or stopped reading: nothing to answer
+        except (OSError, TimeoutError) as exc:
+            # The client went away or stopped reading, or broke the socket it handed over (the
+            # sandbox keeps a copy and may do anything with it): nothing to answer, nothing to log loudly.
+            log.debug("egress proxy for session %s: a connection ended: %r", self.session_id, exc)
         except HandoffRefused as exc:
             self.refused_handoffs += 1
             log.debug("egress proxy for session %s: refused a handoff: %s", self.session_id, exc)

@@ -101,6 +101,8 @@ async def relay(client: socket.socket, upstream: socket.socket, counts: ByteCoun
 
     up = asyncio.ensure_future(_pump(client, upstream, sent, shared))
     down = asyncio.ensure_future(_pump(upstream, client, received, shared))
+    for direction in (up, down):
+        direction.add_done_callback(_retrieved)
     try:
         pending: set[asyncio.Future[None]] = {up, down}
         while pending:
@@ -110,8 +112,8 @@ async def relay(client: socket.socket, upstream: socket.socket, counts: ByteCoun
                 if time.monotonic() - shared.last >= idle_s:
                     return  # idle both ways
                 continue
-            for task in done:
-                if task.exception() is not None:
+            for finished in done:
+                if finished.exception() is not None:
                     return  # an error on one side ends the whole connection
             if down in done:
                 return  # the server finished; what the client still sends has nowhere to go
@@ -122,6 +124,12 @@ async def relay(client: socket.socket, upstream: socket.socket, counts: ByteCoun
                 sock.shutdown(socket.SHUT_RDWR)  # wakes a worker blocked on it
         for task in (up, down):
             task.cancel()  # a worker goes on until it sees `stopped` or the shutdown; it closes its own copies
+
+
+def _retrieved(task: asyncio.Future[None]) -> None:
+    """A direction's error is read even when it ends after the relay did (never "never retrieved")."""
+    if not task.cancelled():
+        task.exception()
 
 
 async def _pump(src: socket.socket, dst: socket.socket, moved: Callable[[int], None], shared: _Shared) -> None:
