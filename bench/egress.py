@@ -8,13 +8,13 @@ this script creates, reached over a veth pair on TEST-NET-2 (198.51.100.240/30: 
 
 Lanes, measured inside the sandboxes with the same client code (raw sockets, one connection per
 request, timed from connect() to the last byte), interleaved round by round so all see the same load:
-- allowlist/CONNECT: an `allowlist` session, through its forwarder and the host proxy (CONNECT tunnel,
-  as HTTPS clients do);
+- allowlist/CONNECT: an `allowlist` session, through its forwarder (which hands each connection's
+  socket to the host) and the host proxy (CONNECT tunnel, as HTTPS clients do);
 - allowlist/forward: the same session, plain-HTTP forwarding (absolute-form GET, as for http:// URLs);
 - internet/direct: an `internet` session, straight out (bwrap: through slirp4netns);
 - host/direct: no sandbox, from this process, for reference;
 - host/proxy socket: from this process straight to the allowlist session's proxy socket (CONNECT):
-  the proxy's own share, without the in-sandbox forwarder.
+  the proxy's own share, without the in-sandbox forwarder (a plain client: bytes over the unix socket).
 Setup cost is the median and p90 of a small request; throughput is a 50 MB body read and discarded.
 """
 
