@@ -1,6 +1,6 @@
 """What the egress proxy costs: connection setup and a 50 MB download, proxy beside direct, one run.
 
-    .venv/bin/python bench/egress.py [--rounds 8] [--requests 25] [--downloads 3]
+    .venv/bin/python bench/egress.py [--rounds 8] [--requests 25] [--downloads 3] [--summary PATH]
 
 Needs root (it makes a network namespace). The test server is a small HTTP server in a namespace
 this script creates, reached over a veth pair on TEST-NET-2 (198.51.100.240/30: the host side is
@@ -8,13 +8,13 @@ this script creates, reached over a veth pair on TEST-NET-2 (198.51.100.240/30: 
 
 Lanes, measured inside the sandboxes with the same client code (raw sockets, one connection per
 request, timed from connect() to the last byte), interleaved round by round so all see the same load:
-- allowlist/CONNECT: an `allowlist` session, through its forwarder and the host proxy (CONNECT tunnel,
-  as HTTPS clients do);
+- allowlist/CONNECT: an `allowlist` session, through its forwarder (which hands each connection's
+  socket to the host) and the host proxy (CONNECT tunnel, as HTTPS clients do);
 - allowlist/forward: the same session, plain-HTTP forwarding (absolute-form GET, as for http:// URLs);
 - internet/direct: an `internet` session, straight out (bwrap: through slirp4netns);
 - host/direct: no sandbox, from this process, for reference;
 - host/proxy socket: from this process straight to the allowlist session's proxy socket (CONNECT):
-  the proxy's own share, without the in-sandbox forwarder.
+  the proxy's own share, without the in-sandbox forwarder (a plain client: bytes over the unix socket).
 Setup cost is the median and p90 of a small request; throughput is a 50 MB body read and discarded.
 """
 
@@ -36,6 +36,7 @@ from pathlib import Path
 
 import anyio
 from mcp import Client, StdioServerParameters
+from summary import Figure, add_summary_argument, write_summary
 
 HOST_IF, NS_IF = f"crbh{os.getpid() % 100000}", f"crbn{os.getpid() % 100000}"
 HOST_IP, SERVER_IP, PREFIX = "198.51.100.241", "198.51.100.242", 30
@@ -186,10 +187,10 @@ def server_params(root: Path) -> StdioServerParameters:
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_ALLOWED_DOMAINS": json.dumps([SERVER_IP]),
         "CODERUNNER_EGRESS_AUDIT_LOG": str(root / "egress.jsonl"),
-        "CODERUNNER_MAX_TIMEOUT_S": "600",
         "CODERUNNER_MAX_NETWORK": "internet",  # the internet/direct baseline lane
     }
     for key in (
+        "PYTHONPATH",  # the checkout under test (bench runs use PYTHONPATH=src), not the venv's install
         "CODERUNNER_SANDBOX_ENV",
         "CODERUNNER_BACKEND",
         "CODERUNNER_OCI_RUNTIME",
@@ -218,7 +219,7 @@ class Lanes:
             self.throughput.setdefault(lane, []).append(size / 2**20 / seconds)
 
 
-async def main(rounds: int, requests: int, downloads: int) -> None:
+async def main(rounds: int, requests: int, downloads: int) -> Lanes:
     if os.geteuid() != 0:
         raise SystemExit("bench/egress.py makes a network namespace: run it as root")
     root = Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp"))
@@ -277,6 +278,7 @@ async def main(rounds: int, requests: int, downloads: int) -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     report(lanes)
+    return lanes
 
 
 def report(lanes: Lanes) -> None:
@@ -293,17 +295,35 @@ def report(lanes: Lanes) -> None:
         print(f"{lane:20} {statistics.median(samples):12.0f} {min(samples):9.0f}")
 
 
+def figures(lanes: Lanes) -> list[Figure]:
+    """Issue 29 item 5: the allowlist at least 0.8x direct throughput, at most +1 ms to open a connection."""
+    direct_mb = statistics.median(lanes.throughput["internet/direct"])
+    direct_ms = statistics.median(lanes.setup["internet/direct"]) * 1000
+    out = []
+    for lane in ("allowlist/CONNECT", "allowlist/forward"):
+        mb = statistics.median(lanes.throughput[lane])
+        out.append(Figure(f"{lane} 50 MB download, median", round(mb), "MB/s", baseline=round(direct_mb),
+                          baseline_name="internet/direct", target=">= 0.8x", met=mb >= 0.8 * direct_mb))  # fmt: skip
+    for lane in ("allowlist/CONNECT", "allowlist/forward"):
+        ms = statistics.median(lanes.setup[lane]) * 1000
+        out.append(Figure(f"{lane} connect + small request, median", round(ms, 2), "ms", baseline=round(direct_ms, 2),
+                          baseline_name="internet/direct", target="<= +1 ms", met=ms <= direct_ms + 1.0))  # fmt: skip
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--rounds", type=int, default=8, help="rounds of small requests (lanes alternate)")
     parser.add_argument("--requests", type=int, default=25, help="small requests per lane and round")
     parser.add_argument("--downloads", type=int, default=3, help="50 MB downloads per lane")
+    add_summary_argument(parser)
     arguments = parser.parse_args()
     if arguments.serve:
         serve()
     else:
         started, load = time.monotonic(), os.getloadavg()[0]
-        anyio.run(main, arguments.rounds, arguments.requests, arguments.downloads)
+        measured = anyio.run(main, arguments.rounds, arguments.requests, arguments.downloads)
         print(f"\n(run took {time.monotonic() - started:.0f}s; load average {load:.1f} before, "
               f"{os.getloadavg()[0]:.1f} after, on {os.cpu_count()} CPUs)")  # fmt: skip
+        write_summary(arguments.summary, "egress", figures(measured))

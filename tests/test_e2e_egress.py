@@ -325,3 +325,72 @@ except OSError as exc:
         network="allowlist",
     )
     assert BODY in node["stdout"] and BLOCKED in node["stdout"] and "FETCHED" not in node["stdout"], node
+    # runc shares the host's kernel: the client socket crosses to the host, and a bad fd does not.
+    results = handoff_results(await ok(client, HANDOFF_PROBE.replace("{ip}", servers.public_ip), session))
+    assert results["a connected socket"] == "01" and results["its answer"] == "HTTP/1.0 200 OK", results
+    assert results["a listening socket"] == "" and results["no fd"] == "02", results
+
+
+# --- the handoff of client sockets to the host (egress/handoff.py), attacked from inside ----------
+
+HANDOFF_PROBE = """
+import array, json, os, socket
+# The forwarder's argv names the proxy's socket (its host-only dir is bound in read-only).
+path = next(arg.decode() for pid in filter(str.isdigit, os.listdir('/proc'))
+            for arg in open(f'/proc/{pid}/cmdline', 'rb').read().split(b'\\0') if arg.endswith(b'/egress.sock'))
+
+def hand(fds, first=b'\\x00'):
+    with socket.socket(socket.AF_UNIX) as conn:
+        conn.settimeout(20)
+        conn.connect(path)
+        conn.sendmsg([first], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array('i', fds))] if fds else [])
+        try:
+            return conn.recv(1).hex()
+        except OSError:
+            return 'reset'
+
+read_end, write_end = os.pipe()
+a_file = open('/tmp/handoff-probe', 'w+')
+unix_a, unix_b = socket.socketpair()
+listening = socket.create_server(('127.0.0.1', 0))
+results = {
+    'a file': hand([a_file.fileno()]),
+    'a pipe': hand([read_end]),
+    'a unix socket': hand([unix_a.fileno()]),
+    'a listening socket': hand([listening.fileno()]),
+    'many fds': hand([listening.fileno()] * 100),
+    'no fd': hand([]),
+    'flood': sorted(set(hand([read_end, write_end]) for _ in range(300))),
+}
+client = socket.create_connection(listening.getsockname(), timeout=20)
+accepted, _ = listening.accept()
+results['a connected socket'] = hand([accepted.fileno()])
+accepted.close()
+client.sendall(b'GET http://{ip}/ HTTP/1.1\\r\\nHost: {ip}\\r\\n\\r\\n')
+answer = b''
+while chunk := client.recv(65536):
+    answer += chunk
+results['its answer'] = answer.split(b'\\r\\n', 1)[0].decode()
+print(json.dumps(results))
+"""
+
+
+def handoff_results(text: str) -> dict:  # type: ignore[type-arg]
+    return next(json.loads(line) for line in text.splitlines() if line.startswith('{"'))
+
+
+async def test_handoffs_of_anything_but_a_connected_socket_are_refused_and_egress_goes_on(egress: Egress) -> None:
+    """Code in the sandbox speaks the handoff itself: every bad fd is refused (the host closes the
+    connection), the byte alone gets NO_FD, its own connected socket is taken and served, and its
+    session and a bystander's still reach the allowed server through their forwarders."""
+    attacker = await create(egress.client, network="allowlist")
+    ip = egress.servers.public_ip
+    text = await ok(egress.client, HANDOFF_PROBE.replace("{ip}", ip), attacker)
+    results = handoff_results(text)
+    refused = ["a file", "a pipe", "a unix socket", "a listening socket", "many fds"]
+    assert {kind: results[kind] for kind in refused} == dict.fromkeys(refused, ""), results
+    assert results["no fd"] == "02" and results["flood"] == [""], results
+    assert results["a connected socket"] == "01" and results["its answer"] == "HTTP/1.0 200 OK", results
+    assert f"200 {BODY}" in await ok(egress.client, fetch(f"http://{ip}/"), attacker)
+    assert f"200 {BODY}" in await ok(egress.client, fetch(f"http://{ip}/"), egress.session)
+    await egress.client.call_tool("manage_sessions", {"action": "close", "session_id": attacker})

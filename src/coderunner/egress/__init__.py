@@ -9,7 +9,9 @@ checked, and records every decision (audit.py). It never intercepts TLS.
 The proxy itself is pure: no settings, no sessions, no sandboxes. Beside it: settings.py (the user's
 egress settings with the ceiling parsed once, `Settings.egress`), texts.py (what the agent and the
 user are told), asker.py (who asks the user about a host during a call) and gateway.py (one
-sandbox's proxy on its socket, and the server-wide hub). The wiring, roughly:
+sandbox's proxy on its socket, and the server-wide hub). Under it: handoff.py (a client socket the
+sandbox's forwarder hands over that socket), wire.py (request heads, answers) and relay.py (the bytes
+of an allowed connection, moved off the event loop). The wiring, roughly:
 
     ceiling = settings.egress.ceiling                                                # parsed once
     policy = ceiling.narrowed(allow) if allow else ceiling                           # per session

@@ -3,7 +3,8 @@
 The socket is made by the host in the sandbox's host-only dir (host/, bound read-only at the same
 path: the sandbox may connect through it but never replace it), owned by the sandbox's host user
 with mode 0600, and served for the sandbox's life by an EgressProxy (egress/policy_proxy.py). Inside,
-the forwarder (guest/egress_forwarder.py) exposes it as 127.0.0.1:EGRESS_PORT. No other sandbox
+the forwarder (guest/egress_forwarder.py) exposes it as 127.0.0.1:EGRESS_PORT, handing each client's
+socket over it (egress/handoff.py) or, where fds cannot cross, relaying the bytes. No other sandbox
 sees this dir, and on a root server no other sandbox uid may connect, so a session can never use
 another's proxy or policy.
 

@@ -1,5 +1,9 @@
 """EgressProxy: one session's HTTP proxy on a unix socket, deciding by name and checking addresses.
 
+Its clients come over the unix socket: each connection is either the client itself (a byte stream),
+or carries the client's own TCP socket from inside the sandbox (handoff.py: the forwarder hands it
+over, so nothing relays bytes inside the sandbox). Both are served by the same code from there on.
+
 Handles `CONNECT host:port` (then relays bytes both ways; TLS is never intercepted) and absolute-form
 requests such as `GET http://host/path` (forwarded in origin form with hop-by-hop headers stripped and
 `Connection: close`: one request per client connection, which every HTTP client handles). The request
@@ -14,7 +18,7 @@ Every decision is recorded in the session's DecisionLog. Caps: concurrent connec
 head timeout (slowloris), idle timeout on every relay, connect and resolve timeouts.
 
 Here: the decisions and the asking. Reaching the server (resolve, check, connect) is upstream.py;
-the bytes of a connection (its head, the relay, the proxy's own answers) are wire.py.
+the bytes of a connection are wire.py (its head, the proxy's own answers) and relay.py (the relay).
 """
 
 from __future__ import annotations
@@ -27,20 +31,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 from coderunner.egress.audit import Decision, DecisionLog
+from coderunner.egress.handoff import Client, HandoffRefused, receive_client
 from coderunner.egress.policy import CEILING_SETTING, EgressPolicy, EgressPolicyError
+from coderunner.egress.relay import ByteCounts, relay
 from coderunner.egress.request import BadRequest, parse_request
 from coderunner.egress.upstream import AddressCheck, Resolver, UpstreamOpener
-from coderunner.egress.wire import (
-    BLOCKED,
-    READ_CHUNK,
-    ByteCounts,
-    HeadTooLarge,
-    KiB,
-    answer,
-    close_quietly,
-    read_head,
-    relay,
-)
+from coderunner.egress.wire import BLOCKED, HeadTooLarge, KiB, answer, end, read_head, send_all
 
 log = logging.getLogger(__name__)
 
@@ -109,8 +105,13 @@ class EgressProxy:
         self._ask_lock = asyncio.Lock()
         self._asks_made = 0
         self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._refusing = 0
         #: Connections answered 503 because the proxy was full (for status and tests).
         self.refused_busy = 0
+        #: Client sockets the sandbox handed over, and handoffs refused (a bad fd, none, or several).
+        self.handoffs = 0
+        self.refused_handoffs = 0
 
     @property
     def policy(self) -> EgressPolicy:
@@ -167,20 +168,45 @@ class EgressProxy:
         The caller made (and owns) the socket; cancelling serve stops accepting, and the connections
         in flight are closed too.
         """
-        own = listener.dup()  # asyncio closes the socket it serves on; the caller's stays the caller's
-        # asyncio listens again with its own backlog (100 by default); a flood past it would make
-        # clients' connects fail oddly instead of being answered 503, so keep the queue deep.
-        server = await asyncio.start_unix_server(self._accepted, sock=own, limit=READ_CHUNK, backlog=_BACKLOG)
+        own = listener.dup()
+        # Listen again with a deep queue: a flood past the backlog would make clients' connects fail
+        # oddly instead of being answered 503.
+        own.listen(_BACKLOG)
+        own.setblocking(False)
+        loop = asyncio.get_running_loop()
+        retry: list[asyncio.TimerHandle] = []
+
+        def accept_ready() -> None:
+            # Accepted in the loop's callback, not by an awaiting task: one loop turn less per connection.
+            for _ in range(_ACCEPT_BATCH):
+                try:
+                    conn, _ = own.accept()
+                except (BlockingIOError, InterruptedError):
+                    return
+                except OSError as exc:  # out of fds, for one: pause a little, never spin or stop serving
+                    log.warning("egress proxy for session %s: accept failed: %s", self.session_id, exc)
+                    loop.remove_reader(own.fileno())
+                    retry[:] = [loop.call_later(_ACCEPT_RETRY_S, loop.add_reader, own.fileno(), accept_ready)]
+                    return
+                conn.setblocking(False)
+                task = loop.create_task(self._accepted(conn))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
+
+        loop.add_reader(own.fileno(), accept_ready)
         try:
-            await server.serve_forever()
+            await loop.create_future()  # until cancelled
         finally:
-            server.close()
+            for handle in retry:
+                handle.cancel()
+            loop.remove_reader(own.fileno())
+            own.close()
             await self.aclose()
 
     async def aclose(self) -> None:
         """Close every connection this proxy is serving (the listener stays the caller's)."""
         self._closed = True
-        tasks = list(self._conns)
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         if tasks:
@@ -190,33 +216,57 @@ class EgressProxy:
 
     # One client connection.
 
-    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _accepted(self, conn: socket.socket) -> None:
         task = asyncio.current_task()
         assert task is not None
         if self._closed:
-            close_quietly(writer)
+            conn.close()
             return
         if len(self._conns) >= self.limits.max_connections and not self._evict_stalled_head():
-            self.refused_busy += 1
-            body = f"too many connections through this session's proxy (at most {self.limits.max_connections})"
-            await answer(writer, 503, "Service Unavailable", body, status="proxy_internal_error")
-            close_quietly(writer)
+            await self._refuse_busy(conn)
             return
-        conn = _Conn(started=time.monotonic(), writer=writer)
-        self._conns[task] = conn
+        state = _Conn(started=time.monotonic(), conn=conn)
+        self._conns[task] = state
         try:
-            await self._serve_one(reader, writer, conn)
-        except (ConnectionError, asyncio.IncompleteReadError):
-            pass  # the client went away; nothing to answer
+            await self._serve_one(state)
+        except (OSError, TimeoutError) as exc:
+            # The client went away or stopped reading, or broke the socket it handed over (the
+            # sandbox keeps a copy and may do anything with it): nothing to answer, nothing to log loudly.
+            log.debug("egress proxy for session %s: a connection ended: %r", self.session_id, exc)
+        except HandoffRefused as exc:
+            self.refused_handoffs += 1
+            log.debug("egress proxy for session %s: refused a handoff: %s", self.session_id, exc)
         except asyncio.CancelledError:
-            # aclose or an eviction. This task is a leaf the stream server made for the connection;
-            # ending it quietly keeps asyncio from logging every closed tunnel as an error.
+            # aclose or an eviction. This task is a leaf made for the connection; ending it quietly
+            # keeps asyncio from logging every closed tunnel as an error.
             pass
         except Exception:
             log.exception("egress proxy for session %s: a connection failed", self.session_id)
         finally:
             self._conns.pop(task, None)
-            close_quietly(writer)
+            if state.client is not None:
+                end(state.client.sock)
+            conn.close()
+
+    async def _refuse_busy(self, conn: socket.socket) -> None:
+        """503 to a client over the cap, on its own socket if it hands one over; bounded in count and time."""
+        self.refused_busy += 1
+        if self._refusing >= self.limits.max_connections:
+            conn.close()  # refusing politely is bounded too
+            return
+        self._refusing += 1
+        client: Client | None = None
+        try:
+            client = await asyncio.wait_for(receive_client(conn), _BUSY_FIRST_BYTE_S)
+            body = f"too many connections through this session's proxy (at most {self.limits.max_connections})"
+            await answer(client.sock, 503, "Service Unavailable", body, status="proxy_internal_error")
+        except (OSError, TimeoutError, HandoffRefused):
+            pass
+        finally:
+            self._refusing -= 1
+            if client is not None:
+                end(client.sock)
+            conn.close()
 
     def _evict_stalled_head(self) -> bool:
         """Free a slot held by a client that has not finished its request head for a while (slowloris)."""
@@ -229,59 +279,63 @@ class EgressProxy:
         if not stalled:
             return False
         _, task = min(stalled, key=lambda item: item[0])
-        conn = self._conns.pop(task)
-        conn.writer.transport.abort()
-        task.cancel()
+        self._conns.pop(task)
+        task.cancel()  # its own cleanup closes its sockets
         return True
 
-    async def _serve_one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn) -> None:
+    async def _read_request(self, conn: _Conn) -> tuple[bytes | None, bytes]:
+        conn.client = await receive_client(conn.conn)
+        self.handoffs += conn.client.handed_over
+        return await read_head(conn.client.sock, self.limits.max_head_bytes, conn.client.prefix)
+
+    async def _serve_one(self, conn: _Conn) -> None:
         try:
-            head, rest = await asyncio.wait_for(
-                read_head(reader, self.limits.max_head_bytes), self.limits.head_timeout_s
-            )
+            async with asyncio.timeout(self.limits.head_timeout_s):  # no task of its own, unlike wait_for
+                head, rest = await self._read_request(conn)
         except TimeoutError:
-            await answer(writer, 408, "Request Timeout", "the request head did not arrive in time")
+            client = conn.client.sock if conn.client is not None else conn.conn
+            await answer(client, 408, "Request Timeout", "the request head did not arrive in time")
             return
         except HeadTooLarge:
+            assert conn.client is not None
             body = f"bad proxy request: the request head is larger than {self.limits.max_head_bytes} bytes"
-            await answer(writer, 400, "Bad Request", body, status="http_request_error")
+            await answer(conn.client.sock, 400, "Bad Request", body, status="http_request_error")
             return
+        assert conn.client is not None
+        client = conn.client.sock
         if head is None:
             return  # closed before a full head: nothing to answer
         conn.in_head = False
         try:
             request = parse_request(head)
         except BadRequest as exc:
-            await answer(writer, 400, "Bad Request", f"bad proxy request: {exc}", status="http_request_error")
+            await answer(client, 400, "Bad Request", f"bad proxy request: {exc}", status="http_request_error")
             return
         started = time.time()
         denial = await self._decide(request.host, request.port)
         if denial is not None:
             self.log.record(Decision(started, request.host, request.port, False, denial.reason))
-            await answer(writer, 403, "Forbidden", denial.body, status=denial.status)
+            await answer(client, 403, "Forbidden", denial.body, status=denial.status)
             return
         upstream, failure = await self._upstream.open(request.host, request.port)
         if upstream is None:
             assert failure is not None
             self.log.record(Decision(started, request.host, request.port, failure.allowed, failure.reason))
-            await answer(writer, failure.code, failure.phrase, failure.body, status=failure.status)
+            await answer(client, failure.code, failure.phrase, failure.body, status=failure.status)
             return
-        up_reader, up_writer = upstream
         counts = ByteCounts()
         conn.host, conn.port, conn.decided_at, conn.counts = request.host, request.port, started, counts
         try:
-            if request.kind == "connect":
-                writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-            else:
-                first = request.forward_head()
-                up_writer.write(first)
-                counts.sent += len(first)
-            if rest:
-                up_writer.write(rest)
-                counts.sent += len(rest)
-            await relay(reader, writer, up_reader, up_writer, counts, self.limits.idle_s)
+            async with asyncio.timeout(self.limits.idle_s):
+                if request.kind == "connect":
+                    await send_all(client, _ESTABLISHED)
+                first = (b"" if request.kind == "connect" else request.forward_head()) + rest
+                if first:
+                    await send_all(upstream, first)
+                    counts.sent += len(first)
+            await relay(client, upstream, counts, self.limits.idle_s)
         finally:
-            close_quietly(up_writer)
+            end(upstream)
             self.log.record(
                 Decision(started, request.host, request.port, True, "allowed", counts.sent, counts.received)
             )
@@ -372,12 +426,19 @@ class EgressProxy:
 _CLOSE_WAIT_S = 5.0
 _BACKLOG = 1024
 _STALLED_HEAD_S = 1.0
+_ACCEPT_RETRY_S = 0.1
+_ACCEPT_BATCH = 64
+#: How long a client over the cap may take to show its first byte (or hand its socket over) for a 503.
+_BUSY_FIRST_BYTE_S = 1.0
+_ESTABLISHED = b"HTTP/1.1 200 Connection established\r\n\r\n"
 
 
 @dataclass
 class _Conn:
     started: float
-    writer: asyncio.StreamWriter
+    #: The accepted unix connection; `client` once its first byte said who the client is.
+    conn: socket.socket
+    client: Client | None = None
     in_head: bool = True
     host: str = ""
     port: int = 0

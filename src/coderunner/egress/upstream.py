@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coderunner.egress.addresses import IPAddress, cached_host_addresses, forbidden_reason, host_addresses
-from coderunner.egress.wire import BLOCKED, READ_CHUNK, os_reason
+from coderunner.egress.wire import BLOCKED, os_reason
 
 log = logging.getLogger(__name__)
 
@@ -27,9 +27,6 @@ Resolver = Callable[[str, int], Awaitable[list[IPAddress]]]
 #: Why an address must not be connected to, or None. The default is addresses.forbidden_reason with
 #: the host's own addresses; tests inject a looser one to reach their 127.0.0.1 upstream.
 AddressCheck = Callable[[IPAddress], "str | None"]
-#: An open connection to the server: its reader and writer.
-Streams = tuple[asyncio.StreamReader, asyncio.StreamWriter]
-
 _MAX_ADDRESSES_TRIED = 4
 _RESOLVES_PER_PROXY = 4
 
@@ -67,7 +64,7 @@ class UpstreamOpener:
         self._address_check = address_check
         self._resolving = asyncio.Semaphore(_RESOLVES_PER_PROXY)
 
-    async def open(self, host: str, port: int) -> tuple[Streams | None, Failure | None]:
+    async def open(self, host: str, port: int) -> tuple[socket.socket | None, Failure | None]:
         """Resolve, check every address, connect to a checked one. Never connects by name."""
         try:
             addresses = await self.resolve(host, port)
@@ -176,15 +173,16 @@ async def _getaddrinfo(host: str, port: int, slots: asyncio.Semaphore) -> list[I
     return out
 
 
-async def _connect_ip(ip: IPAddress, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A TCP connection to exactly this address (a socket we made, so no name is ever looked up)."""
+async def _connect_ip(ip: IPAddress, port: int) -> socket.socket:
+    """A TCP connection to exactly this address (a socket we made, so no name is ever looked up),
+    non-blocking and close-on-exec like every socket Python makes."""
     family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setblocking(False)
         await asyncio.get_running_loop().sock_connect(sock, (str(ip), port))
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return await asyncio.open_connection(sock=sock, limit=READ_CHUNK)
+        return sock
     except BaseException:
         sock.close()
         raise

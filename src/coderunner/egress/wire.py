@@ -1,7 +1,11 @@
-"""The bytes of one proxied connection: its request head read under a bound, the relay both ways
-with an idle bound, and the short plain-text answers the proxy gives instead of a relay.
+"""The bytes of one proxied connection before its relay: the request head read under a bound, and
+the short plain-text answers the proxy gives instead of a relay.
 
-Nothing here decides anything: the policy proxy (policy_proxy.py) decides, and uses these to talk.
+Every read and write here is on a raw socket with MSG_DONTWAIT, never relying on the socket's own
+O_NONBLOCK: a client socket handed over by the sandbox (egress/handoff.py) shares its file flags with
+the sandbox, which could make it blocking at any time, and one blocking call would stall the server's
+event loop. Nothing here decides anything: the policy proxy (policy_proxy.py) decides, and uses these
+to talk; the relay itself is relay.py.
 """
 
 from __future__ import annotations
@@ -9,14 +13,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import time
-from dataclasses import dataclass
 
 KiB = 1024
 
 #: What every refusal's first line starts with (it reaches pip's and requests' error messages).
 BLOCKED = "blocked by CodeRunner's network policy"
-#: The most read from either side at once (and the stream limit of every connection).
+#: The most read from a client at once while its head is read.
 READ_CHUNK = 64 * KiB
 _ANSWER_DRAIN_S = 2.0
 _MAX_PHRASE = 400
@@ -26,17 +28,51 @@ class HeadTooLarge(Exception):
     """The client's request head is over the proxy's byte bound."""
 
 
-@dataclass
-class ByteCounts:
-    """Bytes moved through one relay so far: up to the server, and back down."""
-
-    sent: int = 0
-    received: int = 0
+async def wait_readable(sock: socket.socket) -> None:
+    """Until the loop sees `sock` readable (or closed, or in error)."""
+    await _wait(sock, write=False)
 
 
-async def read_head(reader: asyncio.StreamReader, max_bytes: int) -> tuple[bytes | None, bytes]:
-    """(head without its CRLFCRLF, bytes read past it); (None, b"") if the client closed first."""
-    buf = bytearray()
+async def _wait(sock: socket.socket, *, write: bool) -> None:
+    loop = asyncio.get_running_loop()
+    ready = loop.create_future()
+
+    def wake() -> None:
+        if not ready.done():
+            ready.set_result(None)
+
+    fd = sock.fileno()
+    (loop.add_writer if write else loop.add_reader)(fd, wake)
+    try:
+        await ready
+    finally:
+        (loop.remove_writer if write else loop.remove_reader)(fd)
+
+
+async def recv_some(sock: socket.socket, size: int) -> bytes:
+    """Up to `size` bytes as soon as any are there; b"" at EOF. Never blocks the loop."""
+    while True:
+        try:
+            return sock.recv(size, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            await _wait(sock, write=False)
+
+
+async def send_all(sock: socket.socket, data: bytes) -> None:
+    """All of `data`, waiting for room as needed (bound it with a timeout). Never blocks the loop."""
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view, socket.MSG_DONTWAIT | socket.MSG_NOSIGNAL) :]
+        except (BlockingIOError, InterruptedError):
+            await _wait(sock, write=True)
+
+
+async def read_head(sock: socket.socket, max_bytes: int, prefix: bytes = b"") -> tuple[bytes | None, bytes]:
+    """(head without its CRLFCRLF, bytes read past it); (None, b"") if the client closed first.
+
+    `prefix`: bytes of this client already read (the first byte a handoff check took)."""
+    buf = bytearray(prefix)
     searched = 0
     while True:
         index = buf.find(b"\r\n\r\n", max(0, searched - 3))
@@ -47,67 +83,14 @@ async def read_head(reader: asyncio.StreamReader, max_bytes: int) -> tuple[bytes
         if len(buf) > max_bytes:
             raise HeadTooLarge
         searched = len(buf)
-        chunk = await reader.read(max_bytes + 4 - len(buf) + 1)
+        chunk = await recv_some(sock, min(READ_CHUNK, max_bytes + 4 - len(buf) + 1))
         if not chunk:
             return None, b""
         buf += chunk
 
 
-async def relay(
-    client_r: asyncio.StreamReader,
-    client_w: asyncio.StreamWriter,
-    up_r: asyncio.StreamReader,
-    up_w: asyncio.StreamWriter,
-    counts: ByteCounts,
-    idle_s: float,
-) -> None:
-    """Copy both ways until the server side finishes, or nothing moves either way for idle_s.
-
-    The idle check is one wait with a timeout here, not a timer per read: wait_for around every
-    read costs a task per chunk on Python < 3.12 and took a third of the throughput.
-    """
-    last = [time.monotonic()]
-
-    async def pump(src: asyncio.StreamReader, dst: asyncio.StreamWriter, upward: bool) -> None:
-        while True:
-            data = await src.read(READ_CHUNK)
-            if not data:
-                if dst.can_write_eof():
-                    with contextlib.suppress(OSError, RuntimeError):
-                        dst.write_eof()
-                return
-            last[0] = time.monotonic()
-            dst.write(data)
-            if upward:
-                counts.sent += len(data)
-            else:
-                counts.received += len(data)
-            await dst.drain()  # returns at once below the high-water mark; a stall shows as idleness
-
-    up = asyncio.ensure_future(pump(client_r, up_w, True))
-    down = asyncio.ensure_future(pump(up_r, client_w, False))
-    try:
-        pending: set[asyncio.Future[None]] = {up, down}
-        while pending:
-            wait_s = max(0.0, last[0] + idle_s - time.monotonic())
-            done, pending = await asyncio.wait(pending, timeout=wait_s, return_when=asyncio.FIRST_COMPLETED)
-            if not done:
-                if time.monotonic() - last[0] >= idle_s:
-                    return  # idle both ways
-                continue
-            for task in done:
-                if task.exception() is not None:
-                    return  # an error on one side ends the whole connection
-            if down in done:
-                return  # the server finished; what the client still sends has nowhere to go
-    finally:
-        for task in (up, down):
-            task.cancel()
-        await asyncio.gather(up, down, return_exceptions=True)
-
-
-async def answer(writer: asyncio.StreamWriter, code: int, phrase: str, body: str, *, status: str = "") -> None:
-    """Send a short plain-text answer and let the connection close.
+async def answer(sock: socket.socket, code: int, phrase: str, body: str, *, status: str = "") -> None:
+    """Send a short plain-text answer (bounded in time); the caller closes the connection.
 
     Refusals (403, 5xx) also carry the body's first line in the reason phrase: clients that report a
     failed CONNECT print the status line but not the body (Python's http.client: "Tunnel connection
@@ -126,15 +109,21 @@ async def answer(writer: asyncio.StreamWriter, code: int, phrase: str, body: str
     ]
     if status:
         lines.append(f"Proxy-Status: coderunner; error={status}")
-    writer.write(("\r\n".join(lines) + "\r\n\r\n").encode("ascii") + data)
-    with contextlib.suppress(OSError, asyncio.TimeoutError, ConnectionError):
-        await asyncio.wait_for(writer.drain(), _ANSWER_DRAIN_S)
+    head = ("\r\n".join(lines) + "\r\n\r\n").encode("ascii")
+    with contextlib.suppress(OSError, TimeoutError):
+        async with asyncio.timeout(_ANSWER_DRAIN_S):
+            await send_all(sock, head + data)
 
 
-def close_quietly(writer: asyncio.StreamWriter) -> None:
-    """Close a stream, whatever state it is in."""
-    with contextlib.suppress(OSError, RuntimeError):
-        writer.close()
+def end(sock: socket.socket) -> None:
+    """End a connection for every holder of the socket, then close ours.
+
+    shutdown first: a socket the sandbox handed over may still be open in the sandbox (its copy, or
+    one a program kept), and a bare close would then send no FIN, leaving the client waiting.
+    """
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
 
 
 def os_reason(exc: OSError) -> str:
