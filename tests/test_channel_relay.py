@@ -379,3 +379,46 @@ def test_kernel_boot_falls_back_to_the_stock_pipe(arena: Arena, broken: bool) ->
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == (["False", "True"] if broken else ["True", "False"])
     assert ("IOPub's fork pipe stays on TCP" in done.stderr) is broken
+
+
+def test_kernel_boot_reads_shell_on_the_main_thread_and_publishes_by_callback(
+    arena: Arena, relays: list[subprocess.Popen[bytes]]
+) -> None:
+    """Behind the relay the kernel has no shell channel thread (so no subshells) and its IOPub thread
+    takes work by callback; what a user sees is the same: an async cell, a thread's print, stderr."""
+    relays.append(arena.start())
+    arena.wait_state("open 1\n")
+    arena.claim()
+    client = arena.client()
+    names = value(client, "import threading\nprint(sorted(t.name for t in threading.enumerate()))")
+    assert "'Control'" in names and "'IOPub'" in names and "Shell channel" not in names, names
+    info = client.kernel_info(reply=True, timeout=WAIT_S)["content"]
+    assert "kernel subshells" not in info.get("supported_features", []), info
+    assert value(client, "import asyncio\nawait asyncio.sleep(0.01)\nprint('awaited')") == "awaited\n"
+    said = value(client, "t = threading.Thread(target=print, args=('from a thread',))\nt.start()\nt.join()")
+    assert said == "from a thread\n"
+    content, out = run(client, "import sys\nprint('to stderr', file=sys.stderr)\n1 / 0")
+    assert content["status"] == "error" and content["ename"] == "ZeroDivisionError" and "to stderr\n" in out
+    assert "kept" not in arena.stderr()  # neither change fell back to ipykernel's stock
+    client.stop_channels()
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_kernel_boot_keeps_stock_shell_and_iopub_for_an_unknown_ipykernel(arena: Arena, broken: bool) -> None:
+    code = (
+        "import ipykernel.iostream as iostream, ipykernel.kernelbase as kernelbase\n"
+        + (
+            "del iostream.IOPubThread._handle_event\ndel kernelbase.Kernel._supports_kernel_subshells\n"
+            if broken
+            else ""
+        )
+        + "stock = iostream.IOPubThread.schedule\n"
+        "from coderunner_guest import kernel_boot\n"
+        "print(kernel_boot.drop_shell_channel_thread(), kernel_boot.schedule_by_callback(),"
+        " iostream.IOPubThread.schedule is stock)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(arena.root / "lib")}
+    done = subprocess.run([str(arena.python), "-c", code], capture_output=True, text=True, env=env, timeout=WAIT_S)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == (["False", "False", "True"] if broken else ["True", "True", "False"])
+    assert ("kept" in done.stderr) is broken

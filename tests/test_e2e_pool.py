@@ -1,5 +1,6 @@
 """The warm pool through the MCP client, on the real backend: a pooled session starts clean, other
-options start cold, pool_size=0 starts nothing ahead, and a stopped server leaves nothing running."""
+options start cold, pool_size=0 starts nothing ahead, and a stopped server leaves nothing running.
+On gvisor too: a pooled sandbox there runs behind the channel relay, so its memory can be saved."""
 
 from __future__ import annotations
 
@@ -18,9 +19,14 @@ from .conftest import (
     run,
     sandbox_processes_alive,
     server_env,
+    stdio_client,
     text_of,
     wait_until,
 )
+from .test_e2e_client_tokens import call
+from .test_e2e_gvisor_memory import gvisor_image  # noqa: F401  (the gvisor image fixture)
+from .test_e2e_podman import podman_image  # noqa: F401  (what gvisor_image builds on)
+from .test_e2e_snapshots import output
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -81,6 +87,36 @@ async def test_a_pooled_session_starts_clean(dirs: ServerDirs) -> None:
         seen = text_of(await run(client, "import os\nprint('secret' in globals(), sorted(os.listdir('.')))",
                                  session_id=second))  # fmt: skip
         assert "False" in seen and "left.txt" not in seen and "marker-a" not in seen, seen
+
+
+#: A thread that counts into `ticks`, and a variable: what only a memory snapshot brings back.
+LIVE_CELL = """
+import threading, time
+ticks = []
+def _tick():
+    while True:
+        ticks.append(1)
+        time.sleep(0.02)
+threading.Thread(target=_tick, daemon=True).start()
+secret = 41
+"""
+PROBE = "import time\nbefore = len(ticks)\ntime.sleep(0.3)\nprint(secret + 1, len(ticks) > before)"
+
+
+async def test_a_pooled_gvisor_session_starts_clean_and_its_memory_is_saved(
+    gvisor_image: str,  # noqa: F811
+    dirs: ServerDirs,
+) -> None:
+    env = server_env(dirs, CODERUNNER_BACKEND="gvisor", CODERUNNER_IMAGE=gvisor_image, CODERUNNER_POOL_SIZE="1")
+    async with stdio_client(env) as client:
+        session, _ = await pooled_session(client, dirs, "marker-gvisor")
+        await output(client, LIVE_CELL, session)
+        taken = await call(client, "manage_snapshots", action="save", session_id=session, name="pooled")
+        assert "memory" in taken and "thread" in taken["memory"], taken
+        assert "42 True" in await output(client, PROBE, session)  # the original runs on after its checkpoint
+        restored = await call(client, "manage_snapshots", action="restore", snapshot=taken["snapshot"])
+        assert restored["session_id"] != session and restored["restored"], restored
+        assert "42 True" in await output(client, PROBE, restored["session_id"])
 
 
 async def test_non_default_options_start_cold(dirs: ServerDirs) -> None:

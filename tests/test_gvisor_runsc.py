@@ -243,27 +243,36 @@ async def test_a_new_server_sweeps_what_a_dead_one_left(tmp_path: Path) -> None:
     assert container not in done.stdout
 
 
+#: It says "closed" only between two writes, never with a workspace file open: a checkpoint taken
+#: with /workspace/count.tmp open restores only where that file exists (the second session's
+#: workspace is empty here), and failed so ("no such file or directory") when a signal's handler
+#: said "closed" in the middle of a write. The real relay holds no workspace file either.
 STAND_IN_RELAY = """
 import os, signal, sys, time
 run = sys.argv[1]
 state = {"n": 0, "word": "open"}
+asked = []
 def say(word):
     state["n"] += 1
+    state["word"] = word
     tmp = os.path.join(run, ".state.tmp")
     with open(tmp, "w") as handle:
         handle.write(f"{word} {state['n']}\\n")
     os.replace(tmp, os.path.join(run, "RELAY_STATE_NAME"))
-signal.signal(signal.SIGUSR1, lambda *_: say("closed"))
-signal.signal(signal.SIGUSR2, lambda *_: say("open"))
+signal.signal(signal.SIGUSR1, lambda *_: asked.append("closed"))
+signal.signal(signal.SIGUSR2, lambda *_: asked.append("open"))
 say("open")
 with open("/workspace/started", "a") as handle:
     handle.write("started\\n")
 count = 0
 while True:
-    count += 1
-    with open("/workspace/count.tmp", "w") as handle:
-        handle.write(str(count))
-    os.replace("/workspace/count.tmp", "/workspace/count")
+    while asked:
+        say(asked.pop(0))
+    if state["word"] == "open":
+        count += 1
+        with open("/workspace/count.tmp", "w") as handle:
+            handle.write(str(count))
+        os.replace("/workspace/count.tmp", "/workspace/count")
     time.sleep(0.1)
 """.replace("RELAY_STATE_NAME", RELAY_STATE)
 

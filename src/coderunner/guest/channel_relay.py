@@ -147,11 +147,140 @@ class Plan:
 # --- the relay -----------------------------------------------------------------------------------
 
 
+class Side(asyncio.BufferedProtocol):
+    """One end of a relayed connection: what it reads is written to the other end's transport.
+
+    Why protocols, not streams: under gVisor's ptrace platform every syscall costs tens of µs. A
+    stream's read(CHUNK) allocates (mmap, mremap, munmap for each message) and wakes a task on the
+    next loop pass; here each read lands in one buffer kept for the connection and is written on
+    at once: epoll_wait, recv_into, send. Flow control as drain() gave it: this end's full write
+    buffer pauses reading at the other end."""
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.transport: asyncio.Transport | None = None
+        self.peer: Side | None = None
+        self.buffer = memoryview(bytearray(CHUNK))
+        self.eof = False
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        self.link.made(self)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.buffer
+
+    def buffer_updated(self, nbytes: int) -> None:
+        data = bytes(self.buffer[:nbytes])  # a copy: the buffer is read into again
+        peer = self.peer.transport if self.peer is not None else None
+        if peer is None:
+            self.link.early.append(data)  # the kernel's end is being dialled
+        else:
+            peer.write(data)
+
+    def eof_received(self) -> bool:
+        """Pass the EOF on; the connection ends once both directions have ended."""
+        self.eof = True
+        peer = self.peer
+        if peer is not None and peer.transport is not None and peer.transport.can_write_eof():
+            peer.transport.write_eof()
+        if peer is None or peer.eof:
+            self.link.close()
+            return False
+        return True
+
+    def pause_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.peer is not None and self.peer.transport is not None:
+            self.peer.transport.resume_reading()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
+        self.link.close()
+
+
+class Link:
+    """A host connection to one channel and its connection to the kernel's. Until the kernel's is
+    made the host's is paused; what it sent before the pause took hold (one read at most) waits in
+    `early`. The pause is a callback of its own: Python 3.11 starts reading after connection_made
+    even when paused there."""
+
+    def __init__(self, relay: Relay, port: int) -> None:
+        self.relay = relay
+        self.port = port
+        self.host = Side(self)
+        self.inner = Side(self)
+        self.host.peer, self.inner.peer = self.inner, self.host
+        self.dialing: asyncio.Task[None] | None = None
+        self.early: list[bytes] = []
+        self.counted = False
+        self.closed = False
+
+    def made(self, side: Side) -> None:
+        if side is not self.host:
+            return
+        relay = self.relay
+        if self.closed or not relay.servers or relay.per_port[self.port] >= MAX_CONNECTIONS:
+            self.close()  # closed meanwhile, or too many
+            return
+        relay.links.add(self)
+        relay.per_port[self.port] += 1
+        self.counted = True
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self.pause_host)
+        self.dialing = loop.create_task(self.dial())
+
+    def pause_host(self) -> None:
+        if not self.closed and self.inner.transport is None and self.host.transport is not None:
+            self.host.transport.pause_reading()
+
+    async def dial(self) -> None:
+        try:
+            await self.relay.dial(self.port, lambda: self.inner)
+        except (OSError, asyncio.TimeoutError):
+            self.close()
+            return
+        if self.closed:
+            if self.inner.transport is not None:
+                self.inner.transport.abort()
+        elif self.host.transport is not None and self.inner.transport is not None:
+            for data in self.early:
+                self.inner.transport.write(data)
+            self.early.clear()
+            if self.host.eof:  # it ended before the kernel's end was there: pass its EOF on now
+                self.inner.transport.write_eof()
+            else:
+                self.host.transport.resume_reading()
+
+    def sides(self) -> list[Side]:
+        return [side for side in (self.host, self.inner) if side.transport is not None]
+
+    def close(self, abort: bool = False) -> None:
+        """End both connections (flushing what is written, unless `abort`); once."""
+        if self.closed:
+            return
+        self.closed = True
+        for side in self.sides():
+            assert side.transport is not None
+            side.transport.abort() if abort else side.transport.close()
+        if self.dialing is not None and not self.dialing.done() and self.dialing is not asyncio.current_task():
+            self.dialing.cancel()
+        if self.counted:
+            self.relay.per_port[self.port] -= 1
+            self.relay.links.discard(self)
+
+
 class Relay:
     def __init__(self, plan: Plan) -> None:
         self.plan = plan
         self.servers: list[asyncio.AbstractServer] = []
-        self.links: dict[asyncio.Task[None], list[asyncio.StreamWriter]] = {}
+        self.links: set[Link] = set()
         self.per_port: dict[int, int] = dict.fromkeys(plan.ports, 0)
         self.generation = 0
 
@@ -191,9 +320,8 @@ class Relay:
             listener.close()
             raise
         extra: dict[str, Any] = {"cleanup_socket": False} if sys.version_info >= (3, 13) else {}
-        return await asyncio.start_unix_server(
-            lambda reader, writer: self.accept(reader, writer, port), sock=listener, **extra
-        )
+        loop = asyncio.get_running_loop()
+        return await loop.create_unix_server(lambda: Link(self, port).host, sock=listener, **extra)
 
     def drop_servers(self) -> None:
         for server in self.servers:
@@ -201,61 +329,32 @@ class Relay:
         self.servers = []
 
     async def close(self, announce: bool = True) -> None:
+        """Drop every listener and every relayed connection; "closed" only once their sockets are."""
         self.drop_servers()
-        for _ in range(3):  # let connections accepted just before the close reach accept(), which drops them
+        for _ in range(3):  # let connections accepted just before the close reach made(), which drops them
             await asyncio.sleep(0)
-        for task, writers in list(self.links.items()):
-            for writer in writers:
-                writer.close()
-            task.cancel()
-        if self.links:
-            await asyncio.wait(list(self.links), timeout=5)
+        lost = []
+        for link in list(self.links):
+            lost += [side.lost for side in link.sides()]
+            link.close(abort=True)
+        if lost:
+            await asyncio.wait(lost, timeout=5)
         if announce:
             self.report("closed")
 
-    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, port: int) -> None:
-        if not self.servers or self.per_port[port] >= MAX_CONNECTIONS:  # closed meanwhile, or too many
-            writer.close()
-            return
-        task = asyncio.current_task()
-        assert task is not None
-        writers = self.links[task] = [writer]
-        self.per_port[port] += 1
-        try:
-            inner_reader, inner_writer = await self.dial(port)
-            writers.append(inner_writer)
-            await asyncio.gather(pump(reader, inner_writer), pump(inner_reader, writer))
-        except (OSError, asyncio.TimeoutError):
-            pass
-        finally:
-            self.per_port[port] -= 1
-            self.links.pop(task, None)
-            for each in writers:
-                each.close()
-
-    async def dial(self, port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def dial(self, port: int, side: Any) -> None:
+        """Connect `side` (a protocol factory) to the kernel's channel, retrying while it starts."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + DIAL_S
         while True:
             try:
-                return await asyncio.wait_for(asyncio.open_unix_connection(self.plan.inner_path(port)), 5)
+                await asyncio.wait_for(loop.create_unix_connection(side, self.plan.inner_path(port)), 5)
+                return
             except (OSError, asyncio.TimeoutError):
                 if loop.time() > deadline:
                     say(f"the kernel's channel {self.plan.inner_path(port)} did not answer within {DIAL_S:.0f} s")
                     raise
                 await asyncio.sleep(0.05)
-
-
-async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    """Copy one direction until EOF, then pass the EOF on; drain() is the backpressure."""
-    while True:
-        data = await reader.read(CHUNK)
-        if not data:
-            break
-        writer.write(data)
-        await writer.drain()
-    if writer.can_write_eof():
-        writer.write_eof()
 
 
 # --- init duties ---------------------------------------------------------------------------------

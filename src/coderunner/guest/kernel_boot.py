@@ -1,4 +1,5 @@
-"""`python -m coderunner_guest.kernel_boot ARGS`: ipykernel's launcher, with IOPub's fork pipe on ipc.
+"""`python -m coderunner_guest.kernel_boot ARGS`: ipykernel's launcher, with IOPub's fork pipe on ipc
+and without the shell channel thread.
 
 ipykernel's IOPubThread binds a PULL socket on tcp://127.0.0.1:<random> that forked children
 (os.fork, multiprocessing's fork) push their output to. gVisor (this runsc) cannot save a sandbox
@@ -7,12 +8,22 @@ path the relay gives in CODERUNNER_IOPUB_PIPE (in its private /tmp dir) instead:
 still reaches iopub and the kernel holds no TCP socket. Without that variable, or with an ipykernel
 whose private methods are not the ones this was written against (7.4.0), the stock pipe is kept
 and a warning goes to stderr.
+
+ipykernel 7 reads the shell channel on a thread of its own and hands each message to the main
+thread (and the reply back) over inproc ZMQ sockets, for kernel subshells, which the host never
+asks for. Under gVisor's ptrace platform each syscall costs tens of µs and that hop about 60 of
+them per `1+1` (of about 400, counted with runsc --strace). Here the main thread reads the shell
+channel itself, as in ipykernel 6 (the path ipykernel 7 keeps for a kernel without the thread).
+And the IOPub thread is handed its work (each message published) by its event loop's own
+thread-safe callback, not by a ZMQ inproc "event pipe" whose every wake-up its ZMQStream follows
+with a dozen socket polls.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import threading
 import uuid
 from typing import Any
 
@@ -71,6 +82,68 @@ def install_ipc_pipe(prefix: str) -> bool:
     return True
 
 
+class NoShellChannelThread:
+    """Stands for ipykernel's shell channel thread, never started: falsy, so ipykernel takes its
+    path without one; `parent_thread` answers the one question asked of it regardless (an async
+    cell's SIGINT handling: is this the main thread?)."""
+
+    parent_thread = threading.main_thread()
+
+    def __bool__(self) -> bool:
+        return False
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def drop_shell_channel_thread() -> bool:
+    """The main thread reads the shell channel (no subshells); False (stock kept) for an ipykernel
+    whose structure is not the one this was written against (7.4)."""
+    from ipykernel import kernelapp, kernelbase
+
+    app, kernel = kernelapp.IPKernelApp, kernelbase.Kernel
+    if not (
+        callable(getattr(app, "init_sockets", None))
+        and "shell_channel_thread" in app.class_trait_names()
+        and isinstance(getattr(kernel, "_supports_kernel_subshells", None), property)
+    ):
+        warn("this ipykernel has no shell channel thread this knows how to drop: kept")
+        return False
+    stock = app.init_sockets
+
+    def init_sockets(self: Any, *args: Any, **kwargs: Any) -> Any:
+        done = stock(self, *args, **kwargs)
+        self.shell_channel_thread = NoShellChannelThread()
+        return done
+
+    app.init_sockets = init_sockets
+    kernel._supports_kernel_subshells = property(lambda self: bool(self.shell_channel_thread))
+    return True
+
+
+def schedule_by_callback() -> bool:
+    """IOPubThread.schedule through io_loop.add_callback (call_soon_threadsafe: one write to the
+    loop's self-pipe); False (stock kept) for an ipykernel whose IOPubThread is not as in 7.4."""
+    from ipykernel import iostream
+
+    thread = iostream.IOPubThread
+    if not all(callable(getattr(thread, name, None)) for name in ("schedule", "_handle_event", "_really_send")):
+        warn("this ipykernel's IOPub thread is not one this was written for: its event pipe is kept")
+        return False
+
+    def schedule(self: Any, f: Any) -> None:
+        if self.thread.is_alive():
+            try:
+                self.io_loop.add_callback(f)
+                return
+            except RuntimeError:  # its loop closed meanwhile (shutdown): as stock with the thread gone
+                pass
+        f()
+
+    thread.schedule = schedule
+    return True
+
+
 def main() -> None:
     prefix = os.environ.get(PIPE_ENV)
     if prefix:
@@ -79,6 +152,8 @@ def main() -> None:
         warn(f"{PIPE_ENV} is not set: IOPub's fork pipe stays on TCP")
     if sys.path and sys.path[0] in ("", os.getcwd()):  # as ipykernel_launcher; the kernel adds it back
         del sys.path[0]
+    drop_shell_channel_thread()
+    schedule_by_callback()
     from ipykernel import kernelapp
 
     kernelapp.launch_new_instance()
