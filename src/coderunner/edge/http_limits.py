@@ -21,6 +21,8 @@ MCP session; with one copy there is nothing to disagree about.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -81,6 +83,7 @@ class BoundedH11Protocol(H11Protocol):
         self._waiting_since_cycle: object = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn's protocol takes the concrete Transport
+        no_delay(transport)
         super().connection_made(transport)
         self._start_waiting(timed=True)
         if len(self.connections) > self.gate.limits.max_connections:
@@ -140,6 +143,19 @@ class BoundedH11Protocol(H11Protocol):
         self.connections.discard(self)
         if not self.transport.is_closing():
             self.transport.abort()
+
+
+def no_delay(transport: asyncio.BaseTransport) -> None:
+    """Send each response write at once (TCP_NODELAY).
+
+    asyncio sets it only on sockets whose protocol number says TCP, and a listener made as
+    socket(AF_INET, SOCK_STREAM) (edge/listener.py) says 0: Nagle then held a response's later writes
+    until the client's delayed ACK, about 40 ms on Linux, on every request of a kept-alive connection.
+    """
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        with contextlib.suppress(OSError):  # a connection already reset: nothing to send on
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 def bounded_protocol(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
