@@ -165,13 +165,17 @@ def bounded_protocol(limits: ConnectionLimits) -> type[BoundedH11Protocol]:
 
 def repeated_field(scope: Scope) -> str | None:
     """The first header or query parameter of SINGLE_HEADERS / SINGLE_PARAMS this request repeats."""
-    headers = Counter(name.lower() for name, _ in scope.get("headers", []))
-    for name in sorted(SINGLE_HEADERS):
-        if headers[name] > 1:
-            return f"header {name.decode()}"
+    # Only the deciding names are counted (every request passes here: no tally of all its headers).
+    headers = Counter(lower for name, _ in scope.get("headers", []) if (lower := name.lower()) in SINGLE_HEADERS)
+    if len(headers) < sum(headers.values()):
+        for name in sorted(SINGLE_HEADERS):
+            if headers[name] > 1:
+                return f"header {name.decode()}"
+    query = scope.get("query_string", b"")
+    if not query:
+        return None
     # Decoded exactly as Starlette's QueryParams does, which is what the SDK reads.
-    query = scope.get("query_string", b"").decode("latin-1")
-    params = Counter(name for name, _ in parse_qsl(query, keep_blank_values=True))
+    params = Counter(name for name, _ in parse_qsl(query.decode("latin-1"), keep_blank_values=True))
     for param in sorted(SINGLE_PARAMS):
         if params[param] > 1:
             return f"query parameter {param}"
