@@ -16,6 +16,8 @@ where it goes (SINGLE_HEADERS, SINGLE_PARAMS) is refused with 400 before anythin
 `headers.get` takes the first, its `query_params.get` the last, a regex the first literal match.
 A check reading one copy while the SDK routes on another is how a token reached another token's
 MCP session; with one copy there is nothing to disagree about.
+
+The protocol also turns Nagle off on each connection (`no_delay`): a response goes out as written.
 """
 
 from __future__ import annotations
