@@ -45,7 +45,11 @@ import anyio
 from jupyter_client.manager import AsyncKernelManager
 from mcp import Client, StdioServerParameters
 
+import coderunner
 from coderunner.config import load_settings
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from summary import Figure, add_summary_argument, write_summary
 
 
 def _passable(path: Path) -> Path:
@@ -135,9 +139,16 @@ async def raw_kernel():  # type: ignore[no-untyped-def]
 # --- CodeRunner through MCP over stdio ----------------------------------------------------------
 
 
+def own_src() -> Path:
+    """The source tree this bench imports coderunner from: its servers run the same code (a checkout
+    measures itself, not whatever tree the venv has installed)."""
+    return Path(coderunner.__file__).resolve().parents[1]
+
+
 def bench_env(root: Path, backend: str = "bwrap") -> dict[str, str]:
-    """A bench server's whole environment: its own dirs, quiet logs, the backend's own settings."""
+    """A bench server's whole environment: its own dirs, quiet logs, the backend's own settings, this tree."""
     env = {
+        "PYTHONPATH": str(own_src()),
         "CODERUNNER_BACKEND": backend,
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
@@ -218,7 +229,13 @@ def ratio(ours: list[float], anchor: list[float]) -> str:
 
 
 async def main(
-    rounds: int, per_round: int, colds: int, backends: list[str], baseline: Path | None, cpu_weight: int
+    rounds: int,
+    per_round: int,
+    colds: int,
+    backends: list[str],
+    baseline: Path | None,
+    cpu_weight: int,
+    summary: Path | None = None,
 ) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
@@ -280,19 +297,40 @@ async def main(
     print(f"{rounds} rounds x {per_round} warm calls per lane, shuffled; {colds} cold starts per lane, shuffled")
     print(f"{'measure':40} {'median ms':>10} {'p90 ms':>9} {'min ms':>9} {'n':>5}")
     rows = [(f"warm 1+1, {name}", samples) for name, samples in warm.items()]
-    rows += [(f"cold start, {name}", samples) for name, samples in cold.items()]
+    rows += [(f"cold start, {name}", samples) for name, samples in cold.items() if samples]
     for name, samples in rows:
         row = summarize(samples)
         print(f"{name:40} {row['median_ms']:10.2f} {row['p90_ms']:9.2f} {row['min_ms']:9.2f} {row['n']:5d}")
-    for name, seconds in cpu.items():
-        print(f"server CPU per warm call, {name}: {seconds / len(warm[name]) * 1000:.2f} ms")
+    per_call = {name: seconds / len(warm[name]) * 1000 for name, seconds in cpu.items()}
+    for name, ms in per_call.items():
+        print(f"server CPU per warm call, {name}: {ms:.2f} ms")
     for lane in ours:
         mine = warm[lane]
+        colder = f"; cold CodeRunner / raw {ratio(cold[lane], cold['raw'])}" if cold[lane] else ""
         print(
             f"{lane}: warm CodeRunner / raw {ratio(mine, warm['raw'])}, "
-            f"CodeRunner / minimal MCP {ratio(mine, warm['minimal MCP'])}; "
-            f"cold CodeRunner / raw {ratio(cold[lane], cold['raw'])}"
+            f"CodeRunner / minimal MCP {ratio(mine, warm['minimal MCP'])}{colder}"
         )
+    print(f"load {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
+    write_summary(summary, "latency", figures(warm, per_call))
+
+
+def figures(warm: dict[str, list[float]], cpu_ms: dict[str, float]) -> list[Figure]:
+    """The issue's warm-call target (median beside the raw kernel's, same run) and what explains it."""
+    raw = statistics.median(warm["raw"]) * 1000
+    found = []
+    for lane, samples in warm.items():
+        if lane == "raw":
+            continue
+        value = statistics.median(samples) * 1000
+        ours = lane.startswith("coderunner") and not lane.endswith("baseline")
+        notes = f"server CPU {cpu_ms[lane]:.2f} ms per call" if lane in cpu_ms else ""
+        found.append(
+            Figure(f"warm run_python('1+1'), {lane}, median", round(value, 2), "ms", baseline=round(raw, 2),
+                   baseline_name="raw kernel (jupyter_client)", target="<= 1.1x" if ours else "",
+                   met=value <= 1.1 * raw if ours else None, notes=notes)
+        )  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":
@@ -309,6 +347,8 @@ if __name__ == "__main__":
         "--cpu-weight", type=int, default=100,
         help="sessions' CPU weight (server default 20); 100 schedules the sandboxed kernel like the raw one",
     )  # fmt: skip
+    add_summary_argument(parser)
     args = parser.parse_args()
     baseline = args.baseline_src.resolve() if args.baseline_src else None
-    anyio.run(main, args.rounds, args.per_round, args.colds, args.backend or ["bwrap"], baseline, args.cpu_weight)
+    backends = args.backend or ["bwrap"]
+    anyio.run(main, args.rounds, args.per_round, args.colds, backends, baseline, args.cpu_weight, args.summary)

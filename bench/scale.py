@@ -1,11 +1,16 @@
 """Concurrency and density: many clients and many sessions, each beside a baseline from the same run.
 
-    .venv/bin/python bench/scale.py [--sessions 50] [--clients 8] [--calls 200] [--rounds 20] [--raw 10]
+    .venv/bin/python bench/scale.py [--sessions 50] [--clients 8] [--calls 400] [--rounds 20] [--raw 10]
+                                    [--only concurrency] [--baseline-src /tmp/base/src] [--summary out.json]
 
 1. Concurrency: `--clients` MCP clients over streamable HTTP to one `coderunner serve`, each with
    its own session, all running `1+1` at once; beside it the same number of raw ipykernels
-   (jupyter_client, unsandboxed) driven at once from one process. Rounds alternate the two lanes.
-   Prints throughput (calls/s) and per-call p50/p99.
+   (jupyter_client, unsandboxed) driven at once from one process, and with --baseline-src the same
+   clients to a server from another tree (before/after). Rounds run the lanes in a fresh random order.
+   Prints throughput (calls/s), per-call p50/p99, and each server's CPU time per call (/proc).
+   The sessions run at CPU weight `--cpu-weight` (100, as the raw kernels; the server's default 20
+   lets other load on the machine delay them, which is its purpose, not the server's cost).
+   `--only concurrency` runs just this part (about a minute).
 2. Density: `--sessions` idle sessions (each ran `1+1`); PSS of every process in each sandbox
    (/proc/PID/smaps_rollup, bwrap included) per session, beside the PSS of `--raw` idle raw
    ipykernels alive at the same time (same Python environment, so shared pages are shared alike).
@@ -47,6 +52,10 @@ from mcp.client.streamable_http import streamable_http_client
 
 from coderunner.config import load_settings
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from latency import cpu_seconds, own_src
+from summary import Figure, add_summary_argument, write_summary
+
 TOKEN = "bench-" + secrets.token_hex(16)
 #: Pause between create-to-first-result rounds: the think time in which a pool refills.
 THINK_S = 1.5
@@ -77,6 +86,7 @@ def bench_env(root: Path, **extra: str) -> dict[str, str]:
         "CODERUNNER_TOKEN": TOKEN,
         "CODERUNNER_LOG_LEVEL": "WARNING",
         "CODERUNNER_EXPORT_DIR": "",
+        "PYTHONPATH": str(own_src()),  # this checkout's server, not whatever the venv has installed
     }
     for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_BACKEND", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):
         if key in os.environ:
@@ -93,7 +103,8 @@ def stdio_server(root: Path, **extra: str) -> Client:
 
 
 @contextlib.contextmanager
-def http_server(root: Path, **extra: str) -> Iterator[str]:
+def http_server(root: Path, **extra: str) -> Iterator[tuple[str, int]]:
+    """A `coderunner serve` over streamable HTTP: its MCP URL and its pid."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -111,7 +122,7 @@ def http_server(root: Path, **extra: str) -> Iterator[str]:
             if process.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the bench server did not start")
             time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}/mcp"
+        yield f"http://127.0.0.1:{port}/mcp", process.pid
     finally:
         process.send_signal(signal.SIGTERM)
         try:
@@ -244,57 +255,88 @@ def mem_available_mb() -> float:
 # --- 1. concurrency ---------------------------------------------------------------------------------
 
 
-async def concurrency(root: Path, clients: int, calls: int, rounds: int) -> None:
+async def concurrency(
+    root: Path, clients: int, calls: int, rounds: int, cpu_weight: int, baseline: Path | None
+) -> list[Figure]:
     per_round = max(calls // rounds, 5)
-    ours: list[float] = []
-    raw: list[float] = []
-    ours_wall = raw_wall = 0.0
-    env = {"CODERUNNER_MAX_SESSIONS": str(clients + 4), "CODERUNNER_POOL_SIZE": "0"}
-    with http_server(root / "conc", **env) as url:
-        async with contextlib.AsyncExitStack() as stack:
+    env = {
+        "CODERUNNER_MAX_SESSIONS": str(clients + 4),
+        "CODERUNNER_POOL_SIZE": "0",
+        "CODERUNNER_SESSION_CPU_WEIGHT": str(cpu_weight),
+    }
+    servers = {"coderunner": own_src()}
+    if baseline is not None:
+        servers["baseline"] = baseline
+    samples: dict[str, list[float]] = {name: [] for name in [*servers, "raw"]}
+    walls = dict.fromkeys(samples, 0.0)
+    cpu = dict.fromkeys(servers, 0.0)
+    async with contextlib.AsyncExitStack() as stack:
+        runners: dict[str, list] = {}  # type: ignore[type-arg]
+        pids: dict[str, int] = {}
+        for name, src in servers.items():
+            url, pids[name] = stack.enter_context(http_server(root / f"conc-{name}", PYTHONPATH=str(src), **env))
             conns = [await stack.enter_async_context(http_client(url, f"bench-{i}")) for i in range(clients)]
             for conn in conns:  # each client's default session, started and warm
                 for _ in range(5):
                     await call(conn, "run_python", code="1+1")
-            kernels = [await RawKernel().start() for _ in range(clients)]
-            for kernel in kernels:
-                for _ in range(5):
-                    await kernel.run()
+            runners[name] = [lambda c=conn: call(c, "run_python", code="1+1") for conn in conns]
+        kernels = [await RawKernel().start() for _ in range(clients)]
+        stack.push_async_callback(lambda: _stop_all(kernels))
+        for kernel in kernels:
+            for _ in range(5):
+                await kernel.run()
+        runners["raw"] = [kernel.run for kernel in kernels]
 
-            async def lane(runners: list, samples: list[float]) -> float:  # type: ignore[type-arg]
-                async def one(runner) -> None:  # type: ignore[no-untyped-def]
-                    for _ in range(per_round):
-                        began = time.perf_counter()
-                        await runner()
-                        samples.append(time.perf_counter() - began)
+        async def lane(name: str) -> None:
+            async def one(runner) -> None:  # type: ignore[no-untyped-def]
+                for _ in range(per_round):
+                    began = time.perf_counter()
+                    await runner()
+                    samples[name].append(time.perf_counter() - began)
 
-                began = time.perf_counter()
-                async with anyio.create_task_group() as tg:
-                    for runner in runners:
-                        tg.start_soon(one, runner)
-                return time.perf_counter() - began
+            began, cpu_began = time.perf_counter(), cpu_seconds(pids.get(name))
+            async with anyio.create_task_group() as tg:
+                for runner in runners[name]:
+                    tg.start_soon(one, runner)
+            walls[name] += time.perf_counter() - began
+            if name in cpu:
+                cpu[name] += cpu_seconds(pids.get(name)) - cpu_began
 
-            mcp_runners = [lambda c=conn: call(c, "run_python", code="1+1") for conn in conns]
-            raw_runners = [kernel.run for kernel in kernels]
-            for index in range(rounds):
-                lanes = [("ours", mcp_runners, ours), ("raw", raw_runners, raw)]
-                if index % 2:
-                    lanes.reverse()
-                for name, runners, samples in lanes:
-                    wall = await lane(runners, samples)
-                    if name == "ours":
-                        ours_wall += wall
-                    else:
-                        raw_wall += wall
-            for kernel in kernels:
-                await kernel.stop()
-    print(f"\n1. {clients} clients at once, `1+1` each in its own session ({rounds} alternating rounds)")
-    print(row(f"coderunner, {clients} MCP clients (HTTP)", ours))
-    print(row(f"raw ipykernel, {clients} kernels", raw))
-    print(
-        f"   throughput: coderunner {len(ours) / ours_wall:.0f} calls/s, raw {len(raw) / raw_wall:.0f} calls/s "
-        f"({len(ours) / ours_wall / (len(raw) / raw_wall):.2f}x); p50 {pct(ours, 0.5) / pct(raw, 0.5):.2f}x raw"
-    )
+        for _ in range(rounds):
+            for name in random.sample(list(runners), len(runners)):
+                await lane(name)
+    rate = {name: len(samples[name]) / walls[name] for name in samples}
+    print(f"\n1. {clients} clients at once, `1+1` each in its own session ({rounds} shuffled rounds; "
+          f"sessions at CPU weight {cpu_weight}; load {os.getloadavg()[0]:.2f})")  # fmt: skip
+    for name in servers:
+        print(row(f"{name}, {clients} MCP clients (HTTP)", samples[name]))
+    print(row(f"raw ipykernel, {clients} kernels", samples["raw"]))
+    for name in servers:
+        print(
+            f"   {name}: {rate[name]:.0f} calls/s against raw {rate['raw']:.0f} ({rate[name] / rate['raw']:.2f}x); "
+            f"p50 {pct(samples[name], 0.5) / pct(samples['raw'], 0.5):.2f}x raw; "
+            f"server CPU {cpu[name] / len(samples[name]) * 1000:.2f} ms per call"
+        )
+    figures = []
+    for name in servers:
+        ours = name == "coderunner"  # the baseline tree's figures are for comparison: no target of their own
+        label, notes = ("", "") if ours else (f" ({name})", f"the server of {servers[name]}")
+        p99 = pct(samples[name], 0.99)
+        figures += [
+            Figure(f"{clients} HTTP clients at once, calls/s{label}", round(rate[name], 1), "calls/s",
+                   baseline=round(rate["raw"], 1), baseline_name=f"{clients} raw kernels at once",
+                   target=">= 0.9x" if ours else "", met=rate[name] >= 0.9 * rate["raw"] if ours else None,
+                   notes=notes),
+            Figure(f"{clients} HTTP clients at once, p99{label}", round(p99, 1), "ms",
+                   baseline=round(pct(samples["raw"], 0.99), 1), baseline_name=f"{clients} raw kernels at once",
+                   target="< 100 ms" if ours else "", met=p99 < 100 if ours else None, notes=notes),
+        ]  # fmt: skip
+    return figures
+
+
+async def _stop_all(kernels: list[RawKernel]) -> None:
+    for kernel in kernels:
+        await kernel.stop()
 
 
 # --- 2 and 3. density and start-up of many -------------------------------------------------------
@@ -414,17 +456,19 @@ async def main(args: argparse.Namespace) -> None:
     root.chmod(0o711)  # a root server's sandbox users pass through
     kernelspec(settings.sandbox_env / "bin" / "python", root / "jupyter")
     print(f"machine: {os.cpu_count()} cores, {mem_available_mb():.0f} MiB available, load {os.getloadavg()[0]:.2f}")
+    figures: list[Figure] = []
     try:
         if "first" in args.only:
             await first_result(root, args.rounds)
         if "concurrency" in args.only:
-            await concurrency(root, args.clients, args.calls, args.rounds)
+            figures += await concurrency(root, args.clients, args.calls, args.rounds, args.cpu_weight, args.baseline)
         if "many" in args.only:
             await many(root, args.sessions, args.raw)
         if "burst" in args.only:
             await burst(root, args.sessions)
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    write_summary(args.summary, "scale", figures)
 
 
 if __name__ == "__main__":
@@ -437,6 +481,13 @@ if __name__ == "__main__":
     parser.add_argument(
         "--only", action="append", choices=["first", "concurrency", "many", "burst"], help="run only these parts"
     )
+    parser.add_argument(
+        "--cpu-weight", type=int, default=100,
+        help="concurrency: sessions' CPU weight (server default 20); 100 schedules them like the raw kernels",
+    )  # fmt: skip
+    parser.add_argument("--baseline-src", dest="baseline", type=Path, help="concurrency: also another tree's server")
+    add_summary_argument(parser)
     parsed = parser.parse_args()
+    parsed.baseline = parsed.baseline.resolve() if parsed.baseline else None
     parsed.only = parsed.only or ["first", "concurrency", "many", "burst"]
     anyio.run(main, parsed)

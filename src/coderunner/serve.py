@@ -12,12 +12,15 @@ from typing import Any
 
 import anyio
 import uvicorn
+from mcp.server.mcpserver import MCPServer
+from mcp.server.stdio import stdio_server
 from mcp.server.transport_security import TransportSecuritySettings
 
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.auth import RequireToken, policy_for
 from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
 from coderunner.edge.listener import bind_listener
+from coderunner.edge.stdio_wire import claim_stdio
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server
 from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
@@ -42,8 +45,8 @@ async def serve(settings: Settings) -> None:
         if settings.transport == "stdio":
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, manager)
-                tg.start_soon(_print_to_log)  # runs once the SDK holds the channel (its claim has no await)
-                await server.run_stdio_async()
+                tg.start_soon(_print_to_log)  # runs once the channel is claimed (no claim has an await)
+                await _serve_stdio(server)
                 _divert_stdout()  # the channel is done; what is printed while sessions close goes to the log
                 tg.cancel_scope.cancel()
             # The client closed stdin; the sessions close next, on leaving this block. A client then
@@ -87,6 +90,23 @@ async def serve(settings: Settings) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             signal.signal(signum, _note_signal)
         await uvicorn.Server(config).serve(sockets=[listener])
+
+
+async def _serve_stdio(server: MCPServer) -> None:
+    """MCP over stdin/stdout: read and written on the loop when they are pipes (edge/stdio_wire.py), else
+    by the SDK's transport (a worker thread per line). mcp 2.3 has no public way to give its stdio run
+    other streams, hence the guarded private access."""
+    lowlevel = getattr(server, "_lowlevel_server", None)
+    if lowlevel is None:
+        await server.run_stdio_async()
+        return
+    async with claim_stdio() as wire:
+        if wire is None:
+            await server.run_stdio_async()
+            return
+        reader, writer = wire
+        async with stdio_server(stdin=reader, stdout=writer) as (read_stream, write_stream):  # type: ignore[arg-type]
+            await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 import pytest
@@ -10,9 +11,11 @@ from coderunner.edge.http_limits import (
     SINGLE_HEADERS,
     ConnectionLimits,
     bounded_protocol,
+    no_delay,
     refuse_repeated,
     repeated_field,
 )
+from coderunner.edge.listener import bind_listener
 
 pytestmark = pytest.mark.anyio
 
@@ -64,3 +67,20 @@ def test_each_server_gets_a_gate_of_its_own() -> None:
     limits = ConnectionLimits(max_connections=4, head_timeout_s=5.0)
     first, second = bounded_protocol(limits), bounded_protocol(limits)
     assert first.gate is not second.gate and first.gate.limits == limits and not first.gate.waiting
+
+
+def test_accepted_connections_send_without_delay() -> None:
+    """The listener says protocol 0, so asyncio leaves Nagle on; each connection turns it off (40 ms a request)."""
+    listener = bind_listener("127.0.0.1", 0)
+    listener.listen(1)
+    with listener, socket.create_connection(listener.getsockname()) as _client:
+        accepted, _ = listener.accept()
+        with accepted:
+
+            class Transport:
+                def get_extra_info(self, name: str) -> Any:
+                    return accepted if name == "socket" else None
+
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 0  # what asyncio would leave
+            no_delay(Transport())  # type: ignore[arg-type]
+            assert accepted.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1

@@ -92,6 +92,8 @@ class Mailbox:
     broken: str | None = None
     #: Messages read and thrown away because nobody expected them (for tests and figures).
     dropped: int = 0
+    #: The frames `_decide` last read a parent from, and that parent: `_sort` reads it once, not twice.
+    _decided: tuple[list[bytes], str | None] | None = None
 
     # --- the consumer side ----------------------------------------------------------------------
 
@@ -195,10 +197,12 @@ class Mailbox:
         if len(frames) < at + 4:
             return None
         parent = _parent_id(frames, self.connection.limits)
+        self._decided = (frames, parent)
         return parent is not None and parent in self._expected
 
     def _sort(self, received: list[bytes] | Skipped) -> tuple[Message | Lost | None, int]:
         """Decode what someone expects; None for the rest. Returns the item and its raw size."""
+        decided, self._decided = self._decided, None  # never held past its message (its frames may be big)
         if isinstance(received, Skipped):
             if not received.over_limit or not self._expected:
                 return None, 0
@@ -208,7 +212,10 @@ class Mailbox:
             limit = self.connection.limits.max_message_bytes
             return Lost(parent, f"a message over {limit // 2**20} MiB was skipped"), 0
         size = sum(len(frame) for frame in received)
-        parent = _parent_id(received, self.connection.limits)
+        if decided is not None and decided[0] is received:  # the same message: its parent frame is unchanged
+            parent = decided[1]
+        else:
+            parent = _parent_id(received, self.connection.limits)
         if parent is None or parent not in self._expected:
             return None, 0
         try:

@@ -1,0 +1,98 @@
+"""stdio's wire on the loop: lines as the SDK reads them, bounded, and fds given back as they were."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import anyio
+import pytest
+
+from coderunner.edge.stdio_wire import WireReader, WireWriter, _claimed
+
+pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int]]:
+    read, write = os.pipe()
+    yield read, write
+    for fd in (read, write):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+async def lines_of(reader: WireReader) -> list[str]:
+    return [line async for line in reader]
+
+
+async def test_lines_split_across_writes_come_whole_and_a_last_unended_one_too(pipe: tuple[int, int]) -> None:
+    read, write = pipe
+    os.set_blocking(read, False)
+    reader = WireReader(read)
+
+    async def feed() -> None:
+        for piece in (b'{"a":', b'1}\n{"b"', b':2}\n\n{"c":"\xc3', b'\xa9"}\n{"tail":3}'):
+            os.write(write, piece)
+            await anyio.sleep(0.01)
+        os.close(write)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(feed)
+        got = await lines_of(reader)
+    assert got == ['{"a":1}\n', '{"b":2}\n', "\n", '{"c":"é"}\n', '{"tail":3}']
+
+
+async def test_a_line_over_the_limit_is_dropped_and_the_next_one_read(pipe: tuple[int, int]) -> None:
+    read, write = pipe
+    os.set_blocking(read, False)
+    reader = WireReader(read, limit=1000)
+
+    async def feed() -> None:
+        for _ in range(10):  # 5000 bytes without a newline, in pieces: never held beyond the limit
+            os.write(write, b"x" * 500)
+            await anyio.sleep(0)
+        os.write(write, b"x\n" + b'{"ok":true}\n')
+        os.close(write)
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(feed)
+        got = await lines_of(reader)
+    assert got == ['{"ok":true}\n']
+    assert len(reader._buffer) == 0
+
+
+async def test_writes_wait_for_a_slow_reader_and_arrive_whole(pipe: tuple[int, int]) -> None:
+    read, write = pipe
+    os.set_blocking(write, False)
+    writer = WireWriter(write)
+    message = "y" * (1 << 20) + "\n"  # far more than a pipe holds
+    received = bytearray()
+
+    async def drain() -> None:
+        while len(received) < len(message):
+            await anyio.wait_readable(read)
+            received.extend(os.read(read, 1 << 16))
+
+    async with anyio.create_task_group() as group:
+        group.start_soon(drain)
+        await writer.write(message)
+        await writer.flush()
+    assert received.decode() == message
+
+
+def test_a_claimed_fd_points_elsewhere_and_gets_its_wire_back_blocking(pipe: tuple[int, int]) -> None:
+    read, write = pipe
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        with _claimed(write, null) as wire:
+            assert wire > 2 and not os.get_blocking(wire)
+            os.write(write, b"stray\n")  # goes to the diversion, never to the wire
+            os.write(wire, b"message\n")
+        assert os.get_blocking(write)
+        os.write(write, b"after\n")
+    finally:
+        os.close(null)
+    os.close(write)
+    assert os.read(read, 100) == b"message\nafter\n"
