@@ -10,8 +10,8 @@ shared machine hits them alike), each beside a baseline from the same rounds:
 - stdio: `coderunner serve` launched with its own dirs; the `initialize` request is written at once
   (as a client does) and timed to its answer; then `run_python('1+1')` is timed from the launch to
   its result (a session made on the way, from the warm pool when it is ready, as a user gets it);
-- the same two on bench/minimal_mcp.py (the same SDK around one plain ipykernel, no sandbox): what
-  the SDK, the interpreter and a kernel start cost by themselves.
+- the same two on bench/minimal_mcp.py (the same SDK around one plain ipykernel of the sandboxes'
+  environment, no sandbox): what the SDK, the interpreter and a kernel start cost by themselves.
 The messages are JSON-RPC lines written by hand, so this process's own imports are never timed.
 """
 
@@ -34,6 +34,8 @@ import anyio
 from anyio.streams.buffered import BufferedByteReceiveStream
 from latency import _passable, bench_env, kernelspec_dir
 from summary import Figure, add_summary_argument, write_summary
+
+from coderunner.config import load_settings
 
 SRC = Path(__file__).resolve().parent.parent / "src"
 MINIMAL = Path(__file__).resolve().parent / "minimal_mcp.py"
@@ -107,7 +109,8 @@ async def measure(rounds: int, root: Path) -> dict[str, list[float]]:
     python = sys.executable
     plain_env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": os.environ.get("HOME", "/root"),
                  "PYTHONPATH": str(SRC)}  # fmt: skip
-    minimal_env = {**plain_env, "JUPYTER_PATH": str(kernelspec_dir(Path(python), root / "jupyter"))}
+    kernel_python = load_settings().sandbox_env / "bin" / "python"  # the sandboxes' environment (it has ipykernel)
+    minimal_env = {**plain_env, "JUPYTER_PATH": str(kernelspec_dir(kernel_python, root / "jupyter"))}
     minimal_env["JUPYTER_RUNTIME_DIR"] = str(root / "jupyter-run")
     samples: dict[str, list[float]] = defaultdict(list)
     launches = 0
@@ -115,8 +118,9 @@ async def measure(rounds: int, root: Path) -> dict[str, list[float]]:
     async def ours() -> None:
         nonlocal launches
         launches += 1
-        home = _passable(root / f"server-{launches}")
+        home = root / f"server-{launches}"
         home.mkdir()
+        _passable(home)
         env = {**bench_env(home), "CODERUNNER_CONFIG": os.devnull, "PYTHONPATH": str(SRC),
                "CODERUNNER_TOKEN_FILE": str(home / "token")}  # fmt: skip
         try:
