@@ -175,7 +175,7 @@ def table(results: list[LaneResult]) -> str:
             if figure.baseline is not None:
                 baseline = f"{figure.baseline_name}: {number(figure.baseline)} {figure.unit}".strip()
                 difference = figure.value - figure.baseline
-                ratio = f"{'+' if difference >= 0 else '−'}{number(abs(difference))} {figure.unit}".strip()
+                ratio = f"{'+' if difference >= 0 else '-'}{number(abs(difference))} {figure.unit}".strip()
                 if figure.ratio is not None:
                     ratio = f"{figure.ratio:.2f}x, {ratio}"
             met = {True: "yes", False: "no", None: "–"}[figure.met]
@@ -205,9 +205,10 @@ def machine_line(before: str, after: str, when: str) -> str:
 
 
 def docs_block(report: str, command: str, machine: str) -> str:
-    return (f"{DOCS_BEGIN}\n## The issue's figures, one run\n\n"
-            f"Written by `{command}` (do not edit by hand: run it again). Each figure beside its baseline from the "
-            f"same run; the machine is shared, so read the ratios.\n\n{report}\n\n{machine}\n{DOCS_END}")  # fmt: skip
+    return (f"{DOCS_BEGIN}\n## Every lane in one run\n\n"
+            f"Written by `{command}` (run it again rather than edit this by hand): each figure beside its baseline "
+            f"from the same run and the target it is held to. On a shared machine read the ratios and the load."
+            f"\n\n{report}\n\n{machine}\n{DOCS_END}")  # fmt: skip
 
 
 def rewrite_docs(text: str, block: str) -> str:
