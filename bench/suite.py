@@ -27,6 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 from summary import Summary, read_summary
 
@@ -39,6 +40,10 @@ DOCS_END = "<!-- bench/suite.py end -->"
 REASON_CHARS = 300
 #: After a timeout's SIGTERM, how long the lane's process group has before SIGKILL.
 KILL_GRACE_S = 10.0
+#: Most a lane may print (its log file); past it the lane is ended as a failure.
+MAX_LOG_BYTES = 16 * 2**20
+#: How often a running lane's log size is checked.
+POLL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -103,11 +108,10 @@ def run_lane(name: str, lane: Lane, quick: bool, logs: Path) -> LaneResult:
         # Its own process group: a timeout ends the lane's servers and sandboxes with it.
         process = subprocess.Popen(lane_argv(lane, quick, summary_path), cwd=REPO, env=env, stdin=subprocess.DEVNULL,
                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
-        try:
-            code = process.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        code, failure = _wait_bounded(process, began + timeout, log)
+        if failure:
             _end_group(process)
-            return LaneResult(name, None, f"failed: timed out after {timeout:.0f} s", time.monotonic() - began)
+            return LaneResult(name, None, failure.format(timeout=timeout), time.monotonic() - began)
     seconds = time.monotonic() - began
     tail = _tail(logs / f"{name}.log")
     if code == 2 and re.search(r"unrecognized arguments:.* --summary", tail):
@@ -121,6 +125,18 @@ def run_lane(name: str, lane: Lane, quick: bool, logs: Path) -> LaneResult:
     except (ValueError, KeyError, TypeError) as exc:
         return LaneResult(name, None, f"failed: unreadable summary: {exc}", seconds)
     return LaneResult(name, summary, "" if summary.figures else "no figures in its summary", seconds)
+
+
+def _wait_bounded(process: subprocess.Popen[bytes], deadline: float, log: IO[bytes]) -> tuple[int | None, str]:
+    """The lane's exit code, or why it had to be ended: past its deadline, or printing past MAX_LOG_BYTES."""
+    while True:
+        try:
+            return process.wait(timeout=max(0.0, min(POLL_S, deadline - time.monotonic()))), ""
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                return None, "failed: timed out after {timeout:.0f} s"
+            if os.fstat(log.fileno()).st_size > MAX_LOG_BYTES:
+                return None, f"failed: printed more than {MAX_LOG_BYTES:,} bytes"
 
 
 def _end_group(process: subprocess.Popen[bytes]) -> None:

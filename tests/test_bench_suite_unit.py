@@ -157,3 +157,14 @@ def test_a_lane_that_needs_root_is_not_run_without_it(
     monkeypatch.setattr(suite.os, "geteuid", lambda: 1000)
     result = suite.run_lane("fake", lane, False, tmp_path)
     assert result.failure == "failed: needs root" and not (tmp_path / "fake.log").exists()
+
+
+def test_a_lane_that_prints_without_end_is_ended(
+    suite: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    script = lane_script(tmp_path, "lane", "while True:\n    print('x' * 1000, flush=True)\n")
+    monkeypatch.setattr(suite, "MAX_LOG_BYTES", 100_000)
+    monkeypatch.setattr(suite, "POLL_S", 0.05)
+    lane = suite.Lane(str(script), "a made-up lane", (), (), 60, 60)
+    result = suite.run_lane("fake", lane, False, tmp_path)
+    assert result.failure == "failed: printed more than 100,000 bytes", result
