@@ -1,7 +1,7 @@
 """execute_code round trip per language beside the same program as a plain host subprocess.
 
     .venv/bin/python bench/oneshot.py [--runs 20] [--phases [--cold]] [--before SRC] [--gap-ms MS]
-                                      [--cpu-weight N]
+                                      [--cpu-weight N] [--summary PATH]
 
 Both sides run a trivial program (print one line): CodeRunner through the official MCP client over
 stdio (a fresh throwaway sandbox per call: dirs, bwrap, seccomp, cgroups, the interpreter,
@@ -53,6 +53,7 @@ from pathlib import Path
 import anyio
 from latency import _passable, server_params
 from mcp import Client, StdioServerParameters
+from summary import Figure, add_summary_argument, write_summary
 
 from coderunner.config import load_settings
 
@@ -142,7 +143,30 @@ async def oneshot_figures(client: Client) -> str:
     return json.dumps(found) if found is not None else "not reported"
 
 
-async def round_trips(runs: int, languages: list[str], before: Path | None, gap_ms: float, cpu_weight: int) -> None:
+#: Issue 29's targets for execute_code ("ours") against the plain program: a ratio for python, a difference for bash.
+TARGET_RATIO = {"python": 1.5}
+TARGET_OVER_MS = {"bash": 5.0}
+BASELINE_NAMES = {"python": "python3 -c", "javascript": "node -e", "bash": "plain bash"}
+
+
+def summary_figures(samples: dict[str, list[float]], languages: list[str]) -> list[Figure]:
+    """Each language's execute_code median (as a user gets it) beside its plain program's, with the issue's target."""
+    found = []
+    for language in languages:
+        ours, raw = median(samples[f"{language}/ours"]), median(samples[f"{language}/plain"])
+        target, met = "", None
+        if language in TARGET_RATIO:
+            target, met = f"<= {TARGET_RATIO[language]:g}x", ours <= TARGET_RATIO[language] * raw
+        elif language in TARGET_OVER_MS:
+            target, met = f"<= +{TARGET_OVER_MS[language]:g} ms", ours - raw <= TARGET_OVER_MS[language]
+        found.append(Figure(f"execute_code {language}, median", round(ours, 2), "ms", baseline=round(raw, 2),
+                            baseline_name=BASELINE_NAMES[language], target=target, met=met))  # fmt: skip
+    return found
+
+
+async def round_trips(
+    runs: int, languages: list[str], before: Path | None, gap_ms: float, cpu_weight: int, summary: Path | None = None
+) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
     servers = lane_servers(root, before, cpu_weight)
@@ -179,6 +203,7 @@ async def round_trips(runs: int, languages: list[str], before: Path | None, gap_
             )
     for side, text in figures.items():
         print(f"{side}: sandboxes started ahead {text}")
+    write_summary(summary, "oneshot", summary_figures(samples, languages))
 
 
 async def phases(runs: int, languages: list[str], ready: bool, gap_ms: float, cpu_weight: int | None) -> None:
@@ -299,13 +324,16 @@ if __name__ == "__main__":
     parser.add_argument("--cold", action="store_true", help="--phases: each run starts its own sandbox")
     parser.add_argument("--gap-ms", type=float, default=GAP_MS, help="pause before each call (an agent's think time)")
     parser.add_argument("--cpu-weight", type=int, help="the sandboxes' cpu weight (round trips: default 100)")
+    add_summary_argument(parser)
     arguments = parser.parse_args()
     chosen = [name for name in arguments.languages.split(",") if name in PROGRAMS]
     runs = max(arguments.runs, 10)
     if arguments.phases:
         if arguments.before:
             parser.error("--before compares round trips; --phases measures this tree only")
+        if arguments.summary:
+            parser.error("--summary writes the round trips' figures; --phases has none of the issue's")
         anyio.run(phases, runs, chosen, not arguments.cold, arguments.gap_ms, arguments.cpu_weight)
     else:
         weight = 100 if arguments.cpu_weight is None else arguments.cpu_weight
-        anyio.run(round_trips, runs, chosen, arguments.before, arguments.gap_ms, weight)
+        anyio.run(round_trips, runs, chosen, arguments.before, arguments.gap_ms, weight, arguments.summary)

@@ -1,6 +1,7 @@
 """kernel_reset to first result: with the session's standby kernel, without it, and (optionally) another tree.
 
     .venv/bin/python bench/reset.py [--rounds 20] [--load 2] [--baseline-src /tmp/base/src] [--backend bwrap]
+                                    [--summary PATH]
 
 Each lane is its own `coderunner serve` over stdio (the official MCP client), one session each:
 - standby: reset_standby on (the default): a reset swaps in the fresh kernel the session started ahead;
@@ -11,7 +12,8 @@ round takes one sample of each lane, the lanes in a fresh random order, so drift
 hits every lane alike; between samples the bench waits `--settle` seconds (the standby is started again
 in the background after a swap, as an agent's think time would let it). `--load N` runs N busy host
 processes (the bench's own, killed at its end) throughout: the issue's figure was taken under load.
-Printed: median, p90 and min.
+Printed: median, p90 and min. With --summary, the standby lane's median beside the cold one's, against
+the issue's target (at most 150 ms), as JSON for bench/suite.py.
 """
 
 from __future__ import annotations
@@ -31,8 +33,11 @@ from pathlib import Path
 
 import anyio
 from mcp import Client, StdioServerParameters
+from summary import Figure, add_summary_argument, write_summary
 
 REPO = Path(__file__).resolve().parents[1]
+#: Issue 29: kernel_reset to first result at most this long.
+TARGET_MS = 150.0
 
 
 def summarize(samples: list[float]) -> str:
@@ -91,6 +96,7 @@ async def main() -> None:
     parser.add_argument("--backend", default="bwrap")
     parser.add_argument("--baseline-src", type=Path, help="another tree's src/ (a 'before' lane)")
     parser.add_argument("--load", type=int, default=0, help="busy host processes running throughout")
+    add_summary_argument(parser)
     args = parser.parse_args()
     spinners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL) for _ in range(args.load)
@@ -130,6 +136,11 @@ async def measure(args: argparse.Namespace) -> None:
     print(f"kernel_reset then run_python('1+1'), {args.backend}{load}, {args.rounds} rounds, lanes interleaved:")
     for name, taken in samples.items():
         print(f"  {name:9} {summarize(taken)}")
+    standby, cold = (statistics.median(samples[name]) * 1000 for name in ("standby", "cold"))
+    figure = Figure("kernel_reset to first result, median", round(standby, 1), "ms", baseline=round(cold, 1),
+                    baseline_name="reset_standby off", target=f"<= {TARGET_MS:g} ms", met=standby <= TARGET_MS,
+                    notes=f"{args.load} busy host processes" if args.load else "")  # fmt: skip
+    write_summary(args.summary, "reset", [figure])
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Snapshot and restore of a session holding `--size-mb` of data, per backend, beside a baseline.
 
-    .venv/bin/python bench/snapshots.py [--size-mb 500] [--rounds 3] [--backends bwrap,podman,gvisor]
+    .venv/bin/python bench/snapshots.py [--size-mb 500] [--rounds 3] [--backends bwrap,podman,gvisor] [--summary PATH]
 
 Each backend gets a SessionManager and one session holding a numpy array of --size-mb MB (random,
 so nothing compresses) plus a file of the same size in its workspace. Per round, backends and
@@ -12,7 +12,8 @@ lanes in turn (so drift hits every lane alike):
   `np.load` it back, plus `shutil.copyfile` of the workspace file (the same bytes through the same disk).
 Medians and fastest rounds are printed per backend and lane, with each lane's ratio to the baseline
 (the target is at most 1.5x: a snapshot or a restore costs at most half again what doing it by hand
-costs), and every round's figures beside them (the machine's noise shows there).
+costs), and every round's figures beside them (the machine's noise shows there). With --summary, each
+backend's snapshot and restore medians beside the baseline's, as JSON for bench/suite.py.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from summary import Figure, add_summary_argument, write_summary
 
 from coderunner.config import Settings
 from coderunner.sandbox import SandboxUnavailable, make_backend
@@ -34,6 +36,8 @@ from coderunner.sessions import Session, SessionManager
 from coderunner.sessions.session_snapshots import Seed
 
 OCI_RUNTIMES = {"podman": "runc"}
+#: Issue 29: a snapshot, and a restore, at most this many times the by-hand baseline.
+TARGET_RATIO = 1.5
 
 
 def settings(backend: str, root: Path, size_mb: int) -> Settings:
@@ -79,6 +83,7 @@ async def main() -> None:
     parser.add_argument("--size-mb", type=int, default=500)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--backends", default="bwrap,podman,gvisor")
+    add_summary_argument(parser)
     args = parser.parse_args()
     names = [name for name in args.backends.split(",") if name]
     size = args.size_mb
@@ -136,11 +141,25 @@ async def main() -> None:
             snap, back, base = (pick(lane[key]) for key in ("snapshot_s", "restore_s", "baseline_s"))
             shown = f"{name} {label}"
             print(f"{shown:14} {snap:11.2f} {back:11.2f} {base:11.2f} {snap / base:10.2f}x {back / base:10.2f}x")
+    write_summary(args.summary, "snapshots", summary_figures(lanes, size))
     for name, lane in lanes.items():
         rounds = zip(lane["snapshot_s"], lane["restore_s"], lane["baseline_s"], strict=True)
         print(f"{name} each round (snapshot/restore/baseline s): " + ", ".join(
             f"{snap:.2f}/{back:.2f}/{base:.2f}" for snap, back, base in rounds
         ))  # fmt: skip
+
+
+def summary_figures(lanes: dict[str, dict[str, list[float]]], size: int) -> list[Figure]:
+    """Each backend's snapshot and restore medians beside the by-hand baseline's, against the issue's target."""
+    found = []
+    for name, lane in lanes.items():
+        base = statistics.median(lane["baseline_s"])
+        for key, what in (("snapshot_s", "snapshot"), ("restore_s", "restore")):
+            value = statistics.median(lane[key])
+            found.append(Figure(f"{name}: {what} of {size} MB, median", round(value, 3), "s", baseline=round(base, 3),
+                                baseline_name="np.save + np.load + a copy", target=f"<= {TARGET_RATIO:g}x",
+                                met=value <= TARGET_RATIO * base))  # fmt: skip
+    return found
 
 
 if __name__ == "__main__":

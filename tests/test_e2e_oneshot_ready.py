@@ -25,6 +25,7 @@ from mcp import Client
 from coderunner.config import Settings
 from coderunner.sandbox import SandboxSpec, make_backend
 from coderunner.sessions.manager import SessionManager
+from coderunner.sessions.oneshot_program import LAUNCHER
 
 from .conftest import ServerDirs, json_of, memory_client, sandbox_processes_alive, server_env, text_of, wait_until
 from .test_e2e_execute_code import (
@@ -39,6 +40,7 @@ from .test_e2e_execute_code import (
 )
 from .test_e2e_oneshot_sandbox import (
     host_mounts_under,
+    test_a_bash_script_sees_no_trace_of_how_its_sandbox_was_started,  # noqa: F401
     test_bash_runs_directly_and_its_variables_leave_no_trace,  # noqa: F401
     test_every_one_shot_runs_under_the_seccomp_filter,  # noqa: F401
 )
@@ -136,8 +138,8 @@ async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root:
     spawn = backend.spawn
 
     async def recording(spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool = False) -> Any:
-        # [python, -P, -c, launcher, mode, ...]: the launcher's mode ("run" or "wait"), else the program.
-        started.append(argv[argv.index("-c") + 2] if "-c" in argv[1:3] else argv[0])
+        # [..., python, -P, -c, launcher, mode, ...]: the launcher's mode ("run" or "wait"), else the program.
+        started.append(argv[argv.index(LAUNCHER) + 1] if LAUNCHER in argv else argv[0])
         return await spawn(spec, argv, task_group, pipes=pipes)
 
     backend.spawn = recording  # type: ignore[method-assign]

@@ -111,6 +111,24 @@ async def test_bash_runs_directly_and_its_variables_leave_no_trace(client: Clien
     assert plain["stdout"] == "[unset] [unset]\n"
 
 
+async def test_a_bash_script_sees_no_trace_of_how_its_sandbox_was_started(client: Client) -> None:
+    """No arguments, jobs, open fds or names beyond its own, also when it runs in a sandbox started
+    ahead (test_e2e_oneshot_ready.py collects this), where bash waited beside a launcher it killed."""
+    await execute(client, "bash", "true")  # with oneshot_ready, the next run takes a sandbox started ahead
+    code = (
+        'echo "$# [$*] $0"\n'
+        "jobs\n"
+        "ls /proc/$$/fd | tr '\\n' ' '; echo\n"
+        "compgen -v | grep -E '^(_cr_|COPROC)' || echo no names\n"
+        'read -r line; echo "[$line]"\n'
+    )
+    done = await execute(client, "bash", code, stdin="bash\nmore")
+    lines = done["stdout"].splitlines()
+    assert re.fullmatch(r"0 \[\] /\S+/main\.sh", lines[0]), done
+    assert lines[1:] == ["0 1 2 ", "no names", "[bash]"], done
+    assert done["stderr"] == "" and done["exit_code"] == 0, done
+
+
 @root_only
 async def test_a_run_cut_short_by_the_server_stopping_leaves_no_mount(dirs: ServerDirs) -> None:
     """Cancelled mid-run (its client went, the server stops): its workspace and outbox still go."""

@@ -2,18 +2,20 @@
 
     python -c 'from coderunner_guest import oneshot; oneshot.main()' run LANGUAGE SOURCE VARIABLES_JSON MEMORY_MB
     python -c 'from coderunner_guest import oneshot; oneshot.main()' check LANGUAGE SOURCE
-    python -c 'from coderunner_guest import oneshot; oneshot.main()' wait INPUTS_DIR MEMORY_MB
+    python -c 'from coderunner_guest import oneshot; oneshot.main()' wait INPUTS_DIR MEMORY_MB STDIN_FD
 
 The host writes the source and the variables (JSON) as files; they reach the program as data:
 Python globals, JavaScript globals (set by a preload before the program runs). Nothing is ever
 pasted into source text. `check` prints one JSON object. Bash runs without this launcher (the host
-starts it directly; its variables come from a file bash reads through BASH_ENV).
+starts it directly, or it waited beside `wait`; its variables come from a file bash sources).
 
 A Python run pays for every import here before the user's first line, so only os and sys are
 imported up front (an empty VARIABLES_JSON means none: no json either), and the host starts
 this with -c rather than -m (runpy costs a few ms). `wait` is a sandbox started ahead of its
-program (see OneShotRunner.ready): it reads the language from the first line of stdin, then runs
-INPUTS_DIR/main.* as `run` would (bash: exec'd with its variables file as BASH_ENV).
+program (see OneShotRunner.ready), the coprocess of a waiting bash (sessions/oneshot_program.py:
+READY_WAITER): it reads the language from the first line of stdin (bash's pipe, which never says
+bash: that runs in bash itself), takes STDIN_FD as the program's stdin, then runs INPUTS_DIR/main.*
+as `run` would.
 """
 
 import os
@@ -145,13 +147,13 @@ def versions():
     return found
 
 
-#: A sandbox started ahead learns its language from one line on stdin (the program's stdin follows).
+#: A sandbox started ahead learns its language from one line (its waiting bash passes on stdin's first).
 MAX_HEADER_BYTES = 64
-SOURCES = {"python": "main.py", "javascript": "main.js", "bash": "main.sh"}
+SOURCES = {"python": "main.py", "javascript": "main.js"}
 
 
 def _header():
-    """The first line of stdin, read a byte at a time so that nothing of what follows is consumed."""
+    """The first line of fd 0, read a byte at a time so that nothing of what follows is consumed."""
     line = b""
     while not line.endswith(b"\n"):
         byte = os.read(0, 1)
@@ -165,20 +167,15 @@ def _header():
 READY = b"R"
 
 
-def wait(inputs, memory_mb):
+def wait(inputs, memory_mb, stdin_fd):
     """Started before the program is known (same sandbox, same limits); runs it once told to."""
     os.write(1, READY)
     language = _header()
-    if language not in SOURCES:
+    if language not in ("python", "javascript"):
         raise SystemExit(f"coderunner: unknown language {language!r}")
+    os.dup2(stdin_fd, 0)  # the program's stdin, from where its language line ended
+    os.close(stdin_fd)
     source = os.path.join(inputs, SOURCES[language])
-    if language == "bash":
-        env = dict(os.environ)
-        env.pop("PYTHONPATH", None)
-        variables = os.path.join(inputs, "variables.sh")
-        if os.path.exists(variables):
-            env["BASH_ENV"] = variables
-        os.execve(BASH, [BASH, "--norc", "--noprofile", source], env)
     variables = os.path.join(inputs, "variables.json")
     if language == "python":
         run_python(source, _variables(variables if os.path.exists(variables) else ""))
@@ -190,7 +187,7 @@ def wait(inputs, memory_mb):
 def main(argv=None):
     argv = sys.argv if argv is None else argv
     if argv[1] == "wait":
-        wait(argv[2], int(argv[3]))
+        wait(argv[2], int(argv[3]), int(argv[4]))
         return
     if argv[1] == "versions":
         import json

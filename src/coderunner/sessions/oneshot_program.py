@@ -3,6 +3,11 @@
 The source and the variables travel as files in the sandbox's host-only dir (read-only inside it);
 the argv depends on the language (a launcher for Python and Node.js, bash started directly). The
 program's stdin, stdout and stderr are pipes, captured within bounds: head and tail kept.
+
+Bash sources the script from a `bash -c` ($0 the script, no arguments), started directly or, in a
+sandbox started ahead, as READY_WAITER: bash is already up beside the waiting Python launcher, so a
+bash run skips an interpreter's start (the launcher is killed) and a Python one skips bash's (bash
+hands it the language and waits for it). Either way the script's parent is the sandbox itself.
 """
 
 from __future__ import annotations
@@ -33,6 +38,35 @@ LAUNCHER = f"from {GUEST_MODULE.rpartition('.')[0]} import oneshot; oneshot.main
 BASH_ARGV = ("/usr/bin/env", "-u", "PYTHONPATH")
 BASH = "/bin/bash"
 BASH_VARIABLES_NAME = "variables.sh"
+#: How bash runs the script ($0), with no positional arguments: the same started directly or ahead.
+BASH_RUN = '. "$0"'
+#: A sandbox started ahead (oneshot_ready.py): bash, with the Python launcher ("$@", `wait`) as its
+#: coprocess. The launcher says READY once up and reads the language from the coprocess pipe, the
+#: program's stdin as fd 4. Bash reads the first line of stdin (the language, byte by byte: the rest
+#: is the program's): for bash it kills the launcher (disowned first: no job left for the script to
+#: see, no wait for its exit), closes what it opened, drops its own names and PYTHONPATH and runs the
+#: script as BASH_RUN does, after the variables file if there is one; for any other language it
+#: passes the line on and exits with the launcher's status.
+READY_WAITER = f"""exec 3<&0 5>&1
+coproc {{ exec "$@" 4<&3 1>&5 3<&- 5>&-; }}
+_cr_pid=$COPROC_PID _cr_to=${{COPROC[1]}} _cr_from=${{COPROC[0]}}
+exec 3<&- 5>&-
+IFS= read -r _cr_language || exit 1
+if [ "$_cr_language" != bash ]; then
+    printf '%s\\n' "$_cr_language" >&"$_cr_to"
+    wait "$_cr_pid"
+    exit
+fi
+disown "$_cr_pid"
+kill -9 "$_cr_pid"
+exec {{_cr_to}}>&- {{_cr_from}}<&-
+unset _cr_pid _cr_to _cr_from _cr_language COPROC COPROC_PID PYTHONPATH
+set --
+[ ! -f "${{0%/*}}/{BASH_VARIABLES_NAME}" ] || . "${{0%/*}}/{BASH_VARIABLES_NAME}"
+{BASH_RUN}
+"""
+#: The program's stdin in the launcher a sandbox started ahead runs (READY_WAITER's fd 4).
+READY_STDIN_FD = 4
 #: What check_variables lets through for bash; checked again where the names become shell text.
 BASH_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 #: After the program ends, how long its pipes may still deliver what it wrote.
@@ -138,10 +172,17 @@ def program(
         argv = list(BASH_ARGV)
         if variables:
             argv.append(f"BASH_ENV={dirs.write_host_file(BASH_VARIABLES_NAME, bash_variables(variables))}")
-        return [*argv, BASH, "--norc", "--noprofile", source]
+        return [*argv, BASH, "--norc", "--noprofile", "-c", BASH_RUN, source]
     # Python skips the file (and the json import) when there are none; the Node.js preload wants one.
     variables_file = ""
     if variables or language == "javascript":
         variables_file = str(dirs.write_host_file("variables.json", json.dumps(variables).encode()))
     memory = options.limits.memory_mb or 0
     return product_python(python, "-c", LAUNCHER, "run", language, source, variables_file, str(memory))
+
+
+def ready_argv(python: str, dirs: SandboxDirs, memory_mb: int | None) -> list[str]:
+    """What a sandbox started ahead runs: bash waiting beside the Python launcher (READY_WAITER)."""
+    launcher = product_python(python, "-c", LAUNCHER, "wait", str(dirs.host_dir), str(memory_mb or 0),
+                              str(READY_STDIN_FD))  # fmt: skip
+    return [BASH, "--norc", "--noprofile", "-c", READY_WAITER, str(dirs.host_dir / SOURCE_NAMES["bash"]), *launcher]

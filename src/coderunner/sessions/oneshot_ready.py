@@ -1,4 +1,4 @@
-"""One-shot sandboxes started ahead: an interpreter up and waiting for its program (guest `wait`).
+"""One-shot sandboxes started ahead: bash and the Python launcher up, waiting for the program (READY_WAITER).
 
 After a run, a sandbox with the same options starts for the next one (one per option set, for the
 `most` sets used last); a run with those options skips the start by taking it. The rules that keep
@@ -25,9 +25,8 @@ from anyio.abc import TaskGroup
 from coderunner.egress.ceiling import NetworkMode
 from coderunner.offload import off_loop
 from coderunner.sandbox import SandboxBackend, SandboxProcess
-from coderunner.sandbox.common import product_python
 from coderunner.sessions.leases import SandboxLease, SandboxLeases
-from coderunner.sessions.oneshot_program import LAUNCHER
+from coderunner.sessions.oneshot_program import ready_argv
 from coderunner.sessions.sandbox_options import SandboxOptions
 
 log = logging.getLogger(__name__)
@@ -200,8 +199,7 @@ class ReadySandboxes:
                     return
                 entry.lease = lease = await self.leases.lease(options, throwaway=True)
                 await lease.mount()
-                argv = product_python(self.backend.python, "-c", LAUNCHER, "wait", str(lease.dirs.host_dir),
-                                      str(options.limits.memory_mb or 0))  # fmt: skip
+                argv = ready_argv(self.backend.python, lease.dirs, options.limits.memory_mb)
                 entry.process = process = await self.backend.spawn(lease.spec(), argv, self.task_group, pipes=True)
                 # Ready once its interpreter is up and says so (the first byte of its stdout, never the program's).
                 with anyio.fail_after(READY_START_S):

@@ -11,7 +11,9 @@ host dirs, whose workspace is a size-capped tmpfs (workspace.py) rather than a l
 image; the sandbox itself (cgroups, bwrap, the seccomp filter compiled once per process);
 and a launcher only where the language needs one: Python gets its variables as globals
 from a launcher importing nothing beyond os and sys, bash is started directly (its
-variables come from a file it reads through BASH_ENV), Node.js has a preload.
+variables come from a file it reads through BASH_ENV), Node.js has a preload. A sandbox
+started ahead runs bash with the launcher beside it (oneshot_program.READY_WAITER), so a
+run of either skips its interpreter's start.
 """
 
 from __future__ import annotations
