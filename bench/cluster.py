@@ -667,8 +667,13 @@ def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
         complete = [burst for burst in found["tries"] if burst.complete]
         cluster_text = f"{complete[0].count} in {complete[0].all_ready_s:.1f} s" if complete else "none"
         local = figures.get("local_burst")
-        local_text = f"{len(local['burst'].ready)} in {local['burst'].all_ready_s:.1f} s" if local else "-"
-        print(f"largest burst that all started: cluster {cluster_text}, local {local_text} (asked: {args.sessions})")
+        local_burst = local["burst"] if local else None
+        local_text = (
+            f"{len(local_burst.ready)}/{local_burst.count} answered in {local_burst.all_ready_s:.1f} s"
+            if local_burst is not None
+            else "-"
+        )
+        print(f"largest burst that all started: cluster {cluster_text} (asked: {args.sessions}); local: {local_text}")
         if "held" in found:
             print(f"sessions held at once through the cluster: {found['held']}")
 
