@@ -1,6 +1,7 @@
 """Cluster mode beside one machine, on a real Ray cluster (a head and two workers) made for the run.
 
     sudo .venv/bin/python bench/cluster.py [--rounds 50] [--colds 10] [--sessions 100] [--no-local-burst]
+        [--summary PATH]   (the issue's targets as JSON, for bench/suite.py: bench/summary.py)
 
 The cluster is tests/cluster/conftest.py's: three `ray start --block` nodes in a network namespace of
 their own with only loopback. Every front door runs in that namespace too (nsenter), the local ones
@@ -58,6 +59,7 @@ from typing import Any
 
 import anyio
 from mcp import Client, StdioServerParameters
+from summary import Figure, add_summary_argument, write_summary
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -495,7 +497,7 @@ def size_workers(sessions: int) -> tuple[int, int]:
     return memory, cpus
 
 
-async def run(cluster: RayCluster, root: Path, args: argparse.Namespace) -> None:
+async def run(cluster: RayCluster, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     limit = str(args.sessions + 10)
     limits = {"CODERUNNER_MAX_SESSIONS": limit, "CODERUNNER_MAX_SESSIONS_PER_CLIENT": limit}
     doors = {  # lane: (serve --ray?, pool_size)
@@ -531,6 +533,7 @@ async def run(cluster: RayCluster, root: Path, args: argparse.Namespace) -> None
                 print_local_burst(figures["local_burst"], args.sessions)
         await stack.aclose()  # the front doors go: each closes its default session
     print_table(figures, args)
+    return figures
 
 
 def print_warm(figures: dict[str, Any]) -> None:
@@ -664,10 +667,55 @@ def print_table(figures: dict[str, Any], args: argparse.Namespace) -> None:
         complete = [burst for burst in found["tries"] if burst.complete]
         cluster_text = f"{complete[0].count} in {complete[0].all_ready_s:.1f} s" if complete else "none"
         local = figures.get("local_burst")
-        local_text = f"{len(local['burst'].ready)} in {local['burst'].all_ready_s:.1f} s" if local else "-"
-        print(f"largest burst that all started: cluster {cluster_text}, local {local_text} (asked: {args.sessions})")
+        local_burst = local["burst"] if local else None
+        local_text = (
+            f"{len(local_burst.ready)}/{local_burst.count} answered in {local_burst.all_ready_s:.1f} s"
+            if local_burst is not None
+            else "-"
+        )
+        print(f"largest burst that all started: cluster {cluster_text} (asked: {args.sessions}); local: {local_text}")
         if "held" in found:
             print(f"sessions held at once through the cluster: {found['held']}")
+
+
+def summary_figures(figures: dict[str, Any], args: argparse.Namespace) -> list[Figure]:
+    """The issue's three targets (and the memory a held session costs), each beside its local baseline."""
+    warm_samples, first = figures["warm"], figures["first"]["samples"]
+    cl, lo = pct(warm_samples["cluster"], 0.5), pct(warm_samples["local"], 0.5)
+    paired = statistics.median(c - loc for c, loc in zip(warm_samples["cluster"], warm_samples["local"], strict=True))
+    pooled, local_pooled = pct(first["cluster, node pool"], 0.5), pct(first["local, pool"], 0.5)
+    found = [
+        Figure("warm run_python('1+1') through a cluster front door, median", round(cl, 2), "ms", baseline=round(lo, 2),
+               baseline_name="local front door (serve, bwrap), same rounds", target="<= local + 2 ms",
+               met=cl - lo <= 2.0, notes=f"median of round-by-round differences {paired * 1000:+.2f} ms"),
+        Figure("create_session to first result from a node's warm pool, median", round(pooled, 1), "ms",
+               baseline=round(local_pooled, 1), baseline_name="local server's warm pool", target="<= 100 ms",
+               met=pooled <= 100.0),
+        Figure("create_session to first result, cold, median", round(pct(first["cluster"], 0.5), 1), "ms",
+               baseline=round(pct(first["local"], 0.5), 1), baseline_name="local, cold"),
+    ]  # fmt: skip
+    burst = figures.get("burst")
+    if burst is not None:
+        whole = burst["tries"][0]
+        local = figures.get("local_burst")
+        local_s = round(local["burst"].all_ready_s, 1) if local and local["burst"].complete else None
+        found.append(Figure(
+            f"{args.sessions} sessions at once through one cluster front door, all answered",
+            round(whole.all_ready_s, 1), "s", baseline=local_s, baseline_name="the same burst, local front door",
+            target=f"{args.sessions} in <= 60 s" if args.sessions >= 100 else "100 in <= 60 s (this run asked fewer)",
+            met=(whole.complete and whole.all_ready_s <= 60.0) if args.sessions >= 100 else None,
+            notes=f"{len(whole.ready)}/{whole.count} answered",
+        ))  # fmt: skip
+        if burst.get("held"):
+            before_mb, peak_mb = burst["mem"]
+            _, actor_pss = burst["actors"]
+            _, sandbox_pss = burst["sandboxes"]
+            per_session = round((before_mb - peak_mb) / burst["held"], 1)
+            found.append(Figure(
+                "host memory per held cluster session (MemAvailable drop)", per_session, "MiB",
+                notes=f"{burst['held']} held; PSS each: actor {actor_pss:.0f} MiB, sandbox {sandbox_pss:.0f} MiB",
+            ))  # fmt: skip
+    return found
 
 
 def main() -> int:
@@ -676,6 +724,7 @@ def main() -> int:
     parser.add_argument("--colds", type=int, default=10, help="create-to-first-result rounds (four lanes each)")
     parser.add_argument("--sessions", type=int, default=100, help="sessions at once in part c (0: skip it)")
     parser.add_argument("--no-local-burst", dest="local_burst", action="store_false", help="skip part c's baseline")
+    add_summary_argument(parser)
     args = parser.parse_args()
     if reason := unavailable():
         print(f"bench/cluster.py {reason}", file=sys.stderr)
@@ -697,7 +746,8 @@ def main() -> int:
                 f"cluster up in {time.monotonic() - began:.0f} s; nodes: "
                 + ", ".join(f"{name} {node.node_id[:12]}" for name, node in cluster.nodes.items())
             )
-            anyio.run(run, cluster, root, args)
+            figures = anyio.run(run, cluster, root, args)
+        write_summary(args.summary, "cluster", summary_figures(figures, args))
     finally:
         shutil.rmtree(root, ignore_errors=True)
         if cluster is not None and cluster.teardown is not None:

@@ -61,6 +61,17 @@ async def ok(client: Client, tool: str, **arguments: Any) -> CallToolResult:
     return result
 
 
+async def standby_ready(client: Client, session_id: str, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The session's status once its standby kernel is ready (bounded)."""
+    with anyio.fail_after(timeout_s):
+        while True:
+            status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
+            assert status is not None and "standby" in status, status
+            if status["standby"]["state"] == "ready":
+                return status
+            await anyio.sleep(0.5)
+
+
 def node_name(cluster: RayCluster, node_id: str) -> str:
     return next(name for name, node in cluster.nodes.items() if node.node_id == node_id)
 
@@ -115,6 +126,16 @@ async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret
         assert error.is_error and "ZeroDivisionError" in text_of(error)
         status = json_of(await ok(client, "manage_sessions", action="status", session_id=ids[1]))
         assert status is not None and node_name(ray_cluster, status["node"]) == nodes[1]
+        # A node's session starts its standby kernel at its first reset (a burst of creates pays one kernel
+        # each), then swaps to it at the next.
+        assert "standby" not in status, status
+        await ok(client, "manage_sessions", action="reset", session_id=ids[1])
+        status = await standby_ready(client, ids[1])
+        await ok(client, "run_python", code="after = 1", session_id=ids[1])
+        await ok(client, "manage_sessions", action="reset", session_id=ids[1])
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=ids[1]))
+        assert status is not None and status["standby"]["swapped_in"] == 1, status
+        assert "NameError" in text_of(await call(client, "run_python", code="after", session_id=ids[1]))
         for session_id in ids:
             await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)

@@ -63,7 +63,10 @@ class SessionActor:
 
     def __init__(self, settings: dict[str, Any], session_id: str, pooled: bool = False) -> None:
         pool_size = 1 if pooled else 0
-        self.settings = node_settings(settings, pool_size=pool_size, max_sessions=1)
+        # The standby kernel waits for the session's first reset (see reset): a burst of creates then
+        # starts one kernel per session, not two, and a session never reset holds one.
+        self.settings = node_settings(settings, pool_size=pool_size, max_sessions=1, reset_standby=False)
+        self._standby_after_reset = bool(settings.get("reset_standby", True))
         self.session_id = session_id
         self.manager: SessionManager | None = None
         self.session: Session | None = None
@@ -271,8 +274,13 @@ class SessionActor:
     # --- the session ---------------------------------------------------------------------------
 
     async def reset(self) -> int:
+        """A fresh kernel; from the first reset on, the session keeps a standby for the next (when the
+        front door's reset_standby asks for one and the backend allows it: standby.py)."""
         session = self._session()
         await session.reset()
+        if self._standby_after_reset and not session.standby.enabled and session.backend.private_files:
+            session.standby.enabled = True
+            session.keep_standby()
         return session.generation
 
     async def generation(self) -> int:

@@ -18,10 +18,6 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from mcp.types.version import HANDSHAKE_PROTOCOL_VERSIONS
-
-from coderunner.edge.auth import scope_client
-
 #: The caller over stdio, and of the CLI's one-shot run.
 LOCAL_CALLER = "local"
 #: The last part of the key of a token's requests that name no client.
@@ -41,6 +37,8 @@ def token_client(request: Any) -> str:
     """The client the request's bearer token names (`local` over stdio)."""
     if request is None:
         return LOCAL_CALLER
+    from coderunner.edge.auth import scope_client  # here: a cluster node's sessions import this module, never auth
+
     client = scope_client(getattr(request, "scope", None))
     if client is None:
         raise UnknownClient("this request carries no checked bearer token; send 'Authorization: Bearer <token>'")
@@ -81,6 +79,8 @@ def on_connection_close(session: Any, key: str, release: Callable[[str], Awaitab
     """
     if not key.partition("/")[2].startswith(CONNECTION_PREFIXES):
         return
+    from mcp.types.version import HANDSHAKE_PROTOCOL_VERSIONS  # here: a cluster node never loads the MCP SDK
+
     # A 2026-era request is a connection of its own, even on an SSE stream: it closes at once.
     if getattr(session, "protocol_version", None) not in HANDSHAKE_PROTOCOL_VERSIONS:
         return

@@ -11,11 +11,13 @@ tools lend a call's asker to the proxy for the length of the call (tools/egress.
 from __future__ import annotations
 
 import logging
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import anyio
-from mcp.server.mcpserver import Context
 from pydantic import BaseModel, Field
+
+if TYPE_CHECKING:  # a cluster node imports this module (its relayed questions) and never loads the MCP SDK
+    from mcp.server.mcpserver import Context
 
 log = logging.getLogger(__name__)
 
