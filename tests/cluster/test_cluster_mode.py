@@ -416,6 +416,43 @@ async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: Ra
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
+async def test_the_user_is_asked_during_guest_tools_and_installs_across_the_cluster(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """install_packages and use_browser are one actor call each: their node's proxy asks through a read of
+    its own, put to the user as during run_python, and the answer decides on the node (and is in its audit)."""
+    asked = Asked()
+    audit = dirs.root / "egress.jsonl"
+    ceiling = '["a.example.org", "c.example.org", "python-packages"]'
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_ALLOWED_DOMAINS=ceiling, CODERUNNER_EGRESS_AUDIT_LOG=str(audit))
+    async with front_door(ray_cluster, env, mode="legacy", elicitation_callback=asked) as client:
+        made = json_of(await ok(client, "create_session", network="allowlist", allow=["a.example.org"]))
+        assert made is not None
+        session_id = made["session_id"]
+        asked.answer = "decline"
+        refused = await call(client, "install_packages", packages=["six"], session_id=session_id)
+        # pip's index host is put to the user before pip runs; declined, the install stops there.
+        assert len(asked.messages) == 1 and ":443" in asked.messages[0], (asked.messages, text_of(refused))
+        index_host = asked.messages[0].split(" wants to connect to ")[1].split(":")[0]
+        assert refused.is_error and f"[network: denied {index_host}:443 (the user declined)]" in text_of(refused)
+        asked.answer = "accept"
+        await call(client, "use_browser", action="navigate", url="http://c.example.org/", session_id=session_id)
+        assert len(asked.messages) == 2 and "c.example.org:80" in asked.messages[1], asked.messages
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
+        assert status is not None and status["egress"]["allowed_hosts"] == ["a.example.org", "c.example.org"], status
+        # The declined host is not asked about again, in this call or the next.
+        again = await call(client, "install_packages", packages=["six"], session_id=session_id)
+        assert again.is_error and len(asked.messages) == 2, (asked.messages, text_of(again))
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
+
+    def declined_in_audit() -> bool:
+        rows = [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
+        return any(row["host"] == index_host and not row["allowed"] and "declined" in row["reason"] for row in rows)
+
+    assert await eventually(declined_in_audit), audit.read_text() if audit.exists() else "no audit file"
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+
+
 @contextlib.contextmanager
 def http_front_door(cluster: RayCluster, env: dict[str, str], port: int, log: Path) -> Any:
     argv = [*cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "serve", "--ray", cluster.address,
