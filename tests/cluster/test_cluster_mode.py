@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from mcp.types import CallToolResult
 
 from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, json_of, server_env, text_of
 from ..test_e2e_egress_ux import Asked
+from ..test_e2e_server_killed import CANARY, alive, descendants, sandbox_of, with_token
 from .conftest import NODE_LABEL, REPO, RayCluster, eventually
 
 pytestmark = pytest.mark.anyio
@@ -451,6 +455,38 @@ async def test_the_user_is_asked_during_guest_tools_and_installs_across_the_clus
 
     assert await eventually(declined_in_audit), audit.read_text() if audit.exists() else "no audit file"
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+
+
+async def test_a_session_actor_sigkilled_leaves_nothing_of_its_sandbox(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """An actor is its sandboxes' server: killed outright, its watcher ends what --die-with-parent misses
+    (the stand-in: a sandbox it was starting, no child of it any more), and nothing of it is left."""
+    canary = f"canary-{secrets.token_hex(6)}"
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        session_id = json_of(await ok(client, "create_session"))["session_id"]  # type: ignore[index]
+        await ok(client, "run_python", session_id=session_id, code=CANARY.format(token=canary))
+        assert await eventually(lambda: len(with_token(canary)) == 1), "the canary did not start"
+        sandbox = sandbox_of(canary)
+        outer = next(iter(sandbox))
+        stat = Path(f"/proc/{outer}/stat").read_text().rpartition(")")[2].split()
+        actor = int(stat[1])
+        assert "SessionActor" in Path(f"/proc/{actor}/cmdline").read_text(errors="replace"), actor
+        its_own = descendants(actor)
+        mark = Path(f"/proc/{outer}/cmdline").read_bytes().split(b"\0")[2].decode()
+        standin = subprocess.Popen(["/bin/sh", "-c", "sleep 900", mark], start_new_session=True)
+        try:
+            os.kill(actor, signal.SIGKILL)
+            assert await eventually(lambda: not alive(its_own), 60), alive(its_own)
+            assert not with_token(canary)
+            assert await anyio.to_thread.run_sync(lambda: standin.wait(timeout=60)) == -signal.SIGKILL
+        finally:
+            if standin.poll() is None:
+                standin.kill()
+                standin.wait(timeout=10)
+        gone = await call(client, "run_python", session_id=session_id, code="1")
+        assert gone.is_error, text_of(gone)
+    assert await eventually(lambda: f"session-{session_id}" not in named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
 @contextlib.contextmanager
