@@ -10,7 +10,7 @@ from coderunner.sandbox.bwrap import BwrapCommand
 from coderunner.sandbox.common import ENV_MOUNT, INSTALL_REFUSAL_ENV, sandbox_environment
 
 
-def build(tmp_path: Path, limits: Limits | None = None, **fds: int) -> list[str]:
+def build(tmp_path: Path, limits: Limits | None = None, **fds: int | str) -> list[str]:
     spec = SandboxSpec(
         name="abcd1234",
         workspace=tmp_path / "ws",
@@ -133,3 +133,14 @@ def test_a_private_file_is_read_from_an_fd_into_the_sandboxs_own_root(tmp_path: 
     assert argv.index("--ro-bind-data") < argv.index("--remount-ro")
     assert "--ro-bind-data" not in build(tmp_path)
     assert SandboxSpec(name="k", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path).twin().twin().name == "k"
+
+
+def test_the_starting_process_s_mark_comes_first_and_sets_nothing(tmp_path: Path) -> None:
+    """Its watcher finds every bwrap of the process by it (sandbox/bwrap_watch.py): first, where any
+    prefix (setpriv, the cgroup entry) leaves it within the head the watcher reads; an --unsetenv of a
+    name the sandbox never had, after --clearenv or before, changes nothing inside."""
+    mark = "CODERUNNER_SANDBOX_OF_0123456789abcdef"
+    argv = build(tmp_path, owner_mark=mark)
+    assert argv[:3] == ["/usr/bin/bwrap", "--unsetenv", mark]
+    assert mark not in dict(pairs(argv, "--setenv")) and argv.count(mark) == 1
+    assert "--unsetenv" not in build(tmp_path)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import secrets
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from mcp.types import CallToolResult
 
 from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, json_of, server_env, text_of
 from ..test_e2e_egress_ux import Asked
+from ..test_e2e_server_killed import CANARY, alive, descendants, sandbox_of, with_token
 from .conftest import NODE_LABEL, REPO, RayCluster, eventually
 
 pytestmark = pytest.mark.anyio
@@ -435,6 +439,75 @@ async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: Ra
         assert len(asked.messages) == 2, asked.messages
         await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+
+
+async def test_the_user_is_asked_during_guest_tools_and_installs_across_the_cluster(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """install_packages and use_browser are one actor call each: their node's proxy asks through a read of
+    its own, put to the user as during run_python, and the answer decides on the node (and is in its audit)."""
+    asked = Asked()
+    audit = dirs.root / "egress.jsonl"
+    ceiling = '["a.example.org", "c.example.org", "python-packages"]'
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_ALLOWED_DOMAINS=ceiling, CODERUNNER_EGRESS_AUDIT_LOG=str(audit))
+    async with front_door(ray_cluster, env, mode="legacy", elicitation_callback=asked) as client:
+        made = json_of(await ok(client, "create_session", network="allowlist", allow=["a.example.org"]))
+        assert made is not None
+        session_id = made["session_id"]
+        asked.answer = "decline"
+        refused = await call(client, "install_packages", packages=["six"], session_id=session_id)
+        # pip's index host is put to the user before pip runs; declined, the install stops there.
+        assert len(asked.messages) == 1 and ":443" in asked.messages[0], (asked.messages, text_of(refused))
+        index_host = asked.messages[0].split(" wants to connect to ")[1].split(":")[0]
+        assert refused.is_error and f"[network: denied {index_host}:443 (the user declined)]" in text_of(refused)
+        asked.answer = "accept"
+        await call(client, "use_browser", action="navigate", url="http://c.example.org/", session_id=session_id)
+        assert len(asked.messages) == 2 and "c.example.org:80" in asked.messages[1], asked.messages
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
+        assert status is not None and status["egress"]["allowed_hosts"] == ["a.example.org", "c.example.org"], status
+        # The declined host is not asked about again, in this call or the next.
+        again = await call(client, "install_packages", packages=["six"], session_id=session_id)
+        assert again.is_error and len(asked.messages) == 2, (asked.messages, text_of(again))
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
+
+    def declined_in_audit() -> bool:
+        rows = [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
+        return any(row["host"] == index_host and not row["allowed"] and "declined" in row["reason"] for row in rows)
+
+    assert await eventually(declined_in_audit), audit.read_text() if audit.exists() else "no audit file"
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+
+
+async def test_a_session_actor_sigkilled_leaves_nothing_of_its_sandbox(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """An actor is its sandboxes' server: killed outright, its watcher ends what --die-with-parent misses
+    (the stand-in: a sandbox it was starting, no child of it any more), and nothing of it is left."""
+    canary = f"canary-{secrets.token_hex(6)}"
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        session_id = json_of(await ok(client, "create_session"))["session_id"]  # type: ignore[index]
+        await ok(client, "run_python", session_id=session_id, code=CANARY.format(token=canary))
+        assert await eventually(lambda: len(with_token(canary)) == 1), "the canary did not start"
+        sandbox = sandbox_of(canary)
+        outer = next(iter(sandbox))
+        stat = Path(f"/proc/{outer}/stat").read_text().rpartition(")")[2].split()
+        actor = int(stat[1])
+        assert "SessionActor" in Path(f"/proc/{actor}/cmdline").read_text(errors="replace"), actor
+        its_own = descendants(actor)
+        mark = Path(f"/proc/{outer}/cmdline").read_bytes().split(b"\0")[2].decode()
+        standin = subprocess.Popen(["/bin/sh", "-c", "sleep 900", mark], start_new_session=True)
+        try:
+            os.kill(actor, signal.SIGKILL)
+            assert await eventually(lambda: not alive(its_own), 60), alive(its_own)
+            assert not with_token(canary)
+            assert await anyio.to_thread.run_sync(lambda: standin.wait(timeout=60)) == -signal.SIGKILL
+        finally:
+            if standin.poll() is None:
+                standin.kill()
+                standin.wait(timeout=10)
+        gone = await call(client, "run_python", session_id=session_id, code="1")
+        assert gone.is_error, text_of(gone)
+    assert await eventually(lambda: f"session-{session_id}" not in named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
 @contextlib.contextmanager

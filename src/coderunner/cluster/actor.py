@@ -12,11 +12,12 @@ ends itself, so nothing is left on the node.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -29,6 +30,7 @@ from coderunner.cluster.wire import (
     EgressDelta,
     JobDelta,
     NodeInfo,
+    Question,
     SessionInfo,
     portable_result,
 )
@@ -51,6 +53,8 @@ KILL_BACKUP_S = 10.0
 MAX_UPLOADS = 4
 #: Cancels remembered for runs not started yet (a front door cancelled before its start arrived).
 MAX_CANCELLED_RUNS = 64
+#: How often a read of a guest call's questions looks whether that call has begun here yet.
+CALL_START_POLL_S = 0.05
 
 
 class SessionActor:
@@ -84,6 +88,8 @@ class SessionActor:
         #: Asking the user about hosts across the cluster: the run whose caller can be asked, if any.
         self._relay = RelayAsker()
         self._asking: Job | None = None
+        #: Guest calls (guest_op, install_packages) whose caller can be asked: call token -> set at its end.
+        self._asking_calls: dict[str, anyio.Event] = {}
         self.node = _this_node()
 
     async def _manager(self) -> SessionManager:
@@ -255,9 +261,10 @@ class SessionActor:
         )  # fmt: skip
         if asking and not job.running:  # the run that could ask is over: its questions go unanswered
             self._asking = None
-            self._relay.give_up()
-            if session.egress is not None:
-                session.egress.set_asker(None)
+            if not self._asking_calls:  # nor can a guest call's caller be asked now
+                self._relay.give_up()
+                if session.egress is not None:
+                    session.egress.set_asker(None)
         if not job.running:
             delta.ended, delta.status, delta.notice, delta.state_lost = (
                 True,
@@ -298,24 +305,56 @@ class SessionActor:
 
     async def guest_op(
         self, tool: str, op: str, args: dict[str, Any], timeout_s: float, paths: list[str], input_path: str | None,
-        egress_since: int | None = None,
+        egress_since: int | None = None, ask_token: str | None = None,
     ) -> tuple[dict[str, Any], EgressDelta | None]:  # fmt: skip
+        """`ask_token`: the caller's user can be asked about hosts while this goes (read_questions)."""
+        session = self._session()
         try:
-            done = await self._session().guest_op(tool, op, args, timeout_s, paths=paths, input_path=input_path)
+            with self._asking_during(session, ask_token):
+                done = await session.guest_op(tool, op, args, timeout_s, paths=paths, input_path=input_path)
         except CodeRunnerError as exc:  # the denials that made it fail still reach the caller's reply
             exc.egress = self.egress_delta(egress_since)  # type: ignore[attr-defined]
             raise
         return done, self.egress_delta(egress_since)
 
     async def install_packages(
-        self, packages: list[str], timeout_s: float, egress_since: int | None = None
+        self, packages: list[str], timeout_s: float, egress_since: int | None = None, ask_token: str | None = None
     ) -> tuple[dict[str, Any], EgressDelta | None]:
+        session = self._session()
         try:
-            done = await self._session().install_packages(packages, timeout_s)
+            with self._asking_during(session, ask_token):
+                done = await session.install_packages(packages, timeout_s)
         except CodeRunnerError as exc:
             exc.egress = self.egress_delta(egress_since)  # type: ignore[attr-defined]
             raise
         return done, self.egress_delta(egress_since)
+
+    @contextlib.contextmanager
+    def _asking_during(self, session: Session, ask_token: str | None) -> Iterator[None]:
+        """A guest call is one actor call, with no reads to carry questions: while it goes, the proxy asks
+        the relay, and the caller reads the questions with read_questions (the run's channel otherwise)."""
+        if ask_token is None or session.egress is None:
+            yield
+            return
+        ended = self._asking_calls[ask_token] = anyio.Event()
+        session.egress.set_asker(self._relay)
+        try:
+            yield
+        finally:
+            ended.set()
+            del self._asking_calls[ask_token]
+            if not self._asking_calls and self._asking is None:  # nobody left to answer what still waits
+                self._relay.give_up()
+                session.egress.set_asker(None)
+
+    async def read_questions(self, ask_token: str, wait_s: float) -> list[Question]:
+        """The questions the proxy asks while the guest call `ask_token` goes, as soon as there is one (up to
+        `wait_s`); none once that call is over. The call may not have begun here yet: Ray may start this first."""
+        with anyio.move_on_after(wait_s):
+            while ask_token not in self._asking_calls:
+                await anyio.sleep(CALL_START_POLL_S)
+            await _first_of(self._relay.asked.wait, self._asking_calls[ask_token].wait)
+        return self._relay.take() if ask_token in self._asking_calls else []
 
     async def status(self, egress_since: int | None = None) -> dict[str, Any]:
         session = self._session()

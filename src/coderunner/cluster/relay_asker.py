@@ -2,10 +2,11 @@
 
 On one machine a call lends its CallAsker (egress/asker.py) to the session's proxy. In cluster mode
 the proxy runs on the session's node and the user's client is at a front door, so the node's proxy
-gets a RelayAsker instead, for as long as a run whose caller can be asked is going: each question
-waits here, goes out in the next answer the front door reads (JobDelta.questions, whose long poll
-it wakes), and the front door puts it to its user and answers (SessionActor.answer_egress). No
-answer in time is no answer: the proxy denies, as it does when a client cannot be asked.
+gets a RelayAsker instead, for as long as a call whose caller can be asked is going: each question
+waits here, goes out in the next read the front door makes (a run's JobDelta.questions; a guest
+tool's or install_packages' read_questions, its one actor call having no reads of its own), whose
+long poll it wakes, and the front door puts it to its user and answers (SessionActor.answer_egress).
+No answer in time is no answer: the proxy denies, as it does when a client cannot be asked.
 """
 
 from __future__ import annotations

@@ -3,9 +3,8 @@
 The proxy runs on the session's node and enforces the policy there. What the tools read of it (the
 decisions behind a reply's "network: denied ..." line and session_status's egress section) is
 mirrored here from the EgressDelta that actor answers carry: each answer brings the decisions after
-this mirror's mark. The asker a call lends is kept here: during run_python the node relays its
-questions to it (relay_asker.py); other calls do not ask across the cluster, and the node denies such
-a host with the hint that says how to allow it, as for a client that cannot be asked.
+this mirror's mark. The asker a call lends is kept here: while run_python, a guest tool or
+install_packages goes, the node relays its proxy's questions to it (relay_asker.py).
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from anyio.abc import TaskGroup
 
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
-from coderunner.cluster.remote_job import RemoteJob, mirror_output, pump
+from coderunner.cluster.remote_job import POLL_S, RemoteJob, mirror_output, pump
 from coderunner.cluster.wire import EgressDelta, JobDelta, Question, SessionInfo
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.kernel.output_capture import WorkspaceWriter
@@ -92,7 +92,7 @@ class RemoteSession:
 
     @property
     def egress(self) -> SessionEgress | None:
-        """The node's proxy as the tools read it (its decisions and policy; asking does not cross)."""
+        """The node's proxy as the tools read it (its decisions and policy; a call's asker is kept here)."""
         return self._egress  # type: ignore[return-value]  # the part of SessionEgress the tools use
 
     @property
@@ -282,14 +282,33 @@ class RemoteSession:
         return await self._with_egress("install_packages", packages, timeout_s, timeout_s=timeout_s + CALL_S)
 
     async def _with_egress(self, method: str, *args: Any, timeout_s: float) -> dict[str, Any]:
-        """A call that may reach the network: its answer (or its refusal) brings the proxy's decisions."""
+        """A call that may reach the network: its answer (or its refusal) brings the proxy's decisions.
+        While it goes, the questions its node's proxy asks are read and put to this call's user."""
+        ask_token = secrets.token_hex(8) if self._egress is not None and self._egress.asker is not None else None
+        relaying = anyio.CancelScope()
+        if ask_token is not None:
+            self._task_group.start_soon(self._relay_questions, ask_token, relaying)
         try:
-            done, egress = await self.acall(method, *args, self._egress_mark, timeout_s=timeout_s)
+            done, egress = await self.acall(method, *args, self._egress_mark, ask_token, timeout_s=timeout_s)
         except CodeRunnerError as exc:
             self._take_egress(getattr(exc, "egress", None))
             raise
+        finally:
+            relaying.cancel()
         self._take_egress(egress)
         return dict(done)
+
+    async def _relay_questions(self, ask_token: str, relaying: anyio.CancelScope) -> None:
+        """A guest call is one actor call: its questions come by reads of their own (a run's come with its
+        output), each answered as a run's are, until the call's end cancels `relaying`."""
+        with relaying:
+            while True:
+                try:
+                    questions = await self.acall("read_questions", ask_token, POLL_S, timeout_s=POLL_S + CALL_S)
+                except CodeRunnerError:  # the node is gone: the call itself says so
+                    return
+                for question in questions:
+                    self._task_group.start_soon(self._answer, question)
 
     def status(self) -> SessionStatus:
         """Called in a worker thread (the tools' summary): a blocking, bounded call is fine there.

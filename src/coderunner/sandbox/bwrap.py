@@ -38,6 +38,7 @@ from coderunner.sandbox.base import (
     twin_name,
 )
 from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand
+from coderunner.sandbox.bwrap_watch import process_watch
 from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from coderunner.sandbox.common import ENV_MOUNT, WORKSPACE
 from coderunner.sandbox.identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
@@ -234,6 +235,7 @@ class BwrapBackend(SandboxBackend):
                 nproc = _count_tasks(spec.user.uid) + spec.limits.pids
             elif os.getuid() != 0:
                 nproc = _count_tasks(os.getuid()) + spec.limits.pids
+        watch = process_watch()  # ends this sandbox should this process die while it starts (bwrap_watch.py)
         seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
         private_fds: list[tuple[int, str]] = []
         fds = _NetworkFds.open() if spec.network == NetworkMode.INTERNET else None
@@ -249,6 +251,7 @@ class BwrapBackend(SandboxBackend):
                 nproc=nproc,
                 memory_cgroup=cgroup is not None and "memory" in cgroup.dirs and spec.limits.memory_mb is not None,
                 private_fds=tuple(private_fds),
+                owner_mark=watch.mark,
             )
             if spec.user is not None:
                 full = [*spec.user.setpriv_prefix(), *full]
@@ -277,7 +280,7 @@ class BwrapBackend(SandboxBackend):
         if fds is not None:
             try:
                 with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):
-                    await self._attach_network(fds, sandbox)
+                    await self._attach_network(fds, sandbox, watch.lifeline)
             except BaseException:
                 with anyio.CancelScope(shield=True):
                     await sandbox.kill()
@@ -299,8 +302,9 @@ class BwrapBackend(SandboxBackend):
             ),
         )
 
-    async def _attach_network(self, fds: _NetworkFds, sandbox: SandboxProcess) -> None:
-        """Start slirp4netns on the sandbox's network namespace, then let bwrap go on."""
+    async def _attach_network(self, fds: _NetworkFds, sandbox: SandboxProcess, lifeline: int) -> None:
+        """Start slirp4netns on the sandbox's network namespace, then let bwrap go on. slirp4netns ends
+        with this process (`lifeline`: a pipe's read end whose only writer is this process)."""
         assert self.slirp4netns is not None
         info = await _read_json_document(fds.info_read)
         child = int(info["child-pid"])
@@ -316,14 +320,14 @@ class BwrapBackend(SandboxBackend):
             slirp = await anyio.open_process(
                 [
                     self.slirp4netns, "--configure", "--mtu=65520", "--disable-host-loopback",
-                    "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_write}",
+                    "--enable-sandbox", "--enable-seccomp", f"--ready-fd={ready_write}", f"--exit-fd={lifeline}",
                     *join_userns, "--netns-type=path", f"/proc/{child}/ns/net", "tap0",
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
-                pass_fds=(ready_write,),
+                pass_fds=(ready_write, lifeline),
             )  # fmt: skip
             sandbox.helpers.append(slirp)
             os.close(ready_write)

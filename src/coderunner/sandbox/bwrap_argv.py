@@ -54,11 +54,14 @@ class BwrapCommand:
         nproc: int | None = None,
         memory_cgroup: bool = False,
         private_fds: tuple[tuple[int, str], ...] = (),
+        owner_mark: str | None = None,
     ) -> list[str]:
         """`private_fds`: (fd, path inside) of spec.private_files, each read by bwrap into a read-only
-        file of this sandbox's own root (no bind of a host path: no other sandbox sees it)."""
+        file of this sandbox's own root (no bind of a host path: no other sandbox sees it).
+        `owner_mark`: the starting process's mark (bwrap_watch.py), first, as a no-op --unsetenv."""
         args = [
             self.bwrap,
+            *(["--unsetenv", owner_mark] if owner_mark else []),
             "--unshare-all",
             "--unshare-user",
             "--uid", str(SANDBOX_UID),
