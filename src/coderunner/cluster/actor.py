@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
@@ -24,9 +23,9 @@ from typing import Any
 import anyio
 
 from coderunner.cluster.relay_asker import RelayAsker
+from coderunner.cluster.staged_uploads import StagedUploads
 from coderunner.cluster.wire import (
     NODE_LOCAL,
-    PIECE_BYTES,
     EgressDelta,
     JobDelta,
     NodeInfo,
@@ -36,7 +35,7 @@ from coderunner.cluster.wire import (
 )
 from coderunner.config import Settings, load_settings
 from coderunner.errors import CodeRunnerError, SessionError
-from coderunner.hostfs.sandbox_files import Entry, FileAccessError
+from coderunner.hostfs.sandbox_files import Entry
 from coderunner.sandbox import make_backend
 from coderunner.sessions.job_runner import Job
 from coderunner.sessions.manager import SessionManager
@@ -49,8 +48,6 @@ log = logging.getLogger(__name__)
 WATCH_INTERVAL_S = 2.0
 #: After a session close, how long the actor waits for its front door to kill it before it ends itself.
 KILL_BACKUP_S = 10.0
-#: Uploads staged at once per session, and how long an unfinished one may sit.
-MAX_UPLOADS = 4
 #: Cancels remembered for runs not started yet (a front door cancelled before its start arrived).
 MAX_CANCELLED_RUNS = 64
 #: How often a read of a guest call's questions looks whether that call has begun here yet.
@@ -81,7 +78,7 @@ class SessionActor:
         self._stop = asyncio.Event()
         self._failure: BaseException | None = None
         self._main: asyncio.Task[None] | None = None
-        self._uploads: dict[str, tuple[int, int, float]] = {}
+        self._uploads = StagedUploads(self.settings.transfer_limit_bytes)
         #: Runs whose start_run has not answered yet, by their caller's token (cancel_run).
         self._runs: dict[str, Job] = {}
         self._cancelled_runs: set[str] = set()
@@ -391,55 +388,11 @@ class SessionActor:
 
     async def stage_piece(self, upload_id: str, data: bytes) -> str:
         """Add a piece to an upload (a memfd on this node, never a path); '' starts a new one."""
-        if not upload_id:
-            self._drop_stale_uploads()
-            if len(self._uploads) >= MAX_UPLOADS:
-                raise FileAccessError("too many uploads to this session at once; try again")
-            upload_id = secrets.token_hex(8)
-            self._uploads[upload_id] = (os.memfd_create("coderunner-upload", os.MFD_CLOEXEC), 0, time.monotonic())
-        fd, size, _ = self._uploads[upload_id]
-        if size + len(data) > self.settings.transfer_limit_bytes:
-            self._drop_upload(upload_id)
-            raise FileAccessError(f"over the transfer limit of {self.settings.transfer_limit_bytes:,} bytes")
-        await anyio.to_thread.run_sync(os.pwrite, fd, data, size)
-        self._uploads[upload_id] = (fd, size + len(data), time.monotonic())
-        return upload_id
+        return await self._uploads.stage(upload_id, data)
 
     async def commit_upload(self, upload_id: str, path: str, overwrite: bool) -> str:
         """Write a staged upload to `path` in the session's files; returns its sandbox path."""
-        if upload_id not in self._uploads:
-            raise FileAccessError("that upload is gone (too slow, or a second commit)")
-        fd, size, _ = self._uploads[upload_id]
-        files = self._session().files
-
-        def write() -> str:
-            with files.open_write(path, overwrite=overwrite) as (target, written):
-                offset = 0
-                while offset < size:
-                    piece = os.pread(fd, min(PIECE_BYTES, size - offset), offset)
-                    if not piece:
-                        break
-                    view = memoryview(piece)
-                    while view:
-                        view = view[os.write(target, view) :]
-                    offset += len(piece)
-                return written
-
-        try:
-            return await anyio.to_thread.run_sync(write)
-        finally:
-            self._drop_upload(upload_id)
-
-    def _drop_upload(self, upload_id: str) -> None:
-        entry = self._uploads.pop(upload_id, None)
-        if entry is not None:
-            os.close(entry[0])
-
-    def _drop_stale_uploads(self, older_than_s: float = 300.0) -> None:
-        now = time.monotonic()
-        for upload_id, (_, _, touched) in list(self._uploads.items()):
-            if now - touched > older_than_s:
-                self._drop_upload(upload_id)
+        return await self._uploads.commit(upload_id, self._session().files, path, overwrite)
 
 
 async def _first_of(*waits: Callable[[], Awaitable[Any]]) -> None:

@@ -15,10 +15,8 @@ address only, never to a name. A name outside the session's policy but inside th
 put to `asker` (the user, via MCP elicitation, wired elsewhere); a yes widens the session's policy.
 
 Every decision is recorded in the session's DecisionLog. Caps: concurrent connections (503 over),
-head timeout (slowloris), idle timeout on every relay, connect and resolve timeouts.
-
-Here: the decisions and the asking. Reaching the server (resolve, check, connect) is upstream.py;
-the bytes of a connection are wire.py (its head, the proxy's own answers) and relay.py (the relay).
+head timeout (slowloris), idle timeout on every relay, connect and resolve timeouts. Here: deciding
+and asking; reaching the server is upstream.py, a connection's bytes wire.py and relay.py.
 """
 
 from __future__ import annotations
@@ -45,10 +43,9 @@ log = logging.getLogger(__name__)
 #: wait (ASK_TIMEOUT_S).
 Asker = Callable[[str, int], Awaitable[bool | None]]
 
-#: Bound on the wait for the user's answer to an Asker.
-ASK_TIMEOUT_S = 60.0
-#: Questions one session may put to the user; past it, hosts outside the policy are denied unasked.
-MAX_ASKS = 10
+#: Bound on the wait for the user's answer to an Asker; questions one session may put to the user (past
+#: it, hosts outside the policy are denied unasked).
+ASK_TIMEOUT_S, MAX_ASKS = 60.0, 10
 
 
 @dataclass(frozen=True)

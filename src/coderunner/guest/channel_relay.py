@@ -31,7 +31,6 @@ the kernel's status (128+signal if a signal ended it). Stdlib only, one thread, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -39,6 +38,11 @@ import socket
 import sys
 import tempfile
 from typing import Any
+
+# This script runs with -I -S, so its folder is not on sys.path: load its init duties from there. Appended,
+# so no module of the folder can stand in for one of the standard library's.
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))
+from relay_init import Init, become_subreaper, remove_private, spawn  # type: ignore[import-not-found]
 
 #: The sandbox's copy of common.RELAY_STATE (this script runs with -I -S: no coderunner imports).
 RELAY_STATE = "relay-state"
@@ -50,15 +54,12 @@ MAX_CONNECTIONS = 16
 CHUNK = 64 * 1024
 #: Bound on reaching the kernel's channel (it binds while it starts).
 DIAL_S = 60.0
-#: After a forwarded SIGTERM, how long the kernel has before SIGKILL.
-TERM_GRACE_S = 10.0
 #: Signals queued for the relay's worker before further ones are dropped (with a line on stderr).
 MAX_PENDING = 32
 #: Environment variable telling kernel_boot where to bind IOPub's fork pipe (an ipc path).
 PIPE_ENV = "CODERUNNER_IOPUB_PIPE"
 CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
-PR_SET_CHILD_SUBREAPER = 36
 
 
 class RelayError(Exception):
@@ -357,76 +358,6 @@ class Relay:
                 await asyncio.sleep(0.05)
 
 
-# --- init duties ---------------------------------------------------------------------------------
-
-
-def become_subreaper() -> None:
-    """Outside gVisor (tests, pid != 1) orphans would go past this process: adopt them instead."""
-    if os.getpid() == 1:
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    except (OSError, AttributeError):
-        pass  # best effort: without it, only the kernel itself is reaped here
-
-
-def spawn(plan: Plan) -> int:
-    """The kernel in a session of its own, as jupyter_client starts one: an interrupt_request then
-    reaches its whole process group (a running `!sleep`, pip). Signals ignored here (SIGPIPE and
-    SIGXFSZ by Python, USR1/USR2 until handled) go back to the default for it."""
-    stdin = [(os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0)]
-    defaults = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGUSR1, signal.SIGUSR2]
-    try:
-        return os.posix_spawnp(plan.argv[0], plan.argv, plan.env, file_actions=stdin, setsid=True, setsigdef=defaults)
-    except OSError as error:
-        raise RelayError(f"cannot start the kernel {plan.argv[0]}: {error.strerror}") from None
-
-
-class Init:
-    """Reaps every child; resolves `ended` with the kernel's exit code."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.kernel = 0
-        self.ended: asyncio.Future[int] = loop.create_future()
-
-    def reap(self) -> None:
-        """Every child that has ended: the kernel's orphans are re-parented here."""
-        while True:
-            try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
-            except ChildProcessError:
-                return
-            if pid == 0:
-                return
-            if pid == self.kernel and not self.ended.done():
-                code = os.waitstatus_to_exitcode(status)
-                self.ended.set_result(128 - code if code < 0 else code)
-
-    def started(self, pid: int) -> None:
-        """Called right after the spawn; SIGCHLD's handler runs only from the loop, after this."""
-        self.kernel = pid
-        self.reap()
-
-    def forward(self, signum: int) -> None:
-        if self.kernel and not self.ended.done():
-            try:
-                os.kill(self.kernel, signum)
-            except ProcessLookupError:
-                return
-            if signum == signal.SIGTERM:
-                self.loop.call_later(TERM_GRACE_S, self.kill)
-
-    def kill(self) -> None:
-        if not self.ended.done():
-            say(f"the kernel did not end within {TERM_GRACE_S:.0f} s of SIGTERM: killing it")
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.kernel, signal.SIGKILL)
-
-
 async def serve(plan: Plan) -> int:
     loop = asyncio.get_running_loop()
     relay = Relay(plan)
@@ -452,7 +383,11 @@ async def serve(plan: Plan) -> int:
     loop.add_signal_handler(signal.SIGUSR2, request, "open")
     for signum in FORWARDED:
         loop.add_signal_handler(signum, init.forward, signum)
-    init.started(spawn(plan))
+    try:
+        kernel = spawn(plan.argv, plan.env)
+    except OSError as error:
+        raise RelayError(f"cannot start the kernel {plan.argv[0]}: {error.strerror}") from None
+    init.started(kernel)
     request("open")
     working = loop.create_task(worker())
     try:
@@ -460,15 +395,6 @@ async def serve(plan: Plan) -> int:
     finally:
         working.cancel()
         await relay.close(announce=False)
-
-
-def remove_private(directory: str) -> None:
-    """The kernel's leftovers in the private dir (a tmpfs in the sandbox; this matters on a host)."""
-    with contextlib.suppress(OSError):
-        for name in os.listdir(directory):
-            with contextlib.suppress(OSError):
-                os.unlink(os.path.join(directory, name))
-        os.rmdir(directory)
 
 
 def main(argv: list[str]) -> int:
