@@ -139,3 +139,20 @@ def test_normalize_host_forms() -> None:
     for bad in ("", "[::1", "::1]", "[example.com]", "a..b", "127.1", "0x7f000001"):
         with pytest.raises(EgressPolicyError):
             normalize_host(bad)
+
+
+def test_entry_for_names_the_preset_a_host_needs_when_the_ceiling_holds_all_of_it() -> None:
+    """pip needs the index and its file host: a hint naming one host alone leaves pip failing on the other."""
+    index, files = PRESETS["python-packages"]
+    whole = EgressPolicy.parse(["python-packages", "example.com"])
+    assert whole.entry_for(index) == "python-packages" and whole.entry_for(files.upper()) == "python-packages"
+    assert whole.entry_for("example.com") == "example.com"
+    assert EgressPolicy.parse(["*.github.com", "github.com", "*.githubusercontent.com"]).entry_for(
+        "api.github.com"
+    ) == ("github")
+    only_index = EgressPolicy.parse([index])  # the preset is not wholly inside this ceiling: the host itself
+    assert only_index.entry_for(index) == index
+    # The hint never names more than the ceiling: asking for the named entry is accepted by narrowed().
+    for policy, host in ((whole, index), (only_index, index)):
+        policy.narrowed([policy.entry_for(host)])
+    assert whole.entry_for("not a host!") == "not a host!"

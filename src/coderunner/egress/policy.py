@@ -147,6 +147,23 @@ class EgressPolicy:
             )
         return EgressPolicy(hosts=wanted.hosts, ports=self.ports)
 
+    def entry_for(self, host: str) -> str:
+        """What to ask for to reach `host` within this ceiling: the preset holding it where the ceiling
+        covers the whole preset (pip needs the index and its file host: naming one fails on the other),
+        else the host itself."""
+        try:
+            canonical = normalize_host(host)
+        except EgressPolicyError:
+            return host
+        for name in PRESETS:
+            try:
+                preset = EgressPolicy.parse([name], tuple(sorted(self.ports)) or DEFAULT_PORTS)
+            except EgressPolicyError:
+                continue  # a preset this server cannot fill (no pip): never the hint
+            if preset._allows_host(canonical) and all(self.covers(entry) for entry in preset.hosts):
+                return name
+        return host
+
     def with_host(self, host: str) -> EgressPolicy:
         """This policy plus one exact host name or IP literal (no wildcard, no preset)."""
         canonical = normalize_host(host)

@@ -349,23 +349,20 @@ class EgressProxy:
                 f"port {port} is not allowed",
                 f"{BLOCKED}: port {port} of {shown} is not in this session's allowlist (allowed: {allowed})",
             )
+        ask_for = f'create a session with allow=["{self._ceiling.entry_for(host)}"]'
         if self._asker is not None and self._ceiling.allows(host, port):
             if host not in self._declined and self._asks_made < MAX_ASKS and await self._ask(host, port):
                 return None
             why = (
                 "The user declined it for this session."
                 if host in self._declined
-                else f'The user was not asked; create a session with allow=["{host}"] to reach it.'
+                else f"The user was not asked; {ask_for} to reach it."
             )
             return _Denial(
                 "declined by the user" if host in self._declined else "not asked",
                 f"{BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\n{why}",
             )
-        hint = (
-            f'create a session with allow=["{host}"]'
-            if self._ceiling.allows(host, port)
-            else f"the user can allow it with {CEILING_SETTING}"
-        )
+        hint = ask_for if self._ceiling.allows(host, port) else f"the user can allow it with {CEILING_SETTING}"
         return _Denial(
             "not in the allowlist",
             f"{BLOCKED}: {shown} is not in this session's allowlist (allowed: {allowed})\nTo reach it, {hint}.",
