@@ -177,9 +177,25 @@ class BackgroundLoop:
 
 
 @contextlib.asynccontextmanager
-async def tcp_front(unix_path: str) -> AsyncIterator[int]:
-    """A TCP port on 127.0.0.1 that pipes each connection to the proxy's unix socket: what the
-    in-sandbox forwarder does, so ordinary clients (curl, urllib) can be pointed at the proxy."""
+async def peak_connections(proxy: EgressProxy) -> AsyncIterator[list[int]]:
+    """The most connections `proxy` held at once while the block ran (sampled every 5 ms), as [peak]."""
+    peak = [0]
+
+    async def watch() -> None:
+        while True:
+            peak[0] = max(peak[0], proxy.active_connections)
+            await asyncio.sleep(0.005)
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        yield peak
+    finally:
+        watcher.cancel()
+        peak[0] = max(peak[0], proxy.active_connections)
+
+
+def piping_to(unix_path: str) -> Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]:
+    """A stream server's handler that carries each connection's bytes (never fds) to `unix_path`."""
 
     async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
         try:
@@ -199,6 +215,14 @@ async def tcp_front(unix_path: str) -> AsyncIterator[int]:
             up_writer.close()
             writer.close()
 
+    return serve
+
+
+@contextlib.asynccontextmanager
+async def tcp_front(unix_path: str) -> AsyncIterator[int]:
+    """A TCP port on 127.0.0.1 that pipes each connection to the proxy's unix socket: what the
+    in-sandbox forwarder does, so ordinary clients (curl, urllib) can be pointed at the proxy."""
+    serve = piping_to(unix_path)
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     try:
         yield server.sockets[0].getsockname()[1]

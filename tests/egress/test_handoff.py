@@ -27,7 +27,16 @@ import pytest
 from coderunner.egress import EgressPolicy, ProxyLimits, relay
 from coderunner.egress import handoff as host_side
 
-from .harness import Upstream, exchange, loopback_only, resolver_for, running_proxy, status_of
+from .harness import (
+    Upstream,
+    exchange,
+    loopback_only,
+    peak_connections,
+    piping_to,
+    resolver_for,
+    running_proxy,
+    status_of,
+)
 
 pytestmark = pytest.mark.anyio
 
@@ -252,27 +261,18 @@ async def test_a_flood_of_handoffs_is_bounded_and_a_bystander_is_untouched(upstr
     limits = ProxyLimits(head_timeout_s=600)  # only the cap and eviction bound the flood here
     good = CONNECT % upstream.port + b"x"
     pairs = [tcp_pair() for _ in range(150)]
-    peak = 0
     try:
         async with proxy_for(upstream, limits=limits) as run, proxy_for(upstream) as bystander:
-
-            async def watch() -> None:
-                nonlocal peak
-                while True:
-                    peak = max(peak, run.proxy.active_connections)
-                    await asyncio.sleep(0.005)
-
-            watcher = asyncio.ensure_future(watch())
-            # Handed over, then silent: each holds a slot until a newer client evicts it.
-            answers = await asyncio.gather(*(hand_over(run.path, [accepted.fileno()]) for _, accepted in pairs))
-            assert set(answers) <= {host_side.TAKEN, b""} and host_side.TAKEN in answers
-            junk = await asyncio.gather(*(hand_over(run.path, [pairs[0][1].fileno()] * 3) for _ in range(100)))
-            assert set(junk) == {b""}
-            assert status_of(await exchange(bystander.path, good)) == 200
-            await asyncio.sleep(1.2)  # the silent ones are now old enough to be evicted
-            assert status_of(await exchange(run.path, good)) == 200
-            watcher.cancel()
-            assert peak <= limits.max_connections
+            async with peak_connections(run.proxy) as peak:
+                # Handed over, then silent: each holds a slot until a newer client evicts it.
+                answers = await asyncio.gather(*(hand_over(run.path, [accepted.fileno()]) for _, accepted in pairs))
+                assert set(answers) <= {host_side.TAKEN, b""} and host_side.TAKEN in answers
+                junk = await asyncio.gather(*(hand_over(run.path, [pairs[0][1].fileno()] * 3) for _ in range(100)))
+                assert set(junk) == {b""}
+                assert status_of(await exchange(bystander.path, good)) == 200
+                await asyncio.sleep(1.2)  # the silent ones are now old enough to be evicted
+                assert status_of(await exchange(run.path, good)) == 200
+            assert peak[0] <= limits.max_connections
     finally:
         for client, accepted in pairs:
             client.close()
@@ -315,22 +315,7 @@ async def byte_relay(target: str) -> AsyncIterator[str]:
     tmp = tempfile.mkdtemp(prefix="relay-", dir="/tmp")
     path = str(Path(tmp) / "relay.sock")
 
-    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
-        with contextlib.suppress(OSError):
-            while data := await src.read(65536):
-                dst.write(data)
-                await dst.drain()
-            dst.write_eof()
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_unix_connection(target)
-        try:
-            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
-        finally:
-            up_writer.close()
-            writer.close()
-
-    server = await asyncio.start_unix_server(serve, path)
+    server = await asyncio.start_unix_server(piping_to(target), path)
     try:
         yield path
     finally:
