@@ -170,6 +170,47 @@ def free_m() -> str:
     return next((row for row in done.stdout.splitlines() if row.startswith("Mem:")), done.stdout.strip())
 
 
+TICK = os.sysconf("SC_CLK_TCK")
+#: What part c's CPU accounting calls each process, by its command line (the first that matches).
+CPU_PARTS = (
+    ("session actors (Ray workers)", ("ray::SessionActor", "default_worker.py")),
+    ("sandboxes (kernels)", ("bwrap", "ipykernel", "coderunner_guest")),
+    ("front doors", ("coderunner.cli serve", "coderunner serve")),
+    ("Ray's daemons", ("raylet", "gcs_server", "log_monitor", "dashboard", "monitor.py", "runtime_env", "ray::")),
+)
+
+
+def busy_s() -> float:
+    """CPU-seconds the whole machine has spent busy (every core; /proc/stat)."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle, iowait
+    return (sum(fields[:8]) - idle) / TICK
+
+
+def cpu_by_process() -> dict[tuple[int, str], tuple[str, float]]:
+    """(pid, start time) -> (part, CPU-seconds so far) for every live process."""
+    found: dict[tuple[int, str], tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            rest = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        part = next((name for name, keys in CPU_PARTS if any(key in argv for key in keys)), "other")
+        found[(int(entry.name), rest[19])] = (part, (int(rest[11]) + int(rest[12])) / TICK)
+    return found
+
+
+def cpu_spent(before: dict[tuple[int, str], tuple[str, float]]) -> dict[str, float]:
+    """CPU-seconds each part spent since `before` (processes that ended in between are not counted)."""
+    spent: Counter[str] = Counter()
+    for key, (part, seconds) in cpu_by_process().items():
+        spent[part] += seconds - before.get(key, (part, 0.0))[1]
+    return dict(spent)
+
+
 def pss_mb(pids: list[int]) -> float:
     total = 0
     for pid in pids:
@@ -350,12 +391,15 @@ class Burst:
         self.all_ready_s = 0.0
         self.close_s = 0.0
         self.close_errors: list[str] = []
+        self.busy_s = 0.0  # the machine's busy CPU-seconds during open()
+        self.cpu_parts: dict[str, float] = {}
 
     @property
     def complete(self) -> bool:
         return len(self.ready) == self.count
 
     async def open(self) -> Burst:
+        processes, busy = cpu_by_process(), busy_s()
         began = time.perf_counter()
 
         async def one() -> None:
@@ -374,7 +418,20 @@ class Burst:
         if scope.cancelled_caught:
             self.errors.append(f"the burst did not finish within {BURST_TIMEOUT_S:.0f} s")
         self.all_ready_s = time.perf_counter() - began
+        self.busy_s = busy_s() - busy
+        self.cpu_parts = cpu_spent(processes)
         return self
+
+    def cpu_line(self) -> str:
+        """Where the machine's CPU went while the burst started: a session's cost, to size a cluster by."""
+        cores = os.cpu_count() or 1
+        used = self.busy_s / max(self.all_ready_s * cores, 1e-9)
+        ranked = sorted(self.cpu_parts.items(), key=lambda item: -item[1])
+        parts = ", ".join(f"{part} {seconds / self.count:.2f}" for part, seconds in ranked)
+        return (
+            f"CPU: the machine was {used:.0%} busy ({cores} cores), {self.busy_s / self.count:.2f} CPU-s per session "
+            f"in all; by part, per session: {parts} (processes that ended during the burst not counted)"
+        )
 
     async def close(self) -> None:
         began = time.perf_counter()
@@ -592,6 +649,7 @@ def print_burst(found: dict[str, Any], count: int) -> None:
         print(f"   {burst.count} at once: first result in {len(burst.ready)}/{burst.count}, {burst.all_ready_s:.1f} s")
         if burst.ready:
             print(line("      each session's start to first result", burst.ready))
+            print(f"      {burst.cpu_line()}")
         for text in error_summary(burst.errors):
             print(f"      refused/failed: {text}")
         cleanup = found.get("cleanup", [])
@@ -646,6 +704,7 @@ def print_local_burst(found: dict[str, Any], count: int) -> None:
     print(f"   first result in {len(burst.ready)}/{count}, {burst.all_ready_s:.1f} s; closed in {burst.close_s:.1f} s")
     if burst.ready:
         print(line("      each session's start to first result", burst.ready))
+        print(f"      {burst.cpu_line()}")
     print(
         f"   {found['sandboxes']} sandboxes alive, PSS {found['sandboxes_pss'] / (found['sandboxes'] or 1):.1f} MiB "
         "each (no actor process per session here)"
