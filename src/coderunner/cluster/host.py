@@ -28,7 +28,6 @@ from coderunner.cluster.actor import SessionActor
 from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.node_pool import NodePools
 from coderunner.cluster.placement import Request, check_fits, check_home
-from coderunner.cluster.question_box import BOX_CALL_S, QuestionBoxActor, new_tokens, relay_questions
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
@@ -98,9 +97,6 @@ class ClusterHost:
         #: Ray's process start-up and all of them miss their bound): the rest queue for a turn.
         self._cold_starts = anyio.Semaphore(COLD_STARTS)
         self._settings_sent = settings.model_dump(exclude=FRONT_DOOR_ONLY)
-        #: The actor one-shot runs' questions pass through (question_box.py), started when first needed.
-        self._box: Any = None
-        self._box_lock = anyio.Lock()
         self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
         self.stored = StoredOnNodes(self._node_calls, self.backend.name, settings.snapshots_shared)
         self._defaults = self.options()
@@ -400,48 +396,17 @@ class ClusterHost:
         args = (language, code, options)
         kwargs = {"stdin": stdin, "variables": variables}
         if options.network != NetworkMode.ALLOWLIST or on_egress is None:  # a plain run: one task, nothing more
-            result, _ = await self._node_calls.run_oneshot(options, args, kwargs, None, None)
+            result, _ = await self._node_calls.run_oneshot(options, args, kwargs)
             return result
-        # The node's proxy decides; the call sees it through a mirror (its `network` line) and lends it an
-        # asker, whose questions come through this front door's box (question_box.py) while the task runs.
+        # The node's proxy decides; the call sees its decisions through a mirror (the reply's `network`
+        # line). Nobody is asked: a one-shot run's list is the whole ceiling (policy_for), so its proxy
+        # never meets a host inside allowed_domains but outside its list, here as on one machine.
         ceiling = self.settings.egress.ceiling
         mirror = RemoteEgress("one-shot", ceiling.narrowed(options.allow) if options.allow else ceiling)
         on_egress(mirror)  # type: ignore[arg-type]  # the part of SessionEgress the tools use
-        box = await self._question_box() if mirror.asker is not None else None
-        ask_token, read_token = new_tokens()
-        if box is None or not await _opened(box, ask_token, read_token):
-            result, delta = await self._node_calls.run_oneshot(options, args, kwargs, None, None)
-        else:
-            async with anyio.create_task_group() as relaying:
-                relaying.start_soon(relay_questions, box, read_token, mirror, relaying)
-                try:
-                    result, delta = await self._node_calls.run_oneshot(options, args, kwargs, box, ask_token)
-                finally:
-                    relaying.cancel_scope.cancel()
-                    with anyio.move_on_after(BOX_CALL_S, shield=True), contextlib.suppress(ray.exceptions.RayError):
-                        await box.close.remote(ask_token, read_token)
+        result, delta = await self._node_calls.run_oneshot(options, args, kwargs)
         mirror.apply(delta)
         return result
-
-    async def _question_box(self) -> Any:
-        """This front door's QuestionBox, started at the first run that can ask (None: it cannot start, so
-        nobody is asked and the proxy denies)."""
-        async with self._box_lock:
-            if self._box is None:
-                here = ray.get_runtime_context().get_node_id()
-                box: Any = QuestionBoxActor.options(
-                    num_cpus=0, max_concurrency=ACTOR_CONCURRENCY,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
-                ).remote()  # fmt: skip
-                try:
-                    with anyio.fail_after(PLACE_S):
-                        await box.read.remote("", 0.0)
-                except (TimeoutError, ray.exceptions.RayError) as exc:
-                    log.warning("the question box did not start (%r): one-shot runs ask nobody", exc)
-                    await anyio.to_thread.run_sync(_kill, box)
-                    return None
-                self._box = box
-            return self._box
 
     async def check_code(
         self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
@@ -454,17 +419,6 @@ class ClusterHost:
     async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
         found: dict[str, Any] = await self._node_calls.run("language_versions", options, options)
         return found
-
-
-async def _opened(box: Any, ask_token: str, read_token: str) -> bool:
-    """Whether the box took a run's tokens (no: it is full or gone, and the run asks nobody)."""
-    try:
-        with anyio.fail_after(BOX_CALL_S):
-            opened: bool = await box.open.remote(ask_token, read_token)
-            return opened
-    except (TimeoutError, ray.exceptions.RayError) as exc:
-        log.warning("a one-shot run's questions have no box (%r): it asks nobody", exc)
-        return False
 
 
 def _kill(actor: Any) -> None:

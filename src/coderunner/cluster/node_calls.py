@@ -6,8 +6,7 @@ A one-shot keeps nothing, so it needs no actor: a task placed like a session (it
 one `coderunner-<backend>` unit) runs it through the node's own SessionManager and OneShotRunner,
 exactly as one machine would, and returns the OneShotResult. Ray reuses its worker processes for
 tasks, so no process starts per run. An allowlist run returns its proxy's decisions too (the reply's
-`network` line), and one whose user can be asked puts its questions through the front door's
-QuestionBox (question_box.py). A cancelled or over-time run cancels its task (force: the
+`network` line). A cancelled or over-time run cancels its task (force: the
 worker is killed, and its sandbox, started with --die-with-parent, dies with it).
 """
 
@@ -22,7 +21,6 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coderunner.cluster.actor import node_settings
 from coderunner.cluster.placement import Request, check_fits
-from coderunner.cluster.question_box import BoxAsker
 from coderunner.cluster.remote_egress import delta_of
 from coderunner.cluster.remote_session import CALL_S, cause_of
 from coderunner.config import Settings
@@ -53,21 +51,15 @@ NodeCall = ray.remote(node_call)
 
 
 def node_oneshot(
-    settings: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any], box: Any, ask_token: str | None
+    settings: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[OneShotResult, EgressDelta | None]:
-    """On the node: one run_oneshot, with its allowlist proxy's decisions; its questions go to `box`
-    under `ask_token` (None: nobody can be asked, the proxy denies)."""
+    """On the node: one run_oneshot, with its allowlist proxy's decisions (read after the run)."""
     chosen = node_settings(settings, pool_size=0, oneshot_ready=False)
     proxies: list[SessionEgress] = []
 
-    def on_egress(egress: SessionEgress) -> None:
-        proxies.append(egress)
-        if box is not None and ask_token is not None:
-            egress.set_asker(BoxAsker(box, ask_token))
-
     async def call() -> tuple[OneShotResult, EgressDelta | None]:
         async with SessionManager(chosen, make_backend(chosen)) as manager:
-            result = await manager.run_oneshot(*args, on_egress=on_egress, **kwargs)
+            result = await manager.run_oneshot(*args, on_egress=proxies.append, **kwargs)
             return result, delta_of(proxies[0], 0) if proxies else None
 
     return anyio.run(call)
@@ -90,11 +82,11 @@ class NodeCalls:
         return await self._placed(options, NodeCall, self.settings_sent, method, args, kwargs)
 
     async def run_oneshot(
-        self, options: SandboxOptions, args: tuple[Any, ...], kwargs: dict[str, Any], box: Any, ask_token: str | None
+        self, options: SandboxOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[OneShotResult, EgressDelta | None]:
         """A one-shot run (node_oneshot), placed like a session with `options`."""
         done: tuple[OneShotResult, EgressDelta | None] = await self._placed(
-            options, NodeOneShot, self.settings_sent, args, kwargs, box, ask_token
+            options, NodeOneShot, self.settings_sent, args, kwargs
         )
         return done
 
