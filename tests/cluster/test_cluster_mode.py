@@ -478,6 +478,36 @@ async def test_the_user_is_asked_during_guest_tools_and_installs_across_the_clus
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
+async def test_an_allowlist_one_shot_runs_denials_reach_the_reply_from_its_node(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """execute_code is a task: its node's proxy decides, and the reply's `network` line names what it denied,
+    as on one machine. A one-shot run's list is the whole ceiling, so nobody is asked (a host outside
+    allowed_domains is denied unasked), and the node's audit holds the denial."""
+    asked = Asked()
+    asked.answer = "accept"
+    audit = dirs.root / "egress-oneshot.jsonl"
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_ALLOWED_DOMAINS='["a.example.org"]',
+                      CODERUNNER_EGRESS_AUDIT_LOG=str(audit))  # fmt: skip
+    async with front_door(ray_cluster, env, mode="legacy", elicitation_callback=asked) as client:
+        code = FETCH.format(host="outside.example.net", pause=0)
+        ran = json_of(await ok(client, "execute_code", language="python", code=code, network="allowlist"))
+        assert ran is not None and "HTTP 403" in ran["stdout"], ran
+        assert ran["network"].startswith("network: denied outside.example.net:80 (not in the user's allowed_domains")
+        assert not asked.messages, asked.messages
+        quiet = json_of(await ok(client, "execute_code", language="python", code="print(1)", network="allowlist"))
+        assert quiet is not None and "network" not in quiet, quiet
+        offline = json_of(await call(client, "execute_code", language="python", code=code, network="none"))
+        assert offline is not None and offline["exit_code"] != 0 and "network" not in offline, offline
+
+    def denied_in_audit() -> bool:
+        rows = [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
+        return any(row["host"] == "outside.example.net" and not row["allowed"] for row in rows)
+
+    assert await eventually(denied_in_audit), audit.read_text() if audit.exists() else "no audit file"
+    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+
+
 async def test_a_session_actor_sigkilled_leaves_nothing_of_its_sandbox(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 
 from coderunner.cluster.relay_asker import RelayAsker
+from coderunner.cluster.remote_egress import delta_of
 from coderunner.cluster.staged_uploads import StagedUploads
 from coderunner.cluster.wire import (
     NODE_LOCAL,
@@ -365,8 +366,7 @@ class SessionActor:
         egress = session.egress if session is not None else None
         if since is None or egress is None:
             return None
-        decisions, mark = egress.log.since(since)
-        return EgressDelta(decisions, mark, egress.log.totals(), egress.proxy.open_connections(), egress.proxy.policy)
+        return delta_of(egress, since)
 
     async def close(self) -> str | None:
         """Close the session (its kernel, sandbox and workspace); the front door then kills the actor."""

@@ -28,6 +28,7 @@ from coderunner.cluster.actor import SessionActor
 from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.node_pool import NodePools
 from coderunner.cluster.placement import Request, check_fits, check_home
+from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
 from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
@@ -392,10 +393,19 @@ class ClusterHost:
         variables: dict[str, Any] | None = None, caller: str | None = None,
         on_egress: Callable[[SessionEgress], None] | None = None,
     ) -> OneShotResult:  # fmt: skip
-        # `on_egress` (the call's view of an allowlist run's proxy) stays on the node: its policy applies there.
-        result: OneShotResult = await self._node_calls.run(
-            "run_oneshot", options, language, code, options, stdin=stdin, variables=variables
-        )
+        args = (language, code, options)
+        kwargs = {"stdin": stdin, "variables": variables}
+        if options.network != NetworkMode.ALLOWLIST or on_egress is None:  # a plain run: one task, nothing more
+            result, _ = await self._node_calls.run_oneshot(options, args, kwargs)
+            return result
+        # The node's proxy decides; the call sees its decisions through a mirror (the reply's `network`
+        # line). Nobody is asked: a one-shot run's list is the whole ceiling (policy_for), so its proxy
+        # never meets a host inside allowed_domains but outside its list, here as on one machine.
+        ceiling = self.settings.egress.ceiling
+        mirror = RemoteEgress("one-shot", ceiling.narrowed(options.allow) if options.allow else ceiling)
+        on_egress(mirror)  # type: ignore[arg-type]  # the part of SessionEgress the tools use
+        result, delta = await self._node_calls.run_oneshot(options, args, kwargs)
+        mirror.apply(delta)
         return result
 
     async def check_code(

@@ -5,14 +5,15 @@ One-shot runs (execute_code, check_only too) in cluster mode are each one a Ray 
 A one-shot keeps nothing, so it needs no actor: a task placed like a session (its CPUs, memory and
 one `coderunner-<backend>` unit) runs it through the node's own SessionManager and OneShotRunner,
 exactly as one machine would, and returns the OneShotResult. Ray reuses its worker processes for
-tasks, so no process starts per run. A cancelled or over-time run cancels its task (force: the
+tasks, so no process starts per run. An allowlist run returns its proxy's decisions too (the reply's
+`network` line). A cancelled or over-time run cancels its task (force: the
 worker is killed, and its sandbox, started with --die-with-parent, dies with it).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import ray
@@ -20,12 +21,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coderunner.cluster.actor import node_settings
 from coderunner.cluster.placement import Request, check_fits
+from coderunner.cluster.remote_egress import delta_of
 from coderunner.cluster.remote_session import CALL_S, cause_of
 from coderunner.config import Settings
 from coderunner.errors import SessionError
 from coderunner.sandbox import make_backend
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.sandbox_options import SandboxOptions
+
+if TYPE_CHECKING:
+    from coderunner.cluster.wire import EgressDelta
+    from coderunner.egress.gateway import SessionEgress
+    from coderunner.sessions.oneshot_runs import OneShotResult
 
 
 def node_call(settings: dict[str, Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -43,6 +50,24 @@ def node_call(settings: dict[str, Any], method: str, args: tuple[Any, ...], kwar
 NodeCall = ray.remote(node_call)
 
 
+def node_oneshot(
+    settings: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[OneShotResult, EgressDelta | None]:
+    """On the node: one run_oneshot, with its allowlist proxy's decisions (read after the run)."""
+    chosen = node_settings(settings, pool_size=0, oneshot_ready=False)
+    proxies: list[SessionEgress] = []
+
+    async def call() -> tuple[OneShotResult, EgressDelta | None]:
+        async with SessionManager(chosen, make_backend(chosen)) as manager:
+            result = await manager.run_oneshot(*args, on_egress=proxies.append, **kwargs)
+            return result, delta_of(proxies[0], 0) if proxies else None
+
+    return anyio.run(call)
+
+
+NodeOneShot = ray.remote(node_oneshot)
+
+
 class NodeCalls:
     """Runs host calls as tasks on the cluster's nodes, at most `limit` at once from this front door."""
 
@@ -53,14 +78,24 @@ class NodeCalls:
         self.slots = anyio.CapacityLimiter(settings.max_oneshot_runs)
 
     async def run(self, method: str, options: SandboxOptions, *args: Any, **kwargs: Any) -> Any:
-        """A call that starts a sandbox (a one-shot run): placed by Ray like a session with `options`."""
+        """A call that starts a sandbox (check_code): placed by Ray like a session with `options`."""
+        return await self._placed(options, NodeCall, self.settings_sent, method, args, kwargs)
+
+    async def run_oneshot(
+        self, options: SandboxOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[OneShotResult, EgressDelta | None]:
+        """A one-shot run (node_oneshot), placed like a session with `options`."""
+        done: tuple[OneShotResult, EgressDelta | None] = await self._placed(
+            options, NodeOneShot, self.settings_sent, args, kwargs
+        )
+        return done
+
+    async def _placed(self, options: SandboxOptions, function: Any, *args: Any) -> Any:
         request = Request.of(options, self.backend, self.settings.ray_node_labels)
         check_fits(request, await anyio.to_thread.run_sync(ray.nodes))
         bound = options.timeout_s + self.settings.startup_timeout_s + CALL_S
         async with self.slots:
-            ref = NodeCall.options(max_retries=0, **request.actor_options()).remote(
-                self.settings_sent, method, args, kwargs
-            )
+            ref = function.options(max_retries=0, **request.actor_options()).remote(*args)
             return await self._result(ref, bound)
 
     async def run_on(self, node_id: str, method: str, *args: Any) -> Any:

@@ -10,11 +10,21 @@ install_packages goes, the node relays its proxy's questions to it (relay_asker.
 from __future__ import annotations
 
 import threading
+from typing import TYPE_CHECKING
 
 from coderunner.cluster.wire import EgressDelta
 from coderunner.egress.audit import Decision, DecisionLog
 from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.policy_proxy import Asker
+
+if TYPE_CHECKING:
+    from coderunner.egress.gateway import SessionEgress
+
+
+def delta_of(egress: SessionEgress, since: int) -> EgressDelta:
+    """On the node: a proxy's decisions after the mark `since`, with its totals, open connections and policy."""
+    decisions, mark = egress.log.since(since)
+    return EgressDelta(decisions, mark, egress.log.totals(), egress.proxy.open_connections(), egress.proxy.policy)
 
 
 class MirroredLog(DecisionLog):
