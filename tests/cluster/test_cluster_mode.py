@@ -482,8 +482,8 @@ async def test_an_allowlist_one_shot_runs_denials_reach_the_reply_from_its_node(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
     """execute_code is a task: its node's proxy decides, and the reply's `network` line names what it denied,
-    as on one machine. A one-shot run's list is the whole ceiling, so nobody is asked (a host outside
-    allowed_domains is denied unasked), and the node's audit holds the denial."""
+    as on one machine. A one-shot run's list is the whole ceiling, so nobody is asked: a host inside
+    allowed_domains is let through, one outside is denied, and the node's audit holds both decisions."""
     asked = Asked()
     asked.answer = "accept"
     audit = dirs.root / "egress-oneshot.jsonl"
@@ -495,16 +495,23 @@ async def test_an_allowlist_one_shot_runs_denials_reach_the_reply_from_its_node(
         assert ran is not None and "HTTP 403" in ran["stdout"], ran
         assert ran["network"].startswith("network: denied outside.example.net:80 (not in the user's allowed_domains")
         assert not asked.messages, asked.messages
+        # A host inside allowed_domains is in the run's list: let through unasked (its name resolves nowhere
+        # in the test's network, so the proxy answers 5xx, with no denial line).
+        inside = json_of(await call(client, "execute_code", language="python", code=FETCH.format(host="a.example.org",
+                                    pause=0), network="allowlist"))  # fmt: skip
+        assert inside is not None and "HTTP 5" in inside["stdout"] and "network" not in inside, inside
+        assert not asked.messages, asked.messages
         quiet = json_of(await ok(client, "execute_code", language="python", code="print(1)", network="allowlist"))
         assert quiet is not None and "network" not in quiet, quiet
         offline = json_of(await call(client, "execute_code", language="python", code=code, network="none"))
         assert offline is not None and offline["exit_code"] != 0 and "network" not in offline, offline
 
-    def denied_in_audit() -> bool:
+    def decided_in_audit() -> bool:
         rows = [json.loads(line) for line in audit.read_text().splitlines()] if audit.exists() else []
-        return any(row["host"] == "outside.example.net" and not row["allowed"] for row in rows)
+        hosts = {(row["host"], row["allowed"]) for row in rows}
+        return ("outside.example.net", False) in hosts and ("a.example.org", True) in hosts
 
-    assert await eventually(denied_in_audit), audit.read_text() if audit.exists() else "no audit file"
+    assert await eventually(decided_in_audit), audit.read_text() if audit.exists() else "no audit file"
     assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
 
