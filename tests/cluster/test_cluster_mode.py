@@ -347,6 +347,22 @@ async def test_a_session_no_node_can_hold_is_refused_clearly(ray_cluster: RayClu
         await call(client, "manage_sessions", action="close", session_id="")
 
 
+async def test_a_front_door_with_mounts_not_declared_shared_refuses_to_start(
+    ray_cluster: RayCluster, dirs: ServerDirs, tmp_path: Path
+) -> None:
+    """A node binds a mount from its own disk: unless the user declares the folder shared, no front door starts."""
+    (tmp_path / "data").mkdir()
+    argv = [*ray_cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "serve", "--ray", ray_cluster.address,
+            "--mount", f"{tmp_path / 'data'}:/data"]  # fmt: skip
+    env = cluster_env(ray_cluster, dirs)
+    started = subprocess.run(argv, env=env, cwd=str(REPO), stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert started.returncode != 0, started.stderr
+    assert "cluster mode refuses mounts" in started.stderr and "set mounts_shared = true" in started.stderr, (
+        started.stderr
+    )
+
+
 async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
