@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from coderunner.cluster.placement import MIB, Request, check_fits, check_home, describe_node
@@ -73,6 +75,22 @@ def test_cluster_mode_refuses_a_network_ceiling_of_internet() -> None:
     settings = load_settings(Path(os.devnull), network="internet", ray_address="127.0.0.1:6379")
     with pytest.raises(ConfigError, match=r"refuses max_network 'internet'.*Ray's ports"):
         ClusterHost(settings)
+
+
+@pytest.mark.parametrize("field", ["mounts", "allowed_mount_roots"])
+def test_cluster_mode_refuses_mounts_not_declared_on_shared_storage(field: str, tmp_path: Path) -> None:
+    """A node binds a mount from its own disk: the user must say the folders are the same on every node."""
+    import os
+
+    from coderunner.cluster.host import ClusterHost
+    from coderunner.config import ConfigError, load_settings
+
+    (tmp_path / "data").mkdir()
+    value = [f"{tmp_path / 'data'}:/data"] if field == "mounts" else [str(tmp_path)]
+    common = {"ray_address": "127.0.0.1:6379", "export_dir": str(tmp_path / "out"), field: value}
+    with pytest.raises(ConfigError, match=r"refuses mounts.*node that holds it.*set mounts_shared = true"):
+        ClusterHost(load_settings(Path(os.devnull), **common))
+    ClusterHost(load_settings(Path(os.devnull), mounts_shared=True, **common))  # declared shared: it starts
 
 
 POOL = {"pool": "agents"}

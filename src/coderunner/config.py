@@ -226,6 +226,11 @@ class Settings(BaseSettings):
         default_factory=list,
         description="Host folders every session sees: [{host, sandbox, mode}] or 'HOST:SANDBOX[:ro|rw]'.",
     )
+    mounts_shared: bool = Field(
+        default=False,
+        description="Cluster mode: the folders of mounts and allowed_mount_roots are on storage every node "
+        "sees at the same paths; without it a cluster front door with mounts refuses to start.",
+    )
     export_dir: Path | None = Field(
         default_factory=lambda: default_export_dir(),
         description="Where exports land, one subfolder per client; sandboxes never see it. Empty to disable.",

@@ -347,6 +347,38 @@ async def test_a_session_no_node_can_hold_is_refused_clearly(ray_cluster: RayClu
         await call(client, "manage_sessions", action="close", session_id="")
 
 
+async def test_a_front_door_with_mounts_not_declared_shared_refuses_to_start(
+    ray_cluster: RayCluster, dirs: ServerDirs, tmp_path: Path
+) -> None:
+    """A node binds a mount from its own disk: unless the user declares the folder shared, no front door starts."""
+    (tmp_path / "data").mkdir()
+    argv = [*ray_cluster.exec_prefix, sys.executable, "-m", "coderunner.cli", "serve", "--ray", ray_cluster.address,
+            "--mount", f"{tmp_path / 'data'}:/data"]  # fmt: skip
+    env = cluster_env(ray_cluster, dirs)
+    started = subprocess.run(argv, env=env, cwd=str(REPO), stdin=subprocess.DEVNULL, capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert started.returncode != 0, started.stderr
+    assert "cluster mode refuses mounts" in started.stderr and "set mounts_shared = true" in started.stderr, (
+        started.stderr
+    )
+
+
+async def test_a_shared_mount_missing_on_the_node_fails_the_create_naming_node_and_path(
+    ray_cluster: RayCluster, dirs: ServerDirs, tmp_path: Path
+) -> None:
+    """Declared shared but absent where the session lands: the create says which node lacks which folder."""
+    source = tmp_path / "shared"
+    source.mkdir()  # the front door checks its mounts at start; the node finds it gone at the create
+    mounts = json.dumps([f"{source}:/data"])
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_MOUNTS=mounts, CODERUNNER_MOUNTS_SHARED="true")
+    async with front_door(ray_cluster, env) as client:
+        source.rmdir()
+        refused = await call(client, "create_session")
+        text = text_of(refused)
+        assert refused.is_error and "could not start on node" in text, text
+        assert f"mount source {source} does not exist" in text and "Error(" not in text, text
+
+
 async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:

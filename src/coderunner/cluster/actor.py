@@ -96,7 +96,8 @@ class SessionActor:
             self._main = asyncio.get_running_loop().create_task(self._hold())
         await self._entered.wait()
         if self.manager is None:
-            raise SessionError(f"the session could not start on node {self.node.label}: {self._failure!r}")
+            why = str(self._failure) if isinstance(self._failure, CodeRunnerError) else repr(self._failure)
+            raise SessionError(f"the session could not start on node {self.node.label}: {why}")
         return self.manager
 
     async def prestart(self, wait_s: float) -> bool:

@@ -85,6 +85,12 @@ class ClusterHost:
                 "Ray's ports among them, and whoever reaches those runs code on every node. Use 'allowlist' "
                 "(its proxy never connects to the node, loopback or private addresses) with allowed_domains."
             )
+        if (settings.mounts or settings.allowed_mount_roots) and not settings.mounts_shared:
+            raise ConfigError(
+                "cluster mode refuses mounts and allowed_mount_roots unless mounts_shared is set: a session's "
+                "mounts are bound from the disk of the node that holds it, never from this front door's. Put "
+                "those folders on storage every node sees at the same paths and set mounts_shared = true."
+            )
         self.settings = settings
         self.backend = make_backend(settings)  # checks options and describes sandboxes; starts none
         self.base_mounts = configured_mounts(settings, self.backend.identity)
