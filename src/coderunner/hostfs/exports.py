@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import stat
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,58 +62,42 @@ class ExportReport:
 
 
 @dataclass
-class Exporter:
-    """Copies one outbox (a host path whose contents are hostile) to one client's export folder."""
+class OutboxScan:
+    """The source side: which regular files of one outbox (hostile contents) are new or changed since
+    last looked. The node of a cluster session runs it too, so its bounds are the one place they live."""
 
     outbox: Path
-    target: Path
-    limit_bytes: int
-    #: Owner given to exported files and folders (root server), e.g. the export folder's owner.
-    owner: tuple[int, int] | None = None
     #: rel path -> (size, mtime_ns, ino, ctime_ns) as last exported (or found at open).
     _seen: dict[str, tuple[int, int, int, int]] = field(default_factory=dict)
-    used_bytes: int = 0
 
     def baseline(self) -> None:
         """Count what the outbox already holds (a reopened workspace) as exported: never re-copy it."""
         for rel, _fd, info in self._files():
             self._seen[rel] = _signature(info)
 
-    def export(self) -> ExportReport:
-        """Copy what is new or changed. Runs after every call, mostly to find nothing: the export
-        folder is opened only once there is something to copy."""
-        report = ExportReport(self.target)
-        target_fd: int | None = None
-        try:
-            for rel, parent_fd, info in self._files(report):
-                if self._seen.get(rel) == _signature(info):
-                    continue
-                if target_fd is None:
-                    try:
-                        target_fd = open_target(self.target, self.owner)
-                    except OSError as exc:
-                        report.skipped.append(f"the export folder {self.target} cannot be used ({exc.strerror})")
-                        return report
-                self._copy_one(parent_fd, rel, info, target_fd, report)
-        finally:
-            if target_fd is not None:
-                os.close(target_fd)
-        return report
+    def changed(self, report: ExportReport) -> Iterator[tuple[str, int, os.stat_result]]:
+        """(relative path, parent dir fd, lstat) of each new or changed file; the fd is open only
+        until the next item. Call mark() once a file is dealt with (copied or reported)."""
+        for rel, parent_fd, info in self._files(report):
+            if self._seen.get(rel) != _signature(info):
+                yield rel, parent_fd, info
 
-    def outbox_empty(self) -> bool:
-        """Whether the outbox holds no entry at all (its first directory read; nothing followed): then
-        export() has nothing to copy. Cheap enough for the event loop, unlike a walk."""
+    def mark(self, rel: str, info: os.stat_result) -> None:
+        self._seen[rel] = _signature(info)
+
+    def empty(self) -> bool:
+        """Whether the outbox holds no entry at all (its first directory read; nothing followed)."""
         try:
             fd = os.open(self.outbox, DIR_FLAGS)
         except OSError:
-            return True  # export() finds nothing either
+            return True  # changed() finds nothing either
         try:
             with os.scandir(fd) as entries:
                 return next(entries, None) is None
         finally:
             os.close(fd)
 
-    def _files(self, report: ExportReport | None = None):
+    def _files(self, report: ExportReport | None = None) -> Iterator[tuple[str, int, os.stat_result]]:
         """(relative path, parent dir fd, lstat) of each regular file in the outbox; no link followed."""
         try:
             root = os.open(self.outbox, DIR_FLAGS)
@@ -159,53 +144,77 @@ class Exporter:
                 with contextlib.suppress(OSError):
                     os.close(fd)
 
-    def _copy_one(self, parent_fd: int, rel: str, info: os.stat_result, target_fd: int,
-                  report: ExportReport) -> None:  # fmt: skip
-        name = rel.rsplit("/", 1)[-1]
-        room = self.limit_bytes - self.used_bytes
-        if info.st_size > room:
-            self._seen[rel] = _signature(info)  # reported once, not after every call
-            report.skipped.append(f"{rel} ({info.st_size:,} bytes: over the export limit, {max(room, 0):,} left)")
-            return
-        try:
-            src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=parent_fd)
-        except OSError:
-            return
-        try:
-            opened = os.fstat(src)
-            if not stat.S_ISREG(opened.st_mode):
-                return
-            dest_dir = _make_dirs(target_fd, rel.split("/")[:-1], self.owner)
-            try:
-                copied = self._write(src, dest_dir, name, room)
-            finally:
-                os.close(dest_dir)
-        except _OverLimit:
-            report.skipped.append(f"{rel} (grew past the export limit while being copied)")
-            self._seen[rel] = _signature(info)
-            return
-        except OSError as exc:
-            report.skipped.append(f"{rel} ({exc.strerror or 'failed'})")
-            self._seen[rel] = _signature(info)
-            return
-        finally:
-            os.close(src)
-        self.used_bytes += copied
-        self._seen[rel] = _signature(opened)
-        report.copied.append(rel)
-        report.bytes += copied
 
-    def _write(self, src: int, dest_dir: int, name: str, room: int) -> int:
+def open_regular(parent_fd: int, rel: str) -> tuple[int, os.stat_result] | None:
+    """An fd and fstat of a file changed() named, opened without following a link; None if it is gone
+    or is no longer a regular file (swapped since the scan)."""
+    try:
+        src = os.open(rel.rsplit("/", 1)[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                      dir_fd=parent_fd)  # fmt: skip
+    except OSError:
+        return None
+    opened = os.fstat(src)
+    if not stat.S_ISREG(opened.st_mode):
+        os.close(src)
+        return None
+    return src, opened
+
+
+def read_pieces(fd: int) -> Iterator[bytes]:
+    while chunk := os.read(fd, CHUNK):
+        yield chunk
+
+
+@dataclass
+class ExportWriter:
+    """The target side: writes files into one client's export folder, each via a temporary name and a
+    rename under a dir fd (never through a link), within the client's export limit. Takes the bytes
+    as pieces, so the source may be a local fd or a cluster node's outbox."""
+
+    target: Path
+    limit_bytes: int
+    #: Owner given to exported files and folders (root server), e.g. the export folder's owner.
+    owner: tuple[int, int] | None = None
+    used_bytes: int = 0
+    _fd: int | None = None
+
+    def room(self) -> int:
+        return self.limit_bytes - self.used_bytes
+
+    def open(self) -> None:
+        """Open the export folder (OSError if it cannot be used); only once there is something to copy."""
+        if self._fd is None:
+            self._fd = open_target(self.target, self.owner)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+    def write(self, rel: str, pieces: Iterable[bytes]) -> int:
+        """Write rel from pieces; raises OverLimit past the room left, OSError otherwise."""
+        self.open()
+        assert self._fd is not None
+        parts = rel.split("/")
+        dest_dir = _make_dirs(self._fd, parts[:-1], self.owner)
+        try:
+            copied = self._write(pieces, dest_dir, parts[-1], self.room())
+        finally:
+            os.close(dest_dir)
+        self.used_bytes += copied
+        return copied
+
+    def _write(self, pieces: Iterable[bytes], dest_dir: int, name: str, room: int) -> int:
         temp = f".{name[:200]}.coderunner-{secrets.token_hex(4)}"
         out = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644,
                       dir_fd=dest_dir)  # fmt: skip
         copied = 0
         try:
             try:
-                while chunk := os.read(src, CHUNK):
+                for chunk in pieces:
                     copied += len(chunk)
                     if copied > room:
-                        raise _OverLimit
+                        raise OverLimit
                     view = memoryview(chunk)
                     while view:
                         view = view[os.write(out, view) :]
@@ -221,8 +230,78 @@ class Exporter:
         return copied
 
 
-class _OverLimit(Exception):
-    pass
+@dataclass
+class Exporter:
+    """Copies one outbox (a host path whose contents are hostile) to one client's export folder:
+    an OutboxScan feeding an ExportWriter on one machine."""
+
+    outbox: Path
+    target: Path
+    limit_bytes: int
+    owner: tuple[int, int] | None = None
+    scan: OutboxScan = field(init=False)
+    writer: ExportWriter = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.scan = OutboxScan(self.outbox)
+        self.writer = ExportWriter(self.target, self.limit_bytes, self.owner)
+
+    def baseline(self) -> None:
+        self.scan.baseline()
+
+    def outbox_empty(self) -> bool:
+        """Cheap enough for the event loop, unlike a walk: then export() has nothing to copy."""
+        return self.scan.empty()
+
+    def export(self) -> ExportReport:
+        """Copy what is new or changed. Runs after every call, mostly to find nothing: the export
+        folder is opened only once there is something to copy."""
+        report = ExportReport(self.target)
+        try:
+            for rel, parent_fd, info in self.scan.changed(report):
+                try:
+                    self.writer.open()
+                except OSError as exc:
+                    report.skipped.append(f"the export folder {self.target} cannot be used ({exc.strerror})")
+                    return report
+                if not self._fits(rel, info, report):
+                    continue
+                opened = open_regular(parent_fd, rel)
+                if opened is None:
+                    continue
+                src, opened_info = opened
+                try:
+                    copied = self.writer.write(rel, read_pieces(src))
+                except (OverLimit, OSError) as exc:
+                    report.skipped.append(f"{rel} ({skip_reason(exc)})")
+                    self.scan.mark(rel, info)
+                    continue
+                finally:
+                    os.close(src)
+                self.scan.mark(rel, opened_info)
+                report.copied.append(rel)
+                report.bytes += copied
+        finally:
+            self.writer.close()
+        return report
+
+    def _fits(self, rel: str, info: os.stat_result, report: ExportReport) -> bool:
+        room = self.writer.room()
+        if info.st_size <= room:
+            return True
+        self.scan.mark(rel, info)  # reported once, not after every call
+        report.skipped.append(f"{rel} ({info.st_size:,} bytes: over the export limit, {max(room, 0):,} left)")
+        return False
+
+
+def skip_reason(exc: BaseException) -> str:
+    if isinstance(exc, OverLimit):
+        return "grew past the export limit while being copied"
+    return (exc.strerror if isinstance(exc, OSError) else None) or "failed"
+
+
+class OverLimit(Exception):
+    """A file grew past the export limit while being written."""
 
 
 def _signature(info: os.stat_result) -> tuple[int, int, int, int]:
