@@ -230,21 +230,22 @@ class ExportWriter:
         return copied
 
 
-@dataclass
 class Exporter:
     """Copies one outbox (a host path whose contents are hostile) to one client's export folder:
     an OutboxScan feeding an ExportWriter on one machine."""
 
-    outbox: Path
-    target: Path
-    limit_bytes: int
-    owner: tuple[int, int] | None = None
-    scan: OutboxScan = field(init=False)
-    writer: ExportWriter = field(init=False)
+    def __init__(self, outbox: Path, target: Path, limit_bytes: int, owner: tuple[int, int] | None = None) -> None:
+        self.scan = OutboxScan(outbox)
+        self.writer = ExportWriter(target, limit_bytes, owner)
 
-    def __post_init__(self) -> None:
-        self.scan = OutboxScan(self.outbox)
-        self.writer = ExportWriter(self.target, self.limit_bytes, self.owner)
+    @property
+    def target(self) -> Path:
+        """The client's export folder, the writer's: a pooled session's taker changes it (manager.py)."""
+        return self.writer.target
+
+    @target.setter
+    def target(self, folder: Path) -> None:
+        self.writer.target = folder
 
     def baseline(self) -> None:
         self.scan.baseline()
