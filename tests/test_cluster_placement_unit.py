@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 
 from coderunner.cluster.placement import MIB, Request, check_fits, check_home, describe_node
+from coderunner.config import ConfigError, load_settings
 from coderunner.errors import SessionError
 from coderunner.sandbox.base import Limits
 from coderunner.sessions.sandbox_options import SandboxOptions
@@ -80,10 +82,7 @@ def test_cluster_mode_refuses_a_network_ceiling_of_internet() -> None:
 @pytest.mark.parametrize("field", ["mounts", "allowed_mount_roots"])
 def test_cluster_mode_refuses_mounts_not_declared_on_shared_storage(field: str, tmp_path: Path) -> None:
     """A node binds a mount from its own disk: the user must say the folders are the same on every node."""
-    import os
-
-    from coderunner.cluster.host import ClusterHost
-    from coderunner.config import ConfigError, load_settings
+    from coderunner.cluster.host import ClusterHost  # imports ray, which the rest of this file does not need
 
     (tmp_path / "data").mkdir()
     value = [f"{tmp_path / 'data'}:/data"] if field == "mounts" else [str(tmp_path)]
