@@ -292,12 +292,13 @@ def _node_argv(cluster: RayCluster, name: str) -> list[str]:
 
 
 def node_disks(cluster: RayCluster, name: str) -> dict[str, str]:
-    """A node's own disks, as on a machine of its own: its session dirs, workspaces and snapshot store.
-    Its sandboxes' uids must pass through (o+x), as /var/lib/coderunner lets them on a real node."""
+    """A node's own disks, as on a machine of its own: its session dirs, workspaces, snapshot store and export
+    folder. Its sandboxes' uids must pass through (o+x), as /var/lib/coderunner lets them on a real node."""
     root = cluster.temp_dir / name
     root.mkdir(mode=0o711, exist_ok=True)
     os.chmod(cluster.temp_dir, 0o711)
-    return {"CODERUNNER_RUNTIME_DIR": str(root / "run"), "CODERUNNER_WORKSPACES_DIR": str(root / "ws")}
+    return {"CODERUNNER_RUNTIME_DIR": str(root / "run"), "CODERUNNER_WORKSPACES_DIR": str(root / "ws"),
+            "CODERUNNER_EXPORT_DIR": str(root / "out")}  # fmt: skip
 
 
 def _start_node(cluster: RayCluster, name: str) -> RayNode:

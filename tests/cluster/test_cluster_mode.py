@@ -234,6 +234,58 @@ async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
     assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
 
 
+#: A file of several pieces (1 MiB each) and not a whole number of them.
+BIG_EXPORT = 3 * 2**20 + 123
+SAVE_TO_OUTBOX = f"""
+import os
+open('/mnt/outputs/table.csv', 'w').write('x,y\\n1,2\\n')
+os.makedirs('/mnt/outputs/deep', exist_ok=True)
+open('/mnt/outputs/deep/big.bin', 'wb').write(bytes(range(256)) * ({BIG_EXPORT} // 256) + b'z' * ({BIG_EXPORT} % 256))
+os.symlink(CANARY_PATH, '/mnt/outputs/link.txt')
+os.mkfifo('/mnt/outputs/pipe')
+'saved'
+"""
+
+
+async def test_what_a_session_saves_to_its_outbox_reaches_the_front_doors_export_folder(
+    ray_cluster: RayCluster, dirs: ServerDirs, canary: Path
+) -> None:
+    """The session lives on a worker node; its files land in the front door's export_dir/<client>, not in
+    the node's, byte for byte, within the export limit, and never through a link the sandbox made."""
+    exports = dirs.root / "exports"
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_EXPORT_DIR=str(exports), CODERUNNER_EXPORT_LIMIT_MB="4")
+    async with front_door(ray_cluster, env) as client:
+        sid = json_of(await ok(client, "create_session"))["session_id"]  # type: ignore[index]
+        code = SAVE_TO_OUTBOX.replace("CANARY_PATH", repr(str(canary / "keep")))
+        saved = text_of(await ok(client, "run_python", session_id=sid, code=code))
+        [folder] = list(exports.iterdir())
+        assert f"copied 2 file(s) from /mnt/outputs to {folder}: table.csv, deep/big.bin;" in saved, saved
+        assert "link.txt (not a regular file)" in saved and "pipe (not a regular file)" in saved, saved
+        assert (folder / "table.csv").read_text() == "x,y\n1,2\n"
+        expected = bytes(range(256)) * (BIG_EXPORT // 256) + b"z" * (BIG_EXPORT % 256)
+        assert (folder / "deep" / "big.bin").read_bytes() == expected
+        assert sorted(os.listdir(folder)) == ["deep", "table.csv"]
+        assert (canary / "keep").read_text() == "untouched"
+        # write_file into the outbox leaves at once, as after a run.
+        written = json_of(await ok(client, "write_file", path="/mnt/outputs/note.txt", content="hi", session_id=sid))
+        assert "copied 1 file(s)" in written["exported"] and (folder / "note.txt").read_text() == "hi"  # type: ignore[index]
+        # The export limit (4 MiB, 3 used) is this front door's, counted over the session.
+        over = text_of(await ok(client, "run_python", session_id=sid,
+                                code=f"open('/mnt/outputs/more.bin', 'wb').write(b'm' * {BIG_EXPORT})"))  # fmt: skip
+        assert f"more.bin ({BIG_EXPORT:,} bytes: over the export limit" in over, over
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=sid))
+        assert status["mounts"] == [{"sandbox": "/mnt/outputs", "mode": "rw", "exported": "after each call"}], status  # type: ignore[index]
+        # What a thread writes after the last call leaves at the close.
+        await ok(client, "run_python", session_id=sid, code="import threading\n"
+                 "threading.Timer(0.3, lambda: open('/mnt/outputs/late.txt', 'w').write('late')).start()")  # fmt: skip
+        await anyio.sleep(1.5)
+        await ok(client, "manage_sessions", action="close", session_id=sid)
+        assert (folder / "late.txt").read_text() == "late"
+        assert text_of(await ok(client, "run_python", code="6 * 7")).splitlines()[0] == "42"  # still serving
+    on_nodes = [path for name in ("w1", "w2") for path in (ray_cluster.temp_dir / name / "out").rglob("*")]
+    assert not [path for path in on_nodes if path.is_file()], on_nodes  # nothing lands on a node's own folder
+
+
 async def test_snapshots_and_persistent_workspaces_live_on_their_node(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:

@@ -22,12 +22,14 @@ from typing import Any
 
 import anyio
 
+from coderunner.cluster.node_exports import NodeOutbox
 from coderunner.cluster.relay_asker import RelayAsker
 from coderunner.cluster.remote_egress import delta_of
 from coderunner.cluster.staged_uploads import StagedUploads
 from coderunner.cluster.wire import (
     NODE_LOCAL,
     EgressDelta,
+    ExportListing,
     JobDelta,
     NodeInfo,
     Question,
@@ -88,6 +90,8 @@ class SessionActor:
         self._asking: Job | None = None
         #: Guest calls (guest_op, install_packages) whose caller can be asked: call token -> set at its end.
         self._asking_calls: dict[str, anyio.Event] = {}
+        #: The session's outbox, copied out by its front door (node_exports.py), not into this node's export_dir.
+        self._outbox: NodeOutbox | None = None
         self.node = _this_node()
 
     async def _manager(self) -> SessionManager:
@@ -125,6 +129,9 @@ class SessionActor:
             raise
         finally:
             self._opened.set()
+        plan = self.session.sandbox_mounts
+        if plan is not None and plan.exporter is not None:
+            self._outbox, plan.exporter = NodeOutbox(plan.exporter.scan), None
         info = self.info()
         info.status = await self.status()  # the create's reply shows it: one actor call fewer
         return info
@@ -275,6 +282,7 @@ class SessionActor:
                 delta.result = portable_result(session.job_result(job))
             except CodeRunnerError as exc:
                 delta.failure = str(exc)
+            delta.exports = await self.export_changes()
         return delta
 
     # --- the session ---------------------------------------------------------------------------
@@ -297,16 +305,29 @@ class SessionActor:
         assert self.manager is not None
         return await self.manager.take_snapshot(self._session(), name)
 
-    async def copy_out(self) -> str | None:
-        session = self._session()
-        await session.copy_out()
-        return session.export_note
+    # --- the outbox, copied out by the front door (node_exports.py) ----------------------------
+
+    async def export_changes(self) -> ExportListing | None:
+        """What the outbox holds that the front door has not copied yet; None (one dir read) mostly."""
+        outbox = self._outbox
+        if outbox is None or outbox.empty():
+            return None
+        return await anyio.to_thread.run_sync(outbox.listing)
+
+    async def read_export_piece(self, rel: str, ino: int, offset: int, size: int) -> bytes | None:
+        outbox = self._outbox
+        return None if outbox is None else await anyio.to_thread.run_sync(outbox.read_piece, rel, ino, offset, size)
+
+    async def forget_exports(self, rels: list[str]) -> None:
+        if self._outbox is not None:
+            self._outbox.forget(rels)
 
     async def guest_op(
         self, tool: str, op: str, args: dict[str, Any], timeout_s: float, paths: list[str], input_path: str | None,
         egress_since: int | None = None, ask_token: str | None = None,
-    ) -> tuple[dict[str, Any], EgressDelta | None]:  # fmt: skip
-        """`ask_token`: the caller's user can be asked about hosts while this goes (read_questions)."""
+    ) -> tuple[dict[str, Any], EgressDelta | None, ExportListing | None]:  # fmt: skip
+        """`ask_token`: the caller's user can be asked about hosts while this goes (read_questions).
+        Its answer, the proxy's decisions and what it left in the outbox."""
         session = self._session()
         try:
             with self._asking_during(session, ask_token):
@@ -314,11 +335,11 @@ class SessionActor:
         except CodeRunnerError as exc:  # the denials that made it fail still reach the caller's reply
             exc.egress = self.egress_delta(egress_since)  # type: ignore[attr-defined]
             raise
-        return done, self.egress_delta(egress_since)
+        return done, self.egress_delta(egress_since), await self.export_changes()
 
     async def install_packages(
         self, packages: list[str], timeout_s: float, egress_since: int | None = None, ask_token: str | None = None
-    ) -> tuple[dict[str, Any], EgressDelta | None]:
+    ) -> tuple[dict[str, Any], EgressDelta | None, ExportListing | None]:
         session = self._session()
         try:
             with self._asking_during(session, ask_token):
@@ -326,7 +347,7 @@ class SessionActor:
         except CodeRunnerError as exc:
             exc.egress = self.egress_delta(egress_since)  # type: ignore[attr-defined]
             raise
-        return done, self.egress_delta(egress_since)
+        return done, self.egress_delta(egress_since), await self.export_changes()
 
     @contextlib.contextmanager
     def _asking_during(self, session: Session, ask_token: str | None) -> Iterator[None]:
@@ -418,4 +439,6 @@ def node_settings(sent: dict[str, Any], **fixed: Any) -> Settings:
     """The front door's settings with this node's own NODE_LOCAL ones (its disks, its sandbox environment)."""
     local = load_settings()
     mine = {name: getattr(local, name) for name in NODE_LOCAL}
+    if sent.get("export_dir") is None:  # no export folder at the front door: no outbox in its sandboxes
+        mine["export_dir"] = None
     return Settings.model_validate({**sent, **mine, **fixed, "ray_address": None})

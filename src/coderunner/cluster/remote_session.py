@@ -20,16 +20,17 @@ import ray
 from anyio.abc import TaskGroup
 
 from coderunner.cluster.remote_egress import RemoteEgress
+from coderunner.cluster.remote_exports import RemoteExports
 from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
 from coderunner.cluster.remote_job import POLL_S, RemoteJob, mirror_output, pump
-from coderunner.cluster.wire import EgressDelta, JobDelta, Question, SessionInfo
+from coderunner.cluster.wire import EgressDelta, ExportListing, JobDelta, Question, SessionInfo
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sandbox import LimitReport
 from coderunner.sessions.job_runner import Job, JobStatus, label_of
 from coderunner.sessions.kernel_calls import python_job_result
-from coderunner.sessions.session_status import SessionStatus
+from coderunner.sessions.session_status import SessionStatus, export_entry
 
 if TYPE_CHECKING:
     from coderunner.config import Settings
@@ -42,6 +43,8 @@ log = logging.getLogger(__name__)
 CALL_S = 30.0
 #: How long a run waits on the node for a quick cell to end before its first answer comes back.
 FIRST_WAIT_S = 0.5
+#: Bound on the last look into the outbox before a close (a node that does not answer is not waited for twice).
+CLOSE_EXPORT_S = 10.0
 #: Bound on cancelling a run whose first answer had not come (beyond the interrupt's own grace).
 CANCEL_S = 5.0
 
@@ -63,6 +66,12 @@ class RemoteSession:
         #: Network 'allowlist': the node's proxy, mirrored from the actor's answers (remote_egress.py).
         self._egress = RemoteEgress(info.session_id, info.egress.policy) if info.egress is not None else None
         self._take_egress(info.egress)
+        #: What the node's outbox gets reaches this machine's export_dir/<client> (remote_exports.py).
+        self._exports = (
+            RemoteExports(settings.export_dir, settings, info.options.client, self.call)
+            if settings.export_dir is not None
+            else None
+        )
 
     # --- what the tools read ---------------------------------------------------------------------
 
@@ -181,6 +190,7 @@ class RemoteSession:
     async def start_run(self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None) -> Job:
         limit = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
         token = secrets.token_hex(8)
+        self.export_note = None
         try:
             first: JobDelta = await self.acall(
                 "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark, token,
@@ -202,6 +212,7 @@ class RemoteSession:
 
         job.request_cancel = request_cancel
         self._jobs[job.job_id] = job
+        await self._take_exports(first.exports)  # before its end is seen: the reply carries the note
         job.apply(first)
         job.node_forgot = first.ended  # the node dropped a job it answered whole
         if not job.done.is_set():
@@ -214,6 +225,7 @@ class RemoteSession:
         self._track(delta.generation)
         self._take_egress(delta.egress)
         self._take_questions(delta)
+        await self._take_exports(delta.exports)
         return delta
 
     async def _cancel_remote(self, job_id: str) -> None:
@@ -269,7 +281,16 @@ class RemoteSession:
         self._track(await self.acall("reset", timeout_s=self.settings.startup_timeout_s + CALL_S))
 
     async def copy_out(self) -> None:
-        self.export_note = await self.acall("copy_out")
+        """What the outbox holds now, copied here (write_file's: a file written to the export mount)."""
+        self.export_note = None
+        await self._take_exports(await self.acall("export_changes"))
+
+    async def _take_exports(self, listing: ExportListing | None) -> None:
+        """Copy a listing into the client's export folder here (a worker thread; shielded, as one machine's)."""
+        if listing is None or self._exports is None:
+            return
+        with anyio.CancelScope(shield=True):
+            self.export_note = await anyio.to_thread.run_sync(self._exports.pull, listing)
 
     async def guest_op(
         self, tool: str, op: str, args: dict[str, Any], timeout_s: float, *,
@@ -288,14 +309,16 @@ class RemoteSession:
         relaying = anyio.CancelScope()
         if ask_token is not None:
             self._task_group.start_soon(self._relay_questions, ask_token, relaying)
+        self.export_note = None
         try:
-            done, egress = await self.acall(method, *args, self._egress_mark, ask_token, timeout_s=timeout_s)
+            done, egress, exports = await self.acall(method, *args, self._egress_mark, ask_token, timeout_s=timeout_s)
         except CodeRunnerError as exc:
             self._take_egress(getattr(exc, "egress", None))
             raise
         finally:
             relaying.cancel()
         self._take_egress(egress)
+        await self._take_exports(exports)
         return dict(done)
 
     async def _relay_questions(self, ask_token: str, relaying: anyio.CancelScope) -> None:
@@ -321,11 +344,18 @@ class RemoteSession:
         status = {key: value for key, value in raw.items() if key in known}
         # The node sent each LimitReport as a dict: typed again, as a local session's are.
         status["limits"] = {name: LimitReport(**report) for name, report in status.get("limits", {}).items()}
+        if self._exports is not None:  # the node lists no export mount: its outbox is copied out here
+            status["mounts"] = [
+                *status.get("mounts", []),
+                export_entry(self.settings.export_mount, self._exports.target),
+            ]
         return SessionStatus(**status)
 
     async def close(self) -> None:
         if self.closed:
             return
+        with contextlib.suppress(CodeRunnerError):  # what the outbox got since the last call, before it goes
+            await self._take_exports(await self.acall("export_changes", timeout_s=CLOSE_EXPORT_S))
         self.closed = True
         try:
             self.close_note = await self.acall("close", timeout_s=self.settings.snapshot_timeout_s + CALL_S)

@@ -85,6 +85,29 @@ class Question:
     port: int
 
 
+@dataclass(frozen=True)
+class ExportItem:
+    """A file new or changed in a session's outbox on its node: its first bytes (`head`) come along
+    when they fit the listing's budget; the rest is read in pieces (read_export_piece)."""
+
+    rel: str
+    size: int
+    ino: int
+    head: bytes = b""
+
+
+@dataclass
+class ExportListing:
+    """What a node's outbox holds that its front door has not copied yet (cluster/node_exports.py)."""
+
+    items: list[ExportItem] = field(default_factory=list)
+    #: What the node's scan would not copy (links, FIFOs, too deep, too many entries), as the report says.
+    skipped: list[str] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.items or self.skipped)
+
+
 @dataclass
 class JobDelta:
     """What is new in a job since the last read: text, images, saved files; its end, once it ended."""
@@ -112,6 +135,8 @@ class JobDelta:
     egress: EgressDelta | None = None
     #: Hosts the node's proxy asks the caller's user about (answer with answer_egress).
     questions: list[Question] = field(default_factory=list)
+    #: At the job's end: what its outbox holds that the front door should copy out (None: nothing).
+    exports: ExportListing | None = None
 
 
 def portable_output(output: OutputCollector) -> OutputCollector:

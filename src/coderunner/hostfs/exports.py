@@ -85,6 +85,10 @@ class OutboxScan:
     def mark(self, rel: str, info: os.stat_result) -> None:
         self._seen[rel] = _signature(info)
 
+    def forget(self, rel: str) -> None:
+        """Not dealt with after all (its copy could not be written): changed() names it again."""
+        self._seen.pop(rel, None)
+
     def empty(self) -> bool:
         """Whether the outbox holds no entry at all (its first directory read; nothing followed)."""
         try:
@@ -291,8 +295,12 @@ class Exporter:
         if info.st_size <= room:
             return True
         self.scan.mark(rel, info)  # reported once, not after every call
-        report.skipped.append(f"{rel} ({info.st_size:,} bytes: over the export limit, {max(room, 0):,} left)")
+        report.skipped.append(over_limit(rel, info.st_size, room))
         return False
+
+
+def over_limit(rel: str, size: int, room: int) -> str:
+    return f"{rel} ({size:,} bytes: over the export limit, {max(room, 0):,} left)"
 
 
 def skip_reason(exc: BaseException) -> str:

@@ -14,6 +14,8 @@ from coderunner.sandbox import LimitReport
 from coderunner.sessions.usage import session_usage
 
 if TYPE_CHECKING:  # session.py imports this module
+    from pathlib import Path
+
     from coderunner.hostfs.sandbox_mounts import SandboxMounts
     from coderunner.sessions.session import Session
 
@@ -96,5 +98,9 @@ def export_status(plan: SandboxMounts | None) -> list[dict[str, str]]:
     """The export mount, as a status lists it beside the others."""
     if plan is None or plan.exporter is None or plan.export_mount is None:
         return []
-    target = str(plan.exporter.target)
-    return [{"sandbox": plan.export_mount, "host": target, "mode": "rw", "exported": "after each call"}]
+    return [export_entry(plan.export_mount, plan.exporter.target)]
+
+
+def export_entry(mount: str, target: Path) -> dict[str, str]:
+    """The export mount as a status lists it: where the sandbox saves, where that lands on the host."""
+    return {"sandbox": mount, "host": str(target), "mode": "rw", "exported": "after each call"}
