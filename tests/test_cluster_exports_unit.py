@@ -16,11 +16,12 @@ import pytest
 
 from coderunner.cluster import node_exports
 from coderunner.cluster.node_exports import NodeOutbox
+from coderunner.cluster.oneshot_exports import collect, node_export_folder, write_here
 from coderunner.cluster.remote_exports import RemoteExports
 from coderunner.cluster.wire import PIECE_BYTES, ExportListing
 from coderunner.config import Settings
 from coderunner.errors import SessionError
-from coderunner.hostfs.exports import OutboxScan
+from coderunner.hostfs.exports import Exporter, OutboxScan
 
 
 class Node:
@@ -148,3 +149,26 @@ def test_a_node_that_stops_answering_ends_the_pull_and_says_what_stayed(
     note = front_door(export_dir, node).pull(listing_of(node))
     assert note is not None and "b.txt and what followed it (the node did not answer" in note, note
     assert os.listdir(export_dir / "alice") == ["a.txt"]
+
+
+def test_a_one_shots_files_are_written_here_and_the_note_names_this_folder(places: tuple[Path, Path, Path]) -> None:
+    """A one-shot's node exports into a folder of its task's (Exporter, as one machine); the task's answer
+    carries the files, and the front door writes them into its own folder, within its own limit."""
+    outbox, export_dir, _ = places
+    (outbox / "a.txt").write_text("a")
+    (outbox / "big.bin").write_bytes(b"b" * 2048)
+    os.mkfifo(outbox / "pipe")
+    with node_export_folder({"export_dir": "/elsewhere", "export_limit_mb": 512}) as chosen:
+        assert chosen["export_limit_mb"] == 64 and chosen["export_dir"].is_dir()
+        node_target = chosen["export_dir"] / "alice"
+        note = Exporter(outbox, node_target, limit_bytes=1 << 20).export().note("/mnt/outputs")
+        found = collect(chosen["export_dir"], "alice")
+    assert not chosen["export_dir"].exists()  # the task's folder goes with it
+    assert sorted(found.files) == [("a.txt", b"a"), ("big.bin", b"b" * 2048)]
+    here = write_here(found, export_dir, "alice", 1024, note)
+    assert here is not None and f"to {export_dir / 'alice'}: " in here and str(node_target) not in here, here
+    assert "pipe (not a regular file)" in here, here
+    assert "not written here: big.bin (2,048 bytes: over the export limit, 1,023 left)" in here, here
+    assert sorted(os.listdir(export_dir / "alice")) == ["a.txt"]
+    with node_export_folder({"export_dir": None, "export_limit_mb": 512}) as none:
+        assert none == {}

@@ -281,6 +281,13 @@ async def test_what_a_session_saves_to_its_outbox_reaches_the_front_doors_export
         await anyio.sleep(1.5)
         await ok(client, "manage_sessions", action="close", session_id=sid)
         assert (folder / "late.txt").read_text() == "late"
+        # A one-shot run is one task on some node: its files come back in the task's answer.
+        code = "import os; open('/mnt/outputs/once.txt', 'w').write('once'); os.symlink(CANARY, '/mnt/outputs/l')"
+        ran = json_of(await ok(client, "execute_code", language="python",
+                               code=code.replace("CANARY", repr(str(canary / "keep")))))  # fmt: skip
+        assert f"copied 1 file(s) from /mnt/outputs to {folder}: once.txt" in ran["exported"], ran  # type: ignore[index]
+        assert "l (not a regular file)" in ran["exported"] and (folder / "once.txt").read_text() == "once", ran  # type: ignore[index]
+        assert not list(Path("/tmp").glob("coderunner-oneshot-out-*"))  # the node's folder for it is gone
         assert text_of(await ok(client, "run_python", code="6 * 7")).splitlines()[0] == "42"  # still serving
     on_nodes = [path for name in ("w1", "w2") for path in (ray_cluster.temp_dir / name / "out").rglob("*")]
     assert not [path for path in on_nodes if path.is_file()], on_nodes  # nothing lands on a node's own folder

@@ -27,6 +27,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coderunner.cluster.actor import SessionActor
 from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.node_pool import NodePools
+from coderunner.cluster.oneshot_exports import OneShotExports, write_here
 from coderunner.cluster.placement import Request, check_fits, check_home
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
@@ -402,16 +403,28 @@ class ClusterHost:
         args = (language, code, options)
         kwargs = {"stdin": stdin, "variables": variables}
         if options.network != NetworkMode.ALLOWLIST or on_egress is None:  # a plain run: one task, nothing more
-            result, _ = await self._node_calls.run_oneshot(options, args, kwargs)
-            return result
+            result, _, exports = await self._node_calls.run_oneshot(options, args, kwargs)
+            return await self._exported_here(result, exports, options)
         # The node's proxy decides; the call sees its decisions through a mirror (the reply's `network`
         # line). Nobody is asked: a one-shot run's list is the whole ceiling (policy_for), so its proxy
         # never meets a host inside allowed_domains but outside its list, here as on one machine.
         ceiling = self.settings.egress.ceiling
         mirror = RemoteEgress("one-shot", ceiling.narrowed(options.allow) if options.allow else ceiling)
         on_egress(mirror)  # type: ignore[arg-type]  # the part of SessionEgress the tools use
-        result, delta = await self._node_calls.run_oneshot(options, args, kwargs)
+        result, delta, exports = await self._node_calls.run_oneshot(options, args, kwargs)
         mirror.apply(delta)
+        return await self._exported_here(result, exports, options)
+
+    async def _exported_here(
+        self, result: OneShotResult, exports: OneShotExports | None, options: SandboxOptions
+    ) -> OneShotResult:
+        """A one-shot's files, exported on its node, written into this machine's export folder."""
+        if exports is not None and self.settings.export_dir is not None:
+            limit = self.settings.export_limit_mb * 2**20
+            note = await anyio.to_thread.run_sync(
+                write_here, exports, self.settings.export_dir, options.client, limit, result.exported
+            )
+            return dataclasses.replace(result, exported=note)
         return result
 
     async def check_code(

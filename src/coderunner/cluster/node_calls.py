@@ -20,6 +20,7 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coderunner.cluster.actor import node_settings
+from coderunner.cluster.oneshot_exports import OneShotExports, collect, node_export_folder
 from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_egress import delta_of
 from coderunner.cluster.remote_session import CALL_S, cause_of
@@ -52,17 +53,21 @@ NodeCall = ray.remote(node_call)
 
 def node_oneshot(
     settings: dict[str, Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[OneShotResult, EgressDelta | None]:
-    """On the node: one run_oneshot, with its allowlist proxy's decisions (read after the run)."""
-    chosen = node_settings(settings, pool_size=0, oneshot_ready=False)
+) -> tuple[OneShotResult, EgressDelta | None, OneShotExports | None]:
+    """On the node: one run_oneshot, with its allowlist proxy's decisions (read after the run) and what
+    it exported, for the front door's export folder (oneshot_exports.py)."""
     proxies: list[SessionEgress] = []
+    with node_export_folder(settings) as export:
+        chosen = node_settings(settings, pool_size=0, oneshot_ready=False, **export)
 
-    async def call() -> tuple[OneShotResult, EgressDelta | None]:
-        async with SessionManager(chosen, make_backend(chosen)) as manager:
-            result = await manager.run_oneshot(*args, on_egress=proxies.append, **kwargs)
-            return result, delta_of(proxies[0], 0) if proxies else None
+        async def call() -> tuple[OneShotResult, EgressDelta | None]:
+            async with SessionManager(chosen, make_backend(chosen)) as manager:
+                result = await manager.run_oneshot(*args, on_egress=proxies.append, **kwargs)
+                return result, delta_of(proxies[0], 0) if proxies else None
 
-    return anyio.run(call)
+        result, delta = anyio.run(call)
+        files = collect(export["export_dir"], args[2].client) if export and result.exported else None
+    return result, delta, files
 
 
 NodeOneShot = ray.remote(node_oneshot)
@@ -83,9 +88,9 @@ class NodeCalls:
 
     async def run_oneshot(
         self, options: SandboxOptions, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[OneShotResult, EgressDelta | None]:
+    ) -> tuple[OneShotResult, EgressDelta | None, OneShotExports | None]:
         """A one-shot run (node_oneshot), placed like a session with `options`."""
-        done: tuple[OneShotResult, EgressDelta | None] = await self._placed(
+        done: tuple[OneShotResult, EgressDelta | None, OneShotExports | None] = await self._placed(
             options, NodeOneShot, self.settings_sent, args, kwargs
         )
         return done
