@@ -366,8 +366,8 @@ class SandboxProcess:
         for helper in self.helpers:
             with contextlib.suppress(ProcessLookupError):
                 helper.kill()
-            with anyio.move_on_after(KILL_WAIT_S, shield=True):
-                await helper.wait()
+            with anyio.move_on_after(KILL_WAIT_S, shield=True), contextlib.suppress(Exception):
+                await helper.aclose()  # reaped and its transport closed, as the sandbox's own process above
         if self.cgroup is not None:
             # In a worker thread: the removal waits (up to cgroups.REMOVE_WAIT_S) for the last tasks
             # to exit, which must not block the event loop. Awaited, not left to a thread of its own:
