@@ -9,6 +9,8 @@ tests/cluster/test_cluster_mode.py.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -158,17 +160,46 @@ def test_a_one_shots_files_are_written_here_and_the_note_names_this_folder(place
     (outbox / "a.txt").write_text("a")
     (outbox / "big.bin").write_bytes(b"b" * 2048)
     os.mkfifo(outbox / "pipe")
-    with node_export_folder({"export_dir": "/elsewhere", "export_limit_mb": 512}) as chosen:
-        assert chosen["export_limit_mb"] == 64 and chosen["export_dir"].is_dir()
+    node_dir = outbox.parent / "node-exports"
+    with node_export_folder(Settings(export_dir=node_dir, export_limit_mb=512)) as chosen:
+        assert chosen["export_limit_mb"] == 64 and chosen["export_dir"].parent == node_dir
         node_target = chosen["export_dir"] / "alice"
         note = Exporter(outbox, node_target, limit_bytes=1 << 20).export().note("/mnt/outputs")
         found = collect(chosen["export_dir"], "alice")
-    assert not chosen["export_dir"].exists()  # the task's folder goes with it
+    assert os.listdir(node_dir) == []  # the task's folder goes with it
     assert sorted(found.files) == [("a.txt", b"a"), ("big.bin", b"b" * 2048)]
     here = write_here(found, export_dir, "alice", 1024, note)
     assert here is not None and f"to {export_dir / 'alice'}: " in here and str(node_target) not in here, here
     assert "pipe (not a regular file)" in here, here
     assert "not written here: big.bin (2,048 bytes: over the export limit, 1,023 left)" in here, here
     assert sorted(os.listdir(export_dir / "alice")) == ["a.txt"]
-    with node_export_folder({"export_dir": None, "export_limit_mb": 512}) as none:
+    with node_export_folder(Settings(export_dir="")) as none:
         assert none == {}
+
+
+def test_a_one_shot_folder_left_by_a_killed_worker_goes_with_the_next_run(tmp_path: Path) -> None:
+    """A cancelled run's worker is killed (force): its folder stays until a run on that node finds its lock free."""
+    node = Settings(export_dir=tmp_path)
+    (tmp_path / "alice").mkdir()  # a client's folder is never touched
+    killed = subprocess.run(
+        [sys.executable, "-c", HOLD_AND_DIE, str(tmp_path)], env={**os.environ, "PYTHONPATH": str(SRC)},
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert killed.returncode == -9, killed.stderr
+    [left] = [name for name in os.listdir(tmp_path) if name != "alice"]
+    with node_export_folder(node) as chosen:
+        with node_export_folder(node) as other:  # a run going on at the same time keeps its folder
+            assert other["export_dir"].is_dir()
+        assert chosen["export_dir"].is_dir() and not (tmp_path / left).exists()
+    assert os.listdir(tmp_path) == ["alice"]
+
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+HOLD_AND_DIE = """
+import os, signal, sys
+from coderunner.cluster.oneshot_exports import node_export_folder
+from coderunner.config import Settings
+with node_export_folder(Settings(export_dir=sys.argv[1])) as chosen:
+    (chosen["export_dir"] / "alice").mkdir()
+    os.kill(os.getpid(), signal.SIGKILL)
+"""

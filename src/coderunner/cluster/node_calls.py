@@ -57,8 +57,9 @@ def node_oneshot(
     """On the node: one run_oneshot, with its allowlist proxy's decisions (read after the run) and what
     it exported, for the front door's export folder (oneshot_exports.py)."""
     proxies: list[SessionEgress] = []
-    with node_export_folder(settings) as export:
-        chosen = node_settings(settings, pool_size=0, oneshot_ready=False, **export)
+    node = node_settings(settings, pool_size=0, oneshot_ready=False)
+    with node_export_folder(node) as export:
+        chosen = node.model_copy(update=export)
 
         async def call() -> tuple[OneShotResult, EgressDelta | None]:
             async with SessionManager(chosen, make_backend(chosen)) as manager:

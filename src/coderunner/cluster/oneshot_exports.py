@@ -3,22 +3,25 @@
 A one-shot run is one Ray task, and its sandbox and outbox are gone when the task answers, so its
 files cannot be read in pieces afterwards as a session's are (remote_exports.py). Instead the node
 exports them as one machine would, with its own Exporter (the same bounds, links never followed),
-but into a host-only temporary folder of the task's instead of the node's export_dir, within
-ONESHOT_EXPORT_MB; the task's answer carries those files, and the front door writes them with an
-ExportWriter into its client's folder. The reply's note names the front door's folder.
+but into a host-only folder of the task's, within ONESHOT_EXPORT_MB; the task's answer carries
+those files, and the front door writes them with an ExportWriter into its client's folder. The
+reply's note names the front door's folder.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coderunner.hostfs.exports import (
+    DIR_FLAGS,
     ExportReport,
     ExportWriter,
     OutboxScan,
@@ -32,8 +35,15 @@ from coderunner.hostfs.exports import (
     skip_reason,
 )
 
+if TYPE_CHECKING:
+    from coderunner.config import Settings
+
 #: What one cluster one-shot run brings back at most (its task's answer holds it whole).
 ONESHOT_EXPORT_MB = 64
+#: A run's folder in the node's export_dir: never a client's folder name (those start with a letter or digit).
+HELD_PREFIX = ".oneshot-"
+#: Folders of dead runs one run removes at most.
+MAX_SWEPT = 64
 
 
 @dataclass
@@ -46,15 +56,43 @@ class OneShotExports:
 
 
 @contextlib.contextmanager
-def node_export_folder(sent: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """On the node: the settings a one-shot runs with there (a temporary export_dir of its own, the
-    smaller limit), or none at all when the front door has no export folder."""
-    if sent.get("export_dir") is None:
+def node_export_folder(node: Settings) -> Iterator[dict[str, Any]]:
+    """On the node: what a one-shot's settings change there (an export_dir of its own, the smaller
+    limit), or nothing when the front door has no export folder. The folder is made in the node's own
+    export_dir (host-only: no sandbox sees it; nothing else is copied there in cluster mode), locked
+    while the run goes, and removed after; one left by a worker killed mid-run (a cancelled run) is
+    removed by the next run on that node, once its lock is free."""
+    if node.export_dir is None:
         yield {}
         return
-    with tempfile.TemporaryDirectory(prefix="coderunner-oneshot-out-") as held:
-        limit = min(int(sent["export_limit_mb"]), ONESHOT_EXPORT_MB)
-        yield {"export_dir": Path(held).resolve(), "export_limit_mb": limit}  # resolved, as the note names it
+    base = prepare_export_dir(node.export_dir)
+    _sweep(base)
+    held = Path(tempfile.mkdtemp(prefix=HELD_PREFIX, dir=base))
+    fd = os.open(held, DIR_FLAGS)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield {"export_dir": held, "export_limit_mb": min(node.export_limit_mb, ONESHOT_EXPORT_MB)}
+    finally:
+        shutil.rmtree(held, ignore_errors=True)
+        os.close(fd)
+
+
+def _sweep(base: Path) -> None:
+    """Remove the folders of runs whose worker died (their lock is free)."""
+    with os.scandir(base) as entries:
+        left = [entry.path for entry in entries if entry.name.startswith(HELD_PREFIX)]
+    for path in left[:MAX_SWEPT]:
+        try:
+            fd = os.open(path, DIR_FLAGS)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a run going on now
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def collect(export_dir: Path, client: str) -> OneShotExports:
