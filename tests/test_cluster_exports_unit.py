@@ -34,15 +34,19 @@ class Node:
         self.calls: list[str] = []
         self.fail_after: int | None = None
 
-    def __call__(self, method: str, *args: Any) -> Any:
-        self.calls.append(method)
-        if self.fail_after is not None and len(self.calls) > self.fail_after:
-            raise SessionError("the node did not answer read_export_piece within 30s")
-        if method == "read_export_piece":
-            return self.outbox.read_piece(*args)
-        if method == "forget_exports":
-            return self.outbox.forget(*args)
-        raise AssertionError(method)
+    def __call__(self, method: str, arg_lists: list[tuple[Any, ...]]) -> list[Any]:
+        answers = []
+        for args in arg_lists:
+            self.calls.append(method)
+            if self.fail_after is not None and len(self.calls) > self.fail_after:
+                raise SessionError("the node did not answer read_export_piece within 30s")
+            if method == "read_export_piece":
+                answers.append(self.outbox.read_piece(*args))
+            elif method == "forget_exports":
+                answers.append(self.outbox.forget(*args))
+            else:
+                raise AssertionError(method)
+        return answers
 
 
 @pytest.fixture

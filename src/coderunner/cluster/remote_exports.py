@@ -10,11 +10,11 @@ The reply's note is the one a local session's copy-out gives.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
-from coderunner.cluster.remote_files import Call
 from coderunner.cluster.wire import PIECE_BYTES, ExportItem, ExportListing
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.exports import (
@@ -35,6 +35,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: Sends several calls of one actor method at once and returns their answers in order (RemoteSession.call_each).
+CallEach = Callable[[str, list[tuple[Any, ...]]], list[Any]]
+
+
+#: Pieces of one file in flight at once (each a 1 MiB object in Ray's store): 4 MiB of memory here at most.
+PIECES_AT_ONCE = 4
+
 
 class FileGone(Exception):
     """The listed file is no longer there on the node (or its name leads elsewhere now): not copied."""
@@ -44,12 +51,12 @@ class RemoteExports:
     """Copies one cluster session's outbox listings into its client's export folder here. One per
     session and front door: its writer counts what this session put here against export_limit_mb."""
 
-    def __init__(self, export_dir: Path, settings: Settings, client: str, call: Call) -> None:
+    def __init__(self, export_dir: Path, settings: Settings, client: str, call_each: CallEach) -> None:
         self._export_dir = export_dir
         self._limit = settings.export_limit_mb * 2**20
         self._mount = settings.export_mount
         self._client = client
-        self._call = call
+        self._call_each = call_each
         self._writer: ExportWriter | None = None
 
     @property
@@ -63,7 +70,8 @@ class RemoteExports:
             writer = self._open()
         except OSError as exc:
             report.skipped.append(f"the export folder {self.target} cannot be used ({exc.strerror or exc})")
-            self._call("forget_exports", [item.rel for item in listing.items])  # listed again next time
+            with contextlib.suppress(CodeRunnerError):
+                self._call_each("forget_exports", [([item.rel for item in listing.items],)])  # listed again next time
             return report.note(self._mount)
         try:
             for item in listing.items:
@@ -93,24 +101,27 @@ class RemoteExports:
         return self._writer
 
     def _pieces(self, item: ExportItem) -> Iterator[bytes]:
-        """The file's bytes as listed: its inline head (or its first piece, read now, so that nothing is
-        made here for a file gone on the node), then pieces read on the node up to its listed size."""
-        first = item.head or self._read(item, 0)
+        """The file's bytes as listed: its inline head, then pieces read on the node up to its listed size,
+        PIECES_AT_ONCE in flight. Without a head the first pieces are read now, so that nothing is made
+        here for a file gone on the node."""
+        offsets = list(range(len(item.head), item.size, PIECE_BYTES))
+        windows = [offsets[at : at + PIECES_AT_ONCE] for at in range(0, len(offsets), PIECES_AT_ONCE)]
+        first = [] if item.head or not windows else self._read(item, windows.pop(0))
 
         def pieces() -> Iterator[bytes]:
-            yield first
-            offset = len(first)
-            while offset < item.size:
-                piece = self._read(item, offset)
-                if not piece:
-                    return  # it shrank since its listing: what there was
-                yield piece
-                offset += len(piece)
+            if item.head:
+                yield item.head
+            for batch in [first, *(self._read(item, window) for window in windows)]:
+                for offset, piece in batch:
+                    yield piece
+                    if len(piece) < min(PIECE_BYTES, item.size - offset):
+                        return  # it shrank since its listing: what there was
 
         return pieces()
 
-    def _read(self, item: ExportItem, offset: int) -> bytes:
-        piece = self._call("read_export_piece", item.rel, item.ino, offset, min(PIECE_BYTES, item.size - offset))
-        if piece is None:
+    def _read(self, item: ExportItem, offsets: list[int]) -> list[tuple[int, bytes]]:
+        wanted = [(item.rel, item.ino, offset, min(PIECE_BYTES, item.size - offset)) for offset in offsets]
+        pieces = self._call_each("read_export_piece", wanted)
+        if any(piece is None for piece in pieces):
             raise FileGone(item.rel)
-        return bytes(piece)
+        return [(offset, bytes(piece)) for offset, piece in zip(offsets, pieces, strict=True)]

@@ -68,7 +68,7 @@ class RemoteSession:
         self._take_egress(info.egress)
         #: What the node's outbox gets reaches this machine's export_dir/<client> (remote_exports.py).
         self._exports = (
-            RemoteExports(settings.export_dir, settings, info.options.client, self.call)
+            RemoteExports(settings.export_dir, settings, info.options.client, self.call_each)
             if settings.export_dir is not None
             else None
         )
@@ -174,8 +174,13 @@ class RemoteSession:
 
     def call(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
         """One actor call from a worker thread (the file view's), bounded the same way."""
+        return self.call_each(method, [args], timeout_s=timeout_s)[0]
+
+    def call_each(self, method: str, arg_lists: list[tuple[Any, ...]], timeout_s: float = CALL_S) -> list[Any]:
+        """Several calls of one method sent at once from a worker thread, their answers in order, bounded as one
+        (pieces of a file in flight together: each piece's round trip no longer adds up)."""
         try:
-            return ray.get(getattr(self.actor, method).remote(*args), timeout=timeout_s)
+            return list(ray.get([getattr(self.actor, method).remote(*args) for args in arg_lists], timeout=timeout_s))
         except ray.exceptions.GetTimeoutError:
             raise SessionError(
                 f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s"
