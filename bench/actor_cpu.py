@@ -134,6 +134,10 @@ for index in range(rounds):
         marks = {pid: cpu(pid) for pid in pids}
         time.sleep(idle_s)
         idle = {pid: (cpu(pid) - marks[pid]) / idle_s for pid in pids}
+        idle_threads = {}
+        for pid in pids:
+            after = threads(pid)
+            idle_threads[pid] = {name: (after[name] - by_thread[pid].get(name, 0.0)) / idle_s for name in after}
         if session:
             for actor in actors:
                 try:
@@ -144,7 +148,7 @@ for index in range(rounds):
             ray.kill(actor, no_restart=True)
         for pid in pids:
             row = {"lane": lane, "burst": burst, "up_s": up_s, "all_s": all_s, "up": up[pid],
-                   "idle_per_s": idle[pid], "threads": by_thread[pid]}
+                   "idle_per_s": idle[pid], "threads": by_thread[pid], "idle_threads": idle_threads[pid]}
             if session:
                 row.update(opened=opened[pid], ran=ran[pid], sandbox=sandbox[pid])
             rows.append(row)
@@ -189,6 +193,12 @@ def report(rows: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
         spent = {name: statistics.mean(row["threads"].get(name, 0.0) for row in mine) for name in names}
         ranked = sorted(spent.items(), key=lambda item: -item[1])
         print("   by thread (mean CPU-s): " + ", ".join(f"{name} {seconds:.3f}" for name, seconds in ranked if seconds))
+        idle = {name: statistics.mean(row["idle_threads"].get(name, 0.0) for row in mine) for name in names}
+        ranked = sorted(idle.items(), key=lambda item: -item[1])
+        print(
+            "   idle, by thread (mean ms of CPU per s): "
+            + ", ".join(f"{name} {rate * 1000:.1f}" for name, rate in ranked if rate)
+        )
     return found
 
 
