@@ -173,7 +173,7 @@ def free_m() -> str:
 TICK = os.sysconf("SC_CLK_TCK")
 #: What part c's CPU accounting calls each process, by its command line (the first that matches).
 CPU_PARTS = (
-    ("session actors (Ray workers)", ("ray::SessionActor", "default_worker.py")),
+    ("session actors (Ray workers), main thread", ("ray::SessionActor", "default_worker.py")),
     ("sandboxes (kernels)", ("bwrap", "ipykernel", "coderunner_guest")),
     ("front doors", ("coderunner.cli serve", "coderunner serve")),
     ("Ray's daemons", ("raylet", "gcs_server", "log_monitor", "dashboard", "monitor.py", "runtime_env", "ray::")),
@@ -199,8 +199,30 @@ def cpu_by_process() -> dict[tuple[int, str], tuple[str, float]]:
         except OSError:
             continue
         part = next((name for name, keys in CPU_PARTS if any(key in argv for key in keys)), "other")
-        found[(int(entry.name), rest[19])] = (part, (int(rest[11]) + int(rest[12])) / TICK)
+        seconds = (int(rest[11]) + int(rest[12])) / TICK
+        if part == CPU_PARTS[0][0]:  # its main thread (Ray's task loop, the imports) apart from the others
+            others = _other_threads_cpu(entry)
+            found[(int(entry.name), rest[19] + "/threads")] = (ACTOR_THREADS, others)
+            seconds -= others
+        found[(int(entry.name), rest[19])] = (part, seconds)
     return found
+
+
+#: A session actor's threads but its main one: its asyncio loop, where the session's own calls run.
+ACTOR_THREADS = "session actors' other threads"
+
+
+def _other_threads_cpu(process: Path) -> float:
+    """CPU-seconds of the live threads of `process` but its main one (ended threads count as the main one's)."""
+    total = 0.0
+    with contextlib.suppress(OSError):
+        for task in os.listdir(process / "task"):
+            if task == process.name:
+                continue
+            with contextlib.suppress(OSError, IndexError):
+                rest = (process / "task" / task / "stat").read_text().rsplit(")", 1)[1].split()
+                total += (int(rest[11]) + int(rest[12])) / TICK
+    return total
 
 
 def cpu_spent(before: dict[tuple[int, str], tuple[str, float]]) -> dict[str, float]:

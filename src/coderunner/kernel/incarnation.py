@@ -59,6 +59,15 @@ INTERRUPT_SEND_S = 1.0
 EXIT_WAIT_S = 2.0
 #: The kernel's channels the host connects to (heartbeat and stdin are not used).
 HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
+#: Looking for a starting kernel's sockets: every SOCKETS_POLL_S for SOCKETS_POLL_QUICK_S (a start on
+#: a quiet machine takes about 0.2 s), then every SOCKETS_POLL_SHARE of the time waited so far, up to
+#: SOCKETS_POLL_MAX_S. A start slowed by a busy machine polled 200 times a second while it waited, and
+#: so slowed every start further: 40 cluster sessions at once on 2 cores spent 0.27-0.37 CPU-s each
+#: opening, 0.11-0.14 with the back-off (bench/actor_cpu.py).
+SOCKETS_POLL_S = 0.005
+SOCKETS_POLL_QUICK_S = 0.25
+SOCKETS_POLL_SHARE = 0.05
+SOCKETS_POLL_MAX_S = 0.05
 
 ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
 
@@ -239,11 +248,14 @@ class Kernel:
         if info["transport"] != "ipc":
             return  # published ports accept before the kernel listens; ZMQ reconnects until it does
         names = connection_names(info, HOST_CHANNELS)
+        began = time.monotonic()
         while not self.dirs.claim_sockets(names):
             self._check_alive()
             if deadline.remaining() <= 0:
                 raise TimeoutError
-            await anyio.sleep(0.005)
+            waited = time.monotonic() - began
+            slower = min(max(SOCKETS_POLL_S, waited * SOCKETS_POLL_SHARE), SOCKETS_POLL_MAX_S)
+            await anyio.sleep(SOCKETS_POLL_S if waited < SOCKETS_POLL_QUICK_S else slower)
 
     async def _open_channels(self, info: dict[str, Any], deadline: Deadline) -> None:
         """Connect shell, control and IOPub and start draining them at once (host_channels.py)."""
