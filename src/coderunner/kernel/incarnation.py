@@ -27,7 +27,7 @@ from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.dirfd import HostFsError
 from coderunner.hostfs.session_dirs import SandboxDirs, connection_names, dump_connection
 from coderunner.kernel.channels import IOPUB_LIMITS, NO_PARENT, ChannelBroken, Lost, Mailbox, Message
-from coderunner.kernel.connection_info import connection_info
+from coderunner.kernel.connection_info import connection_info, socket_poll_s
 from coderunner.kernel.execution import CellError, RunOutcome, RunState, RunStatus
 from coderunner.kernel.host_channels import Deadline, open_mailboxes, pump_all
 from coderunner.kernel.output_capture import OutputCollector
@@ -59,15 +59,6 @@ INTERRUPT_SEND_S = 1.0
 EXIT_WAIT_S = 2.0
 #: The kernel's channels the host connects to (heartbeat and stdin are not used).
 HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
-#: Looking for a starting kernel's sockets: every SOCKETS_POLL_S for SOCKETS_POLL_QUICK_S (a start on
-#: a quiet machine takes about 0.2 s), then every SOCKETS_POLL_SHARE of the time waited so far, up to
-#: SOCKETS_POLL_MAX_S. A start slowed by a busy machine polled 200 times a second while it waited, and
-#: so slowed every start further: 40 cluster sessions at once on 2 cores spent 0.27-0.37 CPU-s each
-#: opening, 0.11-0.14 with the back-off (bench/actor_cpu.py).
-SOCKETS_POLL_S = 0.005
-SOCKETS_POLL_QUICK_S = 0.25
-SOCKETS_POLL_SHARE = 0.05
-SOCKETS_POLL_MAX_S = 0.05
 
 ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
 
@@ -253,9 +244,7 @@ class Kernel:
             self._check_alive()
             if deadline.remaining() <= 0:
                 raise TimeoutError
-            waited = time.monotonic() - began
-            slower = min(max(SOCKETS_POLL_S, waited * SOCKETS_POLL_SHARE), SOCKETS_POLL_MAX_S)
-            await anyio.sleep(SOCKETS_POLL_S if waited < SOCKETS_POLL_QUICK_S else slower)
+            await anyio.sleep(socket_poll_s(time.monotonic() - began))
 
     async def _open_channels(self, info: dict[str, Any], deadline: Deadline) -> None:
         """Connect shell, control and IOPub and start draining them at once (host_channels.py)."""
