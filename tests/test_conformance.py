@@ -11,13 +11,14 @@ run, interrupt, death, files both ways, guest calls, one-shot pipes, and nothing
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import stat
 import subprocess
 import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,11 +28,12 @@ import pytest
 from coderunner.config import Settings
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.kernel.run_result import ExecutionResult
-from coderunner.sandbox import SandboxBackend, SandboxUnavailable, make_backend
+from coderunner.sandbox import SandboxBackend, SandboxProcess, SandboxUnavailable, make_backend
 from coderunner.sandbox.identity import sandbox_identity
 from coderunner.sandbox.registry import BACKEND_NAMES, Setup, platform_default
 from coderunner.sandbox.registry import entry as registry_entry
 from coderunner.sessions import Session, SessionManager
+from coderunner.sessions.oneshot_program import ready_argv
 from coderunner.sessions.session_snapshots import Seed, takes_memory
 
 from . import apple_emulation
@@ -236,6 +238,47 @@ async def test_closing_leaves_nothing_behind(manager: SessionManager) -> None:
     assert results[0].notice == "the session was closed during this call"
     assert process is not None and not process.alive
     assert not session.workspace.path.exists() and not session.dirs.top.exists()
+
+
+async def test_a_start_cancelled_part_way_leaves_no_sandbox_process(manager: SessionManager) -> None:
+    """A server stopping while a sandbox starts (one started ahead for the next one-shot, say): the start
+    is cancelled at several points, and each time nothing it began is left running."""
+    if manager.backend.name == "apple":
+        pytest.skip("the Apple backend has no one-shot sandboxes yet (test_one_shot_runs_use_pipes_and_exit_codes)")
+    options = manager.options()
+    for delay in (0.0, 0.02, 0.1, 0.3):
+        lease = await manager.leases.lease(options, throwaway=True)
+        await lease.mount()
+        argv = ready_argv(manager.backend.python, lease.dirs, options.limits.memory_mb)
+        started: list[SandboxProcess] = []
+        with anyio.move_on_after(delay):
+            started.append(await manager.backend.spawn(lease.spec(), argv, manager.oneshot.task_group, pipes=True))
+        for process in started:  # it won the race: it is the caller's to kill, as a start that answered
+            await process.kill()
+        marker = lease.spec().name  # in the argv of what the start ran (its binds; a container's name and label)
+        await lease.close()
+        assert await _eventually(lambda: not _children_naming(marker)), (delay, _children_naming(marker))  # noqa: B023
+    assert (await manager.oneshot.run("python", "print(6 * 7)", options)).stdout == "42\n"  # and it still serves
+
+
+def _children_naming(marker: str) -> list[str]:
+    """This process's live child processes (a sandbox's own, or its engine's client) whose argv names `marker`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                argv = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                if int(fields[1]) == os.getpid() and fields[0] != "Z" and marker in argv:
+                    found.append(argv[:200])
+    return found
+
+
+async def _eventually(done: Callable[[], bool], timeout_s: float = 20.0) -> bool:
+    with anyio.move_on_after(timeout_s):
+        while not done():
+            await anyio.sleep(0.1)
+    return done()
 
 
 async def test_one_shot_runs_use_pipes_and_exit_codes(manager: SessionManager) -> None:

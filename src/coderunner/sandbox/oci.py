@@ -248,7 +248,12 @@ class OciBackend(SandboxBackend):
                 return sandbox
             # Wait until it runs (its host pid is also what memory use is measured on). An engine
             # that failed to create it (seen rarely: runc/netavark races) gets one more try.
-            running = await sandbox.watch_pid(self.command.inspect_pid(name))
+            try:
+                running = await sandbox.watch_pid(self.command.inspect_pid(name))
+            except BaseException:  # cancelled (a server stopping mid-start): no container, nor its pipes, left
+                with anyio.CancelScope(shield=True):
+                    await sandbox.kill()
+                raise
             if running or attempt == START_ATTEMPTS or sandbox.returncode not in ENGINE_FAILURE_CODES:
                 return sandbox
             await anyio.sleep(0.05)  # let the engine's last words reach the stderr tail
