@@ -18,12 +18,14 @@ import pytest
 
 from coderunner.cluster import node_exports
 from coderunner.cluster.node_exports import NodeOutbox
-from coderunner.cluster.oneshot_exports import collect, node_export_folder, write_here
+from coderunner.cluster.oneshot_exports import OneShotExports, collect, node_export_folder, write_here
 from coderunner.cluster.remote_exports import RemoteExports
 from coderunner.cluster.wire import PIECE_BYTES, ExportListing
 from coderunner.config import Settings
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter, OutboxScan
+
+from .test_exports_unit import places  # noqa: F401  (the fixture: a hostile outbox, a client folder, a canary)
 
 
 class Node:
@@ -50,12 +52,10 @@ class Node:
 
 
 @pytest.fixture
-def places(tmp_path: Path) -> tuple[Path, Path, Path]:
-    outbox, export_dir, canary_dir = tmp_path / "outbox", tmp_path / "exports", tmp_path / "canary"
-    for folder in (outbox, export_dir, canary_dir):
-        folder.mkdir()
-    (canary_dir / "canary.txt").write_text("untouched")
-    return outbox, export_dir, canary_dir
+def folders(places: tuple[Path, Path, Path]) -> tuple[Path, Path, Path]:  # noqa: F811 (the imported fixture)
+    """test_exports_unit's outbox and canary, and the export_dir that holds its client folder 'alice'."""
+    outbox, target, canary_dir = places
+    return outbox, target.parent, canary_dir
 
 
 def front_door(export_dir: Path, node: Node, limit_mb: int = 64) -> RemoteExports:
@@ -69,8 +69,8 @@ def listing_of(node: Node) -> ExportListing:
     return listing
 
 
-def test_small_files_come_inline_big_ones_in_pieces_and_each_once(places: tuple[Path, Path, Path]) -> None:
-    outbox, export_dir, _ = places
+def test_small_files_come_inline_big_ones_in_pieces_and_each_once(folders: tuple[Path, Path, Path]) -> None:
+    outbox, export_dir, _ = folders
     (outbox / "chart.png").write_bytes(b"\x89PNG" + bytes(range(256)) * 200)
     (outbox / "sub").mkdir()
     big = os.urandom(2 * PIECE_BYTES + 12345)
@@ -91,9 +91,9 @@ def test_small_files_come_inline_big_ones_in_pieces_and_each_once(places: tuple[
 
 
 def test_links_fifos_and_names_swapped_after_the_listing_are_never_read(
-    places: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+    folders: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    outbox, export_dir, canary_dir = places
+    outbox, export_dir, canary_dir = folders
     monkeypatch.setattr(node_exports, "INLINE_BYTES", 0)  # every file read by name after its listing
     os.symlink(canary_dir / "canary.txt", outbox / "link.txt")
     os.mkfifo(outbox / "pipe")
@@ -121,8 +121,8 @@ def test_links_fifos_and_names_swapped_after_the_listing_are_never_read(
         assert node.outbox.read_piece(rel, info.st_ino, 0, 100) is None, rel
 
 
-def test_the_export_limit_holds_across_pulls(places: tuple[Path, Path, Path]) -> None:
-    outbox, export_dir, _ = places
+def test_the_export_limit_holds_across_pulls(folders: tuple[Path, Path, Path]) -> None:
+    outbox, export_dir, _ = folders
     (outbox / "a.bin").write_bytes(b"a" * (700 * 1024))
     node = Node(outbox)
     remote = front_door(export_dir, node, limit_mb=1)
@@ -133,8 +133,8 @@ def test_the_export_limit_holds_across_pulls(places: tuple[Path, Path, Path]) ->
     assert not (export_dir / "alice" / "b.bin").exists()
 
 
-def test_an_unusable_export_folder_is_said_and_the_files_are_listed_again(places: tuple[Path, Path, Path]) -> None:
-    outbox, export_dir, _ = places
+def test_an_unusable_export_folder_is_said_and_the_files_are_listed_again(folders: tuple[Path, Path, Path]) -> None:
+    outbox, export_dir, _ = folders
     (outbox / "a.txt").write_text("a")
     (export_dir / "alice").write_text("a file where the client's folder goes")
     node = Node(outbox)
@@ -144,9 +144,9 @@ def test_an_unusable_export_folder_is_said_and_the_files_are_listed_again(places
 
 
 def test_a_node_that_stops_answering_ends_the_pull_and_says_what_stayed(
-    places: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
+    folders: tuple[Path, Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    outbox, export_dir, _ = places
+    outbox, export_dir, _ = folders
     monkeypatch.setattr(node_exports, "INLINE_BYTES", 0)
     for name in ("a.txt", "b.txt"):
         (outbox / name).write_text(name)
@@ -157,10 +157,10 @@ def test_a_node_that_stops_answering_ends_the_pull_and_says_what_stayed(
     assert os.listdir(export_dir / "alice") == ["a.txt"]
 
 
-def test_a_one_shots_files_are_written_here_and_the_note_names_this_folder(places: tuple[Path, Path, Path]) -> None:
+def test_a_one_shots_files_are_written_here_and_the_note_names_this_folder(folders: tuple[Path, Path, Path]) -> None:
     """A one-shot's node exports into a folder of its task's (Exporter, as one machine); the task's answer
     carries the files, and the front door writes them into its own folder, within its own limit."""
-    outbox, export_dir, _ = places
+    outbox, export_dir, _ = folders
     (outbox / "a.txt").write_text("a")
     (outbox / "big.bin").write_bytes(b"b" * 2048)
     os.mkfifo(outbox / "pipe")
@@ -179,6 +179,9 @@ def test_a_one_shots_files_are_written_here_and_the_note_names_this_folder(place
     assert sorted(os.listdir(export_dir / "alice")) == ["a.txt"]
     with node_export_folder(Settings(export_dir="")) as none:
         assert none == {}
+    # Only a link was there: the note says so, and no folder is made for the client here.
+    only_links = write_here(OneShotExports("/node/.oneshot-x/bob"), export_dir, "bob", 1024, "not exported: l (x)")
+    assert only_links == "not exported: l (x)" and not (export_dir / "bob").exists()
 
 
 def test_a_one_shot_folder_left_by_a_killed_worker_goes_with_the_next_run(tmp_path: Path) -> None:

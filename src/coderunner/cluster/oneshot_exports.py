@@ -121,7 +121,8 @@ def write_here(
     writer = ExportWriter(target, limit_bytes, folder_owner(root))
     failed: list[str] = []
     try:
-        writer.open()
+        if exports.files:  # only links or FIFOs were there: no folder is made for nothing
+            writer.open()
         for rel, data in exports.files:
             if len(data) > writer.room():
                 failed.append(over_limit(rel, len(data), writer.room()))
