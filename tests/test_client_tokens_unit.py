@@ -97,3 +97,10 @@ def test_caller_keys_carry_the_token_and_the_header_wins() -> None:
     assert client_of_key(LOCAL_CALLER) == LOCAL_CALLER
     # A header cannot put a caller under another token: the key's token part is the scope's.
     assert client_of_key(caller_key(request("ci", {"x-coderunner-client": "default/http"}))) == "ci"
+
+
+def test_a_new_token_never_begins_with_a_dash(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`coderunner proxy URL --token -abc…` would read the token as an option (seen: a cluster test failed so)."""
+    drawn = iter(["-starts-like-an-option", "-again", "fine-token"])
+    monkeypatch.setattr(client_tokens.secrets, "token_urlsafe", lambda size: next(drawn))
+    assert client_tokens.new_token(32) == "fine-token"

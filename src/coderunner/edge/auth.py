@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from coderunner.edge.client_tokens import PRIMARY_CLIENT, ClientTokenError, ClientTokens, tokens_dir
+from coderunner.edge.client_tokens import PRIMARY_CLIENT, ClientTokenError, ClientTokens, new_token, tokens_dir
 from coderunner.edge.http_limits import refuse_repeated, repeated_field
 from coderunner.edge.session_binding import BindMcpSessions
 from coderunner.errors import CodeRunnerError
@@ -89,7 +89,7 @@ def ensure_token(path: Path, *, rotate: bool = False) -> str:
     """The token in `path`, made (0600, in a 0700 folder) when there is none yet or on `rotate`."""
     if not rotate and path.exists():
         return read_token(path)
-    token = secrets.token_urlsafe(TOKEN_BYTES)
+    token = new_token(TOKEN_BYTES)
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         staging = path.with_name(f".{path.name}.{os.getpid()}")

@@ -97,10 +97,18 @@ def _locked_dir(folder: Path, *, create: bool) -> Iterator[int]:
         os.close(fd)
 
 
+def new_token(size: int) -> str:
+    """A fresh token of `size` random bytes that never begins with '-': given on a command line
+    (`coderunner proxy URL --token TOKEN`, a client's args) it would be read as an option."""
+    while (token := secrets.token_urlsafe(size)).startswith("-"):
+        pass
+    return token
+
+
 def add(folder: Path, name: str) -> str:
     """Make a token for a new client `name`; returns it (only its hash is stored)."""
     check_name(name)
-    token = secrets.token_urlsafe(TOKEN_BYTES)
+    token = new_token(TOKEN_BYTES)
     with _locked_dir(folder, create=True) as dir_fd:
         if name in _entries(dir_fd).values():
             raise ClientTokenError(
