@@ -157,3 +157,6 @@ cat >&2 <<EOF
 CodeRunner is ready. Add it to Claude Code with:
     claude mcp add coderunner -- $VENV/bin/coderunner serve
 EOF
+case "$REPO" in
+    */.claude/skills/*) say "this folder is also a Claude Code skill (SKILL.md): it tells the agent which tool to use when" ;;
+esac
