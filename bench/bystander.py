@@ -46,6 +46,7 @@ def params(root: Path, src: Path, size_mb: int, copies: int) -> StdioServerParam
         "PYTHONPATH": str(src),
         "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_EXPORT_DIR": str(root / "out"),
         "CODERUNNER_IMPORT_DIRS": json.dumps([str(root / "imports")]),

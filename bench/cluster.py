@@ -301,6 +301,7 @@ def door_env(cluster: RayCluster, root: Path, **extra: str) -> dict[str, str]:
         "LANG": "C.UTF-8",
         "CODERUNNER_CONFIG": os.devnull,  # no config file: never the user's own
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_TOKEN_FILE": str(root / "token"),
         "CODERUNNER_BACKEND": "bwrap",

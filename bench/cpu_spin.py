@@ -44,6 +44,7 @@ def params(root: Path, src: Path) -> StdioServerParameters:
         "PYTHONPATH": str(src),
         "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_LOG_LEVEL": "WARNING",
     }
@@ -76,7 +77,7 @@ def row(name: str, samples: list[float]) -> str:
 async def main(rounds: int, probes: int, spinners: int, src: Path) -> None:
     root = Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp"))
     root.chmod(0o711)
-    names = ("1+1", "list_sessions", "host work")
+    names = ("1+1", "manage_sessions list", "host work")
     lanes: dict[str, list[float]] = {f"{lane} {name}": [] for name in names for lane in ("quiet", "spinning")}
     try:
         async with Client(params(root, src), read_timeout_seconds=300) as client:
@@ -95,7 +96,7 @@ async def main(rounds: int, probes: int, spinners: int, src: Path) -> None:
                         await anyio.sleep(1)
                     for _ in range(probes):
                         lanes[f"{lane} 1+1"].append(await timed_call(client, "run_python", {"code": "1+1"}))
-                        lanes[f"{lane} list_sessions"].append(
+                        lanes[f"{lane} manage_sessions list"].append(
                             await timed_call(client, "manage_sessions", {"action": "list"})
                         )
                     for _ in range(3):

@@ -184,6 +184,7 @@ def server_params(root: Path) -> StdioServerParameters:
         "HOME": os.environ.get("HOME", "/root"),
         "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_ALLOWED_DOMAINS": json.dumps([SERVER_IP]),
         "CODERUNNER_EGRESS_AUDIT_LOG": str(root / "egress.jsonl"),

@@ -37,6 +37,7 @@ async def main(calls: int) -> None:
         "HOME": os.environ.get("HOME", "/root"),
         "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
     }
     params = StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)

@@ -63,6 +63,7 @@ def server(src: Path, nofile: int) -> Iterator[int]:
         "PYTHONPATH": str(src),
         "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_TOKEN": TOKEN,
         "CODERUNNER_LOG_LEVEL": "ERROR",

@@ -4,7 +4,7 @@
 
 One `coderunner serve` over stdio (the official MCP client), one session. Each round runs, in turn:
 - plain:      run_python('1+1'), answered whole (the baseline);
-- wait_job:   manage_jobs wait on a job that has ended (a read: nothing new, its status and kernel line);
+- wait_ended: manage_jobs wait on a job that has ended (a read: nothing new, its status and kernel line);
 - background: run_python('1+1', detach_after_s=0), then manage_jobs wait until it is done (the job path whole).
 With --before SRC, a second server runs the code in SRC (e.g. the main branch's src/, without jobs)
 and a fourth lane, plain@before, times run_python there: what the job machinery costs a plain run.
@@ -34,6 +34,7 @@ def server_params(root: Path, src: str | None = None) -> StdioServerParameters:
         "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
         "HOME": os.environ.get("HOME", "/root"),
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_LOG_LEVEL": "WARNING",
@@ -101,7 +102,7 @@ async def job_lanes(client: Client) -> dict[str, Callable[[], Awaitable[None]]]:
             )
         ended = job_id
 
-    return {"plain": plain, "wait_job": read, "background": background}
+    return {"plain": plain, "wait_ended": read, "background": background}
 
 
 def main() -> None:
@@ -123,7 +124,8 @@ def main() -> None:
         p90 = ordered[int(len(ordered) * 0.9) - 1] * 1000
         print(f"{name:11s} median {median[name]:7.2f} ms   p90 {p90:7.2f} ms   n={len(values)}")
     plain = median["plain"]
-    print(f"manage_jobs wait on an ended job: {median['wait_job']:.2f} ms per call (plain run_python: {plain:.2f} ms)")
+    ended = median["wait_ended"]
+    print(f"manage_jobs wait on an ended job: {ended:.2f} ms per call (plain run_python: {plain:.2f} ms)")
     print(f"background run + manage_jobs wait over plain run_python: {median['background'] - median['plain']:+.2f} ms")
     if "plain@before" in median:
         print(f"plain run_python, jobs over before: {median['plain'] - median['plain@before']:+.2f} ms")

@@ -155,6 +155,7 @@ def bench_env(root: Path, backend: str = "bwrap") -> dict[str, str]:
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_LOG_LEVEL": "WARNING",
+        "CODERUNNER_TOOLS": "all",  # the bench calls sessions, one-shots and snapshots too
     }
     for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):
         if key in os.environ:

@@ -219,6 +219,7 @@ async def phases(runs: int, languages: list[str], ready: bool, gap_ms: float, cp
     os.environ.update(
         CODERUNNER_CONFIG=os.devnull,
         CODERUNNER_RUNTIME_DIR=str(root / "run"),
+        CODERUNNER_TOOLS="all",
         CODERUNNER_WORKSPACES_DIR=str(root / "workspaces"),
     )
     settings = load_settings()

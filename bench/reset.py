@@ -54,6 +54,7 @@ def server(root: Path, backend: str, src: Path, standby: bool) -> StdioServerPar
         "CODERUNNER_CONFIG": os.devnull,
         "CODERUNNER_BACKEND": backend,
         "CODERUNNER_RUNTIME_DIR": str(root / "r"),
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
         "CODERUNNER_LOG_LEVEL": "WARNING",
         "CODERUNNER_POOL_SIZE": "0",
@@ -80,7 +81,7 @@ async def lane(root: Path, backend: str, src: Path, standby: bool) -> AsyncItera
 
 async def sample(client: Client) -> float:
     began = time.perf_counter()
-    reset = await client.call_tool("manage_sessions", {"action": "reset"})
+    reset = await client.call_tool("kernel_reset", {})
     result = await client.call_tool("run_python", {"code": "1+1"})
     took = time.perf_counter() - began
     assert not reset.is_error and not result.is_error, (reset, result)

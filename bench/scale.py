@@ -85,6 +85,7 @@ def bench_env(root: Path, **extra: str) -> dict[str, str]:
         "CODERUNNER_TOKEN_FILE": str(root / "token"),
         "CODERUNNER_TOKEN": TOKEN,
         "CODERUNNER_LOG_LEVEL": "WARNING",
+        "CODERUNNER_TOOLS": "all",  # the bench calls sessions, one-shots and snapshots too
         "CODERUNNER_EXPORT_DIR": "",
         "PYTHONPATH": str(own_src()),  # this checkout's server, not whatever the venv has installed
     }

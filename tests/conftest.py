@@ -102,6 +102,9 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
         "CODERUNNER_PROGRESS_INTERVAL_S": "0.3",
         # No warm pool unless a test asks (test_e2e_pool.py): many tests count the sandboxes that run.
         "CODERUNNER_POOL_SIZE": "0",
+        # Every tool group: tests reach sessions, snapshots and one-shots as a user who turned them on would
+        # (the default set is tests/unit/test_tool_contract.py's and test_tool_schemas.py's to hold).
+        "CODERUNNER_TOOLS": "all",
         "CODERUNNER_TOKEN": TEST_TOKEN,
         # Never the user's own token file, even where a test drops CODERUNNER_TOKEN.
         "CODERUNNER_TOKEN_FILE": str(dirs.root / "token"),

@@ -100,7 +100,7 @@ async def test_two_tokens_never_see_each_others_variables_or_sessions(dirs: Serv
                 ("run_python", {"code": "kept"}),
                 ("manage_sessions", {"action": "status"}),
                 ("read_file", {"path": "/workspace"}),
-                ("manage_sessions", {"action": "reset"}),
+                ("kernel_reset", {}),
                 ("manage_sessions", {"action": "close"}),
             ]:
                 message = await refused(bob, tool, session_id=alice_session, **arguments)

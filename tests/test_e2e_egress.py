@@ -151,7 +151,7 @@ async def test_a_reset_swaps_to_a_standby_behind_the_same_allowlist(egress: Egre
     with anyio.fail_after(60):
         while (await status(egress.client, session))["standby"]["state"] != "ready":
             await anyio.sleep(0.1)
-    reset = await egress.client.call_tool("manage_sessions", {"action": "reset", "session_id": session})
+    reset = await egress.client.call_tool("kernel_reset", {"session_id": session})
     assert not reset.is_error, text_of(reset)
     assert (await status(egress.client, session))["standby"]["swapped_in"] == 1
     assert f"200 {BODY}" in await ok(egress.client, fetch(f"http://{egress.servers.public_ip}/"), session)
@@ -212,13 +212,13 @@ async def test_a_host_off_the_list_is_denied_with_the_message_from_curl_and_node
 
 async def test_browser_navigate_is_denied_with_the_message(egress: Egress) -> None:
     result = await egress.client.call_tool(
-        "use_browser", {"action": "navigate", "url": f"http://{DENIED_HOST}/", "session_id": egress.session}
+        "browser_navigate", {"url": f"http://{DENIED_HOST}/", "session_id": egress.session}
     )
     text = text_of(result)
     assert BLOCKED in text, text
     allowed = await egress.client.call_tool(
-        "use_browser",
-        {"action": "navigate", "url": f"http://{egress.servers.public_ip}/", "session_id": egress.session},
+        "browser_navigate",
+        {"url": f"http://{egress.servers.public_ip}/", "session_id": egress.session},
     )
     assert BODY in text_of(allowed), text_of(allowed)
 

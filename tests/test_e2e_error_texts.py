@@ -72,17 +72,21 @@ async def test_a_timeout_past_max_timeout_s_is_refused_alike_by_run_python_and_c
 
 async def test_documents_take_pages_as_numbers_say_merge_order_and_name_ocr_languages(client: Client) -> None:
     assert "ready" in text_of(await run(client, MAKE_PDFS))
-    one = answer(await client.call_tool("document_ops", {"input_path": "doc.pdf", "op": "extract_pages", "pages": 2}))
+    pdf = {"input_path": "doc.pdf"}
+    one = answer(await client.call_tool("pdf_ops", {**pdf, "op": "extract_pages", "args": {"pages": 2}}))
     assert one["pages"] == 1
-    two = await client.call_tool("document_ops", {"input_path": "doc.pdf", "op": "extract_text", "pages": [1, 3]})
+    two = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "extract_text", "args": {"pages": [1, 3]}})
     assert [page["page"] for page in answer(two)["pages"]] == [1, 3]
-    merged = answer(await client.call_tool("document_ops", {"input_path": "doc.pdf", "op": "merge",
-                                                             "inputs": ["tail.pdf"]}))  # fmt: skip
+    merged = answer(await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "merge",
+                                                        "args": {"inputs": ["tail.pdf"]}}))  # fmt: skip
     assert merged["pages"] == 4 and merged["merged_in_order"] == ["/workspace/doc.pdf", "/workspace/tail.pdf"]
-    lacking = await refusal(client, "document_ops", input_path="doc.pdf", op="merge")
-    assert lacking.startswith("document_ops: merge needs inputs"), lacking
-    assert lacking.count("document_ops") == 1 and "pdf_ops" not in lacking, lacking
-    unknown = await refusal(client, "document_ops", input_path="pic.png", op="ocr", lang="klingon")
+    lacking = await refusal(client, "pdf_ops", input_path="doc.pdf", op="merge")
+    assert lacking.startswith("pdf_ops: merge needs inputs"), lacking
+    assert lacking.count("pdf_ops") == 1, lacking
+    parts = answer(await client.call_tool("pdf_ops", {**pdf, "op": "split", "args": {"ranges": "1,2-"}}))
+    listed = answer(await client.call_tool("pdf_ops", {**pdf, "op": "split", "args": {"ranges": ["1", "2-"]}}))
+    assert [part["pages"] for part in parts["files"]] == [part["pages"] for part in listed["files"]] == [1, 2], parts
+    unknown = await refusal(client, "image_ops", input_path="pic.png", op="ocr", args={"lang": "klingon"})
     assert "'klingon'" in unknown and "installed: " in unknown and "eng" in unknown, unknown
     assert "TESSDATA" not in unknown and "Tesseract couldn't" not in unknown, unknown
 
@@ -117,7 +121,27 @@ async def test_restore_takes_a_snapshot_s_name(client: Client) -> None:
 
 
 async def test_the_browser_tells_a_closed_port_and_a_relative_url_from_network_off(client: Client) -> None:
-    closed = await refusal(client, "use_browser", action="navigate", url="http://127.0.0.1:8123/", timeout_s=10)
+    closed = await refusal(client, "browser_navigate", url="http://127.0.0.1:8123/", timeout_s=10)
     assert "nothing listens on that port inside the sandbox" in closed and "network is off" not in closed, closed
-    relative = await refusal(client, "use_browser", action="navigate", url="index.html")
+    relative = await refusal(client, "browser_navigate", url="index.html")
     assert "needs an absolute URL" in relative and "file:///workspace/" in relative, relative
+    outside = await refusal(client, "browser_navigate", url="file:///etc/passwd")
+    assert "/etc/passwd is outside what the sandbox shares" in outside and "ERR_" not in outside, outside
+    absent = await refusal(client, "browser_navigate", url="file:///workspace/nowhere.html")
+    assert "there is no file /workspace/nowhere.html in the sandbox" in absent and "ERR_" not in absent, absent
+
+
+async def test_code_that_fails_for_want_of_network_is_told_the_network_is_off(client: Client) -> None:
+    looked_up = await run(client, "import socket\nsocket.getaddrinfo('example.com', 443)")
+    assert looked_up.is_error and "gaierror" in text_of(looked_up), text_of(looked_up)
+    said = text_of(looked_up)
+    assert "[network is off in this session (network 'none')" in said, said
+    # The user allows no network here: the way out is to ask them, never a mode above the ceiling.
+    assert "ask the user" in said and "internet" not in said.split("[network is off")[1], said
+    fetched = await run(client, "import urllib.request\nurllib.request.urlopen('http://example.com/', timeout=5)")
+    assert fetched.is_error and "[network is off in this session" in text_of(fetched), text_of(fetched)
+    # A server inside the sandbox that is not started yet is not the network being off.
+    local = await run(client, "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=2)")
+    assert local.is_error and "network is off" not in text_of(local), text_of(local)
+    once = await client.call_tool("execute_code", {"language": "bash", "code": "curl -sS https://example.com/"})
+    assert once.is_error and "network is off in this session" in text_of(once), text_of(once)

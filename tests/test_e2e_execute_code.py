@@ -286,7 +286,7 @@ async def test_install_packages_into_one_session_only(client: Client) -> None:
     assert not installed.is_error, text_of(installed)
     assert json_of(installed)["installed"] == {"six": "1.17.0"}
     assert "1.17.0" in text_of(await run(client, "import six; six.__version__", session_id=online))
-    await client.call_tool("manage_sessions", {"action": "reset", "session_id": online})
+    await client.call_tool("kernel_reset", {"session_id": online})
     assert "1.17.0" in text_of(await run(client, "import six; six.__version__", session_id=online))
     for elsewhere in (other, None):
         missing = (

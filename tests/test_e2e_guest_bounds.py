@@ -47,7 +47,7 @@ def plain(text: str) -> bool:
 
 @pytest.mark.parametrize(
     ("tool", "path", "ops", "needs"),
-    [("document_ops", "doc.pdf", PDF_OPS, PDF_NEEDS), ("document_ops", "pic.png", IMAGE_OPS, IMAGE_NEEDS)],
+    [("pdf_ops", "doc.pdf", PDF_OPS, PDF_NEEDS), ("image_ops", "pic.png", IMAGE_OPS, IMAGE_NEEDS)],
 )
 async def test_every_op_with_minimal_arguments_answers_plainly(
     client: Client, tool: str, path: str, ops: tuple[str, ...], needs: dict[str, str]
@@ -58,12 +58,12 @@ async def test_every_op_with_minimal_arguments_answers_plainly(
         assert plain(text), f"{tool} {name}: {text}"
         if name in needs:
             assert result.is_error and needs[name] in text, f"{tool} {name}: {text}"
-        elif not (tool == "document_ops" and name == "ocr" and "Tesseract is not installed" in text):
+        elif not (tool == "image_ops" and name == "ocr" and "Tesseract is not installed" in text):
             assert not result.is_error, f"{tool} {name}: {text}"
 
 
 async def test_to_images_without_output_prefix_writes_beside_the_pdf(client: Client) -> None:
-    result = await client.call_tool("document_ops", {"input_path": "doc.pdf", "op": "to_images"})
+    result = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "to_images"})
     assert not result.is_error, text_of(result)
     paths = [entry["path"] for entry in json.loads(text_of(result))["files"]]
     assert paths == ["/workspace/doc-page-1.png", "/workspace/doc-page-2.png"]
@@ -71,20 +71,23 @@ async def test_to_images_without_output_prefix_writes_beside_the_pdf(client: Cli
 
 
 async def test_wrong_arguments_are_named_not_raised(client: Client) -> None:
-    unknown = await client.call_tool("document_ops", {"input_path": "doc.pdf", "op": "info", "colour": 1})
+    unknown = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "info", "colour": 1})
     assert unknown.is_error and "unknown argument 'colour'" in text_of(unknown) and plain(text_of(unknown))
-    assert "pages" in text_of(unknown) and "validation error" not in text_of(unknown)
-    wrong_op = await client.call_tool("document_ops", {"input_path": "doc.pdf", "op": "info", "degrees": 90})
+    assert "args" in text_of(unknown) and "validation error" not in text_of(unknown)
+    inner = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "info", "args": {"colour": 1}})
+    assert inner.is_error and "unknown argument 'args.colour' (args takes: pages" in text_of(inner), text_of(inner)
+    wrong_op = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "info", "args": {"degrees": 90}})
     assert wrong_op.is_error and "unknown argument(s) degrees" in text_of(wrong_op) and plain(text_of(wrong_op))
-    typed = await client.call_tool("document_ops", {"input_path": "pic.png", "op": "crop", "box": ["a", 0, 5, 5]})
-    assert typed.is_error and "document_ops: box.0" in text_of(typed) and plain(text_of(typed))
+    crop = {"input_path": "pic.png", "op": "crop"}
+    typed = await client.call_tool("image_ops", {**crop, "args": {"box": ["a", 0, 5, 5]}})
+    assert typed.is_error and "image_ops: args.box.0" in text_of(typed) and plain(text_of(typed))
     assert "input_value" not in text_of(typed) and "errors.pydantic" not in text_of(typed)
-    short = await client.call_tool("document_ops", {"input_path": "pic.png", "op": "crop", "box": [0, 0, 5]})
+    short = await client.call_tool("image_ops", {"input_path": "pic.png", "op": "crop", "args": {"box": [0, 0, 5]}})
     assert short.is_error and "four whole numbers" in text_of(short) and plain(text_of(short))
     corrupt = await run(client, "open('bad.pdf', 'wb').write(b'%PDF-1.7\\n' + bytes(range(256)) * 8)")
     assert not corrupt.is_error
-    bad = await client.call_tool("document_ops", {"input_path": "bad.pdf", "op": "extract_text"})
-    assert bad.is_error and "document_ops: extract_text" in text_of(bad) and plain(text_of(bad)), text_of(bad)
+    bad = await client.call_tool("pdf_ops", {"input_path": "bad.pdf", "op": "extract_text"})
+    assert bad.is_error and "pdf_ops: extract_text" in text_of(bad) and plain(text_of(bad)), text_of(bad)
 
 
 #: Sandboxed code swaps a guest op for one that answers with far more than a reply may carry.
@@ -111,7 +114,7 @@ async def test_a_hostile_guest_answer_is_bounded_like_cell_output(client: Client
     bystander = json.loads(text_of(await client.call_tool("create_session", {})))["session_id"]
     assert not (await run(client, MAKE_INPUTS, session_id=bystander)).is_error
     assert "swapped" in text_of(await run(client, HOSTILE_ANSWER))
-    result = await client.call_tool("document_ops", {"input_path": "pic.png", "op": "info"})
+    result = await client.call_tool("image_ops", {"input_path": "pic.png", "op": "info"})
     assert not result.is_error, text_of(result)[:500]
     assert len(images_of(result)) <= 20
     text = text_of(result)
@@ -122,10 +125,10 @@ async def test_a_hostile_guest_answer_is_bounded_like_cell_output(client: Client
     tail = await run(client, f"open({spilled!r}).read()[-200:]")
     assert "END-OF-ANSWER" in text_of(tail)
     assert "swapped" in text_of(await run(client, HOSTILE_RAISE))
-    raised = await client.call_tool("document_ops", {"input_path": "doc.pdf", "op": "info"})
-    assert raised.is_error and "INTERNAL-DETAIL" not in text_of(raised) and "document_ops: info" in text_of(raised)
+    raised = await client.call_tool("pdf_ops", {"input_path": "doc.pdf", "op": "info"})
+    assert raised.is_error and "INTERNAL-DETAIL" not in text_of(raised) and "pdf_ops: info" in text_of(raised)
     # The server and a bystander session still serve.
     assert text_of(await run(client, "6 * 7")).splitlines()[0] == "42"
     assert text_of(await run(client, "1 + 1", session_id=bystander)).splitlines()[0] == "2"
-    fine = await client.call_tool("document_ops", {"input_path": "pic.png", "op": "info", "session_id": bystander})
+    fine = await client.call_tool("image_ops", {"input_path": "pic.png", "op": "info", "session_id": bystander})
     assert not fine.is_error and json.loads(text_of(fine))["width"] == 120

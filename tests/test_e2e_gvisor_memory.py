@@ -101,7 +101,7 @@ async def test_a_thread_an_open_file_and_a_lock_survive_snapshot_restore_and_for
         assert "sum 6 ['one', 'two', 'three']" in await output(client, look, copy)
 
         # The restored copy answers a plain call as any session does, and a reset starts it clean.
-        await call(client, "manage_sessions", action="reset", session_id=copy)
+        await call(client, "kernel_reset", session_id=copy)
         assert "False" in await output(client, "print('counts' in dir())", copy)
 
 

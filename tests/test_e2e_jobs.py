@@ -180,7 +180,7 @@ async def test_a_chart_drawn_in_a_job_arrives_through_wait_job(client: Client) -
 
 async def test_kernel_reset_says_its_new_generation_and_that_state_was_lost(client: Client) -> None:
     before = meta(await run(client, "x = 1"), "kernel")
-    reset = await client.call_tool("manage_sessions", {"action": "reset"})
+    reset = await client.call_tool("kernel_reset", {})
     assert json_of(reset) is not None
     assert json_of(reset)["state_preserved"] is False
     assert meta(reset, "kernel") == {"generation": before["generation"] + 1, "state_preserved": False}

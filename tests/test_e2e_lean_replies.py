@@ -47,7 +47,7 @@ async def test_session_replies_are_brief_and_status_is_full_without_host_paths(
                     "memory_mb": 1024, "default": False}  # fmt: skip
     await call(client, "create_session")
     await run(client, "x = 1", session_id=sid)
-    reset = await call(client, "manage_sessions", action="reset", session_id=sid)
+    reset = await call(client, "kernel_reset", session_id=sid)
     assert json_of(reset)["reset"] is True and json_of(reset)["session_id"] == sid
     listed = await call(client, "manage_sessions", action="list")
     entries = json_of(listed)["sessions"]
@@ -117,7 +117,7 @@ async def test_read_file_keeps_to_the_cap_of_cell_output_and_names_the_next_rang
 
 async def test_image_info_is_metadata_without_a_preview(client: Client) -> None:
     await run(client, "from PIL import Image\nImage.new('RGB', (800, 600), 'red').save('red.png')")
-    info = await call(client, "document_ops", op="info", input_path="red.png")
+    info = await call(client, "image_ops", op="info", input_path="red.png")
     assert [block.type for block in info.content] == ["text"]
     assert json_of(info) == {"path": "/workspace/red.png", "width": 800, "height": 600, "mode": "RGB",
                              "format": "PNG", "bytes": json_of(info)["bytes"]}  # fmt: skip

@@ -45,7 +45,7 @@ async def create(client: Client, **arguments: object) -> str:
 
 
 async def reset(client: Client, session_id: str) -> CallToolResult:
-    result = await client.call_tool("manage_sessions", {"action": "reset", "session_id": session_id})
+    result = await client.call_tool("kernel_reset", {"session_id": session_id})
     assert not result.is_error, text_of(result)
     return result
 

@@ -137,7 +137,7 @@ async def test_client_cancellation_interrupts_the_running_cell(client: Client) -
 
 async def test_kernel_reset_clears_state_but_keeps_files(client: Client) -> None:
     await run(client, "value = 99\nopen('kept.txt', 'w').write('file survives')")
-    reset = await client.call_tool("manage_sessions", {"action": "reset"})
+    reset = await client.call_tool("kernel_reset", {})
     assert not reset.is_error, text_of(reset)
     after = await run(client, "value")
     assert after.is_error and "NameError" in text_of(after)
@@ -160,7 +160,7 @@ async def test_kernel_reset_stops_a_running_cell(client: Client) -> None:
             tg.start_soon(runaway, code)
             await anyio.sleep(1.0)
             with anyio.fail_after(30):
-                reset = await client.call_tool("manage_sessions", {"action": "reset"})
+                reset = await client.call_tool("kernel_reset", {})
         assert not reset.is_error, text_of(reset)
         assert replies[0].is_error and "stopped by a kernel reset: state lost" in text_of(replies[0])
         assert "NameError" in text_of(await run(client, "before"))

@@ -201,7 +201,7 @@ async def test_closing_a_session_while_its_kernel_restarts_stops_the_start_clean
     replies: dict[str, object] = {}
 
     async def reset() -> None:
-        replies["reset"] = await client.call_tool("manage_sessions", {"action": "reset", "session_id": sid})
+        replies["reset"] = await client.call_tool("kernel_reset", {"session_id": sid})
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(reset)

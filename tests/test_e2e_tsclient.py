@@ -152,7 +152,8 @@ def test_two_tokens_never_see_each_others_variables_or_sessions(node: str, dirs:
 
 def test_the_sdk_accepts_every_tool(node: str, spec: dict[str, Any]) -> None:
     result = play(node, "tools", spec)
-    assert {"run_python", "read_file", "execute_code", "document_ops"} <= set(result["names"])
+    seed = {"run_python", "kernel_reset", "browser_navigate", "browser_extract", "pdf_ops", "image_ops"}
+    assert {*seed, "read_file", "execute_code"} <= set(result["names"])
     assert result["compiled"] == dict.fromkeys(result["names"], "ok")
     assert result["runPythonAcceptsCode"] and result["runPythonRefusesNoCode"]
     assert result["called"].splitlines()[0] == "45"

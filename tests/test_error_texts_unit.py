@@ -16,7 +16,8 @@ from coderunner.hostfs.transfers import export_target, import_source
 from coderunner.snapshots.records import Listing, SnapshotMeta
 from coderunner.snapshots.store import SnapshotNotFound
 from coderunner.tools.arguments import Pages
-from coderunner.tools.guest import absolute_url, browser_call, called_as
+from coderunner.tools.browser import absolute_url, checked_url, file_path
+from coderunner.tools.documents import called_as
 from coderunner.tools.snapshots import named
 
 
@@ -30,10 +31,10 @@ def test_pages_take_a_number_or_a_list_of_numbers_and_the_schema_stays_text() ->
 
 
 def test_a_guest_failure_names_the_tool_once() -> None:
-    said = called_as("pdf_ops: document_ops merge needs inputs (it takes: inputs)", "pdf_ops", "document_ops")
-    assert said == "document_ops: merge needs inputs (it takes: inputs)"
-    assert called_as("browser: use_browser navigate failed", "browser", "use_browser") == "use_browser: navigate failed"
-    assert called_as("pdf_ops did not complete: x", "pdf_ops", "document_ops") == "document_ops did not complete: x"
+    said = called_as("pdf_ops: pdf_ops merge needs inputs (it takes: inputs)", "pdf_ops", "pdf_ops")
+    assert said == "pdf_ops: merge needs inputs (it takes: inputs)"
+    assert called_as("browser: could not load x", "browser", "browser_navigate") == "browser_navigate: could not load x"
+    assert called_as("pdf_ops did not complete: x", "pdf_ops", "pdf_ops") == "pdf_ops did not complete: x"
 
 
 def test_navigate_needs_an_absolute_url() -> None:
@@ -42,7 +43,15 @@ def test_navigate_needs_an_absolute_url() -> None:
     for url in ("index.html", "example.com", "localhost:8000/x", "/workspace/a.html", "//example.com"):
         assert not absolute_url(url), url
         with pytest.raises(GuestCallError, match=r"needs an absolute URL \(http://\.\.\., https://"):
-            browser_call("navigate", {"url": url, "selector": "", "timeout_s": None})
+            checked_url(url)
+
+
+def test_a_file_url_names_a_sandbox_path_for_the_session_to_confine() -> None:
+    assert file_path("file:///workspace/a%20b.html") == "/workspace/a b.html"
+    assert file_path("file://localhost/workspace/x.html") == "/workspace/x.html"
+    assert file_path("https://example.com/") is None
+    with pytest.raises(GuestCallError, match=r"names a file in the sandbox, not on 'evil\.example'"):
+        file_path("file://evil.example/etc/passwd")
 
 
 def test_a_relative_upload_starts_in_the_only_import_folder_else_the_folders_are_named(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ TOOL_VERBS = {
     "install", "get", "job", "jobs", "workspace", "workspaces", "snapshots", "sessions",
 }  # fmt: skip
 #: Names in the docs that look like tools and are not: Jupyter's own (docs/performance.md).
-NOT_TOOLS = {"kernel_info", "wait_for_ready", "wait_for"}  # wait_for: a use_browser action
+NOT_TOOLS = {"kernel_info", "wait_for_ready", "wait_for"}  # wait_for: a browser_interact action
 #: Environment variables the docs name that are no setting: read by install.sh, the tests or a backend.
 ENV_SOURCES = [REPO / "install.sh", *sorted((REPO / "src").rglob("*.py")), REPO / "tests" / "conftest.py"]
 

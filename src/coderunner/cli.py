@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 # MCP SDK, the settings or the sessions (seconds on a cold disk); each command imports its own below.
 from coderunner import __version__
 from coderunner.edge.client_configs import CLIENTS
-from coderunner.policy.tool_groups import ALL, GROUP_NAMES
+from coderunner.policy.tool_groups import ALL, DEFAULT_GROUPS, GROUP_NAMES
 from coderunner.sandbox.registry import BACKEND_NAMES
 
 if TYPE_CHECKING:
@@ -46,7 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--tools",
         help=f"tool groups to offer, e.g. python,files ({', '.join([ALL, *GROUP_NAMES])}; single tool names "
-        "too); default all",
+        "too); default " + ",".join(DEFAULT_GROUPS),
     )
     serve.add_argument(
         "--mount",

@@ -30,7 +30,7 @@ from coderunner.egress.policy import EgressPolicy, EgressPolicyError
 from coderunner.egress.settings import EgressSettings
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.mounts import MountSpec
-from coderunner.policy.tool_groups import ALL, TOOL_GROUPS, ToolsetError, check_selection
+from coderunner.policy.tool_groups import ALL, DEFAULT_GROUPS, TOOL_GROUPS, ToolsetError, check_selection
 from coderunner.sandbox.registry import BACKEND_NAMES, platform_default
 
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
@@ -194,7 +194,8 @@ class Settings(BaseSettings):
         "together, in MiB.",
     )
     reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
-        "idle; in session_status) that kernel_reset and restarts swap to instead of starting one (bwrap).")  # fmt: skip
+        "idle; in manage_sessions status) that kernel_reset and restarts swap to instead of starting one "
+        "(bwrap).")  # fmt: skip
 
     # Snapshots (manage_snapshots: save, restore, fork; keep_state).
     snapshots_dir: Path | None = Field(
@@ -282,9 +283,10 @@ class Settings(BaseSettings):
 
     # Serving.
     tools: Annotated[list[str], NoDecode] = Field(
-        default_factory=lambda: [ALL],
+        default_factory=lambda: list(DEFAULT_GROUPS),
         description=f"Tools to offer: {ALL}, or groups ({', '.join(TOOL_GROUPS)}) and single tool names, as a "
-        "list or 'python,files'. get_capabilities is always offered. Fewer tools cost the model fewer tokens.",
+        f"list or 'python,files' (default: {','.join(DEFAULT_GROUPS)}). get_capabilities is always offered. "
+        "Fewer tools cost the model fewer tokens.",
     )
     transport: Transport = "stdio"
     host: str = "127.0.0.1"

@@ -7,10 +7,11 @@ The tools themselves live in tools/, one module per concern; they parse argument
 
 import posixpath
 from collections.abc import Iterable
+from typing import Any
 
 from mcp.server.lowlevel.helper_types import ReadResourceContents
 from mcp.server.mcpserver import Context, MCPServer
-from mcp.types import InputRequiredResult
+from mcp.types import CallToolResult, InputRequiredResult, TextContent
 from pydantic import AnyUrl
 
 from coderunner import __version__
@@ -18,6 +19,7 @@ from coderunner.edge.instructions import INSTRUCTIONS
 from coderunner.offload import off_loop
 from coderunner.policy.tool_groups import ToolGroups
 from coderunner.policy.tool_mentions import Mentions
+from coderunner.policy.tool_renames import unknown_tool
 from coderunner.sessions.seam import SessionHost
 from coderunner.tools import MODULES, ToolContext, declared_groups
 from coderunner.tools.file_results import resource_contents
@@ -33,6 +35,19 @@ class CodeRunnerServer(MCPServer):
     A resource template declares one MIME type for all its reads; a workspace holds PNGs, CSVs and
     anything else, so the type of each read is decided here from the bytes read (never parsed).
     """
+
+    #: The tools offered and their groups (set by build_server): an unknown name is told what to use.
+    mentions: Mentions | None = None
+
+    async def call_tool(
+        self, name: str, arguments: dict[str, Any], context: Context[Any, Any] | None = None
+    ) -> CallToolResult | InputRequiredResult:
+        """A call of a tool this server does not offer gets an isError reply naming the tool to use instead
+        (policy/tool_renames.py), not the SDK's bare "Unknown tool"."""
+        if self.mentions is not None and self._tool_manager.get_tool(name) is None:
+            said = unknown_tool(name, self.mentions)
+            return CallToolResult(content=[TextContent(type="text", text=said)], is_error=True)
+        return await super().call_tool(name, arguments, context)
 
     async def read_resource(
         self, uri: AnyUrl | str, context: Context | None = None
@@ -57,6 +72,7 @@ def build_server(host: SessionHost) -> MCPServer:
     offered = declared.selected(host.settings.tools)
     mentions = Mentions(offered, declared)  # replies and instructions name only these (policy/tool_mentions.py)
     server = CodeRunnerServer("coderunner", version=__version__, instructions=mentions.text(INSTRUCTIONS))
+    server.mentions = mentions
     tools = ToolContext.create(server, host)
     tools.mentions = mentions
     for module in MODULES:

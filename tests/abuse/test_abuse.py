@@ -471,7 +471,7 @@ async def test_daemon_does_not_outlive_its_kernel(arena: Arena) -> None:
         ).get("state", "ready") != "ready":
             await anyio.sleep(0.1)
     before = len(sandbox_processes_alive(arena.dirs))
-    reset = await arena.client.call_tool("manage_sessions", {"action": "reset"})
+    reset = await arena.client.call_tool("kernel_reset", {})
     assert not reset.is_error
     size = len(text_of(await run(arena.client, "open('heartbeat').read()")))
     await anyio.sleep(1.0)

@@ -59,7 +59,7 @@ async def test_a_guest_answer_over_every_bound_is_cut_and_its_spill_never_follow
     try:
         assert "armed" in text_of(await run(arena.client, flood_answer(canary_dir), session_id=session_id))
         result = await arena.client.call_tool(
-            "document_ops", {"input_path": "x.png", "op": "info", "session_id": session_id}
+            "image_ops", {"input_path": "x.png", "op": "info", "session_id": session_id}
         )
         text = text_of(result)
         assert len(text) < 30_000 and "characters omitted" in text, text[:500]

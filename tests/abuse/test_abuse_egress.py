@@ -266,7 +266,7 @@ except OSError as exc:
 """
     assert "refused" in await ok(net.client, raw, session)
     # A fresh kernel comes with a fresh forwarder.
-    reset = await net.client.call_tool("manage_sessions", {"action": "reset", "session_id": session})
+    reset = await net.client.call_tool("kernel_reset", {"session_id": session})
     assert not reset.is_error, text_of(reset)
     assert BODY in await ok(net.client, get_code(f"http://{net.servers.public_ip}/"), session)
     await net.client.call_tool("manage_sessions", {"action": "close", "session_id": session})

@@ -76,7 +76,7 @@ async def test_nothing_the_server_writes_offers_more_than_none(arena: Arena) -> 
     capabilities = text_of(await arena.client.call_tool("get_capabilities", {}))
     assert "internet" not in json.dumps(json.loads(capabilities)["network"])
     hint = text_of(await arena.client.call_tool("install_packages", {"packages": ["six"]}))
-    browse = text_of(await arena.client.call_tool("use_browser", {"action": "navigate", "url": "http://example.com/"}))
+    browse = text_of(await arena.client.call_tool("browser_navigate", {"url": "http://example.com/"}))
     for text in (hint, browse):
         assert "network='internet'" not in text and "network='allowlist'" not in text, text
         assert "ask the user" in text, text

@@ -215,7 +215,7 @@ async def test_planted_links_never_lead_the_host_anywhere(
         died = await run(client, "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)", session_id=victim)
         assert "kernel died" in text_of(died), text_of(died)
         assert not (await run(client, trap(canaries), session_id=victim)).is_error
-        reset = await client.call_tool("manage_sessions", {"action": "reset", "session_id": victim})
+        reset = await client.call_tool("kernel_reset", {"session_id": victim})
         assert not reset.is_error, text_of(reset)
         assert not (await run(client, trap(canaries), session_id=victim)).is_error
         assert not (await client.call_tool("manage_sessions", {"action": "close", "session_id": victim})).is_error

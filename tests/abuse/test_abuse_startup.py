@@ -62,10 +62,8 @@ async def probe(arena: Arena, session: str) -> str:
 
 
 async def guest_tool_is_clean(arena: Arena, session: str) -> None:
-    """document_ops on images imports PIL in the kernel: never the workspace's PIL.py."""
-    result = await arena.client.call_tool(
-        "document_ops", {"input_path": "pic.png", "op": "info", "session_id": session}
-    )
+    """image_ops imports PIL in the kernel: never the workspace's PIL.py."""
+    result = await arena.client.call_tool("image_ops", {"input_path": "pic.png", "op": "info", "session_id": session})
     assert not result.is_error and "8" in text_of(result), text_of(result)
 
 
@@ -75,7 +73,7 @@ async def test_planted_modules_do_not_run_before_user_code(arena: Arena) -> None
     planted = await run(arena.client, PLANT, session_id=first)
     assert not planted.is_error, text_of(planted)
 
-    reset = await arena.client.call_tool("manage_sessions", {"action": "reset", "session_id": first})
+    reset = await arena.client.call_tool("kernel_reset", {"session_id": first})
     assert not reset.is_error, text_of(reset)
     await guest_tool_is_clean(arena, first)
     assert await probe(arena, first) == CLEAN

@@ -129,7 +129,7 @@ async def test_another_tokens_client_cannot_touch_sessions_or_workspaces(dirs: S
             # Her session ids, whatever tool carries them.
             for tool, arguments in [
                 ("run_python", {"code": "guarded = 'mallory was here'"}),
-                ("manage_sessions", {"action": "reset"}),
+                ("kernel_reset", {}),
                 ("manage_sessions", {"action": "close"}),
                 ("write_file", {"path": "planted.txt", "content": "x"}),
                 ("read_file", {"path": "/workspace/planted.txt"}),

@@ -133,10 +133,10 @@ async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret
         # A node's session starts its standby kernel at its first reset (a burst of creates pays one kernel
         # each), then swaps to it at the next.
         assert "standby" not in status, status
-        await ok(client, "manage_sessions", action="reset", session_id=ids[1])
+        await ok(client, "kernel_reset", session_id=ids[1])
         status = await standby_ready(client, ids[1])
         await ok(client, "run_python", code="after = 1", session_id=ids[1])
-        await ok(client, "manage_sessions", action="reset", session_id=ids[1])
+        await ok(client, "kernel_reset", session_id=ids[1])
         status = json_of(await ok(client, "manage_sessions", action="status", session_id=ids[1]))
         assert status is not None and status["standby"]["swapped_in"] == 1, status
         assert "NameError" in text_of(await call(client, "run_python", code="after", session_id=ids[1]))
@@ -219,7 +219,7 @@ async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
         session_id = json_of(await ok(client, "create_session"))["session_id"]  # type: ignore[index]
         await ok(client, "run_python", session_id=session_id,
                  code="from PIL import Image; Image.new('RGB', (64, 32), 'red').save('red.png')")  # fmt: skip
-        info = await ok(client, "document_ops", input_path="red.png", op="info", session_id=session_id)
+        info = await ok(client, "image_ops", input_path="red.png", op="info", session_id=session_id)
         assert "64" in text_of(info) and "32" in text_of(info), text_of(info)
         # A file of several pieces (1 MiB each) both ways, checked byte for byte on the node.
         blob = "".join(f"{i:08d}\n" for i in range(300_000))  # 2.7 MB
@@ -534,7 +534,7 @@ async def test_the_user_is_asked_about_a_host_across_the_cluster(ray_cluster: Ra
 async def test_the_user_is_asked_during_guest_tools_and_installs_across_the_cluster(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
-    """install_packages and use_browser are one actor call each: their node's proxy asks through a read of
+    """install_packages and browser_navigate are one actor call each: their node's proxy asks through a read of
     its own, put to the user as during run_python, and the answer decides on the node (and is in its audit)."""
     asked = Asked()
     audit = dirs.root / "egress.jsonl"
@@ -551,7 +551,7 @@ async def test_the_user_is_asked_during_guest_tools_and_installs_across_the_clus
         index_host = asked.messages[0].split(" wants to connect to ")[1].split(":")[0]
         assert refused.is_error and f"[network: denied {index_host}:443 (the user declined)]" in text_of(refused)
         asked.answer = "accept"
-        await call(client, "use_browser", action="navigate", url="http://c.example.org/", session_id=session_id)
+        await call(client, "browser_navigate", url="http://c.example.org/", session_id=session_id)
         assert len(asked.messages) == 2 and "c.example.org:80" in asked.messages[1], asked.messages
         status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
         assert status is not None and status["egress"]["allowed_hosts"] == ["a.example.org", "c.example.org"], status

@@ -34,6 +34,8 @@ FAST_SETTINGS: dict[str, Any] = {
     "progress_interval_s": 0.2,
     # No warm pool unless a test asks: cues script "the next sandbox started", and a pool starts its own.
     "pool_size": 0,
+    # Every tool group: the in-memory tests reach sessions and snapshots as a user who turned them on would.
+    "tools": ["all"],
 }
 
 

@@ -28,7 +28,7 @@ def test_only_the_tools_a_group_needs_from_another_are_in_several() -> None:
 
 def test_a_group_exposes_its_tools_and_get_capabilities() -> None:
     assert selected_tools(["python"]) == {
-        "get_capabilities", "run_python", "install_packages", "manage_jobs", "manage_sessions",
+        "get_capabilities", "run_python", "kernel_reset", "install_packages", "manage_jobs", "manage_sessions",
     }  # fmt: skip
 
 

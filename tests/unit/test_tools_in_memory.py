@@ -82,7 +82,7 @@ async def test_a_timeout_interrupts_and_says_the_state_is_kept(client: Client) -
 
 async def test_kernel_reset_clears_state(client: Client) -> None:
     await client.call_tool("run_python", {"code": "kept = 5"})
-    reset = payload(await client.call_tool("manage_sessions", {"action": "reset"}))
+    reset = payload(await client.call_tool("kernel_reset", {}))
     assert reset["reset"] is True and reset["state_preserved"] is False and reset["kernel"] == "idle"
     assert "False" in text(await client.call_tool("run_python", {"code": "'kept' in dir()"}))
 

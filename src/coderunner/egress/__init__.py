@@ -21,7 +21,7 @@ of an allowed connection, moved off the event loop). The wiring, roughly:
     listener = socket.socket(AF_UNIX, SOCK_STREAM); listener.bind(host_only_path); listener.listen()
     task = start(proxy.serve(listener))          # cancel it, then `await proxy.aclose()`, on close
     mark = log.mark(); ...run...; log.denied_since(mark)                            # run_python
-    log.recent(10), log.totals()                                                    # session_status
+    log.recent(10), log.totals()                                                    # manage_sessions status
     audit.close()                                                                   # at shutdown
 
 EgressPolicyError messages are for the caller (they name CEILING_SETTING where it applies).

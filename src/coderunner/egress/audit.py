@@ -1,6 +1,6 @@
 """A record of every egress decision: a bounded per-session log and an append-only JSONL file.
 
-The per-session log answers `session_status` (recent entries, totals) and lets a `run_python` reply
+The per-session log answers `manage_sessions status` (recent entries, totals) and lets a `run_python` reply
 name the hosts denied during that call (mark / denied_since). The file keeps every session's
 decisions, rotated by size; writing it never blocks the event loop and never grows a queue unbounded.
 
@@ -51,7 +51,7 @@ _MAX_DENIED_NAMED = 20
 _WORKER_POLL_S = 0.2
 
 # Per-session rate limit of the audit file (module constants, not settings: the defaults fit any
-# server; a session's own log and session_status keep every decision whatever these say).
+# server; a session's own log and manage_sessions status keep every decision whatever these say).
 #: Denial lines a session writes one by one per window, and of those at most HOST_BURST per host:port.
 SESSION_BURST = 20
 HOST_BURST = 3

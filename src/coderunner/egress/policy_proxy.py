@@ -140,7 +140,7 @@ class EgressProxy:
 
     def open_connections(self) -> list[Decision]:
         """Relays in progress, as decisions with the bytes moved so far (reason "open"): a long
-        download shows in session_status before it ends and is recorded."""
+        download shows in manage_sessions status before it ends and is recorded."""
         return [
             Decision(c.decided_at, c.host, c.port, True, "open", c.counts.sent, c.counts.received)
             for c in self._conns.values()

@@ -17,7 +17,7 @@ from coderunner.egress.policy import CEILING_SETTING, PRESETS, EgressPolicy, Egr
 
 #: Hosts named in one denial line; the rest are counted.
 MAX_NAMED = 5
-#: Decisions session_status shows.
+#: Decisions manage_sessions status shows.
 STATUS_RECENT = 10
 
 
@@ -128,7 +128,7 @@ def decision_row(decision: Decision) -> dict[str, Any]:
 def egress_status(
     policy: EgressPolicy, recent: Sequence[Decision], totals: Mapping[str, int], open_now: Sequence[Decision] = ()
 ) -> dict[str, Any]:
-    """session_status's view of an allowlist session: what it may reach, what it did, in total, and the
+    """manage_sessions status's view of an allowlist session: what it may reach, what it did, in total, and the
     connections open now (with their bytes so far: a long download shows before it ends)."""
     status: dict[str, Any] = {
         "allowed_hosts": list(policy.hosts),
@@ -170,3 +170,31 @@ def ceiling_summary(allowed_domains: Sequence[str], allowed_ports: Sequence[int]
         return f"no hosts allowed yet: the user sets {CEILING_SETTING}; until then 'allowlist' is refused"
     ports = ", ".join(str(port) for port in sorted(allowed_ports))
     return f"{', '.join(allowed_domains)} (ports {ports})"
+
+
+#: What code prints when a name does not resolve or no route leads out: Python (socket, urllib,
+#: requests/urllib3), Node.js, curl, pip. Chosen so that a refused connect to the sandbox's own
+#: localhost (a server not started yet) is not taken for the network being off.
+OFFLINE_MARKERS = (
+    "Temporary failure in name resolution",
+    "Name or service not known",
+    "No address associated with hostname",
+    "NameResolutionError",
+    "Failed to resolve",
+    "getaddrinfo EAI_AGAIN",
+    "getaddrinfo ENOTFOUND",
+    "Could not resolve host",
+    "Network is unreachable",
+    "ENETUNREACH",
+)
+
+
+def offline_note(output: str, way_out: str) -> str | None:
+    """For a run in a session with network 'none' whose output shows a lookup or connect that failed for
+    want of network: the line that says so and how to get more (`way_out`, within the user's ceiling)."""
+    if not any(marker in output for marker in OFFLINE_MARKERS):
+        return None
+    return (
+        "network is off in this session (network 'none'): names do not resolve and nothing outside the "
+        f"sandbox answers; {way_out}"
+    )

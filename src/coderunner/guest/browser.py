@@ -11,6 +11,7 @@ kernel and everything it started). User code reaches the same page:
 import base64
 import json
 import os
+import pathlib
 from typing import Any
 
 from .dispatch import GuestError
@@ -105,7 +106,13 @@ def _milliseconds(timeout_s):
     return int(float(timeout_s or 30) * 1000)
 
 
-async def _navigate(url, wait_for=None, timeout_s=30):
+async def _navigate(url, wait_for=None, timeout_s=30, file=None):
+    """`file`: the sandbox path of a file:// URL, as the host confined it (its query and fragment kept)."""
+    if file is not None:
+        if not os.path.isfile(file):
+            raise GuestError(f"could not load {url}: there is no file {file} in the sandbox")
+        _, _, rest = url.partition("#")
+        url = pathlib.Path(file).as_uri() + (f"#{rest}" if rest else "")
     current = await page()
     try:
         response = await current.goto(url, timeout=_milliseconds(timeout_s), wait_until="load")

@@ -22,8 +22,13 @@ TOOLS = {
     "snapshot": "coderunner_guest.snapshot",
 }
 
-#: The MCP tool a guest tool is called through, as its messages name it.
-CALLED_AS = {"pdf_ops": "document_ops", "image_ops": "document_ops", "browser": "use_browser"}
+
+def called_as(tool, op):
+    """The MCP tool a guest tool's op is called through, as its messages name it: pdf_ops and image_ops
+    are tools of their own name; each browser op is the tool browser_<op>."""
+    return f"browser_{op}" if tool == "browser" and isinstance(op, str) and op.isidentifier() else tool
+
+
 #: Modules the product's own work on a tool's input imports by name: loaded from read-only folders
 #: first (a snapshot's pickles name cloudpickle; the user's own modules they name still load as theirs).
 PRELOADS = {"snapshot": ("cloudpickle",)}
@@ -91,14 +96,15 @@ def unexpected(tool, args_json, exc):
         request = {}
     request = request if isinstance(request, dict) else {}
     op = request.get("op")
-    called = CALLED_AS.get(tool, tool)
-    name = f"{called} {op}" if isinstance(op, str) and len(op) < 40 else called
+    op = op if isinstance(op, str) and len(op) < 40 else None
+    called = called_as(tool, op)
+    name = called if tool == "browser" else f"{called} {op}" if op else called
     target = request.get("input_path")
     target = target if isinstance(target, str) and len(target) < 300 else "the input"
     if tool == "browser":
         return (
-            f"{name} failed unexpectedly; check that a page is open (use_browser navigate first) and the selector and "
-            "arguments; a kernel reset (manage_sessions) gives a fresh browser if it keeps failing"
+            f"{name} failed unexpectedly; check that a page is open (browser_navigate first) and the selector and "
+            "arguments; kernel_reset gives a fresh browser if it keeps failing"
         )
     if isinstance(exc, OSError):
         reason = os.strerror(exc.errno) if exc.errno else "a file could not be read or written"

@@ -1,4 +1,4 @@
-"""document_ops on images, run inside the sandbox: untrusted images are decoded only here (Pillow, Tesseract)."""
+"""image_ops, run inside the sandbox: untrusted images are decoded only here (Pillow, Tesseract)."""
 
 import base64
 import io
@@ -17,7 +17,7 @@ PREVIEW_SIZE = 512
 
 
 def run(op, input_path, args=None):
-    return run_op("document_ops", {name: globals()[f"_{name}"] for name in OPS}, op, input_path, args)
+    return run_op("image_ops", {name: globals()[f"_{name}"] for name in OPS}, op, input_path, args)
 
 
 def _open(path):

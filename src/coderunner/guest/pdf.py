@@ -1,4 +1,4 @@
-"""document_ops on PDFs, run inside the sandbox: untrusted PDFs are parsed only here (pypdf, pypdfium2)."""
+"""pdf_ops, run inside the sandbox: untrusted PDFs are parsed only here (pypdf, pypdfium2)."""
 
 import base64
 import io
@@ -17,7 +17,7 @@ TEXT_LIMIT = 200_000
 
 
 def run(op, input_path, args=None):
-    return run_op("document_ops", {name: globals()[f"_{name}"] for name in OPS}, op, input_path, args)
+    return run_op("pdf_ops", {name: globals()[f"_{name}"] for name in OPS}, op, input_path, args)
 
 
 def _beside(path, suffix):
@@ -87,10 +87,12 @@ def _split(path, ranges=None, output_prefix=None, password=None):
     from pypdf import PdfWriter
 
     reader = _reader(path, password)
-    if ranges is None:
+    if isinstance(ranges, str):  # '1-2,3-': one part each, as pages are written
+        ranges = [part for part in ranges.replace(" ", "").split(",") if part]
+    if not ranges:
         ranges = [str(number) for number in range(1, len(reader.pages) + 1)]
-    if isinstance(ranges, str) or not isinstance(ranges, list):
-        raise GuestError('split needs ranges as a list of page ranges, e.g. ["1-2", "3-"]')
+    if not isinstance(ranges, list):
+        raise GuestError('split needs ranges as page ranges, e.g. "1-2,3-" (a file each)')
     output_prefix = output_prefix or _beside(path, "part")
     written = []
     for number, pages in enumerate(ranges, start=1):

@@ -21,8 +21,26 @@ from dataclasses import dataclass
 GROUP_NAMES: tuple[str, ...] = (
     "python", "sessions", "files", "browser", "documents", "oneshot", "jobs", "workspaces", "snapshots",
 )  # fmt: skip
+#: What each group is for, as get_capabilities tells a model which groups the user could turn on.
+GROUP_PURPOSES: dict[str, str] = {
+    "python": "code in the session's persistent kernel, its reset, status and packages",
+    "sessions": "more kernels, each with its own workspace, limits and network",
+    "files": "files in the workspace; in and out of the host through folders the user chose",
+    "browser": "a Chromium inside the sandbox",
+    "documents": "PDFs and images, parsed inside the sandbox",
+    "oneshot": "Python, JavaScript or bash once, in a throwaway sandbox",
+    "jobs": "runs that outlive a call (wait, cancel, list)",
+    "workspaces": "named workspaces kept across sessions",
+    "snapshots": "save and bring back a session's files and variables",
+}
 #: The same names, under the name config.py reads them by.
 TOOL_GROUPS = GROUP_NAMES
+#: What a server started with no `tools` setting offers: the seed's six tools (run_python and
+#: kernel_reset in python, browser_*, pdf_ops and image_ops) with what their replies lead to (jobs,
+#: a session's status, files in and out). tools/list goes to the model on every turn, and these fit
+#: its 2,000-token budget (tests/test_tool_schemas.py); sessions, snapshots, oneshot and workspaces
+#: are a setting away (get_capabilities says how).
+DEFAULT_GROUPS: tuple[str, ...] = ("python", "files", "browser", "documents")
 #: The group of tools offered whatever `tools` says (not a name a setting may use).
 ALWAYS = "always"
 ALL = "all"

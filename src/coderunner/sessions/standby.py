@@ -154,7 +154,7 @@ class Standby:
         return stopped
 
     def describe(self) -> dict[str, Any] | None:
-        """For session_status: whether one is ready, and the memory it holds (beside the kernel's own)."""
+        """For manage_sessions status: whether one is ready, and the memory it holds (beside the kernel's own)."""
         if not self.enabled:
             return None
         state = "ready" if self.kernel is not None else "starting" if self._fill is not None else "none"

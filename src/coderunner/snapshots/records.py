@@ -27,7 +27,7 @@ class SnapshotMeta:
     created: float
     #: "snapshot" (manage_snapshots save / fork) or "persistent" (a keep_state session's own).
     kind: str
-    #: The first characters of the session it was taken from (for session_status).
+    #: The first characters of the session it was taken from (for manage_sessions status).
     source_session: str
     #: The backend that made it (restoring on another backend is allowed: the state is portable).
     backend: str

@@ -2,10 +2,11 @@
 
     context.py     ToolContext (session host, settings, caller lookup, session by id) and its `tool` decorator
     arguments.py   argument types shared by several tools
-    python.py      run_python
-    sessions.py    create_session, manage_sessions (status, reset, close, list)
+    python.py      run_python, kernel_reset
+    sessions.py    create_session, manage_sessions (status, close, list)
     files.py       read_file (a file or a folder), write_file, transfer_file; the sandbox:// resource
-    guest.py       document_ops (PDFs, images), use_browser (work done inside the sandbox)
+    documents.py   pdf_ops, image_ops (work done inside the sandbox)
+    browser.py     browser_navigate, browser_extract, browser_screenshot, browser_interact (inside too)
     execute_code.py      execute_code (one-shot runs; check_only: a syntax check)
     jobs.py        manage_jobs (wait, cancel, list: runs that outlived their call)
     install_packages.py  install_packages
@@ -33,9 +34,10 @@ from mcp.server.mcpserver import MCPServer
 from coderunner.config import Settings
 from coderunner.policy.tool_groups import ToolGroups
 from coderunner.tools import (
+    browser,
+    documents,
     execute_code,
     files,
-    guest,
     install_packages,
     jobs,
     meta,
@@ -46,7 +48,10 @@ from coderunner.tools import (
 )
 from coderunner.tools.context import ToolContext
 
-MODULES = (python, jobs, sessions, snapshots, files, guest, execute_code, install_packages, named_workspaces, meta)
+MODULES = (
+    python, jobs, sessions, snapshots, files, browser, documents, execute_code, install_packages,
+    named_workspaces, meta,
+)  # fmt: skip
 
 
 @functools.cache

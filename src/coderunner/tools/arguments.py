@@ -37,6 +37,14 @@ def _numbers_as_pages(value: Any) -> Any:
 Pages = Annotated[str, BeforeValidator(_numbers_as_pages), Field(description="e.g. 1-3,5")]
 
 
+def page_ranges(value: Any) -> Any:
+    """Ranges of pages ('1-2,3-': one part each) in the string form `pages` has; a list of them, as
+    ['1-2', '3-'] or [1, 2], is what its parts joined by commas say."""
+    if isinstance(value, list) and all(isinstance(item, str | int) and not isinstance(item, bool) for item in value):
+        return ",".join(str(item) for item in value)
+    return _none_as_empty(value)
+
+
 def _object_as_text(value: Any) -> Any:
     """A client that still sends an object for `variables` is served: it becomes the JSON text."""
     return json.dumps(value) if isinstance(value, dict) else _none_as_empty(value)

@@ -16,8 +16,9 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent
 
 from coderunner.egress.asker import CallAsker
+from coderunner.egress.ceiling import NetworkMode, more_network
 from coderunner.egress.policy import EgressPolicy
-from coderunner.egress.texts import denial_note, denied_with_reasons
+from coderunner.egress.texts import denial_note, denied_with_reasons, offline_note
 from coderunner.errors import CodeRunnerError
 
 if TYPE_CHECKING:
@@ -60,6 +61,18 @@ class EgressCall:
         if note:
             reply.content.append(TextContent(type="text", text=f"[{note}]"))
         return reply
+
+
+def offline_noted(reply: CallToolResult, network: str, ceiling: str) -> CallToolResult:
+    """A run's reply in a session with network 'none' that failed for want of network, with a line saying
+    so (the allowlist mode's denial line does the same for hosts its proxy refused)."""
+    if network != NetworkMode.NONE or not reply.is_error:
+        return reply
+    output = "\n".join(block.text for block in reply.content if isinstance(block, TextContent))
+    note = offline_note(output, more_network(ceiling))
+    if note:
+        reply.content.append(TextContent(type="text", text=f"[{note}]"))
+    return reply
 
 
 class EgressCalls:

@@ -13,6 +13,8 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
+from coderunner.egress.ceiling import NetworkMode, more_network
+from coderunner.egress.texts import offline_note
 from coderunner.policy.call_variables import check_variables, parse_variables
 from coderunner.sessions.job_runner import Job, attend, label_of
 from coderunner.sessions.oneshot_runs import OneShotError, OneShotResult
@@ -90,4 +92,8 @@ def register(tools: ToolContext) -> None:
         payload = oneshot_payload(job.result)
         if note := network.note():
             payload["network"] = note
+        elif options.network == NetworkMode.NONE and not job.result.success:
+            output = f"{payload.get('stdout', '')}\n{payload.get('stderr', '')}"
+            if note := offline_note(output, more_network(settings.network_ceiling)):
+                payload["network"] = note
         return json_result(payload, is_error=not job.result.success)

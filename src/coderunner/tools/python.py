@@ -1,4 +1,8 @@
-"""run_python: the session's persistent kernel (its reset is manage_sessions'; tools/sessions.py)."""
+"""run_python and kernel_reset, the seed's two kernel tools: a session's persistent kernel, and a fresh one.
+
+kernel_reset is also how a stale browser goes: the browser context lives in the kernel, so a new kernel
+is a new context. Files in the workspace are kept.
+"""
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
@@ -13,8 +17,9 @@ from coderunner.policy.call_variables import check_variables, parse_variables
 from coderunner.sessions.job_runner import Job, attend, duration
 from coderunner.sessions.sandbox_options import check_timeout
 from coderunner.tools.arguments import DetachAfter, SessionId, VariablesArg
-from coderunner.tools.context import ToolContext
-from coderunner.tools.jobs import kernel_stamp, python_job_reply
+from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.egress import offline_noted
+from coderunner.tools.jobs import KERNEL_META, kernel_stamp, python_job_reply
 from coderunner.tools.replies import execution_reply
 
 
@@ -58,4 +63,17 @@ def register(tools: ToolContext) -> None:
         session.forget_job(job)  # answered whole: never a job the caller needs to know about
         result = session.job_result(job)
         reply = execution_reply(result, session.session_id, links=links)
+        reply = offline_noted(reply, session.options.network, settings.network_ceiling)
         return network.noted(tools.with_export_note(kernel_stamp(reply, session, result.state_lost), session))
+
+    @tools.tool(group="python")
+    async def kernel_reset(ctx: Context, session_id: SessionId = "") -> CallToolResult:
+        """A fresh interpreter and browser context in the session; workspace files are kept. Between
+        unrelated tasks, or when the browser's state is stale."""
+        session = await tools.session(ctx, session_id)
+        await session.reset()
+        generation, preserved = session.kernel_state(lost=True)
+        summary = await tools.off_loop(tools.summary, session)
+        reply = json_result({"reset": True, "state_preserved": preserved, **summary})
+        reply.meta = {KERNEL_META: {"generation": generation, "state_preserved": preserved}}
+        return reply

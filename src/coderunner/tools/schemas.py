@@ -12,7 +12,10 @@ once, at registration, instead of anyone writing JSON by hand:
   (openai-agents, Anthropic, langchain) add `false` themselves to an object that has properties.
   Closure is enforced where it counts, on our side: an unknown argument is refused with its name;
 - no free-form objects: an object schema without declared properties is a registration error,
-  since strict converters either reject it or silently close it to `{}`.
+  since strict converters either reject it or silently close it to `{}`;
+- an object argument (the seed's `args` of pdf_ops and image_ops) is a closed model one level deep,
+  written out in place: `$ref` is resolved by some converters and not others, and an object inside it
+  would be one more shape for every API to get right. Its closure is ours too (extra='forbid').
 
 `SchemaError` at start-up means a tool signature needs changing, never a client's fault.
 """
@@ -39,13 +42,40 @@ class SchemaError(ValueError):
 
 def portable_schema(schema: dict[str, Any], tool: str = "tool") -> dict[str, Any]:
     """The tool's input schema as every converter accepts it (see the module doc)."""
-    if "$defs" in schema or "$ref" in str(schema):
-        raise SchemaError(f"{tool}: nested models make $ref schemas; use flat arguments")
-    tidy = _tidy(schema, tool, root=True)
+    tidy = _tidy(_inlined(schema, tool), tool, root=True)
     tidy.setdefault("properties", {})
     if tidy.get("type") != "object":
         raise SchemaError(f"{tool}: the input schema must be an object")
     return tidy
+
+
+def _inlined(schema: dict[str, Any], tool: str) -> dict[str, Any]:
+    """The schema with each argument that is a model written out in place of its `$ref` (one level:
+    a model's own fields are plain values)."""
+    definitions = schema.get("$defs", {})
+    if any("$ref" in str(definition) or "$defs" in definition for definition in definitions.values()):
+        raise SchemaError(f"{tool}: a model inside a model argument; keep argument models one level deep")
+
+    def resolved(node: dict[str, Any], where: str) -> dict[str, Any]:
+        reference = node.get("$ref")
+        if reference is None:
+            variants = node.get("anyOf")
+            if variants is None:
+                return node
+            return {**node, "anyOf": [resolved(variant, where) for variant in variants]}
+        name = reference.removeprefix("#/$defs/")
+        if name not in definitions:
+            raise SchemaError(f"{where}: a $ref this schema does not define ({reference})")
+        rest = {key: value for key, value in node.items() if key != "$ref"}
+        return {**definitions[name], **rest}
+
+    properties = {name: resolved(sub, f"{tool}.{name}") for name, sub in schema.get("properties", {}).items()}
+    inlined = {key: value for key, value in schema.items() if key != "$defs"}
+    if "properties" in schema:
+        inlined["properties"] = properties
+    if "$ref" in str(inlined):
+        raise SchemaError(f"{tool}: a $ref where arguments cannot hold one; use flat arguments")
+    return inlined
 
 
 def _tidy(node: dict[str, Any], where: str, root: bool = False) -> dict[str, Any]:
@@ -60,6 +90,12 @@ def _tidy(node: dict[str, Any], where: str, root: bool = False) -> dict[str, Any
         raise SchemaError(f"{where}: a free-form object; declare its fields or take a JSON string")
     if node.get("type") == "object" and not node.get("properties") and not root:
         raise SchemaError(f"{where}: an object without declared properties")
+    if node.get("type") == "object" and not root:
+        node.pop("default", None)  # an object's defaults are its properties' own; the whole one says nothing new
+        node.pop("required", None) if not node.get("required") else None
+        for name, sub in node.get("properties", {}).items():
+            if sub.get("type") == "object" or "object" in sub.get("type", []):
+                raise SchemaError(f"{where}.{name}: an object inside an object argument; keep it one level deep")
     if "properties" in node:
         node["properties"] = {name: _tidy(sub, f"{where}.{name}") for name, sub in node["properties"].items()}
     if isinstance(node.get("items"), dict):
@@ -103,7 +139,7 @@ def finish_tools(server: MCPServer, enabled: Collection[str], groups: ToolGroups
             continue
         tool.parameters = portable_schema(tool.parameters, tool.name)
         tool.description = tool_description(tool.description)
-        tool.fn_metadata = _plain_arguments(tool.name, tool.fn_metadata, list(tool.parameters["properties"]))
+        tool.fn_metadata = _plain_arguments(tool.name, tool.fn_metadata, tool.parameters["properties"])
 
 
 #: Key under which validation hands its failure on to the call (never a real argument name).
@@ -120,6 +156,8 @@ class PlainArguments(FuncMetadata):
 
     tool_name: str
     argument_names: list[str]
+    #: An object argument's own property names (pdf_ops' `args`), for naming what it takes.
+    nested_names: dict[str, list[str]] = {}  # noqa: RUF012 - pydantic copies field defaults
 
     def validate_arguments(self, arguments_to_validate: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -143,7 +181,10 @@ class PlainArguments(FuncMetadata):
         for error in exc.errors(include_url=False, include_input=False):
             where = ".".join(str(part) for part in error["loc"]) or "arguments"
             if error["type"] == "extra_forbidden":
-                problems.append(f"unknown argument {where!r} (it takes: {', '.join(self.argument_names)})")
+                inner = self.nested_names.get(str(error["loc"][0])) if len(error["loc"]) == 2 else None
+                names = ", ".join(inner or self.argument_names)
+                takes = f"{error['loc'][0]} takes: {names}" if inner else f"it takes: {names}"
+                problems.append(f"unknown argument {where!r} ({takes})")
             elif error["type"] == "missing":
                 problems.append(f"missing argument {where!r}")
             else:  # a validator's own sentence goes without pydantic's "Value error, " label
@@ -151,7 +192,7 @@ class PlainArguments(FuncMetadata):
         return f"{self.tool_name}: {'; '.join(problems)}"
 
 
-def _plain_arguments(name: str, metadata: FuncMetadata, argument_names: list[str]) -> PlainArguments:
+def _plain_arguments(name: str, metadata: FuncMetadata, properties: dict[str, Any]) -> PlainArguments:
     arg_model = metadata.arg_model
     arg_model.model_config["extra"] = "forbid"  # a misspelt argument is refused, not silently ignored
     arg_model.model_rebuild(force=True)
@@ -161,5 +202,6 @@ def _plain_arguments(name: str, metadata: FuncMetadata, argument_names: list[str
         output_model=metadata.output_model,
         wrap_output=metadata.wrap_output,
         tool_name=name,
-        argument_names=argument_names,
+        argument_names=list(properties),
+        nested_names={key: list(sub["properties"]) for key, sub in properties.items() if "properties" in sub},
     )

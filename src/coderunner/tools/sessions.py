@@ -1,8 +1,8 @@
-"""create_session and manage_sessions (status, reset, close, list): a caller's sessions.
+"""create_session and manage_sessions (status, close, list): a caller's sessions.
 
-create_session stands alone (its many options are its own); the other four share one argument, so they
-are one tool with an action. It is in the `python` group as well: a kernel's reset and its status belong
-with run_python.
+create_session stands alone (its many options are its own); the other three share one argument, so they
+are one tool with an action. It is in the `python` group as well: a kernel's status belongs with
+run_python. A kernel's reset is the seed's own tool, kernel_reset (tools/python.py).
 """
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
@@ -18,7 +18,6 @@ from coderunner.errors import SessionError
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.tools.arguments import MemoryMb, SessionId, Text, network_arg
 from coderunner.tools.context import ToolContext, json_result
-from coderunner.tools.jobs import KERNEL_META
 from coderunner.tools.snapshots import loaded_report
 
 
@@ -87,16 +86,6 @@ def register(tools: ToolContext) -> None:
             )
         return json_result(summary)
 
-    async def reset(ctx: Context, session_id: str) -> CallToolResult:
-        session = await tools.session(ctx, session_id)
-        await session.reset()
-        generation, preserved = session.kernel_state(lost=True)
-        state = {"generation": generation, "state_preserved": preserved}
-        summary = await tools.off_loop(tools.summary, session)
-        reply = json_result({"reset": True, "state_preserved": preserved, **summary})
-        reply.meta = {KERNEL_META: state}
-        return reply
-
     async def listing(ctx: Context) -> CallToolResult:
         sessions = host.list(tools.caller(ctx))
         summaries = await tools.off_loop(lambda: [tools.summary(session) for session in sessions])
@@ -104,11 +93,9 @@ def register(tools: ToolContext) -> None:
 
     @tools.tool(group=("python", "sessions"))
     async def manage_sessions(
-        action: Literal["status", "reset", "close", "list"], ctx: Context, session_id: SessionId = ""
+        action: Literal["status", "close", "list"], ctx: Context, session_id: SessionId = ""
     ) -> CallToolResult:
-        """status, reset (a new kernel; files kept), close (deletes its workspace), list."""
+        """status, close (deletes its workspace), list."""
         if action == "list":
             return await listing(ctx)
-        if action == "reset":
-            return await reset(ctx, session_id)
         return await (close(ctx, session_id) if action == "close" else status(ctx, session_id))
