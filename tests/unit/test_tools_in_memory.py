@@ -209,3 +209,29 @@ async def test_a_client_has_only_so_many_execute_code_jobs_going(make_manager: A
             await client.call_tool("manage_jobs", {"action": "cancel", "job_id": payload(job)["job_id"]})
         again = await client.call_tool("execute_code", {**arguments, "code": "echo ok", "detach_after_s": 30})
         assert payload(again)["stdout"] == "ok\n"
+
+
+async def test_a_slow_first_start_sends_progress_so_a_client_s_timeout_can_reset(
+    make_scripted: Any, kernels: Any
+) -> None:
+    """On a loaded machine a caller's first run_python waits seconds for its session: progress says so,
+    growing, before any cell runs (issue 38: the TypeScript SDK gave up at 60 s without it)."""
+    from tests.fakes.kernel import KernelCue
+
+    kernels.cue(KernelCue.HANG_AT_START)
+    notes: list[tuple[float, str | None]] = []
+
+    async def noted(progress: float, total: float | None, message: str | None) -> None:
+        notes.append((progress, message))
+
+    async with make_scripted(startup_timeout_s=1.5, progress_interval_s=0.2) as manager:
+        async with Client(build_server(manager), raise_exceptions=True) as client:
+            result = await client.call_tool("run_python", {"code": "1"}, progress_callback=noted)
+    assert result.is_error, text(result)
+    assert len(notes) >= 3 and all("starting the session" in (message or "") for _, message in notes), notes
+    assert [progress for progress, _ in notes] == sorted(progress for progress, _ in notes), notes
+
+
+async def test_a_refusal_while_the_session_is_looked_up_is_the_plain_refusal(client: Client) -> None:
+    refused = await client.call_tool("run_python", {"code": "1", "session_id": "no-such-session"})
+    assert refused.is_error and "unknown or expired session_id" in text(refused), text(refused)

@@ -10,10 +10,12 @@ goes to the server's log, never to the model as a repr).
 import contextlib
 import functools
 import json
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+import anyio
 from mcp.server.mcpserver import Context, MCPServer
 from mcp.types import CallToolResult, TextContent, ToolAnnotations
 
@@ -130,6 +132,35 @@ class ToolContext:
             reply.structured_content = mentions.value(reply.structured_content)
         return reply
 
+    @contextlib.asynccontextmanager
+    async def heartbeat(self, ctx: Context, began: float, total: float | None, what: str) -> AsyncIterator[None]:
+        """Progress every progress_interval_s while the body waits for what is not yet the cell (a session's
+        first start, say, seconds on a loaded machine): a client whose request timeout resets on progress
+        (the TypeScript SDK's resetTimeoutOnProgress) keeps waiting instead of giving up. Its value is the
+        time since `began`, so it only grows across this note and the cell's own."""
+        interval = self.settings.progress_interval_s
+
+        async def beat() -> None:
+            while True:
+                await anyio.sleep(interval)
+                elapsed = time.monotonic() - began
+                try:
+                    await ctx.report_progress(elapsed, total, f"{what} ({elapsed:.0f} s)")
+                except Exception:  # a client gone mid-call: the call itself finds out and answers no one
+                    return
+
+        failure: Exception | None = None
+        async with anyio.create_task_group() as group:
+            group.start_soon(beat)
+            try:
+                yield
+            except Exception as exc:  # raised past the group, not inside an ExceptionGroup: callers catch
+                failure = exc  # CodeRunnerError by its own type (the tool decorator turns it into isError)
+            finally:
+                group.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
     @staticmethod
     async def off_loop(function: Callable[..., T], *args: Any, bulk: bool = False, **kwargs: Any) -> T:
         """Blocking file or /proc work in the server's bounded worker threads (offload.py); `bulk` for copies."""
@@ -152,9 +183,11 @@ class ToolContext:
         key = caller_key(ctx.request_context.request)
         return None if key == LOCAL_CALLER else key
 
-    async def session(self, ctx: Context, session_id: str | None) -> SessionHandle:
-        """The session a call names ('' or None: the caller's default), or SessionError saying why not."""
-        return await self.host.resolve(session_id or None, self.caller(ctx), self.client(ctx))
+    async def session(self, ctx: Context, session_id: str | None, total: float | None = None) -> SessionHandle:
+        """The session a call names ('' or None: the caller's default, started on its first use), or
+        SessionError saying why not; progress goes out while a start takes its time (`total`: the call's)."""
+        async with self.heartbeat(ctx, time.monotonic(), total, "starting the session"):
+            return await self.host.resolve(session_id or None, self.caller(ctx), self.client(ctx))
 
     def egress_call(self, ctx: Context, session: SessionHandle) -> contextlib.AbstractAsyncContextManager[EgressCall]:
         """Around code that runs in the session's sandbox: ask this call's user about hosts, note denials."""

@@ -42,18 +42,24 @@ def register(tools: ToolContext) -> None:
         """Python in the session's persistent sandboxed Jupyter kernel; charts come back as images."""
         check_timeout(settings, timeout_s)
         values = check_variables(parse_variables(variables), "python")
-        session = await tools.session(ctx, session_id)
+        called = time.monotonic()
+        session = await tools.session(ctx, session_id, total=timeout_s or settings.timeout_s)
         async with tools.egress_call(ctx, session) as network:
             job = await session.start_run(code, timeout_s, values)
             limit = timeout_s or session.options.timeout_s
 
             async def progress(job: Job) -> None:
                 assert job.output is not None
+                since_call = time.monotonic() - called  # progress only grows, whatever the note says
                 began = job.executing_since
-                if began is None or time.monotonic() - began < settings.progress_interval_s:
-                    return  # not running yet: a note now would say a cell runs that has not started
+                if began is None:  # not running yet: say what it waits for, not that a cell runs
+                    await ctx.report_progress(since_call, limit, f"waiting for the kernel ({since_call:.0f} s)")
+                    return
+                if time.monotonic() - began < settings.progress_interval_s:
+                    return
                 elapsed = job.elapsed_s()
-                await ctx.report_progress(elapsed, limit, f"running {duration(elapsed)}: {job.output.tail_text(200)}")
+                text = f"running {duration(elapsed)}: {job.output.tail_text(200)}"
+                await ctx.report_progress(since_call, limit, text)
 
             wait = settings.detach_after_s if detach_after_s is None else detach_after_s
             attended = await attend(job, wait, progress, settings.progress_interval_s)
