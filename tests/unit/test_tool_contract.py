@@ -147,8 +147,12 @@ RETIRED = sorted((name for name in RENAMED if "_" in name), key=len, reverse=Tru
 RETIRED_WORD = re.compile(r"(?<![\w/.])(" + "|".join(RETIRED) + r")(?!\w|\.py|\()")
 
 
+#: Jobs that moved between tools: said with the old tool, they send a model to the wrong one.
+MOVED_JOB = re.compile(r"(?<!\w)reset(?!_)[^.;|]{0,40}\bmanage_sessions\b|\bmanage_sessions\b[^.;|]{0,20}(?<!\w)reset(?!_)")
+
+
 def retired_in(text: str) -> list[str]:
-    return RETIRED_WORD.findall(text)
+    return RETIRED_WORD.findall(text) + [f"moved: {found}" for found in MOVED_JOB.findall(text)]
 
 
 def string_constants(path: Path) -> list[str]:

@@ -133,5 +133,5 @@ def _fit(items: list[Any], budget: int) -> list[Any]:
 def _bad_report() -> SnapshotError:
     return SnapshotError(
         "the kernel's account of the save is not what CodeRunner's guest writes (it was changed inside the "
-        "sandbox); nothing was kept. Run the snapshot again; if it repeats, reset the kernel (manage_sessions)"
+        "sandbox); nothing was kept. Run the snapshot again; if it repeats, reset the kernel (kernel_reset)"
     )

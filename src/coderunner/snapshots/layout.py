@@ -72,7 +72,7 @@ def too_large(so_far: int, limit: int) -> SnapshotTooLarge:
 def tampered(why: str) -> SnapshotError:
     return SnapshotError(
         f"the saved state was tampered with inside the sandbox ({why}); nothing was kept. "
-        "Run the snapshot again; if it repeats, reset the kernel (manage_sessions)"
+        "Run the snapshot again; if it repeats, reset the kernel (kernel_reset)"
     )
 
 
