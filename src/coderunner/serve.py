@@ -20,6 +20,7 @@ from coderunner.config import ConfigError, Settings
 from coderunner.edge.auth import RequireToken, policy_for
 from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
 from coderunner.edge.listener import bind_listener
+from coderunner.edge.refusals import TokenCut
 from coderunner.edge.stdio_wire import claim_stdio
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server
@@ -77,6 +78,11 @@ async def serve(settings: Settings) -> None:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level.lower(),
+            # uvicorn's own logging config prints its access log on stdout; left unset, its lines go
+            # where every other log line goes (stderr), in the same format. A line per request only at
+            # DEBUG (refused ones have their own line, refusals.py), and never with the server's token.
+            log_config=None,
+            access_log=settings.log_level == "DEBUG",
             lifespan="on",
             # Anyone who can reach the port can open connections before any token check: bound them.
             http=bounded_protocol(ConnectionLimits(settings.http_max_connections, settings.http_head_timeout_s)),
@@ -84,6 +90,7 @@ async def serve(settings: Settings) -> None:
             # Open SSE streams would otherwise hold a SIGTERM'd server forever.
             timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
         )
+        logging.getLogger("uvicorn.access").addFilter(TokenCut(policy.token))
         # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal to the
         # handler it found. Make that handler ours, so the process lives on long enough for the
         # SessionManager to close every session on its way out.

@@ -1,0 +1,164 @@
+"""One log line for each HTTP request the server refuses, with the reason and the client's address.
+
+A client that is refused usually shows its user only "Failed to connect". The server's log (stderr)
+is then where the reason is: a missing or wrong token (401), a repeated or malformed request (400),
+a body over the SDK's limit (413), a Host or Origin this server does not answer to (421, 403), an MCP
+session that ended (404). Refusals made here (auth.RequireToken) give their own reason; those the
+MCP transports behind it make are read from the first bytes of the response they send.
+
+The token never reaches the log: no header value but Host and Origin is written, and whatever
+is written has the credential the request presented cut out of it (a client may paste its token
+into a URL or a body the SDK quotes back).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable
+
+from starlette.types import Message, Scope, Send
+
+log = logging.getLogger(__name__)
+
+#: How much of a refusal's body is read for its reason, and how much of any client-sent text is quoted.
+REASON_BYTES = 512
+QUOTE_CHARS = 120
+#: Shorter credentials are not cut out of the log (they would mangle it, and guard nothing).
+MIN_SECRET_CHARS = 4
+
+
+def peer(scope: Scope) -> str:
+    """The client's address as the server saw it ("unknown address" when the server was not told)."""
+    client = scope.get("client")
+    if not client:
+        return "unknown address"
+    host, port = client[0], client[1]
+    return f"[{host}]:{port}" if ":" in str(host) else f"{host}:{port}"
+
+
+def presented_credentials(scope: Scope) -> list[str]:
+    """What the request sent as credentials (each Authorization value, and its token part), longest first."""
+    found: set[str] = set()
+    for name, value in scope.get("headers", []):
+        if name.lower() == b"authorization":
+            whole = value.decode("latin-1").strip()
+            found.update(part for part in (whole, whole.partition(" ")[2].strip()) if len(part) >= MIN_SECRET_CHARS)
+    return sorted(found, key=len, reverse=True)
+
+
+class Quoter:
+    """Quotes client-sent text for the log: the request's credentials (and the server's token) cut out
+    first, then bounded to one line with control characters escaped."""
+
+    def __init__(self, scope: Scope, secrets: Iterable[str] = ()) -> None:
+        extra = [secret for secret in secrets if len(secret) >= MIN_SECRET_CHARS]
+        self.secrets = sorted({*presented_credentials(scope), *extra}, key=len, reverse=True)
+
+    def __call__(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "<token>")
+        shown = text[:QUOTE_CHARS].encode("unicode_escape").decode("ascii").replace("'", "\\'")
+        return f"'{shown}'" + ("..." if len(text) > QUOTE_CHARS else "")
+
+
+def log_refusal(scope: Scope, status: int, reason: str, quote: Quoter) -> None:
+    """`refused POST '/mcp' from 127.0.0.1:50312: 401 ...`: one line on the server's log (stderr).
+
+    `reason` quotes whatever it took from the request with `quote`. OAuth discovery probes
+    (`/.well-known/...`) are routine for some clients: noted at INFO, the rest are warnings.
+    """
+    path = str(scope.get("path", "?"))
+    level = logging.INFO if path.startswith("/.well-known/") else logging.WARNING
+    method = quote(str(scope.get("method", "?")))[1:-1]
+    log.log(level, "refused %s %s from %s: %d %s", method, quote(path), peer(scope), status, reason)
+
+
+def unauthorized_reason(authorization: str | None, quote: Quoter) -> str:
+    """Why a request's Authorization header let nobody in (quoting none of its token)."""
+    if authorization is None:
+        return "no Authorization header: the client must send 'Authorization: Bearer <token>'"
+    scheme, _, token = authorization.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return f"Authorization is not 'Bearer <token>' (its scheme: {quote(scheme[:20])})"
+    return (
+        "the bearer token is not one this server accepts (wrong, revoked, or another server's): "
+        "`coderunner token` prints the server's own"
+    )
+
+
+def header_reason(status: int, scope: Scope, quote: Quoter) -> str:
+    """Why the Host/Origin check refused (421: Host, 403: Origin), quoting the value it refused."""
+    headers = {name.lower(): value.decode("latin-1") for name, value in scope.get("headers", [])}
+    if status == 421:
+        return (
+            f"Host {quote(headers.get(b'host', ''))} is not a name of this server "
+            "(the DNS-rebinding check; allowed_hosts adds one)"
+        )
+    if status == 403:
+        return (
+            f"Origin {quote(headers.get(b'origin', ''))} is not allowed "
+            "(the DNS-rebinding check; allowed_origins adds one)"
+        )
+    return "its headers were refused"
+
+
+def body_reason(body: bytes, quote: Quoter) -> str:
+    """The reason a refusal's body gives: a JSON-RPC error's message, an OAuth-style description, or its text."""
+    text = body[:REASON_BYTES].decode("utf-8", errors="replace").strip()
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        parsed = None
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            text = error["message"]
+        elif isinstance(parsed.get("error_description"), str):
+            text = parsed["error_description"]
+        elif isinstance(error, str):
+            text = error
+    return quote(text) if text else "(no reason given)"
+
+
+class RefusalWatch:
+    """A `send` for the app behind: notes a 4xx response it sends, and logs it once with its body's reason."""
+
+    def __init__(self, scope: Scope, send: Send, secrets: Iterable[str] = ()) -> None:
+        self.scope = scope
+        self.send = send
+        self.secrets = secrets
+        self.status = 0  # a 4xx status once one started; 0 otherwise
+        self.started = False
+        self.logged = False
+
+    async def __call__(self, message: Message) -> None:
+        if not self.started and message["type"] == "http.response.start":
+            self.started = True
+            status = int(message.get("status", 0))
+            self.status = status if 400 <= status < 500 else 0
+        elif self.status and message["type"] == "http.response.body":
+            self.done(message.get("body", b""))
+        await self.send(message)
+
+    def done(self, body: bytes = b"") -> None:
+        """Log the refusal, if this was one not yet logged: at its first body, or when the app returns."""
+        if self.status and not self.logged:
+            self.logged = True
+            quote = Quoter(self.scope, self.secrets)
+            log_refusal(self.scope, self.status, body_reason(body, quote), quote)
+
+
+class TokenCut(logging.Filter):
+    """Cuts the server's token out of a logger's lines (uvicorn's access log quotes request paths as
+    sent, and a client may put its token there)."""
+
+    def __init__(self, token: str) -> None:
+        super().__init__()
+        self.token = token
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if self.token and self.token in message:
+            record.msg, record.args = message.replace(self.token, "<token>"), ()
+        return True
