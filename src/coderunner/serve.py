@@ -22,6 +22,7 @@ from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
 from coderunner.edge.listener import bind_listener
 from coderunner.edge.refusals import TokenCut
 from coderunner.edge.stdio_wire import claim_stdio
+from coderunner.errors import CodeRunnerError
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server
 from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
@@ -32,17 +33,20 @@ HTTP_SHUTDOWN_GRACE_S = 5
 
 
 async def serve(settings: Settings) -> None:
-    # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
-    policy = policy_for(settings) if settings.transport != "stdio" else None
     async with contextlib.AsyncExitStack() as stack:
-        listener = (
-            None
-            if settings.transport == "stdio"
-            else stack.enter_context(contextlib.closing(bind_listener(settings.host, settings.port)))
-        )
-        with _stdout_held(settings.transport == "stdio"):
-            manager = await stack.enter_async_context(_session_host(settings))
-            server = build_server(manager)
+        # Whatever stops the start, before the MCP channel opens, is one line on stderr (cli.main
+        # prints a CodeRunnerError's message): a client shows its user only "Failed to connect".
+        with _start_failures():
+            # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
+            policy = policy_for(settings) if settings.transport != "stdio" else None
+            listener = (
+                None
+                if settings.transport == "stdio"
+                else stack.enter_context(contextlib.closing(bind_listener(settings.host, settings.port)))
+            )
+            with _stdout_held(settings.transport == "stdio"):
+                manager = await stack.enter_async_context(_session_host(settings))
+                server = build_server(manager)
         if settings.transport == "stdio":
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, manager)
@@ -147,6 +151,49 @@ def _divert_stdout() -> None:
     with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
     os.dup2(2, 1)
+
+
+class StartError(CodeRunnerError):
+    """The server could not start, for a reason none of its own checks names (a folder it cannot make, ...)."""
+
+
+#: A start failure's message is cut to this many characters (it is one line on a terminal).
+START_ERROR_CHARS = 400
+
+
+@contextlib.contextmanager
+def _start_failures() -> Iterator[None]:
+    """Any exception of the start as one line: a CodeRunnerError's own message (unwrapped from a task
+    group's ExceptionGroup), anything else as a StartError naming it. The traceback is logged at DEBUG."""
+    try:
+        yield
+    except CodeRunnerError as exc:
+        if "\n" in str(exc):
+            raise StartError(_one_line(str(exc))) from None
+        raise
+    except Exception as exc:
+        leaves = _leaves(exc)
+        known = [leaf for leaf in leaves if isinstance(leaf, CodeRunnerError)]
+        log.debug("the server could not start", exc_info=True)
+        if known:
+            raise StartError(_one_line(str(known[0]))) from None
+        first = leaves[0]
+        detail = f"{first.strerror}: {first.filename}" if isinstance(first, OSError) and first.filename else first
+        raise StartError(
+            _one_line(f"the server cannot start: {detail} ({type(first).__name__}; --log-level DEBUG shows where)")
+        ) from None
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an ExceptionGroup holds, however nested (or the exception itself)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= START_ERROR_CHARS else flat[: START_ERROR_CHARS - 3] + "..."
 
 
 def _session_host(settings: Settings) -> contextlib.AbstractAsyncContextManager[Any]:
