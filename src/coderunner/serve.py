@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from mcp.server.transport_security import TransportSecuritySettings
 
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.auth import RequireToken, policy_for
+from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, snippet
 from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
 from coderunner.edge.listener import bind_listener
 from coderunner.edge.refusals import TokenCut
@@ -48,6 +50,8 @@ async def serve(settings: Settings) -> None:
                 manager = await stack.enter_async_context(_session_host(settings))
                 server = build_server(manager)
         if settings.transport == "stdio":
+            if _stdin_is_terminal():
+                print(terminal_hint(), file=sys.stderr, flush=True)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, manager)
                 tg.start_soon(_print_to_log)  # runs once the channel is claimed (no claim has an await)
@@ -194,6 +198,27 @@ def _leaves(exc: BaseException) -> list[BaseException]:
 def _one_line(text: str) -> str:
     flat = " ".join(text.split())
     return flat if len(flat) <= START_ERROR_CHARS else flat[: START_ERROR_CHARS - 3] + "..."
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
+def terminal_hint() -> str:
+    """What `serve` over stdio says when a person, not an MCP client, started it in a terminal."""
+    launch = LaunchCommand.for_install()
+    coderunner = shlex.join([launch.command, *launch.args[:-1]])  # this install's, without "serve"
+    others = ", ".join(client for client in APP_CLIENTS if client != "claude-code")
+    return (
+        "coderunner: waiting for an MCP client on stdin/stdout. This is the command an MCP client "
+        "launches; there is nothing to type here (Ctrl-C stops it). To connect a client:\n"
+        f"  Claude Code:     {snippet('claude-code', launch)}\n"
+        f"  another client:  {coderunner} config CLIENT   (CLIENT: {others}; it prints what to paste, and where)\n"
+        f"  several clients over HTTP:  {coderunner} serve --transport http"
+    )
 
 
 def _session_host(settings: Settings) -> contextlib.AbstractAsyncContextManager[Any]:
