@@ -36,8 +36,6 @@ from coderunner.sandbox.registry import BACKEND_NAMES, platform_default
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
-#: Other names a transport is known by (what users type first: `--transport http`), and the one each means.
-TRANSPORT_ALIASES = {"http": "streamable-http"}
 #: The names `backend` may be set to: one per entry of the backend registry (sandbox/registry.py),
 #: in its order (a Literal made from it, so the settings' schema and errors list them as before).
 Backend = Literal[BACKEND_NAMES]  # type: ignore[valid-type]  # a Literal built from the registry
@@ -288,11 +286,7 @@ class Settings(BaseSettings):
         description=f"Tools to offer: {ALL}, or groups ({', '.join(TOOL_GROUPS)}) and single tool names, as a "
         "list or 'python,files'. get_capabilities is always offered. Fewer tools cost the model fewer tokens.",
     )
-    transport: Transport = Field(
-        default="stdio",
-        description="How clients reach the server: stdio (a client launches it), streamable-http (also "
-        "accepted as http; one server, several clients) or sse (legacy HTTP clients).",
-    )
+    transport: Transport = "stdio"
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
@@ -356,8 +350,8 @@ class Settings(BaseSettings):
     @field_validator("transport", mode="before")
     @classmethod
     def _transport_alias(cls, value: Any) -> Any:
-        """`http` is streamable-http (flag, CODERUNNER_TRANSPORT and config file alike); kept by its real name."""
-        return TRANSPORT_ALIASES.get(value, value) if isinstance(value, str) else value
+        """`http` (what users type first) is streamable-http, by flag, environment or file; kept by its real name."""
+        return "streamable-http" if value == "http" else value
 
     @field_validator("tools", mode="before")
     @classmethod
