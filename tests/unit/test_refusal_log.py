@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from coderunner.edge.auth import AccessPolicy, RequireToken
-from coderunner.edge.refusals import Quoter, body_reason
+from coderunner.edge.refusals import Quoter, RefusalLog, body_reason
 
 pytestmark = pytest.mark.anyio
 
@@ -145,3 +145,19 @@ def test_a_refusals_body_gives_its_reason() -> None:
     assert body_reason(b'{"error": "unknown MCP session"}', quote) == "'unknown MCP session'"
     assert body_reason(b"Invalid Content-Type header", quote) == "'Invalid Content-Type header'"
     assert body_reason(b"", quote) == "(no reason given)"
+
+
+def test_a_flood_of_refusals_is_bounded_and_the_rest_are_counted(caplog: pytest.LogCaptureFixture) -> None:
+    """Anyone who reaches the port can be refused as often as they like: the log is not theirs to fill."""
+    caplog.set_level(logging.DEBUG)
+    now = [0.0]
+    refusals = RefusalLog(burst=3, window_s=10.0, clock=lambda: now[0])
+    scope = {"method": "POST", "path": "/mcp", "client": CLIENT, "headers": []}
+    for _ in range(10):
+        refusals.refused(scope, 401, "no Authorization header")
+    lines = [record.getMessage() for record in caplog.records if record.name == "coderunner.edge.refusals"]
+    assert len(lines) == 3 and "more refusals" not in lines[-1]
+    now[0] = 10.0  # the next window
+    refusals.refused(scope, 401, "no Authorization header")
+    lines = [record.getMessage() for record in caplog.records if record.name == "coderunner.edge.refusals"]
+    assert len(lines) == 4 and lines[-1].endswith("(7 more refusals before this one were not logged)"), lines[-1]

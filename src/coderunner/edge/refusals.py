@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 
 from starlette.types import Message, Scope, Send
 
@@ -62,16 +64,46 @@ class Quoter:
         return f"'{shown}'" + ("..." if len(text) > QUOTE_CHARS else "")
 
 
-def log_refusal(scope: Scope, status: int, reason: str, quote: Quoter) -> None:
-    """`refused POST '/mcp' from 127.0.0.1:50312: 401 ...`: one line on the server's log (stderr).
+@dataclass
+class RefusalLog:
+    """One server's refusal lines: `refused POST '/mcp' from 127.0.0.1:50312: 401 ...` on its log (stderr).
 
-    `reason` quotes whatever it took from the request with `quote`. OAuth discovery probes
-    (`/.well-known/...`) are routine for some clients: noted at INFO, the rest are warnings.
+    Anyone who can reach the port can send refused requests as fast as they like, so the lines are
+    bounded: at most `burst` per `window_s`; the refusals over it are counted, and the count is told
+    on the next line written. OAuth discovery probes (`/.well-known/...`) are routine for some
+    clients: noted at INFO, the rest are warnings.
     """
-    path = str(scope.get("path", "?"))
-    level = logging.INFO if path.startswith("/.well-known/") else logging.WARNING
-    method = quote(str(scope.get("method", "?")))[1:-1]
-    log.log(level, "refused %s %s from %s: %d %s", method, quote(path), peer(scope), status, reason)
+
+    secrets: tuple[str, ...] = ()
+    burst: int = 30
+    window_s: float = 10.0
+    clock: Callable[[], float] = time.monotonic
+    _window_start: float = field(default=float("-inf"), init=False)
+    _written: int = field(default=0, init=False)
+    _unwritten: int = field(default=0, init=False)
+
+    def quoter(self, scope: Scope) -> Quoter:
+        return Quoter(scope, self.secrets)
+
+    def refused(self, scope: Scope, status: int, reason: str) -> None:
+        """Log a refusal; `reason` quotes whatever it took from the request with `self.quoter(scope)`."""
+        now = self.clock()
+        if now - self._window_start >= self.window_s:
+            self._window_start, self._written = now, 0
+        if self._written >= self.burst:
+            self._unwritten += 1
+            return
+        self._written += 1
+        unwritten, self._unwritten = self._unwritten, 0
+        more = f" ({unwritten} more refusals before this one were not logged)" if unwritten else ""
+        path = str(scope.get("path", "?"))
+        level = logging.INFO if path.startswith("/.well-known/") else logging.WARNING
+        method = str(scope.get("method", "?"))[:16]  # an HTTP token: h11 admits no other characters
+        quote = self.quoter(scope)
+        log.log(level, "refused %s %s from %s: %d %s%s", method, quote(path), peer(scope), status, reason, more)
+
+    def watch(self, scope: Scope, send: Send) -> RefusalWatch:
+        return RefusalWatch(scope, send, self)
 
 
 def unauthorized_reason(authorization: str | None, quote: Quoter) -> str:
@@ -124,10 +156,10 @@ def body_reason(body: bytes, quote: Quoter) -> str:
 class RefusalWatch:
     """A `send` for the app behind: notes a 4xx response it sends, and logs it once with its body's reason."""
 
-    def __init__(self, scope: Scope, send: Send, secrets: Iterable[str] = ()) -> None:
+    def __init__(self, scope: Scope, send: Send, refusals: RefusalLog) -> None:
         self.scope = scope
         self.send = send
-        self.secrets = secrets
+        self.refusals = refusals
         self.status = 0  # a 4xx status once one started; 0 otherwise
         self.started = False
         self.logged = False
@@ -145,8 +177,7 @@ class RefusalWatch:
         """Log the refusal, if this was one not yet logged: at its first body, or when the app returns."""
         if self.status and not self.logged:
             self.logged = True
-            quote = Quoter(self.scope, self.secrets)
-            log_refusal(self.scope, self.status, body_reason(body, quote), quote)
+            self.refusals.refused(self.scope, self.status, body_reason(body, self.refusals.quoter(self.scope)))
 
 
 class TokenCut(logging.Filter):
