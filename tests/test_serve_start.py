@@ -124,6 +124,8 @@ def test_serve_typed_in_a_terminal_says_what_it_waits_for_and_how_to_connect(dir
     with in_a_terminal(server_env(dirs)) as process:
         said = read_until(process, b"--transport http", START_S).decode(errors="replace")
         assert process.poll() is None, said  # still serving: the hint is no failure
+        process.send_signal(signal.SIGINT)  # Ctrl-C, as the hint says, stops it
+        assert process.wait(timeout=STOP_S) in (0, 130)  # 130: interrupted before its handler was up
     assert HINT in said, said
     assert "claude mcp add coderunner -- " in said and " serve" in said
     assert "config CLIENT" in said and "cline" in said and "serve --transport http" in said
