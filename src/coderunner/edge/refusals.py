@@ -6,9 +6,10 @@ a body over the SDK's limit (413), a Host or Origin this server does not answer 
 session that ended (404). Refusals made here (auth.RequireToken) give their own reason; those the
 MCP transports behind it make are read from the first bytes of the response they send.
 
-The token never reaches the log: no header value but Host and Origin is written, and whatever
-is written has the credential the request presented cut out of it (a client may paste its token
-into a URL or a body the SDK quotes back).
+The token never reaches the log: of the headers only Host, Origin and the name of an
+Authorization scheme are quoted, and whatever is quoted has the credentials the request presented
+and the server's own token cut out of it first (a client may paste its token into a URL, or into
+a body the SDK quotes back).
 """
 
 from __future__ import annotations
