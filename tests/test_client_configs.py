@@ -13,7 +13,7 @@ import pytest
 
 from coderunner.cli import _parser
 from coderunner.edge.client_code import LIBRARY_CLIENTS
-from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, proxy_args, snippet
+from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, cline_settings_path, proxy_args, snippet
 
 from .conftest import REPO, TEST_TOKEN, ServerDirs, http_server, server_env
 
@@ -29,6 +29,7 @@ EXAMPLE_FILES = {
     "windsurf-mcp_config.json": ("windsurf", PLACEHOLDER),
     "zed-settings.json": ("zed", PLACEHOLDER),
     "continue-config.yaml": ("continue", PLACEHOLDER),
+    "cline_mcp_settings.json": ("cline", PLACEHOLDER),
 }
 
 
@@ -81,6 +82,33 @@ def test_config_command_for_a_shared_server_uses_the_proxy_with_a_stable_client_
     _command, args = launched(client, printed.stdout)
     proxy = _parser().parse_args(args[args.index("proxy") :])
     assert (proxy.command, proxy.url, proxy.client_name) == ("proxy", url, client)
+
+
+def test_cline_gets_its_own_keys_and_is_told_which_file() -> None:
+    """Cline (VS Code) reads mcpServers from its own settings file, with its switch and auto-approve list."""
+    printed = subprocess.run(
+        [sys.executable, "-m", "coderunner.cli", "config", "cline"], capture_output=True, text=True, timeout=60
+    )
+    assert printed.returncode == 0, printed.stderr
+    entry = json.loads(printed.stdout)["mcpServers"]["coderunner"]
+    assert entry["disabled"] is False and entry["autoApprove"] == []  # the user decides what runs unasked
+    assert set(entry) == {"command", "args", "disabled", "autoApprove"}
+    assert printed.stderr.startswith("# goes into: ") and "cline_mcp_settings.json" in printed.stderr
+    assert cline_settings_path() in printed.stderr and "Configure MCP Servers" in printed.stderr
+
+
+@pytest.mark.parametrize(
+    ("platform", "folder"),
+    [
+        ("linux", "~/.config/Code/User/globalStorage/"),
+        ("darwin", "~/Library/Application Support/Code/User/globalStorage/"),
+        ("win32", "%APPDATA%\\Code\\User\\globalStorage\\"),
+    ],
+)
+def test_clines_settings_file_is_in_vs_codes_global_storage(platform: str, folder: str) -> None:
+    path = cline_settings_path(platform)
+    assert path.startswith(folder) and "saoudrizwan.claude-dev" in path
+    assert path.endswith("cline_mcp_settings.json") and "settings" in path.split(folder)[1]
 
 
 #: What each library's snippet must set, beyond where the server is (see client_code.py).

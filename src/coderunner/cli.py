@@ -38,7 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     serve = commands.add_parser("serve", parents=[config_flag], help="run the MCP server")
-    serve.add_argument("--transport", choices=["stdio", "streamable-http", "sse"])
+    serve.add_argument(
+        "--transport",
+        choices=["stdio", "streamable-http", "http", "sse"],
+        help="stdio (the default: an MCP client launches the server), streamable-http (also spelled http: "
+        "http://HOST:PORT/mcp, one server for several clients) or sse (legacy clients: /sse)",
+    )
     serve.add_argument("--host", help="HTTP bind address (default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="HTTP port (default 8765)")
     _add_session_flags(serve)
@@ -93,7 +98,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("url", help="the server's MCP endpoint, e.g. http://127.0.0.1:8765/mcp (or .../sse)")
     proxy.add_argument("--token", help="its bearer token (default: $CODERUNNER_TOKEN, else this machine's token file)")
-    proxy.add_argument("--transport", dest="proxy_transport", choices=["streamable-http", "sse"])
+    proxy.add_argument(
+        "--transport",
+        dest="proxy_transport",
+        choices=["streamable-http", "http", "sse"],
+        help="how the server speaks (http is streamable-http); default: sse for a URL ending in /sse",
+    )
     proxy.add_argument(
         "--client",
         dest="client_name",
@@ -223,12 +233,13 @@ def _proxy_command(args: argparse.Namespace, settings: Settings) -> int:
     import anyio
 
     from coderunner.edge.auth import read_token
-    from coderunner.edge.stdio_proxy import run_proxy
+    from coderunner.edge.stdio_proxy import UpstreamTransport, run_proxy
 
     secret = args.token or (settings.token.get_secret_value() if settings.token else None)
     if secret is None and settings.token_file.exists():
         secret = read_token(settings.token_file)
-    anyio.run(run_proxy, args.url, secret, args.proxy_transport, args.client_name)
+    upstream: UpstreamTransport | None = "streamable-http" if args.proxy_transport == "http" else args.proxy_transport
+    anyio.run(run_proxy, args.url, secret, upstream, args.client_name)
     return 0
 
 

@@ -349,6 +349,12 @@ class Settings(BaseSettings):
             raise ValueError(str(exc)) from None
         return value
 
+    @field_validator("transport", mode="before")
+    @classmethod
+    def _transport_alias(cls, value: Any) -> Any:
+        """`http` (what users type first) is streamable-http, by flag, environment or file; kept by its real name."""
+        return "streamable-http" if value == "http" else value
+
     @field_validator("tools", mode="before")
     @classmethod
     def _tools_text(cls, value: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import sys
 from collections.abc import Iterator
@@ -18,9 +19,12 @@ from mcp.server.transport_security import TransportSecuritySettings
 
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.auth import RequireToken, policy_for
+from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, snippet
 from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
 from coderunner.edge.listener import bind_listener
+from coderunner.edge.refusals import TokenCut
 from coderunner.edge.stdio_wire import claim_stdio
+from coderunner.errors import CodeRunnerError
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server
 from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
@@ -31,18 +35,23 @@ HTTP_SHUTDOWN_GRACE_S = 5
 
 
 async def serve(settings: Settings) -> None:
-    # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
-    policy = policy_for(settings) if settings.transport != "stdio" else None
     async with contextlib.AsyncExitStack() as stack:
-        listener = (
-            None
-            if settings.transport == "stdio"
-            else stack.enter_context(contextlib.closing(bind_listener(settings.host, settings.port)))
-        )
-        with _stdout_held(settings.transport == "stdio"):
-            manager = await stack.enter_async_context(_session_host(settings))
-            server = build_server(manager)
+        # Whatever stops the start, before the MCP channel opens, is one line on stderr (cli.main
+        # prints a CodeRunnerError's message): a client shows its user only "Failed to connect".
+        with _start_failures():
+            # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
+            policy = policy_for(settings) if settings.transport != "stdio" else None
+            listener = (
+                None
+                if settings.transport == "stdio"
+                else stack.enter_context(contextlib.closing(bind_listener(settings.host, settings.port)))
+            )
+            with _stdout_held(settings.transport == "stdio"):
+                manager = await stack.enter_async_context(_session_host(settings))
+                server = build_server(manager)
         if settings.transport == "stdio":
+            if _stdin_is_terminal():
+                print(terminal_hint(), file=sys.stderr, flush=True)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, manager)
                 tg.start_soon(_print_to_log)  # runs once the channel is claimed (no claim has an await)
@@ -77,6 +86,11 @@ async def serve(settings: Settings) -> None:
             host=settings.host,
             port=settings.port,
             log_level=settings.log_level.lower(),
+            # uvicorn's own logging config prints its access log on stdout; left unset, its lines go
+            # where every other log line goes (stderr), in the same format. A line per request only at
+            # DEBUG (refused ones have their own line, refusals.py), and never with the server's token.
+            log_config=None,
+            access_log=settings.log_level == "DEBUG",
             lifespan="on",
             # Anyone who can reach the port can open connections before any token check: bound them.
             http=bounded_protocol(ConnectionLimits(settings.http_max_connections, settings.http_head_timeout_s)),
@@ -84,6 +98,7 @@ async def serve(settings: Settings) -> None:
             # Open SSE streams would otherwise hold a SIGTERM'd server forever.
             timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
         )
+        logging.getLogger("uvicorn.access").addFilter(TokenCut(policy.token))
         # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal to the
         # handler it found. Make that handler ours, so the process lives on long enough for the
         # SessionManager to close every session on its way out.
@@ -140,6 +155,70 @@ def _divert_stdout() -> None:
     with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
     os.dup2(2, 1)
+
+
+class StartError(CodeRunnerError):
+    """The server could not start, for a reason none of its own checks names (a folder it cannot make, ...)."""
+
+
+#: A start failure's message is cut to this many characters (it is one line on a terminal).
+START_ERROR_CHARS = 400
+
+
+@contextlib.contextmanager
+def _start_failures() -> Iterator[None]:
+    """Any exception of the start as one line: a CodeRunnerError's own message (unwrapped from a task
+    group's ExceptionGroup), anything else as a StartError naming it. The traceback is logged at DEBUG."""
+    try:
+        yield
+    except CodeRunnerError as exc:
+        if "\n" in str(exc):
+            raise StartError(_one_line(str(exc))) from None
+        raise
+    except Exception as exc:
+        leaves = _leaves(exc)
+        known = [leaf for leaf in leaves if isinstance(leaf, CodeRunnerError)]
+        log.debug("the server could not start", exc_info=True)
+        if known:
+            raise StartError(_one_line(str(known[0]))) from None
+        first = leaves[0]
+        detail = f"{first.strerror}: {first.filename}" if isinstance(first, OSError) and first.filename else first
+        raise StartError(
+            _one_line(f"the server cannot start: {detail} ({type(first).__name__}; --log-level DEBUG shows where)")
+        ) from None
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions an ExceptionGroup holds, however nested (or the exception itself)."""
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for inner in exc.exceptions for leaf in _leaves(inner)]
+    return [exc]
+
+
+def _one_line(text: str) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= START_ERROR_CHARS else flat[: START_ERROR_CHARS - 3] + "..."
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return os.isatty(0)
+    except OSError:
+        return False
+
+
+def terminal_hint() -> str:
+    """What `serve` over stdio says when a person, not an MCP client, started it in a terminal."""
+    launch = LaunchCommand.for_install()
+    coderunner = shlex.join([launch.command, *launch.args[:-1]])  # this install's, without "serve"
+    others = ", ".join(client for client in APP_CLIENTS if client != "claude-code")
+    return (
+        "coderunner: waiting for an MCP client on stdin/stdout. This is the command an MCP client "
+        "launches; there is nothing to type here (Ctrl-C stops it). To connect a client:\n"
+        f"  Claude Code:     {snippet('claude-code', launch)}\n"
+        f"  another client:  {coderunner} config CLIENT   (CLIENT: {others}; it prints what to paste, and where)\n"
+        f"  several clients over HTTP:  {coderunner} serve --transport http"
+    )
 
 
 def _session_host(settings: Settings) -> contextlib.AbstractAsyncContextManager[Any]:

@@ -32,6 +32,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from coderunner.edge.client_tokens import PRIMARY_CLIENT, ClientTokenError, ClientTokens, new_token, tokens_dir
 from coderunner.edge.http_limits import refuse_repeated, repeated_field
+from coderunner.edge.refusals import RefusalLog, header_reason, unauthorized_reason
 from coderunner.edge.session_binding import BindMcpSessions
 from coderunner.errors import CodeRunnerError
 
@@ -156,6 +157,9 @@ class RequireToken:
         # Behind the token check: an MCP session id works only with the token that opened it.
         self.app = BindMcpSessions(app, scope_client)
         self.policy = policy
+        # Each refusal, here or behind, leaves one line with its reason on the log: a client that
+        # only says "Failed to connect" has its reason there (refusals.py).
+        self.refusals = RefusalLog(secrets=(policy.token,))
         # The SDK's own Host/Origin checker; Content-Type stays the MCP transports' business.
         self.headers = TransportSecurityMiddleware(policy.security_settings())
 
@@ -165,11 +169,15 @@ class RequireToken:
             return
         # First of all: a request naming its token, session or client twice is ambiguous (http_limits.py).
         if (repeated := repeated_field(scope)) is not None:
+            self.refusals.refused(scope, 400, f"{repeated} appears more than once")
             await refuse_repeated(repeated, send)
             return
         request = Request(scope)
         refused = await self.headers.validate_request(request, is_post=False)
         if refused is not None:
+            self.refusals.refused(
+                scope, refused.status_code, header_reason(refused.status_code, scope, self.refusals.quoter(scope))
+            )
             await refused(scope, receive, send)
             return
         if scope["path"] == HEALTH_PATH:
@@ -177,16 +185,26 @@ class RequireToken:
             return
         if scope["path"].startswith(WELL_KNOWN_PREFIX):
             # No OAuth here: a 404 (not 401) on discovery makes clients fall back to the bearer token.
+            self.refusals.refused(
+                scope, 404, "OAuth discovery: this server has no OAuth (the client's token is missing or wrong?)"
+            )
             await JSONResponse(_NO_OAUTH, status_code=404)(scope, receive, send)
             return
         client = await self.policy.client_of(request)
         if client is None:
+            self.refusals.refused(
+                scope, 401, unauthorized_reason(request.headers.get("authorization"), self.refusals.quoter(scope))
+            )
             await _unauthorized()(scope, receive, send)
             return
         scope[CLIENT_SCOPE_KEY] = client
         scope["user"] = sdk_user(client)
         scope["auth"] = AuthCredentials([])
-        await self.app(scope, receive, send)
+        watch = self.refusals.watch(scope, send)
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            watch.done()
 
 
 def sdk_user(client: str) -> AuthenticatedUser:

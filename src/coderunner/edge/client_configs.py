@@ -16,9 +16,23 @@ from pathlib import Path
 from coderunner.edge.client_code import LIBRARY_CLIENTS, LIBRARY_LOCATIONS, library_snippet
 
 SERVER_NAME = "coderunner"
+#: The Cline extension's id in VS Code: its settings live in globalStorage under this name.
+CLINE_EXTENSION = "saoudrizwan.claude-dev"
 #: Applications configured with a file (or a command); they launch CodeRunner over stdio.
-APP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "windsurf", "zed", "continue")
+APP_CLIENTS = ("claude-code", "claude-desktop", "cursor", "windsurf", "zed", "continue", "cline")
 CLIENTS = APP_CLIENTS + LIBRARY_CLIENTS
+
+
+def cline_settings_path(platform: str = sys.platform) -> str:
+    """Where the Cline extension of VS Code (saoudrizwan.claude-dev) keeps its MCP servers, on this OS."""
+    user = {
+        "darwin": "~/Library/Application Support/Code/User",
+        "win32": "%APPDATA%\\Code\\User",
+    }.get(platform, "~/.config/Code/User")
+    sep = "\\" if platform == "win32" else "/"
+    return sep.join([user, "globalStorage", CLINE_EXTENSION, "settings", "cline_mcp_settings.json"])
+
+
 #: Where each client keeps the file the snippet goes into (the user's, not the project's).
 CONFIG_LOCATIONS = {
     "claude-code": "run the command in a shell",
@@ -27,6 +41,8 @@ CONFIG_LOCATIONS = {
     "windsurf": "~/.codeium/windsurf/mcp_config.json",
     "zed": "Zed settings.json (merge into the top-level object)",
     "continue": "~/.continue/config.yaml (merge the mcpServers list)",
+    "cline": "Cline's cline_mcp_settings.json (in Cline: MCP Servers > Configure > Configure MCP Servers; "
+    f"on disk: {cline_settings_path()}), merged into its mcpServers",
     **LIBRARY_LOCATIONS,
 }
 
@@ -63,6 +79,10 @@ def snippet(client: str, launch: LaunchCommand, url: str | None = None) -> str:
         return shlex.join(["claude", "mcp", "add", SERVER_NAME, "--", launch.command, *launch.args])
     if client in ("claude-desktop", "cursor", "windsurf"):
         return json.dumps({"mcpServers": {SERVER_NAME: entry}}, indent=2)
+    if client == "cline":
+        # Cline's own keys: `disabled` (its switch in the MCP Servers panel) and `autoApprove` (tools
+        # run without asking each time): none, so the user decides which in Cline.
+        return json.dumps({"mcpServers": {SERVER_NAME: {**entry, "disabled": False, "autoApprove": []}}}, indent=2)
     if client == "zed":
         return json.dumps({"context_servers": {SERVER_NAME: {"source": "custom", **entry, "env": {}}}}, indent=2)
     if client == "continue":
