@@ -148,7 +148,8 @@ RETIRED_WORD = re.compile(r"(?<![\w/.])(" + "|".join(RETIRED) + r")(?!\w|\.py|\(
 
 
 #: Jobs that moved between tools: said with the old tool, they send a model to the wrong one.
-MOVED_JOB = re.compile(r"(?<!\w)reset(?!_)[^.;|]{0,40}\bmanage_sessions\b|\bmanage_sessions\b[^.;|]{0,20}(?<!\w)reset(?!_)")
+RESET = r"(?<!\w)reset(?!_)"
+MOVED_JOB = re.compile(rf"{RESET}[^.;|]{{0,40}}\bmanage_sessions\b|\bmanage_sessions\b[^.;|]{{0,20}}{RESET}")
 
 
 def retired_in(text: str) -> list[str]:

@@ -224,9 +224,11 @@ async def test_a_slow_first_start_sends_progress_so_a_client_s_timeout_can_reset
     async def noted(progress: float, total: float | None, message: str | None) -> None:
         notes.append((progress, message))
 
-    async with make_scripted(startup_timeout_s=1.5, progress_interval_s=0.2) as manager:
-        async with Client(build_server(manager), raise_exceptions=True) as client:
-            result = await client.call_tool("run_python", {"code": "1"}, progress_callback=noted)
+    async with (
+        make_scripted(startup_timeout_s=1.5, progress_interval_s=0.2) as manager,
+        Client(build_server(manager), raise_exceptions=True) as client,
+    ):
+        result = await client.call_tool("run_python", {"code": "1"}, progress_callback=noted)
     assert result.is_error, text(result)
     assert len(notes) >= 3 and all("starting the session" in (message or "") for _, message in notes), notes
     assert [progress for progress, _ in notes] == sorted(progress for progress, _ in notes), notes
