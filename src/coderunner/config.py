@@ -285,8 +285,7 @@ class Settings(BaseSettings):
     tools: Annotated[list[str], NoDecode] = Field(
         default_factory=lambda: list(DEFAULT_GROUPS),
         description=f"Tools to offer: {ALL}, or groups ({', '.join(TOOL_GROUPS)}) and single tool names, as a "
-        f"list or 'python,files' (default: {','.join(DEFAULT_GROUPS)}). get_capabilities is always offered. "
-        "Fewer tools cost the model fewer tokens.",
+        f"list or 'python,files' (default {','.join(DEFAULT_GROUPS)}; get_capabilities always): fewer cost less.",
     )
     transport: Transport = "stdio"
     host: str = "127.0.0.1"
