@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 #: Packages only a front door uses.
 FRONT_DOOR_ONLY = ("mcp", "starlette", "uvicorn", "sse_starlette")

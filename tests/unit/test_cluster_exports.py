@@ -25,7 +25,7 @@ from coderunner.config import Settings
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter, OutboxScan
 
-from .test_exports_unit import places  # noqa: F401  (the fixture: a hostile outbox, a client folder, a canary)
+from .test_exports import places  # noqa: F401  (the fixture: a hostile outbox, a client folder, a canary)
 
 
 class Node:
@@ -201,7 +201,7 @@ def test_a_one_shot_folder_left_by_a_killed_worker_goes_with_the_next_run(tmp_pa
     assert os.listdir(tmp_path) == ["alice"]
 
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 HOLD_AND_DIE = """
 import os, signal, sys
 from coderunner.cluster.oneshot_exports import node_export_folder

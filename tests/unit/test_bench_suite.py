@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from .conftest import REPO
+from tests.conftest import REPO
 
 BENCH = REPO / "bench"
 
