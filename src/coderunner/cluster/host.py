@@ -362,7 +362,7 @@ class ClusterHost:
     async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
         remote = self._remote(session)
         taken: Taken = await remote.acall("take_snapshot", name, timeout_s=self.settings.snapshot_timeout_s + CALL_S)
-        self.stored.remember(taken.meta.snapshot_id, remote.node)
+        self.stored.remember(session.options.client, taken.meta.snapshot_id, remote.node)
         return taken
 
     async def snapshot(self, client: str, snapshot_id: str) -> SnapshotMeta:
