@@ -1,13 +1,25 @@
-"""The cluster's crossings without a cluster: another client's snapshot ids (tests/cluster has the same on a
-real cluster)."""
+"""The cluster's crossings without a cluster: another client's snapshot ids and session ids (tests/cluster
+has the same on a real cluster)."""
 
 from __future__ import annotations
 
+import os
+import statistics
+import time
+from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
+from coderunner.cluster import host as host_module
+from coderunner.cluster.host import REFUSAL_S, ClusterHost
 from coderunner.cluster.stored import StoredOnNodes
+from coderunner.cluster.wire import NodeInfo, SessionInfo
+from coderunner.config import load_settings
+from coderunner.errors import SessionError
+from coderunner.sandbox.base import Limits
+from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.snapshots.layout import SnapshotNotFound, not_found
 from coderunner.snapshots.records import Listing
 
@@ -61,3 +73,64 @@ async def test_another_clients_snapshot_id_gets_an_unknown_ids_answer_after_the_
     assert seen["unknown"][0][0] == str(not_found("<id>"))  # the words of one machine's store
     assert nodes.stores["n2"]["alice"] == {"s-alicesnap01"}  # and alice's is still there
     assert await answered(stored.delete, "alice", "s-alicesnap01") == "served"
+
+
+# --- session ids: the owner check costs the same whether or not the id exists --------------------
+
+
+class FoundActor:
+    """A session actor as ray.get_actor finds it: `info` answers with its SessionInfo."""
+
+    def __init__(self, info: SessionInfo) -> None:
+        self._info = info
+        self.info = self
+
+    def remote(self) -> Any:
+        async def answer() -> SessionInfo:
+            await anyio.sleep(0.003)  # an actor call
+            return self._info
+
+        return answer()
+
+
+def session_info(session_id: str, owner: str) -> SessionInfo:
+    options = SandboxOptions(network="none", limits=Limits(), timeout_s=60, client=owner.partition("/")[0])
+    return SessionInfo(session_id, owner, options, NodeInfo("n" * 56, "10.0.0.7"), generation=0)
+
+
+@pytest.mark.anyio
+async def test_another_clients_session_id_is_refused_as_an_unknown_one_in_the_same_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    elsewhere = {"session-made-elsewhere": FoundActor(session_info("made-elsewhere", "alice/1"))}
+
+    def get_actor(name: str, namespace: str) -> Any:
+        if name not in elsewhere:
+            raise ValueError(f"Failed to look up actor with name '{name}'")
+        return elsewhere[name]
+
+    monkeypatch.setattr(host_module.ray, "get_actor", get_actor)
+    host = ClusterHost.__new__(ClusterHost)
+    host.settings = load_settings(Path(os.devnull), export_dir="")
+    host._sessions = {}
+    async with anyio.create_task_group() as group:
+        host._task_group = group
+        made_here = host_module.RemoteSession(FoundActor(session_info("made-here", "alice/1")),
+                                              session_info("made-here", "alice/1"), host.settings, group)  # fmt: skip
+        host._sessions["made-here"] = made_here
+        took: dict[str, list[float]] = {"here": [], "elsewhere": [], "unknown": []}
+        for _ in range(5):
+            for label, session_id in (("here", "made-here"), ("elsewhere", "made-elsewhere"), ("unknown", "nobody")):
+                began = time.perf_counter()
+                with pytest.raises(SessionError, match="unknown or expired session_id"):
+                    await host.resolve(session_id, "bob/1", "bob")
+                took[label].append(time.perf_counter() - began)
+        assert "made-elsewhere" not in host._sessions  # nothing kept before its owner passed
+        medians = {label: statistics.median(times) for label, times in took.items()}
+        assert min(min(times) for times in took.values()) >= REFUSAL_S, took
+        assert max(medians.values()) - min(medians.values()) < 0.005, medians
+        # Its owner's client reaches it, at once, and then it is kept.
+        began = time.perf_counter()
+        assert (await host.resolve("made-elsewhere", "alice/2", "alice")).session_id == "made-elsewhere"
+        assert time.perf_counter() - began < REFUSAL_S and "made-elsewhere" in host._sessions
+        group.cancel_scope.cancel()

@@ -70,6 +70,9 @@ COLD_QUEUE_S = 120.0
 CLAIM_S = 5.0
 #: How often the front door looks for nodes whose pool it has not met yet.
 POOL_SCAN_S = 30.0
+#: A refused session id (unknown, or another client's) is answered this long after its lookup began, whatever
+#: the lookup took: well above a lookup by name (7 ms here, a missing name 0.6 ms; a loaded 2-core machine).
+REFUSAL_S = 0.1
 #: Settings a session actor is not given: the front door alone holds the tokens.
 FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
 
@@ -307,16 +310,20 @@ class ClusterHost:
             return session
 
     async def _owned(self, session_id: str, owner: str | None) -> RemoteSession:
-        """The session `session_id`, found here or by name in the cluster, if `owner`'s client may use it."""
+        """The session `session_id`, found here or by name in the cluster, if `owner`'s client may use it (only
+        then kept here). Another client's and an unknown id get the same refusal, REFUSAL_S after the start."""
+        began = anyio.current_time()
         session = self._sessions.get(session_id)
         if session is None or session.closed:
             session = await self._find(session_id)
-        if session is None or (owner is not None and client_of_key(session.owner) != client_of_key(owner)):
-            raise SessionError(
-                f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your open "
-                "sessions, create_session makes a new one, or omit session_id to use your default session"
-            )
-        return session
+        if session is not None and (owner is None or client_of_key(session.owner) == client_of_key(owner)):
+            self._sessions[session_id] = session
+            return session
+        await anyio.sleep_until(began + REFUSAL_S)
+        raise SessionError(
+            f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your open "
+            "sessions, create_session makes a new one, or omit session_id to use your default session"
+        )
 
     async def _find(self, session_id: str) -> RemoteSession | None:
         """A session another front door made: its actor, found by name through Ray."""
@@ -329,9 +336,7 @@ class ClusterHost:
                 info: SessionInfo = await actor.info.remote()
         except (TimeoutError, ray.exceptions.RayError):
             return None
-        session = RemoteSession(actor, info, self.settings, self._group())
-        self._sessions[session_id] = session
-        return session
+        return RemoteSession(actor, info, self.settings, self._group())
 
     async def close(self, session_id: str, owner: str | None = None) -> RemoteSession:
         session = await self._owned(session_id, owner)
