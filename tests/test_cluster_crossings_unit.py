@@ -1,10 +1,14 @@
-"""The cluster's crossings without a cluster: another client's snapshot ids and session ids (tests/cluster
-has the same on a real cluster)."""
+"""The cluster's crossings without a cluster: which warm pool a front door's settings may take from, a
+pool no front door visits any more, another client's snapshot ids and session ids (tests/cluster has
+the same on a real cluster)."""
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -13,7 +17,9 @@ import anyio
 import pytest
 
 from coderunner.cluster import host as host_module
-from coderunner.cluster.host import REFUSAL_S, ClusterHost
+from coderunner.cluster import node_pool
+from coderunner.cluster.host import FRONT_DOOR_ONLY, REFUSAL_S, ClusterHost
+from coderunner.cluster.pool_key import pool_key
 from coderunner.cluster.stored import StoredOnNodes
 from coderunner.cluster.wire import NodeInfo, SessionInfo
 from coderunner.config import load_settings
@@ -22,6 +28,106 @@ from coderunner.sandbox.base import Limits
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.snapshots.layout import SnapshotNotFound, not_found
 from coderunner.snapshots.records import Listing
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+
+
+def sent(**overrides: Any) -> dict[str, Any]:
+    """What a front door with these settings sends its nodes (ClusterHost._settings_sent)."""
+    return load_settings(Path(os.devnull), **overrides).model_dump(exclude=FRONT_DOOR_ONLY)
+
+
+BASE = {"allowed_domains": ["example.net"], "allowed_ports": [80, 443], "idle_timeout_s": 600.0, "export_dir": ""}
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"allowed_domains": ["example.org"]},
+        {"allowed_ports": [443]},
+        {"idle_timeout_s": 10.0},
+        {"network": "allowlist"},
+        {"max_network": "none"},
+        {"memory_mb": 1024},
+        {"timeout_s": 30.0},
+        {"pids": 64},
+        {"output_limit_chars": 5000},
+        {"sandbox_user": "nobody"},
+        {"export_dir": "/srv/exports"},  # no export folder at all, or one: sessions differ (an outbox or not)
+        {"egress_audit_log": "/srv/audit.jsonl"},
+    ],
+)
+def test_a_setting_a_session_is_built_with_changes_the_pool_key(changed: dict[str, Any]) -> None:
+    assert pool_key(sent(**{**BASE, **changed})) != pool_key(sent(**BASE))
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        {"transport": "streamable-http", "port": 18761, "host": "10.0.0.7"},
+        {"log_level": "DEBUG"},
+        {"runtime_dir": "/srv/run", "workspaces_dir": "/srv/ws"},  # each node takes its own
+        {"ray_node_labels": {"pool": "agents"}},
+    ],
+)
+def test_a_front_door_only_setting_leaves_the_pool_key(changed: dict[str, Any]) -> None:
+    """Front doors that differ only in how they are reached share the nodes' pools."""
+    assert pool_key(sent(**{**BASE, **changed})) == pool_key(sent(**BASE))
+
+
+def test_the_pool_key_is_the_same_in_every_process() -> None:
+    """A front door and a pooled session's actor compute it apart: no hash seed, no dict order may change it."""
+    settings = sent(**BASE, ray_node_labels={"b": "2", "a": "1"}, tools=["python", "jobs"])
+    code = "import json, sys; from coderunner.cluster.pool_key import pool_key as k; print(k(json.loads(sys.argv[1])))"
+    wire = json.dumps(settings, default=str)
+    keys = set()
+    for seed in ("1", "2"):
+        env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": str(SRC), "PYTHONHASHSEED": seed}
+        done = subprocess.run([sys.executable, "-c", code, wire], env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        keys.add(done.stdout.strip())
+    assert keys == {pool_key(json.loads(wire))}
+
+
+# --- a pool nobody visits -------------------------------------------------------------------------
+
+
+class PoolProbe:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.killed: list[str] = []
+        self.ended = anyio.Event()
+        self.started = 0
+        monkeypatch.setattr(node_pool, "kill", lambda actor: self.killed.append(actor))
+        monkeypatch.setattr(node_pool, "end_process", self.ended.set)
+        monkeypatch.setattr(node_pool, "RETIRE_GRACE_S", 0.0)
+        monkeypatch.setattr(node_pool.NodePool, "_start_one", self.start_one)
+
+    async def start_one(self) -> tuple[str, Any]:  # set on the class as a bound method: no pool argument
+        self.started += 1
+        return f"s{self.started}", f"actor-{self.started}"
+
+
+@pytest.mark.anyio
+async def test_a_visited_pool_stays_and_one_nobody_visits_ends_its_sessions_and_itself(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    probe = PoolProbe(monkeypatch)
+    pool = node_pool.NodePool({}, "n" * 56, 2, {}, orphan_s=0.3)
+    await pool.start()
+    with anyio.fail_after(5):
+        while len(pool.ready) < 2:
+            await anyio.sleep(0.01)
+    for _ in range(6):  # visited every 0.1 s for 0.6 s: past orphan_s, and it stays
+        await anyio.sleep(0.1)
+        await pool.start()
+    assert not pool.retiring and not probe.ended.is_set()
+    assert await pool.claim() == ("s1", "actor-1")
+    with anyio.fail_after(5):
+        await probe.ended.wait()  # nobody came back
+    assert pool.retiring and not pool.ready
+    assert sorted(probe.killed) == ["actor-2", "actor-3"]  # the ready ones (the claimed one is its taker's)
+    assert await pool.claim() is None
+
 
 # --- snapshots: what one client taught the front door is not used for another ----------------------
 

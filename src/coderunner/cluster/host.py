@@ -110,11 +110,11 @@ class ClusterHost:
         self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
         self.stored = StoredOnNodes(self._node_calls, self.backend.name, settings.snapshots_shared)
         self._defaults = self.options()
-        #: Warm pools per node (pool_size each), for sessions with the default options.
+        #: Warm pools per node (pool_size each) for the default options, unless 'allowlist' (never kept warm).
         self._pools = (
             NodePools(self._settings_sent, settings.pool_size,
                       Request.of(self._defaults, self.backend.name, settings.ray_node_labels))
-            if settings.pool_size > 0 else None
+            if settings.pool_size > 0 and self._defaults.network != NetworkMode.ALLOWLIST else None
         )  # fmt: skip
 
     async def __aenter__(self) -> ClusterHost:
@@ -269,7 +269,7 @@ class ClusterHost:
         session_id, actor = claimed
         try:
             with anyio.fail_after(self.settings.startup_timeout_s + CALL_S):
-                info: SessionInfo = await actor.open.remote(options, owner, None)
+                info: SessionInfo = await actor.open.remote(options, owner, None, self._pools.key)
         except (ValueError, TimeoutError, ray.exceptions.RayError) as exc:
             log.info("a pooled session could not be opened (%r): starting one cold", exc)
             return None
