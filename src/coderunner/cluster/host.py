@@ -66,9 +66,7 @@ PLACE_S = 45.0
 #: against 50-62 s with four, on a loaded 2-core machine).
 COLD_STARTS = 8
 COLD_QUEUE_S = 120.0
-#: Bound on asking one node's pool for a ready session.
-CLAIM_S = 5.0
-#: How often the front door looks for nodes whose pool it has not met yet.
+#: How often the front door finds (or starts) each node's pool and visits it (a pool unvisited ends: node_pool.py).
 POOL_SCAN_S = 30.0
 #: A refused session id (unknown, or another client's) is answered this long after its lookup began, whatever
 #: the lookup took: well above a lookup by name (7 ms here, a missing name 0.6 ms; a loaded 2-core machine).
@@ -263,19 +261,12 @@ class ClusterHost:
     async def _claim(self, options: SandboxOptions, owner: str) -> RemoteSession | None:
         """A session from some node's warm pool, or None (then the create starts cold)."""
         assert self._pools is not None
-        claimed = await self._pools.claim(CLAIM_S)
-        if claimed is None:
+        taken = await self._pools.take(options, owner, self.settings.startup_timeout_s + CALL_S)
+        if taken is None:
             return None
-        session_id, actor = claimed
-        try:
-            with anyio.fail_after(self.settings.startup_timeout_s + CALL_S):
-                info: SessionInfo = await actor.open.remote(options, owner, None, self._pools.key)
-        except (ValueError, TimeoutError, ray.exceptions.RayError) as exc:
-            log.info("a pooled session could not be opened (%r): starting one cold", exc)
-            return None
-        session = RemoteSession(actor, info, self.settings, self._group())
-        self._sessions[session_id] = session
-        log.info("session %s… taken from the pool of node %s", session_id[:6], info.node.label)
+        session = RemoteSession(*taken, self.settings, self._group())
+        self._sessions[session.session_id] = session
+        log.info("session %s… taken from the pool of node %s", session.session_id[:6], session.info.node.label)
         return session
 
     def _check_room(self, owner: str) -> None:

@@ -32,12 +32,15 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coderunner.cluster.actor import SessionActor
 from coderunner.cluster.placement import Request, backend_resource
 from coderunner.cluster.pool_key import pool_key
-from coderunner.cluster.wire import NAMESPACE, actor_name
+from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
+from coderunner.sessions.sandbox_options import SandboxOptions
 
 log = logging.getLogger(__name__)
 
 #: Bound on one pooled actor's start (its process, manager, sandbox and kernel).
 PRESTART_S = 120.0
+#: Bound on asking one node's pool for a ready session.
+CLAIM_S = 5.0
 #: Pause after a failed start before the next try (a full node, a broken backend).
 RETRY_S = 10.0
 #: A pool no front door visited for this long ends its sessions and itself (front doors visit every
@@ -199,6 +202,22 @@ class NodePools:
             ).remote(self.settings_sent, node_id, self.size, self.actor_options)  # fmt: skip
             handle.start.remote()
             self.pools[node_id] = handle
+
+    async def take(self, options: SandboxOptions, owner: str, bound_s: float) -> tuple[Any, SessionInfo] | None:
+        """A pooled session opened for `owner` (its actor and its SessionInfo), or None: none ready, or it
+        could not open (then the create starts cold). The claim brings this front door's settings key: a
+        pooled session started with other settings refuses it and ends."""
+        claimed = await self.claim(CLAIM_S)
+        if claimed is None:
+            return None
+        _, actor = claimed
+        try:
+            with anyio.fail_after(bound_s):
+                info: SessionInfo = await actor.open.remote(options, owner, None, self.key)
+        except (ValueError, TimeoutError, ray.exceptions.RayError) as exc:
+            log.info("a pooled session could not be opened (%r): starting one cold", exc)
+            return None
+        return actor, info
 
     async def claim(self, wait_s: float) -> tuple[str, Any] | None:
         """A ready pooled session's id and actor handle from some node's pool (each asked in turn), or None."""
