@@ -210,7 +210,10 @@ async def test_another_clients_session_id_is_refused_as_an_unknown_one_in_the_sa
 ) -> None:
     elsewhere = {"session-made-elsewhere": FoundActor(session_info("made-elsewhere", "alice/1"))}
 
+    looked_up: list[str] = []
+
     def get_actor(name: str, namespace: str) -> Any:
+        looked_up.append(name)
         if name not in elsewhere:
             raise ValueError(f"Failed to look up actor with name '{name}'")
         return elsewhere[name]
@@ -232,6 +235,9 @@ async def test_another_clients_session_id_is_refused_as_an_unknown_one_in_the_sa
                     await host.resolve(session_id, "bob/1", "bob")
                 took[label].append(time.perf_counter() - began)
         assert "made-elsewhere" not in host._sessions  # nothing kept before its owner passed
+        # Each refusal looked the id up by name, the one made here for another client too.
+        assert sorted(set(looked_up)) == ["session-made-elsewhere", "session-made-here", "session-nobody"]
+        assert all(looked_up.count(name) == 5 for name in set(looked_up))
         medians = {label: statistics.median(times) for label, times in took.items()}
         assert min(min(times) for times in took.values()) >= REFUSAL_S, took
         assert max(medians.values()) - min(medians.values()) < 0.005, medians

@@ -69,7 +69,7 @@ COLD_QUEUE_S = 120.0
 #: How often the front door finds (or starts) each node's pool and visits it (a pool unvisited ends: node_pool.py).
 POOL_SCAN_S = 30.0
 #: A refused session id (unknown, or another client's) is answered this long after its lookup began, whatever
-#: the lookup took: well above a lookup by name (7 ms here, a missing name 0.6 ms; a loaded 2-core machine).
+#: the lookup took: well above a lookup by name (5-7 ms here; a missing name 0.6 ms; a loaded 2-core machine).
 REFUSAL_S = 0.1
 #: Settings a session actor is not given: the front door alone holds the tokens.
 FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
@@ -301,23 +301,23 @@ class ClusterHost:
             return session
 
     async def _owned(self, session_id: str, owner: str | None) -> RemoteSession:
-        """The session `session_id`, found here or by name in the cluster, if `owner`'s client may use it (only
-        then kept here). Another client's and an unknown id get the same refusal, REFUSAL_S after the start."""
+        """The session `session_id`, kept here or found by name, if `owner`'s client may use it (only then kept).
+        Another client's id, kept here or not, is looked up as an unknown one is, and refused as late."""
         began = anyio.current_time()
         session = self._sessions.get(session_id)
-        if session is None or session.closed:
-            session = await self._find(session_id)
-        if session is not None and (owner is None or client_of_key(session.owner) == client_of_key(owner)):
+        if session is None or session.closed or not _may_use(session.owner, owner):
+            session = await self._find(session_id, owner)
+            if session is None:
+                await anyio.sleep_until(began + REFUSAL_S)
+                raise SessionError(
+                    f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your "
+                    "open sessions, create_session makes a new one, or omit session_id to use your default session"
+                )
             self._sessions[session_id] = session
-            return session
-        await anyio.sleep_until(began + REFUSAL_S)
-        raise SessionError(
-            f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your open "
-            "sessions, create_session makes a new one, or omit session_id to use your default session"
-        )
+        return session
 
-    async def _find(self, session_id: str) -> RemoteSession | None:
-        """A session another front door made: its actor, found by name through Ray."""
+    async def _find(self, session_id: str, owner: str | None) -> RemoteSession | None:
+        """A session another front door made, found by name through Ray, if `owner`'s client may use it."""
         try:
             actor = await anyio.to_thread.run_sync(lambda: ray.get_actor(actor_name(session_id), namespace=NAMESPACE))
         except ValueError:
@@ -327,7 +327,7 @@ class ClusterHost:
                 info: SessionInfo = await actor.info.remote()
         except (TimeoutError, ray.exceptions.RayError):
             return None
-        return RemoteSession(actor, info, self.settings, self._group())
+        return RemoteSession(actor, info, self.settings, self._group()) if _may_use(info.owner, owner) else None
 
     async def close(self, session_id: str, owner: str | None = None) -> RemoteSession:
         session = await self._owned(session_id, owner)
@@ -434,6 +434,10 @@ class ClusterHost:
     async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
         found: dict[str, Any] = await self._node_calls.run("language_versions", options, options)
         return found
+
+
+def _may_use(session_owner: str, owner: str | None) -> bool:
+    return owner is None or client_of_key(session_owner) == client_of_key(owner)
 
 
 def _kill(actor: Any) -> None:
