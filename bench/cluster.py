@@ -122,7 +122,7 @@ print(json.dumps([a["name"] for a in ray.util.list_named_actors(all_namespaces=T
                   if a["namespace"] == "coderunner"]))
 """
 
-#: Waits (up to argv[3] s) until every node pool (actors `pool-<node id>`) has argv[2] ready; prints their stats.
+#: Waits (up to argv[3] s) until every node pool (actors `pool-<node id>-<key>`) has argv[2] ready; prints their stats.
 POOLS_SCRIPT = """
 import json, sys, time
 import ray

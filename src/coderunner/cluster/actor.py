@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 
 from coderunner.cluster.node_exports import NodeOutbox
+from coderunner.cluster.pool_key import pool_key
 from coderunner.cluster.relay_asker import RelayAsker
 from coderunner.cluster.remote_egress import delta_of
 from coderunner.cluster.staged_uploads import StagedUploads
@@ -62,7 +63,8 @@ class SessionActor:
 
     `pooled`: started ahead by a node's pool (node_pool.py): its manager keeps one warm sandbox
     (its own warm pool of one, for the default options) until a create claims the actor and opens
-    its session from that sandbox. Its max_sessions of one stops the pool refilling after that.
+    its session from that sandbox. Its max_sessions of one stops the pool refilling after that. It
+    keeps the settings it was started with: it opens only with their key (pool_key.py).
     """
 
     def __init__(self, settings: dict[str, Any], session_id: str, pooled: bool = False) -> None:
@@ -72,6 +74,7 @@ class SessionActor:
         self.settings = node_settings(settings, pool_size=pool_size, max_sessions=1, reset_standby=False)
         self._standby_after_reset = bool(settings.get("reset_standby", True))
         self.session_id = session_id
+        self.pool_key = pool_key(settings) if pooled else None
         self.manager: SessionManager | None = None
         self.session: Session | None = None
         self._entered = asyncio.Event()
@@ -112,14 +115,17 @@ class SessionActor:
                 await anyio.sleep(0.05)
         return manager.pool.held >= 1
 
-    async def open(self, options: SandboxOptions, owner: str, seed: Any = None) -> SessionInfo:
+    async def open(self, options: SandboxOptions, owner: str, seed: Any = None, key: str | None = None) -> SessionInfo:
         """Create the session (from the warm sandbox when pooled and `options` are the defaults);
-        its id is the actor's name. A second open is refused: a pooled actor is claimed once."""
+        its id is the actor's name. A second open is refused: a pooled actor is claimed once, by a
+        front door whose settings' `key` is its own (refused, it ends, as after any failed open)."""
         manager = await self._manager()
         if self._opening:
             raise SessionError("this session actor is already taken")
         self._opening = True
         try:
+            if self.pool_key is not None and key != self.pool_key:
+                raise SessionError("this pooled session was started with other settings than this front door's")
             self.session = await manager.create(options, owner=owner, seed=seed, session_id=self.session_id)
         except CodeRunnerError as exc:
             self._stop.set()

@@ -66,10 +66,11 @@ PLACE_S = 45.0
 #: against 50-62 s with four, on a loaded 2-core machine).
 COLD_STARTS = 8
 COLD_QUEUE_S = 120.0
-#: Bound on asking one node's pool for a ready session.
-CLAIM_S = 5.0
-#: How often the front door looks for nodes whose pool it has not met yet.
+#: How often the front door finds (or starts) each node's pool and visits it (a pool unvisited ends: node_pool.py).
 POOL_SCAN_S = 30.0
+#: A refused session id (unknown, or another client's) is answered this long after its lookup began, whatever
+#: the lookup took: well above a lookup by name (5-7 ms here; a missing name 0.6 ms; a loaded 2-core machine).
+REFUSAL_S = 0.1
 #: Settings a session actor is not given: the front door alone holds the tokens.
 FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
 
@@ -107,11 +108,11 @@ class ClusterHost:
         self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
         self.stored = StoredOnNodes(self._node_calls, self.backend.name, settings.snapshots_shared)
         self._defaults = self.options()
-        #: Warm pools per node (pool_size each), for sessions with the default options.
+        #: Warm pools per node (pool_size each) for the default options, unless 'allowlist' (never kept warm).
         self._pools = (
             NodePools(self._settings_sent, settings.pool_size,
                       Request.of(self._defaults, self.backend.name, settings.ray_node_labels))
-            if settings.pool_size > 0 else None
+            if settings.pool_size > 0 and self._defaults.network != NetworkMode.ALLOWLIST else None
         )  # fmt: skip
 
     async def __aenter__(self) -> ClusterHost:
@@ -260,19 +261,12 @@ class ClusterHost:
     async def _claim(self, options: SandboxOptions, owner: str) -> RemoteSession | None:
         """A session from some node's warm pool, or None (then the create starts cold)."""
         assert self._pools is not None
-        claimed = await self._pools.claim(CLAIM_S)
-        if claimed is None:
+        taken = await self._pools.take(options, owner, self.settings.startup_timeout_s + CALL_S)
+        if taken is None:
             return None
-        session_id, actor = claimed
-        try:
-            with anyio.fail_after(self.settings.startup_timeout_s + CALL_S):
-                info: SessionInfo = await actor.open.remote(options, owner, None)
-        except (ValueError, TimeoutError, ray.exceptions.RayError) as exc:
-            log.info("a pooled session could not be opened (%r): starting one cold", exc)
-            return None
-        session = RemoteSession(actor, info, self.settings, self._group())
-        self._sessions[session_id] = session
-        log.info("session %s… taken from the pool of node %s", session_id[:6], info.node.label)
+        session = RemoteSession(*taken, self.settings, self._group())
+        self._sessions[session.session_id] = session
+        log.info("session %s… taken from the pool of node %s", session.session_id[:6], session.info.node.label)
         return session
 
     def _check_room(self, owner: str) -> None:
@@ -307,19 +301,23 @@ class ClusterHost:
             return session
 
     async def _owned(self, session_id: str, owner: str | None) -> RemoteSession:
-        """The session `session_id`, found here or by name in the cluster, if `owner`'s client may use it."""
+        """The session `session_id`, kept here or found by name, if `owner`'s client may use it (only then kept).
+        Another client's id, kept here or not, is looked up as an unknown one is, and refused as late."""
+        began = anyio.current_time()
         session = self._sessions.get(session_id)
-        if session is None or session.closed:
-            session = await self._find(session_id)
-        if session is None or (owner is not None and client_of_key(session.owner) != client_of_key(owner)):
-            raise SessionError(
-                f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your open "
-                "sessions, create_session makes a new one, or omit session_id to use your default session"
-            )
+        if session is None or session.closed or not _may_use(session.owner, owner):
+            session = await self._find(session_id, owner)
+            if session is None:
+                await anyio.sleep_until(began + REFUSAL_S)
+                raise SessionError(
+                    f"unknown or expired session_id {session_id!r}: manage_sessions (action 'list') shows your "
+                    "open sessions, create_session makes a new one, or omit session_id to use your default session"
+                )
+            self._sessions[session_id] = session
         return session
 
-    async def _find(self, session_id: str) -> RemoteSession | None:
-        """A session another front door made: its actor, found by name through Ray."""
+    async def _find(self, session_id: str, owner: str | None) -> RemoteSession | None:
+        """A session another front door made, found by name through Ray, if `owner`'s client may use it."""
         try:
             actor = await anyio.to_thread.run_sync(lambda: ray.get_actor(actor_name(session_id), namespace=NAMESPACE))
         except ValueError:
@@ -329,9 +327,7 @@ class ClusterHost:
                 info: SessionInfo = await actor.info.remote()
         except (TimeoutError, ray.exceptions.RayError):
             return None
-        session = RemoteSession(actor, info, self.settings, self._group())
-        self._sessions[session_id] = session
-        return session
+        return RemoteSession(actor, info, self.settings, self._group()) if _may_use(info.owner, owner) else None
 
     async def close(self, session_id: str, owner: str | None = None) -> RemoteSession:
         session = await self._owned(session_id, owner)
@@ -362,7 +358,7 @@ class ClusterHost:
     async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
         remote = self._remote(session)
         taken: Taken = await remote.acall("take_snapshot", name, timeout_s=self.settings.snapshot_timeout_s + CALL_S)
-        self.stored.remember(taken.meta.snapshot_id, remote.node)
+        self.stored.remember(session.options.client, taken.meta.snapshot_id, remote.node)
         return taken
 
     async def snapshot(self, client: str, snapshot_id: str) -> SnapshotMeta:
@@ -438,6 +434,10 @@ class ClusterHost:
     async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
         found: dict[str, Any] = await self._node_calls.run("language_versions", options, options)
         return found
+
+
+def _may_use(session_owner: str, owner: str | None) -> bool:
+    return owner is None or client_of_key(session_owner) == client_of_key(owner)
 
 
 def _kill(actor: Any) -> None:
