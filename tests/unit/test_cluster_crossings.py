@@ -29,7 +29,7 @@ from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.snapshots.layout import SnapshotNotFound, not_found
 from coderunner.snapshots.records import Listing
 
-SRC = Path(__file__).resolve().parents[1] / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 
 
 def sent(**overrides: Any) -> dict[str, Any]:
