@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -45,21 +46,26 @@ def test_no_blanket_type_ignores() -> None:
     assert not bare, bare
 
 
-#: The house's sizes (issue 26): a module past this is more than one idea; a longer function says why at its top.
-MAX_MODULE_LINES = 450
+#: The house's sizes (issue 39): size is a signal to explain, not a wall to cut at. A module past
+#: EXPLAIN_MODULE_LINES says at its top (a docstring line "One idea: ...") which single idea it holds;
+#: a function past MAX_FUNCTION_LINES says why at its top ("on purpose"). The 450-line wall this
+#: replaces had code moved between modules only to pass the count.
+EXPLAIN_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 REASON_MARK = "on purpose"
+ONE_IDEA = re.compile(r"^One idea: .{30,}", re.MULTILINE)
 
 
-def test_modules_and_functions_stay_small() -> None:
+def test_a_long_module_says_its_one_idea_and_a_long_function_why() -> None:
     too_long: list[str] = []
     for path in sorted((REPO / "src").rglob("*.py")):
         text = path.read_text()
         lines = text.splitlines()
         name = str(path.relative_to(REPO))
-        if len(lines) > MAX_MODULE_LINES:
-            too_long.append(f"{name}: {len(lines)} lines")
-        for node in ast.walk(ast.parse(text)):
+        tree = ast.parse(text)
+        if len(lines) > EXPLAIN_MODULE_LINES and not ONE_IDEA.search(ast.get_docstring(tree) or ""):
+            too_long.append(f"{name}: {len(lines)} lines and no 'One idea: ...' line in its docstring")
+        for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = (node.end_lineno or node.lineno) - node.lineno + 1
                 first_lines = "\n".join(lines[node.lineno - 1 : node.body[0].lineno + 1])

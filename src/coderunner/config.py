@@ -1,4 +1,8 @@
-"""One Settings object: defaults < TOML file < environment (CODERUNNER_*) < command-line flags."""
+"""One Settings object: defaults < TOML file < environment (CODERUNNER_*) < command-line flags.
+
+One idea: every setting with its default, bounds and description in one pydantic-settings class, so the help,
+the docs and validation read one table.
+"""
 
 from __future__ import annotations
 

@@ -7,6 +7,8 @@ egress proxy) holding exactly one session, and answers the front doors' calls wi
 The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left
 in the same task. When its session closes (a close by manage_sessions, or the manager's idle reaper) the actor
 ends itself, so nothing is left on the node.
+
+One idea: the node side of one session: every call a front door makes of it, as the methods of one actor.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ front door, exactly as on one machine: a session belongs to the client whose cal
 
 The front door itself starts no sandbox: its backend object only checks options and describes the
 sandboxes (get_capabilities); the nodes run them.
+
+One idea: the front door's SessionHost over the cluster: placement, finding a session by name behind the owner
+check, and every host call forwarded.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ One sandbox must not be able to wipe everyone's history by flooding denials (iss
 so each session writes through a SessionAudit: a small burst of denial lines per window, then one
 "N more denials of HOST" line per host and window (nothing lost as a count), and a byte share of
 the file it can never exceed (see SessionAudit for why a share of one file, not a file per session).
+
+One idea: the record of egress decisions, one record with two views: the bounded per-session log and the
+rotated JSONL file.
 """
 
 from __future__ import annotations

@@ -17,6 +17,9 @@ put to `asker` (the user, via MCP elicitation, wired elsewhere); a yes widens th
 Every decision is recorded in the session's DecisionLog. Caps: concurrent connections (503 over),
 head timeout (slowloris), idle timeout on every relay, connect and resolve timeouts. Here: deciding
 and asking; reaching the server is upstream.py, a connection's bytes wire.py and relay.py.
+
+One idea: one proxied connection from request to relay: parse, decide by name, connect to a checked address,
+relay within bounds, record the decision.
 """
 
 from __future__ import annotations

@@ -26,6 +26,9 @@ The host-visible names follow the original ip: RUN_DIR/<basename of ip>-<port>.
 
 It is also init: it reaps every child, forwards SIGTERM/SIGINT/SIGHUP to the kernel and exits with
 the kernel's status (128+signal if a signal ended it). Stdlib only, one thread, bounded.
+
+One idea: the sandbox's relaying init, one self-contained script (run with -I -S, importing nothing of the
+guest), so its socket pairing, bounds and shutdown read as one.
 """
 
 from __future__ import annotations

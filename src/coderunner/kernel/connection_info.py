@@ -39,20 +39,3 @@ def channel_url(info: dict[str, Any], port: int) -> str:
         return f"ipc://{info['ip']}-{port}"
     return f"tcp://{info['ip']}:{port}"
 
-
-#: Looking for a starting kernel's ipc sockets: every SOCKETS_POLL_S for SOCKETS_POLL_QUICK_S (a start on
-#: a quiet machine takes about 0.2 s), then every SOCKETS_POLL_SHARE of the time waited so far, up to
-#: SOCKETS_POLL_MAX_S. A start slowed by a busy machine polled 200 times a second while it waited, and
-#: so slowed every start further: 40 cluster sessions at once on 2 cores spent 0.27-0.37 CPU-s each
-#: opening, 0.11-0.14 with the back-off (bench/actor_cpu.py).
-SOCKETS_POLL_S = 0.005
-SOCKETS_POLL_QUICK_S = 0.25
-SOCKETS_POLL_SHARE = 0.05
-SOCKETS_POLL_MAX_S = 0.05
-
-
-def socket_poll_s(waited_s: float) -> float:
-    """How long to wait before looking for a starting kernel's sockets again, `waited_s` into its start."""
-    if waited_s < SOCKETS_POLL_QUICK_S:
-        return SOCKETS_POLL_S
-    return min(max(SOCKETS_POLL_S, waited_s * SOCKETS_POLL_SHARE), SOCKETS_POLL_MAX_S)

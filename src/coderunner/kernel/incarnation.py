@@ -7,6 +7,9 @@ A `Kernel` is started once and dies once; restarts are the session's business. I
 execute with a `RunOutcome` and never waits without a bound: every wait races the deadline
 and the sandbox process's own exit, so a kernel killed from inside or by the OOM killer is
 noticed through liveness, not by waiting for a reply that will never come.
+
+One idea: one kernel's life from start to death (start and its socket poll, ready, execute, interrupt,
+checkpoint, kill).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.dirfd import HostFsError
 from coderunner.hostfs.session_dirs import SandboxDirs, connection_names, dump_connection
 from coderunner.kernel.channels import IOPUB_LIMITS, NO_PARENT, ChannelBroken, Lost, Mailbox, Message
-from coderunner.kernel.connection_info import connection_info, socket_poll_s
+from coderunner.kernel.connection_info import connection_info
 from coderunner.kernel.execution import CellError, RunOutcome, RunState, RunStatus
 from coderunner.kernel.host_channels import Deadline, open_mailboxes, pump_all
 from coderunner.kernel.output_capture import OutputCollector
@@ -61,6 +64,25 @@ EXIT_WAIT_S = 2.0
 HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 
 ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
+
+
+
+#: Looking for a starting kernel's ipc sockets: every SOCKETS_POLL_S for SOCKETS_POLL_QUICK_S (a start on
+#: a quiet machine takes about 0.2 s), then every SOCKETS_POLL_SHARE of the time waited so far, up to
+#: SOCKETS_POLL_MAX_S. A start slowed by a busy machine polled 200 times a second while it waited, and
+#: so slowed every start further: 40 cluster sessions at once on 2 cores spent 0.27-0.37 CPU-s each
+#: opening, 0.11-0.14 with the back-off (bench/actor_cpu.py).
+SOCKETS_POLL_S = 0.005
+SOCKETS_POLL_QUICK_S = 0.25
+SOCKETS_POLL_SHARE = 0.05
+SOCKETS_POLL_MAX_S = 0.05
+
+
+def socket_poll_s(waited_s: float) -> float:
+    """How long to wait before looking for a starting kernel's sockets again, `waited_s` into its start."""
+    if waited_s < SOCKETS_POLL_QUICK_S:
+        return SOCKETS_POLL_S
+    return min(max(SOCKETS_POLL_S, waited_s * SOCKETS_POLL_SHARE), SOCKETS_POLL_MAX_S)
 
 
 class KernelStartError(CodeRunnerError):

@@ -19,6 +19,9 @@ sources, so that this backend runs end to end on Linux.
 
 Every `container` call has a timeout (stop/delete hangs are reported upstream); a server's VMs
 are named `coderunner-<server tag>-<session>-<random>`, so leftovers are found by name prefix.
+
+One idea: the Apple `container` backend's sandbox lifecycle (build the argv, run, relay the channels, stop,
+delete); its versions, readiness and doctor are beside it.
 """
 
 from __future__ import annotations

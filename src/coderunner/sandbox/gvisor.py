@@ -32,6 +32,9 @@ server process, holding its runsc --root and one bundle per container (config.js
 rootfs/: the overlay mount). A server that dies by SIGKILL leaves them; its watcher (watcher.py, kind
 "runsc") deletes its containers, unmounts their roots and removes its dir; the next server's sweep
 whatever is left.
+
+One idea: the gVisor backend's sandbox lifecycle over runsc (create, start, adopt a restore, kill, delete);
+its argv, instance dirs and checkpoint store live beside it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 It hands out high-entropy session handles, creates each caller's default session on first use,
 enforces the session limits, closes idle sessions, and on start removes what a killed server
 left behind. Options come from options.py, each sandbox's host side from leases.py.
+
+One idea: the one owner of a server's sessions: handles, limits, each caller's default session, the pool and
+the clean-up of what a killed server left.
 """
 
 from __future__ import annotations

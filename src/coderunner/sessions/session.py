@@ -6,6 +6,9 @@ ready (standby.py), else one started cold. One call at a time holds the kernel (
 call that needs a kernel gets it from `_ensure_kernel`, and a cancelled call leaves none wedged.
 What a call does with the kernel it holds (cells, guest calls) is kernel_calls.py's; the status a
 session reports is session_status.py's; its snapshot bookkeeping is kept_state.py's.
+
+One idea: a session's kernel lifecycle against one workspace (ensure, hold, replace, reset, close); cells and
+guest calls on a held kernel are kernel_calls.py's.
 """
 
 from __future__ import annotations
