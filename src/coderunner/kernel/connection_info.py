@@ -38,4 +38,3 @@ def channel_url(info: dict[str, Any], port: int) -> str:
     if info["transport"] == "ipc":
         return f"ipc://{info['ip']}-{port}"
     return f"tcp://{info['ip']}:{port}"
-

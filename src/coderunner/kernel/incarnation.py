@@ -66,7 +66,6 @@ HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 ProgressCallback = Callable[[float, OutputCollector], Awaitable[None]]
 
 
-
 #: Looking for a starting kernel's ipc sockets: every SOCKETS_POLL_S for SOCKETS_POLL_QUICK_S (a start on
 #: a quiet machine takes about 0.2 s), then every SOCKETS_POLL_SHARE of the time waited so far, up to
 #: SOCKETS_POLL_MAX_S. A start slowed by a busy machine polled 200 times a second while it waited, and
