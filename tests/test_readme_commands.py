@@ -24,7 +24,7 @@ from mcp.server.mcpserver import MCPServer
 
 from coderunner.cli import COMMANDS, _parser
 from coderunner.config import Settings
-from coderunner.tools import MODULES, ToolContext, declared_groups
+from coderunner.tools import ToolContext, declared_groups, register
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -245,8 +245,7 @@ def _tool_arguments() -> set[str]:
     async def listed() -> set[str]:
         server = MCPServer("docs")
         tools = ToolContext.create(server, types.SimpleNamespace(settings=Settings.model_construct()))
-        for module in MODULES:
-            module.register(tools)
+        register(tools)
         return {name for tool in await server.list_tools() for name in tool.input_schema.get("properties", {})}
 
     return anyio.run(listed)

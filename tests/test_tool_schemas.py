@@ -101,7 +101,7 @@ def test_a_tool_in_no_group_fails_at_start_instead_of_vanishing() -> None:
 def test_a_tool_that_declares_no_group_or_an_unknown_one_fails_at_start() -> None:
     tools = ToolContext.create(MCPServer("t"), types.SimpleNamespace(settings=Settings()))  # type: ignore[arg-type]
 
-    @tools.tool()
+    @tools.server.tool()  # the SDK's own decorator: no group declared
     async def undeclared() -> str:
         """Declares no group."""
         return ""

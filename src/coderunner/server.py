@@ -21,7 +21,7 @@ from coderunner.policy.tool_groups import ToolGroups
 from coderunner.policy.tool_mentions import Mentions
 from coderunner.policy.tool_renames import unknown_tool
 from coderunner.sessions.seam import SessionHost
-from coderunner.tools import MODULES, ToolContext, declared_groups
+from coderunner.tools import ToolContext, declared_groups, register
 from coderunner.tools.file_results import resource_contents
 from coderunner.tools.schemas import finish_tools
 
@@ -75,7 +75,6 @@ def build_server(host: SessionHost) -> MCPServer:
     server.mentions = mentions
     tools = ToolContext.create(server, host)
     tools.mentions = mentions
-    for module in MODULES:
-        module.register(tools)
+    register(tools)
     finish_tools(server, offered, ToolGroups(tools.groups))  # as these tools declared them
     return server

@@ -21,6 +21,7 @@ from coderunner.sandbox.base import SandboxUnavailable, start_failures
 from coderunner.sandbox.cgroups import CgroupsUnavailable
 from coderunner.sandbox.engine import EngineError
 from coderunner.tools import ToolContext
+from coderunner.tools.context import tool
 
 #: Host modules only (the guest package runs inside the sandbox and imports its own stack).
 HOST_MODULES = [
@@ -100,16 +101,18 @@ def _tool_server() -> MCPServer:
     server = MCPServer("test")
     tools = ToolContext.create(server, types.SimpleNamespace(settings=Settings()))  # type: ignore[arg-type]
 
-    @tools.tool()
-    async def refuses(path: str) -> CallToolResult:
+    @tool(group="files")
+    async def refuses(tools: ToolContext, path: str) -> CallToolResult:
         """Refuses every path."""
         raise FileAccessError(f"{path}: outside what the sandbox shares")
 
-    @tools.tool()
-    async def crashes() -> CallToolResult:
+    @tool(group="python")
+    async def crashes(tools: ToolContext) -> CallToolResult:
         """Has a bug."""
         raise RuntimeError("internal detail")
 
+    tools.add(refuses)
+    tools.add(crashes)
     return server
 
 

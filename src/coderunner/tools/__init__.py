@@ -1,6 +1,7 @@
 """The MCP tools, one module per concern; server.build_server registers them through one ToolContext.
 
-    context.py     ToolContext (session host, settings, caller lookup, session by id) and its `tool` decorator
+    context.py     ToolContext (session host, settings, caller lookup, session by id); `tool` and `resource`,
+                   the decorators that declare a module-level function `async def name(tools, ...)`
     arguments.py   argument types shared by several tools
     python.py      run_python, kernel_reset
     sessions.py    create_session, manage_sessions (status, close, list)
@@ -20,8 +21,10 @@ file_results.py (a file as content), capabilities.py (get_capabilities' answer).
 
 A tool parses its arguments, calls a session or the session host (sessions/seam.py, the only way in),
 and shapes the reply; the work is elsewhere.
-MODULES is in the order tools/list shows the tools. Each tool declares its group(s) (`--tools`) where it
-is defined; declared_groups() is that table, for checking a setting before any server is built.
+MODULES is in the order tools/list shows the tools. Each tool is a module-level function whose first
+argument is the ToolContext (`@tool(group=...)` declares it, `register` adds it bound to a context), so
+its body can be read, imported and called by name. Each declares its group(s) (`--tools`) where it is
+defined; declared_groups() is that table, for checking a setting before any server is built.
 Operations that share their arguments are one tool with an `action` (or `op`): tools/list goes to the
 model on every turn, and its budget is held by tests/test_tool_schemas.py.
 """
@@ -46,7 +49,7 @@ from coderunner.tools import (
     sessions,
     snapshots,
 )
-from coderunner.tools.context import ToolContext
+from coderunner.tools.context import ToolContext, declared_in
 
 MODULES = (
     python, jobs, sessions, snapshots, files, browser, documents, execute_code, install_packages,
@@ -63,9 +66,15 @@ def declared_groups() -> ToolGroups:
     """
     host = types.SimpleNamespace(settings=Settings.model_construct())  # registration reads only settings
     tools = ToolContext.create(MCPServer("declarations"), host)
-    for module in MODULES:
-        module.register(tools)
+    register(tools)
     return ToolGroups(tools.groups)
 
 
-__all__ = ["MODULES", "ToolContext", "declared_groups"]
+def register(tools: ToolContext) -> None:
+    """Every tool and resource the modules declare, on `tools`' server, in MODULES' order."""
+    for module in MODULES:
+        for function in declared_in(module):
+            tools.add(function)
+
+
+__all__ = ["MODULES", "ToolContext", "declared_groups", "register"]

@@ -20,7 +20,7 @@ from pydantic import Field
 from coderunner.egress.ceiling import NetworkMode, more_network
 from coderunner.errors import GuestCallError
 from coderunner.tools.arguments import BrowserSeconds, SessionId, Text
-from coderunner.tools.context import ToolContext
+from coderunner.tools.context import ToolContext, tool
 from coderunner.tools.documents import called_as
 
 #: Default wait for a page, and the extra allowance for starting the browser on first use.
@@ -77,55 +77,61 @@ async def browser_op(
     return network.noted(await tools.guest_reply(session, result))
 
 
-def register(tools: ToolContext) -> None:
-    @tools.tool(group="browser", annotations=ToolAnnotations(open_world_hint=True))
-    async def browser_navigate(
-        ctx: Context,
-        url: str,
-        wait_for: Annotated[Text, Field(description="CSS selector to wait for")] = "",
-        timeout_s: BrowserSeconds = None,
-        session_id: SessionId = "",
-    ) -> CallToolResult:
-        """Open a page in the session's Chromium (a JavaScript app too; offline: file:///workspace/... or a
-        server in the sandbox): url, status, title, text."""
-        args = {"url": checked_url(url), "wait_for": wait_for or None, "timeout_s": timeout_s or BROWSER_TIMEOUT_S}
-        if (path := file_path(url)) is not None:
-            args["file"] = path  # confined by the session like any path: outside what it shares is refused
-        return await browser_op(tools, ctx, session_id, "navigate", args, timeout_s)
+@tool(group="browser", annotations=ToolAnnotations(open_world_hint=True))
+async def browser_navigate(
+    tools: ToolContext,
+    ctx: Context,
+    url: str,
+    wait_for: Annotated[Text, Field(description="CSS selector to wait for")] = "",
+    timeout_s: BrowserSeconds = None,
+    session_id: SessionId = "",
+) -> CallToolResult:
+    """Open a page in the session's Chromium (a JavaScript app too; offline: file:///workspace/... or a
+    server in the sandbox): url, status, title, text."""
+    args = {"url": checked_url(url), "wait_for": wait_for or None, "timeout_s": timeout_s or BROWSER_TIMEOUT_S}
+    if (path := file_path(url)) is not None:
+        args["file"] = path  # confined by the session like any path: outside what it shares is refused
+    return await browser_op(tools, ctx, session_id, "navigate", args, timeout_s)
 
-    @tools.tool(group="browser")
-    async def browser_extract(
-        ctx: Context,
-        selector: str,
-        format: ExtractFormat = "text",
-        attribute: Annotated[Text, Field(description="extract it instead")] = "",
-        session_id: SessionId = "",
-    ) -> CallToolResult:
-        """The current page's matches of a CSS selector as text, html, JSON, table rows or links."""
-        args = {"selector": selector, "format": format, "attribute": attribute or None}
-        return await browser_op(tools, ctx, session_id, "extract", args, None)
 
-    @tools.tool(group="browser")
-    async def browser_screenshot(
-        ctx: Context,
-        full_page: bool = False,
-        selector: Annotated[Text, Field(description="only this element")] = "",
-        output: Annotated[Text, Field(description="screenshot.png")] = "",
-        session_id: SessionId = "",
-    ) -> CallToolResult:
-        """The current page or one element as an image, also saved to output."""
-        args = {"full_page": full_page, "selector": selector or None, "output": output or "screenshot.png"}
-        return await browser_op(tools, ctx, session_id, "screenshot", args, None)
+@tool(group="browser")
+async def browser_extract(
+    tools: ToolContext,
+    ctx: Context,
+    selector: str,
+    format: ExtractFormat = "text",
+    attribute: Annotated[Text, Field(description="extract it instead")] = "",
+    session_id: SessionId = "",
+) -> CallToolResult:
+    """The current page's matches of a CSS selector as text, html, JSON, table rows or links."""
+    args = {"selector": selector, "format": format, "attribute": attribute or None}
+    return await browser_op(tools, ctx, session_id, "extract", args, None)
 
-    @tools.tool(group="browser")
-    async def browser_interact(
-        ctx: Context,
-        action: InteractAction,
-        selector: str,
-        value: Annotated[Text, Field(description="fill, press, select")] = "",
-        timeout_s: BrowserSeconds = None,
-        session_id: SessionId = "",
-    ) -> CallToolResult:
-        """Act on an element of the current page (CSS selector)."""
-        args = {"action": action, "selector": selector, "value": value or None, "timeout_s": timeout_s or 10}
-        return await browser_op(tools, ctx, session_id, "interact", args, timeout_s)
+
+@tool(group="browser")
+async def browser_screenshot(
+    tools: ToolContext,
+    ctx: Context,
+    full_page: bool = False,
+    selector: Annotated[Text, Field(description="only this element")] = "",
+    output: Annotated[Text, Field(description="screenshot.png")] = "",
+    session_id: SessionId = "",
+) -> CallToolResult:
+    """The current page or one element as an image, also saved to output."""
+    args = {"full_page": full_page, "selector": selector or None, "output": output or "screenshot.png"}
+    return await browser_op(tools, ctx, session_id, "screenshot", args, None)
+
+
+@tool(group="browser")
+async def browser_interact(
+    tools: ToolContext,
+    ctx: Context,
+    action: InteractAction,
+    selector: str,
+    value: Annotated[Text, Field(description="fill, press, select")] = "",
+    timeout_s: BrowserSeconds = None,
+    session_id: SessionId = "",
+) -> CallToolResult:
+    """Act on an element of the current page (CSS selector)."""
+    args = {"action": action, "selector": selector, "value": value or None, "timeout_s": timeout_s or 10}
+    return await browser_op(tools, ctx, session_id, "interact", args, timeout_s)

@@ -8,9 +8,10 @@ goes to the server's log, never to the model as a repr).
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
 import contextlib
-import functools
+import inspect
 import json
 import time
+import types
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -32,7 +33,82 @@ from coderunner.tools.replies import ReplyBounds, error_result, guest_tool_resul
 from coderunner.tools.session_replies import brief, detailed
 
 T = TypeVar("T")
-ToolFunction = TypeVar("ToolFunction", bound=Callable[..., Awaitable[CallToolResult]])
+Declared = TypeVar("Declared", bound=Callable[..., Awaitable[Any]])
+#: The attribute a module-level tool or resource function carries its declaration in.
+DECLARATION = "coderunner_declaration"
+
+
+@dataclass(frozen=True)
+class ToolDeclaration:
+    """A module-level tool: `async def name(tools: ToolContext, ...)`, its groups and MCP annotations.
+
+    `per_settings`: the arguments whose type or default the user's settings decide (the network modes
+    within the ceiling, a default limit), as name -> (annotation, default), given the settings.
+    """
+
+    groups: tuple[str, ...]
+    annotations: ToolAnnotations | None = None
+    per_settings: Callable[[Settings], dict[str, tuple[Any, Any]]] | None = None
+
+
+@dataclass(frozen=True)
+class ResourceDeclaration:
+    """A module-level resource template: `async def name(tools: ToolContext, ...)` serves its reads."""
+
+    uri: str
+    name: str
+    description: str
+
+
+def tool(
+    group: str | tuple[str, ...],
+    annotations: ToolAnnotations | None = None,
+    per_settings: Callable[[Settings], dict[str, tuple[Any, Any]]] | None = None,
+) -> Callable[[Declared], Declared]:
+    """Declare a module-level function a tool of `group` (its first argument is the ToolContext, which
+    the model never sees). The function stays itself: importable, callable and testable by name."""
+    groups = (group,) if isinstance(group, str) else group
+
+    def declare(function: Declared) -> Declared:
+        setattr(function, DECLARATION, ToolDeclaration(groups, annotations, per_settings))
+        return function
+
+    return declare
+
+
+def resource(uri: str, name: str, description: str) -> Callable[[Declared], Declared]:
+    """Declare a module-level function the reader of a resource template (first argument: the ToolContext)."""
+
+    def declare(function: Declared) -> Declared:
+        setattr(function, DECLARATION, ResourceDeclaration(uri, name, description))
+        return function
+
+    return declare
+
+
+def declared_in(module: types.ModuleType) -> list[Callable[..., Awaitable[Any]]]:
+    """The tools and resources `module` defines, in the order it defines them (tools/list's order)."""
+    return [
+        value
+        for value in vars(module).values()
+        if callable(value) and hasattr(value, DECLARATION) and getattr(value, "__module__", None) == module.__name__
+    ]
+
+
+def without_context(
+    function: Callable[..., Any], settings: Settings, spec: ToolDeclaration | None
+) -> inspect.Signature:
+    """The signature the SDK reads: the function's, less its first argument (the ToolContext), with the
+    arguments the settings decide made so."""
+    parameters = list(inspect.signature(function).parameters.values())[1:]
+    decided = spec.per_settings(settings) if spec is not None and spec.per_settings is not None else {}
+    parameters = [
+        parameter.replace(annotation=decided[parameter.name][0], default=decided[parameter.name][1])
+        if parameter.name in decided
+        else parameter
+        for parameter in parameters
+    ]
+    return inspect.signature(function).replace(parameters=parameters)
 
 
 def json_result(payload: dict[str, Any], is_error: bool = False) -> CallToolResult:
@@ -86,31 +162,31 @@ class ToolContext:
     def settings(self) -> Settings:
         return self.host.settings
 
-    def tool(
-        self, group: str | tuple[str, ...] | None = None, annotations: ToolAnnotations | None = None
-    ) -> Callable[[ToolFunction], ToolFunction]:
-        """Register a tool (unstructured output: images stay images) whose CodeRunnerError is an isError reply.
+    def add(self, function: Callable[..., Awaitable[Any]]) -> None:
+        """Register a module-level tool or resource (see `tool` and `resource`) on this server, bound to this
+        context: the SDK sees its signature without the context, and a tool's CodeRunnerError is an isError
+        reply."""
+        declared = getattr(function, DECLARATION)
+        if isinstance(declared, ResourceDeclaration):
 
-        `group`: the tool group(s) it is in (`--tools`); one that declares none stops the server at start.
-        Every reply leaves unnamed the tools the setting does not offer (policy/tool_mentions.py).
-        """
+            async def read(*args: Any, **kwargs: Any) -> Any:
+                return await function(self, *args, **kwargs)
 
-        def register(function: ToolFunction) -> ToolFunction:
-            if group is not None:
-                self.groups[function.__name__] = (group,) if isinstance(group, str) else group
+            self.server.resource(declared.uri, name=declared.name, description=declared.description)(
+                _bound(read, function, without_context(function, self.settings, None))
+            )
+            return
+        self.groups[function.__name__] = declared.groups
 
-            @functools.wraps(function)  # the SDK reads name, docstring and signature through the wrapper
-            async def guarded(*args: Any, **kwargs: Any) -> CallToolResult:
-                try:
-                    reply = await function(*args, **kwargs)
-                except CodeRunnerError as exc:
-                    reply = error_result(str(exc))
-                return self.unnamed(reply)
+        async def call(*args: Any, **kwargs: Any) -> CallToolResult:
+            try:
+                reply = await function(self, *args, **kwargs)
+            except CodeRunnerError as exc:
+                reply = error_result(str(exc))
+            return self.unnamed(reply)
 
-            self.server.tool(structured_output=False, annotations=annotations)(guarded)
-            return function
-
-        return register
+        guarded = _bound(call, function, without_context(function, self.settings, declared))
+        self.server.tool(structured_output=False, annotations=declared.annotations)(guarded)
 
     def offers(self, tool: str) -> bool:
         """Whether the `tools` setting offers `tool`: a reply the tool layer writes names it only then."""
@@ -210,3 +286,20 @@ class ToolContext:
         if session.export_note:
             reply.content.append(TextContent(type="text", text=f"[{session.export_note}]"))
         return reply
+
+
+def _bound(
+    wrapper: Callable[..., Any], function: Callable[..., Any], signature: inspect.Signature
+) -> Callable[..., Any]:
+    """`wrapper` named and documented as `function`, with `signature` (and annotations to match: the SDK
+    finds the Context argument by its type hint)."""
+    wrapper.__name__ = wrapper.__qualname__ = function.__name__
+    wrapper.__doc__ = function.__doc__
+    wrapper.__module__ = function.__module__
+    wrapper.__signature__ = signature  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {
+        name: parameter.annotation
+        for name, parameter in signature.parameters.items()
+        if parameter.annotation is not inspect.Parameter.empty
+    } | {"return": signature.return_annotation}
+    return wrapper

@@ -17,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from coderunner.errors import GuestCallError
 from coderunner.tools.arguments import OutputPath, Pages, Seconds, SessionId, Text, page_ranges
-from coderunner.tools.context import ToolContext
+from coderunner.tools.context import ToolContext, tool
 
 PdfOp = Literal["info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt"]
 ImageOp = Literal["info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr"]
@@ -74,45 +74,48 @@ def called_as(message: str, helper: str, tool: str) -> str:
 
 
 async def document_op(
-    tools: ToolContext, ctx: Context, tool: str, input_path: str, op: str, arguments: dict[str, Any],
+    tools: ToolContext, ctx: Context, helper: str, input_path: str, op: str, arguments: dict[str, Any],
     session_id: str, timeout_s: float | None,
 ) -> CallToolResult:  # fmt: skip
-    """Run one op of the guest helper named `tool` in the caller's session, under the network rules of a call."""
+    """Run one op of the guest helper named `helper` (the tool of that name) in the caller's session, under
+    the network rules of a call."""
     session = await tools.session(ctx, session_id)
     limit = timeout_s or tools.settings.timeout_s
     async with tools.egress_call(ctx, session) as network:
         try:
-            result = await session.guest_op(tool, op, arguments, limit, paths=DOCUMENT_PATHS, input_path=input_path)
+            result = await session.guest_op(helper, op, arguments, limit, paths=DOCUMENT_PATHS, input_path=input_path)
         except GuestCallError as exc:
-            raise GuestCallError(called_as(str(exc), tool, tool)) from None
+            raise GuestCallError(called_as(str(exc), helper, helper)) from None
     return network.noted(await tools.guest_reply(session, result))
 
 
-def register(tools: ToolContext) -> None:
-    @tools.tool(group="documents")
-    async def pdf_ops(
-        ctx: Context,
-        input_path: str,
-        op: PdfOp,
-        args: PdfArgs = PdfArgs(),  # noqa: B008 - immutable in use: only read
-        session_id: SessionId = "",
-        timeout_s: Seconds = None,
-    ) -> CallToolResult:
-        """A PDF in the sandbox; outputs beside the input. args by op: extract_text, extract_pages (pages), merge
-        (inputs), split (ranges), rotate (degrees, pages), to_images (pages, dpi), encrypt, decrypt (password;
-        it also opens an encrypted input), output or output_prefix."""
-        return await document_op(tools, ctx, "pdf_ops", input_path, op, args.given(), session_id, timeout_s)
+@tool(group="documents")
+async def pdf_ops(
+    tools: ToolContext,
+    ctx: Context,
+    input_path: str,
+    op: PdfOp,
+    args: PdfArgs = PdfArgs(),  # noqa: B008 - immutable in use: only read
+    session_id: SessionId = "",
+    timeout_s: Seconds = None,
+) -> CallToolResult:
+    """A PDF in the sandbox; outputs beside the input. args by op: extract_text, extract_pages (pages), merge
+    (inputs), split (ranges), rotate (degrees, pages), to_images (pages, dpi), encrypt, decrypt (password;
+    it also opens an encrypted input), output or output_prefix."""
+    return await document_op(tools, ctx, "pdf_ops", input_path, op, args.given(), session_id, timeout_s)
 
-    @tools.tool(group="documents")
-    async def image_ops(
-        ctx: Context,
-        input_path: str,
-        op: ImageOp,
-        args: ImageArgs = ImageArgs(),  # noqa: B008 - immutable in use: only read
-        session_id: SessionId = "",
-        timeout_s: Seconds = None,
-    ) -> CallToolResult:
-        """An image in the sandbox, with a preview; output beside the input. args by op: resize (width, height,
-        keep_aspect), thumbnail (size), crop (box), rotate (degrees), flip (direction), convert (format),
-        ocr (lang), output."""
-        return await document_op(tools, ctx, "image_ops", input_path, op, args.given(), session_id, timeout_s)
+
+@tool(group="documents")
+async def image_ops(
+    tools: ToolContext,
+    ctx: Context,
+    input_path: str,
+    op: ImageOp,
+    args: ImageArgs = ImageArgs(),  # noqa: B008 - immutable in use: only read
+    session_id: SessionId = "",
+    timeout_s: Seconds = None,
+) -> CallToolResult:
+    """An image in the sandbox, with a preview; output beside the input. args by op: resize (width, height,
+    keep_aspect), thumbnail (size), crop (box), rotate (degrees), flip (direction), convert (format),
+    ocr (lang), output."""
+    return await document_op(tools, ctx, "image_ops", input_path, op, args.given(), session_id, timeout_s)

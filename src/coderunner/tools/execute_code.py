@@ -6,20 +6,21 @@ tools/list entry costs every turn.
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
+from coderunner.config import MIN_MEMORY_MB, Settings
 from coderunner.egress.ceiling import NetworkMode, more_network
 from coderunner.egress.texts import offline_note
 from coderunner.policy.call_variables import check_variables, parse_variables
 from coderunner.sessions.job_runner import Job, attend, label_of
 from coderunner.sessions.oneshot_runs import OneShotError, OneShotResult
 from coderunner.tools.arguments import DetachAfter, LanguageArg, MemoryMb, VariablesArg, network_arg
-from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.context import ToolContext, json_result, tool
 from coderunner.tools.jobs import oneshot_job_reply, oneshot_payload, oneshot_status
 
 #: execute_code runs one client may have going or waiting for a slot, per slot of its share (each a task).
@@ -28,72 +29,85 @@ MAX_JOBS_PER_SHARE = 4
 MAX_STDIN_CHARS = 4 * 2**20
 
 
-def register(tools: ToolContext) -> None:
-    settings = tools.settings
-    host = tools.host
+#: execute_code's run limit (its default is the user's timeout_s).
+OneShotLimit = Annotated[float, Field(ge=1)]
 
-    async def validate(ctx: Context, language: LanguageArg, code: str) -> CallToolResult:
-        options = host.options(client=tools.client(ctx))
-        errors = await host.check_code(language, code, options, caller=tools.share(ctx))
-        return json_result({"language": language, "valid": not errors, "errors": errors})
 
-    @tools.tool(group="oneshot")  # not closed-world: it may run with network internet
-    async def execute_code(
-        language: LanguageArg,
-        code: str,
-        ctx: Context,
-        stdin: str = "",
-        variables: VariablesArg = "",
-        timeout_s: Annotated[float, Field(ge=1)] = settings.timeout_s,
-        memory_mb: MemoryMb = settings.memory_mb,
-        network: network_arg(settings.network_ceiling) = (settings.network),  # type: ignore[valid-type]  # per ceiling
-        detach_after_s: DetachAfter = None,
-        check_only: Annotated[bool, Field(description="Just report syntax errors.")] = False,
-    ) -> CallToolResult:
-        """A program run once in a fresh sandbox, nothing kept: exit_code, stdout, stderr, time, memory."""
-        if check_only:
-            return await validate(ctx, language, code)
-        if len(stdin) > MAX_STDIN_CHARS:
-            raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
-        values = check_variables(parse_variables(variables), language)
-        options = host.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
-        share = tools.share(ctx)
+def execute_code_settings(settings: Settings) -> dict[str, tuple[Any, Any]]:
+    """execute_code's network offers only the modes within the user's ceiling; its defaults are the user's."""
+    return {
+        "network": (network_arg(settings.network_ceiling), settings.network),
+        "memory_mb": (MemoryMb, settings.memory_mb),
+        "timeout_s": (OneShotLimit, settings.timeout_s),
+    }
 
-        async def work(job: Job) -> OneShotResult:
-            try:
-                return await host.run_oneshot(language, code, options, stdin=stdin.encode(), variables=values,
-                                                 caller=share, on_egress=network.attach)  # fmt: skip
-            except anyio.get_cancelled_exc_class():
-                job.notice = "cancelled: its sandbox was killed (a one-shot run keeps nothing)"
-                raise
 
-        table = host.oneshot_jobs
-        caller = tools.caller(ctx)
-        most = MAX_JOBS_PER_SHARE * settings.max_oneshot_runs_per_client
-        if table.running_of(caller) >= most:
-            raise OneShotError(
-                f"this client already has {most} execute_code runs going or waiting for a sandbox: wait for or "
-                "cancel one of them with manage_jobs (action 'list' shows them)"
-            )
-        job = Job(job_id=table.new_id(), kind="execute_code", label=label_of(code), owner=caller)
-        wait = settings.detach_after_s if detach_after_s is None else detach_after_s
-        with tools.egress_calls.oneshot(ctx) as network:
-            table.start(job, work, oneshot_status)
-            if not await attend(job, wait):
-                job.detached = True
-                if network.egress is not None:
-                    network.egress.set_asker(None)  # this call's client is gone: nobody left to ask
-                return oneshot_job_reply(job)
-            table.forget(job)
-            if job.failure is not None:
-                raise job.failure
-            if not isinstance(job.result, OneShotResult):
-                raise OneShotError(job.notice or "the run ended without a result")
-        payload = oneshot_payload(job.result)
-        if note := network.note():
+async def validate(tools: ToolContext, ctx: Context, language: LanguageArg, code: str) -> CallToolResult:
+    """execute_code check_only: the code's syntax errors, with nothing run."""
+    options = tools.host.options(client=tools.client(ctx))
+    errors = await tools.host.check_code(language, code, options, caller=tools.share(ctx))
+    return json_result({"language": language, "valid": not errors, "errors": errors})
+
+
+@tool(group="oneshot", per_settings=execute_code_settings)  # not closed-world: it may run with network internet
+async def execute_code(
+    tools: ToolContext,
+    language: LanguageArg,
+    code: str,
+    ctx: Context,
+    stdin: str = "",
+    variables: VariablesArg = "",
+    timeout_s: OneShotLimit = 60.0,
+    memory_mb: MemoryMb = MIN_MEMORY_MB,
+    network: str = "none",  # the modes within the user's ceiling, and their default (execute_code_settings)
+    detach_after_s: DetachAfter = None,
+    check_only: Annotated[bool, Field(description="Just report syntax errors.")] = False,
+) -> CallToolResult:
+    """A program run once in a fresh sandbox, nothing kept: exit_code, stdout, stderr, time, memory."""
+    if check_only:
+        return await validate(tools, ctx, language, code)
+    if len(stdin) > MAX_STDIN_CHARS:
+        raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
+    settings, host = tools.settings, tools.host
+    values = check_variables(parse_variables(variables), language)
+    options = host.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
+    share = tools.share(ctx)
+
+    async def work(job: Job) -> OneShotResult:
+        try:
+            return await host.run_oneshot(language, code, options, stdin=stdin.encode(), variables=values,
+                                             caller=share, on_egress=call_network.attach)  # fmt: skip
+        except anyio.get_cancelled_exc_class():
+            job.notice = "cancelled: its sandbox was killed (a one-shot run keeps nothing)"
+            raise
+
+    table = host.oneshot_jobs
+    caller = tools.caller(ctx)
+    most = MAX_JOBS_PER_SHARE * settings.max_oneshot_runs_per_client
+    if table.running_of(caller) >= most:
+        raise OneShotError(
+            f"this client already has {most} execute_code runs going or waiting for a sandbox: wait for or "
+            "cancel one of them with manage_jobs (action 'list' shows them)"
+        )
+    job = Job(job_id=table.new_id(), kind="execute_code", label=label_of(code), owner=caller)
+    wait = settings.detach_after_s if detach_after_s is None else detach_after_s
+    with tools.egress_calls.oneshot(ctx) as call_network:
+        table.start(job, work, oneshot_status)
+        if not await attend(job, wait):
+            job.detached = True
+            if call_network.egress is not None:
+                call_network.egress.set_asker(None)  # this call's client is gone: nobody left to ask
+            return oneshot_job_reply(job)
+        table.forget(job)
+        if job.failure is not None:
+            raise job.failure
+        if not isinstance(job.result, OneShotResult):
+            raise OneShotError(job.notice or "the run ended without a result")
+    payload = oneshot_payload(job.result)
+    if note := call_network.note():
+        payload["network"] = note
+    elif options.network == NetworkMode.NONE and not job.result.success:
+        output = f"{payload.get('stdout', '')}\n{payload.get('stderr', '')}"
+        if note := offline_note(output, more_network(settings.network_ceiling)):
             payload["network"] = note
-        elif options.network == NetworkMode.NONE and not job.result.success:
-            output = f"{payload.get('stdout', '')}\n{payload.get('stderr', '')}"
-            if note := offline_note(output, more_network(settings.network_ceiling)):
-                payload["network"] = note
-        return json_result(payload, is_error=not job.result.success)
+    return json_result(payload, is_error=not job.result.success)

@@ -19,12 +19,13 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ContentBlock, ImageContent, TextContent
 from pydantic import Field
 
+from coderunner.config import Settings
 from coderunner.edge.callers import client_of_key
 from coderunner.sessions.job_runner import Job, JobNotFound, JobStatus, attend, cancel, duration
 from coderunner.sessions.oneshot_runs import OneShotResult
 from coderunner.sessions.seam import SessionHandle
 from coderunner.tools.arguments import Text
-from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.context import ToolContext, json_result, tool
 from coderunner.tools.file_results import resource_link
 from coderunner.tools.session_replies import seconds
 
@@ -126,71 +127,89 @@ def oneshot_job_reply(job: Job) -> CallToolResult:
     return json_result({**head, "note": job.notice or "ended without a result"}, is_error=True)
 
 
-def register(tools: ToolContext) -> None:
-    settings = tools.settings
-    host = tools.host
-    links = settings.file_links == "resource_link"
+#: How long manage_jobs waits for new output (its default is the user's detach_after_s).
+WaitLimit = Annotated[float, Field(ge=0)]
 
-    async def find(ctx: Context, job_id: str) -> tuple[Job, SessionHandle | None]:
-        """The caller's job `job_id`, with its session (None for a one-shot job)."""
-        client = client_of_key(tools.caller(ctx))
-        job = host.oneshot_jobs.get(job_id)
-        if job is not None and client_of_key(job.owner) == client:
-            return job, None
-        for session in host.list():
-            found = session.job(job_id)
-            # Another client's job is unknown here: its session's handle is not told either.
-            if found is not None and client_of_key(session.owner) == client:
-                return found, await tools.session(ctx, session.session_id)
-        raise JobNotFound(
-            f"unknown job_id {job_id!r}: manage_jobs action 'list' shows yours (a job and its result last as long "
-            "as its session; finished ones beyond the last few are forgotten)"
+
+def manage_jobs_settings(settings: Settings) -> dict[str, tuple[Any, Any]]:
+    """manage_jobs waits as long as a run waits before it answers with a job id, by default."""
+    return {"timeout_s": (WaitLimit, settings.detach_after_s)}
+
+
+async def find(tools: ToolContext, ctx: Context, job_id: str) -> tuple[Job, SessionHandle | None]:
+    """The caller's job `job_id`, with its session (None for a one-shot job)."""
+    client = client_of_key(tools.caller(ctx))
+    job = tools.host.oneshot_jobs.get(job_id)
+    if job is not None and client_of_key(job.owner) == client:
+        return job, None
+    for session in tools.host.list():
+        found = session.job(job_id)
+        # Another client's job is unknown here: its session's handle is not told either.
+        if found is not None and client_of_key(session.owner) == client:
+            return found, await tools.session(ctx, session.session_id)
+    raise JobNotFound(
+        f"unknown job_id {job_id!r}: manage_jobs action 'list' shows yours (a job and its result last as long "
+        "as its session; finished ones beyond the last few are forgotten)"
+    )
+
+
+def reply(tools: ToolContext, job: Job, session: SessionHandle | None) -> CallToolResult:
+    """A job as manage_jobs answers with it: a cell's reply (with its export note) or a one-shot's."""
+    if session is None:
+        return oneshot_job_reply(job)
+    return tools.with_export_note(python_job_reply(session, job, tools.settings.file_links == "resource_link"), session)
+
+
+async def wait(
+    tools: ToolContext, job: Job, session: SessionHandle | None, ctx: Context, timeout_s: float
+) -> CallToolResult:
+    """manage_jobs wait: up to timeout_s for the job, with progress, then what it has."""
+
+    async def tick(job: Job) -> None:
+        tail = job.output.tail_text(200) if job.output is not None else ""
+        await ctx.report_progress(
+            job.elapsed_s(), None, f"job {job.job_id} running {duration(job.elapsed_s())}: {tail}"
         )
 
-    def reply(job: Job, session: SessionHandle | None) -> CallToolResult:
-        if session is None:
-            return oneshot_job_reply(job)
-        return tools.with_export_note(python_job_reply(session, job, links), session)
+    await attend(job, min(timeout_s, tools.settings.max_timeout_s), tick, tools.settings.progress_interval_s)
+    return reply(tools, job, session)
 
-    async def wait(job: Job, session: SessionHandle | None, ctx: Context, timeout_s: float) -> CallToolResult:
-        async def tick(job: Job) -> None:
-            tail = job.output.tail_text(200) if job.output is not None else ""
-            await ctx.report_progress(
-                job.elapsed_s(), None, f"job {job.job_id} running {duration(job.elapsed_s())}: {tail}"
-            )
 
-        await attend(job, min(timeout_s, settings.max_timeout_s), tick, settings.progress_interval_s)
-        return reply(job, session)
+async def stop(tools: ToolContext, job: Job, session: SessionHandle | None) -> CallToolResult:
+    """manage_jobs cancel: the cell interrupted (its kernel restarted if it ignores that), or the one-shot
+    run's sandbox killed."""
+    if session is not None:
+        await session.cancel_job(job)
+    else:
+        await cancel(job, tools.settings.interrupt_grace_s + tools.settings.startup_timeout_s + 5.0)
+    return reply(tools, job, session)
 
-    async def stop(job: Job, session: SessionHandle | None) -> CallToolResult:
-        if session is not None:
-            await session.cancel_job(job)
-        else:
-            await cancel(job, settings.interrupt_grace_s + settings.startup_timeout_s + 5.0)
-        return reply(job, session)
 
-    def listing(ctx: Context) -> CallToolResult:
-        client = client_of_key(tools.caller(ctx))
-        found = [
-            job.describe()
-            for session in host.list()
-            if client_of_key(session.owner) == client
-            for job in session.list_jobs()
-        ]
-        found += [job.describe() for job in host.oneshot_jobs.jobs.values() if client_of_key(job.owner) == client]
-        return json_result({"jobs": found})
+def listing(tools: ToolContext, ctx: Context) -> CallToolResult:
+    """manage_jobs list: the caller's jobs, in its sessions and its one-shot runs."""
+    client = client_of_key(tools.caller(ctx))
+    found = [
+        job.describe()
+        for session in tools.host.list()
+        if client_of_key(session.owner) == client
+        for job in session.list_jobs()
+    ]
+    found += [job.describe() for job in tools.host.oneshot_jobs.jobs.values() if client_of_key(job.owner) == client]
+    return json_result({"jobs": found})
 
-    @tools.tool(group=("python", "oneshot", "jobs"))
-    async def manage_jobs(
-        action: Literal["wait", "cancel", "list"],
-        ctx: Context,
-        job_id: Text = "",
-        timeout_s: Annotated[float, Field(ge=0)] = settings.detach_after_s,
-    ) -> CallToolResult:
-        """Runs that answered with a job id: wait up to timeout_s for new output, cancel, list."""
-        if action == "list":
-            return listing(ctx)
-        if not job_id:
-            raise JobNotFound(f"manage_jobs action {action!r} needs a job_id (action 'list' shows yours)")
-        job, session = await find(ctx, job_id)
-        return await (wait(job, session, ctx, timeout_s) if action == "wait" else stop(job, session))
+
+@tool(group=("python", "oneshot", "jobs"), per_settings=manage_jobs_settings)
+async def manage_jobs(
+    tools: ToolContext,
+    action: Literal["wait", "cancel", "list"],
+    ctx: Context,
+    job_id: Text = "",
+    timeout_s: WaitLimit = 40.0,
+) -> CallToolResult:
+    """Runs that answered with a job id: wait up to timeout_s for new output, cancel, list."""
+    if action == "list":
+        return listing(tools, ctx)
+    if not job_id:
+        raise JobNotFound(f"manage_jobs action {action!r} needs a job_id (action 'list' shows yours)")
+    job, session = await find(tools, ctx, job_id)
+    return await (wait(tools, job, session, ctx, timeout_s) if action == "wait" else stop(tools, job, session))

@@ -7,7 +7,7 @@ from typing import Any
 from mcp.types import CallToolResult, ToolAnnotations
 
 from coderunner.policy.tool_groups import ALWAYS, GROUP_NAMES, GROUP_PURPOSES, ToolGroups
-from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.context import ToolContext, json_result, tool
 
 #: How the user (never the agent) turns a group on; said beside the groups that are off.
 TURN_ON = (
@@ -27,11 +27,12 @@ def tool_groups(groups: ToolGroups, offered: set[str]) -> dict[str, Any]:
     return answer
 
 
-def register(tools: ToolContext) -> None:
-    @tools.tool(group=ALWAYS, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
-    async def get_capabilities() -> CallToolResult:
-        """This server's languages, sandbox, limits, network, packages, tools."""
-        names = sorted(tool.name for tool in await tools.server.list_tools())
-        answer = await tools.capabilities.describe(tools.host, names)
-        answer["tool_groups"] = tool_groups(ToolGroups(tools.groups), set(names))
-        return json_result(answer)
+@tool(group=ALWAYS, annotations=ToolAnnotations(read_only_hint=True, open_world_hint=False))
+async def get_capabilities(
+    tools: ToolContext,
+) -> CallToolResult:
+    """This server's languages, sandbox, limits, network, packages, tools."""
+    names = sorted(listed.name for listed in await tools.server.list_tools())
+    answer = await tools.capabilities.describe(tools.host, names)
+    answer["tool_groups"] = tool_groups(ToolGroups(tools.groups), set(names))
+    return json_result(answer)

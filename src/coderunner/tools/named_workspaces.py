@@ -10,17 +10,18 @@ from mcp.types import CallToolResult
 
 from coderunner.hostfs.workspaces import WorkspaceError
 from coderunner.tools.arguments import Text
-from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.context import ToolContext, json_result, tool
 
 
-def register(tools: ToolContext) -> None:
-    @tools.tool(group="workspaces")
-    async def manage_workspaces(action: Literal["list", "delete"], ctx: Context, name: Text = "") -> CallToolResult:
-        """Your persistent workspaces: list, or delete one (not while in use)."""
-        if action == "list":
-            found = await tools.host.list_workspaces(tools.client(ctx))
-            return json_result({"workspaces": [asdict(entry) for entry in found]})
-        if not name:
-            raise WorkspaceError("manage_workspaces action 'delete' needs the name of a workspace (action 'list')")
-        await tools.host.delete_workspace(tools.client(ctx), name)
-        return json_result({"deleted": name})
+@tool(group="workspaces")
+async def manage_workspaces(
+    tools: ToolContext, action: Literal["list", "delete"], ctx: Context, name: Text = ""
+) -> CallToolResult:
+    """Your persistent workspaces: list, or delete one (not while in use)."""
+    if action == "list":
+        found = await tools.host.list_workspaces(tools.client(ctx))
+        return json_result({"workspaces": [asdict(entry) for entry in found]})
+    if not name:
+        raise WorkspaceError("manage_workspaces action 'delete' needs the name of a workspace (action 'list')")
+    await tools.host.delete_workspace(tools.client(ctx), name)
+    return json_result({"deleted": name})

@@ -21,7 +21,7 @@ from coderunner.sessions.snapshot_reports import REPORT_TEXT, report_count
 from coderunner.snapshots.layout import SNAPSHOT_ID
 from coderunner.snapshots.store import CopyReport, DamagedSnapshot, Listing, SnapshotMeta, SnapshotNotFound
 from coderunner.tools.arguments import SessionId, Text
-from coderunner.tools.context import ToolContext, json_result
+from coderunner.tools.context import ToolContext, json_result, tool
 
 #: Entries of a list a reply shows at most (the rest are counted).
 SHOWN = 50
@@ -29,64 +29,72 @@ SHOWN = 50
 SHOWN_NAMES = 10
 
 
-def register(tools: ToolContext) -> None:
-    host = tools.host
+async def save(tools: ToolContext, ctx: Context, session_id: str, name: str) -> CallToolResult:
+    """manage_snapshots save: the session's files and variables, kept under the caller's client."""
+    session = await tools.session(ctx, session_id)
+    taken = await tools.host.take_snapshot(session, name)
+    return json_result(_taken(taken))
 
-    async def save(ctx: Context, session_id: str, name: str) -> CallToolResult:
-        session = await tools.session(ctx, session_id)
-        taken = await host.take_snapshot(session, name)
-        return json_result(_taken(taken))
 
-    async def restore(ctx: Context, snapshot: str) -> CallToolResult:
-        client = tools.client(ctx)
-        try:
-            meta = await host.snapshot(client, snapshot)
-        except SnapshotNotFound as missing:  # not an id of theirs: a name, then (its newest snapshot)
-            meta = named(await host.snapshot_listing(client), snapshot, missing)
-        session = await _open(tools, ctx, meta, Seed(client, meta.snapshot_id))
-        return json_result(_restored(session, meta))
+async def restore(tools: ToolContext, ctx: Context, snapshot: str) -> CallToolResult:
+    """manage_snapshots restore: a new session from a snapshot (an id, or a name for its newest)."""
+    client = tools.client(ctx)
+    try:
+        meta = await tools.host.snapshot(client, snapshot)
+    except SnapshotNotFound as missing:  # not an id of theirs: a name, then (its newest snapshot)
+        meta = named(await tools.host.snapshot_listing(client), snapshot, missing)
+    session = await _open(tools, ctx, meta, Seed(client, meta.snapshot_id))
+    return json_result(_restored(session, meta))
 
-    async def fork(ctx: Context, session_id: str) -> CallToolResult:
-        session = await tools.session(ctx, session_id)
-        taken = await host.take_snapshot(session, f"fork of {session.session_id[:8]}")
-        try:
-            forked = await _open(tools, ctx, taken.meta, Seed(taken.meta.client, taken.meta.snapshot_id))
-        finally:
-            await host.delete_snapshot(taken.meta.client, taken.meta.snapshot_id)
-        forked.note_restored_from(f"fork of session {session.session_id[:8]}")  # its snapshot is gone
-        reply = _restored(forked, taken.meta)
-        reply["forked_from"] = session.session_id
-        del reply["snapshot"]
-        return json_result(reply)
 
-    async def listing(ctx: Context) -> CallToolResult:
-        found = await host.snapshot_listing(tools.client(ctx))
-        entries = [(meta.created, _listed(meta)) for meta in found.snapshots]
-        entries += [(entry.modified, _damaged(entry)) for entry in found.damaged]
-        entries.sort(key=lambda pair: pair[0], reverse=True)
-        return json_result({"snapshots": [listed for _, listed in entries]})
+async def fork(tools: ToolContext, ctx: Context, session_id: str) -> CallToolResult:
+    """manage_snapshots fork: a new session with a copy of this one (through a snapshot deleted after)."""
+    session = await tools.session(ctx, session_id)
+    taken = await tools.host.take_snapshot(session, f"fork of {session.session_id[:8]}")
+    try:
+        forked = await _open(tools, ctx, taken.meta, Seed(taken.meta.client, taken.meta.snapshot_id))
+    finally:
+        await tools.host.delete_snapshot(taken.meta.client, taken.meta.snapshot_id)
+    forked.note_restored_from(f"fork of session {session.session_id[:8]}")  # its snapshot is gone
+    reply = _restored(forked, taken.meta)
+    reply["forked_from"] = session.session_id
+    del reply["snapshot"]
+    return json_result(reply)
 
-    async def delete(ctx: Context, snapshot: str) -> CallToolResult:
-        await host.delete_snapshot(tools.client(ctx), snapshot)
-        return json_result({"deleted": snapshot})
 
-    @tools.tool(group="snapshots")
-    async def manage_snapshots(
-        action: Literal["save", "restore", "fork", "list", "delete"],
-        ctx: Context,
-        session_id: SessionId = "",
-        snapshot: Text = "",
-        name: Text = "",
-    ) -> CallToolResult:
-        """Snapshots of a session's files and variables: save, restore (a new session), fork (copy a session),
-        list, delete."""
-        if action in ("save", "fork"):
-            return await (save(ctx, session_id, name) if action == "save" else fork(ctx, session_id))
-        if action == "list":
-            return await listing(ctx)
-        if not snapshot:
-            raise SnapshotNotFound(f"manage_snapshots action {action!r} needs a snapshot (action 'list' shows yours)")
-        return await (restore(ctx, snapshot) if action == "restore" else delete(ctx, snapshot))
+async def listing(tools: ToolContext, ctx: Context) -> CallToolResult:
+    """manage_snapshots list: the caller's snapshots, newest first, damaged ones marked."""
+    found = await tools.host.snapshot_listing(tools.client(ctx))
+    entries = [(meta.created, _listed(meta)) for meta in found.snapshots]
+    entries += [(entry.modified, _damaged(entry)) for entry in found.damaged]
+    entries.sort(key=lambda pair: pair[0], reverse=True)
+    return json_result({"snapshots": [listed for _, listed in entries]})
+
+
+async def delete(tools: ToolContext, ctx: Context, snapshot: str) -> CallToolResult:
+    """manage_snapshots delete: one of the caller's snapshots."""
+    await tools.host.delete_snapshot(tools.client(ctx), snapshot)
+    return json_result({"deleted": snapshot})
+
+
+@tool(group="snapshots")
+async def manage_snapshots(
+    tools: ToolContext,
+    action: Literal["save", "restore", "fork", "list", "delete"],
+    ctx: Context,
+    session_id: SessionId = "",
+    snapshot: Text = "",
+    name: Text = "",
+) -> CallToolResult:
+    """Snapshots of a session's files and variables: save, restore (a new session), fork (copy a session),
+    list, delete."""
+    if action in ("save", "fork"):
+        return await (save(tools, ctx, session_id, name) if action == "save" else fork(tools, ctx, session_id))
+    if action == "list":
+        return await listing(tools, ctx)
+    if not snapshot:
+        raise SnapshotNotFound(f"manage_snapshots action {action!r} needs a snapshot (action 'list' shows yours)")
+    return await (restore(tools, ctx, snapshot) if action == "restore" else delete(tools, ctx, snapshot))
 
 
 def named(found: Listing, name: str, missing: SnapshotNotFound) -> SnapshotMeta:
