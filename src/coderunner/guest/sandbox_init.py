@@ -28,6 +28,9 @@ import sys
 PR_SET_PDEATHSIG = 1
 PR_GET_DUMPABLE = 3
 PR_SET_DUMPABLE = 4
+PR_SET_NAME = 15
+#: Its name in /proc/1/comm and ps: what it is, not "python".
+NAME = b"sandbox-init"
 #: What the init exits with when it refuses to start ARGV (the host reads the reason on stderr).
 REFUSED = 125
 #: What it exits with when the host went away (the gate's end of file).
@@ -45,6 +48,7 @@ def seal() -> None:
         say(f"cannot make pid 1 non-dumpable (errno {ctypes.get_errno()}): not starting")
         sys.exit(REFUSED)
     libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    libc.prctl(PR_SET_NAME, ctypes.c_char_p(NAME), 0, 0, 0)
 
 
 def await_gate(gate: int) -> None:
