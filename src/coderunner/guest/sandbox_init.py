@@ -15,14 +15,16 @@ in the namespace. It also exits as soon as ARGV's process does, with its status 
 signal ended it), as bwrap's own init did; it reaps every orphan meanwhile.
 
 Stdlib only (it runs with -I -S before anything else); one thread; every wait is on the gate or a child.
+It is on the path of every sandbox start, so it imports the builtin halves (_signal, _ctypes) rather
+than signal (which imports enum) and ctypes: about 8 ms less of a cold start.
 """
 
 from __future__ import annotations
 
-import ctypes
+import _ctypes
+import _signal as signal  # type: ignore[import-not-found]  # the C half of signal: no stubs
 import os
 import select
-import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
@@ -41,14 +43,24 @@ def say(line: str) -> None:
     os.write(2, f"sandbox init: {line}\n".encode())
 
 
+class _Int(_ctypes._SimpleCData):
+    _type_ = "i"
+
+
+class _LibcCall(_ctypes.CFuncPtr):
+    _flags_ = _ctypes.FUNCFLAG_CDECL | _ctypes.FUNCFLAG_USE_ERRNO
+    _restype_ = _Int
+
+
 def seal() -> None:
     """Non-dumpable (nothing in the sandbox may write this process), and killed with bwrap's outer process."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or libc.prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
-        say(f"cannot make pid 1 non-dumpable (errno {ctypes.get_errno()}): not starting")
+    this_program = _ctypes.dlopen(None, os.RTLD_NOW)  # type: ignore[arg-type]  # None: dlopen(NULL), libc included
+    prctl = _LibcCall(_ctypes.dlsym(this_program, "prctl"))
+    if prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0 or prctl(PR_GET_DUMPABLE, 0, 0, 0, 0) != 0:
+        say(f"cannot make pid 1 non-dumpable (errno {_ctypes.get_errno()}): not starting")
         sys.exit(REFUSED)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-    libc.prctl(PR_SET_NAME, ctypes.c_char_p(NAME), 0, 0, 0)
+    prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    prctl(PR_SET_NAME, NAME, 0, 0, 0)
 
 
 def await_gate(gate: int) -> None:
@@ -117,4 +129,4 @@ def main(args: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    os._exit(main(sys.argv[1:]))  # no interpreter teardown: nothing here to flush, and a start is on the clock
