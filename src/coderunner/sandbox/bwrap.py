@@ -41,7 +41,7 @@ from coderunner.sandbox.bwrap_watch import process_watch
 from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from coderunner.sandbox.common import ENV_MOUNT, WORKSPACE
 from coderunner.sandbox.identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
-from coderunner.sandbox.pid1 import SandboxHold, gated_command, open_child
+from coderunner.sandbox.pid1 import NotOurChild, SandboxHold, gated_command, open_child
 from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
 
 if TYPE_CHECKING:
@@ -291,10 +291,11 @@ class BwrapBackend(SandboxBackend):
 
     async def _hold(self, sandbox: SandboxProcess, fds: StartFds) -> None:
         """Hand the sandbox to this process's watcher, then let it start: first bwrap (the prelude's gate),
-        then, once the watcher holds a pidfd of the sandbox's pid 1 too (and its network is up), the init."""
+        then, once the watcher holds a pidfd of the sandbox's pid 1 too (and its network is up), the init.
+        A sandbox that fails meanwhile is left to exit: its exit and stderr say why (the kernel's start)."""
         watch = process_watch()
         assert fds.info_read is not None
-        outer = os.pidfd_open(sandbox.pid)
+        outer = open_child(os.getpid(), sandbox.pid)  # still ours: it waits at the gate for this process
         cgroups = list(sandbox.cgroup.dirs.values()) if sandbox.cgroup is not None else []
         try:
             entry = watch.watcher.add(outer, [fds.info_read], cgroups)
@@ -304,17 +305,22 @@ class BwrapBackend(SandboxBackend):
             raise
         hold = SandboxHold(watch.watcher, entry, outer, fds.gate)
         sandbox.hold = hold
-        fds.gate.open_prelude()
+        with contextlib.suppress(BrokenPipeError):
+            fds.gate.open_prelude()
         with anyio.fail_after(HOLD_TIMEOUT_S):
             info = await read_json_document(fds.info_read)
         if info is None:
-            return  # bwrap failed before it made its child: its exit and stderr say why
-        hold.init = open_child(sandbox.pid, int(info["child-pid"]))
+            return  # bwrap failed before it made its child
+        try:
+            hold.init = open_child(sandbox.pid, int(info["child-pid"]))
+        except (ProcessLookupError, NotOurChild):
+            return  # its pid 1 is gone already, and its namespace with it
         watch.watcher.add_init(entry, hold.init)
         if fds.network:
             with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):
                 await self._attach_network(fds, sandbox, int(info["child-pid"]), watch.lifeline)
-        fds.gate.open_init()
+        with contextlib.suppress(BrokenPipeError):
+            fds.gate.open_init()
 
     def _cgroup_for(self, spec: SandboxSpec) -> SessionCgroup | None:
         if self.cgroups is None:

@@ -41,7 +41,8 @@ class WatchUnavailable(OSError):
 
 @dataclass
 class _Entry:
-    """What the watcher was told of one sandbox, kept to tell a restarted watcher again."""
+    """What the watcher was told of one sandbox, kept to tell a restarted watcher again. The fds are the
+    caller's (SandboxHold's): open until it calls forget, which is before it closes them."""
 
     fds: list[int]
     cgroups: list[str]
@@ -62,39 +63,37 @@ class PidWatcher:
         return self._process.pid if self._process is not None else None
 
     def add(self, outer_pidfd: int, kept: list[int], cgroups: list[Path]) -> str:
-        """Tell the watcher of a sandbox just spawned (its outer pidfd, fds to keep open, its cgroup dirs);
-        its id. The fds are duplicated: the caller keeps its own."""
+        """Tell the watcher of a sandbox just spawned (its outer pidfd, fds for it to keep open until the
+        sandbox's pid 1 is known, its cgroup dirs); its id. The caller keeps `outer_pidfd` open until
+        `forget`. `kept` is sent once, not again to a restarted watcher (it matters only while bwrap starts)."""
         name = secrets.token_hex(8)
-        entry = _Entry([os.dup(fd) for fd in (outer_pidfd, *kept)], [str(path) for path in cgroups])
+        entry = _Entry([outer_pidfd], [str(path) for path in cgroups])
         with self._lock:
-            self._entries[name] = entry
             self._ensure_running()
-            self._send_entry(name, entry)
+            self._send_entry(name, entry, kept)
+            self._entries[name] = entry  # only once told: the caller closes its fds if this raised
         return name
 
     def add_init(self, name: str, init_pidfd: int) -> None:
         """Tell the watcher of the sandbox's pid 1."""
         with self._lock:
             entry = self._entries[name]
-            entry.inits.append(os.dup(init_pidfd))
+            entry.inits.append(init_pidfd)
             self._ensure_running()
-            self._send(f"init {name}", [entry.inits[-1]])
+            self._send(f"init {name}", [init_pidfd])
 
     def forget(self, name: str) -> None:
         """The sandbox is dead and reaped: the watcher and this process close its fds."""
         with self._lock:
-            entry = self._entries.pop(name, None)
-            if entry is None:
+            if self._entries.pop(name, None) is None:
                 return
-            for fd in (*entry.fds, *entry.inits):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
             if self._sock is not None:
                 with contextlib.suppress(OSError):
                     self._send(f"drop {name}", [])
 
-    def _send_entry(self, name: str, entry: _Entry) -> None:
-        self._send("\n".join([f"add {name}", *(f"cgroup {path}" for path in entry.cgroups)]), entry.fds)
+    def _send_entry(self, name: str, entry: _Entry, kept: list[int] | None = None) -> None:
+        lines = [f"add {name}", *(f"cgroup {path}" for path in entry.cgroups)]
+        self._send("\n".join(lines), [*entry.fds, *(kept or [])])
         for init in entry.inits:
             self._send(f"init {name}", [init])
 

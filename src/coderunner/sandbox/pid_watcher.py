@@ -6,7 +6,8 @@ before the sandbox may start anything (a gate holds it):
 
     add ID [cgroup DIR]...   + fds: a pidfd of the process it spawned (the outer bwrap, pid kept
                                through its execs) and the read end of bwrap's --info-fd pipe
-    init ID                  + fd:  a pidfd of the sandbox's pid 1 (bwrap's "child-pid")
+    init ID                  + fd:  a pidfd of the sandbox's pid 1 (bwrap's "child-pid"); the info
+                               pipe is closed then
     drop ID                  the sandbox is dead and reaped: close its fds
 
 End of file means the server is gone, however it went. Then, for every sandbox still held: its cgroups
@@ -82,8 +83,11 @@ def apply(held: dict[str, Held], text: str, fds: list[int]) -> None:
         entry.cgroups += [line[len("cgroup ") :] for line in lines[1:] if line.startswith("cgroup ")]
         extra = []
     elif verb == "init" and len(fds) == 1:
-        held.setdefault(name, Held()).inits.append(fds[0])
-        extra = []
+        entry = held.setdefault(name, Held())
+        entry.inits.append(fds[0])
+        for fd in entry.kept:  # bwrap has written its --info-fd: its read end need not be held any more
+            os.close(fd)
+        entry.kept, extra = [], []
     elif verb == "drop":
         entry_gone = held.pop(name, None)
         if entry_gone is not None:
