@@ -13,11 +13,11 @@ before the sandbox may start anything (a gate holds it):
 End of file means the server is gone, however it went. Then, for every sandbox still held: its cgroups
 are frozen (v1 freezer) or killed whole (v2 cgroup.kill); its pid 1 gets SIGKILL through its pidfd,
 which ends everything in its pid namespace whatever that init's argv or death signal says; the outer
-bwrap is stopped, its children (a pid 1 the server had not been told of yet) are killed by pidfd, then
-it is; what is left in the cgroups is killed, and they are thawed. Nothing here reads a path or a
-command line the sandbox can write: a pidfd never names a reused pid, and the cgroup dirs are the
-host's. Holding the info pipe's read end keeps bwrap from dying of SIGPIPE (and leaving its child
-blocked for ever) if the server dies before bwrap reports its child.
+bwrap is killed (without cgroups it is stopped first, and its children, a pid 1 the server had not been
+told of yet, are killed by pidfd); what is left in the cgroups is killed, and they are thawed.
+Nothing here reads a path or a command line the sandbox can write: a pidfd never names a reused pid,
+and the cgroup dirs are the host's. Holding the info pipe's read end keeps bwrap from dying of SIGPIPE
+(and leaving its child blocked for ever) if the server dies before bwrap reports its child.
 
 It imports builtin modules only, so that waiting costs little memory: the server starts one per process.
 """
@@ -233,7 +233,9 @@ def end_all(held: dict[str, Held]) -> None:
         for pidfd in entry.inits:
             signal_fd(pidfd, signal.SIGKILL)
     for entry in held.values():
-        if entry.outer is not None:
+        if entry.outer is not None and entry.cgroups:
+            signal_fd(entry.outer, signal.SIGKILL)  # what it made is in its cgroups (frozen: it would not stop)
+        elif entry.outer is not None:
             end_outer(entry.outer)
     kill_listed(dirs)
 
