@@ -23,7 +23,7 @@ from coderunner.sandbox.bwrap_watch import PidWatcher
 
 
 class NotOurChild(OSError):
-    """The pid bwrap reported is not (or no longer) its child."""
+    """A pid is not (or no longer) the child it should be: bwrap's pid 1, or the process this one spawned."""
 
 
 def parent_of(pid: int) -> int | None:
@@ -38,7 +38,7 @@ def open_child(parent: int, child: int) -> int:
     pidfd = os.pidfd_open(child)
     if parent_of(child) != parent:
         os.close(pidfd)
-        raise NotOurChild(f"process {child} is not the sandbox's pid 1 (bwrap {parent} reported it)")
+        raise NotOurChild(f"process {child} is no longer a child of process {parent}")
     return pidfd
 
 
