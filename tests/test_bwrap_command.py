@@ -7,7 +7,7 @@ from pathlib import Path
 
 from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapCommand
-from coderunner.sandbox.common import ENV_MOUNT, INSTALL_REFUSAL_ENV, sandbox_environment
+from coderunner.sandbox.common import ENV_MOUNT, INSTALL_REFUSAL_ENV, SANDBOX_INIT, sandbox_environment
 
 
 def build(tmp_path: Path, limits: Limits | None = None, **fds: int | str) -> list[str]:
@@ -19,7 +19,8 @@ def build(tmp_path: Path, limits: Limits | None = None, **fds: int | str) -> lis
         limits=limits or Limits(),
     )
     command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
-    return command.argv(spec, ["python", "-m", "ipykernel_launcher"], **fds)
+    fds.setdefault("gate_fd", 9)
+    return command.argv(spec, ["python", "-m", "ipykernel_launcher"], **fds)  # type: ignore[arg-type]
 
 
 def pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
@@ -28,9 +29,11 @@ def pairs(argv: list[str], flag: str) -> list[tuple[str, str]]:
 
 def test_namespaces_privileges_and_lifetime(tmp_path: Path) -> None:
     argv = build(tmp_path)
-    for flag in ("--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--clearenv",
+    for flag in ("--unshare-all", "--unshare-user", "--as-pid-1", "--new-session", "--clearenv",
                  "--disable-userns"):  # fmt: skip
         assert flag in argv
+    # The sandbox's end is the host's business (pidfds, the watcher), not a death signal in its pid 1.
+    assert "--die-with-parent" not in argv
     assert argv[argv.index("--cap-drop") + 1] == "ALL"
     assert argv[argv.index("--uid") + 1] == "1000"
     assert argv[argv.index("--remount-ro") + 1] == "/"
@@ -60,12 +63,13 @@ def test_environment_is_explicit_and_host_free(tmp_path: Path, monkeypatch) -> N
 
 
 def test_memory_limit_wraps_the_inner_command(tmp_path: Path) -> None:
+    """Under the init (which no limit of user code binds), before the program."""
     argv = build(tmp_path, Limits(memory_mb=512), nproc=300)
-    inner = argv[argv.index("--") + 1 :]
+    inner = argv[argv.index("--") + 7 :]
     assert inner[:4] == ["/usr/bin/prlimit", f"--as={512 * 1024 * 1024}", "--nproc=300", "--"]
     assert inner[4:] == ["python", "-m", "ipykernel_launcher"]
     unlimited = build(tmp_path)
-    assert unlimited[unlimited.index("--") + 1 :] == ["python", "-m", "ipykernel_launcher"]
+    assert unlimited[unlimited.index("--") + 7 :] == ["python", "-m", "ipykernel_launcher"]
 
 
 def test_seccomp_tmpfs_sizes_and_setup_fds(tmp_path: Path) -> None:
@@ -117,8 +121,8 @@ def test_a_network_none_sandbox_is_told_why_nothing_installs_and_no_other_is(tmp
     command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
     told = SandboxSpec(name="a", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path, install_refusal="why")
     untold = SandboxSpec(name="b", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path, network="internet")
-    assert dict(pairs(command.argv(told, ["python"]), "--setenv"))[INSTALL_REFUSAL_ENV] == "why"
-    assert INSTALL_REFUSAL_ENV not in dict(pairs(command.argv(untold, ["python"]), "--setenv"))
+    assert dict(pairs(command.argv(told, ["python"], gate_fd=9), "--setenv"))[INSTALL_REFUSAL_ENV] == "why"
+    assert INSTALL_REFUSAL_ENV not in dict(pairs(command.argv(untold, ["python"], gate_fd=9), "--setenv"))
 
 
 def test_a_private_file_is_read_from_an_fd_into_the_sandboxs_own_root(tmp_path: Path) -> None:
@@ -128,19 +132,18 @@ def test_a_private_file_is_read_from_an_fd_into_the_sandboxs_own_root(tmp_path: 
         name="abcd1234", workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", host_dir=tmp_path / "host"
     )
     command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
-    argv = command.argv(spec, ["python"], private_fds=((7, "/run/kernel/connection.json"),))
+    argv = command.argv(spec, ["python"], gate_fd=9, private_fds=((7, "/run/kernel/connection.json"),))
     assert pairs(argv, "--ro-bind-data") == [("7", "/run/kernel/connection.json")]
     assert argv.index("--ro-bind-data") < argv.index("--remount-ro")
     assert "--ro-bind-data" not in build(tmp_path)
     assert SandboxSpec(name="k", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path).twin().twin().name == "k"
 
 
-def test_the_starting_process_s_mark_comes_first_and_sets_nothing(tmp_path: Path) -> None:
-    """Its watcher finds every bwrap of the process by it (sandbox/bwrap_watch.py): first, where any
-    prefix (setpriv, the cgroup entry) leaves it within the head the watcher reads; an --unsetenv of a
-    name the sandbox never had, after --clearenv or before, changes nothing inside."""
-    mark = "CODERUNNER_SANDBOX_OF_0123456789abcdef"
-    argv = build(tmp_path, owner_mark=mark)
-    assert argv[:3] == ["/usr/bin/bwrap", "--unsetenv", mark]
-    assert mark not in dict(pairs(argv, "--setenv")) and argv.count(mark) == 1
-    assert "--unsetenv" not in build(tmp_path)
+def test_pid_1_is_our_sealed_init_holding_the_gate_and_no_mark(tmp_path: Path) -> None:
+    """bwrap's own pid 1 is dumpable by the sandbox's uid (issue 38): ours (guest/sandbox_init.py) comes
+    first after `--`, waits on the gate fd, and nothing in any command line names the host's watcher."""
+    argv = build(tmp_path, gate_fd=11)
+    inner = argv[argv.index("--") + 1 :]
+    assert inner[:6] == [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, "11", "--"]
+    assert inner[6:] == ["python", "-m", "ipykernel_launcher"]
+    assert "--unsetenv" not in argv and not any("CODERUNNER" in arg for arg in argv if "=" not in arg)

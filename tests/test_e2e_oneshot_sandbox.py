@@ -104,7 +104,7 @@ async def test_bash_runs_directly_and_its_variables_leave_no_trace(client: Clien
     done = await execute(client, "bash", code, variables='{"greeting": "it\'s $(id) `id`", "n": 7}')
     lines = done["stdout"].splitlines()
     assert lines[0] == "[unset] [unset] [it's $(id) `id`] [7]", done
-    assert lines[1] == "bwrap bash", done  # no launcher between the sandbox and the script
+    assert lines[1] == "sandbox-init bash", done  # no launcher between the sandbox's pid 1 and the script
     assert lines[2] == "child [it's $(id) `id`] [unset]"
     assert lines[3] == "read-only"
     plain = await execute(client, "bash", 'echo "[${PYTHONPATH-unset}] [${BASH_ENV-unset}]"')

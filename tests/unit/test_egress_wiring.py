@@ -105,7 +105,7 @@ def spec(tmp_path: Path, network: str) -> SandboxSpec:
 
 def test_bwrap_allowlist_is_loopback_only_with_the_forwarder_first(tmp_path: Path) -> None:
     command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
-    argv = command.argv(spec(tmp_path, "allowlist"), ["python", "-m", "ipykernel_launcher"])
+    argv = command.argv(spec(tmp_path, "allowlist"), ["python", "-m", "ipykernel_launcher"], gate_fd=9)
     assert "--share-net" not in argv
     env = {argv[i + 1]: argv[i + 2] for i, arg in enumerate(argv) if arg == "--setenv"}
     for name in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy"):
@@ -123,7 +123,7 @@ def test_bwrap_allowlist_is_loopback_only_with_the_forwarder_first(tmp_path: Pat
 def test_other_modes_get_no_proxy_and_no_forwarder(tmp_path: Path) -> None:
     command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
     for network in ("none", "internet"):
-        argv = command.argv(spec(tmp_path, network), ["python"])
+        argv = command.argv(spec(tmp_path, network), ["python"], gate_fd=9)
         assert EGRESS_FORWARDER not in argv and "HTTP_PROXY" not in argv
         assert egress_environment(network) == {}
 

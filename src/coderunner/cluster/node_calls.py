@@ -7,7 +7,7 @@ one `coderunner-<backend>` unit) runs it through the node's own SessionManager a
 exactly as one machine would, and returns the OneShotResult. Ray reuses its worker processes for
 tasks, so no process starts per run. An allowlist run returns its proxy's decisions too (the reply's
 `network` line). A cancelled or over-time run cancels its task (force: the
-worker is killed, and its sandbox, started with --die-with-parent, dies with it).
+worker is killed, and its sandbox dies with it: its init's gate ends and the worker's watcher kills it).
 """
 
 from __future__ import annotations

@@ -6,8 +6,10 @@ declares its network modes, kernel channels and checkpointer) and one entry in r
 names its modules as text: a backend's code is imported only when it is chosen, so a bwrap server
 never loads the container code. A new backend is its own modules plus one registry entry:
 
-    bwrap           bwrap.py        Linux default, no daemon (bwrap_argv.py builds its argv;
-                                    bwrap_watch.py ends what a killed server was starting)
+    bwrap           bwrap.py        Linux default, no daemon (bwrap_argv.py builds its argv; pid1.py
+                                    holds pidfds of each sandbox's outer bwrap and pid 1, which is
+                                    guest/sandbox_init.py; bwrap_watch.py hands them to pid_watcher.py,
+                                    which ends a killed server's sandboxes)
     podman, docker  oci.py          one container per kernel, from the CodeRunner image
                                     (oci_argv.py builds the engine's argv)
     gvisor          gvisor.py       runsc directly on podman's image: a kernel of its own per sandbox;

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, Process, TaskGroup
@@ -268,6 +268,15 @@ class SandboxBackend(ABC):
         """The backend's own part of spawn, once the network mode is known to be possible here."""
 
 
+class SandboxHold(Protocol):
+    """A backend's handles on a sandbox that nothing inside it can change (bwrap: pidfds of its pid 1 and
+    of its outer process): `kill` ends the sandbox whole, `release` lets go once it is reaped."""
+
+    def kill(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
 class SandboxProcess:
     """A running sandbox as a host process: wait for it, kill it, read what it said on stderr."""
 
@@ -287,6 +296,8 @@ class SandboxProcess:
         #: Processes serving this sandbox from outside (e.g. its user-mode network stack).
         self.helpers = helpers or []
         self._oom_kills_at_start = cgroup.oom_kills() if cgroup else 0
+        #: Set by a backend that ends its sandboxes by handles of its own (bwrap: the pid 1's pidfd).
+        self.hold: SandboxHold | None = None
         if process.stderr is not None and not pipes:
             task_group.start_soon(self._drain_stderr)
         else:
@@ -352,10 +363,13 @@ class SandboxProcess:
 
     async def kill(self) -> None:
         """Kill the whole sandbox and reap it, within KILL_WAIT_S."""
+        if self.hold is not None:
+            self.hold.kill()  # first: whatever runs inside, its pid namespace ends with its pid 1
         if self._process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                # The sandbox runs in its own process group (start_new_session); the backends
-                # make everything inside die with that group's leader.
+                # The process the host started, in its own process group (start_new_session): an
+                # engine client or the outer bwrap. What runs inside ends by the backend's own
+                # handle (the hold, above) or with that process (engines end their containers).
                 os.killpg(self._process.pid, signal.SIGKILL)
             with contextlib.suppress(ProcessLookupError):
                 self._process.kill()
@@ -374,3 +388,5 @@ class SandboxProcess:
             # the session's next kernel makes a cgroup of the same name, which this must not meet.
             with anyio.CancelScope(shield=True):
                 await off_loop(self.cgroup.remove)
+        if self.hold is not None:
+            self.hold.release()

@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import logging
 import os
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
@@ -38,10 +36,12 @@ from coderunner.sandbox.base import (
     twin_name,
 )
 from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand
+from coderunner.sandbox.bwrap_fds import StartFds, read_json_document
 from coderunner.sandbox.bwrap_watch import process_watch
 from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from coderunner.sandbox.common import ENV_MOUNT, WORKSPACE
 from coderunner.sandbox.identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
+from coderunner.sandbox.pid1 import NotOurChild, SandboxHold, gated_command, open_child
 from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
 
 if TYPE_CHECKING:
@@ -51,7 +51,9 @@ __all__ = ["BwrapBackend", "BwrapCommand", "BwrapUnavailable", "build", "install
 
 log = logging.getLogger(__name__)
 
-#: Bound on bwrap reporting its child and slirp4netns reporting the network is up.
+#: Bound on bwrap reporting its child (its pid 1) once let go.
+HOLD_TIMEOUT_S = 30.0
+#: Bound on slirp4netns reporting the network is up.
 NETWORK_SETUP_TIMEOUT_S = 10.0
 #: Bound on waiting for bwrap's child to set up its loopback before slirp4netns starts.
 LOOPBACK_WAIT_S = 3.0
@@ -235,28 +237,28 @@ class BwrapBackend(SandboxBackend):
                 nproc = _count_tasks(spec.user.uid) + spec.limits.pids
             elif os.getuid() != 0:
                 nproc = _count_tasks(os.getuid()) + spec.limits.pids
-        watch = process_watch()  # ends this sandbox should this process die while it starts (bwrap_watch.py)
         seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
         private_fds: list[tuple[int, str]] = []
-        fds = _NetworkFds.open() if spec.network == NetworkMode.INTERNET else None
+        fds = StartFds.open(network=spec.network == NetworkMode.INTERNET)
         try:
             for path, data in spec.private_files:
                 private_fds.append((_memfd("coderunner-private", data), path))
             full = self.command.argv(
                 spec,
                 argv,
+                gate_fd=fds.gate.read,
                 seccomp_fd=seccomp_fd,
-                info_fd=fds.info_write if fds else None,
-                block_fd=fds.block_read if fds else None,
+                info_fd=fds.info_write,
+                block_fd=fds.block_read,
                 nproc=nproc,
                 memory_cgroup=cgroup is not None and "memory" in cgroup.dirs and spec.limits.memory_mb is not None,
                 private_fds=tuple(private_fds),
-                owner_mark=watch.mark,
             )
             if spec.user is not None:
                 full = [*spec.user.setpriv_prefix(), *full]
             if cgroup is not None:
                 full = enter_command(cgroup, full)
+            full = gated_command(fds.gate.read, full)
             process = await anyio.open_process(
                 full,
                 stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,
@@ -264,9 +266,10 @@ class BwrapBackend(SandboxBackend):
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                pass_fds=(seccomp_fd, *(fd for fd, _ in private_fds), *(fds.child_fds() if fds else ())),
+                pass_fds=(seccomp_fd, *(fd for fd, _ in private_fds), *fds.child_fds()),
             )
         except BaseException:
+            fds.close(gate_too=True)
             if cgroup is not None:
                 with anyio.CancelScope(shield=True):
                     await off_loop(cgroup.remove)
@@ -274,20 +277,50 @@ class BwrapBackend(SandboxBackend):
         finally:
             for fd in (seccomp_fd, *(fd for fd, _ in private_fds)):
                 os.close(fd)
-            if fds:
-                fds.close_child_ends()
+            fds.close_child_ends()
         sandbox = SandboxProcess(process, task_group, cgroup=cgroup, pipes=pipes)
-        if fds is not None:
-            try:
-                with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):
-                    await self._attach_network(fds, sandbox, watch.lifeline)
-            except BaseException:
-                with anyio.CancelScope(shield=True):
-                    await sandbox.kill()
-                raise
-            finally:
-                fds.close()
+        try:
+            await self._hold(sandbox, fds)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await sandbox.kill()
+            raise
+        finally:
+            fds.close()
         return sandbox
+
+    async def _hold(self, sandbox: SandboxProcess, fds: StartFds) -> None:
+        """Hand the sandbox to this process's watcher, then let it start: first bwrap (the prelude's gate),
+        then, once the watcher holds a pidfd of the sandbox's pid 1 too (and its network is up), the init.
+        A sandbox that fails meanwhile is left to exit: its exit and stderr say why (the kernel's start)."""
+        watch = process_watch()
+        assert fds.info_read is not None
+        outer = open_child(os.getpid(), sandbox.pid)  # still ours: it waits at the gate for this process
+        cgroups = list(sandbox.cgroup.dirs.values()) if sandbox.cgroup is not None else []
+        try:
+            entry = watch.watcher.add(outer, [fds.info_read], cgroups)
+        except BaseException:
+            os.close(outer)
+            fds.gate.close()
+            raise
+        hold = SandboxHold(watch.watcher, entry, outer, fds.gate)
+        sandbox.hold = hold
+        with contextlib.suppress(BrokenPipeError):
+            fds.gate.open_prelude()
+        with anyio.fail_after(HOLD_TIMEOUT_S):
+            info = await read_json_document(fds.info_read)
+        if info is None:
+            return  # bwrap failed before it made its child
+        try:
+            hold.init = open_child(sandbox.pid, int(info["child-pid"]))
+        except (ProcessLookupError, NotOurChild):
+            return  # its pid 1 is gone already, and its namespace with it
+        watch.watcher.add_init(entry, hold.init)
+        if fds.network:
+            with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):
+                await self._attach_network(fds, sandbox, int(info["child-pid"]), watch.lifeline)
+        with contextlib.suppress(BrokenPipeError):
+            fds.gate.open_init()
 
     def _cgroup_for(self, spec: SandboxSpec) -> SessionCgroup | None:
         if self.cgroups is None:
@@ -302,12 +335,10 @@ class BwrapBackend(SandboxBackend):
             ),
         )
 
-    async def _attach_network(self, fds: _NetworkFds, sandbox: SandboxProcess, lifeline: int) -> None:
-        """Start slirp4netns on the sandbox's network namespace, then let bwrap go on. slirp4netns ends
-        with this process (`lifeline`: a pipe's read end whose only writer is this process)."""
-        assert self.slirp4netns is not None
-        info = await _read_json_document(fds.info_read)
-        child = int(info["child-pid"])
+    async def _attach_network(self, fds: StartFds, sandbox: SandboxProcess, child: int, lifeline: int) -> None:
+        """Start slirp4netns on the network namespace of the sandbox's pid 1 (`child`), then let bwrap go on.
+        slirp4netns ends with this process (`lifeline`: a pipe's read end whose only writer is this process)."""
+        assert self.slirp4netns is not None and fds.block_write is not None
         # bwrap reports its child before the child has set up its loopback, and slirp4netns
         # brings `lo` up too: the kernel then adds 127.0.0.1 itself and bwrap's own RTM_NEWADDR
         # fails ("loopback: Failed RTM_NEWADDR", seen in about 1 start in 8). Let bwrap go first.
@@ -355,46 +386,3 @@ async def _loopback_ready(pid: int, timeout_s: float) -> bool:
             await anyio.sleep(0.002)
     log.warning("the sandbox's loopback was not up after %.1fs; starting its network anyway", timeout_s)
     return False
-
-
-async def _read_json_document(fd: int) -> dict[str, Any]:
-    """bwrap writes one JSON object to --info-fd and keeps it open: read until it parses."""
-    data = b""
-    while True:
-        await anyio.wait_readable(fd)
-        chunk = os.read(fd, 4096)
-        if not chunk:
-            break
-        data += chunk
-        with contextlib.suppress(ValueError):
-            return json.loads(data)
-    return json.loads(data)
-
-
-@dataclass
-class _NetworkFds:
-    """Pipes for --info-fd (bwrap tells its child's pid) and --block-fd (we say: network is up)."""
-
-    info_read: int
-    info_write: int
-    block_read: int
-    block_write: int
-
-    @classmethod
-    def open(cls) -> _NetworkFds:
-        info_read, info_write = os.pipe()
-        block_read, block_write = os.pipe()
-        return cls(info_read, info_write, block_read, block_write)
-
-    def child_fds(self) -> tuple[int, int]:
-        return (self.info_write, self.block_read)
-
-    def close_child_ends(self) -> None:
-        for fd in self.child_fds():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-
-    def close(self) -> None:
-        for fd in (self.info_read, self.block_write):
-            with contextlib.suppress(OSError):
-                os.close(fd)

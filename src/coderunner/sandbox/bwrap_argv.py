@@ -14,6 +14,7 @@ from coderunner.sandbox.common import (
     PROC_MASKED_DIRS,
     PROC_MASKED_FILES,
     SANDBOX_GID,
+    SANDBOX_INIT,
     SANDBOX_UID,
     SHM_MB,
     WORKSPACE,
@@ -48,26 +49,30 @@ class BwrapCommand:
         spec: SandboxSpec,
         inner: list[str],
         *,
+        gate_fd: int,
         seccomp_fd: int | None = None,
         info_fd: int | None = None,
         block_fd: int | None = None,
         nproc: int | None = None,
         memory_cgroup: bool = False,
         private_fds: tuple[tuple[int, str], ...] = (),
-        owner_mark: str | None = None,
     ) -> list[str]:
-        """`private_fds`: (fd, path inside) of spec.private_files, each read by bwrap into a read-only
+        """`gate_fd`: the start gate's read end (sandbox/pid1.py), which the sandbox's init waits on.
+        `private_fds`: (fd, path inside) of spec.private_files, each read by bwrap into a read-only
         file of this sandbox's own root (no bind of a host path: no other sandbox sees it).
-        `owner_mark`: the starting process's mark (bwrap_watch.py), first, as a no-op --unsetenv."""
+
+        pid 1 is our own init (--as-pid-1; guest/sandbox_init.py), not bwrap's: it makes itself
+        non-dumpable, so nothing in the sandbox can write the process its namespace hangs on. No
+        --die-with-parent: the server's watcher, not a death signal, ends a dead server's sandboxes
+        (bwrap_watch.py), and the init ends with the server through its gate."""
         args = [
             self.bwrap,
-            *(["--unsetenv", owner_mark] if owner_mark else []),
             "--unshare-all",
             "--unshare-user",
             "--uid", str(SANDBOX_UID),
             "--gid", str(SANDBOX_GID),
             "--disable-userns",
-            "--die-with-parent",
+            "--as-pid-1",
             "--new-session",
             "--cap-drop", "ALL",
             "--hostname", "sandbox",
@@ -113,7 +118,8 @@ class BwrapCommand:
         for key, value in sandbox_environment(spec_environment(spec)).items():
             args += ["--setenv", key, value]
         inner = egress_launcher(f"{ENV_MOUNT}/bin/python", spec.network, str(spec.host_dir), inner)
-        return [*args, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
+        init = [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, str(gate_fd), "--"]
+        return [*args, "--", *init, *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
 
     def _proc_cover(self) -> list[str]:
         """Read-only binds and masks over the sandbox's /proc, for entries the host has."""

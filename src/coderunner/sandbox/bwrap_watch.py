@@ -1,39 +1,149 @@
-"""A process's bwrap sandboxes end with it, including the ones bwrap's --die-with-parent misses.
+"""A process's bwrap sandboxes end with it, however it ends: its watcher holds a pidfd of each.
 
---die-with-parent is PR_SET_PDEATHSIG, which bwrap sets itself, without looking whether its parent is
-still there: in its outer process only once it has cloned the sandbox, and in the sandbox's pid 1 only
-once the sandbox is set up. A server SIGKILLed before the first leaves the whole sandbox to init;
-between the two, the sandbox's pid 1. Both windows are milliseconds long on a loaded machine, and a
-server starts sandboxes often (a pool's refill, the standby after each run, a node's pooled actors).
-slirp4netns (network 'internet') has no parent death signal at all.
-
-So every bwrap this process starts carries its mark (a no-op `--unsetenv MARK`, first in bwrap's
-argv), and a watcher (watcher.py, kind "bwrap") SIGKILLs every process carrying it once this process
-is gone, however it went; slirp4netns gets `--exit-fd` on a pipe whose only writer is this process.
-One of each per process, not per backend: a process may make many backends (the tests do), and
-their sandboxes all die with it.
+The host ends a sandbox by handles the sandbox cannot change: a pidfd of the process it spawned (the
+outer bwrap) and one of the sandbox's pid 1, and its cgroups. While the server lives, it kills them
+itself (SandboxProcess.kill). Should it die (SIGKILL, OOM, a crash), its watcher (pid_watcher.py, one
+process per server process, in a session of its own) finds the end of its socket and kills what it
+holds. The server hands each handle over before the sandbox may go on (a gate holds it), so even a
+server killed half-way through a start leaves nothing running. No mark in a command line: the sandbox
+could rewrite its pid 1's (issue 38). slirp4netns gets `--exit-fd` on `lifeline`, a pipe whose only
+writer is this process. One watcher per process, not per backend: a process may make many backends
+(the tests do), and their sandboxes all die with it.
 """
 
 from __future__ import annotations
 
+import array
+import contextlib
+import logging
 import os
 import secrets
+import socket
+import subprocess
+import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
-from coderunner.sandbox.watcher import Watcher, WatchPlan
+from coderunner.sandbox import pid_watcher
+
+log = logging.getLogger(__name__)
 
 #: The watcher's whole environment (it runs nothing but the interpreter and reads /proc).
 WATCHER_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
+#: Bound on handing the watcher one message (it reads them as they come: milliseconds).
+SEND_TIMEOUT_S = 5.0
+
+
+class WatchUnavailable(OSError):
+    """The watcher could not be told of a sandbox: the sandbox must not start."""
+
+
+@dataclass
+class _Entry:
+    """What the watcher was told of one sandbox, kept to tell a restarted watcher again. The fds are the
+    caller's (SandboxHold's): open until it calls forget, which is before it closes them."""
+
+    fds: list[int]
+    cgroups: list[str]
+    inits: list[int] = field(default_factory=list)
+
+
+class PidWatcher:
+    """The server's end of its watcher: starts it, restarts it (telling it everything again), talks to it."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._process: subprocess.Popen[bytes] | None = None
+        self._sock: socket.socket | None = None
+        self._entries: dict[str, _Entry] = {}
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    def add(self, outer_pidfd: int, kept: list[int], cgroups: list[Path]) -> str:
+        """Tell the watcher of a sandbox just spawned (its outer pidfd, fds for it to keep open until the
+        sandbox's pid 1 is known, its cgroup dirs); its id. The caller keeps `outer_pidfd` open until
+        `forget`. `kept` is sent once, not again to a restarted watcher (it matters only while bwrap starts)."""
+        name = secrets.token_hex(8)
+        entry = _Entry([outer_pidfd], [str(path) for path in cgroups])
+        with self._lock:
+            self._ensure_running()
+            self._send_entry(name, entry, kept)
+            self._entries[name] = entry  # only once told: the caller closes its fds if this raised
+        return name
+
+    def add_init(self, name: str, init_pidfd: int) -> None:
+        """Tell the watcher of the sandbox's pid 1."""
+        with self._lock:
+            entry = self._entries[name]
+            entry.inits.append(init_pidfd)
+            self._ensure_running()
+            self._send(f"init {name}", [init_pidfd])
+
+    def forget(self, name: str) -> None:
+        """The sandbox is dead and reaped: the watcher and this process close its fds."""
+        with self._lock:
+            if self._entries.pop(name, None) is None:
+                return
+            if self._sock is not None:
+                with contextlib.suppress(OSError):
+                    self._send(f"drop {name}", [])
+
+    def _send_entry(self, name: str, entry: _Entry, kept: list[int] | None = None) -> None:
+        lines = [f"add {name}", *(f"cgroup {path}" for path in entry.cgroups)]
+        self._send("\n".join(lines), [*entry.fds, *(kept or [])])
+        for init in entry.inits:
+            self._send(f"init {name}", [init])
+
+    def _send(self, text: str, fds: list[int]) -> None:
+        assert self._sock is not None
+        ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+        try:
+            self._sock.sendmsg([text.encode()], ancillary)
+        except OSError as exc:
+            raise WatchUnavailable(f"could not hand the sandbox to its watcher: {exc}") from exc
+
+    def _ensure_running(self) -> None:
+        """Start the watcher if it is not running (first sandbox, or it died: then it is told everything)."""
+        if self._process is not None and self._process.poll() is None:
+            return
+        if self._process is not None:
+            log.warning("the sandbox watcher exited (code %s); starting another", self._process.returncode)
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # both close-on-exec
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-I", "-S", pid_watcher.__file__],
+                stdin=theirs.fileno(),
+                stdout=subprocess.DEVNULL,
+                # Not the server's stderr: a client that waits for its end would wait for the watcher.
+                stderr=subprocess.DEVNULL,
+                env=WATCHER_ENV,
+                cwd="/",
+                start_new_session=True,
+                close_fds=True,
+            )
+        except BaseException:
+            mine.close()
+            raise
+        finally:
+            theirs.close()
+        mine.settimeout(SEND_TIMEOUT_S)
+        self._sock = mine
+        for name, entry in self._entries.items():
+            self._send_entry(name, entry)
 
 
 @dataclass(frozen=True)
 class ProcessWatch:
-    """This process's mark, its watcher, and the read end of its lifeline (slirp4netns --exit-fd)."""
+    """This process's watcher, and the read end of its lifeline (slirp4netns --exit-fd)."""
 
     pid: int
-    mark: str
-    watcher: Watcher
+    watcher: PidWatcher
     lifeline: int
 
 
@@ -42,13 +152,11 @@ _current: ProcessWatch | None = None
 
 
 def process_watch() -> ProcessWatch:
-    """This process's, made on first use (a forked child makes its own), its watcher (re)started."""
+    """This process's, made on first use (a forked child makes its own)."""
     global _current
     with _lock:
         if _current is None or _current.pid != os.getpid():
-            mark = f"CODERUNNER_SANDBOX_OF_{secrets.token_hex(8)}"
             # Close-on-exec both: no child holds the write end, which is never closed (EOF = we are gone).
             lifeline, _writer = os.pipe()
-            _current = ProcessWatch(os.getpid(), mark, Watcher(WatchPlan([], "bwrap", mark), WATCHER_ENV), lifeline)
-        _current.watcher.ensure_running()
+            _current = ProcessWatch(os.getpid(), PidWatcher(), lifeline)
         return _current

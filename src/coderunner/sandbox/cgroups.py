@@ -32,6 +32,11 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
+#: v1 controllers used where the server may write them: the freezer stops a sandbox forking while its
+#: tasks are killed one by one (v1 has no cgroup.kill).
+V1_OPTIONAL = ("freezer",)
+#: Bound on a v1 freezer reaching FROZEN before its tasks are killed anyway.
+FREEZE_WAIT_S = 1.0
 CPU_PERIOD_US = 100_000
 #: Weight of all sessions together against the processes beside them, on cgroup v2's scale (1-10000, 100 =
 #: an ordinary process group). v1 cpu.shares is this x 1024 / 100.
@@ -97,16 +102,37 @@ class SessionCgroup:
         return 0
 
     def kill_all(self) -> None:
-        """SIGKILL every process left in the cgroup (v2 has cgroup.kill; v1 goes pid by pid)."""
+        """SIGKILL every process left in the cgroup: v2 has cgroup.kill; v1 goes pid by pid, frozen meanwhile
+        where it has a freezer (a fork between reading the list and the kill would escape otherwise)."""
         if self.version == 2:
             with contextlib.suppress(OSError):
                 (self.dirs["unified"] / "cgroup.kill").write_text("1")
                 return
-        for procs in self.procs_files():
-            with contextlib.suppress(OSError, ValueError):
-                for pid in procs.read_text().split():
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(int(pid), 9)
+        freezer = self.dirs.get("freezer")
+        if freezer is not None:
+            self._freeze(freezer)
+        try:
+            for procs in self.procs_files():
+                with contextlib.suppress(OSError, ValueError):
+                    for pid in procs.read_text().split():
+                        with contextlib.suppress(ProcessLookupError, PermissionError):
+                            os.kill(int(pid), 9)
+        finally:
+            if freezer is not None:
+                _write_quietly(freezer / "freezer.state", "THAWED")  # killed tasks die once thawed
+
+    @staticmethod
+    def _freeze(freezer: Path) -> None:
+        """Freeze, and wait (bounded) until every task is frozen."""
+        _write_quietly(freezer / "freezer.state", "FROZEN")
+        deadline = time.monotonic() + FREEZE_WAIT_S
+        while time.monotonic() < deadline:
+            try:
+                if (freezer / "freezer.state").read_text().strip() != "FREEZING":
+                    return
+            except OSError:
+                return
+            time.sleep(0.002)
 
     def remove(self) -> None:
         """Kill what is left and remove the dirs, within REMOVE_WAIT_S.
@@ -211,6 +237,10 @@ class CgroupManager:
             for name, parent in parents.items():
                 if not os.access(parent, os.W_OK):
                     raise CgroupsUnavailable(f"cgroup v1 {name} hierarchy at {parent} is not writable (not root)")
+            for name in V1_OPTIONAL:
+                parent = CGROUP_ROOT / name / own.get(name, "/").lstrip("/")
+                if name in own and (parent / "cgroup.procs").exists() and os.access(parent, os.W_OK):
+                    parents[name] = parent
             return cls(version=1, parents=parents)
         if (CGROUP_ROOT / "cgroup.controllers").exists() and "" in own:
             parent = CGROUP_ROOT / own[""].lstrip("/")
@@ -316,7 +346,7 @@ class CgroupManager:
         """Remove the empty parent groups (and empty session groups in them) of servers that are gone.
 
         Only rmdir, never a kill: a group that still has tasks (a server this one cannot see in its
-        /proc, say) stays. A dead server's sandboxes died with it (bwrap --die-with-parent).
+        /proc, say) stays. A dead server's sandboxes died with it (its watcher: bwrap_watch.py).
         """
         for name in self._server_groups():
             pid, _, start = name.rpartition("-server-")[2].partition("-")

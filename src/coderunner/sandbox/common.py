@@ -34,6 +34,8 @@ EGRESS_PORT = 3128
 SESSION_PACKAGES_ENV = "SESSION_SITE_PACKAGES"
 #: Set in a sandbox with network 'none' (SandboxSpec.install_refusal): what the kernel's %pip answers.
 INSTALL_REFUSAL_ENV = "SESSION_INSTALL_REFUSAL"
+#: A bwrap sandbox's pid 1 (bwrap --as-pid-1): non-dumpable, held by the host's gate. Run with -I -S.
+SANDBOX_INIT = f"{GUEST_LIB}/coderunner_guest/sandbox_init.py"
 #: Run as a script with -I -S: stdlib only, so no site-packages scan and no PYTHON* variables.
 EGRESS_FORWARDER = f"{GUEST_LIB}/coderunner_guest/egress_forwarder.py"
 #: A preload (NODE_OPTIONS) that points Node's fetch at the proxy: Node 20 has no NODE_USE_ENV_PROXY.

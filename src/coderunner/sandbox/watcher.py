@@ -13,9 +13,7 @@ does not reach it). It reads a pipe whose only writer is the server; end of file
 is gone, however it went. It then removes every container labelled with that server process's
 instance label, with bounded engine calls, and exits.
 
-(For bwrap, kind "bwrap": no engine; the label is a mark in the command line of every bwrap the
-server process started, and the watcher SIGKILLs every process that carries it: bwrap's own
---die-with-parent misses a server killed while a sandbox starts, bwrap_watch.py says why.)
+(bwrap has a watcher of its own, pid_watcher.py, which holds pidfds instead of a label: bwrap_watch.py.)
 
 It runs nothing from the sandbox and touches no path: its whole input is its argv (the engine
 command and the label, from the server) and the end of a pipe. It waits with the bare interpreter
@@ -25,7 +23,6 @@ server is gone.
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import os
@@ -50,8 +47,6 @@ APPLE_NAME_PREFIX = "coderunner-"
 #: Bounds on the engine calls (as engine.QUERY_TIMEOUT_S and REMOVE_TIMEOUT_S; engine.py imports anyio).
 LIST_TIMEOUT_S = 20.0
 REMOVE_TIMEOUT_S = 30.0
-#: How much of a process's command line is searched for a bwrap mark (bwrap_watch.py puts it first).
-CMDLINE_HEAD_BYTES = 16384
 #: What the watcher process runs: it ignores a terminal's signals (the server's business) and waits for
 #: the end of its pipe with nothing imported (about 4 MiB, where this file's imports make 8), then runs
 #: this file (argv: this file, the plan), whose main finds the pipe ended.
@@ -71,13 +66,12 @@ WAIT_THEN_RUN = (
 class WatchPlan:
     """What the watcher removes, and how: the engine's argv prefix and a `key=value` label."""
 
-    engine: list[str]  # e.g. ["podman", "--runtime", "runc"], or ["runsc", "--root=R", ...]; bwrap: []
-    kind: str  # "podman", "docker", "runsc", "apple" or "bwrap"
+    engine: list[str]  # e.g. ["podman", "--runtime", "runc"], or ["runsc", "--root=R", ...]
+    kind: str  # "podman", "docker", "runsc" or "apple"
     #: podman/docker: the server process's instance label; runsc: its own --root (R), which every
     #: runsc client and sandbox process of that server carries in its argv; apple: the server
     #: process's mark (`-<instance>-`), in the name of each of its VMs and so in every `container run
-    #: --name` of it (servers sharing a runtime dir share the name prefix, never the mark); bwrap: the
-    #: server process's mark, in the command line of each of its bwrap processes (bwrap_watch.py).
+    #: --name` of it (servers sharing a runtime dir share the name prefix, never the mark).
     label: str
     #: runsc: the server process's own host-only dir (bundles, overlay roots): unmounted and removed
     #: once its containers are gone.
@@ -147,47 +141,6 @@ def sweep(plan: WatchPlan) -> int:
     if ids:
         _run(plan.remove_argv(ids), REMOVE_TIMEOUT_S + 2 * len(ids))
     return len(ids)
-
-
-def kill_marked(mark: str) -> int:
-    """SIGKILL every process but this one whose command line holds `mark`; how many. Each is held by a
-    pidfd from before its command line is read to the signal, so a pid reused meanwhile is never hit."""
-    needle, me, killed = mark.encode(), os.getpid(), 0
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == me:
-            continue
-        pid = int(entry.name)
-        try:
-            pidfd: int | None = os.pidfd_open(pid)
-        except OSError as exc:
-            if exc.errno != errno.ENOSYS:
-                continue  # gone meanwhile
-            pidfd = None  # a kernel before 5.3: by pid
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as handle:
-                if needle not in handle.read(CMDLINE_HEAD_BYTES):
-                    continue
-            if pidfd is not None:
-                signal.pidfd_send_signal(pidfd, signal.SIGKILL)
-            else:
-                os.kill(pid, signal.SIGKILL)
-            killed += 1
-        except OSError:
-            continue  # gone meanwhile, or not ours to read
-        finally:
-            if pidfd is not None:
-                os.close(pidfd)
-    return killed
-
-
-def kill_marked_until_settled(mark: str) -> None:
-    """Kill marked processes until two sweeps in a row find none (a start the server had just forked
-    carries the mark a moment later, once it execs), within SWEEP_DEADLINE_S."""
-    deadline = time.monotonic() + SWEEP_DEADLINE_S
-    quiet = 0
-    while quiet < 2 and time.monotonic() < deadline:
-        quiet = quiet + 1 if kill_marked(mark) == 0 else 0
-        time.sleep(SWEEP_INTERVAL_S)
 
 
 def engine_clients_alive(label: str) -> bool:
@@ -306,9 +259,6 @@ def main(argv: list[str]) -> int:
     for number in (signal.SIGINT, signal.SIGHUP, signal.SIGPIPE):
         signal.signal(number, signal.SIG_IGN)  # a terminal's signals are the server's business
     wait_for_end_of_file(0)  # WAIT_THEN_RUN waited already: at its end at once
-    if plan.kind == "bwrap":
-        kill_marked_until_settled(plan.label)
-        return 0
     sweep_until_settled(plan)
     if plan.kind == "runsc":
         clear_dir(plan.clear_dir)

