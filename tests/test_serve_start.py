@@ -58,6 +58,12 @@ def test_a_bad_setting_is_one_line_naming_it(dirs: ServerDirs) -> None:
     assert "memory_mb" in said
 
 
+def test_a_tool_name_that_is_no_tool_is_one_line_naming_the_groups(dirs: ServerDirs) -> None:
+    """Checked where the server is built (the settings load before any tool exists), said the same."""
+    said = one_line_failure(serve_once(server_env(dirs, CODERUNNER_TOOLS="python,pdf_opz")))
+    assert "tools: unknown tool group 'pdf_opz': use all, python" in said, said
+
+
 def test_a_missing_sandbox_environment_is_one_line_with_its_fix(dirs: ServerDirs) -> None:
     said = one_line_failure(serve_once(server_env(dirs, CODERUNNER_SANDBOX_ENV=str(dirs.root / "no-env"))))
     assert "coderunner setup" in said

@@ -22,7 +22,7 @@ from mcp.server.mcpserver import MCPServer
 from mcp.types import Tool
 
 from coderunner.config import ConfigError, Settings, load_settings
-from coderunner.policy.tool_groups import ALWAYS, DEFAULT_GROUPS, GROUP_NAMES, ToolGroups, ToolsetError, selected_tools
+from coderunner.policy.tool_groups import ALWAYS, DEFAULT_GROUPS, GROUP_NAMES, ToolGroups, ToolsetError
 from coderunner.policy.tool_mentions import Mentions, names_in
 from coderunner.server import build_server
 from coderunner.tools import ToolContext, declared_groups
@@ -70,7 +70,7 @@ def walk(schema: dict[str, Any], path: str = "") -> list[tuple[str, dict[str, An
 
 
 def test_the_default_set_is_the_default_groups_and_every_tool_is_a_setting_away(tools: list[Tool]) -> None:
-    assert {tool.name for tool in tools} == selected_tools(DEFAULT_GROUPS)
+    assert {tool.name for tool in tools} == GROUPS.selected(DEFAULT_GROUPS)
     assert {tool.name for tool in tools_of(tools="all")} == ALL_TOOLS
 
 
@@ -210,7 +210,7 @@ def test_tools_setting_exposes_groups_and_always_capabilities() -> None:
     assert {tool.name for tool in tools_of(tools="oneshot,read_file")} == {
         "execute_code", "manage_jobs", "read_file", "get_capabilities",
     }  # fmt: skip
-    assert selected_tools(["all", "python"]) == ALL_TOOLS
+    assert GROUPS.selected(["all", "python"]) == ALL_TOOLS
 
 
 #: Every group alone, and each with python (where most narrower settings start).
@@ -222,7 +222,7 @@ def test_no_description_or_instruction_names_a_tool_the_setting_leaves_out(entri
     server = build_server(types.SimpleNamespace(settings=Settings(tools=entries)))  # type: ignore[arg-type]
     listed = anyio.run(server.list_tools)
     offered = {tool.name for tool in listed}
-    assert offered == selected_tools(entries)
+    assert offered == GROUPS.selected(entries)
     hidden = ALL_TOOLS - offered
     for tool in listed:
         text = f"{tool.description} {json.dumps(tool.input_schema)}"
@@ -232,11 +232,11 @@ def test_no_description_or_instruction_names_a_tool_the_setting_leaves_out(entri
 
 def test_a_run_answering_with_a_job_id_is_followed_by_a_job_tool_in_its_group() -> None:
     for group in ("python", "oneshot"):
-        assert "manage_jobs" in selected_tools([group])
+        assert "manage_jobs" in GROUPS.selected([group])
 
 
 def test_a_mention_of_a_tool_not_offered_becomes_the_group_the_user_can_add() -> None:
-    mentions = Mentions(selected_tools(["python"]), GROUPS)
+    mentions = Mentions(GROUPS.selected(["python"]), GROUPS)
     reply = (
         "denied 'a.org'; to reach it: create_session(network='allowlist', allow=['a.org']); or copy it with "
         "transfer_file (download); manage_jobs reads the rest; run_python (persistent kernel)"
@@ -246,7 +246,7 @@ def test_a_mention_of_a_tool_not_offered_becomes_the_group_the_user_can_add() ->
         "or copy it with a tool not offered here (the user can add 'files' to the tools setting) (download); "
         "manage_jobs reads the rest; run_python (persistent kernel)"
     )
-    only_run = Mentions(selected_tools(["run_python"]), GROUPS)
+    only_run = Mentions(GROUPS.selected(["run_python"]), GROUPS)
     assert only_run.value({"note": ["manage_jobs reads the rest"], "n": 1}) == {
         "note": ["a tool not offered here (the user can add 'python' or 'oneshot' or 'jobs' to the tools setting) "
                  "reads the rest"],
@@ -258,10 +258,15 @@ def test_a_mention_of_a_tool_not_offered_becomes_the_group_the_user_can_add() ->
 
 def test_an_unknown_group_is_refused_with_the_valid_ones(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ToolsetError, match=r"unknown tool group 'pyhton'.*python, sessions"):
-        selected_tools(["pyhton"])
-    monkeypatch.setenv("CODERUNNER_TOOLS", "python,nope")
-    with pytest.raises(ConfigError, match=r"tools: unknown tool group 'nope'"):
+        GROUPS.selected(["pyhton"])
+    monkeypatch.setenv("CODERUNNER_TOOLS", "python,no such")
+    with pytest.raises(ConfigError, match=r"tools: unknown tool group 'no such'"):
         load_settings(Path(os.devnull))
+    # A name that could be a tool's is checked where the server is built, against the tools themselves.
+    monkeypatch.setenv("CODERUNNER_TOOLS", "python,nope")
+    settings = load_settings(Path(os.devnull))
+    with pytest.raises(ConfigError, match=r"tools: unknown tool group 'nope': use all, python"):
+        build_server(types.SimpleNamespace(settings=settings))  # type: ignore[arg-type]
     monkeypatch.setenv("CODERUNNER_TOOLS", "python, browser")
     assert load_settings(Path(os.devnull)).tools == ["python", "browser"]
 

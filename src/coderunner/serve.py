@@ -26,7 +26,7 @@ from coderunner.edge.refusals import TokenCut
 from coderunner.edge.stdio_wire import claim_stdio
 from coderunner.errors import CodeRunnerError
 from coderunner.sandbox import make_backend
-from coderunner.server import build_server
+from coderunner.server import build_server, offered_tools
 from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
 
 log = logging.getLogger(__name__)
@@ -39,6 +39,7 @@ async def serve(settings: Settings) -> None:
         # Whatever stops the start, before the MCP channel opens, is one line on stderr (cli.main
         # prints a CodeRunnerError's message): a client shows its user only "Failed to connect".
         with _start_failures():
+            offered_tools(settings)  # a tool name that is no tool is refused before anything starts
             # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
             policy = policy_for(settings) if settings.transport != "stdio" else None
             listener = (

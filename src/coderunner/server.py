@@ -15,9 +15,10 @@ from mcp.types import CallToolResult, InputRequiredResult, TextContent
 from pydantic import AnyUrl
 
 from coderunner import __version__
+from coderunner.config import ConfigError, Settings
 from coderunner.edge.instructions import INSTRUCTIONS
 from coderunner.offload import off_loop
-from coderunner.policy.tool_groups import ToolGroups
+from coderunner.policy.tool_groups import ToolGroups, ToolsetError
 from coderunner.policy.tool_mentions import Mentions
 from coderunner.policy.tool_renames import unknown_tool
 from coderunner.sessions.seam import SessionHost
@@ -63,13 +64,22 @@ class CodeRunnerServer(MCPServer):
         return typed
 
 
+def offered_tools(settings: Settings) -> frozenset[str]:
+    """The tools the `tools` setting offers. A single tool's name in it is checked here, against the tools'
+    own declarations: the settings load before any tool exists, and check only the group names."""
+    try:
+        return declared_groups().selected(settings.tools)
+    except ToolsetError as exc:
+        raise ConfigError(f"tools: {exc}") from None
+
+
 def build_server(host: SessionHost) -> MCPServer:
     """The server with every tool registered, then trimmed to the `tools` setting and made portable.
 
     `host` is where sessions live (sessions/seam.py): the local SessionManager today.
     """
     declared = declared_groups()
-    offered = declared.selected(host.settings.tools)
+    offered = offered_tools(host.settings)
     mentions = Mentions(offered, declared)  # replies and instructions name only these (policy/tool_mentions.py)
     server = CodeRunnerServer("coderunner", version=__version__, instructions=mentions.text(INSTRUCTIONS))
     server.mentions = mentions

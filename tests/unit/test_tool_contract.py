@@ -21,7 +21,7 @@ from mcp.types import TextContent, Tool
 from coderunner.config import Settings
 from coderunner.edge.instructions import INSTRUCTIONS
 from coderunner.edge.stdio_proxy import build_proxy
-from coderunner.policy.tool_groups import ALL, DEFAULT_GROUPS, GROUP_NAMES, selected_tools
+from coderunner.policy.tool_groups import ALL, DEFAULT_GROUPS, GROUP_NAMES
 from coderunner.policy.tool_mentions import names_in
 from coderunner.policy.tool_renames import RENAMED
 from coderunner.server import build_server
@@ -63,7 +63,7 @@ def test_a_server_with_no_settings_offers_the_seed_s_six() -> None:
 @pytest.mark.parametrize("entries", SETTINGS, ids=",".join)
 def test_every_setting_that_offers_a_seed_tool_keeps_its_name_and_arguments(entries: list[str]) -> None:
     tools = listed(entries)
-    for name in set(SEED) & set(selected_tools(entries)):
+    for name in set(SEED) & set(GROUPS.selected(entries)):
         arguments, required = SEED[name]
         schema = tools[name].input_schema
         assert set(arguments) <= set(schema["properties"]), (entries, name, schema["properties"])
@@ -71,7 +71,7 @@ def test_every_setting_that_offers_a_seed_tool_keeps_its_name_and_arguments(entr
         assert set(schema.get("required", [])) <= set(required), (entries, name, schema.get("required"))
         assert set(required) <= set(schema.get("required", [])), (entries, name)
     for name in set(SEED) - set(tools):  # a seed tool left out is left out by the setting, never lost
-        assert name not in selected_tools(entries), (entries, name)
+        assert name not in GROUPS.selected(entries), (entries, name)
 
 
 def test_every_seed_tool_is_in_a_group_a_setting_can_name() -> None:
@@ -127,7 +127,7 @@ async def test_a_name_no_one_could_mean_is_shown_bounded() -> None:
 
 
 def test_get_capabilities_says_which_groups_are_off_and_how_the_user_turns_one_on() -> None:
-    offered = set(selected_tools(DEFAULT_GROUPS))
+    offered = set(GROUPS.selected(DEFAULT_GROUPS))
     answer = tool_groups(GROUPS, offered)
     # A group is on when all its tools are offered (jobs' one tool comes with python).
     assert answer["on"] == [group for group in GROUP_NAMES if set(GROUPS.members(group)) <= offered]
@@ -179,7 +179,7 @@ def string_constants(path: Path) -> list[str]:
 
 
 def test_the_instructions_and_the_proxy_s_copy_name_only_tools_a_default_server_offers() -> None:
-    default = set(selected_tools(DEFAULT_GROUPS))
+    default = set(GROUPS.selected(DEFAULT_GROUPS))
     assert names_in(INSTRUCTIONS, GROUPS.all_tools) <= default
     assert {"run_python", "kernel_reset", "pdf_ops", "image_ops", "browser_navigate"} <= names_in(INSTRUCTIONS, default)
     proxy = build_proxy(types.SimpleNamespace())  # type: ignore[arg-type]  # built only, never connected

@@ -15,13 +15,14 @@ import pytest
 from mcp import Client
 from mcp.types import CallToolResult, ImageContent, TextContent
 
-from coderunner.policy.tool_groups import selected_tools
 from coderunner.server import build_server
 from coderunner.sessions import SessionManager
+from coderunner.tools import declared_groups
 
 pytestmark = pytest.mark.anyio
 
 WAIT_S = 20.0
+GROUPS = declared_groups()
 
 
 @pytest.fixture
@@ -41,7 +42,7 @@ def payload(result: CallToolResult) -> dict[str, Any]:
 
 async def test_lists_the_configured_tools(client: Client, manager: SessionManager) -> None:
     listed = {tool.name for tool in (await client.list_tools()).tools}
-    assert listed == set(selected_tools(manager.settings.tools))
+    assert listed == set(GROUPS.selected(manager.settings.tools))
     assert {"run_python", "manage_sessions", "create_session", "read_file"} <= listed
 
 

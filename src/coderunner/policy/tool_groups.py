@@ -3,7 +3,8 @@
 Each tool declares its group where it is defined (`@tools.tool(group=...)`, tools/context.py); the
 table of which tools a group holds is built from those declarations (ToolGroups), and a tool that
 declares none, or a group not named here, stops the server at start. The group NAMES are a constant
-here because the settings are checked before any tool is registered. `get_capabilities` is in the
+here because the settings are checked before any tool is registered; a single tool's name in a setting
+is checked where the server is built, against the tools themselves. `get_capabilities` is in the
 ALWAYS group: offered whatever the setting says, since it is how a model learns what this server can
 do. A `tools` setting may name groups or single tools.
 
@@ -14,6 +15,7 @@ name (policy/tool_mentions.py rewrites a mention of one the setting leaves out).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -82,10 +84,16 @@ class ToolGroups:
         return frozenset(names)
 
 
+#: A single tool's name, as a `tools` entry may give one (checked against the tools where the server is built).
+TOOL_NAME = re.compile(r"[a-z][a-z0-9_]{0,63}")
+
+
 def check_selection(entries: Iterable[str], tool_names: Collection[str] | None = None) -> list[str]:
     """The entries, stripped, once each; unknown names refused with the valid ones listed.
 
-    `tool_names`: the tools there are (None: the declared ones, gathered only if an entry needs them).
+    `tool_names`: the tools there are. None while the settings load, before any tool is registered: a
+    name that is no group is then only checked to be a tool's name in form, and build_server checks it
+    against the tools' own declarations (so policy/ imports nothing above it).
     """
     chosen: list[str] = []
     for raw in entries:
@@ -93,25 +101,11 @@ def check_selection(entries: Iterable[str], tool_names: Collection[str] | None =
         if not entry or entry in chosen:
             continue
         if entry != ALL and entry not in GROUP_NAMES:
-            if tool_names is None:
-                tool_names = declared().all_tools
-            if entry not in tool_names:
+            known = TOOL_NAME.fullmatch(entry) if tool_names is None else entry in tool_names
+            if not known:
                 groups = ", ".join([ALL, *GROUP_NAMES])
                 raise ToolsetError(f"unknown tool group {entry!r}: use {groups}, or single tool names")
         chosen.append(entry)
     if not chosen:
         raise ToolsetError(f"no tools chosen: use {ALL} or some of {', '.join(GROUP_NAMES)}")
     return chosen
-
-
-def selected_tools(entries: Iterable[str], groups: ToolGroups | None = None) -> frozenset[str]:
-    """The tool names a `tools` setting exposes, of `groups` (None: the declared ones)."""
-    return (groups or declared()).selected(entries)
-
-
-def declared() -> ToolGroups:
-    """The groups the tools declare. Imported here, not at the top: the settings (which the tools read)
-    check a `tools` entry against these, and the tools import the settings."""
-    from coderunner.tools import declared_groups
-
-    return declared_groups()
