@@ -23,8 +23,8 @@ def pipe() -> Iterator[tuple[int, int]]:
             os.close(fd)
 
 
-async def lines_of(reader: WireReader) -> list[str]:
-    return [line async for line in reader]
+async def lines_of(reader: WireReader) -> list[str | None]:
+    return [None if line is None else line.decode("utf-8", "replace") async for line in reader]
 
 
 async def test_lines_split_across_writes_come_whole_and_a_last_unended_one_too(pipe: tuple[int, int]) -> None:
@@ -44,7 +44,7 @@ async def test_lines_split_across_writes_come_whole_and_a_last_unended_one_too(p
     assert got == ['{"a":1}\n', '{"b":2}\n', "\n", '{"c":"é"}\n', '{"tail":3}']
 
 
-async def test_a_line_over_the_limit_is_dropped_and_the_next_one_read(pipe: tuple[int, int]) -> None:
+async def test_a_line_over_the_limit_is_dropped_told_as_none_and_the_next_one_read(pipe: tuple[int, int]) -> None:
     read, write = pipe
     os.set_blocking(read, False)
     reader = WireReader(read, limit=1000)
@@ -59,8 +59,17 @@ async def test_a_line_over_the_limit_is_dropped_and_the_next_one_read(pipe: tupl
     async with anyio.create_task_group() as group:
         group.start_soon(feed)
         got = await lines_of(reader)
-    assert got == ['{"ok":true}\n']
+    assert got == [None, '{"ok":true}\n']  # None: the place of the dropped line, for its error reply
     assert len(reader._buffer) == 0
+
+
+async def test_a_line_just_over_the_limit_that_ends_in_one_read_is_dropped_too(pipe: tuple[int, int]) -> None:
+    read, write = pipe
+    os.set_blocking(read, False)
+    reader = WireReader(read, limit=1000)
+    os.write(write, b"x" * 1001 + b"\n" + b"x" * 1000 + b"\n" + b"x" * 2000)
+    os.close(write)
+    assert await lines_of(reader) == [None, "x" * 1000 + "\n", None]
 
 
 async def test_writes_wait_for_a_slow_reader_and_arrive_whole(pipe: tuple[int, int]) -> None:
