@@ -299,8 +299,12 @@ class GvisorBackend(SandboxBackend):
         upper, work, rootfs = bundle / "upper", bundle / "work", bundle / "rootfs"
         for each in (upper, work, rootfs):
             each.mkdir(mode=0o755)
+            os.chmod(each, 0o755)  # whatever the umask: upper/ is the sandbox's / (host-only bundle)
         for point in mount_points(spec, self.dev_guest_lib):
-            (upper / point.lstrip("/")).mkdir(mode=0o755, parents=True, exist_ok=True)
+            relative = Path(point.lstrip("/"))
+            (upper / relative).mkdir(mode=0o755, parents=True, exist_ok=True)
+            for folder in (relative, *relative.parents):
+                os.chmod(upper / folder, 0o755)
         for path in (upper, work, self.rootfs):
             if any(c in str(path) for c in ",:"):
                 raise ContainerUnavailable(f"the gvisor backend cannot use a path with ',' or ':': {path}")
