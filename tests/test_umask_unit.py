@@ -18,6 +18,8 @@ import pytest
 
 from coderunner.hostfs import staging
 from coderunner.hostfs.sandbox_mounts import ExportPlan, prepare_mounts
+from coderunner.hostfs.session_dirs import open_sandbox_dirs
+from coderunner.hostfs.workspaces import Workspace
 from coderunner.sandbox.bwrap import install_guest
 from coderunner.sandbox.identity import IdentityError, ensure_private_dir
 
@@ -79,3 +81,20 @@ def test_staged_mount_points_stay_passable_whatever_the_umask(tmp_path: Path, st
         assert outbox.st_uid == 61_234 and stat.S_IMODE(outbox.st_mode) & 0o700 == 0o700
     finally:
         assert mounts.close()
+
+
+def test_a_runtime_dir_that_lost_its_search_bit_gets_it_back_before_a_sandbox_needs_it(tmp_path: Path) -> None:
+    """Another process (a server of another version, say) chmods the shared runtime dir to 0700 after this
+    server started: the next sandbox's dirs are made with the search bit given back, by fd."""
+    runtime, workspaces = tmp_path / "runtime", tmp_path / "workspaces"
+    ensure_private_dir(runtime, 0o711)
+    workspaces.mkdir()
+    os.chmod(runtime, 0o700)
+    dirs = open_sandbox_dirs(
+        runtime, network="none", dir_mode=0o711, user=None,
+        make_workspace=lambda key, _owner: Workspace.create(workspaces / key, None, False),
+    )  # fmt: skip
+    try:
+        assert mode(runtime) == 0o711
+    finally:
+        dirs.close()

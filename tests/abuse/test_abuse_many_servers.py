@@ -11,12 +11,15 @@ The servers do not share a umask either (issue 38, point 4): each client starts 
 its own. The bystander makes the runtime dir under umask 077 and the waves mix 022, 077 and 027;
 the folders a sandbox user passes through (the runtime dir, the guest package, staged mount points)
 used to take the umask, and a sandbox then died at start with "Can't find source path
-<runtime>/<id>/...: Permission denied" while the server beside it ran on.
+<runtime>/<id>/...: Permission denied" while the server beside it ran on. Nor their version or
+settings: one that asks for the runtime dir at 0700 as it starts takes the search bit away from
+every other server's sandbox users; the others give it back before their next sandbox needs it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -142,3 +145,11 @@ async def test_servers_sharing_a_runtime_dir_never_break_each_others_sessions(di
                     )
         assert failures == [], "\n".join(failures)
         assert text_of(await run(bystander, "1 + 1")).splitlines()[0] == "2"
+        # A server of another version or setting asks for the shared runtime dir at 0700 as it starts,
+        # taking away the search bit the bystander's sandbox users pass through: its next session used to
+        # die at start ("bwrap: Can't find source path <runtime>/<id>/host/etc/passwd: Permission denied").
+        os.chmod(dirs.runtime, 0o700)
+        made = await bystander.call_tool("create_session", {"name": "after-flip"})  # a name: never a pooled one
+        assert not made.is_error, text_of(made)
+        after = await run(bystander, "6 * 7", session_id=json.loads(text_of(made))["session_id"])
+        assert not after.is_error and "42" in text_of(after), text_of(after)
