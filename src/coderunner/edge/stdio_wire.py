@@ -32,8 +32,10 @@ import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 from mcp.shared.message import SessionMessage
 from mcp.types import (
+    CONNECTION_CLOSED,
     INVALID_REQUEST,
     PARSE_ERROR,
+    ErrorData,
     JSONRPCError,
     JSONRPCMessage,
     JSONRPCNotification,
@@ -195,10 +197,13 @@ def refusal(line: bytes | None) -> str:
 
 
 class Unanswered:
-    """The ids of requests read from the client and not yet answered on the wire."""
+    """The ids of requests read from the client and not yet answered on the wire, and of the server's own
+    requests to the client (an elicitation, say) not yet answered by it."""
 
     def __init__(self) -> None:
         self.ids: set[int | str] = set()
+        #: The server's requests the client has not answered.
+        self.asked: set[int | str] = set()
         #: The client can no longer be written to: nothing is left to wait for.
         self.gone = False
         self._changed = anyio.Event()
@@ -206,6 +211,8 @@ class Unanswered:
     def read(self, message: JSONRPCMessage) -> None:
         if isinstance(message, JSONRPCRequest):
             self.ids.add(message.id)
+        elif isinstance(message, JSONRPCResponse | JSONRPCError) and message.id is not None:
+            self.asked.discard(message.id)
         elif isinstance(message, JSONRPCNotification) and message.method == "notifications/cancelled":
             request_id = (message.params or {}).get("requestId")  # a cancelled request gets no answer
             if isinstance(request_id, int | str):
@@ -214,6 +221,9 @@ class Unanswered:
     def written(self, message: JSONRPCMessage) -> None:
         if isinstance(message, JSONRPCResponse | JSONRPCError) and message.id is not None:
             self._settle(message.id)
+        elif isinstance(message, JSONRPCRequest):
+            self.asked.add(message.id)
+            self._changed.set()
 
     def lost_client(self) -> None:
         self.gone = True
@@ -224,11 +234,18 @@ class Unanswered:
             self.ids.discard(request_id)
             self._changed.set()
 
-    async def drained(self) -> None:
-        """Return once every request read has been answered (or the client is gone)."""
+    async def drained(self, sink: MemoryObjectSendStream[SessionMessage | Exception]) -> None:
+        """Return once every request read has been answered (or the client is gone). stdin has closed: each
+        request the server asks the client meanwhile is answered here, as the SDK would, 'Connection closed'
+        (the client can no longer answer it, and the call waiting for it must not wait for nothing)."""
         while self.ids and not self.gone:
-            self._changed = anyio.Event()
-            await self._changed.wait()
+            for request_id in sorted(self.asked, key=str):
+                self.asked.discard(request_id)
+                closed = ErrorData(code=CONNECTION_CLOSED, message="Connection closed: stdin ended")
+                await sink.send(SessionMessage(JSONRPCError(jsonrpc="2.0", id=request_id, error=closed)))
+            if self.ids and not self.gone and not self.asked:
+                self._changed = anyio.Event()
+                await self._changed.wait()
 
 
 @contextlib.asynccontextmanager
@@ -270,7 +287,7 @@ async def _read_wire(
             unanswered.read(message)
             await sink.send(SessionMessage(message))
         with anyio.move_on_after(drain_s):
-            await unanswered.drained()
+            await unanswered.drained(sink)
         if unanswered.ids and not unanswered.gone:
             log.warning("stdin closed; %d request(s) still unanswered after %.0f s", len(unanswered.ids), drain_s)
 
