@@ -370,3 +370,30 @@ async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: obje
         with pytest.raises(gvisor.CheckpointError, match="same uid"):
             await backend.checkpointer.restore(other, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
         assert runsc_containers(backend) == []
+
+
+async def test_a_sandbox_started_under_a_strict_umask_finds_its_root_and_workspace(
+    backend: object, tmp_path: Path
+) -> None:
+    """The bundle's overlay upper/ is the sandbox's / (and holds its mount points): made under the server's
+    umask 077 it was 0700 and root's, and runsc said "failed to find initial working directory
+    /workspace: permission denied" (issue 38, point 4)."""
+    spec = make_spec(tmp_path / "rt", "dd44ee55")
+    before = os.umask(0o077)
+    try:
+        async with anyio.create_task_group() as group:
+            process = await backend.spawn(  # type: ignore[attr-defined]
+                spec, ["/opt/coderunner/env/bin/python", "-c", "import os; print(os.getcwd())"], group, pipes=True
+            )
+            stdin, stdout, _ = process.streams
+            await stdin.aclose()
+            out = bytearray()
+            with anyio.fail_after(TIMEOUT_S):
+                with pytest.raises(anyio.EndOfStream):
+                    while True:
+                        out.extend(await stdout.receive())
+                assert await process.wait() == 0, process.stderr_tail()
+            await process.kill()
+    finally:
+        os.umask(before)
+    assert out.decode().strip() == WORKSPACE
