@@ -397,3 +397,30 @@ async def test_a_sandbox_started_under_a_strict_umask_finds_its_root_and_workspa
     finally:
         os.umask(before)
     assert out.decode().strip() == WORKSPACE
+
+
+async def test_a_sandbox_image_mount_gone_since_the_start_is_mounted_again(backend: object, tmp_path: Path) -> None:
+    """Something unmounted the image the backend mounted at its start (another podman command): the next
+    sandbox's overlay would have an empty lower layer (a restore into it said "restoring container ...: no
+    such file or directory", for the python its processes held). The backend mounts the image again first.
+    Here its mount is swapped for an empty folder instead of unmounting the one the host shares."""
+    mounted = backend.rootfs  # type: ignore[attr-defined]
+    empty = tmp_path / "unmounted"
+    empty.mkdir()
+    backend.rootfs = empty  # type: ignore[attr-defined]
+    spec = make_spec(tmp_path / "rt", "ee55ff66")
+    async with anyio.create_task_group() as group:
+        process = await backend.spawn(  # type: ignore[attr-defined]
+            spec, ["/opt/coderunner/env/bin/python", "-c", "print('up')"], group, pipes=True
+        )
+        stdin, stdout, _ = process.streams
+        await stdin.aclose()
+        out = bytearray()
+        with anyio.fail_after(TIMEOUT_S):
+            with pytest.raises(anyio.EndOfStream):
+                while True:
+                    out.extend(await stdout.receive())
+            assert await process.wait() == 0, process.stderr_tail()
+        await process.kill()
+    assert out.decode().strip() == "up"
+    assert backend.rootfs == mounted  # type: ignore[attr-defined]
