@@ -9,6 +9,7 @@ workspace every 0.1 s), so it needs neither the real relay nor a kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -277,6 +278,25 @@ while True:
 """.replace("RELAY_STATE_NAME", RELAY_STATE)
 
 
+def restore_log_excerpt(logs: Path, limit: int = 60) -> str:
+    """What runsc's debug logs say of a failed restore: every gofer walk that found nothing (the name it
+    asked for is in the request just before: a file the checkpointed sandbox still held), lines naming
+    a missing file, and the last lines of each boot and restore log."""
+    found: list[str] = []
+    names = sorted(logs.iterdir())  # runsc.log.<time>.<command>.txt: in the order they began
+    restores = [index for index, path in enumerate(names) if ".restore." in path.name]
+    for path in names[restores[0] if restores else 0 :]:  # the restore's own, and its sandbox's
+        lines = path.read_text(errors="replace").splitlines()
+        for before, line in zip(["", *lines], lines, strict=False):
+            if "WalkResp{Status: 1" in line:
+                found += [f"{path.name}: {before[:300]}", f"{path.name}: {line[:300]}"]
+            elif "no such file" in line.lower() or "ENOENT" in line:
+                found.append(f"{path.name}: {line[:300]}")
+        if "restore" in path.name or "boot" in path.name:
+            found += [f"{path.name}: {line[:300]}" for line in lines[-10:]]
+    return "\n".join(found[-limit:]) or "(nothing logged)"
+
+
 async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: object, tmp_path: Path) -> None:
     """The stand-in relay (as the real one: the container's init, under the relay's argv) counts in
     memory; restored into a second session's dirs the count carries on from where it was."""
@@ -284,6 +304,14 @@ async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: obje
 
     first = make_spec(tmp_path / "rt", "a1a1a1a1")
     second = make_spec(tmp_path / "rt", "b2b2b2b2")
+    # runsc's own logs of this test (issue 38, point 7: a restore here failed now and then with "restoring
+    # container ...: no such file or directory", not reproduced since): a failure shows what was missing.
+    logs = tmp_path / "runsc-logs"
+    logs.mkdir()
+    backend.runsc = dataclasses.replace(  # type: ignore[attr-defined]
+        backend.runsc,  # type: ignore[attr-defined]
+        flags=(*backend.runsc.flags, "debug", f"debug-log={logs}/"),  # type: ignore[attr-defined]
+    )
     relay = first.host_dir / "relay.py"
     relay.write_text(STAND_IN_RELAY)
     (second.host_dir / "relay.py").write_text(STAND_IN_RELAY)
@@ -314,7 +342,10 @@ async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: obje
         at_checkpoint = int(counter.read_text())
         assert at_checkpoint >= 20
         assert left_behind(backend, container) == []
-        restored = await backend.checkpointer.restore(second, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
+        try:
+            restored = await backend.checkpointer.restore(second, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
+        except gvisor.CheckpointError as exc:
+            pytest.fail(f"{exc}\nrunsc's logs of the restore:\n{restore_log_excerpt(logs)}")
         try:
             with anyio.fail_after(TIMEOUT_S):
                 while not (second.workspace / "count").exists():
@@ -339,3 +370,57 @@ async def test_checkpoint_and_restore_into_other_dirs_keeps_memory(backend: obje
         with pytest.raises(gvisor.CheckpointError, match="same uid"):
             await backend.checkpointer.restore(other, image, group, TIMEOUT_S)  # type: ignore[attr-defined]
         assert runsc_containers(backend) == []
+
+
+async def test_a_sandbox_started_under_a_strict_umask_finds_its_root_and_workspace(
+    backend: object, tmp_path: Path
+) -> None:
+    """The bundle's overlay upper/ is the sandbox's / (and holds its mount points): made under the server's
+    umask 077 it was 0700 and root's, and runsc said "failed to find initial working directory
+    /workspace: permission denied" (issue 38, point 4)."""
+    spec = make_spec(tmp_path / "rt", "dd44ee55")
+    before = os.umask(0o077)
+    try:
+        async with anyio.create_task_group() as group:
+            process = await backend.spawn(  # type: ignore[attr-defined]
+                spec, ["/opt/coderunner/env/bin/python", "-c", "import os; print(os.getcwd())"], group, pipes=True
+            )
+            stdin, stdout, _ = process.streams
+            await stdin.aclose()
+            out = bytearray()
+            with anyio.fail_after(TIMEOUT_S):
+                with pytest.raises(anyio.EndOfStream):
+                    while True:
+                        out.extend(await stdout.receive())
+                assert await process.wait() == 0, process.stderr_tail()
+            await process.kill()
+    finally:
+        os.umask(before)
+    assert out.decode().strip() == WORKSPACE
+
+
+async def test_a_sandbox_image_mount_gone_since_the_start_is_mounted_again(backend: object, tmp_path: Path) -> None:
+    """Something unmounted the image the backend mounted at its start (another podman command): the next
+    sandbox's overlay would have an empty lower layer (a restore into it said "restoring container ...: no
+    such file or directory", for the python its processes held). The backend mounts the image again first.
+    Here its mount is swapped for an empty folder instead of unmounting the one the host shares."""
+    mounted = backend.rootfs  # type: ignore[attr-defined]
+    empty = tmp_path / "unmounted"
+    empty.mkdir()
+    backend.rootfs = empty  # type: ignore[attr-defined]
+    spec = make_spec(tmp_path / "rt", "ee55ff66")
+    async with anyio.create_task_group() as group:
+        process = await backend.spawn(  # type: ignore[attr-defined]
+            spec, ["/opt/coderunner/env/bin/python", "-c", "print('up')"], group, pipes=True
+        )
+        stdin, stdout, _ = process.streams
+        await stdin.aclose()
+        out = bytearray()
+        with anyio.fail_after(TIMEOUT_S):
+            with pytest.raises(anyio.EndOfStream):
+                while True:
+                    out.extend(await stdout.receive())
+            assert await process.wait() == 0, process.stderr_tail()
+        await process.kill()
+    assert out.decode().strip() == "up"
+    assert backend.rootfs == mounted  # type: ignore[attr-defined]

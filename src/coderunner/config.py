@@ -200,6 +200,9 @@ class Settings(BaseSettings):
     reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
         "idle; in manage_sessions status) that kernel_reset and restarts swap to instead of starting one "
         "(bwrap).")  # fmt: skip
+    reset_standby_memory_mb: int = Field(512, ge=0, description="Most memory the sessions' standby kernels "
+        "(reset_standby) may hold together, in MiB; a session whose standby would not fit has kernel_reset start a "
+        "kernel cold.")  # fmt: skip
 
     # Snapshots (manage_snapshots: save, restore, fork; keep_state).
     snapshots_dir: Path | None = Field(

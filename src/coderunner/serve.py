@@ -14,7 +14,6 @@ from typing import Any
 import anyio
 import uvicorn
 from mcp.server.mcpserver import MCPServer
-from mcp.server.stdio import stdio_server
 from mcp.server.transport_security import TransportSecuritySettings
 
 from coderunner.config import ConfigError, Settings
@@ -23,7 +22,7 @@ from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, snippet
 from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
 from coderunner.edge.listener import bind_listener
 from coderunner.edge.refusals import TokenCut
-from coderunner.edge.stdio_wire import claim_stdio
+from coderunner.edge.stdio_wire import claim_stdio, wire_streams
 from coderunner.errors import CodeRunnerError
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server, offered_tools
@@ -32,6 +31,8 @@ from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
 log = logging.getLogger(__name__)
 
 HTTP_SHUTDOWN_GRACE_S = 5
+#: stdio: after stdin closes, the calls already read may take their longest timeout plus this to answer.
+STDIO_DRAIN_MARGIN_S = 60
 
 
 async def serve(settings: Settings) -> None:
@@ -56,7 +57,7 @@ async def serve(settings: Settings) -> None:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(_stop_on_signals, manager)
                 tg.start_soon(_print_to_log)  # runs once the channel is claimed (no claim has an await)
-                await _serve_stdio(server)
+                await _serve_stdio(server, drain_s=settings.max_timeout_s + STDIO_DRAIN_MARGIN_S)
                 _divert_stdout()  # the channel is done; what is printed while sessions close goes to the log
                 tg.cancel_scope.cancel()
             # The client closed stdin; the sessions close next, on leaving this block. A client then
@@ -108,10 +109,11 @@ async def serve(settings: Settings) -> None:
         await uvicorn.Server(config).serve(sockets=[listener])
 
 
-async def _serve_stdio(server: MCPServer) -> None:
+async def _serve_stdio(server: MCPServer, drain_s: float) -> None:
     """MCP over stdin/stdout: read and written on the loop when they are pipes (edge/stdio_wire.py), else
     by the SDK's transport (a worker thread per line). mcp 2.3 has no public way to give its stdio run
-    other streams, hence the guarded private access."""
+    other streams, hence the guarded private access. `drain_s`: how long the requests read before stdin
+    closed may take to be answered."""
     lowlevel = getattr(server, "_lowlevel_server", None)
     if lowlevel is None:
         await server.run_stdio_async()
@@ -121,7 +123,7 @@ async def _serve_stdio(server: MCPServer) -> None:
             await server.run_stdio_async()
             return
         reader, writer = wire
-        async with stdio_server(stdin=reader, stdout=writer) as (read_stream, write_stream):  # type: ignore[arg-type]
+        async with wire_streams(reader, writer, drain_s) as (read_stream, write_stream):
             await lowlevel.run(read_stream, write_stream, lowlevel.create_initialization_options())
 
 

@@ -6,11 +6,20 @@ sandbox's dir used to be visible before its lock, and a sweep removed it ("bwrap
 source path .../host/etc/passwd"). Here real servers start in waves beside a long-lived bystander
 server: every start and every session must work, and the bystander's session (its dirs swept
 at by every wave) keeps its state and its workspace file.
+
+The servers do not share a umask either (issue 38, point 4): each client starts its server with
+its own. The bystander makes the runtime dir under umask 077 and the waves mix 022, 077 and 027;
+the folders a sandbox user passes through (the runtime dir, the guest package, staged mount points)
+used to take the umask, and a sandbox then died at start with "Can't find source path
+<runtime>/<id>/...: Permission denied" while the server beside it ran on. Nor their version or
+settings: one that asks for the runtime dir at 0700 as it starts takes the search bit away from
+every other server's sandbox users; the others give it back before their next sandbox needs it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,14 +27,18 @@ from contextlib import contextmanager
 
 import anyio
 import pytest
+from mcp import Client, StdioServerParameters
 
-from ..conftest import REPO, ServerDirs, run, server_env, stdio_client, text_of
+from ..conftest import REPO, SERVER_CMD, ServerDirs, run, server_env, text_of
 from .conftest import BYSTANDER_VALUE
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 #: Servers started at once per wave, and waves (bounded: each server is a whole process on 2 cores).
 SERVERS, WAVES = 4, 3
+#: The umask each server of a wave starts with (the bystander's is 077).
+WAVE_UMASKS = (0o022, 0o077, 0o027, 0o022)
+BYSTANDER_UMASK = 0o077
 #: Sessions the bystander makes and closes while the others start and sweep.
 BYSTANDER_SESSIONS = 12
 #: The sweep every server's start runs, in a loop (a storm of starts), until told to stop (bounded).
@@ -46,10 +59,17 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
+def stdio_client(env: dict[str, str], umask: int) -> Client:
+    """A stdio server started as a client starts it, under `umask` (a shell sets it, then execs the server)."""
+    command = f'umask {umask:03o} && exec "$0" "$@"'
+    params = StdioServerParameters(command="/bin/sh", args=["-c", command, *SERVER_CMD], env=env, cwd=str(REPO))
+    return Client(params, read_timeout_seconds=120)
+
+
 async def one_server(env: dict[str, str], wave: int, index: int, failures: list[str]) -> None:
     """Start, make a session with its own file, run in it and in the default session, close."""
     try:
-        async with stdio_client(env) as client:
+        async with stdio_client(env, WAVE_UMASKS[index % len(WAVE_UMASKS)]) as client:
             made = await client.call_tool("create_session", {})
             if made.is_error:
                 failures.append(f"wave {wave} server {index}: create_session: {text_of(made)}")
@@ -105,7 +125,7 @@ async def test_servers_sharing_a_runtime_dir_never_break_each_others_sessions(di
     # Each server keeps a warm pool too: its sandboxes' dirs are made while the others sweep.
     env = server_env(dirs, CODERUNNER_POOL_SIZE="1", CODERUNNER_MAX_SESSIONS="4")
     failures: list[str] = []
-    async with stdio_client(env) as bystander:
+    async with stdio_client(env, BYSTANDER_UMASK) as bystander:
         made = await bystander.call_tool("create_session", {})
         assert not made.is_error, text_of(made)
         kept = json.loads(text_of(made))["session_id"]
@@ -125,3 +145,11 @@ async def test_servers_sharing_a_runtime_dir_never_break_each_others_sessions(di
                     )
         assert failures == [], "\n".join(failures)
         assert text_of(await run(bystander, "1 + 1")).splitlines()[0] == "2"
+        # A server of another version or setting asks for the shared runtime dir at 0700 as it starts,
+        # taking away the search bit the bystander's sandbox users pass through: its next session used to
+        # die at start ("bwrap: Can't find source path <runtime>/<id>/host/etc/passwd: Permission denied").
+        os.chmod(dirs.runtime, 0o700)
+        made = await bystander.call_tool("create_session", {"name": "after-flip"})  # a name: never a pooled one
+        assert not made.is_error, text_of(made)
+        after = await run(bystander, "6 * 7", session_id=json.loads(text_of(made))["session_id"])
+        assert not after.is_error and "42" in text_of(after), text_of(after)

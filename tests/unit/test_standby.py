@@ -128,3 +128,40 @@ async def test_without_private_files_no_standby_is_kept(scripted: SessionManager
     assert len(kernels.made) == 1 and session.standby.describe() is None
     await session.reset()
     assert len(kernels.made) == 2
+
+
+async def test_all_sessions_standbys_stay_within_the_servers_budget(
+    make_scripted: ManagerFactory, kernels: FakeKernels
+) -> None:
+    """Like the pool's: each fake kernel holds FAKE_MEMORY_MB (80), so a 200 MiB budget keeps two ready;
+    a session closed gives its room back, and a waiting session's standby then starts."""
+    async with make_scripted(reset_standby_memory_mb=200) as manager:
+        assert isinstance(manager.backend, FakeBackend)
+        manager.backend.private_files = True  # type: ignore[misc]
+        sessions = [await manager.create() for _ in range(4)]
+
+        def ready_count() -> int:
+            return sum(session.standby.kernel is not None for session in sessions)
+
+        await until(lambda: ready_count() == 2, "two standbys")
+        await anyio.sleep(1.5)  # past the start delay and a room poll: no third one starts
+        assert ready_count() == 2 and manager.standby_budget.held_mb <= 200
+        assert len(kernels.made) == 6, "no standby was started only to be dropped"
+        holder = next(session for session in sessions if session.standby.kernel is not None)
+        await manager.close(holder.session_id)
+        await until(lambda: ready_count() == 2 and holder.standby.kernel is None, "the freed room taken")
+        assert manager.standby_budget.held_mb <= 200
+        # A reset swaps to a ready one and hands its room back to whoever waits.
+        taker = next(session for session in sessions if session.standby.kernel is not None and session is not holder)
+        await taker.reset()
+        await until(lambda: ready_count() == 2, "the room taken again")
+        assert manager.standby_budget.held_mb <= 200
+
+
+async def test_a_zero_budget_keeps_no_standby(make_scripted: ManagerFactory, kernels: FakeKernels) -> None:
+    async with make_scripted(reset_standby_memory_mb=0) as manager:
+        assert isinstance(manager.backend, FakeBackend)
+        manager.backend.private_files = True  # type: ignore[misc]
+        session = await manager.create()
+        await anyio.sleep(1.0)
+        assert len(kernels.made) == 1 and session.standby.kernel is None

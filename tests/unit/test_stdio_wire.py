@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator
 
@@ -23,8 +24,8 @@ def pipe() -> Iterator[tuple[int, int]]:
             os.close(fd)
 
 
-async def lines_of(reader: WireReader) -> list[str]:
-    return [line async for line in reader]
+async def lines_of(reader: WireReader) -> list[str | None]:
+    return [None if line is None else line.decode("utf-8", "replace") async for line in reader]
 
 
 async def test_lines_split_across_writes_come_whole_and_a_last_unended_one_too(pipe: tuple[int, int]) -> None:
@@ -44,7 +45,7 @@ async def test_lines_split_across_writes_come_whole_and_a_last_unended_one_too(p
     assert got == ['{"a":1}\n', '{"b":2}\n', "\n", '{"c":"é"}\n', '{"tail":3}']
 
 
-async def test_a_line_over_the_limit_is_dropped_and_the_next_one_read(pipe: tuple[int, int]) -> None:
+async def test_a_line_over_the_limit_is_dropped_told_as_none_and_the_next_one_read(pipe: tuple[int, int]) -> None:
     read, write = pipe
     os.set_blocking(read, False)
     reader = WireReader(read, limit=1000)
@@ -59,8 +60,17 @@ async def test_a_line_over_the_limit_is_dropped_and_the_next_one_read(pipe: tupl
     async with anyio.create_task_group() as group:
         group.start_soon(feed)
         got = await lines_of(reader)
-    assert got == ['{"ok":true}\n']
+    assert got == [None, '{"ok":true}\n']  # None: the place of the dropped line, for its error reply
     assert len(reader._buffer) == 0
+
+
+async def test_a_line_just_over_the_limit_that_ends_in_one_read_is_dropped_too(pipe: tuple[int, int]) -> None:
+    read, write = pipe
+    os.set_blocking(read, False)
+    reader = WireReader(read, limit=1000)
+    os.write(write, b"x" * 1001 + b"\n" + b"x" * 1000 + b"\n" + b"x" * 2000)
+    os.close(write)
+    assert await lines_of(reader) == [None, "x" * 1000 + "\n", None]
 
 
 async def test_writes_wait_for_a_slow_reader_and_arrive_whole(pipe: tuple[int, int]) -> None:
@@ -96,3 +106,42 @@ def test_a_claimed_fd_points_elsewhere_and_gets_its_wire_back_blocking(pipe: tup
         os.close(null)
     os.close(write)
     assert os.read(read, 100) == b"message\nafter\n"
+
+
+async def test_after_stdin_closes_the_servers_own_request_is_answered_connection_closed_and_its_call_still_answered(
+    pipe: tuple[int, int],
+) -> None:
+    """A call read just before stdin closed waits on the client (an elicitation, say): the client cannot answer
+    any more, so the wire answers that request 'Connection closed' at once; the call's reply still goes out,
+    and only then does the server's read stream end."""
+    from mcp.shared.message import SessionMessage
+    from mcp.types import JSONRPCError, JSONRPCRequest, JSONRPCResponse
+
+    from coderunner.edge.stdio_wire import wire_streams
+
+    stdin, client_writes = pipe  # the server's stdin (read end), and the client's end of it
+    client_reads, stdout = os.pipe()
+    try:
+        for fd in (stdin, stdout):
+            os.set_blocking(fd, False)
+        os.write(client_writes, b'{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "x"}}\n')
+        os.close(client_writes)
+        with anyio.fail_after(10):
+            async with wire_streams(WireReader(stdin), WireWriter(stdout), drain_s=30) as (incoming, outgoing):
+                call = await incoming.receive()
+                assert isinstance(call, SessionMessage) and isinstance(call.message, JSONRPCRequest)
+                asked = JSONRPCRequest(jsonrpc="2.0", id=0, method="elicitation/create", params={})
+                await outgoing.send(SessionMessage(asked))
+                answer = await incoming.receive()
+                assert isinstance(answer, SessionMessage) and isinstance(answer.message, JSONRPCError)
+                assert answer.message.id == 0 and answer.message.error.code == -32000
+                await outgoing.send(SessionMessage(JSONRPCResponse(jsonrpc="2.0", id=1, result={})))
+                with pytest.raises(anyio.EndOfStream):
+                    await incoming.receive()
+                await outgoing.aclose()
+        written = os.read(client_reads, 1 << 16).decode().splitlines()
+        assert [json.loads(line)["id"] for line in written] == [0, 1]
+    finally:
+        for fd in (client_reads, stdout):
+            with contextlib.suppress(OSError):
+                os.close(fd)

@@ -323,6 +323,30 @@ def chown_tree(fd: int, owner: tuple[int, int]) -> bool:
     return True
 
 
+def sync_tree(fd: int) -> None:
+    """fsync every regular file and folder under the host-only folder `fd`, then the folder itself:
+    what it holds is on disk once this returns (raises OSError otherwise). Links are not followed
+    and other mounts not entered (hostfs.walk); the entries are opened by the folder's fds."""
+    for parent, name, info in walk(fd):
+        if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+            continue  # a link's own entry is made durable by its folder's fsync
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        entry = os.open(name, flags | (os.O_DIRECTORY if stat.S_ISDIR(info.st_mode) else 0), dir_fd=parent)
+        try:
+            os.fsync(entry)
+        finally:
+            os.close(entry)
+    os.fsync(fd)
+
+
+def syncfs(fd: int) -> None:
+    """Write out everything cached for the file system `fd` lies on (syncfs(2)); raises OSError."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syncfs(fd) != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, f"syncfs: {os.strerror(code)}")
+
+
 #: renameat2's flag: fail with EEXIST instead of replacing what the new name holds.
 RENAME_NOREPLACE = 1
 

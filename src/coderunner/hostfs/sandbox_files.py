@@ -161,6 +161,7 @@ class SandboxFiles:
                     if not create:
                         raise
                     os.mkdir(part, 0o755, dir_fd=fd)
+                    os.fsync(fd)  # the new folder's entry, for a write into it to be durable
                     next_fd = _open_dir(part, dir_fd=fd)
                     if (owner := self._owner_of(resolved.mount)) is not None:
                         os.fchown(next_fd, *owner)
@@ -231,7 +232,8 @@ class SandboxFiles:
 
     @contextlib.contextmanager
     def open_write(self, path: str, *, overwrite: bool = True) -> Iterator[tuple[int, str]]:
-        """(fd, sandbox path) of a regular file to write, creating folders; refuses read-only mounts."""
+        """(fd, sandbox path) of a regular file to write, creating folders; refuses read-only mounts.
+        Once the caller's block ends without an error the file and its folder are fsynced."""
         resolved = self.resolve(path)
         if not resolved.parts:
             raise FileAccessError(f"{resolved.sandbox_path} is a folder")
@@ -241,7 +243,12 @@ class SandboxFiles:
         flags |= os.O_TRUNC if overwrite else os.O_EXCL
         try:
             with self._parent_fd(resolved, create=True) as parent:
-                fd = os.open(resolved.parts[-1], flags, 0o644, dir_fd=parent)
+                folder = os.dup(parent)
+                try:
+                    fd = os.open(resolved.parts[-1], flags, 0o644, dir_fd=parent)
+                except BaseException:
+                    os.close(folder)
+                    raise
         except OSError as exc:
             if exc.errno == errno.EEXIST:
                 raise FileAccessError(f"{resolved.sandbox_path} already exists (pass overwrite=true)") from None
@@ -252,8 +259,15 @@ class SandboxFiles:
             if (owner := self._owner_of(resolved.mount)) is not None:
                 os.fchown(fd, *owner)
             yield fd, resolved.sandbox_path
+            # Written: on disk before the tool says so (a persistent workspace outlives the server).
+            try:
+                os.fsync(fd)
+                os.fsync(folder)
+            except OSError as exc:
+                raise _refusal(resolved.sandbox_path, exc) from None
         finally:
             os.close(fd)
+            os.close(folder)
 
     def read(self, path: str, offset: int = 0, limit: int | None = None) -> tuple[bytes, int, str]:
         """(bytes from offset, total size, sandbox path); at most `limit` bytes."""

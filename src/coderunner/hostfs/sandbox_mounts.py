@@ -17,6 +17,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs import staging
 from coderunner.hostfs.exports import WORKSPACE_OUTBOX, Exporter, ExportReport
 from coderunner.sandbox import Mount
@@ -91,7 +92,7 @@ def prepare_mounts(
     try:
         if root and (configured or export):
             plan.staged_dir = host_dir / STAGING_DIR
-            plan.staged_dir.mkdir(mode=0o711)
+            _passable_dir(plan.staged_dir)
         for index, mount in enumerate(configured):
             if not root:
                 mounts.append(mount)
@@ -113,10 +114,17 @@ def prepare_mounts(
     return plan
 
 
+def _passable_dir(path: Path) -> None:
+    """A fresh host-only folder the sandbox user may pass through (0711 whatever the umask: the backend
+    binds what is staged in it as that user, who could not reach it at 0700)."""
+    with hostfs.dir_fd(path.parent) as parent:
+        os.close(hostfs.make_private_dir(parent, path.name, 0o711))
+
+
 def _stage_configured(mount: Mount, plan: SandboxMounts, index: int, owner: tuple[int, int] | None) -> Mount:
     assert plan.staged_dir is not None
     point = plan.staged_dir / str(index)
-    point.mkdir(mode=0o711)
+    _passable_dir(point)
     try:
         fd = staging.open_folder(mount.host)
     except OSError as exc:
@@ -150,7 +158,7 @@ def _outbox(plan: SandboxMounts, host_dir: Path, workspace: Path, owner: tuple[i
         fd = _workspace_outbox(workspace, owner)
         if fd is not None:
             point = plan.staged_dir / "outputs"
-            point.mkdir(mode=0o711)
+            _passable_dir(point)
             try:
                 staging.stage(fd, point, read_only=False)
                 return point

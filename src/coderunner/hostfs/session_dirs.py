@@ -166,6 +166,7 @@ def open_sandbox_dirs(
     fds: list[int] = []
     try:
         with hostfs.dir_fd(runtime_base) as base_fd:
+            _keep_passable(base_fd, runtime_base, dir_mode)
             key = secrets.token_hex(KEY_CHARS // 2)
             top_fd, lock_fd = hostfs.make_locked_dir(base_fd, key, dir_mode)
             fds += [lock_fd, top_fd]
@@ -195,6 +196,19 @@ def open_sandbox_dirs(
         os.close(lock_fd)
         raise
     return SandboxDirs(key, top, user, workspace, lock_fd, host_fd, run_fd, sock_fd)
+
+
+def _keep_passable(base_fd: int, runtime_base: Path, dir_mode: int) -> None:
+    """The sandbox user passes through RUNTIME to its own dirs (bwrap binds them by path, as that user):
+    when something took the search bits away since this server's start (another server, of another
+    version or setting, asking for its own mode), they are given back now, by fd, before a sandbox
+    needs them: a start otherwise fails at its first bind (\"Can't find source path ...: Permission denied\")."""
+    needed = dir_mode & 0o011
+    current = stat.S_IMODE(os.fstat(base_fd).st_mode)
+    if needed and current & needed != needed:
+        log.warning("%s had lost the search permission its sandboxes pass through (mode %o); given back",
+                    runtime_base, current)  # fmt: skip
+        os.fchmod(base_fd, current | needed)
 
 
 def _fill_session_dir(top_fd: int, network: str, owner: tuple[int, int] | None) -> list[int]:

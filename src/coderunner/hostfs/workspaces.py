@@ -151,11 +151,34 @@ class Workspace:
                 # image twice meanwhile; the next server's lock is free once this process ends.
                 log.warning("workspace image %s is still in use after its unmount; its lock is kept", self.image)
                 return
+            self.sync()
         else:
             remove_workspace(self.path)
         if self.lock_fd is not None:
             os.close(self.lock_fd)
             self.lock_fd = None
+
+    def sync(self) -> bool:
+        """A persistent workspace's files on disk: its image (written back by the unmount, still in the host's
+        page cache) and the folder holding it by fsync; a plain folder by syncfs of its file system (its
+        tree is the sandbox's: nothing in it is opened). False, logged, when that failed."""
+        try:
+            if self.image is not None:
+                with hostfs.dir_fd(self.image.parent) as parent:
+                    fd = os.open(self.image.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                                 dir_fd=parent)  # fmt: skip
+                    try:
+                        os.fsync(fd)
+                    finally:
+                        os.close(fd)
+                    os.fsync(parent)
+            else:
+                with hostfs.dir_fd(self.path) as fd:
+                    hostfs.syncfs(fd)
+        except OSError as exc:
+            log.warning("workspace %s may not be on disk yet: %s", self.path, exc)
+            return False
+        return True
 
 
 def _loop_released(image: Path, timeout_s: float) -> bool:

@@ -97,6 +97,7 @@ def install_guest(runtime_base: Path, python: Path | None = None) -> Path:
         staging = runtime_base / f".guest-{digest}-{os.getpid()}"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(mode=0o755)
+        os.chmod(staging, 0o755)  # whatever the umask: every sandbox user reads it
         for path in files:
             shutil.copyfile(path, staging / path.name)
             os.chmod(staging / path.name, 0o644)

@@ -228,6 +228,17 @@ class GvisorBackend(SandboxBackend):
             raise ContainerUnavailable(f"podman image mount gave an unusable path: {done.stdout.strip()[:200]!r}")
         return path
 
+    def _image_root(self) -> Path:
+        """The image's root, the lower layer of each sandbox's overlay. Mounted once at the start; should
+        anything have unmounted it since (another podman command on this machine), it is mounted again:
+        an empty lower layer gives a sandbox no python, and a restore \"no such file or directory\" for
+        the files its checkpointed processes held (seen as a flaky restore, issue 38 point 7)."""
+        if not os.path.ismount(self.rootfs):
+            log.warning("the sandbox image's mount %s is gone (unmounted by something else); mounting it again",
+                        self.rootfs)  # fmt: skip
+            self.rootfs = self._mount_image()
+        return self.rootfs
+
     def _new_instance(self) -> Instance:
         return new_instance(self.backend_dir)
 
@@ -302,12 +313,17 @@ class GvisorBackend(SandboxBackend):
         upper, work, rootfs = bundle / "upper", bundle / "work", bundle / "rootfs"
         for each in (upper, work, rootfs):
             each.mkdir(mode=0o755)
+            os.chmod(each, 0o755)  # whatever the umask: upper/ is the sandbox's / (host-only bundle)
         for point in mount_points(spec, self.dev_guest_lib):
-            (upper / point.lstrip("/")).mkdir(mode=0o755, parents=True, exist_ok=True)
-        for path in (upper, work, self.rootfs):
+            relative = Path(point.lstrip("/"))
+            (upper / relative).mkdir(mode=0o755, parents=True, exist_ok=True)
+            for folder in (relative, *relative.parents):
+                os.chmod(upper / folder, 0o755)
+        lower = self._image_root()
+        for path in (upper, work, lower):
             if any(c in str(path) for c in ",:"):
                 raise ContainerUnavailable(f"the gvisor backend cannot use a path with ',' or ':': {path}")
-        options = f"lowerdir={self.rootfs},upperdir={upper},workdir={work}"
+        options = f"lowerdir={lower},upperdir={upper},workdir={work}"
         done = self.call_sync(["mount", "-t", "overlay", "-o", options, "overlay", str(rootfs)], MOUNT_TIMEOUT_S)
         if done is None or done.returncode != 0:
             said = done.stderr.strip()[-300:] if done else "timed out"

@@ -44,6 +44,7 @@ from coderunner.sessions.sandbox_options import SandboxOptions, configured_mount
 from coderunner.sessions.seam import SessionHandle
 from coderunner.sessions.session import Session
 from coderunner.sessions.session_snapshots import Seed, SessionSnapshots
+from coderunner.sessions.standby import StandbyBudget
 from coderunner.sessions.upkeep import reap_idle, save_kept_states
 from coderunner.sessions.usage import memory_used_mb
 from coderunner.snapshots.store import SnapshotError
@@ -73,6 +74,8 @@ class SessionManager(HostServices):
         self.leases = SandboxLeases(settings, backend, users)
         #: Throwaway sandboxes for execute_code, check_only too (set up on entry).
         self.oneshot: OneShotRunner
+        #: What every session's standby kernel holds of memory, together (sessions/standby.py).
+        self.standby_budget = StandbyBudget(settings.reset_standby_memory_mb)
         #: Sandboxes started ahead for sessions with default options (sessions/pool.py).
         self.pool: WarmPool[Pooled] = WarmPool(
             size=settings.pool_size,
@@ -294,6 +297,7 @@ class SessionManager(HostServices):
             owner=owner,
             kernel_factory=self.kernel_factory,
             startup=startup.as_dict() if startup is not None else (seed.startup if seed is not None else None),
+            standby_budget=self.standby_budget,
         )
 
     async def _start_pooled(self) -> Pooled:

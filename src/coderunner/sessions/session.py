@@ -43,7 +43,7 @@ from coderunner.sessions.kernel_calls import GUEST_MARGIN_S, KernelCalls
 from coderunner.sessions.leases import SandboxLease
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.session_status import SessionStatus, session_status
-from coderunner.sessions.standby import Standby
+from coderunner.sessions.standby import Standby, StandbyBudget
 from coderunner.sessions.usage import session_usage
 
 __all__ = ["GUEST_MARGIN_S", "Session"]  # GUEST_MARGIN_S: session_snapshots.py reads it here
@@ -113,6 +113,8 @@ class Session(KernelCalls):
     close_done: anyio.Event | None = None
     #: Its standby kernel, started ahead for the next reset or restart (standby.py); set up after construction.
     standby: Standby = field(init=False)
+    #: The server's budget for every session's standby (the manager's; None: not counted).
+    standby_budget: StandbyBudget | None = None
 
     def __post_init__(self) -> None:
         self.jobs = JobTable(self.task_group)
@@ -122,6 +124,7 @@ class Session(KernelCalls):
             make=self._new_kernel,
             quiet=lambda: not self.busy or time.monotonic() - self._busy_since >= STANDBY_BESIDE_CALL_S,
             enabled=self.settings.reset_standby and self.backend.private_files,
+            budget=self.standby_budget,
         )
 
     @property

@@ -13,7 +13,10 @@ The rules that keep it honest:
 - it starts at the session's first quiet moment after a kernel started (no call, or one running
   for a while), in the background, one start at a time; a failed start is not retried before the next swap;
 - taking it never waits for a start: not ready means the caller starts a kernel cold, as before;
-- close() cancels a start under way and waits for it to end its sandbox, and shuts the ready one down.
+- close() cancels a start under way and waits for it to end its sandbox, and shuts the ready one down;
+- all sessions' standbys together stay within `reset_standby_memory_mb` (StandbyBudget, one per server): a
+  start waits for room, judged by the largest standby measured so far, and one measured past the budget
+  once ready is shut down instead of kept.
 Enabled by the `reset_standby` setting, on backends with private files (bwrap).
 """
 
@@ -42,6 +45,11 @@ START_DELAY_S = 0.5
 QUIET_POLL_S = 0.1
 #: Bound on the standby's warm-up and its swap-in cell (a kernel that is up answers in milliseconds).
 CELL_TIMEOUT_S = 10.0
+#: How often a standby waiting for room in the server's budget looks again (a session it would not
+#: fit may wait long: a slower poll).
+ROOM_POLL_S = 1.0
+#: What a ready standby is taken to hold when its memory cannot be read.
+UNMEASURED_MB = 64.0
 #: The swap-in cell: the file system may have changed since the standby started (install_packages
 #: made the package folder, say), and an import system caches what it saw, a missing folder included
 #: (none of today's start-up imports looks there; this keeps it so whatever a start-up imports). It
@@ -58,6 +66,45 @@ class _Fill:
     ended: anyio.Event = field(default_factory=anyio.Event)
     #: The kernel being started, once made (its sandbox name is taken).
     kernel: Kernel | None = None
+    #: Counted as starting in the server's standby budget.
+    counted: bool = False
+
+
+@dataclass
+class StandbyBudget:
+    """The memory every session's standby of a server holds together (reset_standby_memory_mb): one
+    more starts only while it fits, judged by the largest measured so far (none measured yet: one
+    start at a time), and a ready one is kept only if its measured memory fits."""
+
+    limit_mb: float
+    #: Standby (by id) -> the memory its ready kernel was measured to hold.
+    ready: dict[int, float] = field(default_factory=dict)
+    starting: int = 0
+    largest_mb: float | None = None
+
+    @property
+    def held_mb(self) -> float:
+        """Ready standbys' measured memory, and the largest measured for each one starting."""
+        return sum(self.ready.values()) + self.starting * (self.largest_mb or 0.0)
+
+    def admits(self) -> bool:
+        """Whether one more standby may start now."""
+        if self.limit_mb <= 0:
+            return False
+        if self.largest_mb is None:
+            return self.starting == 0 and not self.ready
+        return self.held_mb + self.largest_mb <= self.limit_mb
+
+    def keep(self, owner: int, used_mb: float) -> bool:
+        """A standby measured ready at `used_mb`: counted, if it fits (False: it must be shut down)."""
+        self.largest_mb = max(self.largest_mb or 0.0, used_mb)
+        if sum(self.ready.values()) + used_mb > self.limit_mb:
+            return False
+        self.ready[owner] = used_mb
+        return True
+
+    def release(self, owner: int) -> None:
+        self.ready.pop(owner, None)
 
 
 @dataclass
@@ -71,6 +118,8 @@ class Standby:
     #: Whether the session is quiet enough for a start now.
     quiet: Callable[[], bool]
     enabled: bool
+    #: The server's budget for all sessions' standbys (None: this one is not counted).
+    budget: StandbyBudget | None = None
     kernel: Kernel | None = None
     closed: bool = False
     _fill: _Fill | None = None
@@ -95,17 +144,28 @@ class Standby:
         try:
             with fill.scope:
                 await anyio.sleep(START_DELAY_S)
-                while not self.quiet():
-                    await anyio.sleep(QUIET_POLL_S)
+                while True:
+                    if not self.quiet():
+                        await anyio.sleep(QUIET_POLL_S)
+                    elif self.budget is not None and not self.budget.admits():
+                        await anyio.sleep(ROOM_POLL_S)
+                    else:
+                        break
+                if self.budget is not None:
+                    self.budget.starting += 1
+                    fill.counted = True
                 fill.kernel = self.make()
                 await fill.kernel.start(self.settings.startup_timeout_s)
                 await self._cell(fill.kernel, "pass", "warm-up")  # a first execute's one-off costs, paid now
-                if not self.closed:
+                if not self.closed and await self._fits(fill):
                     self.kernel, fill.kernel = fill.kernel, None
         except Exception as exc:  # never the caller's: the next reset starts cold, and this tries again after it
             self.failed += 1
             log.warning("a standby kernel failed to start (%s); the next reset starts one cold", exc)
         finally:
+            if fill.counted and self.budget is not None:
+                self.budget.starting -= 1
+                fill.counted = False
             with anyio.CancelScope(shield=True):
                 if fill.kernel is not None:  # cancelled, failed or closed meanwhile: never left running
                     await fill.kernel.shutdown()
@@ -113,10 +173,30 @@ class Standby:
                 self._fill = None
                 fill.ended.set()
 
+    async def _fits(self, fill: _Fill) -> bool:
+        """Whether the standby just started fits the server's budget (measured now); False: not kept."""
+        if self.budget is None or fill.kernel is None:
+            return True
+        kernel = fill.kernel
+        used = await anyio.to_thread.run_sync(memory_used_mb, kernel)
+        self.budget.starting -= 1
+        fill.counted = False
+        if self.budget.keep(id(self), UNMEASURED_MB if used is None else used):
+            return True
+        log.info("a standby kernel would pass reset_standby_memory_mb (%d MiB); not kept", self.budget.limit_mb)
+        return False
+
+    def _let_go(self) -> Kernel | None:
+        """The ready standby, no longer this session's nor counted in the budget."""
+        kernel, self.kernel = self.kernel, None
+        if self.budget is not None:
+            self.budget.release(id(self))
+        return kernel
+
     async def take(self) -> Kernel | None:
         """The ready standby, made ready for user code (it forgot what it cached of the file system), or
         None at once: none ready, or the one ready died or failed its swap-in (then it is shut down)."""
-        kernel, self.kernel = self.kernel, None
+        kernel = self._let_go()
         if kernel is None:
             return None
         if kernel.alive:
@@ -148,7 +228,7 @@ class Standby:
         self.closed = True
         with anyio.CancelScope(shield=True):
             stopped = await self.stop()
-            kernel, self.kernel = self.kernel, None
+            kernel = self._let_go()
             if kernel is not None:
                 await kernel.shutdown()
         return stopped

@@ -203,7 +203,8 @@ class Draft:
 
     def commit(self, meta: SnapshotMeta) -> SnapshotMeta:
         """Write meta.json and rename the draft to meta.snapshot_id (replacing an older snapshot of
-        that id: a persistent session's state); the store then prunes the client's old snapshots."""
+        that id: a persistent session's state), durably (fsync of every file and folder in it, and
+        of the client folder after the rename); the store then prunes the client's old snapshots."""
         self._check_open()
         if not SNAPSHOT_ID.fullmatch(meta.snapshot_id) or meta.kind not in KINDS or meta.client != self.client:
             raise ValueError(f"snapshot meta {meta.snapshot_id!r} ({meta.kind}, {meta.client}) does not fit this draft")
@@ -213,11 +214,15 @@ class Draft:
         with self.store.lock:
             try:
                 hostfs.write_new_file(self._fd, META_NAME, data, 0o600)
+                # Durable before it is named: every file and folder of the draft on disk, then the
+                # renames, then the client folder that holds them (the caller is told "saved" after).
+                hostfs.sync_tree(self._fd)
                 aside = None
                 if hostfs.present(self._client_fd, meta.snapshot_id):
                     aside = draft_name()
                     os.rename(meta.snapshot_id, aside, src_dir_fd=self._client_fd, dst_dir_fd=self._client_fd)
                 os.rename(self.name, meta.snapshot_id, src_dir_fd=self._client_fd, dst_dir_fd=self._client_fd)
+                os.fsync(self._client_fd)
             except OSError as exc:
                 raise write_failed(exc) from exc
             self._done = True

@@ -90,6 +90,7 @@ class SnapshotStore:
         with hostfs.dir_fd(self.root.parent) as parent:
             try:
                 fd = hostfs.make_private_dir(parent, self.root.name, 0o700)
+                os.fsync(parent)  # the store's folder outlives a crash as its snapshots do
             except FileExistsError:
                 fd = hostfs.open_dir(self.root.name, dir_fd=parent)
         try:
@@ -300,9 +301,15 @@ class SnapshotStore:
                 if not create:
                     return None
             try:
-                return hostfs.make_private_dir(root, client, 0o700)
+                made = hostfs.make_private_dir(root, client, 0o700)
             except FileExistsError:  # another thread made it meanwhile
                 return hostfs.open_dir(client, dir_fd=root)
+            try:
+                os.fsync(root)  # a snapshot committed in it is durable only if the folder is too
+            except OSError:
+                os.close(made)
+                raise
+            return made
 
     @contextlib.contextmanager
     def _client(self, client: str) -> Any:
