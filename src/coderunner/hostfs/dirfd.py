@@ -5,6 +5,9 @@ a socket or a deep tree by the time the host looks. So the host never resolves a
 It holds directory fds, opens each entry relative to one with O_NOFOLLOW, checks the type (and
 where it matters the owner) of what it got, and removes trees without recursion, without
 following links and without leaving the mount it started on.
+
+One idea: the fd primitives the host may use where a sandbox writes (open, walk, copy, rename, remove, sync),
+kept together so every caller gets the same O_NOFOLLOW discipline.
 """
 
 from __future__ import annotations
