@@ -186,7 +186,7 @@ async def test_a_taken_over_pid_1_dies_when_its_session_is_closed(pid1_arena: Ar
 async def test_a_taken_over_pid_1_dies_when_its_kernel_is_reset(pid1_arena: Arena) -> None:
     session = await new_session(pid1_arena)
     report = await attack(pid1_arena, session)
-    reset = await pid1_arena.client.call_tool("manage_sessions", {"action": "reset", "session_id": session})
+    reset = await pid1_arena.client.call_tool("kernel_reset", {"session_id": session})
     assert not reset.is_error, text_of(reset)
     await nothing_left(report["pidns"])
     after = await run(pid1_arena.client, "1 + 1", session_id=session)
