@@ -144,4 +144,4 @@ async def test_code_that_fails_for_want_of_network_is_told_the_network_is_off(cl
     local = await run(client, "import socket\nsocket.create_connection(('127.0.0.1', 9), timeout=2)")
     assert local.is_error and "network is off" not in text_of(local), text_of(local)
     once = await client.call_tool("execute_code", {"language": "bash", "code": "curl -sS https://example.com/"})
-    assert once.is_error and "network is off in this session" in text_of(once), text_of(once)
+    assert once.is_error and "network is off in this run (network 'none')" in text_of(once), text_of(once)

@@ -15,7 +15,8 @@ in silence: a line longer than MAX_LINE_BYTES (skipped as it is read, so the buf
 whatever a client sends) and a line that is not JSON get a parse error (-32700, id null); JSON that
 is not a JSON-RPC message gets an invalid-request error (-32600). Blank lines are skipped. When
 stdin closes, the requests already read are answered before the server is told the channel is gone
-(bounded: `drain_s`), so a request written just before the close is never lost.
+(bounded: `drain_s`), so a request written just before the close is never lost; unless the client
+also stopped reading stdout (it was killed), when nothing is waited for.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import fcntl
 import json
 import logging
 import os
+import select
 import stat
 from collections.abc import AsyncIterator, Iterator
 
@@ -287,9 +289,34 @@ async def _read_wire(
             unanswered.read(message)
             await sink.send(SessionMessage(message))
         with anyio.move_on_after(drain_s):
-            await unanswered.drained(sink)
+            async with anyio.create_task_group() as watch:
+                watch.start_soon(_watch_hang_up, writer.fd, unanswered)
+                await unanswered.drained(sink)
+                watch.cancel_scope.cancel()
         if unanswered.ids and not unanswered.gone:
             log.warning("stdin closed; %d request(s) still unanswered after %.0f s", len(unanswered.ids), drain_s)
+
+
+#: How often, once stdin has closed, the server looks whether the client also stopped reading stdout.
+HANG_UP_POLL_S = 0.25
+
+
+def hung_up(fd: int) -> bool:
+    """Whether nobody reads `fd` any more (a pipe's reader closed: POLLERR; a socket's peer: POLLHUP)."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+
+
+async def _watch_hang_up(fd: int, unanswered: Unanswered) -> None:
+    """Once stdin has closed, a client that also stopped reading (killed, not just done writing) is gone:
+    the requests it sent are not waited for, so its sandboxes end now, not after its longest cell."""
+    while not unanswered.gone:
+        if hung_up(fd):
+            log.info("the client closed stdin and stopped reading stdout: its requests are not waited for")
+            unanswered.lost_client()
+            return
+        await anyio.sleep(HANG_UP_POLL_S)
 
 
 async def _write_wire(

@@ -189,12 +189,13 @@ OFFLINE_MARKERS = (
 )
 
 
-def offline_note(output: str, way_out: str) -> str | None:
-    """For a run in a session with network 'none' whose output shows a lookup or connect that failed for
-    want of network: the line that says so and how to get more (`way_out`, within the user's ceiling)."""
+def offline_note(output: str, way_out: str, where: str = "this session") -> str | None:
+    """For a run with network 'none' (`where`: a session, or a one-shot run) whose output shows a lookup
+    or connect that failed for want of network: the line that says so and how to get more (`way_out`,
+    within the user's ceiling)."""
     if not any(marker in output for marker in OFFLINE_MARKERS):
         return None
     return (
-        "network is off in this session (network 'none'): names do not resolve and nothing outside the "
+        f"network is off in {where} (network 'none'): names do not resolve and nothing outside the "
         f"sandbox answers; {way_out}"
     )

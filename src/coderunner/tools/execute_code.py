@@ -108,6 +108,6 @@ async def execute_code(
         payload["network"] = note
     elif options.network == NetworkMode.NONE and not job.result.success:
         output = f"{payload.get('stdout', '')}\n{payload.get('stderr', '')}"
-        if note := offline_note(output, more_network(settings.network_ceiling)):
+        if note := offline_note(output, more_network(settings.network_ceiling), "this run"):
             payload["network"] = note
     return json_result(payload, is_error=not job.result.success)
