@@ -130,7 +130,7 @@ def test_schemas_have_no_titles_wrappers_free_form_objects_or_booleans_gemini_ch
 def test_fixed_value_sets_are_enums(all_tools: list[Tool]) -> None:
     tools = all_tools
     by_name = {tool.name: tool.input_schema["properties"] for tool in tools}
-    # Network modes: only those within the user's ceiling (egress/ceiling.py), so by default none.
+    # Network modes: only those within the user's ceiling (vocabulary/network.py), so by default none.
     assert by_name["create_session"]["network"]["enum"] == ["none"]
     assert by_name["execute_code"]["network"]["enum"] == ["none"]
     for ceiling, modes in [("allowlist", ["none", "allowlist"]), ("internet", ["none", "allowlist", "internet"])]:

@@ -29,13 +29,13 @@ from coderunner.app_dirs import (  # noqa: F401 - re-exported: where settings li
     default_export_dir,
     default_runtime_dir,
 )
-from coderunner.egress.ceiling import CEILING_SETTING, NetworkMode, default_ceiling, rank
 from coderunner.egress.policy import EgressPolicy, EgressPolicyError
 from coderunner.egress.settings import EgressSettings
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.policy.tool_groups import ALL, DEFAULT_GROUPS, TOOL_GROUPS, ToolsetError, check_selection
 from coderunner.sandbox.registry import BACKEND_NAMES, platform_default
+from coderunner.vocabulary.network import CEILING_SETTING, NetworkMode, default_ceiling, rank
 
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
@@ -410,7 +410,7 @@ class Settings(BaseSettings):
 
     @property
     def network_ceiling(self) -> NetworkMode:
-        """The most network an agent may ask for (egress/ceiling.py; no host parsing, unlike `egress`)."""
+        """The most network an agent may ask for (vocabulary/network.py; no host parsing, unlike `egress`)."""
         return default_ceiling(self.network, self.allowed_domains, self.max_network)
 
     @property

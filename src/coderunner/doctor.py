@@ -12,13 +12,13 @@ import time
 import anyio
 
 from coderunner.config import Settings
-from coderunner.egress.ceiling import NetworkMode, modes_within
 from coderunner.egress.policy import PRESETS
 from coderunner.egress.texts import ceiling_summary
 from coderunner.sandbox import SandboxUnavailable, make_backend
 from coderunner.sandbox.probes import Check, Readiness
 from coderunner.sandbox.registry import ENTRIES, entry
 from coderunner.sessions import SessionManager
+from coderunner.vocabulary.network import NetworkMode, modes_within
 
 
 async def check_sandboxed_run(settings: Settings) -> Check:

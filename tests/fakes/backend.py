@@ -30,7 +30,6 @@ import anyio
 from anyio.abc import TaskGroup
 
 import coderunner
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox import (
     SESSION_PACKAGES,
     HostIdentity,
@@ -42,6 +41,7 @@ from coderunner.sandbox import (
     SandboxSpec,
 )
 from coderunner.sandbox.identity import shared_dir_mode
+from coderunner.vocabulary.network import NetworkMode
 
 #: What a sandbox started on DIE_AT_START says before it exits.
 DIE_MESSAGE = "fake sandbox: told to die at start"

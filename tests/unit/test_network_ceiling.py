@@ -16,7 +16,8 @@ from mcp import Client
 from mcp.types import TextContent
 
 from coderunner.config import ConfigError, load_settings
-from coderunner.egress.ceiling import (
+from coderunner.server import build_server
+from coderunner.vocabulary.network import (
     MODES,
     NetworkCeilingError,
     check_within,
@@ -24,7 +25,6 @@ from coderunner.egress.ceiling import (
     modes_within,
     offline_install,
 )
-from coderunner.server import build_server
 
 from .conftest import ManagerFactory
 

@@ -39,7 +39,6 @@ from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.errors import SessionError
 from coderunner.hostfs.mounts import MountSpec
 from coderunner.sandbox import make_backend
@@ -47,6 +46,7 @@ from coderunner.sessions.host_services import sandbox_profile
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
 from coderunner.sessions.seam import SandboxProfile, SessionHandle
+from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:
     from coderunner.egress.gateway import SessionEgress

@@ -26,12 +26,12 @@ from anyio.abc import TaskGroup
 
 from coderunner.config import Settings
 from coderunner.egress.audit import AuditFile, DecisionLog
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.policy_proxy import Asker, EgressProxy, ProxyLimits
 from coderunner.errors import SessionError
 from coderunner.hostfs.session_dirs import SandboxDirs
 from coderunner.sandbox.common import EGRESS_SOCKET
+from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:  # a session's options are what it asked; the hub reads two of them
     from coderunner.sessions.sandbox_options import SandboxOptions

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coderunner.egress.ceiling import NetworkMode, default_ceiling
 from coderunner.egress.policy import EgressPolicy
+from coderunner.vocabulary.network import NetworkMode, default_ceiling
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

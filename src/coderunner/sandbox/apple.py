@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox.apple_ready import GuestReady
 from coderunner.sandbox.apple_version import (
     INIT_VERSION,
@@ -74,6 +73,7 @@ from coderunner.sandbox.container import (
 from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
 from coderunner.sandbox.identity import ensure_private_dir
 from coderunner.sandbox.watcher import Watcher, WatchPlan
+from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

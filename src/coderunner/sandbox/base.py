@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING, ClassVar, Protocol
 import anyio
 from anyio.abc import ByteReceiveStream, ByteSendStream, Process, TaskGroup
 
-from coderunner.egress.ceiling import MODES as NETWORK_MODES
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.errors import CodeRunnerError
 from coderunner.offload import off_loop
 from coderunner.sandbox.cgroups import CgroupsUnavailable, SessionCgroup
 from coderunner.sandbox.engine import EngineError
 from coderunner.sandbox.identity import HostIdentity, IdentityError, sandbox_identity
+from coderunner.vocabulary.network import MODES as NETWORK_MODES
+from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

@@ -22,7 +22,6 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.offload import off_loop
 from coderunner.sandbox.base import (
     KernelChannels,
@@ -43,6 +42,7 @@ from coderunner.sandbox.common import ENV_MOUNT, WORKSPACE
 from coderunner.sandbox.identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
 from coderunner.sandbox.pid1 import NotOurChild, SandboxHold, gated_command, open_child
 from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
+from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

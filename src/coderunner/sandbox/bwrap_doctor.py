@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox.probes import PROBE_TIMEOUT_S, Check, Readiness
 from coderunner.sandbox.registry import install_hint
+from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

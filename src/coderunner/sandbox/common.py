@@ -6,8 +6,8 @@ the same paths as the bwrap sandbox), so that a backend never imports another ba
 
 from __future__ import annotations
 
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox.base import Limits, SandboxSpec
+from coderunner.vocabulary.network import NetworkMode
 
 #: Where the code works, and the one folder of its own it may write to.
 WORKSPACE = "/workspace"

@@ -52,7 +52,6 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.sandbox.base import (
     KernelChannels,
@@ -94,6 +93,7 @@ from coderunner.sandbox.runsc import (
     oci_config,
 )
 from coderunner.sandbox.watcher import Watcher, WatchPlan
+from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox.base import (
     KernelChannels,
     LimitReport,
@@ -58,6 +57,7 @@ from coderunner.sandbox.oci_argv import NOFILE, OciCommand, parse_server_contain
 from coderunner.sandbox.registry import install_hint
 from coderunner.sandbox.seccomp import tightened_profile
 from coderunner.sandbox.watcher import Watcher, WatchPlan
+from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

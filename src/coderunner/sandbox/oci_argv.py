@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.sandbox.base import SandboxSpec
 from coderunner.sandbox.common import (
     IMAGE_PYTHON,
@@ -19,6 +18,7 @@ from coderunner.sandbox.common import (
 )
 from coderunner.sandbox.container import LABEL_INSTANCE, LABEL_SERVER, LABEL_SESSION, ContainerUnavailable, session_key
 from coderunner.sandbox.image_build import LABEL_SOURCES
+from coderunner.vocabulary.network import NetworkMode
 
 #: Open files per process inside; the engine's default (2^20) can exceed what the host allows.
 NOFILE = 4096

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 import anyio
 
 from coderunner.config import Settings
-from coderunner.egress.ceiling import modes_within
 from coderunner.hostfs.workspaces import NamedWorkspace, delete_named, list_named
 from coderunner.offload import off_loop
 from coderunner.sandbox import Mount, SandboxBackend
@@ -25,6 +24,7 @@ from coderunner.sessions.seam import SandboxProfile, SessionHandle
 from coderunner.sessions.session import Session
 from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, Taken, keep_id, takes_memory
 from coderunner.snapshots.store import Listing, SnapshotMeta, SnapshotNotFound
+from coderunner.vocabulary.network import modes_within
 
 if TYPE_CHECKING:
     from coderunner.egress.gateway import SessionEgress

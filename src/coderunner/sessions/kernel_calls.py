@@ -16,7 +16,6 @@ from typing import Any
 import anyio
 
 from coderunner.config import Settings
-from coderunner.egress.ceiling import NetworkMode, offline_install
 from coderunner.errors import GuestCallError, SessionError
 from coderunner.hostfs.sandbox_files import SandboxFiles
 from coderunner.kernel.incarnation import Kernel, ProgressCallback, RunOutcome, RunStatus
@@ -26,6 +25,7 @@ from coderunner.offload import off_loop
 from coderunner.sandbox import SESSION_PACKAGES, SandboxBackend
 from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, label_of
 from coderunner.sessions.sandbox_options import SandboxOptions
+from coderunner.vocabulary.network import NetworkMode, offline_install
 
 #: Bound on a quick guest call (setting variables), and the margin added to a slow one's own bound.
 GUEST_MARGIN_S = 15.0

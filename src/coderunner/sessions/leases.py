@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING
 import anyio
 
 from coderunner.config import Settings
-from coderunner.egress.ceiling import NetworkMode, offline_install
 from coderunner.errors import SessionError
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs.exports import ExportError, client_folder, folder_owner, prepare_export_dir
@@ -25,6 +24,7 @@ from coderunner.hostfs.session_dirs import SandboxDirs, open_sandbox_dirs
 from coderunner.hostfs.workspaces import Workspace, WorkspaceError, named_workspace_dir
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec, UidPool
 from coderunner.sessions.sandbox_options import SandboxOptions
+from coderunner.vocabulary.network import NetworkMode, offline_install
 
 if TYPE_CHECKING:  # the egress gateway runs its proxy in these dirs
     from anyio.abc import TaskGroup

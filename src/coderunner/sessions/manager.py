@@ -22,7 +22,6 @@ from anyio.abc import TaskGroup
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.egress.gateway import EgressHub
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter, client_folder
@@ -48,6 +47,7 @@ from coderunner.sessions.standby import StandbyBudget
 from coderunner.sessions.upkeep import reap_idle, save_kept_states
 from coderunner.sessions.usage import memory_used_mb
 from coderunner.snapshots.store import SnapshotError
+from coderunner.vocabulary.network import NetworkMode
 
 log = logging.getLogger(__name__)
 

@@ -22,12 +22,12 @@ from typing import Literal
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.egress.ceiling import NetworkMode
 from coderunner.offload import off_loop
 from coderunner.sandbox import SandboxBackend, SandboxProcess
 from coderunner.sessions.leases import SandboxLease, SandboxLeases
 from coderunner.sessions.oneshot_program import ready_argv
 from coderunner.sessions.sandbox_options import SandboxOptions
+from coderunner.vocabulary.network import NetworkMode
 
 log = logging.getLogger(__name__)
 

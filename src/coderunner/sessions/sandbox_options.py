@@ -15,12 +15,12 @@ from pathlib import Path
 from coderunner.config import MIN_MEMORY_MB, Settings
 from coderunner.edge.client_tokens import tokens_dir
 from coderunner.edge.owners import LOCAL_CLIENT
-from coderunner.egress.ceiling import NetworkCeilingError, NetworkMode, check_within
 from coderunner.egress.policy import EgressPolicyError
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import ExportError, prepare_export_dir
 from coderunner.hostfs.mounts import MountError, MountSpec, check_distinct, check_sandbox_path, resolve_mount
 from coderunner.sandbox import HostIdentity, Limits, Mount, SandboxBackend
+from coderunner.vocabulary.network import NetworkCeilingError, NetworkMode, check_within
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
 

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Field
 
 from coderunner.config import MIN_MEMORY_MB
-from coderunner.egress.ceiling import NetworkCeilingError, check_within, modes_within
+from coderunner.vocabulary.network import NetworkCeilingError, check_within, modes_within
 
 
 def _none_as_empty(value: Any) -> Any:
@@ -63,7 +63,7 @@ _MODE_MEANS = {"allowlist": "allowlist: only the user's allowed_domains", "inter
 
 
 def network_arg(ceiling: str) -> Any:
-    """A `network` argument offering only the modes within the user's ceiling (egress/ceiling.py).
+    """A `network` argument offering only the modes within the user's ceiling (vocabulary/network.py).
 
     A mode above it is refused with the ceiling's own message (ask the user), before the enum check.
     """

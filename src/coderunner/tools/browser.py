@@ -17,11 +17,11 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, ToolAnnotations
 from pydantic import Field
 
-from coderunner.egress.ceiling import NetworkMode, more_network
 from coderunner.errors import GuestCallError
 from coderunner.tools.arguments import BrowserSeconds, SessionId, Text
 from coderunner.tools.context import ToolContext, tool
 from coderunner.tools.documents import called_as
+from coderunner.vocabulary.network import NetworkMode, more_network
 
 #: Default wait for a page, and the extra allowance for starting the browser on first use.
 BROWSER_TIMEOUT_S = 30.0

@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from coderunner import __version__
-from coderunner.egress.ceiling import install_way_out, modes_within
 from coderunner.egress.texts import allowlist_enforcement, ceiling_summary, presets
 from coderunner.sandbox import SandboxUnavailable
 from coderunner.sandbox.env import requirements_text
+from coderunner.vocabulary.network import install_way_out, modes_within
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

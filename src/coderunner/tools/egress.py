@@ -16,10 +16,10 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent
 
 from coderunner.egress.asker import CallAsker
-from coderunner.egress.ceiling import NetworkMode, more_network
 from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.texts import denial_note, denied_with_reasons, offline_note
 from coderunner.errors import CodeRunnerError
+from coderunner.vocabulary.network import NetworkMode, more_network
 
 if TYPE_CHECKING:
     from coderunner.egress.gateway import SessionEgress

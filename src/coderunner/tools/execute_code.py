@@ -14,7 +14,6 @@ from mcp.types import CallToolResult
 from pydantic import Field
 
 from coderunner.config import MIN_MEMORY_MB, Settings
-from coderunner.egress.ceiling import NetworkMode, more_network
 from coderunner.egress.texts import offline_note
 from coderunner.policy.call_variables import check_variables, parse_variables
 from coderunner.sessions.job_runner import Job, attend, label_of
@@ -22,6 +21,7 @@ from coderunner.sessions.oneshot_runs import OneShotError, OneShotResult
 from coderunner.tools.arguments import DetachAfter, LanguageArg, MemoryMb, VariablesArg, network_arg
 from coderunner.tools.context import ToolContext, json_result, tool
 from coderunner.tools.jobs import oneshot_job_reply, oneshot_payload, oneshot_status
+from coderunner.vocabulary.network import NetworkMode, more_network
 
 #: execute_code runs one client may have going or waiting for a slot, per slot of its share (each a task).
 MAX_JOBS_PER_SHARE = 4
