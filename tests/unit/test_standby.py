@@ -14,6 +14,7 @@ import pytest
 
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.sessions import Session, SessionManager
+from coderunner.sessions.warm_up import PRELOAD_CODE
 from tests.fakes.backend import FakeBackend
 from tests.fakes.kernel import FakeKernel, FakeKernels, KernelCue
 
@@ -59,7 +60,8 @@ async def test_a_reset_hands_over_the_ready_standby_under_the_other_sandbox_name
     await until(lambda: session.standby.kernel is not None, "the standby to be ready")
     standby = ready(session)
     assert {first.spec.name, standby.spec.name} == {first.spec.name, f"{first.spec.name}-b"}
-    assert standby.executed == ["pass"]  # its warm-up, silent: nothing in its namespace
+    # Its warm-up (the common imports, preload_imports' default), silent: nothing in its namespace.
+    assert standby.executed == [PRELOAD_CODE] and standby.preloads == 1
     await session.reset()
     assert session.kernel is standby and standby.swap_ins == 1
     assert first.process is not None and not first.process.alive
@@ -128,3 +130,12 @@ async def test_without_private_files_no_standby_is_kept(scripted: SessionManager
     assert len(kernels.made) == 1 and session.standby.describe() is None
     await session.reset()
     assert len(kernels.made) == 2
+
+
+async def test_without_preload_imports_a_standby_warms_up_with_a_no_op(make_scripted: ManagerFactory) -> None:
+    async with make_scripted(preload_imports=False) as manager:
+        assert isinstance(manager.backend, FakeBackend)
+        manager.backend.private_files = True  # type: ignore[misc]
+        session = await manager.create()
+        await until(lambda: session.standby.kernel is not None, "the standby to be ready")
+        assert ready(session).executed == ["pass"] and ready(session).preloads == 0

@@ -5,11 +5,12 @@ load. With a standby the session kills the kernel and hands over one that starte
 of the same spec (workspace, mounts, network, limits, host uid) under the session's other sandbox name
 (SandboxSpec.twin: its own cgroup, so its memory never eats the live kernel's limit; status shows it).
 The rules that keep it honest:
-- it is a fresh interpreter: it ran nothing but a silent warm-up; the live kernel's code cannot reach it
-  (its key is only in its own sandbox: SandboxSpec.private_files; pid, net, ipc namespaces of its own,
-  its own /tmp). It shares with the live kernel what a reset keeps anyway (workspace, mounts), and the
-  run dir its sockets are bound in, where the live kernel's code can at most make its start fail (a
-  message without the key is dropped). At the swap it drops what it cached of the file system;
+- it is a fresh interpreter: it ran nothing but a silent warm-up (sessions/warm_up.py: the common
+  imports); the live kernel's code cannot reach it (its key is only in its own sandbox:
+  SandboxSpec.private_files; pid, net, ipc namespaces of its own, its own /tmp). It shares with the
+  live kernel what a reset keeps anyway (workspace, mounts), and the run dir its sockets are bound in,
+  where the live kernel's code can at most make its start fail (a message without the key is dropped).
+  At the swap it drops what it cached of the file system;
 - it starts at the session's first quiet moment after a kernel started (no call, or one running
   for a while), in the background, one start at a time; a failed start is not retried before the next swap;
 - taking it never waits for a start: not ready means the caller starts a kernel cold, as before;
@@ -32,6 +33,7 @@ from coderunner.config import Settings
 from coderunner.kernel.incarnation import Kernel, RunStatus
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sessions.usage import memory_used_mb
+from coderunner.sessions.warm_up import warm_up_code
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ log = logging.getLogger(__name__)
 START_DELAY_S = 0.5
 #: How often a standby waiting for a quiet moment looks again.
 QUIET_POLL_S = 0.1
-#: Bound on the standby's warm-up and its swap-in cell (a kernel that is up answers in milliseconds).
+#: Bound on the standby's swap-in cell (a kernel that is up answers in milliseconds); its warm-up, which
+#: imports the data stack, has the kernel start's bound (startup_timeout_s).
 CELL_TIMEOUT_S = 10.0
 #: The swap-in cell: the file system may have changed since the standby started (install_packages
 #: made the package folder, say), and an import system caches what it saw, a missing folder included
@@ -99,7 +102,9 @@ class Standby:
                     await anyio.sleep(QUIET_POLL_S)
                 fill.kernel = self.make()
                 await fill.kernel.start(self.settings.startup_timeout_s)
-                await self._cell(fill.kernel, "pass", "warm-up")  # a first execute's one-off costs, paid now
+                # A first execute's one-off costs and the common imports, paid now (sessions/warm_up.py).
+                code = warm_up_code(self.settings.preload_imports)
+                await self._cell(fill.kernel, code, "warm-up", self.settings.startup_timeout_s)
                 if not self.closed:
                     self.kernel, fill.kernel = fill.kernel, None
         except Exception as exc:  # never the caller's: the next reset starts cold, and this tries again after it
@@ -161,12 +166,12 @@ class Standby:
         memory = memory_used_mb(self.kernel) if self.kernel is not None and self.kernel.alive else None
         return {"state": state, "memory_mb": memory, "swapped_in": self.taken, "failed": self.failed}
 
-    async def _cell(self, kernel: Kernel, code: str, what: str) -> None:
+    async def _cell(self, kernel: Kernel, code: str, what: str, timeout_s: float = CELL_TIMEOUT_S) -> None:
         """Run a silent cell of ours in `kernel`; raises RuntimeError unless it ran cleanly."""
         output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
         try:
             outcome = await kernel.execute(
-                code, output, timeout_s=CELL_TIMEOUT_S, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
+                code, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
             )
         finally:
             output.close()

@@ -1,0 +1,23 @@
+"""The silent cell a kernel started ahead runs before anyone uses it (a warm pool member, a session's standby).
+
+A fresh ipykernel's first execute pays one-off costs (about 7 ms here): a no-op cell pays them. With
+`preload_imports` (the default) the cell also imports numpy, pandas and matplotlib and does their
+first-use work (guest/warm_imports.py), so that a new session's first chart or first frame costs
+about what it costs in a warm session. Silent: no history, no execution count, no output kept, no
+name bound in the user's namespace. A guest without the module (an image built before it) is
+warmed with the no-op only.
+"""
+
+from __future__ import annotations
+
+NO_OP_CODE = "pass"
+PRELOAD_CODE = (
+    "try:\n"
+    "    __import__('coderunner_guest.warm_imports').warm_imports.run()\n"
+    "except ImportError:\n"
+    "    pass"
+)  # fmt: skip
+
+
+def warm_up_code(preload_imports: bool) -> str:
+    return PRELOAD_CODE if preload_imports else NO_OP_CODE
