@@ -108,3 +108,29 @@ async def test_no_preload_leaves_a_kernel_started_ahead_as_it_was(dirs: ServerDi
         session_id, _ = await pooled_session(client, dirs, "marker")
         shown = text_of(await run(client, MODULES_AND_NAMES, session_id=session_id)).splitlines()
         assert shown[:2] == ["[]", "[]"], shown
+
+
+async def test_a_standby_never_runs_nor_hands_over_a_module_the_workspace_shadows(dirs: ServerDirs) -> None:
+    async with memory_client(server_env(dirs)) as client:
+        planted = "open('/workspace/planted-ran', 'a').write('x')\nMARK = 'workspace'\n"
+        await run(client, f"open('pandas.py', 'w').write({planted!r})")
+        status = json_of(await client.call_tool("manage_sessions", {"action": "status"}))
+        if status.get("standby") is None:
+            pytest.skip("no reset standby on this backend")
+
+        async def standby_ready() -> bool:
+            status = json_of(await client.call_tool("manage_sessions", {"action": "status"}))
+            return status["standby"]["state"] == "ready"
+
+        for _ in range(2):  # the first standby may have preloaded before pandas.py was written
+            with anyio.move_on_after(STANDBY_WAIT_S):
+                while not await standby_ready():
+                    await anyio.sleep(0.2)
+            assert await standby_ready()
+            found = text_of(await run(client, "import os; print(os.path.exists('/workspace/planted-ran'))"))
+            assert found.startswith("False"), found  # no preload ran the workspace's pandas.py
+            reset = await client.call_tool("manage_sessions", {"action": "reset"})
+            assert not reset.is_error, text_of(reset)
+        # The standby that preloaded the environment's pandas was not handed over: the user gets theirs.
+        shown = text_of(await run(client, "import pandas\nprint(pandas.MARK)"))
+        assert shown.startswith("workspace"), shown

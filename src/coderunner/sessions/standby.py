@@ -47,10 +47,15 @@ QUIET_POLL_S = 0.1
 CELL_TIMEOUT_S = 10.0
 #: The swap-in cell: the file system may have changed since the standby started (install_packages
 #: made the package folder, say), and an import system caches what it saw, a missing folder included
-#: (none of today's start-up imports looks there; this keeps it so whatever a start-up imports). It
-#: also shows the standby answers before it is handed out. Silent, no name bound: nothing in the
-#: user's namespace or history.
-SWAP_IN_CODE = "__import__('importlib').invalidate_caches()"
+#: (none of today's start-up imports looks there; this keeps it so whatever a start-up imports). Then
+#: what its warm-up imported must be what the user's imports would find now (guest/warm_imports.py
+#: still_current: no module of those names since put in the workspace or the session's packages, the
+#: same matplotlibrc); if not, it raises and the reset starts a kernel cold. It also shows the standby
+#: answers before it is handed out. Silent, no name bound: nothing in the user's namespace or history.
+SWAP_IN_CODE = (
+    "__import__('importlib').invalidate_caches(); "
+    "__import__('coderunner_guest.warm_imports').warm_imports.still_current()"
+)
 
 
 @dataclass
