@@ -134,3 +134,20 @@ async def test_a_standby_never_runs_nor_hands_over_a_module_the_workspace_shadow
         # The standby that preloaded the environment's pandas was not handed over: the user gets theirs.
         shown = text_of(await run(client, "import pandas\nprint(pandas.MARK)"))
         assert shown.startswith("workspace"), shown
+
+
+async def test_a_one_shot_python_run_reads_the_prebuilt_font_list(client: Client) -> None:
+    code = (
+        "import logging\n"
+        "logging.basicConfig(level=logging.DEBUG, format='log: %(message)s')\n"
+        "import matplotlib\n"
+        "matplotlib.use('Agg')\n"
+        "import matplotlib.pyplot as plt\n"
+        "plt.plot([1, 2])\n"
+        "plt.savefig('chart.png')\n"
+    )
+    result = await client.call_tool("execute_code", {"language": "python", "code": code})
+    text = text_of(result)
+    assert not result.is_error, text
+    assert "log: Using fontManager instance from /tmp/home/.cache/matplotlib/fontlist-v" in text, text
+    assert "generated new fontManager" not in text, text
