@@ -25,7 +25,7 @@ import os
 import sys
 
 #: Top-level modules the preload brought in, with the file each was loaded from (still_current's list).
-_loaded = {}
+_loaded: dict = {}
 #: The matplotlibrc matplotlib read when it was imported here, and its modification time.
 _rc = None
 
@@ -33,8 +33,8 @@ _rc = None
 def _read_only_paths():
     """sys.path without what the sandbox can write: only folders under the environment, the
     interpreter's own prefixes and the guest's folder."""
-    roots = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(__file__))}
-    roots = tuple(os.path.join(root, "") for root in roots)
+    folders = {sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.dirname(__file__))}
+    roots = tuple(os.path.join(folder, "") for folder in folders)
     return [path for path in sys.path if path and os.path.join(os.path.abspath(path), "").startswith(roots)]
 
 
