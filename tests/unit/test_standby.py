@@ -60,8 +60,8 @@ async def test_a_reset_hands_over_the_ready_standby_under_the_other_sandbox_name
     await until(lambda: session.standby.kernel is not None, "the standby to be ready")
     standby = ready(session)
     assert {first.spec.name, standby.spec.name} == {first.spec.name, f"{first.spec.name}-b"}
-    # Its warm-up (the common imports, preload_imports' default), silent: nothing in its namespace.
-    assert standby.executed == [PRELOAD_CODE] and standby.preloads == 1
+    # Its warm-up, then (the session at rest) the common imports: silent, nothing in its namespace.
+    assert standby.executed == ["pass", PRELOAD_CODE] and standby.preloads == 1
     await session.reset()
     assert session.kernel is standby and standby.swap_ins == 1
     assert first.process is not None and not first.process.alive
@@ -139,3 +139,15 @@ async def test_without_preload_imports_a_standby_warms_up_with_a_no_op(make_scri
         session = await manager.create()
         await until(lambda: session.standby.kernel is not None, "the standby to be ready")
         assert ready(session).executed == ["pass"] and ready(session).preloads == 0
+
+
+async def test_the_standbys_preload_waits_for_the_session_to_rest(standing: SessionManager) -> None:
+    session = await standing.create()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(session.run, "sleep 3", None, None)
+        # Started beside the call (it has run a second), warmed up, but not preloaded while it runs.
+        await until(lambda: any(k.executed == ["pass"] for k in session.standby.kernels()), "the standby's warm-up")
+        starting = session.standby.kernels()[0]
+        assert isinstance(starting, FakeKernel) and session.busy and starting.preloads == 0
+    await until(lambda: session.standby.kernel is not None, "the standby to be ready")
+    assert ready(session) is starting and starting.executed == ["pass", PRELOAD_CODE]

@@ -5,8 +5,8 @@ load. With a standby the session kills the kernel and hands over one that starte
 of the same spec (workspace, mounts, network, limits, host uid) under the session's other sandbox name
 (SandboxSpec.twin: its own cgroup, so its memory never eats the live kernel's limit; status shows it).
 The rules that keep it honest:
-- it is a fresh interpreter: it ran nothing but a silent warm-up (sessions/warm_up.py: the common
-  imports); the live kernel's code cannot reach it (its key is only in its own sandbox:
+- it is a fresh interpreter: it ran nothing but a silent warm-up and, once the session rested, the
+  common imports (sessions/warm_up.py); the live kernel's code cannot reach it (its key is only in its own sandbox:
   SandboxSpec.private_files; pid, net, ipc namespaces of its own, its own /tmp). It shares with the
   live kernel what a reset keeps anyway (workspace, mounts), and the run dir its sockets are bound in,
   where the live kernel's code can at most make its start fail (a message without the key is dropped).
@@ -33,7 +33,7 @@ from coderunner.config import Settings
 from coderunner.kernel.incarnation import Kernel, RunStatus
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sessions.usage import memory_used_mb
-from coderunner.sessions.warm_up import warm_up_code
+from coderunner.sessions.warm_up import NO_OP_CODE, PRELOAD_CODE
 
 log = logging.getLogger(__name__)
 
@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 START_DELAY_S = 0.5
 #: How often a standby waiting for a quiet moment looks again.
 QUIET_POLL_S = 0.1
-#: Bound on the standby's swap-in cell (a kernel that is up answers in milliseconds); its warm-up, which
-#: imports the data stack, has the kernel start's bound (startup_timeout_s).
+#: Bound on the standby's warm-up and swap-in cells (a kernel that is up answers in milliseconds); its
+#: preload, which imports the data stack, has the kernel start's bound (startup_timeout_s).
 CELL_TIMEOUT_S = 10.0
 #: The swap-in cell: the file system may have changed since the standby started (install_packages
 #: made the package folder, say), and an import system caches what it saw, a missing folder included
@@ -79,6 +79,8 @@ class Standby:
     #: Whether the session is quiet enough for a start now.
     quiet: Callable[[], bool]
     enabled: bool
+    #: Whether it has rested enough for the standby's preload (preload_imports) now.
+    settled: Callable[[], bool] = lambda: True
     kernel: Kernel | None = None
     closed: bool = False
     _fill: _Fill | None = None
@@ -107,9 +109,13 @@ class Standby:
                     await anyio.sleep(QUIET_POLL_S)
                 fill.kernel = self.make()
                 await fill.kernel.start(self.settings.startup_timeout_s)
-                # A first execute's one-off costs and the common imports, paid now (sessions/warm_up.py).
-                code = warm_up_code(self.settings.preload_imports)
-                await self._cell(fill.kernel, code, "warm-up", self.settings.startup_timeout_s)
+                await self._cell(fill.kernel, NO_OP_CODE, "warm-up")  # a first execute's one-off costs, paid now
+                if self.settings.preload_imports:
+                    # The common imports (sessions/warm_up.py: a second or so of CPU) wait for the session
+                    # to rest: beside its first cells they would slow them.
+                    while not self.settled():
+                        await anyio.sleep(QUIET_POLL_S)
+                    await self._cell(fill.kernel, PRELOAD_CODE, "preload", self.settings.startup_timeout_s)
                 if not self.closed:
                     self.kernel, fill.kernel = fill.kernel, None
         except Exception as exc:  # never the caller's: the next reset starts cold, and this tries again after it

@@ -5,7 +5,9 @@ A fresh ipykernel's first execute pays one-off costs (about 7 ms here): a no-op 
 first-use work (guest/warm_imports.py), so that a new session's first chart or first frame costs
 about what it costs in a warm session. Silent: no history, no execution count, no output kept, no
 name bound in the user's namespace. A guest without the module (an image built before it) is
-warmed with the no-op only.
+warmed with the no-op only. A pool member runs it as its one warm-up cell; a session's standby runs
+the no-op at once and the preload only once the session rests (standby.py), since it shares the
+session's cores and cgroup.
 """
 
 from __future__ import annotations
