@@ -84,7 +84,7 @@ async def test_a_kernel_started_ahead_has_the_common_imports_and_a_clean_namespa
 
         async def standby_ready() -> bool:
             status = json_of(await client.call_tool("manage_sessions", {"action": "status", "session_id": session_id}))
-            return (status.get("standby") or {}).get("state") == "ready"
+            return (status.get("standby") or {}).get("preloaded") is True
 
         status = json_of(await client.call_tool("manage_sessions", {"action": "status", "session_id": session_id}))
         if status.get("standby") is None:
@@ -120,7 +120,7 @@ async def test_a_standby_never_runs_nor_hands_over_a_module_the_workspace_shadow
 
         async def standby_ready() -> bool:
             status = json_of(await client.call_tool("manage_sessions", {"action": "status"}))
-            return status["standby"]["state"] == "ready"
+            return status["standby"]["state"] == "ready" and status["standby"].get("preloaded") is True
 
         for _ in range(2):  # the first standby may have preloaded before pandas.py was written
             with anyio.move_on_after(STANDBY_WAIT_S):

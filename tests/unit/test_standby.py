@@ -14,6 +14,7 @@ import pytest
 
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.sessions import Session, SessionManager
+from coderunner.sessions.standby import SWAP_IN_CODE
 from coderunner.sessions.warm_up import PRELOAD_CODE
 from tests.fakes.backend import FakeBackend
 from tests.fakes.kernel import FakeKernel, FakeKernels, KernelCue
@@ -40,6 +41,11 @@ async def until(condition: object, what: str) -> None:
             await anyio.sleep(0.02)
 
 
+def preloaded(session: Session) -> bool:
+    described = session.standby.describe()
+    return described is not None and described.get("preloaded") is True
+
+
 def ready(session: Session) -> FakeKernel:
     kernel = session.standby.kernel
     assert isinstance(kernel, FakeKernel)
@@ -57,7 +63,7 @@ async def test_a_reset_hands_over_the_ready_standby_under_the_other_sandbox_name
     first = session.kernel
     assert first is not None
     await session.run("set kept 1", None, None)
-    await until(lambda: session.standby.kernel is not None, "the standby to be ready")
+    await until(lambda: preloaded(session), "the standby to be ready and preloaded")
     standby = ready(session)
     assert {first.spec.name, standby.spec.name} == {first.spec.name, f"{first.spec.name}-b"}
     # Its warm-up, then (the session at rest) the common imports: silent, nothing in its namespace.
@@ -149,5 +155,17 @@ async def test_the_standbys_preload_waits_for_the_session_to_rest(standing: Sess
         await until(lambda: any(k.executed == ["pass"] for k in session.standby.kernels()), "the standby's warm-up")
         starting = session.standby.kernels()[0]
         assert isinstance(starting, FakeKernel) and session.busy and starting.preloads == 0
-    await until(lambda: session.standby.kernel is not None, "the standby to be ready")
+    await until(lambda: preloaded(session), "the standby's preload")
     assert ready(session) is starting and starting.executed == ["pass", PRELOAD_CODE]
+
+
+async def test_a_reset_before_the_preload_began_takes_the_standby_as_it_is(standing: SessionManager) -> None:
+    session = await standing.create()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(session.run, "sleep 3", None, None)
+        await until(lambda: session.standby.kernel is not None, "the standby's warm-up")
+        standby = ready(session)
+    await session.reset()  # at once: the session has not rested, so no preload had begun
+    assert session.kernel is standby and standby.executed == ["pass", SWAP_IN_CODE] and standby.preloads == 0
+    await until(lambda: preloaded(session), "the next standby's preload")
+    assert standby.preloads == 0  # the kernel handed over never ran it

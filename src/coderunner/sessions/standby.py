@@ -66,6 +66,9 @@ class _Fill:
     ended: anyio.Event = field(default_factory=anyio.Event)
     #: The kernel being started, once made (its sandbox name is taken).
     kernel: Kernel | None = None
+    #: The kernel it offered (Standby.kernel), whose preload it then waits to run, and whether that runs.
+    offered: Kernel | None = None
+    preloading: bool = False
 
 
 @dataclass
@@ -84,6 +87,8 @@ class Standby:
     kernel: Kernel | None = None
     closed: bool = False
     _fill: _Fill | None = None
+    #: The kernel whose preload ran to its end (for status).
+    _preloaded: Kernel | None = None
     #: Standbys swapped in, and those that failed to start or to swap in (for status).
     taken: int = 0
     failed: int = 0
@@ -110,14 +115,12 @@ class Standby:
                 fill.kernel = self.make()
                 await fill.kernel.start(self.settings.startup_timeout_s)
                 await self._cell(fill.kernel, NO_OP_CODE, "warm-up")  # a first execute's one-off costs, paid now
+                if self.closed:
+                    return
+                self.kernel = fill.offered = fill.kernel
+                fill.kernel = None
                 if self.settings.preload_imports:
-                    # The common imports (sessions/warm_up.py: a second or so of CPU) wait for the session
-                    # to rest: beside its first cells they would slow them.
-                    while not self.settled():
-                        await anyio.sleep(QUIET_POLL_S)
-                    await self._cell(fill.kernel, PRELOAD_CODE, "preload", self.settings.startup_timeout_s)
-                if not self.closed:
-                    self.kernel, fill.kernel = fill.kernel, None
+                    await self._preload(fill)
         except Exception as exc:  # never the caller's: the next reset starts cold, and this tries again after it
             self.failed += 1
             log.warning("a standby kernel failed to start (%s); the next reset starts one cold", exc)
@@ -129,13 +132,32 @@ class Standby:
                 self._fill = None
                 fill.ended.set()
 
+    async def _preload(self, fill: _Fill) -> None:
+        """The common imports (sessions/warm_up.py: a second or so of CPU) in the offered kernel, once the
+        session rests (beside its first cells they would slow them), unless it was taken meanwhile."""
+        while not self.settled():
+            await anyio.sleep(QUIET_POLL_S)
+        if self.kernel is not fill.offered or fill.offered is None:
+            return
+        fill.preloading = True
+        await self._cell(fill.offered, PRELOAD_CODE, "preload", self.settings.startup_timeout_s)
+        self._preloaded = fill.offered
+
     async def take(self) -> Kernel | None:
         """The ready standby, made ready for user code (it forgot what it cached of the file system), or
-        None at once: none ready, or the one ready died or failed its swap-in (then it is shut down)."""
+        None: none ready, or the one ready died or failed its swap-in (then it is shut down). A preload
+        under way in it is waited for (it ends sooner than a cold start would); one not yet begun is not
+        run: the kernel goes as it is."""
         kernel, self.kernel = self.kernel, None
         if kernel is None:
             return None
-        if kernel.alive:
+        fill = self._fill
+        if fill is not None and fill.offered is kernel:
+            if not fill.preloading:
+                fill.scope.cancel()
+            with anyio.move_on_after(self.settings.startup_timeout_s):
+                await fill.ended.wait()
+        if kernel.alive and (fill is None or fill.ended.is_set()):
             try:
                 await self._cell(kernel, SWAP_IN_CODE, "swap-in")
             except Exception as exc:
@@ -175,7 +197,10 @@ class Standby:
             return None
         state = "ready" if self.kernel is not None else "starting" if self._fill is not None else "none"
         memory = memory_used_mb(self.kernel) if self.kernel is not None and self.kernel.alive else None
-        return {"state": state, "memory_mb": memory, "swapped_in": self.taken, "failed": self.failed}
+        described = {"state": state, "memory_mb": memory, "swapped_in": self.taken, "failed": self.failed}
+        if self.settings.preload_imports:
+            described["preloaded"] = self.kernel is not None and self._preloaded is self.kernel
+        return described
 
     async def _cell(self, kernel: Kernel, code: str, what: str, timeout_s: float = CELL_TIMEOUT_S) -> None:
         """Run a silent cell of ours in `kernel`; raises RuntimeError unless it ran cleanly."""
