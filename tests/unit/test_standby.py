@@ -15,7 +15,7 @@ import pytest
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.sessions import Session, SessionManager
 from coderunner.sessions.standby import SWAP_IN_CODE
-from coderunner.sessions.warm_up import PRELOAD_CODE
+from coderunner.sessions.warm_up import PRELOAD_STEP_CODES
 from tests.fakes.backend import FakeBackend
 from tests.fakes.kernel import FakeKernel, FakeKernels, KernelCue
 
@@ -67,7 +67,7 @@ async def test_a_reset_hands_over_the_ready_standby_under_the_other_sandbox_name
     standby = ready(session)
     assert {first.spec.name, standby.spec.name} == {first.spec.name, f"{first.spec.name}-b"}
     # Its warm-up, then (the session at rest) the common imports: silent, nothing in its namespace.
-    assert standby.executed == ["pass", PRELOAD_CODE] and standby.preloads == 1
+    assert standby.executed == ["pass", *PRELOAD_STEP_CODES] and standby.preloads == len(PRELOAD_STEP_CODES)
     await session.reset()
     assert session.kernel is standby and standby.swap_ins == 1
     assert first.process is not None and not first.process.alive
@@ -156,7 +156,7 @@ async def test_the_standbys_preload_waits_for_the_session_to_rest(standing: Sess
         starting = session.standby.kernels()[0]
         assert isinstance(starting, FakeKernel) and session.busy and starting.preloads == 0
     await until(lambda: preloaded(session), "the standby's preload")
-    assert ready(session) is starting and starting.executed == ["pass", PRELOAD_CODE]
+    assert ready(session) is starting and starting.executed == ["pass", *PRELOAD_STEP_CODES]
 
 
 async def test_a_reset_before_the_preload_began_takes_the_standby_as_it_is(standing: SessionManager) -> None:

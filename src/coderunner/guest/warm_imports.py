@@ -1,11 +1,11 @@
 """The common imports, paid for by a kernel started ahead (a warm pool member, a session's standby).
 
-The host runs `run()` in such a kernel as a silent cell (no history, no execution count, no output
-kept, no name bound in the user's namespace: sessions/warm_up.py) before anyone uses it, so that a new
-session's first chart or first pandas cell finds numpy, pandas and pyplot imported and their first-use
-work done: the Agg renderer has drawn text (fonts loaded) and written a PNG, a frame has been printed
-and described. What it leaves is what those imports leave in any kernel (modules in sys.modules, their
-caches); nothing of the user's namespace.
+The host runs `run()` (or its STEPS one by one) in such a kernel as silent cells (no history, no
+execution count, no output kept, no name bound in the user's namespace: sessions/warm_up.py) before
+anyone uses it, so that a new session's first chart or first pandas cell finds numpy, pandas and
+pyplot imported and their first-use work done: the Agg renderer has drawn text (fonts loaded) and
+written a PNG, a frame has been printed and described. What it leaves is what those imports leave in
+any kernel (modules in sys.modules, their caches); nothing of the user's namespace.
 
 It never runs the user's code: while it imports, sys.path holds only the read-only folders (the
 environment, the standard library, the guest), not the workspace ('') nor the session's packages, so
@@ -38,7 +38,8 @@ def _read_only_paths():
     return [path for path in sys.path if path and os.path.join(os.path.abspath(path), "").startswith(roots)]
 
 
-def run():
+def run(*steps):
+    """Run the named steps (all of STEPS when none is named), in order; quietly stop at a failure."""
     global _rc
     from importlib.machinery import PathFinder
 
@@ -47,7 +48,8 @@ def run():
     read_only = _read_only_paths()
     try:
         sys.path[:] = read_only
-        _warm()
+        for step in steps or STEPS:
+            STEPS[step]()
     except Exception:  # never the warm-up's failure: the kernel is as good as a cold one
         pass
     finally:
@@ -64,25 +66,40 @@ def run():
             _rc = _rc_file(matplotlib)
 
 
-def _warm():
+def _numpy():
+    import numpy  # noqa: F401 (imported for sys.modules: the user's `import` finds it)
+
+
+def _pandas():
+    import pandas
+
+    frame = pandas.DataFrame({"x": range(3), "y": [0, 1, 0]})
+    repr(frame)
+    frame._repr_html_()
+    frame.groupby("y").x.describe()
+
+
+def _pyplot():
+    import matplotlib.pyplot  # noqa: F401 (as numpy above)
+
+
+def _draw():
     import io
 
-    import matplotlib.pyplot  # noqa: F401 (imported for sys.modules: the user's `import` finds it)
-    import numpy
-    import pandas
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     figure = Figure(figsize=(2, 1.5))
     FigureCanvasAgg(figure)
     axes = figure.subplots()
-    axes.plot(numpy.arange(3), numpy.arange(3) ** 2)
+    axes.plot([0, 1, 2], [0, 1, 4])
     axes.set_title("warm")
     figure.savefig(io.BytesIO(), format="png", bbox_inches="tight")
-    frame = pandas.DataFrame({"x": range(3), "y": [0, 1, 0]})
-    repr(frame)
-    frame._repr_html_()
-    frame.groupby("y").x.describe()
+
+
+#: The preload in steps of a few hundred ms each (a standby runs one cell per step, so a reset waits
+#: for one step at most): in order, each step's imports after the ones before it.
+STEPS = {"numpy": _numpy, "pandas": _pandas, "pyplot": _pyplot, "draw": _draw}
 
 
 def _rc_file(matplotlib):

@@ -55,8 +55,9 @@ START_CANCEL_WAIT_S = 15.0
 #: A call running this long leaves room for the standby kernel's start beside it (standby.py).
 STANDBY_BESIDE_CALL_S = 1.0
 #: The standby's preload (preload_imports: a second or so of CPU) waits until the session has rested this
-#: long after a call, or a call has run this long (a long job should not leave the next reset cold).
-STANDBY_PRELOAD_REST_S = 1.0
+#: long after a call (an agent's think time; resets 1.5 s apart then find their standby as fast as without
+#: the preload), or a call has run this long (a long job should not leave the next reset unpreloaded).
+STANDBY_PRELOAD_REST_S = 3.0
 STANDBY_PRELOAD_BESIDE_CALL_S = 10.0
 
 

@@ -33,7 +33,7 @@ from coderunner.config import Settings
 from coderunner.kernel.incarnation import Kernel, RunStatus
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sessions.usage import memory_used_mb
-from coderunner.sessions.warm_up import NO_OP_CODE, PRELOAD_CODE
+from coderunner.sessions.warm_up import NO_OP_CODE, PRELOAD_STEP_CODES
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +69,8 @@ class _Fill:
     #: The kernel it offered (Standby.kernel), whose preload it then waits to run, and whether that runs.
     offered: Kernel | None = None
     preloading: bool = False
+    #: Set by take(): run no further step of the preload.
+    stop_preload: bool = False
 
 
 @dataclass
@@ -140,19 +142,23 @@ class Standby:
         if self.kernel is not fill.offered or fill.offered is None:
             return
         fill.preloading = True
-        await self._cell(fill.offered, PRELOAD_CODE, "preload", self.settings.startup_timeout_s)
+        for code in PRELOAD_STEP_CODES:
+            if fill.stop_preload:  # taken: it goes with the steps done so far
+                return
+            await self._cell(fill.offered, code, "preload", self.settings.startup_timeout_s)
         self._preloaded = fill.offered
 
     async def take(self) -> Kernel | None:
         """The ready standby, made ready for user code (it forgot what it cached of the file system), or
-        None: none ready, or the one ready died or failed its swap-in (then it is shut down). A preload
-        under way in it is waited for (it ends sooner than a cold start would); one not yet begun is not
-        run: the kernel goes as it is."""
+        None: none ready, or the one ready died or failed its swap-in (then it is shut down). A step of
+        its preload under way is waited for (a few hundred ms), and no further step runs; a preload not
+        yet begun never runs in it: the kernel goes as it is."""
         kernel, self.kernel = self.kernel, None
         if kernel is None:
             return None
         fill = self._fill
         if fill is not None and fill.offered is kernel:
+            fill.stop_preload = True  # a step under way ends (a few hundred ms), and no other begins
             if not fill.preloading:
                 fill.scope.cancel()
             with anyio.move_on_after(self.settings.startup_timeout_s):

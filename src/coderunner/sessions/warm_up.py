@@ -13,12 +13,25 @@ session's cores and cgroup.
 from __future__ import annotations
 
 NO_OP_CODE = "pass"
-PRELOAD_CODE = (
-    "try:\n"
-    "    __import__('coderunner_guest.warm_imports').warm_imports.run()\n"
-    "except ImportError:\n"
-    "    pass"
-)  # fmt: skip
+#: guest/warm_imports.py's STEPS, in order.
+PRELOAD_STEPS = ("numpy", "pandas", "pyplot", "draw")
+
+
+def preload_code(*steps: str) -> str:
+    """The silent cell that runs these steps of the preload (all of them when none is named)."""
+    arguments = ", ".join(repr(step) for step in steps)
+    return (
+        "try:\n"
+        f"    __import__('coderunner_guest.warm_imports').warm_imports.run({arguments})\n"
+        "except ImportError:\n"
+        "    pass"
+    )
+
+
+#: The whole preload in one cell (a warm pool member's warm-up).
+PRELOAD_CODE = preload_code()
+#: One cell per step (a standby's: a reset waits for one step at most).
+PRELOAD_STEP_CODES = tuple(preload_code(step) for step in PRELOAD_STEPS)
 
 
 def warm_up_code(preload_imports: bool) -> str:
