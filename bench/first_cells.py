@@ -11,7 +11,8 @@ Lanes, per cell (a chart: pyplot, one line plot, shown; pandas: a 1,000-row fram
 - new session on each server: create_session, then the cell as its first call; timed both from the
   cell's call to its result (the figure the target is on) and from create_session to the result;
   then the session is closed;
-- warm: the same cell again in the pooled server's default session, which ran it before (the baseline).
+- warm: the same cell again in the pooled server's default session, which ran it before (the baseline);
+  and in the cold server's (no pool refilling beside it: what a refill's imports cost a warm cell).
 Every round runs every lane once, in a fresh random order, `--settle` seconds apart (an agent's think
 time: the pool refills and the standby starts in it), so load on a shared machine hits all lanes alike.
 Also printed: the memory of an idle new session (session_status before its first cell) on each server.
@@ -171,14 +172,15 @@ async def measure(args: argparse.Namespace) -> None:
             for name, client in clients.items():
                 memory[name] = await idle_memory_mb(client)
                 await anyio.sleep(args.settle)
-            lanes = [(kind, name) for kind in CELLS for name in [*clients, "warm"]]
+            lanes = [(kind, name) for kind in CELLS for name in [*clients, "warm", "warm (no pool)"]]
             for round_number in range(args.rounds):
                 random.shuffle(lanes)
                 for kind, name in lanes:
-                    if name == "warm":
+                    if name.startswith("warm"):
+                        server = clients["pooled" if name == "warm" else "cold"]
                         began = time.perf_counter()
-                        reply = await call(clients["pooled"], "run_python", code=CELLS[kind])
-                        cell.setdefault(f"{kind} warm", []).append(time.perf_counter() - began)
+                        reply = await call(server, "run_python", code=CELLS[kind])
+                        cell.setdefault(f"{kind} {name}", []).append(time.perf_counter() - began)
                         check(kind, reply)
                     else:
                         first, total, built = await new_session(clients[name], kind)
@@ -232,7 +234,7 @@ def report(
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--settle", type=float, default=4.0, help="seconds between samples")
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds between samples")
     parser.add_argument("--backend", default="bwrap")
     parser.add_argument("--baseline-src", type=Path, help="another tree's src/ (its servers as 'before' lanes)")
     add_summary_argument(parser)
