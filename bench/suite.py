@@ -59,7 +59,8 @@ class Lane:
     needs_root: bool = False
 
 
-#: In the issue's order (issue 29: one-shots, reset, start, warm and many clients, egress, gVisor, snapshots).
+#: In the issue's order (issue 29: one-shots, reset, start, warm and many clients, egress, gVisor, snapshots),
+#: then issue 37's first cells.
 LANES: dict[str, Lane] = {
     "oneshot": Lane("oneshot.py", "execute_code python and bash beside python3 -c and plain bash",
                     ("--languages", "python,bash", "--runs", "30"), ("--languages", "python,bash", "--runs", "10"),
@@ -78,6 +79,8 @@ LANES: dict[str, Lane] = {
                    ("--rounds", "1", "--warm", "10", "--size-mb", "20"), 900, 240),
     "snapshots": Lane("snapshots.py", "500 MB snapshot and restore beside np.save + np.load + a copy",
                       ("--backends", "bwrap"), ("--backends", "bwrap", "--size-mb", "100", "--rounds", "1"), 900, 180),
+    "first_cells": Lane("first_cells.py", "first chart and pandas cell in a new session beside a warm session's",
+                        ("--rounds", "6"), ("--rounds", "2", "--settle", "2"), 900, 300),
 }  # fmt: skip
 
 

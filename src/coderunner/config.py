@@ -198,11 +198,14 @@ class Settings(BaseSettings):
         "together, in MiB.",
     )
     reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
-        "idle; in manage_sessions status) that kernel_reset and restarts swap to instead of starting one "
-        "(bwrap).")  # fmt: skip
+        "idle, about 90 with preload_imports; in manage_sessions status) that kernel_reset and restarts swap to "
+        "instead of starting one (bwrap).")  # fmt: skip
     reset_standby_memory_mb: int = Field(512, ge=0, description="Most memory the sessions' standby kernels "
         "(reset_standby) may hold together, in MiB; a session whose standby would not fit has kernel_reset start a "
         "kernel cold.")  # fmt: skip
+    preload_imports: bool = Field(True, description="Kernels started ahead (the warm pool's, the reset standbys) "
+        "import numpy, pandas and matplotlib before their user arrives, so a new session's first chart or frame "
+        "is quick; each then holds about 55 MiB more idle (about 90 MiB; docs/performance.md).")  # fmt: skip
 
     # Snapshots (manage_snapshots: save, restore, fork; keep_state).
     snapshots_dir: Path | None = Field(

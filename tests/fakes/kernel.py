@@ -23,7 +23,8 @@ A cell is a small line language, one command a line (`;` also separates commands
 
 A guest call (what Session sends to coderunner_guest.dispatch) is answered by `guest_tools`:
 `variables` binds its values; an unknown tool answers as the real dispatcher does. The standby's swap-in
-cell (sessions/standby.py) does nothing, as in a real kernel, and is counted (`swap_ins`).
+cell (sessions/standby.py) does nothing, as in a real kernel, and is counted (`swap_ins`); so does the
+warm-up cell that imports the data stack (sessions/warm_up.py), or one step of it, counted as `preloads`.
 
 Cues (`FakeKernels.cue`) script the next kernels made, oldest first (like FakeBackend's cues).
 """
@@ -59,6 +60,7 @@ from coderunner.kernel.incarnation import (
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sandbox import SandboxBackend, SandboxSpec
 from coderunner.sessions.standby import SWAP_IN_CODE
+from coderunner.sessions.warm_up import PRELOAD_CODE, PRELOAD_STEP_CODES
 
 #: What a kernel cued to die at start says, and the code it exits with.
 START_DEATH_MESSAGE = "fake kernel: told to die at start"
@@ -180,6 +182,8 @@ class FakeKernel(Kernel):
     execution_count: int = 0
     #: How often it was swapped in as its session's kernel (a standby).
     swap_ins: int = 0
+    #: How many warm-up cells with the common imports (or a step of them) it ran (a pool member, a standby).
+    preloads: int = 0
     #: Checkpoints taken into, and restored from (memory snapshots).
     checkpoints: list[Path] = field(default_factory=list)
     _cell: _Cell | None = None
@@ -304,6 +308,8 @@ class FakeKernel(Kernel):
             guest = _GUEST_CALL.match(cell.code)
             if cell.code == SWAP_IN_CODE:
                 self.swap_ins += 1
+            elif cell.code == PRELOAD_CODE or cell.code in PRELOAD_STEP_CODES:
+                self.preloads += 1
             elif guest is not None:
                 cell.guest_payload = self._guest_answer(guest.group(1))
             else:

@@ -9,9 +9,10 @@ from pathlib import Path
 import anyio
 import pytest
 
-from coderunner.sessions import SessionError
+from coderunner.sessions import Session, SessionError
 from coderunner.sessions.pool import WarmPool
-from tests.fakes.kernel import FakeKernels
+from coderunner.sessions.warm_up import PRELOAD_CODE
+from tests.fakes.kernel import FakeKernel, FakeKernels
 
 from .conftest import ManagerFactory
 from .test_session_states import fake, run, text, until
@@ -200,6 +201,23 @@ async def test_a_default_session_comes_from_the_pool_and_starts_clean(make_scrip
         found = text(await run(second, "has secret\nls"))
         assert "False" in found and "left-behind" not in found
         assert second.session_id != first.session_id and second.options.client == "local"
+
+
+def kernel_of(session: Session) -> FakeKernel:
+    assert isinstance(session.kernel, FakeKernel)
+    return session.kernel
+
+
+async def test_a_pooled_kernel_ran_the_preload_and_a_cold_one_did_not(make_scripted: ManagerFactory) -> None:
+    async with make_scripted(pool_size=1) as manager:
+        await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
+        pooled, cold = (
+            kernel_of(await manager.create()),
+            kernel_of(await manager.create(manager.options(memory_mb=1024))),
+        )
+        assert manager.pool.stats().taken == 1
+        assert pooled.executed[:1] == [PRELOAD_CODE] and pooled.preloads == 1 and pooled.execution_count == 0
+        assert cold.preloads == 0  # a cold kernel's first reply waits for nothing of ours
 
 
 async def test_non_default_options_start_cold(make_scripted: ManagerFactory) -> None:

@@ -14,6 +14,8 @@ import pytest
 
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.sessions import Session, SessionManager
+from coderunner.sessions.standby import SWAP_IN_CODE
+from coderunner.sessions.warm_up import PRELOAD_STEP_CODES
 from tests.fakes.backend import FakeBackend
 from tests.fakes.kernel import FakeKernel, FakeKernels, KernelCue
 
@@ -39,6 +41,11 @@ async def until(condition: object, what: str) -> None:
             await anyio.sleep(0.02)
 
 
+def preloaded(session: Session) -> bool:
+    described = session.standby.describe()
+    return described is not None and described.get("preloaded") is True
+
+
 def ready(session: Session) -> FakeKernel:
     kernel = session.standby.kernel
     assert isinstance(kernel, FakeKernel)
@@ -56,10 +63,11 @@ async def test_a_reset_hands_over_the_ready_standby_under_the_other_sandbox_name
     first = session.kernel
     assert first is not None
     await session.run("set kept 1", None, None)
-    await until(lambda: session.standby.kernel is not None, "the standby to be ready")
+    await until(lambda: preloaded(session), "the standby to be ready and preloaded")
     standby = ready(session)
     assert {first.spec.name, standby.spec.name} == {first.spec.name, f"{first.spec.name}-b"}
-    assert standby.executed == ["pass"]  # its warm-up, silent: nothing in its namespace
+    # Its warm-up, then (the session at rest) the common imports: silent, nothing in its namespace.
+    assert standby.executed == ["pass", *PRELOAD_STEP_CODES] and standby.preloads == len(PRELOAD_STEP_CODES)
     await session.reset()
     assert session.kernel is standby and standby.swap_ins == 1
     assert first.process is not None and not first.process.alive
@@ -165,3 +173,36 @@ async def test_a_zero_budget_keeps_no_standby(make_scripted: ManagerFactory, ker
         session = await manager.create()
         await anyio.sleep(1.0)
         assert len(kernels.made) == 1 and session.standby.kernel is None
+
+
+async def test_without_preload_imports_a_standby_warms_up_with_a_no_op(make_scripted: ManagerFactory) -> None:
+    async with make_scripted(preload_imports=False) as manager:
+        assert isinstance(manager.backend, FakeBackend)
+        manager.backend.private_files = True  # type: ignore[misc]
+        session = await manager.create()
+        await until(lambda: session.standby.kernel is not None, "the standby to be ready")
+        assert ready(session).executed == ["pass"] and ready(session).preloads == 0
+
+
+async def test_the_standbys_preload_waits_for_the_session_to_rest(standing: SessionManager) -> None:
+    session = await standing.create()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(session.run, "sleep 3", None, None)
+        # Started beside the call (it has run a second), warmed up, but not preloaded while it runs.
+        await until(lambda: any(k.executed == ["pass"] for k in session.standby.kernels()), "the standby's warm-up")
+        starting = session.standby.kernels()[0]
+        assert isinstance(starting, FakeKernel) and session.busy and starting.preloads == 0
+    await until(lambda: preloaded(session), "the standby's preload")
+    assert ready(session) is starting and starting.executed == ["pass", *PRELOAD_STEP_CODES]
+
+
+async def test_a_reset_before_the_preload_began_takes_the_standby_as_it_is(standing: SessionManager) -> None:
+    session = await standing.create()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(session.run, "sleep 3", None, None)
+        await until(lambda: session.standby.kernel is not None, "the standby's warm-up")
+        standby = ready(session)
+    await session.reset()  # at once: the session has not rested, so no preload had begun
+    assert session.kernel is standby and standby.executed == ["pass", SWAP_IN_CODE] and standby.preloads == 0
+    await until(lambda: preloaded(session), "the next standby's preload")
+    assert standby.preloads == 0  # the kernel handed over never ran it

@@ -34,8 +34,9 @@ def user_paths():
 
 def load_ipython_extension(ipython):
     """Loaded by the kernel at start (IPKernelApp.extensions): the last of its start-up."""
-    from . import figures, installs, output
+    from . import caches, figures, installs, output
 
+    caches.seed()  # before any user code can import matplotlib
     output.install()
     figures.install(ipython)
     installs.install(ipython)

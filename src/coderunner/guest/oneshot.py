@@ -54,9 +54,10 @@ def _lift_address_space_limit():
 
 
 def run_python(source, variables):
-    from . import user_paths
+    from . import caches, user_paths
 
     user_paths()  # only now: this interpreter started with -P (sandbox/common.py: product_python)
+    caches.seed()  # matplotlib's font list from setup: a run that charts does not rebuild it
     with open(source, encoding="utf-8") as handle:
         code = compile(handle.read(), os.path.basename(source), "exec")
     namespace = {"__name__": "__main__", "__builtins__": __builtins__, **variables}

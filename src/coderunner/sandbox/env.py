@@ -17,6 +17,13 @@ from coderunner.errors import CodeRunnerError
 #: Bounds on the two steps of `coderunner setup`; pip of numpy/pandas/matplotlib takes minutes.
 VENV_TIMEOUT_S = 300
 PIP_TIMEOUT_S = 1800
+#: Bound on building the first-use caches (matplotlib's font list: seconds).
+CACHE_TIMEOUT_S = 300
+#: Where in the environment the first-use caches go (read-only in the sandbox; guest/caches.py copies
+#: them into place at each interpreter's start, from this same path under its sys.prefix).
+CACHE_DIR = ("share", "coderunner-cache")
+#: Run by the environment's own Python (the image build runs it too): the guest folder is the package's.
+BUILD_CACHES = Path(__file__).resolve().parent.parent / "guest" / "build_caches.py"
 
 
 class SetupError(CodeRunnerError):
@@ -50,6 +57,23 @@ def create(env_dir: Path, python: Path, *, recreate: bool = False) -> None:
         PIP_TIMEOUT_S,
         "installing the sandbox packages",
     )  # fmt: skip
+    build_caches(env_dir)
+
+
+def build_caches(env_dir: Path) -> None:
+    """Build the first-use caches into the environment once (today matplotlib's font list), so that no
+    session builds its own. A failure only warns: sessions then build theirs, as before."""
+    target = env_dir.joinpath(*CACHE_DIR)
+    print(f"coderunner setup: building first-use caches into {target}", file=sys.stderr, flush=True)
+    try:
+        subprocess.run(
+            [str(env_dir / "bin" / "python"), "-I", str(BUILD_CACHES), str(target)],
+            check=True, timeout=CACHE_TIMEOUT_S, stdout=sys.stderr, stdin=subprocess.DEVNULL,
+            env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd="/",
+        )  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        print(f"coderunner setup: warning: matplotlib's font cache was not built ({exc}); each session "
+              "builds its own at its first chart", file=sys.stderr, flush=True)  # fmt: skip
 
 
 def _run(argv: list[str], timeout_s: float, what: str) -> None:

@@ -46,6 +46,7 @@ from coderunner.sessions.session_snapshots import Seed, SessionSnapshots
 from coderunner.sessions.standby import StandbyBudget
 from coderunner.sessions.upkeep import reap_idle, save_kept_states
 from coderunner.sessions.usage import memory_used_mb
+from coderunner.sessions.warm_up import warm_up_code
 from coderunner.snapshots.store import SnapshotError
 from coderunner.vocabulary.network import NetworkMode
 
@@ -318,14 +319,13 @@ class SessionManager(HostServices):
         return Pooled(session, exporter)
 
     async def _warm_up(self, session: Session) -> None:
-        """One silent no-op cell: a fresh ipykernel's first execute pays one-off costs (about 7 ms
-        here) that a pooled kernel should pay before its user arrives. Silent: no history, no
-        execution count, no output, nothing in the namespace."""
+        """One silent warm-up cell (sessions/warm_up.py): the one-off costs of a fresh ipykernel's
+        first execute and, with preload_imports, the common imports, paid before its user arrives."""
         assert session.kernel is not None
         output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
         try:
             outcome = await session.kernel.execute(
-                "pass", output, timeout_s=self.settings.startup_timeout_s,
+                warm_up_code(self.settings.preload_imports), output, timeout_s=self.settings.startup_timeout_s,
                 interrupt_grace_s=self.settings.interrupt_grace_s, silent=True,
             )  # fmt: skip
         finally:

@@ -57,6 +57,11 @@ CLOSE_WAIT_S = 5.0
 START_CANCEL_WAIT_S = 15.0
 #: A call running this long leaves room for the standby kernel's start beside it (standby.py).
 STANDBY_BESIDE_CALL_S = 1.0
+#: The standby's preload (preload_imports: a second or so of CPU) waits until the session has rested this
+#: long after a call (an agent's think time; resets 1.5 s apart then find their standby as fast as without
+#: the preload), or a call has run this long (a long job should not leave the next reset unpreloaded).
+STANDBY_PRELOAD_REST_S = 3.0
+STANDBY_PRELOAD_BESIDE_CALL_S = 10.0
 
 
 @dataclass
@@ -125,7 +130,14 @@ class Session(KernelCalls):
             quiet=lambda: not self.busy or time.monotonic() - self._busy_since >= STANDBY_BESIDE_CALL_S,
             enabled=self.settings.reset_standby and self.backend.private_files,
             budget=self.standby_budget,
+            settled=self._settled,
         )
+
+    def _settled(self) -> bool:
+        """Rested STANDBY_PRELOAD_REST_S since its last call, or in one for STANDBY_PRELOAD_BESIDE_CALL_S."""
+        if self.busy:
+            return time.monotonic() - self._busy_since >= STANDBY_PRELOAD_BESIDE_CALL_S
+        return time.monotonic() - self.last_used >= STANDBY_PRELOAD_REST_S
 
     @property
     def seeded(self) -> Any:

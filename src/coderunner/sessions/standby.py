@@ -5,11 +5,12 @@ load. With a standby the session kills the kernel and hands over one that starte
 of the same spec (workspace, mounts, network, limits, host uid) under the session's other sandbox name
 (SandboxSpec.twin: its own cgroup, so its memory never eats the live kernel's limit; status shows it).
 The rules that keep it honest:
-- it is a fresh interpreter: it ran nothing but a silent warm-up; the live kernel's code cannot reach it
-  (its key is only in its own sandbox: SandboxSpec.private_files; pid, net, ipc namespaces of its own,
-  its own /tmp). It shares with the live kernel what a reset keeps anyway (workspace, mounts), and the
-  run dir its sockets are bound in, where the live kernel's code can at most make its start fail (a
-  message without the key is dropped). At the swap it drops what it cached of the file system;
+- it is a fresh interpreter: it ran nothing but a silent warm-up and, once the session rested, the
+  common imports (sessions/warm_up.py); the live kernel's code cannot reach it (its key is only in its own sandbox:
+  SandboxSpec.private_files; pid, net, ipc namespaces of its own, its own /tmp). It shares with the
+  live kernel what a reset keeps anyway (workspace, mounts), and the run dir its sockets are bound in,
+  where the live kernel's code can at most make its start fail (a message without the key is dropped).
+  At the swap it drops what it cached of the file system;
 - it starts at the session's first quiet moment after a kernel started (no call, or one running
   for a while), in the background, one start at a time; a failed start is not retried before the next swap;
 - taking it never waits for a start: not ready means the caller starts a kernel cold, as before;
@@ -35,6 +36,7 @@ from coderunner.config import Settings
 from coderunner.kernel.incarnation import Kernel, RunStatus
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sessions.usage import memory_used_mb
+from coderunner.sessions.warm_up import NO_OP_CODE, PRELOAD_STEP_CODES
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +45,8 @@ log = logging.getLogger(__name__)
 START_DELAY_S = 0.5
 #: How often a standby waiting for a quiet moment looks again.
 QUIET_POLL_S = 0.1
-#: Bound on the standby's warm-up and its swap-in cell (a kernel that is up answers in milliseconds).
+#: Bound on the standby's warm-up and swap-in cells (a kernel that is up answers in milliseconds); its
+#: preload, which imports the data stack, has the kernel start's bound (startup_timeout_s).
 CELL_TIMEOUT_S = 10.0
 #: How often a standby waiting for room in the server's budget looks again (a session it would not
 #: fit may wait long: a slower poll).
@@ -52,10 +55,15 @@ ROOM_POLL_S = 1.0
 UNMEASURED_MB = 64.0
 #: The swap-in cell: the file system may have changed since the standby started (install_packages
 #: made the package folder, say), and an import system caches what it saw, a missing folder included
-#: (none of today's start-up imports looks there; this keeps it so whatever a start-up imports). It
-#: also shows the standby answers before it is handed out. Silent, no name bound: nothing in the
-#: user's namespace or history.
-SWAP_IN_CODE = "__import__('importlib').invalidate_caches()"
+#: (none of today's start-up imports looks there; this keeps it so whatever a start-up imports). Then
+#: what its warm-up imported must be what the user's imports would find now (guest/warm_imports.py
+#: still_current: no module of those names since put in the workspace or the session's packages, the
+#: same matplotlibrc); if not, it raises and the reset starts a kernel cold. It also shows the standby
+#: answers before it is handed out. Silent, no name bound: nothing in the user's namespace or history.
+SWAP_IN_CODE = (
+    "__import__('importlib').invalidate_caches(); "
+    "__import__('coderunner_guest.warm_imports').warm_imports.still_current()"
+)
 
 
 @dataclass
@@ -68,6 +76,11 @@ class _Fill:
     kernel: Kernel | None = None
     #: Counted as starting in the server's standby budget.
     counted: bool = False
+    #: The kernel it offered (Standby.kernel), whose preload it then waits to run, and whether that runs.
+    offered: Kernel | None = None
+    preloading: bool = False
+    #: Set by take(): run no further step of the preload.
+    stop_preload: bool = False
 
 
 @dataclass
@@ -106,6 +119,12 @@ class StandbyBudget:
     def release(self, owner: int) -> None:
         self.ready.pop(owner, None)
 
+    def remeasured(self, owner: int, used_mb: float) -> None:
+        """A ready standby grew (its preload imported the data stack): counted at what it holds now."""
+        if owner in self.ready:
+            self.ready[owner] = used_mb
+            self.largest_mb = max(self.largest_mb or 0.0, used_mb)
+
 
 @dataclass
 class Standby:
@@ -120,9 +139,13 @@ class Standby:
     enabled: bool
     #: The server's budget for all sessions' standbys (None: this one is not counted).
     budget: StandbyBudget | None = None
+    #: Whether it has rested enough for the standby's preload (preload_imports) now.
+    settled: Callable[[], bool] = lambda: True
     kernel: Kernel | None = None
     closed: bool = False
     _fill: _Fill | None = None
+    #: The kernel whose preload ran to its end (for status).
+    _preloaded: Kernel | None = None
     #: Standbys swapped in, and those that failed to start or to swap in (for status).
     taken: int = 0
     failed: int = 0
@@ -156,9 +179,13 @@ class Standby:
                     fill.counted = True
                 fill.kernel = self.make()
                 await fill.kernel.start(self.settings.startup_timeout_s)
-                await self._cell(fill.kernel, "pass", "warm-up")  # a first execute's one-off costs, paid now
-                if not self.closed and await self._fits(fill):
-                    self.kernel, fill.kernel = fill.kernel, None
+                await self._cell(fill.kernel, NO_OP_CODE, "warm-up")  # a first execute's one-off costs, paid now
+                if self.closed or not await self._fits(fill):
+                    return
+                self.kernel = fill.offered = fill.kernel
+                fill.kernel = None
+                if self.settings.preload_imports:
+                    await self._preload(fill)
         except Exception as exc:  # never the caller's: the next reset starts cold, and this tries again after it
             self.failed += 1
             log.warning("a standby kernel failed to start (%s); the next reset starts one cold", exc)
@@ -193,13 +220,41 @@ class Standby:
             self.budget.release(id(self))
         return kernel
 
+    async def _preload(self, fill: _Fill) -> None:
+        """The common imports (sessions/warm_up.py: a second or so of CPU) in the offered kernel, once the
+        session rests (beside its first cells they would slow them), unless it was taken meanwhile; then
+        counted in the server's budget at what it holds with them."""
+        while not self.settled():
+            await anyio.sleep(QUIET_POLL_S)
+        if self.kernel is not fill.offered or fill.offered is None:
+            return
+        fill.preloading = True
+        for code in PRELOAD_STEP_CODES:
+            if fill.stop_preload:  # taken: it goes with the steps done so far
+                return
+            await self._cell(fill.offered, code, "preload", self.settings.startup_timeout_s)
+        self._preloaded = fill.offered
+        if self.budget is not None and self.kernel is fill.offered:
+            used = await anyio.to_thread.run_sync(memory_used_mb, fill.offered)
+            if used is not None:
+                self.budget.remeasured(id(self), used)
+
     async def take(self) -> Kernel | None:
         """The ready standby, made ready for user code (it forgot what it cached of the file system), or
-        None at once: none ready, or the one ready died or failed its swap-in (then it is shut down)."""
+        None: none ready, or the one ready died or failed its swap-in (then it is shut down). A step of
+        its preload under way is waited for (a few hundred ms), and no further step runs; a preload not
+        yet begun never runs in it: the kernel goes as it is."""
         kernel = self._let_go()
         if kernel is None:
             return None
-        if kernel.alive:
+        fill = self._fill
+        if fill is not None and fill.offered is kernel:
+            fill.stop_preload = True  # a step under way ends (a few hundred ms), and no other begins
+            if not fill.preloading:
+                fill.scope.cancel()
+            with anyio.move_on_after(self.settings.startup_timeout_s):
+                await fill.ended.wait()
+        if kernel.alive and (fill is None or fill.ended.is_set()):
             try:
                 await self._cell(kernel, SWAP_IN_CODE, "swap-in")
             except Exception as exc:
@@ -239,14 +294,17 @@ class Standby:
             return None
         state = "ready" if self.kernel is not None else "starting" if self._fill is not None else "none"
         memory = memory_used_mb(self.kernel) if self.kernel is not None and self.kernel.alive else None
-        return {"state": state, "memory_mb": memory, "swapped_in": self.taken, "failed": self.failed}
+        described = {"state": state, "memory_mb": memory, "swapped_in": self.taken, "failed": self.failed}
+        if self.settings.preload_imports:
+            described["preloaded"] = self.kernel is not None and self._preloaded is self.kernel
+        return described
 
-    async def _cell(self, kernel: Kernel, code: str, what: str) -> None:
+    async def _cell(self, kernel: Kernel, code: str, what: str, timeout_s: float = CELL_TIMEOUT_S) -> None:
         """Run a silent cell of ours in `kernel`; raises RuntimeError unless it ran cleanly."""
         output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
         try:
             outcome = await kernel.execute(
-                code, output, timeout_s=CELL_TIMEOUT_S, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
+                code, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
             )
         finally:
             output.close()
