@@ -15,7 +15,7 @@ Lanes, per cell (a chart: pyplot, one line plot, shown; pandas: a 1,000-row fram
   and in the cold server's (no pool refilling beside it: what a refill's imports cost a warm cell).
 Every round runs every lane once, in a fresh random order, `--settle` seconds apart (an agent's think
 time: the pool refills and the standby starts in it), so load on a shared machine hits all lanes alike.
-Also printed: the memory of an idle new session (session_status before its first cell) on each server.
+Also printed: the memory of an idle new session (manage_sessions status before its first cell) on each server.
 Issue 37's target: the first chart in a new session at most 1.5x a warm chart cell.
 """
 
@@ -68,6 +68,7 @@ def server(root: Path, backend: str, src: Path, pool_size: int) -> StdioServerPa
         "CODERUNNER_LOG_LEVEL": "WARNING",
         "CODERUNNER_EXPORT_DIR": "",
         "CODERUNNER_POOL_SIZE": str(pool_size),
+        "CODERUNNER_TOOLS": "all",  # create_session is in the sessions group, off by default
         "CODERUNNER_TOKEN": "bench-token-" + "0" * 24,
         "CODERUNNER_TOKEN_FILE": str(root / "token"),
         "PYTHONPATH": str(src),
@@ -128,7 +129,7 @@ KERNEL_MEMORY = (
 
 
 async def idle_memory_mb(client: Client) -> tuple[float | None, float | None, str]:
-    """session_status's memory of a new session before its first cell (its sandbox: cgroup or the
+    """manage_sessions status: the memory of a new session before its first cell (its sandbox: cgroup or the
     kernel's process tree), of the default session's standby kernel (started ahead for a reset), and
     the new session's kernel's own RSS and PSS as its first cell reads them."""
     session_id = json.loads((await call(client, "create_session"))[0])["session_id"]
@@ -214,7 +215,7 @@ def report(
         for lane, samples in whole.items():
             if lane.startswith(kind + " "):
                 print(f"  {lane:28} {ms(samples)}")
-    print("memory (session_status): an idle new session before its first cell; the default session's standby")
+    print("memory (manage_sessions status): an idle new session before its first cell; the default session's standby")
     for name, (used, standby, kernel) in memory.items():
         shown = ["–" if value is None else f"{value:.1f} MiB" for value in (used, standby)]
         print(f"  {name:20} new session {shown[0]:>10}   standby {shown[1]:>10}   new session's {kernel}")

@@ -93,7 +93,7 @@ async def test_a_kernel_started_ahead_has_the_common_imports_and_a_clean_namespa
             while not await standby_ready():
                 await anyio.sleep(0.2)
         assert await standby_ready(), json.dumps(status)
-        reset = await client.call_tool("manage_sessions", {"action": "reset", "session_id": session_id})
+        reset = await client.call_tool("kernel_reset", {"session_id": session_id})
         assert not reset.is_error, text_of(reset)
         shown = text_of(await run(client, MODULES_AND_NAMES, session_id=session_id)).splitlines()
         assert shown[:2] == [PRELOADED, "[]"], shown
@@ -129,7 +129,7 @@ async def test_a_standby_never_runs_nor_hands_over_a_module_the_workspace_shadow
             assert await standby_ready()
             found = text_of(await run(client, "import os; print(os.path.exists('/workspace/planted-ran'))"))
             assert found.startswith("False"), found  # no preload ran the workspace's pandas.py
-            reset = await client.call_tool("manage_sessions", {"action": "reset"})
+            reset = await client.call_tool("kernel_reset", {})
             assert not reset.is_error, text_of(reset)
         # The standby that preloaded the environment's pandas was not handed over: the user gets theirs.
         shown = text_of(await run(client, "import pandas\nprint(pandas.MARK)"))

@@ -2,7 +2,7 @@
 
 What a reset promised before the standby it still keeps: a fresh namespace, the workspace files and the
 session's installed packages, a running cell stopped; a reset with no standby ready starts one cold; and
-closing leaves nothing behind (processes, dirs, cgroups). Each test checks, through session_status, which
+closing leaves nothing behind (processes, dirs, cgroups). Each test checks, through manage_sessions status, which
 path its reset took, so that a standby that is never used cannot pass for one that works.
 """
 
