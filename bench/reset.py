@@ -32,6 +32,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
+from latency import bench_env
 from mcp import Client, StdioServerParameters
 from summary import Figure, add_summary_argument, write_summary
 
@@ -49,23 +50,14 @@ def summarize(samples: list[float]) -> str:
 
 def server(root: Path, backend: str, src: Path, standby: bool) -> StdioServerParameters:
     env = {
-        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
-        "HOME": os.environ.get("HOME", "/root"),
+        **bench_env(root, backend),
         "CODERUNNER_CONFIG": os.devnull,
-        "CODERUNNER_BACKEND": backend,
-        "CODERUNNER_RUNTIME_DIR": str(root / "r"),
-        "CODERUNNER_TOOLS": "all",
-        "CODERUNNER_WORKSPACES_DIR": str(root / "w"),
-        "CODERUNNER_LOG_LEVEL": "WARNING",
         "CODERUNNER_POOL_SIZE": "0",
         "CODERUNNER_RESET_STANDBY": "1" if standby else "0",
         "CODERUNNER_TOKEN": "bench-token-" + "0" * 24,
         "CODERUNNER_TOKEN_FILE": str(root / "token"),
         "PYTHONPATH": str(src),
     }
-    for key in ("CODERUNNER_SANDBOX_ENV", "CODERUNNER_OCI_RUNTIME", "CODERUNNER_IMAGE"):
-        if key in os.environ:
-            env[key] = os.environ[key]
     return StdioServerParameters(command=sys.executable, args=["-m", "coderunner.cli", "serve"], env=env)
 
 
