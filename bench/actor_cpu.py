@@ -82,7 +82,8 @@ settings_obj = Settings(backend="bwrap", pool_size=0)
 settings = settings_obj.model_dump(exclude={"token", "token_file", "ray_address"})
 from coderunner.sandbox import make_backend
 from coderunner.sessions.sandbox_options import sandbox_options
-session_options = sandbox_options(settings_obj, make_backend(settings_obj), [], memory_mb=512)
+from coderunner.vocabulary.sandbox_request import SandboxRequest
+session_options = sandbox_options(settings_obj, make_backend(settings_obj), [], SandboxRequest(memory_mb=512))
 options = {"num_cpus": 0.1, "memory": 512 * 2**20, "resources": {"coderunner-bwrap": 1}, "namespace": "coderunner",
            "lifetime": "detached", "max_restarts": 0, "max_concurrency": 64}
 def threads(pid):

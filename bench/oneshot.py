@@ -208,7 +208,8 @@ async def round_trips(
 
 async def phases(runs: int, languages: list[str], ready: bool, gap_ms: float, cpu_weight: int | None) -> None:
     """The runner's own phases, in process, beside the plain program and the sandbox's bare layers."""
-    from coderunner.sandbox import UidPool, ensure_private_dir, make_backend, per_sandbox_uids
+    from coderunner.hostfs.private_dirs import ensure_private_dir
+    from coderunner.sandbox import UidPool, make_backend, per_sandbox_uids
     from coderunner.sandbox.bwrap import BwrapBackend
     from coderunner.sandbox.cgroups import CgroupLimits, SessionCgroup, enter_command
     from coderunner.sessions.leases import SandboxLeases, sandbox_spec

@@ -34,6 +34,7 @@ from coderunner.config import Settings
 from coderunner.sandbox import SandboxUnavailable, make_backend
 from coderunner.sessions import Session, SessionManager
 from coderunner.sessions.session_snapshots import Seed
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 OCI_RUNTIMES = {"podman": "runc"}
 #: Issue 29: a snapshot, and a restore, at most this many times the by-hand baseline.
@@ -121,7 +122,7 @@ async def main() -> None:
                 lane = lanes[name]
                 taken = await timed(lane["snapshot_s"], manager.snapshots.take(session))
                 seed = Seed(session.options.client, taken.meta.snapshot_id)
-                options = manager.options(memory_mb=session.options.limits.memory_mb)
+                options = manager.options(SandboxRequest(memory_mb=session.options.limits.memory_mb))
                 restored = await timed(lane["restore_s"], restore(manager, options, seed))
                 await manager.close(restored.session_id)
                 store = manager.snapshots.store

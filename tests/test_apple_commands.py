@@ -35,10 +35,11 @@ from coderunner.sandbox.apple import (
     version_problem,
     vm_name,
 )
-from coderunner.sandbox.base import Limits, Mount, SandboxSpec
+from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.container import ContainerUnavailable, name_prefix
 from coderunner.sandbox.image_build import BuildCommand, build_command
 from coderunner.sandbox.watcher import WatchPlan, apple_names
+from coderunner.vocabulary.mounts import Mount
 
 from .test_container_commands import ENV_FLAGS  # the same sandbox environment on every engine
 

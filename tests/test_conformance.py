@@ -31,11 +31,12 @@ from coderunner.kernel.incarnation import RunStatus
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sandbox import SandboxBackend, SandboxProcess, SandboxUnavailable, make_backend
 from coderunner.sandbox.identity import sandbox_identity
-from coderunner.sandbox.registry import BACKEND_NAMES, Setup, platform_default
-from coderunner.sandbox.registry import entry as registry_entry
 from coderunner.sessions import Session, SessionManager
 from coderunner.sessions.oneshot_program import ready_argv
 from coderunner.sessions.session_snapshots import Seed, takes_memory
+from coderunner.vocabulary.backends import BACKEND_NAMES, Setup, platform_default
+from coderunner.vocabulary.backends import entry as registry_entry
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 from . import apple_emulation
 from .fakes.backend import FakeBackend, kernel_python
@@ -297,7 +298,7 @@ async def test_one_shot_runs_use_pipes_and_exit_codes(manager: SessionManager) -
         return
     result = await manager.oneshot.run("python", "import sys\nprint(6 * 7)\nsys.exit(4)", options)
     assert result.stdout.strip() == "42" and result.exit_code == 4 and not result.timed_out
-    slept = await manager.oneshot.run("bash", "sleep 60", manager.options(timeout_s=1))
+    slept = await manager.oneshot.run("bash", "sleep 60", manager.options(SandboxRequest(timeout_s=1)))
     assert slept.timed_out
 
 

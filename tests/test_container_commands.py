@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from coderunner.config import Settings, default_backend
-from coderunner.sandbox.base import Limits, Mount, SandboxSpec
+from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.container import (
     channel_ports,
     connection_info,
@@ -22,6 +22,7 @@ from coderunner.sandbox.container import (
 )
 from coderunner.sandbox.image_build import BuildCommand, sources_digest
 from coderunner.sandbox.oci import OciCommand, parse_server_containers
+from coderunner.vocabulary.mounts import Mount
 
 ENV_FLAGS = [
     "--env", "PATH=/opt/coderunner/env/bin:/usr/local/bin:/usr/bin:/bin",
@@ -371,9 +372,10 @@ def test_gvisor_argv_names_the_fixed_inside_paths_and_a_kernel_runs_behind_the_r
 
 
 def test_gvisor_config_holds_what_podman_flags_gave() -> None:
-    from coderunner.sandbox.common import HOST_INSIDE, RUN_INSIDE, SANDBOX_UID
-    from coderunner.sandbox.identity import HostIdentity
+    from coderunner.sandbox.common import HOST_INSIDE, RUN_INSIDE
     from coderunner.sandbox.runsc import ConfigInputs, host_pids, mount_points, oci_config
+    from coderunner.vocabulary.host_identity import HostIdentity
+    from coderunner.vocabulary.sandbox_layout import SANDBOX_UID
 
     inputs = ConfigInputs(Path("/b/rootfs"), SANDBOX_UID, SANDBOX_UID, "coderunner-t-9f8e7d6c-abc", 4096, 4096)
     made = spec(user=HostIdentity("u", 70001, 70001))

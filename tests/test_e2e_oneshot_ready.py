@@ -26,6 +26,7 @@ from coderunner.config import Settings
 from coderunner.sandbox import SandboxSpec, make_backend
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.oneshot_program import LAUNCHER
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 from .conftest import ServerDirs, json_of, memory_client, sandbox_processes_alive, server_env, text_of, wait_until
 from .test_e2e_execute_code import (
@@ -149,7 +150,7 @@ async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root:
             await manager.oneshot.run("python", "print(1)", options),
             await manager.oneshot.run("bash", "echo 2", options),
             await manager.oneshot.run("javascript", "console.log(3)", options, stdin=b"in"),
-            await manager.oneshot.run("python", "print(4)", manager.options(timeout_s=5)),
+            await manager.oneshot.run("python", "print(4)", manager.options(SandboxRequest(timeout_s=5))),
         ]
         assert [result.stdout for result in results] == ["1\n", "2\n", "3\n", "4\n"]
         assert all(result.success for result in results)
@@ -158,7 +159,7 @@ async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root:
         assert [kind for kind in started if kind != "wait"] == ["run"], started
         assert started[:4] == ["run", "wait", "wait", "wait"], started
         # Other limits need another sandbox: this run starts its own and the one waiting is dropped.
-        other = await manager.oneshot.run("python", "print(5)", manager.options(memory_mb=700))
+        other = await manager.oneshot.run("python", "print(5)", manager.options(SandboxRequest(memory_mb=700)))
         assert other.stdout == "5\n" and started.count("run") == 2, started
     assert [entry.name for entry in settings.runtime_dir.iterdir() if not entry.name.startswith("guest")] == []
     assert list(settings.workspaces_dir.iterdir()) == []

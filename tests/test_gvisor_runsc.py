@@ -25,8 +25,9 @@ import anyio
 import pytest
 
 from coderunner.sandbox.base import Limits, SandboxSpec
-from coderunner.sandbox.common import CHANNEL_RELAY, HOST_INSIDE, RELAY_STATE, RUN_INSIDE, WORKSPACE, etc_files
-from coderunner.sandbox.identity import HostIdentity
+from coderunner.sandbox.common import CHANNEL_RELAY, HOST_INSIDE, RELAY_STATE, RUN_INSIDE
+from coderunner.vocabulary.host_identity import HostIdentity
+from coderunner.vocabulary.sandbox_layout import WORKSPACE, etc_files
 
 pytestmark = pytest.mark.anyio
 
@@ -206,7 +207,7 @@ async def test_a_new_server_sweeps_what_a_dead_one_left(tmp_path: Path) -> None:
         import anyio, sys, time
         from pathlib import Path
         from coderunner.sandbox.base import Limits, SandboxSpec
-        from coderunner.sandbox.identity import HostIdentity
+        from coderunner.vocabulary.host_identity import HostIdentity
         from coderunner.sandbox.gvisor import GvisorBackend
         spec = SandboxSpec(name="ab12cd34", workspace=Path({str(spec.workspace)!r}),
             runtime_dir=Path({str(spec.runtime_dir)!r}), host_dir=Path({str(spec.host_dir)!r}),

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from coderunner import __version__
 from coderunner.edge.client_configs import CLIENTS
 from coderunner.policy.tool_groups import ALL, DEFAULT_GROUPS, GROUP_NAMES
-from coderunner.sandbox.registry import BACKEND_NAMES
+from coderunner.vocabulary.backends import BACKEND_NAMES
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -274,7 +274,7 @@ def _node_resources_command(_args: argparse.Namespace, settings: Settings) -> in
 def _setup_command(args: argparse.Namespace, settings: Settings) -> int:
     from coderunner.sandbox import env as sandbox_env
     from coderunner.sandbox import image_build as image
-    from coderunner.sandbox.registry import Setup, entry
+    from coderunner.vocabulary.backends import Setup, entry
 
     if entry(settings.backend).setup is Setup.IMAGE:
         print(f"sandbox image ready: {image.build(settings, recreate=args.recreate)}")

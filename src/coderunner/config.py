@@ -29,18 +29,19 @@ from coderunner.app_dirs import (  # noqa: F401 - re-exported: where settings li
     default_export_dir,
     default_runtime_dir,
 )
-from coderunner.egress.policy import EgressPolicy, EgressPolicyError
-from coderunner.egress.settings import EgressSettings
 from coderunner.errors import CodeRunnerError
-from coderunner.hostfs.mounts import MountSpec
+from coderunner.policy.egress import EgressPolicy, EgressPolicyError
+from coderunner.policy.egress_settings import EgressSettings
+from coderunner.policy.mounts import parse_mount
 from coderunner.policy.tool_groups import ALL, DEFAULT_GROUPS, TOOL_GROUPS, ToolsetError, check_selection
-from coderunner.sandbox.registry import BACKEND_NAMES, platform_default
+from coderunner.vocabulary.backends import BACKEND_NAMES, platform_default
+from coderunner.vocabulary.mounts import MountSpec
 from coderunner.vocabulary.network import CEILING_SETTING, NetworkMode, default_ceiling, rank
 
 #: Below this an ipykernel with numpy cannot even start under RLIMIT_AS (measured: ~420 MiB mapped).
 MIN_MEMORY_MB = 512
 Transport = Literal["stdio", "streamable-http", "sse"]
-#: The names `backend` may be set to: one per entry of the backend registry (sandbox/registry.py),
+#: The names `backend` may be set to: one per entry of the backend registry (vocabulary/backends.py),
 #: in its order (a Literal made from it, so the settings' schema and errors list them as before).
 Backend = Literal[BACKEND_NAMES]  # type: ignore[valid-type]  # a Literal built from the registry
 #: A node label's name or value: plain text, as Ray would otherwise read '!' or 'in(...)' as operators.
@@ -49,7 +50,7 @@ RayLabel = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9._/-]+$")]
 
 def default_backend() -> Backend:
     """Linux: bwrap (no daemon, embedded). macOS: Apple `container` VMs when the CLI is installed.
-    Each backend's entry says when it is the default (registry.platform_default)."""
+    Each backend's entry says when it is the default (vocabulary/backends.py platform_default)."""
     return platform_default()
 
 
@@ -383,7 +384,7 @@ class Settings(BaseSettings):
     def _mount_strings(cls, value: Any) -> Any:
         """Accept the flag form "HOST:SANDBOX[:ro|rw]" wherever a mount is expected."""
         if isinstance(value, list):
-            return [MountSpec.parse(item) if isinstance(item, str) else item for item in value]
+            return [parse_mount(item) if isinstance(item, str) else item for item in value]
         return value
 
     @model_validator(mode="after")
@@ -406,7 +407,7 @@ class Settings(BaseSettings):
 
     @property
     def egress(self) -> EgressSettings:
-        """The network settings with the host ceiling parsed: once, then the same one (egress/settings.py)."""
+        """The network settings with the host ceiling parsed: once, then the same one (policy/egress_settings.py)."""
         if self._egress is None or not self._egress.reads(self):
             self._egress = EgressSettings.of(self)
         return self._egress

@@ -12,12 +12,12 @@ import time
 import anyio
 
 from coderunner.config import Settings
-from coderunner.egress.policy import PRESETS
 from coderunner.egress.texts import ceiling_summary
-from coderunner.sandbox import SandboxUnavailable, make_backend
+from coderunner.policy.egress import PRESETS
+from coderunner.sandbox import SandboxUnavailable, make_backend, registry
 from coderunner.sandbox.probes import Check, Readiness
-from coderunner.sandbox.registry import ENTRIES, entry
 from coderunner.sessions import SessionManager
+from coderunner.vocabulary.backends import ENTRIES, entry
 from coderunner.vocabulary.network import NetworkMode, modes_within
 
 
@@ -79,7 +79,7 @@ def check_backend_choice(settings: Settings) -> Check:
 
 def _engine_problem(settings: Settings, kind: str) -> Readiness:
     """(what is missing for backend `kind` here, the fix), or (None, None) when it looks ready."""
-    return entry(kind).readiness(settings)
+    return registry.readiness(entry(kind), settings)
 
 
 def summarize_other_backends(settings: Settings) -> Check:
@@ -89,7 +89,7 @@ def summarize_other_backends(settings: Settings) -> Check:
     unavailable: list[str] = []
     for other in ENTRIES:
         if other.name != settings.backend:
-            missing, _ = other.readiness(settings)
+            missing, _ = registry.readiness(other, settings)
             (ready if missing is None else unavailable).append(other.name)
     parts = [f"{', '.join(ready)} ready" if ready else "", f"{', '.join(unavailable)} not here" if unavailable else ""]
     return Check("other backends", True, "; ".join(part for part in parts if part) + " (doctor --all says more)")
@@ -101,7 +101,7 @@ def check_other_backends(settings: Settings) -> list[Check]:
     for other in ENTRIES:
         if other.name == settings.backend:
             continue
-        missing, fix = other.readiness(settings)
+        missing, fix = registry.readiness(other, settings)
         detail = "ready" if missing is None else f"unavailable: {missing}"
         checks.append(
             Check(f"other backend {other.name}", True, detail, fix, degraded=missing is not None and bool(fix))
@@ -110,8 +110,8 @@ def check_other_backends(settings: Settings) -> list[Check]:
 
 
 def check_backend(settings: Settings) -> list[Check]:
-    """The backend in use, as its own probes see it (registry.py names them)."""
-    return entry(settings.backend).checks(settings)
+    """The backend in use, as its own probes see it (vocabulary/backends.py names them)."""
+    return registry.checks(entry(settings.backend), settings)
 
 
 def run_checks(settings: Settings, every_backend: bool = False) -> list[Check]:

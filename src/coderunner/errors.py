@@ -25,7 +25,7 @@ Each class lives beside the code that raises it; the tree, with where each one i
     │   ├── GuestCallError           here                          a guest tool refused its input or failed
     │   └── JobNotFound              sessions/job_runner.py        a job id this caller does not have
     ├── OneShotError                 sessions/oneshot_program.py   a one-shot run that could not be set up
-    ├── MountError (+ ValueError)    hostfs/mounts.py              a mount that is refused
+    ├── MountError (+ ValueError)    policy/mounts.py              a mount that is refused
     ├── WorkspaceError               hostfs/workspaces.py          a persistent workspace that cannot be used
     ├── SnapshotError                snapshots/layout.py           a snapshot that cannot be made, found or restored
     │   ├── SnapshotTooLarge         snapshots/layout.py           ... past snapshot_limit_mb (nothing kept)
@@ -33,7 +33,7 @@ Each class lives beside the code that raises it; the tree, with where each one i
     ├── FileAccessError              hostfs/sandbox_files.py       a file request refused or failed
     ├── VariablesError               policy/call_variables.py      a variable that cannot be passed
     ├── PackagesError                policy/requirements.py        a package list pip must not be given
-    ├── EgressPolicyError            egress/policy.py              an allowlist entry refused, a host past the ceiling
+    ├── EgressPolicyError            policy/egress.py              an allowlist entry refused, a host past the ceiling
     └── ProxyError                   edge/stdio_proxy.py           `coderunner proxy` cannot use the upstream server
         └── RequestNeverRan          edge/stdio_proxy.py           ... and the request certainly did not run there
 

@@ -29,7 +29,7 @@ from .test_abuse_egress import create, ok
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
-#: The audit file as the server makes it (egress/gateway.py): 8 MiB, the live file and 3 rotated.
+#: The audit file as the server makes it (sessions/egress_wiring.py): 8 MiB, the live file and 3 rotated.
 MAX_BYTES, FILES = 8 * MiB, 4
 SESSION_BYTES = FILES * MAX_BYTES // SESSION_SHARE
 FLOOD_TRIES, FLOOD_S = 3000, 90

@@ -103,12 +103,13 @@ async def test_a_pooled_session_never_reaches_a_front_door_with_other_settings(
 
 MAKE_SESSION = """
 import json, sys, anyio
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 from coderunner.config import load_settings
 from coderunner.cluster.host import ClusterHost
 
 async def main():
     async with ClusterHost(load_settings(ray_address=sys.argv[1])) as host:
-        session = await host.create(host.options(client="alice"), owner="alice/1")
+        session = await host.create(host.options(SandboxRequest(client="alice")), owner="alice/1")
         print(json.dumps({"session_id": session.session_id}))
 
 anyio.run(main)
@@ -149,7 +150,7 @@ async def answer(call, *args):
 async def main():
     async with ClusterHost(load_settings(ray_address=sys.argv[1])) as host:
         found_id = sys.argv[2]
-        here = await host.create(host.options(client="alice"), owner="alice/1")
+        here = await host.create(host.options(SandboxRequest(client="alice")), owner="alice/1")
         taken = await host.take_snapshot(here, "mine")
         await host.snapshot_listing("alice")  # what a listing of alice's teaches this front door too
         real, made_up = taken.meta.snapshot_id, "s-" + secrets.token_urlsafe(9)

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from coderunner.egress import EgressPolicy, IPAddress, ProxyLimits
-from coderunner.egress.policy import normalize_host
 from coderunner.egress.request import BadRequest, parse_request
+from coderunner.policy.egress import normalize_host
 
 from .harness import BackgroundLoop, Upstream, exchange, resolver_for, running_proxy, status_of
 

@@ -6,7 +6,7 @@ import ipaddress
 
 import pytest
 
-from coderunner.egress.policy import CEILING_SETTING, PRESETS, EgressPolicy, EgressPolicyError, normalize_host
+from coderunner.policy.egress import CEILING_SETTING, PRESETS, EgressPolicy, EgressPolicyError, normalize_host
 
 
 def test_presets_expand_and_python_packages_comes_from_pip() -> None:

@@ -9,7 +9,7 @@ import socket
 import pytest
 
 from coderunner.egress import EgressPolicy, EgressPolicyError, IPAddress, ProxyLimits
-from coderunner.egress.policy import CEILING_SETTING
+from coderunner.policy.egress import CEILING_SETTING
 
 from .harness import Upstream, body_of, exchange, loopback_only, resolver_for, running_proxy, status_of
 

@@ -7,7 +7,7 @@ import pytest
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.wire import EgressDelta
 from coderunner.egress.audit import Decision, DecisionLog
-from coderunner.egress.policy import EgressPolicy
+from coderunner.policy.egress import EgressPolicy
 
 POLICY = EgressPolicy.parse(["a.example.org"])
 

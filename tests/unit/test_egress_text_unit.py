@@ -16,8 +16,8 @@ from mcp.types import ClientCapabilities, ElicitationCapability, FormElicitation
 
 from coderunner.egress.asker import CallAsker, HostPermission
 from coderunner.egress.audit import Decision, DecisionLog
-from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.texts import denial_note, denied_with_reasons, egress_status
+from coderunner.policy.egress import EgressPolicy
 
 CEILING = EgressPolicy.parse(["ix.example", "fx.example", "*.example.org", "198.51.100.7"])
 SESSION = EGRESS = CEILING.narrowed(["ix.example", "198.51.100.7"])

@@ -19,6 +19,7 @@ from coderunner.sandbox.bwrap import BwrapCommand
 from coderunner.sandbox.common import EGRESS_FORWARDER, EGRESS_PORT, EGRESS_SOCKET, egress_environment
 from coderunner.sandbox.oci import OciCommand
 from coderunner.sessions.sandbox_options import sandbox_options
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 PROXY = f"http://127.0.0.1:{EGRESS_PORT}"
 
@@ -77,7 +78,7 @@ def test_serve_flags_set_the_network_and_the_ceiling() -> None:
 
 def test_allowlist_without_a_ceiling_says_how_to_set_one(tmp_path: Path) -> None:
     with pytest.raises(SessionError) as refused:
-        sandbox_options(settings(tmp_path), AnyNetwork(), [], network="allowlist")  # type: ignore[arg-type]
+        sandbox_options(settings(tmp_path), AnyNetwork(), [], SandboxRequest(network="allowlist"))  # type: ignore[arg-type]
     message = str(refused.value)
     assert "allowed_domains" in message and "CODERUNNER_ALLOWED_DOMAINS" in message and "--allow-domain" in message
 
@@ -85,14 +86,14 @@ def test_allowlist_without_a_ceiling_says_how_to_set_one(tmp_path: Path) -> None
 def test_a_session_asks_for_a_subset_never_more(tmp_path: Path) -> None:
     config = settings(tmp_path, allowed_domains=["python-packages", "*.example.com"])
     backend = AnyNetwork()
-    asked = sandbox_options(config, backend, [], network="allowlist", allow=["api.example.com"])  # type: ignore[arg-type]
+    asked = sandbox_options(config, backend, [], SandboxRequest(network="allowlist", allow=("api.example.com",)))  # type: ignore[arg-type]
     assert asked.network == "allowlist" and asked.allow == ("api.example.com",)
-    whole = sandbox_options(config, backend, [], network="allowlist")  # type: ignore[arg-type]
+    whole = sandbox_options(config, backend, [], SandboxRequest(network="allowlist"))  # type: ignore[arg-type]
     assert whole.allow == ()
     with pytest.raises(SessionError, match="allowed_domains"):
-        sandbox_options(config, backend, [], network="allowlist", allow=["evil.test"])  # type: ignore[arg-type]
+        sandbox_options(config, backend, [], SandboxRequest(network="allowlist", allow=("evil.test",)))  # type: ignore[arg-type]
     with pytest.raises(SessionError, match="allowlist"):
-        sandbox_options(config, backend, [], network="internet", allow=["api.example.com"])  # type: ignore[arg-type]
+        sandbox_options(config, backend, [], SandboxRequest(network="internet", allow=("api.example.com",)))  # type: ignore[arg-type]
 
 
 # --- what the sandbox is given -------------------------------------------------------------------------

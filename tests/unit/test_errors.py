@@ -50,10 +50,10 @@ def test_every_caller_facing_error_is_drawn_in_the_tree() -> None:
 def test_errors_the_tools_and_cli_used_to_list_derive_from_the_root() -> None:
     from coderunner import config
     from coderunner.edge import auth, client_tokens
-    from coderunner.hostfs import mounts
     from coderunner.hostfs import workspaces as workspace
     from coderunner.kernel import incarnation as kernel
     from coderunner.policy import call_variables as variables
+    from coderunner.policy import mounts
     from coderunner.policy import requirements as packages
     from coderunner.sandbox import env as sandbox_env
     from coderunner.sessions import oneshot_runs as oneshot

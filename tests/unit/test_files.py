@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from coderunner.hostfs.mounts import MountError, MountSpec, check_sandbox_path, resolve_mount
+from coderunner.hostfs.mounts import resolve_mount
 from coderunner.hostfs.sandbox_files import FileAccessError, SandboxFiles
-from coderunner.sandbox.base import Mount
+from coderunner.policy.mounts import MountError, check_sandbox_path
+from coderunner.vocabulary.mounts import Mount, MountSpec
 
 
 @pytest.fixture

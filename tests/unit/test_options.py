@@ -10,7 +10,6 @@ import pytest
 
 from coderunner.config import MIN_MEMORY_MB, Settings, load_settings
 from coderunner.errors import SessionError
-from coderunner.hostfs.mounts import MountSpec
 from coderunner.sandbox import Mount, SandboxBackend
 from coderunner.sessions.sandbox_options import (
     SandboxOptions,
@@ -19,6 +18,8 @@ from coderunner.sessions.sandbox_options import (
     sandbox_options,
     session_mounts,
 )
+from coderunner.vocabulary.mounts import MountSpec
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 
 @dataclass
@@ -46,7 +47,7 @@ def options(
     tmp_path: Path, base_mounts: list[Mount] | None = None, config: Settings | None = None, **asked: object
 ) -> SandboxOptions:
     backend: SandboxBackend = FakeBackend()  # type: ignore[assignment]
-    return sandbox_options(config or settings(tmp_path), backend, base_mounts or [], **asked)  # type: ignore[arg-type]
+    return sandbox_options(config or settings(tmp_path), backend, base_mounts or [], SandboxRequest(**asked))  # type: ignore[arg-type]
 
 
 def test_defaults_come_from_the_settings(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from coderunner.sessions import Session, SessionError
 from coderunner.sessions.pool import WarmPool
 from coderunner.sessions.warm_up import PRELOAD_CODE
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 from tests.fakes.kernel import FakeKernel, FakeKernels
 
 from .conftest import ManagerFactory
@@ -213,7 +214,7 @@ async def test_a_pooled_kernel_ran_the_preload_and_a_cold_one_did_not(make_scrip
         await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
         pooled, cold = (
             kernel_of(await manager.create()),
-            kernel_of(await manager.create(manager.options(memory_mb=1024))),
+            kernel_of(await manager.create(manager.options(SandboxRequest(memory_mb=1024)))),
         )
         assert manager.pool.stats().taken == 1
         assert pooled.executed[:1] == [PRELOAD_CODE] and pooled.preloads == 1 and pooled.execution_count == 0
@@ -223,8 +224,8 @@ async def test_a_pooled_kernel_ran_the_preload_and_a_cold_one_did_not(make_scrip
 async def test_non_default_options_start_cold(make_scripted: ManagerFactory) -> None:
     async with make_scripted(pool_size=1) as manager:
         await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
-        cold = await manager.create(manager.options(memory_mb=1024))
-        named = await manager.create(manager.options(name="proj"))
+        cold = await manager.create(manager.options(SandboxRequest(memory_mb=1024)))
+        named = await manager.create(manager.options(SandboxRequest(name="proj")))
         assert manager.pool.stats().taken == 0 and manager.pool.stats().ready == 1
         assert "2" in text(await run(cold, "print 2")) and named.options.name == "proj"
 
@@ -232,7 +233,7 @@ async def test_non_default_options_start_cold(make_scripted: ManagerFactory) -> 
 async def test_the_client_is_bound_at_take(make_scripted: ManagerFactory) -> None:
     async with make_scripted(pool_size=1) as manager:
         await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
-        session = await manager.create(manager.options(client="t.alice"), owner="alice/x")
+        session = await manager.create(manager.options(SandboxRequest(client="t.alice")), owner="alice/x")
         assert manager.pool.stats().taken == 1
         assert session.options.client == "t.alice" and session.owner == "alice/x"
         assert manager.list("alice/x") == [session]
@@ -241,8 +242,8 @@ async def test_the_client_is_bound_at_take(make_scripted: ManagerFactory) -> Non
 async def test_the_pool_never_makes_a_users_create_fail(make_scripted: ManagerFactory) -> None:
     async with make_scripted(pool_size=2, max_sessions=2) as manager:
         await until(lambda: manager.pool.stats().ready == 2, "the pool to fill all the room")
-        first = await manager.create(manager.options(memory_mb=1024))  # cold: a pooled one gives way
-        second = await manager.create(manager.options(memory_mb=1024))
+        first = await manager.create(manager.options(SandboxRequest(memory_mb=1024)))  # cold: a pooled one gives way
+        second = await manager.create(manager.options(SandboxRequest(memory_mb=1024)))
         assert len(manager.list()) == 2 and manager.pool.stats().ready == 0
         with pytest.raises(SessionError, match="session limit reached"):
             await manager.create()
@@ -276,7 +277,7 @@ async def test_exports_go_to_the_takers_folder_only(make_scripted: ManagerFactor
     exports = root / "exports"
     async with make_scripted(pool_size=1, export_dir=exports) as manager:
         await until(lambda: manager.pool.stats().ready == 1, "the pool to fill")
-        session = await manager.create(manager.options(client="t.alice"), owner="alice/x")
+        session = await manager.create(manager.options(SandboxRequest(client="t.alice")), owner="alice/x")
         assert manager.pool.stats().taken == 1
         await run(session, "write .coderunner/outputs/made.txt x")
         assert (exports / "t.alice" / "made.txt").read_text() == "x"

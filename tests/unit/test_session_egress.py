@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from coderunner.egress.gateway import SessionEgress
-from coderunner.egress.policy import EgressPolicy
+from coderunner.policy.egress import EgressPolicy
+from coderunner.sessions.egress_wiring import SessionEgress
 
 
 def test_the_asker_is_set_and_cleared_per_call() -> None:

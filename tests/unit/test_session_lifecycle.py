@@ -16,6 +16,7 @@ from coderunner.config import Settings
 from coderunner.kernel.incarnation import KernelStartError, RunStatus
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sessions import GuestCallError, SessionBusy, SessionError, SessionManager
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 from tests.fakes.backend import FakeBackend
 from tests.fakes.kernel import FAKE_MEMORY_MB, FakeKernels, KernelCue
 
@@ -129,16 +130,16 @@ async def test_status_tells_the_truth_about_a_live_and_a_dead_kernel(manager: Se
 
 async def test_a_persistent_session_keeps_its_files_for_the_next_one(scripted: SessionManager) -> None:
     manager = scripted
-    options = manager.options(name="notes", persistent=True)
+    options = manager.options(SandboxRequest(name="notes", persistent=True))
     first = await manager.create(options)
     await run(first, "write kept.txt from the first")
     await manager.close(first.session_id)
     assert first.workspace.path.exists()
-    second = await manager.create(manager.options(name="notes", persistent=True))
+    second = await manager.create(manager.options(SandboxRequest(name="notes", persistent=True)))
     assert second.workspace.path == first.workspace.path and second.workspace.reopened
     assert "from the first" in text(await run(second, "read kept.txt"))
     with pytest.raises(SessionError, match="needs a name"):
-        manager.options(persistent=True)
+        manager.options(SandboxRequest(persistent=True))
 
 
 async def test_stopping_the_manager_ends_every_sandbox_and_removes_their_dirs(

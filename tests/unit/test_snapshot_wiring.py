@@ -6,6 +6,7 @@ import anyio
 import pytest
 
 from coderunner.sessions import SessionError
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 from .conftest import ManagerFactory
 
@@ -15,10 +16,10 @@ pytestmark = pytest.mark.anyio
 async def test_keep_state_is_only_for_a_named_persistent_session(make_scripted: ManagerFactory) -> None:
     async with make_scripted() as manager:
         with pytest.raises(SessionError, match="keep_state needs persistent=true and a name"):
-            manager.options(keep_state=True)
+            manager.options(SandboxRequest(keep_state=True))
         with pytest.raises(SessionError, match="keep_state needs persistent=true"):
-            manager.options(name="x", keep_state=True)
-        options = manager.options(name="x", persistent=True, keep_state=True)
+            manager.options(SandboxRequest(name="x", keep_state=True))
+        options = manager.options(SandboxRequest(name="x", persistent=True, keep_state=True))
         assert options.keep_state and options.persistent
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from coderunner.sandbox.identity import HostIdentity, IdentityError, UidPool
+from coderunner.sandbox.identity import UidPool
+from coderunner.vocabulary.host_identity import HostIdentity, IdentityError
 
 
 def test_a_uid_held_by_one_pool_is_never_drawn_by_another(tmp_path: Path) -> None:

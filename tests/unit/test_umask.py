@@ -17,11 +17,12 @@ from pathlib import Path
 import pytest
 
 from coderunner.hostfs import staging
+from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.hostfs.sandbox_mounts import ExportPlan, prepare_mounts
 from coderunner.hostfs.session_dirs import open_sandbox_dirs
 from coderunner.hostfs.workspaces import Workspace
 from coderunner.sandbox.bwrap import install_guest
-from coderunner.sandbox.identity import IdentityError, ensure_private_dir
+from coderunner.vocabulary.host_identity import IdentityError
 
 
 @pytest.fixture

@@ -40,17 +40,17 @@ from coderunner.config import ConfigError, Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
 from coderunner.errors import SessionError
-from coderunner.hostfs.mounts import MountSpec
 from coderunner.sandbox import make_backend
 from coderunner.sessions.host_services import sandbox_profile
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
 from coderunner.sessions.seam import SandboxProfile, SessionHandle
 from coderunner.vocabulary.network import NetworkMode
+from coderunner.vocabulary.sandbox_request import DEFAULT_REQUEST, SandboxRequest
 
 if TYPE_CHECKING:
-    from coderunner.egress.gateway import SessionEgress
     from coderunner.hostfs.workspaces import NamedWorkspace
+    from coderunner.sessions.egress_wiring import SessionEgress
     from coderunner.sessions.oneshot_runs import Language, OneShotResult
     from coderunner.sessions.session_snapshots import Seed, Taken
     from coderunner.snapshots.store import Listing, SnapshotMeta
@@ -160,16 +160,8 @@ class ClusterHost:
 
     # --- sessions --------------------------------------------------------------------------------
 
-    def options(
-        self, network: str | None = None, memory_mb: int | None = None, cpus: float | None = None,
-        timeout_s: float | None = None, mounts: list[MountSpec] | None = None, name: str | None = None,
-        persistent: bool = False, client: str = LOCAL_CLIENT, allow: list[str] | None = None, keep_state: bool = False,
-    ) -> SandboxOptions:  # fmt: skip
-        return sandbox_options(
-            self.settings, self.backend, self.base_mounts, network=network, memory_mb=memory_mb, cpus=cpus,
-            timeout_s=timeout_s, mounts=mounts, name=name, persistent=persistent, client=client, allow=allow,
-            keep_state=keep_state,
-        )  # fmt: skip
+    def options(self, request: SandboxRequest = DEFAULT_REQUEST) -> SandboxOptions:
+        return sandbox_options(self.settings, self.backend, self.base_mounts, request)
 
     async def create(
         self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
@@ -299,7 +291,7 @@ class ClusterHost:
             default_id = self._default_ids.get(owner)
             session = self._sessions.get(default_id) if default_id is not None else None
             if session is None or session.closed:
-                session = await self.create(self.options(client=client), owner=owner)
+                session = await self.create(self.options(SandboxRequest(client=client)), owner=owner)
                 self._default_ids[owner] = session.session_id
             return session
 

@@ -32,7 +32,7 @@ from coderunner.sessions.sandbox_options import SandboxOptions
 
 if TYPE_CHECKING:
     from coderunner.cluster.wire import EgressDelta
-    from coderunner.egress.gateway import SessionEgress
+    from coderunner.sessions.egress_wiring import SessionEgress
     from coderunner.sessions.oneshot_runs import OneShotResult
 
 

@@ -18,8 +18,9 @@ from typing import Any
 
 from coderunner.config import Settings
 from coderunner.errors import SessionError
-from coderunner.sandbox.registry import ENTRIES
+from coderunner.sandbox.registry import readiness
 from coderunner.sessions.sandbox_options import SandboxOptions
+from coderunner.vocabulary.backends import ENTRIES
 
 MIB = 1 << 20
 #: CPUs a session asks for when it sets no cpus limit: idle kernels are many to a core.
@@ -122,7 +123,7 @@ def node_resources(settings: Settings) -> dict[str, float]:
     readiness finds nothing missing here, as many units as sessions it may hold (max_sessions)."""
     found: dict[str, float] = {}
     for backend in ENTRIES:
-        missing, _ = backend.readiness(settings)
+        missing, _ = readiness(backend, settings)
         if missing is None:
             found[backend_resource(backend.name)] = float(settings.max_sessions)
     return found

@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 
 from coderunner.cluster.wire import EgressDelta
 from coderunner.egress.audit import Decision, DecisionLog
-from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.policy_proxy import Asker
+from coderunner.policy.egress import EgressPolicy
 
 if TYPE_CHECKING:
-    from coderunner.egress.gateway import SessionEgress
+    from coderunner.sessions.egress_wiring import SessionEgress
 
 
 def delta_of(egress: SessionEgress, since: int) -> EgressDelta:

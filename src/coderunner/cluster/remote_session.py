@@ -34,7 +34,7 @@ from coderunner.sessions.session_status import SessionStatus, export_entry
 
 if TYPE_CHECKING:
     from coderunner.config import Settings
-    from coderunner.egress.gateway import SessionEgress
+    from coderunner.sessions.egress_wiring import SessionEgress
     from coderunner.sessions.sandbox_options import SandboxOptions
 
 log = logging.getLogger(__name__)

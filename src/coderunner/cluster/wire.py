@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coderunner.egress.audit import Decision
-from coderunner.egress.policy import EgressPolicy
 from coderunner.kernel.output_capture import ImageOutput, OutputCollector
 from coderunner.kernel.run_result import ExecutionResult
+from coderunner.policy.egress import EgressPolicy
 from coderunner.sessions.sandbox_options import SandboxOptions
 
 #: Ray namespace every session actor is named in (found by name from any front door).

@@ -28,8 +28,8 @@ from typing import Any
 
 from coderunner.edge.callers import CLIENT_HEADER, token_client
 from coderunner.edge.client_tokens import PRIMARY_CLIENT
+from coderunner.vocabulary.clients import LOCAL_CLIENT
 
-LOCAL_CLIENT = "local"
 ANONYMOUS_HTTP_CLIENT = "http"
 _RESERVED = (LOCAL_CLIENT, ANONYMOUS_HTTP_CLIENT)
 #: Folder names of added tokens' clients start with this; no other folder name does.

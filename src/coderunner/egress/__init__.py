@@ -2,16 +2,17 @@
 
 A session in allowlist mode has no network interface but loopback; its only way out is one
 EgressProxy per session, served on a unix socket the session's sandbox gets bound in. The proxy
-decides on the host NAME the client asked for (policy.py), resolves it itself, refuses any address
-that points back at the host or a private network (addresses.py), connects only to the address it
-checked, and records every decision (audit.py). It never intercepts TLS.
+decides on the host NAME the client asked for (policy/egress.py), resolves it itself, refuses any
+address that points back at the host or a private network (addresses.py), connects only to the
+address it checked, and records every decision (audit.py). It never intercepts TLS.
 
-The proxy itself is pure: no settings, no sessions, no sandboxes. Beside it: settings.py (the user's
-egress settings with the ceiling parsed once, `Settings.egress`), texts.py (what the agent and the
-user are told), asker.py (who asks the user about a host during a call) and gateway.py (one
-sandbox's proxy on its socket, and the server-wide hub). Under it: handoff.py (a client socket the
-sandbox's forwarder hands over that socket), wire.py (request heads, answers) and relay.py (the bytes
-of an allowed connection, moved off the event loop). The wiring, roughly:
+The proxy itself is pure: no settings, no sessions, no sandboxes; this package imports nothing above
+policy/ and the vocabulary. Beside it: texts.py (what the agent and the user are told) and asker.py
+(who asks the user about a host during a call). Elsewhere: the allowlist (policy/egress.py) and the
+user's egress settings with the ceiling parsed once (policy/egress_settings.py, `Settings.egress`),
+and one sandbox's proxy on its socket with the server-wide hub (sessions/egress_wiring.py). Under
+it: handoff.py (a client socket the sandbox's forwarder hands over that socket), wire.py (request
+heads, answers) and relay.py (the bytes of an allowed connection, moved off the event loop). The wiring, roughly:
 
     ceiling = settings.egress.ceiling                                                # parsed once
     policy = ceiling.narrowed(allow) if allow else ceiling                           # per session
@@ -31,9 +32,9 @@ from __future__ import annotations
 
 from coderunner.egress.addresses import IPAddress, forbidden_reason, host_addresses
 from coderunner.egress.audit import AuditFile, Decision, DecisionLog
-from coderunner.egress.policy import PRESETS, EgressPolicy, EgressPolicyError
 from coderunner.egress.policy_proxy import Asker, EgressProxy, ProxyLimits
 from coderunner.egress.upstream import AddressCheck, Resolver
+from coderunner.policy.egress import PRESETS, EgressPolicy, EgressPolicyError
 
 __all__ = [
     "PRESETS",

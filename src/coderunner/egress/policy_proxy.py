@@ -33,11 +33,11 @@ from dataclasses import dataclass
 
 from coderunner.egress.audit import Decision, DecisionLog
 from coderunner.egress.handoff import Client, HandoffRefused, receive_client
-from coderunner.egress.policy import CEILING_SETTING, EgressPolicy, EgressPolicyError
 from coderunner.egress.relay import ByteCounts, relay
 from coderunner.egress.request import BadRequest, parse_request
 from coderunner.egress.upstream import AddressCheck, Resolver, UpstreamOpener
 from coderunner.egress.wire import BLOCKED, HeadTooLarge, KiB, answer, end, read_head, send_all
+from coderunner.policy.egress import CEILING_SETTING, EgressPolicy, EgressPolicyError
 
 log = logging.getLogger(__name__)
 

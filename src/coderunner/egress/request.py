@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass
 from typing import Literal
 
-from coderunner.egress.policy import EgressPolicyError, normalize_host
+from coderunner.policy.egress import EgressPolicyError, normalize_host
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VERSIONS = frozenset({"HTTP/1.0", "HTTP/1.1"})

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from coderunner.egress.audit import Decision
-from coderunner.egress.policy import CEILING_SETTING, PRESETS, EgressPolicy, EgressPolicyError
+from coderunner.policy.egress import CEILING_SETTING, PRESETS, EgressPolicy, EgressPolicyError
 
 #: Hosts named in one denial line; the rest are counted.
 MAX_NAMED = 5

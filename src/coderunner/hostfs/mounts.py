@@ -1,71 +1,25 @@
-"""Which host folders a sandbox may see, and the checks every one must pass.
+"""Which host folders a sandbox may see: the checks of the host side every one must pass.
 
 A mount is what the user chose to share: nothing is mounted unless configured, and never $HOME,
-/ or a parent of either, nor the server's own state (other sessions' workspaces and sockets).
+/ or a parent of either, nor the server's own state (other sessions' workspaces and sockets). What a
+mount looks like (MountSpec, Mount) is vocabulary/mounts.py's; its text form and the sandbox paths
+none may take, policy/mounts.py's.
 """
 
 from __future__ import annotations
 
 import os
-import posixpath
 import stat
 from pathlib import Path
-from typing import Literal
 
-from pydantic import BaseModel, field_validator
-
-from coderunner.errors import CodeRunnerError
 from coderunner.hostfs import staging
-from coderunner.sandbox import HostIdentity, Mount
-
-#: Sandbox paths a mount may not cover: the system the sandbox is built from.
-RESERVED_SANDBOX_PATHS = (
-    "/", "/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc", "/proc", "/dev", "/sys",
-    "/tmp", "/opt/coderunner", "/workspace", "/run", "/var",
-)  # fmt: skip
-
-
-class MountError(CodeRunnerError, ValueError):
-    """A mount that is refused; the message says why and what to do."""
-
-
-class MountSpec(BaseModel):
-    """One mount as configured: `{host = "~/data", sandbox = "/data", mode = "ro"}` or "~/data:/data:ro"."""
-
-    host: Path
-    sandbox: str
-    mode: Literal["ro", "rw"] = "ro"
-
-    @classmethod
-    def parse(cls, text: str) -> MountSpec:
-        parts = text.split(":")
-        if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
-            raise MountError(f"mount {text!r} must look like HOST:SANDBOX or HOST:SANDBOX:ro|rw")
-        mode = parts[2] if len(parts) == 3 else "ro"
-        if mode not in ("ro", "rw"):
-            raise MountError(f"mount {text!r}: the mode must be ro or rw, not {mode!r}")
-        return cls(host=Path(parts[0]), sandbox=parts[1], mode=mode)  # type: ignore[arg-type]  # checked ro|rw above
-
-    @field_validator("sandbox")
-    @classmethod
-    def _absolute(cls, value: str) -> str:
-        if not value.startswith("/"):
-            raise ValueError(f"sandbox path {value!r} must be absolute, e.g. /data")
-        return value
+from coderunner.policy.mounts import MountError, check_sandbox_path
+from coderunner.vocabulary.host_identity import HostIdentity
+from coderunner.vocabulary.mounts import Mount, MountSpec
 
 
 def _within(path: Path, parent: Path) -> bool:
     return path == parent or parent in path.parents
-
-
-def check_sandbox_path(path: str) -> str:
-    normal = posixpath.normpath(path)
-    if ".." in path.split("/") or "\x00" in path:
-        raise MountError(f"sandbox path {path!r} may not contain '..'")
-    for reserved in RESERVED_SANDBOX_PATHS:
-        if normal == reserved or (reserved != "/" and normal.startswith(reserved + "/")):
-            raise MountError(f"sandbox path {normal} is reserved for the sandbox itself; use e.g. /data or /mnt/NAME")
-    return normal
 
 
 def resolve_mount(
@@ -119,11 +73,3 @@ def _check_identity_access(host: Path, writable: bool, identity: HostIdentity) -
             f"the sandbox user {identity.name!r} cannot write to {host} and this kernel or file system cannot "
             f"id-map it: sudo chown {identity.name} {host} (or mount it ro)"
         )
-
-
-def check_distinct(mounts: list[Mount]) -> None:
-    seen: set[str] = set()
-    for mount in mounts:
-        if mount.sandbox in seen:
-            raise MountError(f"two mounts at {mount.sandbox}")
-        seen.add(mount.sandbox)

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from coderunner.errors import CodeRunnerError
-from coderunner.sandbox import WORKSPACE, Mount
+from coderunner.vocabulary.mounts import Mount
+from coderunner.vocabulary.sandbox_layout import WORKSPACE
 
 #: How many symlinks one resolution may follow (the kernel's own limit).
 MAX_SYMLINK_HOPS = 40

@@ -20,7 +20,7 @@ from pathlib import Path
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs import staging
 from coderunner.hostfs.exports import WORKSPACE_OUTBOX, Exporter, ExportReport
-from coderunner.sandbox import Mount
+from coderunner.vocabulary.mounts import Mount
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from pathlib import Path
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs.sandbox_mounts import release_mounts
 from coderunner.hostfs.workspaces import Workspace, remove_workspace
-from coderunner.sandbox import HostIdentity, etc_files
+from coderunner.vocabulary.host_identity import HostIdentity
+from coderunner.vocabulary.sandbox_layout import etc_files
 
 log = logging.getLogger(__name__)
 

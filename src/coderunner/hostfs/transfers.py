@@ -15,7 +15,7 @@ from pathlib import Path
 
 from coderunner.hostfs.exports import client_folder, folder_owner, open_target, prepare_export_dir
 from coderunner.hostfs.sandbox_files import FileAccessError, SandboxFiles
-from coderunner.sandbox import Mount
+from coderunner.vocabulary.mounts import Mount
 
 IMPORT_ROOT = "/import"
 EXPORT_ROOT = "/export"

@@ -27,6 +27,7 @@ from pathlib import Path
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs import staging
+from coderunner.hostfs.private_dirs import ensure_private_dir
 
 log = logging.getLogger(__name__)
 
@@ -231,8 +232,6 @@ def named_workspace_dir(base: Path, client: str, name: str, dir_mode: int) -> Pa
 
 
 def _client_dir(base: Path, client: str, dir_mode: int) -> Path:
-    from coderunner.sandbox import ensure_private_dir
-
     ensure_private_dir(base / NAMED_DIR, dir_mode)
     ensure_private_dir(base / NAMED_DIR / client, dir_mode)
     return base / NAMED_DIR / client

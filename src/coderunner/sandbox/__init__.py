@@ -2,7 +2,7 @@
 
 Everything outside this package imports from here. Each backend is a SandboxBackend subclass
 (base.py: spawn, the network-mode check and start-failure translation written once; a backend
-declares its network modes, kernel channels and checkpointer) and one entry in registry.py, which
+declares its network modes, kernel channels and checkpointer) and one entry in vocabulary/backends.py, which
 names its modules as text: a backend's code is imported only when it is chosen, so a bwrap server
 never loads the container code. A new backend is its own modules plus one registry entry:
 
@@ -33,22 +33,20 @@ from coderunner.sandbox.base import (
     KernelChannels,
     LimitReport,
     Limits,
-    Mount,
     SandboxBackend,
     SandboxProcess,
     SandboxSpec,
     SandboxUnavailable,
 )
-from coderunner.sandbox.common import PRIVATE_CONNECTION, SESSION_PACKAGES, WORKSPACE, etc_files
-from coderunner.sandbox.identity import (
-    HostIdentity,
-    IdentityError,
-    UidPool,
-    ensure_private_dir,
-    per_sandbox_uids,
-    sandbox_identity,
-)
-from coderunner.sandbox.registry import BACKENDS, make_backend
+from coderunner.sandbox.common import PRIVATE_CONNECTION, SESSION_PACKAGES
+from coderunner.sandbox.identity import UidPool, per_sandbox_uids, sandbox_identity
+from coderunner.sandbox.registry import make_backend
+from coderunner.vocabulary.backends import BACKENDS
+
+# The floor's words the face speaks in (a SandboxSpec's mounts, the host user it runs as, its workspace).
+from coderunner.vocabulary.host_identity import HostIdentity, IdentityError
+from coderunner.vocabulary.mounts import Mount
+from coderunner.vocabulary.sandbox_layout import WORKSPACE
 
 __all__ = [
     "BACKENDS",
@@ -67,8 +65,6 @@ __all__ = [
     "SandboxSpec",
     "SandboxUnavailable",
     "UidPool",
-    "ensure_private_dir",
-    "etc_files",
     "make_backend",
     "per_sandbox_uids",
     "sandbox_identity",

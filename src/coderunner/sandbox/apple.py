@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from anyio.abc import TaskGroup
 
+from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.sandbox.apple_ready import GuestReady
 from coderunner.sandbox.apple_version import (
     INIT_VERSION,
@@ -52,14 +53,7 @@ from coderunner.sandbox.apple_version import (
     version_problem,
 )
 from coderunner.sandbox.base import KernelChannels, LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec
-from coderunner.sandbox.common import (
-    IMAGE_PYTHON,
-    WORKSPACE,
-    product_python,
-    rlimit_prefix,
-    sandbox_environment,
-    spec_environment,
-)
+from coderunner.sandbox.common import IMAGE_PYTHON, product_python, rlimit_prefix, sandbox_environment, spec_environment
 from coderunner.sandbox.container import (
     ContainerProcess,
     ContainerUnavailable,
@@ -71,9 +65,9 @@ from coderunner.sandbox.container import (
     with_guest_connection,
 )
 from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
-from coderunner.sandbox.identity import ensure_private_dir
 from coderunner.sandbox.watcher import Watcher, WatchPlan
 from coderunner.vocabulary.network import NetworkMode
+from coderunner.vocabulary.sandbox_layout import WORKSPACE
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

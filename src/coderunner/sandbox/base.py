@@ -25,7 +25,9 @@ from coderunner.errors import CodeRunnerError
 from coderunner.offload import off_loop
 from coderunner.sandbox.cgroups import CgroupsUnavailable, SessionCgroup
 from coderunner.sandbox.engine import EngineError
-from coderunner.sandbox.identity import HostIdentity, IdentityError, sandbox_identity
+from coderunner.sandbox.identity import sandbox_identity
+from coderunner.vocabulary.host_identity import HostIdentity, IdentityError
+from coderunner.vocabulary.mounts import Mount
 from coderunner.vocabulary.network import MODES as NETWORK_MODES
 from coderunner.vocabulary.network import NetworkMode
 
@@ -78,15 +80,6 @@ class LimitReport:
 
     value: float | None
     enforced_by: str | None
-
-
-@dataclass(frozen=True)
-class Mount:
-    """A host folder as it appears inside the sandbox."""
-
-    host: Path
-    sandbox: str
-    writable: bool
 
 
 @dataclass(frozen=True)

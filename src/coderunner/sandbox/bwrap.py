@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup
 
+from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.offload import off_loop
 from coderunner.sandbox.base import (
     KernelChannels,
@@ -38,11 +39,13 @@ from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand
 from coderunner.sandbox.bwrap_fds import StartFds, read_json_document
 from coderunner.sandbox.bwrap_watch import process_watch
 from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
-from coderunner.sandbox.common import ENV_MOUNT, WORKSPACE
-from coderunner.sandbox.identity import HostIdentity, IdentityError, ensure_private_dir, shared_dir_mode
+from coderunner.sandbox.common import ENV_MOUNT
+from coderunner.sandbox.identity import shared_dir_mode
 from coderunner.sandbox.pid1 import NotOurChild, SandboxHold, gated_command, open_child
 from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
+from coderunner.vocabulary.host_identity import HostIdentity, IdentityError
 from coderunner.vocabulary.network import NetworkMode
+from coderunner.vocabulary.sandbox_layout import WORKSPACE
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

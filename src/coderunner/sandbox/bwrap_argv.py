@@ -10,19 +10,16 @@ from coderunner.sandbox.base import SandboxSpec
 from coderunner.sandbox.common import (
     ENV_MOUNT,
     GUEST_LIB,
-    HOME,
     PROC_MASKED_DIRS,
     PROC_MASKED_FILES,
-    SANDBOX_GID,
     SANDBOX_INIT,
-    SANDBOX_UID,
     SHM_MB,
-    WORKSPACE,
     egress_launcher,
     rlimit_prefix,
     sandbox_environment,
     spec_environment,
 )
+from coderunner.vocabulary.sandbox_layout import HOME, SANDBOX_GID, SANDBOX_UID, WORKSPACE
 
 GUEST_SOURCE = Path(__file__).resolve().parent.parent / "guest"
 #: Top-level entries of a merged-/usr system that are symlinks into /usr, or real dirs elsewhere.

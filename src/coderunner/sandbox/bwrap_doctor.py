@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coderunner.sandbox.probes import PROBE_TIMEOUT_S, Check, Readiness
-from coderunner.sandbox.registry import install_hint
+from coderunner.vocabulary.backends import install_hint
 from coderunner.vocabulary.network import NetworkMode
 
 if TYPE_CHECKING:

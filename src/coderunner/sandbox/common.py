@@ -1,5 +1,7 @@
 """What every backend shares: the sandbox's fixed paths, its user, its environment and limits.
 
+(Its workspace, its user and its /etc, which the host side writes too, are vocabulary/sandbox_layout.py's.)
+
 One place for the facts all backends must agree on (the image built from the Containerfile uses
 the same paths as the bwrap sandbox), so that a backend never imports another backend.
 """
@@ -8,9 +10,8 @@ from __future__ import annotations
 
 from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.vocabulary.network import NetworkMode
+from coderunner.vocabulary.sandbox_layout import HOME, WORKSPACE
 
-#: Where the code works, and the one folder of its own it may write to.
-WORKSPACE = "/workspace"
 #: The sandbox's Python environment (bwrap binds the host's venv here; the image has it here).
 ENV_MOUNT = "/opt/coderunner/env"
 IMAGE_PYTHON = f"{ENV_MOUNT}/bin/python"
@@ -18,12 +19,6 @@ IMAGE_PYTHON = f"{ENV_MOUNT}/bin/python"
 GUEST_LIB = "/opt/coderunner/lib"
 #: A session's own pip packages (install_packages), relative to its workspace; on the kernel's path.
 SESSION_PACKAGES = ".coderunner/site-packages"
-#: Who the code is inside every sandbox (whatever host uid that maps to), and its home.
-SANDBOX_UID = 1000
-SANDBOX_GID = 1000
-HOME = "/tmp/home"
-#: slirp4netns's fixed DNS address inside a sandbox with network.
-SLIRP_DNS = "10.0.2.3"
 #: Network 'allowlist': the host's policy proxy listens on this socket in the sandbox's host-only,
 #: read-only dir; the in-sandbox forwarder exposes it as 127.0.0.1:EGRESS_PORT.
 EGRESS_SOCKET = "egress.sock"
@@ -48,18 +43,6 @@ SHM_MB = 64
 #: /proc entries hidden entirely (as container runtimes do): kernel memory, keys, timers, hardware.
 PROC_MASKED_FILES = ("kcore", "keys", "timer_list", "sched_debug", "latency_stats", "kallsyms", "kmsg")
 PROC_MASKED_DIRS = ("acpi", "scsi")
-
-
-def etc_files(network: str) -> dict[str, str]:
-    """The sandbox's own passwd, group, hosts, hostname and resolv.conf: the host's are never shown."""
-    return {
-        "passwd": f"sandbox:x:{SANDBOX_UID}:{SANDBOX_GID}:sandbox:{HOME}:/bin/sh\n"
-        "nobody:x:65534:65534::/:/usr/sbin/nologin\n",
-        "group": f"sandbox:x:{SANDBOX_GID}:\nnogroup:x:65534:\n",
-        "hosts": "127.0.0.1 localhost sandbox\n::1 localhost\n",
-        "hostname": "sandbox\n",
-        "resolv.conf": f"nameserver {SLIRP_DNS}\n" if network == NetworkMode.INTERNET else "",
-    }
 
 
 def egress_environment(network: str) -> dict[str, str]:

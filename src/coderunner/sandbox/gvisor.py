@@ -53,6 +53,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from coderunner.hostfs import dirfd as hostfs
+from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.sandbox.base import (
     KernelChannels,
     LimitReport,
@@ -62,7 +63,7 @@ from coderunner.sandbox.base import (
     SandboxSpec,
     backend_identity,
 )
-from coderunner.sandbox.common import HOST_INSIDE, IMAGE_PYTHON, SANDBOX_GID, SANDBOX_UID, WORKSPACE
+from coderunner.sandbox.common import HOST_INSIDE, IMAGE_PYTHON
 from coderunner.sandbox.container import NAME_PREFIX, ContainerUnavailable, container_name, server_tag, session_key
 from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_async, run_sync
 from coderunner.sandbox.gvisor_checkpoint import CheckpointError, GvisorCheckpointer, checkpoint_owner, read_relay_state
@@ -80,8 +81,7 @@ from coderunner.sandbox.gvisor_instances import (
     stale_cgroups,
 )
 from coderunner.sandbox.gvisor_process import GvisorProcess
-from coderunner.sandbox.identity import HostIdentity, ensure_private_dir, shared_dir_mode
-from coderunner.sandbox.registry import install_hint
+from coderunner.sandbox.identity import shared_dir_mode
 from coderunner.sandbox.runsc import (
     DEV_GUEST_LIB_ENV,
     RUNTIME_FLAGS,
@@ -93,7 +93,10 @@ from coderunner.sandbox.runsc import (
     oci_config,
 )
 from coderunner.sandbox.watcher import Watcher, WatchPlan
+from coderunner.vocabulary.backends import install_hint
+from coderunner.vocabulary.host_identity import HostIdentity
 from coderunner.vocabulary.network import NetworkMode
+from coderunner.vocabulary.sandbox_layout import SANDBOX_GID, SANDBOX_UID, WORKSPACE
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

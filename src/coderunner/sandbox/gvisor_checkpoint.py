@@ -15,7 +15,6 @@ import os
 import re
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
@@ -30,11 +29,8 @@ from coderunner.sandbox.base import (
     start_failures,
 )
 from coderunner.sandbox.common import RELAY_STATE, RELAY_STATE_MAX_BYTES
-from coderunner.sandbox.gvisor_process import RUNSC_CALL_S, GvisorProcess
+from coderunner.sandbox.gvisor_process import RUNSC_CALL_S, GvisorProcess, RunscBackend
 from coderunner.sandbox.runsc import inner_argv, parse_relay_state, short_reason
-
-if TYPE_CHECKING:
-    from coderunner.sandbox.gvisor import GvisorBackend
 
 #: Bounds: the relay's answer to USR1/USR2, and its polling; runsc state's polling on restore.
 RELAY_WAIT_S = 30.0
@@ -125,7 +121,7 @@ async def wait_relay(run_dir: Path, word: str, after: int, timeout_s: float, pro
 class GvisorCheckpointer(Checkpointer):
     """Checkpoints of one gvisor backend's sandboxes (its runsc, image and uids)."""
 
-    def __init__(self, backend: GvisorBackend) -> None:
+    def __init__(self, backend: RunscBackend) -> None:
         self.backend = backend
 
     def key(self) -> str:

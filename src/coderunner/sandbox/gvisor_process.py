@@ -1,9 +1,15 @@
 """A running gvisor sandbox as the host sees it: `runsc run` (or `runsc restore`) of one container,
-whose kill deletes the container and releases its root file system and cgroup."""
+whose kill deletes the container and releases its root file system and cgroup.
+
+`RunscBackend` is what it and the checkpointer (gvisor_checkpoint.py) use of the backend that makes
+them (gvisor.py's GvisorBackend), so that neither imports gvisor.py back.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import subprocess
+from pathlib import Path
+from typing import Protocol
 
 import anyio
 from anyio.abc import Process, TaskGroup
@@ -11,19 +17,37 @@ from anyio.abc import Process, TaskGroup
 from coderunner.sandbox.base import SandboxProcess, SandboxSpec
 from coderunner.sandbox.engine import REMOVE_TIMEOUT_S
 from coderunner.sandbox.gvisor_instances import container_cgroup
-
-if TYPE_CHECKING:
-    from coderunner.sandbox.gvisor import GvisorBackend
+from coderunner.sandbox.runsc import Runsc
 
 #: Bound on a runsc kill or state call.
 RUNSC_CALL_S = 20.0
+
+
+class RunscBackend(Protocol):
+    """The gvisor backend as its processes and checkpointer use it (gvisor.py GvisorBackend)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def runsc(self) -> Runsc: ...
+    @property
+    def runsc_version(self) -> str: ...
+    @property
+    def image_id(self) -> str: ...
+    async def call(self, argv: list[str], timeout_s: float) -> subprocess.CompletedProcess[str] | None: ...
+    def release(self, container: str, top: Path | None = None) -> None: ...
+    def ids(self, spec: SandboxSpec | None) -> tuple[int, int]: ...
+    def network_problem(self, network: str) -> str | None: ...
+    async def launch(
+        self, spec: SandboxSpec, inner: list[str], task_group: TaskGroup, *, pipes: bool, image_dir: Path | None
+    ) -> GvisorProcess: ...
 
 
 class GvisorProcess(SandboxProcess):
     """`runsc run` (or `runsc restore`) of one container; kill() deletes the container and its rootfs."""
 
     def __init__(
-        self, process: Process, task_group: TaskGroup, backend: GvisorBackend, container: str, spec: SandboxSpec,
+        self, process: Process, task_group: TaskGroup, backend: RunscBackend, container: str, spec: SandboxSpec,
         *, pipes: bool,
     ) -> None:  # fmt: skip
         super().__init__(process, task_group, cgroup=container_cgroup(container), pipes=pipes)

@@ -18,9 +18,11 @@ import hashlib
 import os
 import pwd
 import secrets
-import stat
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from coderunner.hostfs.private_dirs import ensure_private_dir
+from coderunner.vocabulary.host_identity import HostIdentity, IdentityError
 
 #: Reserved host uids (and gids) for per-sandbox users: above systemd-nspawn's container range
 #: (up to 0x6FFEFFFF) and below 2^31. The first half is drawn at random per sandbox; the second
@@ -32,34 +34,6 @@ UID_SPAN = 1 << 24
 UID_CLAIMS_DIR = Path("/run/coderunner/uids")
 #: Random draws of a free uid before giving up (the range is nearly empty: one or two draws in practice).
 MAX_DRAWS = 1000
-
-
-class IdentityError(RuntimeError):
-    pass
-
-
-@dataclass(frozen=True)
-class HostIdentity:
-    """The host user sandboxes run as when the server is root."""
-
-    name: str
-    uid: int
-    gid: int
-
-    def setpriv_prefix(self) -> list[str]:
-        """Drop to this user (and no supplementary groups) before exec'ing bwrap."""
-        return ["/usr/bin/setpriv", f"--reuid={self.uid}", f"--regid={self.gid}", "--clear-groups"]
-
-    def check_reachable(self, path: Path) -> None:
-        """Every ancestor must let others through (o+x): bwrap runs as this user and binds by path."""
-        for directory in [path, *path.parents]:
-            mode = os.stat(directory).st_mode
-            if not mode & stat.S_IXOTH and os.stat(directory).st_uid != self.uid:
-                raise IdentityError(
-                    f"sandboxes run as user {self.name!r}, which cannot reach {path} ({directory} is "
-                    f"mode {stat.S_IMODE(mode):o}): make it passable (chmod o+x) or use the defaults for "
-                    "root (/var/lib/coderunner, then `coderunner setup`)"
-                )
 
 
 @dataclass
@@ -174,32 +148,3 @@ def sandbox_identity(name: str | None) -> HostIdentity | None:
 def shared_dir_mode(identity: HostIdentity | None) -> int:
     """Parents of session dirs: private, but passable (not listable) for the sandbox user."""
     return 0o711 if identity is not None else 0o700
-
-
-#: Search (x) bits of a folder for its group and others: passable, not listable.
-PASSABLE_BITS = 0o011
-
-
-def ensure_private_dir(path: Path, mode: int = 0o700) -> None:
-    """Create `path` or accept it only if it is a real directory we own (/tmp is shared), and give it
-    `mode` by its fd whatever the umask. Servers share these folders (the runtime dir above all), so
-    search bits already there are kept: another server's sandbox users may be passing through (a
-    server asking for 0700 would lock them out mid-start), and passing is all they allow."""
-    path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(path, 0o700)  # its mode is set below, by fd: mkdir's passes through the umask
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise IdentityError(
-            f"{path} is not a directory owned by this user ({exc.strerror}); remove it or set another path"
-        ) from None
-    try:
-        info = os.fstat(fd)
-        if info.st_uid != os.getuid():
-            raise IdentityError(f"{path} is not a directory owned by this user; remove it or set another path")
-        wanted = mode | (stat.S_IMODE(info.st_mode) & PASSABLE_BITS)
-        if stat.S_IMODE(info.st_mode) != wanted:
-            os.fchmod(fd, wanted)
-    finally:
-        os.close(fd)

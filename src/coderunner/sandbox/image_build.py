@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from coderunner.sandbox.apple_version import SECRET_VERSION, ContainerVersion
 from coderunner.sandbox.engine import BUILD_TIMEOUT_S, QUERY_TIMEOUT_S, EngineError, engine_env, run_sync
 from coderunner.sandbox.env import SetupError
-from coderunner.sandbox.registry import Setup, entry
+from coderunner.vocabulary.backends import Setup, entry
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

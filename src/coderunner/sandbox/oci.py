@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 import anyio
 from anyio.abc import TaskGroup
 
+from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.sandbox.base import (
     KernelChannels,
     LimitReport,
@@ -38,7 +39,7 @@ from coderunner.sandbox.base import (
     SandboxSpec,
     backend_identity,
 )
-from coderunner.sandbox.common import IMAGE_PYTHON, WORKSPACE, rlimit_prefix
+from coderunner.sandbox.common import IMAGE_PYTHON, rlimit_prefix
 from coderunner.sandbox.container import (
     LABEL_INSTANCE,
     ContainerProcess,
@@ -51,13 +52,15 @@ from coderunner.sandbox.container import (
     with_guest_connection,
 )
 from coderunner.sandbox.engine import QUERY_TIMEOUT_S, REMOVE_TIMEOUT_S, EngineError, engine_env, run_sync
-from coderunner.sandbox.identity import HostIdentity, ensure_private_dir, shared_dir_mode
+from coderunner.sandbox.identity import shared_dir_mode
 from coderunner.sandbox.image_build import sources_digest
 from coderunner.sandbox.oci_argv import NOFILE, OciCommand, parse_server_containers
-from coderunner.sandbox.registry import install_hint
 from coderunner.sandbox.seccomp import tightened_profile
 from coderunner.sandbox.watcher import Watcher, WatchPlan
+from coderunner.vocabulary.backends import install_hint
+from coderunner.vocabulary.host_identity import HostIdentity
 from coderunner.vocabulary.network import NetworkMode
+from coderunner.vocabulary.sandbox_layout import WORKSPACE
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

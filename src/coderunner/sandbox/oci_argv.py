@@ -11,7 +11,6 @@ from coderunner.sandbox.common import (
     PROC_MASKED_DIRS,
     PROC_MASKED_FILES,
     SHM_MB,
-    WORKSPACE,
     egress_launcher,
     sandbox_environment,
     spec_environment,
@@ -19,6 +18,7 @@ from coderunner.sandbox.common import (
 from coderunner.sandbox.container import LABEL_INSTANCE, LABEL_SERVER, LABEL_SESSION, ContainerUnavailable, session_key
 from coderunner.sandbox.image_build import LABEL_SOURCES
 from coderunner.vocabulary.network import NetworkMode
+from coderunner.vocabulary.sandbox_layout import WORKSPACE
 
 #: Open files per process inside; the engine's default (2^20) can exceed what the host allows.
 NOFILE = 4096

@@ -6,7 +6,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from coderunner.sandbox.probes import Check, Readiness, engine_checks, image_readiness
-from coderunner.sandbox.registry import install_hint
+from coderunner.vocabulary.backends import install_hint
 
 if TYPE_CHECKING:
     from coderunner.config import Settings

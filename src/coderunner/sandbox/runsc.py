@@ -20,11 +20,11 @@ from coderunner.sandbox.common import (
     IMAGE_PYTHON,
     RUN_INSIDE,
     SHM_MB,
-    WORKSPACE,
     rlimit_prefix,
     sandbox_environment,
     spec_environment,
 )
+from coderunner.vocabulary.sandbox_layout import WORKSPACE
 
 #: runsc's global flags; a checkpoint restores only under the same ones (checkpoint_key).
 #:   platform=ptrace   the kvm platform hangs on this kind of machine; ptrace needs no /dev/kvm

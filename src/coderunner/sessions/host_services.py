@@ -27,7 +27,7 @@ from coderunner.snapshots.store import Listing, SnapshotMeta, SnapshotNotFound
 from coderunner.vocabulary.network import modes_within
 
 if TYPE_CHECKING:
-    from coderunner.egress.gateway import SessionEgress
+    from coderunner.sessions.egress_wiring import SessionEgress
 
 
 class HostServices:

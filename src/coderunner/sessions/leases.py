@@ -26,10 +26,10 @@ from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec, UidPool
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.vocabulary.network import NetworkMode, offline_install
 
-if TYPE_CHECKING:  # the egress gateway runs its proxy in these dirs
+if TYPE_CHECKING:  # the egress wiring runs its proxy in these dirs
     from anyio.abc import TaskGroup
 
-    from coderunner.egress.gateway import EgressHub, SessionEgress
+    from coderunner.sessions.egress_wiring import EgressHub, SessionEgress
 
 log = logging.getLogger(__name__)
 

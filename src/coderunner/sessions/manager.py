@@ -22,18 +22,18 @@ from anyio.abc import TaskGroup
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
-from coderunner.egress.gateway import EgressHub
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter, client_folder
-from coderunner.hostfs.mounts import MountSpec
+from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.hostfs.session_dirs import remove_stale_dirs
 from coderunner.kernel.incarnation import Kernel, RunStatus
 from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
-from coderunner.sandbox import Mount, SandboxBackend, UidPool, ensure_private_dir, per_sandbox_uids
+from coderunner.sandbox import Mount, SandboxBackend, UidPool, per_sandbox_uids
 from coderunner.sandbox.identity import UID_CLAIMS_DIR
+from coderunner.sessions.egress_wiring import EgressHub
 from coderunner.sessions.host_services import HostServices
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.leases import SandboxLeases
@@ -49,6 +49,7 @@ from coderunner.sessions.usage import memory_used_mb
 from coderunner.sessions.warm_up import warm_up_code
 from coderunner.snapshots.store import SnapshotError
 from coderunner.vocabulary.network import NetworkMode
+from coderunner.vocabulary.sandbox_request import DEFAULT_REQUEST, SandboxRequest
 
 log = logging.getLogger(__name__)
 
@@ -167,35 +168,9 @@ class SessionManager(HostServices):
         await self._task_group.__aexit__(None, None, None)
         await anyio.to_thread.run_sync(self.egress.close)
 
-    def options(
-        self,
-        network: str | None = None,
-        memory_mb: int | None = None,
-        cpus: float | None = None,
-        timeout_s: float | None = None,
-        mounts: list[MountSpec] | None = None,
-        name: str | None = None,
-        persistent: bool = False,
-        client: str = LOCAL_CLIENT,
-        allow: list[str] | None = None,
-        keep_state: bool = False,
-    ) -> SandboxOptions:
+    def options(self, request: SandboxRequest = DEFAULT_REQUEST) -> SandboxOptions:
         """Options for a session or a one-shot run: the settings' defaults with what was asked for, checked."""
-        return sandbox_options(
-            self.settings,
-            self.backend,
-            self.base_mounts,
-            network=network,
-            memory_mb=memory_mb,
-            cpus=cpus,
-            timeout_s=timeout_s,
-            mounts=mounts,
-            name=name,
-            persistent=persistent,
-            client=client,
-            allow=allow,
-            keep_state=keep_state,
-        )
+        return sandbox_options(self.settings, self.backend, self.base_mounts, request)
 
     async def create(
         self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
@@ -382,7 +357,7 @@ class SessionManager(HostServices):
         async with self._default_lock:
             default_id = self._default_ids.get(owner)
             if default_id is None or default_id not in self._sessions:
-                default_id = (await self.create(self.options(client=client), owner=owner)).session_id
+                default_id = (await self.create(self.options(SandboxRequest(client=client)), owner=owner)).session_id
                 self._default_ids[owner] = default_id
             return self._sessions[default_id]
 

@@ -46,7 +46,7 @@ from coderunner.sessions.oneshot_slots import OneShotSlots
 from coderunner.sessions.sandbox_options import SandboxOptions
 
 if TYPE_CHECKING:  # sessions/ imports this module
-    from coderunner.egress.gateway import EgressHub, SessionEgress
+    from coderunner.sessions.egress_wiring import EgressHub, SessionEgress
 
 __all__ = ["Language", "OneShotError", "OneShotResult", "OneShotRunner"]
 
@@ -90,7 +90,7 @@ class OneShotRunner:
     max_concurrent: int = 4
     #: Of those, how many one caller may hold, so that one client cannot keep the others waiting.
     max_per_caller: int = 2
-    #: Network 'allowlist': each run gets a policy proxy of its own (egress/gateway.py).
+    #: Network 'allowlist': each run gets a policy proxy of its own (sessions/egress_wiring.py).
     egress: EgressHub | None = None
     #: Where run() reports how long each phase took (None: not measured).
     phases: PhaseSink | None = None

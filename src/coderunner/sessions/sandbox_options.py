@@ -15,12 +15,15 @@ from pathlib import Path
 from coderunner.config import MIN_MEMORY_MB, Settings
 from coderunner.edge.client_tokens import tokens_dir
 from coderunner.edge.owners import LOCAL_CLIENT
-from coderunner.egress.policy import EgressPolicyError
 from coderunner.errors import SessionError
 from coderunner.hostfs.exports import ExportError, prepare_export_dir
-from coderunner.hostfs.mounts import MountError, MountSpec, check_distinct, check_sandbox_path, resolve_mount
+from coderunner.hostfs.mounts import resolve_mount
+from coderunner.policy.egress import EgressPolicyError
+from coderunner.policy.mounts import MountError, check_distinct, check_sandbox_path
 from coderunner.sandbox import HostIdentity, Limits, Mount, SandboxBackend
+from coderunner.vocabulary.mounts import MountSpec
 from coderunner.vocabulary.network import NetworkCeilingError, NetworkMode, check_within
+from coderunner.vocabulary.sandbox_request import DEFAULT_REQUEST, SandboxRequest
 
 SESSION_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,39}")
 
@@ -49,19 +52,12 @@ def sandbox_options(
     settings: Settings,
     backend: SandboxBackend,
     base_mounts: list[Mount],
-    *,
-    network: str | None = None,
-    memory_mb: int | None = None,
-    cpus: float | None = None,
-    timeout_s: float | None = None,
-    mounts: list[MountSpec] | None = None,
-    name: str | None = None,
-    persistent: bool = False,
-    client: str = LOCAL_CLIENT,
-    allow: list[str] | None = None,
-    keep_state: bool = False,
+    request: SandboxRequest = DEFAULT_REQUEST,
 ) -> SandboxOptions:
     """The settings' defaults with what the caller asked for, each checked; raises SessionError."""
+    name, persistent, keep_state, memory_mb, cpus = (
+        request.name, request.persistent, request.keep_state, request.memory_mb, request.cpus
+    )  # fmt: skip
     if name is not None and not SESSION_NAME.fullmatch(name):
         raise SessionError(f"session name {name!r}: use 1-40 letters, digits, '.', '_' or '-'")
     if persistent and name is None:
@@ -71,8 +67,8 @@ def sandbox_options(
             "keep_state needs persistent=true and a name: the state is saved under that name when the session "
             "closes (for any other session, use manage_snapshots)"
         )
-    network = network or settings.network
-    asked = tuple(entry for entry in allow or () if entry)
+    network = request.network or settings.network
+    asked = tuple(entry for entry in request.allow if entry)
     check_allow(settings, network, asked)  # first: without allowed_domains it says how the user sets some
     try:
         check_within(network, settings.network_ceiling)
@@ -85,7 +81,7 @@ def sandbox_options(
         raise SessionError(f"memory_mb must be at least {MIN_MEMORY_MB} (a kernel with numpy maps ~420 MiB)")
     if cpus is not None and cpus <= 0:
         raise SessionError("cpus must be positive")
-    check_timeout(settings, timeout_s)
+    check_timeout(settings, request.timeout_s)
     return SandboxOptions(
         network=network,
         limits=Limits(
@@ -95,11 +91,11 @@ def sandbox_options(
             tmp_mb=settings.tmp_mb,
             disk_mb=settings.disk_mb,
         ),
-        timeout_s=timeout_s or settings.timeout_s,
-        mounts=(*base_mounts, *session_mounts(settings, backend.identity, base_mounts, mounts or [])),
+        timeout_s=request.timeout_s or settings.timeout_s,
+        mounts=(*base_mounts, *session_mounts(settings, backend.identity, base_mounts, list(request.mounts))),
         name=name,
         persistent=persistent,
-        client=client,
+        client=request.client,
         allow=asked,
         keep_state=keep_state,
     )

@@ -19,19 +19,19 @@ from coderunner.edge.owners import LOCAL_CLIENT
 
 if TYPE_CHECKING:
     from coderunner.config import Settings
-    from coderunner.egress.gateway import SessionEgress
-    from coderunner.hostfs.mounts import MountSpec
     from coderunner.hostfs.sandbox_files import SandboxFiles
     from coderunner.hostfs.workspaces import NamedWorkspace
     from coderunner.kernel.output_capture import WorkspaceWriter
     from coderunner.kernel.run_result import ExecutionResult
     from coderunner.sandbox import LimitReport
+    from coderunner.sessions.egress_wiring import SessionEgress
     from coderunner.sessions.job_runner import Job, JobTable
     from coderunner.sessions.oneshot_runs import Language, OneShotResult
     from coderunner.sessions.sandbox_options import SandboxOptions
     from coderunner.sessions.session_snapshots import Seed, Taken
     from coderunner.sessions.session_status import SessionStatus
     from coderunner.snapshots.store import Listing, SnapshotMeta
+    from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 
 @dataclass(frozen=True)
@@ -148,11 +148,7 @@ class SessionHost(Protocol):
         """execute_code runs that outlived their call (a session's own jobs are the session's)."""
         ...
 
-    def options(
-        self, network: str | None = None, memory_mb: int | None = None, cpus: float | None = None,
-        timeout_s: float | None = None, mounts: list[MountSpec] | None = None, name: str | None = None,
-        persistent: bool = False, client: str = LOCAL_CLIENT, allow: list[str] | None = None, keep_state: bool = False,
-    ) -> SandboxOptions: ...  # fmt: skip
+    def options(self, request: SandboxRequest = ...) -> SandboxOptions: ...
     async def create(
         self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
         seed: Seed | None = None,

@@ -26,7 +26,6 @@ from anyio.abc import TaskGroup
 
 from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER
-from coderunner.egress.gateway import SessionEgress
 from coderunner.errors import SessionBusy, SessionError
 from coderunner.hostfs.sandbox_files import SandboxFiles
 from coderunner.hostfs.sandbox_mounts import SandboxMounts
@@ -37,6 +36,7 @@ from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.offload import off_loop
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec
+from coderunner.sessions.egress_wiring import SessionEgress
 from coderunner.sessions.job_runner import Job, JobTable, cancel, duration
 from coderunner.sessions.kept_state import KeptState
 from coderunner.sessions.kernel_calls import GUEST_MARGIN_S, KernelCalls

@@ -16,13 +16,13 @@ from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult, TextContent
 
 from coderunner.egress.asker import CallAsker
-from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.texts import denial_note, denied_with_reasons, offline_note
 from coderunner.errors import CodeRunnerError
+from coderunner.policy.egress import EgressPolicy
 from coderunner.vocabulary.network import NetworkMode, more_network
 
 if TYPE_CHECKING:
-    from coderunner.egress.gateway import SessionEgress
+    from coderunner.sessions.egress_wiring import SessionEgress
 
 #: Decisions searched for the reasons of this call's denials.
 REASON_WINDOW = 200

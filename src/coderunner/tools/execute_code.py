@@ -22,6 +22,7 @@ from coderunner.tools.arguments import DetachAfter, LanguageArg, MemoryMb, Varia
 from coderunner.tools.context import ToolContext, json_result, tool
 from coderunner.tools.jobs import oneshot_job_reply, oneshot_payload, oneshot_status
 from coderunner.vocabulary.network import NetworkMode, more_network
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 #: execute_code runs one client may have going or waiting for a slot, per slot of its share (each a task).
 MAX_JOBS_PER_SHARE = 4
@@ -44,7 +45,7 @@ def execute_code_settings(settings: Settings) -> dict[str, tuple[Any, Any]]:
 
 async def validate(tools: ToolContext, ctx: Context, language: LanguageArg, code: str) -> CallToolResult:
     """execute_code check_only: the code's syntax errors, with nothing run."""
-    options = tools.host.options(client=tools.client(ctx))
+    options = tools.host.options(SandboxRequest(client=tools.client(ctx)))
     errors = await tools.host.check_code(language, code, options, caller=tools.share(ctx))
     return json_result({"language": language, "valid": not errors, "errors": errors})
 
@@ -70,7 +71,9 @@ async def execute_code(
         raise OneShotError(f"stdin is {len(stdin):,} characters; at most {MAX_STDIN_CHARS:,} (use a file)")
     settings, host = tools.settings, tools.host
     values = check_variables(parse_variables(variables), language)
-    options = host.options(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
+    options = host.options(
+        SandboxRequest(network=network, memory_mb=memory_mb, timeout_s=timeout_s, client=tools.client(ctx))
+    )
     share = tools.share(ctx)
 
     async def work(job: Job) -> OneShotResult:

@@ -16,10 +16,11 @@ from pydantic import Field
 from coderunner.config import MIN_MEMORY_MB, Settings
 from coderunner.egress.texts import STATUS_RECENT, egress_status
 from coderunner.errors import SessionError
-from coderunner.hostfs.mounts import MountSpec
+from coderunner.policy.mounts import parse_mount
 from coderunner.tools.arguments import MemoryMb, SessionId, Text, network_arg
 from coderunner.tools.context import ToolContext, json_result, tool
 from coderunner.tools.snapshots import loaded_report
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 #: create_session's default run limit (its default is the user's timeout_s).
 RunLimit = Annotated[float, Field(ge=1, description="Default run limit.")]
@@ -62,11 +63,11 @@ async def create_session(
 ) -> CallToolResult:
     """A new session (own kernel, workspace); tools without session_id use your default one."""
     host = tools.host
-    specs = [MountSpec.parse(text) for text in mounts or []]
-    options = host.options(
+    specs = tuple(parse_mount(text) for text in mounts or [])
+    options = host.options(SandboxRequest(
         network=network, memory_mb=memory_mb, cpus=cpus, timeout_s=timeout_s, mounts=specs, name=name or None,
-        persistent=persistent, client=tools.client(ctx), allow=allow or None, keep_state=keep_state,
-    )  # fmt: skip
+        persistent=persistent, client=tools.client(ctx), allow=tuple(allow or ()), keep_state=keep_state,
+    ))  # fmt: skip
     session = await host.create(options, owner=tools.caller(ctx))
     summary = await tools.off_loop(tools.summary, session)  # reads /proc and the workspace
     if session.startup is not None:

@@ -22,6 +22,7 @@ from coderunner.snapshots.layout import SNAPSHOT_ID
 from coderunner.snapshots.store import CopyReport, DamagedSnapshot, Listing, SnapshotMeta, SnapshotNotFound
 from coderunner.tools.arguments import SessionId, Text
 from coderunner.tools.context import ToolContext, json_result, tool
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 #: Entries of a list a reply shows at most (the rest are counted).
 SHOWN = 50
@@ -115,10 +116,10 @@ def named(found: Listing, name: str, missing: SnapshotNotFound) -> SnapshotMeta:
 async def _open(tools: ToolContext, ctx: Context, meta: SnapshotMeta, seed: Seed) -> SessionHandle:
     """A new session with the snapshot's options, checked against today's settings."""
     saved = meta.options
-    options = tools.host.options(
+    options = tools.host.options(SandboxRequest(
         network=saved.get("network"), memory_mb=saved.get("memory_mb"), cpus=saved.get("cpus"),
-        timeout_s=saved.get("timeout_s"), client=tools.client(ctx), allow=saved.get("allow") or None,
-    )  # fmt: skip
+        timeout_s=saved.get("timeout_s"), client=tools.client(ctx), allow=tuple(saved.get("allow") or ()),
+    ))  # fmt: skip
     return await tools.host.create(options, owner=tools.caller(ctx), seed=seed)
 
 

@@ -1,5 +1,8 @@
 """The user's egress settings as egress reads them: the modes and the host ceiling, parsed once.
 
+Beside the ceiling's policy (egress.py) rather than in egress/: the settings build it (config sits
+under the egress machinery and imports only policy and the vocabulary).
+
 `Settings.egress` builds one EgressSettings the first time anything asks (the server's start: its
 SessionManager and ToolContext) and hands the same one out after, so the ceiling that option checks,
 each sandbox's proxy and each call's denial notes measure against is one parsed policy. Should the
@@ -9,15 +12,28 @@ never older than the settings it claims to be.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from coderunner.egress.policy import EgressPolicy
+from coderunner.policy.egress import EgressPolicy
 from coderunner.vocabulary.network import NetworkMode, default_ceiling
 
-if TYPE_CHECKING:
-    from coderunner.config import Settings
+
+class EgressFields(Protocol):
+    """The settings' egress fields, as config's Settings has them (read here without importing config)."""
+
+    @property
+    def network(self) -> str: ...
+    @property
+    def max_network(self) -> str | None: ...
+    @property
+    def allowed_domains(self) -> Sequence[str]: ...
+    @property
+    def allowed_ports(self) -> Sequence[int]: ...
+    @property
+    def egress_audit_log(self) -> Path | None: ...
 
 
 @dataclass(frozen=True)
@@ -36,7 +52,7 @@ class EgressSettings:
     ceiling: EgressPolicy
 
     @classmethod
-    def of(cls, settings: Settings) -> EgressSettings:
+    def of(cls, settings: EgressFields) -> EgressSettings:
         """Read the settings' egress fields and parse the ceiling (EgressPolicyError if it is bad)."""
         domains, ports = tuple(settings.allowed_domains), tuple(settings.allowed_ports)
         return cls(
@@ -48,7 +64,7 @@ class EgressSettings:
             ceiling=EgressPolicy.parse(domains, ports),
         )
 
-    def reads(self, settings: Settings) -> bool:
+    def reads(self, settings: EgressFields) -> bool:
         """Whether these are still what `settings` say (nothing was changed in place since)."""
         return (
             self.network == settings.network

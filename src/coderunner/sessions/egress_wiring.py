@@ -10,6 +10,9 @@ another's proxy or policy.
 
 `EgressHub` is the server-wide part: the user's ceiling (Settings.egress, parsed once) and the
 audit file every session's decisions also go to.
+
+This is per-sandbox wiring, beside the lease that opens it (leases.py): egress/ holds the policy
+proxy itself and knows no settings, sandboxes or sessions.
 """
 
 from __future__ import annotations
@@ -19,22 +22,19 @@ import logging
 import os
 import socket
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import anyio
 from anyio.abc import TaskGroup
 
 from coderunner.config import Settings
 from coderunner.egress.audit import AuditFile, DecisionLog
-from coderunner.egress.policy import EgressPolicy
 from coderunner.egress.policy_proxy import Asker, EgressProxy, ProxyLimits
 from coderunner.errors import SessionError
 from coderunner.hostfs.session_dirs import SandboxDirs
+from coderunner.policy.egress import EgressPolicy
 from coderunner.sandbox.common import EGRESS_SOCKET
+from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.vocabulary.network import NetworkMode
-
-if TYPE_CHECKING:  # a session's options are what it asked; the hub reads two of them
-    from coderunner.sessions.sandbox_options import SandboxOptions
 
 log = logging.getLogger(__name__)
 
