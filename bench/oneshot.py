@@ -209,11 +209,11 @@ async def round_trips(
 async def phases(runs: int, languages: list[str], ready: bool, gap_ms: float, cpu_weight: int | None) -> None:
     """The runner's own phases, in process, beside the plain program and the sandbox's bare layers."""
     from coderunner.hostfs.private_dirs import ensure_private_dir
+    from coderunner.oneshot.runs import OneShotRunner
     from coderunner.sandbox import UidPool, make_backend, per_sandbox_uids
     from coderunner.sandbox.bwrap import BwrapBackend
     from coderunner.sandbox.cgroups import CgroupLimits, SessionCgroup, enter_command
     from coderunner.sessions.leases import SandboxLeases, sandbox_spec
-    from coderunner.sessions.oneshot_runs import OneShotRunner
     from coderunner.sessions.sandbox_options import sandbox_options
 
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))

@@ -372,6 +372,9 @@ SLOWEST_FILES = (
     "test_abuse.py",  # ~45 s
     "test_abuse_paths.py",  # ~40 s
     "test_e2e_jobs.py",  # ~40 s
+    # The fast suite's slowest (tests/unit), first when it runs alone.
+    "test_tools_in_memory.py",  # ~8 s
+    "test_standby.py",  # ~6 s
 )
 
 

@@ -29,10 +29,10 @@ import pytest
 from coderunner.config import Settings
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.kernel.run_result import ExecutionResult
+from coderunner.oneshot.program import ready_argv
 from coderunner.sandbox import SandboxBackend, SandboxProcess, SandboxUnavailable, make_backend
 from coderunner.sandbox.identity import sandbox_identity
 from coderunner.sessions import Session, SessionManager
-from coderunner.sessions.oneshot_program import ready_argv
 from coderunner.sessions.session_snapshots import Seed, takes_memory
 from coderunner.vocabulary.backends import BACKEND_NAMES, Setup, platform_default
 from coderunner.vocabulary.backends import entry as registry_entry

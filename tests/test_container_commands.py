@@ -179,7 +179,7 @@ def test_seccomp_profile_refuses_what_bwrap_refuses_and_keeps_the_engines_rules(
     assert profile["defaultAction"] == "SCMP_ACT_ERRNO"
     assert profile["syscalls"][0] == {"names": ["read"], "action": "SCMP_ACT_ALLOW"}
     assert profile["syscalls"][1] == {"names": sorted(set(DENIED_SYSCALLS)), "action": "SCMP_ACT_ERRNO", "errnoRet": 1}
-    assert engine["syscalls"][2] not in profile["syscalls"], "clone is ruled by our rules alone (tests/test_seccomp.py)"
+    assert engine["syscalls"][2] not in profile["syscalls"], "clone is ruled by our rules alone (unit/test_seccomp.py)"
     assert engine["syscalls"][0]["names"] == ["read", "ptrace", "keyctl"], "the engine's profile is not changed"
 
 

@@ -23,9 +23,9 @@ from anyio.abc import TaskGroup
 from mcp import Client
 
 from coderunner.config import Settings
+from coderunner.oneshot.program import LAUNCHER
 from coderunner.sandbox import SandboxSpec, make_backend
 from coderunner.sessions.manager import SessionManager
-from coderunner.sessions.oneshot_program import LAUNCHER
 from coderunner.vocabulary.sandbox_request import SandboxRequest
 
 from .conftest import ServerDirs, json_of, memory_client, sandbox_processes_alive, server_env, text_of, wait_until

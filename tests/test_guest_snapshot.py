@@ -31,7 +31,7 @@ def cell(code):
 
 
 from coderunner_guest import snapshot
-from coderunner_guest.dispatch import GuestError
+from coderunner_guest.errors import GuestError
 
 
 def answer(value):

@@ -24,7 +24,7 @@ Each class lives beside the code that raises it; the tree, with where each one i
     │   ├── SessionBusy              here                          another call holds the kernel
     │   ├── GuestCallError           here                          a guest tool refused its input or failed
     │   └── JobNotFound              sessions/job_runner.py        a job id this caller does not have
-    ├── OneShotError                 sessions/oneshot_program.py   a one-shot run that could not be set up
+    ├── OneShotError                 oneshot/program.py            a one-shot run that could not be set up
     ├── MountError (+ ValueError)    policy/mounts.py              a mount that is refused
     ├── WorkspaceError               hostfs/workspaces.py          a persistent workspace that cannot be used
     ├── SnapshotError                snapshots/layout.py           a snapshot that cannot be made, found or restored

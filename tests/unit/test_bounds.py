@@ -11,7 +11,7 @@ import anyio
 import pytest
 
 from coderunner.kernel.output_capture import MAX_INLINE_IMAGES, MAX_SAVED_IMAGES, OutputCollector, WorkspaceWriter
-from coderunner.sessions.oneshot_runs import OneShotError, OneShotRunner
+from coderunner.oneshot.runs import OneShotError, OneShotRunner
 from coderunner.tools.replies import ReplyBounds, guest_tool_result
 
 PNG = base64.b64encode(b"\x89PNG\r\n\x1a\n" + b"\0" * 16).decode()

@@ -52,11 +52,11 @@ def test_errors_the_tools_and_cli_used_to_list_derive_from_the_root() -> None:
     from coderunner.edge import auth, client_tokens
     from coderunner.hostfs import workspaces as workspace
     from coderunner.kernel import incarnation as kernel
+    from coderunner.oneshot import runs as oneshot
     from coderunner.policy import call_variables as variables
     from coderunner.policy import mounts
     from coderunner.policy import requirements as packages
     from coderunner.sandbox import env as sandbox_env
-    from coderunner.sessions import oneshot_runs as oneshot
 
     for cls in (auth.AuthError, client_tokens.ClientTokenError, config.ConfigError, kernel.KernelStartError,
                 mounts.MountError, oneshot.OneShotError, packages.PackagesError, sandbox_env.SetupError,

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from coderunner.hostfs.workspaces import Workspace
-from coderunner.sessions.oneshot_program import OneShotError, bash_variables
+from coderunner.oneshot.program import OneShotError, bash_variables
 
 HOSTILE = {
     "quote": "it's",

@@ -2,20 +2,16 @@
 stale sweep removes only what it can prove dead (security issue 25, finding 6).
 
 Real files, real flocks, the real sweep; the "other server" is another open file description
-(flock locks conflict between those even in one process) or, in the last test, other processes.
+(flock locks conflict between those even in one process). With other processes (servers of their own,
+a mount namespace holding a workspace image): tests/test_session_dirs_processes.py.
 """
 
 from __future__ import annotations
 
 import fcntl
-import multiprocessing
 import os
-import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
-from multiprocessing.queues import Queue
-from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import pytest
@@ -31,11 +27,6 @@ from coderunner.hostfs.session_dirs import (
     remove_stale_dirs,
 )
 from coderunner.hostfs.workspaces import Workspace
-
-#: The concurrency test: servers at once, and sessions each opens (a sweep after every one).
-SERVERS = 6
-ROUNDS = 25
-JOIN_TIMEOUT_S = 300
 
 
 def plain_workspace(workspaces: Path) -> Callable[[str, tuple[int, int] | None], Workspace]:
@@ -198,49 +189,6 @@ def test_a_closing_dir_keeps_its_lock_until_the_rest_is_gone(
     assert os.listdir(runtime) == []
 
 
-def _server(runtime: Path, workspaces: Path, start: Event, out: Queue[list[str]]) -> None:
-    """One server: open a sandbox's dirs, sweep as a starting server does, check its own, close."""
-    failures: list[str] = []
-    start.wait(60)
-    for _ in range(ROUNDS):
-        try:
-            dirs = open_dirs(runtime, workspaces)
-        except Exception as exc:  # a failed start is what this test counts
-            failures.append(f"start failed: {exc}")
-            continue
-        sweep(runtime, workspaces)
-        if not whole(dirs):
-            failures.append(f"{dirs.key} was removed while live")
-        dirs.close()
-    out.put(failures)
-
-
-def test_servers_sharing_a_runtime_dir_never_remove_each_others_live_dirs(
-    base: tuple[Path, Path], canary: Path
-) -> None:
-    runtime, workspaces = base
-    os.symlink(canary, runtime / "0000cccc")
-    bystander = open_dirs(runtime, workspaces)
-    context = multiprocessing.get_context("spawn")
-    start, out = context.Event(), context.Queue()
-    servers = [context.Process(target=_server, args=(runtime, workspaces, start, out)) for _ in range(SERVERS)]
-    for server in servers:
-        server.start()
-    start.set()
-    try:
-        results = [out.get(timeout=JOIN_TIMEOUT_S) for _ in servers]
-    finally:
-        for server in servers:
-            server.join(timeout=JOIN_TIMEOUT_S)
-            if server.is_alive():
-                server.kill()
-    failures = [failure for result in results for failure in result]
-    assert failures == []
-    assert whole(bystander) and (canary / "keep").read_text() == "untouched"
-    bystander.close()
-    assert os.listdir(runtime) == ["0000cccc"] and os.listdir(workspaces) == []
-
-
 def stack_mounts(path: Path, count: int) -> None:
     for _ in range(count):
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(path)], check=True, timeout=10)
@@ -276,33 +224,3 @@ def test_a_dead_sandboxs_workspace_still_mounted_is_retried_and_never_lost(base:
     finally:
         unmount_all(workspaces / "0000dead")
         unmount_all(workspaces / "0000beef")
-
-
-@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None, reason="loop-mounted images need root")
-def test_a_persistent_image_is_final_when_its_workspace_is_removed(tmp_path: Path) -> None:
-    """umount only takes the host's mount away: a sandbox's mount namespace still being torn down holds
-    the file system, which writes the image when it lets go. remove() waits for that (bounded), so the
-    image is final, and its lock free, only once no mount namespace holds it."""
-    from coderunner.hostfs import workspaces as module
-
-    path = tmp_path / "named" / "project"
-    path.parent.mkdir(parents=True)
-    workspace = Workspace.create(path, 64, True, persistent=True)
-    assert workspace.image is not None
-    (path / "canary.txt").write_text("kept")
-    # A mount namespace holding a copy of the mount for a moment, as a sandbox's being torn down does.
-    holder = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sleep", "2"])
-    try:
-        time.sleep(0.3)  # its namespace exists
-        workspace.remove()
-        assert module._loop_released(workspace.image, 0.0), "removed while another namespace held the image"
-        assert holder.poll() is not None, "remove returned before the holder let go"
-        assert workspace.lock_fd is None
-    finally:
-        holder.kill()
-        holder.wait()
-    reopened = Workspace.create(path, 64, True, persistent=True)
-    try:
-        assert (path / "canary.txt").read_text() == "kept"
-    finally:
-        reopened.remove()

@@ -14,6 +14,8 @@ import pytest
 
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.sessions import Session, SessionManager
+from coderunner.sessions import session as session_module
+from coderunner.sessions import standby as standby_module
 from coderunner.sessions.standby import SWAP_IN_CODE
 from coderunner.sessions.warm_up import PRELOAD_STEP_CODES
 from tests.fakes.backend import FakeBackend
@@ -24,6 +26,20 @@ from .conftest import ManagerFactory
 pytestmark = pytest.mark.anyio
 
 WAIT_S = 20.0
+#: A call that runs past STANDBY_BESIDE_CALL_S (as shortened below), so a standby starts beside it, and
+#: ends well before STANDBY_PRELOAD_BESIDE_CALL_S, so its preload waits for the session to rest.
+LONG_CALL = "sleep 2"
+
+
+@pytest.fixture(autouse=True)
+def shorter_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standby's waits a few times shorter, in the same order (the start delay, then a call's time
+    beside which a standby starts, then the rest before its preload; a room poll): the same state machine,
+    without seconds of sleep per test. The e2e suite keeps the real ones."""
+    monkeypatch.setattr(standby_module, "START_DELAY_S", 0.1)
+    monkeypatch.setattr(standby_module, "ROOM_POLL_S", 0.25)
+    monkeypatch.setattr(session_module, "STANDBY_BESIDE_CALL_S", 0.3)
+    monkeypatch.setattr(session_module, "STANDBY_PRELOAD_REST_S", 1.0)
 
 
 @pytest.fixture
@@ -187,8 +203,8 @@ async def test_without_preload_imports_a_standby_warms_up_with_a_no_op(make_scri
 async def test_the_standbys_preload_waits_for_the_session_to_rest(standing: SessionManager) -> None:
     session = await standing.create()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(session.run, "sleep 3", None, None)
-        # Started beside the call (it has run a second), warmed up, but not preloaded while it runs.
+        tg.start_soon(session.run, LONG_CALL, None, None)
+        # Started beside the call (it has run STANDBY_BESIDE_CALL_S), warmed up, but not preloaded while it runs.
         await until(lambda: any(k.executed == ["pass"] for k in session.standby.kernels()), "the standby's warm-up")
         starting = session.standby.kernels()[0]
         assert isinstance(starting, FakeKernel) and session.busy and starting.preloads == 0
@@ -199,7 +215,7 @@ async def test_the_standbys_preload_waits_for_the_session_to_rest(standing: Sess
 async def test_a_reset_before_the_preload_began_takes_the_standby_as_it_is(standing: SessionManager) -> None:
     session = await standing.create()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(session.run, "sleep 3", None, None)
+        tg.start_soon(session.run, LONG_CALL, None, None)
         await until(lambda: session.standby.kernel is not None, "the standby's warm-up")
         standby = ready(session)
     await session.reset()  # at once: the session has not rested, so no preload had begun

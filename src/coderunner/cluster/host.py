@@ -50,8 +50,8 @@ from coderunner.vocabulary.sandbox_request import DEFAULT_REQUEST, SandboxReques
 
 if TYPE_CHECKING:
     from coderunner.hostfs.workspaces import NamedWorkspace
+    from coderunner.oneshot.runs import Language, OneShotResult
     from coderunner.sessions.egress_wiring import SessionEgress
-    from coderunner.sessions.oneshot_runs import Language, OneShotResult
     from coderunner.sessions.session_snapshots import Seed, Taken
     from coderunner.snapshots.store import Listing, SnapshotMeta
 

@@ -32,8 +32,8 @@ from coderunner.sessions.sandbox_options import SandboxOptions
 
 if TYPE_CHECKING:
     from coderunner.cluster.wire import EgressDelta
+    from coderunner.oneshot.runs import OneShotResult
     from coderunner.sessions.egress_wiring import SessionEgress
-    from coderunner.sessions.oneshot_runs import OneShotResult
 
 
 def node_call(settings: dict[str, Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

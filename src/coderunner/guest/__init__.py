@@ -2,6 +2,8 @@
 
 The host never imports this package: it only binds its folder read-only into the sandbox.
 It may depend on nothing but the sandbox environment (ipykernel, IPython, the stdlib).
+Its kernel start-up hook (load_ipython_extension) imports modules of the package, so those take
+their siblings' names (`from .packages import run`), never the package itself (`from . import x`).
 """
 
 import os

@@ -14,7 +14,7 @@ import os
 import pathlib
 from typing import Any
 
-from .dispatch import GuestError
+from .errors import GuestError
 
 OPS = ("navigate", "extract", "screenshot", "interact")
 FORMATS = ("text", "html", "json", "table", "links")

@@ -12,6 +12,8 @@ import json
 import os
 import sys
 
+from .errors import GuestError
+
 RESULT_MIME = "application/vnd.coderunner.guest+json"
 TOOLS = {
     "pdf_ops": "coderunner_guest.pdf",
@@ -51,10 +53,6 @@ def read_only_imports():
         yield
     finally:
         sys.path[:] = saved
-
-
-class GuestError(Exception):
-    """A failure to report to the caller as it is (bad input, unknown op, ...)."""
 
 
 def run_op(tool, ops, op, input_path, args):

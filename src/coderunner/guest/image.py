@@ -5,7 +5,8 @@ import io
 import os
 import warnings
 
-from .dispatch import GuestError, run_op
+from .dispatch import run_op
+from .errors import GuestError
 from .paths import output_file
 
 OPS = ("info", "resize", "thumbnail", "crop", "rotate", "flip", "convert", "grayscale", "ocr")

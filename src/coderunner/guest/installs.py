@@ -18,8 +18,9 @@ import re
 import shlex
 import sys
 
-from . import packages
-from .dispatch import GuestError
+from .errors import GuestError
+from .packages import REQUIREMENT
+from .packages import run as run_pip
 
 #: Set by the host in a sandbox with network 'none' (sandbox/common.py INSTALL_REFUSAL_ENV).
 REFUSAL_ENV = "SESSION_INSTALL_REFUSAL"
@@ -85,7 +86,7 @@ def parse_install(words):
     for word in words:
         if word in QUIET or word in HARMLESS:
             continue
-        if word.startswith("-") or not packages.REQUIREMENT.fullmatch(word):
+        if word.startswith("-") or not REQUIREMENT.fullmatch(word):
             refused.append(word)
         else:
             wanted.append(word)
@@ -132,9 +133,7 @@ def pip_install(words):
     check_network()
     shown = " ".join(wanted)
     try:  # an allowlist without the package index: refused before pip runs (packages.run)
-        result = packages.run(
-            wanted, target, PIP_TIMEOUT_S, started=lambda: print(f"pip install {shown} ...", flush=True)
-        )
+        result = run_pip(wanted, target, PIP_TIMEOUT_S, started=lambda: print(f"pip install {shown} ...", flush=True))
     except GuestError as exc:
         raise PackageInstallError(str(exc)) from None
     print(report(result), flush=True)

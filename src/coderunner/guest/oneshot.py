@@ -12,7 +12,7 @@ starts it directly, or it waited beside `wait`; its variables come from a file b
 A Python run pays for every import here before the user's first line, so only os and sys are
 imported up front (an empty VARIABLES_JSON means none: no json either), and the host starts
 this with -c rather than -m (runpy costs a few ms). `wait` is a sandbox started ahead of its
-program (see OneShotRunner.ready), the coprocess of a waiting bash (sessions/oneshot_program.py:
+program (see OneShotRunner.ready), the coprocess of a waiting bash (coderunner/oneshot/program.py:
 READY_WAITER): it reads the language from the first line of stdin (bash's pipe, which never says
 bash: that runs in bash itself), takes STDIN_FD as the program's stdin, then runs INPUTS_DIR/main.*
 as `run` would.

@@ -13,8 +13,8 @@ import shutil
 import subprocess
 import sys
 
-from . import index_probe
-from .dispatch import GuestError
+from .errors import GuestError
+from .index_probe import unreachable as index_unreachable
 
 #: System trust store (bound read-only from the host): honours proxies that re-sign TLS.
 SYSTEM_CA = "/etc/ssl/certs/ca-certificates.crt"
@@ -49,7 +49,7 @@ def run(packages, target, timeout_s, started=None):
     """Install; `started` is called once pip is about to run (%pip prints a line for the wait)."""
     if not packages or not all(isinstance(p, str) and REQUIREMENT.fullmatch(p) for p in packages):
         raise GuestError("packages must be requirement specifiers like 'requests' or 'httpx==0.28.1'")
-    refused = index_probe.unreachable()
+    refused = index_unreachable()
     if refused:
         raise GuestError(refused)
     os.makedirs(target, exist_ok=True)

@@ -2,7 +2,7 @@
 
 import os
 
-from .dispatch import GuestError
+from .errors import GuestError
 
 
 def existing_file(path):

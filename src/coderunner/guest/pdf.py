@@ -5,7 +5,8 @@ import io
 import os
 from typing import Any
 
-from .dispatch import GuestError, run_op
+from .dispatch import run_op
+from .errors import GuestError
 from .paths import existing_file, output_file, page_numbers
 
 OPS = ("info", "extract_text", "merge", "split", "rotate", "extract_pages", "to_images", "encrypt", "decrypt")

@@ -53,7 +53,7 @@ import shutil
 import sys
 import types
 
-from .dispatch import GuestError
+from .errors import GuestError
 from .snapshot_manifest import FORMAT, MANIFEST, VERSION, read_manifest, saved_skipped
 from .snapshot_pickling import Context, TooLarge, WriteFailed, dump, pickler_class
 from .snapshot_values import (

@@ -6,7 +6,7 @@ import json
 import os
 import re
 
-from .dispatch import GuestError
+from .errors import GuestError
 
 MANIFEST = "manifest.json"
 FORMAT = "coderunner-kernel-state"

@@ -3,13 +3,12 @@
     seam.py           SessionHost, SessionHandle: all the tools may use of sessions (the manager and
                       Session implement them here; a session living elsewhere may implement them too)
     manager.py        SessionManager: handles, per-caller defaults, limits, the idle reaper
-    host_services.py  the host's calls beside sessions: snapshots, named workspaces, one-shot runs
+    host_services.py  the host's calls beside sessions: snapshots, named workspaces, one-shot runs (the
+                      manager holds a oneshot/ runner for those and grants its sandboxes started ahead room)
     session.py        Session: one kernel at a time, reset/close, the one start-or-replace path
     kernel_calls.py   what a call does with the kernel it holds: cells as jobs, guest calls
     session_status.py what a session reports; kept_state.py its snapshot bookkeeping
     job_runner.py     Job, JobTable: runs that outlive their call (detach, read since last, cancel)
-    oneshot_runs.py   one-shot runs (oneshot_program.py: argv and pipes; oneshot_slots.py: how many at
-                      once; oneshot_ready.py: a sandbox started ahead)
     session_snapshots.py  snapshots of a session and sessions seeded from one (snapshot_reports.py:
                       the guest's accounts, checked and cut)
     pool.py           sandboxes started ahead (the warm pool)

@@ -16,9 +16,9 @@ import anyio
 from coderunner.config import Settings
 from coderunner.hostfs.workspaces import NamedWorkspace, delete_named, list_named
 from coderunner.offload import off_loop
+from coderunner.oneshot.runs import Language, OneShotResult, OneShotRunner
 from coderunner.sandbox import Mount, SandboxBackend
 from coderunner.sessions.job_runner import JobTable
-from coderunner.sessions.oneshot_runs import Language, OneShotResult, OneShotRunner
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.seam import SandboxProfile, SessionHandle
 from coderunner.sessions.session import Session
@@ -50,9 +50,7 @@ class HostServices:
     def profile(self) -> SandboxProfile:
         """The sandboxes here as get_capabilities describes them (the default options' limits)."""
         profile = sandbox_profile(self.settings, self.backend, self.base_mounts, self.options())
-        if not self.oneshot.ready:
-            return profile
-        return dataclasses.replace(profile, oneshot_ready=dataclasses.asdict(self.oneshot.ahead.stats()))
+        return dataclasses.replace(profile, oneshot_ready=self.oneshot.ready_counts())
 
     async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
         return await self.snapshots.take(self._local(session), name=name)

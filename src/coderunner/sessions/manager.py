@@ -31,13 +31,13 @@ from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
+from coderunner.oneshot.runs import OneShotRunner
 from coderunner.sandbox import Mount, SandboxBackend, UidPool, per_sandbox_uids
 from coderunner.sandbox.identity import UID_CLAIMS_DIR
 from coderunner.sessions.egress_wiring import EgressHub
 from coderunner.sessions.host_services import HostServices
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.leases import SandboxLeases
-from coderunner.sessions.oneshot_runs import OneShotRunner
 from coderunner.sessions.pool import WarmPool
 from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
 from coderunner.sessions.seam import SessionHandle
@@ -116,16 +116,8 @@ class SessionManager(HostServices):
         if self.settings.keep_state_save_idle_s > 0:
             self._task_group.start_soon(save_kept_states, self)
         self.jobs = JobTable(self._task_group)
-        self.oneshot = OneShotRunner(
-            backend=self.backend,
-            task_group=self._task_group,
-            leases=self.leases,
-            output_limit_chars=self.settings.output_limit_chars,
-            max_concurrent=self.settings.max_oneshot_runs,
-            max_per_caller=self.settings.max_oneshot_runs_per_client,
-            egress=self.egress,
-            ready=self.settings.oneshot_ready,
-            ready_room=self._room_ahead,
+        self.oneshot = OneShotRunner.for_settings(
+            self.settings, self.backend, self._task_group, self.leases, self.egress, ready_room=self._room_ahead
         )
         if self.pool.enabled and self.settings.network != NetworkMode.ALLOWLIST:
             # An allowlist sandbox's proxy is labelled with its session in the audit log: start cold.

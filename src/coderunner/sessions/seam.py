@@ -23,10 +23,10 @@ if TYPE_CHECKING:
     from coderunner.hostfs.workspaces import NamedWorkspace
     from coderunner.kernel.output_capture import WorkspaceWriter
     from coderunner.kernel.run_result import ExecutionResult
+    from coderunner.oneshot.runs import Language, OneShotResult
     from coderunner.sandbox import LimitReport
     from coderunner.sessions.egress_wiring import SessionEgress
     from coderunner.sessions.job_runner import Job, JobTable
-    from coderunner.sessions.oneshot_runs import Language, OneShotResult
     from coderunner.sessions.sandbox_options import SandboxOptions
     from coderunner.sessions.session_snapshots import Seed, Taken
     from coderunner.sessions.session_status import SessionStatus
@@ -50,7 +50,7 @@ class SandboxProfile:
     mounts: tuple[tuple[str, bool], ...]
     #: Whether snapshots carry the whole sandbox's memory (a checkpointing backend).
     memory_snapshots: bool
-    #: execute_code's sandboxes started ahead, counted (oneshot_ready.ReadyStats); None where there are none.
+    #: execute_code's sandboxes started ahead, counted (oneshot/ready.py: ReadyStats); None where there are none.
     oneshot_ready: dict[str, int] | None = None
 
 

@@ -15,9 +15,9 @@ from pydantic import Field
 
 from coderunner.config import MIN_MEMORY_MB, Settings
 from coderunner.egress.texts import offline_note
+from coderunner.oneshot.runs import OneShotError, OneShotResult
 from coderunner.policy.call_variables import check_variables, parse_variables
 from coderunner.sessions.job_runner import Job, attend, label_of
-from coderunner.sessions.oneshot_runs import OneShotError, OneShotResult
 from coderunner.tools.arguments import DetachAfter, LanguageArg, MemoryMb, VariablesArg, network_arg
 from coderunner.tools.context import ToolContext, json_result, tool
 from coderunner.tools.jobs import oneshot_job_reply, oneshot_payload, oneshot_status

@@ -21,8 +21,8 @@ from pydantic import Field
 
 from coderunner.config import Settings
 from coderunner.edge.callers import client_of_key
+from coderunner.oneshot.runs import OneShotResult
 from coderunner.sessions.job_runner import Job, JobNotFound, JobStatus, attend, cancel, duration
-from coderunner.sessions.oneshot_runs import OneShotResult
 from coderunner.sessions.seam import SessionHandle
 from coderunner.tools.arguments import Text
 from coderunner.tools.context import ToolContext, json_result, tool

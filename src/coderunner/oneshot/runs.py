@@ -12,7 +12,7 @@ image; the sandbox itself (cgroups, bwrap, the seccomp filter compiled once per 
 and a launcher only where the language needs one: Python gets its variables as globals
 from a launcher importing nothing beyond os and sys, bash is started directly (its
 variables come from a file it reads through BASH_ENV), Node.js has a preload. A sandbox
-started ahead runs bash with the launcher beside it (oneshot_program.READY_WAITER), so a
+started ahead runs bash with the launcher beside it (program.READY_WAITER), so a
 run of either skips its interpreter's start.
 """
 
@@ -28,11 +28,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from coderunner.offload import off_loop
-from coderunner.sandbox import SandboxBackend, SandboxProcess
-from coderunner.sandbox.cgroups import SessionCgroup
-from coderunner.sandbox.common import product_python
-from coderunner.sessions.leases import SandboxLease, SandboxLeases
-from coderunner.sessions.oneshot_program import (
+from coderunner.oneshot.program import (
     LAUNCHER,
     SOURCE_NAMES,
     BoundedBytes,
@@ -41,11 +37,16 @@ from coderunner.sessions.oneshot_program import (
     collect,
     program,
 )
-from coderunner.sessions.oneshot_ready import REPLY_FIRST_S, ReadySandbox, ReadySandboxes, Room
-from coderunner.sessions.oneshot_slots import OneShotSlots
+from coderunner.oneshot.ready import REPLY_FIRST_S, ReadySandbox, ReadySandboxes, Room
+from coderunner.oneshot.slots import OneShotSlots
+from coderunner.sandbox import SandboxBackend, SandboxProcess
+from coderunner.sandbox.cgroups import SessionCgroup
+from coderunner.sandbox.common import product_python
+from coderunner.sessions.leases import SandboxLease, SandboxLeases
 from coderunner.sessions.sandbox_options import SandboxOptions
 
-if TYPE_CHECKING:  # sessions/ imports this module
+if TYPE_CHECKING:
+    from coderunner.config import Settings
     from coderunner.sessions.egress_wiring import EgressHub, SessionEgress
 
 __all__ = ["Language", "OneShotError", "OneShotResult", "OneShotRunner"]
@@ -94,7 +95,7 @@ class OneShotRunner:
     egress: EgressHub | None = None
     #: Where run() reports how long each phase took (None: not measured).
     phases: PhaseSink | None = None
-    #: Keep a sandbox started ahead for the options of the last runs (oneshot_ready.py): a run with
+    #: Keep a sandbox started ahead for the options of the last runs (ready.py): a run with
     #: the same options skips the start.
     ready: bool = False
     #: Whether so many sandboxes started ahead fit the user's limits (the manager's room and memory budget).
@@ -110,6 +111,29 @@ class OneShotRunner:
         self.slots = OneShotSlots(self.max_concurrent, self.max_per_caller)
         self.ahead = ReadySandboxes(self.backend, self.task_group, self.leases, most=self.max_concurrent,
                                     room=self.ready_room)  # fmt: skip
+
+    @classmethod
+    def for_settings(
+        cls, settings: Settings, backend: SandboxBackend, task_group: TaskGroup, leases: SandboxLeases,
+        egress: EgressHub | None, ready_room: Room,
+    ) -> OneShotRunner:  # fmt: skip
+        """A server's runner: its bounds and whether sandboxes start ahead come from `settings`; its
+        sandboxes run in the host's task group, on the host's leases, within the room the host grants."""
+        return cls(
+            backend=backend,
+            task_group=task_group,
+            leases=leases,
+            output_limit_chars=settings.output_limit_chars,
+            max_concurrent=settings.max_oneshot_runs,
+            max_per_caller=settings.max_oneshot_runs_per_client,
+            egress=egress,
+            ready=settings.oneshot_ready,
+            ready_room=ready_room,
+        )
+
+    def ready_counts(self) -> dict[str, int] | None:
+        """What the sandboxes started ahead did (get_capabilities), or None when none are kept."""
+        return asdict(self.ahead.stats()) if self.ready else None
 
     async def run(
         self,

@@ -26,7 +26,7 @@ from coderunner.cli import COMMANDS, _parser
 from coderunner.config import Settings
 from coderunner.tools import ToolContext, declared_groups, register
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 README = REPO / "README.md"
 DOCS = sorted((REPO / "docs").glob("*.md"))
 PAGES = [README, *DOCS]

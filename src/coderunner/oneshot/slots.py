@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from coderunner.sessions.oneshot_program import OneShotError
+from coderunner.oneshot.program import OneShotError
 
 
 @dataclass

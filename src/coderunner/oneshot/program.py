@@ -40,7 +40,7 @@ BASH = "/bin/bash"
 BASH_VARIABLES_NAME = "variables.sh"
 #: How bash runs the script ($0), with no positional arguments: the same started directly or ahead.
 BASH_RUN = '. "$0"'
-#: A sandbox started ahead (oneshot_ready.py): bash, with the Python launcher ("$@", `wait`) as its
+#: A sandbox started ahead (ready.py): bash, with the Python launcher ("$@", `wait`) as its
 #: coprocess. The launcher says READY once up and reads the language from the coprocess pipe, the
 #: program's stdin as fd 4. Bash reads the first line of stdin (the language, byte by byte: the rest
 #: is the program's): for bash it kills the launcher (disowned first: no job left for the script to

@@ -12,7 +12,7 @@ import pytest
 from coderunner.cli import _parser
 from coderunner.config import ConfigError, load_settings
 
-from .conftest import REPO
+from ..conftest import REPO
 
 
 @pytest.mark.parametrize("via", ["flag", "environment", "file"])

@@ -2,7 +2,7 @@
 
 After a run, a sandbox with the same options starts for the next one (one per option set, for the
 `most` sets used last); a run with those options skips the start by taking it. The rules that keep
-this safe, as the warm pool's (pool.py):
+this safe, as the warm pool's (sessions/pool.py):
 - each is used by one run, or dropped: never reused, never handed back;
 - it holds only room the manager grants (`room`): under max_sessions beside the sessions and the
   pool, and within the idle sandboxes' memory budget. A user's session takes the room back at once
@@ -23,9 +23,9 @@ import anyio
 from anyio.abc import TaskGroup
 
 from coderunner.offload import off_loop
+from coderunner.oneshot.program import ready_argv
 from coderunner.sandbox import SandboxBackend, SandboxProcess
 from coderunner.sessions.leases import SandboxLease, SandboxLeases
-from coderunner.sessions.oneshot_program import ready_argv
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.vocabulary.network import NetworkMode
 
