@@ -196,13 +196,13 @@ class FakeKernel(Kernel):
 
     async def start(self, timeout_s: float) -> None:
         self.started_at = time.monotonic()
-        self.process = FakeProcess()  # type: ignore[assignment]
+        self.sandbox.process = FakeProcess()  # type: ignore[assignment]
         await self._answer(timeout_s, "start")
 
     async def restore(self, image_dir: Path, saved: dict[str, Any], timeout_s: float) -> None:
         self.started_at = time.monotonic()
         self.checkpoints.append(image_dir)
-        self.process = FakeProcess()  # type: ignore[assignment]
+        self.sandbox.process = FakeProcess()  # type: ignore[assignment]
         try:
             await self._answer(timeout_s, "restore")
         except KernelStartError as exc:
@@ -266,7 +266,7 @@ class FakeKernel(Kernel):
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 if await self._settle_after_interrupt(cell, interrupt_grace_s) is RunStatus.UNRESPONSIVE:
-                    self.wedged = True
+                    self.client.wedged = True
             raise
         return RunOutcome(
             status=cell.status,
