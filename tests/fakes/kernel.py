@@ -71,7 +71,7 @@ KILLED_CODE = -9
 FAKE_MEMORY_MB = 80.0
 #: A 1x1 PNG, base64: what `image` shows.
 TINY_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
-#: How Session phrases a guest call (Session._guest_call_held): the tool and its JSON arguments.
+#: How a session phrases a guest call (KernelCalls._guest_call_held): the tool and its JSON arguments.
 _GUEST_CALL = re.compile(r"^await __import__\('coderunner_guest\.dispatch', fromlist=\['call'\]\)\.call\((.*)\)$")
 _PIDS = itertools.count(4_000_000)  # above any real pid: /proc has none of them
 
