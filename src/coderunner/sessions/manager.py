@@ -112,9 +112,11 @@ class SessionManager(HostServices):
         await self.snapshots.open()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
-        self._task_group.start_soon(reap_idle, self)
+        self._task_group.start_soon(reap_idle, self.settings.idle_timeout_s, self.list, self.close)
         if self.settings.keep_state_save_idle_s > 0:
-            self._task_group.start_soon(save_kept_states, self)
+            self._task_group.start_soon(
+                save_kept_states, self.settings.keep_state_save_idle_s, self.list, self.snapshots
+            )
         self.jobs = JobTable(self._task_group)
         self.oneshot = OneShotRunner(
             backend=self.backend,
