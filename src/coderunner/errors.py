@@ -18,8 +18,8 @@ Each class lives beside the code that raises it; the tree, with where each one i
     │   ├── BwrapUnavailable         sandbox/bwrap.py
     │   ├── ContainerUnavailable     sandbox/container.py
     │   └── CheckpointError          sandbox/gvisor_checkpoint.py  runsc could not checkpoint or restore a sandbox
-    ├── KernelStartError             kernel/incarnation.py         the sandboxed kernel did not come up
-    ├── CheckpointFailed             kernel/incarnation.py         a kernel's memory checkpoint or restore did not work
+    ├── KernelStartError             kernel/process.py             the sandboxed kernel did not come up
+    ├── CheckpointFailed             kernel/process.py             a kernel's memory checkpoint or restore did not work
     ├── SessionError                 here                          a session request that cannot be served
     │   ├── SessionBusy              here                          another call holds the kernel
     │   ├── GuestCallError           here                          a guest tool refused its input or failed

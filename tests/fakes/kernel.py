@@ -71,7 +71,7 @@ KILLED_CODE = -9
 FAKE_MEMORY_MB = 80.0
 #: A 1x1 PNG, base64: what `image` shows.
 TINY_PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
-#: How Session phrases a guest call (Session._guest_call_held): the tool and its JSON arguments.
+#: How a session phrases a guest call (KernelCalls._guest_call_held): the tool and its JSON arguments.
 _GUEST_CALL = re.compile(r"^await __import__\('coderunner_guest\.dispatch', fromlist=\['call'\]\)\.call\((.*)\)$")
 _PIDS = itertools.count(4_000_000)  # above any real pid: /proc has none of them
 
@@ -196,13 +196,13 @@ class FakeKernel(Kernel):
 
     async def start(self, timeout_s: float) -> None:
         self.started_at = time.monotonic()
-        self.process = FakeProcess()  # type: ignore[assignment]
+        self.sandbox.process = FakeProcess()  # type: ignore[assignment]
         await self._answer(timeout_s, "start")
 
     async def restore(self, image_dir: Path, saved: dict[str, Any], timeout_s: float) -> None:
         self.started_at = time.monotonic()
         self.checkpoints.append(image_dir)
-        self.process = FakeProcess()  # type: ignore[assignment]
+        self.sandbox.process = FakeProcess()  # type: ignore[assignment]
         try:
             await self._answer(timeout_s, "restore")
         except KernelStartError as exc:
@@ -266,7 +266,7 @@ class FakeKernel(Kernel):
         except anyio.get_cancelled_exc_class():
             with anyio.CancelScope(shield=True):
                 if await self._settle_after_interrupt(cell, interrupt_grace_s) is RunStatus.UNRESPONSIVE:
-                    self.wedged = True
+                    self.client.wedged = True
             raise
         return RunOutcome(
             status=cell.status,

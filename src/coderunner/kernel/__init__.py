@@ -1,6 +1,8 @@
 """One kernel in a sandbox, spoken to by the host's own bounded channels.
 
-incarnation.py     Kernel: start, run, interrupt, checkpoint, stop one ipykernel
+incarnation.py     Kernel: one incarnation, a process and its client started and ended together
+process.py         KernelProcess: the sandbox, its connection info; start, checkpoint, restore, kill
+client.py          KernelClient: channels to it, its welcome, execute and interrupt
 execution.py       one execute's outcome, gathered from its IOPub messages
 connection_info.py a kernel's connection info and its channels' addresses
 host_channels.py   the host's ends of shell, control and IOPub, connected and drained

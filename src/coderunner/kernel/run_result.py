@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from coderunner.kernel.incarnation import RunOutcome, RunStatus
+from coderunner.kernel.execution import RunOutcome, RunStatus
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """What a local SessionHost offers besides sessions: its snapshots, named workspaces and one-shot runs,
-and what its sandboxes are like (SandboxProfile). SessionManager takes these from here.
+and what its sandboxes are like (SandboxProfile). A SessionManager holds one and hands these calls on.
 
 The store and workspace calls are file work: they run in the server's worker threads (offload.py).
 """
@@ -31,17 +31,21 @@ if TYPE_CHECKING:
 
 
 class HostServices:
-    """The SessionHost calls that are not about one session (a base of SessionManager, which sets these)."""
+    """The SessionHost calls that are not about one session, on what its manager set up."""
 
-    settings: Settings
-    backend: SandboxBackend
-    base_mounts: list[Mount]
-    snapshots: SessionSnapshots
-    oneshot: OneShotRunner
-    jobs: JobTable
-
-    def options(self) -> SandboxOptions:
-        raise NotImplementedError  # SessionManager.options: the settings' defaults, checked
+    def __init__(
+        self, settings: Settings, backend: SandboxBackend, base_mounts: list[Mount], snapshots: SessionSnapshots,
+        oneshot: OneShotRunner, jobs: JobTable, defaults: Callable[[], SandboxOptions],
+    ) -> None:  # fmt: skip
+        self.settings = settings
+        self.backend = backend
+        self.base_mounts = base_mounts
+        self.snapshots = snapshots
+        self.oneshot = oneshot
+        #: execute_code runs that outlived their call.
+        self.jobs = jobs
+        #: The default options, checked (SessionManager.options).
+        self.defaults = defaults
 
     @property
     def oneshot_jobs(self) -> JobTable:
@@ -49,11 +53,11 @@ class HostServices:
 
     def profile(self) -> SandboxProfile:
         """The sandboxes here as get_capabilities describes them (the default options' limits)."""
-        profile = sandbox_profile(self.settings, self.backend, self.base_mounts, self.options())
+        profile = sandbox_profile(self.settings, self.backend, self.base_mounts, self.defaults())
         return dataclasses.replace(profile, oneshot_ready=self.oneshot.ready_counts())
 
     async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
-        return await self.snapshots.take(self._local(session), name=name)
+        return await self.snapshots.take(local_session(session), name=name)
 
     async def snapshot(self, client: str, snapshot_id: str) -> SnapshotMeta:
         return await off_loop(self.snapshots.store.get, client, snapshot_id)
@@ -95,7 +99,7 @@ class HostServices:
     async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
         return await self.oneshot.versions(options)
 
-    async def _kept_state(self, options: SandboxOptions) -> Seed | None:
+    async def kept_state(self, options: SandboxOptions) -> Seed | None:
         """A keep_state session's saved state, as a seed (state only: the workspace is its own), or None."""
         assert options.name is not None
         with contextlib.suppress(SnapshotNotFound):
@@ -103,10 +107,11 @@ class HostServices:
             return Seed(options.client, keep_id(options.name), with_workspace=False)
         return None
 
-    def _local(self, session: SessionHandle) -> Session:
-        """A handle this manager gave out is one of its own sessions."""
-        assert isinstance(session, Session), "a session of another host"
-        return session
+
+def local_session(session: SessionHandle) -> Session:
+    """A handle this manager gave out is one of its own sessions."""
+    assert isinstance(session, Session), "a session of another host"
+    return session
 
 
 def sandbox_profile(

@@ -1,8 +1,9 @@
 """What a call does once it holds a session's kernel: run a cell as a job, or call a guest helper.
 
 Session (session.py) owns the kernel's lifecycle: one kernel at a time, one call at a time, replaced
-on death, timeout or reset, stopped once at close. KernelCalls builds on the few lifecycle steps it
-declares below (Session implements them): the cell and guest-call protocol, and what an outcome means.
+on death, timeout or reset, stopped once at close. KernelCalls is a collaborator each session holds:
+it takes the session's lifecycle steps through the small `KernelKeeper` interface below, and owns
+the cell and guest-call protocol, and what an outcome means.
 """
 
 from __future__ import annotations
@@ -11,18 +12,20 @@ import contextlib
 import json
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 
 from coderunner.config import Settings
 from coderunner.errors import GuestCallError, SessionError
 from coderunner.hostfs.sandbox_files import SandboxFiles
-from coderunner.kernel.incarnation import Kernel, ProgressCallback, RunOutcome, RunStatus
+from coderunner.kernel.client import ProgressCallback
+from coderunner.kernel.execution import RunOutcome, RunStatus
+from coderunner.kernel.incarnation import Kernel
 from coderunner.kernel.output_capture import OutputCollector, WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.offload import off_loop
-from coderunner.sandbox import SESSION_PACKAGES, SandboxBackend
+from coderunner.sandbox import SESSION_PACKAGES
 from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, label_of
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.vocabulary.network import NetworkMode, offline_install
@@ -31,65 +34,88 @@ from coderunner.vocabulary.network import NetworkMode, offline_install
 GUEST_MARGIN_S = 15.0
 
 
-class KernelCalls:
-    """Cells and guest calls on a session's kernel (a base of Session, which provides what is declared here)."""
+class KernelKeeper(Protocol):
+    """What KernelCalls needs of the session that keeps the kernel (Session is one): who it is, its one
+    kernel, and the steps that hold, start and replace that kernel."""
 
-    session_id: str
-    owner: str
-    options: SandboxOptions
-    settings: Settings
-    backend: SandboxBackend
-    kernel: Kernel | None
-    jobs: JobTable
-    closed: bool
-    _resetting: bool
-    _generation: int
-
-    # The lifecycle steps a call takes (Session's).
-    def _exclusive(self, wait_s: float) -> contextlib.AbstractAsyncContextManager[None]:
-        raise NotImplementedError
-
-    async def _job_turn(self, wait_s: float) -> None:
-        raise NotImplementedError
-
-    async def _ensure_kernel(self) -> Kernel:
-        raise NotImplementedError
-
-    def _held_kernel(self) -> Kernel:
-        raise NotImplementedError
-
-    async def _replace_kernel(self) -> None:
-        raise NotImplementedError
-
-    async def _recover_from_cancel(self) -> None:
-        raise NotImplementedError
-
-    def reply_writer(self) -> WorkspaceWriter:
-        raise NotImplementedError
+    #: When a call last used it (a job counts from when it is started): idle sessions are closed.
+    last_used: float
 
     @property
-    def files(self) -> SandboxFiles:
-        raise NotImplementedError
+    def session_id(self) -> str: ...
+
+    @property
+    def owner(self) -> str: ...
+
+    @property
+    def options(self) -> SandboxOptions: ...
+
+    @property
+    def closed(self) -> bool: ...
+
+    @property
+    def resetting(self) -> bool:
+        """A kernel reset waits for the running call to end (and starts the fresh kernel itself)."""
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def kernel(self) -> Kernel | None: ...
+
+    @property
+    def files(self) -> SandboxFiles: ...
+
+    def reply_writer(self) -> WorkspaceWriter: ...
+
+    def exclusive(self, wait_s: float) -> contextlib.AbstractAsyncContextManager[None]:
+        """The kernel to oneself (one call at a time), or SessionBusy after `wait_s`."""
+
+    async def job_turn(self, wait_s: float) -> None:
+        """Return once no cell runs (SessionBusy at once while one runs detached)."""
+
+    async def ensure_kernel(self) -> Kernel:
+        """The live kernel, started afresh if there is none or it died (the caller holds it)."""
+
+    def held_kernel(self) -> Kernel:
+        """The kernel a holder got from ensure_kernel, or its replacement."""
+
+    async def replace_kernel(self) -> None:
+        """A fresh kernel in the place of the current one (workspace files kept)."""
+
+    async def recover_from_cancel(self) -> None:
+        """Replace a kernel a cancelled call left wedged or dead."""
+
+
+class KernelCalls:
+    """Cells and guest calls on a session's kernel, through the session's `KernelKeeper` steps."""
+
+    def __init__(self, keeper: KernelKeeper, settings: Settings, jobs: JobTable, workspace_path: str) -> None:
+        self.keeper = keeper
+        self.settings = settings
+        self.jobs = jobs
+        #: Where the workspace is inside the sandbox (the backend's), for pip's target.
+        self.workspace_path = workspace_path
 
     async def start_run(
         self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None, owner: str = ""
     ) -> Job:
         """Start `code` as this session's job (after setting `variables` as globals); the caller attends it."""
-        timeout = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
-        await self._job_turn(timeout)
-        if self.closed:
-            raise SessionError(f"session {self.session_id} was closed")
-        self.last_used = time.monotonic()  # not idle while its job waits to be scheduled
+        timeout = min(timeout_s or self.keeper.options.timeout_s, self.settings.max_timeout_s)
+        await self.keeper.job_turn(timeout)
+        if self.keeper.closed:
+            raise SessionError(f"session {self.keeper.session_id} was closed")
+        self.keeper.last_used = time.monotonic()  # not idle while its job waits to be scheduled
         output = JobOutput(
             limit_chars=self.settings.output_limit_chars,
             spill_limit_bytes=self.settings.spill_limit_bytes,
             image_limit_bytes=self.settings.image_limit_bytes,
-            writer=self.reply_writer(),
+            writer=self.keeper.reply_writer(),
             defer_files=True,  # kernel.execute drains its file writes off the event loop
         )
         job = Job(
-            job_id=self.jobs.new_id(), kind="python", label=label_of(code), owner=owner or self.owner,
-            session_id=self.session_id, output=output,
+            job_id=self.jobs.new_id(), kind="python", label=label_of(code), owner=owner or self.keeper.owner,
+            session_id=self.keeper.session_id, output=output,
         )  # fmt: skip
 
         async def work(job: Job) -> ExecutionResult:
@@ -112,13 +138,13 @@ class KernelCalls:
                 await progress(job.elapsed_s(), job.output)
 
         try:
-            await attend(job, None, tick, self.settings.progress_interval_s, self._cancel_wait_s)
+            await attend(job, None, tick, self.settings.progress_interval_s, self.cancel_wait_s)
         finally:
             self.jobs.forget(job)
         return self.job_result(job)
 
     @property
-    def _cancel_wait_s(self) -> float:
+    def cancel_wait_s(self) -> float:
         """Bound on a cancelled cell's end: its interrupt grace, then perhaps a fresh kernel's start."""
         return self.settings.interrupt_grace_s + self.settings.startup_timeout_s + 5.0
 
@@ -128,12 +154,12 @@ class KernelCalls:
     async def _run_job(
         self, job: Job, code: str, timeout: float, variables: dict[str, Any] | None, output: OutputCollector
     ) -> ExecutionResult:
-        async with self._exclusive(wait_s=timeout):
-            kernel = await self._ensure_kernel()
-            job.generation = self._generation
+        async with self.keeper.exclusive(wait_s=timeout):
+            kernel = await self.keeper.ensure_kernel()
+            job.generation = self.keeper.generation
             if variables:
                 await self._guest_call_held("variables", {"values": variables}, GUEST_MARGIN_S)
-                kernel = self._held_kernel()  # the same one, or its replacement if that call ended it
+                kernel = self.keeper.held_kernel()  # the same one, or its replacement if that call ended it
             job.executing_since = time.monotonic()
             try:
                 outcome = await kernel.execute(
@@ -144,8 +170,8 @@ class KernelCalls:
                 )
             except anyio.get_cancelled_exc_class():
                 with anyio.CancelScope(shield=True):
-                    await self._recover_from_cancel()
-                job.state_lost = self._generation != job.generation
+                    await self.keeper.recover_from_cancel()
+                job.state_lost = self.keeper.generation != job.generation
                 if job.state_lost:
                     job.notice = (
                         f"cancelled: the cell ignored the interrupt for {self.settings.interrupt_grace_s:g}s: "
@@ -164,7 +190,7 @@ class KernelCalls:
                 notice=f"timed out after {timeout:g}s: interrupted; the kernel and its state are kept",
             )
         if outcome.status is RunStatus.UNRESPONSIVE:
-            await self._replace_kernel()
+            await self.keeper.replace_kernel()
             return ExecutionResult(
                 outcome,
                 notice=(
@@ -174,19 +200,19 @@ class KernelCalls:
                 ),
                 state_lost=True,
             )
-        if self.closed:
+        if self.keeper.closed:
             return ExecutionResult(outcome, notice="the session was closed during this call", state_lost=True)
-        if self._resetting:
+        if self.keeper.resetting:
             # a kernel reset is waiting for this call to end; it starts the fresh kernel itself.
             return ExecutionResult(outcome, notice="stopped by a kernel reset: state lost", state_lost=True)
         if outcome.status is RunStatus.DIED:
-            assert self.kernel is not None
-            process = self.kernel.process
+            assert self.keeper.kernel is not None
+            process = self.keeper.kernel.process
             if process is not None and process.oom_killed():
-                cause = f"killed for exceeding its memory limit of {self.options.limits.memory_mb} MiB"
+                cause = f"killed for exceeding its memory limit of {self.keeper.options.limits.memory_mb} MiB"
             else:
                 cause = f"exit code {outcome.exit_code}; killed, crashed or out of memory"
-            await self._replace_kernel()
+            await self.keeper.replace_kernel()
             return ExecutionResult(
                 outcome,
                 notice=f"kernel died ({cause}); state lost; a fresh kernel is ready, workspace files kept",
@@ -205,18 +231,18 @@ class KernelCalls:
         Waits for a busy kernel within `timeout_s`, then answers busy (at once while a job runs);
         never leaves a name behind in the user's namespace or history.
         """
-        await self._job_turn(timeout_s)
-        async with self._exclusive(wait_s=timeout_s):
-            await self._ensure_kernel()
+        await self.keeper.job_turn(timeout_s)
+        async with self.keeper.exclusive(wait_s=timeout_s):
+            await self.keeper.ensure_kernel()
             return await self._guest_call_held(tool, arguments, timeout_s)
 
     @contextlib.asynccontextmanager
     async def held(self, wait_s: float) -> AsyncIterator[None]:
         """The live kernel to oneself with no cell running (a snapshot): waits like a guest call, and
         refuses at once while a job runs detached."""
-        await self._job_turn(wait_s)
-        async with self._exclusive(wait_s=wait_s):
-            await self._ensure_kernel()
+        await self.keeper.job_turn(wait_s)
+        async with self.keeper.exclusive(wait_s=wait_s):
+            await self.keeper.ensure_kernel()
             yield
 
     async def call_guest_held(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -230,7 +256,7 @@ class KernelCalls:
         """One op of a guest tool (pdf_ops, image_ops, browser). The args named in `paths`, and
         `input_path`, are sandbox paths: confined to this session's files by the host before the call."""
         payload: dict[str, Any] = {"op": op}
-        files = self.files
+        files = self.keeper.files
         args = await off_loop(files.confine, args, paths)  # walks the workspace: stats, readlinks
         if input_path is not None:
             payload["input_path"] = (await off_loop(files.resolve, input_path)).sandbox_path
@@ -239,7 +265,7 @@ class KernelCalls:
 
     async def _guest_call_held(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """call_guest for a caller that already holds the kernel."""
-        kernel = self._held_kernel()
+        kernel = self.keeper.held_kernel()
         call = (
             f"await __import__('coderunner_guest.dispatch', fromlist=['call']).call({tool!r}, "
             f"{json.dumps(arguments)!r})"
@@ -250,7 +276,7 @@ class KernelCalls:
                 call, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
             )
         except anyio.get_cancelled_exc_class():
-            await self._recover_from_cancel()
+            await self.keeper.recover_from_cancel()
             raise
         settled = await self._settle(outcome, timeout_s)
         payload = outcome.guest_payload
@@ -264,9 +290,9 @@ class KernelCalls:
 
     async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
         """pip into this session's own package folder (in its workspace), from inside its sandbox."""
-        if self.options.network == NetworkMode.NONE:
-            raise SessionError(offline_install(self.settings.network_ceiling, f"session {self.session_id}"))
-        target = f"{self.backend.workspace_path}/{SESSION_PACKAGES}"
+        if self.keeper.options.network == NetworkMode.NONE:
+            raise SessionError(offline_install(self.settings.network_ceiling, f"session {self.keeper.session_id}"))
+        target = f"{self.workspace_path}/{SESSION_PACKAGES}"
         arguments = {"packages": packages, "target": target, "timeout_s": timeout_s}
         return await self.call_guest("packages", arguments, timeout_s + GUEST_MARGIN_S)
 

@@ -10,11 +10,14 @@ the clean-up of what a killed server left.
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import dataclasses
 import logging
 import secrets
 import time
+from collections.abc import Callable
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -26,28 +29,29 @@ from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter, client_folder
 from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.hostfs.session_dirs import remove_stale_dirs
+from coderunner.hostfs.workspaces import NamedWorkspace
 from coderunner.kernel.incarnation import Kernel, RunStatus
 from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
-from coderunner.oneshot.runs import OneShotRunner
+from coderunner.oneshot.runs import Language, OneShotResult, OneShotRunner
 from coderunner.sandbox import Mount, SandboxBackend, UidPool, per_sandbox_uids
 from coderunner.sandbox.identity import UID_CLAIMS_DIR
-from coderunner.sessions.egress_wiring import EgressHub
+from coderunner.sessions.egress_wiring import EgressHub, SessionEgress
 from coderunner.sessions.host_services import HostServices
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.leases import SandboxLeases
 from coderunner.sessions.pool import WarmPool
 from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
-from coderunner.sessions.seam import SessionHandle
+from coderunner.sessions.seam import SandboxProfile, SessionHandle
 from coderunner.sessions.session import Session
-from coderunner.sessions.session_snapshots import Seed, SessionSnapshots
+from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, Taken
 from coderunner.sessions.standby import StandbyBudget
 from coderunner.sessions.upkeep import reap_idle, save_kept_states
 from coderunner.sessions.usage import memory_used_mb
 from coderunner.sessions.warm_up import warm_up_code
-from coderunner.snapshots.store import SnapshotError
+from coderunner.snapshots.store import Listing, SnapshotError, SnapshotMeta
 from coderunner.vocabulary.network import NetworkMode
 from coderunner.vocabulary.sandbox_request import DEFAULT_REQUEST, SandboxRequest
 
@@ -57,7 +61,7 @@ log = logging.getLogger(__name__)
 SHUTDOWN_TIMEOUT_S = 10.0
 
 
-class SessionManager(HostServices):
+class SessionManager:
     """Owns every session of one server process, and the task group their sandboxes run in."""
 
     def __init__(self, settings: Settings, backend: SandboxBackend, kernel_factory: KernelFactory = Kernel) -> None:
@@ -76,6 +80,8 @@ class SessionManager(HostServices):
         self.leases = SandboxLeases(settings, backend, users)
         #: Throwaway sandboxes for execute_code, check_only too (set up on entry).
         self.oneshot: OneShotRunner
+        #: Snapshots, named workspaces and one-shot runs: the host's calls beside sessions (set up on entry).
+        self.services: HostServices
         #: What every session's standby kernel holds of memory, together (sessions/standby.py).
         self.standby_budget = StandbyBudget(settings.reset_standby_memory_mb)
         #: Sandboxes started ahead for sessions with default options (sessions/pool.py).
@@ -112,12 +118,17 @@ class SessionManager(HostServices):
         await self.snapshots.open()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
-        self._task_group.start_soon(reap_idle, self)
+        self._task_group.start_soon(reap_idle, self.settings.idle_timeout_s, self.list, self.close)
         if self.settings.keep_state_save_idle_s > 0:
-            self._task_group.start_soon(save_kept_states, self)
+            self._task_group.start_soon(
+                save_kept_states, self.settings.keep_state_save_idle_s, self.list, self.snapshots
+            )
         self.jobs = JobTable(self._task_group)
         self.oneshot = OneShotRunner.for_settings(
             self.settings, self.backend, self._task_group, self.leases, self.egress, ready_room=self._room_ahead
+        )
+        self.services = HostServices(
+            self.settings, self.backend, self.base_mounts, self.snapshots, self.oneshot, self.jobs, self.options
         )
         if self.pool.enabled and self.settings.network != NetworkMode.ALLOWLIST:
             # An allowlist sandbox's proxy is labelled with its session in the audit log: start cold.
@@ -176,7 +187,7 @@ class SessionManager(HostServices):
         A keep_state session whose name has saved state starts from that state."""
         options = options or self.options()
         if seed is None and options.keep_state and options.name is not None:
-            seed = await self._kept_state(options)
+            seed = await self.services.kept_state(options)
         if len(self._sessions) >= self.settings.max_sessions:
             raise SessionError(
                 f"session limit reached ({self.settings.max_sessions} open): close one with manage_sessions "
@@ -408,6 +419,53 @@ class SessionManager(HostServices):
     def list(self, owner: str | None = None) -> list[Session]:
         """Every open session, or those `owner` created."""
         return [s for s in self._sessions.values() if owner is None or s.owner == owner]
+
+    # --- the host's calls beside sessions: its HostServices' (host_services.py) ----------------
+
+    @property
+    def oneshot_jobs(self) -> JobTable:
+        return self.services.oneshot_jobs
+
+    def profile(self) -> SandboxProfile:
+        return self.services.profile()
+
+    async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
+        return await self.services.take_snapshot(session, name)
+
+    async def snapshot(self, client: str, snapshot_id: str) -> SnapshotMeta:
+        return await self.services.snapshot(client, snapshot_id)
+
+    async def snapshot_listing(self, client: str) -> Listing:
+        return await self.services.snapshot_listing(client)
+
+    async def delete_snapshot(self, client: str, snapshot_id: str) -> None:
+        await self.services.delete_snapshot(client, snapshot_id)
+
+    async def snapshots_of(self, session: SessionHandle) -> builtins.list[str]:
+        return await self.services.snapshots_of(session)
+
+    async def list_workspaces(self, client: str) -> builtins.list[NamedWorkspace]:
+        return await self.services.list_workspaces(client)
+
+    async def delete_workspace(self, client: str, name: str) -> None:
+        await self.services.delete_workspace(client, name)
+
+    async def run_oneshot(
+        self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
+        variables: dict[str, Any] | None = None, caller: str | None = None,
+        on_egress: Callable[[SessionEgress], None] | None = None,
+    ) -> OneShotResult:  # fmt: skip
+        return await self.services.run_oneshot(
+            language, code, options, stdin=stdin, variables=variables, caller=caller, on_egress=on_egress
+        )
+
+    async def check_code(
+        self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
+    ) -> builtins.list[dict[str, Any]]:
+        return await self.services.check_code(language, code, options, caller=caller)
+
+    async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
+        return await self.services.language_versions(options)
 
 
 @dataclasses.dataclass

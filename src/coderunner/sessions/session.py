@@ -2,10 +2,11 @@
 
 The kernel is replaced on a timeout it ignores, on its death, and on reset; the workspace, its
 mounts and its export outbox stay. The replacement is the session's standby kernel when one is
-ready (standby.py), else one started cold. One call at a time holds the kernel (`_exclusive`); every
-call that needs a kernel gets it from `_ensure_kernel`, and a cancelled call leaves none wedged.
-What a call does with the kernel it holds (cells, guest calls) is kernel_calls.py's; the status a
-session reports is session_status.py's; its snapshot bookkeeping is kept_state.py's.
+ready (standby.py), else one started cold. One call at a time holds the kernel (`exclusive`); every
+call that needs a kernel gets it from `ensure_kernel`, and a cancelled call leaves none wedged.
+What a call does with the kernel it holds (cells, guest calls) is its KernelCalls' (kernel_calls.py),
+which it holds and which reaches it only through those steps; the status a session reports is
+session_status.py's; its snapshot bookkeeping is kept_state.py's.
 
 One idea: a session's kernel lifecycle against one workspace (ensure, hold, replace, reset, close); cells and
 guest calls on a held kernel are kernel_calls.py's.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,9 +32,12 @@ from coderunner.hostfs.sandbox_files import SandboxFiles
 from coderunner.hostfs.sandbox_mounts import SandboxMounts
 from coderunner.hostfs.session_dirs import SandboxDirs
 from coderunner.hostfs.workspaces import Workspace
-from coderunner.kernel.incarnation import CheckpointFailed, Kernel
+from coderunner.kernel.client import ProgressCallback
+from coderunner.kernel.incarnation import Kernel
 from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import WorkspaceWriter
+from coderunner.kernel.process import CheckpointFailed
+from coderunner.kernel.run_result import ExecutionResult
 from coderunner.offload import off_loop
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec
 from coderunner.sessions.egress_wiring import SessionEgress
@@ -74,7 +78,7 @@ class _Start:
 
 
 @dataclass
-class Session(KernelCalls):
+class Session:
     session_id: str
     options: SandboxOptions
     #: Its sandbox's host side (leases.py): dirs, workspace and uid, mounts and outbox, egress proxy.
@@ -120,9 +124,12 @@ class Session(KernelCalls):
     standby: Standby = field(init=False)
     #: The server's budget for every session's standby (the manager's; None: not counted).
     standby_budget: StandbyBudget | None = None
+    #: Its cells and guest calls, run on the kernel it holds (kernel_calls.py); set up after construction.
+    calls: KernelCalls = field(init=False)
 
     def __post_init__(self) -> None:
         self.jobs = JobTable(self.task_group)
+        self.calls = KernelCalls(self, self.settings, self.jobs, self.backend.workspace_path)
         self.standby = Standby(
             settings=self.settings,
             task_group=self.task_group,
@@ -157,6 +164,11 @@ class Session(KernelCalls):
         """How many kernels this session has had (a standby counts once swapped in): each (re)start, loss or reset
         makes a new one."""
         return self._generation
+
+    @property
+    def resetting(self) -> bool:
+        """A kernel reset is stopping the running call (that call's reply says why it ended)."""
+        return self._resetting
 
     @property
     def kernel_reported(self) -> bool:
@@ -230,8 +242,49 @@ class Session(KernelCalls):
         self.jobs.forget(job)
 
     async def cancel_job(self, job: Job) -> None:
-        """Interrupt one of its jobs; a kernel that ignores that is restarted (within _cancel_wait_s)."""
-        await cancel(job, self._cancel_wait_s)
+        """Interrupt one of its jobs; a kernel that ignores that is restarted (within KernelCalls.cancel_wait_s)."""
+        await cancel(job, self.calls.cancel_wait_s)
+
+    # --- cells and guest calls: its KernelCalls' ------------------------------------------------
+
+    async def start_run(
+        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None, owner: str = ""
+    ) -> Job:
+        """Start `code` as this session's job (after setting `variables` as globals); the caller attends it."""
+        return await self.calls.start_run(code, timeout_s, variables, owner)
+
+    async def run(
+        self, code: str, timeout_s: float | None, progress: ProgressCallback | None,
+        variables: dict[str, Any] | None = None,
+    ) -> ExecutionResult:  # fmt: skip
+        """Run `code` to its end (no detaching): its result. A cancelled caller interrupts the cell."""
+        return await self.calls.run(code, timeout_s, progress, variables)
+
+    def job_result(self, job: Job) -> ExecutionResult:
+        return self.calls.job_result(job)
+
+    async def call_guest(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """Run a guest tool inside this session's kernel; its answer, or GuestCallError with the reason."""
+        return await self.calls.call_guest(tool, arguments, timeout_s)
+
+    def held(self, wait_s: float) -> contextlib.AbstractAsyncContextManager[None]:
+        """The live kernel to oneself with no cell running (a snapshot)."""
+        return self.calls.held(wait_s)
+
+    async def call_guest_held(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """call_guest for a caller inside `held`."""
+        return await self.calls.call_guest_held(tool, arguments, timeout_s)
+
+    async def guest_op(
+        self, tool: str, op: str, args: dict[str, Any], timeout_s: float, *,
+        paths: Iterable[str] = (), input_path: str | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One op of a guest tool (pdf_ops, image_ops, browser), its sandbox paths confined first."""
+        return await self.calls.guest_op(tool, op, args, timeout_s, paths=paths, input_path=input_path)
+
+    async def install_packages(self, packages: list[str], timeout_s: float) -> dict[str, Any]:
+        """pip into this session's own package folder (in its workspace), from inside its sandbox."""
+        return await self.calls.install_packages(packages, timeout_s)
 
     @property
     def spec(self) -> SandboxSpec:
@@ -263,7 +316,7 @@ class Session(KernelCalls):
         self.standby.want()
 
     async def start_kernel(self) -> None:
-        """Start this session's first kernel (create_session); later ones come from _ensure_kernel."""
+        """Start this session's first kernel (create_session); later ones come from ensure_kernel."""
         kernel = self._new_kernel()
         self._generation += 1
         await self._cancellable_start(kernel, lambda: kernel.start(self.settings.startup_timeout_s))
@@ -300,7 +353,7 @@ class Session(KernelCalls):
             self._start = None
             starting.ended.set()
 
-    async def _replace_kernel(self) -> None:
+    async def replace_kernel(self) -> None:
         """Kill the current kernel (if any) and put a fresh one in its place, the standby if one is ready,
         else one started cold; workspace files are kept. Then a new standby is wanted."""
         with anyio.CancelScope(shield=True):
@@ -323,25 +376,25 @@ class Session(KernelCalls):
                 await self.start_kernel()
             self.standby.want()
 
-    async def _ensure_kernel(self) -> Kernel:
+    async def ensure_kernel(self) -> Kernel:
         """The live kernel, started afresh first if there is none or it died (caller holds the lock)."""
         if self.kernel is None or not self.kernel.alive:
-            await self._replace_kernel()
+            await self.replace_kernel()
         assert self.kernel is not None
         return self.kernel
 
-    def _held_kernel(self) -> Kernel:
-        """The kernel a caller holding the lock got from _ensure_kernel (or its replacement)."""
+    def held_kernel(self) -> Kernel:
+        """The kernel a caller holding the lock got from ensure_kernel (or its replacement)."""
         assert self.kernel is not None
         return self.kernel
 
-    async def _recover_from_cancel(self) -> None:
+    async def recover_from_cancel(self) -> None:
         """A call was cancelled mid-run: a kernel left wedged or dead is replaced before the lock goes."""
         if self.kernel is not None and (self.kernel.wedged or not self.kernel.alive):
-            await self._replace_kernel()
+            await self.replace_kernel()
 
     @contextlib.asynccontextmanager
-    async def _exclusive(self, wait_s: float) -> AsyncIterator[None]:
+    async def exclusive(self, wait_s: float) -> AsyncIterator[None]:
         """One call at a time per kernel; a caller that cannot get in within `wait_s` is told so."""
         with anyio.move_on_after(wait_s) as scope:
             await self._lock.acquire()
@@ -365,7 +418,7 @@ class Session(KernelCalls):
             self.last_used = time.monotonic()
             self._lock.release()
 
-    async def _job_turn(self, wait_s: float) -> None:
+    async def job_turn(self, wait_s: float) -> None:
         """Return once no cell runs; refuse at once while one runs detached (waiting behind a job could
         take hours), and after `wait_s` behind one whose call still waits for it (it ends or detaches).
 
@@ -390,22 +443,22 @@ class Session(KernelCalls):
     async def reset(self) -> None:
         """Fresh interpreter state, even while a call runs: interrupt it, and kill it if it ignores that."""
         if not self._lock.locked():
-            async with self._exclusive(wait_s=self.settings.interrupt_grace_s):
-                await self._replace_kernel()
+            async with self.exclusive(wait_s=self.settings.interrupt_grace_s):
+                await self.replace_kernel()
             return
         self._resetting = True
         try:
             if self.kernel is not None:
                 self.kernel.interrupt()
             try:
-                async with self._exclusive(wait_s=self.settings.interrupt_grace_s):
-                    await self._replace_kernel()
+                async with self.exclusive(wait_s=self.settings.interrupt_grace_s):
+                    await self.replace_kernel()
                 return
             except SessionBusy:
                 if self.kernel is not None and self.kernel.process is not None:
                     await self.kernel.process.kill()
-            async with self._exclusive(wait_s=self.settings.startup_timeout_s):
-                await self._replace_kernel()
+            async with self.exclusive(wait_s=self.settings.startup_timeout_s):
+                await self.replace_kernel()
         finally:
             self._resetting = False
 

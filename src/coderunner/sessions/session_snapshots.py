@@ -39,7 +39,7 @@ from coderunner.config import Settings
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs.session_dirs import SandboxDirs
-from coderunner.kernel.incarnation import CheckpointFailed
+from coderunner.kernel.process import CheckpointFailed
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import alongside, off_loop
 from coderunner.sandbox import SandboxBackend

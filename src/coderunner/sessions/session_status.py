@@ -8,16 +8,18 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import Any, Protocol
 
-from coderunner.sandbox import LimitReport
+from coderunner.hostfs.sandbox_mounts import SandboxMounts
+from coderunner.hostfs.workspaces import Workspace
+from coderunner.kernel.incarnation import Kernel
+from coderunner.sandbox import LimitReport, SandboxBackend
+from coderunner.sessions.job_runner import JobTable
+from coderunner.sessions.kept_state import KeptState
+from coderunner.sessions.sandbox_options import SandboxOptions
+from coderunner.sessions.standby import Standby
 from coderunner.sessions.usage import session_usage
-
-if TYPE_CHECKING:  # session.py imports this module
-    from pathlib import Path
-
-    from coderunner.hostfs.sandbox_mounts import SandboxMounts
-    from coderunner.sessions.session import Session
 
 
 @dataclass
@@ -54,7 +56,56 @@ class SessionStatus:
     standby: dict[str, Any] | None = None
 
 
-def session_status(session: Session) -> SessionStatus:
+class Reported(Protocol):
+    """What a status reads of a session (Session is one)."""
+
+    @property
+    def session_id(self) -> str: ...
+
+    @property
+    def options(self) -> SandboxOptions: ...
+
+    @property
+    def backend(self) -> SandboxBackend: ...
+
+    @property
+    def kernel(self) -> Kernel | None: ...
+
+    @property
+    def busy(self) -> bool: ...
+
+    @property
+    def created_at(self) -> float: ...
+
+    @property
+    def last_used(self) -> float: ...
+
+    @property
+    def restarts(self) -> int: ...
+
+    @property
+    def generation(self) -> int: ...
+
+    @property
+    def workspace(self) -> Workspace: ...
+
+    @property
+    def sandbox_mounts(self) -> SandboxMounts | None: ...
+
+    @property
+    def jobs(self) -> JobTable: ...
+
+    @property
+    def restored_from(self) -> str | None: ...
+
+    @property
+    def kept(self) -> KeptState: ...
+
+    @property
+    def standby(self) -> Standby: ...
+
+
+def session_status(session: Reported) -> SessionStatus:
     """`session` as it stands now."""
     kernel = session.kernel
     alive = kernel is not None and kernel.alive

@@ -33,7 +33,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from coderunner.config import Settings
-from coderunner.kernel.incarnation import Kernel, RunStatus
+from coderunner.kernel.execution import RunStatus
+from coderunner.kernel.incarnation import Kernel
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sessions.usage import memory_used_mb
 from coderunner.sessions.warm_up import NO_OP_CODE, PRELOAD_STEP_CODES

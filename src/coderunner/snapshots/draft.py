@@ -9,7 +9,7 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs.tree_copy import (
@@ -44,14 +44,27 @@ from coderunner.snapshots.layout import (
 )
 from coderunner.snapshots.records import SnapshotMeta
 
-if TYPE_CHECKING:
-    from coderunner.snapshots.store import SnapshotStore
+
+class DraftHome(Protocol):
+    """The store a draft is made in (SnapshotStore is one): where, the cap on a snapshot's bytes, the lock
+    its renames take, and the pruning of a client's old snapshots once one is committed."""
+
+    @property
+    def root(self) -> Path: ...
+
+    @property
+    def limit_bytes(self) -> int: ...
+
+    @property
+    def lock(self) -> contextlib.AbstractContextManager[object]: ...
+
+    def prune(self, client: str) -> object: ...
 
 
 class Draft:
     """A snapshot being made in the store (a host-only `.draft-*` folder): fill it, then commit or discard."""
 
-    def __init__(self, store: SnapshotStore, client: str, client_fd: int, name: str, fd: int) -> None:
+    def __init__(self, store: DraftHome, client: str, client_fd: int, name: str, fd: int) -> None:
         self.store = store
         self.client = client
         self.name = name
