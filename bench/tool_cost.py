@@ -31,7 +31,7 @@ overrides = json.loads(sys.argv[1])
 manager = types.SimpleNamespace(settings=Settings(**overrides))
 
 async def main():
-    tools = await build_server(manager).list_tools()
+    tools = await build_server(manager, manager).list_tools()
     return {t.name: len(t.model_dump_json(by_alias=True, exclude_none=True).encode()) for t in tools}
 
 print(json.dumps(anyio.run(main)))

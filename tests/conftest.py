@@ -33,6 +33,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
 
 from coderunner.config import Settings, load_settings
+from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server
 from coderunner.sessions import SessionManager
@@ -239,7 +240,7 @@ async def memory_client(env: dict[str, str], **options: typing.Any) -> AsyncIter
         backend = make_backend(settings)
         async with (
             SessionManager(settings, backend) as manager,
-            Client(build_server(manager), **options) as client,
+            Client(build_server(manager, LocalOneShots.for_manager(manager)), **options) as client,
         ):
             yield client
 

@@ -29,6 +29,7 @@ import pytest
 from coderunner.config import Settings
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.kernel.run_result import ExecutionResult
+from coderunner.oneshot.local import LocalOneShots
 from coderunner.oneshot.program import ready_argv
 from coderunner.sandbox import SandboxBackend, SandboxProcess, SandboxUnavailable, make_backend
 from coderunner.sandbox.identity import sandbox_identity
@@ -254,7 +255,7 @@ async def test_a_start_cancelled_part_way_leaves_no_sandbox_process(manager: Ses
         argv = ready_argv(manager.backend.python, lease.dirs, options.limits.memory_mb)
         started: list[SandboxProcess] = []
         with anyio.move_on_after(delay):
-            start = manager.backend.spawn(lease.spec(), argv, manager.oneshot.task_group, pipes=True)
+            start = manager.backend.spawn(lease.spec(), argv, manager.task_group, pipes=True)
             if refusal is None:
                 started.append(await start)
             else:
@@ -266,7 +267,7 @@ async def test_a_start_cancelled_part_way_leaves_no_sandbox_process(manager: Ses
         await lease.close()
         assert await _eventually(lambda: not _children_naming(marker)), (delay, _children_naming(marker))  # noqa: B023
     if refusal is None:  # and it still serves
-        assert (await manager.oneshot.run("python", "print(6 * 7)", options)).stdout == "42\n"
+        assert (await LocalOneShots.for_manager(manager).runner.run("python", "print(6 * 7)", options)).stdout == "42\n"
 
 
 def _children_naming(marker: str) -> list[str]:
@@ -290,15 +291,15 @@ async def _eventually(done: Callable[[], bool], timeout_s: float = 20.0) -> bool
 
 
 async def test_one_shot_runs_use_pipes_and_exit_codes(manager: SessionManager) -> None:
-    options = manager.options()
+    options, oneshot = manager.options(), LocalOneShots.for_manager(manager).runner
     if manager.backend.name == "apple":  # not there yet: the refusal must say what to use instead
         refusal = "not available on the Apple container backend yet: use run_python"
         with pytest.raises(SandboxUnavailable, match=refusal):
-            await manager.oneshot.run("python", "print(1)", options)
+            await oneshot.run("python", "print(1)", options)
         return
-    result = await manager.oneshot.run("python", "import sys\nprint(6 * 7)\nsys.exit(4)", options)
+    result = await oneshot.run("python", "import sys\nprint(6 * 7)\nsys.exit(4)", options)
     assert result.stdout.strip() == "42" and result.exit_code == 4 and not result.timed_out
-    slept = await manager.oneshot.run("bash", "sleep 60", manager.options(SandboxRequest(timeout_s=1)))
+    slept = await oneshot.run("bash", "sleep 60", manager.options(SandboxRequest(timeout_s=1)))
     assert slept.timed_out
 
 

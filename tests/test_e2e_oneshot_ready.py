@@ -23,6 +23,7 @@ from anyio.abc import TaskGroup
 from mcp import Client
 
 from coderunner.config import Settings
+from coderunner.oneshot.local import LocalOneShots
 from coderunner.oneshot.program import LAUNCHER
 from coderunner.sandbox import SandboxSpec, make_backend
 from coderunner.sessions.manager import SessionManager
@@ -145,12 +146,12 @@ async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root:
 
     backend.spawn = recording  # type: ignore[method-assign]
     async with SessionManager(settings, backend) as manager:
-        options = manager.options()
+        options, oneshot = manager.options(), LocalOneShots.for_manager(manager).runner
         results = [
-            await manager.oneshot.run("python", "print(1)", options),
-            await manager.oneshot.run("bash", "echo 2", options),
-            await manager.oneshot.run("javascript", "console.log(3)", options, stdin=b"in"),
-            await manager.oneshot.run("python", "print(4)", manager.options(SandboxRequest(timeout_s=5))),
+            await oneshot.run("python", "print(1)", options),
+            await oneshot.run("bash", "echo 2", options),
+            await oneshot.run("javascript", "console.log(3)", options, stdin=b"in"),
+            await oneshot.run("python", "print(4)", manager.options(SandboxRequest(timeout_s=5))),
         ]
         assert [result.stdout for result in results] == ["1\n", "2\n", "3\n", "4\n"]
         assert all(result.success for result in results)
@@ -159,7 +160,7 @@ async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root:
         assert [kind for kind in started if kind != "wait"] == ["run"], started
         assert started[:4] == ["run", "wait", "wait", "wait"], started
         # Other limits need another sandbox: this run starts its own and the one waiting is dropped.
-        other = await manager.oneshot.run("python", "print(5)", manager.options(SandboxRequest(memory_mb=700)))
+        other = await oneshot.run("python", "print(5)", manager.options(SandboxRequest(memory_mb=700)))
         assert other.stdout == "5\n" and started.count("run") == 2, started
     assert [entry.name for entry in settings.runtime_dir.iterdir() if not entry.name.startswith("guest")] == []
     assert list(settings.workspaces_dir.iterdir()) == []
@@ -247,9 +248,10 @@ async def test_no_sandbox_is_started_ahead_beyond_the_memory_budget(root: Path) 
     settings = Settings(runtime_dir=root / "r", workspaces_dir=root / "w", token_file=root / "token",
                         export_dir=None, pool_size=0, pool_memory_mb=0)  # fmt: skip
     async with SessionManager(settings, make_backend(settings)) as manager:
-        assert manager.oneshot.ready  # the default
+        oneshot = LocalOneShots.for_manager(manager).runner
+        assert oneshot.ready  # the default
         for _ in range(2):
-            done = await manager.oneshot.run("bash", "echo hi", manager.options())
+            done = await oneshot.run("bash", "echo hi", manager.options())
             assert done.stdout == "hi\n"
-            assert manager.oneshot.ahead.held == 0
-        assert manager.oneshot.ahead.stats().runs_cold == 2
+            assert oneshot.ahead.held == 0
+        assert oneshot.ahead.stats().runs_cold == 2

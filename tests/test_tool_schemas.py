@@ -51,7 +51,7 @@ BUDGET_TOKENS = 2_000
 
 def tools_of(**settings: Any) -> list[Tool]:
     manager = types.SimpleNamespace(settings=Settings(**settings))
-    return anyio.run(build_server(manager).list_tools)
+    return anyio.run(build_server(manager, manager).list_tools)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,8 @@ def test_a_tool_in_no_group_fails_at_start_instead_of_vanishing() -> None:
 
 
 def test_a_tool_that_declares_no_group_or_an_unknown_one_fails_at_start() -> None:
-    tools = ToolContext.create(MCPServer("t"), types.SimpleNamespace(settings=Settings()))  # type: ignore[arg-type]
+    host = types.SimpleNamespace(settings=Settings())
+    tools = ToolContext.create(MCPServer("t"), host, host)  # type: ignore[arg-type]
 
     @tools.server.tool()  # the SDK's own decorator: no group declared
     async def undeclared() -> str:
@@ -219,7 +220,8 @@ NARROW_SETTINGS = [[group] for group in GROUP_NAMES] + [["python", group] for gr
 
 @pytest.mark.parametrize("entries", NARROW_SETTINGS, ids=",".join)
 def test_no_description_or_instruction_names_a_tool_the_setting_leaves_out(entries: list[str]) -> None:
-    server = build_server(types.SimpleNamespace(settings=Settings(tools=entries)))  # type: ignore[arg-type]
+    host = types.SimpleNamespace(settings=Settings(tools=entries))
+    server = build_server(host, host)  # type: ignore[arg-type]
     listed = anyio.run(server.list_tools)
     offered = {tool.name for tool in listed}
     assert offered == GROUPS.selected(entries)
@@ -266,7 +268,7 @@ def test_an_unknown_group_is_refused_with_the_valid_ones(monkeypatch: pytest.Mon
     monkeypatch.setenv("CODERUNNER_TOOLS", "python,nope")
     settings = load_settings(Path(os.devnull))
     with pytest.raises(ConfigError, match=r"tools: unknown tool group 'nope': use all, python"):
-        build_server(types.SimpleNamespace(settings=settings))  # type: ignore[arg-type]
+        build_server(types.SimpleNamespace(settings=settings), types.SimpleNamespace())  # type: ignore[arg-type]
     monkeypatch.setenv("CODERUNNER_TOOLS", "python, browser")
     assert load_settings(Path(os.devnull)).tools == ["python", "browser"]
 
@@ -297,7 +299,8 @@ def test_portable_schema_rewrites_null_wrappers_and_refuses_what_converters_cann
 
 
 async def call(tool_name: str, arguments: dict[str, Any]) -> Any:
-    server = build_server(types.SimpleNamespace(settings=Settings(tools=["all"])))  # type: ignore[arg-type]
+    host = types.SimpleNamespace(settings=Settings(tools=["all"]))
+    server = build_server(host, host)  # type: ignore[arg-type]
     tool = server._tool_manager.get_tool(tool_name)
     return await tool.run(arguments, context=None, convert_result=True)  # type: ignore[arg-type]
 

@@ -24,6 +24,8 @@ from coderunner.edge.listener import bind_listener
 from coderunner.edge.refusals import TokenCut
 from coderunner.edge.stdio_wire import claim_stdio, wire_streams
 from coderunner.errors import CodeRunnerError
+from coderunner.oneshot.host import OneShotHost
+from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server, offered_tools
 from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
@@ -50,7 +52,7 @@ async def serve(settings: Settings) -> None:
             )
             with _stdout_held(settings.transport == "stdio"):
                 manager = await stack.enter_async_context(_session_host(settings))
-                server = build_server(manager)
+                server = build_server(manager, _oneshot_host(manager))
         if settings.transport == "stdio":
             if _stdin_is_terminal():
                 print(terminal_hint(), file=sys.stderr, flush=True)
@@ -235,6 +237,11 @@ def _session_host(settings: Settings) -> contextlib.AbstractAsyncContextManager[
             ) from None
         return ClusterHost(settings)
     return SessionManager(settings, make_backend(settings))
+
+
+def _oneshot_host(host: Any) -> OneShotHost:
+    """Where one-shot runs go: this machine's, on its SessionManager; a cluster's front door sends them to nodes."""
+    return LocalOneShots.for_manager(host) if isinstance(host, SessionManager) else host
 
 
 async def _stop_on_signals(manager: Any) -> None:

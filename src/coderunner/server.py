@@ -18,6 +18,7 @@ from coderunner import __version__
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.instructions import INSTRUCTIONS
 from coderunner.offload import off_loop
+from coderunner.oneshot.host import OneShotHost
 from coderunner.policy.tool_groups import ToolGroups, ToolsetError
 from coderunner.policy.tool_mentions import Mentions
 from coderunner.policy.tool_renames import unknown_tool
@@ -73,17 +74,18 @@ def offered_tools(settings: Settings) -> frozenset[str]:
         raise ConfigError(f"tools: {exc}") from None
 
 
-def build_server(host: SessionHost) -> MCPServer:
+def build_server(host: SessionHost, oneshots: OneShotHost) -> MCPServer:
     """The server with every tool registered, then trimmed to the `tools` setting and made portable.
 
-    `host` is where sessions live (sessions/seam.py): the local SessionManager today.
+    `host` is where sessions live (sessions/seam.py): a local SessionManager or a cluster's front door;
+    `oneshots` where one-shot runs go (oneshot/host.py): a LocalOneShots on that manager, or the front door.
     """
     declared = declared_groups()
     offered = offered_tools(host.settings)
     mentions = Mentions(offered, declared)  # replies and instructions name only these (policy/tool_mentions.py)
     server = CodeRunnerServer("coderunner", version=__version__, instructions=mentions.text(INSTRUCTIONS))
     server.mentions = mentions
-    tools = ToolContext.create(server, host)
+    tools = ToolContext.create(server, host, oneshots)
     tools.mentions = mentions
     register(tools)
     finish_tools(server, offered, ToolGroups(tools.groups))  # as these tools declared them

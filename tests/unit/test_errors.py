@@ -99,7 +99,8 @@ def test_the_backend_seam_lets_its_own_errors_and_bugs_through() -> None:
 
 def _tool_server() -> MCPServer:
     server = MCPServer("test")
-    tools = ToolContext.create(server, types.SimpleNamespace(settings=Settings()))  # type: ignore[arg-type]
+    host = types.SimpleNamespace(settings=Settings())
+    tools = ToolContext.create(server, host, host)  # type: ignore[arg-type]
 
     @tool(group="files")
     async def refuses(tools: ToolContext, path: str) -> CallToolResult:

@@ -16,6 +16,7 @@ from mcp import Client
 from mcp.types import TextContent
 
 from coderunner.config import ConfigError, load_settings
+from coderunner.oneshot.local import LocalOneShots
 from coderunner.server import build_server
 from coderunner.vocabulary.network import (
     MODES,
@@ -81,7 +82,10 @@ def _texts(result: object) -> str:
 
 
 async def test_no_tool_offers_or_grants_a_mode_above_the_ceiling(make_scripted: ManagerFactory) -> None:
-    async with make_scripted() as manager, Client(build_server(manager), raise_exceptions=True) as client:
+    async with (
+        make_scripted() as manager,
+        Client(build_server(manager, LocalOneShots.for_manager(manager)), raise_exceptions=True) as client,
+    ):
         assert manager.settings.network_ceiling == "none"
         tools = {tool.name: tool for tool in (await client.list_tools()).tools}
         for name in ("create_session", "execute_code"):
@@ -110,7 +114,7 @@ async def test_no_tool_offers_or_grants_a_mode_above_the_ceiling(make_scripted: 
 async def test_within_the_ceiling_the_asked_mode_is_granted(make_scripted: ManagerFactory) -> None:
     async with (
         make_scripted(max_network="internet") as manager,
-        Client(build_server(manager), raise_exceptions=True) as client,
+        Client(build_server(manager, LocalOneShots.for_manager(manager)), raise_exceptions=True) as client,
     ):
         tools = {tool.name: tool for tool in (await client.list_tools()).tools}
         assert tools["create_session"].input_schema["properties"]["network"]["enum"] == list(MODES)

@@ -244,7 +244,8 @@ def _tool_arguments() -> set[str]:
 
     async def listed() -> set[str]:
         server = MCPServer("docs")
-        tools = ToolContext.create(server, types.SimpleNamespace(settings=Settings.model_construct()))
+        host = types.SimpleNamespace(settings=Settings.model_construct())
+        tools = ToolContext.create(server, host, host)
         register(tools)
         return {name for tool in await server.list_tools() for name in tool.input_schema.get("properties", {})}
 

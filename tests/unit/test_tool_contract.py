@@ -51,7 +51,8 @@ GROUPS = declared_groups()
 
 
 def listed(entries: list[str]) -> dict[str, Tool]:
-    server = build_server(types.SimpleNamespace(settings=Settings(tools=entries)))  # type: ignore[arg-type]
+    host = types.SimpleNamespace(settings=Settings(tools=entries))
+    server = build_server(host, host)  # type: ignore[arg-type]
     return {tool.name: tool for tool in anyio.run(server.list_tools)}
 
 
@@ -91,7 +92,8 @@ def test_args_is_a_closed_object_whose_every_property_is_declared(tool: str, mod
 
 
 async def call(entries: list[str], name: str, arguments: dict[str, Any] | None = None) -> tuple[bool, str]:
-    server = build_server(types.SimpleNamespace(settings=Settings(tools=entries)))  # type: ignore[arg-type]
+    host = types.SimpleNamespace(settings=Settings(tools=entries))
+    server = build_server(host, host)  # type: ignore[arg-type]
     async with Client(server) as client:
         result = await client.call_tool(name, arguments or {})
     text = "\n".join(block.text for block in result.content if isinstance(block, TextContent))

@@ -15,6 +15,7 @@ import pytest
 from mcp import Client
 from mcp.types import CallToolResult, ImageContent, TextContent
 
+from coderunner.oneshot.local import LocalOneShots
 from coderunner.server import build_server
 from coderunner.sessions import SessionManager
 from coderunner.tools import declared_groups
@@ -27,7 +28,7 @@ GROUPS = declared_groups()
 
 @pytest.fixture
 async def client(manager: SessionManager) -> AsyncIterator[Client]:
-    async with Client(build_server(manager), raise_exceptions=True) as connected:
+    async with Client(build_server(manager, LocalOneShots.for_manager(manager)), raise_exceptions=True) as connected:
         yield connected
 
 
@@ -199,7 +200,7 @@ async def test_jobs_through_the_tools_and_another_clients_job_is_unknown(
 async def test_a_client_has_only_so_many_execute_code_jobs_going(make_manager: Any) -> None:
     async with (
         make_manager(max_oneshot_runs_per_client=1) as manager,
-        Client(build_server(manager), raise_exceptions=True) as client,
+        Client(build_server(manager, LocalOneShots.for_manager(manager)), raise_exceptions=True) as client,
     ):
         arguments = {"language": "bash", "code": "sleep 60", "detach_after_s": 0}
         jobs = [await client.call_tool("execute_code", arguments) for _ in range(4)]
@@ -227,7 +228,7 @@ async def test_a_slow_first_start_sends_progress_so_a_client_s_timeout_can_reset
 
     async with (
         make_scripted(startup_timeout_s=1.5, progress_interval_s=0.2) as manager,
-        Client(build_server(manager), raise_exceptions=True) as client,
+        Client(build_server(manager, LocalOneShots.for_manager(manager)), raise_exceptions=True) as client,
     ):
         result = await client.call_tool("run_python", {"code": "1"}, progress_callback=noted)
     assert result.is_error, text(result)

@@ -1,4 +1,5 @@
-"""ClusterHost: the SessionHost (sessions/seam.py) of a front door whose sessions live on a Ray cluster.
+"""ClusterHost: the SessionHost (sessions/seam.py) and OneShotHost (oneshot/host.py) of a front door whose
+sessions and one-shot runs live on a Ray cluster.
 
 Every session is a detached named actor (`session-<id>` in namespace `coderunner`, actor.py) placed
 by Ray's scheduler (placement.py). Any front door finds any session by name, so several front doors
@@ -429,6 +430,10 @@ class ClusterHost:
     async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
         found: dict[str, Any] = await self._node_calls.run("language_versions", options, options)
         return found
+
+    def ready_counts(self) -> dict[str, int] | None:
+        """None: the nodes start no sandbox ahead for a run (each run's node is Ray's choice)."""
+        return None
 
 
 def _may_use(session_owner: str, owner: str | None) -> bool:

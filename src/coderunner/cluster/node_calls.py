@@ -26,6 +26,7 @@ from coderunner.cluster.remote_egress import delta_of
 from coderunner.cluster.remote_session import CALL_S, cause_of
 from coderunner.config import Settings
 from coderunner.errors import SessionError
+from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.sandbox_options import SandboxOptions
@@ -36,14 +37,20 @@ if TYPE_CHECKING:
     from coderunner.sessions.egress_wiring import SessionEgress
 
 
+#: The calls node_call makes of the node's one-shot runs (the rest are its SessionManager's).
+ONESHOT_CALLS = frozenset({"check_code", "language_versions"})
+
+
 def node_call(settings: dict[str, Any], method: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """On the node: one SessionHost call (run_oneshot, check_code, language_versions) by its own manager."""
+    """On the node: one host call by its own manager: a OneShotHost call (check_code, language_versions) by
+    the manager's LocalOneShots, or a SessionHost call about what the node keeps (delete_workspace, ...)."""
     # A manager per call: a sandbox started ahead for the next run would only be started and dropped.
     chosen = node_settings(settings, pool_size=0, oneshot_ready=False)
 
     async def call() -> Any:
         async with SessionManager(chosen, make_backend(chosen)) as manager:
-            return await getattr(manager, method)(*args, **kwargs)
+            host = LocalOneShots.for_manager(manager) if method in ONESHOT_CALLS else manager
+            return await getattr(host, method)(*args, **kwargs)
 
     return anyio.run(call)
 
@@ -63,7 +70,8 @@ def node_oneshot(
 
         async def call() -> tuple[OneShotResult, EgressDelta | None]:
             async with SessionManager(chosen, make_backend(chosen)) as manager:
-                result = await manager.run_oneshot(*args, on_egress=proxies.append, **kwargs)
+                oneshots = LocalOneShots.for_manager(manager)
+                result = await oneshots.run_oneshot(*args, on_egress=proxies.append, **kwargs)
                 return result, delta_of(proxies[0], 0) if proxies else None
 
         result, delta = anyio.run(call)

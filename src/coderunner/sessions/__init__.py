@@ -3,8 +3,9 @@
     seam.py           SessionHost, SessionHandle: all the tools may use of sessions (the manager and
                       Session implement them here; a session living elsewhere may implement them too)
     manager.py        SessionManager: handles, per-caller defaults, limits, the idle reaper
-    host_services.py  the host's calls beside sessions: snapshots, named workspaces, one-shot runs (the
-                      manager holds a oneshot/ runner for those and grants its sandboxes started ahead room)
+    host_services.py  the host's calls beside sessions: snapshots and named workspaces
+    idle_room.py      IdleSandboxes: sandboxes a layer above keeps idle in the manager's room (oneshot/'s
+                      started ahead), counted beside the sessions, evicted first, drained on shutdown
     session.py        Session: one kernel at a time, reset/close, the one start-or-replace path
     kernel_calls.py   what a call does with the kernel it holds: cells as jobs, guest calls
     session_status.py what a session reports; kept_state.py its snapshot bookkeeping

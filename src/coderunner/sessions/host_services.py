@@ -1,5 +1,5 @@
-"""What a local SessionHost offers besides sessions: its snapshots, named workspaces and one-shot runs,
-and what its sandboxes are like (SandboxProfile). A SessionManager holds one and hands these calls on.
+"""What a local SessionHost offers besides sessions: its snapshots and named workspaces, and what its
+sandboxes are like (SandboxProfile). A SessionManager holds one and hands these calls on.
 
 The store and workspace calls are file work: they run in the server's worker threads (offload.py).
 """
@@ -7,18 +7,14 @@ The store and workspace calls are file work: they run in the server's worker thr
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
 
 import anyio
 
 from coderunner.config import Settings
 from coderunner.hostfs.workspaces import NamedWorkspace, delete_named, list_named
 from coderunner.offload import off_loop
-from coderunner.oneshot.runs import Language, OneShotResult, OneShotRunner
 from coderunner.sandbox import Mount, SandboxBackend
-from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.seam import SandboxProfile, SessionHandle
 from coderunner.sessions.session import Session
@@ -26,35 +22,24 @@ from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, Taken,
 from coderunner.snapshots.store import Listing, SnapshotMeta, SnapshotNotFound
 from coderunner.vocabulary.network import modes_within
 
-if TYPE_CHECKING:
-    from coderunner.sessions.egress_wiring import SessionEgress
-
 
 class HostServices:
     """The SessionHost calls that are not about one session, on what its manager set up."""
 
     def __init__(
         self, settings: Settings, backend: SandboxBackend, base_mounts: list[Mount], snapshots: SessionSnapshots,
-        oneshot: OneShotRunner, jobs: JobTable, defaults: Callable[[], SandboxOptions],
+        defaults: Callable[[], SandboxOptions],
     ) -> None:  # fmt: skip
         self.settings = settings
         self.backend = backend
         self.base_mounts = base_mounts
         self.snapshots = snapshots
-        self.oneshot = oneshot
-        #: execute_code runs that outlived their call.
-        self.jobs = jobs
         #: The default options, checked (SessionManager.options).
         self.defaults = defaults
 
-    @property
-    def oneshot_jobs(self) -> JobTable:
-        return self.jobs
-
     def profile(self) -> SandboxProfile:
         """The sandboxes here as get_capabilities describes them (the default options' limits)."""
-        profile = sandbox_profile(self.settings, self.backend, self.base_mounts, self.defaults())
-        return dataclasses.replace(profile, oneshot_ready=self.oneshot.ready_counts())
+        return sandbox_profile(self.settings, self.backend, self.base_mounts, self.defaults())
 
     async def take_snapshot(self, session: SessionHandle, name: str) -> Taken:
         return await self.snapshots.take(local_session(session), name=name)
@@ -81,23 +66,6 @@ class HostServices:
         # Its saved kernel state (keep_state) goes with it.
         with contextlib.suppress(SnapshotNotFound):
             await off_loop(self.snapshots.store.delete, client, keep_id(name))
-
-    async def run_oneshot(
-        self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
-        variables: dict[str, Any] | None = None, caller: str | None = None,
-        on_egress: Callable[[SessionEgress], None] | None = None,
-    ) -> OneShotResult:  # fmt: skip
-        return await self.oneshot.run(
-            language, code, options, stdin=stdin, variables=variables, caller=caller, on_egress=on_egress
-        )
-
-    async def check_code(
-        self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
-    ) -> list[dict[str, Any]]:
-        return await self.oneshot.check(language, code, options, caller=caller)
-
-    async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
-        return await self.oneshot.versions(options)
 
     async def kept_state(self, options: SandboxOptions) -> Seed | None:
         """A keep_state session's saved state, as a seed (state only: the workspace is its own), or None."""

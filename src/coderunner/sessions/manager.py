@@ -16,8 +16,6 @@ import dataclasses
 import logging
 import secrets
 import time
-from collections.abc import Callable
-from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -35,12 +33,11 @@ from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
-from coderunner.oneshot.runs import Language, OneShotResult, OneShotRunner
 from coderunner.sandbox import Mount, SandboxBackend, UidPool, per_sandbox_uids
 from coderunner.sandbox.identity import UID_CLAIMS_DIR
-from coderunner.sessions.egress_wiring import EgressHub, SessionEgress
+from coderunner.sessions.egress_wiring import EgressHub
 from coderunner.sessions.host_services import HostServices
-from coderunner.sessions.job_runner import JobTable
+from coderunner.sessions.idle_room import NO_IDLE, IdleSandboxes
 from coderunner.sessions.leases import SandboxLeases
 from coderunner.sessions.pool import WarmPool
 from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
@@ -78,9 +75,10 @@ class SessionManager:
         #: The host side of every sandbox (dirs, host uid, mounts), sessions' and one-shot runs' alike.
         users = UidPool(claims_dir=UID_CLAIMS_DIR) if per_sandbox_uids(settings.sandbox_user) else None
         self.leases = SandboxLeases(settings, backend, users)
-        #: Throwaway sandboxes for execute_code, check_only too (set up on entry).
-        self.oneshot: OneShotRunner
-        #: Snapshots, named workspaces and one-shot runs: the host's calls beside sessions (set up on entry).
+        #: Sandboxes another layer keeps idle in this manager's room (one-shot sandboxes started ahead,
+        #: oneshot/local.py): counted beside the sessions, evicted first, drained on shutdown (share_room).
+        self.idle: IdleSandboxes = NO_IDLE
+        #: Snapshots and named workspaces: the host's calls beside sessions (set up on entry).
         self.services: HostServices
         #: What every session's standby kernel holds of memory, together (sessions/standby.py).
         self.standby_budget = StandbyBudget(settings.reset_standby_memory_mb)
@@ -92,17 +90,15 @@ class SessionManager:
             discard=self._discard_pooled,
             alive=lambda pooled: pooled.session.kernel is not None and pooled.session.kernel.alive,
             # Pooled sandboxes fill only spare room: a user's session never finds max_sessions taken by them.
-            room=lambda: self._in_use() + self.pool.held + self.oneshot.ahead.held < self.settings.max_sessions,
+            room=lambda: self._in_use() + self.pool.held + self.idle.held < self.settings.max_sessions,
             measure_mb=lambda pooled: memory_used_mb(pooled.session.kernel) if pooled.session.kernel else None,
-            others_mb=lambda: self.oneshot.ahead.held_mb,
+            others_mb=lambda: self.idle.held_mb,
         )
         self._pool_options: SandboxOptions | None = None
         #: Cold sessions being prepared (not yet in _sessions): their room is not the pool's.
         self._cold_starts = 0
         #: Network 'allowlist': the user's ceiling and the audit log (each sandbox's proxy is its own).
         self.egress = EgressHub(settings)
-        #: execute_code runs that outlived their call (sessions' own jobs are in each session).
-        self.jobs: JobTable
         #: Saved sessions (manage_snapshots: save, restore, fork; keep_state).
         self.snapshots = SessionSnapshots.for_settings(settings, backend)
         #: Set while close_all runs: a second caller (a signal during shutdown) waits for it.
@@ -123,13 +119,7 @@ class SessionManager:
             self._task_group.start_soon(
                 save_kept_states, self.settings.keep_state_save_idle_s, self.list, self.snapshots
             )
-        self.jobs = JobTable(self._task_group)
-        self.oneshot = OneShotRunner.for_settings(
-            self.settings, self.backend, self._task_group, self.leases, self.egress, ready_room=self._room_ahead
-        )
-        self.services = HostServices(
-            self.settings, self.backend, self.base_mounts, self.snapshots, self.oneshot, self.jobs, self.options
-        )
+        self.services = HostServices(self.settings, self.backend, self.base_mounts, self.snapshots, self.options)
         if self.pool.enabled and self.settings.network != NetworkMode.ALLOWLIST:
             # An allowlist sandbox's proxy is labelled with its session in the audit log: start cold.
             self._pool_options = self.options()
@@ -140,7 +130,17 @@ class SessionManager:
         """Sandboxes of users' sessions, open or starting: what sandboxes kept idle may never take room from."""
         return len(self._sessions) + self._cold_starts
 
-    def _room_ahead(self, count: int, member_mb: float | None) -> bool:
+    @property
+    def task_group(self) -> TaskGroup:
+        """Where this manager's sandboxes run: a layer sharing its room starts its own here too."""
+        assert self._task_group is not None, "SessionManager used outside its `async with`"
+        return self._task_group
+
+    def share_room(self, idle: IdleSandboxes) -> None:
+        """Count `idle` (sandboxes another layer keeps idle, within room_ahead) in this manager's room."""
+        self.idle = idle
+
+    def room_ahead(self, count: int, member_mb: float | None) -> bool:
         """Whether `count` one-shot sandboxes started ahead fit beside the sessions and the warm pool: under
         max_sessions, and with the pool's members within pool_memory_mb (unmeasured yet: if any is left)."""
         if self._in_use() + self.pool.held + count > self.settings.max_sessions:
@@ -151,8 +151,8 @@ class SessionManager:
     async def _make_room(self) -> None:
         """A user's session takes room back from the sandboxes kept idle: one-shot ones started ahead
         first (the quicker to start again), then the warm pool's."""
-        while self._in_use() + self.pool.held + self.oneshot.ahead.held > self.settings.max_sessions:
-            if not await self.oneshot.ahead.evict_one() and not await self.pool.evict_one():
+        while self._in_use() + self.pool.held + self.idle.held > self.settings.max_sessions:
+            if not await self.idle.evict_one() and not await self.pool.evict_one():
                 return
 
     def shutdown_bound_s(self) -> float:
@@ -405,7 +405,7 @@ class SessionManager:
 
     async def _close_all(self) -> None:
         await self.pool.drain()
-        await self.oneshot.ahead.drain()
+        await self.idle.drain()
         sessions = list(self._sessions.values())
         self._sessions.clear()
         self._default_ids.clear()
@@ -421,10 +421,6 @@ class SessionManager:
         return [s for s in self._sessions.values() if owner is None or s.owner == owner]
 
     # --- the host's calls beside sessions: its HostServices' (host_services.py) ----------------
-
-    @property
-    def oneshot_jobs(self) -> JobTable:
-        return self.services.oneshot_jobs
 
     def profile(self) -> SandboxProfile:
         return self.services.profile()
@@ -449,23 +445,6 @@ class SessionManager:
 
     async def delete_workspace(self, client: str, name: str) -> None:
         await self.services.delete_workspace(client, name)
-
-    async def run_oneshot(
-        self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
-        variables: dict[str, Any] | None = None, caller: str | None = None,
-        on_egress: Callable[[SessionEgress], None] | None = None,
-    ) -> OneShotResult:  # fmt: skip
-        return await self.services.run_oneshot(
-            language, code, options, stdin=stdin, variables=variables, caller=caller, on_egress=on_egress
-        )
-
-    async def check_code(
-        self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
-    ) -> builtins.list[dict[str, Any]]:
-        return await self.services.check_code(language, code, options, caller=caller)
-
-    async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
-        return await self.services.language_versions(options)
 
 
 @dataclasses.dataclass

@@ -9,7 +9,7 @@ one has paid already, so taking it costs a few attribute writes. The rules that 
 - the pool never makes a user's call fail or wait: it refills in the background, one start at
   a time (on a small machine, parallel starts only slow each other and the users), only into
   spare room the manager grants (`room`), within a memory budget measured on its own members
-  (shared with the one-shot sandboxes started ahead: `others_mb`, oneshot/ready.py);
+  (shared with other sandboxes kept idle, one-shot ones started ahead: `others_mb`, idle_room.py);
 - `drain()` stops the refill (an in-flight start is cancelled and cleaned up by the start
   itself) and closes every member: after it nothing of the pool runs.
 The pool knows nothing of sandboxes: the manager gives it `start` (build one), `discard` (close

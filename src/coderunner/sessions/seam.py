@@ -1,6 +1,7 @@
 """The seam between the tools and where sessions live: SessionHost (the place) and SessionHandle (one session).
 
-The tools (tools/*) speak to sessions only through these two interfaces; they never reach into a
+The tools (tools/*) speak to sessions only through these two interfaces (and to one-shot runs through
+oneshot/host.py's OneShotHost, a layer above); they never reach into a
 kernel, a sandbox backend, a session's dirs or the host's file system. Today's SessionManager and
 Session implement them in this process; a cluster mode may implement them with a session living
 elsewhere (a detached actor on another node), and the tools do not change.
@@ -10,7 +11,7 @@ What crosses the seam is data (options, statuses, reports, jobs, a session's fil
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -23,10 +24,9 @@ if TYPE_CHECKING:
     from coderunner.hostfs.workspaces import NamedWorkspace
     from coderunner.kernel.output_capture import WorkspaceWriter
     from coderunner.kernel.run_result import ExecutionResult
-    from coderunner.oneshot.runs import Language, OneShotResult
     from coderunner.sandbox import LimitReport
     from coderunner.sessions.egress_wiring import SessionEgress
-    from coderunner.sessions.job_runner import Job, JobTable
+    from coderunner.sessions.job_runner import Job
     from coderunner.sessions.sandbox_options import SandboxOptions
     from coderunner.sessions.session_snapshots import Seed, Taken
     from coderunner.sessions.session_status import SessionStatus
@@ -50,8 +50,6 @@ class SandboxProfile:
     mounts: tuple[tuple[str, bool], ...]
     #: Whether snapshots carry the whole sandbox's memory (a checkpointing backend).
     memory_snapshots: bool
-    #: execute_code's sandboxes started ahead, counted (oneshot/ready.py: ReadyStats); None where there are none.
-    oneshot_ready: dict[str, int] | None = None
 
 
 class SessionHandle(Protocol):
@@ -138,16 +136,11 @@ class SessionHandle(Protocol):
 
 
 class SessionHost(Protocol):
-    """Where sessions live: creating, finding (for a caller), listing and closing them; their snapshots,
-    named workspaces and one-shot runs."""
+    """Where sessions live: creating, finding (for a caller), listing and closing them; their snapshots
+    and named workspaces."""
 
     @property
     def settings(self) -> Settings: ...
-    @property
-    def oneshot_jobs(self) -> JobTable:
-        """execute_code runs that outlived their call (a session's own jobs are the session's)."""
-        ...
-
     def options(self, request: SandboxRequest = ...) -> SandboxOptions: ...
     async def create(
         self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
@@ -176,16 +169,6 @@ class SessionHost(Protocol):
     async def delete_workspace(self, client: str, name: str) -> None:
         """A persistent workspace and its saved kernel state (keep_state)."""
         ...
-
-    async def run_oneshot(
-        self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
-        variables: dict[str, Any] | None = None, caller: str | None = None,
-        on_egress: Callable[[SessionEgress], None] | None = None,
-    ) -> OneShotResult: ...  # fmt: skip
-    async def check_code(
-        self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
-    ) -> list[dict[str, Any]]: ...
-    async def language_versions(self, options: SandboxOptions) -> dict[str, Any]: ...
 
     def list(self, owner: str | None = None) -> Sequence[SessionHandle]:
         """Every open session, or those `owner` created."""

@@ -65,7 +65,7 @@ def declared_groups() -> ToolGroups:
     entry asks for this table, so building it must not read or check the settings again.
     """
     host = types.SimpleNamespace(settings=Settings.model_construct())  # registration reads only settings
-    tools = ToolContext.create(MCPServer("declarations"), host)
+    tools = ToolContext.create(MCPServer("declarations"), host, host)  # nor one-shot runs
     register(tools)
     return ToolGroups(tools.groups)
 

@@ -17,6 +17,7 @@ from coderunner.vocabulary.network import install_way_out, modes_within
 
 if TYPE_CHECKING:
     from coderunner.config import Settings
+    from coderunner.oneshot.host import OneShotHost
     from coderunner.sessions.seam import SandboxProfile, SessionHost
 
 LANGUAGE_TOOLS = {
@@ -62,13 +63,13 @@ def network_capabilities(settings: Settings, profile: SandboxProfile) -> dict[st
 class Capabilities:
     _versions: dict[str, Any] | None = None
 
-    async def describe(self, host: SessionHost, tools: list[str]) -> dict[str, Any]:
+    async def describe(self, host: SessionHost, oneshots: OneShotHost, tools: list[str]) -> dict[str, Any]:
         settings, profile = host.settings, host.profile()
         defaults = host.options()
         versions = self._versions
         if versions is None:
             try:
-                versions = self._versions = await host.language_versions(defaults)
+                versions = self._versions = await oneshots.language_versions(defaults)
             except SandboxUnavailable:  # no one-shot sandboxes here (the Apple backend, so far): unknown
                 versions = {}
         return {
@@ -87,7 +88,7 @@ class Capabilities:
             "sandbox": {
                 "backend": profile.backend,
                 "isolation": profile.isolation,
-                "oneshot_ready": profile.oneshot_ready,
+                "oneshot_ready": oneshots.ready_counts(),
             },
             "limits": {
                 "timeout_s": settings.timeout_s,

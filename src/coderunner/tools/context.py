@@ -25,6 +25,7 @@ from coderunner.edge.callers import LOCAL_CALLER, caller_key, on_connection_clos
 from coderunner.edge.owners import client_of
 from coderunner.errors import CodeRunnerError
 from coderunner.offload import off_loop
+from coderunner.oneshot.host import OneShotHost
 from coderunner.policy.tool_mentions import Mentions
 from coderunner.sessions.seam import SessionHandle, SessionHost
 from coderunner.tools.capabilities import Capabilities
@@ -128,13 +129,16 @@ def compact_json(payload: Any) -> str:
 
 @dataclass
 class ToolContext:
-    """The server and what its tools need: where sessions live, settings, caller lookup, a session by id.
+    """The server and what its tools need: where sessions and one-shot runs live, settings, caller lookup,
+    a session by id.
 
-    Tools reach sessions only through `host` and the handles it gives (sessions/seam.py).
+    Tools reach sessions only through `host` and the handles it gives (sessions/seam.py), and one-shot
+    runs only through `oneshots` (oneshot/host.py).
     """
 
     server: MCPServer
     host: SessionHost
+    oneshots: OneShotHost
     capabilities: Capabilities
     reply_bounds: ReplyBounds
     #: Network 'allowlist': who is asked about a host during a call, and what the reply says was denied.
@@ -146,11 +150,12 @@ class ToolContext:
     mentions: Mentions | None = None
 
     @classmethod
-    def create(cls, server: MCPServer, host: SessionHost) -> "ToolContext":
+    def create(cls, server: MCPServer, host: SessionHost, oneshots: OneShotHost) -> "ToolContext":
         settings = host.settings
         return cls(
             server=server,
             host=host,
+            oneshots=oneshots,
             capabilities=Capabilities(),  # caches the versions it reads from a sandbox
             reply_bounds=ReplyBounds(
                 settings.output_limit_chars, settings.image_limit_bytes, settings.spill_limit_bytes

@@ -46,7 +46,7 @@ def execute_code_settings(settings: Settings) -> dict[str, tuple[Any, Any]]:
 async def validate(tools: ToolContext, ctx: Context, language: LanguageArg, code: str) -> CallToolResult:
     """execute_code check_only: the code's syntax errors, with nothing run."""
     options = tools.host.options(SandboxRequest(client=tools.client(ctx)))
-    errors = await tools.host.check_code(language, code, options, caller=tools.share(ctx))
+    errors = await tools.oneshots.check_code(language, code, options, caller=tools.share(ctx))
     return json_result({"language": language, "valid": not errors, "errors": errors})
 
 
@@ -78,13 +78,13 @@ async def execute_code(
 
     async def work(job: Job) -> OneShotResult:
         try:
-            return await host.run_oneshot(language, code, options, stdin=stdin.encode(), variables=values,
-                                             caller=share, on_egress=call_network.attach)  # fmt: skip
+            return await tools.oneshots.run_oneshot(language, code, options, stdin=stdin.encode(), variables=values,
+                                                    caller=share, on_egress=call_network.attach)  # fmt: skip
         except anyio.get_cancelled_exc_class():
             job.notice = "cancelled: its sandbox was killed (a one-shot run keeps nothing)"
             raise
 
-    table = host.oneshot_jobs
+    table = tools.oneshots.oneshot_jobs
     caller = tools.caller(ctx)
     most = MAX_JOBS_PER_SHARE * settings.max_oneshot_runs_per_client
     if table.running_of(caller) >= most:

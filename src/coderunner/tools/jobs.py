@@ -139,7 +139,7 @@ def manage_jobs_settings(settings: Settings) -> dict[str, tuple[Any, Any]]:
 async def find(tools: ToolContext, ctx: Context, job_id: str) -> tuple[Job, SessionHandle | None]:
     """The caller's job `job_id`, with its session (None for a one-shot job)."""
     client = client_of_key(tools.caller(ctx))
-    job = tools.host.oneshot_jobs.get(job_id)
+    job = tools.oneshots.oneshot_jobs.get(job_id)
     if job is not None and client_of_key(job.owner) == client:
         return job, None
     for session in tools.host.list():
@@ -194,7 +194,7 @@ def listing(tools: ToolContext, ctx: Context) -> CallToolResult:
         if client_of_key(session.owner) == client
         for job in session.list_jobs()
     ]
-    found += [job.describe() for job in tools.host.oneshot_jobs.jobs.values() if client_of_key(job.owner) == client]
+    found += [job.describe() for job in tools.oneshots.oneshot_jobs.jobs.values() if client_of_key(job.owner) == client]
     return json_result({"jobs": found})
 
 

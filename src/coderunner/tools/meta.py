@@ -33,6 +33,6 @@ async def get_capabilities(
 ) -> CallToolResult:
     """This server's languages, sandbox, limits, network, packages, tools."""
     names = sorted(listed.name for listed in await tools.server.list_tools())
-    answer = await tools.capabilities.describe(tools.host, names)
+    answer = await tools.capabilities.describe(tools.host, tools.oneshots, names)
     answer["tool_groups"] = tool_groups(ToolGroups(tools.groups), set(names))
     return json_result(answer)
