@@ -22,7 +22,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
@@ -80,6 +80,26 @@ def payload() -> str:
     if machine not in PAYLOADS:
         pytest.skip(f"the attack's machine code is written for x86-64 and arm64, not {machine}")
     return PAYLOADS[machine]
+
+
+#: fds of the pid namespaces a test looks at, held until it ends (pin_namespace).
+_pinned: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _unpin() -> Iterator[None]:
+    yield
+    while _pinned:
+        os.close(_pinned.pop())
+
+
+def pin_namespace(pid: int) -> str:
+    """The pid namespace of `pid` ("pid:[inode]"), held open until the test ends: an ended namespace's
+    number goes to the next one made (often another sandbox's, a moment later), which in_namespace
+    would then find alive."""
+    fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY)
+    _pinned.append(fd)
+    return os.readlink(f"/proc/self/fd/{fd}")
 
 
 def in_namespace(pidns: str) -> list[int]:
@@ -192,6 +212,7 @@ async def attack(arena: Arena, session_id: str) -> dict[str, str]:
     result = await run(arena.client, ATTACK.format(payload=payload(), token=token), session_id=session_id)
     report = report_of(result)
     assert await wait_until(lambda: len(with_token(token)) >= 1, 10), "the survivor did not start"
+    assert pin_namespace(with_token(token)[0]) == report["pidns"], report
     if report["mem"] == "written":
         await anyio.sleep(2)  # pid 2 is killed a second after the reply: pid 1 now runs the payload
     return report
@@ -265,7 +286,7 @@ async def test_a_taken_over_pid_1_dies_with_its_sigkilled_server(
         ]
         with raw_stdio_server(env, calls) as doomed:
             assert await wait_until(lambda: len(with_token(token)) >= 1, 30), "the survivor did not start"
-            pidns = os.readlink(f"/proc/{with_token(token)[0]}/ns/pid")  # (its sh may be forking sleep: two)
+            pidns = pin_namespace(with_token(token)[0])  # (its sh may be forking sleep: two)
             await anyio.sleep(2)  # the payload's kill of pid 2, where the write went through
             doomed.send_signal(signal.SIGKILL)
             doomed.wait(timeout=10)
@@ -287,7 +308,7 @@ async def test_a_sigkilled_server_whose_watcher_died_first_still_leaves_nothing(
         ]
         with raw_stdio_server(env, calls) as doomed:
             assert await wait_until(lambda: len(with_token(token)) >= 1, 30), "the survivor did not start"
-            pidns = os.readlink(f"/proc/{with_token(token)[0]}/ns/pid")
+            pidns = pin_namespace(with_token(token)[0])
             (watcher,) = [pid for pid in with_token("pid_watcher.py") if parent_of(pid) == doomed.pid]
             os.kill(watcher, signal.SIGKILL)
             doomed.send_signal(signal.SIGKILL)
