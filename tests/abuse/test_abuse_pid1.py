@@ -8,7 +8,9 @@ survivor (a sleeping process) in the namespace. Then the session is closed, the 
 server SIGKILLed: within SURVIVAL_S nothing may be left in that pid namespace (the host's /proc is
 scanned for any process whose pid namespace is the sandbox's), a bystander session keeps its state,
 and the server (or, for the SIGKILL, the bystander's server) still serves. With and without cgroups:
-without them nothing but the host's handle on pid 1 ends the namespace.
+without them nothing but the host's handle on pid 1 ends the namespace. A SIGKILLed server must leave
+nothing of ANY of its sandboxes either (its standby, its pool's, one half-way through its start), not
+only of the attacked one: every process that names the server's dirs in its command line or its mounts.
 """
 
 from __future__ import annotations
@@ -17,21 +19,25 @@ import json
 import os
 import platform
 import secrets
+import shutil
 import signal
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import anyio
 import pytest
 from mcp.types import CallToolResult
 
-from ..conftest import json_of, raw_stdio_server, run, server_env, text_of, wait_until
+from ..conftest import ServerDirs, json_of, raw_stdio_server, run, server_env, text_of, wait_until
 from .conftest import BYSTANDER_VALUE, Arena, fresh_dirs, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 #: How long anything of an ended sandbox may live on.
 SURVIVAL_S = 10.0
+#: A second look after a scan found nothing left of a server's sandboxes (nothing_left_of).
+RESCAN_S = 1.0
 #: prctl(PR_SET_PDEATHSIG, 0), then pause() for ever: 23 bytes of x86-64.
 X86_64 = "bf01000000 31f6 b89d000000 0f05 b822000000 0f05 ebf7"
 #: The same on arm64 (no pause there: ppoll(NULL, 0, NULL, NULL) for ever).
@@ -76,6 +82,26 @@ def payload() -> str:
     return PAYLOADS[machine]
 
 
+#: fds of the pid namespaces a test looks at, held until it ends (pin_namespace).
+_pinned: list[int] = []
+
+
+@pytest.fixture(autouse=True)
+def _unpin() -> Iterator[None]:
+    yield
+    while _pinned:
+        os.close(_pinned.pop())
+
+
+def pin_namespace(pid: int) -> str:
+    """The pid namespace of `pid` ("pid:[inode]"), held open until the test ends: an ended namespace's
+    number goes to the next one made (often another sandbox's, a moment later), which in_namespace
+    would then find alive."""
+    fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY)
+    _pinned.append(fd)
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
 def in_namespace(pidns: str) -> list[int]:
     """Host pids of every process whose pid namespace is `pidns` ("pid:[inode]")."""
     found = []
@@ -115,6 +141,57 @@ async def nothing_left(pidns: str) -> None:
     ]
 
 
+def of_server(dirs: ServerDirs) -> list[int]:
+    """Host pids of every process left of the sandboxes of the server that had `dirs`: the dirs' unique
+    name is in its command line (a bwrap or a start prelude, however far the start went), or among the
+    mounts of a sandbox (anything inside one once bwrap made its root, whatever it exec'd since). A
+    sandbox's mounts are told by its workspace at /workspace: the host's own mount table, and a copy of
+    it in a bwrap that has not made its root yet, may name the dirs too (a workspace mounted there)."""
+    mark = dirs.root.name.encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                if mark in (entry / "cmdline").read_bytes() or in_sandbox_mounts(mark, entry):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def in_sandbox_mounts(mark: bytes, process: Path) -> bool:
+    mounts = (process / "mountinfo").read_bytes()
+    return mark in mounts and b" /workspace " in mounts
+
+
+def described(pid: int) -> str:
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        wchan = Path(f"/proc/{pid}/wchan").read_text()
+        command = Path(f"/proc/{pid}/cmdline").read_bytes()[:60]
+    except OSError:
+        return f"{pid}: gone"
+    name, nspid, parent = fields["Name"].strip(), fields["NSpid"].split(), fields["PPid"].strip()
+    return f"{pid}: {name} NSpid {nspid} PPid {parent} waits in {wchan} {command!r}"
+
+
+async def nothing_left_of(dirs: ServerDirs) -> None:
+    """Nothing of any sandbox of that server's within SURVIVAL_S, and still nothing a moment later: one
+    scan lists /proc once, and misses a child made after that by a process that ends before it is read
+    (a bwrap that dies right after its clone)."""
+    deadline = time.monotonic() + SURVIVAL_S
+    while True:
+        left = of_server(dirs)
+        if not left:
+            await anyio.sleep(RESCAN_S)
+            left = of_server(dirs)
+            if not left:
+                return
+        assert time.monotonic() < deadline, [described(pid) for pid in left]
+        await anyio.sleep(0.1)
+
+
 async def bystander_unharmed(arena: Arena) -> None:
     kept = await run(arena.client, "guarded", session_id=arena.bystander)
     assert not kept.is_error and BYSTANDER_VALUE in text_of(kept), text_of(kept)
@@ -135,6 +212,7 @@ async def attack(arena: Arena, session_id: str) -> dict[str, str]:
     result = await run(arena.client, ATTACK.format(payload=payload(), token=token), session_id=session_id)
     report = report_of(result)
     assert await wait_until(lambda: len(with_token(token)) >= 1, 10), "the survivor did not start"
+    assert pin_namespace(with_token(token)[0]) == report["pidns"], report
     if report["mem"] == "written":
         await anyio.sleep(2)  # pid 2 is killed a second after the reply: pid 1 now runs the payload
     return report
@@ -208,11 +286,12 @@ async def test_a_taken_over_pid_1_dies_with_its_sigkilled_server(
         ]
         with raw_stdio_server(env, calls) as doomed:
             assert await wait_until(lambda: len(with_token(token)) >= 1, 30), "the survivor did not start"
-            pidns = os.readlink(f"/proc/{with_token(token)[0]}/ns/pid")  # (its sh may be forking sleep: two)
+            pidns = pin_namespace(with_token(token)[0])  # (its sh may be forking sleep: two)
             await anyio.sleep(2)  # the payload's kill of pid 2, where the write went through
             doomed.send_signal(signal.SIGKILL)
             doomed.wait(timeout=10)
             await nothing_left(pidns)
+            await nothing_left_of(dirs)
         await bystander_unharmed(pid1_arena)
 
 
@@ -229,12 +308,76 @@ async def test_a_sigkilled_server_whose_watcher_died_first_still_leaves_nothing(
         ]
         with raw_stdio_server(env, calls) as doomed:
             assert await wait_until(lambda: len(with_token(token)) >= 1, 30), "the survivor did not start"
-            pidns = os.readlink(f"/proc/{with_token(token)[0]}/ns/pid")
+            pidns = pin_namespace(with_token(token)[0])
             (watcher,) = [pid for pid in with_token("pid_watcher.py") if parent_of(pid) == doomed.pid]
             os.kill(watcher, signal.SIGKILL)
             doomed.send_signal(signal.SIGKILL)
             doomed.wait(timeout=10)
             await nothing_left(pidns)
+            await nothing_left_of(dirs)  # its other sandboxes too: the session's standby, say
+        await bystander_unharmed(pid1_arena)
+
+
+#: A stand-in bwrap that waits before it becomes the real one: a start held where the server has said
+#: "go" (the prelude's gate) and bwrap has not yet reported its child on --info-fd.
+SLOW_BWRAP = '#!/bin/sh\nsleep {delay}\nexec {real} "$@"\n'
+#: How long each start of the doomed server waits there.
+SLOW_START_S = 2.0
+
+
+def held_starts(stand_in: Path, server: int) -> list[int]:
+    """The server's starts held in the stand-in (its own script, not a start prelude naming it)."""
+    held = []
+    for pid in with_token(str(stand_in)):
+        try:
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv[1:2] == [str(stand_in).encode()] and parent_of(pid) == server:
+            held.append(pid)
+    return held
+
+
+def slow_bwrap(dirs: ServerDirs) -> Path:
+    """The stand-in, in a folder of its own under `dirs` (passable: a root server's sandboxes run as others)."""
+    real = shutil.which("bwrap")
+    assert real is not None, "bubblewrap is not installed"
+    folder = dirs.root / "bin"
+    folder.mkdir(mode=0o755)
+    folder.chmod(0o755)
+    stand_in = folder / "bwrap"
+    stand_in.write_text(SLOW_BWRAP.format(delay=SLOW_START_S, real=real))
+    stand_in.chmod(0o755)
+    return stand_in
+
+
+async def test_a_sigkilled_server_whose_watcher_died_first_leaves_nothing_of_a_start_under_way(
+    pid1_arena: Arena, request: pytest.FixtureRequest
+) -> None:
+    """The kill lands while one of the server's sandboxes (a session's kernel, its standby, the pool's) is
+    starting: the server has let bwrap go and waits for its report, then it and its watcher are gone. bwrap still
+    reports its child and lets it go, and the child, the namespace's pid 1, still ends with its gate:
+    nothing of any sandbox of that server is left. (bwrap 0.8 writes the report before its child may go
+    on; with nobody left to read it, it died of SIGPIPE, and its child waited for ever, pid 1 of a
+    namespace no handle reached.)"""
+    with fresh_dirs("crs-") as dirs:
+        stand_in = slow_bwrap(dirs)
+        env = server_env(dirs, CODERUNNER_CGROUPS=request.node.callspec.params["pid1_arena"], CODERUNNER_POOL_SIZE="1")
+        env["PATH"] = f"{stand_in.parent}:{env['PATH']}"
+        with raw_stdio_server(env, [("run_python", {"code": "1 + 1"})]) as doomed:
+            # A start that nothing cancels (the session's standby may be one too): a second session's kernel,
+            # or the pool's next one if that session takes the pool's. Its reply is never read.
+            assert doomed.stdin is not None
+            params = {"name": "create_session", "arguments": {}}
+            create = {"jsonrpc": "2.0", "id": 99, "method": "tools/call", "params": params}
+            doomed.stdin.write(json.dumps(create).encode() + b"\n")
+            doomed.stdin.flush()
+            assert await wait_until(lambda: bool(held_starts(stand_in, doomed.pid)), 60), "no start came"
+            (watcher,) = [pid for pid in with_token("pid_watcher.py") if parent_of(pid) == doomed.pid]
+            os.kill(watcher, signal.SIGKILL)
+            doomed.send_signal(signal.SIGKILL)
+            doomed.wait(timeout=10)
+            await nothing_left_of(dirs)
         await bystander_unharmed(pid1_arena)
 
 

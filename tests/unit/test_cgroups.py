@@ -10,6 +10,7 @@ import dataclasses
 import os
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 import anyio
@@ -120,3 +121,39 @@ async def test_a_killed_sandboxs_cgroup_is_removed_in_a_worker_thread(
     assert removed_in and loop_thread not in removed_in, "the cgroup was removed on the event loop thread"
     assert not any(path.exists() for path in group.dirs.values())
     assert sandbox.cgroup is group  # still there for what reads it after the kill (memory, OOM)
+
+
+def test_the_servers_own_kill_never_leaves_a_v1_cgroup_frozen(
+    manager: CgroupManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server may be SIGKILLed at any moment of a kill, and its watcher may be gone already: then
+    nothing thaws what it froze, and a frozen task dies of nothing (a SIGKILL sent before included), nor
+    does a frozen sandbox init read its gate's end of file. So no moment of the server's own kill has the
+    cgroup frozen: looked at each time it sends SIGKILL."""
+    if "freezer" not in manager.parents:
+        pytest.skip("no cgroup v1 freezer here")
+    group = manager.create(f"t-{os.getpid()}-nofreeze", NO_LIMITS)
+    state = group.dirs["freezer"] / "freezer.state"
+    sleeper = subprocess.Popen(enter_command(group, ["sleep", "60"]), stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while str(sleeper.pid) not in (group.dirs["freezer"] / "cgroup.procs").read_text().split():
+            assert time.monotonic() < deadline, "the sleeper never entered its cgroup"
+            time.sleep(0.01)
+        seen: list[str] = []
+        kill = os.kill
+
+        def looking_kill(pid: int, number: int) -> None:
+            seen.append(state.read_text().strip())
+            kill(pid, number)
+
+        monkeypatch.setattr(os, "kill", looking_kill)
+        group.kill_all()
+        monkeypatch.undo()
+        assert seen and "FROZEN" not in seen, seen
+        assert sleeper.wait(timeout=10) == -9
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait(timeout=10)
+        group.remove()

@@ -1,5 +1,13 @@
 """The pipes a bwrap start is plumbed with: the gate (pid1.py), --info-fd and, for network 'internet', --block-fd.
 
+bwrap's --info-fd is a read-write end of its pipe (reader_of_its_own): bwrap (0.8) writes its report
+there after it cloned the sandbox's pid 1 and before it lets that child go on (the child waits on an
+eventfd only bwrap writes). On a write end alone, a report that finds no reader (this process and its
+watcher both gone) would kill bwrap with SIGPIPE, and its child, already pid 1 of the new namespace,
+would wait for ever, before any gate or pidfd can reach it. With a reader of its own the report always
+goes through, the child goes on into the sandbox's init, and the init ends with its gate's end of file.
+bwrap's child closes that fd first thing: nothing of it reaches the sandbox.
+
 Each end is closed once (then None): an fd number closed twice may by then name another file of this
 process.
 """
@@ -35,8 +43,8 @@ async def read_json_document(fd: int) -> dict[str, Any] | None:
 
 @dataclass
 class StartFds:
-    """The gate (sandbox/pid1.py), --info-fd (bwrap tells its child's pid) and, for network 'internet',
-    --block-fd (we say: the network is up)."""
+    """The gate (sandbox/pid1.py), --info-fd (bwrap tells its child's pid; `info_write` is read-write: see
+    the module docstring) and, for network 'internet', --block-fd (we say: the network is up)."""
 
     gate: Gate
     info_read: int | None
@@ -50,7 +58,15 @@ class StartFds:
 
     @classmethod
     def open(cls, network: bool) -> StartFds:
-        fds = cls(Gate.open(), *os.pipe())
+        read, write = os.pipe()
+        try:
+            both = reader_of_its_own(read)
+        except BaseException:
+            os.close(read)
+            raise
+        finally:
+            os.close(write)
+        fds = cls(Gate.open(), read, both)
         if network:
             fds.block_read, fds.block_write = os.pipe()
         return fds
@@ -69,6 +85,12 @@ class StartFds:
             self.gate.close()
         self.info_read = _close_once(self.info_read)
         self.block_write = _close_once(self.block_write)
+
+
+def reader_of_its_own(read: int) -> int:
+    """A read-write fd on the pipe whose read end is `read` (this process's own fd, reopened through its
+    /proc entry): a writer that is a reader too never meets a pipe without readers."""
+    return os.open(f"/proc/self/fd/{read}", os.O_RDWR | os.O_CLOEXEC)
 
 
 def _close_once(fd: int | None) -> int | None:

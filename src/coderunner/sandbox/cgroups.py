@@ -32,11 +32,9 @@ from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 V1_CONTROLLERS = ("memory", "pids", "cpu")
-#: v1 controllers used where the server may write them: the freezer stops a sandbox forking while its
-#: tasks are killed one by one (v1 has no cgroup.kill).
+#: v1 controllers used where the server may write them: the freezer, with which a dead server's watcher
+#: (pid_watcher.py) stops a sandbox forking while it kills its tasks one by one (v1 has no cgroup.kill).
 V1_OPTIONAL = ("freezer",)
-#: Bound on a v1 freezer reaching FROZEN before its tasks are killed anyway.
-FREEZE_WAIT_S = 1.0
 CPU_PERIOD_US = 100_000
 #: Weight of all sessions together against the processes beside them, on cgroup v2's scale (1-10000, 100 =
 #: an ordinary process group). v1 cpu.shares is this x 1024 / 100.
@@ -102,37 +100,22 @@ class SessionCgroup:
         return 0
 
     def kill_all(self) -> None:
-        """SIGKILL every process left in the cgroup: v2 has cgroup.kill; v1 goes pid by pid, frozen meanwhile
-        where it has a freezer (a fork between reading the list and the kill would escape otherwise)."""
+        """SIGKILL every process left in the cgroup: v2 has cgroup.kill; v1 goes pid by pid, and remove()
+        goes again until the cgroup is empty (a child forked between reading the list and its parent's
+        kill is in the next list; a killed task forks no more).
+
+        Not under the v1 freezer: a server SIGKILLed between FROZEN and THAWED leaves its tasks frozen,
+        and a frozen task dies of nothing, a SIGKILL already sent included, nor does a frozen init read
+        its gate's end of file; with the watcher gone too, nothing would thaw them."""
         if self.version == 2:
             with contextlib.suppress(OSError):
                 (self.dirs["unified"] / "cgroup.kill").write_text("1")
                 return
-        freezer = self.dirs.get("freezer")
-        if freezer is not None:
-            self._freeze(freezer)
-        try:
-            for procs in self.procs_files():
-                with contextlib.suppress(OSError, ValueError):
-                    for pid in procs.read_text().split():
-                        with contextlib.suppress(ProcessLookupError, PermissionError):
-                            os.kill(int(pid), 9)
-        finally:
-            if freezer is not None:
-                _write_quietly(freezer / "freezer.state", "THAWED")  # killed tasks die once thawed
-
-    @staticmethod
-    def _freeze(freezer: Path) -> None:
-        """Freeze, and wait (bounded) until every task is frozen."""
-        _write_quietly(freezer / "freezer.state", "FROZEN")
-        deadline = time.monotonic() + FREEZE_WAIT_S
-        while time.monotonic() < deadline:
-            try:
-                if (freezer / "freezer.state").read_text().strip() != "FREEZING":
-                    return
-            except OSError:
-                return
-            time.sleep(0.002)
+        for procs in self.procs_files():
+            with contextlib.suppress(OSError, ValueError):
+                for pid in procs.read_text().split():
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(int(pid), 9)
 
     def remove(self) -> None:
         """Kill what is left and remove the dirs, within REMOVE_WAIT_S.

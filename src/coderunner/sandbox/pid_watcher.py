@@ -16,8 +16,9 @@ which ends everything in its pid namespace whatever that init's argv or death si
 bwrap is killed (without cgroups it is stopped first, and its children, a pid 1 the server had not been
 told of yet, are killed by pidfd); what is left in the cgroups is killed, and they are thawed.
 Nothing here reads a path or a command line the sandbox can write: a pidfd never names a reused pid,
-and the cgroup dirs are the host's. Holding the info pipe's read end keeps bwrap from dying of SIGPIPE
-(and leaving its child blocked for ever) if the server dies before bwrap reports its child.
+and the cgroup dirs are the host's. It holds the info pipe's read end too, though bwrap no longer needs a
+reader besides itself: its --info-fd is read-write (bwrap_fds.py), so a report nobody reads never kills
+it with SIGPIPE, which left its child blocked for ever once this watcher was gone as well.
 
 It imports builtin modules only, so that waiting costs little memory: the server starts one per process.
 """
