@@ -62,6 +62,24 @@ async def test_frames_beyond_the_limits_make_one_skipped_message_and_the_stream_
     peer.close()
 
 
+async def test_bytes_read_and_skipped_mark_the_connection_as_not_quiet() -> None:
+    """A run whose execute_reply came waits for its idle status while its IOPub reader still reads
+    anything, skipped bytes too (kernel/client.py IDLE_AFTER_REPLY_S): the stream and idle it waits
+    for may be behind a backlog of messages over the limit (an IOPub flood under load lost them)."""
+    connection, peer = await handshaken("SUB", b"PUB")
+    quiet_since = connection.last_read_at
+    await anyio.sleep(0.05)
+    over = struct.pack(">BQ", 0x02, 2 << 20) + b"x" * (2 << 20)  # one frame over the 1 MiB limit
+    async with anyio.create_task_group() as group:
+        group.start_soon(anyio.to_thread.run_sync, peer.sendall, over + bytes([0x00, 2]) + b"ok")
+        with anyio.fail_after(10):
+            skipped = await connection.recv()
+    assert isinstance(skipped, Skipped) and skipped.over_limit
+    assert connection.last_read_at > quiet_since
+    connection.close()
+    peer.close()
+
+
 async def test_a_peer_of_another_kind_or_mechanism_is_refused() -> None:
     with pytest.raises(ZmtpError):
         await handshaken("DEALER", b"PUB")

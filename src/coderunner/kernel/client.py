@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 #: How often a silent wait checks that the sandbox is still alive.
 LIVENESS_POLL_S = 0.25
-#: Quiet IOPub this long after the execute_reply means the idle status was lost.
+#: Quiet IOPub this long after the execute_reply means the idle status was lost. Quiet means no
+#: bytes read at all: while the pump still drains a backlog (say messages skipped as over the
+#: limit), the run's own output and idle may be behind it.
 IDLE_AFTER_REPLY_S = 1.0
 #: Largest IOPub message the host accepts from a kernel (a bigger one is skipped, and the
 #: run it belongs to says that some output was lost).
@@ -222,7 +224,8 @@ class KernelClient:
                 return False
             if reply.parent_id == run.msg_id:
                 run.take_reply(reply.content if isinstance(reply, Message) else {})
-        return time.monotonic() - run.reply_at >= IDLE_AFTER_REPLY_S
+        last_read_at = self._iopub.connection.last_read_at if self._iopub is not None else 0.0
+        return time.monotonic() - max(run.reply_at, last_read_at) >= IDLE_AFTER_REPLY_S
 
     def interrupt(self) -> None:
         """Ask the kernel to interrupt its cell, from code that cannot wait (the send runs soon)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import socket
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -87,6 +88,9 @@ class ZmtpConnection:
         self._send_lock = anyio.Lock()
         self._unyielded = 0
         self.closed = False
+        #: time.monotonic() of the last bytes read, skipped ones too: a reader still draining a
+        #: backlog is not a quiet channel.
+        self.last_read_at = time.monotonic()
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -271,6 +275,7 @@ class ZmtpConnection:
                 raise ZmtpError(f"the connection failed: {exc}") from exc
             if count == 0:
                 raise ZmtpError("the peer closed the connection")
+            self.last_read_at = time.monotonic()
             self._unyielded += count + 1024  # and at least every 64 reads, however small
             return count
 
