@@ -134,6 +134,7 @@ TOOL_ROUNDS = 30
 #: alice's; what bob is told of each, and how long bob's refusals take.
 PROBE = """
 import json, secrets, sys, time, anyio
+from coderunner.vocabulary.sandbox_request import SandboxRequest
 from coderunner.config import load_settings
 from coderunner.cluster.host import ClusterHost
 from coderunner.errors import CodeRunnerError
