@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import uvicorn
+from anyio.abc import TaskStatus
 from mcp.server.mcpserver import MCPServer
 from mcp.server.transport_security import TransportSecuritySettings
 
@@ -54,10 +55,10 @@ async def serve(settings: Settings) -> None:
                 manager = await stack.enter_async_context(_session_host(settings))
                 server = build_server(manager, _oneshot_host(manager))
         if settings.transport == "stdio":
-            if _stdin_is_terminal():
-                print(terminal_hint(), file=sys.stderr, flush=True)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(_stop_on_signals, manager)
+                await tg.start(_stop_on_signals, manager)
+                if _stdin_is_terminal():  # only now: the hint says Ctrl-C stops it, and now it does
+                    print(terminal_hint(), file=sys.stderr, flush=True)
                 tg.start_soon(_print_to_log)  # runs once the channel is claimed (no claim has an await)
                 await _serve_stdio(server, drain_s=settings.max_timeout_s + STDIO_DRAIN_MARGIN_S)
                 _divert_stdout()  # the channel is done; what is printed while sessions close goes to the log
@@ -244,13 +245,16 @@ def _oneshot_host(host: Any) -> OneShotHost:
     return LocalOneShots.for_manager(host) if isinstance(host, SessionManager) else host
 
 
-async def _stop_on_signals(manager: Any) -> None:
+async def _stop_on_signals(manager: Any, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
     """stdio: on SIGTERM/SIGINT/SIGHUP close every session (bounded), then leave at once.
 
     The SDK reads stdin in a worker thread that no cancellation reaches, so a graceful unwind
     would wait for the client to close stdin; the sessions are what must not be left behind.
+    Started with `tg.start`: the caller goes on once the signals are caught (a Ctrl-C before that
+    was a KeyboardInterrupt whose unwind waited on that stdin read for ever).
     """
     with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT, signal.SIGHUP) as signals:
+        task_status.started()
         async for signum in signals:
             log.info("received %s: closing sessions", signal.Signals(signum).name)
             with anyio.move_on_after(SHUTDOWN_TIMEOUT_S, shield=True):
