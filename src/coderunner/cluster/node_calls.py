@@ -19,7 +19,7 @@ import anyio
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from coderunner.cluster.actor import node_settings
+from coderunner.cluster.agent import node_settings
 from coderunner.cluster.oneshot_exports import OneShotExports, collect, node_export_folder
 from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_egress import delta_of
