@@ -116,7 +116,7 @@ class AgentProbe:
 
         class Manager:
             def __init__(self, settings: Any, backend: Any) -> None:
-                self.pool = SimpleNamespace(held=1)
+                self.pool = SimpleNamespace(stats=lambda: SimpleNamespace(ready=1))
 
             async def __aenter__(self) -> Any:
                 return self

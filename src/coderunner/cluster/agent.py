@@ -120,7 +120,7 @@ class NodeAgent:
         """What this agent's sessions hold (placement.best_of)."""
         self._forget_closed()
         held = list(self._reserved.values())
-        warm = self.manager.pool.held if self.manager is not None else 0
+        warm = self.manager.pool.stats().ready if self.manager is not None else 0
         return AgentLoad(self.node.node_id, len(held), sum(r.cpus for r in held),
                          sum(r.memory_mb or 0 for r in held), warm)  # fmt: skip
 
@@ -176,10 +176,13 @@ class NodeAgent:
             raise SessionError(f"a node agent has no call {method!r}")
         return await getattr(side, method)(*args)
 
-    async def session_ids(self) -> list[str]:
-        """The sessions it holds open (tests and benches count them)."""
+    async def holding(self) -> dict[str, Any]:
+        """What it holds, for tests and benches (not a visit): its open sessions, its warm sandboxes ready,
+        and how many creates took one."""
         self._forget_closed()
-        return list(self._sides)
+        stats = self.manager.pool.stats() if self.manager is not None else None
+        return {"node": self.node.node_id, "key": self.key, "sessions": list(self._sides),
+                "warm": stats.ready if stats else 0, "taken": stats.taken if stats else 0}  # fmt: skip
 
 
 def end_process() -> None:
