@@ -182,7 +182,8 @@ class NodeAgent:
         self._forget_closed()
         stats = self.manager.pool.stats() if self.manager is not None else None
         return {"node": self.node.node_id, "key": self.key, "sessions": list(self._sides),
-                "warm": stats.ready if stats else 0, "taken": stats.taken if stats else 0}  # fmt: skip
+                "pool_size": self.settings.pool_size, "warm": stats.ready if stats else 0,
+                "taken": stats.taken if stats else 0}  # fmt: skip
 
 
 def end_process() -> None:
