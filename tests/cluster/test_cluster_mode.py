@@ -404,7 +404,8 @@ def _agents(cluster: RayCluster, key: str | None = None) -> list[dict[str, Any]]
 
 
 def _warm(cluster: RayCluster, key: str | None = None) -> list[int]:
-    return [int(held["warm"]) for held in _agents(cluster, key)]
+    """Warm sandboxes ready in each agent that keeps a pool (of the settings `key` only, if given)."""
+    return [int(held["warm"]) for held in _agents(cluster, key) if held["pool_size"] > 0]
 
 
 def _taken(cluster: RayCluster, key: str | None = None) -> int:
@@ -706,11 +707,12 @@ async def test_a_node_agent_sigkilled_loses_its_sessions_clearly_and_leaves_noth
         assert not with_token(canary)
         for other in mates:
             gone = await call(client, "run_python", session_id=other, code="kept")
-            assert gone.is_error and "was lost with the agent of node" in text_of(gone), text_of(gone)
+            # "with the agent of node N" (or "with node N" when Ray first calls it unavailable): never a hang.
+            assert gone.is_error and f"session {other} was lost with" in text_of(gone), text_of(gone)
         again = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))  # a new agent where needed
         assert again is not None
         assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=again["session_id"]))
-        for other, _ in ids[1:]:
+        for other, _ in ids:
             if other not in mates:
                 await ok(client, "manage_sessions", action="close", session_id=other)
         await ok(client, "manage_sessions", action="close", session_id=again["session_id"])
