@@ -263,7 +263,7 @@ class SessionSide:
 
     @contextlib.contextmanager
     def _asking_during(self, session: Session, ask_token: str | None) -> Iterator[None]:
-        """A guest call is one actor call, with no reads to carry questions: while it goes, the proxy asks
+        """A guest call is one agent call, with no reads to carry questions: while it goes, the proxy asks
         the relay, and the caller reads the questions with read_questions (the run's channel otherwise)."""
         if ask_token is None or session.egress is None:
             yield
