@@ -225,7 +225,8 @@ def test_a_front_door_without_the_clusters_token_refuses_to_start_saying_so(
 def ray_targets(cluster: RayCluster) -> list[tuple[str, int]]:
     """Every (address, port) Ray listens on in the cluster's namespace, on each node's address and loopback:
     what Ray reports for each node (GCS, raylet, object manager, agents) and every TCP listener there
-    (those and the core workers of its actors: the namespace holds nothing else that listens)."""
+    (those and the core workers of its actors: the namespace holds nothing else that listens). The test's
+    nodes share one loopback, so a node's own address is 127.0.0.1 here; Ray binds each port to it."""
     nodes = last_json(cluster.run_python(NODE_PORTS, cluster.address).stdout)
     reported = {HEAD_PORT} | {port for node in nodes for port in node["ports"].values()}
     listing = subprocess.run([*cluster.exec_prefix, "ss", "-ltnH"], capture_output=True, text=True, timeout=30)
