@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import ray
 from anyio.abc import TaskGroup
+from ray.exceptions import AuthenticationError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coderunner.cluster.actor import SessionActor
@@ -33,6 +34,7 @@ from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.node_pool import NodePools
 from coderunner.cluster.oneshot_exports import OneShotExports, write_here
 from coderunner.cluster.placement import Request, check_fits, check_home
+from coderunner.cluster.ray_auth import token_refusal
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
@@ -142,7 +144,12 @@ class ClusterHost:
         address = self.settings.ray_address
         # Ray prints the cluster's notices to stdout: a stdio server holds fd 1 for the MCP channel
         # (serve.py) until the SDK serves it.
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, AuthenticationError) as exc:
+            if (refusal := token_refusal(address)) is not None:
+                raise refusal from exc  # the token was missing or wrong: say so, not "failed to connect"
+            raise
         log.info("cluster mode: joined the Ray cluster at %s (%d nodes)", address, len(ray.nodes()))
 
     async def __aexit__(self, *exc_info: object) -> None:
