@@ -70,6 +70,8 @@ def detailed(status: SessionStatus, default: bool) -> dict[str, Any]:
         described["restored_from"] = status.restored_from
     if status.state_note is not None:
         described["state_note"] = status.state_note
+    if status.started is not None:
+        described["started"] = status.started
     return described
 
 
