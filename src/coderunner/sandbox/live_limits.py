@@ -2,20 +2,16 @@
 
 A pooled sandbox starts with the user's default limits, before anyone asks for it; a create that asks
 for less memory or CPU than that can still take it, once its limits are lowered to what was asked. Only
-lowered, never raised: the pooled sandbox's limits are the most the taker gets, whatever this module
-could write. Where a backend holds a sandbox in cgroups (bwrap with cgroups), lowering is:
-- the cgroup's memory, pids and cpu limits written again (cgroups.py `write_limits`), and
-- the soft RLIMIT_AS of every process in it that still has the one it started with lowered to the new
-  memory limit (the kernel's clean MemoryError comes from it; under a memory cgroup the hard limit is
-  unlimited, as at a cold start: common.py `rlimit_prefix`).
-A process forked between the listing and the writes keeps the old address-space limit, but the cgroup
-holds it; a pooled sandbox runs only the server's own warm-up before it is taken.
+lowered, never raised: the pooled sandbox's limits are the most the taker gets. Where a backend holds a
+sandbox in cgroups (bwrap with cgroups), its cgroup's memory, pids and cpu limits are written again
+(cgroups.py `write_limits`): they bound everything in the sandbox, whatever it forks.
+
+The kernel's own soft address-space limit (RLIMIT_AS, the source of a clean MemoryError; the cgroup is
+the bound) is lowered by the kernel itself at take (sessions/warm_take.py): setting another uid's rlimit
+needs CAP_SYS_RESOURCE, which a server in a container may lack, and a process may always lower its own.
 """
 
 from __future__ import annotations
-
-import contextlib
-import resource
 
 from coderunner.sandbox.base import Limits
 from coderunner.sandbox.cgroups import CgroupLimits, SessionCgroup
@@ -41,9 +37,8 @@ def raised(built: Limits, asked: Limits) -> list[str]:
 
 
 def lower_limits(group: SessionCgroup, built: Limits, asked: Limits) -> None:
-    """Lower the running sandbox in `group` from `built` to `asked`: its cgroup, then its processes'
-    address-space limit. Blocking (cgroupfs and prlimit): async code calls it through off_loop.
-    ValueError for a limit that would rise; OSError for one the kernel refused."""
+    """Lower the cgroup of the running sandbox in `group` from `built` to `asked`. Blocking (cgroupfs): async
+    code calls it through off_loop. ValueError for a limit that would rise; OSError for one the kernel refused."""
     above = raised(built, asked)
     if above:
         raise ValueError(f"limits only go down in a running sandbox: {', '.join(above)} would rise")
@@ -56,19 +51,3 @@ def lower_limits(group: SessionCgroup, built: Limits, asked: Limits) -> None:
             cpus=asked.cpus if asked.cpus != built.cpus else None,
         )
     )
-    if built.memory_mb and asked.memory_mb and asked.memory_mb < built.memory_mb:
-        lower_address_space(group, built.memory_mb * 2**20, asked.memory_mb * 2**20)
-
-
-def lower_address_space(group: SessionCgroup, was: int, now: int) -> None:
-    """Every process in `group` whose soft RLIMIT_AS is `was` gets `now` (its hard limit kept): a
-    process that set its own (the browser lifts it) or never had one (the sandbox's init) keeps its own."""
-    pids: set[int] = set()
-    for procs in group.procs_files():
-        with contextlib.suppress(OSError, ValueError):
-            pids.update(int(pid) for pid in procs.read_text().split())
-    for pid in sorted(pids):
-        with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
-            soft, hard = resource.prlimit(pid, resource.RLIMIT_AS)
-            if soft == was:
-                resource.prlimit(pid, resource.RLIMIT_AS, (now, hard))

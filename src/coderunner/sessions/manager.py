@@ -47,7 +47,7 @@ from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, Taken
 from coderunner.sessions.standby import StandbyBudget
 from coderunner.sessions.upkeep import reap_idle, save_kept_states
 from coderunner.sessions.usage import memory_used_mb
-from coderunner.sessions.warm_take import StartedFrom, take_problem, warm_why
+from coderunner.sessions.warm_take import StartedFrom, address_space_code, take_problem, warm_why
 from coderunner.sessions.warm_up import warm_up_code
 from coderunner.snapshots.store import Listing, SnapshotError, SnapshotMeta
 from coderunner.vocabulary.network import NetworkMode
@@ -270,6 +270,9 @@ class SessionManager:
             kernel = session.kernel
             if options.limits != built and kernel is not None and kernel.process is not None:
                 await off_loop(self.backend.lower_limits, kernel.process, built, options.limits)
+                lower = address_space_code(built, options.limits)
+                if lower is not None:
+                    await self._silent_cell(session, lower, "its memory limit")
             await session.lease.open_egress(self.egress, session.task_group, session_id, options)
         except (SessionError, SandboxUnavailable) as exc:
             log.warning("warm pool: a pooled sandbox could not be given a create's options (%s); closed", exc)
@@ -343,17 +346,21 @@ class SessionManager:
     async def _warm_up(self, session: Session) -> None:
         """One silent warm-up cell (sessions/warm_up.py): the one-off costs of a fresh ipykernel's
         first execute and, with preload_imports, the common imports, paid before its user arrives."""
+        await self._silent_cell(session, warm_up_code(self.settings.preload_imports), "its warm-up cell")
+
+    async def _silent_cell(self, session: Session, code: str, what: str) -> None:
+        """Run the server's own `code` silently in a pooled kernel nobody uses yet; SessionError if it fails."""
         assert session.kernel is not None
         output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
         try:
             outcome = await session.kernel.execute(
-                warm_up_code(self.settings.preload_imports), output, timeout_s=self.settings.startup_timeout_s,
+                code, output, timeout_s=self.settings.startup_timeout_s,
                 interrupt_grace_s=self.settings.interrupt_grace_s, silent=True,
             )  # fmt: skip
         finally:
             output.close()
         if outcome.status is not RunStatus.OK:
-            raise SessionError(f"a pooled kernel failed its warm-up cell ({outcome.status.value})")
+            raise SessionError(f"a pooled kernel failed {what} ({outcome.status.value})")
 
     async def _discard_pooled(self, pooled: Pooled) -> None:
         await self._close_session(pooled.session)

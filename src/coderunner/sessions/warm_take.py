@@ -2,9 +2,10 @@
 
 A pooled sandbox starts with the user's defaults before anyone asks for it (pool.py). A create whose
 options differ still takes one when every difference can be given to the running sandbox:
-- lower limits (memory_mb, cpus): written into its cgroup and its processes' address-space limit, where
-  the backend can (SandboxBackend.lower_limits); never higher, since the pooled sandbox was built with
-  the user's defaults and a running sandbox's limits only go down;
+- lower limits (memory_mb, cpus): written into its cgroup where the backend can (SandboxBackend.lower_limits),
+  and the kernel lowers its own soft address-space limit in a silent cell (`address_space_code`: a cold
+  kernel's MemoryError comes from it); never higher, since the pooled sandbox was built with the user's
+  defaults and a running sandbox's limits only go down;
 - its own allowlist: the pooled sandbox's proxy socket waits unserved until the take, then serves that
   session's policy under its id (egress_wiring.py EgressHub.reserve), so a pooled sandbox never holds
   another session's allowlist;
@@ -89,3 +90,16 @@ def warm_why(pooled: SandboxOptions, asked: SandboxOptions) -> str:
     """StartedFrom.why of a session taken from the pool."""
     given = given_at_take(pooled, asked)
     return f"taken with {', '.join(given)} given at take" if given else "taken with the pool's own options"
+
+
+def address_space_code(pooled: Limits, asked: Limits) -> str | None:
+    """The silent cell a taken kernel runs to lower its own soft RLIMIT_AS from the pool's memory limit to
+    the one asked (its hard limit kept: unlimited under a memory cgroup, as a cold kernel's); None when the
+    memory limit is the pool's. It binds no name in the user's namespace."""
+    if asked.memory_mb is None or pooled.memory_mb is None or asked.memory_mb >= pooled.memory_mb:
+        return None
+    was, now = pooled.memory_mb * 2**20, asked.memory_mb * 2**20
+    return (
+        f"(lambda r: r.setrlimit(r.RLIMIT_AS, ({now}, r.getrlimit(r.RLIMIT_AS)[1]))"
+        f" if r.getrlimit(r.RLIMIT_AS)[0] == {was} else None)(__import__('resource'))"
+    )
