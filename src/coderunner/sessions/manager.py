@@ -267,9 +267,11 @@ class SessionManager:
         session, built = pooled.session, self._pool_options.limits
         session_id = session_id or secrets.token_urlsafe(18)
         try:
-            kernel = session.kernel
-            if options.limits != built and kernel is not None and kernel.process is not None:
-                await off_loop(self.backend.lower_limits, kernel.process, built, options.limits)
+            if options.limits != built:
+                process = session.kernel.process if session.kernel is not None else None
+                if process is None:
+                    raise SandboxUnavailable("its sandbox is gone")
+                await off_loop(self.backend.lower_limits, process, built, options.limits)
                 lower = address_space_code(built, options.limits)
                 if lower is not None:
                     await self._silent_cell(session, lower, "its memory limit")
@@ -278,6 +280,10 @@ class SessionManager:
             log.warning("warm pool: a pooled sandbox could not be given a create's options (%s); closed", exc)
             await self._discard_pooled(pooled)
             return f"the pooled sandbox could not be given its options ({exc})"
+        except BaseException:  # cancelled half-way: never leave a taken sandbox nobody holds
+            with anyio.CancelScope(shield=True):
+                await self._discard_pooled(pooled)
+            raise
         session = self._adopt(pooled, options, owner, session_id)
         session.started = StartedFrom(warm=True, why=warm_why(self._pool_options, options))
         return session
