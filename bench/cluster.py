@@ -330,6 +330,7 @@ def door_env(cluster: RayCluster, root: Path, **extra: str) -> dict[str, str]:
         "CODERUNNER_LOG_LEVEL": "WARNING",
         "RAY_USAGE_STATS_ENABLED": "0",
         "PYTHONPATH": str(REPO / "src"),
+        **cluster.auth_env,  # the cluster's Ray token (tests/cluster/conftest.py: token authentication is on)
     }
     if "CODERUNNER_SANDBOX_ENV" in os.environ:
         env["CODERUNNER_SANDBOX_ENV"] = os.environ["CODERUNNER_SANDBOX_ENV"]

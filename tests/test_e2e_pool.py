@@ -1,5 +1,6 @@
-"""The warm pool through the MCP client, on the real backend: a pooled session starts clean, other
-options start cold, pool_size=0 starts nothing ahead, and a stopped server leaves nothing running.
+"""The warm pool through the MCP client, on the real backend: a pooled session starts clean, options a
+running sandbox cannot be given start cold (those it can: test_e2e_pool_take.py), pool_size=0 starts
+nothing ahead, and a stopped server leaves nothing running.
 On gvisor too: a pooled sandbox there runs behind the channel relay, so its memory can be saved."""
 
 from __future__ import annotations
@@ -124,7 +125,9 @@ async def test_non_default_options_start_cold(dirs: ServerDirs) -> None:
         await pooled_session(client, dirs, "marker-warm")  # the pool works here
         assert await wait_until(lambda: len(workspaces(dirs)) == 2, timeout_s=POOL_WAIT_S), "the pool to refill"
         before = workspaces(dirs)
-        for options in ({"memory_mb": 1024}, {"name": "proj"}, {"network": "none", "timeout_s": 20}):
+        # More memory than the pool's sandboxes have (a running sandbox's limits only go down), a name, and
+        # both with another run limit (which alone a pooled sandbox is given at take).
+        for options in ({"memory_mb": 4096}, {"name": "proj"}, {"network": "none", "timeout_s": 20, "memory_mb": 3072}):
             session_id = await create(client, **options)
             marker = "marker-" + "-".join(options)
             await run(client, f"open({marker!r}, 'w').write('x')", session_id=session_id)

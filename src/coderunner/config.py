@@ -189,7 +189,7 @@ class Settings(BaseSettings):
     pool_size: int = Field(
         default=2,
         ge=0,
-        description="Sandboxes kept started ahead for sessions with default options (0: none). They use only "
+        description="Sandboxes kept started ahead for new sessions (0: none; pool_take_apply: which). They use only "
         "room left under max_sessions, and a cold session takes a pooled one's room back.",
     )
     pool_memory_mb: int = Field(
@@ -198,6 +198,10 @@ class Settings(BaseSettings):
         description="Most memory the idle sandboxes started ahead (the warm pool's and execute_code's) may use "
         "together, in MiB.",
     )
+    pool_take_apply: bool = Field(True, description="A create asking for less memory_mb or cpus, an allowlist "
+        "of its own or another timeout_s takes a warm pool's sandbox too, given them as it is taken (limits: where "
+        "the backend lowers them live, bwrap with cgroups); off: only creates with the default options do, and a "
+        "default network 'allowlist' has no pool.")  # fmt: skip
     reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
         "idle, about 90 with preload_imports; in manage_sessions status) that kernel_reset and restarts swap to "
         "instead of starting one (bwrap).")  # fmt: skip

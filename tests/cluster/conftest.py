@@ -176,9 +176,20 @@ def _tail(path: Path, lines: int = 30) -> str:
     return f"({path} unreadable)"
 
 
+#: Ray's token authentication: every node, front door and driver of a cluster gets that cluster's token.
+RAY_AUTH = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN")
+
+
 def ray_env() -> dict[str, str]:
-    """All the Ray processes get: never the host's environment (API keys must not reach the cluster)."""
+    """All the Ray processes get: never the host's environment (API keys must not reach the cluster).
+
+    Ray's token authentication is on, with a random token per cluster: a process that reaches Ray's ports
+    without it runs nothing (test_cluster_auth.py). The token is in every Ray process's environment, as an
+    env-var token is on a real node, so the env-leak tests also show it never reaches a sandbox.
+    """
     return {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
         "PATH": f"{PYTHON.parent}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME": os.environ.get("HOME", "/root"),
         "LANG": "C.UTF-8",
@@ -204,6 +215,11 @@ class RayCluster:
     python: str = str(PYTHON)
     #: Filled in by teardown.
     teardown: TeardownReport | None = None
+
+    @property
+    def auth_env(self) -> dict[str, str]:
+        """What a front door or driver needs to be let in: Ray's auth mode and this cluster's token."""
+        return {key: self.env[key] for key in RAY_AUTH}
 
     @property
     def exec_prefix(self) -> list[str]:

@@ -39,10 +39,11 @@ WIDE_CPUS = 1.5
 
 
 def cluster_env(cluster: RayCluster, dirs: ServerDirs, **extra: str) -> dict[str, str]:
-    """A front door's environment: the suite's (with its canary secret), Ray's PATH, the cluster's address."""
+    """A front door's environment: the suite's (with its canary secret), Ray's PATH and the cluster's Ray token."""
     env = server_env(dirs, **extra)
     env["PATH"] = cluster.env["PATH"]
     env["RAY_USAGE_STATS_ENABLED"] = "0"
+    env.update(cluster.auth_env)
     return env
 
 
@@ -145,6 +146,11 @@ async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret
         leak = await ok(client, "run_python", code=f"import os; print(repr(os.environ.get({SECRET_NAME!r})))",
                         session_id=ids[0])  # fmt: skip
         assert "None" in text_of(leak) and SECRET_VALUE not in text_of(leak)
+        # Nor Ray's token, which the front door and every Ray process on the node hold in their environment.
+        environment = text_of(await ok(client, "run_python", code="import os; print(dict(os.environ))",
+                                       session_id=ids[0]))  # fmt: skip
+        assert "PATH" in environment and "RAY_AUTH" not in environment, environment
+        assert ray_cluster.env["RAY_AUTH_TOKEN"] not in environment, environment
         # Files, a traceback, and the status, all from the session's node.
         await ok(client, "write_file", path="data/a.txt", content="hello from the front door", session_id=ids[0])
         assert "hello from the front door" in text_of(
@@ -387,7 +393,8 @@ async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayC
             assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=made["session_id"]))
             # Its pool starts a replacement; the claimed one is the caller's alone.
             assert await eventually(lambda: _warm(ray_cluster) == [1, 1], 120), agents_held(ray_cluster)
-            other = json_of(await ok(client, "create_session", memory_mb=768))  # not the defaults
+            # A named session's workspace is its own from the start: never a warm sandbox (warm_take.py).
+            other = json_of(await ok(client, "create_session", name="its-own"))
             assert other is not None and _taken(ray_cluster) == 1 and _warm(ray_cluster) == [1, 1]  # started cold
             for session_id in (made["session_id"], other["session_id"]):
                 await ok(client, "manage_sessions", action="close", session_id=session_id)

@@ -184,6 +184,8 @@ class FakeKernel(Kernel):
     swap_ins: int = 0
     #: How many warm-up cells with the common imports (or a step of them) it ran (a pool member, a standby).
     preloads: int = 0
+    #: Silent cells that lowered its own address-space limit (a pooled kernel taken with less memory).
+    address_space_lowered: int = 0
     #: Checkpoints taken into, and restored from (memory snapshots).
     checkpoints: list[Path] = field(default_factory=list)
     _cell: _Cell | None = None
@@ -310,6 +312,8 @@ class FakeKernel(Kernel):
                 self.swap_ins += 1
             elif cell.code == PRELOAD_CODE or cell.code in PRELOAD_STEP_CODES:
                 self.preloads += 1
+            elif cell.silent and "RLIMIT_AS" in cell.code:  # warm_take.address_space_code
+                self.address_space_lowered += 1
             elif guest is not None:
                 cell.guest_payload = self._guest_answer(guest.group(1))
             else:

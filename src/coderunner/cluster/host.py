@@ -27,11 +27,13 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import ray
 from anyio.abc import TaskGroup
+from ray.exceptions import AuthenticationError
 
 from coderunner.cluster.agents import Agents
 from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.oneshot_exports import OneShotExports, write_here
 from coderunner.cluster.placement import Request, check_fits, check_home
+from coderunner.cluster.ray_auth import token_refusal
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
@@ -45,6 +47,7 @@ from coderunner.sessions.host_services import sandbox_profile
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
 from coderunner.sessions.seam import SandboxProfile, SessionHandle
+from coderunner.sessions.warm_take import take_problem
 from coderunner.vocabulary.network import NetworkMode
 from coderunner.vocabulary.sandbox_request import DEFAULT_REQUEST, SandboxRequest
 
@@ -132,7 +135,12 @@ class ClusterHost:
         address = self.settings.ray_address
         # Ray prints the cluster's notices to stdout: a stdio server holds fd 1 for the MCP channel
         # (serve.py) until the SDK serves it.
-        ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        try:
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+        except (ConnectionError, AuthenticationError) as exc:
+            if (refusal := token_refusal(address)) is not None:
+                raise refusal from exc  # the token was missing or wrong: say so, not "failed to connect"
+            raise
         log.info("cluster mode: joined the Ray cluster at %s (%d nodes)", address, len(ray.nodes()))
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -160,8 +168,7 @@ class ClusterHost:
     ) -> RemoteSession:  # fmt: skip
         options = options or self.options()
         self._check_room(owner)
-        pooled = seed is None and not options.persistent
-        warm_wanted = pooled and self._warm and dataclasses.replace(options, client=LOCAL_CLIENT) == self._defaults
+        warm_wanted = seed is None and self._could_be_warm(options)
         home = await self._home(options, seed)
         request = Request.of(options, self.backend.name, self.settings.ray_node_labels)
         nodes = await anyio.to_thread.run_sync(ray.nodes)
@@ -181,6 +188,16 @@ class ClusterHost:
             return await self._open(agent, node, options, owner, seed, request)
         finally:
             self._cold_starts.release()
+
+    def _could_be_warm(self, options: SandboxOptions) -> bool:
+        """Whether a node agent's warm pool could serve a create with `options` (warm_take.py; placement then
+        prefers an agent with a warm sandbox ready). The agent's manager decides for good."""
+        if not self._warm:
+            return False
+        asked = dataclasses.replace(options, client=LOCAL_CLIENT)
+        if not self.settings.pool_take_apply:
+            return asked == self._defaults
+        return take_problem(self._defaults, asked, None) is None
 
     async def _open(
         self, agent: Any, node: str, options: SandboxOptions, owner: str, seed: Seed | None, request: Request

@@ -216,6 +216,16 @@ class SandboxBackend(ABC):
     def limit_reports(self, limits: Limits) -> dict[str, LimitReport]:
         """How each limit in `limits` is enforced by this backend on this machine."""
 
+    def live_limits_problem(self) -> str | None:
+        """Why this backend cannot lower a running sandbox's limits (None: `lower_limits` can); a warm pool's
+        sandbox is then taken only by a create asking for the limits it was started with."""
+        return f"the {self.name} backend sets a sandbox's limits only when it starts"
+
+    def lower_limits(self, process: SandboxProcess, built: Limits, asked: Limits) -> None:
+        """Lower the running `process`'s limits from `built` to `asked` (blocking: async code calls it through
+        off_loop). Raises this backend's SandboxUnavailable where it cannot: by default, always."""
+        raise self.unavailable(self.live_limits_problem() or "this sandbox's limits cannot be changed")
+
     @abstractmethod
     def remove_stale(self, name: str) -> None:
         """Remove what a dead server left for the sandbox `name` outside its dirs (e.g. cgroups)."""

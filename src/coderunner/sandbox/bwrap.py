@@ -38,9 +38,10 @@ from coderunner.sandbox.base import (
 from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand
 from coderunner.sandbox.bwrap_fds import StartFds, read_json_document
 from coderunner.sandbox.bwrap_watch import process_watch
-from coderunner.sandbox.cgroups import CgroupLimits, CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
+from coderunner.sandbox.cgroups import CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
 from coderunner.sandbox.common import ENV_MOUNT
 from coderunner.sandbox.identity import shared_dir_mode
+from coderunner.sandbox.live_limits import cgroup_limits, lower_limits
 from coderunner.sandbox.pid1 import NotOurChild, SandboxHold, gated_command, open_child
 from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
 from coderunner.vocabulary.host_identity import HostIdentity, IdentityError
@@ -329,15 +330,21 @@ class BwrapBackend(SandboxBackend):
     def _cgroup_for(self, spec: SandboxSpec) -> SessionCgroup | None:
         if self.cgroups is None:
             return None
-        limits = spec.limits
-        return self.cgroups.create(
-            spec.name,
-            CgroupLimits(
-                memory_bytes=limits.memory_mb * 2**20 if limits.memory_mb else None,
-                pids_max=limits.pids,
-                cpus=limits.cpus,
-            ),
-        )
+        return self.cgroups.create(spec.name, cgroup_limits(spec.limits))
+
+    def live_limits_problem(self) -> str | None:
+        if self.cgroups is None:
+            return f"no cgroups here ({self.cgroup_problem}): a sandbox's limits are set only when it starts"
+        return None
+
+    def lower_limits(self, process: SandboxProcess, built: Limits, asked: Limits) -> None:
+        """The sandbox's cgroup and its processes' address-space limit, lowered (sandbox/live_limits.py)."""
+        if process.cgroup is None:
+            raise self.unavailable("this sandbox runs in no cgroup: its limits are set only when it starts")
+        try:
+            lower_limits(process.cgroup, built, asked)
+        except (OSError, ValueError) as exc:
+            raise self.unavailable(f"could not lower the sandbox's limits: {exc}") from exc
 
     async def _attach_network(self, fds: StartFds, sandbox: SandboxProcess, child: int, lifeline: int) -> None:
         """Start slirp4netns on the network namespace of the sandbox's pid 1 (`child`), then let bwrap go on.

@@ -99,6 +99,34 @@ class SessionCgroup:
                     return int(value)
         return 0
 
+    def write_limits(self, limits: CgroupLimits) -> None:
+        """Write `limits` (those not None) into the dirs: when the group is made, and again into a running
+        sandbox's group when a warm pool's sandbox is taken with lower ones (sandbox/live_limits.py).
+        Raises OSError (a limit the kernel refused)."""
+        if self.version == 1:
+            memory, pids, cpu = self.dirs["memory"], self.dirs["pids"], self.dirs.get("cpu")
+        else:
+            memory = pids = cpu = self.dirs["unified"]
+        if limits.memory_bytes is not None:
+            if self.version == 1:
+                (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
+                # Where swap accounting exists, swap counts too: no escaping the limit into swap.
+                with contextlib.suppress(OSError):
+                    (memory / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_bytes))
+            else:
+                (memory / "memory.max").write_text(str(limits.memory_bytes))
+                with contextlib.suppress(OSError):
+                    (memory / "memory.swap.max").write_text("0")
+        if limits.pids_max is not None:
+            (pids / "pids.max").write_text(str(limits.pids_max))
+        if limits.cpus is not None and cpu is not None:
+            quota = int(limits.cpus * CPU_PERIOD_US)
+            if self.version == 1:
+                (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
+                (cpu / "cpu.cfs_quota_us").write_text(str(quota))
+            else:
+                (cpu / "cpu.max").write_text(f"{quota} {CPU_PERIOD_US}")
+
     def kill_all(self) -> None:
         """SIGKILL every process left in the cgroup: v2 has cgroup.kill; v1 goes pid by pid, and remove()
         goes again until the cgroup is empty (a child forked between reading the list and its parent's
@@ -274,18 +302,7 @@ class CgroupManager:
             path = base / name
             path.mkdir(exist_ok=True)
             group.dirs[controller] = path
-        memory = group.dirs["memory"]
-        if limits.memory_bytes is not None:
-            (memory / "memory.limit_in_bytes").write_text(str(limits.memory_bytes))
-            # Where swap accounting exists, swap counts too: no escaping the limit into swap.
-            with contextlib.suppress(OSError):
-                (memory / "memory.memsw.limit_in_bytes").write_text(str(limits.memory_bytes))
-        if limits.pids_max is not None:
-            (group.dirs["pids"] / "pids.max").write_text(str(limits.pids_max))
-        if limits.cpus is not None:
-            cpu = group.dirs["cpu"]
-            (cpu / "cpu.cfs_period_us").write_text(str(CPU_PERIOD_US))
-            (cpu / "cpu.cfs_quota_us").write_text(str(int(limits.cpus * CPU_PERIOD_US)))
+        group.write_limits(limits)
 
     def _create_v2(self, group: SessionCgroup, name: str, limits: CgroupLimits) -> None:
         parent = self.parents["unified"]
@@ -298,14 +315,7 @@ class CgroupManager:
         path = base / name
         path.mkdir(exist_ok=True)
         group.dirs = {"unified": path, "memory": path, "pids": path}
-        if limits.memory_bytes is not None:
-            (path / "memory.max").write_text(str(limits.memory_bytes))
-            with contextlib.suppress(OSError):
-                (path / "memory.swap.max").write_text("0")
-        if limits.pids_max is not None:
-            (path / "pids.max").write_text(str(limits.pids_max))
-        if limits.cpus is not None:
-            (path / "cpu.max").write_text(f"{int(limits.cpus * CPU_PERIOD_US)} {CPU_PERIOD_US}")
+        group.write_limits(limits)
 
     def remove_named(self, name: str) -> None:
         """Remove a session's cgroups left by a server that is gone (the caller checked its lock),

@@ -74,9 +74,10 @@ class SessionEgress:
     def socket_path(self) -> Path | None:
         return self._dirs.host_dir / EGRESS_SOCKET if self._dirs is not None else None
 
-    async def start(self, dirs: SandboxDirs, task_group: TaskGroup) -> None:
-        """Make the socket in `dirs`' host-only dir and serve the proxy on it until aclose."""
-        self._listener = make_socket(dirs)
+    async def start(self, dirs: SandboxDirs, task_group: TaskGroup, listener: socket.socket | None = None) -> None:
+        """Serve the proxy until aclose on `listener` (a warm pool's sandbox's, made when it started:
+        EgressHub.reserve), or on a socket made now in `dirs`' host-only dir."""
+        self._listener = listener if listener is not None else make_socket(dirs)
         self._dirs = dirs
         task_group.start_soon(self._serve)
 
@@ -161,20 +162,34 @@ class EgressHub:
         return self.ceiling.narrowed(options.allow) if options.allow else self.ceiling
 
     async def open(
-        self, options: SandboxOptions, dirs: SandboxDirs, task_group: TaskGroup, session_id: str
-    ) -> SessionEgress | None:
-        """The running proxy of an allowlist sandbox (None for other modes); before the sandbox starts."""
+        self, options: SandboxOptions, dirs: SandboxDirs, task_group: TaskGroup, session_id: str,
+        listener: socket.socket | None = None,
+    ) -> SessionEgress | None:  # fmt: skip
+        """The running proxy of an allowlist sandbox (None for other modes): before the sandbox starts, or,
+        for a warm pool's sandbox, when it is taken, on the `listener` reserved for it when it started."""
         if options.network != NetworkMode.ALLOWLIST:
             return None
         audit = await anyio.to_thread.run_sync(self._audit_file)
         egress = SessionEgress(self.policy_for(options), self.ceiling, session_id=session_id, audit=audit,
                                limits=self.limits)  # fmt: skip
         try:
-            await egress.start(dirs, task_group)
+            await egress.start(dirs, task_group, listener)
         except OSError as exc:
             await egress.aclose()
             raise SessionError(f"could not set up the sandbox's network proxy: {exc}") from None
         return egress
+
+    def reserve(self, options: SandboxOptions, dirs: SandboxDirs) -> socket.socket | None:
+        """A warm pool's allowlist sandbox: its proxy socket, made before it starts, served by nobody until a
+        session takes it (`open` then serves that session's policy on it, under that session's id). Until
+        then a connection waits unanswered, and the sandbox runs only the server's warm-up. None for other
+        modes. Raises SessionError."""
+        if options.network != NetworkMode.ALLOWLIST:
+            return None
+        try:
+            return make_socket(dirs)
+        except OSError as exc:
+            raise SessionError(f"could not set up the sandbox's network proxy: {exc}") from None
 
     def close(self) -> None:
         """Write what the audit file still has queued (bounded) and close it."""

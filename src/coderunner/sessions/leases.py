@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,6 +24,7 @@ from coderunner.hostfs.sandbox_mounts import ExportPlan, MountsError, SandboxMou
 from coderunner.hostfs.session_dirs import SandboxDirs, open_sandbox_dirs
 from coderunner.hostfs.workspaces import Workspace, WorkspaceError, named_workspace_dir
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec, UidPool
+from coderunner.sandbox.common import EGRESS_SOCKET
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.vocabulary.network import NetworkMode, offline_install
 
@@ -151,6 +153,8 @@ class SandboxLease:
     dirs: SandboxDirs
     mounts: SandboxMounts | None = None
     egress: SessionEgress | None = None
+    #: A warm pool's allowlist sandbox: its proxy socket, made before it started, until a session takes it.
+    egress_socket: socket.socket | None = None
     _user_released: bool = False
 
     async def mount(self, fresh: bool = True) -> SandboxMounts:
@@ -161,10 +165,21 @@ class SandboxLease:
     async def open_egress(
         self, hub: EgressHub | None, task_group: TaskGroup, label: str, options: SandboxOptions | None = None
     ) -> SessionEgress | None:
-        """Network 'allowlist': start its policy proxy, labelled `label` in the audit log (None otherwise)."""
+        """Network 'allowlist': start its policy proxy, labelled `label` in the audit log (None otherwise), on
+        the socket reserved for it (`reserve_egress`) if it has one."""
         if hub is not None:
-            self.egress = await hub.open(options or self.options, self.dirs, task_group, label)
+            listener, self.egress_socket = self.egress_socket, None
+            try:
+                self.egress = await hub.open(options or self.options, self.dirs, task_group, label, listener)
+            except BaseException:
+                if listener is not None:
+                    listener.close()
+                raise
         return self.egress
+
+    def reserve_egress(self, hub: EgressHub) -> None:
+        """A warm pool's sandbox: make its proxy socket before it starts, served once a session takes it."""
+        self.egress_socket = hub.reserve(self.options, self.dirs)
 
     def spec(self, options: SandboxOptions | None = None) -> SandboxSpec:
         """What a backend needs to start the sandbox: its mounts as it gets them (staged on a root server)."""
@@ -178,6 +193,10 @@ class SandboxLease:
         with anyio.CancelScope(shield=True):
             if self.egress is not None:
                 await self.egress.aclose()
+            if self.egress_socket is not None:  # never taken
+                self.egress_socket.close()
+                self.egress_socket = None
+                self.dirs.remove_host_file(EGRESS_SOCKET)
             if self.mounts is not None and not await anyio.to_thread.run_sync(self.mounts.close):
                 return False
             await anyio.to_thread.run_sync(self.dirs.close)

@@ -33,7 +33,7 @@ from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
-from coderunner.sandbox import Mount, SandboxBackend, UidPool, per_sandbox_uids
+from coderunner.sandbox import Mount, SandboxBackend, SandboxUnavailable, UidPool, per_sandbox_uids
 from coderunner.sandbox.identity import UID_CLAIMS_DIR
 from coderunner.sessions.egress_wiring import EgressHub
 from coderunner.sessions.host_services import HostServices
@@ -47,6 +47,7 @@ from coderunner.sessions.session_snapshots import Seed, SessionSnapshots, Taken
 from coderunner.sessions.standby import StandbyBudget
 from coderunner.sessions.upkeep import reap_idle, save_kept_states
 from coderunner.sessions.usage import memory_used_mb
+from coderunner.sessions.warm_take import StartedFrom, address_space_code, take_problem, warm_why
 from coderunner.sessions.warm_up import warm_up_code
 from coderunner.snapshots.store import Listing, SnapshotError, SnapshotMeta
 from coderunner.vocabulary.network import NetworkMode
@@ -82,7 +83,7 @@ class SessionManager:
         self.services: HostServices
         #: What every session's standby kernel holds of memory, together (sessions/standby.py).
         self.standby_budget = StandbyBudget(settings.reset_standby_memory_mb)
-        #: Sandboxes started ahead for sessions with default options (sessions/pool.py).
+        #: Sandboxes started ahead with the default options, taken by creates they can be given to (pool.py).
         self.pool: WarmPool[Pooled] = WarmPool(
             size=settings.pool_size,
             memory_budget_mb=settings.pool_memory_mb,
@@ -120,8 +121,9 @@ class SessionManager:
                 save_kept_states, self.settings.keep_state_save_idle_s, self.list, self.snapshots
             )
         self.services = HostServices(self.settings, self.backend, self.base_mounts, self.snapshots, self.options)
-        if self.pool.enabled and self.settings.network != NetworkMode.ALLOWLIST:
-            # An allowlist sandbox's proxy is labelled with its session in the audit log: start cold.
+        if self.pool.enabled and (self.settings.pool_take_apply or self.settings.network != NetworkMode.ALLOWLIST):
+            # An allowlist sandbox's proxy is its session's alone: a pooled one's is served from its take on
+            # (warm_take.py); without pool_take_apply such a sandbox starts cold.
             self._pool_options = self.options()
             self._task_group.start_soon(self.pool.run)
         return self
@@ -179,8 +181,9 @@ class SessionManager:
         self, options: SandboxOptions | None = None, owner: str = LOCAL_CALLER, pool_wait_s: float = 0.0,
         seed: Seed | None = None, session_id: str | None = None,
     ) -> Session:  # fmt: skip
-        """A new session; from the warm pool when its options are the defaults (`pool_wait_s`: how
-        long to wait for a pooled start under way instead of starting cold). `seed`: start from a
+        """A new session; from the warm pool when its options can be given to a pooled sandbox as it is
+        taken (warm_take.py; `pool_wait_s`: how long to wait for a pooled start under way instead of
+        starting cold). Its status says which way it went and why. `seed`: start from a
         snapshot (its files before the sandbox starts, its state once the kernel is up; never pooled).
         `session_id`: the handle to give it (a cluster names its actor by it first); else a new one.
 
@@ -199,11 +202,9 @@ class SessionManager:
                 f"this client already holds {held} sessions, its share of this server: close one with "
                 "manage_sessions (action 'list' shows them), or raise max_sessions_per_client in the configuration"
             )
-        pooled_options = seed is None and self._pool_options is not None
-        if pooled_options and self._pool_options == dataclasses.replace(options, client=LOCAL_CLIENT):
-            pooled = await self.pool.take_or_wait(pool_wait_s) if pool_wait_s > 0 else self.pool.take()
-            if pooled is not None:
-                return self._adopt(pooled, options, owner, session_id)
+        warm = await self._take_warm(options, owner, pool_wait_s, seed, session_id)
+        if isinstance(warm, Session):
+            return warm
         self._cold_starts += 1
         try:
             await self._make_room()
@@ -211,6 +212,7 @@ class SessionManager:
             self._sessions[session.session_id] = session
         finally:
             self._cold_starts -= 1
+        session.started = StartedFrom(warm=False, why=warm)
         session.busy = True  # starting: the idle reaper must not close it under a slow start
         try:
             await session.lease.open_egress(self.egress, session.task_group, session.session_id, options)
@@ -234,6 +236,56 @@ class SessionManager:
         session.kept.mark_saved(session.last_used, "kernel state loaded" if loaded else None)
         session.keep_standby()
         log.info("session %s… started", session.session_id[:6])
+        return session
+
+    def _warm_problem(self, options: SandboxOptions, seed: Seed | None) -> str | None:
+        """Why a create with `options` may not take a pooled sandbox (None: it may, if one is ready)."""
+        if self._pool_options is None:
+            if not self.pool.enabled:
+                return "no warm pool (pool_size 0)"
+            return "no warm pool for network 'allowlist' without pool_take_apply"
+        if seed is not None:
+            return "started from saved state"
+        if not self.settings.pool_take_apply:
+            if self._pool_options == dataclasses.replace(options, client=LOCAL_CLIENT):
+                return None
+            return "options other than the defaults start cold without pool_take_apply"
+        return take_problem(self._pool_options, options, self.backend.live_limits_problem())
+
+    async def _take_warm(
+        self, options: SandboxOptions, owner: str, pool_wait_s: float, seed: Seed | None, session_id: str | None
+    ) -> Session | str:
+        """A session on a pooled sandbox given `options` at take (warm_take.py), or why the create starts cold.
+        A sandbox that cannot be given them after all is closed, never handed out nor put back."""
+        problem = self._warm_problem(options, seed)
+        if problem is not None:
+            return problem
+        pooled = await self.pool.take_or_wait(pool_wait_s) if pool_wait_s > 0 else self.pool.take()
+        if pooled is None:
+            return "the warm pool had no sandbox ready"
+        assert self._pool_options is not None
+        session, built = pooled.session, self._pool_options.limits
+        session_id = session_id or secrets.token_urlsafe(18)
+        try:
+            if options.limits != built:
+                process = session.kernel.process if session.kernel is not None else None
+                if process is None:
+                    raise SandboxUnavailable("its sandbox is gone")
+                await off_loop(self.backend.lower_limits, process, built, options.limits)
+                lower = address_space_code(built, options.limits)
+                if lower is not None:
+                    await self._silent_cell(session, lower, "its memory limit")
+            await session.lease.open_egress(self.egress, session.task_group, session_id, options)
+        except (SessionError, SandboxUnavailable) as exc:
+            log.warning("warm pool: a pooled sandbox could not be given a create's options (%s); closed", exc)
+            await self._discard_pooled(pooled)
+            return f"the pooled sandbox could not be given its options ({exc})"
+        except BaseException:  # cancelled half-way: never leave a taken sandbox nobody holds
+            with anyio.CancelScope(shield=True):
+                await self._discard_pooled(pooled)
+            raise
+        session = self._adopt(pooled, options, owner, session_id)
+        session.started = StartedFrom(warm=True, why=warm_why(self._pool_options, options))
         return session
 
     async def _prepare(
@@ -284,6 +336,7 @@ class SessionManager:
         assert self._pool_options is not None
         session = await self._prepare(self._pool_options, LOCAL_CALLER)
         try:
+            session.lease.reserve_egress(self.egress)  # allowlist: served once taken, with the taker's policy
             await session.start_kernel()
             await self._warm_up(session)
         except BaseException:
@@ -299,17 +352,21 @@ class SessionManager:
     async def _warm_up(self, session: Session) -> None:
         """One silent warm-up cell (sessions/warm_up.py): the one-off costs of a fresh ipykernel's
         first execute and, with preload_imports, the common imports, paid before its user arrives."""
+        await self._silent_cell(session, warm_up_code(self.settings.preload_imports), "its warm-up cell")
+
+    async def _silent_cell(self, session: Session, code: str, what: str) -> None:
+        """Run the server's own `code` silently in a pooled kernel nobody uses yet; SessionError if it fails."""
         assert session.kernel is not None
         output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
         try:
             outcome = await session.kernel.execute(
-                warm_up_code(self.settings.preload_imports), output, timeout_s=self.settings.startup_timeout_s,
+                code, output, timeout_s=self.settings.startup_timeout_s,
                 interrupt_grace_s=self.settings.interrupt_grace_s, silent=True,
             )  # fmt: skip
         finally:
             output.close()
         if outcome.status is not RunStatus.OK:
-            raise SessionError(f"a pooled kernel failed its warm-up cell ({outcome.status.value})")
+            raise SessionError(f"a pooled kernel failed {what} ({outcome.status.value})")
 
     async def _discard_pooled(self, pooled: Pooled) -> None:
         await self._close_session(pooled.session)

@@ -1,4 +1,7 @@
-"""The warm pool: sandboxes with a live kernel, started ahead for sessions with default options.
+"""The warm pool: sandboxes with a live kernel, started ahead with the default options.
+
+A create takes one when its own options can be given to it as it is taken (lower limits, its allowlist,
+its run limit: warm_take.py); the pool itself knows nothing of options.
 
 A cold session pays for its workspace, its sandbox and ipykernel's start (about 300 ms); a pooled
 one has paid already, so taking it costs a few attribute writes. The rules that keep it safe:

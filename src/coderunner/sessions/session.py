@@ -49,6 +49,7 @@ from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.session_status import SessionStatus, session_status
 from coderunner.sessions.standby import Standby, StandbyBudget
 from coderunner.sessions.usage import session_usage
+from coderunner.sessions.warm_take import StartedFrom
 
 __all__ = ["GUEST_MARGIN_S", "Session"]  # GUEST_MARGIN_S: session_snapshots.py reads it here
 
@@ -126,6 +127,8 @@ class Session:
     standby_budget: StandbyBudget | None = None
     #: Its cells and guest calls, run on the kernel it holds (kernel_calls.py); set up after construction.
     calls: KernelCalls = field(init=False)
+    #: Whether its sandbox was taken warm from the pool or started cold, and why (warm_take.py).
+    started: StartedFrom | None = None
 
     def __post_init__(self) -> None:
         self.jobs = JobTable(self.task_group)

@@ -20,6 +20,7 @@ from coderunner.sessions.kept_state import KeptState
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.standby import Standby
 from coderunner.sessions.usage import session_usage
+from coderunner.sessions.warm_take import StartedFrom
 
 
 @dataclass
@@ -54,6 +55,8 @@ class SessionStatus:
     #: Its standby kernel (reset_standby): ready, starting or none, and the memory it holds beside
     #: `memory_used_mb` (None: no standby kept, by the setting or the backend).
     standby: dict[str, Any] | None = None
+    #: Whether its sandbox came warm from the pool or started cold, and why (None: not said, e.g. a cluster's).
+    started: dict[str, Any] | None = None
 
 
 class Reported(Protocol):
@@ -104,6 +107,9 @@ class Reported(Protocol):
     @property
     def standby(self) -> Standby: ...
 
+    @property
+    def started(self) -> StartedFrom | None: ...
+
 
 def session_status(session: Reported) -> SessionStatus:
     """`session` as it stands now."""
@@ -142,6 +148,7 @@ def session_status(session: Reported) -> SessionStatus:
         keep_state=options.keep_state,
         state_note=session.kept.note,
         standby=session.standby.describe(),
+        started=session.started.describe() if session.started is not None else None,
     )
 
 

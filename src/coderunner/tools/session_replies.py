@@ -49,7 +49,8 @@ def brief(status: SessionStatus, default: bool) -> dict[str, Any]:
 
 def detailed(status: SessionStatus, default: bool) -> dict[str, Any]:
     """manage_sessions status: the brief view plus usage against each limit (and how it is held), the
-    kernel's history, mounts by their sandbox side, the running job, the standby and the saved state."""
+    kernel's history, mounts by their sandbox side, the running job, the standby, the saved state and how its
+    sandbox started (warm from the pool or cold, and why)."""
     described = brief(status, default)
     described.update(
         kernel_generation=status.kernel_generation,
@@ -70,6 +71,8 @@ def detailed(status: SessionStatus, default: bool) -> dict[str, Any]:
         described["restored_from"] = status.restored_from
     if status.state_note is not None:
         described["state_note"] = status.state_note
+    if status.started is not None:
+        described["started"] = status.started
     return described
 
 
