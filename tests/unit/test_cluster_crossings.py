@@ -154,6 +154,54 @@ async def test_a_visited_agent_stays_one_holding_a_session_stays_and_one_nobody_
     assert probe.manager_left and not agent._sides  # its warm pool went with its manager
 
 
+@pytest.mark.anyio
+async def test_an_open_its_front_door_abandoned_closes_the_session_once_it_is_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A front door that stopped waiting for an open (its bound, a cancel) tells the agent, which closes the
+    session when its start ends: no session is left that no front door knows of."""
+    AgentProbe(monkeypatch)
+    started, release, closed = anyio.Event(), anyio.Event(), []
+
+    class Manager:
+        def __init__(self, settings: Any, backend: Any) -> None:
+            self.pool = SimpleNamespace(stats=lambda: SimpleNamespace(ready=0))
+
+        async def __aenter__(self) -> Any:
+            return self
+
+        async def __aexit__(self, *exc_info: object) -> None:
+            pass
+
+        async def create(self, options: Any, owner: str, seed: Any, session_id: str) -> Any:
+            started.set()
+            await release.wait()  # a slow start
+            return SimpleNamespace(session_id=session_id, sandbox_mounts=None, closed=False, close_done=None,
+                                   close_note=None)  # fmt: skip
+
+        async def close(self, session_id: str) -> None:
+            closed.append(session_id)
+
+    monkeypatch.setattr(agent_module, "SessionManager", Manager)
+    agent = agent_module.NodeAgent({"backend": "bwrap"}, "k" * 16)
+    agent.settings.transfer_limit_bytes = 2**20
+    agent.node_entry = {"Resources": {"CPU": 2.0, "memory": 4.0 * 2**30, "coderunner-bwrap": 4.0}}
+    request = Request(0.1, 512, "bwrap")
+    async with anyio.create_task_group() as group:
+        refused: list[str] = []
+
+        async def opening() -> None:
+            with pytest.raises(SessionError, match="abandoned") as caught:
+                await agent.open("s-slow", None, "alice/1", None, request)  # type: ignore[arg-type]
+            refused.append(str(caught.value))
+
+        group.start_soon(opening)
+        await started.wait()
+        await agent.abandon("s-slow")  # the front door's bound passed meanwhile
+        release.set()
+    assert refused and closed == ["s-slow"] and not agent._sides and not agent._reserved
+
+
 # --- snapshots: what one client taught the front door is not used for another ----------------------
 
 

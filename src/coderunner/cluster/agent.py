@@ -25,6 +25,7 @@ the same task. Ray runs the agent's calls on one event loop, many at once (max_c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -51,6 +52,8 @@ ORPHAN_S = 300.0
 #: An agent whose manager could not start (a broken backend, a missing shared mount) answers why for
 #: this long, then ends, so that the next create tries again.
 FAILED_END_S = 5.0
+#: Opens abandoned by their front door remembered at once (each closed when its open ends).
+MAX_ABANDONED = 256
 #: What a session's agent serves of it (session_side.py); `info` and `close` are the agent's own.
 SESSION_CALLS = frozenset({
     "start_run", "read_job", "cancel_run", "answer_egress", "cancel_job", "forget_job", "list_jobs", "reset",
@@ -77,6 +80,8 @@ class NodeAgent:
         self.manager: SessionManager | None = None
         self._sides: dict[str, SessionSide] = {}
         self._reserved: dict[str, Request] = {}
+        #: Opens still under way whose front door stopped waiting (abandon).
+        self._abandoned: set[str] = set()
         self._entered = asyncio.Event()
         self._failure: BaseException | None = None
         self._main: asyncio.Task[None] | None = None
@@ -154,9 +159,22 @@ class NodeAgent:
             raise
         side = SessionSide(manager, session, self.node, self.settings.transfer_limit_bytes, self._standby_after_reset)
         self._sides[session_id] = side
+        if session_id in self._abandoned:  # its front door stopped waiting: nobody would ever close it
+            self._abandoned.discard(session_id)
+            await self.call(session_id, "close")
+            raise SessionError(f"the session {session_id!r} was abandoned by its front door while it started")
         info = side.info()
         info.status = await side.status()  # the create's reply shows it: one call fewer
         return info
+
+    async def abandon(self, session_id: str) -> None:
+        """A front door stopped waiting for the open of `session_id` (its bound, a cancel): close it once
+        it is open (now, or when its open ends), so that no session is left that nobody knows of."""
+        if session_id in self._sides:
+            with contextlib.suppress(SessionError):
+                await self.call(session_id, "close")
+        elif len(self._abandoned) < MAX_ABANDONED:
+            self._abandoned.add(session_id)
 
     async def call(self, session_id: str, method: str, *args: Any) -> Any:
         """One front-door call of session `session_id` (SESSION_CALLS, `info` or `close`)."""

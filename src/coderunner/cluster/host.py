@@ -209,7 +209,11 @@ class ClusterHost:
             with anyio.fail_after(bound):
                 info: SessionInfo = await agent.open.remote(session_id, options, owner, seed, request)
         except TimeoutError:
+            await _abandon(agent, session_id)
             raise SessionError(f"the session did not start within {bound:g}s on its node") from None
+        except anyio.get_cancelled_exc_class():
+            await _abandon(agent, session_id)
+            raise
         except ray.exceptions.RayTaskError as exc:
             raise cause_of(exc) from None
         except ray.exceptions.RayError as exc:
@@ -409,3 +413,9 @@ class ClusterHost:
 
 def _may_use(session_owner: str, owner: str | None) -> bool:
     return owner is None or client_of_key(session_owner) == client_of_key(owner)
+
+
+async def _abandon(agent: Any, session_id: str) -> None:
+    """Tell an agent this front door stopped waiting for its open of `session_id` (it closes the session)."""
+    with anyio.move_on_after(CALL_S, shield=True), contextlib.suppress(Exception):
+        await agent.abandon.remote(session_id)
