@@ -12,8 +12,8 @@ and plain `serve` (bwrap) with pool_size=0 and with its default pool of 2.
 a. Warm `run_python('1+1')` round trip into the caller's default session, cluster against local (the
    pool_size=0 front doors): `--rounds` rounds of one call per lane, the lanes in a fresh random order
    each round, after a warm-up, so drift on a shared machine hits both alike. Beside them, the floor:
-   a bare Ray actor call (`ping`) to the same session actor from a driver of our own (a block after the
-   rounds, not interleaved), and the same actor call a front door makes for a run (`start_run`), from
+   a bare Ray actor call (`ping`) to the session's node agent from a driver of our own (a block after the
+   rounds, not interleaved), and the same agent call a front door makes for a run (`start_run`), from
    that driver: what a warm run costs on the node's side.
 b. create_session to first result (`create_session`, then `run_python('1')` in it; closed untimed),
    `--colds` shuffled rounds of the four lanes: cluster and local, each from its warm pool and cold.
@@ -22,19 +22,20 @@ c. `--sessions` sessions created at once through the cluster front door without 
    the least a session may ask for, and the default 0.1 CPU each), each then running `1`: time until
    all answered, and where they landed. If some fail, they are closed and half as many are tried at
    once, down to 5: the largest burst that all started. Then `--sessions` sessions are held at once
-   (made in waves of that size): memory with all of them alive (host MemAvailable; PSS of the session
-   actors' processes and of their sandboxes), then all closed at once, and what the cluster still held
-   afterwards (actor processes, sandboxes, named actors, mounts on the nodes' disks). Beside it the
-   same burst on the local front door (--no-local-burst skips it).
+   (made in waves of that size): memory with all of them alive (host MemAvailable; PSS of the node
+   agents' processes and of the sandboxes), the CPU they spend sitting idle (IDLE_S), then all closed at
+   once, and what the cluster still held afterwards (sessions in agents, sandboxes, named actors but the
+   agents, mounts on the nodes' disks). Beside it the same burst on the local front door
+   (--no-local-burst skips it).
 
-Ray's `memory` and `CPU` are logical resources that each session reserves (its memory_mb, an address
-space cap, not RAM in use; its cpus). The fixture's workers advertise 4 GiB and 2 CPUs each: room for 16
-sessions of 512 MiB, or two of the default 2048 MiB. This bench has each worker advertise room for its
-half of `--sessions` plus the sessions and pools of parts a and b (printed at the start); what the
-machine really holds is what part c measures.
+A node's `memory` and `CPU` (Ray's logical resources) are what each session reserves in its agent's
+account (its memory_mb, an address space cap, not RAM in use; its cpus). The fixture's workers
+advertise 4 GiB and 2 CPUs each: room for 16 sessions of 512 MiB, or two of the default 2048 MiB. This
+bench has each worker advertise room for its half of `--sessions` plus the sessions and pools of parts
+a and b (printed at the start); what the machine really holds is what part c measures.
 
 No timing assertions: figures only. Every wait is bounded; the sessions, front doors and the cluster
-(with everything in its namespace, the pools' actors included) are gone at the end, also after a
+(with everything in its namespace, the node agents included) are gone at the end, also after a
 failure or Ctrl-C.
 """
 
@@ -85,44 +86,62 @@ BURST_TIMEOUT_S = 1800.0
 GONE_TIMEOUT_S = 120.0
 POOLS_TIMEOUT_S = 180.0
 WARMUP_CALLS = 10
-#: Think time after each create of part b (a closed actor ends itself a moment after its close;
-#: a local pool starts its replacement a moment after a take).
+#: How long part c's held sessions sit idle while their CPU is counted.
+IDLE_S = 10.0
+#: Think time after each create of part b (a pool starts its replacement a moment after a take).
 COLD_PAUSE_S = 1.0
 
 PING_SCRIPT = """
 import json, sys, time
 import ray
 ray.init(address=sys.argv[1], namespace="coderunner", logging_level="ERROR", log_to_driver=False)
-actor = ray.get_actor("session-" + sys.argv[2], namespace="coderunner")
+session_id = sys.argv[2]
+_, tag, key = session_id.rsplit("-", 2)
+(name,) = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+           if a["name"].startswith("agent-" + tag) and a["name"].endswith("-" + key)]
+agent = ray.get_actor(name, namespace="coderunner")
 for _ in range(20):
-    ray.get(actor.ping.remote(), timeout=30)
+    ray.get(agent.ping.remote(), timeout=30)
 samples = []
 for _ in range(int(sys.argv[3])):
     began = time.perf_counter()
-    ray.get(actor.ping.remote(), timeout=30)
+    ray.get(agent.ping.remote(), timeout=30)
     samples.append(time.perf_counter() - began)
-# The node's side of a warm run_python: the same actor call the front door makes, from a bare driver.
+# The node's side of a warm run_python: the same agent call the front door makes, from a bare driver.
 from coderunner.edge.callers import LOCAL_CALLER
 runs = []
 for index in range(20 + int(sys.argv[3])):
     began = time.perf_counter()
-    delta = ray.get(actor.start_run.remote("1+1", None, None, LOCAL_CALLER, 0.5), timeout=60)
+    delta = ray.get(agent.call.remote(session_id, "start_run", "1+1", None, None, LOCAL_CALLER, 0.5), timeout=60)
     if index >= 20:
         runs.append(time.perf_counter() - began)
     assert delta.ended, delta
-    ray.get(actor.forget_job.remote(delta.job_id), timeout=30)
+    ray.get(agent.call.remote(session_id, "forget_job", delta.job_id), timeout=30)
 print(json.dumps({"ping": samples, "run": runs}))
 """
 
+#: What the cluster holds: each session open in a node agent (`session-<id>`) and any named actor but the agents.
 ACTORS_SCRIPT = """
 import json, sys
 import ray
 ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
-print(json.dumps([a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "coderunner"]))
+found = []
+for a in ray.util.list_named_actors(all_namespaces=True):
+    if a["namespace"] != "coderunner":
+        continue
+    if not a["name"].startswith("agent-"):
+        found.append(a["name"])
+        continue
+    try:
+        held = ray.get(ray.get_actor(a["name"], namespace="coderunner").holding.remote(), timeout=30)
+    except Exception:
+        continue  # it ended meanwhile
+    found += ["session-" + session_id for session_id in held["sessions"]]
+print(json.dumps(found))
 """
 
-#: Waits (up to argv[3] s) until every node pool (actors `pool-<node id>-<key>`) has argv[2] ready; prints their stats.
+#: Waits (up to argv[3] s) until the agents that keep a pool (argv[4] of them at least) have argv[2] warm
+#: sandboxes ready each; prints what they hold.
 POOLS_SCRIPT = """
 import json, sys, time
 import ray
@@ -130,8 +149,9 @@ ray.init(address=sys.argv[1], namespace="coderunner", logging_level="ERROR", log
 size, deadline = int(sys.argv[2]), time.monotonic() + float(sys.argv[3])
 while True:
     names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == "coderunner" and a["name"].startswith("pool-")]
-    stats = [ray.get(ray.get_actor(name).stats.remote(), timeout=30) for name in names]
+             if a["namespace"] == "coderunner" and a["name"].startswith("agent-")]
+    held = [ray.get(ray.get_actor(name).holding.remote(), timeout=30) for name in names]
+    stats = [{"ready": h["warm"], "taken": h["taken"], "node": h["node"][:12]} for h in held if h["pool_size"] > 0]
     if (len(stats) >= int(sys.argv[4]) and all(s["ready"] >= size for s in stats)) or time.monotonic() > deadline:
         break
     time.sleep(0.5)
@@ -173,7 +193,7 @@ def free_m() -> str:
 TICK = os.sysconf("SC_CLK_TCK")
 #: What part c's CPU accounting calls each process, by its command line (the first that matches).
 CPU_PARTS = (
-    ("session actors (Ray workers), main thread", ("ray::SessionActor", "default_worker.py")),
+    ("node agents (Ray workers), main thread", ("ray::NodeAgent", "default_worker.py")),
     ("sandboxes (kernels)", ("bwrap", "ipykernel", "coderunner_guest")),
     ("front doors", ("coderunner.cli serve", "coderunner serve")),
     ("Ray's daemons", ("raylet", "gcs_server", "log_monitor", "dashboard", "monitor.py", "runtime_env", "ray::")),
@@ -208,8 +228,8 @@ def cpu_by_process() -> dict[tuple[int, str], tuple[str, float]]:
     return found
 
 
-#: A session actor's threads but its main one: its asyncio loop, where the session's own calls run.
-ACTOR_THREADS = "session actors' other threads"
+#: A node agent's threads but its main one: its asyncio loop, where its sessions' calls run.
+ACTOR_THREADS = "node agents' other threads"
 
 
 def _other_threads_cpu(process: Path) -> float:
@@ -259,9 +279,9 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def session_actor_pids(cluster: RayCluster) -> list[int]:
-    """The processes of live session actors (Ray titles them after the class)."""
-    return [pid for pid in cluster.netns_pids() if _argv0(pid).startswith("ray::SessionActor")]
+def agent_pids(cluster: RayCluster) -> list[int]:
+    """The processes of live node agents (Ray titles them after the class)."""
+    return [pid for pid in cluster.netns_pids() if _argv0(pid).startswith("ray::NodeAgent")]
 
 
 def _comm(pid: int) -> str:
@@ -358,7 +378,7 @@ async def warm(lanes: dict[str, Client], rounds: int) -> dict[str, list[float]]:
 
 
 def actor_floor(cluster: RayCluster, session_id: str, calls: int) -> dict[str, list[float]]:
-    """Bare actor calls to the session's actor from a driver of our own, in the namespace: `ping`, and
+    """Bare actor calls to the session's agent from a driver of our own, in the namespace: `ping`, and
     `start_run('1+1')` as the front door calls it (the node's side of a warm run_python)."""
     done = cluster.run_python(PING_SCRIPT, cluster.address, session_id, str(calls), timeout=300)
     if done.returncode != 0:
@@ -371,7 +391,7 @@ def actor_floor(cluster: RayCluster, session_id: str, calls: int) -> dict[str, l
 
 
 def pools_full(cluster: RayCluster) -> list[dict[str, Any]]:
-    """Waits (bounded) until every worker's pool has POOL_SIZE ready; the pools' stats."""
+    """Waits (bounded) until every worker's agent that keeps a pool has POOL_SIZE ready; what they hold."""
     workers = len(cluster.nodes) - 1
     done = cluster.run_python(
         POOLS_SCRIPT, cluster.address, str(POOL_SIZE), str(POOLS_TIMEOUT_S), str(workers),
@@ -482,7 +502,7 @@ class Baseline:
 
     def __init__(self, cluster: RayCluster) -> None:
         self.cluster = cluster
-        self.actors = len(session_actor_pids(cluster))
+        self.actors = len(agent_pids(cluster))
         self.sandboxes = len(sandbox_pids(cluster))
         self.names = named_actors(cluster)
         self.mounts = set(self.mounted())
@@ -493,7 +513,7 @@ class Baseline:
         return [row.split()[1] for row in Path("/proc/mounts").read_text().splitlines() if inside in row]
 
     def extra(self) -> tuple[int, int]:
-        return len(session_actor_pids(self.cluster)) - self.actors, len(sandbox_pids(self.cluster)) - self.sandboxes
+        return len(agent_pids(self.cluster)) - self.actors, len(sandbox_pids(self.cluster)) - self.sandboxes
 
     async def settled(self) -> tuple[bool, float]:
         """Whether everything part c made is gone (bounded), and how long that took."""
@@ -523,14 +543,15 @@ async def burst_cluster(cluster: RayCluster, client: Client, count: int) -> dict
             if not wave.complete:
                 break
         found["waves"] = held
-        await anyio.sleep(3)  # settle: the actors' first allocations
+        await anyio.sleep(3)  # settle: the sessions' first allocations
         alive = sum(len(wave.made) for wave in held)
         found["held"] = alive
         found["mem"] = (before_mb, mem_available_mb())
         found["free_peak"] = free_m()
-        actors, sandboxes = session_actor_pids(cluster), sandbox_pids(cluster)
+        actors, sandboxes = agent_pids(cluster), sandbox_pids(cluster)
         new_actors, new_sandboxes = base.extra()
-        found["actors"] = (new_actors, pss_mb(actors) / max(len(actors), 1))
+        found["actors"] = (new_actors, pss_mb(actors) / max(len(actors), 1), len(actors))
+        found["idle"] = await idle_cpu(alive)
         sandbox_pss = pss_mb([pid for root in sandboxes for pid in _descendants(root)])
         found["sandboxes"] = (new_sandboxes, sandbox_pss / max(len(sandboxes), 1))
         names = {node.node_id: name for name, node in cluster.nodes.items()}
@@ -553,6 +574,18 @@ async def burst_cluster(cluster: RayCluster, client: Client, count: int) -> dict
     found["left_mounts"] = sorted(set(base.mounted()) - base.mounts)
     found["free_after"] = free_m()
     return found
+
+
+async def idle_cpu(held: int) -> dict[str, float]:
+    """CPU the held sessions spend sitting idle for IDLE_S (their agents, their sandboxes), as % of a core
+    per session."""
+    before = cpu_by_process()
+    await anyio.sleep(IDLE_S)
+    spent = cpu_spent(before)
+    agents = spent.get(CPU_PARTS[0][0], 0.0) + spent.get(ACTOR_THREADS, 0.0)
+    sandboxes = spent.get(CPU_PARTS[1][0], 0.0)
+    per = 100.0 / IDLE_S / max(held, 1)
+    return {"percent": (agents + sandboxes) * per, "agents": agents * per, "sandboxes": sandboxes * per}
 
 
 async def burst_local(cluster: RayCluster, client: Client, count: int) -> dict[str, Any]:
@@ -651,7 +684,7 @@ def print_first(found: dict[str, Any]) -> None:
     for lane, label in (
         ("cluster, node pool", "cluster, from a node's warm pool"),
         ("local, pool", "local, from the server's warm pool"),
-        ("cluster", "cluster, cold (an actor, then a sandbox)"),
+        ("cluster", "cluster, cold (a sandbox by a node agent)"),
         ("local", "local, cold (a sandbox)"),
     ):
         print(line(label, samples[lane]))
@@ -679,7 +712,7 @@ def print_burst(found: dict[str, Any], count: int) -> None:
         cleanup = found.get("cleanup", [])
         if index < len(cleanup):
             gone, seconds = cleanup[index]
-            print(f"      closed; its actors and sandboxes gone: {gone} ({seconds:.1f} s)")
+            print(f"      closed; its sandboxes gone: {gone} ({seconds:.1f} s)")
     if "held" in found:
         waves = found["waves"]
         before_mb, peak_mb = found["mem"]
@@ -691,16 +724,22 @@ def print_burst(found: dict[str, Any], count: int) -> None:
         for wave in waves[1:]:
             for text in error_summary(wave.errors):
                 print(f"      refused/failed: {text}")
-        actors, actor_pss = found["actors"]
+        actors, actor_pss, agents = found["actors"]
         sandboxes, sandbox_pss = found["sandboxes"]
         print(
-            f"   alive: {actors} more session actor processes (PSS {actor_pss:.1f} MiB each, mean over all), "
+            f"   alive: {agents} node agent processes ({actors:+d} for part c; PSS {actor_pss:.1f} MiB each, "
+            f"{actor_pss * agents / max(found['held'], 1):.1f} MiB per held session), "
             f"{sandboxes} more sandboxes (PSS {sandbox_pss:.1f} MiB each)"
         )
         if found["held"]:
             print(
                 f"   host MemAvailable {before_mb:.0f} MiB before part c -> {peak_mb:.0f} MiB with them alive: "
-                f"{(before_mb - peak_mb) / found['held']:.1f} MiB per session (its actor and sandbox)"
+                f"{(before_mb - peak_mb) / found['held']:.1f} MiB per session (its sandbox and its share of an agent)"
+            )
+            idle = found["idle"]
+            print(
+                f"   idle for {IDLE_S:g} s with them alive: {idle['percent']:.3f}% of a core per held session "
+                f"(agents {idle['agents']:.3f}%, sandboxes {idle['sandboxes']:.3f}%)"
             )
         print(f"   free -m with them alive: {found['free_peak']}")
     else:
@@ -711,8 +750,9 @@ def print_burst(found: dict[str, Any], count: int) -> None:
     gone, seconds = found["gone"]
     left_actors, left_sandboxes = found["left"]
     print(
-        f"   afterwards: all gone: {gone} ({seconds:.1f} s after the last close answered); named actors left: "
-        f"{found['left_names'] or 'none'}; actor processes left {left_actors}, sandboxes left {left_sandboxes}"
+        f"   afterwards: all gone: {gone} ({seconds:.1f} s after the last close answered); sessions or named actors "
+        f"left: {found['left_names'] or 'none'}; agent processes beyond those before {left_actors}, sandboxes "
+        f"left {left_sandboxes}"
     )
     left_mounts = found["left_mounts"]
     print(
@@ -731,7 +771,7 @@ def print_local_burst(found: dict[str, Any], count: int) -> None:
         print(f"      {burst.cpu_line()}")
     print(
         f"   {found['sandboxes']} sandboxes alive, PSS {found['sandboxes_pss'] / (found['sandboxes'] or 1):.1f} MiB "
-        "each (no actor process per session here)"
+        "each (one server process for all of them here)"
     )
     for text in error_summary(burst.errors):
         print(f"      refused/failed: {text}")
@@ -811,12 +851,17 @@ def summary_figures(figures: dict[str, Any], args: argparse.Namespace) -> list[F
         ))  # fmt: skip
         if burst.get("held"):
             before_mb, peak_mb = burst["mem"]
-            _, actor_pss = burst["actors"]
+            _, actor_pss, agents = burst["actors"]
             _, sandbox_pss = burst["sandboxes"]
             per_session = round((before_mb - peak_mb) / burst["held"], 1)
             found.append(Figure(
                 "host memory per held cluster session (MemAvailable drop)", per_session, "MiB",
-                notes=f"{burst['held']} held; PSS each: actor {actor_pss:.0f} MiB, sandbox {sandbox_pss:.0f} MiB",
+                notes=f"{burst['held']} held; PSS: {agents} agents, {actor_pss:.0f} MiB each; "
+                f"sandbox {sandbox_pss:.0f} MiB",
+            ))  # fmt: skip
+            found.append(Figure(
+                "idle CPU per held cluster session", round(burst["idle"]["percent"], 3), "% of a core",
+                target="<= 0.05%", met=burst["idle"]["percent"] <= 0.05,
             ))  # fmt: skip
     return found
 

@@ -178,8 +178,8 @@ class Settings(BaseSettings):
     ray_address: str | None = Field(
         default=None,
         description="Cluster mode: the Ray cluster sessions live on (HOST:PORT of its head, or 'auto' for the "
-        "cluster this process runs in). Each session is a detached actor on a worker node; see the README's "
-        "'Beyond one machine'. Needs the `ray` extra.",
+        "cluster this process runs in). Each session lives in its worker node's agent (a detached actor); see "
+        "the README's 'Beyond one machine'. Needs the `ray` extra.",
     )
     ray_node_labels: dict[RayLabel, RayLabel] = Field(
         default_factory=dict,

@@ -263,7 +263,7 @@ async def test_no_sandbox_reaches_rays_ports_in_any_network_mode_a_front_door_al
         probes = {}
         for mode in ("none", "allowlist"):
             probes[mode] = json_of(await ok(client, "create_session", network=mode))["session_id"]  # type: ignore[index]
-        targets = ray_targets(ray_cluster)  # with the sessions' actors up: their core workers' ports too
+        targets = ray_targets(ray_cluster)  # with the node agents up: their core workers' ports too
         assert len(targets) >= 8, targets
         for mode, session_id in probes.items():
             reply = text_of(await ok(client, "run_python", code=PROBE.format(targets=targets), session_id=session_id,

@@ -28,9 +28,12 @@ from ..conftest import ServerDirs, json_of, text_of
 from .conftest import REPO, RayCluster, eventually
 from .test_cluster_mode import (
     FETCH,
+    _agents,
     _listening,
-    _pooled,
     _stop_pools,
+    _taken,
+    _warm,
+    agents_held,
     call,
     cluster_env,
     front_door,
@@ -68,22 +71,26 @@ async def test_a_pooled_session_never_reaches_a_front_door_with_other_settings(
                             CODERUNNER_ALLOWED_DOMAINS='["example.org"]', CODERUNNER_ALLOWED_PORTS="[443]")  # fmt: skip
     try:
         async with front_door(ray_cluster, first) as door_a:
-            assert await eventually(lambda: len(_pooled(ray_cluster)) == 2, 180), named_actors(ray_cluster)
-            pooled_a = set(_pooled(ray_cluster))
+            assert await eventually(lambda: _warm(ray_cluster) == [1, 1], 180), agents_held(ray_cluster)
+            (key_a,) = {held["key"] for held in _agents(ray_cluster)}  # A's agents, one per worker
             async with front_door(ray_cluster, other) as door_c:
                 await anyio.sleep(FIND_POOLS_S)
                 made_c = json_of(await ok(door_c, "create_session"))
-                assert made_c is not None and made_c["session_id"] not in pooled_a, (made_c, pooled_a)
-                # C's own pools (one per worker) fill beside A's, and C's next create takes from them.
-                assert await eventually(lambda: len(set(_pooled(ray_cluster)) - {made_c["session_id"]}) == 4, 180)
-                pooled_c = set(_pooled(ray_cluster)) - pooled_a - {made_c["session_id"]}
+                assert made_c is not None and key_of(made_c) != key_a, (made_c, key_a)
+                assert _taken(ray_cluster, key_a) == 0  # none of A's warm sandboxes
+                # C's own agents (one per worker) fill their pools beside A's, and C's next create takes from them.
+                key_c = key_of(made_c)
+                assert await eventually(lambda: _warm(ray_cluster, key_c) == [1, 1], 180), agents_held(ray_cluster)
+                assert _warm(ray_cluster, key_a) == [1, 1]
+                taken_c = _taken(ray_cluster, key_c)
                 again = json_of(await ok(door_c, "create_session"))
-                assert again is not None and again["session_id"] in pooled_c, (again, pooled_c)
+                assert again is not None and key_of(again) == key_c and _taken(ray_cluster, key_c) == taken_c + 1
                 await ok(door_c, "manage_sessions", action="close", session_id=again["session_id"])
             async with front_door(ray_cluster, allowlist) as door_b:
                 await anyio.sleep(FIND_POOLS_S)
                 made = json_of(await ok(door_b, "create_session"))
-                assert made is not None and made["session_id"] not in pooled_a, (made, pooled_a)
+                assert made is not None and key_of(made) not in (key_a, key_c), (made, key_a)
+                assert _taken(ray_cluster, key_a) == 0
                 reply = text_of(await ok(door_b, "run_python", session_id=made["session_id"],
                                          code=FETCH.format(host="example.net", pause=0)))  # fmt: skip
                 assert "HTTP 403" in reply and "[network: denied example.net:80 (" in reply, reply
@@ -91,7 +98,7 @@ async def test_a_pooled_session_never_reaches_a_front_door_with_other_settings(
                 assert status is not None and status["egress"]["allowed_hosts"] == ["example.org"], status
                 await ok(door_b, "manage_sessions", action="close", session_id=made["session_id"])
             mine = json_of(await ok(door_a, "create_session"))
-            assert mine is not None and mine["session_id"] in pooled_a, (mine, pooled_a)
+            assert mine is not None and key_of(mine) == key_a and _taken(ray_cluster, key_a) == 1, (mine, key_a)
             await ok(door_a, "manage_sessions", action="close", session_id=mine["session_id"])
         # C's first session, left alone, is closed after C's 10 s idle timeout (not A's 600 s).
         assert await eventually(lambda: f"session-{made_c['session_id']}" not in named_actors(ray_cluster), 60)
@@ -99,6 +106,11 @@ async def test_a_pooled_session_never_reaches_a_front_door_with_other_settings(
         _stop_pools(ray_cluster)
     assert await eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
     assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+
+
+def key_of(made: dict[str, Any]) -> str:
+    """The settings key a session id carries (wire.new_session_id): which front doors' agent holds it."""
+    return str(made["session_id"]).rsplit("-", 1)[1]
 
 
 MAKE_SESSION = """

@@ -2,7 +2,7 @@
 
 Every front door runs inside the cluster's network namespace (nsenter) and is driven by the SDK's
 client over stdio, or over HTTP through `coderunner proxy` (also inside the namespace). Sessions are
-real bwrap sandboxes with real kernels, started by session actors on the worker nodes.
+real bwrap sandboxes with real kernels, started by the node agents (one per worker and settings) on the workers.
 
 The tests of this module share one cluster and run in order: the last one SIGKILLs a worker's
 raylet, which takes that node away for good.
@@ -81,16 +81,40 @@ def node_name(cluster: RayCluster, node_id: str) -> str:
     return next(name for name, node in cluster.nodes.items() if node.node_id == node_id)
 
 
-def named_actors(cluster: RayCluster) -> list[str]:
-    """The session actors the cluster still has (asked by a driver of our own)."""
-    done = cluster.run_python(
-        "import json, ray, sys; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR'); "
-        "print(json.dumps([a['name'] for a in ray.util.list_named_actors(all_namespaces=True) "
-        "if a['namespace'] == 'coderunner']))",
-        cluster.address,
-    )
+AGENTS = """
+import json, ray, sys
+ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR')
+found = {}
+for a in ray.util.list_named_actors(all_namespaces=True):
+    if a['namespace'] != 'coderunner':
+        continue
+    if not a['name'].startswith('agent-'):
+        found[a['name']] = None
+        continue
+    try:
+        found[a['name']] = ray.get(ray.get_actor(a['name'], namespace='coderunner').holding.remote(), timeout=30)
+    except Exception:
+        pass  # it ended meanwhile
+print(json.dumps(found))
+"""
+
+
+def agents_held(cluster: RayCluster) -> dict[str, dict[str, Any] | None]:
+    """What each named actor of the cluster holds, by name (asked by a driver of our own): a node agent's
+    sessions, warm sandboxes ready and creates that took one (NodeAgent.holding); None for any other actor."""
+    done = cluster.run_python(AGENTS, cluster.address)
     assert done.returncode == 0, done.stderr[-2000:]
-    return list(json.loads(done.stdout.strip().splitlines()[-1]))
+    found: dict[str, dict[str, Any] | None] = json.loads(done.stdout.strip().splitlines()[-1])
+    return found
+
+
+def named_actors(cluster: RayCluster) -> list[str]:
+    """What the cluster still holds: each session open in a node agent (as `session-<id>`) and any named
+    actor but the agents (which stay, holding nothing, until no front door visits them: agent.py)."""
+    held = agents_held(cluster)
+    return [name for name, holds in held.items() if holds is None] + [
+        f"session-{session_id}" for holds in held.values() if holds is not None for session_id in holds["sessions"]
+    ]
 
 
 def sandboxes_on(cluster: RayCluster) -> list[int]:
@@ -362,17 +386,16 @@ async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayC
     env = cluster_env(ray_cluster, dirs, CODERUNNER_POOL_SIZE="1")
     try:
         async with front_door(ray_cluster, env) as client:
-            # Each worker's pool starts one session actor ahead (named session-<id> from the start).
-            assert await eventually(lambda: len(_pooled(ray_cluster)) == 2, 120), named_actors(ray_cluster)
-            pooled = set(_pooled(ray_cluster))
+            # Each worker's agent keeps one warm sandbox (its manager's own pool of one).
+            assert await eventually(lambda: _warm(ray_cluster) == [1, 1], 120), agents_held(ray_cluster)
             made = json_of(await ok(client, "create_session"))
-            assert made is not None and made["session_id"] in pooled  # claimed, not started cold
+            assert made is not None and _taken(ray_cluster) == 1  # claimed, not started cold
             assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=made["session_id"]))
             # Its pool starts a replacement; the claimed one is the caller's alone.
-            assert await eventually(lambda: len(set(_pooled(ray_cluster)) - {made["session_id"]}) == 2, 120)
-            ready = set(_pooled(ray_cluster)) - {made["session_id"]}
-            other = json_of(await ok(client, "create_session", memory_mb=768))  # not the defaults
-            assert other is not None and other["session_id"] not in ready | pooled  # started cold
+            assert await eventually(lambda: _warm(ray_cluster) == [1, 1], 120), agents_held(ray_cluster)
+            # A named session's workspace is its own from the start: never a warm sandbox (warm_take.py).
+            other = json_of(await ok(client, "create_session", name="its-own"))
+            assert other is not None and _taken(ray_cluster) == 1 and _warm(ray_cluster) == [1, 1]  # started cold
             for session_id in (made["session_id"], other["session_id"]):
                 await ok(client, "manage_sessions", action="close", session_id=session_id)
     finally:
@@ -381,18 +404,25 @@ async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayC
     assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
 
 
-def _pooled(cluster: RayCluster) -> list[str]:
-    return [name.removeprefix("session-") for name in named_actors(cluster) if name.startswith("session-")]
+def _agents(cluster: RayCluster, key: str | None = None) -> list[dict[str, Any]]:
+    """The node agents' holdings (of the settings `key` only, if given), in node order."""
+    found = [held for held in agents_held(cluster).values() if held is not None and key in (None, held["key"])]
+    return sorted(found, key=lambda held: str(held["node"]))
+
+
+def _warm(cluster: RayCluster, key: str | None = None) -> list[int]:
+    """Warm sandboxes ready in each agent that keeps a pool (of the settings `key` only, if given)."""
+    return [int(held["warm"]) for held in _agents(cluster, key) if held["pool_size"] > 0]
+
+
+def _taken(cluster: RayCluster, key: str | None = None) -> int:
+    return sum(int(held["taken"]) for held in _agents(cluster, key))
 
 
 def _stop_pools(cluster: RayCluster) -> None:
-    """Pools outlive front doors (they are the cluster's): this test ends them, and their sessions."""
+    """Agents (and their warm pools) outlive front doors (they are the cluster's): this test ends them."""
     done = cluster.run_python(
         "import ray, sys; ray.init(address=sys.argv[1], log_to_driver=False, logging_level='ERROR')\n"
-        "for a in ray.util.list_named_actors(all_namespaces=True):\n"
-        "    if a['namespace'] == 'coderunner' and a['name'].startswith('pool-'):\n"
-        "        ray.kill(ray.get_actor(a['name'], namespace='coderunner'), no_restart=True)\n"
-        "import time; time.sleep(1)\n"
         "for a in ray.util.list_named_actors(all_namespaces=True):\n"
         "    if a['namespace'] == 'coderunner':\n"
         "        ray.kill(ray.get_actor(a['name'], namespace='coderunner'), no_restart=True)\n",
@@ -613,28 +643,88 @@ async def test_an_allowlist_one_shot_runs_denials_reach_the_reply_from_its_node(
     assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
 
 
-async def test_a_session_actor_sigkilled_leaves_nothing_of_its_sandbox(
+#: Sessions opened at once through one front door in the many-sessions test (0.1 CPU, 512 MiB each: eight
+#: fit on a worker's 4 GiB).
+MANY = 10
+
+
+async def test_many_sessions_share_one_agent_per_node_and_each_keeps_its_own_state(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
-    """An actor is its sandboxes' server: killed outright, its watcher kills them by the pidfds it holds
-    (sandbox/bwrap_watch.py), each init ends with its gate, and nothing of them is left."""
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        made: list[dict[str, Any]] = []
+
+        async def create() -> None:
+            opened = json_of(await ok(client, "create_session", memory_mb=512))
+            assert opened is not None
+            made.append(opened)
+
+        async with anyio.create_task_group() as group:
+            for _ in range(MANY):
+                group.start_soon(create)
+        ids = [opened["session_id"] for opened in made]
+        for number, session_id in enumerate(ids):
+            await ok(client, "run_python", code=f"mine = {number}", session_id=session_id)
+        for number, session_id in enumerate(ids):
+            assert f"{number * 3}" in text_of(await ok(client, "run_python", code="mine * 3", session_id=session_id))
+        # One agent per worker holds them all (no actor per session), and each id names its agent's node.
+        held = _agents(ray_cluster, ids[0].rsplit("-", 1)[1])  # this front door's settings key
+        assert sorted(node_name(ray_cluster, agent["node"]) for agent in held) == ["w1", "w2"], held
+        assert sorted(sid for agent in held for sid in agent["sessions"]) == sorted(ids), held
+        for agent in held:
+            assert all(sid.split("-")[-2] == agent["node"][:12] for sid in agent["sessions"]), agent
+        assert {node_name(ray_cluster, opened["node"]) for opened in made} == {"w1", "w2"}  # spread by load
+        assert max(len(agent["sessions"]) for agent in held) >= MANY // 2
+        for session_id in ids:
+            await ok(client, "manage_sessions", action="close", session_id=session_id)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+
+
+async def test_a_node_agent_sigkilled_loses_its_sessions_clearly_and_leaves_nothing_of_their_sandboxes(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """An agent is its sandboxes' server: killed outright, its watcher kills them by the pidfds it holds
+    (sandbox/bwrap_watch.py), each init ends with its gate, and nothing of them is left; every session it
+    held answers "lost", and the next session on that node gets a new agent."""
     canary = f"canary-{secrets.token_hex(6)}"
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
-        session_id = json_of(await ok(client, "create_session"))["session_id"]  # type: ignore[index]
+        ids = []
+        for _ in range(3):  # two workers: at least two of them share an agent
+            made = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))
+            assert made is not None
+            ids.append((made["session_id"], made["node"]))
+        node = max({where for _, where in ids}, key=lambda where: sum(w == where for _, w in ids))
+        mates = [other for other, where in ids if where == node]  # the agent's sessions, two or three
+        assert len(mates) >= 2, ids
+        session_id = mates[0]
+        for other in mates:
+            await ok(client, "run_python", code="kept = 'yes'", session_id=other)
         await ok(client, "run_python", session_id=session_id, code=CANARY.format(token=canary))
         assert await eventually(lambda: len(with_token(canary)) == 1), "the canary did not start"
         sandbox = sandbox_of(canary)
         outer = next(iter(sandbox))
         stat = Path(f"/proc/{outer}/stat").read_text().rpartition(")")[2].split()
-        actor = int(stat[1])
-        assert "SessionActor" in Path(f"/proc/{actor}/cmdline").read_text(errors="replace"), actor
-        its_own = descendants(actor)
-        os.kill(actor, signal.SIGKILL)
+        agent = int(stat[1])
+        assert "NodeAgent" in Path(f"/proc/{agent}/cmdline").read_text(errors="replace"), agent
+        its_own = descendants(agent)
+        assert len([pid for pid in its_own if _comm(pid) == "bwrap"]) >= len(mates), its_own
+        os.kill(agent, signal.SIGKILL)
         assert await eventually(lambda: not alive(its_own), 60), alive(its_own)
         assert not with_token(canary)
-        gone = await call(client, "run_python", session_id=session_id, code="1")
-        assert gone.is_error, text_of(gone)
-    assert await eventually(lambda: f"session-{session_id}" not in named_actors(ray_cluster)), named_actors(ray_cluster)
+        for other in mates:
+            gone = await call(client, "run_python", session_id=other, code="kept")
+            # "with the agent of node N" (or "with node N" when Ray first calls it unavailable): never a hang.
+            assert gone.is_error and f"session {other} was lost with" in text_of(gone), text_of(gone)
+        again = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))  # a new agent where needed
+        assert again is not None
+        assert "2" in text_of(await ok(client, "run_python", code="1 + 1", session_id=again["session_id"]))
+        for other, _ in ids:
+            if other not in mates:
+                await ok(client, "manage_sessions", action="close", session_id=other)
+        await ok(client, "manage_sessions", action="close", session_id=again["session_id"])
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
 
 
 @contextlib.contextmanager

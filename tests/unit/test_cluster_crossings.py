@@ -1,6 +1,6 @@
-"""The cluster's crossings without a cluster: which warm pool a front door's settings may take from, a
-pool no front door visits any more, another client's snapshot ids and session ids (tests/cluster has
-the same on a real cluster)."""
+"""The cluster's crossings without a cluster: which node agent (and so which warm pool) a front door's
+settings may use, an agent no front door visits any more, another client's snapshot ids and session ids
+(tests/cluster has the same on a real cluster)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,21 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import anyio
 import pytest
+import ray
 
+from coderunner.cluster import agent as agent_module
 from coderunner.cluster import host as host_module
-from coderunner.cluster import node_pool
+from coderunner.cluster.agents import Agents
 from coderunner.cluster.host import FRONT_DOOR_ONLY, REFUSAL_S, ClusterHost
+from coderunner.cluster.placement import Request
 from coderunner.cluster.pool_key import pool_key
 from coderunner.cluster.stored import StoredOnNodes
-from coderunner.cluster.wire import NodeInfo, SessionInfo
+from coderunner.cluster.wire import NodeInfo, SessionInfo, new_session_id
 from coderunner.config import load_settings
 from coderunner.errors import SessionError
 from coderunner.sandbox.base import Limits
@@ -99,44 +103,103 @@ def test_the_pool_key_is_the_same_in_every_process() -> None:
     assert keys == {pool_key(json.loads(wire))}
 
 
-# --- a pool nobody visits -------------------------------------------------------------------------
+# --- an agent nobody visits ------------------------------------------------------------------------
 
 
-class PoolProbe:
+class AgentProbe:
+    """A NodeAgent without Ray or sandboxes: its manager is a stand-in that says when it was left."""
+
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.killed: list[str] = []
         self.ended = anyio.Event()
-        self.started = 0
-        monkeypatch.setattr(node_pool, "kill", lambda actor: self.killed.append(actor))
-        monkeypatch.setattr(node_pool, "end_process", self.ended.set)
-        monkeypatch.setattr(node_pool, "RETIRE_GRACE_S", 0.0)
-        monkeypatch.setattr(node_pool.NodePool, "_start_one", self.start_one)
+        self.manager_left = False
+        probe = self
 
-    async def start_one(self) -> tuple[str, Any]:  # set on the class as a bound method: no pool argument
-        self.started += 1
-        return f"s{self.started}", f"actor-{self.started}"
+        class Manager:
+            def __init__(self, settings: Any, backend: Any) -> None:
+                self.pool = SimpleNamespace(stats=lambda: SimpleNamespace(ready=1))
+
+            async def __aenter__(self) -> Any:
+                return self
+
+            async def __aexit__(self, *exc_info: object) -> None:
+                probe.manager_left = True
+
+        node = NodeInfo("n" * 56, "10.0.0.7")
+        monkeypatch.setattr(agent_module, "_this_node", lambda: (node, {"NodeID": node.node_id, "Resources": {}}))
+        monkeypatch.setattr(agent_module, "node_settings", lambda sent, **fixed: SimpleNamespace(**fixed))
+        monkeypatch.setattr(agent_module, "make_backend", lambda settings: None)
+        monkeypatch.setattr(agent_module, "SessionManager", Manager)
+        monkeypatch.setattr(agent_module, "end_process", self.ended.set)
+        monkeypatch.setattr(agent_module, "WATCH_INTERVAL_S", 0.05)
 
 
 @pytest.mark.anyio
-async def test_a_visited_pool_stays_and_one_nobody_visits_ends_its_sessions_and_itself(
+async def test_a_visited_agent_stays_one_holding_a_session_stays_and_one_nobody_needs_ends_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    probe = PoolProbe(monkeypatch)
-    pool = node_pool.NodePool({}, "n" * 56, 2, {}, orphan_s=0.3)
-    await pool.start()
-    with anyio.fail_after(5):
-        while len(pool.ready) < 2:
-            await anyio.sleep(0.01)
+    probe = AgentProbe(monkeypatch)
+    agent = agent_module.NodeAgent({"backend": "bwrap"}, "k" * 16, orphan_s=0.3)
+    assert (await agent.visit()).warm == 1  # its manager (and warm pool) started at the first visit
     for _ in range(6):  # visited every 0.1 s for 0.6 s: past orphan_s, and it stays
         await anyio.sleep(0.1)
-        await pool.start()
-    assert not pool.retiring and not probe.ended.is_set()
-    assert await pool.claim() == ("s1", "actor-1")
+        await agent.visit()
+    assert not probe.ended.is_set()
+    held = SimpleNamespace(open=True)
+    agent._sides["s1"] = held  # type: ignore[assignment]
+    await anyio.sleep(0.8)  # nobody visits, but it holds a session (its idle reaper closes those)
+    assert not probe.ended.is_set() and not probe.manager_left
+    held.open = False  # closed (a front door's close, or the reaper)
     with anyio.fail_after(5):
-        await probe.ended.wait()  # nobody came back
-    assert pool.retiring and not pool.ready
-    assert sorted(probe.killed) == ["actor-2", "actor-3"]  # the ready ones (the claimed one is its taker's)
-    assert await pool.claim() is None
+        await probe.ended.wait()
+    assert probe.manager_left and not agent._sides  # its warm pool went with its manager
+
+
+@pytest.mark.anyio
+async def test_an_open_its_front_door_abandoned_closes_the_session_once_it_is_open(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A front door that stopped waiting for an open (its bound, a cancel) tells the agent, which closes the
+    session when its start ends: no session is left that no front door knows of."""
+    AgentProbe(monkeypatch)
+    started, release, closed = anyio.Event(), anyio.Event(), []
+
+    class Manager:
+        def __init__(self, settings: Any, backend: Any) -> None:
+            self.pool = SimpleNamespace(stats=lambda: SimpleNamespace(ready=0))
+
+        async def __aenter__(self) -> Any:
+            return self
+
+        async def __aexit__(self, *exc_info: object) -> None:
+            pass
+
+        async def create(self, options: Any, owner: str, seed: Any, session_id: str) -> Any:
+            started.set()
+            await release.wait()  # a slow start
+            return SimpleNamespace(session_id=session_id, sandbox_mounts=None, closed=False, close_done=None,
+                                   close_note=None)  # fmt: skip
+
+        async def close(self, session_id: str) -> None:
+            closed.append(session_id)
+
+    monkeypatch.setattr(agent_module, "SessionManager", Manager)
+    agent = agent_module.NodeAgent({"backend": "bwrap"}, "k" * 16)
+    agent.settings.transfer_limit_bytes = 2**20
+    agent.node_entry = {"Resources": {"CPU": 2.0, "memory": 4.0 * 2**30, "coderunner-bwrap": 4.0}}
+    request = Request(0.1, 512, "bwrap")
+    async with anyio.create_task_group() as group:
+        refused: list[str] = []
+
+        async def opening() -> None:
+            with pytest.raises(SessionError, match="abandoned") as caught:
+                await agent.open("s-slow", None, "alice/1", None, request)  # type: ignore[arg-type]
+            refused.append(str(caught.value))
+
+        group.start_soon(opening)
+        await started.wait()
+        await agent.abandon("s-slow")  # the front door's bound passed meanwhile
+        release.set()
+    assert refused and closed == ["s-slow"] and not agent._sides and not agent._reserved
 
 
 # --- snapshots: what one client taught the front door is not used for another ----------------------
@@ -194,49 +257,72 @@ async def test_another_clients_snapshot_id_gets_an_unknown_ids_answer_after_the_
 # --- session ids: the owner check costs the same whether or not the id exists --------------------
 
 
-class FoundActor:
-    """A session actor as ray.get_actor finds it: `info` answers with its SessionInfo."""
+class Refused(ray.exceptions.RayTaskError):
+    """What an agent's call raises to its caller for a session it does not hold."""
 
-    def __init__(self, info: SessionInfo) -> None:
-        self._info = info
-        self.info = self
+    def __init__(self, session_id: str) -> None:
+        Exception.__init__(self, f"unknown or expired session_id {session_id!r}")
 
-    def remote(self) -> Any:
+
+class FoundAgent:
+    """A node agent as ray.get_actor finds it: `call.remote(session_id, "info")` answers with its SessionInfo."""
+
+    def __init__(self, held: dict[str, SessionInfo]) -> None:
+        self.held = held
+        self.asked: list[str] = []
+        self.call = self
+
+    def remote(self, session_id: str, method: str) -> Any:
+        assert method == "info"
+        self.asked.append(session_id)
+
         async def answer() -> SessionInfo:
-            await anyio.sleep(0.003)  # an actor call
-            return self._info
+            await anyio.sleep(0.003)  # an agent call
+            if session_id not in self.held:
+                raise Refused(session_id)
+            return self.held[session_id]
 
         return answer()
 
 
+NODE = "0123abcd" * 7
+
+
 def session_info(session_id: str, owner: str) -> SessionInfo:
     options = SandboxOptions(network="none", limits=Limits(), timeout_s=60, client=owner.partition("/")[0])
-    return SessionInfo(session_id, owner, options, NodeInfo("n" * 56, "10.0.0.7"), generation=0)
+    return SessionInfo(session_id, owner, options, NodeInfo(NODE, "10.0.0.7"), generation=0)
 
 
 @pytest.mark.anyio
 async def test_another_clients_session_id_is_refused_as_an_unknown_one_in_the_same_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    elsewhere = {"session-made-elsewhere": FoundActor(session_info("made-elsewhere", "alice/1"))}
-
+    """Every id is asked of the agent it names, found by name once (then its handle is kept: no lookup per
+    call); an id of no agent is refused as late."""
+    settings = load_settings(Path(os.devnull), export_dir="")
+    agents = Agents(settings.model_dump(exclude=FRONT_DOOR_ONLY), Request(0.1, None, "bwrap"))
+    ids = {label: new_session_id(NODE, agents.key) for label in ("made-here", "made-elsewhere", "nobody")}
+    ids["no agent"] = new_session_id(NODE, "0" * 16)  # a key no agent of this node has
+    ids["made up"] = "nobody"
+    agent = FoundAgent({ids[label]: session_info(ids[label], "alice/1") for label in ("made-here", "made-elsewhere")})
     looked_up: list[str] = []
 
     def get_actor(name: str, namespace: str) -> Any:
         looked_up.append(name)
-        if name not in elsewhere:
+        if name != f"agent-{NODE}-{agents.key}":
             raise ValueError(f"Failed to look up actor with name '{name}'")
-        return elsewhere[name]
+        return agent
 
-    monkeypatch.setattr(host_module.ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "get_actor", get_actor)
+    monkeypatch.setattr(ray, "nodes", lambda: [{"NodeID": NODE, "Alive": True}])
     host = ClusterHost.__new__(ClusterHost)
-    host.settings = load_settings(Path(os.devnull), export_dir="")
+    host.settings = settings
     host._sessions = {}
+    host._agents = agents
     async with anyio.create_task_group() as group:
         host._task_group = group
-        made_here = host_module.RemoteSession(FoundActor(session_info("made-here", "alice/1")),
-                                              session_info("made-here", "alice/1"), host.settings, group)  # fmt: skip
-        host._sessions["made-here"] = made_here
+        here = ids["made-here"]
+        host._sessions[here] = host_module.RemoteSession(agent, session_info(here, "alice/1"), settings, group)
         # The same time for every refusal is a fixed deadline from the call's start that every refusal
         # waits for (no measured spread: timing assertions flake on a loaded machine).
         padded_to: list[float] = []
@@ -248,18 +334,16 @@ async def test_another_clients_session_id_is_refused_as_an_unknown_one_in_the_sa
 
         monkeypatch.setattr(anyio, "sleep_until", recording_sleep_until)
         for _ in range(5):
-            for session_id in ("made-here", "made-elsewhere", "nobody"):
+            for session_id in ids.values():
                 began, padded_before = anyio.current_time(), len(padded_to)
                 with pytest.raises(SessionError, match="unknown or expired session_id"):
                     await host.resolve(session_id, "bob/1", "bob")
                 (deadline,) = padded_to[padded_before:]  # each refusal waited once, for its own deadline
                 assert began + REFUSAL_S <= deadline <= anyio.current_time(), (session_id, began, deadline)
-        assert "made-elsewhere" not in host._sessions  # nothing kept before its owner passed
-        # Each refusal looked the id up by name, the one made here for another client too.
-        assert sorted(set(looked_up)) == ["session-made-elsewhere", "session-made-here", "session-nobody"]
-        assert all(looked_up.count(name) == 5 for name in set(looked_up))
-        # Its owner's client reaches it, with no wait, and then it is kept.
-        padded_before = len(padded_to)
-        assert (await host.resolve("made-elsewhere", "alice/2", "alice")).session_id == "made-elsewhere"
-        assert len(padded_to) == padded_before and "made-elsewhere" in host._sessions
-        group.cancel_scope.cancel()
+        assert ids["made-elsewhere"] not in host._sessions  # nothing kept before its owner passed
+        # Each refusal of an id its agent could hold asked that agent, the one made here for another client too.
+        routed = sorted(ids[label] for label in ("made-here", "made-elsewhere", "nobody"))
+        assert sorted(set(agent.asked)) == routed and all(agent.asked.count(i) == 5 for i in routed)
+        # The agent's name was looked up once, then its handle kept; a key no agent has, at each refusal.
+        assert looked_up.count(f"agent-{NODE}-{agents.key}") == 1, looked_up
+        assert looked_up.count(f"agent-{NODE}-{'0' * 16}") == 5, looked_up

@@ -1,13 +1,16 @@
-"""Cluster placement, without a cluster: what a session asks Ray for, and the refusal when nothing fits."""
+"""Cluster placement, without a cluster: what a session asks for, the refusal when nothing fits, and the
+best of two agents asked."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from coderunner.cluster.placement import MIB, Request, check_fits, check_home, describe_node
+from coderunner.cluster.placement import MIB, Request, best_of, check_fits, check_home, describe_node, no_room, room_for
+from coderunner.cluster.wire import AgentLoad
 from coderunner.config import ConfigError, load_settings
 from coderunner.errors import SessionError
 from coderunner.sandbox.base import Limits
@@ -126,3 +129,74 @@ def test_node_labels_are_plain_names_and_values(labels: dict[str, str]) -> None:
 
     with pytest.raises(ConfigError, match="ray_node_labels"):
         load_settings(Path(os.devnull), ray_node_labels=labels)
+
+
+# --- best of two: each agent's own account of its sessions against what its node advertises ----------
+
+
+def load(node_id: str, sessions: int = 0, cpus: float = 0.0, memory_mb: int = 0, warm: int = 0) -> AgentLoad:
+    return AgentLoad(node_id, sessions, cpus, memory_mb, warm)
+
+
+def test_an_agent_has_room_while_its_sessions_leave_enough_cpu_memory_and_units() -> None:
+    request = Request.of(options(1024, 1.5), "bwrap")
+    worker = node("a" * 56, 2, 4096, "bwrap")  # 16 bwrap units
+    assert room_for(request, worker, load("a" * 56))
+    assert not room_for(request, worker, load("a" * 56, 1, cpus=1.5, memory_mb=1024))  # 3 CPU > 2
+    assert not room_for(Request.of(options(2048), "bwrap"), worker, load("a" * 56, 1, 0.1, 3072))  # 5 GiB > 4
+    assert not room_for(Request.of(options(512), "bwrap"), worker, load("a" * 56, 16, 0.1, 512))  # units
+
+
+def test_the_lighter_of_the_agents_asked_with_room_is_chosen() -> None:
+    request = Request.of(options(512), "bwrap")
+    a, b = node("a" * 56, 2, 4096, "bwrap"), node("b" * 56, 2, 4096, "bwrap")
+    assert best_of(request, [(a, load("a" * 56, 4, 0.4, 2048)), (b, load("b" * 56, 1, 0.1, 512))], False) == "b" * 56
+    assert best_of(request, [(a, load("a" * 56, 1, 0.1, 512)), (b, load("b" * 56, 4, 0.4, 2048))], False) == "a" * 56
+    # A create with the default options goes where a warm sandbox waits, even to the fuller node.
+    warm = [(a, load("a" * 56, 4, 0.4, 2048, warm=1)), (b, load("b" * 56, 1, 0.1, 512))]
+    assert best_of(request, warm, True) == "a" * 56
+    assert best_of(request, warm, False) == "b" * 56
+    # The lighter one full: the other, however loaded, if it has room.
+    full = [(a, load("a" * 56, 2, 0.2, 3800)), (b, load("b" * 56, 6, 1.8, 1024))]
+    assert best_of(request, full, False) == "b" * 56
+
+
+def test_when_no_agent_asked_has_room_the_refusal_says_what_each_node_holds() -> None:
+    request = Request.of(options(2048), "bwrap")
+    a = node("a" * 56, 2, 4096, "bwrap")
+    answers = [(a, load("a" * 56, 2, 0.2, 4096))]
+    assert best_of(request, answers, False) is None
+    text = str(no_room(request, answers))
+    assert "no node has room for this session now" in text and "2,048 MiB of memory" in text
+    assert "aaaaaaaaaaaa (10.0.0.7): 2 CPU, 4,096 MiB" in text and "0.2 CPU and 4,096 MiB (2 sessions)" in text
+
+
+@pytest.mark.anyio
+async def test_a_placement_asks_two_agents_and_the_others_only_when_neither_has_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from coderunner.cluster import agents as agents_module
+
+    nodes = [node(letter * 56, 2, 4096, "bwrap") for letter in "abcd"]
+    loads = {"a" * 56: load("a" * 56, 4, 2.0, 0), "b" * 56: load("b" * 56, 4, 2.0, 0),
+             "c" * 56: load("c" * 56, 4, 2.0, 0), "d" * 56: load("d" * 56, 1, 0.1, 512)}  # fmt: skip
+    asked: list[list[str]] = []
+
+    async def visit(self: Any, entry: dict[str, Any]) -> AgentLoad:
+        asked[-1].append(entry["NodeID"])
+        self._handles[(entry["NodeID"], self.key)] = f"agent of {entry['NodeID'][0]}"
+        return loads[entry["NodeID"]]
+
+    monkeypatch.setattr(agents_module.Agents, "_load", visit)
+    agents = agents_module.Agents({}, Request.of(options(), "bwrap"))
+    request = Request.of(options(512, 0.5), "bwrap")
+    for _ in range(20):
+        asked.append([])
+        chosen, handle = await agents.place(request, nodes, warm_wanted=False)
+        assert chosen == "d" * 56 and handle == "agent of d"  # the one node with room
+        # The first two asked at once; the next two only because those had no room.
+        assert len(asked[-1]) == (2 if "d" * 56 in asked[-1][:2] else 4), asked[-1]
+    assert {tuple(sorted(pair[:2])) for pair in asked} != {("a" * 56, "b" * 56)}  # chosen at random
+    loads["d" * 56] = load("d" * 56, 16, 0.1, 512)
+    with pytest.raises(SessionError, match="no node has room for this session now"):
+        await agents.place(request, nodes, warm_wanted=False)

@@ -1,15 +1,17 @@
 """ClusterHost: the SessionHost (sessions/seam.py) and OneShotHost (oneshot/host.py) of a front door whose
 sessions and one-shot runs live on a Ray cluster.
 
-Every session is a detached named actor (`session-<id>` in namespace `coderunner`, actor.py) placed
-by Ray's scheduler (placement.py). Any front door finds any session by name, so several front doors
-serve the same sessions and one that dies loses none. What a caller may see is decided here, in the
-front door, exactly as on one machine: a session belongs to the client whose caller created it.
+Every session lives in a node agent (`agent-<node id>-<settings key>` in namespace `coderunner`,
+agent.py): one detached actor per node running one SessionManager for all that node's sessions. A
+session id names its agent (wire.new_session_id), so any front door reaches any session in one call
+(agents.py keeps the handles), several front doors serve the same sessions and one that dies loses
+none. Placement asks two agents and takes the lighter (placement.py). What a caller may see is decided
+here, in the front door, exactly as on one machine: a session belongs to the client whose caller created it.
 
 The front door itself starts no sandbox: its backend object only checks options and describes the
 sandboxes (get_capabilities); the nodes run them.
 
-One idea: the front door's SessionHost over the cluster: placement, finding a session by name behind the owner
+One idea: the front door's SessionHost over the cluster: placement, finding a session by its id behind the owner
 check, and every host call forwarded.
 """
 
@@ -19,7 +21,6 @@ import builtins
 import contextlib
 import dataclasses
 import logging
-import secrets
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -27,18 +28,16 @@ import anyio
 import ray
 from anyio.abc import TaskGroup
 from ray.exceptions import AuthenticationError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from coderunner.cluster.actor import SessionActor
+from coderunner.cluster.agents import Agents
 from coderunner.cluster.node_calls import NodeCalls
-from coderunner.cluster.node_pool import NodePools
 from coderunner.cluster.oneshot_exports import OneShotExports, write_here
 from coderunner.cluster.placement import Request, check_fits, check_home
 from coderunner.cluster.ray_auth import token_refusal
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
-from coderunner.cluster.wire import NAMESPACE, SessionInfo, actor_name
+from coderunner.cluster.wire import NAMESPACE, SessionInfo, new_session_id
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
@@ -48,6 +47,7 @@ from coderunner.sessions.host_services import sandbox_profile
 from coderunner.sessions.job_runner import JobTable
 from coderunner.sessions.sandbox_options import SandboxOptions, configured_mounts, sandbox_options
 from coderunner.sessions.seam import SandboxProfile, SessionHandle
+from coderunner.sessions.warm_take import take_problem
 from coderunner.vocabulary.network import NetworkMode
 from coderunner.vocabulary.sandbox_request import DEFAULT_REQUEST, SandboxRequest
 
@@ -62,25 +62,17 @@ log = logging.getLogger(__name__)
 
 #: Bound on joining the cluster at start.
 CONNECT_S = 60.0
-#: Concurrent calls one session actor serves (long-polls of jobs, file pieces, status).
-ACTOR_CONCURRENCY = 64
-#: Bound on Ray placing a session's actor and starting its process (a node with room now).
-PLACE_S = 45.0
-#: Cold session starts one front door runs at once, and how long a create waits for its turn. Eight, not
-#: four: a start is a worker process (Ray starts two per 2-core node at once) then a sandbox, and with
-#: eight the next processes start while earlier sessions start their sandboxes (40 at once: 38-47 s
-#: against 50-62 s with four, on a loaded 2-core machine).
-COLD_STARTS = 8
+#: Cold session starts one front door runs at once, and how long a create waits for its turn (each is a
+#: sandbox and a kernel on some node; far more at once only slow each other on the nodes).
+COLD_STARTS = 16
 COLD_QUEUE_S = 120.0
-#: How often the front door finds (or starts) each node's pool and visits it (a pool unvisited ends: node_pool.py).
-POOL_SCAN_S = 30.0
+#: How often a front door that keeps pools warm visits every node's agent (an agent unvisited ends: agent.py).
+AGENT_SCAN_S = 30.0
 #: A refused session id (unknown, or another client's) is answered this long after its lookup began, whatever
-#: the lookup took: well above a lookup by name (5-7 ms here; a missing name 0.6 ms; a loaded 2-core machine).
+#: the lookup took: well above an agent's answer (a few ms; a first lookup of its name by Ray too).
 REFUSAL_S = 0.1
-#: Settings a session actor is not given: the front door alone holds the tokens.
+#: Settings a node agent is not given: the front door alone holds the tokens.
 FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
-
-SessionActorClass = ray.remote(SessionActor)
 
 
 class ClusterHost:
@@ -107,19 +99,18 @@ class ClusterHost:
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
         self.oneshot_jobs: JobTable
-        #: Cold starts under way at once (each starts a worker process on a node; far more at once overload
-        #: Ray's process start-up and all of them miss their bound): the rest queue for a turn.
+        #: Cold starts under way at once: the rest queue for a turn.
         self._cold_starts = anyio.Semaphore(COLD_STARTS)
         self._settings_sent = settings.model_dump(exclude=FRONT_DOOR_ONLY)
         self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
         self.stored = StoredOnNodes(self._node_calls, self.backend.name, settings.snapshots_shared)
         self._defaults = self.options()
-        #: Warm pools per node (pool_size each) for the default options, unless 'allowlist' (never kept warm).
-        self._pools = (
-            NodePools(self._settings_sent, settings.pool_size,
-                      Request.of(self._defaults, self.backend.name, settings.ray_node_labels))
-            if settings.pool_size > 0 and self._defaults.network != NetworkMode.ALLOWLIST else None
-        )  # fmt: skip
+        #: The node agents of these settings; each keeps pool_size warm sandboxes (its manager's own pool)
+        #: for the default options, unless 'allowlist' (never kept warm).
+        self._agents = Agents(
+            self._settings_sent, Request.of(self._defaults, self.backend.name, settings.ray_node_labels)
+        )
+        self._warm = settings.pool_size > 0 and self._defaults.network != NetworkMode.ALLOWLIST
 
     async def __aenter__(self) -> ClusterHost:
         with anyio.fail_after(CONNECT_S):
@@ -127,18 +118,18 @@ class ClusterHost:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self.oneshot_jobs = JobTable(self._task_group)
-        if self._pools is not None:
-            self._task_group.start_soon(self._keep_pools, self._pools)
+        if self._warm:
+            self._task_group.start_soon(self._keep_agents)
         return self
 
-    async def _keep_pools(self, pools: NodePools) -> None:
-        """Find or start every node's pool now, and again now and then (nodes come and go)."""
+    async def _keep_agents(self) -> None:
+        """Start or visit every node's agent now (their pools fill), and again now and then (nodes come and go)."""
         while True:
             try:
-                await anyio.to_thread.run_sync(pools.ensure)
+                await self._agents.visit_all(await anyio.to_thread.run_sync(ray.nodes))
             except Exception as exc:  # the cluster is unreachable for a moment: the next round tries again
-                log.warning("warm pools: %r", exc)
-            await anyio.sleep(POOL_SCAN_S)
+                log.warning("node agents: %r", exc)
+            await anyio.sleep(AGENT_SCAN_S)
 
     def _connect(self) -> None:
         address = self.settings.ray_address
@@ -177,17 +168,13 @@ class ClusterHost:
     ) -> RemoteSession:  # fmt: skip
         options = options or self.options()
         self._check_room(owner)
-        pooled = seed is None and not options.persistent
-        if pooled and self._pools is not None and dataclasses.replace(options, client=LOCAL_CLIENT) == self._defaults:
-            claimed = await self._claim(options, owner)
-            if claimed is not None:
-                return claimed
-        node = await self._home(options, seed)
+        warm_wanted = seed is None and self._could_be_warm(options)
+        home = await self._home(options, seed)
         request = Request.of(options, self.backend.name, self.settings.ray_node_labels)
         nodes = await anyio.to_thread.run_sync(ray.nodes)
         check_fits(request, nodes)
-        if node is not None:
-            check_home(request, node, nodes)
+        if home is not None:
+            check_home(request, home, nodes)
         try:
             with anyio.fail_after(COLD_QUEUE_S):
                 await self._cold_starts.acquire()
@@ -197,56 +184,44 @@ class ClusterHost:
                 f"waited {COLD_QUEUE_S:g}s for its turn; try again in a moment"
             ) from None
         try:
-            return await self._start_cold(options, owner, seed, node, request)
+            node, agent = await self._agents.place(request, nodes, warm_wanted, home)
+            return await self._open(agent, node, options, owner, seed, request)
         finally:
             self._cold_starts.release()
 
-    async def _start_cold(
-        self, options: SandboxOptions, owner: str, seed: Seed | None, node: str | None, request: Request
+    def _could_be_warm(self, options: SandboxOptions) -> bool:
+        """Whether a node agent's warm pool could serve a create with `options` (warm_take.py; placement then
+        prefers an agent with a warm sandbox ready). The agent's manager decides for good."""
+        if not self._warm:
+            return False
+        asked = dataclasses.replace(options, client=LOCAL_CLIENT)
+        if not self.settings.pool_take_apply:
+            return asked == self._defaults
+        return take_problem(self._defaults, asked, None) is None
+
+    async def _open(
+        self, agent: Any, node: str, options: SandboxOptions, owner: str, seed: Seed | None, request: Request
     ) -> RemoteSession:
-        """A new session actor, placed by Ray (or on `node`), then its session opened."""
-        session_id = secrets.token_urlsafe(18)
-        asked = request.actor_options()
-        if node is not None:  # pinned where its snapshot or workspace is (check_home: that node has the labels)
-            asked.pop("label_selector", None)
-            asked["scheduling_strategy"] = NodeAffinitySchedulingStrategy(node, soft=False)
-        actor: Any = SessionActorClass.options(
-            name=actor_name(session_id), namespace=NAMESPACE, lifetime="detached", max_restarts=0,
-            max_concurrency=ACTOR_CONCURRENCY, **asked,
-        ).remote(self._settings_sent, session_id)  # fmt: skip
+        """The session opened by `node`'s agent (from its warm pool when it can)."""
+        session_id = new_session_id(node, self._agents.key)
         bound = self.settings.startup_timeout_s + CALL_S + (self.settings.snapshot_timeout_s if seed else 0.0)
         try:
-            with anyio.fail_after(PLACE_S):  # placed and running: Ray keeps a request it cannot place now waiting
-                await actor.ping.remote()
-        except TimeoutError:
-            await anyio.to_thread.run_sync(_kill, actor)
-            where = f"node {node[:12]}, which holds what it starts from," if node is not None else "a node"
-            raise SessionError(
-                f"this session's actor was not running on {where} within {PLACE_S:g}s: no node has room for it "
-                f"now (it asks for {request.describe()}), or the nodes are slow starting processes. Close a "
-                "session, ask for less (memory_mb, cpus), add a node, or try again."
-            ) from None
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_kill, actor)
-            if isinstance(exc, ray.exceptions.RayError):
-                raise SessionError(
-                    f"the session's actor could not start ({type(exc).__name__}); its node's log says why"
-                ) from None
-            raise
-        try:
             with anyio.fail_after(bound):
-                info: SessionInfo = await actor.open.remote(options, owner, seed)
+                info: SessionInfo = await agent.open.remote(session_id, options, owner, seed, request)
         except TimeoutError:
-            await anyio.to_thread.run_sync(_kill, actor)
+            await _abandon(agent, session_id)
             raise SessionError(f"the session did not start within {bound:g}s on its node") from None
-        except BaseException as exc:
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_kill, actor)
-            if isinstance(exc, Exception) and hasattr(exc, "cause"):
-                raise cause_of(exc) from None
+        except anyio.get_cancelled_exc_class():
+            await _abandon(agent, session_id)
             raise
-        session = RemoteSession(actor, info, self.settings, self._group())
+        except ray.exceptions.RayTaskError as exc:
+            raise cause_of(exc) from None
+        except ray.exceptions.RayError as exc:
+            self._agents.forget(node, agent)
+            raise SessionError(
+                f"the agent of node {node[:12]} was lost while the session started ({type(exc).__name__}); try again"
+            ) from None
+        session = RemoteSession(agent, info, self.settings, self._group(), self._agents.forget)
         self._sessions[session_id] = session
         log.info("session %s… started on node %s", session_id[:6], info.node.label)
         return session
@@ -260,17 +235,6 @@ class ClusterHost:
         if options.persistent and options.name is not None:
             return await self.stored.workspace_node(options.client, options.name)
         return None
-
-    async def _claim(self, options: SandboxOptions, owner: str) -> RemoteSession | None:
-        """A session from some node's warm pool, or None (then the create starts cold)."""
-        assert self._pools is not None
-        taken = await self._pools.take(options, owner, self.settings.startup_timeout_s + CALL_S)
-        if taken is None:
-            return None
-        session = RemoteSession(*taken, self.settings, self._group())
-        self._sessions[session.session_id] = session
-        log.info("session %s… taken from the pool of node %s", session.session_id[:6], session.info.node.label)
-        return session
 
     def _check_room(self, owner: str) -> None:
         open_here = [session for session in self._sessions.values() if not session.closed]
@@ -320,17 +284,21 @@ class ClusterHost:
         return session
 
     async def _find(self, session_id: str, owner: str | None) -> RemoteSession | None:
-        """A session another front door made, found by name through Ray, if `owner`'s client may use it."""
-        try:
-            actor = await anyio.to_thread.run_sync(lambda: ray.get_actor(actor_name(session_id), namespace=NAMESPACE))
-        except ValueError:
+        """A session another front door made, asked of the agent its id names, if `owner`'s client may use it."""
+        found = await anyio.to_thread.run_sync(self._agents.of_session, session_id)
+        if found is None:
             return None
+        node, agent = found
         try:
             with anyio.fail_after(CALL_S):
-                info: SessionInfo = await actor.info.remote()
-        except (TimeoutError, ray.exceptions.RayError):
+                info: SessionInfo = await agent.call.remote(session_id, "info")
+        except (TimeoutError, ray.exceptions.RayError) as exc:
+            if isinstance(exc, ray.exceptions.RayError) and not isinstance(exc, ray.exceptions.RayTaskError):
+                self._agents.forget(node, agent)
             return None
-        return RemoteSession(actor, info, self.settings, self._group()) if _may_use(info.owner, owner) else None
+        if not _may_use(info.owner, owner):
+            return None
+        return RemoteSession(agent, info, self.settings, self._group(), self._agents.forget)
 
     async def close(self, session_id: str, owner: str | None = None) -> RemoteSession:
         session = await self._owned(session_id, owner)
@@ -447,6 +415,7 @@ def _may_use(session_owner: str, owner: str | None) -> bool:
     return owner is None or client_of_key(session_owner) == client_of_key(owner)
 
 
-def _kill(actor: Any) -> None:
-    with contextlib.suppress(Exception):
-        ray.kill(actor, no_restart=True)
+async def _abandon(agent: Any, session_id: str) -> None:
+    """Tell an agent this front door stopped waiting for its open of `session_id` (it closes the session)."""
+    with anyio.move_on_after(CALL_S, shield=True), contextlib.suppress(Exception):
+        await agent.abandon.remote(session_id)

@@ -2,12 +2,13 @@
 
 One-shot runs (execute_code, check_only too) in cluster mode are each one a Ray task on some node.
 
-A one-shot keeps nothing, so it needs no actor: a task placed like a session (its CPUs, memory and
-one `coderunner-<backend>` unit) runs it through the node's own SessionManager and OneShotRunner,
-exactly as one machine would, and returns the OneShotResult. Ray reuses its worker processes for
-tasks, so no process starts per run. An allowlist run returns its proxy's decisions too (the reply's
-`network` line). A cancelled or over-time run cancels its task (force: the
-worker is killed, and its sandbox dies with it: its init's gate ends and the worker's watcher kills it).
+A one-shot keeps nothing, so it is a task, not a call of a node agent (agent.py; moving it there is
+still to do): a task placed by Ray with a session's CPUs, memory and one `coderunner-<backend>` unit
+runs it through the node's own SessionManager and OneShotRunner, exactly as one machine would, and
+returns the OneShotResult. Ray reuses its worker processes for tasks, so no process starts per run. An
+allowlist run returns its proxy's decisions too (the reply's `network` line). A cancelled or over-time
+run cancels its task (force: the worker is killed, and its sandbox dies with it: its init's gate ends
+and the worker's watcher kills it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import anyio
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from coderunner.cluster.actor import node_settings
+from coderunner.cluster.agent import node_settings
 from coderunner.cluster.oneshot_exports import OneShotExports, collect, node_export_folder
 from coderunner.cluster.placement import Request, check_fits
 from coderunner.cluster.remote_egress import delta_of

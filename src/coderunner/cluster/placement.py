@@ -2,12 +2,18 @@
 
 A session asks for its CPU share and memory limit, plus one unit of `coderunner-<backend>`: a node
 advertises that resource only where the backend works (`coderunner node-resources` prints what
-to pass to `ray start --resources` after running the backend's doctor probe). Ray's scheduler
-then picks the node; a request that no live node could ever hold is refused at once, saying what
-was asked and what the cluster has, instead of waiting for a node that will never come.
+to pass to `ray start --resources` after running the backend's doctor probe). A request that no live
+node could ever hold is refused at once, saying what was asked and what the cluster has, instead of
+waiting for a node that will never come.
+
+Sessions live in node agents (agent.py), which reserve nothing of Ray's: each agent keeps its own
+account of what its sessions asked for against what its node advertises (room_for). A front door asks
+two agents that could hold the request, chosen at random among the nodes that fit, and takes the one
+whose answer shows the lighter load (best_of: "the power of two choices", as E2B's orchestrator places
+by best-of-3); only when neither has room are the others asked.
 
 A front door may also hold its sessions to nodes with some labels (`ray_node_labels`, which nodes
-get from `ray start --labels`): Ray's label selector places them, and the refusal counts the labels.
+get from `ray start --labels`): only those nodes are asked, and the refusal counts the labels.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from coderunner.cluster.wire import AgentLoad
 from coderunner.config import Settings
 from coderunner.errors import SessionError
 from coderunner.sandbox.registry import readiness
@@ -47,7 +54,7 @@ class Request:
         return cls(options.limits.cpus or DEFAULT_CPUS, options.limits.memory_mb, backend, pairs)
 
     def actor_options(self) -> dict[str, Any]:
-        """ray.remote options for the session's actor (or a one-shot's task)."""
+        """ray.remote options for a one-shot's task (sessions reserve in their agent: room_for)."""
         chosen: dict[str, Any] = {"num_cpus": self.cpus, "resources": {backend_resource(self.backend): 1}}
         if self.memory_mb:
             chosen["memory"] = self.memory_mb * MIB
@@ -127,3 +134,46 @@ def node_resources(settings: Settings) -> dict[str, float]:
         if missing is None:
             found[backend_resource(backend.name)] = float(settings.max_sessions)
     return found
+
+
+def room_for(request: Request, node: dict[str, Any], load: AgentLoad) -> bool:
+    """Whether the agent whose answer is `load` has room beside its sessions for `request` on `node`."""
+    total: dict[str, float] = node.get("Resources", {})
+    return (
+        load.cpus + request.cpus <= total.get("CPU", 0.0) + 1e-9
+        and (load.memory_mb + (request.memory_mb or 0)) * MIB <= total.get("memory", 0.0)
+        and load.sessions + 1 <= total.get(backend_resource(request.backend), 0.0)
+    )
+
+
+def share(request: Request, node: dict[str, Any], load: AgentLoad) -> float:
+    """How full an agent's node is, by the scarcest of what sessions reserve there (0 empty, 1 full)."""
+    total: dict[str, float] = node.get("Resources", {})
+    return max(
+        load.cpus / max(total.get("CPU", 0.0), 1e-9),
+        load.memory_mb * MIB / max(total.get("memory", 0.0), 1.0),
+        load.sessions / max(total.get(backend_resource(request.backend), 0.0), 1.0),
+    )
+
+
+def best_of(request: Request, answers: list[tuple[dict[str, Any], AgentLoad]], warm_wanted: bool) -> str | None:
+    """The node id of the agent to hold `request` among those asked: one with room, a warm sandbox first
+    when the create could take one (`warm_wanted`), then the lightest; None when none has room."""
+    fitting = [(node, load) for node, load in answers if room_for(request, node, load)]
+    if not fitting:
+        return None
+    node, _ = min(fitting, key=lambda pair: (not (warm_wanted and pair[1].warm > 0), share(request, *pair)))
+    return str(node["NodeID"])
+
+
+def no_room(request: Request, answers: list[tuple[dict[str, Any], AgentLoad]]) -> SessionError:
+    """The refusal when every node that could hold `request` is full now: what each holds."""
+    held = "; ".join(
+        f"{describe_node(node)}, of which its sessions hold {load.cpus:g} CPU and {load.memory_mb:,} MiB "
+        f"({load.sessions} sessions)"
+        for node, load in answers
+    )
+    return SessionError(
+        f"no node has room for this session now (it asks for {request.describe()}): {held or 'no node answered'}. "
+        "Close a session, ask for less (memory_mb, cpus), add a node, or try again."
+    )

@@ -1,11 +1,11 @@
-"""Which warm pool a front door may take from: a digest of every setting a pooled session is built with.
+"""Which node agent a front door may use: a digest of every setting a session (and a warm one) is built with.
 
-A node's pooled session is started ahead from the settings of the front door that made its pool, and
-keeps them for life: its allowlist and ports, its limits and timeouts, its idle timeout, its folders.
-A front door may take one only when its own settings would have built the same session. So pools are
-named by the key of those settings (`pool-<node id>-<key>`, node_pool.py): a front door with other
-settings (another team's beside it, or the same user's after a change and a restart) finds no pool of
-another key, and a pooled session compares the key again when it is claimed (SessionActor.open).
+A node agent's manager is built from the settings of the front door that started it, and keeps them
+for life: every session it opens, and every sandbox its pool starts ahead, has their allowlist and
+ports, limits and timeouts, idle timeout and folders. A front door may use it only when its own
+settings would have built the same sessions. So agents are named by the key of those settings
+(`agent-<node id>-<key>`, agent.py): a front door with other settings (another team's beside it, or
+the same user's after a change and a restart) finds no agent of another key, and starts its own.
 
 Left out of the key: what never reaches a session on a node (the front door's transport, HTTP bounds,
 logging and tokens, and the node labels that chose the node) and what each node takes from its own

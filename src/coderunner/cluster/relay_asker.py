@@ -4,8 +4,8 @@ On one machine a call lends its CallAsker (egress/asker.py) to the session's pro
 the proxy runs on the session's node and the user's client is at a front door, so the node's proxy
 gets a RelayAsker instead, for as long as a call whose caller can be asked is going: each question
 waits here, goes out in the next read the front door makes (a run's JobDelta.questions; a guest
-tool's or install_packages' read_questions, its one actor call having no reads of its own), whose
-long poll it wakes, and the front door puts it to its user and answers (SessionActor.answer_egress).
+tool's or install_packages' read_questions, its one agent call having no reads of its own), whose
+long poll it wakes, and the front door puts it to its user and answers (SessionSide.answer_egress).
 No answer in time is no answer: the proxy denies, as it does when a client cannot be asked.
 """
 

@@ -2,7 +2,7 @@
 
 The proxy runs on the session's node and enforces the policy there. What the tools read of it (the
 decisions behind a reply's "network: denied ..." line and session_status's egress section) is
-mirrored here from the EgressDelta that actor answers carry: each answer brings the decisions after
+mirrored here from the EgressDelta that agent answers carry: each answer brings the decisions after
 this mirror's mark. The asker a call lends is kept here: while run_python, a guest tool or
 install_packages goes, the node relays its proxy's questions to it (relay_asker.py).
 """

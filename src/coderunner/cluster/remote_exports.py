@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Sends several calls of one actor method at once and returns their answers in order (RemoteSession.call_each).
+#: Sends several calls of one agent method at once and returns their answers in order (RemoteSession.call_each).
 CallEach = Callable[[str, list[tuple[Any, ...]]], list[Any]]
 
 
@@ -64,7 +64,7 @@ class RemoteExports:
         return client_folder(self._export_dir.expanduser().resolve(), self._client)
 
     def pull(self, listing: ExportListing) -> str | None:
-        """Copy what `listing` names; the note for the reply. Blocking (actor calls, file I/O): a worker thread."""
+        """Copy what `listing` names; the note for the reply. Blocking (agent calls, file I/O): a worker thread."""
         report = ExportReport(self.target, skipped=list(listing.skipped))
         try:
             writer = self._open()

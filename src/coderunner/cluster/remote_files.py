@@ -2,7 +2,7 @@
 
 The tools use a SandboxFiles view in worker threads (offload.py): list, read, write, and
 open_read/open_write for streaming copies and read_file. RemoteFiles offers the same calls over
-the session's actor, in pieces of PIECE_BYTES through Ray's object store (never its control store),
+the session's agent, in pieces of PIECE_BYTES through Ray's object store (never its control store),
 each bounded. Every path is resolved again on the node, by the node's own SandboxFiles, which
 never follows a link: nothing here touches a path on any host.
 
@@ -27,12 +27,12 @@ from coderunner.kernel.output_capture import SPILL_DIR, WorkspaceWriter
 
 log = logging.getLogger(__name__)
 
-#: Runs one actor call from a worker thread and returns its answer (bounded; see remote_session.py).
+#: Runs one agent call from a worker thread and returns its answer (bounded; see remote_session.py).
 Call = Callable[..., Any]
 
 
 class RemoteFiles(SandboxFiles):
-    """SandboxFiles over a session actor. `limit`: the most bytes one read or write may move."""
+    """SandboxFiles over a session in a node agent. `limit`: the most bytes one read or write may move."""
 
     def __init__(self, call: Call, limit: int) -> None:
         super().__init__([])

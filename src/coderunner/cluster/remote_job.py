@@ -1,9 +1,9 @@
-"""A job whose cell runs in a session actor, mirrored at the front door.
+"""A job whose cell runs in a session of a node agent, mirrored at the front door.
 
 The tools attend a Job (sessions/job_runner.py): wait on `done`, read `output` for progress and for
 what is new, read the result at the end. RemoteJob is that Job at the front door; a pump task keeps
-it in step with the real one on the node by long-polling the actor (each read waits up to
-POLL_S for the end, then brings what is new). Cancelling it asks the actor to cancel the real one.
+it in step with the real one on the node by long-polling its agent (each read waits up to
+POLL_S for the end, then brings what is new). Cancelling it asks the agent to cancel the real one.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ POLL_S = 1.0
 
 @dataclass
 class RemoteJob(Job):
-    """A Job whose work happens in a session actor; `cancel` is forwarded there."""
+    """A Job whose work happens in a node agent; `cancel` is forwarded there."""
 
-    #: Asks the actor to cancel the real job (set by the session that made this one).
+    #: Asks the agent to cancel the real job (set by the session that made this one).
     request_cancel: Callable[[], None] | None = None
     #: The node dropped it already (it ended within the first call, whose answer had all of it).
     node_forgot: bool = False
@@ -42,7 +42,7 @@ class RemoteJob(Job):
             self.request_cancel()
 
     def apply(self, delta: JobDelta) -> None:
-        """Take in what the actor said is new; at the job's end, its status and result, and wake waiters."""
+        """Take in what the agent said is new; at the job's end, its status and result, and wake waiters."""
         output = self.output
         assert output is not None
         if delta.text:
@@ -85,7 +85,7 @@ async def pump(
         except CodeRunnerError as exc:
             job.end(JobStatus.LOST, notice=str(exc), failure=str(exc))
             return
-        except Exception as exc:  # the actor or its node is gone: say so instead of waiting forever
+        except Exception as exc:  # the agent or its node is gone: say so instead of waiting forever
             log.info("job %s: %r", job.job_id, exc)
             job.end(JobStatus.LOST, notice=lost(exc))
             return

@@ -1,8 +1,9 @@
-"""RemoteSession: a SessionHandle (sessions/seam.py) for a session that lives in an actor on some node.
+"""RemoteSession: a SessionHandle (sessions/seam.py) for a session that lives in a node agent (agent.py).
 
-Calls go to the actor, each bounded; what the tools read synchronously (options, the kernel's
-generation, export note) is kept here from the actor's answers. A node that stops answering turns
-every call into a SessionError that says the session was lost with that node, and what was lost.
+Calls go to its agent with the session id first (`agent.call`), each bounded; what the tools read
+synchronously (options, the kernel's generation, export note) is kept here from the agent's answers.
+An agent that stops answering (its node gone, or the agent itself killed) turns every call into a
+SessionError that says the session was lost, with what was lost.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Bound on a control call to a session actor (status, files piece, job read beyond its own wait).
+#: Bound on a control call to a session's agent (status, files piece, job read beyond its own wait).
 CALL_S = 30.0
 #: How long a run waits on the node for a quick cell to end before its first answer comes back.
 FIRST_WAIT_S = 0.5
@@ -50,10 +50,15 @@ CANCEL_S = 5.0
 
 
 class RemoteSession:
-    """One session in an actor, as the tools use it."""
+    """One session in a node agent, as the tools use it. `agent_lost(node id, agent)`: told when the agent
+    stops answering (the front door then forgets its handle)."""
 
-    def __init__(self, actor: Any, info: SessionInfo, settings: Settings, task_group: TaskGroup) -> None:
-        self.actor = actor
+    def __init__(
+        self, agent: Any, info: SessionInfo, settings: Settings, task_group: TaskGroup,
+        agent_lost: Callable[[str, Any], None] | None = None,
+    ) -> None:  # fmt: skip
+        self.agent = agent
+        self._agent_lost = agent_lost
         self.info = info
         self.settings = settings
         self._task_group = task_group
@@ -63,7 +68,7 @@ class RemoteSession:
         self.export_note: str | None = None
         self.close_note: str | None = None
         self.closed = False
-        #: Network 'allowlist': the node's proxy, mirrored from the actor's answers (remote_egress.py).
+        #: Network 'allowlist': the node's proxy, mirrored from the agent's answers (remote_egress.py).
         self._egress = RemoteEgress(info.session_id, info.egress.policy) if info.egress is not None else None
         self._take_egress(info.egress)
         #: What the node's outbox gets reaches this machine's export_dir/<client> (remote_exports.py).
@@ -137,32 +142,30 @@ class RemoteSession:
     def note_restored_from(self, text: str) -> None:
         pass
 
-    def lost_text(self, exc: BaseException | None = None) -> str:
+    def lost_text(self, exc: BaseException | None = None, node_lost: bool = True) -> str:
+        what = f"node {self.info.node.label}" if node_lost else f"the agent of node {self.info.node.label}"
         return (
-            f"session {self.session_id} was lost with node {self.info.node.label}: its kernel, variables and "
-            "workspace files there are gone (the node stopped answering"
+            f"session {self.session_id} was lost with {what}: its kernel, variables and workspace files there are "
+            f"gone (the {'node' if node_lost else 'agent'} stopped answering"
             + (f": {type(exc).__name__}" if exc is not None else "")
             + "). create_session starts a new one; sessions on other nodes are unharmed."
         )
 
     def gone(self, exc: BaseException) -> SessionError:
-        """The actor is gone: with its node (lost), or because its session was closed (expired).
-        Blocking (it asks Ray whether the node lives): call it from a worker thread."""
+        """Its agent is gone: with its node, or killed itself (an agent holding sessions never ends on its
+        own), and the session with it. Blocking (it asks Ray whether the node lives): call it from a worker thread."""
         self.closed = True
-        if _node_lost(exc, self.info.node.node_id):
-            return SessionError(self.lost_text(exc))
-        return SessionError(
-            f"unknown or expired session_id {self.session_id!r}: it was closed (by another front door, or "
-            "after sitting idle); create_session starts a new one"
-        )
+        if self._agent_lost is not None:
+            self._agent_lost(self.node, self.agent)
+        return SessionError(self.lost_text(exc, _node_lost(exc, self.info.node.node_id)))
 
     # --- calls -----------------------------------------------------------------------------------
 
     async def acall(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
-        """One actor call from the event loop, bounded; a node gone is a SessionError saying so."""
+        """One call of the session's agent from the event loop, bounded; an agent gone is a SessionError saying so."""
         try:
             with anyio.fail_after(timeout_s):
-                return await getattr(self.actor, method).remote(*args)
+                return await self.agent.call.remote(self.session_id, method, *args)
         except TimeoutError:
             raise SessionError(
                 f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s"
@@ -173,14 +176,15 @@ class RemoteSession:
             raise await anyio.to_thread.run_sync(self.gone, exc) from None
 
     def call(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
-        """One actor call from a worker thread (the file view's), bounded the same way."""
+        """One call of the session's agent from a worker thread (the file view's), bounded the same way."""
         return self.call_each(method, [args], timeout_s=timeout_s)[0]
 
     def call_each(self, method: str, arg_lists: list[tuple[Any, ...]], timeout_s: float = CALL_S) -> list[Any]:
         """Several calls of one method sent at once from a worker thread, their answers in order, bounded as one
         (pieces of a file in flight together: each piece's round trip no longer adds up)."""
         try:
-            return list(ray.get([getattr(self.actor, method).remote(*args) for args in arg_lists], timeout=timeout_s))
+            refs = [self.agent.call.remote(self.session_id, method, *args) for args in arg_lists]
+            return list(ray.get(refs, timeout=timeout_s))
         except ray.exceptions.GetTimeoutError:
             raise SessionError(
                 f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s"
@@ -327,7 +331,7 @@ class RemoteSession:
         return dict(done)
 
     async def _relay_questions(self, ask_token: str, relaying: anyio.CancelScope) -> None:
-        """A guest call is one actor call: its questions come by reads of their own (a run's come with its
+        """A guest call is one agent call: its questions come by reads of their own (a run's come with its
         output), each answered as a run's are, until the call's end cancels `relaying`."""
         with relaying:
             while True:
@@ -368,19 +372,10 @@ class RemoteSession:
             for job in self._jobs.values():
                 if not job.done.is_set():
                     job.end(JobStatus.LOST, notice=f"session {self.session_id} was closed")
-            with anyio.move_on_after(1.0):
-                await anyio.to_thread.run_sync(_kill_quietly, self.actor)
-
-
-def _kill_quietly(actor: Any) -> None:
-    """The actor ends itself once its session is closed; this makes sure (a wedged one, a lost node)."""
-    time.sleep(0.3)
-    with contextlib.suppress(Exception):  # already gone
-        ray.kill(actor, no_restart=True)
 
 
 def cause_of(exc: Any) -> BaseException:
-    """What the actor raised, as the tools would have seen it here: a CodeRunnerError (SessionError,
+    """What the agent raised, as the tools would have seen it here: a CodeRunnerError (SessionError,
     FileAccessError, SessionBusy) as itself; anything else, a crash on the node, as a SessionError."""
     original = getattr(exc, "cause", None)
     if isinstance(original, CodeRunnerError):
@@ -390,7 +385,7 @@ def cause_of(exc: Any) -> BaseException:
 
 
 def _node_lost(exc: BaseException, node_id: str) -> bool:
-    """Whether the actor went away with its node (rather than ending itself after its session closed)."""
+    """Whether the agent went away with its node (rather than alone: killed, or crashed)."""
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
         return True
     try:

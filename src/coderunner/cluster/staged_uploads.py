@@ -1,6 +1,6 @@
 """Uploads to a session on this node, staged piece by piece before they are written to its files.
 
-A front door sends an upload in pieces (cluster/remote_files.py), each one actor call. The pieces
+A front door sends an upload in pieces (cluster/remote_files.py), each one agent call. The pieces
 gather in a memfd (never a path the sandbox could reach), bounded in count, bytes and age; a commit
 writes them through the session's files view, which resolves the target on the node without
 following a link.

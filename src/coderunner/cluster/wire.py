@@ -1,4 +1,5 @@
-"""What crosses between a front door and a session actor: plain, picklable data, never a live object.
+"""What crosses between a front door and a node agent: plain, picklable data, never a live object; and
+the names both sides agree on (the agents' names, the session ids that carry their agent).
 
 A session's kernel, sandbox, dirs and jobs stay on its node; the front door gets copies of what the
 tools read (an ExecutionResult whose output holds no file descriptor, a JobDelta of new output).
@@ -7,6 +8,7 @@ tools read (an ExecutionResult whose output holds no file descriptor, a JobDelta
 from __future__ import annotations
 
 import copy
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,10 +18,12 @@ from coderunner.kernel.run_result import ExecutionResult
 from coderunner.policy.egress import EgressPolicy
 from coderunner.sessions.sandbox_options import SandboxOptions
 
-#: Ray namespace every session actor is named in (found by name from any front door).
+#: Ray namespace every node agent is named in (found by name from any front door).
 NAMESPACE = "coderunner"
-#: Actor name prefix: `session-<session id>`.
-ACTOR_PREFIX = "session-"
+#: Agent name prefix: `agent-<node id>-<settings key>` (agent.py says why the key).
+AGENT_PREFIX = "agent-"
+#: Hex digits of a node id a session id carries (Ray's node ids are 56; 12 tell a cluster's nodes apart).
+NODE_TAG_CHARS = 12
 #: Bytes per piece of a file moved between a front door and a node (through Ray's object store).
 PIECE_BYTES = 1 << 20
 
@@ -30,8 +34,40 @@ PIECE_BYTES = 1 << 20
 NODE_LOCAL = ("runtime_dir", "workspaces_dir", "snapshots_dir", "sandbox_env", "export_dir")
 
 
-def actor_name(session_id: str) -> str:
-    return f"{ACTOR_PREFIX}{session_id}"
+def agent_name(node_id: str, key: str) -> str:
+    """The agent of `node_id` for front doors whose settings have `key` (pool_key.py)."""
+    return f"{AGENT_PREFIX}{node_id}-{key}"
+
+
+def new_session_id(node_id: str, key: str) -> str:
+    """A session id that names its agent: random first (logs and snapshot records show an id's first
+    characters), then the node's tag and the settings key, so any front door reaches its agent in one call."""
+    return f"{secrets.token_urlsafe(18)}-{node_id[:NODE_TAG_CHARS]}-{key}"
+
+
+def route_of(session_id: str) -> tuple[str, str] | None:
+    """(node tag, settings key) of a session id made by new_session_id; None for any other string."""
+    parts = session_id.rsplit("-", 2)
+    if len(parts) != 3 or len(parts[1]) != NODE_TAG_CHARS or not parts[2]:
+        return None
+    _, tag, key = parts
+    return (tag, key) if set(tag + key) <= HEX else None
+
+
+HEX = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class AgentLoad:
+    """What an agent holds, as it answers a front door choosing where a session goes (placement.py)."""
+
+    node_id: str
+    sessions: int
+    #: CPUs and MiB of memory its sessions reserved (each its cpus and memory_mb limits, placement.Request).
+    cpus: float
+    memory_mb: int
+    #: Warm sandboxes its manager's pool holds for a create with the default options.
+    warm: int
 
 
 @dataclass(frozen=True)
@@ -60,7 +96,7 @@ class EgressDelta:
 
 @dataclass
 class SessionInfo:
-    """A session as its actor describes it on creation and on each lookup."""
+    """A session as its agent describes it on creation and on each lookup."""
 
     session_id: str
     owner: str
@@ -72,7 +108,7 @@ class SessionInfo:
     workspace_path: str = "/workspace"
     #: Its allowlist proxy from the start (network 'allowlist' only).
     egress: EgressDelta | None = None
-    #: Its status when it opened (SessionActor.status), for the create's reply.
+    #: Its status when it opened (SessionSide.status), for the create's reply.
     status: dict[str, Any] | None = None
 
 
@@ -129,7 +165,7 @@ class JobDelta:
     failure: str | None = None
     generation: int = 0
     dropped_images: int = 0
-    #: The actor no longer knows the job (forgotten, or its session closed).
+    #: The agent no longer knows the job (forgotten, or its session closed).
     gone: bool = False
     #: The session's egress since the caller's mark (network 'allowlist' only).
     egress: EgressDelta | None = None

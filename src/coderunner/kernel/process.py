@@ -36,7 +36,7 @@ HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 #: a quiet machine takes about 0.2 s), then every SOCKETS_POLL_SHARE of the time waited so far, up to
 #: SOCKETS_POLL_MAX_S. A start slowed by a busy machine polled 200 times a second while it waited, and
 #: so slowed every start further: 40 cluster sessions at once on 2 cores spent 0.27-0.37 CPU-s each
-#: opening, 0.11-0.14 with the back-off (bench/actor_cpu.py).
+#: opening, 0.11-0.14 with the back-off (bench/actor_cpu.py, since removed).
 SOCKETS_POLL_S = 0.005
 SOCKETS_POLL_QUICK_S = 0.25
 SOCKETS_POLL_SHARE = 0.05

@@ -1,22 +1,18 @@
-"""SessionActor: one session on one node, as a detached named Ray actor.
+"""SessionSide: one session as its node agent serves it (agent.py): every call a front door makes of it.
 
-The actor runs an ordinary SessionManager on its node (the node's own backend, dirs, uid pool and
-egress proxy) holding exactly one session, and answers the front doors' calls with plain data
-(wire.py). The kernel's ZMQ stays on ipc:// on this node: only these actor calls cross the network.
+The agent holds the node's one SessionManager; this holds what a session needs beyond its Session while
+front doors call it: runs whose first answer has not left (cancel_run), the relay that asks a front
+door's user about hosts (relay_asker.py), uploads staged in pieces, and its outbox (node_exports.py).
+The agent routes each call `(session id, method, args)` to the session's side (agent.SESSION_CALLS).
 
-The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left
-in the same task. When its session closes (a close by manage_sessions, or the manager's idle reaper) the actor
-ends itself, so nothing is left on the node.
+The kernel's ZMQ stays on ipc:// on this node: only these calls cross the network.
 
-One idea: the node side of one session: every call a front door makes of it, as the methods of one actor.
+One idea: the node side of one session: every call a front door makes of it, as plain-data answers (wire.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import asdict
@@ -25,12 +21,10 @@ from typing import Any
 import anyio
 
 from coderunner.cluster.node_exports import NodeOutbox
-from coderunner.cluster.pool_key import pool_key
 from coderunner.cluster.relay_asker import RelayAsker
 from coderunner.cluster.remote_egress import delta_of
 from coderunner.cluster.staged_uploads import StagedUploads
 from coderunner.cluster.wire import (
-    NODE_LOCAL,
     EgressDelta,
     ExportListing,
     JobDelta,
@@ -39,54 +33,30 @@ from coderunner.cluster.wire import (
     SessionInfo,
     portable_result,
 )
-from coderunner.config import Settings, load_settings
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.hostfs.sandbox_files import Entry
-from coderunner.sandbox import make_backend
 from coderunner.sessions.job_runner import Job
 from coderunner.sessions.manager import SessionManager
-from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.sessions.session import Session
 
-log = logging.getLogger(__name__)
-
-#: How often the actor checks whether its session is still open (reaped sessions end their actor).
-WATCH_INTERVAL_S = 2.0
-#: After a session close, how long the actor waits for its front door to kill it before it ends itself.
-KILL_BACKUP_S = 10.0
 #: Cancels remembered for runs not started yet (a front door cancelled before its start arrived).
 MAX_CANCELLED_RUNS = 64
 #: How often a read of a guest call's questions looks whether that call has begun here yet.
 CALL_START_POLL_S = 0.05
 
 
-class SessionActor:
-    """Ray wraps this class (`ray.remote`) in the front door; it holds no Ray import of its own.
+class SessionSide:
+    """One open session of an agent's manager, and its calls' state on the node."""
 
-    `pooled`: started ahead by a node's pool (node_pool.py): its manager keeps one warm sandbox
-    (its own warm pool of one, for the default options) until a create claims the actor and opens
-    its session from that sandbox. Its max_sessions of one stops the pool refilling after that. It
-    keeps the settings it was started with: it opens only with their key (pool_key.py).
-    """
-
-    def __init__(self, settings: dict[str, Any], session_id: str, pooled: bool = False) -> None:
-        pool_size = 1 if pooled else 0
-        # The standby kernel waits for the session's first reset (see reset): a burst of creates then
-        # starts one kernel per session, not two, and a session never reset holds one.
-        self.settings = node_settings(settings, pool_size=pool_size, max_sessions=1, reset_standby=False)
-        self._standby_after_reset = bool(settings.get("reset_standby", True))
-        self.session_id = session_id
-        self.pool_key = pool_key(settings) if pooled else None
-        self.manager: SessionManager | None = None
-        self.session: Session | None = None
-        self._entered = asyncio.Event()
-        self._opened = asyncio.Event()
-        self._opening = False
-        self._closed_by_call = False
-        self._stop = asyncio.Event()
-        self._failure: BaseException | None = None
-        self._main: asyncio.Task[None] | None = None
-        self._uploads = StagedUploads(self.settings.transfer_limit_bytes)
+    def __init__(
+        self, manager: SessionManager, session: Session, node: NodeInfo, transfer_limit: int, standby_after_reset: bool
+    ) -> None:
+        self.manager = manager
+        self.session: Session | None = session
+        self.session_id = session.session_id
+        self.node = node
+        self._standby_after_reset = standby_after_reset
+        self._uploads = StagedUploads(transfer_limit)
         #: Runs whose start_run has not answered yet, by their caller's token (cancel_run).
         self._runs: dict[str, Job] = {}
         self._cancelled_runs: set[str] = set()
@@ -97,81 +67,19 @@ class SessionActor:
         self._asking_calls: dict[str, anyio.Event] = {}
         #: The session's outbox, copied out by its front door (node_exports.py), not into this node's export_dir.
         self._outbox: NodeOutbox | None = None
-        self.node = _this_node()
-
-    async def _manager(self) -> SessionManager:
-        """The node's manager for this actor, entered in a task of its own on first use."""
-        if self._main is None:
-            self._main = asyncio.get_running_loop().create_task(self._hold())
-        await self._entered.wait()
-        if self.manager is None:
-            why = str(self._failure) if isinstance(self._failure, CodeRunnerError) else repr(self._failure)
-            raise SessionError(f"the session could not start on node {self.node.label}: {why}")
-        return self.manager
-
-    async def prestart(self, wait_s: float) -> bool:
-        """Pooled: start the manager and wait (bounded) until its warm sandbox is ready."""
-        manager = await self._manager()
-        with anyio.move_on_after(wait_s):
-            while manager.pool.held < 1:
-                await anyio.sleep(0.05)
-        return manager.pool.held >= 1
-
-    async def open(self, options: SandboxOptions, owner: str, seed: Any = None, key: str | None = None) -> SessionInfo:
-        """Create the session (from the warm sandbox when pooled and `options` are the defaults);
-        its id is the actor's name. A second open is refused: a pooled actor is claimed once, by a
-        front door whose settings' `key` is its own (refused, it ends, as after any failed open)."""
-        manager = await self._manager()
-        if self._opening:
-            raise SessionError("this session actor is already taken")
-        self._opening = True
-        try:
-            if self.pool_key is not None and key != self.pool_key:
-                raise SessionError("this pooled session was started with other settings than this front door's")
-            self.session = await manager.create(options, owner=owner, seed=seed, session_id=self.session_id)
-        except CodeRunnerError as exc:
-            self._stop.set()
-            raise SessionError(str(exc)) from None
-        except BaseException:
-            self._stop.set()
-            raise
-        finally:
-            self._opened.set()
-        plan = self.session.sandbox_mounts
+        plan = session.sandbox_mounts
         if plan is not None and plan.exporter is not None:
             self._outbox, plan.exporter = NodeOutbox(plan.exporter.scan), None
-        info = self.info()
-        info.status = await self.status()  # the create's reply shows it: one actor call fewer
-        return info
 
-    async def _hold(self) -> None:
-        try:
-            backend = make_backend(self.settings)
-            async with SessionManager(self.settings, backend) as manager:
-                self.manager = manager
-                self._entered.set()
-                await self._opened.wait()
-                while not self._stop.is_set() and self._still_open():
-                    with anyio.move_on_after(WATCH_INTERVAL_S):
-                        await self._stop.wait()
-        except BaseException as exc:
-            self._failure = self._failure or exc
-            raise
-        finally:
-            self._entered.set()
-            self._end_soon()
-
-    def _still_open(self) -> bool:
-        """Until its close has finished (a close under way has taken it off the list already)."""
+    @property
+    def open(self) -> bool:
+        """Until its close has finished (a close under way has taken it off the manager's list already)."""
         session = self.session
-        return session is not None and (session.close_done is None or not session.close_done.is_set())
-
-    def _end_soon(self) -> None:
-        """The session is gone: end this process. Closed by a front door, which kills the actor once
-        the reply to close has left (an intended exit, as Ray sees it), this only backs that up;
-        reaped idle, nobody else will end it."""
-        delay = KILL_BACKUP_S if self._closed_by_call else 0.2
-        asyncio.get_running_loop().call_later(delay, os._exit, 0)
+        return (
+            session is not None
+            and not session.closed
+            and (session.close_done is None or not session.close_done.is_set())
+        )
 
     def _session(self) -> Session:
         if self.session is None or self.session.closed:
@@ -185,9 +93,6 @@ class SessionActor:
             generation=session.generation, startup=session.startup, seeded=session.seeded,
             workspace_path=session.backend.workspace_path, egress=self.egress_delta(0),
         )  # fmt: skip
-
-    async def ping(self) -> str:
-        return self.node.node_id
 
     # --- jobs -----------------------------------------------------------------------------------
 
@@ -310,7 +215,6 @@ class SessionActor:
 
     async def take_snapshot(self, name: str) -> Any:
         """A snapshot of the session in this node's store (its Taken record)."""
-        assert self.manager is not None
         return await self.manager.take_snapshot(self._session(), name)
 
     # --- the outbox, copied out by the front door (node_exports.py) ----------------------------
@@ -359,7 +263,7 @@ class SessionActor:
 
     @contextlib.contextmanager
     def _asking_during(self, session: Session, ask_token: str | None) -> Iterator[None]:
-        """A guest call is one actor call, with no reads to carry questions: while it goes, the proxy asks
+        """A guest call is one agent call, with no reads to carry questions: while it goes, the proxy asks
         the relay, and the caller reads the questions with read_questions (the run's channel otherwise)."""
         if ask_token is None or session.egress is None:
             yield
@@ -399,12 +303,9 @@ class SessionActor:
         return delta_of(egress, since)
 
     async def close(self) -> str | None:
-        """Close the session (its kernel, sandbox and workspace); the front door then kills the actor."""
+        """Close the session (its kernel, sandbox and workspace); the agent then forgets this side."""
         session = self._session()
-        assert self.manager is not None
-        self._closed_by_call = True
         await self.manager.close(session.session_id)
-        self._stop.set()
         return session.close_note
 
     # --- files (each call resolves its path again on the node, never following a link) ----------
@@ -435,18 +336,3 @@ async def _first_of(*waits: Callable[[], Awaitable[Any]]) -> None:
 
         for wait in waits:
             group.start_soon(one, wait)
-
-
-def _this_node() -> NodeInfo:
-    import ray  # imported here: the class itself must load where ray is absent (a front door's checks)
-
-    return NodeInfo(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
-
-
-def node_settings(sent: dict[str, Any], **fixed: Any) -> Settings:
-    """The front door's settings with this node's own NODE_LOCAL ones (its disks, its sandbox environment)."""
-    local = load_settings()
-    mine = {name: getattr(local, name) for name in NODE_LOCAL}
-    if sent.get("export_dir") is None:  # no export folder at the front door: no outbox in its sandboxes
-        mine["export_dir"] = None
-    return Settings.model_validate({**sent, **mine, **fixed, "ray_address": None})

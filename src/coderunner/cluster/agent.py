@@ -1,0 +1,226 @@
+"""NodeAgent: the sessions of one node, in one detached Ray actor running one long-lived SessionManager.
+
+An actor per session cost a Ray worker process per session (about 1.6 CPU-s to start, 100 MiB held,
+0.7% of a core idle); an agent per node is what the local server already is: one manager, its warm
+pool, idle reaper, egress proxies, uid claims and exports, for many sessions. Front doors start it
+lazily (`get_if_exists`: front doors racing to start it get the same one) pinned to its node, and
+reach a session by calling it with the session id first (`call`): the id names its agent (wire.py).
+
+One agent per (node, settings key): `agent-<node id>-<key>` (pool_key.py). A session is built from
+its front door's settings (allowlist and ports, limits, timeouts, idle timeout, folders) and so is
+everything the manager keeps warm for it; a warm sandbox must never reach a front door whose
+settings would not have built it (the pool key's security fix). A manager built from one front
+door's settings keeps that true by construction; one manager taking per-session settings would have
+to split its pool, reaper and proxies by key itself. Front doors of one configuration, the usual
+case, share one agent per node. Its account of reserved CPUs and memory (placement.room_for) is its
+own: agents of two keys on one node each count only their sessions.
+
+An agent nobody visited for ORPHAN_S that holds no session (the idle reaper closes those) ends its
+warm pool and itself, as the per-node pools did: its name is free again for the next front door.
+
+The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left in
+the same task. Ray runs the agent's calls on one event loop, many at once (max_concurrency, host.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from typing import Any
+
+import anyio
+
+from coderunner.cluster.placement import Request, backend_resource, room_for
+from coderunner.cluster.session_side import SessionSide
+from coderunner.cluster.wire import NODE_LOCAL, AgentLoad, NodeInfo, SessionInfo
+from coderunner.config import Settings, load_settings
+from coderunner.errors import CodeRunnerError, SessionError
+from coderunner.sandbox import make_backend
+from coderunner.sessions.manager import SessionManager
+from coderunner.sessions.sandbox_options import SandboxOptions
+
+log = logging.getLogger(__name__)
+
+#: How often the agent forgets sessions its manager closed (idle) and looks whether it is orphaned.
+WATCH_INTERVAL_S = 2.0
+#: An agent no front door visited for this long, holding no session, ends (front doors visit every
+#: AGENT_SCAN_S, host.py, when they keep pools warm; every call is a visit too).
+ORPHAN_S = 300.0
+#: An agent whose manager could not start (a broken backend, a missing shared mount) answers why for
+#: this long, then ends, so that the next create tries again.
+FAILED_END_S = 5.0
+#: Opens abandoned by their front door remembered at once (each closed when its open ends).
+MAX_ABANDONED = 256
+#: What a session's agent serves of it (session_side.py); `info` and `close` are the agent's own.
+SESSION_CALLS = frozenset({
+    "start_run", "read_job", "cancel_run", "answer_egress", "cancel_job", "forget_job", "list_jobs", "reset",
+    "generation", "take_snapshot", "export_changes", "read_export_piece", "forget_exports", "guest_op",
+    "install_packages", "read_questions", "status", "list_files", "read_piece", "stage_piece", "commit_upload",
+})  # fmt: skip
+
+
+class NodeAgent:
+    """Ray wraps this class (`ray.remote`) in the front door; it holds no Ray import of its own at load."""
+
+    def __init__(self, settings: dict[str, Any], key: str, orphan_s: float = ORPHAN_S) -> None:
+        self.key = key
+        self.orphan_s = orphan_s
+        self.node, self.node_entry = _this_node()
+        units = int(self.node_entry.get("Resources", {}).get(backend_resource(str(settings.get("backend"))), 0))
+        # The standby kernel waits for a session's first reset (see SessionSide.reset): a burst of creates
+        # starts one kernel per session, not two. The node's units bound its sessions; the front doors
+        # bound each client's share (this manager serves all of their clients).
+        self.settings = node_settings(
+            settings, reset_standby=False, max_sessions=max(units, 1), max_sessions_per_client=max(units, 1)
+        )
+        self._standby_after_reset = bool(settings.get("reset_standby", True))
+        self.manager: SessionManager | None = None
+        self._sides: dict[str, SessionSide] = {}
+        self._reserved: dict[str, Request] = {}
+        #: Opens still under way whose front door stopped waiting (abandon).
+        self._abandoned: set[str] = set()
+        self._entered = asyncio.Event()
+        self._failure: BaseException | None = None
+        self._main: asyncio.Task[None] | None = None
+        self._visited = time.monotonic()
+
+    async def _manager(self) -> SessionManager:
+        """The node's manager, entered in a task of its own on first use."""
+        self._visited = time.monotonic()
+        if self._main is None:
+            self._main = asyncio.get_running_loop().create_task(self._hold())
+        await self._entered.wait()
+        if self.manager is None:
+            why = str(self._failure) if isinstance(self._failure, CodeRunnerError) else repr(self._failure)
+            raise SessionError(f"the session could not start on node {self.node.label}: {why}")
+        return self.manager
+
+    async def _hold(self) -> None:
+        try:
+            backend = make_backend(self.settings)
+            async with SessionManager(self.settings, backend) as manager:
+                self.manager = manager
+                self._entered.set()
+                while self._sides or time.monotonic() - self._visited < self.orphan_s:
+                    await anyio.sleep(min(WATCH_INTERVAL_S, self.orphan_s))
+                    self._forget_closed()
+                log.info("node %s: no front door for %.0fs and no session: ending", self.node.label, self.orphan_s)
+        except BaseException as exc:
+            self._failure = self._failure or exc
+            raise
+        finally:
+            self._entered.set()
+            asyncio.get_running_loop().call_later(FAILED_END_S if self.manager is None else 0.2, end_process)
+
+    def _forget_closed(self) -> None:
+        """Sessions the manager closed (idle reaper) or a call closed: their room is free again."""
+        for session_id in [sid for sid, side in self._sides.items() if not side.open]:
+            self._sides.pop(session_id, None)
+            self._reserved.pop(session_id, None)
+
+    def load(self) -> AgentLoad:
+        """What this agent's sessions hold (placement.best_of)."""
+        self._forget_closed()
+        held = list(self._reserved.values())
+        warm = self.manager.pool.stats().ready if self.manager is not None else 0
+        return AgentLoad(self.node.node_id, len(held), sum(r.cpus for r in held),
+                         sum(r.memory_mb or 0 for r in held), warm)  # fmt: skip
+
+    async def visit(self) -> AgentLoad:
+        """A front door's visit: starts the manager (and its warm pool) if need be; what it holds now."""
+        await self._manager()
+        return self.load()
+
+    async def ping(self) -> str:
+        return self.node.node_id
+
+    async def open(
+        self, session_id: str, options: SandboxOptions, owner: str, seed: Any, request: Request
+    ) -> SessionInfo:
+        """Create session `session_id` (from the warm pool when `options` are the defaults) if this
+        node has room for `request` beside the sessions it holds."""
+        manager = await self._manager()
+        self._forget_closed()
+        if not room_for(request, self.node_entry, self.load()):
+            raise SessionError(
+                f"node {self.node.label} has no room for this session now (it asks for {request.describe()}); try again"
+            )
+        self._reserved[session_id] = request
+        try:
+            session = await manager.create(options, owner=owner, seed=seed, session_id=session_id)
+        except CodeRunnerError as exc:
+            self._reserved.pop(session_id, None)
+            raise SessionError(str(exc)) from None
+        except BaseException:
+            self._reserved.pop(session_id, None)
+            raise
+        side = SessionSide(manager, session, self.node, self.settings.transfer_limit_bytes, self._standby_after_reset)
+        self._sides[session_id] = side
+        if session_id in self._abandoned:  # its front door stopped waiting: nobody would ever close it
+            self._abandoned.discard(session_id)
+            await self.call(session_id, "close")
+            raise SessionError(f"the session {session_id!r} was abandoned by its front door while it started")
+        info = side.info()
+        info.status = await side.status()  # the create's reply shows it: one call fewer
+        return info
+
+    async def abandon(self, session_id: str) -> None:
+        """A front door stopped waiting for the open of `session_id` (its bound, a cancel): close it once
+        it is open (now, or when its open ends), so that no session is left that nobody knows of."""
+        if session_id in self._sides:
+            with contextlib.suppress(SessionError):
+                await self.call(session_id, "close")
+        elif len(self._abandoned) < MAX_ABANDONED:
+            self._abandoned.add(session_id)
+
+    async def call(self, session_id: str, method: str, *args: Any) -> Any:
+        """One front-door call of session `session_id` (SESSION_CALLS, `info` or `close`)."""
+        self._visited = time.monotonic()
+        side = self._sides.get(session_id)
+        if side is None or not side.open:
+            raise SessionError(f"unknown or expired session_id {session_id!r}")
+        if method == "info":
+            return side.info()
+        if method == "close":
+            try:
+                return await side.close()
+            finally:
+                self._sides.pop(session_id, None)
+                self._reserved.pop(session_id, None)
+        if method not in SESSION_CALLS:
+            raise SessionError(f"a node agent has no call {method!r}")
+        return await getattr(side, method)(*args)
+
+    async def holding(self) -> dict[str, Any]:
+        """What it holds, for tests and benches (not a visit): its open sessions, its warm sandboxes ready,
+        and how many creates took one."""
+        self._forget_closed()
+        stats = self.manager.pool.stats() if self.manager is not None else None
+        return {"node": self.node.node_id, "key": self.key, "sessions": list(self._sides),
+                "pool_size": self.settings.pool_size, "warm": stats.ready if stats else 0,
+                "taken": stats.taken if stats else 0}  # fmt: skip
+
+
+def end_process() -> None:
+    """An agent's exit (Ray then frees its name: it is never restarted, max_restarts=0)."""
+    os._exit(0)
+
+
+def _this_node() -> tuple[NodeInfo, dict[str, Any]]:
+    import ray  # imported here: the class itself must load where ray is absent (a front door's checks)
+
+    node_id = ray.get_runtime_context().get_node_id()
+    entry: dict[str, Any] = next((node for node in ray.nodes() if node.get("NodeID") == node_id), {})
+    return NodeInfo(node_id, ray.util.get_node_ip_address()), entry
+
+
+def node_settings(sent: dict[str, Any], **fixed: Any) -> Settings:
+    """The front door's settings with this node's own NODE_LOCAL ones (its disks, its sandbox environment)."""
+    local = load_settings()
+    mine = {name: getattr(local, name) for name in NODE_LOCAL}
+    if sent.get("export_dir") is None:  # no export folder at the front door: no outbox in its sandboxes
+        mine["export_dir"] = None
+    return Settings.model_validate({**sent, **mine, **fixed, "ray_address": None})

@@ -1,0 +1,152 @@
+"""A front door's node agents (agent.py): their handles, started or found, and where a new session goes.
+
+One handle per node, kept: a session id names its node and settings key (wire.new_session_id), so a
+call reaches its agent without a lookup by name; a front door asks Ray for an agent by name only the
+first time it meets a node (or an id of another key), and forgets a handle whose agent died.
+
+Placement (placement.py): the nodes that could ever hold the request (its labels, the node's totals),
+two of them asked at random what their agents hold, the lighter with room chosen, the others asked
+only when neither has room; a session whose snapshot or workspace is on one node goes to that node's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from typing import Any
+
+import anyio
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from coderunner.cluster.agent import NodeAgent
+from coderunner.cluster.placement import Request, backend_resource, best_of, no_room
+from coderunner.cluster.pool_key import pool_key
+from coderunner.cluster.wire import NAMESPACE, NODE_TAG_CHARS, AgentLoad, agent_name, route_of
+from coderunner.errors import SessionError
+
+log = logging.getLogger(__name__)
+
+#: Concurrent calls one agent serves: every session's long polls of jobs, file pieces, status, for all
+#: the sessions of its node (each held call is a coroutine on its event loop, not a thread).
+AGENT_CONCURRENCY = 2048
+#: Bound on an agent's start on its node (a Ray worker process, then its manager: dirs, backend, pool).
+AGENT_START_S = 120.0
+#: How many agents a placement asks first (best of two).
+CHOICES = 2
+
+AgentActor = ray.remote(NodeAgent)
+
+
+class Agents:
+    """The agents of one front door's settings, one per node, by node id."""
+
+    def __init__(self, settings_sent: dict[str, Any], defaults: Request) -> None:
+        self.settings_sent = settings_sent
+        self.key = pool_key(settings_sent)
+        #: A session with the default options: its backend and labels say which nodes may hold ours.
+        self.defaults = defaults
+        self._handles: dict[tuple[str, str], Any] = {}
+        self._node_ids: dict[str, str] = {}
+
+    # --- handles ---------------------------------------------------------------------------------
+
+    def start(self, node_id: str) -> Any:
+        """This front door's agent on `node_id`, started if none runs (blocking: a worker thread)."""
+        handle = self._handles.get((node_id, self.key))
+        if handle is None:
+            handle = AgentActor.options(
+                name=agent_name(node_id, self.key), namespace=NAMESPACE, lifetime="detached", get_if_exists=True,
+                num_cpus=0, max_restarts=0, max_concurrency=AGENT_CONCURRENCY,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+            ).remote(self.settings_sent, self.key)  # fmt: skip
+            self._handles[(node_id, self.key)] = handle
+        return handle
+
+    def of_session(self, session_id: str) -> tuple[str, Any] | None:
+        """(node id, agent) of a session id, found by name only the first time (blocking: a worker thread);
+        None for an id no agent could hold (not one of ours, its node or agent gone): never starts one."""
+        route = route_of(session_id)
+        if route is None:
+            return None
+        tag, key = route
+        node_id = self._node_ids.get(tag) or self._learn_node(tag)
+        if node_id is None:
+            return None
+        handle = self._handles.get((node_id, key))
+        if handle is None:
+            try:
+                handle = ray.get_actor(agent_name(node_id, key), namespace=NAMESPACE)
+            except ValueError:
+                return None
+            self._handles[(node_id, key)] = handle
+        return node_id, handle
+
+    def _learn_node(self, tag: str) -> str | None:
+        for node in ray.nodes():
+            self._node_ids[node["NodeID"][:NODE_TAG_CHARS]] = node["NodeID"]
+        return self._node_ids.get(tag)
+
+    def forget(self, node_id: str, handle: Any) -> None:
+        """Its agent died: the next session on that node starts a new one."""
+        for place, known in list(self._handles.items()):
+            if place[0] == node_id and known is handle:
+                del self._handles[place]
+
+    # --- placement -------------------------------------------------------------------------------
+
+    async def visit_all(self, nodes: list[dict[str, Any]]) -> None:
+        """Start (or visit, so that it stays) the agent of every node that may hold this front door's
+        sessions: their warm pools fill before the first create."""
+        for node in nodes:
+            offers = node.get("Resources", {}).get(backend_resource(self.defaults.backend), 0) >= 1
+            if node.get("Alive") and offers and self.defaults.labelled(node):
+                with contextlib.suppress(Exception):
+                    await self._load(node)
+
+    async def place(
+        self, request: Request, nodes: list[dict[str, Any]], warm_wanted: bool, home: str | None = None
+    ) -> tuple[str, Any]:
+        """(node id, agent) for a new session: `home`'s if given, else the best of two with room."""
+        if home is not None:
+            return home, await anyio.to_thread.run_sync(self.start, home)
+        fitting = [node for node in nodes if node.get("Alive") and request.fits(node)]
+        random.shuffle(fitting)
+        answers: list[tuple[dict[str, Any], AgentLoad]] = []
+        failures: list[Exception] = []
+
+        async def ask(node: dict[str, Any], found: list[tuple[dict[str, Any], AgentLoad]]) -> None:
+            try:
+                found.append((node, await self._load(node)))
+            except Exception as exc:  # its agent would not start: the others may hold the session
+                failures.append(exc)
+
+        for first in range(0, len(fitting), CHOICES):
+            found: list[tuple[dict[str, Any], AgentLoad]] = []
+            async with anyio.create_task_group() as group:
+                for node in fitting[first : first + CHOICES]:
+                    group.start_soon(ask, node, found)
+            answers += found
+            chosen = best_of(request, found, warm_wanted)
+            if chosen is not None:
+                return chosen, self._handles[(chosen, self.key)]
+        if failures and not answers:
+            raise failures[0]
+        raise no_room(request, answers)
+
+    async def _load(self, node: dict[str, Any]) -> AgentLoad:
+        node_id = node["NodeID"]
+        handle = await anyio.to_thread.run_sync(self.start, node_id)
+        try:
+            with anyio.fail_after(AGENT_START_S):
+                load: AgentLoad = await handle.visit.remote()
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            raise cause if isinstance(cause, SessionError) else SessionError(f"node {node_id[:12]}: {exc}") from None
+        except TimeoutError:
+            raise SessionError(f"the agent of node {node_id[:12]} did not start within {AGENT_START_S:g}s") from None
+        except ray.exceptions.RayError as exc:
+            self.forget(node_id, handle)
+            raise SessionError(f"the agent of node {node_id[:12]} is gone ({type(exc).__name__}); try again") from None
+        return load
