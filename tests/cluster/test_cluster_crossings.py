@@ -160,6 +160,17 @@ async def answer(call, *args):
         return str(exc)
     return "served"
 
+#: Each refusal's padded wait: how much of the pad was left when the lookup ended (the refusal then ends
+#: at its call's start + REFUSAL_S, whatever the lookup found).
+slack = []
+sleep_until = anyio.sleep_until
+
+async def recording_sleep_until(deadline):
+    slack.append(deadline - anyio.current_time())
+    await sleep_until(deadline)
+
+anyio.sleep_until = recording_sleep_until
+
 async def main():
     async with ClusterHost(load_settings(ray_address=sys.argv[1])) as host:
         found_id = sys.argv[2]
@@ -172,18 +183,22 @@ async def main():
                     for call in (host.snapshot, host.delete_snapshot)]
             for label, snapshot_id in (("theirs", real), ("unknown", made_up))
         }
+        # A made-up id in the form of a real one (its node and settings key): asked of that agent as theirs is.
+        route = "-".join(found_id.rsplit("-", 2)[1:])
         targets = {"found": lambda: found_id, "here": lambda: here.session_id,
-                   "unknown": lambda: secrets.token_urlsafe(18)}
+                   "unknown": lambda: secrets.token_urlsafe(18) + "-" + route}
         seconds = {label: [] for label in targets}
+        padded = {label: [] for label in targets}
         said = {}
         for turn in range(ROUNDS):
             labels = list(targets)
             labels = labels[turn % 3:] + labels[:turn % 3]
             for label in labels:
                 session_id = targets[label]()
-                began = time.perf_counter()
+                began, waited = time.perf_counter(), len(slack)
                 text = await answer(host.resolve, session_id, "bob/1", "bob")
                 seconds[label].append(time.perf_counter() - began)
+                padded[label].append(slack[waited:])
                 said[label] = text.replace(session_id, "<id>")
         kept = found_id in [session.session_id for session in host.list()]  # counted in its max_sessions
         began = time.perf_counter()  # a lookup by name that passes: a Ray name lookup and an actor call
@@ -193,7 +208,7 @@ async def main():
         for session_id in (found_id, here.session_id):
             await host.close(session_id, "alice/1")
         print(json.dumps({"snapshots": snapshots, "seconds": seconds, "said": said, "alice": alice_sees,
-                          "kept": kept}))
+                          "kept": kept, "padded": padded}))
 
 anyio.run(main)
 """
@@ -224,10 +239,12 @@ async def test_another_clients_snapshot_and_session_ids_answer_as_made_up_ones(
     # Bob's tries kept nothing of alice's session here (it would count in this front door's max_sessions).
     assert probe["kept"] is False
     assert probe["alice"] == "served", probe["alice"]  # its owner's client still reaches it
-    # And in the same time: the medians within 2 ms (or 5%) of each other.
-    medians = {label: statistics.median(probe["seconds"][label]) for label in ("found", "here", "unknown")}
-    spread = max(medians.values()) - min(medians.values())
-    assert spread < max(0.002, 0.05 * min(medians.values())), medians
+    # And in the same time, by construction rather than by a stopwatch: every refusal, whatever its lookup
+    # found, waited once for its own deadline (its start + REFUSAL_S) with time still left, so it ended
+    # then. The medians printed above are figures, not assertions (a loaded machine moves them).
+    for label in ("found", "here", "unknown"):
+        for waits in probe["padded"][label]:
+            assert len(waits) == 1 and waits[0] > 0, (label, waits)
     assert await eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
 
 
@@ -235,8 +252,10 @@ async def test_another_clients_session_id_is_refused_through_the_tools_in_an_unk
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
     """As issue 38 measured it: client bob's run_python on alice's session (made by another front door) and on
-    a made-up id, through `coderunner proxy` and an HTTP front door: the same words, and medians within 3 ms
-    (12.8 against 19.2 ms before: the session found by name was kept before its owner check)."""
+    a made-up id of the same form (its node and settings key), through `coderunner proxy` and an HTTP front
+    door: the same words. The same time is the probe's to show (test_another_clients_snapshot_and_session_ids_...:
+    every refusal padded to its own deadline); the medians here are printed as figures (12.8 against 19.2 ms
+    before issue 38's fix: the session found by name was kept before its owner check)."""
     made = _driver(ray_cluster, dirs, MAKE_SESSION)
     env = cluster_env(ray_cluster, dirs)
     env.pop("CODERUNNER_TOKEN")  # per-client tokens: bob's calls are bob's
@@ -249,7 +268,8 @@ async def test_another_clients_session_id_is_refused_through_the_tools_in_an_unk
             said: dict[str, str] = {}
             for turn in range(TOOL_ROUNDS):
                 for label in ("theirs", "unknown") if turn % 2 else ("unknown", "theirs"):
-                    session_id = made["session_id"] if label == "theirs" else secrets.token_urlsafe(18)
+                    made_up = secrets.token_urlsafe(18) + "-" + "-".join(made["session_id"].rsplit("-", 2)[1:])
+                    session_id = made["session_id"] if label == "theirs" else made_up
                     began = time.perf_counter()
                     refused = await call(bob, "run_python", code="1", session_id=session_id)
                     seconds[label].append(time.perf_counter() - began)
@@ -258,6 +278,5 @@ async def test_another_clients_session_id_is_refused_through_the_tools_in_an_unk
     medians = {label: statistics.median(times) for label, times in seconds.items()}
     print(json.dumps({label: round(median * 1000, 2) for label, median in medians.items()}))
     assert said["theirs"] == said["unknown"], said
-    assert abs(medians["theirs"] - medians["unknown"]) < 0.003, medians
     _driver(ray_cluster, dirs, CLOSE_SESSION, made["session_id"])
     assert await eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
