@@ -51,6 +51,24 @@ SECRET_VALUE = "sk-test-" + "7f3a9c1e5b" * 3
 SERVER_START_TIMEOUT_S = 120
 SERVER_STOP_TIMEOUT_S = 20
 
+#: Workers for the whole suite: one per core of the 2-core machines it is sized for (each test file's real
+#: kernels and sandboxes are CPU work; more workers only queue them).
+SUITE_WORKERS = 2
+#: Workers for the fast suite alone (every path given is under tests/unit): its tests wait more than they
+#: compute (one worker: 67 s for 29 CPU-s, kernels starting and timers running out), so four overlap those
+#: waits. Measured on this 2-core machine, quiet: 27.5-29 s with four against 35-38 s with two.
+FAST_SUITE_WORKERS = 4
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """addopts' `-n auto`: the fast suite on FAST_SUITE_WORKERS, anything else on SUITE_WORKERS (an
+    explicit `-n N` still wins)."""
+    unit = REPO / "tests" / "unit"
+    given = [(config.invocation_params.dir / arg.split("::")[0]).resolve() for arg in config.args]
+    if given and all(path == unit or unit in path.parents for path in given):
+        return FAST_SUITE_WORKERS
+    return SUITE_WORKERS
+
 
 @pytest.fixture
 def anyio_backend() -> str:
