@@ -90,7 +90,13 @@ def status_of(status: int) -> int:
 
 
 def serve(first: int, gate: int, wakeup: int) -> int:
-    """Reap every child until `first` has exited (its status), or until the host went away."""
+    """Reap every child until `first` has exited (its status), or until the host went away.
+
+    poll, not select: the gate keeps the number it had in the server, which holds more than 1,024 fds
+    with about a hundred sessions open (select then refused it, and the sandbox failed to start)."""
+    waiting = select.poll()
+    for fd in (gate, wakeup):
+        waiting.register(fd, select.POLLIN)  # end of file (POLLHUP) is always reported too
     while True:
         while True:
             try:
@@ -101,7 +107,7 @@ def serve(first: int, gate: int, wakeup: int) -> int:
                 break
             if pid == first:
                 return status_of(status)
-        ready, _, _ = select.select([gate, wakeup], [], [])
+        ready = {fd for fd, _ in waiting.poll()}
         if gate in ready and not os.read(gate, 1):
             return HOST_GONE
         if wakeup in ready:

@@ -168,10 +168,12 @@ def _make_userns_fd(idmap: IdMap) -> int:
 
 
 def _read_line(fd: int, timeout_s: float) -> bytes:
+    """poll, not select: a server holding many sessions has fds past select's 1,024."""
     import select
 
-    ready, _, _ = select.select([fd], [], [], timeout_s)
-    return os.read(fd, 64).strip() if ready else b""
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
+    return os.read(fd, 64).strip() if waiting.poll(timeout_s * 1000) else b""
 
 
 def stage(source_fd: int, point: Path, *, read_only: bool, idmap: IdMap | None = None) -> bool:
