@@ -33,7 +33,7 @@ from typing import Any
 
 import anyio
 
-from coderunner.cluster.placement import Request, backend_resource, room_for
+from coderunner.cluster.placement import NoRoomNow, Request, backend_resource, room_for
 from coderunner.cluster.session_side import SessionSide
 from coderunner.cluster.wire import NODE_LOCAL, AgentLoad, NodeInfo, SessionInfo
 from coderunner.config import Settings, load_settings
@@ -145,7 +145,7 @@ class NodeAgent:
         manager = await self._manager()
         self._forget_closed()
         if not room_for(request, self.node_entry, self.load()):
-            raise SessionError(
+            raise NoRoomNow(
                 f"node {self.node.label} has no room for this session now (it asks for {request.describe()}); try again"
             )
         self._reserved[session_id] = request

@@ -32,7 +32,7 @@ from ray.exceptions import AuthenticationError
 from coderunner.cluster.agents import Agents
 from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.oneshot_exports import OneShotExports, write_here
-from coderunner.cluster.placement import Request, check_fits, check_home
+from coderunner.cluster.placement import NoRoomNow, Request, check_fits, check_home
 from coderunner.cluster.ray_auth import token_refusal
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
@@ -71,6 +71,9 @@ AGENT_SCAN_S = 30.0
 #: A refused session id (unknown, or another client's) is answered this long after its lookup began, whatever
 #: the lookup took: well above an agent's answer (a few ms; a first lookup of its name by Ray too).
 REFUSAL_S = 0.1
+#: How many times a create is placed when the chosen agent has no room by the time it opens (a burst's creates
+#: read the same loads); the last refusal is the caller's.
+PLACEMENTS = 3
 #: Settings a node agent is not given: the front door alone holds the tokens.
 FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
 
@@ -184,8 +187,15 @@ class ClusterHost:
                 f"waited {COLD_QUEUE_S:g}s for its turn; try again in a moment"
             ) from None
         try:
-            node, agent = await self._agents.place(request, nodes, warm_wanted, home)
-            return await self._open(agent, node, options, owner, seed, request)
+            placed = 0
+            while True:
+                node, agent = await self._agents.place(request, nodes, warm_wanted, home)
+                placed += 1
+                try:
+                    return await self._open(agent, node, options, owner, seed, request)
+                except NoRoomNow:  # filled by creates that chose it beside this one: placed again, fresh loads
+                    if placed >= PLACEMENTS or home is not None:
+                        raise
         finally:
             self._cold_starts.release()
 

@@ -30,6 +30,13 @@ from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.vocabulary.backends import ENTRIES
 
 MIB = 1 << 20
+
+
+class NoRoomNow(SessionError):
+    """An agent's refusal of a session its node cannot hold at this moment: creates that started together
+    read the same loads and may all choose one agent, so the front door places such a create again."""
+
+
 #: CPUs a session asks for when it sets no cpus limit: idle kernels are many to a core.
 DEFAULT_CPUS = 0.1
 
