@@ -23,6 +23,7 @@ Each class lives beside the code that raises it; the tree, with where each one i
     ├── SessionError                 here                          a session request that cannot be served
     │   ├── SessionBusy              here                          another call holds the kernel
     │   ├── GuestCallError           here                          a guest tool refused its input or failed
+    │   ├── NoRoomNow                cluster/placement.py          the chosen node filled meanwhile (placed again)
     │   └── JobNotFound              sessions/job_runner.py        a job id this caller does not have
     ├── OneShotError                 oneshot/program.py            a one-shot run that could not be set up
     ├── MountError (+ ValueError)    policy/mounts.py              a mount that is refused
