@@ -824,6 +824,60 @@ async def test_a_revoked_token_is_refused_by_every_front_door(ray_cluster: RayCl
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
+async def test_a_front_door_killed_mid_call_leaves_its_session_running_and_whole_for_another(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """A front door is only a way in: SIGKILLed while a cell of its session runs, the cell still ends on its
+    node, the session keeps its state and the cell's effect, another front door goes on with it, a bystander
+    session is unharmed, and closing both leaves nothing on any node."""
+    env = cluster_env(ray_cluster, dirs)
+    env.pop("CODERUNNER_TOKEN")
+    token = token_cli(env, "add", "killed-door").splitlines()[-1]
+    ports = (18763, 18764)
+    logs = [dirs.root / f"door-{port}.log" for port in ports]
+    with contextlib.ExitStack() as stack:
+        doomed = stack.enter_context(http_front_door(ray_cluster, env, ports[0], logs[0]))
+        stack.enter_context(http_front_door(ray_cluster, env, ports[1], logs[1]))
+        assert await eventually(lambda: all(_listening(ray_cluster, port) for port in ports), 90), [
+            log.read_text()[-2000:] for log in logs
+        ]
+        async with through_proxy(ray_cluster, env, ports[1], token) as survivor:
+            bystander = json_of(await ok(survivor, "create_session"))["session_id"]  # type: ignore[index]
+            await ok(survivor, "run_python", code="mine = 'bystander'", session_id=bystander)
+            async with through_proxy(ray_cluster, env, ports[0], token) as first, anyio.create_task_group() as tasks:
+                session_id = json_of(await ok(first, "create_session"))["session_id"]  # type: ignore[index]
+                await ok(first, "run_python", code="kept = 'before'", session_id=session_id)
+                slow = "import time\ntime.sleep(8)\nkept = 'after the front door died'"
+
+                async def slow_cell() -> None:
+                    await call(first, "run_python", code=slow, session_id=session_id)
+
+                tasks.start_soon(slow_cell)
+
+                async def running() -> bool:
+                    status = json_of(await ok(survivor, "manage_sessions", action="status", session_id=session_id))
+                    return bool(status and status["kernel"] == "busy")
+
+                with anyio.fail_after(60):
+                    while not await running():
+                        await anyio.sleep(0.2)
+                doomed.kill()  # SIGKILL: no goodbye to its node agent
+                doomed.wait(timeout=30)
+                tasks.cancel_scope.cancel()  # its client's call has nobody to answer it
+            seen: list[str] = []
+            with anyio.fail_after(120):
+                while not seen or "after the front door died" not in seen[-1]:
+                    answer = await call(survivor, "run_python", code="kept", session_id=session_id)
+                    seen.append(text_of(answer))
+                    assert not answer.is_error or "busy" in seen[-1], seen  # busy while the cell ends, then its effect
+                    await anyio.sleep(0.5)
+            assert "bystander" in text_of(await ok(survivor, "run_python", code="mine", session_id=bystander))
+            for held in (session_id, bystander):
+                await ok(survivor, "manage_sessions", action="close", session_id=held)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+
+
 async def test_a_lost_node_says_so_while_other_nodes_serve(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
         by_node: dict[str, str] = {}
