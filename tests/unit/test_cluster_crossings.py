@@ -107,22 +107,34 @@ def test_the_pool_key_is_the_same_in_every_process() -> None:
 
 
 class AgentProbe:
-    """A NodeAgent without Ray or sandboxes: its manager is a stand-in that says when it was left."""
+    """A NodeAgent without Ray or sandboxes: its manager is a stand-in that says when it was left, starts a
+    session when `release` is set (a slow start when a test holds it) and records what it closed."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, warm: int = 1) -> None:
         self.ended = anyio.Event()
         self.manager_left = False
+        self.started, self.release = anyio.Event(), anyio.Event()
+        self.closed: list[str] = []
         probe = self
 
         class Manager:
             def __init__(self, settings: Any, backend: Any) -> None:
-                self.pool = SimpleNamespace(stats=lambda: SimpleNamespace(ready=1))
+                self.pool = SimpleNamespace(stats=lambda: SimpleNamespace(ready=warm))
 
             async def __aenter__(self) -> Any:
                 return self
 
             async def __aexit__(self, *exc_info: object) -> None:
                 probe.manager_left = True
+
+            async def create(self, options: Any, owner: str, seed: Any, session_id: str) -> Any:
+                probe.started.set()
+                await probe.release.wait()
+                return SimpleNamespace(session_id=session_id, sandbox_mounts=None, closed=False, close_done=None,
+                                       close_note=None)  # fmt: skip
+
+            async def close(self, session_id: str) -> None:
+                probe.closed.append(session_id)
 
         node = NodeInfo("n" * 56, "10.0.0.7")
         monkeypatch.setattr(agent_module, "_this_node", lambda: (node, {"NodeID": node.node_id, "Resources": {}}))
@@ -160,29 +172,7 @@ async def test_an_open_its_front_door_abandoned_closes_the_session_once_it_is_op
 ) -> None:
     """A front door that stopped waiting for an open (its bound, a cancel) tells the agent, which closes the
     session when its start ends: no session is left that no front door knows of."""
-    AgentProbe(monkeypatch)
-    started, release, closed = anyio.Event(), anyio.Event(), []
-
-    class Manager:
-        def __init__(self, settings: Any, backend: Any) -> None:
-            self.pool = SimpleNamespace(stats=lambda: SimpleNamespace(ready=0))
-
-        async def __aenter__(self) -> Any:
-            return self
-
-        async def __aexit__(self, *exc_info: object) -> None:
-            pass
-
-        async def create(self, options: Any, owner: str, seed: Any, session_id: str) -> Any:
-            started.set()
-            await release.wait()  # a slow start
-            return SimpleNamespace(session_id=session_id, sandbox_mounts=None, closed=False, close_done=None,
-                                   close_note=None)  # fmt: skip
-
-        async def close(self, session_id: str) -> None:
-            closed.append(session_id)
-
-    monkeypatch.setattr(agent_module, "SessionManager", Manager)
+    probe = AgentProbe(monkeypatch, warm=0)
     agent = agent_module.NodeAgent({"backend": "bwrap"}, "k" * 16)
     agent.settings.transfer_limit_bytes = 2**20
     agent.node_entry = {"Resources": {"CPU": 2.0, "memory": 4.0 * 2**30, "coderunner-bwrap": 4.0}}
@@ -196,10 +186,10 @@ async def test_an_open_its_front_door_abandoned_closes_the_session_once_it_is_op
             refused.append(str(caught.value))
 
         group.start_soon(opening)
-        await started.wait()
+        await probe.started.wait()
         await agent.abandon("s-slow")  # the front door's bound passed meanwhile
-        release.set()
-    assert refused and closed == ["s-slow"] and not agent._sides and not agent._reserved
+        probe.release.set()
+    assert refused and probe.closed == ["s-slow"] and not agent._sides and not agent._reserved
 
 
 # --- snapshots: what one client taught the front door is not used for another ----------------------
