@@ -27,6 +27,8 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult
 
+from coderunner.oneshot.ready import READY_IDLE_S
+
 from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, json_of, server_env, text_of
 from ..test_e2e_egress_ux import Asked
 from ..test_e2e_server_killed import CANARY, alive, descendants, sandbox_of, with_token
@@ -311,7 +313,7 @@ async def test_what_a_session_saves_to_its_outbox_reaches_the_front_doors_export
         await anyio.sleep(1.5)
         await ok(client, "manage_sessions", action="close", session_id=sid)
         assert (folder / "late.txt").read_text() == "late"
-        # A one-shot run is one task on some node: its files come back in the task's answer.
+        # A one-shot run is a call of some node's agent: its files come back in the call's answer.
         code = "import os; open('/mnt/outputs/once.txt', 'w').write('once'); os.symlink(CANARY, '/mnt/outputs/l')"
         ran = json_of(await ok(client, "execute_code", language="python",
                                code=code.replace("CANARY", repr(str(canary / "keep")))))  # fmt: skip
@@ -364,7 +366,13 @@ async def test_snapshots_and_persistent_workspaces_live_on_their_node(
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
 
 
-async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
+async def test_one_shot_runs_are_calls_of_the_node_agents_and_the_next_is_served_warm(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """execute_code runs in a sandbox of a node agent, as on one machine: output, stdin, exit code, a syntax
+    check, a detached run cancelled. After a run the agent starts a sandbox ahead for the next with the same
+    options, and placement sends that next run to it; one no run takes is dropped (READY_IDLE_S), so
+    nothing is left on any node."""
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
         ran = json_of(await ok(client, "execute_code", language="python", code="import sys; print(6 * 7); "
                                "print(sys.stdin.read())", stdin="fed in"))  # fmt: skip
@@ -379,7 +387,19 @@ async def test_one_shot_runs_are_tasks_on_the_nodes(ray_cluster: RayCluster, dir
         began = time.monotonic()
         await call(client, "manage_jobs", action="cancel", job_id=job_id)
         assert time.monotonic() - began < 30
-    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+
+        def runs_taken() -> int:
+            """Runs that took a sandbox started ahead, over every agent."""
+            return sum(
+                held["runs"]["runs_taken"] for held in agents_held(ray_cluster).values() if held and held["runs"]
+            )
+
+        taken = runs_taken()
+        for _ in range(3):
+            again = json_of(await ok(client, "execute_code", language="python", code="print('again')"))
+            assert again is not None and again["stdout"] == "again\n", again
+        assert runs_taken() > taken, agents_held(ray_cluster)  # a run took a sandbox started ahead on its agent
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), READY_IDLE_S + 60), sandboxes_on(ray_cluster)
 
 
 async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
@@ -607,7 +627,7 @@ async def test_the_user_is_asked_during_guest_tools_and_installs_across_the_clus
 async def test_an_allowlist_one_shot_runs_denials_reach_the_reply_from_its_node(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
-    """execute_code is a task: its node's proxy decides, and the reply's `network` line names what it denied,
+    """execute_code runs in a node agent: its node's proxy decides, and the reply's `network` line names what it denied,
     as on one machine. A one-shot run's list is the whole ceiling, so nobody is asked: a host inside
     allowed_domains is let through, one outside is denied, and the node's audit holds both decisions."""
     asked = Asked()
@@ -640,7 +660,8 @@ async def test_an_allowlist_one_shot_runs_denials_reach_the_reply_from_its_node(
         return ("outside.example.net", False) in hosts and ("a.example.org", True) in hosts
 
     assert await eventually(decided_in_audit), audit.read_text() if audit.exists() else "no audit file"
-    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+    # The 'none' run's agent started a sandbox ahead for the next such run: dropped when none takes it.
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), READY_IDLE_S + 60), sandboxes_on(ray_cluster)
 
 
 #: Sessions opened at once through one front door in the many-sessions test (0.1 CPU, 512 MiB each: eight

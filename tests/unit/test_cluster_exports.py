@@ -185,7 +185,7 @@ def test_a_one_shots_files_are_written_here_and_the_note_names_this_folder(folde
 
 
 def test_a_one_shot_folder_left_by_a_killed_worker_goes_with_the_next_run(tmp_path: Path) -> None:
-    """A cancelled run's worker is killed (force): its folder stays until a run on that node finds its lock free."""
+    """An agent killed mid-run leaves its run's folder, until a run on that node finds its lock free."""
     node = Settings(export_dir=tmp_path)
     (tmp_path / "alice").mkdir()  # a client's folder is never touched
     killed = subprocess.run(

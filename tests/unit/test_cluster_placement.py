@@ -134,8 +134,10 @@ def test_node_labels_are_plain_names_and_values(labels: dict[str, str]) -> None:
 # --- best of two: each agent's own account of its sessions against what its node advertises ----------
 
 
-def load(node_id: str, sessions: int = 0, cpus: float = 0.0, memory_mb: int = 0, warm: int = 0) -> AgentLoad:
-    return AgentLoad(node_id, sessions, cpus, memory_mb, warm)
+def load(
+    node_id: str, sessions: int = 0, cpus: float = 0.0, memory_mb: int = 0, warm: int = 0, ready_runs: int = 0
+) -> AgentLoad:
+    return AgentLoad(node_id, sessions, cpus, memory_mb, warm, ready_runs)
 
 
 def test_an_agent_has_room_while_its_sessions_leave_enough_cpu_memory_and_units() -> None:
@@ -159,6 +161,13 @@ def test_the_lighter_of_the_agents_asked_with_room_is_chosen() -> None:
     # The lighter one full: the other, however loaded, if it has room.
     full = [(a, load("a" * 56, 2, 0.2, 3800)), (b, load("b" * 56, 6, 1.8, 1024))]
     assert best_of(request, full, False) == "b" * 56
+    # A one-shot run goes where a sandbox started ahead waits (the session pool's warm ones do not count).
+    ahead = [(a, load("a" * 56, 4, 0.4, 2048, ready_runs=1)), (b, load("b" * 56, 1, 0.1, 512, warm=2))]
+    assert best_of(request, ahead, False, run=True) == "a" * 56
+    assert best_of(request, ahead, True) == "b" * 56
+    # ... if it has room: a full one is passed over, sandbox ahead or not.
+    ahead_full = [(a, load("a" * 56, 2, 0.2, 3800, ready_runs=1)), (b, load("b" * 56, 6, 1.8, 1024))]
+    assert best_of(request, ahead_full, False, run=True) == "b" * 56
 
 
 def test_when_no_agent_asked_has_room_the_refusal_says_what_each_node_holds() -> None:

@@ -29,18 +29,26 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
+from coderunner.cluster.oneshot_side import run_here
 from coderunner.cluster.placement import NoRoomNow, Request, backend_resource, room_for
 from coderunner.cluster.session_side import SessionSide
 from coderunner.cluster.wire import NODE_LOCAL, AgentLoad, NodeInfo, SessionInfo
 from coderunner.config import Settings, load_settings
 from coderunner.errors import CodeRunnerError, SessionError
+from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.sandbox_options import SandboxOptions
+
+if TYPE_CHECKING:
+    from coderunner.cluster.oneshot_exports import OneShotExports
+    from coderunner.cluster.wire import EgressDelta
+    from coderunner.oneshot.runs import OneShotResult
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,8 @@ SESSION_CALLS = frozenset({
     "generation", "take_snapshot", "export_changes", "read_export_piece", "forget_exports", "guest_op",
     "install_packages", "read_questions", "status", "list_files", "read_piece", "stage_piece", "commit_upload",
 })  # fmt: skip
+#: The one-shot calls besides run_oneshot an agent serves (its LocalOneShots'), each in a sandbox of its own.
+ONESHOT_CALLS = frozenset({"check_code", "language_versions"})
 
 
 class NodeAgent:
@@ -79,7 +89,9 @@ class NodeAgent:
         self._standby_after_reset = bool(settings.get("reset_standby", True))
         self.manager: SessionManager | None = None
         self._sides: dict[str, SessionSide] = {}
+        #: What each session and each one-shot run under way reserved of the node (placement.room_for).
         self._reserved: dict[str, Request] = {}
+        self._oneshots: LocalOneShots | None = None
         #: Opens still under way whose front door stopped waiting (abandon).
         self._abandoned: set[str] = set()
         self._entered = asyncio.Event()
@@ -104,7 +116,7 @@ class NodeAgent:
             async with SessionManager(self.settings, backend) as manager:
                 self.manager = manager
                 self._entered.set()
-                while self._sides or time.monotonic() - self._visited < self.orphan_s:
+                while self._reserved or self._sides or time.monotonic() - self._visited < self.orphan_s:
                     await anyio.sleep(min(WATCH_INTERVAL_S, self.orphan_s))
                     self._forget_closed()
                 log.info("node %s: no front door for %.0fs and no session: ending", self.node.label, self.orphan_s)
@@ -126,8 +138,9 @@ class NodeAgent:
         self._forget_closed()
         held = list(self._reserved.values())
         warm = self.manager.pool.stats().ready if self.manager is not None else 0
+        ready_runs = self._oneshots.runner.ahead.stats().ready if self._oneshots is not None else 0
         return AgentLoad(self.node.node_id, len(held), sum(r.cpus for r in held),
-                         sum(r.memory_mb or 0 for r in held), warm)  # fmt: skip
+                         sum(r.memory_mb or 0 for r in held), warm, ready_runs)  # fmt: skip
 
     async def visit(self) -> AgentLoad:
         """A front door's visit: starts the manager (and its warm pool) if need be; what it holds now."""
@@ -167,6 +180,39 @@ class NodeAgent:
         info.status = await side.status()  # the create's reply shows it: one call fewer
         return info
 
+    async def run_oneshot(
+        self, run_id: str, request: Request, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[OneShotResult, EgressDelta | None, OneShotExports | None]:
+        """A one-shot run (oneshot_side.run_here) if this node has room for `request` now. A front door that
+        stops waiting cancels this call, and with it the run (its sandbox is killed as on one machine)."""
+        async with self._run_room(run_id, request) as oneshots:
+            return await run_here(oneshots, self.settings, args, kwargs)
+
+    async def oneshot_call(self, run_id: str, request: Request, method: str, args: tuple[Any, ...]) -> Any:
+        """A check_code or language_versions of this node's one-shot runs, if it has room for `request` now."""
+        if method not in ONESHOT_CALLS:
+            raise SessionError(f"a node agent has no one-shot call {method!r}")
+        async with self._run_room(run_id, request) as oneshots:
+            return await getattr(oneshots, method)(*args)
+
+    @contextlib.asynccontextmanager
+    async def _run_room(self, run_id: str, request: Request) -> AsyncIterator[LocalOneShots]:
+        """The node's one-shot runs, with `request` reserved for this one while it goes."""
+        manager = await self._manager()
+        self._forget_closed()
+        if not room_for(request, self.node_entry, self.load()):
+            raise NoRoomNow(
+                f"node {self.node.label} has no room for this run now (it asks for {request.describe()}); try again"
+            )
+        self._reserved[run_id] = request
+        try:
+            if self._oneshots is None:
+                self._oneshots = LocalOneShots.for_manager(manager)
+            yield self._oneshots
+        finally:
+            self._reserved.pop(run_id, None)
+            self._visited = time.monotonic()
+
     async def abandon(self, session_id: str) -> None:
         """A front door stopped waiting for the open of `session_id` (its bound, a cancel): close it once
         it is open (now, or when its open ends), so that no session is left that nobody knows of."""
@@ -201,7 +247,8 @@ class NodeAgent:
         stats = self.manager.pool.stats() if self.manager is not None else None
         return {"node": self.node.node_id, "key": self.key, "sessions": list(self._sides),
                 "pool_size": self.settings.pool_size, "warm": stats.ready if stats else 0,
-                "taken": stats.taken if stats else 0}  # fmt: skip
+                "taken": stats.taken if stats else 0,
+                "runs": self._oneshots.ready_counts() if self._oneshots is not None else None}  # fmt: skip
 
 
 def end_process() -> None:

@@ -106,9 +106,11 @@ class Agents:
                     await self._load(node)
 
     async def place(
-        self, request: Request, nodes: list[dict[str, Any]], warm_wanted: bool, home: str | None = None
-    ) -> tuple[str, Any]:
-        """(node id, agent) for a new session: `home`'s if given, else the best of two with room."""
+        self, request: Request, nodes: list[dict[str, Any]], warm_wanted: bool, home: str | None = None,
+        run: bool = False,
+    ) -> tuple[str, Any]:  # fmt: skip
+        """(node id, agent) for a new session (a one-shot `run`): `home`'s if given, else the best of two
+        with room (placement.best_of)."""
         if home is not None:
             return home, await anyio.to_thread.run_sync(self.start, home)
         fitting = [node for node in nodes if node.get("Alive") and request.fits(node)]
@@ -128,7 +130,7 @@ class Agents:
                 for node in fitting[first : first + CHOICES]:
                     group.start_soon(ask, node, found)
             answers += found
-            chosen = best_of(request, found, warm_wanted)
+            chosen = best_of(request, found, warm_wanted, run)
             if chosen is not None:
                 return chosen, self._handles[(chosen, self.key)]
         if failures and not answers:

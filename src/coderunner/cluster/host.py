@@ -21,6 +21,7 @@ import builtins
 import contextlib
 import dataclasses
 import logging
+import secrets
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -37,7 +38,7 @@ from coderunner.cluster.ray_auth import token_refusal
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
-from coderunner.cluster.wire import NAMESPACE, SessionInfo, new_session_id
+from coderunner.cluster.wire import NAMESPACE, EgressDelta, SessionInfo, new_session_id
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
@@ -105,7 +106,9 @@ class ClusterHost:
         #: Cold starts under way at once: the rest queue for a turn.
         self._cold_starts = anyio.Semaphore(COLD_STARTS)
         self._settings_sent = settings.model_dump(exclude=FRONT_DOOR_ONLY)
-        self._node_calls = NodeCalls(settings, self._settings_sent, self.backend.name)
+        self._node_calls = NodeCalls(settings, self._settings_sent)
+        #: One-shot runs of this front door under way at once (more wait for a turn, within their bound).
+        self._oneshot_slots = anyio.CapacityLimiter(settings.max_oneshot_runs)
         self.stored = StoredOnNodes(self._node_calls, self.backend.name, settings.snapshots_shared)
         self._defaults = self.options()
         #: The node agents of these settings; each keeps pool_size warm sandboxes (its manager's own pool)
@@ -370,26 +373,27 @@ class ClusterHost:
         assert isinstance(session, RemoteSession), "a session of another host"
         return session
 
-    # --- one-shot runs: a task each, on any node (oneshots.py) -------------------------------------
+    # --- one-shot runs: calls of a node agent, placed as a session would be (oneshot_side.py) ----------
 
     async def run_oneshot(
         self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
         variables: dict[str, Any] | None = None, caller: str | None = None,
         on_egress: Callable[[SessionEgress], None] | None = None,
     ) -> OneShotResult:  # fmt: skip
-        args = (language, code, options)
-        kwargs = {"stdin": stdin, "variables": variables}
-        if options.network != NetworkMode.ALLOWLIST or on_egress is None:  # a plain run: one task, nothing more
-            result, _, exports = await self._node_calls.run_oneshot(options, args, kwargs)
-            return await self._exported_here(result, exports, options)
-        # The node's proxy decides; the call sees its decisions through a mirror (the reply's `network`
-        # line). Nobody is asked: a one-shot run's list is the whole ceiling (policy_for), so its proxy
-        # never meets a host inside allowed_domains but outside its list, here as on one machine.
-        ceiling = self.settings.egress.ceiling
-        mirror = RemoteEgress("one-shot", ceiling.narrowed(options.allow) if options.allow else ceiling)
-        on_egress(mirror)  # type: ignore[arg-type]  # the part of SessionEgress the tools use
-        result, delta, exports = await self._node_calls.run_oneshot(options, args, kwargs)
-        mirror.apply(delta)
+        mirror = None
+        if options.network == NetworkMode.ALLOWLIST and on_egress is not None:
+            # The node's proxy decides; the call sees its decisions through a mirror (the reply's `network`
+            # line). Nobody is asked: a one-shot run's list is the whole ceiling (policy_for), so its proxy
+            # never meets a host inside allowed_domains but outside its list, here as on one machine.
+            ceiling = self.settings.egress.ceiling
+            mirror = RemoteEgress("one-shot", ceiling.narrowed(options.allow) if options.allow else ceiling)
+            on_egress(mirror)  # type: ignore[arg-type]  # the part of SessionEgress the tools use
+        args, kwargs = (language, code, options), {"stdin": stdin, "variables": variables}
+        done: tuple[OneShotResult, EgressDelta | None, OneShotExports | None]
+        done = await self._on_agent(options, "run_oneshot", args, kwargs)
+        result, delta, exports = done
+        if mirror is not None:
+            mirror.apply(delta)
         return await self._exported_here(result, exports, options)
 
     async def _exported_here(
@@ -407,22 +411,62 @@ class ClusterHost:
     async def check_code(
         self, language: Language, code: str, options: SandboxOptions, caller: str | None = None
     ) -> builtins.list[dict[str, Any]]:
-        found: builtins.list[dict[str, Any]] = await self._node_calls.run(
-            "check_code", options, language, code, options
+        found: builtins.list[dict[str, Any]] = await self._on_agent(
+            options, "oneshot_call", "check_code", (language, code, options)
         )
         return found
 
     async def language_versions(self, options: SandboxOptions) -> dict[str, Any]:
-        found: dict[str, Any] = await self._node_calls.run("language_versions", options, options)
+        found: dict[str, Any] = await self._on_agent(options, "oneshot_call", "language_versions", (options,))
         return found
 
+    async def _on_agent(self, options: SandboxOptions, method: str, *args: Any) -> Any:
+        """NodeAgent.`method`(run id, request, *args) on an agent with room for a sandbox of `options` (the
+        best of two, placed again if it filled meanwhile), within the run's bound. A caller that stops
+        waiting (a cancelled job, a client gone, the bound) cancels it on the node, and so its sandbox."""
+        request = Request.of(options, self.backend.name, self.settings.ray_node_labels)
+        nodes = await anyio.to_thread.run_sync(ray.nodes)
+        check_fits(request, nodes)
+        bound = options.timeout_s + self.settings.startup_timeout_s + CALL_S
+        async with self._oneshot_slots:
+            placed = 0
+            while True:
+                node, agent = await self._agents.place(request, nodes, warm_wanted=False, run=True)
+                placed += 1
+                ref = getattr(agent, method).remote(secrets.token_hex(8), request, *args)
+                try:
+                    with anyio.fail_after(bound):
+                        return await ref
+                except ray.exceptions.RayTaskError as exc:
+                    cause = cause_of(exc)
+                    if not isinstance(cause, NoRoomNow) or placed >= PLACEMENTS:
+                        raise cause from None
+                except ray.exceptions.RayError as exc:
+                    self._agents.forget(node, agent)
+                    raise SessionError(
+                        f"the run was lost with the agent of node {node[:12]} ({type(exc).__name__}); try again"
+                    ) from None
+                except TimeoutError:
+                    await _cancel(ref)
+                    raise SessionError(f"the run did not end within {bound:g}s on its node; it was stopped") from None
+                except BaseException:
+                    await _cancel(ref)
+                    raise
+
     def ready_counts(self) -> dict[str, int] | None:
-        """None: the nodes start no sandbox ahead for a run (each run's node is Ray's choice)."""
+        """None: the sandboxes started ahead are the node agents' (each run's agent is placement's choice)."""
         return None
 
 
 def _may_use(session_owner: str, owner: str | None) -> bool:
     return owner is None or client_of_key(session_owner) == client_of_key(owner)
+
+
+async def _cancel(ref: Any) -> None:
+    """Cancel an agent's one-shot call whatever happens to its caller: the run's task on the agent is
+    cancelled, and it kills its sandbox as a cancelled run does on one machine."""
+    with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
+        await anyio.to_thread.run_sync(ray.cancel, ref)
 
 
 async def _abandon(agent: Any, session_id: str) -> None:

@@ -1,10 +1,10 @@
 """What a cluster one-shot run saves to /mnt/outputs, brought to the front door's export_dir/<client>.
 
-A one-shot run is one Ray task, and its sandbox and outbox are gone when the task answers, so its
-files cannot be read in pieces afterwards as a session's are (remote_exports.py). Instead the node
-exports them as one machine would, with its own Exporter (the same bounds, links never followed),
-but into a host-only folder of the task's, within ONESHOT_EXPORT_MB; the task's answer carries
-those files, and the front door writes them with an ExportWriter into its client's folder. The
+A one-shot run is one call of a node agent (oneshot_side.py), and its sandbox and outbox are gone when
+the call answers, so its files cannot be read in pieces afterwards as a session's are (remote_exports.py).
+Instead the node exports them as one machine would, with its own Exporter (the same bounds, links never
+followed), but into a host-only folder of the run's, within ONESHOT_EXPORT_MB; the call's answer
+carries those files, and the front door writes them with an ExportWriter into its client's folder. The
 reply's note names the front door's folder.
 """
 
@@ -60,8 +60,8 @@ def node_export_folder(node: Settings) -> Iterator[dict[str, Any]]:
     """On the node: what a one-shot's settings change there (an export_dir of its own, the smaller
     limit), or nothing when the front door has no export folder. The folder is made in the node's own
     export_dir (host-only: no sandbox sees it; nothing else is copied there in cluster mode), locked
-    while the run goes, and removed after; one left by a worker killed mid-run (a cancelled run) is
-    removed by the next run on that node, once its lock is free."""
+    while the run goes, and removed after; one left by an agent killed mid-run is removed by the next
+    run on that node, once its lock is free."""
     if node.export_dir is None:
         yield {}
         return

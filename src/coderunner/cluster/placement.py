@@ -163,13 +163,20 @@ def share(request: Request, node: dict[str, Any], load: AgentLoad) -> float:
     )
 
 
-def best_of(request: Request, answers: list[tuple[dict[str, Any], AgentLoad]], warm_wanted: bool) -> str | None:
+def best_of(
+    request: Request, answers: list[tuple[dict[str, Any], AgentLoad]], warm_wanted: bool, run: bool = False
+) -> str | None:
     """The node id of the agent to hold `request` among those asked: one with room, a warm sandbox first
-    when the create could take one (`warm_wanted`), then the lightest; None when none has room."""
+    when the create could take one (`warm_wanted`), or for a one-shot `run` one with a sandbox started
+    ahead (most runs repeat the options of the last), then the lightest; None when none has room."""
     fitting = [(node, load) for node, load in answers if room_for(request, node, load)]
     if not fitting:
         return None
-    node, _ = min(fitting, key=lambda pair: (not (warm_wanted and pair[1].warm > 0), share(request, *pair)))
+
+    def warm(load: AgentLoad) -> bool:
+        return load.ready_runs > 0 if run else warm_wanted and load.warm > 0
+
+    node, _ = min(fitting, key=lambda pair: (not warm(pair[1]), share(request, *pair)))
     return str(node["NodeID"])
 
 

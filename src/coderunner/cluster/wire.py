@@ -68,6 +68,8 @@ class AgentLoad:
     memory_mb: int
     #: Warm sandboxes its manager's pool holds for a create with the default options.
     warm: int
+    #: One-shot sandboxes its runs started ahead, ready (for the options of the last runs: oneshot/ready.py).
+    ready_runs: int = 0
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,12 @@ class Exporter:
     def target(self, folder: Path) -> None:
         self.writer.target = folder
 
+    def redirect(self, target: Path, limit_bytes: int) -> None:
+        """Copy to `target` instead, within `limit_bytes` at most (a cluster one-shot's folder of its own)."""
+        self.writer.close()
+        self.writer.target = target
+        self.writer.limit_bytes = min(self.writer.limit_bytes, limit_bytes)
+
     def baseline(self) -> None:
         self.scan.baseline()
 

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from coderunner.oneshot.runs import Language, OneShotResult, OneShotRunner
+from coderunner.oneshot.runs import ExportTo, Language, OneShotResult, OneShotRunner
 from coderunner.sessions.job_runner import JobTable
 
 if TYPE_CHECKING:
@@ -47,11 +47,12 @@ class LocalOneShots:
     async def run_oneshot(
         self, language: Language, code: str, options: SandboxOptions, *, stdin: bytes = b"",
         variables: dict[str, Any] | None = None, caller: str | None = None,
-        on_egress: Callable[[SessionEgress], None] | None = None,
+        on_egress: Callable[[SessionEgress], None] | None = None, export_to: ExportTo | None = None,
     ) -> OneShotResult:  # fmt: skip
         return await self.runner.run(
-            language, code, options, stdin=stdin, variables=variables, caller=caller, on_egress=on_egress
-        )
+            language, code, options, stdin=stdin, variables=variables, caller=caller, on_egress=on_egress,
+            export_to=export_to,
+        )  # fmt: skip
 
     async def check_code(
         self, language: Language, code: str, options: SandboxOptions, caller: str | None = None

@@ -22,6 +22,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from coderunner.config import Settings
     from coderunner.sessions.egress_wiring import EgressHub, SessionEgress
 
-__all__ = ["Language", "OneShotError", "OneShotResult", "OneShotRunner"]
+__all__ = ["ExportTo", "Language", "OneShotError", "OneShotResult", "OneShotRunner"]
 
 #: Bound on a syntax check (node --check of a large file is the slowest).
 CHECK_TIMEOUT_S = 30.0
@@ -74,6 +75,15 @@ class OneShotResult:
     truncated: bool = False
     #: What was copied from the export mount to the client's export folder, if anything.
     exported: str | None = None
+
+
+@dataclass(frozen=True)
+class ExportTo:
+    """Where a run's outbox goes instead of its client's export folder: a cluster node's host-only folder
+    for that run alone (cluster/oneshot_side.py), whose files its answer carries to the front door."""
+
+    folder: Path
+    limit_bytes: int
 
 
 @dataclass
@@ -145,11 +155,13 @@ class OneShotRunner:
         variables: dict[str, Any] | None = None,
         caller: str | None = None,
         on_egress: Callable[[SessionEgress], None] | None = None,
+        export_to: ExportTo | None = None,
     ) -> OneShotResult:
-        """`on_egress`: given an allowlist run's proxy once it exists (the tool lends it an asker)."""
+        """`on_egress`: given an allowlist run's proxy once it exists (the tool lends it an asker).
+        `export_to`: where its outbox goes instead of the client's export folder."""
         async with self.slots.slot(options.timeout_s, caller):
             ready = await self.ahead.take(options) if self.ready else None
-            result = await self._run(language, code, options, stdin, variables or {}, ready, on_egress)
+            result = await self._run(language, code, options, stdin, variables or {}, ready, on_egress, export_to)
             if self.ready:  # not after a run that failed or was cancelled (a server that stops, a client gone)
                 self.ahead.start_ahead(options)
             return result
@@ -163,6 +175,7 @@ class OneShotRunner:
         variables: dict[str, Any],
         ready: ReadySandbox | None = None,
         on_egress: Callable[[SessionEgress], None] | None = None,
+        export_to: ExportTo | None = None,
     ) -> OneShotResult:
         """One run on its lease (the one started ahead, or its own), which it hands back however it ends."""
         clock = _Clock(self.phases)
@@ -192,6 +205,8 @@ class OneShotRunner:
             else:
                 process = await self.backend.spawn(lease.spec(options), argv, self.task_group, pipes=True)
             clock.mark("spawn")
+            if export_to is not None and lease.mounts is not None and lease.mounts.exporter is not None:
+                lease.mounts.exporter.redirect(export_to.folder, export_to.limit_bytes)
             return await self._finish(language, options, lease, process, stdin, began, clock, cgroups)
         finally:
             if ready is not None and ready.process is not None and ready.process.alive:
