@@ -1,0 +1,348 @@
+"""Issue 41, route A measured: a kernel-like child forked from a warm template and entered into its bwrap sandbox,
+beside today's cold start in the same sandbox, on real sandboxes of the project's own bwrap backend.
+
+    .venv/bin/python bench/template_fork.py [--runs 20] [--lanes cold,template,template-nofreeze]
+
+Lanes, interleaved in shuffled rounds (a shared machine's load hits all alike):
+    cold               today's path: bwrap starts the sandbox's Python, which imports what a kernel with a first
+                       chart needs (warm_imports.py's steps, ipykernel) and answers one request
+    template           route A: bwrap starts the same sandbox around a placeholder (sleep); a fork of a warm
+                       template (gc.freeze()) enters it (sandbox/bwrap_template.py, guest/sandbox_enter.py)
+                       and answers the same
+    template-nofreeze  the same from a template that did not freeze its GC (livekit's finding: does it matter?)
+
+Every child runs the same probe: one full gc.collect() (a kernel's collections come soon), then it reports what
+it is (ids, capabilities, no_new_privs, seccomp, namespaces, /proc, its workspace's token, fds, threads,
+random draws) over a unix socket in its own workspace, and waits. The host then reads its memory
+(/proc/PID/smaps_rollup: Pss, Private_Dirty) and lets it exit. Figures: wall time from the sandbox's start to
+the first answer, CPU-s per start (the host's reaped children: bwrap and all in the sandbox; for the template
+lanes also the template's own CPU and its reaped forks), memory per child. Root only (the template joins
+user namespaces), bwrap backend only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import secrets
+import shutil
+import socket
+import statistics
+import struct
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+#: What every child runs once it is a process of its sandbox (both lanes: the cold one after its imports).
+PROBE = r"""
+import gc, json, os, random, resource, secrets, socket, sys
+gc.collect()
+import numpy
+fields = {}
+for line in open("/proc/self/status"):
+    key, _, value = line.partition(":")
+    fields[key] = value.strip()
+procs = {}
+for name in os.listdir("/proc"):
+    if name.isdigit():
+        try:
+            procs[name] = open(f"/proc/{name}/comm").read().strip()
+        except OSError:
+            pass
+own = resource.getrusage(resource.RUSAGE_SELF)
+facts = {
+    "uid": os.getresuid(), "gid": os.getresgid(), "groups": os.getgroups(),
+    **{key: fields[key] for key in ("CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp")},
+    "ns": {name: os.readlink(f"/proc/self/ns/{name}") for name in ("pid", "user", "mnt", "net", "ipc", "uts")},
+    "pid": os.getpid(), "ppid": os.getppid(), "pid1": procs.get("1"), "procs": procs,
+    "sid": os.getsid(0) == os.getpid(),
+    "token": open("/workspace/token").read(), "cwd": os.getcwd(), "root": sorted(os.listdir("/"))[:40],
+    "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")), "threads": len(os.listdir("/proc/self/task")),
+    "random": random.random(), "numpy": float(numpy.random.random()), "secrets": secrets.token_hex(8),
+    "cpu_s": own.ru_utime + own.ru_stime, "env": sorted(os.environ), "as": resource.getrlimit(resource.RLIMIT_AS),
+    "hostname": os.uname().nodename, "modules": len(sys.modules), "comm": open("/proc/self/comm").read().strip(),
+}
+sock = socket.socket(socket.AF_UNIX)
+sock.connect("/workspace/answer.sock")
+sock.sendall(json.dumps(facts).encode())
+sock.shutdown(socket.SHUT_WR)
+sock.recv(1)
+os._exit(0)
+"""
+#: The cold lane's child first does what the template did once.
+COLD = """
+from coderunner_guest.caches import seed
+seed()
+from coderunner_guest.warm_imports import run
+run()
+import ipykernel.ipkernel, ipykernel.kernelapp
+"""
+#: The template lanes' sandbox program: says the sandbox is finished (bwrap built it all before the init ran
+#: it), then waits until the sandbox is killed (it is what its init waits for).
+PLACEHOLDER = ["/bin/sh", "-c", "echo ready && exec /usr/bin/sleep infinity"]
+LANES = ("cold", "template", "template-nofreeze")
+MIB = 2**20
+
+
+def smaps(pid: int) -> dict[str, int]:
+    """Bytes of each smaps_rollup field."""
+    found = {}
+    with open(f"/proc/{pid}/smaps_rollup") as handle:
+        for line in handle:
+            parts = line.split()
+            if len(parts) == 3 and parts[2] == "kB":
+                found[parts[0].rstrip(":")] = int(parts[1]) * 1024
+    return found
+
+
+def children_cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def wait_exit(pid: int, timeout_s: float = 30.0) -> None:
+    """Until process `pid` (not ours) has exited."""
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return
+    try:
+        with anyio.fail_after(timeout_s):
+            await anyio.wait_readable(fd)
+    finally:
+        os.close(fd)
+
+
+class Bench:
+    def __init__(self, runs: int, lanes: list[str]) -> None:
+        self.runs, self.lanes = runs, lanes
+        self.samples: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        self.templates: dict[str, Any] = {}
+
+    async def setup(self, tg: Any) -> None:
+        from coderunner.config import load_settings
+        from coderunner.hostfs.private_dirs import ensure_private_dir
+        from coderunner.sandbox import UidPool, make_backend, per_sandbox_uids
+        from coderunner.sandbox.bwrap import BwrapBackend
+        from coderunner.sandbox.bwrap_template import KernelTemplate
+        from coderunner.sessions.leases import SandboxLeases
+        from coderunner.sessions.sandbox_options import sandbox_options
+
+        self.root = Path(tempfile.mkdtemp(prefix="crt-", dir="/tmp"))
+        os.chmod(self.root, 0o755)
+        os.environ.update(
+            CODERUNNER_CONFIG=os.devnull,
+            CODERUNNER_RUNTIME_DIR=str(self.root / "run"),
+            CODERUNNER_WORKSPACES_DIR=str(self.root / "workspaces"),
+        )
+        self.settings = settings = load_settings()
+        backend = make_backend(settings)
+        if not isinstance(backend, BwrapBackend):
+            raise SystemExit("this bench measures the bwrap backend")
+        self.backend = backend
+        ensure_private_dir(settings.runtime_dir, backend.dir_mode)
+        ensure_private_dir(settings.workspaces_dir, backend.dir_mode)
+        self.leases = SandboxLeases(settings, backend, UidPool() if per_sandbox_uids(settings.sandbox_user) else None)
+        self.options = sandbox_options(settings, backend, [])
+        self.tg = tg
+        for lane in self.lanes:
+            if lane.startswith("template"):
+                began = time.perf_counter()
+                self.templates[lane] = await KernelTemplate.start(
+                    backend.command, backend.seccomp_filter, freeze=lane == "template", child_code=PROBE
+                )
+                took = time.perf_counter() - began
+                print(f"{lane}: template pid {self.templates[lane].pid} warm in {took:.1f} s, "
+                      f"{self.templates[lane].ready.threads} thread(s) at its first fork")  # fmt: skip
+
+    async def close(self) -> None:
+        for template in self.templates.values():
+            await template.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    async def one(self, lane: str) -> dict[str, Any]:
+        """One start in `lane`, to its answer and its end; its figures and what the child said."""
+        from coderunner.sandbox.common import product_python
+        from coderunner.sessions.leases import sandbox_spec
+
+        dirs = await self.leases.open_dirs(self.options, throwaway=True)
+        spec = sandbox_spec(self.options, dirs, (), self.settings.network_ceiling)
+        token = secrets.token_hex(16)
+        (dirs.workspace.path / "token").write_text(token)
+        os.chmod(dirs.workspace.path / "token", 0o644)
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind(str(dirs.workspace.path / "answer.sock"))
+        os.chmod(dirs.workspace.path / "answer.sock", 0o666)
+        listener.listen(1)
+        listener.setblocking(False)
+        template = self.templates.get(lane)
+        before_host = children_cpu()
+        before_template = await template.counters() if template else None
+        began = time.perf_counter()
+        try:
+            argv = PLACEHOLDER if template else product_python(self.backend.python, "-c", COLD + PROBE)
+            sandbox = await self.backend.spawn(spec, argv, self.tg, pipes=template is not None)
+            try:
+                entered_ms = ready_ms = None
+                if template is not None:
+                    with anyio.fail_after(30):
+                        said = await sandbox.streams[1].receive()
+                    if not said.startswith(b"ready"):
+                        raise RuntimeError(f"the placeholder said {said!r}")
+                    ready_ms = (time.perf_counter() - began) * 1000
+                    await template.fork_into(sandbox, spec, 2)
+                    entered_ms = (time.perf_counter() - began) * 1000 - ready_ms
+                with anyio.fail_after(120):
+                    await anyio.wait_readable(listener)
+                conn, _ = listener.accept()
+                conn.setblocking(True)
+                pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+                data = b""
+                while chunk := await anyio.to_thread.run_sync(conn.recv, 65536):
+                    data += chunk
+                answered_ms = (time.perf_counter() - began) * 1000
+                memory = smaps(pid)
+                conn.send(b"x")
+                conn.close()
+                await wait_exit(pid)
+                if template is None:
+                    with anyio.fail_after(30):
+                        await sandbox.wait()
+            finally:
+                await sandbox.kill()
+        finally:
+            listener.close()
+            await self.leases.close_dirs(dirs)
+        cpu = children_cpu() - before_host
+        if template is not None and before_template is not None:
+            after = await template.counters()
+            cpu += (
+                after.cpu_us + after.children_cpu_us - before_template.cpu_us - before_template.children_cpu_us
+            ) / 1e6
+        facts = json.loads(data)
+        return {"ms": answered_ms, "ready_ms": ready_ms, "entered_ms": entered_ms, "cpu_s": cpu, "memory": memory,
+                "facts": facts, "token_ok": facts["token"] == token, "host_pid": pid}  # fmt: skip
+
+    async def run(self) -> None:
+        for lane in self.lanes:  # one of each first: caches of the machine warm for every lane alike
+            await self.one(lane)
+        for _ in range(self.runs):
+            order = list(self.lanes)
+            random.shuffle(order)
+            for lane in order:
+                self.samples[lane].append(await self.one(lane))
+
+
+def pct(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(len(ordered) * share), len(ordered) - 1)]
+
+
+def checks(bench: Bench, lane: str, sample: dict[str, Any]) -> dict[str, bool]:
+    """Each property the issue asks of a child, true or false for this one."""
+    facts = sample["facts"]
+    zero = "0000000000000000"
+    template = bench.templates.get(lane)
+    template_pidns = os.readlink(f"/proc/{template.pid}/ns/pid") if template else None
+    return {
+        "uid/gid 1000": facts["uid"] == [1000] * 3 and facts["gid"] == [1000] * 3,
+        "no groups": facts["groups"] in ([], [1000]),
+        "caps 0 (eff,prm,inh,amb,bnd)": all(
+            facts[key] == zero for key in ("CapEff", "CapPrm", "CapInh", "CapAmb", "CapBnd")
+        ),
+        "NoNewPrivs=1": facts["NoNewPrivs"] == "1",
+        "Seccomp=2": facts["Seccomp"] == "2",
+        "pid 1 is sandbox-init": facts["pid1"] == "sandbox-init",
+        "own pid ns (not the template's)": facts["ns"]["pid"] != (template_pidns or os.readlink("/proc/self/ns/pid")),
+        "own workspace (token)": sample["token_ok"],
+        "template not in /proc": "kernel-template" not in facts["procs"].values()
+        and (template is None or str(template.pid) not in facts["procs"]),
+        "fds 0-2 only (+ the listing's)": len([fd for fd in facts["fds"] if fd > 2]) <= 1,
+        "new session": facts["sid"],
+        "cwd /workspace": facts["cwd"] == "/workspace",
+        "hostname sandbox": facts["hostname"] == "sandbox",
+    }
+
+
+def report(bench: Bench, load_before: tuple[float, ...]) -> None:
+    print(f"\nloadavg before {' '.join(f'{x:.2f}' for x in load_before)}, after "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}; {bench.runs} starts per lane, interleaved\n")  # fmt: skip
+    header = (
+        f"{'lane':18} {'p50 ms':>8} {'p90 ms':>8} {'ready p50':>9} {'fork p50':>9} {'CPU-s p50':>9} {'CPU-s mean':>10} "
+    )
+    header += f"{'Pss MiB':>8} {'PrivDirty':>9} {'Rss MiB':>8} {'child CPU-s':>11}"
+    print(header)
+    nan = float("nan")
+    for lane in bench.lanes:
+        rows = bench.samples[lane]
+        ms = [row["ms"] for row in rows]
+        entered = [row["entered_ms"] for row in rows if row["entered_ms"] is not None]
+        ready = [row["ready_ms"] for row in rows if row["ready_ms"] is not None]
+        cpu = [row["cpu_s"] for row in rows]
+        pss = [row["memory"]["Pss"] / MIB for row in rows]
+        dirty = [row["memory"]["Private_Dirty"] / MIB for row in rows]
+        rss = [row["memory"]["Rss"] / MIB for row in rows]
+        own = [row["facts"]["cpu_s"] for row in rows]
+        print(
+            f"{lane:18} {pct(ms, 0.5):8.1f} {pct(ms, 0.9):8.1f} {pct(ready, 0.5) if ready else nan:9.1f} "
+            f"{pct(entered, 0.5) if entered else nan:9.1f} "
+            f"{pct(cpu, 0.5):9.3f} {statistics.mean(cpu):10.3f} {pct(pss, 0.5):8.1f} {pct(dirty, 0.5):9.1f} "
+            f"{pct(rss, 0.5):8.1f} {pct(own, 0.5):11.3f}"
+        )
+    for lane, template in bench.templates.items():
+        memory = smaps(template.pid)
+        print(f"{lane}: the template itself Rss {memory['Rss'] / MIB:.1f} MiB, Pss {memory['Pss'] / MIB:.1f} MiB")
+    print("\nchecks (children passing / children):")
+    names: list[str] = []
+    passed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for lane in bench.lanes:
+        for sample in bench.samples[lane]:
+            for name, ok in checks(bench, lane, sample).items():
+                if name not in names:
+                    names.append(name)
+                passed[lane][name] += ok
+    print(f"{'':34}" + "".join(f"{lane:>19}" for lane in bench.lanes))
+    for name in names:
+        print(f"{name:34}" + "".join(f"{passed[lane][name]:>15}/{len(bench.samples[lane]):<3}" for lane in bench.lanes))
+    for lane in bench.lanes:
+        rows = [row["facts"] for row in bench.samples[lane]]
+        distinct = {key: len({json.dumps(row[key]) for row in rows}) for key in ("random", "numpy", "secrets")}
+        first = rows[0]
+        print(f"{lane}: distinct draws over {len(rows)} children {distinct}; pid {first['pid']} ppid {first['ppid']}; "
+              f"threads {first['threads']}; fds {first['fds']}; comm {first['comm']}; RLIMIT_AS {first['as']}; "
+              f"modules {first['modules']}; /proc pids {sorted(first['procs'].items())}")  # fmt: skip
+    envs = {lane: bench.samples[lane][0]["facts"]["env"] for lane in bench.lanes}
+    names_seen = [set(env) for env in envs.values()]
+    print("environment names not in every lane:", sorted(set.union(*names_seen) - set.intersection(*names_seen)))
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--lanes", default=",".join(LANES))
+    args = parser.parse_args()
+    lanes = [lane for lane in args.lanes.split(",") if lane]
+    if unknown := set(lanes) - set(LANES):
+        raise SystemExit(f"unknown lanes: {sorted(unknown)}")
+    bench = Bench(args.runs, lanes)
+    load_before = os.getloadavg()
+    async with anyio.create_task_group() as tg:
+        try:
+            await bench.setup(tg)
+            await bench.run()
+            report(bench, load_before)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await bench.close()
+        tg.cancel_scope.cancel()
+
+
+if __name__ == "__main__":
+    anyio.run(main)
