@@ -84,9 +84,6 @@ from coderunner_guest.warm_imports import run
 run()
 import ipykernel.ipkernel, ipykernel.kernelapp
 """
-#: The template lanes' sandbox program: says the sandbox is finished (bwrap built it all before the init ran
-#: it), then waits until the sandbox is killed (it is what its init waits for).
-PLACEHOLDER = ["/bin/sh", "-c", "echo ready && exec /usr/bin/sleep infinity"]
 LANES = ("cold", "template", "template-nofreeze")
 MIB = 2**20
 
@@ -169,6 +166,7 @@ class Bench:
 
     async def one(self, lane: str) -> dict[str, Any]:
         """One start in `lane`, to its answer and its end; its figures and what the child said."""
+        from coderunner.sandbox.bwrap_template import PLACEHOLDER
         from coderunner.sandbox.common import product_python
         from coderunner.sessions.leases import sandbox_spec
 
@@ -187,8 +185,11 @@ class Bench:
         before_template = await template.counters() if template else None
         began = time.perf_counter()
         try:
-            argv = PLACEHOLDER if template else product_python(self.backend.python, "-c", COLD + PROBE)
-            sandbox = await self.backend.spawn(spec, argv, self.tg, pipes=template is not None)
+            if template is None:
+                argv = product_python(self.backend.python, "-c", COLD + PROBE)
+                sandbox = await self.backend.spawn(spec, argv, self.tg)
+            else:  # template.spawn_entered, in its phases: the sandbox finished, then the fork entered
+                sandbox = await self.backend.spawn(spec, PLACEHOLDER, self.tg, pipes=True)
             try:
                 entered_ms = ready_ms = None
                 if template is not None:

@@ -24,9 +24,10 @@ import subprocess
 from dataclasses import dataclass
 
 import anyio
-from anyio.abc import Process
+from anyio.abc import Process, TaskGroup
 
-from coderunner.sandbox.base import SandboxProcess, SandboxSpec, SandboxUnavailable
+from coderunner.sandbox.base import SandboxProcess, SandboxSpec
+from coderunner.sandbox.bwrap import BwrapBackend, BwrapUnavailable
 from coderunner.sandbox.bwrap_argv import ETC_PASSTHROUGH, USR_ALIASES, BwrapCommand
 from coderunner.sandbox.common import ENV_MOUNT, GUEST_LIB, sandbox_environment, spec_environment
 from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
@@ -41,13 +42,16 @@ MAGIC = b"KTR1"
 KIND_FORK = 1
 KIND_COUNTERS = 2
 FLAG_MEMORY_SOFT_ONLY = 1
+#: The program of a sandbox a template's fork enters: it says the sandbox is finished (bwrap built all of it before
+#: the init started it), then waits, as what the sandbox's init waits for, until the sandbox is killed.
+PLACEHOLDER = ["/bin/sh", "-c", "echo ready && exec /usr/bin/sleep infinity"]
 #: Bound on the template's warm-up (imports, font cache) on a loaded machine.
 START_TIMEOUT_S = 180.0
 #: Bound on one fork and entry.
 FORK_TIMEOUT_S = 30.0
 
 
-class TemplateUnavailable(SandboxUnavailable):
+class TemplateUnavailable(BwrapUnavailable):
     """No kernel from the template: it cannot run here, or a fork could not enter its sandbox."""
 
 
@@ -203,6 +207,23 @@ class KernelTemplate:
                 f"a fork of the kernel template could not enter its sandbox: {os.strerror(answer.error)}"
             )
         return answer
+
+    async def spawn_entered(
+        self, backend: BwrapBackend, spec: SandboxSpec, task_group: TaskGroup, output_fd: int
+    ) -> tuple[SandboxProcess, TemplateReply]:
+        """A sandbox built by `backend` as today around PLACEHOLDER, once finished entered by a fork of this
+        template (its stdout and stderr `output_fd`); the sandbox is killed if the fork could not enter."""
+        sandbox = await backend.spawn(spec, PLACEHOLDER, task_group, pipes=True)
+        try:
+            with anyio.fail_after(FORK_TIMEOUT_S):
+                said = await sandbox.streams[1].receive()
+            if not said.startswith(b"ready"):
+                raise TemplateUnavailable(f"the sandbox's placeholder said {said[:100]!r}, not that it is ready")
+            return sandbox, await self.fork_into(sandbox, spec, output_fd)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await sandbox.kill()
+            raise
 
     async def close(self) -> None:
         """End the template (its kernels live on in their sandboxes; their sandboxes end them)."""
