@@ -85,6 +85,57 @@ run()
 import ipykernel.ipkernel, ipykernel.kernelapp
 """
 LANES = ("cold", "template", "template-nofreeze")
+#: Route B's raw cost (--route-b): a fork that unshares the seven namespaces itself, maps one id, forks into its
+#: pid namespace and makes as many read-only binds as bwrap's argv for a kernel has, a /proc, a /tmp and a /dev,
+#: then pivots into them. Nothing of a real sandbox (no seccomp, no masks, no init, the id map is its own):
+#: only what the kernel charges for the namespaces and mounts a zygote would make, beside bwrap's whole start.
+ROUTE_B = r"""
+import ctypes, json, os, resource, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+def check(result, what):
+    if result != 0:
+        number = ctypes.get_errno()
+        raise OSError(number, f"{what}: {os.strerror(number)}")
+MS_RDONLY, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = 1, 32, 4096, 16384, 1 << 18
+NAMESPACES = 0x10000000 | 0x00020000 | 0x40000000 | 0x08000000 | 0x04000000 | 0x02000000 | 0x20000000
+binds, sources, rounds = int(sys.argv[1]), sys.argv[3:], int(sys.argv[2])
+for _ in range(rounds):
+    read, write = os.pipe()
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    began = time.perf_counter()
+    if os.fork() == 0:
+        check(libc.unshare(NAMESPACES), "unshare")
+        for name, text in (("setgroups", "deny"), ("uid_map", "1000 0 1"), ("gid_map", "1000 0 1")):
+            with open(f"/proc/self/{name}", "w") as handle:
+                handle.write(text)
+        inner = os.fork()
+        if inner:
+            os._exit(os.waitstatus_to_exitcode(os.waitpid(inner, 0)[1]))
+        check(libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None), "private")
+        check(libc.mount(b"tmpfs", b"/tmp", b"tmpfs", 0, None), "root tmpfs")
+        for index in range(binds):
+            target = f"/tmp/b{index}"
+            os.mkdir(target)
+            source = sources[index % len(sources)].encode()
+            check(libc.mount(source, target.encode(), None, MS_BIND | MS_REC, None), "bind")
+            check(libc.mount(None, target.encode(), None, MS_REMOUNT | MS_BIND | MS_RDONLY, None), "remount ro")
+        for name, kind in (("proc", b"proc"), ("tmp", b"tmpfs"), ("dev", b"tmpfs"), ("oldroot", None)):
+            os.mkdir(f"/tmp/{name}")
+            if kind is not None:
+                check(libc.mount(kind, f"/tmp/{name}".encode(), kind, 0, None), name)
+        check(libc.syscall(155, b"/tmp", b"/tmp/oldroot"), "pivot_root")
+        os.chdir("/")
+        check(libc.umount2(b"/oldroot", 2), "umount old root")
+        os.write(write, str(time.perf_counter()).encode())
+        os._exit(0)
+    os.close(write)
+    done = float(os.read(read, 64) or "nan")
+    os.close(read)
+    os.wait()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    print(json.dumps({"ms": (done - began) * 1000, "cpu_s": cpu}), flush=True)
+"""
 MIB = 2**20
 
 
@@ -324,11 +375,39 @@ def report(bench: Bench, load_before: tuple[float, ...]) -> None:
     print("environment names not in every lane:", sorted(set.union(*names_seen) - set.intersection(*names_seen)))
 
 
+async def route_b(runs: int) -> None:
+    """Route B's raw cost, as many mounts as a kernel's bwrap argv has (ROUTE_B), beside a bare bwrap start."""
+    from coderunner.config import load_settings
+    from coderunner.sandbox import make_backend
+    from coderunner.sandbox.base import SandboxSpec
+    from coderunner.sandbox.bwrap import BwrapBackend
+
+    settings = load_settings(Path(os.devnull))
+    backend = make_backend(settings)
+    assert isinstance(backend, BwrapBackend)
+    here = Path("/tmp")
+    argv = backend.command.argv(
+        SandboxSpec(name="b", workspace=here, runtime_dir=here, host_dir=here), ["true"], gate_fd=3
+    )
+    binds = sum(argv.count(flag) for flag in ("--ro-bind", "--bind", "--ro-bind-data"))  # /proc, /tmp, /dev: below
+    sources = ["/usr", str(settings.sandbox_env), "/etc/ssl/certs", "/etc/fonts"]
+    load = os.getloadavg()
+    result = await anyio.run_process(["/usr/bin/python3", "-I", "-c", ROUTE_B, str(binds), str(runs), *sources])
+    rows = [json.loads(line) for line in result.stdout.decode().splitlines()]
+    ms, cpu = [row["ms"] for row in rows], [row["cpu_s"] for row in rows]
+    figures = f"p50 {pct(ms, 0.5):.1f} ms, p90 {pct(ms, 0.9):.1f} ms, CPU-s p50 {pct(cpu, 0.5):.4f} over {len(rows)}"
+    print(f"route B raw ({binds} read-only binds + proc, tmp, dev, pivot_root), loadavg {load[0]:.2f}: {figures}")
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--lanes", default=",".join(LANES))
+    parser.add_argument("--route-b", action="store_true", help="only route B's raw cost (see ROUTE_B)")
     args = parser.parse_args()
+    if args.route_b:
+        await route_b(args.runs)
+        return
     lanes = [lane for lane in args.lanes.split(",") if lane]
     if unknown := set(lanes) - set(LANES):
         raise SystemExit(f"unknown lanes: {sorted(unknown)}")
