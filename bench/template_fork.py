@@ -168,6 +168,19 @@ async def wait_exit(pid: int, timeout_s: float = 30.0) -> None:
         os.close(fd)
 
 
+def same_as_pid1(pid: int, sandbox: Any) -> dict[str, bool]:
+    """Whether process `pid` is in each namespace and cgroup of its sandbox's pid 1 (read on the host)."""
+    with open(f"/proc/self/fdinfo/{sandbox.hold.init}") as handle:
+        init = next(int(line.split()[1]) for line in handle if line.startswith("Pid:"))
+    same = {
+        name: os.readlink(f"/proc/{pid}/ns/{name}") == os.readlink(f"/proc/{init}/ns/{name}")
+        for name in ("user", "mnt", "net", "ipc", "uts", "cgroup", "pid")
+    }
+    with open(f"/proc/{pid}/cgroup") as mine, open(f"/proc/{init}/cgroup") as theirs:
+        same["cgroups"] = mine.read() == theirs.read()
+    return same
+
+
 class Bench:
     def __init__(self, runs: int, lanes: list[str]) -> None:
         self.runs, self.lanes = runs, lanes
@@ -261,6 +274,7 @@ class Bench:
                     data += chunk
                 answered_ms = (time.perf_counter() - began) * 1000
                 memory = smaps(pid)
+                same = same_as_pid1(pid, sandbox)
                 conn.send(b"x")
                 conn.close()
                 await wait_exit(pid)
@@ -280,7 +294,7 @@ class Bench:
             ) / 1e6
         facts = json.loads(data)
         return {"ms": answered_ms, "ready_ms": ready_ms, "entered_ms": entered_ms, "cpu_s": cpu, "memory": memory,
-                "facts": facts, "token_ok": facts["token"] == token, "host_pid": pid}  # fmt: skip
+                "facts": facts, "token_ok": facts["token"] == token, "host_pid": pid, "same": same}  # fmt: skip
 
     async def run(self) -> None:
         for lane in self.lanes:  # one of each first: caches of the machine warm for every lane alike
@@ -320,6 +334,7 @@ def checks(bench: Bench, lane: str, sample: dict[str, Any]) -> dict[str, bool]:
         "new session": facts["sid"],
         "cwd /workspace": facts["cwd"] == "/workspace",
         "hostname sandbox": facts["hostname"] == "sandbox",
+        **{f"pid 1's {name}": same for name, same in sample["same"].items()},
     }
 
 
@@ -350,7 +365,9 @@ def report(bench: Bench, load_before: tuple[float, ...]) -> None:
         )
     for lane, template in bench.templates.items():
         memory = smaps(template.pid)
-        print(f"{lane}: the template itself Rss {memory['Rss'] / MIB:.1f} MiB, Pss {memory['Pss'] / MIB:.1f} MiB")
+        tasks = len(os.listdir(f"/proc/{template.pid}/task"))
+        print(f"{lane}: the template itself Rss {memory['Rss'] / MIB:.1f} MiB, Pss {memory['Pss'] / MIB:.1f} MiB, "
+              f"{tasks} task(s)")  # fmt: skip
     print("\nchecks (children passing / children):")
     names: list[str] = []
     passed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))

@@ -2,6 +2,8 @@
 
 Real sandboxes of the bwrap backend, each entered by a fork of one real template, whose forks run a probe from
 their own workspace (the template is started with a child program that runs it, in place of the kernel):
+- a child is confined exactly as the process bwrap started in the same sandbox (ids, capabilities, no_new_privs,
+  seccomp, namespaces, cgroups, rlimits);
 - no fd and no thread of the template survives into a child;
 - two children draw different `random`, `numpy.random` and `secrets` values;
 - a child cannot signal, ptrace or open the memory of the template, another child or the host's process by
@@ -36,6 +38,7 @@ from coderunner.sandbox import make_backend
 from coderunner.sandbox.base import SandboxProcess
 from coderunner.sandbox.bwrap import BwrapBackend
 from coderunner.sandbox.bwrap_template import KernelTemplate
+from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import SandboxOptions, sandbox_options
 
@@ -53,6 +56,7 @@ report = {
     "threads": len(os.listdir("/proc/self/task")),
     "random": random.random(), "numpy": float(numpy.random.random()), "secrets": secrets.token_hex(16),
     "procs": sorted(int(pid) for pid in os.listdir("/proc") if pid.isdigit()), "pid": os.getpid(),
+    "blas": float((numpy.ones((300, 300)) @ numpy.ones((300, 300)))[0, 0]),  # BLAS's threads after the fork
 }
 if params["attack"]:
     libc = ctypes.CDLL(None, use_errno=True)
@@ -167,6 +171,58 @@ async def still_answers(child: Child) -> bool:
         return await anyio.to_thread.run_sync(child.conn.recv, 16) == b"alive"
 
 
+#: What /proc/PID/status says of a process's confinement.
+CONFINEMENT_FIELDS = (
+    "Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp",
+    "Seccomp_filters",
+)  # fmt: skip
+
+
+def status_of(pid: int) -> dict[str, str]:
+    fields = {}
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def placeholder_of(sandbox: SandboxProcess) -> int:
+    """The host pid of the program bwrap's sandbox runs (the placeholder: a process bwrap itself confined)."""
+    hold = sandbox.hold
+    assert isinstance(hold, BwrapHold) and hold.init is not None
+    with open(f"/proc/self/fdinfo/{hold.init}") as handle:
+        init = next(int(line.split()[1]) for line in handle if line.startswith("Pid:"))
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if status_of(int(entry)).get("PPid") == str(init):
+                    return int(entry)
+    raise AssertionError("the sandbox's init has no child")
+
+
+async def test_a_child_is_confined_as_the_process_bwrap_started_in_its_sandbox() -> None:
+    """Ids, groups, every capability set, no_new_privs, the seccomp filter, every namespace, the cgroups and
+    the rlimits of a child are those of the placeholder, which bwrap (and its prlimit) confined as today."""
+    async with template_world() as world:
+        child = await start_child(world)
+        try:
+            placeholder = placeholder_of(child.sandbox)
+            ours, bwraps = status_of(child.host_pid), status_of(placeholder)
+            assert {key: ours[key] for key in CONFINEMENT_FIELDS} == {key: bwraps[key] for key in CONFINEMENT_FIELDS}
+            assert ours["CapEff"] == ours["CapBnd"] == "0" * 16 and ours["Seccomp"] == "2"
+            for name in ("user", "mnt", "net", "ipc", "uts", "cgroup", "pid"):
+                assert os.readlink(f"/proc/{child.host_pid}/ns/{name}") == os.readlink(f"/proc/{placeholder}/ns/{name}")
+            for name in ("cgroup", "limits"):
+                assert (
+                    Path(f"/proc/{child.host_pid}/{name}").read_text()
+                    == Path(f"/proc/{placeholder}/{name}").read_text()
+                )
+            assert os.readlink(f"/proc/{child.host_pid}/ns/pid") != os.readlink(f"/proc/{world.template.pid}/ns/pid")
+        finally:
+            await end_child(world, child)
+
+
 async def test_no_fd_or_thread_of_the_template_reaches_a_child() -> None:
     async with template_world() as world:
         child = await start_child(world)
@@ -175,6 +231,7 @@ async def test_no_fd_or_thread_of_the_template_reaches_a_child() -> None:
             assert len(child.report["fds"]) == 4 and child.report["fds"][:3] == [0, 1, 2]
             assert child.report["fd_targets"][0] == "/dev/null"
             assert child.report["threads"] == 1
+            assert child.report["blas"] == 300.0
             assert world.template.ready.threads == 1  # a fork takes only its own thread; the template had one
         finally:
             await end_child(world, child)

@@ -124,6 +124,7 @@ def confine(confinement: Confinement) -> None:
     os.environ.clear()
     os.environ.update(confinement.environment)
     os.environ.update(confinement.extra)
+    os.environ["PWD"] = confinement.workdir  # as bwrap --chdir sets it
     _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs")
     load_seccomp(confinement.seccomp)
 
