@@ -13,6 +13,7 @@ import pytest
 
 from coderunner.guest import kernel_template, sandbox_enter
 from coderunner.sandbox import bwrap_template
+from coderunner.sandbox.base import SandboxSpec
 from coderunner.sandbox.bwrap_argv import BwrapCommand
 from coderunner.sandbox.common import ENV_MOUNT, GUEST_LIB
 from coderunner.sandbox.seccomp import CLONE_NAMESPACE_FLAGS
@@ -92,3 +93,22 @@ def test_an_unfinished_sandbox_is_refused() -> None:
     """A root that is not a finished sandbox's (here: the host's, writable, no sandbox-init) is refused."""
     with pytest.raises(OSError, match="not finished"):
         sandbox_enter.check_finished("/nonexistent-workspace")
+
+
+def test_the_template_reads_nothing_a_sandbox_does_not_see(tmp_path: Path) -> None:
+    """Every host path the template's view binds or links is bound or linked, read-only and at the same place, in
+    every sandbox (what the template read before a fork is what any sandbox may read); the rest are its own."""
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=tmp_path / "env", guest_dir=tmp_path / "guest")
+    spec = SandboxSpec(name="s", workspace=tmp_path / "w", runtime_dir=tmp_path / "r", host_dir=tmp_path / "h")
+    sandbox = command.argv(spec, ["true"], gate_fd=3)
+    template = bwrap_template.template_argv(command, 5, 6)
+
+    def exposed(argv: list[str]) -> set[tuple[str, str, str]]:
+        argv = argv[: argv.index("--")]
+        return {
+            (flag, argv[i + 1], argv[i + 2])
+            for i, flag in enumerate(argv)
+            if flag in ("--ro-bind", "--bind", "--dev-bind", "--symlink", "--ro-bind-try", "--bind-try")
+        }
+
+    assert exposed(template) and exposed(template) <= exposed(sandbox)

@@ -167,18 +167,17 @@ def _kernel(output: int, report: int, confinement: Confinement, code: str | None
     """In the sandbox's pid namespace: confine, say so, then run the kernel (or `code`); never returns."""
     try:
         close_fds_but((output, report))
-        os.dup2(output, 1)
-        os.dup2(output, 2)
-        null = os.open("/dev/null", os.O_RDONLY)  # the sandbox's own /dev
-        os.dup2(null, 0)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the template's; the rest are any interpreter's own
+        confine(confinement)
+        # Only now, as the sandbox's user, a path of the sandbox's is opened (its /dev/null).
+        null = os.open("/dev/null", os.O_RDONLY)
+        for fd, source in ((0, null), (1, output), (2, output)):
+            os.dup2(source, fd)
         for fd in {output, null} - {0, 1, 2}:
             os.close(fd)
-        for number in (signal.SIGCHLD, signal.SIGPIPE, signal.SIGINT):
-            signal.signal(number, signal.SIG_DFL if number != signal.SIGINT else signal.default_int_handler)
-        confine(confinement)
         _reseed()
     except OSError as exc:
-        refuse(2, report, "could not confine itself", exc)
+        refuse(output if output > 2 else 2, report, "could not confine itself", exc)
     os.write(report, struct.pack("<q", 0))
     os.close(report)
     if code is not None:
