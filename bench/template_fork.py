@@ -35,6 +35,7 @@ import struct
 import tempfile
 import time
 from collections import defaultdict
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -181,6 +182,42 @@ def same_as_pid1(pid: int, sandbox: Any) -> dict[str, bool]:
     return same
 
 
+@dataclass
+class Started:
+    """A child answering in its sandbox (Bench.start), until Bench.end."""
+
+    lane: str
+    dirs: Any
+    token: str
+    sandbox: Any = None
+    listener: socket.socket | None = None
+    conn: socket.socket | None = None
+    pid: int = 0
+    facts: dict[str, Any] = field(default_factory=dict)
+    ready_ms: float | None = None
+    entered_ms: float | None = None
+    answered_ms: float = 0.0
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as handle:
+        return next(int(line.split()[1]) * 1024 for line in handle if line.startswith("MemAvailable:"))
+
+
+def sandbox_pss(started: Started) -> int:
+    """Pss of every process in the child's sandbox (its pid namespace's) and of its bwrap outside."""
+    namespace = os.readlink(f"/proc/{started.pid}/ns/pid")
+    total = smaps(started.sandbox.pid)["Pss"]
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                if os.readlink(f"/proc/{entry}/ns/pid") == namespace:
+                    total += smaps(int(entry))["Pss"]
+            except OSError:
+                pass
+    return total
+
+
 class Bench:
     def __init__(self, runs: int, lanes: list[str]) -> None:
         self.runs, self.lanes = runs, lanes
@@ -228,73 +265,121 @@ class Bench:
             await template.close()
         shutil.rmtree(self.root, ignore_errors=True)
 
-    async def one(self, lane: str) -> dict[str, Any]:
-        """One start in `lane`, to its answer and its end; its figures and what the child said."""
+    async def start(self, lane: str) -> Started:
+        """A child of `lane` in a sandbox of its own, once it answered (it then waits for `end`)."""
         from coderunner.sandbox.bwrap_template import PLACEHOLDER
         from coderunner.sandbox.common import product_python
         from coderunner.sessions.leases import sandbox_spec
 
         dirs = await self.leases.open_dirs(self.options, throwaway=True)
-        spec = sandbox_spec(self.options, dirs, (), self.settings.network_ceiling)
-        token = secrets.token_hex(16)
-        (dirs.workspace.path / "token").write_text(token)
-        os.chmod(dirs.workspace.path / "token", 0o644)
-        listener = socket.socket(socket.AF_UNIX)
-        listener.bind(str(dirs.workspace.path / "answer.sock"))
-        os.chmod(dirs.workspace.path / "answer.sock", 0o666)
-        listener.listen(1)
-        listener.setblocking(False)
+        started = Started(lane, dirs, token=secrets.token_hex(16))
+        try:
+            spec = sandbox_spec(self.options, dirs, (), self.settings.network_ceiling)
+            (dirs.workspace.path / "token").write_text(started.token)
+            os.chmod(dirs.workspace.path / "token", 0o644)
+            listener = socket.socket(socket.AF_UNIX)
+            started.listener = listener
+            listener.bind(str(dirs.workspace.path / "answer.sock"))
+            os.chmod(dirs.workspace.path / "answer.sock", 0o666)
+            listener.listen(1)
+            listener.setblocking(False)
+            template = self.templates.get(lane)
+            began = time.perf_counter()
+            if template is None:
+                argv = product_python(self.backend.python, "-c", COLD + PROBE)
+                started.sandbox = await self.backend.spawn(spec, argv, self.tg)
+            else:  # template.spawn_entered, in its phases: the sandbox finished, then the fork entered
+                started.sandbox = await self.backend.spawn(spec, PLACEHOLDER, self.tg, pipes=True)
+                with anyio.fail_after(30):
+                    said = await started.sandbox.streams[1].receive()
+                if not said.startswith(b"ready"):
+                    raise RuntimeError(f"the placeholder said {said!r}")
+                started.ready_ms = (time.perf_counter() - began) * 1000
+                await template.fork_into(started.sandbox, spec, 2)
+                started.entered_ms = (time.perf_counter() - began) * 1000 - started.ready_ms
+            with anyio.fail_after(300):
+                await anyio.wait_readable(listener)
+            conn, _ = listener.accept()
+            started.conn = conn
+            conn.setblocking(True)
+            started.pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            data = b""
+            while chunk := await anyio.to_thread.run_sync(conn.recv, 65536):
+                data += chunk
+            started.answered_ms = (time.perf_counter() - began) * 1000
+            started.facts = json.loads(data)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await self.end(started)
+            raise
+        return started
+
+    async def end(self, started: Started) -> None:
+        """Let the child exit, then end its sandbox and remove its dirs."""
+        try:
+            if started.conn is not None:
+                started.conn.send(b"x")
+                started.conn.close()
+                await wait_exit(started.pid)
+                if started.lane not in self.templates and started.sandbox is not None:
+                    with anyio.fail_after(30):
+                        await started.sandbox.wait()
+        finally:
+            if started.sandbox is not None:
+                await started.sandbox.kill()
+            if started.listener is not None:
+                started.listener.close()
+            await self.leases.close_dirs(started.dirs)
+
+    async def one(self, lane: str) -> dict[str, Any]:
+        """One start in `lane`, to its answer and its end; its figures and what the child said."""
         template = self.templates.get(lane)
         before_host = children_cpu()
         before_template = await template.counters() if template else None
-        began = time.perf_counter()
+        started = await self.start(lane)
         try:
-            if template is None:
-                argv = product_python(self.backend.python, "-c", COLD + PROBE)
-                sandbox = await self.backend.spawn(spec, argv, self.tg)
-            else:  # template.spawn_entered, in its phases: the sandbox finished, then the fork entered
-                sandbox = await self.backend.spawn(spec, PLACEHOLDER, self.tg, pipes=True)
-            try:
-                entered_ms = ready_ms = None
-                if template is not None:
-                    with anyio.fail_after(30):
-                        said = await sandbox.streams[1].receive()
-                    if not said.startswith(b"ready"):
-                        raise RuntimeError(f"the placeholder said {said!r}")
-                    ready_ms = (time.perf_counter() - began) * 1000
-                    await template.fork_into(sandbox, spec, 2)
-                    entered_ms = (time.perf_counter() - began) * 1000 - ready_ms
-                with anyio.fail_after(120):
-                    await anyio.wait_readable(listener)
-                conn, _ = listener.accept()
-                conn.setblocking(True)
-                pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
-                data = b""
-                while chunk := await anyio.to_thread.run_sync(conn.recv, 65536):
-                    data += chunk
-                answered_ms = (time.perf_counter() - began) * 1000
-                memory = smaps(pid)
-                same = same_as_pid1(pid, sandbox)
-                conn.send(b"x")
-                conn.close()
-                await wait_exit(pid)
-                if template is None:
-                    with anyio.fail_after(30):
-                        await sandbox.wait()
-            finally:
-                await sandbox.kill()
+            memory = smaps(started.pid)
+            same = same_as_pid1(started.pid, started.sandbox)
         finally:
-            listener.close()
-            await self.leases.close_dirs(dirs)
+            await self.end(started)
         cpu = children_cpu() - before_host
         if template is not None and before_template is not None:
             after = await template.counters()
             cpu += (
                 after.cpu_us + after.children_cpu_us - before_template.cpu_us - before_template.children_cpu_us
             ) / 1e6
-        facts = json.loads(data)
-        return {"ms": answered_ms, "ready_ms": ready_ms, "entered_ms": entered_ms, "cpu_s": cpu, "memory": memory,
-                "facts": facts, "token_ok": facts["token"] == token, "host_pid": pid, "same": same}  # fmt: skip
+        facts = started.facts
+        return {"ms": started.answered_ms, "ready_ms": started.ready_ms, "entered_ms": started.entered_ms,
+                "cpu_s": cpu, "memory": memory, "facts": facts, "token_ok": facts["token"] == started.token,
+                "host_pid": started.pid, "same": same}  # fmt: skip
+
+    async def idle(self, lane: str, count: int) -> None:
+        """`count` children of `lane` alive at once: memory per child (MemAvailable, Pss of each sandbox's
+        processes, the kernel's Private_Dirty), beside the template's own."""
+        held: list[Started] = []
+        template = self.templates.get(lane)
+        await anyio.sleep(1)
+        available = mem_available()
+        template_pss = smaps(template.pid)["Pss"] if template else 0
+        try:
+            for _ in range(count):
+                held.append(await self.start(lane))
+            await anyio.sleep(2)
+            used = available - mem_available()
+            sandboxes = [sandbox_pss(started) for started in held]
+            dirty = [smaps(started.pid)["Private_Dirty"] for started in held]
+            kernels = [smaps(started.pid)["Pss"] for started in held]
+            template_now = smaps(template.pid)["Pss"] if template else 0
+        finally:
+            for started in held:
+                with anyio.CancelScope(shield=True):
+                    await self.end(started)
+        print(
+            f"{lane:18} {count:3} alive: MemAvailable -{used / count / MIB:6.1f} MiB each; a sandbox's processes "
+            f"Pss {statistics.mean(sandboxes) / MIB:6.1f} MiB (its kernel {statistics.mean(kernels) / MIB:5.1f}, "
+            f"Private_Dirty {statistics.mean(dirty) / MIB:5.1f}); the template's Pss {template_pss / MIB:.1f} -> "
+            f"{template_now / MIB:.1f} MiB; loadavg {os.getloadavg()[0]:.2f}"
+        )
 
     async def run(self) -> None:
         for lane in self.lanes:  # one of each first: caches of the machine warm for every lane alike
@@ -421,6 +506,7 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--lanes", default=",".join(LANES))
     parser.add_argument("--route-b", action="store_true", help="only route B's raw cost (see ROUTE_B)")
+    parser.add_argument("--idle", type=int, default=0, help="then this many children of each lane alive at once")
     args = parser.parse_args()
     if args.route_b:
         await route_b(args.runs)
@@ -433,8 +519,11 @@ async def main() -> None:
     async with anyio.create_task_group() as tg:
         try:
             await bench.setup(tg)
-            await bench.run()
-            report(bench, load_before)
+            if args.runs:
+                await bench.run()
+                report(bench, load_before)
+            for lane in lanes if args.idle else ():
+                await bench.idle(lane, args.idle)
         finally:
             with anyio.CancelScope(shield=True):
                 await bench.close()
