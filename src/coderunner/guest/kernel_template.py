@@ -32,6 +32,7 @@ import socket
 import struct
 import sys
 import threading
+import time
 from typing import NoReturn
 
 from .sandbox_enter import Confinement, close_fds_but, confine, join
@@ -53,6 +54,8 @@ KERNEL_ARGS = (
     "-f", "/run/kernel/connection.json", "--HistoryManager.hist_file=:memory:",
     "--IPKernelApp.quiet=True", "--IPKernelApp.extensions=coderunner_guest",
 )  # fmt: skip
+#: Bound on a fork saying it entered and confined itself (each step is a few syscalls: only a fault waits this long).
+REPORT_TIMEOUT_S = 20.0
 #: The kernel's exit code when it could not enter or confine itself (nothing ran).
 REFUSED = 126
 PR_SET_NAME = 15
@@ -115,13 +118,19 @@ def fork_kernel(request: tuple, fds: list[int], seccomp: bytes, code: str | None
         _first_child(pidfd, output, cgroups, report_write, confinement, code)
     os.close(report_write)
     try:
-        said = _read_exactly(report_read, 16)
+        said = _read_exactly(report_read, 16, REPORT_TIMEOUT_S)
     finally:
         os.close(report_read)
+        if len(said) < 8:  # the first child never said: it must not live on
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first, signal.SIGKILL)
         os.waitpid(first, 0)
     if len(said) < 8:
-        return (errno.EIO, 0)
+        return (errno.ETIMEDOUT, 0)
     kernel = struct.unpack("<q", said[:8])[0]
+    if len(said) < 16 and kernel > 0:  # it entered but never said it was confined: nothing of it may run
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(kernel, signal.SIGKILL)
     if kernel < 0:
         return (-kernel, 0)
     confined = struct.unpack("<q", said[8:16])[0] if len(said) == 16 else -errno.EIO
@@ -136,9 +145,16 @@ def refuse(output: int, report: int, what: str, exc: OSError) -> NoReturn:
     os._exit(REFUSED)
 
 
-def _read_exactly(fd: int, size: int) -> bytes:
+def _read_exactly(fd: int, size: int, timeout_s: float) -> bytes:
+    """Up to `size` bytes from `fd`: fewer at its end of file or once `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
     data = b""
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
     while len(data) < size:
+        left_ms = (deadline - time.monotonic()) * 1000
+        if left_ms <= 0 or not waiting.poll(left_ms):
+            break
         chunk = os.read(fd, size - len(data))
         if not chunk:
             break
@@ -169,8 +185,9 @@ def _kernel(output: int, report: int, confinement: Confinement, code: str | None
         close_fds_but((output, report))
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the template's; the rest are any interpreter's own
         confine(confinement)
-        # Only now, as the sandbox's user, a path of the sandbox's is opened (its /dev/null).
-        null = os.open("/dev/null", os.O_RDONLY)
+        # Only now, as the sandbox's user, a path of the sandbox's is opened (its /dev/null; never waits).
+        null = os.open("/dev/null", os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(null, True)  # as an exec'd kernel's stdin
         for fd, source in ((0, null), (1, output), (2, output)):
             os.dup2(source, fd)
         for fd in {output, null} - {0, 1, 2}:
