@@ -9,6 +9,7 @@ their own workspace (the template is started with a child program that runs it, 
 - a child cannot signal, ptrace or open the memory of the template, another child or the host's process by
   their host pids, nor see them in its /proc; a `kill(-1, SIGKILL)` from it leaves the template serving and
   its sibling answering.
+- handed anything but a finished sandbox (a root not read-only, a pid 1 not its init), a fork refuses.
 Root only (the template joins user namespaces), bwrap only.
 """
 
@@ -37,7 +38,7 @@ from coderunner.hostfs.session_dirs import SandboxDirs
 from coderunner.sandbox import make_backend
 from coderunner.sandbox.base import SandboxProcess
 from coderunner.sandbox.bwrap import BwrapBackend
-from coderunner.sandbox.bwrap_template import KernelTemplate
+from coderunner.sandbox.bwrap_template import KIND_FORK, KernelTemplate, encode_request
 from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import SandboxOptions, sandbox_options
@@ -275,3 +276,41 @@ async def test_a_child_cannot_reach_the_template_or_a_sibling() -> None:
                 await end_child(world, attacker)
         finally:
             await end_child(world, sibling)
+
+
+async def test_the_template_enters_nothing_but_a_finished_sandbox() -> None:
+    """Handed a pidfd of a process whose namespaces are not a finished sandbox's (its root the host's, writable,
+    its pid 1 not the sandbox's init: what a fork would meet in bwrap's scaffolding), the fork refuses before
+    anything of it runs, and the template serves on."""
+    async with template_world() as world:
+        stranger = await anyio.open_process(
+            ["/usr/bin/unshare", "--user", "--map-root-user", "--mount", "--net", "--ipc", "--uts", "--cgroup",
+             "--pid", "--fork", "/usr/bin/sleep", "60"],
+            stdin=None, stdout=None, stderr=None,
+        )  # fmt: skip
+        try:
+            with anyio.fail_after(10):
+                while not (inner := _only_child(stranger.pid)):
+                    await anyio.sleep(0.02)
+            pidfd = os.pidfd_open(inner)
+            try:
+                request = encode_request(KIND_FORK, uid=1000, gid=1000, environment={"PATH": "/usr/bin"})
+                answer = await world.template._ask(request, [pidfd, 2])
+            finally:
+                os.close(pidfd)
+            assert answer.error == errno.EAGAIN
+            assert (await world.template.counters()).error == 0
+        finally:
+            stranger.kill()
+            await stranger.wait()
+
+
+def _only_child(pid: int) -> int | None:
+    """The child of `pid` once it exec'd sleep (unshare --fork's), else None."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                fields = status_of(int(entry))
+                if fields.get("PPid") == str(pid) and fields.get("Name") == "sleep":
+                    return int(entry)
+    return None
