@@ -8,7 +8,7 @@ their own workspace (the template is started with a child program that runs it, 
 - two children draw different `random`, `numpy.random` and `secrets` values;
 - a child cannot signal, ptrace or open the memory of the template, another child or the host's process by
   their host pids, nor see them in its /proc; a `kill(-1, SIGKILL)` from it leaves the template serving and
-  its sibling answering.
+  its sibling answering;
 - handed anything but a finished sandbox (a root not read-only, a pid 1 not its init), a fork refuses.
 Root only (the template joins user namespaces), bwrap only.
 """
