@@ -16,8 +16,11 @@ it is (ids, capabilities, no_new_privs, seccomp, namespaces, /proc, its workspac
 random draws) over a unix socket in its own workspace, and waits. The host then reads its memory
 (/proc/PID/smaps_rollup: Pss, Private_Dirty) and lets it exit. Figures: wall time from the sandbox's start to
 the first answer, CPU-s per start (the host's reaped children: bwrap and all in the sandbox; for the template
-lanes also the template's own CPU and its reaped forks), memory per child. Root only (the template joins
-user namespaces), bwrap backend only.
+lanes also the template's own CPU and its reaped forks), memory per child. --idle N then holds N children of
+each lane at once (memory per sandbox when many share the template); --route-b measures only route B's raw
+cost. The sandboxes run at cpu weight 100 (--cpu-weight), as the bench's own process does: the server's
+default gives them only idle CPU, so on a busy machine they would measure the load. Root only (the template
+joins user namespaces), bwrap backend only.
 """
 
 from __future__ import annotations
@@ -219,8 +222,8 @@ def sandbox_pss(started: Started) -> int:
 
 
 class Bench:
-    def __init__(self, runs: int, lanes: list[str]) -> None:
-        self.runs, self.lanes = runs, lanes
+    def __init__(self, runs: int, lanes: list[str], cpu_weight: int) -> None:
+        self.runs, self.lanes, self.cpu_weight = runs, lanes, cpu_weight
         self.samples: dict[str, list[dict[str, Any]]] = defaultdict(list)
         self.templates: dict[str, Any] = {}
 
@@ -245,6 +248,8 @@ class Bench:
         if not isinstance(backend, BwrapBackend):
             raise SystemExit("this bench measures the bwrap backend")
         self.backend = backend
+        if backend.cgroups is not None:  # the server's default weight gives sandboxes only idle CPU: it would
+            backend.cgroups.cpu_weight = self.cpu_weight  # measure the machine's load, not a start's cost
         ensure_private_dir(settings.runtime_dir, backend.dir_mode)
         ensure_private_dir(settings.workspaces_dir, backend.dir_mode)
         self.leases = SandboxLeases(settings, backend, UidPool() if per_sandbox_uids(settings.sandbox_user) else None)
@@ -375,7 +380,7 @@ class Bench:
                 with anyio.CancelScope(shield=True):
                     await self.end(started)
         print(
-            f"{lane:18} {count:3} alive: MemAvailable -{used / count / MIB:6.1f} MiB each; a sandbox's processes "
+            f"{lane:18} {count:3} alive: MemAvailable {-used / count / MIB:+6.1f} MiB each; a sandbox's processes "
             f"Pss {statistics.mean(sandboxes) / MIB:6.1f} MiB (its kernel {statistics.mean(kernels) / MIB:5.1f}, "
             f"Private_Dirty {statistics.mean(dirty) / MIB:5.1f}); the template's Pss {template_pss / MIB:.1f} -> "
             f"{template_now / MIB:.1f} MiB; loadavg {os.getloadavg()[0]:.2f}"
@@ -506,6 +511,7 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--lanes", default=",".join(LANES))
     parser.add_argument("--route-b", action="store_true", help="only route B's raw cost (see ROUTE_B)")
+    parser.add_argument("--cpu-weight", type=int, default=100, help="the sandboxes' cpu weight (100: neutral)")
     parser.add_argument("--idle", type=int, default=0, help="then this many children of each lane alive at once")
     args = parser.parse_args()
     if args.route_b:
@@ -514,7 +520,7 @@ async def main() -> None:
     lanes = [lane for lane in args.lanes.split(",") if lane]
     if unknown := set(lanes) - set(LANES):
         raise SystemExit(f"unknown lanes: {sorted(unknown)}")
-    bench = Bench(args.runs, lanes)
+    bench = Bench(args.runs, lanes, args.cpu_weight)
     load_before = os.getloadavg()
     async with anyio.create_task_group() as tg:
         try:
