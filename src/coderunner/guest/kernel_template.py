@@ -8,7 +8,8 @@ fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It
 sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
 fds beside it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, and the
 sandbox's cgroup.procs files. Each fork enters that sandbox (sandbox_enter.py: join, fork again into its pid
-namespace, confine) and then runs the kernel, or CODE where the host gave one (the bench's probe).
+namespace, confine) and then runs the kernel as kernel/process.py's argv does (ipykernel_launcher, the
+connection file the sandbox holds privately), or CODE where the host gave one (the bench's probe).
 
 The template is the subreaper of its kernels: the first child exits once it forked into the pid namespace,
 and its orphan (the kernel) comes here, not to the sandbox's init (a new parent is looked for in the pid
@@ -200,10 +201,11 @@ def _kernel(output: int, report: int, confinement: Confinement, code: str | None
     if code is not None:
         exec(compile(code, "<kernel-template child>", "exec"), {"__name__": "__main__"})
         os._exit(0)
+    # What `python -P -m ipykernel_launcher ARGS` does (kernel/process.py's argv): -P kept '' off sys.path here too.
     sys.argv = ["ipykernel_launcher", *KERNEL_ARGS]
-    from .kernel_boot import main as boot
+    from ipykernel import kernelapp
 
-    boot()
+    kernelapp.launch_new_instance()
     os._exit(0)
 
 
