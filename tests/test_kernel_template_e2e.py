@@ -35,7 +35,7 @@ from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.process import KernelProcess
 from coderunner.sandbox import PRIVATE_CONNECTION, make_backend
 from coderunner.sandbox.bwrap import BwrapBackend
-from coderunner.sandbox.bwrap_template import KernelTemplate
+from coderunner.sandbox.bwrap_template import KernelTemplate, TemplateReply
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import sandbox_options
 
@@ -71,16 +71,16 @@ async def kernels_from_a_template() -> AsyncIterator[Any]:
         try:
             async with anyio.create_task_group() as tg:
 
-                async def start() -> tuple[KernelProcess, dict[str, Any], Any]:
+                async def start() -> tuple[KernelProcess, dict[str, Any], Any, TemplateReply]:
                     dirs = await leases.open_dirs(options, throwaway=True)
                     spec = sandbox_spec(options, dirs, (), settings.network_ceiling)
                     kernel = KernelProcess(backend, spec, tg, dirs)
                     info = connection_info(secrets.token_hex(32), "ipc", str(spec.runtime_dir / "k0"))
                     kernel.info = info
                     spec = replace(spec, private_files=((PRIVATE_CONNECTION, dump_connection(info)),))
-                    kernel.process, _ = await template.spawn_entered(backend, spec, tg, 2)
+                    kernel.process, answer = await template.spawn_entered(backend, spec, tg, 2)
                     await kernel.claim_sockets(Deadline(time.monotonic() + 120))
-                    return kernel, kernel.host_side(), dirs
+                    return kernel, kernel.host_side(), dirs, answer
 
                 yield start, leases
                 tg.cancel_scope.cancel()
@@ -107,8 +107,11 @@ async def run_cell(kernel: KernelProcess, info: dict[str, Any], code: str, withi
 
 async def test_a_kernel_from_the_template_runs_cells_in_its_own_sandbox() -> None:
     async with kernels_from_a_template() as (start, leases):
-        kernel, info, dirs = await start()
+        kernel, info, dirs, answer = await start()
+        assert answer.pidfd is not None
         try:
+            with open(f"/proc/self/fdinfo/{answer.pidfd}") as handle:
+                assert f"Pid:\t{answer.pid}\n" in handle.read()  # the handle is the kernel's
             out, status = await run_cell(kernel, info, CELL)
             assert status == "ok", out
             assert out.strip() == "1000,2,0000000000000000,sandbox-init,True,True"
@@ -121,6 +124,10 @@ async def test_a_kernel_from_the_template_runs_cells_in_its_own_sandbox() -> Non
             except* TimeoutError:
                 timed_out = True
             assert timed_out
+            await kernel.kill()
+            with anyio.fail_after(10):  # the sandbox's end is the kernel's: its handle says so
+                await anyio.wait_readable(answer.pidfd)
         finally:
             await kernel.kill()
+            os.close(answer.pidfd)
             await leases.close_dirs(dirs)

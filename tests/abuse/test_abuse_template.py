@@ -146,7 +146,9 @@ async def start_child(world: World, **params: Any) -> Child:
         os.chmod(workspace / "answer.sock", 0o666)
         listener.listen(1)
         listener.setblocking(False)
-        sandbox, _ = await world.template.spawn_entered(world.backend, spec, world.task_group, 2)
+        sandbox, answer = await world.template.spawn_entered(world.backend, spec, world.task_group, 2)
+        if answer.pidfd is not None:
+            os.close(answer.pidfd)
         with anyio.fail_after(60):
             await anyio.wait_readable(listener)
         conn, _ = listener.accept()

@@ -112,3 +112,12 @@ def test_the_template_reads_nothing_a_sandbox_does_not_see(tmp_path: Path) -> No
         }
 
     assert exposed(template) and exposed(template) <= exposed(sandbox)
+
+
+def test_fds_beside_a_reply_that_is_not_one_are_closed() -> None:
+    read, write = os.pipe()
+    with pytest.raises(bwrap_template.TemplateUnavailable):
+        bwrap_template.decode_reply(b"nonsense", [read, write])
+    for fd in (read, write):
+        with pytest.raises(OSError):
+            os.fstat(fd)

@@ -41,7 +41,8 @@ from .sandbox_enter import Confinement, close_fds_but, confine, join
 #: magic, kind, uid, gid, flags, memory bytes (0: none), nproc (0: none), environment ("\0"-joined KEY=VALUE).
 REQUEST = struct.Struct("<4sIIIIQQ2048s")
 #: magic, error (0 or an errno), pid (of the kernel, in the template's pid namespace), then two counters
-#: (CPU µs of the template itself and of its reaped children) and the template's thread count.
+#: (CPU µs of the template itself and of its reaped children) and the template's thread count; a fork's reply
+#: carries a pidfd of the kernel beside it.
 REPLY = struct.Struct("<4siiQQI")
 MAGIC = b"KTR1"
 KIND_FORK = 1
@@ -84,9 +85,11 @@ def counters() -> tuple[int, int]:
     return int((own.ru_utime + own.ru_stime) * 1e6), int((children.ru_utime + children.ru_stime) * 1e6)
 
 
-def reply(sock: socket.socket, error: int = 0, pid: int = 0) -> None:
+def reply(sock: socket.socket, error: int = 0, pid: int = 0, pidfd: int | None = None) -> None:
+    """One reply; a fork's carries a pidfd of its kernel (opened before the template could reap it: no reuse)."""
     own, children = counters()
-    sock.sendall(REPLY.pack(MAGIC, error, pid, own, children, threading.active_count()))
+    data = REPLY.pack(MAGIC, error, pid, own, children, threading.active_count())
+    socket.send_fds(sock, [data], [pidfd] if pidfd is not None else [])
 
 
 def parse_environment(blob: bytes) -> dict[str, str]:
@@ -249,7 +252,12 @@ def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
                 reply(sock)
             elif request[1] == KIND_FORK and len(fds) >= 2:
                 error, pid = fork_kernel(request, fds, seccomp, code)
-                reply(sock, error, pid)
+                kernel = os.pidfd_open(pid) if pid else None  # its child, not reaped before this loop's next turn
+                try:
+                    reply(sock, error, pid, kernel)
+                finally:
+                    if kernel is not None:
+                        os.close(kernel)
             else:
                 reply(sock, errno.EINVAL)
         finally:

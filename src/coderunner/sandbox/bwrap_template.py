@@ -57,13 +57,16 @@ class TemplateUnavailable(BwrapUnavailable):
 
 @dataclass(frozen=True)
 class TemplateReply:
-    """What the template answers: an errno (0: done), the kernel's host pid, and its own counters."""
+    """What the template answers: an errno (0: done), the kernel's host pid, and its own counters; a fork's
+    answer holds a pidfd of the kernel (the caller's to close): the handle that says it exited, which no
+    process in its sandbox can change and no reuse of its pid can confuse."""
 
     error: int
     pid: int
     cpu_us: int
     children_cpu_us: int
     threads: int
+    pidfd: int | None = None
 
 
 def encode_request(
@@ -84,11 +87,15 @@ def encode_request(
     return REQUEST.pack(MAGIC, kind, uid, gid, flags, memory_bytes or 0, nproc or 0, blob)
 
 
-def decode_reply(data: bytes) -> TemplateReply:
-    if len(data) != REPLY.size or data[:4] != MAGIC:
+def decode_reply(data: bytes, fds: list[int] | None = None) -> TemplateReply:
+    """The reply in `data`; `fds` (passed beside it) are closed if it is not one, else its pidfd is the first."""
+    fds = fds or []
+    if len(data) != REPLY.size or data[:4] != MAGIC or len(fds) > 1:
+        for fd in fds:
+            os.close(fd)
         raise TemplateUnavailable(f"the kernel template answered {len(data)} bytes that are not a reply")
     _, error, pid, cpu_us, children_cpu_us, threads = REPLY.unpack(data)
-    return TemplateReply(error, pid, cpu_us, children_cpu_us, threads)
+    return TemplateReply(error, pid, cpu_us, children_cpu_us, threads, fds[0] if fds else None)
 
 
 def template_argv(command: BwrapCommand, socket_fd: int, seccomp_fd: int, *extra: str) -> list[str]:
@@ -166,10 +173,10 @@ class KernelTemplate:
 
     async def _answer(self) -> TemplateReply:
         await anyio.wait_readable(self.sock)
-        data = self.sock.recv(REPLY.size + 1)
+        data, fds, _, _ = socket.recv_fds(self.sock, REPLY.size + 1, 1)
         if not data:
             raise TemplateUnavailable("the kernel template exited")
-        return decode_reply(data)
+        return decode_reply(data, fds)
 
     async def _ask(self, request: bytes, fds: list[int]) -> TemplateReply:
         async with self._lock:
@@ -203,6 +210,8 @@ class KernelTemplate:
             for fd in cgroup_fds:
                 os.close(fd)
         if answer.error:
+            if answer.pidfd is not None:
+                os.close(answer.pidfd)
             raise TemplateUnavailable(
                 f"a fork of the kernel template could not enter its sandbox: {os.strerror(answer.error)}"
             )
