@@ -214,6 +214,8 @@ async def test_a_child_is_confined_as_the_process_bwrap_started_in_its_sandbox()
             ours, bwraps = status_of(child.host_pid), status_of(placeholder)
             assert {key: ours[key] for key in CONFINEMENT_FIELDS} == {key: bwraps[key] for key in CONFINEMENT_FIELDS}
             assert ours["CapEff"] == ours["CapBnd"] == "0" * 16 and ours["Seccomp"] == "2"
+            # Dumpable as an exec'd process: its /proc entries are its user's (a non-dumpable one's are root's).
+            assert os.stat(f"/proc/{child.host_pid}/mem").st_uid == os.stat(f"/proc/{placeholder}/mem").st_uid != 0
             for name in ("user", "mnt", "net", "ipc", "uts", "cgroup", "pid"):
                 assert os.readlink(f"/proc/{child.host_pid}/ns/{name}") == os.readlink(f"/proc/{placeholder}/ns/{name}")
             for name in ("cgroup", "limits"):

@@ -11,8 +11,8 @@ Runs in the template's forked children (guest/kernel_template.py), so stdlib and
 - `confine` (in that fork, now inside the pid namespace): what bwrap does to its own child after it built the
   mounts, in its order: a new session, the sandbox's uid and gid, no capability in any set (bounding and ambient
   included), the rlimits prlimit would set, the sandbox's environment, its working directory, no_new_privs, and
-  the very seccomp program bwrap loads with --seccomp. The filter denies setns, unshare, mount and ptrace: it
-  goes last.
+  the very seccomp program bwrap loads with --seccomp (it denies setns, unshare, mount and ptrace: it goes
+  last but one). Last, dumpable again, as any exec'd process of the sandbox's user is.
 
 Every failure raises OSError: the caller exits without running anything.
 """
@@ -116,8 +116,6 @@ def confine(confinement: Confinement) -> None:
     os.setresuid(confinement.uid, confinement.uid, confinement.uid)
     _prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, "clear the ambient capabilities")
     _clear_capabilities()
-    # A change of uid made it non-dumpable; an exec'd kernel is dumpable (its own /proc files are its user's).
-    _prctl(PR_SET_DUMPABLE, 1, "dumpable")
     _check(_libc.prctl(PR_SET_NAME, confinement.name, 0, 0, 0), "set the name")
     _set_limits(confinement)
     os.chdir(confinement.workdir)
@@ -127,6 +125,9 @@ def confine(confinement: Confinement) -> None:
     os.environ["PWD"] = confinement.workdir  # as bwrap --chdir sets it
     _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs")
     load_seccomp(confinement.seccomp)
+    # Joining the user namespace and the change of uid made it non-dumpable (nothing in the sandbox could open
+    # its memory while it was still privileged); an exec'd kernel is dumpable (its /proc files its user's).
+    _prctl(PR_SET_DUMPABLE, 1, "dumpable")
 
 
 def check_finished(workdir: str) -> None:
