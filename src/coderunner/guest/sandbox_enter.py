@@ -23,7 +23,7 @@ import ctypes
 import errno
 import os
 import resource
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWCGROUP = 0x02000000
@@ -96,7 +96,6 @@ class Confinement:
     nproc: int | None = None
     #: Its name in /proc/PID/comm (the template's name is not the kernel's).
     name: bytes = b"python"
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 def join(pidfd: int, cgroup_procs: tuple[int, ...] = ()) -> None:
@@ -121,7 +120,6 @@ def confine(confinement: Confinement) -> None:
     os.chdir(confinement.workdir)
     os.environ.clear()
     os.environ.update(confinement.environment)
-    os.environ.update(confinement.extra)
     os.environ["PWD"] = confinement.workdir  # as bwrap --chdir sets it
     _prctl(PR_SET_NO_NEW_PRIVS, 1, "no_new_privs")
     load_seccomp(confinement.seccomp)
