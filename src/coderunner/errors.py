@@ -16,6 +16,7 @@ Each class lives beside the code that raises it; the tree, with where each one i
     │   └── ImageError               sandbox/image_build.py        the sandbox image could not be built
     ├── SandboxUnavailable           sandbox/base.py               the chosen backend cannot work here
     │   ├── BwrapUnavailable         sandbox/bwrap.py
+    │   │   └── TemplateUnavailable  sandbox/bwrap_template.py     no kernel from the template (issue 41)
     │   ├── ContainerUnavailable     sandbox/container.py
     │   └── CheckpointError          sandbox/gvisor_checkpoint.py  runsc could not checkpoint or restore a sandbox
     ├── KernelStartError             kernel/process.py             the sandboxed kernel did not come up

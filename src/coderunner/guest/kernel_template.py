@@ -1,0 +1,288 @@
+"""The kernel template (issue 41): one warm process whose forks become kernels, each inside its own sandbox.
+
+    python -P -m coderunner_guest.kernel_template SOCKET_FD SECCOMP_FD [--no-freeze] [--child-code CODE]
+
+It imports what a kernel and a first chart need (warm_imports.py's steps, ipykernel), freezes its GC (a
+child's collections then leave the template's objects, and the pages they sit on, shared), and serves
+fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It reads nothing else: no
+sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
+fds beside it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, and the
+sandbox's cgroup.procs files. Each fork enters that sandbox (sandbox_enter.py: join, fork again into its pid
+namespace, confine) and then runs the kernel as kernel/process.py's argv does (ipykernel_launcher, the
+connection file the sandbox holds privately), or CODE where the host gave one (the bench's probe).
+
+The template is the subreaper of its kernels: the first child exits once it forked into the pid namespace,
+and its orphan (the kernel) comes here, not to the sandbox's init (a new parent is looked for in the pid
+namespace of the one that died). It reaps them as they exit.
+
+SECCOMP_FD holds the program bwrap loads with --seccomp (read once). The template runs as the host's root
+(with its capabilities, in a mount namespace of its own whose view is the sandbox's read-only part); it is
+started by sandbox/bwrap_template.py, whose wire format (REQUEST, REPLY) must stay the same as this one's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import gc
+import os
+import select
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import NoReturn
+
+from .sandbox_enter import Confinement, close_fds_but, confine, join
+
+#: magic, kind, uid, gid, flags, memory bytes (0: none), nproc (0: none), environment ("\0"-joined KEY=VALUE).
+REQUEST = struct.Struct("<4sIIIIQQ2048s")
+#: magic, error (0 or an errno), pid (of the kernel, in the template's pid namespace), then two counters
+#: (CPU µs of the template itself and of its reaped children) and the template's thread count; a fork's reply
+#: carries a pidfd of the kernel beside it.
+REPLY = struct.Struct("<4siiQQI")
+MAGIC = b"KTR1"
+KIND_FORK = 1
+#: Asks only for the counters (a bench's CPU per start).
+KIND_COUNTERS = 2
+FLAG_MEMORY_SOFT_ONLY = 1
+#: pidfd, the kernel's stdout and stderr, then at most this many cgroup.procs files.
+MAX_CGROUP_FDS = 8
+#: What the kernel runs as by default: today's argv (kernel/process.py) after ipykernel_launcher.
+KERNEL_ARGS = (
+    "-f", "/run/kernel/connection.json", "--HistoryManager.hist_file=:memory:",
+    "--IPKernelApp.quiet=True", "--IPKernelApp.extensions=coderunner_guest",
+)  # fmt: skip
+#: Bound on a fork saying it entered and confined itself (each step is a few syscalls: only a fault waits this long).
+REPORT_TIMEOUT_S = 20.0
+#: The kernel's exit code when it could not enter or confine itself (nothing ran).
+REFUSED = 126
+PR_SET_NAME = 15
+PR_SET_CHILD_SUBREAPER = 36
+NAME = b"kernel-template"
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def warm() -> None:
+    """What a kernel's start and a first chart cost, paid once: the caches, the common imports, ipykernel."""
+    from .caches import seed
+    from .warm_imports import run
+
+    seed()
+    run()
+    import ipykernel.ipkernel
+    import ipykernel.kernelapp  # noqa: F401 (imported for sys.modules: a fork finds them there)
+
+
+def counters() -> tuple[int, int]:
+    """CPU µs of this process, and of its reaped children (the forks and the kernels)."""
+    import resource
+
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return int((own.ru_utime + own.ru_stime) * 1e6), int((children.ru_utime + children.ru_stime) * 1e6)
+
+
+def reply(sock: socket.socket, error: int = 0, pid: int = 0, pidfd: int | None = None) -> None:
+    """One reply; a fork's carries a pidfd of its kernel (opened before the template could reap it: no reuse)."""
+    own, children = counters()
+    data = REPLY.pack(MAGIC, error, pid, own, children, threading.active_count())
+    socket.send_fds(sock, [data], [pidfd] if pidfd is not None else [])
+
+
+def parse_environment(blob: bytes) -> dict[str, str]:
+    pairs = [item.decode() for item in blob.rstrip(b"\0").split(b"\0") if item]
+    return dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+
+
+def reap() -> None:
+    """Every exited child (first forks and orphaned kernels), without waiting."""
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
+def fork_kernel(request: tuple, fds: list[int], seccomp: bytes, code: str | None) -> tuple[int, int]:
+    """Fork, enter the sandbox, fork into its pid namespace, confine; (0, kernel pid) or (errno, 0)."""
+    _, _, uid, gid, flags, memory, nproc, blob = request
+    confinement = Confinement(
+        uid=uid, gid=gid, seccomp=seccomp, environment=parse_environment(blob),
+        memory_bytes=memory or None, memory_soft_only=bool(flags & FLAG_MEMORY_SOFT_ONLY), nproc=nproc or None,
+    )  # fmt: skip
+    pidfd, output, cgroups = fds[0], fds[1], tuple(fds[2:])
+    report_read, report_write = os.pipe()
+    first = os.fork()
+    if first == 0:
+        _first_child(pidfd, output, cgroups, report_write, confinement, code)
+    os.close(report_write)
+    try:
+        said = _read_exactly(report_read, 16, REPORT_TIMEOUT_S)
+    finally:
+        os.close(report_read)
+        if len(said) < 8:  # the first child never said: it must not live on
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(first, signal.SIGKILL)
+        os.waitpid(first, 0)
+    if len(said) < 8:
+        return (errno.ETIMEDOUT, 0)
+    kernel = struct.unpack("<q", said[:8])[0]
+    if len(said) < 16 and kernel > 0:  # it entered but never said it was confined: nothing of it may run
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(kernel, signal.SIGKILL)
+    if kernel < 0:
+        return (-kernel, 0)
+    confined = struct.unpack("<q", said[8:16])[0] if len(said) == 16 else -errno.EIO
+    return (-confined, 0) if confined < 0 else (0, kernel)
+
+
+def refuse(output: int, report: int, what: str, exc: OSError) -> NoReturn:
+    """Say why on the kernel's stderr and to the template (a negative errno), and exit: nothing ran."""
+    with contextlib.suppress(OSError):
+        os.write(output, f"kernel template: a fork {what}: {exc}\n".encode())
+        os.write(report, struct.pack("<q", -(exc.errno or errno.EIO)))
+    os._exit(REFUSED)
+
+
+def _read_exactly(fd: int, size: int, timeout_s: float) -> bytes:
+    """Up to `size` bytes from `fd`: fewer at its end of file or once `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    data = b""
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
+    while len(data) < size:
+        left_ms = (deadline - time.monotonic()) * 1000
+        if left_ms <= 0 or not waiting.poll(left_ms):
+            break
+        chunk = os.read(fd, size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _first_child(
+    pidfd: int, output: int, cgroups: tuple[int, ...], report: int, confinement: Confinement, code: str | None
+) -> NoReturn:
+    """Join the sandbox, fork the kernel into its pid namespace, say its pid, exit (it goes to the template)."""
+    try:
+        close_fds_but((pidfd, output, report, *cgroups))
+        signal.set_wakeup_fd(-1)
+        join(pidfd, cgroups)
+        kernel = os.fork()
+    except OSError as exc:
+        refuse(output, report, "could not join the sandbox", exc)
+    if kernel:
+        os.write(report, struct.pack("<q", kernel))
+        os._exit(0)
+    _kernel(output, report, confinement, code)
+
+
+def _kernel(output: int, report: int, confinement: Confinement, code: str | None) -> NoReturn:
+    """In the sandbox's pid namespace: confine, say so, then run the kernel (or `code`); never returns."""
+    try:
+        close_fds_but((output, report))
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the template's; the rest are any interpreter's own
+        confine(confinement)
+        # Only now, as the sandbox's user, a path of the sandbox's is opened (its /dev/null; never waits).
+        null = os.open("/dev/null", os.O_RDONLY | os.O_NONBLOCK)
+        os.set_blocking(null, True)  # as an exec'd kernel's stdin
+        for fd, source in ((0, null), (1, output), (2, output)):
+            os.dup2(source, fd)
+        for fd in {output, null} - {0, 1, 2}:
+            os.close(fd)
+        _reseed()
+    except OSError as exc:
+        refuse(output if output > 2 else 2, report, "could not confine itself", exc)
+    os.write(report, struct.pack("<q", 0))
+    os.close(report)
+    if code is not None:
+        exec(compile(code, "<kernel-template child>", "exec"), {"__name__": "__main__"})
+        os._exit(0)
+    # What `python -P -m ipykernel_launcher ARGS` does (kernel/process.py's argv): -P kept '' off sys.path here too.
+    sys.argv = ["ipykernel_launcher", *KERNEL_ARGS]
+    from ipykernel import kernelapp
+
+    kernelapp.launch_new_instance()
+    os._exit(0)
+
+
+def _reseed() -> None:
+    """What a fork shares with its template and must not with its siblings: random generators' states.
+    (random reseeds itself at a fork; secrets and os.urandom draw from the kernel.)"""
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+
+
+def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
+    """Answer requests until the host closes its end; reap kernels meanwhile."""
+    wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    signal.set_wakeup_fd(wake_write)
+    signal.signal(signal.SIGCHLD, lambda number, frame: None)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    poller.register(wake_read, select.POLLIN)
+    while True:
+        ready = {fd for fd, _ in poller.poll()}
+        if wake_read in ready:
+            while True:
+                try:
+                    if not os.read(wake_read, 4096):
+                        break
+                except BlockingIOError:
+                    break
+            reap()
+        if sock.fileno() not in ready:
+            continue
+        message, fds, _, _ = socket.recv_fds(sock, REQUEST.size, 2 + MAX_CGROUP_FDS)
+        if not message:
+            return
+        try:
+            if len(message) != REQUEST.size or message[:4] != MAGIC:
+                reply(sock, errno.EPROTO)
+                continue
+            request = REQUEST.unpack(message)
+            if request[1] == KIND_COUNTERS:
+                reply(sock)
+            elif request[1] == KIND_FORK and len(fds) >= 2:
+                error, pid = fork_kernel(request, fds, seccomp, code)
+                kernel = os.pidfd_open(pid) if pid else None  # its child, not reaped before this loop's next turn
+                try:
+                    reply(sock, error, pid, kernel)
+                finally:
+                    if kernel is not None:
+                        os.close(kernel)
+            else:
+                reply(sock, errno.EINVAL)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def main(args: list[str]) -> int:
+    if len(args) < 2 or not args[0].isdigit() or not args[1].isdigit():
+        print("usage: kernel_template.py SOCKET_FD SECCOMP_FD [--no-freeze] [--child-code CODE]", file=sys.stderr)
+        return 2
+    sock = socket.socket(fileno=int(args[0]))
+    with os.fdopen(int(args[1]), "rb") as handle:
+        seccomp = handle.read()
+    code = args[args.index("--child-code") + 1] if "--child-code" in args else None
+    _libc.prctl(PR_SET_NAME, NAME, 0, 0, 0)
+    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    warm()
+    gc.collect()
+    if "--no-freeze" not in args:
+        gc.freeze()
+    reply(sock, 0, os.getpid())  # ready
+    serve(sock, seccomp, code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

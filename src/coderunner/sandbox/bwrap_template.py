@@ -1,0 +1,245 @@
+"""The host's half of the kernel template (issue 41, route A): start the template, ask it for a kernel in a sandbox.
+
+The template (guest/kernel_template.py) is the sandbox's Python, warmed once, run by bwrap as the host's
+root in a mount namespace of its own that shows exactly the read-only part every sandbox sees (/usr, the
+/etc files passed through, the environment at /opt/coderunner/env, the guest), so that the paths of its
+modules are the sandbox's and it reads nothing a sandbox could not. It keeps its capabilities (--cap-add
+ALL): its forks need them to join a sandbox; each drops them all before anything of the sandbox runs.
+
+A kernel from it: the sandbox is built by the bwrap backend as today, with a placeholder as its program;
+`fork_into` hands the template a pidfd of that sandbox's pid 1 (and its cgroups, its environment and
+limits); the fork joins it and is confined as bwrap confines its own child (guest/sandbox_enter.py).
+
+Not yet the default: KernelProcess still starts every kernel cold (see the issue's note for what wiring needs).
+The wire format is the template's (REQUEST, REPLY): tests/unit/test_kernel_template.py checks both agree.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import subprocess
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import Process, TaskGroup
+
+from coderunner.sandbox.base import SandboxProcess, SandboxSpec
+from coderunner.sandbox.bwrap import BwrapBackend, BwrapUnavailable
+from coderunner.sandbox.bwrap_argv import ETC_PASSTHROUGH, USR_ALIASES, BwrapCommand
+from coderunner.sandbox.common import ENV_MOUNT, GUEST_LIB, sandbox_environment, spec_environment
+from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
+from coderunner.vocabulary.sandbox_layout import HOME, SANDBOX_GID, SANDBOX_UID
+
+#: The template's wire format (guest/kernel_template.py has the same; a unit test compares them).
+#: Bytes of the environment field (NUL-separated KEY=VALUE).
+ENVIRONMENT_BYTES = 2048
+REQUEST = struct.Struct(f"<4sIIIIQQ{ENVIRONMENT_BYTES}s")
+REPLY = struct.Struct("<4siiQQI")
+MAGIC = b"KTR1"
+KIND_FORK = 1
+KIND_COUNTERS = 2
+FLAG_MEMORY_SOFT_ONLY = 1
+#: The program of a sandbox a template's fork enters: it says the sandbox is finished (bwrap built all of it before
+#: the init started it), then waits, as what the sandbox's init waits for, until the sandbox is killed.
+PLACEHOLDER = ["/bin/sh", "-c", "echo ready && exec /usr/bin/sleep infinity"]
+#: Bound on the template's warm-up (imports, font cache) on a loaded machine.
+START_TIMEOUT_S = 180.0
+#: Bound on one fork and entry.
+FORK_TIMEOUT_S = 30.0
+
+
+class TemplateUnavailable(BwrapUnavailable):
+    """No kernel from the template: it cannot run here, or a fork could not enter its sandbox."""
+
+
+@dataclass(frozen=True)
+class TemplateReply:
+    """What the template answers: an errno (0: done), the kernel's host pid, and its own counters; a fork's
+    answer holds a pidfd of the kernel (the caller's to close): the handle that says it exited, which no
+    process in its sandbox can change and no reuse of its pid can confuse."""
+
+    error: int
+    pid: int
+    cpu_us: int
+    children_cpu_us: int
+    threads: int
+    pidfd: int | None = None
+
+
+def encode_request(
+    kind: int,
+    *,
+    uid: int = 0,
+    gid: int = 0,
+    memory_bytes: int | None = None,
+    memory_soft_only: bool = False,
+    nproc: int | None = None,
+    environment: dict[str, str] | None = None,
+) -> bytes:
+    """One fixed-size request; refuses an environment too large for its field."""
+    blob = b"\0".join(f"{key}={value}".encode() for key, value in (environment or {}).items())
+    if len(blob) > ENVIRONMENT_BYTES:
+        raise ValueError(f"the kernel's environment ({len(blob)} bytes) does not fit a template request")
+    flags = FLAG_MEMORY_SOFT_ONLY if memory_soft_only else 0
+    return REQUEST.pack(MAGIC, kind, uid, gid, flags, memory_bytes or 0, nproc or 0, blob)
+
+
+def decode_reply(data: bytes, fds: list[int] | None = None) -> TemplateReply:
+    """The reply in `data`; `fds` (passed beside it) are closed if it is not one, else its pidfd is the first."""
+    fds = fds or []
+    if len(data) != REPLY.size or data[:4] != MAGIC or len(fds) > 1:
+        for fd in fds:
+            os.close(fd)
+        raise TemplateUnavailable(f"the kernel template answered {len(data)} bytes that are not a reply")
+    _, error, pid, cpu_us, children_cpu_us, threads = REPLY.unpack(data)
+    return TemplateReply(error, pid, cpu_us, children_cpu_us, threads, fds[0] if fds else None)
+
+
+def template_argv(command: BwrapCommand, socket_fd: int, seccomp_fd: int, *extra: str) -> list[str]:
+    """bwrap as the host's root, no user namespace, every capability kept; the sandbox's read-only view."""
+    args = [
+        command.bwrap, "--cap-add", "ALL", "--unshare-net", "--unshare-ipc", "--unshare-uts",
+        "--die-with-parent", "--ro-bind", "/usr", "/usr",
+    ]  # fmt: skip
+    for name in USR_ALIASES:
+        host = command.host_root / name
+        if host.is_symlink():
+            args += ["--symlink", os.readlink(host), f"/{name}"]
+        elif host.is_dir():
+            args += ["--ro-bind", str(host), f"/{name}"]
+    for name in ETC_PASSTHROUGH:
+        if (command.host_root / "etc" / name).exists():
+            args += ["--ro-bind", str(command.host_root / "etc" / name), f"/etc/{name}"]
+    args += [
+        "--ro-bind", str(command.env_dir), ENV_MOUNT,
+        "--ro-bind", str(command.guest_dir), f"{GUEST_LIB}/coderunner_guest",
+        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--dir", HOME, "--chdir", "/", "--clearenv",
+    ]  # fmt: skip
+    for key, value in sandbox_environment().items():
+        args += ["--setenv", key, value]
+    python = [f"{ENV_MOUNT}/bin/python", "-P", "-m", "coderunner_guest.kernel_template"]
+    return [*args, "--", *python, str(socket_fd), str(seccomp_fd), *extra]
+
+
+class KernelTemplate:
+    """A running template: one request at a time over its socketpair."""
+
+    def __init__(self, process: Process, sock: socket.socket, ready: TemplateReply) -> None:
+        self.process = process
+        self.sock = sock
+        self.ready = ready
+        self._lock = anyio.Lock()
+
+    @property
+    def pid(self) -> int:
+        """The template's pid on the host (its ready reply's)."""
+        return self.ready.pid
+
+    @classmethod
+    async def start(
+        cls, command: BwrapCommand, seccomp: bytes, *, freeze: bool = True, child_code: str | None = None
+    ) -> KernelTemplate:
+        if os.getuid() != 0:
+            raise TemplateUnavailable("the kernel template needs a server running as root (it joins user namespaces)")
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        program = os.memfd_create("coderunner-template-seccomp", 0)
+        try:
+            os.write(program, seccomp)
+            os.lseek(program, 0, os.SEEK_SET)
+            extra = [*([] if freeze else ["--no-freeze"]), *(["--child-code", child_code] if child_code else [])]
+            argv = template_argv(command, theirs.fileno(), program, *extra)
+            process = await anyio.open_process(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,
+                pass_fds=(theirs.fileno(), program), start_new_session=True, env={"PATH": "/usr/bin:/bin"},
+            )  # fmt: skip
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
+            os.close(program)
+        template = cls(process, ours, TemplateReply(0, 0, 0, 0, 0))
+        try:
+            with anyio.fail_after(START_TIMEOUT_S):
+                template.ready = await template._answer()
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await template.close()
+            raise
+        return template
+
+    async def _answer(self) -> TemplateReply:
+        await anyio.wait_readable(self.sock)
+        data, fds, _, _ = socket.recv_fds(self.sock, REPLY.size + 1, 1)
+        if not data:
+            raise TemplateUnavailable("the kernel template exited")
+        return decode_reply(data, fds)
+
+    async def _ask(self, request: bytes, fds: list[int]) -> TemplateReply:
+        async with self._lock:
+            socket.send_fds(self.sock, [request], fds)
+            return await self._answer()
+
+    async def counters(self) -> TemplateReply:
+        return await self._ask(encode_request(KIND_COUNTERS), [])
+
+    async def fork_into(
+        self, sandbox: SandboxProcess, spec: SandboxSpec, output_fd: int, *, nproc: int | None = None
+    ) -> TemplateReply:
+        """A kernel forked into `sandbox` (built from `spec`, its program a placeholder that waits); raises
+        TemplateUnavailable if it could not enter. Its limits and environment are the ones bwrap_argv gives."""
+        hold = sandbox.hold
+        if not isinstance(hold, BwrapHold) or hold.init is None:
+            raise TemplateUnavailable("this sandbox has no pid 1 handle to enter by")
+        cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in sandbox.cgroup.procs_files()] if (
+            sandbox.cgroup is not None
+        ) else []  # fmt: skip
+        memory = spec.limits.memory_mb * 2**20 if spec.limits.memory_mb is not None else None
+        soft = sandbox.cgroup is not None and "memory" in sandbox.cgroup.dirs and memory is not None
+        request = encode_request(
+            KIND_FORK, uid=SANDBOX_UID, gid=SANDBOX_GID, memory_bytes=memory, memory_soft_only=soft, nproc=nproc,
+            environment=sandbox_environment(spec_environment(spec)),
+        )  # fmt: skip
+        try:
+            with anyio.fail_after(FORK_TIMEOUT_S):
+                answer = await self._ask(request, [hold.init, output_fd, *cgroup_fds])
+        finally:
+            for fd in cgroup_fds:
+                os.close(fd)
+        if answer.error:
+            if answer.pidfd is not None:
+                os.close(answer.pidfd)
+            raise TemplateUnavailable(
+                f"a fork of the kernel template could not enter its sandbox: {os.strerror(answer.error)}"
+            )
+        return answer
+
+    async def spawn_entered(
+        self, backend: BwrapBackend, spec: SandboxSpec, task_group: TaskGroup, output_fd: int
+    ) -> tuple[SandboxProcess, TemplateReply]:
+        """A sandbox built by `backend` as today around PLACEHOLDER, once finished entered by a fork of this
+        template (its stdout and stderr `output_fd`); the sandbox is killed if the fork could not enter."""
+        sandbox = await backend.spawn(spec, PLACEHOLDER, task_group, pipes=True)
+        try:
+            with anyio.fail_after(FORK_TIMEOUT_S):
+                said = await sandbox.streams[1].receive()
+            if not said.startswith(b"ready"):
+                raise TemplateUnavailable(f"the sandbox's placeholder said {said[:100]!r}, not that it is ready")
+            return sandbox, await self.fork_into(sandbox, spec, output_fd)
+        except BaseException:
+            with anyio.CancelScope(shield=True):
+                await sandbox.kill()
+            raise
+
+    async def close(self) -> None:
+        """End the template (its kernels live on in their sandboxes; their sandboxes end them)."""
+        self.sock.close()
+        with anyio.move_on_after(5):
+            await self.process.wait()
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.process.kill()
+            await self.process.wait()

@@ -1,0 +1,320 @@
+"""Issue 41's invariants for kernels forked from the template (route A: sandbox/bwrap_template.py), first ones.
+
+Real sandboxes of the bwrap backend, each entered by a fork of one real template, whose forks run a probe from
+their own workspace (the template is started with a child program that runs it, in place of the kernel):
+- a child is confined exactly as the process bwrap started in the same sandbox (ids, capabilities, no_new_privs,
+  seccomp, namespaces, cgroups, rlimits);
+- no fd and no thread of the template survives into a child;
+- two children draw different `random`, `numpy.random` and `secrets` values;
+- a child cannot signal, ptrace or open the memory of the template, another child or the host's process by
+  their host pids, nor see them in its /proc; a `kill(-1, SIGKILL)` from it leaves the template serving and
+  its sibling answering;
+- handed anything but a finished sandbox (a root not read-only, a pid 1 not its init), a fork refuses.
+Root only (the template joins user namespaces), bwrap only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import socket
+import struct
+import tempfile
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+from anyio.abc import TaskGroup
+
+from coderunner.config import load_settings
+from coderunner.hostfs.private_dirs import ensure_private_dir
+from coderunner.hostfs.session_dirs import SandboxDirs
+from coderunner.sandbox import make_backend
+from coderunner.sandbox.base import SandboxProcess
+from coderunner.sandbox.bwrap import BwrapBackend
+from coderunner.sandbox.bwrap_template import KIND_FORK, KernelTemplate, encode_request
+from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
+from coderunner.sessions.leases import SandboxLeases, sandbox_spec
+from coderunner.sessions.sandbox_options import SandboxOptions, sandbox_options
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+#: What every fork of the test's template runs once confined: the probe its workspace holds.
+CHILD = "exec(open('/workspace/probe.py').read())"
+PROBE = r"""
+import ctypes, json, os, random, secrets, signal, socket
+import numpy
+params = json.load(open("/workspace/params.json"))
+report = {
+    "fds": sorted(int(fd) for fd in os.listdir("/proc/self/fd")),
+    "fd_targets": [os.readlink(f"/proc/self/fd/{fd}") for fd in (0, 1, 2)],
+    "threads": len(os.listdir("/proc/self/task")),
+    "random": random.random(), "numpy": float(numpy.random.random()), "secrets": secrets.token_hex(16),
+    "procs": sorted(int(pid) for pid in os.listdir("/proc") if pid.isdigit()), "pid": os.getpid(),
+    "blas": float((numpy.ones((300, 300)) @ numpy.ones((300, 300)))[0, 0]),  # BLAS's threads after the fork
+}
+if params["attack"]:
+    libc = ctypes.CDLL(None, use_errno=True)
+    found = {}
+    for pid in params["host_pids"]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            found[f"kill {pid}"] = "sent"
+        except OSError as exc:
+            found[f"kill {pid}"] = exc.errno
+        try:
+            open(f"/proc/{pid}/mem", "rb").close()
+            found[f"mem {pid}"] = "opened"
+        except OSError as exc:
+            found[f"mem {pid}"] = exc.errno
+    for pid in sorted(set(report["procs"]) | set(params["host_pids"])):
+        if pid != os.getpid():
+            found[f"ptrace {pid}"] = ctypes.get_errno() if libc.ptrace(16, pid, 0, 0) == -1 else "attached"
+    report["attack"] = found
+sock = socket.socket(socket.AF_UNIX)
+sock.connect("/workspace/answer.sock")
+sock.sendall(json.dumps(report).encode() + b"\n")
+if params["attack"]:
+    os.kill(-1, signal.SIGKILL)  # everything it may signal (its own namespace: the placeholder); it ends with it
+if sock.recv(1):
+    sock.sendall(b"alive")
+os._exit(0)
+"""
+
+
+@dataclass
+class World:
+    backend: BwrapBackend
+    leases: SandboxLeases
+    options: SandboxOptions
+    ceiling: str
+    template: KernelTemplate
+    task_group: TaskGroup
+
+
+@dataclass
+class Child:
+    sandbox: SandboxProcess
+    dirs: SandboxDirs
+    conn: socket.socket
+    host_pid: int
+    report: dict[str, Any]
+
+
+@contextlib.asynccontextmanager
+async def template_world() -> AsyncIterator[World]:
+    if os.getuid() != 0 or shutil.which("bwrap") is None:
+        pytest.skip("the kernel template needs root and bwrap")
+    root = Path(tempfile.mkdtemp(prefix="ctt-", dir="/tmp"))
+    root.chmod(0o711)
+    try:
+        settings = load_settings(Path(os.devnull), runtime_dir=root / "r", workspaces_dir=root / "w", backend="bwrap")
+        backend = make_backend(settings)
+        assert isinstance(backend, BwrapBackend)
+        ensure_private_dir(settings.runtime_dir, backend.dir_mode)
+        ensure_private_dir(settings.workspaces_dir, backend.dir_mode)
+        leases = SandboxLeases(settings, backend, None)
+        options = sandbox_options(settings, backend, [])
+        template = await KernelTemplate.start(backend.command, backend.seccomp_filter, child_code=CHILD)
+        try:
+            async with anyio.create_task_group() as tg:
+                yield World(backend, leases, options, settings.network_ceiling, template, tg)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await template.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def start_child(world: World, **params: Any) -> Child:
+    """A sandbox entered by a fork of the template, once it has sent its report."""
+    dirs = await world.leases.open_dirs(world.options, throwaway=True)
+    spec = sandbox_spec(world.options, dirs, (), world.ceiling)
+    workspace = dirs.workspace.path
+    (workspace / "probe.py").write_text(PROBE)
+    (workspace / "params.json").write_text(json.dumps({"attack": False, "host_pids": [], **params}))
+    listener = socket.socket(socket.AF_UNIX)
+    try:
+        listener.bind(str(workspace / "answer.sock"))
+        os.chmod(workspace / "answer.sock", 0o666)
+        listener.listen(1)
+        listener.setblocking(False)
+        sandbox, answer = await world.template.spawn_entered(world.backend, spec, world.task_group, 2)
+        if answer.pidfd is not None:
+            os.close(answer.pidfd)
+        with anyio.fail_after(60):
+            await anyio.wait_readable(listener)
+        conn, _ = listener.accept()
+    finally:
+        listener.close()
+    conn.setblocking(True)
+    pid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+    data = b""
+    while not data.endswith(b"\n") and (chunk := await anyio.to_thread.run_sync(conn.recv, 65536)):
+        data += chunk
+    return Child(sandbox, dirs, conn, pid, json.loads(data))
+
+
+async def end_child(world: World, child: Child) -> None:
+    child.conn.close()
+    await child.sandbox.kill()
+    await world.leases.close_dirs(child.dirs)
+
+
+async def still_answers(child: Child) -> bool:
+    child.conn.send(b"x")
+    with anyio.fail_after(10):
+        return await anyio.to_thread.run_sync(child.conn.recv, 16) == b"alive"
+
+
+#: What /proc/PID/status says of a process's confinement.
+CONFINEMENT_FIELDS = (
+    "Uid", "Gid", "Groups", "CapInh", "CapPrm", "CapEff", "CapBnd", "CapAmb", "NoNewPrivs", "Seccomp",
+    "Seccomp_filters",
+)  # fmt: skip
+
+
+def status_of(pid: int) -> dict[str, str]:
+    fields = {}
+    with open(f"/proc/{pid}/status") as handle:
+        for line in handle:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    return fields
+
+
+def placeholder_of(sandbox: SandboxProcess) -> int:
+    """The host pid of the program bwrap's sandbox runs (the placeholder: a process bwrap itself confined)."""
+    hold = sandbox.hold
+    assert isinstance(hold, BwrapHold) and hold.init is not None
+    with open(f"/proc/self/fdinfo/{hold.init}") as handle:
+        init = next(int(line.split()[1]) for line in handle if line.startswith("Pid:"))
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                if status_of(int(entry)).get("PPid") == str(init):
+                    return int(entry)
+    raise AssertionError("the sandbox's init has no child")
+
+
+async def test_a_child_is_confined_as_the_process_bwrap_started_in_its_sandbox() -> None:
+    """Ids, groups, every capability set, no_new_privs, the seccomp filter, every namespace, the cgroups and
+    the rlimits of a child are those of the placeholder, which bwrap (and its prlimit) confined as today."""
+    async with template_world() as world:
+        child = await start_child(world)
+        try:
+            placeholder = placeholder_of(child.sandbox)
+            ours, bwraps = status_of(child.host_pid), status_of(placeholder)
+            assert {key: ours[key] for key in CONFINEMENT_FIELDS} == {key: bwraps[key] for key in CONFINEMENT_FIELDS}
+            assert ours["CapEff"] == ours["CapBnd"] == "0" * 16 and ours["Seccomp"] == "2"
+            # Dumpable as an exec'd process: its /proc entries are its user's (a non-dumpable one's are root's).
+            assert os.stat(f"/proc/{child.host_pid}/mem").st_uid == os.stat(f"/proc/{placeholder}/mem").st_uid != 0
+            for name in ("user", "mnt", "net", "ipc", "uts", "cgroup", "pid"):
+                assert os.readlink(f"/proc/{child.host_pid}/ns/{name}") == os.readlink(f"/proc/{placeholder}/ns/{name}")
+            for name in ("cgroup", "limits"):
+                assert (
+                    Path(f"/proc/{child.host_pid}/{name}").read_text()
+                    == Path(f"/proc/{placeholder}/{name}").read_text()
+                )
+            assert os.readlink(f"/proc/{child.host_pid}/ns/pid") != os.readlink(f"/proc/{world.template.pid}/ns/pid")
+        finally:
+            await end_child(world, child)
+
+
+async def test_no_fd_or_thread_of_the_template_reaches_a_child() -> None:
+    async with template_world() as world:
+        child = await start_child(world)
+        try:
+            # 0-2 and the fd listdir read /proc/self/fd through; nothing else (the template's socket, its pipes).
+            assert len(child.report["fds"]) == 4 and child.report["fds"][:3] == [0, 1, 2]
+            assert child.report["fd_targets"][0] == "/dev/null"
+            assert child.report["threads"] == 1
+            assert child.report["blas"] == 300.0
+            assert world.template.ready.threads == 1  # a fork takes only its own thread; the template had one
+        finally:
+            await end_child(world, child)
+
+
+async def test_two_children_draw_different_values() -> None:
+    async with template_world() as world:
+        first = await start_child(world)
+        try:
+            second = await start_child(world)
+            try:
+                for name in ("random", "numpy", "secrets"):
+                    assert first.report[name] != second.report[name], name
+            finally:
+                await end_child(world, second)
+        finally:
+            await end_child(world, first)
+
+
+async def test_a_child_cannot_reach_the_template_or_a_sibling() -> None:
+    async with template_world() as world:
+        sibling = await start_child(world)
+        try:
+            targets = [world.template.pid, sibling.host_pid, os.getpid()]
+            attacker = await start_child(world, attack=True, host_pids=targets)
+            try:
+                found = attacker.report["attack"]
+                for pid in targets:
+                    assert pid not in attacker.report["procs"]
+                    assert found[f"kill {pid}"] == errno.ESRCH  # no such process in its pid namespace
+                    assert found[f"mem {pid}"] == errno.ENOENT  # nor in its /proc
+                assert {key: value for key, value in found.items() if key.startswith("ptrace")}
+                assert all(value == errno.EPERM for key, value in found.items() if key.startswith("ptrace"))
+                # Its kill(-1, SIGKILL) ended its own sandbox at most.
+                with anyio.fail_after(10):
+                    await attacker.sandbox.wait()
+                os.kill(world.template.pid, 0)
+                assert (await world.template.counters()).error == 0
+                assert await still_answers(sibling)
+            finally:
+                await end_child(world, attacker)
+        finally:
+            await end_child(world, sibling)
+
+
+async def test_the_template_enters_nothing_but_a_finished_sandbox() -> None:
+    """Handed a pidfd of a process whose namespaces are not a finished sandbox's (its root the host's, writable,
+    its pid 1 not the sandbox's init: what a fork would meet in bwrap's scaffolding), the fork refuses before
+    anything of it runs, and the template serves on."""
+    async with template_world() as world:
+        stranger = await anyio.open_process(
+            ["/usr/bin/unshare", "--user", "--map-root-user", "--mount", "--net", "--ipc", "--uts", "--cgroup",
+             "--pid", "--fork", "/usr/bin/sleep", "60"],
+            stdin=None, stdout=None, stderr=None,
+        )  # fmt: skip
+        try:
+            with anyio.fail_after(10):
+                while not (inner := _only_child(stranger.pid)):
+                    await anyio.sleep(0.02)
+            pidfd = os.pidfd_open(inner)
+            try:
+                request = encode_request(KIND_FORK, uid=1000, gid=1000, environment={"PATH": "/usr/bin"})
+                answer = await world.template._ask(request, [pidfd, 2])
+            finally:
+                os.close(pidfd)
+            assert answer.error == errno.EAGAIN
+            assert (await world.template.counters()).error == 0
+        finally:
+            stranger.kill()
+            await stranger.wait()
+
+
+def _only_child(pid: int) -> int | None:
+    """The child of `pid` once it exec'd sleep (unshare --fork's), else None."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError):
+                fields = status_of(int(entry))
+                if fields.get("PPid") == str(pid) and fields.get("Name") == "sleep":
+                    return int(entry)
+    return None

@@ -1,0 +1,133 @@
+"""A real ipykernel forked from the kernel template (issue 41, route A), end to end, before any wiring.
+
+The template (sandbox/bwrap_template.py, guest/kernel_template.py) forks a kernel into a bwrap sandbox built
+as today around its placeholder; the kernel reads its connection file (its key) from that sandbox's private
+root, binds its ipc sockets in the sandbox's run dir; the host claims them (KernelProcess.claim_sockets) and
+runs cells through the product's own KernelClient. The kernel answers with its own key only, has numpy,
+pandas and pyplot imported already (the template's), draws a chart, and is the sandbox's user under its
+seccomp filter.
+Root only (the template joins user namespaces), bwrap only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from coderunner.config import load_settings
+from coderunner.hostfs.private_dirs import ensure_private_dir
+from coderunner.hostfs.session_dirs import dump_connection
+from coderunner.kernel.client import KernelClient
+from coderunner.kernel.connection_info import connection_info
+from coderunner.kernel.host_channels import Deadline
+from coderunner.kernel.output_capture import OutputCollector
+from coderunner.kernel.process import KernelProcess
+from coderunner.sandbox import PRIVATE_CONNECTION, make_backend
+from coderunner.sandbox.bwrap import BwrapBackend
+from coderunner.sandbox.bwrap_template import KernelTemplate, TemplateReply
+from coderunner.sessions.leases import SandboxLeases, sandbox_spec
+from coderunner.sessions.sandbox_options import sandbox_options
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+CELL = """
+import os, sys
+import matplotlib.pyplot as plt
+fig, ax = plt.subplots()
+ax.plot([0, 1, 2], [0, 1, 4])
+fig.savefig("/workspace/chart.png")
+status = dict(line.split(":", 1) for line in open("/proc/self/status") if ":" in line)
+print(os.getuid(), status["Seccomp"].strip(), status["CapEff"].strip(), open("/proc/1/comm").read().strip(),
+      "numpy" in sys.modules, "pandas" in sys.modules, sep=",")
+"""
+
+
+@contextlib.asynccontextmanager
+async def kernels_from_a_template() -> AsyncIterator[Any]:
+    if os.getuid() != 0 or shutil.which("bwrap") is None:
+        pytest.skip("the kernel template needs root and bwrap")
+    root = Path(tempfile.mkdtemp(prefix="cte-", dir="/tmp"))
+    root.chmod(0o711)
+    try:
+        settings = load_settings(Path(os.devnull), runtime_dir=root / "r", workspaces_dir=root / "w", backend="bwrap")
+        backend = make_backend(settings)
+        assert isinstance(backend, BwrapBackend)
+        ensure_private_dir(settings.runtime_dir, backend.dir_mode)
+        ensure_private_dir(settings.workspaces_dir, backend.dir_mode)
+        leases = SandboxLeases(settings, backend, None)
+        options = sandbox_options(settings, backend, [])
+        template = await KernelTemplate.start(backend.command, backend.seccomp_filter)
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def start() -> tuple[KernelProcess, dict[str, Any], Any, TemplateReply]:
+                    dirs = await leases.open_dirs(options, throwaway=True)
+                    spec = sandbox_spec(options, dirs, (), settings.network_ceiling)
+                    kernel = KernelProcess(backend, spec, tg, dirs)
+                    info = connection_info(secrets.token_hex(32), "ipc", str(spec.runtime_dir / "k0"))
+                    kernel.info = info
+                    spec = replace(spec, private_files=((PRIVATE_CONNECTION, dump_connection(info)),))
+                    kernel.process, answer = await template.spawn_entered(backend, spec, tg, 2)
+                    await kernel.claim_sockets(Deadline(time.monotonic() + 120))
+                    return kernel, kernel.host_side(), dirs, answer
+
+                yield start, leases
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await template.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+async def run_cell(kernel: KernelProcess, info: dict[str, Any], code: str, within_s: float = 120) -> tuple[str, str]:
+    """(output, status) of one cell, through the product's own KernelClient with `info` (its key included)."""
+    async with anyio.create_task_group() as tg:
+        client = KernelClient(kernel, tg)
+        try:
+            await client.connect(info, Deadline(time.monotonic() + within_s))
+            output = OutputCollector(limit_chars=10_000, spill_limit_bytes=0, image_limit_bytes=0)
+            outcome = await client.execute(code, output, timeout_s=within_s, interrupt_grace_s=5)
+            return output.text(), outcome.status.value
+        finally:
+            client.close()
+            tg.cancel_scope.cancel()
+
+
+async def test_a_kernel_from_the_template_runs_cells_in_its_own_sandbox() -> None:
+    async with kernels_from_a_template() as (start, leases):
+        kernel, info, dirs, answer = await start()
+        assert answer.pidfd is not None
+        try:
+            with open(f"/proc/self/fdinfo/{answer.pidfd}") as handle:
+                assert f"Pid:\t{answer.pid}\n" in handle.read()  # the handle is the kernel's
+            out, status = await run_cell(kernel, info, CELL)
+            assert status == "ok", out
+            assert out.strip() == "1000,2,0000000000000000,sandbox-init,True,True"
+            assert (dirs.workspace.path / "chart.png").stat().st_size > 1000
+            # Another key does not reach it (neither side takes what it cannot verify).
+            wrong = {**info, "key": secrets.token_hex(32)}
+            timed_out = False
+            try:
+                await run_cell(kernel, wrong, "1", within_s=5)
+            except* TimeoutError:
+                timed_out = True
+            assert timed_out
+            await kernel.kill()
+            with anyio.fail_after(10):  # the sandbox's end is the kernel's: its handle says so
+                await anyio.wait_readable(answer.pidfd)
+        finally:
+            await kernel.kill()
+            os.close(answer.pidfd)
+            await leases.close_dirs(dirs)

@@ -1,0 +1,123 @@
+"""The kernel template's pieces that need no sandbox (issue 41): its wire format as both sides write it, the
+request's bounds, the template's own bwrap view, and the enter step's refusals (sandbox_enter.py)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coderunner.guest import kernel_template, sandbox_enter
+from coderunner.sandbox import bwrap_template
+from coderunner.sandbox.base import SandboxSpec
+from coderunner.sandbox.bwrap_argv import BwrapCommand
+from coderunner.sandbox.common import ENV_MOUNT, GUEST_LIB
+from coderunner.sandbox.seccomp import CLONE_NAMESPACE_FLAGS
+
+
+def test_both_sides_speak_the_same_wire_format() -> None:
+    for name in ("REQUEST", "REPLY"):
+        assert getattr(bwrap_template, name).format == getattr(kernel_template, name).format
+    for name in ("MAGIC", "KIND_FORK", "KIND_COUNTERS", "FLAG_MEMORY_SOFT_ONLY"):
+        assert getattr(bwrap_template, name) == getattr(kernel_template, name)
+
+
+def test_a_request_carries_the_kernels_environment_and_limits() -> None:
+    environment = {"PATH": "/opt/coderunner/env/bin", "HTTP_PROXY": "http://127.0.0.1:3128"}
+    request = bwrap_template.encode_request(
+        bwrap_template.KIND_FORK, uid=1000, gid=1000, memory_bytes=2**31, memory_soft_only=True, nproc=64,
+        environment=environment,
+    )  # fmt: skip
+    assert len(request) == kernel_template.REQUEST.size
+    magic, kind, uid, gid, flags, memory, nproc, blob = kernel_template.REQUEST.unpack(request)
+    assert (magic, kind, uid, gid, memory, nproc) == (b"KTR1", 1, 1000, 1000, 2**31, 64)
+    assert flags & kernel_template.FLAG_MEMORY_SOFT_ONLY
+    assert kernel_template.parse_environment(blob) == environment
+
+
+def test_an_environment_too_large_for_a_request_is_refused() -> None:
+    with pytest.raises(ValueError, match="does not fit"):
+        bwrap_template.encode_request(bwrap_template.KIND_FORK, environment={"X": "y" * 4096})
+
+
+def test_a_reply_that_is_not_one_is_refused() -> None:
+    with pytest.raises(bwrap_template.TemplateUnavailable):
+        bwrap_template.decode_reply(b"KTR1" + b"\0" * 3)
+    good = kernel_template.REPLY.pack(b"KTR1", 0, 42, 1, 2, 1)
+    assert bwrap_template.decode_reply(good).pid == 42
+
+
+def test_the_template_sees_the_sandboxes_read_only_part_at_the_sandboxes_paths(tmp_path: Path) -> None:
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=tmp_path / "env", guest_dir=tmp_path / "guest")
+    argv = bwrap_template.template_argv(command, 5, 6)
+    pairs = list(zip(argv, argv[1:], argv[2:], strict=False))
+    assert ("--ro-bind", str(tmp_path / "env"), ENV_MOUNT) in pairs
+    assert ("--ro-bind", str(tmp_path / "guest"), f"{GUEST_LIB}/coderunner_guest") in pairs
+    assert ("--cap-add", "ALL") in itertools.pairwise(argv)
+    assert "--unshare-user" not in argv  # its forks join user namespaces: it must be the host's root
+    assert argv[argv.index("--") + 1 :] == [
+        f"{ENV_MOUNT}/bin/python", "-P", "-m", "coderunner_guest.kernel_template", "5", "6",
+    ]  # fmt: skip
+    assert "--bind" not in argv and "--dev-bind" not in argv  # nothing of the host's it could write
+
+
+def test_the_enter_step_joins_every_namespace_bwrap_gives_a_sandbox() -> None:
+    assert sum(CLONE_NAMESPACE_FLAGS.values()) == sandbox_enter.SANDBOX_NAMESPACES
+
+
+def test_a_seccomp_program_that_is_not_one_is_refused() -> None:
+    for program in (b"", b"\0" * 7):
+        with pytest.raises(OSError, match="not a seccomp program"):
+            sandbox_enter.load_seccomp(program)
+
+
+def test_close_fds_but_keeps_only_what_it_is_told() -> None:
+    """In a child process: every fd it had but the kept ones (and 0-2) is closed."""
+    code = (
+        "import os\n"
+        "from coderunner.guest.sandbox_enter import close_fds_but\n"
+        "fds = [os.open('/dev/null', os.O_RDONLY) for _ in range(5)] + [os.dup2(0, 900, inheritable=True)]\n"
+        "close_fds_but((fds[2],))\n"
+        "print(sorted(int(fd) for fd in os.listdir('/proc/self/fd')))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ)
+    kept = eval(result.stdout)  # a printed list of ints
+    assert kept[:3] == [0, 1, 2] and len(kept) == 5  # 0-2, the one kept, and listdir's own
+
+
+def test_an_unfinished_sandbox_is_refused() -> None:
+    """A root that is not a finished sandbox's (here: the host's, writable, no sandbox-init) is refused."""
+    with pytest.raises(OSError, match="not finished"):
+        sandbox_enter.check_finished("/nonexistent-workspace")
+
+
+def test_the_template_reads_nothing_a_sandbox_does_not_see(tmp_path: Path) -> None:
+    """Every host path the template's view binds or links is bound or linked, read-only and at the same place, in
+    every sandbox (what the template read before a fork is what any sandbox may read); the rest are its own."""
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=tmp_path / "env", guest_dir=tmp_path / "guest")
+    spec = SandboxSpec(name="s", workspace=tmp_path / "w", runtime_dir=tmp_path / "r", host_dir=tmp_path / "h")
+    sandbox = command.argv(spec, ["true"], gate_fd=3)
+    template = bwrap_template.template_argv(command, 5, 6)
+
+    def exposed(argv: list[str]) -> set[tuple[str, str, str]]:
+        argv = argv[: argv.index("--")]
+        return {
+            (flag, argv[i + 1], argv[i + 2])
+            for i, flag in enumerate(argv)
+            if flag in ("--ro-bind", "--bind", "--dev-bind", "--symlink", "--ro-bind-try", "--bind-try")
+        }
+
+    assert exposed(template) and exposed(template) <= exposed(sandbox)
+
+
+def test_fds_beside_a_reply_that_is_not_one_are_closed() -> None:
+    read, write = os.pipe()
+    with pytest.raises(bwrap_template.TemplateUnavailable):
+        bwrap_template.decode_reply(b"nonsense", [read, write])
+    for fd in (read, write):
+        with pytest.raises(OSError):
+            os.fstat(fd)
