@@ -146,6 +146,17 @@ class ExportListing:
         return bool(self.items or self.skipped)
 
 
+@dataclass(frozen=True)
+class SessionNews:
+    """A session's value in its agent's long poll (sessions/changes.py; the key is its id): what a front
+    door following it compares, so that it calls only when something it waits for changed."""
+
+    #: Each job the node holds: how many changes a reader could see it has had (text, images, its start, its end).
+    jobs: dict[str, int] = field(default_factory=dict)
+    #: Hosts its proxy asks the user about, not answered yet (answer with answer_egress).
+    questions: tuple[Question, ...] = ()
+
+
 @dataclass
 class JobDelta:
     """What is new in a job since the last read: text, images, saved files; its end, once it ended."""
@@ -171,8 +182,8 @@ class JobDelta:
     gone: bool = False
     #: The session's egress since the caller's mark (network 'allowlist' only).
     egress: EgressDelta | None = None
-    #: Hosts the node's proxy asks the caller's user about (answer with answer_egress).
-    questions: list[Question] = field(default_factory=list)
+    #: The job's change count as of this read (SessionNews.jobs): a front door reads again once it grew.
+    mark: int = 0
     #: At the job's end: what its outbox holds that the front door should copy out (None: nothing).
     exports: ExportListing | None = None
 

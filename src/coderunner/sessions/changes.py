@@ -21,7 +21,6 @@ grew can end its own wait instead of waiting it out.
 from __future__ import annotations
 
 import secrets
-from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,8 +48,8 @@ class ChangesFull(SessionError):
 class Changed:
     """What one `changes_since` found: each key that differs, with its (version, value); keys not held."""
 
-    values: dict[Hashable, tuple[int, Any]] = field(default_factory=dict)
-    gone: list[Hashable] = field(default_factory=list)
+    values: dict[str, tuple[int, Any]] = field(default_factory=dict)
+    gone: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.values or self.gone)
@@ -62,16 +61,16 @@ class Changes:
     def __init__(self, max_keys: int = MAX_KEYS, max_waiters: int = MAX_WAITERS) -> None:
         self.max_keys = max_keys
         self.max_waiters = max_waiters
-        self._held: dict[Hashable, tuple[int, Any]] = {}
+        self._held: dict[str, tuple[int, Any]] = {}
         #: One counter for all keys, from a random start (see the module docstring).
         self._last = secrets.randbits(48)
         #: The waits each key would end, and the waits by the name a reader may wake them by.
-        self._waits: dict[Hashable, set[anyio.Event]] = {}
+        self._waits: dict[str, set[anyio.Event]] = {}
         self._named: dict[str, anyio.Event] = {}
         self._waiting = 0
         self._early: dict[str, None] = {}
 
-    def publish(self, key: Hashable, value: Any) -> int:
+    def publish(self, key: str, value: Any) -> int:
         """Hold `value` as `key`'s newest, under a new version (returned); ends the waits asking about it."""
         if key not in self._held and len(self._held) >= self.max_keys:
             raise ChangesFull(f"{self.max_keys} keys are held here already: no more can be followed")
@@ -80,19 +79,19 @@ class Changes:
         self._wake_key(key)
         return self._last
 
-    def drop(self, key: Hashable) -> None:
+    def drop(self, key: str) -> None:
         """Forget `key`: a wait asking about it ends, and hears it is gone."""
         if self._held.pop(key, None) is not None:
             self._wake_key(key)
 
-    def version(self, key: Hashable) -> int | None:
+    def version(self, key: str) -> int | None:
         held = self._held.get(key)
         return None if held is None else held[0]
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def differing(self, versions: dict[Hashable, int | None]) -> Changed:
+    def differing(self, versions: dict[str, int | None]) -> Changed:
         """The keys whose version here is not the one given (None: never seen), and those not held."""
         found = Changed()
         for key, seen in versions.items():
@@ -104,7 +103,7 @@ class Changes:
         return found
 
     async def changes_since(
-        self, versions: dict[Hashable, int | None], timeout_s: float, waiter: str | None = None
+        self, versions: dict[str, int | None], timeout_s: float, waiter: str | None = None
     ) -> Changed:
         """What differs from `versions` now; if nothing, the first change within `timeout_s` (at most
         MAX_WAIT_S), else nothing. `waiter`: a name `wake` can end this wait by."""
@@ -148,6 +147,6 @@ class Changes:
         while len(self._early) > MAX_EARLY_WAKES:
             del self._early[next(iter(self._early))]
 
-    def _wake_key(self, key: Hashable) -> None:
+    def _wake_key(self, key: str) -> None:
         for event in self._waits.pop(key, ()):
             event.set()
