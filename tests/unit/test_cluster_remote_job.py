@@ -210,3 +210,19 @@ async def test_cancelling_the_mirror_asks_the_node() -> None:
     job.request_cancel = lambda: asked.append(True)
     job.cancel()
     assert asked == [True] and job.cancel_requested and not job.done.is_set()  # the node's answer ends it
+
+
+def test_a_finished_job_s_result_crosses_without_the_node_s_hook() -> None:
+    """The node's output carries its publishing hook (bound to the session's side); its portable copy does not."""
+    import pickle
+    import threading
+
+    from coderunner.cluster.wire import portable_output
+    from coderunner.sessions.job_runner import JobOutput
+
+    output = JobOutput(limit_chars=100, spill_limit_bytes=0, image_limit_bytes=0)
+    lock = threading.Lock()  # stands for what the hook is bound to: nothing that pickles
+    output.on_change = lambda ended: lock.acquire(blocking=False) and None
+    output.add_text("done\n")
+    moved = pickle.loads(pickle.dumps(portable_output(output)))
+    assert moved.text() == "done\n" and moved.on_change is None and output.on_change is not None

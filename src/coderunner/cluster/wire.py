@@ -16,6 +16,7 @@ from coderunner.egress.audit import Decision
 from coderunner.kernel.output_capture import ImageOutput, OutputCollector
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.policy.egress import EgressPolicy
+from coderunner.sessions.job_runner import JobOutput
 from coderunner.sessions.sandbox_options import SandboxOptions
 
 #: Ray namespace every node agent is named in (found by name from any front door).
@@ -189,11 +190,13 @@ class JobDelta:
 
 
 def portable_output(output: OutputCollector) -> OutputCollector:
-    """A copy of a finished collector that holds no fd, writer or pending write (safe to pickle)."""
+    """A copy of a finished collector that holds no fd, writer, pending write or hook (safe to pickle)."""
     moved = copy.copy(output)
     moved.writer = None
     moved._pending = []
     moved._spill_fd = None
+    if isinstance(moved, JobOutput):
+        moved.on_change = None  # the node's hook (session_side.py): bound to what never crosses
     return moved
 
 
