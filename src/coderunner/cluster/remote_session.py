@@ -8,6 +8,9 @@ SessionError that says the session was lost, with what was lost.
 What it waits for on the node (a running job's progress and end, a host its proxy asks the user about)
 comes by its agent's long poll (agent_watch.py): the session follows it while something is under way,
 reads a job when its change count passed the last read's and answers each new question.
+
+One idea: a session in a node agent as the tools use it: each call forwarded, what they read kept from
+the answers and from the agent's long poll.
 """
 
 from __future__ import annotations
