@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +64,8 @@ class FakeAgent:
         self.calls.append(method)
         assert self.reads is not None
         await anyio.sleep(0.001)
-        return self.reads(method)(*args)
+        answer = self.reads(method)(*args)
+        return await answer if inspect.isawaitable(answer) else answer
 
 
 def remote_session(agent: FakeAgent, group: Any) -> RemoteSession:
@@ -203,6 +205,45 @@ async def test_a_question_is_put_to_the_user_once_and_answered() -> None:
         await anyio.wait_all_tasks_blocked()
         group.cancel_scope.cancel()
     assert asked == ["b.example.org"] and answers == [("q1", True)]
+
+
+async def test_a_guest_call_that_can_ask_follows_the_news_only_while_it_goes() -> None:
+    """A guest call is one agent call: the questions its proxy asks meanwhile come by the long poll."""
+    answers: list[tuple[str, bool | None]] = []
+    answered = anyio.Event()
+
+    async def navigate(*args: Any) -> Any:
+        agent.changes.publish(SESSION, SessionNews({}, (Question("q1", "b.example.org", 80),)))
+        await answered.wait()
+        return {"done": True}, None, None
+
+    def reads(method: str) -> Any:
+        if method == "answer_egress":
+            return lambda *args: (answers.append(args), answered.set())
+        assert method == "guest_op", method
+        return navigate
+
+    agent = FakeAgent(reads)
+    agent.changes.publish(SESSION, SessionNews())
+
+    class Egress:
+        mark = 0
+
+        def apply(self, delta: Any) -> None:
+            pass
+
+        async def asker(self, host: str, port: int) -> bool:
+            return host == "b.example.org"
+
+    async with anyio.create_task_group() as group:
+        session = remote_session(agent, group)
+        session._egress = Egress()  # type: ignore[assignment]  # the part a guest call reads
+        with anyio.fail_after(10):
+            done = await session.guest_op("browser", "navigate", {}, 30)
+        assert done == {"done": True} and answers == [("q1", True)]
+        assert not session._watch.following(SESSION)  # the call is over: nothing followed
+        assert "read_questions" not in agent.calls
+        group.cancel_scope.cancel()
 
 
 async def test_cancelling_the_mirror_asks_the_node() -> None:

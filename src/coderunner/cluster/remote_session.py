@@ -217,17 +217,21 @@ class RemoteSession:
         asking = self._egress is not None and self._egress.asker is not None
         self._asking_calls += asking  # its questions may come during its first wait: followed from now
         self._follow_as_needed()
+        answered = False
         try:
             first: JobDelta = await self.acall(
                 "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark, token,
                 asking, timeout_s=limit + CALL_S,
             )  # fmt: skip
+            answered = True
         except anyio.get_cancelled_exc_class():  # cancelled before the node answered: the cell must not run on
             with anyio.CancelScope(shield=True), contextlib.suppress(SessionError):
                 await self.acall("cancel_run", token, timeout_s=self.settings.interrupt_grace_s + CANCEL_S)
             raise
         finally:
             self._asking_calls -= asking
+            if not answered:
+                self._follow_as_needed()
         self._take_egress(first.egress)
         job = RemoteJob(
             job_id=first.job_id, kind="python", label=label_of(code), owner=self.owner, session_id=self.session_id,
