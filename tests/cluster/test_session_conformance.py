@@ -23,7 +23,7 @@ import pytest
 from coderunner.sandbox import make_backend
 from coderunner.sessions import SessionManager
 
-from ..conftest import ServerDirs, server_env, server_settings
+from ..conftest import ServerDirs, sandbox_processes_alive, server_env, server_settings
 from .conftest import REPO, RayCluster
 from .session_contract import CASES, ENV, RAY_DRIVER
 from .test_cluster_mode import cluster_env, named_actors
@@ -58,6 +58,7 @@ async def test_on_the_local_host(case: str, dirs: ServerDirs) -> None:
     async with SessionManager(settings, make_backend(settings)) as manager:
         await CASES[case](manager)
         assert manager.list() == [], manager.list()
+    assert sandbox_processes_alive(dirs) == []  # no sandbox, kernel or child of theirs left
 
 
 @pytest.mark.parametrize("case", list(CASES))
