@@ -18,6 +18,10 @@ own: agents of two keys on one node each count only their sessions.
 An agent nobody visited for ORPHAN_S that holds no session (the idle reaper closes those) ends its
 warm pool and itself, as the per-node pools did: its name is free again for the next front door.
 
+What front doors wait for in its sessions (a job's progress and end, a host a proxy asks about) they
+follow with one long poll per front door and agent (`changes_since`, sessions/changes.py): each session
+publishes its news there (session_side.py), and a session nobody is waiting on costs a poll nothing.
+
 The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left in
 the same task. Ray runs the agent's calls on one event loop, many at once (max_concurrency, host.py).
 """
@@ -42,6 +46,7 @@ from coderunner.config import Settings, load_settings
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
+from coderunner.sessions.changes import Changed, Changes
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.sandbox_options import SandboxOptions
 
@@ -66,7 +71,7 @@ MAX_ABANDONED = 256
 SESSION_CALLS = frozenset({
     "start_run", "read_job", "cancel_run", "answer_egress", "cancel_job", "forget_job", "list_jobs", "reset",
     "generation", "take_snapshot", "export_changes", "read_export_piece", "forget_exports", "guest_op",
-    "install_packages", "read_questions", "status", "list_files", "read_piece", "stage_piece", "commit_upload",
+    "install_packages", "status", "list_files", "read_piece", "stage_piece", "commit_upload",
 })  # fmt: skip
 #: The one-shot calls besides run_oneshot an agent serves (its LocalOneShots'), each in a sandbox of its own.
 ONESHOT_CALLS = frozenset({"check_code", "language_versions"})
@@ -89,6 +94,8 @@ class NodeAgent:
         self._standby_after_reset = bool(settings.get("reset_standby", True))
         self.manager: SessionManager | None = None
         self._sides: dict[str, SessionSide] = {}
+        #: Each open session's news (SessionNews), by its id: what front doors' long polls follow.
+        self.changes = Changes()
         #: What each session and each one-shot run under way reserved of the node (placement.room_for).
         self._reserved: dict[str, Request] = {}
         self._oneshots: LocalOneShots | None = None
@@ -132,6 +139,7 @@ class NodeAgent:
         for session_id in [sid for sid, side in self._sides.items() if not side.open]:
             self._sides.pop(session_id, None)
             self._reserved.pop(session_id, None)
+            self.changes.drop(session_id)
 
     def load(self) -> AgentLoad:
         """What this agent's sessions hold (placement.best_of)."""
@@ -170,7 +178,15 @@ class NodeAgent:
         except BaseException:
             self._reserved.pop(session_id, None)
             raise
-        side = SessionSide(manager, session, self.node, self.settings.transfer_limit_bytes, self._standby_after_reset)
+        try:
+            side = SessionSide(
+                manager, session, self.node, self.settings.transfer_limit_bytes, self._standby_after_reset, self.changes
+            )
+        except BaseException:
+            self._reserved.pop(session_id, None)
+            with anyio.CancelScope(shield=True):
+                await manager.close(session_id)
+            raise
         self._sides[session_id] = side
         if session_id in self._abandoned:  # its front door stopped waiting: nobody would ever close it
             self._abandoned.discard(session_id)
@@ -222,6 +238,16 @@ class NodeAgent:
         elif len(self._abandoned) < MAX_ABANDONED:
             self._abandoned.add(session_id)
 
+    async def changes_since(self, versions: dict[str, int | None], timeout_s: float, waiter: str) -> Changed:
+        """A front door's one long poll of this agent: the news of the sessions it follows (keys: their ids)
+        that differ from the versions it has, at once or as the first comes (sessions/changes.py)."""
+        self._visited = time.monotonic()
+        return await self.changes.changes_since(versions, timeout_s, waiter)
+
+    async def wake(self, waiter: str) -> None:
+        """A front door's poll `waiter` follows too few sessions now: it ends, and the next asks about all."""
+        self.changes.wake(waiter)
+
     async def call(self, session_id: str, method: str, *args: Any) -> Any:
         """One front-door call of session `session_id` (SESSION_CALLS, `info` or `close`)."""
         self._visited = time.monotonic()
@@ -236,6 +262,7 @@ class NodeAgent:
             finally:
                 self._sides.pop(session_id, None)
                 self._reserved.pop(session_id, None)
+                self.changes.drop(session_id)
         if method not in SESSION_CALLS:
             raise SessionError(f"a node agent has no call {method!r}")
         return await getattr(side, method)(*args)

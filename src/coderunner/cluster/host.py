@@ -30,6 +30,7 @@ import ray
 from anyio.abc import TaskGroup
 from ray.exceptions import AuthenticationError
 
+from coderunner.cluster.agent_watch import AgentWatch
 from coderunner.cluster.agents import Agents
 from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.oneshot_exports import OneShotExports, write_here
@@ -99,6 +100,8 @@ class ClusterHost:
         self.backend = make_backend(settings)  # checks options and describes sandboxes; starts none
         self.base_mounts = configured_mounts(settings, self.backend.identity)
         self._sessions: dict[str, RemoteSession] = {}
+        #: One long poll per agent for all of its sessions here (agent_watch.py), by the handle's id.
+        self._watches: dict[int, AgentWatch] = {}
         self._default_ids: dict[str, str] = {}
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
@@ -234,7 +237,7 @@ class ClusterHost:
             raise SessionError(
                 f"the agent of node {node[:12]} was lost while the session started ({type(exc).__name__}); try again"
             ) from None
-        session = RemoteSession(agent, info, self.settings, self._group(), self._agents.forget)
+        session = RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, self._watch(agent))
         self._sessions[session_id] = session
         log.info("session %s… started on node %s", session_id[:6], info.node.label)
         return session
@@ -311,7 +314,14 @@ class ClusterHost:
             return None
         if not _may_use(info.owner, owner):
             return None
-        return RemoteSession(agent, info, self.settings, self._group(), self._agents.forget)
+        return RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, self._watch(agent))
+
+    def _watch(self, agent: Any) -> AgentWatch:
+        """This front door's long poll of `agent` (the watch holds the handle: its id is not reused meanwhile)."""
+        watch = self._watches.get(id(agent))
+        if watch is None:
+            watch = self._watches[id(agent)] = AgentWatch(agent, self._group())
+        return watch
 
     async def close(self, session_id: str, owner: str | None = None) -> RemoteSession:
         session = await self._owned(session_id, owner)

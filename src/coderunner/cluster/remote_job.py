@@ -1,29 +1,23 @@
 """A job whose cell runs in a session of a node agent, mirrored at the front door.
 
 The tools attend a Job (sessions/job_runner.py): wait on `done`, read `output` for progress and for
-what is new, read the result at the end. RemoteJob is that Job at the front door; a pump task keeps
-it in step with the real one on the node by long-polling its agent (each read waits up to
-POLL_S for the end, then brings what is new). Cancelling it asks the agent to cancel the real one.
+what is new, read the result at the end. RemoteJob is that Job at the front door, kept in step with
+the real one on the node by its session (remote_session.py): the agent publishes each job's change
+count in the session's news, the front door's long poll of the agent brings it (agent_watch.py),
+and the session reads what is new when the count passed its last read's. Cancelling it asks the
+agent to cancel the real one.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import anyio
-
 from coderunner.cluster.wire import JobDelta
-from coderunner.errors import CodeRunnerError, SessionError
+from coderunner.errors import SessionError
 from coderunner.sessions.job_runner import Job, JobOutput, JobStatus
-
-log = logging.getLogger(__name__)
-
-#: How long one read of a running job waits on the node for its end (the latency of progress notes).
-POLL_S = 1.0
 
 
 @dataclass
@@ -34,6 +28,8 @@ class RemoteJob(Job):
     request_cancel: Callable[[], None] | None = None
     #: The node dropped it already (it ended within the first call, whose answer had all of it).
     node_forgot: bool = False
+    #: The node's change count of the job as of the last read (JobDelta.mark; SessionNews.jobs).
+    read_mark: int = 0
     _applied_end: bool = field(default=False, repr=False)
 
     def cancel(self) -> None:
@@ -55,6 +51,7 @@ class RemoteJob(Job):
         if delta.executing_for_s is not None and self.executing_since is None:
             self.executing_since = time.monotonic() - delta.executing_for_s
         self.generation = delta.generation
+        self.read_mark = max(self.read_mark, delta.mark)
         if delta.ended and not self._applied_end:
             self.end(JobStatus(delta.status), delta.result, delta.notice, delta.state_lost, delta.failure)
 
@@ -73,23 +70,3 @@ class RemoteJob(Job):
 def mirror_output(limit_chars: int) -> JobOutput:
     """The front door's copy of a job's output: no files (the node spilled them), images as sent."""
     return JobOutput(limit_chars=limit_chars, spill_limit_bytes=0, image_limit_bytes=0, writer=None)
-
-
-async def pump(
-    job: RemoteJob, read: Callable[[float], Awaitable[JobDelta]], lost: Callable[[BaseException], str]
-) -> None:
-    """Keep `job` in step with the node until it ends; a node that is gone ends it as lost."""
-    while not job.done.is_set():
-        try:
-            delta = await read(POLL_S)
-        except CodeRunnerError as exc:
-            job.end(JobStatus.LOST, notice=str(exc), failure=str(exc))
-            return
-        except Exception as exc:  # the agent or its node is gone: say so instead of waiting forever
-            log.info("job %s: %r", job.job_id, exc)
-            job.end(JobStatus.LOST, notice=lost(exc))
-            return
-        job.apply(delta)
-        if delta.gone and not job.done.is_set():
-            job.end(JobStatus.LOST, notice=delta.notice)
-    await anyio.lowlevel.checkpoint()

@@ -4,6 +4,13 @@ Calls go to its agent with the session id first (`agent.call`), each bounded; wh
 synchronously (options, the kernel's generation, export note) is kept here from the agent's answers.
 An agent that stops answering (its node gone, or the agent itself killed) turns every call into a
 SessionError that says the session was lost, with what was lost.
+
+What it waits for on the node (a running job's progress and end, a host its proxy asks the user about)
+comes by its agent's long poll (agent_watch.py): the session follows it while something is under way,
+reads a job when its change count passed the last read's and answers each new question.
+
+One idea: a session in a node agent as the tools use it: each call forwarded, what they read kept from
+the answers and from the agent's long poll.
 """
 
 from __future__ import annotations
@@ -19,11 +26,12 @@ import anyio
 import ray
 from anyio.abc import TaskGroup
 
+from coderunner.cluster.agent_watch import ANSWER_S, POLL_WAIT_S, AgentWatch
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_exports import RemoteExports
 from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
-from coderunner.cluster.remote_job import POLL_S, RemoteJob, mirror_output, pump
-from coderunner.cluster.wire import EgressDelta, ExportListing, JobDelta, Question, SessionInfo
+from coderunner.cluster.remote_job import RemoteJob, mirror_output
+from coderunner.cluster.wire import EgressDelta, ExportListing, JobDelta, Question, SessionInfo, SessionNews
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
@@ -51,13 +59,21 @@ CANCEL_S = 5.0
 
 class RemoteSession:
     """One session in a node agent, as the tools use it. `agent_lost(node id, agent)`: told when the agent
-    stops answering (the front door then forgets its handle)."""
+    stops answering (the front door then forgets its handle). `watch`: the front door's long poll of the
+    agent (one per agent; by default one of its own)."""
 
     def __init__(
         self, agent: Any, info: SessionInfo, settings: Settings, task_group: TaskGroup,
-        agent_lost: Callable[[str, Any], None] | None = None,
+        agent_lost: Callable[[str, Any], None] | None = None, watch: AgentWatch | None = None,
     ) -> None:  # fmt: skip
         self.agent = agent
+        self._watch = watch if watch is not None else AgentWatch(agent, task_group)
+        #: The latest news of it the long poll brought; jobs being read now; questions being answered now;
+        #: calls under way whose user can be asked about hosts.
+        self._news = SessionNews()
+        self._reading: set[str] = set()
+        self._answering: set[str] = set()
+        self._asking_calls = 0
         self._agent_lost = agent_lost
         self.info = info
         self.settings = settings
@@ -117,10 +133,6 @@ class RemoteSession:
         if self._egress is not None:
             self._egress.apply(delta)
 
-    def _take_questions(self, delta: JobDelta) -> None:
-        for question in delta.questions:
-            self._task_group.start_soon(self._answer, question)
-
     async def _answer(self, question: Question) -> None:
         """Put a node's question to the user of the call lent now (none: no answer, the node denies)."""
         asker = self._egress.asker if self._egress is not None else None
@@ -166,14 +178,16 @@ class RemoteSession:
         try:
             with anyio.fail_after(timeout_s):
                 return await self.agent.call.remote(self.session_id, method, *args)
-        except TimeoutError:
-            raise SessionError(
-                f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s"
-            ) from None
-        except ray.exceptions.RayTaskError as exc:
-            raise cause_of(exc) from None
-        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise await anyio.to_thread.run_sync(self.gone, exc) from None
+        except AGENT_FAILURES as exc:
+            raise await self._failure(exc, method, timeout_s) from None
+
+    async def _failure(self, exc: BaseException, method: str, timeout_s: float) -> BaseException:
+        """One of AGENT_FAILURES as the tools read it: a SessionError saying what happened, or the agent's own."""
+        if isinstance(exc, TimeoutError):
+            return SessionError(f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s")
+        if isinstance(exc, ray.exceptions.RayTaskError):
+            return cause_of(exc)
+        return await anyio.to_thread.run_sync(self.gone, exc)
 
     def call(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
         """One call of the session's agent from a worker thread (the file view's), bounded the same way."""
@@ -200,17 +214,25 @@ class RemoteSession:
         limit = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
         token = secrets.token_hex(8)
         self.export_note = None
+        asking = self._egress is not None and self._egress.asker is not None
+        self._asking_calls += asking  # its questions may come during its first wait: followed from now
+        self._follow_as_needed()
+        answered = False
         try:
             first: JobDelta = await self.acall(
                 "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark, token,
-                self._egress is not None and self._egress.asker is not None, timeout_s=limit + CALL_S,
+                asking, timeout_s=limit + CALL_S,
             )  # fmt: skip
+            answered = True
         except anyio.get_cancelled_exc_class():  # cancelled before the node answered: the cell must not run on
             with anyio.CancelScope(shield=True), contextlib.suppress(SessionError):
                 await self.acall("cancel_run", token, timeout_s=self.settings.interrupt_grace_s + CANCEL_S)
             raise
+        finally:
+            self._asking_calls -= asking
+            if not answered:
+                self._follow_as_needed()
         self._take_egress(first.egress)
-        self._take_questions(first)
         job = RemoteJob(
             job_id=first.job_id, kind="python", label=label_of(code), owner=self.owner, session_id=self.session_id,
             output=mirror_output(self.settings.output_limit_chars),
@@ -224,16 +246,84 @@ class RemoteSession:
         await self._take_exports(first.exports)  # before its end is seen: the reply carries the note
         job.apply(first)
         job.node_forgot = first.ended  # the node dropped a job it answered whole
-        if not job.done.is_set():
-            self._task_group.start_soon(pump, job, lambda wait: self._read(job.job_id, wait), self.lost_text)
         self._track(first.generation)
+        self._follow_as_needed()
+        self._catch_up_soon(job)  # its news may have come before its first answer
         return job
 
-    async def _read(self, job_id: str, wait_s: float) -> JobDelta:
-        delta: JobDelta = await self.acall("read_job", job_id, wait_s, self._egress_mark, timeout_s=wait_s + CALL_S)
+    # --- what the agent's long poll brings (agent_watch.py) --------------------------------------
+
+    def _follow_as_needed(self) -> None:
+        """Follow the session's news while a job of it runs or a call that can ask goes; else not."""
+        running = any(isinstance(job, RemoteJob) and not job.done.is_set() for job in self._jobs.values())
+        if (running or self._asking_calls) and not self.closed:
+            self._watch.follow(self.session_id, self)
+        else:
+            self._watch.unfollow(self.session_id, self)
+
+    def news(self, news: SessionNews) -> None:
+        """The node published news of this session: read the jobs that changed, answer the new questions."""
+        self._news = news
+        for job in list(self._jobs.values()):
+            self._catch_up_soon(job)
+        for question in news.questions:
+            if question.question_id not in self._answering:
+                self._answering.add(question.question_id)
+                self._task_group.start_soon(self._answer, question)
+        self._answering &= {question.question_id for question in news.questions}
+
+    def dropped(self) -> None:
+        """Its agent no longer holds it (closed by another front door, or its node's idle reaper)."""
+        refusal = f"unknown or expired session_id {self.session_id!r}"
+        self._end_running(refusal, refusal)
+
+    def lost(self, exc: BaseException) -> None:
+        """Its agent's long poll failed (the agent or its node gone, or no answer in time)."""
+        self._task_group.start_soon(self._lose, exc)
+
+    async def _lose(self, exc: BaseException) -> None:
+        if isinstance(exc, AGENT_FAILURES):
+            failure = str(await self._failure(exc, "its long poll", POLL_WAIT_S + ANSWER_S))
+            self._end_running(failure, failure)
+        else:
+            self._end_running(self.lost_text(exc), None)
+
+    def _end_running(self, notice: str, failure: str | None) -> None:
+        for job in self._jobs.values():
+            if isinstance(job, RemoteJob) and not job.done.is_set():
+                job.end(JobStatus.LOST, notice=notice, failure=failure)
+
+    def _catch_up_soon(self, job: Job) -> None:
+        if isinstance(job, RemoteJob) and not job.done.is_set() and job.job_id not in self._reading:
+            mark = self._news.jobs.get(job.job_id)
+            if mark is None or mark > job.read_mark:
+                self._reading.add(job.job_id)
+                self._task_group.start_soon(self._catch_up, job)
+
+    async def _catch_up(self, job: RemoteJob) -> None:
+        """Read the job until the last read is as new as its news (once, if the news has not named it yet)."""
+        try:
+            while not job.done.is_set():
+                mark = self._news.jobs.get(job.job_id)
+                if mark is not None and mark <= job.read_mark:
+                    break
+                try:
+                    job.apply(await self._read(job.job_id))
+                except CodeRunnerError as exc:
+                    job.end(JobStatus.LOST, notice=str(exc), failure=str(exc))
+                except Exception as exc:  # the agent or its node is gone: say so instead of waiting forever
+                    log.info("job %s: %r", job.job_id, exc)
+                    job.end(JobStatus.LOST, notice=self.lost_text(exc))
+                if mark is None:
+                    break
+        finally:
+            self._reading.discard(job.job_id)
+            self._follow_as_needed()
+
+    async def _read(self, job_id: str) -> JobDelta:
+        delta: JobDelta = await self.acall("read_job", job_id, self._egress_mark)
         self._track(delta.generation)
         self._take_egress(delta.egress)
-        self._take_questions(delta)
         await self._take_exports(delta.exports)
         return delta
 
@@ -313,11 +403,10 @@ class RemoteSession:
 
     async def _with_egress(self, method: str, *args: Any, timeout_s: float) -> dict[str, Any]:
         """A call that may reach the network: its answer (or its refusal) brings the proxy's decisions.
-        While it goes, the questions its node's proxy asks are read and put to this call's user."""
+        While it goes, the session follows its news: the questions its node's proxy asks are put to this call's user."""
         ask_token = secrets.token_hex(8) if self._egress is not None and self._egress.asker is not None else None
-        relaying = anyio.CancelScope()
-        if ask_token is not None:
-            self._task_group.start_soon(self._relay_questions, ask_token, relaying)
+        self._asking_calls += ask_token is not None
+        self._follow_as_needed()
         self.export_note = None
         try:
             done, egress, exports = await self.acall(method, *args, self._egress_mark, ask_token, timeout_s=timeout_s)
@@ -325,22 +414,11 @@ class RemoteSession:
             self._take_egress(getattr(exc, "egress", None))
             raise
         finally:
-            relaying.cancel()
+            self._asking_calls -= ask_token is not None
+            self._follow_as_needed()
         self._take_egress(egress)
         await self._take_exports(exports)
         return dict(done)
-
-    async def _relay_questions(self, ask_token: str, relaying: anyio.CancelScope) -> None:
-        """A guest call is one agent call: its questions come by reads of their own (a run's come with its
-        output), each answered as a run's are, until the call's end cancels `relaying`."""
-        with relaying:
-            while True:
-                try:
-                    questions = await self.acall("read_questions", ask_token, POLL_S, timeout_s=POLL_S + CALL_S)
-                except CodeRunnerError:  # the node is gone: the call itself says so
-                    return
-                for question in questions:
-                    self._task_group.start_soon(self._answer, question)
 
     def status(self) -> SessionStatus:
         """Called in a worker thread (the tools' summary): a blocking, bounded call is fine there.
@@ -366,12 +444,22 @@ class RemoteSession:
         with contextlib.suppress(CodeRunnerError):  # what the outbox got since the last call, before it goes
             await self._take_exports(await self.acall("export_changes", timeout_s=CLOSE_EXPORT_S))
         self.closed = True
+        self._watch.forget(self.session_id)
         try:
             self.close_note = await self.acall("close", timeout_s=self.settings.snapshot_timeout_s + CALL_S)
         finally:
             for job in self._jobs.values():
                 if not job.done.is_set():
                     job.end(JobStatus.LOST, notice=f"session {self.session_id} was closed")
+
+
+#: What a call of an agent may fail with that the session turns into its own error (_failure).
+AGENT_FAILURES = (
+    TimeoutError,
+    ray.exceptions.RayTaskError,
+    ray.exceptions.RayActorError,
+    ray.exceptions.ActorUnavailableError,
+)
 
 
 def cause_of(exc: Any) -> BaseException:

@@ -5,6 +5,10 @@ front doors call it: runs whose first answer has not left (cancel_run), the rela
 door's user about hosts (relay_asker.py), uploads staged in pieces, and its outbox (node_exports.py).
 The agent routes each call `(session id, method, args)` to the session's side (agent.SESSION_CALLS).
 
+What a front door waits for (a running job's progress and end, a host the proxy asks about) is the
+session's SessionNews in the agent's long poll (sessions/changes.py, the key its id), published as it
+changes: a front door follows it there and calls (read_job, answer_egress) only when it changed.
+
 The kernel's ZMQ stays on ipc:// on this node: only these calls cross the network.
 
 One idea: the node side of one session: every call a front door makes of it, as plain-data answers (wire.py).
@@ -12,9 +16,11 @@ One idea: the node side of one session: every call a front door makes of it, as 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -29,28 +35,31 @@ from coderunner.cluster.wire import (
     ExportListing,
     JobDelta,
     NodeInfo,
-    Question,
     SessionInfo,
+    SessionNews,
     portable_result,
 )
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.hostfs.sandbox_files import Entry
+from coderunner.sessions.changes import Changes
 from coderunner.sessions.job_runner import Job
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.session import Session
 
 #: Cancels remembered for runs not started yet (a front door cancelled before its start arrived).
 MAX_CANCELLED_RUNS = 64
-#: How often a read of a guest call's questions looks whether that call has begun here yet.
-CALL_START_POLL_S = 0.05
+#: A running job's output is published at most this often (its end, and a question, at once): a cell that
+#: prints all the time costs a front door a few reads a second, not one per line.
+PUBLISH_GAP_S = 0.25
 
 
 class SessionSide:
-    """One open session of an agent's manager, and its calls' state on the node."""
+    """One open session of an agent's manager, and its calls' state on the node; its news published in `changes`."""
 
     def __init__(
-        self, manager: SessionManager, session: Session, node: NodeInfo, transfer_limit: int, standby_after_reset: bool
-    ) -> None:
+        self, manager: SessionManager, session: Session, node: NodeInfo, transfer_limit: int, standby_after_reset: bool,
+        changes: Changes,
+    ) -> None:  # fmt: skip
         self.manager = manager
         self.session: Session | None = session
         self.session_id = session.session_id
@@ -60,16 +69,54 @@ class SessionSide:
         #: Runs whose start_run has not answered yet, by their caller's token (cancel_run).
         self._runs: dict[str, Job] = {}
         self._cancelled_runs: set[str] = set()
+        self._changes = changes
+        #: Each job this node holds for the session: its change count (SessionNews.jobs).
+        self._job_marks: dict[str, int] = {}
+        self._published_at = 0.0
+        self._publish_later: asyncio.TimerHandle | None = None
         #: Asking the user about hosts across the cluster: the run whose caller can be asked, if any.
-        self._relay = RelayAsker()
+        self._relay = RelayAsker(self._publish)
         self._asking: Job | None = None
-        #: Guest calls (guest_op, install_packages) whose caller can be asked: call token -> set at its end.
-        self._asking_calls: dict[str, anyio.Event] = {}
+        #: Guest calls (guest_op, install_packages) whose caller can be asked, by their call token.
+        self._asking_calls: set[str] = set()
         #: The session's outbox, copied out by its front door (node_exports.py), not into this node's export_dir.
         self._outbox: NodeOutbox | None = None
         plan = session.sandbox_mounts
         if plan is not None and plan.exporter is not None:
             self._outbox, plan.exporter = NodeOutbox(plan.exporter.scan), None
+        self._publish()  # the key exists from the start: a front door that follows it before any change waits
+
+    # --- what a front door follows (SessionNews) --------------------------------------------------
+
+    def _publish(self) -> None:
+        if self._publish_later is not None:
+            self._publish_later.cancel()
+            self._publish_later = None
+        if self.open:  # a session closed is dropped from the news (close; the agent's _forget_closed)
+            self._changes.publish(self.session_id, SessionNews(dict(self._job_marks), self._relay.waiting()))
+            self._published_at = time.monotonic()
+
+    def _follow(self, job: Job) -> None:
+        """Publish each change of `job` a reader would see, until it is forgotten here."""
+        self._job_marks[job.job_id] = 0
+        assert job.output is not None
+        job.output.on_change = functools.partial(self._job_changed, job.job_id)
+        self._publish()
+
+    def _job_changed(self, job_id: str, ended: bool) -> None:
+        """Count the change; publish it now if it is the job's end or none went out for PUBLISH_GAP_S, else then."""
+        if job_id not in self._job_marks:
+            return
+        self._job_marks[job_id] += 1
+        due_in = self._published_at + PUBLISH_GAP_S - time.monotonic()
+        if ended or due_in <= 0:
+            self._publish()
+        elif self._publish_later is None:
+            self._publish_later = asyncio.get_running_loop().call_later(due_in, self._publish)
+
+    def _unfollow(self, job: Job) -> None:
+        if self._job_marks.pop(job.job_id, None) is not None:
+            self._publish()
 
     @property
     def open(self) -> bool:
@@ -107,6 +154,7 @@ class SessionSide:
         `ask`: the caller's user can be asked about hosts while this run goes (relay_asker.py)."""
         session = self._session()
         job = await session.start_run(code, timeout_s, variables, owner=owner)
+        self._follow(job)
         if ask and session.egress is not None:
             self._asking = job
             session.egress.set_asker(self._relay)
@@ -122,13 +170,15 @@ class SessionSide:
                 self._cancelled_runs.discard(run_token)
         if delta.ended:
             session.forget_job(job)
+            self._unfollow(job)
         return delta
 
-    async def read_job(self, job_id: str, wait_s: float, egress_since: int | None = None) -> JobDelta:
+    async def read_job(self, job_id: str, egress_since: int | None = None) -> JobDelta:
+        """What is new in the job (a front door reads when its SessionNews count grew past its last read's)."""
         job = self._session().job(job_id)
         if job is None:
             return JobDelta(job_id, gone=True, ended=True, status="lost", notice="the job is no longer known")
-        return await self._delta(job, wait_s, egress_since)
+        return await self._delta(job, 0.0, egress_since)
 
     async def cancel_run(self, run_token: str) -> None:
         """Cancel a run whose start_run has not answered (its caller was cancelled meanwhile); a token
@@ -155,6 +205,7 @@ class SessionSide:
         job = session.job(job_id)
         if job is not None:
             session.forget_job(job)
+            self._unfollow(job)
 
     async def list_jobs(self) -> list[dict[str, Any]]:
         return [job.describe() for job in self._session().list_jobs()]
@@ -164,10 +215,7 @@ class SessionSide:
         asking = self._asking is job
         if wait_s > 0 and job.running:
             with anyio.move_on_after(wait_s):
-                if asking:
-                    await _first_of(job.done.wait, self._relay.asked.wait)  # a question goes out at once
-                else:
-                    await job.done.wait()
+                await job.done.wait()
         session = self._session()
         assert job.output is not None
         read = job.output.take()
@@ -176,7 +224,7 @@ class SessionSide:
             job.job_id, text=read.text, images=read.images, saved=read.saved, spill_path=read.spill_path,
             executing_for_s=None if since is None else time.monotonic() - since, elapsed_s=job.elapsed_s(),
             generation=session.generation, dropped_images=job.output.dropped_images,
-            egress=self.egress_delta(egress_since), questions=self._relay.take() if asking else [],
+            egress=self.egress_delta(egress_since), mark=self._job_marks.get(job.job_id, 0),
         )  # fmt: skip
         if asking and not job.running:  # the run that could ask is over: its questions go unanswered
             self._asking = None
@@ -238,7 +286,7 @@ class SessionSide:
         self, tool: str, op: str, args: dict[str, Any], timeout_s: float, paths: list[str], input_path: str | None,
         egress_since: int | None = None, ask_token: str | None = None,
     ) -> tuple[dict[str, Any], EgressDelta | None, ExportListing | None]:  # fmt: skip
-        """`ask_token`: the caller's user can be asked about hosts while this goes (read_questions).
+        """`ask_token`: the caller's user can be asked about hosts while this goes (its questions in the news).
         Its answer, the proxy's decisions and what it left in the outbox."""
         session = self._session()
         try:
@@ -263,30 +311,20 @@ class SessionSide:
 
     @contextlib.contextmanager
     def _asking_during(self, session: Session, ask_token: str | None) -> Iterator[None]:
-        """A guest call is one agent call, with no reads to carry questions: while it goes, the proxy asks
-        the relay, and the caller reads the questions with read_questions (the run's channel otherwise)."""
+        """While a guest call whose caller can be asked goes, the proxy asks the relay (its questions reach
+        the front door in the session's news, as a run's do)."""
         if ask_token is None or session.egress is None:
             yield
             return
-        ended = self._asking_calls[ask_token] = anyio.Event()
+        self._asking_calls.add(ask_token)
         session.egress.set_asker(self._relay)
         try:
             yield
         finally:
-            ended.set()
-            del self._asking_calls[ask_token]
+            self._asking_calls.discard(ask_token)
             if not self._asking_calls and self._asking is None:  # nobody left to answer what still waits
                 self._relay.give_up()
                 session.egress.set_asker(None)
-
-    async def read_questions(self, ask_token: str, wait_s: float) -> list[Question]:
-        """The questions the proxy asks while the guest call `ask_token` goes, as soon as there is one (up to
-        `wait_s`); none once that call is over. The call may not have begun here yet: Ray may start this first."""
-        with anyio.move_on_after(wait_s):
-            while ask_token not in self._asking_calls:
-                await anyio.sleep(CALL_START_POLL_S)
-            await _first_of(self._relay.asked.wait, self._asking_calls[ask_token].wait)
-        return self._relay.take() if ask_token in self._asking_calls else []
 
     async def status(self, egress_since: int | None = None) -> dict[str, Any]:
         session = self._session()
@@ -305,7 +343,12 @@ class SessionSide:
     async def close(self) -> str | None:
         """Close the session (its kernel, sandbox and workspace); the agent then forgets this side."""
         session = self._session()
-        await self.manager.close(session.session_id)
+        try:
+            await self.manager.close(session.session_id)
+        finally:
+            if self._publish_later is not None:
+                self._publish_later.cancel()
+            self._changes.drop(self.session_id)
         return session.close_note
 
     # --- files (each call resolves its path again on the node, never following a link) ----------
@@ -324,15 +367,3 @@ class SessionSide:
     async def commit_upload(self, upload_id: str, path: str, overwrite: bool) -> str:
         """Write a staged upload to `path` in the session's files; returns its sandbox path."""
         return await self._uploads.commit(upload_id, self._session().files, path, overwrite)
-
-
-async def _first_of(*waits: Callable[[], Awaitable[Any]]) -> None:
-    """Return as soon as one of `waits` returns."""
-    async with anyio.create_task_group() as group:
-
-        async def one(wait: Callable[[], Awaitable[Any]]) -> None:
-            await wait()
-            group.cancel_scope.cancel()
-
-        for wait in waits:
-            group.start_soon(one, wait)

@@ -16,6 +16,7 @@ from coderunner.egress.audit import Decision
 from coderunner.kernel.output_capture import ImageOutput, OutputCollector
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.policy.egress import EgressPolicy
+from coderunner.sessions.job_runner import JobOutput
 from coderunner.sessions.sandbox_options import SandboxOptions
 
 #: Ray namespace every node agent is named in (found by name from any front door).
@@ -146,6 +147,17 @@ class ExportListing:
         return bool(self.items or self.skipped)
 
 
+@dataclass(frozen=True)
+class SessionNews:
+    """A session's value in its agent's long poll (sessions/changes.py; the key is its id): what a front
+    door following it compares, so that it calls only when something it waits for changed."""
+
+    #: Each job the node holds: how many changes a reader could see it has had (text, images, its start, its end).
+    jobs: dict[str, int] = field(default_factory=dict)
+    #: Hosts its proxy asks the user about, not answered yet (answer with answer_egress).
+    questions: tuple[Question, ...] = ()
+
+
 @dataclass
 class JobDelta:
     """What is new in a job since the last read: text, images, saved files; its end, once it ended."""
@@ -171,18 +183,20 @@ class JobDelta:
     gone: bool = False
     #: The session's egress since the caller's mark (network 'allowlist' only).
     egress: EgressDelta | None = None
-    #: Hosts the node's proxy asks the caller's user about (answer with answer_egress).
-    questions: list[Question] = field(default_factory=list)
+    #: The job's change count as of this read (SessionNews.jobs): a front door reads again once it grew.
+    mark: int = 0
     #: At the job's end: what its outbox holds that the front door should copy out (None: nothing).
     exports: ExportListing | None = None
 
 
 def portable_output(output: OutputCollector) -> OutputCollector:
-    """A copy of a finished collector that holds no fd, writer or pending write (safe to pickle)."""
+    """A copy of a finished collector that holds no fd, writer, pending write or hook (safe to pickle)."""
     moved = copy.copy(output)
     moved.writer = None
     moved._pending = []
     moved._spill_fd = None
+    if isinstance(moved, JobOutput):
+        moved.on_change = None  # the node's hook (session_side.py): bound to what never crosses
     return moved
 
 

@@ -87,12 +87,20 @@ class JobOutput(OutputCollector):
     _images_read: int = 0
     _saved_read: int = 0
     _spill_linked: bool = False
+    #: Told of each change a reader would see (text, an image, the cell's start; True: its end), on the event
+    #: loop: a cluster node publishes its jobs' progress by it (cluster/session_side.py).
+    on_change: Callable[[bool], None] | None = None
+
+    def note_change(self, ended: bool = False) -> None:
+        if self.on_change is not None:
+            self.on_change(ended)
 
     def add_text(self, text: str) -> None:
         super().add_text(text)
         text = strip_ansi(text)
         if not text:
             return
+        self.note_change()
         self._unread.append(text)
         self._unread_chars += len(text)
         while self._unread_chars > self.limit_chars:
@@ -107,6 +115,15 @@ class JobOutput(OutputCollector):
             self._unread_chars -= len(cut)
             self._skipped += len(cut)
             self._skipped_bytes += len(text_bytes([cut]))
+
+    def add_image(self, mime_type: str, data_b64: str) -> None:
+        super().add_image(mime_type, data_b64)
+        self.note_change()
+
+    def close(self) -> None:
+        """The job ended (JobTable._drive closes its output right before it sets `done`)."""
+        super().close()
+        self.note_change(ended=True)
 
     def take(self) -> JobRead:
         """What is new since the last take, and move the cursors past it."""

@@ -161,6 +161,8 @@ class KernelCalls:
                 await self._guest_call_held("variables", {"values": variables}, GUEST_MARGIN_S)
                 kernel = self.keeper.held_kernel()  # the same one, or its replacement if that call ended it
             job.executing_since = time.monotonic()
+            if job.output is not None:
+                job.output.note_change()  # a reader's progress starts from here
             try:
                 outcome = await kernel.execute(
                     code,
