@@ -63,6 +63,7 @@ class ThreadCount:
     voluntary: int = 0
     involuntary: int = 0
     waited_ns: int = 0
+    ran_ns: int = 0
 
 
 def _read(path: str) -> str:
@@ -126,7 +127,8 @@ def snapshot(processes: dict[int, str]) -> dict[tuple[str, int, int], tuple[str,
                             count.voluntary = int(line.split()[1])
                         elif line.startswith("nonvoluntary_ctxt_switches"):
                             count.involuntary = int(line.split()[1])
-                    count.waited_ns = int(_read(f"/proc/{pid}/task/{tid}/schedstat").split()[1])
+                    ran, waited, _ = _read(f"/proc/{pid}/task/{tid}/schedstat").split()
+                    count.ran_ns, count.waited_ns = int(ran), int(waited)
                     found[(name, pid, tid)] = (thread_name(pid, tid, rank), count)
     return found
 
@@ -148,6 +150,7 @@ class Tally:
             row.voluntary += count.voluntary - old.voluntary
             row.involuntary += count.involuntary - old.involuntary
             row.waited_ns += count.waited_ns - old.waited_ns
+            row.ran_ns += count.ran_ns - old.ran_ns
 
     def merged(self) -> dict[tuple[str, str], ThreadCount]:
         """Per (role, thread): the busiest kernel is the lane's kernel; any other (a server's pool of
@@ -164,15 +167,16 @@ class Tally:
             row.voluntary += count.voluntary
             row.involuntary += count.involuntary
             row.waited_ns += count.waited_ns
+            row.ran_ns += count.ran_ns
         return merged
 
-    def per_call(self) -> Iterator[tuple[str, str, float, float, float]]:
-        """(role, thread, voluntary, involuntary, run-queue wait ms) per call, rows that did anything."""
+    def per_call(self) -> Iterator[tuple[str, str, float, float, float, float]]:
+        """(role, thread, voluntary, involuntary, run-queue wait ms, CPU ms) per call, rows that did anything."""
         for (who, thread), count in sorted(self.merged().items()):
             voluntary, involuntary = count.voluntary / self.calls, count.involuntary / self.calls
-            waited = count.waited_ns / self.calls / 1e6
+            waited, ran = count.waited_ns / self.calls / 1e6, count.ran_ns / self.calls / 1e6
             if voluntary >= 0.05 or involuntary >= 0.05:
-                yield who, thread, voluntary, involuntary, waited
+                yield who, thread, voluntary, involuntary, waited, ran
 
 
 def lane_processes(top: int, top_name: str, bench: int, kernels_only: bool) -> Callable[[], dict[int, str]]:
@@ -301,22 +305,25 @@ async def main(rounds: int, per_round: int, baseline: Path | None, cpu_weight: i
 
 def report(tallies: dict[str, Tally], walls: dict[str, list[float]], rounds: int, per_round: int) -> None:
     print(f"\n{rounds} rounds x {per_round} warm 1+1 calls per lane, shuffled; figures per call")
-    print(f"{'lane':28} {'process':16} {'thread':16} {'voluntary':>9} {'involunt.':>9} {'rq wait ms':>10}")
+    print(
+        f"{'lane':28} {'process':16} {'thread':16} {'voluntary':>9} {'involunt.':>9} {'rq wait ms':>10} {'cpu ms':>7}"
+    )
     for lane, tally in tallies.items():
-        for who, thread, voluntary, involuntary, waited in tally.per_call():
-            print(f"{lane:28} {who:16} {thread:16} {voluntary:9.2f} {involuntary:9.2f} {waited:10.3f}")
+        for who, thread, voluntary, involuntary, waited, ran in tally.per_call():
+            print(f"{lane:28} {who:16} {thread:16} {voluntary:9.2f} {involuntary:9.2f} {waited:10.3f} {ran:7.3f}")
         print()
     roles = sorted({row[0] for tally in tallies.values() for row in tally.per_call()} - {"other kernels"})
-    print("per process, side by side: voluntary / involuntary switches / run-queue wait ms, per call")
-    print(f"{'process':16} " + " ".join(f"{lane:>28}" for lane in tallies))
+    print("per process, side by side: voluntary / involuntary switches / run-queue wait ms / CPU ms, per call")
+    print(f"{'process':16} " + " ".join(f"{lane:>30}" for lane in tallies))
     for who in [*roles, "path total"]:
         cells = []
         for tally in tallies.values():
             rows = [row for row in tally.per_call() if row[0] == who or (who == "path total" and row[0] in roles)]
-            cell = f"{sum(r[2] for r in rows):.1f} / {sum(r[3] for r in rows):.1f} / {sum(r[4] for r in rows):.2f}"
-            cells.append(f"{cell if rows else '-':>28}")
+            sums = [sum(row[at] for row in rows) for at in (2, 3, 4, 5)]
+            cell = f"{sums[0]:.1f} / {sums[1]:.1f} / {sums[2]:.2f} / {sums[3]:.2f}"
+            cells.append(f"{cell if rows else '-':>30}")
         print(f"{who:16} " + " ".join(cells))
-    medians = " ".join(f"{statistics.median(walls[lane]) * 1000:>25.2f} ms" for lane in tallies)
+    medians = " ".join(f"{statistics.median(walls[lane]) * 1000:>27.2f} ms" for lane in tallies)
     print(f"{'median wall':16} {medians}")
     print(f"load {' '.join(f'{value:.2f}' for value in os.getloadavg())}")
 
