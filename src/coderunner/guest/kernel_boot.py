@@ -3,8 +3,8 @@ thread and its IOPub event pipe, and (under the gVisor channel relay) with IOPub
 
 Every sandbox's kernel starts through it (kernel/process.py), whatever the backend: each change
 below takes a thread hop off a call's path, and on a loaded machine every hop is a wait for a time
-slice (bench/wakeups.py: on bwrap the kernel's run-queue wait per warm `1+1` fell from about 31 ms
-to 18 ms beside six CPU burners on two cores).
+slice (bench/wakeups.py: on bwrap the kernel's run-queue wait per warm `1+1` fell from 23-31 ms to
+about 18 ms beside six CPU burners on two cores, its CPU from 4.3-4.7 ms to 3.7-3.9 ms).
 
 ipykernel's IOPubThread binds a PULL socket on tcp://127.0.0.1:<random> that forked children
 (os.fork, multiprocessing's fork) push their output to. gVisor (this runsc) cannot save a sandbox
