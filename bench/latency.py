@@ -21,6 +21,11 @@ execute.
 The sandboxed kernels run at CPU weight 100 here (--cpu-weight), as the raw kernel does: the server's
 default of 20 lets any other load on the machine delay them, which is its purpose, not per-call cost.
 
+Warm calls count only once the servers have settled: a server just started fills its warm pool, and a
+session's first call starts its reset standby; each such start is a burst of CPU (an interpreter and
+its imports) beside the lanes, which on a loaded machine took seconds and slowed whichever lane ran
+beside it. It is no part of a warm call's cost (--no-settle measures at once, as before).
+
 Also printed: the CPU time each MCP server process spent per warm call (all its threads, from
 /proc), which a loaded machine disturbs far less than wall time: what each server's own work costs.
 """
@@ -198,6 +203,32 @@ def cpu_seconds(pid: int | None) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU time of `pid` and every process below it (0 for those gone meanwhile)."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        with contextlib.suppress(OSError, ValueError):
+            total += cpu_seconds(current)
+            for tid in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{tid}/children") as handle:
+                    todo += [int(child) for child in handle.read().split()]
+    return total
+
+
+async def settled(pids: list[int], quiet_cpu_s: float = 0.05, window_s: float = 1.0, most_s: float = 180.0) -> float:
+    """Wait until the servers' trees spend under `quiet_cpu_s` of CPU in a `window_s` (their warm pool,
+    reset standbys and one-shot sandboxes started ahead are all up): a start is a burst of CPU beside the
+    lanes that is no part of a warm call's cost. Returns the seconds waited (at most `most_s`)."""
+    began = time.monotonic()
+    while time.monotonic() - began < most_s:
+        before = sum(tree_cpu_seconds(pid) for pid in pids)
+        await anyio.sleep(window_s)
+        if sum(tree_cpu_seconds(pid) for pid in pids) - before < quiet_cpu_s:
+            break
+    return time.monotonic() - began
+
+
 async def mcp_run(client: Client, session_id: str | None = None) -> None:
     arguments: dict[str, object] = {"code": "1+1"}
     if session_id:
@@ -237,6 +268,7 @@ async def main(
     baseline: Path | None,
     cpu_weight: int,
     summary: Path | None = None,
+    settle: bool = True,
 ) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
@@ -277,6 +309,9 @@ async def main(
                 await timed(20, call)
             warm = {name: [] for name in lanes}
             pids = {name: server_pid(name) for name in lanes if name != "raw"}
+            if settle:
+                waited = await settled([pid for pid in pids.values() if pid is not None])
+                print(f"servers settled (their kernels started ahead are up) after {waited:.1f} s")
             cpu = dict.fromkeys(pids, 0.0)
             for _ in range(rounds):
                 for name in random.sample(list(lanes), len(lanes)):
@@ -348,8 +383,15 @@ if __name__ == "__main__":
         "--cpu-weight", type=int, default=100,
         help="sessions' CPU weight (server default 20); 100 schedules the sandboxed kernel like the raw one",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-settle", action="store_true",
+        help="count warm calls at once, while the servers may still be starting kernels ahead (pool, standbys)",
+    )  # fmt: skip
     add_summary_argument(parser)
     args = parser.parse_args()
     baseline = args.baseline_src.resolve() if args.baseline_src else None
     backends = args.backend or ["bwrap"]
-    anyio.run(main, args.rounds, args.per_round, args.colds, backends, baseline, args.cpu_weight, args.summary)
+    anyio.run(
+        main, args.rounds, args.per_round, args.colds, backends, baseline, args.cpu_weight, args.summary,
+        not args.no_settle,
+    )  # fmt: skip

@@ -30,6 +30,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 import coderunner
+from coderunner.kernel.process import KERNEL_LAUNCHER
 from coderunner.sandbox import (
     SESSION_PACKAGES,
     HostIdentity,
@@ -56,8 +57,8 @@ import runpy, signal, sys
 signal.signal(signal.SIGINT, signal.SIG_IGN)
 _set = signal.signal
 signal.signal = lambda signum, handler: None if signum == signal.SIGINT else _set(signum, handler)
-sys.argv = ["ipykernel_launcher", *sys.argv[1:]]
-runpy.run_module("ipykernel_launcher", run_name="__main__", alter_sys=True)
+sys.argv = ["{launcher}", *sys.argv[1:]]
+runpy.run_module("{launcher}", run_name="__main__", alter_sys=True)
 """
 
 
@@ -140,8 +141,9 @@ class FakeBackend(SandboxBackend):
             argv = ["/bin/sh", "-c", "exec sleep 3600"]
         elif cue is Cue.IGNORE_INTERRUPTS:
             launcher = argv.index("-m")
-            assert argv[launcher : launcher + 2] == ["-m", "ipykernel_launcher"], argv
-            argv = [*argv[:launcher], "-c", _IGNORE_INTERRUPTS, *argv[launcher + 2 :]]
+            assert argv[launcher : launcher + 2] == ["-m", KERNEL_LAUNCHER], argv
+            wrapper = _IGNORE_INTERRUPTS.replace("{launcher}", KERNEL_LAUNCHER)
+            argv = [*argv[:launcher], "-c", wrapper, *argv[launcher + 2 :]]
         if spec.user is not None:
             argv = [*spec.user.setpriv_prefix(), *argv]
         env = {

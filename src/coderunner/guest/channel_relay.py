@@ -19,8 +19,8 @@ removed it); no listener is open then. gVisor refuses to unlink a host socket fi
 this never unlinks one: the host claims (renames away) each socket right after it appears, and the
 listener keeps working.
 
-KERNEL_ARGV is the host's kernel command (`... -m ipykernel_launcher -f FILE ...`, perhaps behind a
-prlimit prefix). Its connection file is copied with transport "ipc" and ip /tmp/<private>/k, and
+KERNEL_ARGV is the host's kernel command (`... -m coderunner_guest.kernel_boot -f FILE ...`, perhaps behind
+a prlimit prefix). Its connection file is copied with transport "ipc" and ip /tmp/<private>/k, and a stock
 ipykernel_launcher becomes coderunner_guest.kernel_boot (it keeps the kernel free of TCP sockets).
 The host-visible names follow the original ip: RUN_DIR/<basename of ip>-<port>.
 
@@ -137,7 +137,7 @@ class Plan:
         self.argv[at + 1] = private_file
         if "ipykernel_launcher" in self.argv:
             self.argv[self.argv.index("ipykernel_launcher")] = "coderunner_guest.kernel_boot"
-        else:
+        elif "coderunner_guest.kernel_boot" not in self.argv:  # the host's own command names it already
             say("the kernel command has no 'ipykernel_launcher': starting it as given")
         self.env = {**os.environ, PIPE_ENV: os.path.join(self.private, "pipe")}
 

@@ -1,13 +1,18 @@
-"""`python -m coderunner_guest.kernel_boot ARGS`: ipykernel's launcher, with IOPub's fork pipe on ipc
-and without the shell channel thread.
+"""`python -m coderunner_guest.kernel_boot ARGS`: ipykernel's launcher, without the shell channel
+thread and its IOPub event pipe, and (under the gVisor channel relay) with IOPub's fork pipe on ipc.
+
+Every sandbox's kernel starts through it (kernel/process.py), whatever the backend: each change
+below takes a thread hop off a call's path, and on a loaded machine every hop is a wait for a time
+slice (bench/wakeups.py: on bwrap the kernel's run-queue wait per warm `1+1` fell from 23-31 ms to
+about 18 ms beside six CPU burners on two cores, its CPU from 4.3-4.7 ms to 3.7-3.9 ms).
 
 ipykernel's IOPubThread binds a PULL socket on tcp://127.0.0.1:<random> that forked children
 (os.fork, multiprocessing's fork) push their output to. gVisor (this runsc) cannot save a sandbox
 with an epoll-watched TCP socket, so under the channel relay the pipe binds an ipc socket at the
 path the relay gives in CODERUNNER_IOPUB_PIPE (in its private /tmp dir) instead: forked output
-still reaches iopub and the kernel holds no TCP socket. Without that variable, or with an ipykernel
-whose private methods are not the ones this was written against (7.4.0), the stock pipe is kept
-and a warning goes to stderr.
+still reaches iopub and the kernel holds no TCP socket. Without that variable (no relay: nothing
+is checkpointed) the stock pipe is kept; with an ipykernel whose private methods are not the ones
+this was written against (7.4.0), it is kept too and a warning goes to stderr.
 
 ipykernel 7 reads the shell channel on a thread of its own and hands each message to the main
 thread (and the reply back) over inproc ZMQ sockets, for kernel subshells, which the host never
@@ -146,10 +151,8 @@ def schedule_by_callback() -> bool:
 
 def main() -> None:
     prefix = os.environ.get(PIPE_ENV)
-    if prefix:
+    if prefix:  # set by the channel relay only: elsewhere the stock TCP pipe is the right one
         install_ipc_pipe(prefix)
-    else:
-        warn(f"{PIPE_ENV} is not set: IOPub's fork pipe stays on TCP")
     if sys.path and sys.path[0] in ("", os.getcwd()):  # as ipykernel_launcher; the kernel adds it back
         del sys.path[0]
     drop_shell_channel_thread()

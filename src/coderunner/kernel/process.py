@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 #: How long a kernel whose channel closed may take to exit by itself before it is killed.
 EXIT_WAIT_S = 2.0
+#: The module every sandbox's kernel starts with: ipykernel's launcher without the shell channel thread
+#: and the IOPub event pipe (guest/kernel_boot.py), two thread hops fewer per call.
+KERNEL_LAUNCHER = "coderunner_guest.kernel_boot"
 #: The kernel's channels the host connects to (heartbeat and stdin are not used).
 HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 
@@ -109,7 +112,7 @@ class KernelProcess:
         else:
             connection_file = str(self.dirs.write_host_file(self._connection_name, dump_connection(info)))
         argv = product_python(
-            self.backend.python, "-m", "ipykernel_launcher",
+            self.backend.python, "-m", KERNEL_LAUNCHER,
             "-f", connection_file,
             "--HistoryManager.hist_file=:memory:",
             "--IPKernelApp.quiet=True",
