@@ -137,6 +137,7 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
         "CODERUNNER_OCI_RUNTIME",
         "CODERUNNER_IMAGE",
         "CODERUNNER_EXPORT_DIR",
+        "CODERUNNER_KERNEL_TEMPLATE",  # kernels from the warm template (issue 41): the suites run with it on too
         "CODERUNNER_DEV_GUEST_LIB",  # gvisor: a host copy of the guest package over the image's (development)
     ):
         if key in os.environ:
