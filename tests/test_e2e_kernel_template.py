@@ -25,6 +25,7 @@ from mcp import Client
 
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import bwrap_template, make_backend
+from coderunner.sandbox.template_kernels import TemplateKernels
 from coderunner.server import build_server
 from coderunner.sessions.manager import SessionManager
 
@@ -36,7 +37,7 @@ TEMPLATE = "template"
 
 
 @contextlib.asynccontextmanager
-async def template_server(dirs: ServerDirs, **extra: str) -> AsyncIterator[tuple[SessionManager, Client]]:
+async def template_server(dirs: ServerDirs, **extra: str) -> AsyncIterator[tuple[Any, Client]]:
     """The real server in this process with kernel_template on, once its template is ready."""
     if os.getuid() != 0 or shutil.which("bwrap") is None:
         pytest.skip("the kernel template needs root and bwrap")
@@ -50,7 +51,7 @@ async def template_server(dirs: ServerDirs, **extra: str) -> AsyncIterator[tuple
             SessionManager(settings, backend) as manager,
             Client(build_server(manager, LocalOneShots.for_manager(manager)), read_timeout_seconds=120) as client,
         ):
-            assert manager.template is not None
+            assert isinstance(manager.template, TemplateKernels)
             with anyio.fail_after(180):
                 await manager.template.ready.wait()
             assert manager.template.template is not None, manager.template.why_not

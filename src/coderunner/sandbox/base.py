@@ -3,6 +3,8 @@
 A backend turns a `SandboxSpec` plus a command into a running, isolated process tree that
 the host can wait on and kill. The kernel code never learns which backend it runs on: it asks
 only what a backend declares (its channels, its network modes, its checkpointer or None).
+
+One idea: what a backend is to the rest of the server: its declarations, its spawn, and the running sandbox.
 """
 
 from __future__ import annotations
@@ -277,10 +279,17 @@ class SandboxBackend(ABC):
 
 
 class KernelStarter(Protocol):
-    """Starts a kernel in a sandbox built from a spec some other way than running its argv (a fork of a
-    warm template); raises SandboxUnavailable saying why it could not, and the kernel then starts cold."""
+    """Starts a kernel in a sandbox built from a spec some other way than running its argv (a fork of a warm
+    template): opened by a SessionManager (it becomes its backend's `kernel_starter`), closed with it."""
 
-    async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess: ...
+    def open(self, task_group: TaskGroup) -> None:
+        """Start what it needs in the background of `task_group`, and be the backend's kernel_starter."""
+
+    async def close(self) -> None:
+        """End it; kernels start cold from then on."""
+
+    async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess:
+        """A kernel in a sandbox built from `spec`; raises SandboxUnavailable saying why not (it then starts cold)."""
 
 
 class SandboxHold(Protocol):

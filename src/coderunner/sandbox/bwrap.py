@@ -6,6 +6,8 @@ and exactly two host folders: its own workspace (writable) and its own runtime d
 sockets, same path inside). Where the server may create cgroups, the whole sandbox runs in
 per-session memory, pids and cpu cgroups. Network mode `internet` attaches a user-mode network
 stack (slirp4netns) that cannot reach the host's loopback.
+
+One idea: a sandbox built by bubblewrap, from its spec to a held, running process (its argv is bwrap_argv.py's).
 """
 
 from __future__ import annotations

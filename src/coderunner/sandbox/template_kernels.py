@@ -52,12 +52,10 @@ def exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def template_kernels_for(backend: SandboxBackend) -> TemplateKernels | None:
-    """The template owner of `backend` (not yet open), or None where it has none (then it says so)."""
-    if isinstance(backend, BwrapBackend):
-        return TemplateKernels(backend)
-    backend.no_kernel_starter = f"the {backend.name} backend has no kernel template"
-    return None
+def kernel_starter(backend: SandboxBackend) -> TemplateKernels:
+    """The template owner of `backend` (not yet open): the registry's entry point (vocabulary/backends.py)."""
+    assert isinstance(backend, BwrapBackend), backend
+    return TemplateKernels(backend)
 
 
 class TemplateKernels:

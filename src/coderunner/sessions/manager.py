@@ -33,9 +33,16 @@ from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
-from coderunner.sandbox import Mount, SandboxBackend, SandboxUnavailable, UidPool, per_sandbox_uids
+from coderunner.sandbox import (
+    KernelStarter,
+    Mount,
+    SandboxBackend,
+    SandboxUnavailable,
+    UidPool,
+    kernel_starter,
+    per_sandbox_uids,
+)
 from coderunner.sandbox.identity import UID_CLAIMS_DIR
-from coderunner.sandbox.template_kernels import TemplateKernels, template_kernels_for
 from coderunner.sessions.egress_wiring import EgressHub
 from coderunner.sessions.host_services import HostServices
 from coderunner.sessions.idle_room import NO_IDLE, IdleSandboxes
@@ -106,7 +113,7 @@ class SessionManager:
         #: Set while close_all runs: a second caller (a signal during shutdown) waits for it.
         self._closing_all: anyio.Event | None = None
         #: The warm kernel template this server's kernels are forked from (kernel_template, bwrap only).
-        self.template: TemplateKernels | None = None
+        self.template: KernelStarter | None = None
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -136,7 +143,7 @@ class SessionManager:
         """With kernel_template: the warm template, started in the background, asked by every kernel's start."""
         if not self.settings.kernel_template:
             return
-        self.template = template_kernels_for(self.backend)
+        self.template = kernel_starter(self.backend)
         if self.template is not None:
             self.template.open(task_group)
 
