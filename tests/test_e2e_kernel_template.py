@@ -102,12 +102,17 @@ async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_
         assert (await status(client, sid))["kernel_start"] == TEMPLATE
 
 
-async def test_without_cgroups_a_forked_kernel_gets_the_backends_nproc_limit(dirs: ServerDirs) -> None:
+async def test_without_cgroups_a_forked_kernel_gets_the_backends_nproc_limit_and_its_memory_counts(
+    dirs: ServerDirs,
+) -> None:
     async with template_server(dirs, CODERUNNER_CGROUPS="0", CODERUNNER_PIDS="64") as (_, client):
         sid = await create(client)
-        assert (await status(client, sid))["kernel_start"] == TEMPLATE
+        said = await status(client, sid)
+        assert said["kernel_start"] == TEMPLATE
         soft = int(await value(client, sid, "import resource; resource.getrlimit(resource.RLIMIT_NPROC)[0]"))
         assert 64 <= soft < 100_000, soft  # its user's tasks now plus the pids limit, not unlimited
+        # Its memory is read from its own process tree (it is the template's child, not the sandbox's).
+        assert said["usage"]["memory_mb"] > 20, said
 
 
 async def test_a_network_mode_the_template_does_not_cover_starts_cold_and_says_why(dirs: ServerDirs) -> None:

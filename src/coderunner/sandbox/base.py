@@ -325,6 +325,8 @@ class SandboxProcess:
         #: The exit code of a program that is not the sandbox's own child (a kernel forked into it from a
         #: template), once it exited: what returncode says from then on (the sandbox is ended after it).
         self._program_exit: int | None = None
+        #: That program's host pid (its process tree is not the sandbox's process's: memory counts both).
+        self.program_pid: int | None = None
         #: Set once kill() began.
         self.ending = False
         self._task_group = task_group

@@ -158,6 +158,7 @@ class TemplateKernels:
         self.forked += 1
         assert answer.pidfd is not None
         sandbox.keep_stderr_of(output)
+        sandbox.program_pid = answer.pid
         task_group.start_soon(relay_exit, sandbox, answer.pidfd, status_read, output)
         return sandbox
 
