@@ -46,7 +46,7 @@ STATUS = struct.Struct("<i")
 
 
 def exit_code(status: int) -> int:
-    """A forked kernel's wait status as a cold kernel's sandbox reports it (bwrap's init: 128 + a signal)."""
+    """A forked kernel's wait status as a cold kernel's sandbox reports it (guest/sandbox_init.py: 128 + a signal)."""
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.waitstatus_to_exitcode(status)
