@@ -1,11 +1,13 @@
 """Sessions whose kernels are forks of the warm template (`kernel_template`, issue 41), through the MCP client.
 
 A session says in manage_sessions status how its kernel started (`kernel_start`): "template", or
-"cold start: <why>". Each fallback is forced here and the session still starts and answers: an option the
-template does not cover (network 'internet'), the template dead, a fork the template refused, a workspace
-module shadowing one the template imported. And what a forked kernel is not the sandbox's own child for:
-its exit code reaches the host (the template reaps it) and its sandbox ends with it; what it writes to
-stderr is kept; without cgroups it gets the backend's RLIMIT_NPROC.
+"cold start: <why>". Each fallback is forced here and the session still starts and answers: a request the
+template cannot carry (an environment over its field), the template dead, a fork the template refused, a
+workspace module shadowing one the template imported. Every network mode comes from the template with its
+network: 'internet''s interface, 'allowlist''s proxy port and environment. And what a forked kernel is not
+the sandbox's own child for: its exit code reaches the host (the template reaps it) and its sandbox ends
+with it; what it writes to stderr is kept; without cgroups it gets the backend's RLIMIT_NPROC and its
+memory counts.
 Root only (the template joins user namespaces), bwrap only.
 """
 
@@ -115,12 +117,45 @@ async def test_without_cgroups_a_forked_kernel_gets_the_backends_nproc_limit_and
         assert said["usage"]["memory_mb"] > 20, said
 
 
-async def test_a_network_mode_the_template_does_not_cover_starts_cold_and_says_why(dirs: ServerDirs) -> None:
-    async with template_server(dirs, CODERUNNER_NETWORK="internet") as (_, client):
+NETWORK_PROBE = """
+import os, socket
+interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]]
+try:
+    socket.create_connection(("127.0.0.1", 3128), timeout=5).close()
+    port = "open"
+except OSError:
+    port = "closed"
+print(sorted(interfaces), port, os.environ.get("HTTP_PROXY"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [
+        ("internet", "['lo', 'tap0'] closed None"),
+        ("allowlist", "['lo'] open http://127.0.0.1:3128"),
+    ],
+)
+async def test_every_network_mode_comes_from_the_template_with_its_network(
+    dirs: ServerDirs, mode: str, said: str
+) -> None:
+    extra = {"CODERUNNER_NETWORK": mode}
+    if mode == "allowlist":
+        extra["CODERUNNER_ALLOWED_DOMAINS"] = '["example.com"]'
+    async with template_server(dirs, **extra) as (_, client):
         sid = await create(client)
+        assert (await status(client, sid))["kernel_start"] == TEMPLATE
+        assert await value(client, sid, NETWORK_PROBE) == said
+
+
+async def test_a_request_the_template_cannot_carry_starts_cold_and_says_why(dirs: ServerDirs) -> None:
+    async with template_server(dirs) as (_, client):
+        # The kernel's environment goes in a fixed-size field of the request: one larger starts cold.
+        with mock.patch.object(bwrap_template, "ENVIRONMENT_BYTES", 16):
+            sid = await create(client)
         assert await value(client, sid, "1 + 1") == "2"
         said = (await status(client, sid))["kernel_start"]
-        assert said.startswith("cold start: network 'internet' is not covered"), said
+        assert said.startswith("cold start: the kernel's environment") and "does not fit" in said, said
 
 
 async def test_a_dead_template_means_cold_starts_that_say_so(dirs: ServerDirs) -> None:

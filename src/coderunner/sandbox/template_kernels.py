@@ -12,8 +12,11 @@ wait status to once it reaped it, and then kills the sandbox by the handles the 
 would otherwise wait on, its placeholder asleep). Its stdout and stderr go to a pipe kept as the sandbox's
 stderr tail (a start's failure says what the kernel said).
 
-What it does not cover starts cold and says why (`problem`): network modes other than 'none' (the
-egress launcher of 'allowlist' and the slirp4netns of 'internet' are set up around a cold kernel's argv).
+Every network mode is covered: the backend builds the sandbox around the placeholder as around a cold
+kernel, 'allowlist''s forwarder started before it (bwrap_argv.py wraps any program in egress_launcher) and
+'internet''s slirp4netns attached before its init ran; the fork joins that network namespace. What a fork
+cannot give starts cold and says why: an environment too large for a request, a fork the template refused,
+the template not running (starting, or dead and not yet started again).
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ from anyio.abc import ByteReceiveStream, TaskGroup
 from coderunner.sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapBackend
 from coderunner.sandbox.bwrap_template import KernelTemplate, TemplateUnavailable
-from coderunner.vocabulary.network import NetworkMode
 
 log = logging.getLogger(__name__)
 
@@ -119,26 +121,13 @@ class TemplateKernels:
         self.why_not = "the server is closing"
         await self._drop()
 
-    def problem(self, spec: SandboxSpec) -> str | None:
-        """Why a kernel of `spec` does not come from the template (None: it does)."""
-        if spec.network != NetworkMode.NONE:
-            return (
-                f"network {spec.network!r} is not covered by the kernel template (its network is set up around a "
-                "cold kernel's start)"
-            )
-        if self.template is None:
-            return self.why_not or "the kernel template is not running"
-        return None
-
     async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess:
         """A kernel forked into a sandbox built from `spec`; raises TemplateUnavailable saying why not."""
-        if self.starting and spec.network == NetworkMode.NONE:
+        if self.starting:
             with anyio.move_on_after(STARTING_WAIT_S):
                 await self.ready.wait()
-        problem = self.problem(spec)
-        if problem is not None:
-            raise TemplateUnavailable(problem)
-        assert self.template is not None
+        if self.template is None:
+            raise TemplateUnavailable(self.why_not or "the kernel template is not running")
         output_read, output_write = os.pipe2(os.O_CLOEXEC)
         status_read, status_write = os.pipe2(os.O_CLOEXEC)
         output = PipeReceiveStream(output_read)
