@@ -91,7 +91,7 @@ class TemplateKernels:
                     self.template = await KernelTemplate.start(
                         self.backend.command, self.backend.seccomp_filter, freeze=self.freeze
                     )
-                except (OSError, TemplateUnavailable, TimeoutError) as exc:
+                except Exception as exc:  # whatever it met, kernels start cold meanwhile: never the server's end
                     self.starting = False
                     self.ready.set()  # those waiting for it start cold now; the next start has an event of its own
                     self.ready = anyio.Event()
@@ -159,7 +159,7 @@ async def relay_exit(sandbox: SandboxProcess, pidfd: int, status_read: int, outp
         if sandbox.ending:
             return  # killed from outside: the kernel ended with its sandbox
         code = 128 + signal.SIGKILL  # the template died before it said
-        with anyio.move_on_after(STATUS_WAIT_S):
+        with anyio.move_on_after(STATUS_WAIT_S), contextlib.suppress(OSError):
             await anyio.wait_readable(status_read)
             said = os.read(status_read, STATUS.size)
             if len(said) == STATUS.size:
