@@ -132,9 +132,13 @@ class TemplateKernels:
         status_read, status_write = os.pipe2(os.O_CLOEXEC)
         output = PipeReceiveStream(output_read)
         try:
-            sandbox, answer = await self.template.spawn_entered(
-                self.backend, spec, task_group, output_write, status_fd=status_write
-            )
+            try:
+                sandbox, answer = await self.template.spawn_entered(
+                    self.backend, spec, task_group, output_write, status_fd=status_write
+                )
+            except (TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
+                # Its sandbox's placeholder never said it was ready, or the template's socket broke: start cold.
+                raise TemplateUnavailable(f"a kernel could not be forked from the template: {exc!r}") from None
         except BaseException:
             self.refused += 1
             os.close(status_read)
