@@ -31,7 +31,7 @@ from coderunner.sandbox.template_kernels import TemplateKernels
 from coderunner.server import build_server
 from coderunner.sessions.manager import SessionManager
 
-from .conftest import ServerDirs, run, server_env, server_settings, text_of
+from .conftest import ServerDirs, run, sandbox_processes_alive, server_env, server_settings, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -88,6 +88,9 @@ async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_
         session = next(each for each in manager.list() if each.session_id == sid)
         assert session.kernel is not None and session.kernel.process is not None
         process = session.kernel.process
+        # The suites' count of sandbox processes has the forked kernel, not the template (the server's helper).
+        counted = sandbox_processes_alive(dirs)
+        assert process.program_pid in counted and manager.template.template.pid not in counted, counted
         # What it writes to stderr (its fd 2, not the ZMQ stream) is the sandbox's stderr tail.
         await value(client, sid, "import os; os.write(2, b'said on fd 2\\n')")
         with anyio.fail_after(10):
