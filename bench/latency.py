@@ -1,7 +1,7 @@
 """Latency of CodeRunner beside two anchors, all lanes interleaved in shuffled rounds in the same run.
 
     .venv/bin/python bench/latency.py [--rounds 30] [--per-round 10] [--colds 10] [--backend bwrap ...]
-                                      [--baseline-src /tmp/main/src]
+                                      [--baseline-src /tmp/main/src] [--template] [--pool-size N]
 
 Warm: one `1+1` round trip, in three kinds of lane:
 - raw: `execute` on a jupyter_client AsyncKernelClient to a plain (unsandboxed) ipykernel from the
@@ -16,7 +16,10 @@ shared machine (other load, CPU frequency) hits every lane alike. Printed: per-l
 
 Cold: from asking for a new kernel to the first `1+1` result, raw and CodeRunner alternating in
 shuffled order. CodeRunner: `create_session` then `run_python`. Raw: start_kernel, wait_for_ready,
-execute.
+execute. --template adds a lane beside each bwrap one whose server forks its kernels from the warm
+template (kernel_template, issue 41; root only), interleaved with the others; its cold starts begin once
+a session's status says its kernel came from the template. --pool-size 0 makes every CodeRunner cold start
+a real one (the default pool hands out kernels started ahead).
 
 The sandboxed kernels run at CPU weight 100 here (--cpu-weight), as the raw kernel does: the server's
 default of 20 lets any other load on the machine delay them, which is its purpose, not per-call cost.
@@ -169,9 +172,14 @@ def bench_env(root: Path, backend: str = "bwrap") -> dict[str, str]:
 
 
 def server_params(
-    root: Path, backend: str = "bwrap", lane: str = "", src: Path | None = None, cpu_weight: int | None = None
+    root: Path,
+    backend: str = "bwrap",
+    lane: str = "",
+    src: Path | None = None,
+    cpu_weight: int | None = None,
+    extra: dict[str, str] | None = None,
 ) -> StdioServerParameters:
-    env = {**bench_env(root, backend), LANE_MARK: lane or f"coderunner {backend}"}
+    env = {**bench_env(root, backend), LANE_MARK: lane or f"coderunner {backend}", **(extra or {})}
     if src is not None:  # another tree's server, e.g. `git archive main src | tar -x -C /tmp/main`
         env["PYTHONPATH"] = str(src)
     if cpu_weight is not None:
@@ -246,6 +254,20 @@ def minimal_params() -> StdioServerParameters:
     return StdioServerParameters(command=sys.executable, args=[str(script)], env=env)
 
 
+async def template_ready(client: Client, within_s: float = 300.0) -> None:
+    """Once a new session's kernel comes from the template (the server warms it in the background)."""
+    with anyio.fail_after(within_s):
+        while True:
+            created = await client.call_tool("create_session", {})
+            session_id = json.loads(created.content[0].text)["session_id"]  # type: ignore[union-attr]
+            await mcp_run(client, session_id)
+            said = await client.call_tool("manage_sessions", {"action": "status", "session_id": session_id})
+            await client.call_tool("manage_sessions", {"action": "close", "session_id": session_id})
+            if json.loads(said.content[0].text).get("kernel_start") == "template":  # type: ignore[union-attr]
+                return
+            await anyio.sleep(1)
+
+
 async def coderunner_cold(client: Client) -> float:
     began = time.perf_counter()
     created = await client.call_tool("create_session", {})
@@ -269,6 +291,8 @@ async def main(
     cpu_weight: int,
     summary: Path | None = None,
     settle: bool = True,
+    template: bool = False,
+    pool_size: int | None = None,
 ) -> None:
     settings = load_settings()
     root = _passable(Path(tempfile.mkdtemp(prefix="crb-", dir="/tmp")))
@@ -281,17 +305,21 @@ async def main(
         async with contextlib.AsyncExitStack() as stack:
             raw = await stack.enter_async_context(raw_kernel())
             minimal = await stack.enter_async_context(Client(minimal_params(), read_timeout_seconds=120))
-            targets = [(f"coderunner {backend}", backend, None) for backend in backends]
+            common = {"CODERUNNER_POOL_SIZE": str(pool_size)} if pool_size is not None else {}
+            targets = [(f"coderunner {backend}", backend, None, common) for backend in backends]
+            if template:
+                on = {**common, "CODERUNNER_KERNEL_TEMPLATE": "1"}
+                targets += [(f"coderunner {b} template", b, None, on) for b in backends if b == "bwrap"]
             if baseline is not None:
-                targets += [(f"coderunner {backend} baseline", backend, baseline) for backend in backends]
+                targets += [(f"coderunner {backend} baseline", backend, baseline, common) for backend in backends]
             ours = {
                 lane: await stack.enter_async_context(
                     Client(
-                        server_params(root / lane.replace(" ", "-"), backend, lane, src, cpu_weight),
+                        server_params(root / lane.replace(" ", "-"), backend, lane, src, cpu_weight, extra),
                         read_timeout_seconds=120,
                     )
                 )
-                for lane, backend, src in targets
+                for lane, backend, src, extra in targets
             }
 
             async def minimal_run() -> None:
@@ -320,6 +348,9 @@ async def main(
                     if name in cpu:
                         cpu[name] += cpu_seconds(pids.get(name)) - began
 
+            for lane, client in ours.items():
+                if lane.endswith(" template"):
+                    await template_ready(client)
             cold_lanes: dict[str, Callable[[], Awaitable[float]]] = {"raw": raw_cold_start}
             for lane, client in ours.items():
                 cold_lanes[lane] = lambda client=client: coderunner_cold(client)  # type: ignore[misc]
@@ -387,6 +418,8 @@ if __name__ == "__main__":
         "--no-settle", action="store_true",
         help="count warm calls at once, while the servers may still be starting kernels ahead (pool, standbys)",
     )  # fmt: skip
+    parser.add_argument("--template", action="store_true", help="a bwrap lane with kernel_template on beside each")
+    parser.add_argument("--pool-size", type=int, help="every CodeRunner server's pool_size (0: real cold starts)")
     add_summary_argument(parser)
     args = parser.parse_args()
     baseline = args.baseline_src.resolve() if args.baseline_src else None
@@ -394,4 +427,5 @@ if __name__ == "__main__":
     anyio.run(
         main, args.rounds, args.per_round, args.colds, backends, baseline, args.cpu_weight, args.summary,
         not args.no_settle,
+        args.template, args.pool_size,
     )  # fmt: skip

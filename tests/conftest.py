@@ -137,6 +137,7 @@ def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:
         "CODERUNNER_OCI_RUNTIME",
         "CODERUNNER_IMAGE",
         "CODERUNNER_EXPORT_DIR",
+        "CODERUNNER_KERNEL_TEMPLATE",  # kernels from the warm template (issue 41): the suites run with it on too
         "CODERUNNER_DEV_GUEST_LIB",  # gvisor: a host copy of the guest package over the image's (development)
     ):
         if key in os.environ:
@@ -334,7 +335,7 @@ async def run(client: Client, code: str, **arguments: object) -> CallToolResult:
 def sandbox_processes_alive(dirs: ServerDirs) -> list[int]:
     """Host pids of the processes whose command line names one of this test's runtime dirs (bwrap and its
     pid 1), and of everything below them (the kernel, which reads its connection file from its own root,
-    and whatever it forked)."""
+    and whatever it forked; a kernel forked from the kernel template is below the template's bwrap)."""
     found = []
     parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
@@ -355,7 +356,22 @@ def sandbox_processes_alive(dirs: ServerDirs) -> list[int]:
             parent = parents[parent]
         if parent in named and pid not in named:
             found.append(pid)
-    return found
+    # The kernel template (kernel_template) is no sandbox but the server's helper, whose bwrap names the guest
+    # copy in the runtime dir: it and that bwrap are left out; the kernels forked from it (below it) are not.
+    helpers = {pid for pid in found if _comm(pid) == TEMPLATE_NAME}
+    helpers |= {parents[pid] for pid in helpers if parents.get(pid) in named}
+    return [pid for pid in found if pid not in helpers]
+
+
+#: The kernel template's name in /proc/PID/comm (guest/kernel_template.py NAME).
+TEMPLATE_NAME = "kernel-template"
+
+
+def _comm(pid: int) -> str | None:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return None
 
 
 async def wait_until(predicate, timeout_s: float = 10.0) -> bool:  # type: ignore[no-untyped-def]

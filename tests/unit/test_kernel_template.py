@@ -17,12 +17,13 @@ from coderunner.sandbox.base import SandboxSpec
 from coderunner.sandbox.bwrap_argv import BwrapCommand
 from coderunner.sandbox.common import ENV_MOUNT, GUEST_LIB
 from coderunner.sandbox.seccomp import CLONE_NAMESPACE_FLAGS
+from coderunner.sandbox.template_kernels import STATUS, exit_code
 
 
 def test_both_sides_speak_the_same_wire_format() -> None:
     for name in ("REQUEST", "REPLY"):
         assert getattr(bwrap_template, name).format == getattr(kernel_template, name).format
-    for name in ("MAGIC", "KIND_FORK", "KIND_COUNTERS", "FLAG_MEMORY_SOFT_ONLY"):
+    for name in ("MAGIC", "KIND_FORK", "KIND_COUNTERS", "FLAG_MEMORY_SOFT_ONLY", "FLAG_STATUS_FD"):
         assert getattr(bwrap_template, name) == getattr(kernel_template, name)
 
 
@@ -121,3 +122,31 @@ def test_fds_beside_a_reply_that_is_not_one_are_closed() -> None:
     for fd in (read, write):
         with pytest.raises(OSError):
             os.fstat(fd)
+
+
+def test_the_template_writes_a_reaped_kernels_wait_status_to_its_pipe_and_the_host_reads_its_exit_code() -> None:
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os._exit(3)
+    statuses = {child: write}
+    while statuses:  # what the template's loop does on each SIGCHLD
+        kernel_template.reap(statuses)
+    said = os.read(read, 64)
+    assert os.read(read, 1) == b""  # written once, then closed
+    os.close(read)
+    assert exit_code(STATUS.unpack(said)[0]) == 3
+
+
+def test_a_kernel_killed_by_a_signal_reports_what_a_cold_kernels_sandbox_reports() -> None:
+    child = os.fork()
+    if child == 0:
+        os.kill(os.getpid(), 9)
+    _, status = os.waitpid(child, 0)
+    assert exit_code(status) == 137  # the sandbox's init (guest/sandbox_init.py): 128 + the signal
+
+
+def test_a_request_says_when_it_carries_a_status_pipe() -> None:
+    request = bwrap_template.encode_request(bwrap_template.KIND_FORK, status_fd=True)
+    flags = kernel_template.REQUEST.unpack(request)[4]
+    assert flags & kernel_template.FLAG_STATUS_FD and not flags & kernel_template.FLAG_MEMORY_SOFT_ONLY

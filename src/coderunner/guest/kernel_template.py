@@ -7,9 +7,11 @@ child's collections then leave the template's objects, and the pages they sit on
 fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It reads nothing else: no
 sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
 fds beside it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, and the
-sandbox's cgroup.procs files. Each fork enters that sandbox (sandbox_enter.py: join, fork again into its pid
-namespace, confine) and then runs the kernel as kernel/process.py's argv does (ipykernel_launcher, the
-connection file the sandbox holds privately), or CODE where the host gave one (the bench's probe).
+sandbox's cgroup.procs files (with FLAG_STATUS_FD, the fd after the output is a pipe the kernel's wait status
+is written to once it is reaped: the host's only way to learn its exit code). Each fork enters that sandbox
+(sandbox_enter.py: join, fork again into its pid namespace, confine) and then runs the kernel as
+kernel/process.py's argv does (kernel_boot, the connection file the sandbox holds privately), or CODE
+where the host gave one (the bench's probe).
 
 The template is the subreaper of its kernels: the first child exits once it forked into the pid namespace,
 and its orphan (the kernel) comes here, not to the sandbox's init (a new parent is looked for in the pid
@@ -49,9 +51,11 @@ KIND_FORK = 1
 #: Asks only for the counters (a bench's CPU per start).
 KIND_COUNTERS = 2
 FLAG_MEMORY_SOFT_ONLY = 1
-#: pidfd, the kernel's stdout and stderr, then at most this many cgroup.procs files.
+#: The request's third fd is the kernel's status pipe (the wait status, 4 bytes, once it is reaped).
+FLAG_STATUS_FD = 2
+#: pidfd, the kernel's stdout and stderr, its status pipe, then at most this many cgroup.procs files.
 MAX_CGROUP_FDS = 8
-#: What the kernel runs as by default: today's argv (kernel/process.py) after ipykernel_launcher.
+#: What the kernel runs as by default: today's argv (kernel/process.py) after its launcher (kernel_boot).
 KERNEL_ARGS = (
     "-f", "/run/kernel/connection.json", "--HistoryManager.hist_file=:memory:",
     "--IPKernelApp.quiet=True", "--IPKernelApp.extensions=coderunner_guest",
@@ -97,15 +101,21 @@ def parse_environment(blob: bytes) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in pairs if "=" in pair)
 
 
-def reap() -> None:
-    """Every exited child (first forks and orphaned kernels), without waiting."""
+def reap(statuses: dict[int, int]) -> None:
+    """Every exited child (first forks and orphaned kernels), without waiting; a kernel's wait status goes
+    to its status pipe (`statuses`: kernel pid -> the pipe's write end, closed once written)."""
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:
             return
+        said = statuses.pop(pid, None)
+        if said is not None:
+            with contextlib.suppress(OSError):
+                os.write(said, struct.pack("<i", status))
+            os.close(said)
 
 
 def fork_kernel(request: tuple, fds: list[int], seccomp: bytes, code: str | None) -> tuple[int, int]:
@@ -115,7 +125,8 @@ def fork_kernel(request: tuple, fds: list[int], seccomp: bytes, code: str | None
         uid=uid, gid=gid, seccomp=seccomp, environment=parse_environment(blob),
         memory_bytes=memory or None, memory_soft_only=bool(flags & FLAG_MEMORY_SOFT_ONLY), nproc=nproc or None,
     )  # fmt: skip
-    pidfd, output, cgroups = fds[0], fds[1], tuple(fds[2:])
+    pidfd, output = fds[0], fds[1]
+    cgroups = tuple(fds[3:] if flags & FLAG_STATUS_FD else fds[2:])
     report_read, report_write = os.pipe()
     first = os.fork()
     if first == 0:
@@ -204,11 +215,12 @@ def _kernel(output: int, report: int, confinement: Confinement, code: str | None
     if code is not None:
         exec(compile(code, "<kernel-template child>", "exec"), {"__name__": "__main__"})
         os._exit(0)
-    # What `python -P -m ipykernel_launcher ARGS` does (kernel/process.py's argv): -P kept '' off sys.path here too.
-    sys.argv = ["ipykernel_launcher", *KERNEL_ARGS]
-    from ipykernel import kernelapp
+    # What `python -P -m coderunner_guest.kernel_boot ARGS` does (kernel/process.py's argv, KERNEL_LAUNCHER):
+    # -P kept '' off sys.path here too.
+    sys.argv = ["kernel_boot", *KERNEL_ARGS]
+    from . import kernel_boot
 
-    kernelapp.launch_new_instance()
+    kernel_boot.main()
     os._exit(0)
 
 
@@ -222,6 +234,7 @@ def _reseed() -> None:
 
 def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
     """Answer requests until the host closes its end; reap kernels meanwhile."""
+    statuses: dict[int, int] = {}
     wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda number, frame: None)
@@ -237,10 +250,10 @@ def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
                         break
                 except BlockingIOError:
                     break
-            reap()
+            reap(statuses)
         if sock.fileno() not in ready:
             continue
-        message, fds, _, _ = socket.recv_fds(sock, REQUEST.size, 2 + MAX_CGROUP_FDS)
+        message, fds, _, _ = socket.recv_fds(sock, REQUEST.size, 3 + MAX_CGROUP_FDS)
         if not message:
             return
         try:
@@ -253,6 +266,8 @@ def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
             elif request[1] == KIND_FORK and len(fds) >= 2:
                 error, pid = fork_kernel(request, fds, seccomp, code)
                 kernel = os.pidfd_open(pid) if pid else None  # its child, not reaped before this loop's next turn
+                if pid and request[4] & FLAG_STATUS_FD and len(fds) >= 3:
+                    statuses[pid] = os.dup(fds[2])  # kept (the request's fds are closed below) until it is reaped
                 try:
                     reply(sock, error, pid, kernel)
                 finally:

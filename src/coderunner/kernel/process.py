@@ -22,7 +22,14 @@ from coderunner.errors import CodeRunnerError
 from coderunner.hostfs.session_dirs import SandboxDirs, connection_names, dump_connection
 from coderunner.kernel.connection_info import connection_info
 from coderunner.kernel.host_channels import Deadline
-from coderunner.sandbox import PRIVATE_CONNECTION, KernelChannels, SandboxBackend, SandboxProcess, SandboxSpec
+from coderunner.sandbox import (
+    PRIVATE_CONNECTION,
+    KernelChannels,
+    SandboxBackend,
+    SandboxProcess,
+    SandboxSpec,
+    SandboxUnavailable,
+)
 from coderunner.sandbox.common import product_python
 
 log = logging.getLogger(__name__)
@@ -32,6 +39,8 @@ EXIT_WAIT_S = 2.0
 #: The module every sandbox's kernel starts with: ipykernel's launcher without the shell channel thread
 #: and the IOPub event pipe (guest/kernel_boot.py), two thread hops fewer per call.
 KERNEL_LAUNCHER = "coderunner_guest.kernel_boot"
+#: KernelProcess.started_how of a kernel forked from the warm template (else "cold start: <why not>").
+FROM_TEMPLATE = "template"
 #: The kernel's channels the host connects to (heartbeat and stdin are not used).
 HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 
@@ -79,6 +88,9 @@ class KernelProcess:
     process: SandboxProcess | None = None
     #: The connection info the kernel was started with (its key included): a checkpoint keeps it.
     info: dict[str, Any] | None = None
+    #: How its sandbox's kernel started: FROM_TEMPLATE, or "cold start: <why not from the template>" (None: a
+    #: cold start with nothing to say, as when the kernel_template setting is off).
+    started_how: str | None = None
     _connection_name: str | None = None
 
     @property
@@ -94,8 +106,13 @@ class KernelProcess:
         if self.process is None or not self.process.alive:
             raise SandboxExited(self.exit_code)
 
-    async def launch(self) -> None:
-        """Make the connection info (a fresh key) and spawn the sandbox; it binds its sockets meanwhile."""
+    @property
+    def from_template(self) -> bool:
+        return self.started_how == FROM_TEMPLATE
+
+    async def launch(self, cold_because: str | None = None) -> None:
+        """Make the connection info (a fresh key) and spawn the sandbox; it binds its sockets meanwhile.
+        The backend's kernel_starter (the warm template) is asked first unless `cold_because` says why not."""
         self._connection_name = f"kernel-{self.generation}.json"
         if self.backend.channels == KernelChannels.TCP:
             # The backend publishes these (free) ports on the host's loopback only.
@@ -118,6 +135,20 @@ class KernelProcess:
             "--IPKernelApp.quiet=True",
             "--IPKernelApp.extensions=coderunner_guest",
         )  # fmt: skip
+        starter = self.backend.kernel_starter
+        why_cold = cold_because or (self.backend.no_kernel_starter if starter is None else None)
+        if starter is not None and why_cold is None and not self.backend.private_files:
+            why_cold = "this backend cannot give a kernel a connection file of its own"  # a fork reads its key there
+        if starter is not None and why_cold is None:
+            try:
+                self.process = await starter.spawn_kernel(spec, self.task_group)
+            except SandboxUnavailable as exc:
+                why_cold = str(exc)
+                log.info("kernel %s starts cold: %s", self.spec.name, why_cold)
+            else:
+                self.started_how = FROM_TEMPLATE
+                return
+        self.started_how = f"cold start: {why_cold}" if why_cold is not None else None
         self.process = await self.backend.spawn(spec, argv, self.task_group)
 
     def host_side(self) -> dict[str, Any]:

@@ -9,7 +9,8 @@ never loads the container code. A new backend is its own modules plus one regist
     bwrap           bwrap.py        Linux default, no daemon (bwrap_argv.py builds its argv; pid1.py
                                     holds pidfds of each sandbox's outer bwrap and pid 1, which is
                                     guest/sandbox_init.py; bwrap_watch.py hands them to pid_watcher.py,
-                                    which ends a killed server's sandboxes)
+                                    which ends a killed server's sandboxes; bwrap_template.py and
+                                    template_kernels.py fork kernels from a warm template: kernel_template)
     podman, docker  oci.py          one container per kernel, from the CodeRunner image
                                     (oci_argv.py builds the engine's argv)
     gvisor          gvisor.py       runsc directly on podman's image: a kernel of its own per sandbox;
@@ -31,6 +32,7 @@ from __future__ import annotations
 from coderunner.sandbox.base import (
     Checkpointer,
     KernelChannels,
+    KernelStarter,
     LimitReport,
     Limits,
     SandboxBackend,
@@ -40,7 +42,7 @@ from coderunner.sandbox.base import (
 )
 from coderunner.sandbox.common import PRIVATE_CONNECTION, SESSION_PACKAGES
 from coderunner.sandbox.identity import UidPool, per_sandbox_uids, sandbox_identity
-from coderunner.sandbox.registry import make_backend
+from coderunner.sandbox.registry import kernel_starter, make_backend
 from coderunner.vocabulary.backends import BACKENDS
 
 # The floor's words the face speaks in (a SandboxSpec's mounts, the host user it runs as, its workspace).
@@ -57,6 +59,7 @@ __all__ = [
     "HostIdentity",
     "IdentityError",
     "KernelChannels",
+    "KernelStarter",
     "LimitReport",
     "Limits",
     "Mount",
@@ -65,6 +68,7 @@ __all__ = [
     "SandboxSpec",
     "SandboxUnavailable",
     "UidPool",
+    "kernel_starter",
     "make_backend",
     "per_sandbox_uids",
     "sandbox_identity",

@@ -3,6 +3,8 @@
 A backend turns a `SandboxSpec` plus a command into a running, isolated process tree that
 the host can wait on and kill. The kernel code never learns which backend it runs on: it asks
 only what a backend declares (its channels, its network modes, its checkpointer or None).
+
+One idea: what a backend is to the rest of the server: its declarations, its spawn, and the running sandbox.
 """
 
 from __future__ import annotations
@@ -203,6 +205,11 @@ class SandboxBackend(ABC):
     #: Whether spawn honours SandboxSpec.private_files (a file no other sandbox sees). A session keeps a
     #: standby kernel only where it does: the live kernel must not read the standby's key.
     private_files: ClassVar[bool] = False
+    #: Starts kernels from a warm template instead of from nothing (bwrap with the `kernel_template` setting:
+    #: sandbox/template_kernels.py), or None; `no_kernel_starter` says why not, for a session's status (None:
+    #: nothing is said, as when the setting is off).
+    kernel_starter: KernelStarter | None = None
+    no_kernel_starter: str | None = None
 
     @abstractmethod
     def describe_isolation(self) -> str:
@@ -271,6 +278,20 @@ class SandboxBackend(ABC):
         """The backend's own part of spawn, once the network mode is known to be possible here."""
 
 
+class KernelStarter(Protocol):
+    """Starts a kernel in a sandbox built from a spec some other way than running its argv (a fork of a warm
+    template): opened by a SessionManager (it becomes its backend's `kernel_starter`), closed with it."""
+
+    def open(self, task_group: TaskGroup) -> None:
+        """Start what it needs in the background of `task_group`, and be the backend's kernel_starter."""
+
+    async def close(self) -> None:
+        """End it; kernels start cold from then on."""
+
+    async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess:
+        """A kernel in a sandbox built from `spec`; raises SandboxUnavailable saying why not (it then starts cold)."""
+
+
 class SandboxHold(Protocol):
     """A backend's handles on a sandbox that nothing inside it can change (bwrap: pidfds of its pid 1 and
     of its outer process): `kill` ends the sandbox whole, `release` lets go once it is reaped."""
@@ -301,8 +322,16 @@ class SandboxProcess:
         self._oom_kills_at_start = cgroup.oom_kills() if cgroup else 0
         #: Set by a backend that ends its sandboxes by handles of its own (bwrap: the pid 1's pidfd).
         self.hold: SandboxHold | None = None
+        #: The exit code of a program that is not the sandbox's own child (a kernel forked into it from a
+        #: template), once it exited: what returncode says from then on (the sandbox is ended after it).
+        self._program_exit: int | None = None
+        #: That program's host pid (its process tree is not the sandbox's process's: memory counts both).
+        self.program_pid: int | None = None
+        #: Set once kill() began.
+        self.ending = False
+        self._task_group = task_group
         if process.stderr is not None and not pipes:
-            task_group.start_soon(self._drain_stderr)
+            task_group.start_soon(self._drain_stderr, process.stderr)
         else:
             self._stderr_done.set()
 
@@ -319,7 +348,16 @@ class SandboxProcess:
 
     @property
     def returncode(self) -> int | None:
-        return self._process.returncode
+        return self._program_exit if self._program_exit is not None else self._process.returncode
+
+    def program_exited(self, code: int) -> None:
+        """The sandbox's program, which is not its own child (a forked kernel), exited with `code`."""
+        self._program_exit = code
+
+    def keep_stderr_of(self, stream: ByteReceiveStream) -> None:
+        """Keep the tail of `stream` as this sandbox's stderr (a forked kernel's output pipe)."""
+        self._stderr_done = anyio.Event()
+        self._task_group.start_soon(self._drain_stderr, stream)
 
     @property
     def alive(self) -> bool:
@@ -344,11 +382,10 @@ class SandboxProcess:
             await self._stderr_done.wait()
         return self.stderr_tail()
 
-    async def _drain_stderr(self) -> None:
+    async def _drain_stderr(self, stream: ByteReceiveStream) -> None:
         """Keep only the last STDERR_TAIL_BYTES: a sandbox may write without end."""
-        assert self._process.stderr is not None
         with contextlib.suppress(anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError):
-            async for chunk in self._process.stderr:
+            async for chunk in stream:
                 self._stderr_tail.append(chunk)
                 self._stderr_size += len(chunk)
                 while self._stderr_size > STDERR_TAIL_BYTES and len(self._stderr_tail) > 1:
@@ -356,7 +393,8 @@ class SandboxProcess:
         self._stderr_done.set()
 
     async def wait(self) -> int:
-        return await self._process.wait()
+        code = await self._process.wait()
+        return self._program_exit if self._program_exit is not None else code
 
     def take_cgroup(self) -> SessionCgroup | None:
         """Its cgroup, which the caller now removes (kill() leaves it): a one-shot run replies first.
@@ -366,6 +404,7 @@ class SandboxProcess:
 
     async def kill(self) -> None:
         """Kill the whole sandbox and reap it, within KILL_WAIT_S."""
+        self.ending = True
         if self.hold is not None:
             self.hold.kill()  # first: whatever runs inside, its pid namespace ends with its pid 1
         if self._process.returncode is None:

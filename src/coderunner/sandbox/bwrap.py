@@ -6,6 +6,8 @@ and exactly two host folders: its own workspace (writable) and its own runtime d
 sockets, same path inside). Where the server may create cgroups, the whole sandbox runs in
 per-session memory, pids and cpu cgroups. Network mode `internet` attaches a user-mode network
 stack (slirp4netns) that cannot reach the host's loopback.
+
+One idea: a sandbox built by bubblewrap, from its spec to a held, running process (its argv is bwrap_argv.py's).
 """
 
 from __future__ import annotations
@@ -236,12 +238,7 @@ class BwrapBackend(SandboxBackend):
     async def start(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool) -> SandboxProcess:
         # mkdirs and writes in cgroupfs (and, on a failure, a removal that may wait): off the loop.
         cgroup = await off_loop(self._cgroup_for, spec)
-        nproc = None
-        if cgroup is None and spec.limits.pids:
-            if spec.user is not None:
-                nproc = _count_tasks(spec.user.uid) + spec.limits.pids
-            elif os.getuid() != 0:
-                nproc = _count_tasks(os.getuid()) + spec.limits.pids
+        nproc = self.nproc_limit(spec) if cgroup is None else None
         seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
         private_fds: list[tuple[int, str]] = []
         fds = StartFds.open(network=spec.network == NetworkMode.INTERNET)
@@ -293,6 +290,17 @@ class BwrapBackend(SandboxBackend):
         finally:
             fds.close()
         return sandbox
+
+    def nproc_limit(self, spec: SandboxSpec) -> int | None:
+        """RLIMIT_NPROC for a sandbox without cgroups (None with them, or with no pids limit): RLIMIT_NPROC
+        counts every task of the sandbox's host user, so its tasks now plus the pids limit."""
+        if self.cgroups is not None or not spec.limits.pids:
+            return None
+        if spec.user is not None:
+            return _count_tasks(spec.user.uid) + spec.limits.pids
+        if os.getuid() != 0:
+            return _count_tasks(os.getuid()) + spec.limits.pids
+        return None
 
     async def _hold(self, sandbox: SandboxProcess, fds: StartFds) -> None:
         """Hand the sandbox to this process's watcher, then let it start: first bwrap (the prelude's gate),

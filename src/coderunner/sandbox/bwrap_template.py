@@ -10,7 +10,8 @@ A kernel from it: the sandbox is built by the bwrap backend as today, with a pla
 `fork_into` hands the template a pidfd of that sandbox's pid 1 (and its cgroups, its environment and
 limits); the fork joins it and is confined as bwrap confines its own child (guest/sandbox_enter.py).
 
-Not yet the default: KernelProcess still starts every kernel cold (see the issue's note for what wiring needs).
+Used by KernelProcess where the `kernel_template` setting is on (sandbox/template_kernels.py owns the
+template of a server process and says why a kernel starts cold instead).
 The wire format is the template's (REQUEST, REPLY): tests/unit/test_kernel_template.py checks both agree.
 """
 
@@ -42,6 +43,7 @@ MAGIC = b"KTR1"
 KIND_FORK = 1
 KIND_COUNTERS = 2
 FLAG_MEMORY_SOFT_ONLY = 1
+FLAG_STATUS_FD = 2
 #: The program of a sandbox a template's fork enters: it says the sandbox is finished (bwrap built all of it before
 #: the init started it), then waits, as what the sandbox's init waits for, until the sandbox is killed.
 PLACEHOLDER = ["/bin/sh", "-c", "echo ready && exec /usr/bin/sleep infinity"]
@@ -76,6 +78,7 @@ def encode_request(
     gid: int = 0,
     memory_bytes: int | None = None,
     memory_soft_only: bool = False,
+    status_fd: bool = False,
     nproc: int | None = None,
     environment: dict[str, str] | None = None,
 ) -> bytes:
@@ -83,7 +86,7 @@ def encode_request(
     blob = b"\0".join(f"{key}={value}".encode() for key, value in (environment or {}).items())
     if len(blob) > ENVIRONMENT_BYTES:
         raise ValueError(f"the kernel's environment ({len(blob)} bytes) does not fit a template request")
-    flags = FLAG_MEMORY_SOFT_ONLY if memory_soft_only else 0
+    flags = (FLAG_MEMORY_SOFT_ONLY if memory_soft_only else 0) | (FLAG_STATUS_FD if status_fd else 0)
     return REQUEST.pack(MAGIC, kind, uid, gid, flags, memory_bytes or 0, nproc or 0, blob)
 
 
@@ -187,10 +190,17 @@ class KernelTemplate:
         return await self._ask(encode_request(KIND_COUNTERS), [])
 
     async def fork_into(
-        self, sandbox: SandboxProcess, spec: SandboxSpec, output_fd: int, *, nproc: int | None = None
+        self,
+        sandbox: SandboxProcess,
+        spec: SandboxSpec,
+        output_fd: int,
+        *,
+        nproc: int | None = None,
+        status_fd: int | None = None,
     ) -> TemplateReply:
         """A kernel forked into `sandbox` (built from `spec`, its program a placeholder that waits); raises
-        TemplateUnavailable if it could not enter. Its limits and environment are the ones bwrap_argv gives."""
+        TemplateUnavailable if it could not enter. Its limits and environment are the ones bwrap_argv gives;
+        `status_fd` (a pipe's write end) gets its wait status once the template reaped it."""
         hold = sandbox.hold
         if not isinstance(hold, BwrapHold) or hold.init is None:
             raise TemplateUnavailable("this sandbox has no pid 1 handle to enter by")
@@ -199,13 +209,16 @@ class KernelTemplate:
         ) else []  # fmt: skip
         memory = spec.limits.memory_mb * 2**20 if spec.limits.memory_mb is not None else None
         soft = sandbox.cgroup is not None and "memory" in sandbox.cgroup.dirs and memory is not None
-        request = encode_request(
-            KIND_FORK, uid=SANDBOX_UID, gid=SANDBOX_GID, memory_bytes=memory, memory_soft_only=soft, nproc=nproc,
-            environment=sandbox_environment(spec_environment(spec)),
-        )  # fmt: skip
         try:
+            request = encode_request(
+                KIND_FORK, uid=SANDBOX_UID, gid=SANDBOX_GID, memory_bytes=memory, memory_soft_only=soft, nproc=nproc,
+                environment=sandbox_environment(spec_environment(spec)), status_fd=status_fd is not None,
+            )  # fmt: skip
+            status = [status_fd] if status_fd is not None else []
             with anyio.fail_after(FORK_TIMEOUT_S):
-                answer = await self._ask(request, [hold.init, output_fd, *cgroup_fds])
+                answer = await self._ask(request, [hold.init, output_fd, *status, *cgroup_fds])
+        except ValueError as exc:
+            raise TemplateUnavailable(str(exc)) from None
         finally:
             for fd in cgroup_fds:
                 os.close(fd)
@@ -218,17 +231,25 @@ class KernelTemplate:
         return answer
 
     async def spawn_entered(
-        self, backend: BwrapBackend, spec: SandboxSpec, task_group: TaskGroup, output_fd: int
+        self,
+        backend: BwrapBackend,
+        spec: SandboxSpec,
+        task_group: TaskGroup,
+        output_fd: int,
+        *,
+        status_fd: int | None = None,
     ) -> tuple[SandboxProcess, TemplateReply]:
         """A sandbox built by `backend` as today around PLACEHOLDER, once finished entered by a fork of this
-        template (its stdout and stderr `output_fd`); the sandbox is killed if the fork could not enter."""
+        template (its stdout and stderr `output_fd`; `status_fd`: see fork_into), with the RLIMIT_NPROC the
+        backend gives a cold kernel where there are no cgroups; the sandbox is killed if the fork could not enter."""
+        nproc = backend.nproc_limit(spec)  # counted before the sandbox starts, as a cold start counts it
         sandbox = await backend.spawn(spec, PLACEHOLDER, task_group, pipes=True)
         try:
             with anyio.fail_after(FORK_TIMEOUT_S):
                 said = await sandbox.streams[1].receive()
             if not said.startswith(b"ready"):
                 raise TemplateUnavailable(f"the sandbox's placeholder said {said[:100]!r}, not that it is ready")
-            return sandbox, await self.fork_into(sandbox, spec, output_fd)
+            return sandbox, await self.fork_into(sandbox, spec, output_fd, nproc=nproc, status_fd=status_fd)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await sandbox.kill()

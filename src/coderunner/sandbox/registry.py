@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING
 
-from coderunner.sandbox.base import SandboxBackend, SandboxUnavailable
+from coderunner.sandbox.base import KernelStarter, SandboxBackend, SandboxUnavailable
 from coderunner.vocabulary.backends import BACKENDS, BackendEntry
 
 if TYPE_CHECKING:
@@ -32,6 +32,17 @@ def checks(entry: BackendEntry, settings: Settings) -> list[Check]:
     """Doctor's checks of this backend when it is the one in use."""
     found: list[Check] = importlib.import_module(entry.probes).checks(settings, entry.name)
     return found
+
+
+def kernel_starter(backend: SandboxBackend) -> KernelStarter | None:
+    """The warm kernel template of `backend` (not yet open), from its entry's module; None where it has none
+    (the backend then says so to every kernel's start)."""
+    entry = BACKENDS.get(backend.name)
+    if entry is None or entry.kernel_template is None:
+        backend.no_kernel_starter = f"the {backend.name} backend has no kernel template"
+        return None
+    starter: KernelStarter = importlib.import_module(entry.kernel_template).kernel_starter(backend)
+    return starter
 
 
 def make_backend(settings: Settings) -> SandboxBackend:

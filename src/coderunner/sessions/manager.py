@@ -33,7 +33,15 @@ from coderunner.kernel.kernel_factory import KernelFactory
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.startup_hooks import disable_startup_hooks
 from coderunner.offload import off_loop
-from coderunner.sandbox import Mount, SandboxBackend, SandboxUnavailable, UidPool, per_sandbox_uids
+from coderunner.sandbox import (
+    KernelStarter,
+    Mount,
+    SandboxBackend,
+    SandboxUnavailable,
+    UidPool,
+    kernel_starter,
+    per_sandbox_uids,
+)
 from coderunner.sandbox.identity import UID_CLAIMS_DIR
 from coderunner.sessions.egress_wiring import EgressHub
 from coderunner.sessions.host_services import HostServices
@@ -104,6 +112,8 @@ class SessionManager:
         self.snapshots = SessionSnapshots.for_settings(settings, backend)
         #: Set while close_all runs: a second caller (a signal during shutdown) waits for it.
         self._closing_all: anyio.Event | None = None
+        #: The warm kernel template this server's kernels are forked from (kernel_template, bwrap only).
+        self.template: KernelStarter | None = None
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -116,6 +126,7 @@ class SessionManager:
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(reap_idle, self.settings.idle_timeout_s, self.list, self.close)
+        self._open_template(self._task_group)
         if self.settings.keep_state_save_idle_s > 0:
             self._task_group.start_soon(
                 save_kept_states, self.settings.keep_state_save_idle_s, self.list, self.snapshots
@@ -127,6 +138,14 @@ class SessionManager:
             self._pool_options = self.options()
             self._task_group.start_soon(self.pool.run)
         return self
+
+    def _open_template(self, task_group: TaskGroup) -> None:
+        """With kernel_template: the warm template, started in the background, asked by every kernel's start."""
+        if not self.settings.kernel_template:
+            return
+        self.template = kernel_starter(self.backend)
+        if self.template is not None:
+            self.template.open(task_group)
 
     def _in_use(self) -> int:
         """Sandboxes of users' sessions, open or starting: what sandboxes kept idle may never take room from."""
@@ -168,6 +187,8 @@ class SessionManager:
         with anyio.move_on_after(self.shutdown_bound_s(), shield=True):
             await self.close_all()
         log.info("closed %d session(s) in %.2fs", count, time.monotonic() - began)
+        if self.template is not None:
+            await self.template.close()
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(None, None, None)

@@ -57,6 +57,8 @@ class SessionStatus:
     standby: dict[str, Any] | None = None
     #: Whether its sandbox came warm from the pool or started cold, and why (None: not said, e.g. a cluster's).
     started: dict[str, Any] | None = None
+    #: How its kernel started: "template" (a fork of the warm template) or "cold start: <why not>" (None: not said).
+    kernel_start: str | None = None
 
 
 class Reported(Protocol):
@@ -149,6 +151,7 @@ def session_status(session: Reported) -> SessionStatus:
         state_note=session.kept.note,
         standby=session.standby.describe(),
         started=session.started.describe() if session.started is not None else None,
+        kernel_start=kernel.started_how if kernel is not None else None,
     )
 
 

@@ -34,10 +34,16 @@ def session_usage(kernel: Kernel | None, workspace: Workspace) -> dict[str, floa
 
 
 def memory_used_mb(kernel: Kernel) -> float | None:
-    """The sandbox's cgroup usage where there is one, else the resident memory of its process tree."""
-    if kernel.process is None:
+    """The sandbox's cgroup usage where there is one, else the resident memory of its process tree (and of
+    its program's, where that is not a descendant: a kernel forked from the template)."""
+    process = kernel.process
+    if process is None:
         return None
-    return kernel.process.memory_used_mb() or tree_rss_mb(kernel.process.pid)
+    if used := process.memory_used_mb():
+        return used
+    trees = [tree_rss_mb(pid) for pid in (process.pid, process.program_pid) if pid is not None]
+    found = [mb for mb in trees if mb is not None]
+    return round(sum(found), 1) if found else None
 
 
 def dir_size_mb(path: Path) -> float | None:

@@ -50,7 +50,7 @@ def brief(status: SessionStatus, default: bool) -> dict[str, Any]:
 def detailed(status: SessionStatus, default: bool) -> dict[str, Any]:
     """manage_sessions status: the brief view plus usage against each limit (and how it is held), the
     kernel's history, mounts by their sandbox side, the running job, the standby, the saved state and how its
-    sandbox started (warm from the pool or cold, and why)."""
+    sandbox started (warm from the pool or cold, and why) and its kernel (from the warm template or cold, and why)."""
     described = brief(status, default)
     described.update(
         kernel_generation=status.kernel_generation,
@@ -73,6 +73,8 @@ def detailed(status: SessionStatus, default: bool) -> dict[str, Any]:
         described["state_note"] = status.state_note
     if status.started is not None:
         described["started"] = status.started
+    if status.kernel_start is not None:
+        described["kernel_start"] = status.kernel_start
     return described
 
 

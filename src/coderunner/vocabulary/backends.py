@@ -58,6 +58,9 @@ class BackendEntry:
     fallback_platform: str | None = None
     #: Why it is the backend in use when no setting chose it (doctor).
     default_reason: str = "the first container engine found (Apple `container` is not installed)"
+    #: The module whose kernel_starter(backend) gives its warm kernel template (the kernel_template setting),
+    #: or None where it has none.
+    kernel_template: str | None = None
 
     @property
     def image_builder(self) -> BackendEntry:
@@ -84,6 +87,7 @@ ENTRIES: tuple[BackendEntry, ...] = (
         default_rank=0,
         default_when=_on_linux,
         default_reason="the Linux default: no daemon, no image",
+        kernel_template="coderunner.sandbox.template_kernels",
     ),
     BackendEntry(
         name="podman",

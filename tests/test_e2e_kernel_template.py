@@ -1,0 +1,199 @@
+"""Sessions whose kernels are forks of the warm template (`kernel_template`, issue 41), through the MCP client.
+
+A session says in manage_sessions status how its kernel started (`kernel_start`): "template", or
+"cold start: <why>". Each fallback is forced here and the session still starts and answers: a request the
+template cannot carry (an environment over its field), the template dead, a fork the template refused, a
+workspace module shadowing one the template imported. Every network mode comes from the template with its
+network: 'internet''s interface, 'allowlist''s proxy port and environment. And what a forked kernel is not
+the sandbox's own child for: its exit code reaches the host (the template reaps it) and its sandbox ends
+with it; what it writes to stderr is kept; without cgroups it gets the backend's RLIMIT_NPROC and its
+memory counts.
+Root only (the template joins user namespaces), bwrap only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from collections.abc import AsyncIterator
+from typing import Any
+from unittest import mock
+
+import anyio
+import pytest
+from mcp import Client
+
+from coderunner.oneshot.local import LocalOneShots
+from coderunner.sandbox import bwrap_template, make_backend
+from coderunner.sandbox.template_kernels import TemplateKernels
+from coderunner.server import build_server
+from coderunner.sessions.manager import SessionManager
+
+from .conftest import ServerDirs, run, sandbox_processes_alive, server_env, server_settings, text_of
+
+pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
+
+TEMPLATE = "template"
+
+
+@contextlib.asynccontextmanager
+async def template_server(dirs: ServerDirs, **extra: str) -> AsyncIterator[tuple[Any, Client]]:
+    """The real server in this process with kernel_template on, once its template is ready."""
+    if os.getuid() != 0 or shutil.which("bwrap") is None:
+        pytest.skip("the kernel template needs root and bwrap")
+    env = server_env(dirs, CODERUNNER_KERNEL_TEMPLATE="1", CODERUNNER_RESET_STANDBY="0", **extra)
+    settings = server_settings(env)
+    if settings.backend != "bwrap":
+        pytest.skip("the kernel template is bwrap's")
+    with mock.patch.dict(os.environ, env):
+        backend = make_backend(settings)
+        async with (
+            SessionManager(settings, backend) as manager,
+            Client(build_server(manager, LocalOneShots.for_manager(manager)), read_timeout_seconds=120) as client,
+        ):
+            assert isinstance(manager.template, TemplateKernels)
+            with anyio.fail_after(180):
+                await manager.template.ready.wait()
+            assert manager.template.template is not None, manager.template.why_not
+            yield manager, client
+
+
+async def status(client: Client, session_id: str) -> dict[str, Any]:
+    result = await client.call_tool("manage_sessions", {"action": "status", "session_id": session_id})
+    assert not result.is_error, text_of(result)
+    return json.loads(text_of(result))
+
+
+async def create(client: Client, **arguments: object) -> str:
+    result = await client.call_tool("create_session", arguments)
+    assert not result.is_error, text_of(result)
+    return str(json.loads(text_of(result))["session_id"])
+
+
+async def value(client: Client, session_id: str, code: str) -> str:
+    result = await run(client, code, session_id=session_id)
+    assert not result.is_error, text_of(result)
+    return text_of(result).splitlines()[0]
+
+
+async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_sandbox(dirs: ServerDirs) -> None:
+    async with template_server(dirs) as (manager, client):
+        sid = await create(client)
+        assert (await status(client, sid))["kernel_start"] == TEMPLATE
+        # The template's imports are there before any cell imported them; the kernel is the sandbox's user.
+        assert await value(client, sid, "import sys, os; ('numpy' in sys.modules, os.getuid())") == "(True, 1000)"
+        assert manager.template is not None and manager.template.forked == 1
+        session = next(each for each in manager.list() if each.session_id == sid)
+        assert session.kernel is not None and session.kernel.process is not None
+        process = session.kernel.process
+        # The suites' count of sandbox processes has the forked kernel, not the template (the server's helper).
+        counted = sandbox_processes_alive(dirs)
+        assert process.program_pid in counted and manager.template.template.pid not in counted, counted
+        # What it writes to stderr (its fd 2, not the ZMQ stream) is the sandbox's stderr tail.
+        await value(client, sid, "import os; os.write(2, b'said on fd 2\\n')")
+        with anyio.fail_after(10):
+            while "said on fd 2" not in process.stderr_tail():
+                await anyio.sleep(0.05)
+        # Its exit code is relayed (the template reaped it), and its sandbox ends with it.
+        died = await run(client, "import os; os._exit(3)", session_id=sid)
+        assert died.is_error and "3" in text_of(died), text_of(died)
+        with anyio.fail_after(15):
+            await process.wait()
+        assert process.returncode == 3
+        # The next call starts it again, from the template again.
+        assert await value(client, sid, "1 + 1") == "2"
+        assert (await status(client, sid))["kernel_start"] == TEMPLATE
+
+
+async def test_without_cgroups_a_forked_kernel_gets_the_backends_nproc_limit_and_its_memory_counts(
+    dirs: ServerDirs,
+) -> None:
+    async with template_server(dirs, CODERUNNER_CGROUPS="0", CODERUNNER_PIDS="64") as (_, client):
+        sid = await create(client)
+        said = await status(client, sid)
+        assert said["kernel_start"] == TEMPLATE
+        soft = int(await value(client, sid, "import resource; resource.getrlimit(resource.RLIMIT_NPROC)[0]"))
+        assert 64 <= soft < 100_000, soft  # its user's tasks now plus the pids limit, not unlimited
+        # Its memory is read from its own process tree (it is the template's child, not the sandbox's).
+        assert said["usage"]["memory_mb"] > 20, said
+
+
+NETWORK_PROBE = """
+import os, socket
+interfaces = [line.split(":")[0].strip() for line in open("/proc/net/dev").read().splitlines()[2:]]
+try:
+    socket.create_connection(("127.0.0.1", 3128), timeout=5).close()
+    port = "open"
+except OSError:
+    port = "closed"
+print(sorted(interfaces), port, os.environ.get("HTTP_PROXY"))
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "said"),
+    [
+        ("internet", "['lo', 'tap0'] closed None"),
+        ("allowlist", "['lo'] open http://127.0.0.1:3128"),
+    ],
+)
+async def test_every_network_mode_comes_from_the_template_with_its_network(
+    dirs: ServerDirs, mode: str, said: str
+) -> None:
+    extra = {"CODERUNNER_NETWORK": mode}
+    if mode == "allowlist":
+        extra["CODERUNNER_ALLOWED_DOMAINS"] = '["example.com"]'
+    async with template_server(dirs, **extra) as (_, client):
+        sid = await create(client)
+        assert (await status(client, sid))["kernel_start"] == TEMPLATE
+        assert await value(client, sid, NETWORK_PROBE) == said
+
+
+async def test_a_request_the_template_cannot_carry_starts_cold_and_says_why(dirs: ServerDirs) -> None:
+    async with template_server(dirs) as (_, client):
+        # The kernel's environment goes in a fixed-size field of the request: one larger starts cold.
+        with mock.patch.object(bwrap_template, "ENVIRONMENT_BYTES", 16):
+            sid = await create(client)
+        assert await value(client, sid, "1 + 1") == "2"
+        said = (await status(client, sid))["kernel_start"]
+        assert said.startswith("cold start: the kernel's environment") and "does not fit" in said, said
+
+
+async def test_a_dead_template_means_cold_starts_that_say_so(dirs: ServerDirs) -> None:
+    async with template_server(dirs) as (manager, client):
+        assert manager.template is not None and manager.template.template is not None
+        manager.template.template.process.kill()
+        with anyio.fail_after(10):
+            while manager.template.template is not None:
+                await anyio.sleep(0.05)
+        sid = await create(client)
+        assert await value(client, sid, "1 + 1") == "2"
+        said = (await status(client, sid))["kernel_start"]
+        assert said.startswith("cold start: the kernel template exited"), said
+
+
+async def test_a_fork_the_template_refuses_means_a_cold_start_that_says_why(dirs: ServerDirs) -> None:
+    async with template_server(dirs) as (manager, client):
+        # A uid the sandbox's user namespace does not map: the fork cannot become it, and refuses.
+        with mock.patch.object(bwrap_template, "SANDBOX_UID", 4242):
+            sid = await create(client)
+        assert await value(client, sid, "1 + 1") == "2"
+        said = (await status(client, sid))["kernel_start"]
+        assert said.startswith("cold start: a fork of the kernel template could not enter its sandbox"), said
+        assert manager.template is not None and manager.template.refused == 1
+        # The template lives on, and the next kernel comes from it.
+        assert (await status(client, await create(client)))["kernel_start"] == TEMPLATE
+
+
+async def test_a_workspace_module_shadowing_the_templates_imports_means_a_cold_kernel(dirs: ServerDirs) -> None:
+    async with template_server(dirs) as (_, client):
+        sid = await create(client)
+        await value(client, sid, "open('numpy.py', 'w').write('shadowed = True')")
+        result = await client.call_tool("kernel_reset", {"session_id": sid})
+        assert not result.is_error, text_of(result)
+        said = (await status(client, sid))["kernel_start"]
+        assert said.startswith("cold start: the template's imports are not current here"), said
+        # The user's import finds the workspace's module, as in any cold kernel.
+        assert await value(client, sid, "import numpy\nprint(getattr(numpy, 'shadowed', False))") == "True"
