@@ -185,12 +185,18 @@ def _first_child(
         close_fds_but((pidfd, output, report, *cgroups))
         signal.set_wakeup_fd(-1)
         join(pidfd, cgroups)
+        turn_read, turn_write = os.pipe()
         kernel = os.fork()
     except OSError as exc:
         refuse(output, report, "could not join the sandbox", exc)
     if kernel:
         os.write(report, struct.pack("<q", kernel))
-        os._exit(0)
+        os._exit(0)  # closes turn_write: the kernel's turn to write to `report`
+    # The report is the kernel's pid, then what the kernel says: it waits for its pid to be written first
+    # (else, the first child slow to run, the template read the kernel's 0 as its pid).
+    os.close(turn_write)
+    os.read(turn_read, 1)
+    os.close(turn_read)
     _kernel(output, report, confinement, code)
 
 
