@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -224,3 +225,17 @@ async def test_closing_a_session_while_its_kernel_restarts_stops_the_start_clean
     assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "a sandbox outlived its closed session"
     assert not any(dirs.workspaces.iterdir()), "the closed session's workspace is left"
     assert text_of(await run(client, "6 * 7")).splitlines()[0] == "42"
+
+
+async def test_a_removed_guest_copy_is_put_back_before_the_next_sandbox_starts(dirs: ServerDirs) -> None:
+    """Something outside the server (a /tmp cleaner, a user's rm) removes the guest package's copy from the
+    runtime dir: the next session still starts, and so does every one after it."""
+    async with memory_client(server_env(dirs)) as client:
+        assert text_of(await run(client, "6 * 7")).splitlines()[0] == "42"
+        [guest] = [path for path in dirs.runtime.iterdir() if path.name.startswith("guest-")]
+        shutil.rmtree(guest)
+        for _ in range(2):
+            session = await create(client)
+            reply = await run(client, "6 * 7", session_id=session["session_id"])
+            assert not reply.is_error and text_of(reply).splitlines()[0] == "42", text_of(reply)
+        assert guest.is_dir()

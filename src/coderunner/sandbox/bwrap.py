@@ -191,6 +191,7 @@ class BwrapBackend(SandboxBackend):
             except IdentityError as exc:
                 raise BwrapUnavailable(str(exc)) from None
         self.command = BwrapCommand(bwrap=found, env_dir=env_dir, guest_dir=guest_dir)
+        self._guest_source = (runtime_base, env_dir / "bin" / "python")
         self.cgroups: CgroupManager | None = None
         self.cgroup_problem: str | None = "disabled in the configuration"
         if use_cgroups:
@@ -238,6 +239,7 @@ class BwrapBackend(SandboxBackend):
     async def start(self, spec: SandboxSpec, argv: list[str], task_group: TaskGroup, *, pipes: bool) -> SandboxProcess:
         # mkdirs and writes in cgroupfs (and, on a failure, a removal that may wait): off the loop.
         cgroup = await off_loop(self._cgroup_for, spec)
+        await off_loop(self._keep_guest)
         nproc = self.nproc_limit(spec) if cgroup is None else None
         seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
         private_fds: list[tuple[int, str]] = []
@@ -290,6 +292,13 @@ class BwrapBackend(SandboxBackend):
         finally:
             fds.close()
         return sandbox
+
+    def _keep_guest(self) -> None:
+        """Put the guest copy back if something removed it since the server started (a /tmp cleaner, a
+        user's `rm`): every later sandbox would otherwise fail to start with bwrap's "Can't find source path"."""
+        if not self.command.guest_dir.is_dir():
+            log.warning("the guest copy %s was removed: installing it again", self.command.guest_dir)
+            install_guest(*self._guest_source)
 
     def nproc_limit(self, spec: SandboxSpec) -> int | None:
         """RLIMIT_NPROC for a sandbox without cgroups (None with them, or with no pids limit): RLIMIT_NPROC
