@@ -217,9 +217,13 @@ def main(argv: list[str] | None = None) -> int:
 def _serve_command(_args: argparse.Namespace, settings: Settings) -> int:
     import anyio
 
+    from coderunner.edge.listener import open_listener
+
+    # An address that is not allowed, or a port in use, is refused before the server's modules load.
+    listener = open_listener(settings) if settings.transport != "stdio" else None
     from coderunner.serve import serve
 
-    anyio.run(serve, settings)
+    anyio.run(serve, settings, listener)
     return 0
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import shlex
 import signal
+import socket
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +22,7 @@ from coderunner.config import ConfigError, Settings
 from coderunner.edge.auth import RequireToken, policy_for
 from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, snippet
 from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
-from coderunner.edge.listener import bind_listener
+from coderunner.edge.listener import open_listener
 from coderunner.edge.refusals import TokenCut
 from coderunner.edge.stdio_wire import claim_stdio, wire_streams
 from coderunner.errors import CodeRunnerError
@@ -38,7 +39,9 @@ HTTP_SHUTDOWN_GRACE_S = 5
 STDIO_DRAIN_MARGIN_S = 60
 
 
-async def serve(settings: Settings) -> None:
+async def serve(settings: Settings, listener: socket.socket | None = None) -> None:
+    """Serve `settings.transport` until the client or a signal ends it; `listener` is the HTTP socket
+    already opened (cli.py opens it before loading this module, so a refusal comes at once)."""
     async with contextlib.AsyncExitStack() as stack:
         # Whatever stops the start, before the MCP channel opens, is one line on stderr (cli.main
         # prints a CodeRunnerError's message): a client shows its user only "Failed to connect".
@@ -46,11 +49,8 @@ async def serve(settings: Settings) -> None:
             offered_tools(settings)  # a tool name that is no tool is refused before anything starts
             # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
             policy = policy_for(settings) if settings.transport != "stdio" else None
-            listener = (
-                None
-                if settings.transport == "stdio"
-                else stack.enter_context(contextlib.closing(bind_listener(settings.host, settings.port)))
-            )
+            if settings.transport != "stdio":
+                listener = stack.enter_context(contextlib.closing(listener or open_listener(settings)))
             with _stdout_held(settings.transport == "stdio"):
                 manager = await stack.enter_async_context(_session_host(settings))
                 server = build_server(manager, _oneshot_host(manager))

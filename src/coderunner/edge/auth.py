@@ -14,7 +14,6 @@ a second line behind session_binding.py.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import secrets
@@ -32,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from coderunner.edge.client_tokens import PRIMARY_CLIENT, ClientTokenError, ClientTokens, new_token, tokens_dir
 from coderunner.edge.http_limits import refuse_repeated, repeated_field
+from coderunner.edge.listener import WILDCARD_BINDS, is_loopback, refuse_unsafe_bind
 from coderunner.edge.refusals import RefusalLog, header_reason, unauthorized_reason
 from coderunner.edge.session_binding import BindMcpSessions
 from coderunner.errors import CodeRunnerError
@@ -51,22 +51,12 @@ _NO_OAUTH = {
 }
 TOKEN_BYTES = 32
 LOOPBACK_NAMES = ("127.0.0.1", "localhost", "::1")
-WILDCARD_BINDS = ("0.0.0.0", "::", "")
 #: The ASGI scope key that carries the client a request's token names (see callers.py).
 CLIENT_SCOPE_KEY = "coderunner.client"
 
 
 class AuthError(CodeRunnerError):
-    """The token cannot be read or made, or the bind is not allowed; the message says why."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return False
+    """The token cannot be read or made; the message says why."""
 
 
 def read_token(path: Path) -> str:
@@ -234,23 +224,9 @@ def _unauthorized() -> Response:
 
 
 def policy_for(settings: Settings) -> AccessPolicy:
-    """The access policy of an HTTP server with these settings; AuthError when it must not start.
-
-    Listening beyond loopback needs a token the user chose (not one made silently) and the host
-    names clients will use, so that exposing the sandbox to a network is always a decision.
-    """
-    chosen = {"token", "token_file"} & settings.model_fields_set
-    if not is_loopback(settings.host):
-        if not chosen:
-            raise AuthError(
-                f"listening on {settings.host} (beyond this machine) needs a token you chose: set "
-                "CODERUNNER_TOKEN or token_file (`coderunner token --file PATH` makes one)"
-            )
-        if settings.host in WILDCARD_BINDS and not settings.allowed_hosts:
-            raise AuthError(
-                f"listening on {settings.host} needs allowed_hosts: the names clients reach this machine by, "
-                f'e.g. allowed_hosts = ["myhost:{settings.port}"]'
-            )
+    """The access policy of an HTTP server with these settings; ListenError when it must not start
+    (edge/listener.py's rule: beyond loopback, a token the user chose and the names clients use)."""
+    refuse_unsafe_bind(settings)
     token = settings.token.get_secret_value() if settings.token else ensure_token(settings.token_file)
     clients = ClientTokens(tokens_dir(settings.token_file))
     try:
