@@ -6,7 +6,7 @@ import anyio
 import pytest
 from mcp import Client
 
-from .conftest import images_of, run, text_of
+from .conftest import ServerDirs, images_of, memory_client, run, server_env, text_of
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -65,6 +65,33 @@ async def test_infinite_loop_is_interrupted_and_state_kept(client: Client) -> No
     assert "started" in text, "output produced before the timeout is returned"
     after = await run(client, "kept")
     assert "'still here'" in text_of(after)
+
+
+#: A cell whose sandbox is starved of CPU by its own processes: six spinners (deaf to SIGINT, gone after
+#: 30 s) share the session's small CPU quota with the kernel, so the interrupt waits to be run.
+STARVE = """
+import multiprocessing, signal, time
+def spin():
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    end = time.time() + 30
+    while time.time() < end:
+        pass
+spinners = [multiprocessing.Process(target=spin, daemon=True) for _ in range(6)]
+for spinner in spinners:
+    spinner.start()
+kept = 'still here'
+"""
+
+
+async def test_a_cell_starved_of_cpu_is_interrupted_and_keeps_its_state(dirs: ServerDirs) -> None:
+    """The interrupt's grace counts time the sandbox could run: a kernel kept waiting for a CPU (here by its
+    own spinners under a 0.2 CPU quota; on a loaded machine by everything else) is not restarted for that."""
+    async with memory_client(server_env(dirs, CODERUNNER_CPUS="0.2")) as client:
+        assert not (await run(client, STARVE)).is_error
+        result = await run(client, "while True:\n    pass", timeout_s=2)
+        text = text_of(result)
+        assert result.is_error and "interrupted" in text and "state are kept" in text, text
+        assert "'still here'" in text_of(await run(client, "kept"))
 
 
 async def test_code_ignoring_sigint_is_restarted_and_reply_says_state_lost(client: Client) -> None:

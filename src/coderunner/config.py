@@ -282,7 +282,12 @@ class Settings(BaseSettings):
         "reads the rest). Kept under the 60 s many clients wait for a reply (the TypeScript SDK's default).",
     )
     max_timeout_s: float = Field(default=3600.0, gt=0, description="Largest timeout_s a caller may ask for.")
-    interrupt_grace_s: float = Field(default=3.0, gt=0, description="Wait after an interrupt before a restart.")
+    interrupt_grace_s: float = Field(
+        default=3.0,
+        gt=0,
+        description="Wait after an interrupt before a restart, counted in time the sandbox could run: on a loaded "
+        "machine its waits for a CPU lengthen it (by at most 30 s).",
+    )
     startup_timeout_s: float = Field(default=60.0, gt=0, description="Limit on a kernel's start to first reply.")
     output_limit_chars: int = Field(default=20_000, ge=1_000, description="Text kept inline per call.")
     spill_limit_bytes: int = Field(

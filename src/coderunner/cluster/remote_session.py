@@ -33,6 +33,7 @@ from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
 from coderunner.cluster.remote_job import RemoteJob, mirror_output
 from coderunner.cluster.wire import EgressDelta, ExportListing, JobDelta, Question, SessionInfo, SessionNews
 from coderunner.errors import CodeRunnerError, SessionError
+from coderunner.kernel.client import longest_grace_s
 from coderunner.kernel.output_capture import WorkspaceWriter
 from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sandbox import LimitReport
@@ -226,7 +227,9 @@ class RemoteSession:
             answered = True
         except anyio.get_cancelled_exc_class():  # cancelled before the node answered: the cell must not run on
             with anyio.CancelScope(shield=True), contextlib.suppress(SessionError):
-                await self.acall("cancel_run", token, timeout_s=self.settings.interrupt_grace_s + CANCEL_S)
+                await self.acall(
+                    "cancel_run", token, timeout_s=longest_grace_s(self.settings.interrupt_grace_s) + CANCEL_S
+                )
             raise
         finally:
             self._asking_calls -= asking
@@ -329,7 +332,7 @@ class RemoteSession:
 
     async def _cancel_remote(self, job_id: str) -> None:
         try:
-            await self.acall("cancel_job", job_id, timeout_s=self.settings.interrupt_grace_s + CALL_S)
+            await self.acall("cancel_job", job_id, timeout_s=longest_grace_s(self.settings.interrupt_grace_s) + CALL_S)
         except SessionError as exc:
             log.info("cancelling %s: %s", job_id, exc)
 
@@ -356,7 +359,7 @@ class RemoteSession:
         await self.acall(
             "cancel_job",
             job.job_id,
-            timeout_s=self.settings.interrupt_grace_s + self.settings.startup_timeout_s + CALL_S,
+            timeout_s=longest_grace_s(self.settings.interrupt_grace_s) + self.settings.startup_timeout_s + CALL_S,
         )
         with anyio.move_on_after(CALL_S):
             await job.done.wait()

@@ -19,7 +19,7 @@ import anyio
 from coderunner.config import Settings
 from coderunner.errors import GuestCallError, SessionError
 from coderunner.hostfs.sandbox_files import SandboxFiles
-from coderunner.kernel.client import ProgressCallback
+from coderunner.kernel.client import ProgressCallback, longest_grace_s
 from coderunner.kernel.execution import RunOutcome, RunStatus
 from coderunner.kernel.incarnation import Kernel
 from coderunner.kernel.output_capture import OutputCollector, WorkspaceWriter
@@ -146,7 +146,7 @@ class KernelCalls:
     @property
     def cancel_wait_s(self) -> float:
         """Bound on a cancelled cell's end: its interrupt grace, then perhaps a fresh kernel's start."""
-        return self.settings.interrupt_grace_s + self.settings.startup_timeout_s + 5.0
+        return longest_grace_s(self.settings.interrupt_grace_s) + self.settings.startup_timeout_s + 5.0
 
     def job_result(self, job: Job) -> ExecutionResult:
         return python_job_result(job)
