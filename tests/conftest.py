@@ -186,7 +186,11 @@ def http_server(env: dict[str, str], transport: str = "streamable-http") -> Iter
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(timeout=5)
-                raise AssertionError("the server did not stop within its bound after SIGTERM") from None
+                log.seek(0)
+                said = log.read().decode(errors="replace")[-3000:]
+                raise AssertionError(
+                    f"the server did not stop within its bound after SIGTERM; its log:\n{said}"
+                ) from None
 
 
 def _await_listening(process: subprocess.Popen[bytes], port: int, log: typing.IO[bytes]) -> None:
@@ -330,6 +334,37 @@ def images_of(result: CallToolResult) -> list[bytes]:
 
 async def run(client: Client, code: str, **arguments: object) -> CallToolResult:
     return await client.call_tool("run_python", {"code": code, **arguments})
+
+
+#: How many manage_jobs waits (each up to JOB_WAIT_S) follow a run that went on as a job.
+JOB_WAITS = 40
+JOB_WAIT_S = 30
+
+
+def running_job(reply: CallToolResult) -> str | None:
+    """The job id of a reply that says its run goes on as a job (run_python's `_meta`, execute_code's JSON)."""
+    job = (reply.meta or {}).get("coderunner/job")
+    if isinstance(job, dict):
+        return str(job["job_id"]) if job.get("status") == "running" else None
+    with contextlib.suppress(ValueError, IndexError, AssertionError):
+        payload = json_of(reply)
+        if isinstance(payload, dict) and payload.get("status") == "running" and "job_id" in payload:
+            return str(payload["job_id"])
+    return None
+
+
+async def run_to_end(client: Client, code: str, tool: str = "run_python", **arguments: object) -> list[CallToolResult]:
+    """Every reply of one run, as a careful client reads it: the run's own, then, if it went on as a job (it
+    outlived detach_after_s: heavy output on a loaded machine, where sessions get only idle CPU), each
+    manage_jobs wait until the job ended."""
+    replies = [await client.call_tool(tool, {"code": code, **arguments})]
+    for _ in range(JOB_WAITS):
+        job_id = running_job(replies[-1])
+        if job_id is None:
+            return replies
+        wait = {"action": "wait", "job_id": job_id, "timeout_s": JOB_WAIT_S}
+        replies.append(await client.call_tool("manage_jobs", wait))
+    raise AssertionError(f"still running after {JOB_WAITS} waits of {JOB_WAIT_S} s: {text_of(replies[-1])[-500:]}")
 
 
 def sandbox_processes_alive(dirs: ServerDirs) -> list[int]:

@@ -16,6 +16,7 @@ from .conftest import (
     json_of,
     memory_client,
     run,
+    run_to_end,
     sandbox_processes_alive,
     server_env,
     text_of,
@@ -51,7 +52,8 @@ VALUES: dict[str, Any] = {
 
 
 async def execute(client: Client, language: str, code: str, **arguments: Any) -> dict[str, Any]:
-    result = await client.call_tool("execute_code", {"language": language, "code": code, **arguments})
+    """The run's answer (followed to its end if it went on as a job: a loaded machine)."""
+    result = (await run_to_end(client, code, "execute_code", language=language, **arguments))[-1]
     payload = json_of(result)
     assert payload is not None, text_of(result)
     assert result.is_error == (not payload["success"])
