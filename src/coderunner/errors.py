@@ -10,7 +10,7 @@ Each class lives beside the code that raises it; the tree, with where each one i
     CodeRunnerError
     ├── ConfigError                  config.py                     a setting that cannot be used
     ├── AuthError                    edge/auth.py                  the token cannot be read or made
-    ├── ListenError                  edge/listener.py              the HTTP address cannot be listened on (in use; not allowed)
+    ├── ListenError                  edge/listener.py              the HTTP address is in use or not allowed
     ├── ClientTokenError             edge/client_tokens.py         a token command that cannot be done
     ├── SetupError                   sandbox/env.py                the sandbox environment could not be made
     │   └── ImageError               sandbox/image_build.py        the sandbox image could not be built

@@ -249,6 +249,7 @@ class FakeKernel(Kernel):
         progress: ProgressCallback | None = None,
         progress_interval_s: float = 1.0,
         silent: bool = False,
+        keep_on_cancel: bool = True,
     ) -> RunOutcome:
         """Run the cell as a task of its own, and wait for it as Kernel.execute waits for a real one."""
         begun = time.monotonic()
@@ -266,6 +267,9 @@ class FakeKernel(Kernel):
         except TimeoutError:
             cell.status = await self._settle_after_interrupt(cell, interrupt_grace_s)
         except anyio.get_cancelled_exc_class():
+            if not keep_on_cancel:  # the owner discards this kernel: nothing waits for the cell
+                self.client.wedged = True
+                raise
             with anyio.CancelScope(shield=True):
                 if await self._settle_after_interrupt(cell, interrupt_grace_s) is RunStatus.UNRESPONSIVE:
                     self.client.wedged = True

@@ -82,6 +82,13 @@ async def test_a_kernel_that_ignores_interrupts_is_unresponsive_and_wedged_when_
     assert kernel.wedged and kernel.alive and kernel.interrupts == 2
 
 
+async def test_a_cell_the_owner_discards_is_not_interrupted_when_cancelled(make: Any) -> None:
+    kernel = await make()
+    with anyio.move_on_after(0.1):
+        await kernel.execute("hang", output(), timeout_s=60, interrupt_grace_s=30, keep_on_cancel=False)
+    assert kernel.wedged and kernel.interrupts == 0
+
+
 async def test_an_outside_interrupt_raises_keyboard_interrupt_in_the_cell(make: Any) -> None:
     kernel = await make()
     async with anyio.create_task_group() as group:

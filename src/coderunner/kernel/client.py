@@ -128,10 +128,13 @@ class KernelClient:
         progress: ProgressCallback | None = None,
         progress_interval_s: float = 1.0,
         silent: bool = False,
+        keep_on_cancel: bool = True,
     ) -> RunOutcome:
         """Run `code`; at the deadline interrupt it and give it `interrupt_grace_s` to stop.
 
-        `silent` runs it without history or execution count (guest tool calls).
+        `silent` runs it without history or execution count (guest tool calls). `keep_on_cancel` False: a
+        caller that leaves discards this kernel (the server's own warm-up cells), so nothing waits for the
+        cell to stop: the kernel is marked wedged at once.
         """
         # Held here: a shutdown from elsewhere (a session close) clears the attributes mid-run.
         shell, iopub = self._shell, self._iopub
@@ -165,6 +168,9 @@ class KernelClient:
             except anyio.get_cancelled_exc_class():
                 # The caller gave up (MCP notifications/cancelled, client gone): never leave the
                 # cell burning a core. If the interrupt is ignored, the owner must restart us.
+                if not keep_on_cancel:
+                    self.wedged = True
+                    raise
                 with anyio.CancelScope(shield=True):
                     if await self._interrupt_and_settle(run, interrupt_grace_s, begun) is RunStatus.UNRESPONSIVE:
                         self.wedged = True

@@ -196,11 +196,13 @@ class Kernel:
         progress: ProgressCallback | None = None,
         progress_interval_s: float = 1.0,
         silent: bool = False,
+        keep_on_cancel: bool = True,
     ) -> RunOutcome:
         """Run `code` (KernelClient.execute): at the deadline it is interrupted, given `interrupt_grace_s`."""
         return await self.client.execute(
-            code, output, timeout_s, interrupt_grace_s, progress, progress_interval_s, silent=silent
-        )
+            code, output, timeout_s, interrupt_grace_s, progress, progress_interval_s, silent=silent,
+            keep_on_cancel=keep_on_cancel,
+        )  # fmt: skip
 
     def interrupt(self) -> None:
         """Ask the kernel to interrupt its cell, from code that cannot wait (the send runs soon)."""

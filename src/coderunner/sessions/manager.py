@@ -383,6 +383,7 @@ class SessionManager:
             outcome = await session.kernel.execute(
                 code, output, timeout_s=self.settings.startup_timeout_s,
                 interrupt_grace_s=self.settings.interrupt_grace_s, silent=True,
+                keep_on_cancel=False,  # a pooled kernel whose warm-up is stopped is discarded
             )  # fmt: skip
         finally:
             output.close()

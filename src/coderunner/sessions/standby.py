@@ -299,8 +299,9 @@ class Standby:
         output = OutputCollector(limit_chars=self.settings.output_limit_chars, spill_limit_bytes=0, image_limit_bytes=0)
         try:
             outcome = await kernel.execute(
-                code, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True
-            )
+                code, output, timeout_s=timeout_s, interrupt_grace_s=self.settings.interrupt_grace_s, silent=True,
+                keep_on_cancel=False,  # a standby whose start is stopped is discarded: no interrupt to wait for
+            )  # fmt: skip
         finally:
             output.close()
         if outcome.status is not RunStatus.OK:
