@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -34,14 +35,15 @@ REFRESH_S = 1.0
 class NodeTable:
     """Ray's nodes (`ray.nodes()` entries), as of at most FRESH_S ago."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
         self._nodes: list[dict[str, Any]] | None = None
         self._taken_at = 0.0
         self._refreshing = False
 
     async def current(self, task_group: TaskGroup) -> list[dict[str, Any]]:
         """The nodes: the copy if fresh enough (asked again in `task_group` when it is aging), else asked now."""
-        age = time.monotonic() - self._taken_at
+        age = self._clock() - self._taken_at
         if self._nodes is None or age > FRESH_S:
             return await self.refresh()
         if age > REFRESH_S and not self._refreshing:
@@ -51,7 +53,7 @@ class NodeTable:
 
     async def refresh(self) -> list[dict[str, Any]]:
         """The nodes as Ray's GCS says now (kept as the copy)."""
-        asked_at = time.monotonic()
+        asked_at = self._clock()
         nodes: list[dict[str, Any]] = await anyio.to_thread.run_sync(ray.nodes)
         if asked_at >= self._taken_at:  # a slower answer asked earlier never replaces a newer one
             self._nodes, self._taken_at = nodes, asked_at
