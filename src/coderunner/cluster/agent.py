@@ -251,7 +251,7 @@ class NodeAgent:
     async def call(self, session_id: str, method: str, args: Sequence[Any] = ()) -> Any:
         """One front-door call of session `session_id` (SESSION_CALLS, `info` or `close`) with `args`. They
         come as one list, not as Ray arguments each: Ray serializes each of its arguments on its own, about
-        35 us apiece on the caller's event loop (a run's call has nine)."""
+        35 us apiece on the caller's event loop (a run's call had ten)."""
         self._visited = time.monotonic()
         side = self._sides.get(session_id)
         if side is None or not side.open:
