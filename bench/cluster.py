@@ -115,11 +115,11 @@ from coderunner.edge.callers import LOCAL_CALLER
 runs = []
 for index in range(20 + int(sys.argv[3])):
     began = time.perf_counter()
-    delta = ray.get(agent.call.remote(session_id, "start_run", "1+1", None, None, LOCAL_CALLER, 0.5), timeout=60)
+    delta = ray.get(agent.call.remote(session_id, "start_run", ["1+1", None, None, LOCAL_CALLER, 0.5]), timeout=60)
     if index >= 20:
         runs.append(time.perf_counter() - began)
-    assert delta.ended, delta
-    ray.get(agent.call.remote(session_id, "forget_job", delta.job_id), timeout=30)
+    assert delta["ended"], delta  # a JobDelta's wire form (cluster/wire.py)
+    ray.get(agent.call.remote(session_id, "forget_job", [delta["job_id"]]), timeout=30)
 print(json.dumps({"ping": samples, "run": runs}))
 """
 

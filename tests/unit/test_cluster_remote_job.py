@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import inspect
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -60,12 +60,13 @@ class FakeAgent:
     async def _wake(self, waiter: str) -> None:
         self.changes.wake(waiter)
 
-    async def _call(self, session_id: str, method: str, *args: Any) -> Any:
+    async def _call(self, session_id: str, method: str, args: Sequence[Any] = ()) -> Any:
         self.calls.append(method)
         assert self.reads is not None
         await anyio.sleep(0.001)
         answer = self.reads(method)(*args)
-        return await answer if inspect.isawaitable(answer) else answer
+        answer = await answer if inspect.isawaitable(answer) else answer
+        return answer.wire() if isinstance(answer, JobDelta) else answer  # a delta crosses in its wire form
 
 
 def remote_session(agent: FakeAgent, group: Any) -> RemoteSession:

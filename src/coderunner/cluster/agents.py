@@ -64,6 +64,11 @@ class Agents:
             self._handles[(node_id, self.key)] = handle
         return handle
 
+    async def _started(self, node_id: str) -> Any:
+        """`start` from the event loop: the handle kept, or (the first time) started in a worker thread."""
+        handle = self._handles.get((node_id, self.key))
+        return handle if handle is not None else await anyio.to_thread.run_sync(self.start, node_id)
+
     def of_session(self, session_id: str) -> tuple[str, Any] | None:
         """(node id, agent) of a session id, found by name only the first time (blocking: a worker thread);
         None for an id no agent could hold (not one of ours, its node or agent gone): never starts one."""
@@ -112,7 +117,7 @@ class Agents:
         """(node id, agent) for a new session (a one-shot `run`): `home`'s if given, else the best of two
         with room (placement.best_of)."""
         if home is not None:
-            return home, await anyio.to_thread.run_sync(self.start, home)
+            return home, await self._started(home)
         fitting = [node for node in nodes if node.get("Alive") and request.fits(node)]
         random.shuffle(fitting)
         answers: list[tuple[dict[str, Any], AgentLoad]] = []
@@ -139,7 +144,7 @@ class Agents:
 
     async def _load(self, node: dict[str, Any]) -> AgentLoad:
         node_id = node["NodeID"]
-        handle = await anyio.to_thread.run_sync(self.start, node_id)
+        handle = await self._started(node_id)
         try:
             with anyio.fail_after(AGENT_START_S):
                 load: AgentLoad = await handle.visit.remote()

@@ -33,6 +33,7 @@ from ray.exceptions import AuthenticationError
 from coderunner.cluster.agent_watch import AgentWatch
 from coderunner.cluster.agents import Agents
 from coderunner.cluster.node_calls import NodeCalls
+from coderunner.cluster.node_table import NodeTable
 from coderunner.cluster.oneshot_exports import OneShotExports, write_here
 from coderunner.cluster.placement import NoRoomNow, Request, check_fits, check_home
 from coderunner.cluster.ray_auth import token_refusal
@@ -120,6 +121,8 @@ class ClusterHost:
             self._settings_sent, Request.of(self._defaults, self.backend.name, settings.ray_node_labels)
         )
         self._warm = settings.pool_size > 0 and self._defaults.network != NetworkMode.ALLOWLIST
+        #: Ray's node table as of seconds ago: creates and one-shot runs read it without a GCS call.
+        self._nodes = NodeTable()
 
     async def __aenter__(self) -> ClusterHost:
         with anyio.fail_after(CONNECT_S):
@@ -135,7 +138,7 @@ class ClusterHost:
         """Start or visit every node's agent now (their pools fill), and again now and then (nodes come and go)."""
         while True:
             try:
-                await self._agents.visit_all(await anyio.to_thread.run_sync(ray.nodes))
+                await self._agents.visit_all(await self._nodes.refresh())
             except Exception as exc:  # the cluster is unreachable for a moment: the next round tries again
                 log.warning("node agents: %r", exc)
             await anyio.sleep(AGENT_SCAN_S)
@@ -180,8 +183,7 @@ class ClusterHost:
         warm_wanted = seed is None and self._could_be_warm(options)
         home = await self._home(options, seed)
         request = Request.of(options, self.backend.name, self.settings.ray_node_labels)
-        nodes = await anyio.to_thread.run_sync(ray.nodes)
-        check_fits(request, nodes)
+        nodes = await self._fitting_nodes(request)
         if home is not None:
             check_home(request, home, nodes)
         try:
@@ -202,8 +204,22 @@ class ClusterHost:
                 except NoRoomNow:  # filled by creates that chose it beside this one: placed again, fresh loads
                     if placed >= PLACEMENTS or home is not None:
                         raise
+        except Exception:
+            self._nodes.stale()  # the next create asks Ray for the nodes again
+            raise
         finally:
             self._cold_starts.release()
+
+    async def _fitting_nodes(self, request: Request) -> list[dict[str, Any]]:
+        """The cluster's nodes (the front door's copy, node_table.py), if one could ever hold `request`: else
+        refused, as Ray's table says now."""
+        nodes = await self._nodes.current(self._group())
+        try:
+            check_fits(request, nodes)
+        except SessionError:
+            nodes = await self._nodes.refresh()
+            check_fits(request, nodes)
+        return nodes
 
     def _could_be_warm(self, options: SandboxOptions) -> bool:
         """Whether a node agent's warm pool could serve a create with `options` (warm_take.py; placement then
@@ -435,8 +451,7 @@ class ClusterHost:
         best of two, placed again if it filled meanwhile), within the run's bound. A caller that stops
         waiting (a cancelled job, a client gone, the bound) cancels it on the node, and so its sandbox."""
         request = Request.of(options, self.backend.name, self.settings.ray_node_labels)
-        nodes = await anyio.to_thread.run_sync(ray.nodes)
-        check_fits(request, nodes)
+        nodes = await self._fitting_nodes(request)
         bound = options.timeout_s + self.settings.startup_timeout_s + CALL_S
         async with self._oneshot_slots:
             placed = 0
@@ -453,6 +468,7 @@ class ClusterHost:
                         raise cause from None
                 except ray.exceptions.RayError as exc:
                     self._agents.forget(node, agent)
+                    self._nodes.stale()
                     raise SessionError(
                         f"the run was lost with the agent of node {node[:12]} ({type(exc).__name__}); try again"
                     ) from None

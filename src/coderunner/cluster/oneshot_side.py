@@ -39,8 +39,10 @@ async def run_here(
     options: SandboxOptions = args[2]
     proxies: list[SessionEgress] = []
     held = contextlib.ExitStack()
+    # No export folder at the front door: nothing on the node's disk to prepare, nor a worker-thread hop for it.
+    exporting = settings.export_dir is not None
     try:
-        export = await anyio.to_thread.run_sync(held.enter_context, node_export_folder(settings))
+        export = await anyio.to_thread.run_sync(held.enter_context, node_export_folder(settings)) if exporting else {}
         export_to = None
         if export:
             folder = client_folder(export["export_dir"], options.client)
@@ -52,5 +54,6 @@ async def run_here(
             files = await anyio.to_thread.run_sync(collect, export["export_dir"], options.client)
         return result, delta, files
     finally:
-        with anyio.CancelScope(shield=True):
-            await anyio.to_thread.run_sync(held.close)
+        if exporting:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(held.close)

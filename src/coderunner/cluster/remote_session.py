@@ -178,7 +178,7 @@ class RemoteSession:
         """One call of the session's agent from the event loop, bounded; an agent gone is a SessionError saying so."""
         try:
             with anyio.fail_after(timeout_s):
-                return await self.agent.call.remote(self.session_id, method, *args)
+                return await self.agent.call.remote(self.session_id, method, list(args))
         except AGENT_FAILURES as exc:
             raise await self._failure(exc, method, timeout_s) from None
 
@@ -198,7 +198,7 @@ class RemoteSession:
         """Several calls of one method sent at once from a worker thread, their answers in order, bounded as one
         (pieces of a file in flight together: each piece's round trip no longer adds up)."""
         try:
-            refs = [self.agent.call.remote(self.session_id, method, *args) for args in arg_lists]
+            refs = [self.agent.call.remote(self.session_id, method, list(args)) for args in arg_lists]
             return list(ray.get(refs, timeout=timeout_s))
         except ray.exceptions.GetTimeoutError:
             raise SessionError(
@@ -220,10 +220,10 @@ class RemoteSession:
         self._follow_as_needed()
         answered = False
         try:
-            first: JobDelta = await self.acall(
+            first = JobDelta.of_wire(await self.acall(
                 "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark, token,
                 asking, timeout_s=limit + CALL_S,
-            )  # fmt: skip
+            ))  # fmt: skip
             answered = True
         except anyio.get_cancelled_exc_class():  # cancelled before the node answered: the cell must not run on
             with anyio.CancelScope(shield=True), contextlib.suppress(SessionError):
@@ -324,7 +324,7 @@ class RemoteSession:
             self._follow_as_needed()
 
     async def _read(self, job_id: str) -> JobDelta:
-        delta: JobDelta = await self.acall("read_job", job_id, self._egress_mark)
+        delta = JobDelta.of_wire(await self.acall("read_job", job_id, self._egress_mark))
         self._track(delta.generation)
         self._take_egress(delta.egress)
         await self._take_exports(delta.exports)

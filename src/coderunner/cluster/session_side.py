@@ -146,9 +146,10 @@ class SessionSide:
     async def start_run(
         self, code: str, timeout_s: float | None, variables: dict[str, Any] | None, owner: str, wait_s: float,
         egress_since: int | None = None, run_token: str | None = None, ask: bool = False,
-    ) -> JobDelta:  # fmt: skip
+    ) -> dict[str, Any]:  # fmt: skip
         """Start a cell and wait up to `wait_s` for it: a quick cell's whole answer comes back at once,
-        and its job is dropped here (the front door has all of it; one call fewer per run).
+        and its job is dropped here (the front door has all of it; one call fewer per run). The answer
+        is a JobDelta in its wire form (wire.py).
         `egress_since`: the caller's mark in this session's egress log (see egress_delta).
         `run_token`: the caller's name for this run, so that it can cancel it before this answers.
         `ask`: the caller's user can be asked about hosts while this run goes (relay_asker.py)."""
@@ -171,14 +172,15 @@ class SessionSide:
         if delta.ended:
             session.forget_job(job)
             self._unfollow(job)
-        return delta
+        return delta.wire()
 
-    async def read_job(self, job_id: str, egress_since: int | None = None) -> JobDelta:
-        """What is new in the job (a front door reads when its SessionNews count grew past its last read's)."""
+    async def read_job(self, job_id: str, egress_since: int | None = None) -> dict[str, Any]:
+        """What is new in the job (a front door reads when its SessionNews count grew past its last read's),
+        as a JobDelta's wire form."""
         job = self._session().job(job_id)
         if job is None:
-            return JobDelta(job_id, gone=True, ended=True, status="lost", notice="the job is no longer known")
-        return await self._delta(job, 0.0, egress_since)
+            return JobDelta(job_id, gone=True, ended=True, status="lost", notice="the job is no longer known").wire()
+        return (await self._delta(job, 0.0, egress_since)).wire()
 
     async def cancel_run(self, run_token: str) -> None:
         """Cancel a run whose start_run has not answered (its caller was cancelled meanwhile); a token
