@@ -8,6 +8,7 @@ alternate in shuffled rounds, each to the first `1+1` result, then the session i
 wrapping the method that does it (nothing in src changes for this):
 
     dirs+workspace   SandboxLeases.lease: the session's dirs, its host uid, its workspace
+      workspace      of which Workspace.create (a capped one: an image, mkfs.ext4 and a loop mount)
     mounts           SandboxLease.mount: the mount plan and outbox (a thread)
     cgroup           BwrapBackend._cgroup_for: mkdir and limits in cgroupfs (a thread)
     argv             BwrapCommand.argv: building bwrap's argv
@@ -23,9 +24,11 @@ wrapping the method that does it (nothing in src changes for this):
     server rest      the create's time outside every step above (its own steps: options, egress, bookkeeping)
     first result     session.run('1+1')
 
-CPU per start, to the first result: the server process (all its threads, getrusage SELF), the sandbox's processes
+CPU per start, to the first result: the server process (all its threads, getrusage SELF), the helpers it ran and
+reaped meanwhile (mkfs, mount: getrusage CHILDREN), the sandbox's processes
 (bwrap and every process below it, a forked kernel too, each with what it reaped: /proc), and the template's own
-(its counters; its forks are the sandbox's). Root only (the template joins user namespaces).
+(its counters; its forks are the sandbox's; "cpu forked": the forked kernel's share of the sandbox's).
+Root only (the template joins user namespaces).
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ import anyio
 
 #: Steps in the order a create meets them (the report's columns).
 STEPS = (
-    "dirs+workspace", "mounts", "cgroup", "argv", "exec bwrap", "bwrap setup", "placeholder", "fork+enter",
+    "dirs+workspace", "  workspace", "mounts", "cgroup", "argv", "exec bwrap", "bwrap setup", "placeholder",
+    "fork+enter",
     "kernel boot", "handshake", "stale check", "server rest", "create", "first result",
 )  # fmt: skip
 LANES = ("cold", "template")
@@ -84,7 +88,20 @@ class Clock:
 
         setattr(owner, name, timed)
 
+    def wrap_class(self, owner: type, name: str, step: str) -> None:
+        original: Callable[..., Any] = getattr(owner, name)  # bound to `owner`
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.steps[step] += time.perf_counter() - began
+
+        setattr(owner, name, staticmethod(timed))
+
     def install(self) -> None:
+        from coderunner.hostfs.workspaces import Workspace
         from coderunner.kernel.client import KernelClient
         from coderunner.kernel.incarnation import Kernel
         from coderunner.kernel.process import KernelProcess
@@ -94,6 +111,7 @@ class Clock:
         from coderunner.sessions.leases import SandboxLease, SandboxLeases
 
         self.wrap_async(SandboxLeases, "lease", "dirs+workspace")
+        self.wrap_class(Workspace, "create", "_workspace")
         self.wrap_async(SandboxLease, "mount", "mounts")
         self.wrap_sync(BwrapBackend, "_cgroup_for", "cgroup")
         self.wrap_sync(BwrapCommand, "argv", "argv")
@@ -113,7 +131,8 @@ class Clock:
         steps["exec bwrap"] = start - steps["bwrap setup"] - steps["cgroup"] - steps["argv"]
         if entered:
             steps["placeholder"] = entered - start - steps["fork+enter"]
-        known = sum(value for key, value in steps.items())
+        steps["  workspace"] = steps.pop("_workspace", 0.0)
+        known = sum(value for key, value in steps.items() if key != "  workspace")
         steps["server rest"] = create_s - known
         steps["create"], steps["first result"] = create_s, first_s
         return {key: value * 1000 for key, value in steps.items()}
@@ -123,6 +142,12 @@ def own_cpu() -> float:
     """CPU-s of this process (the server: every thread of it)."""
     me = resource.getrusage(resource.RUSAGE_SELF)
     return me.ru_utime + me.ru_stime
+
+
+def helpers_cpu() -> float:
+    """CPU-s of this process's reaped children: before a close, the helpers a create ran (mkfs, mount)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return children.ru_utime + children.ru_stime
 
 
 def tree_cpu(pid: int) -> float:
@@ -154,28 +179,31 @@ async def template_cpu(manager: Any) -> float:
 
 async def one(manager: Any, clock: Clock) -> dict[str, float]:
     """One create to its first result, then its close: the steps in ms and the CPU-ms by whom."""
-    server0 = own_cpu()
+    server0, helpers0 = own_cpu(), helpers_cpu()
     template0 = await template_cpu(manager)
     began = time.perf_counter()
     session = await manager.create()
     created = time.perf_counter()
     result = await session.run("1+1", 60, None)
     first = time.perf_counter()
-    server1 = own_cpu()
+    server1, helpers1 = own_cpu(), helpers_cpu()
     if "2" not in "".join(result.outcome.output.head) and "2" not in str(result):
         raise RuntimeError(f"1+1 gave {result!r}")
     steps = clock.take(created - began, first - created)
     kernel = session.kernel
     assert kernel is not None and kernel.process is not None
     sandbox = tree_cpu(kernel.process.pid)  # bwrap and all below it: its init, and a cold kernel
+    forked = 0.0
     if kernel.sandbox.from_template and kernel.process.program_pid:
-        sandbox += tree_cpu(kernel.process.program_pid)  # a forked kernel is the template's child
+        forked = tree_cpu(kernel.process.program_pid)  # a forked kernel is the template's child
     template1 = await template_cpu(manager)
     await manager.close(session.session_id)
     steps["cpu server"] = (server1 - server0) * 1000
-    steps["cpu sandbox"] = sandbox * 1000
+    steps["cpu helpers"] = (helpers1 - helpers0) * 1000
+    steps["cpu sandbox"] = (sandbox + forked) * 1000
+    steps["cpu forked"] = forked * 1000
     steps["cpu template"] = (template1 - template0) * 1000
-    steps["cpu total"] = steps["cpu server"] + steps["cpu sandbox"] + steps["cpu template"]
+    steps["cpu total"] = steps["cpu server"] + steps["cpu helpers"] + steps["cpu sandbox"] + steps["cpu template"]
     steps["how"] = 1.0 if kernel.sandbox.from_template else 0.0
     return steps
 
@@ -189,7 +217,7 @@ def report(samples: dict[str, list[dict[str, float]]], load_before: tuple[float,
     print(f"\nloadavg before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; ms p50 (p90) per step, "
           f"{len(samples['cold'])} creates per lane, interleaved\n")  # fmt: skip
     print(f"{'step':16}" + "".join(f"{lane:>22}" for lane in LANES))
-    for step in (*STEPS, "cpu server", "cpu sandbox", "cpu template", "cpu total"):
+    for step in (*STEPS, "cpu server", "cpu helpers", "cpu sandbox", "cpu forked", "cpu template", "cpu total"):
         cells = []
         for lane in LANES:
             values = [row.get(step, 0.0) for row in samples[lane]]
