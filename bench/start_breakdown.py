@@ -1,9 +1,11 @@
 """Where a session's create spends its time and CPU, step by step, template beside cold (issue 41, step 3).
 
-    .venv/bin/python bench/template_fork.py --breakdown [--runs 20] [--cpu-weight 100]
+    .venv/bin/python bench/template_fork.py --breakdown [--runs 20] [--cpu-weight 100] [--baseline-guest DIR]
 
 Two SessionManagers in this process on the bwrap backend, one with kernel_template on and one off (both
-pool_size 0 and no reset standby: every create is a real start, nothing started ahead beside it). Their creates
+pool_size 0 and no reset standby: every create is a real start, nothing started ahead beside it); with
+--baseline-guest, a third lane ("template before") whose template and sandboxes run another tree's guest
+(e.g. /tmp/main/src/coderunner/guest from `git archive main`): before and after in one run. Their creates
 alternate in shuffled rounds, each to the first `1+1` result, then the session is closed. Each step is timed by
 wrapping the method that does it (nothing in src changes for this):
 
@@ -54,6 +56,7 @@ STEPS = (
     "kernel boot", "handshake", "stale check", "server rest", "create", "first result",
 )  # fmt: skip
 LANES = ("cold", "template")
+BEFORE = "template before"
 
 
 class Clock:
@@ -213,26 +216,28 @@ def pct(values: list[float], share: float) -> float:
     return ordered[min(int(len(ordered) * share), len(ordered) - 1)] if ordered else float("nan")
 
 
-def report(samples: dict[str, list[dict[str, float]]], load_before: tuple[float, ...]) -> None:
+def report(samples: dict[str, list[dict[str, float]]], lanes: list[str], load_before: tuple[float, ...]) -> None:
     print(f"\nloadavg before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; ms p50 (p90) per step, "
           f"{len(samples['cold'])} creates per lane, interleaved\n")  # fmt: skip
-    print(f"{'step':16}" + "".join(f"{lane:>22}" for lane in LANES))
+    print(f"{'step':16}" + "".join(f"{lane:>22}" for lane in lanes))
     for step in (*STEPS, "cpu server", "cpu helpers", "cpu sandbox", "cpu forked", "cpu template", "cpu total"):
         cells = []
-        for lane in LANES:
+        for lane in lanes:
             values = [row.get(step, 0.0) for row in samples[lane]]
             cells.append(f"{pct(values, 0.5):10.1f} ({pct(values, 0.9):7.1f})   ")
         unit = " CPU-ms" if step.startswith("cpu") else ""
         print(f"{step + unit:16}" + "".join(f"{cell:>22}" for cell in cells))
-    forked = [row["how"] for row in samples["template"]]
-    print(f"\ntemplate lane: {int(sum(forked))}/{len(forked)} kernels forked from the template")
-    mean = {lane: statistics.mean(row["create"] + row["first result"] for row in samples[lane]) for lane in LANES}
+    for lane in lanes[1:]:
+        forked = [row["how"] for row in samples[lane]]
+        print(f"\n{lane} lane: {int(sum(forked))}/{len(forked)} kernels forked from the template", end="")
+    mean = {lane: statistics.mean(row["create"] + row["first result"] for row in samples[lane]) for lane in lanes}
+    print()
     print("mean create+first result ms: " + ", ".join(f"{lane} {value:.1f}" for lane, value in mean.items()))
 
 
-async def breakdown(runs: int, cpu_weight: int) -> None:
+async def breakdown(runs: int, cpu_weight: int, baseline_guest: Path | None = None) -> None:
     from coderunner.config import load_settings
-    from coderunner.sandbox import make_backend
+    from coderunner.sandbox import bwrap, make_backend
     from coderunner.sandbox.bwrap import BwrapBackend
     from coderunner.sessions.manager import SessionManager
 
@@ -249,29 +254,34 @@ async def breakdown(runs: int, cpu_weight: int) -> None:
         import contextlib
 
         async with contextlib.AsyncExitStack() as stack:
-            for lane in LANES:
+            lanes = [*LANES, *([BEFORE] if baseline_guest is not None else [])]
+            for lane in lanes:
                 os.environ.update(
                     CODERUNNER_CONFIG=os.devnull,
                     CODERUNNER_RUNTIME_DIR=str(root / lane / "run"),
                     CODERUNNER_WORKSPACES_DIR=str(root / lane / "workspaces"),
                 )
                 settings = load_settings().model_copy(
-                    update={"pool_size": 0, "reset_standby": False, "kernel_template": lane == "template"}
+                    update={"pool_size": 0, "reset_standby": False, "kernel_template": lane != "cold"}
                 )
-                backend = make_backend(settings)
+                ours = bwrap.GUEST_SOURCE
+                bwrap.GUEST_SOURCE = baseline_guest if lane == BEFORE and baseline_guest is not None else ours
+                try:
+                    backend = make_backend(settings)  # installs its guest (from GUEST_SOURCE) under its runtime dir
+                finally:
+                    bwrap.GUEST_SOURCE = ours
                 assert isinstance(backend, BwrapBackend)
                 if backend.cgroups is not None:  # neutral weight: measure a start, not the machine's load
                     backend.cgroups.cpu_weight = cpu_weight
                 managers[lane] = await stack.enter_async_context(SessionManager(settings, backend))
-            template = managers["template"].template
             with anyio.fail_after(300):
-                while template.template is None:
+                while any(managers[lane].template.template is None for lane in lanes[1:]):
                     await anyio.sleep(0.2)
-            for lane in LANES:  # one each first, not counted: the machine's caches warm alike
+            for lane in lanes:  # one each first, not counted: the machine's caches warm alike
                 await one(managers[lane], clock)
             for _ in range(runs):
-                order = list(LANES)
+                order = list(lanes)
                 random.shuffle(order)
                 for lane in order:
                     samples[lane].append(await one(managers[lane], clock))
-    report(samples, load_before)
+    report(samples, lanes, load_before)

@@ -517,11 +517,12 @@ async def main() -> None:
     parser.add_argument("--cpu-weight", type=int, default=100, help="the sandboxes' cpu weight (100: neutral)")
     parser.add_argument("--idle", type=int, default=0, help="then this many children of each lane alive at once")
     parser.add_argument("--breakdown", action="store_true", help="only a create's steps (bench/start_breakdown.py)")
+    parser.add_argument("--baseline-guest", type=Path, help="--breakdown: also a template lane of this guest dir")
     args = parser.parse_args()
     if args.breakdown:
         from start_breakdown import breakdown
 
-        await breakdown(args.runs, args.cpu_weight)
+        await breakdown(args.runs, args.cpu_weight, args.baseline_guest)
         return
     if args.route_b:
         await route_b(args.runs)
