@@ -39,6 +39,7 @@ import functools
 import os
 import random
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -284,4 +285,5 @@ async def breakdown(runs: int, cpu_weight: int, baseline_guest: Path | None = No
                 random.shuffle(order)
                 for lane in order:
                     samples[lane].append(await one(managers[lane], clock))
+    shutil.rmtree(root, ignore_errors=True)
     report(samples, lanes, load_before)
