@@ -2,6 +2,7 @@
 beside today's cold start in the same sandbox, on real sandboxes of the project's own bwrap backend.
 
     .venv/bin/python bench/template_fork.py [--runs 20] [--lanes cold,template,template-nofreeze]
+    .venv/bin/python bench/template_fork.py --breakdown [--runs 20]   (a whole create, step by step: start_breakdown.py)
 
 Lanes, interleaved in shuffled rounds (a shared machine's load hits all alike):
     cold               today's path: bwrap starts the sandbox's Python, which imports what a kernel with a first
@@ -515,7 +516,14 @@ async def main() -> None:
     parser.add_argument("--route-b", action="store_true", help="only route B's raw cost (see ROUTE_B)")
     parser.add_argument("--cpu-weight", type=int, default=100, help="the sandboxes' cpu weight (100: neutral)")
     parser.add_argument("--idle", type=int, default=0, help="then this many children of each lane alive at once")
+    parser.add_argument("--breakdown", action="store_true", help="only a create's steps (bench/start_breakdown.py)")
+    parser.add_argument("--baseline-guest", type=Path, help="--breakdown: also a template lane of this guest dir")
     args = parser.parse_args()
+    if args.breakdown:
+        from start_breakdown import breakdown
+
+        await breakdown(args.runs, args.cpu_weight, args.baseline_guest)
+        return
     if args.route_b:
         await route_b(args.runs)
         return

@@ -1,0 +1,289 @@
+"""Where a session's create spends its time and CPU, step by step, template beside cold (issue 41, step 3).
+
+    .venv/bin/python bench/template_fork.py --breakdown [--runs 20] [--cpu-weight 100] [--baseline-guest DIR]
+
+Two SessionManagers in this process on the bwrap backend, one with kernel_template on and one off (both
+pool_size 0 and no reset standby: every create is a real start, nothing started ahead beside it); with
+--baseline-guest, a third lane ("template before") whose template and sandboxes run another tree's guest
+(e.g. /tmp/main/src/coderunner/guest from `git archive main`): before and after in one run. Their creates
+alternate in shuffled rounds, each to the first `1+1` result, then the session is closed. Each step is timed by
+wrapping the method that does it (nothing in src changes for this):
+
+    dirs+workspace   SandboxLeases.lease: the session's dirs, its host uid, its workspace
+      workspace      of which Workspace.create (a capped one: an image, mkfs.ext4 and a loop mount)
+    mounts           SandboxLease.mount: the mount plan and outbox (a thread)
+    cgroup           BwrapBackend._cgroup_for: mkdir and limits in cgroupfs (a thread)
+    argv             BwrapCommand.argv: building bwrap's argv
+    exec bwrap       BwrapBackend.start less the above and _hold: memfds, pipes, fork+exec of the prelude
+    bwrap setup      BwrapBackend._hold: until bwrap built the namespaces and reported its child (the init
+                     waits at the gate then)
+    placeholder      template only: from the init's gate opening to the placeholder saying "ready" (bwrap's
+                     mounts, pivot, the init's Python, the shell)
+    fork+enter       template only: KernelTemplate.fork_into (fork, setns, fork, confine, the reply)
+    kernel boot      KernelProcess.claim_sockets: until the kernel bound its sockets (the cold one imports all)
+    handshake        KernelClient.connect: connect and the IOPub welcome
+    stale check      template only: Kernel._stale_imports (one silent cell)
+    server rest      the create's time outside every step above (its own steps: options, egress, bookkeeping)
+    first result     session.run('1+1')
+
+CPU per start, to the first result: the server process (all its threads, getrusage SELF), the helpers it ran and
+reaped meanwhile (mkfs, mount: getrusage CHILDREN), the sandbox's processes
+(bwrap and every process below it, a forked kernel too, each with what it reaped: /proc), and the template's own
+(its counters; its forks are the sandbox's; "cpu forked": the forked kernel's share of the sandbox's).
+Root only (the template joins user namespaces).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import random
+import resource
+import shutil
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+#: Steps in the order a create meets them (the report's columns).
+STEPS = (
+    "dirs+workspace", "  workspace", "mounts", "cgroup", "argv", "exec bwrap", "bwrap setup", "placeholder",
+    "fork+enter",
+    "kernel boot", "handshake", "stale check", "server rest", "create", "first result",
+)  # fmt: skip
+LANES = ("cold", "template")
+BEFORE = "template before"
+
+
+class Clock:
+    """The steps of the create under way (one at a time): each wrapped call adds its seconds to its step."""
+
+    def __init__(self) -> None:
+        self.steps: dict[str, float] = defaultdict(float)
+
+    def wrap_async(self, owner: type, name: str, step: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        async def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                self.steps[step] += time.perf_counter() - began
+
+        setattr(owner, name, timed)
+
+    def wrap_sync(self, owner: type, name: str, step: str) -> None:
+        original: Callable[..., Any] = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.steps[step] += time.perf_counter() - began
+
+        setattr(owner, name, timed)
+
+    def wrap_class(self, owner: type, name: str, step: str) -> None:
+        original: Callable[..., Any] = getattr(owner, name)  # bound to `owner`
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.steps[step] += time.perf_counter() - began
+
+        setattr(owner, name, staticmethod(timed))
+
+    def install(self) -> None:
+        from coderunner.hostfs.workspaces import Workspace
+        from coderunner.kernel.client import KernelClient
+        from coderunner.kernel.incarnation import Kernel
+        from coderunner.kernel.process import KernelProcess
+        from coderunner.sandbox.bwrap import BwrapBackend
+        from coderunner.sandbox.bwrap_argv import BwrapCommand
+        from coderunner.sandbox.bwrap_template import KernelTemplate
+        from coderunner.sessions.leases import SandboxLease, SandboxLeases
+
+        self.wrap_async(SandboxLeases, "lease", "dirs+workspace")
+        self.wrap_class(Workspace, "create", "_workspace")
+        self.wrap_async(SandboxLease, "mount", "mounts")
+        self.wrap_sync(BwrapBackend, "_cgroup_for", "cgroup")
+        self.wrap_sync(BwrapCommand, "argv", "argv")
+        self.wrap_async(BwrapBackend, "start", "_start")
+        self.wrap_async(BwrapBackend, "_hold", "bwrap setup")
+        self.wrap_async(KernelTemplate, "spawn_entered", "_entered")
+        self.wrap_async(KernelTemplate, "fork_into", "fork+enter")
+        self.wrap_async(KernelProcess, "claim_sockets", "kernel boot")
+        self.wrap_async(KernelClient, "connect", "handshake")
+        self.wrap_async(Kernel, "_stale_imports", "stale check")
+
+    def take(self, create_s: float, first_s: float) -> dict[str, float]:
+        """This create's steps in ms (the derived ones computed), and the clock cleared for the next."""
+        steps, self.steps = self.steps, defaultdict(float)
+        start = steps.pop("_start", 0.0)
+        entered = steps.pop("_entered", 0.0)
+        steps["exec bwrap"] = start - steps["bwrap setup"] - steps["cgroup"] - steps["argv"]
+        if entered:
+            steps["placeholder"] = entered - start - steps["fork+enter"]
+        steps["  workspace"] = steps.pop("_workspace", 0.0)
+        known = sum(value for key, value in steps.items() if key != "  workspace")
+        steps["server rest"] = create_s - known
+        steps["create"], steps["first result"] = create_s, first_s
+        return {key: value * 1000 for key, value in steps.items()}
+
+
+def own_cpu() -> float:
+    """CPU-s of this process (the server: every thread of it)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return me.ru_utime + me.ru_stime
+
+
+def helpers_cpu() -> float:
+    """CPU-s of this process's reaped children: before a close, the helpers a create ran (mkfs, mount)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return children.ru_utime + children.ru_stime
+
+
+def tree_cpu(pid: int) -> float:
+    """CPU-s of `pid` and every process below it, with what each reaped of its own children."""
+    total, todo = 0.0, [pid]
+    while todo:
+        current = todo.pop()
+        try:
+            with open(f"/proc/{current}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+            total += sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+            for tid in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{tid}/children") as handle:
+                    todo += [int(child) for child in handle.read().split()]
+        except (OSError, ValueError):
+            continue
+    return total
+
+
+async def template_cpu(manager: Any) -> float:
+    """The template's own CPU-s so far (not its forks': those are the sandbox's)."""
+    starter = manager.template
+    template = getattr(starter, "template", None) if starter is not None else None
+    if template is None:
+        return 0.0
+    said = await template.counters()
+    return said.cpu_us / 1e6
+
+
+async def one(manager: Any, clock: Clock) -> dict[str, float]:
+    """One create to its first result, then its close: the steps in ms and the CPU-ms by whom."""
+    server0, helpers0 = own_cpu(), helpers_cpu()
+    template0 = await template_cpu(manager)
+    began = time.perf_counter()
+    session = await manager.create()
+    created = time.perf_counter()
+    result = await session.run("1+1", 60, None)
+    first = time.perf_counter()
+    server1, helpers1 = own_cpu(), helpers_cpu()
+    if "2" not in "".join(result.outcome.output.head) and "2" not in str(result):
+        raise RuntimeError(f"1+1 gave {result!r}")
+    steps = clock.take(created - began, first - created)
+    kernel = session.kernel
+    assert kernel is not None and kernel.process is not None
+    sandbox = tree_cpu(kernel.process.pid)  # bwrap and all below it: its init, and a cold kernel
+    forked = 0.0
+    if kernel.sandbox.from_template and kernel.process.program_pid:
+        forked = tree_cpu(kernel.process.program_pid)  # a forked kernel is the template's child
+    template1 = await template_cpu(manager)
+    await manager.close(session.session_id)
+    steps["cpu server"] = (server1 - server0) * 1000
+    steps["cpu helpers"] = (helpers1 - helpers0) * 1000
+    steps["cpu sandbox"] = (sandbox + forked) * 1000
+    steps["cpu forked"] = forked * 1000
+    steps["cpu template"] = (template1 - template0) * 1000
+    steps["cpu total"] = steps["cpu server"] + steps["cpu helpers"] + steps["cpu sandbox"] + steps["cpu template"]
+    steps["how"] = 1.0 if kernel.sandbox.from_template else 0.0
+    return steps
+
+
+def pct(values: list[float], share: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(int(len(ordered) * share), len(ordered) - 1)] if ordered else float("nan")
+
+
+def report(samples: dict[str, list[dict[str, float]]], lanes: list[str], load_before: tuple[float, ...]) -> None:
+    print(f"\nloadavg before {load_before[0]:.2f}, after {os.getloadavg()[0]:.2f}; ms p50 (p90) per step, "
+          f"{len(samples['cold'])} creates per lane, interleaved\n")  # fmt: skip
+    print(f"{'step':16}" + "".join(f"{lane:>22}" for lane in lanes))
+    for step in (*STEPS, "cpu server", "cpu helpers", "cpu sandbox", "cpu forked", "cpu template", "cpu total"):
+        cells = []
+        for lane in lanes:
+            values = [row.get(step, 0.0) for row in samples[lane]]
+            cells.append(f"{pct(values, 0.5):10.1f} ({pct(values, 0.9):7.1f})   ")
+        unit = " CPU-ms" if step.startswith("cpu") else ""
+        print(f"{step + unit:16}" + "".join(f"{cell:>22}" for cell in cells))
+    for lane in lanes[1:]:
+        forked = [row["how"] for row in samples[lane]]
+        print(f"\n{lane} lane: {int(sum(forked))}/{len(forked)} kernels forked from the template", end="")
+    mean = {lane: statistics.mean(row["create"] + row["first result"] for row in samples[lane]) for lane in lanes}
+    print()
+    print("mean create+first result ms: " + ", ".join(f"{lane} {value:.1f}" for lane, value in mean.items()))
+
+
+async def breakdown(runs: int, cpu_weight: int, baseline_guest: Path | None = None) -> None:
+    from coderunner.config import load_settings
+    from coderunner.sandbox import bwrap, make_backend
+    from coderunner.sandbox.bwrap import BwrapBackend
+    from coderunner.sessions.manager import SessionManager
+
+    if os.getuid() != 0:
+        raise SystemExit("the kernel template needs root")
+    root = Path(tempfile.mkdtemp(prefix="crbd-", dir="/tmp"))
+    os.chmod(root, 0o755)
+    clock = Clock()
+    clock.install()
+    managers: dict[str, Any] = {}
+    samples: dict[str, list[dict[str, float]]] = defaultdict(list)
+    load_before = os.getloadavg()
+    async with anyio.create_task_group():
+        import contextlib
+
+        async with contextlib.AsyncExitStack() as stack:
+            lanes = [*LANES, *([BEFORE] if baseline_guest is not None else [])]
+            for lane in lanes:
+                os.environ.update(
+                    CODERUNNER_CONFIG=os.devnull,
+                    CODERUNNER_RUNTIME_DIR=str(root / lane / "run"),
+                    CODERUNNER_WORKSPACES_DIR=str(root / lane / "workspaces"),
+                )
+                settings = load_settings().model_copy(
+                    update={"pool_size": 0, "reset_standby": False, "kernel_template": lane != "cold"}
+                )
+                ours = bwrap.GUEST_SOURCE
+                bwrap.GUEST_SOURCE = baseline_guest if lane == BEFORE and baseline_guest is not None else ours
+                try:
+                    backend = make_backend(settings)  # installs its guest (from GUEST_SOURCE) under its runtime dir
+                finally:
+                    bwrap.GUEST_SOURCE = ours
+                assert isinstance(backend, BwrapBackend)
+                if backend.cgroups is not None:  # neutral weight: measure a start, not the machine's load
+                    backend.cgroups.cpu_weight = cpu_weight
+                managers[lane] = await stack.enter_async_context(SessionManager(settings, backend))
+            with anyio.fail_after(300):
+                while any(managers[lane].template.template is None for lane in lanes[1:]):
+                    await anyio.sleep(0.2)
+            for lane in lanes:  # one each first, not counted: the machine's caches warm alike
+                await one(managers[lane], clock)
+            for _ in range(runs):
+                order = list(lanes)
+                random.shuffle(order)
+                for lane in order:
+                    samples[lane].append(await one(managers[lane], clock))
+    shutil.rmtree(root, ignore_errors=True)
+    report(samples, lanes, load_before)
