@@ -197,3 +197,16 @@ async def test_a_workspace_module_shadowing_the_templates_imports_means_a_cold_k
         assert said.startswith("cold start: the template's imports are not current here"), said
         # The user's import finds the workspace's module, as in any cold kernel.
         assert await value(client, sid, "import numpy\nprint(getattr(numpy, 'shadowed', False))") == "True"
+
+
+async def test_a_forked_kernel_stops_at_an_interrupt_and_keeps_its_state(dirs: ServerDirs) -> None:
+    """A fork carries the template's imports (its debugger's among them) and signal state: an endless cell is
+    interrupted at its timeout and the kernel, and what it holds, are kept."""
+    async with template_server(dirs) as (_manager, client):
+        session = await create(client)
+        assert (await status(client, session))["kernel_start"] == TEMPLATE
+        assert await value(client, session, "kept = 'still here'\nkept") == "'still here'"
+        result = await run(client, "while True:\n    pass", session_id=session, timeout_s=2)
+        text = text_of(result)
+        assert result.is_error and "interrupted" in text and "state are kept" in text, text
+        assert await value(client, session, "kept") == "'still here'"

@@ -150,3 +150,13 @@ def test_a_request_says_when_it_carries_a_status_pipe() -> None:
     request = bwrap_template.encode_request(bwrap_template.KIND_FORK, status_fd=True)
     flags = kernel_template.REQUEST.unpack(request)[4]
     assert flags & kernel_template.FLAG_STATUS_FD and not flags & kernel_template.FLAG_MEMORY_SOFT_ONLY
+
+
+def test_the_guest_modules_the_template_imports_ahead_are_the_guests_own() -> None:
+    """What the template imports for a kernel's start is named as an import would name it: the guest's by its
+    package (as the sandbox's kernel imports its extension), each a module the guest holds."""
+    guest = Path(kernel_template.__file__).parent
+    for name in kernel_template.KERNEL_START_IMPORTS:
+        assert name.isidentifier() or all(part.isidentifier() for part in name.split("."))
+        if name.startswith("coderunner_guest."):
+            assert (guest / f"{name.split('.', 1)[1]}.py").is_file(), name

@@ -2,7 +2,8 @@
 
     python -P -m coderunner_guest.kernel_template SOCKET_FD SECCOMP_FD [--no-freeze] [--child-code CODE]
 
-It imports what a kernel and a first chart need (warm_imports.py's steps, ipykernel), freezes its GC (a
+It imports what a kernel and a first chart need (warm_imports.py's steps, ipykernel, and what a kernel's start
+imports after ipykernel: KERNEL_START_IMPORTS, its debugger above all), freezes its GC (a
 child's collections then leave the template's objects, and the pages they sit on, shared), and serves
 fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It reads nothing else: no
 sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
@@ -70,8 +71,25 @@ NAME = b"kernel-template"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
+#: What a kernel imports while it starts and runs its first cell, beyond ipykernel's modules: its debugger (debugpy
+#: with pydevd, about 75 ms of CPU: most of a forked kernel's start, bench/start_breakdown.py), what its shell,
+#: history and extensions load, and the guest's extension (kernel_boot's IPKernelApp.extensions). Imported once
+#: here, from the sandbox's read-only view; a module that fails is left for the kernel to import as a cold one does.
+#: Not tornado.platform.asyncio (the kernel's event loop's own module, a few ms): with it here, the interrupt of
+#: tests/abuse/test_abuse.py's infinite loop was ignored in runs at load 15 (no cause found; it passed at load 10).
+KERNEL_START_IMPORTS = (
+    "faulthandler", "tornado.locks", "tornado.queues", "ipykernel.debugger",
+    "IPython.core.debugger", "IPython.core.oinspect", "sqlite3", "IPython.core.completerlib",
+    "IPython.extensions.storemagic", "IPython.core.magics.packaging", "IPython.core.logger",
+    "coderunner_guest.figures", "coderunner_guest.installs", "coderunner_guest.output",
+)  # fmt: skip
+
+
 def warm() -> None:
-    """What a kernel's start and a first chart cost, paid once: the caches, the common imports, ipykernel."""
+    """What a kernel's start and a first chart cost, paid once: the caches, the common imports, ipykernel, and
+    what the kernel's start imports after it (KERNEL_START_IMPORTS)."""
+    import importlib
+
     from .caches import seed
     from .warm_imports import run
 
@@ -79,6 +97,10 @@ def warm() -> None:
     run()
     import ipykernel.ipkernel
     import ipykernel.kernelapp  # noqa: F401 (imported for sys.modules: a fork finds them there)
+
+    for name in KERNEL_START_IMPORTS:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def counters() -> tuple[int, int]:
