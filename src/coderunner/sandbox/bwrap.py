@@ -18,6 +18,8 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,21 +101,31 @@ def install_guest(runtime_base: Path, python: Path | None = None) -> Path:
     files = sorted(path for pattern in ("*.py", "*.cjs") for path in GUEST_SOURCE.glob(pattern))
     digest = hashlib.sha256(b"".join(path.name.encode() + path.read_bytes() for path in files)).hexdigest()[:12]
     target = runtime_base / f"guest-{digest}"
-    if not target.is_dir():
-        staging = runtime_base / f".guest-{digest}-{os.getpid()}"
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(mode=0o755)
+    with _installing:
+        if not target.is_dir():
+            _install_guest(files, target, python)
+    return target
+
+
+#: One install at a time in a process: two sandbox starts may both find the copy gone (_keep_guest).
+_installing = threading.Lock()
+
+
+def _install_guest(files: list[Path], target: Path, python: Path | None) -> None:
+    """Copy `files` to a fresh staging dir beside `target`, compile them, and rename it into place."""
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
         os.chmod(staging, 0o755)  # whatever the umask: every sandbox user reads it
         for path in files:
             shutil.copyfile(path, staging / path.name)
             os.chmod(staging / path.name, 0o644)
         if python is not None:
             _compile_guest(python, staging)
-        try:
-            os.rename(staging, target)
-        except OSError:
-            shutil.rmtree(staging, ignore_errors=True)  # another server got there first
-    return target
+        os.rename(staging, target)
+    except OSError:
+        shutil.rmtree(staging, ignore_errors=True)  # another server got there first, or the copy failed
+        if not target.is_dir():
+            raise
 
 
 def _compile_guest(python: Path, folder: Path) -> None:
