@@ -53,7 +53,10 @@ def _other_server(manager: CgroupManager, weight: int) -> CgroupManager:
 
 
 def test_each_server_weighs_its_own_parent_group(manager: CgroupManager) -> None:
-    first = dataclasses.replace(manager, cpu_weight=37)
+    # Not this process's own group: in-process servers of e2e tests in this worker keep theirs there, and a
+    # session group of theirs still being removed would keep it past this test's last session.
+    parent = os.getppid()
+    first = dataclasses.replace(manager, server_id=f"{parent}-{_process_start(parent)}", cpu_weight=37)
     second = _other_server(manager, 50)
     name = f"t-{os.getpid()}-weights"
     mine = first.create(name, NO_LIMITS)
