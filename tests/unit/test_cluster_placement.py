@@ -209,3 +209,56 @@ async def test_a_placement_asks_two_agents_and_the_others_only_when_neither_has_
     loads["d" * 56] = load("d" * 56, 16, 0.1, 512)
     with pytest.raises(SessionError, match="no node has room for this session now"):
         await agents.place(request, nodes, warm_wanted=False)
+
+
+class VisitedAgent:
+    """An agent handle whose visits answer a load set by the test, counted."""
+
+    def __init__(self, answer: AgentLoad) -> None:
+        self.answer = answer
+        self.visits = 0
+        self.visit = self  # handle.visit.remote()
+
+    async def remote(self) -> AgentLoad:
+        self.visits += 1
+        return self.answer
+
+
+@pytest.mark.anyio
+async def test_placements_right_after_a_visit_use_its_answers_with_what_was_placed_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A burst costs one round trip to the agents: the placements that follow a visit within KNOWN_LOAD_S
+    choose by its answers plus what they placed (so they spread, and a warm sandbox is taken once), and a
+    placement asked `fresh` (after a NoRoomNow), or one after KNOWN_LOAD_S, asks again."""
+    from coderunner.cluster import agents as agents_module
+
+    now = [1000.0]
+    monkeypatch.setattr(agents_module.time, "monotonic", lambda: now[0])
+    a, b = "a" * 56, "b" * 56
+    nodes = [node(a, 2, 4096, "bwrap"), node(b, 2, 4096, "bwrap")]
+    agents = agents_module.Agents({}, Request.of(options(), "bwrap"))
+    handles = {a: VisitedAgent(load(a, warm=1)), b: VisitedAgent(load(b, sessions=1, cpus=0.25, memory_mb=256))}
+    for node_id, handle in handles.items():
+        agents._handles[(node_id, agents.key)] = handle
+    request = Request.of(options(512, 0.5), "bwrap")
+
+    placed = [(await agents.place(request, nodes, warm_wanted=True))[0] for _ in range(3)]
+    assert [handle.visits for handle in handles.values()] == [1, 1]  # one visit each, for three placements
+    # a's warm sandbox first; then b, the lighter once a's is counted; then a again (both hold one more).
+    assert placed == [a, b, a], placed
+    assert agents._known[a][1] == load(a, sessions=2, cpus=1.0, memory_mb=1024, warm=0)
+
+    now[0] += agents_module.KNOWN_LOAD_S / 2
+    assert (await agents.place(request, nodes, warm_wanted=False))[0] == b  # 0.75 of 2 CPUs against 1.0
+    assert [handle.visits for handle in handles.values()] == [1, 1]
+    await agents.place(request, nodes, warm_wanted=False, fresh=True)
+    assert [handle.visits for handle in handles.values()] == [2, 2]  # asked again: the agents' own answers
+
+    now[0] += agents_module.KNOWN_LOAD_S + 0.1
+    handles[a].answer = load(a, sessions=4, cpus=2.0, memory_mb=2048)  # full now, by another front door
+    assert (await agents.place(request, nodes, warm_wanted=False))[0] == b
+    assert [handle.visits for handle in handles.values()] == [3, 3]  # stale answers were not used
+
+    agents.forget(b, handles[b])
+    assert b not in agents._known  # a lost agent's answer is dropped with its handle

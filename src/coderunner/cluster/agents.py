@@ -5,15 +5,20 @@ call reaches its agent without a lookup by name; a front door asks Ray for an ag
 first time it meets a node (or an id of another key), and forgets a handle whose agent died.
 
 Placement (placement.py): the nodes that could ever hold the request (its labels, the node's totals),
-two of them asked at random what their agents hold, the lighter with room chosen, the others asked
-only when neither has room; a session whose snapshot or workspace is on one node goes to that node's.
+two of them at random, the lighter with room chosen, the others asked only when neither has room; a
+session whose snapshot or workspace is on one node goes to that node's. What two agents hold is asked
+of them, unless both answered a moment ago (KNOWN_LOAD_S): then their answers, with what this front
+door placed on them since, choose, and a burst of creates or back-to-back runs costs no round trip each.
+An agent a stale answer misjudged refuses (NoRoomNow), and the create is placed again on fresh answers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import random
+import time
 from typing import Any
 
 import anyio
@@ -35,6 +40,10 @@ AGENT_CONCURRENCY = 2048
 AGENT_START_S = 120.0
 #: How many agents a placement asks first (best of two).
 CHOICES = 2
+#: How long an agent's answer to a visit places sessions without asking it again. Short: other front
+#: doors place there too, its sessions close and its pool refills; a node a stale answer misjudged as
+#: having room refuses, so staleness costs a second placement, never an overfull node.
+KNOWN_LOAD_S = 2.0
 
 AgentActor = ray.remote(NodeAgent)
 
@@ -49,6 +58,8 @@ class Agents:
         self.defaults = defaults
         self._handles: dict[tuple[str, str], Any] = {}
         self._node_ids: dict[str, str] = {}
+        #: Each node's agent's last answer to a visit (monotonic time, load), with what was placed there since.
+        self._known: dict[str, tuple[float, AgentLoad]] = {}
 
     # --- handles ---------------------------------------------------------------------------------
 
@@ -98,6 +109,7 @@ class Agents:
         for place, known in list(self._handles.items()):
             if place[0] == node_id and known is handle:
                 del self._handles[place]
+        self._known.pop(node_id, None)
 
     # --- placement -------------------------------------------------------------------------------
 
@@ -112,14 +124,20 @@ class Agents:
 
     async def place(
         self, request: Request, nodes: list[dict[str, Any]], warm_wanted: bool, home: str | None = None,
-        run: bool = False,
+        run: bool = False, fresh: bool = False,
     ) -> tuple[str, Any]:  # fmt: skip
         """(node id, agent) for a new session (a one-shot `run`): `home`'s if given, else the best of two
-        with room (placement.best_of)."""
+        with room (placement.best_of), by their answers of a moment ago unless `fresh` (an agent chosen so
+        refused: NoRoomNow)."""
         if home is not None:
             return home, await self._started(home)
         fitting = [node for node in nodes if node.get("Alive") and request.fits(node)]
         random.shuffle(fitting)
+        known = None if fresh else self._known_answers(fitting[:CHOICES])
+        chosen = best_of(request, known, warm_wanted, run) if known else None
+        if chosen is not None:
+            self._spend(chosen, request, warm_wanted, run)
+            return chosen, self._handles[(chosen, self.key)]
         answers: list[tuple[dict[str, Any], AgentLoad]] = []
         failures: list[Exception] = []
 
@@ -137,6 +155,7 @@ class Agents:
             answers += found
             chosen = best_of(request, found, warm_wanted, run)
             if chosen is not None:
+                self._spend(chosen, request, warm_wanted, run)
                 return chosen, self._handles[(chosen, self.key)]
         if failures and not answers:
             raise failures[0]
@@ -156,4 +175,31 @@ class Agents:
         except ray.exceptions.RayError as exc:
             self.forget(node_id, handle)
             raise SessionError(f"the agent of node {node_id[:12]} is gone ({type(exc).__name__}); try again") from None
+        self._known[node_id] = (time.monotonic(), load)
         return load
+
+    def _known_answers(self, nodes: list[dict[str, Any]]) -> list[tuple[dict[str, Any], AgentLoad]] | None:
+        """Each of `nodes` with its agent's answer of under KNOWN_LOAD_S ago; None unless every one has one."""
+        now = time.monotonic()
+        answers = []
+        for node in nodes:
+            node_id = node["NodeID"]
+            at, load = self._known.get(node_id, (float("-inf"), None))
+            if load is None or now - at > KNOWN_LOAD_S or (node_id, self.key) not in self._handles:
+                return None
+            answers.append((node, load))
+        return answers
+
+    def _spend(self, node_id: str, request: Request, warm_wanted: bool, run: bool) -> None:
+        """Count a session (a run) placed on `node_id` in its known answer, for the placements that follow
+        it before the agent is asked again."""
+        found = self._known.get(node_id)
+        if found is None:
+            return
+        at, load = found
+        self._known[node_id] = (at, dataclasses.replace(
+            load, sessions=load.sessions + 1, cpus=load.cpus + request.cpus,
+            memory_mb=load.memory_mb + (request.memory_mb or 0),
+            warm=load.warm - 1 if warm_wanted and not run and load.warm > 0 else load.warm,
+            ready_runs=load.ready_runs - 1 if run and load.ready_runs > 0 else load.ready_runs,
+        ))  # fmt: skip

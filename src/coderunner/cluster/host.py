@@ -197,7 +197,7 @@ class ClusterHost:
         try:
             placed = 0
             while True:
-                node, agent = await self._agents.place(request, nodes, warm_wanted, home)
+                node, agent = await self._agents.place(request, nodes, warm_wanted, home, fresh=placed > 0)
                 placed += 1
                 try:
                     return await self._open(agent, node, options, owner, seed, request)
@@ -456,7 +456,7 @@ class ClusterHost:
         async with self._oneshot_slots:
             placed = 0
             while True:
-                node, agent = await self._agents.place(request, nodes, warm_wanted=False, run=True)
+                node, agent = await self._agents.place(request, nodes, warm_wanted=False, run=True, fresh=placed > 0)
                 placed += 1
                 ref = getattr(agent, method).remote(secrets.token_hex(8), request, *args)
                 try:
