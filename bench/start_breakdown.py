@@ -79,9 +79,7 @@ class Clock:
 
         setattr(owner, name, timed)
 
-    def wrap_sync(self, owner: type, name: str, step: str) -> None:
-        original: Callable[..., Any] = getattr(owner, name)
-
+    def _timed(self, original: Callable[..., Any], step: str) -> Callable[..., Any]:
         @functools.wraps(original)
         def timed(*args: Any, **kwargs: Any) -> Any:
             began = time.perf_counter()
@@ -90,19 +88,14 @@ class Clock:
             finally:
                 self.steps[step] += time.perf_counter() - began
 
-        setattr(owner, name, timed)
+        return timed
+
+    def wrap_sync(self, owner: type, name: str, step: str) -> None:
+        setattr(owner, name, self._timed(getattr(owner, name), step))
 
     def wrap_class(self, owner: type, name: str, step: str) -> None:
-        original: Callable[..., Any] = getattr(owner, name)  # bound to `owner`
-
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            began = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                self.steps[step] += time.perf_counter() - began
-
-        setattr(owner, name, staticmethod(timed))
+        # getattr gives the classmethod bound to `owner`: kept bound as a staticmethod.
+        setattr(owner, name, staticmethod(self._timed(getattr(owner, name), step)))
 
     def install(self) -> None:
         from coderunner.hostfs.workspaces import Workspace
