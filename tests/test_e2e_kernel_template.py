@@ -210,3 +210,14 @@ async def test_a_forked_kernel_stops_at_an_interrupt_and_keeps_its_state(dirs: S
         text = text_of(result)
         assert result.is_error and "interrupted" in text and "state are kept" in text, text
         assert await value(client, session, "kept") == "'still here'"
+
+
+async def test_without_preload_imports_a_forked_kernel_has_no_data_stack_imported(dirs: ServerDirs) -> None:
+    """A fork has what its template imported: with preload_imports off, the template imports a kernel's own
+    modules only, so the user's kernel holds no numpy, pandas or matplotlib until a cell imports them."""
+    async with template_server(dirs, CODERUNNER_PRELOAD_IMPORTS="false") as (_manager, client):
+        session = await create(client)
+        assert (await status(client, session))["kernel_start"] == TEMPLATE
+        loaded = "import sys; sorted(n for n in ('numpy', 'pandas', 'matplotlib') if n in sys.modules)"
+        assert await value(client, session, loaded) == "[]"
+        assert await value(client, session, "import numpy; int(numpy.arange(4).sum())") == "6"

@@ -1,9 +1,11 @@
 """The kernel template (issue 41): one warm process whose forks become kernels, each inside its own sandbox.
 
-    python -P -m coderunner_guest.kernel_template SOCKET_FD SECCOMP_FD [--no-freeze] [--child-code CODE]
+    python -P -m coderunner_guest.kernel_template SOCKET_FD SECCOMP_FD [--no-freeze] [--no-preload]
+        [--child-code CODE]
 
 It imports what a kernel and a first chart need (warm_imports.py's steps, ipykernel, and what a kernel's start
-imports after ipykernel: KERNEL_START_IMPORTS, its debugger above all), freezes its GC (a
+imports after ipykernel: KERNEL_START_IMPORTS, its debugger above all; with --no-preload, the server's
+preload_imports off, not numpy, pandas and matplotlib), freezes its GC (a
 child's collections then leave the template's objects, and the pages they sit on, shared), and serves
 fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It reads nothing else: no
 sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
@@ -85,16 +87,18 @@ KERNEL_START_IMPORTS = (
 )  # fmt: skip
 
 
-def warm() -> None:
-    """What a kernel's start and a first chart cost, paid once: the caches, the common imports, ipykernel, and
-    what the kernel's start imports after it (KERNEL_START_IMPORTS)."""
+def warm(preload: bool = True) -> None:
+    """What a kernel's start and a first chart cost, paid once: the caches, the common imports (unless not
+    `preload`: the server's preload_imports), ipykernel, and what the kernel's start imports after it
+    (KERNEL_START_IMPORTS)."""
     import importlib
 
     from .caches import seed
     from .warm_imports import run
 
     seed()
-    run()
+    if preload:
+        run()
     import ipykernel.ipkernel
     import ipykernel.kernelapp  # noqa: F401 (imported for sys.modules: a fork finds them there)
 
@@ -310,7 +314,8 @@ def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
 
 def main(args: list[str]) -> int:
     if len(args) < 2 or not args[0].isdigit() or not args[1].isdigit():
-        print("usage: kernel_template.py SOCKET_FD SECCOMP_FD [--no-freeze] [--child-code CODE]", file=sys.stderr)
+        usage = "SOCKET_FD SECCOMP_FD [--no-freeze] [--no-preload] [--child-code CODE]"
+        print(f"usage: kernel_template.py {usage}", file=sys.stderr)
         return 2
     sock = socket.socket(fileno=int(args[0]))
     with os.fdopen(int(args[1]), "rb") as handle:
@@ -318,7 +323,7 @@ def main(args: list[str]) -> int:
     code = args[args.index("--child-code") + 1] if "--child-code" in args else None
     _libc.prctl(PR_SET_NAME, NAME, 0, 0, 0)
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    warm()
+    warm(preload="--no-preload" not in args)
     gc.collect()
     if "--no-freeze" not in args:
         gc.freeze()

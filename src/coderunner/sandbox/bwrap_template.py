@@ -143,8 +143,9 @@ class KernelTemplate:
 
     @classmethod
     async def start(
-        cls, command: BwrapCommand, seccomp: bytes, *, freeze: bool = True, child_code: str | None = None
-    ) -> KernelTemplate:
+        cls, command: BwrapCommand, seccomp: bytes, *, freeze: bool = True, child_code: str | None = None,
+        preload_imports: bool = True,
+    ) -> KernelTemplate:  # fmt: skip
         if os.getuid() != 0:
             raise TemplateUnavailable("the kernel template needs a server running as root (it joins user namespaces)")
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -152,7 +153,10 @@ class KernelTemplate:
         try:
             os.write(program, seccomp)
             os.lseek(program, 0, os.SEEK_SET)
-            extra = [*([] if freeze else ["--no-freeze"]), *(["--child-code", child_code] if child_code else [])]
+            extra = [
+                *([] if freeze else ["--no-freeze"]), *([] if preload_imports else ["--no-preload"]),
+                *(["--child-code", child_code] if child_code else []),
+            ]  # fmt: skip
             argv = template_argv(command, theirs.fileno(), program, *extra)
             process = await anyio.open_process(
                 argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,

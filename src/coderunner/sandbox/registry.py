@@ -34,14 +34,15 @@ def checks(entry: BackendEntry, settings: Settings) -> list[Check]:
     return found
 
 
-def kernel_starter(backend: SandboxBackend) -> KernelStarter | None:
-    """The warm kernel template of `backend` (not yet open), from its entry's module; None where it has none
-    (the backend then says so to every kernel's start)."""
+def kernel_starter(backend: SandboxBackend, preload_imports: bool = True) -> KernelStarter | None:
+    """The warm kernel template of `backend` (not yet open), from its entry's module, with numpy, pandas and
+    matplotlib imported if `preload_imports`; None where it has none (the backend then says so to every
+    kernel's start)."""
     entry = BACKENDS.get(backend.name)
     if entry is None or entry.kernel_template is None:
         backend.no_kernel_starter = f"the {backend.name} backend has no kernel template"
         return None
-    starter: KernelStarter = importlib.import_module(entry.kernel_template).kernel_starter(backend)
+    starter: KernelStarter = importlib.import_module(entry.kernel_template).kernel_starter(backend, preload_imports)
     return starter
 
 

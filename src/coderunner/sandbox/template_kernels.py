@@ -54,18 +54,21 @@ def exit_code(status: int) -> int:
     return os.waitstatus_to_exitcode(status)
 
 
-def kernel_starter(backend: SandboxBackend) -> TemplateKernels:
+def kernel_starter(backend: SandboxBackend, preload_imports: bool = True) -> TemplateKernels:
     """The template owner of `backend` (not yet open): the registry's entry point (vocabulary/backends.py)."""
     assert isinstance(backend, BwrapBackend), backend
-    return TemplateKernels(backend)
+    return TemplateKernels(backend, preload_imports=preload_imports)
 
 
 class TemplateKernels:
     """The template of one server process's bwrap backend, and the kernels forked from it."""
 
-    def __init__(self, backend: BwrapBackend, *, freeze: bool = True) -> None:
+    def __init__(self, backend: BwrapBackend, *, freeze: bool = True, preload_imports: bool = True) -> None:
         self.backend = backend
         self.freeze = freeze
+        #: Whether the template imports numpy, pandas and matplotlib (the preload_imports setting: a forked
+        #: kernel has what its template imported, so without it a user's kernel must not have them either).
+        self.preload_imports = preload_imports
         self.template: KernelTemplate | None = None
         #: Why there is no template to fork from now (None once it is ready).
         self.why_not: str | None = "the kernel template is starting"
@@ -89,8 +92,9 @@ class TemplateKernels:
                 self.starting, self.why_not = True, "the kernel template is starting"
                 try:
                     self.template = await KernelTemplate.start(
-                        self.backend.command, self.backend.seccomp_filter, freeze=self.freeze
-                    )
+                        self.backend.command, self.backend.seccomp_filter, freeze=self.freeze,
+                        preload_imports=self.preload_imports,
+                    )  # fmt: skip
                 except Exception as exc:  # whatever it met, kernels start cold meanwhile: never the server's end
                     self.starting = False
                     self.ready.set()  # those waiting for it start cold now; the next start has an event of its own

@@ -143,7 +143,7 @@ class SessionManager:
         """With kernel_template: the warm template, started in the background, asked by every kernel's start."""
         if not self.settings.kernel_template:
             return
-        self.template = kernel_starter(self.backend)
+        self.template = kernel_starter(self.backend, self.settings.preload_imports)
         if self.template is not None:
             self.template.open(task_group)
 
