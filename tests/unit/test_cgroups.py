@@ -126,6 +126,51 @@ async def test_a_killed_sandboxs_cgroup_is_removed_in_a_worker_thread(
     assert sandbox.cgroup is group  # still there for what reads it after the kill (memory, OOM)
 
 
+@pytest.mark.anyio
+async def test_a_second_kill_waits_for_the_first_so_the_next_sandbox_of_the_name_is_not_killed(
+    manager: CgroupManager, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forked kernel's exit starts its sandbox's kill (template_kernels.relay_exit) and the session's restart
+    kills it again, then makes the session's next cgroup, of the same name. Had the second kill returned while
+    the first's removal still ran, that removal would kill the next sandbox (seen under load: the new kernel's
+    placeholder died before it said ready). Here the first removal is slowed; the second kill waits for it."""
+    remove = SessionCgroup.remove
+    calls: list[str] = []
+
+    def slow_first_remove(self: SessionCgroup) -> None:
+        calls.append("remove")
+        if len(calls) == 1:
+            time.sleep(1.0)  # a loaded machine: the first removal's thread runs late
+        remove(self)
+        calls.append("removed")
+
+    monkeypatch.setattr(SessionCgroup, "remove", slow_first_remove)
+    name = f"t-{os.getpid()}-twice"
+    group = manager.create(name, NO_LIMITS)
+    async with anyio.create_task_group() as tg:
+        process = await anyio.open_process(
+            enter_command(group, ["sleep", "60"]),
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+        )  # fmt: skip
+        sandbox = SandboxProcess(process, tg, cgroup=group)
+        with anyio.fail_after(10):
+            while not any(procs.read_text().split() for procs in group.procs_files()):
+                await anyio.sleep(0.01)
+        tg.start_soon(sandbox.kill)  # the relay of the exit
+        await anyio.sleep(0.1)
+        await sandbox.kill()  # the restart's
+        assert calls == ["remove", "removed"], calls  # ended, and once
+        following = manager.create(name, NO_LIMITS)  # the session's next sandbox
+        bystander = subprocess.Popen(enter_command(following, ["sleep", "60"]), stdin=subprocess.DEVNULL)
+        try:
+            await anyio.sleep(1.5)  # past the first removal's delay, had it still been running
+            assert bystander.poll() is None, "the first kill's removal killed the next sandbox of the same name"
+        finally:
+            bystander.kill()
+            bystander.wait(timeout=10)
+            remove(following)
+
+
 def test_the_servers_own_kill_never_leaves_a_v1_cgroup_frozen(
     manager: CgroupManager, monkeypatch: pytest.MonkeyPatch
 ) -> None:

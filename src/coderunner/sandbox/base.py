@@ -329,6 +329,8 @@ class SandboxProcess:
         self.program_pid: int | None = None
         #: Set once kill() began.
         self.ending = False
+        #: Set once the first kill() ended: any later one waits for it (see kill).
+        self._killed: anyio.Event | None = None
         self._task_group = task_group
         if process.stderr is not None and not pipes:
             task_group.start_soon(self._drain_stderr, process.stderr)
@@ -403,7 +405,21 @@ class SandboxProcess:
         return cgroup
 
     async def kill(self) -> None:
-        """Kill the whole sandbox and reap it, within KILL_WAIT_S."""
+        """Kill the whole sandbox and reap it, within KILL_WAIT_S.
+
+        Done once: a second call (a kernel's restart after the relay of its exit began the kill) waits for
+        the first to end. Otherwise it could return while the first still removed the session's cgroup by
+        its name, which the next sandbox then makes again and the first's removal kills."""
+        if self._killed is not None:
+            await self._killed.wait()
+            return
+        self._killed = anyio.Event()
+        try:
+            await self._kill()
+        finally:
+            self._killed.set()
+
+    async def _kill(self) -> None:
         self.ending = True
         if self.hold is not None:
             self.hold.kill()  # first: whatever runs inside, its pid namespace ends with its pid 1

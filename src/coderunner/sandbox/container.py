@@ -120,7 +120,7 @@ class ContainerProcess(SandboxProcess):
         """For memory accounting: the container's process tree, not the client's."""
         return self.container_pid or super().pid
 
-    async def kill(self) -> None:
+    async def _kill(self) -> None:
         """Remove the container (bounded), then kill and reap the client."""
         with anyio.CancelScope(shield=True):
             for argv in self.cleanup:
@@ -128,7 +128,7 @@ class ContainerProcess(SandboxProcess):
                     await run_async(argv, REMOVE_TIMEOUT_S, check=False, env=self._engine_env)
                 except EngineError as exc:
                     log.warning("container cleanup: %s", exc)
-            await super().kill()
+            await super()._kill()
 
     async def watch_pid(self, inspect_argv: list[str], timeout_s: float = 15.0) -> bool:
         """Wait until the container runs and learn its host pid (podman/docker on Linux only).

@@ -62,7 +62,7 @@ class GvisorProcess(SandboxProcess):
         """Never handed out: kill() kills through it (runsc's own teardown may be slow) and release() removes it."""
         return None
 
-    async def kill(self) -> None:
+    async def _kill(self) -> None:
         """Kill and delete the container (bounded, shielded), reap runsc, release the rootfs and cgroup."""
         with anyio.CancelScope(shield=True):
             runsc = self.backend.runsc
@@ -77,7 +77,7 @@ class GvisorProcess(SandboxProcess):
             # removal waits for the last tasks to leave, which must not block the event loop.
             cgroup, self.cgroup = self.cgroup, None
             try:
-                await super().kill()
+                await super()._kill()
             finally:
                 self.cgroup = cgroup
             if not self._released:
