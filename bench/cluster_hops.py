@@ -8,7 +8,9 @@ session's node agent, its steps are stamped (a `__ray_call__` wraps SessionSide.
 create and the open's status with clock readings; CLOCK_MONOTONIC is one clock for every process of a
 machine), so a warm run splits into: the front door to the agent's start_run, the agent's own part (its
 kernel's run), and the answer back to a built job. A pooled create splits into the front door's node
-table, its placement (two agents asked at once) and the open. Beside them: a bare actor call (`ping`).
+table, its placement (two agents asked at once) and the open; each round then makes a second cluster create
+at once, as a burst would ("right after another": placed by the answers the first one's placement got,
+agents.KNOWN_LOAD_S). Beside them: a bare actor call (`ping`).
 
 No timing assertions: figures only (medians; the cluster is torn down at the end, also after a failure).
 """
@@ -125,13 +127,25 @@ async def creates(host, local, agents):
     timed(host._nodes, "current", rows["node table"])
     timed(host._agents, "place", rows["placement"])
     timed(host, "_open", rows["open"])
+    steps = ("node table", "placement", "open")
+    for step in ("cluster", *steps):
+        rows[f"{step}, right after another"] = []
     for index in range(CREATES):
-        await anyio.sleep(2.5)  # the pools refill
+        await anyio.sleep(2.5)  # the pools refill; the agents' answers a placement may use (2 s) are stale
         for lane in ("cluster", "local") if index % 2 else ("local", "cluster"):
             began = now()
             session = await (host.create(host.options()) if lane == "cluster" else local.create(local.options()))
             rows[lane].append(now() - began)
             await (host if lane == "cluster" else local).close(session.session_id)
+        # A second cluster create at once, as in a burst: placed by the answers the first one's placement got.
+        counted = {step: len(rows[step]) for step in steps}
+        began = now()
+        session = await host.create(host.options())
+        rows["cluster, right after another"].append(now() - began)
+        await host.close(session.session_id)
+        for step in steps:
+            rows[f"{step}, right after another"] += rows[step][counted[step]:]
+            del rows[step][counted[step]:]
     for agent in agents:
         for name, began, left in await agent.__ray_call__.remote(take_stamps):
             if name in ("create", "status"):
