@@ -409,13 +409,16 @@ class SandboxProcess:
 
         Done once: a second call (a kernel's restart after the relay of its exit began the kill) waits for
         the first to end. Otherwise it could return while the first still removed the session's cgroup by
-        its name, which the next sandbox then makes again and the first's removal kills."""
+        its name, which the next sandbox then makes again and the first's removal kills. Shielded (each
+        step is bounded), so a cancelled first call does not leave later ones nothing to wait for but
+        half a teardown."""
         if self._killed is not None:
             await self._killed.wait()
             return
         self._killed = anyio.Event()
         try:
-            await self._kill()
+            with anyio.CancelScope(shield=True):
+                await self._kill()
         finally:
             self._killed.set()
 
