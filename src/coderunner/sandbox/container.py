@@ -121,14 +121,19 @@ class ContainerProcess(SandboxProcess):
         return self.container_pid or super().pid
 
     async def _kill(self) -> None:
-        """Remove the container (bounded), then kill and reap the client."""
+        """Kill and reap the client, then remove the container (bounded).
+
+        In that order: a client killed while it still creates the container (a start cancelled at once)
+        may leave the container made but never started; a removal before the kill found nothing yet, and
+        that container was left behind (seen: podman containers in state Created from the `container`
+        stand-in, one per suite run). The container itself goes on running without its client until removed."""
         with anyio.CancelScope(shield=True):
+            await super()._kill()
             for argv in self.cleanup:
                 try:
                     await run_async(argv, REMOVE_TIMEOUT_S, check=False, env=self._engine_env)
                 except EngineError as exc:
                     log.warning("container cleanup: %s", exc)
-            await super()._kill()
 
     async def watch_pid(self, inspect_argv: list[str], timeout_s: float = 15.0) -> bool:
         """Wait until the container runs and learn its host pid (podman/docker on Linux only).
