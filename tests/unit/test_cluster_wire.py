@@ -56,3 +56,21 @@ def test_a_running_jobs_delta_and_a_gone_one_cross_too() -> None:
     for delta in (running, gone):
         assert plain(delta.wire())
         assert JobDelta.of_wire(delta.wire()) == delta
+
+
+def test_a_one_shot_runs_answer_crosses_as_plain_data_and_is_made_again_equal() -> None:
+    """Its result is plain data; its egress decisions and exported files, when a run has any, cross as they are."""
+    from coderunner.cluster.oneshot_exports import OneShotExports
+    from coderunner.cluster.wire import EgressDelta, of_oneshot_answer, oneshot_answer
+    from coderunner.oneshot.runs import OneShotResult
+    from coderunner.policy.egress import EgressPolicy
+
+    result = OneShotResult(
+        "python", True, 0, "42\n", "", False, 31.5, 12.25, {"memory_mb": 512, "timeout_s": 30}, exported="a.txt"
+    )
+    answer = oneshot_answer(result, None, None)
+    assert plain(answer), answer
+    assert of_oneshot_answer(answer) == (result, None, None)
+    exports = OneShotExports("/node/exports/run-1", [("a.txt", b"hi")])
+    delta = EgressDelta([], 1, {"allowed": 1}, [], EgressPolicy.parse(["a.example.org"]))
+    assert of_oneshot_answer(oneshot_answer(result, delta, exports)) == (result, delta, exports)

@@ -34,14 +34,14 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 
 from coderunner.cluster.oneshot_side import run_here
 from coderunner.cluster.placement import NoRoomNow, Request, backend_resource, room_for
 from coderunner.cluster.session_side import SessionSide
-from coderunner.cluster.wire import NODE_LOCAL, AgentLoad, NodeInfo, SessionInfo
+from coderunner.cluster.wire import NODE_LOCAL, AgentLoad, NodeInfo, SessionInfo, oneshot_answer
 from coderunner.config import Settings, load_settings
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.oneshot.local import LocalOneShots
@@ -49,11 +49,6 @@ from coderunner.sandbox import make_backend
 from coderunner.sessions.changes import Changed, Changes
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.sandbox_options import SandboxOptions
-
-if TYPE_CHECKING:
-    from coderunner.cluster.oneshot_exports import OneShotExports
-    from coderunner.cluster.wire import EgressDelta
-    from coderunner.oneshot.runs import OneShotResult
 
 log = logging.getLogger(__name__)
 
@@ -198,11 +193,12 @@ class NodeAgent:
 
     async def run_oneshot(
         self, run_id: str, request: Request, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[OneShotResult, EgressDelta | None, OneShotExports | None]:
-        """A one-shot run (oneshot_side.run_here) if this node has room for `request` now. A front door that
-        stops waiting cancels this call, and with it the run (its sandbox is killed as on one machine)."""
+    ) -> dict[str, Any]:
+        """A one-shot run (oneshot_side.run_here) if this node has room for `request` now, its answer as plain
+        data (wire.oneshot_answer). A front door that stops waiting cancels this call, and with it the run (its
+        sandbox is killed as on one machine)."""
         async with self._run_room(run_id, request) as oneshots:
-            return await run_here(oneshots, self.settings, args, kwargs)
+            return oneshot_answer(*await run_here(oneshots, self.settings, args, kwargs))
 
     async def oneshot_call(self, run_id: str, request: Request, method: str, args: tuple[Any, ...]) -> Any:
         """A check_code or language_versions of this node's one-shot runs, if it has room for `request` now."""

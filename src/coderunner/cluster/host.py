@@ -40,7 +40,7 @@ from coderunner.cluster.ray_auth import token_refusal
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
 from coderunner.cluster.stored import StoredOnNodes
-from coderunner.cluster.wire import NAMESPACE, EgressDelta, SessionInfo, new_session_id
+from coderunner.cluster.wire import NAMESPACE, SessionInfo, new_session_id, of_oneshot_answer
 from coderunner.config import ConfigError, Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
@@ -415,9 +415,7 @@ class ClusterHost:
             mirror = RemoteEgress("one-shot", ceiling.narrowed(options.allow) if options.allow else ceiling)
             on_egress(mirror)  # type: ignore[arg-type]  # the part of SessionEgress the tools use
         args, kwargs = (language, code, options), {"stdin": stdin, "variables": variables}
-        done: tuple[OneShotResult, EgressDelta | None, OneShotExports | None]
-        done = await self._on_agent(options, "run_oneshot", args, kwargs)
-        result, delta, exports = done
+        result, delta, exports = of_oneshot_answer(await self._on_agent(options, "run_oneshot", args, kwargs))
         if mirror is not None:
             mirror.apply(delta)
         return await self._exported_here(result, exports, options)

@@ -4,7 +4,8 @@ the names both sides agree on (the agents' names, the session ids that carry the
 A session's kernel, sandbox, dirs and jobs stay on its node; the front door gets copies of what the
 tools read (an ExecutionResult whose output holds no file descriptor, a JobDelta of new output).
 
-What every run answers (a JobDelta, its result within) crosses in its wire form (`JobDelta.wire`):
+What every run answers (a JobDelta, its result within; a one-shot's result) crosses in its wire form
+(`JobDelta.wire`, `oneshot_answer`):
 dicts and lists of strings and numbers, which Ray packs as they are (msgpack) where a dataclass would
 be pickled and unpickled on each answer (about 0.5 ms of a warm run's round trip, measured). A value
 msgpack cannot hold (an egress log, an export listing, a string with a lone surrogate) still crosses,
@@ -17,15 +18,19 @@ import collections
 import copy
 import secrets
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from coderunner.egress.audit import Decision
 from coderunner.kernel.execution import CellError, RunOutcome, RunStatus
 from coderunner.kernel.output_capture import ImageOutput, OutputCollector
 from coderunner.kernel.run_result import ExecutionResult
+from coderunner.oneshot.runs import OneShotResult
 from coderunner.policy.egress import EgressPolicy
 from coderunner.sessions.job_runner import JobOutput
 from coderunner.sessions.sandbox_options import SandboxOptions
+
+if TYPE_CHECKING:
+    from coderunner.cluster.oneshot_exports import OneShotExports
 
 #: Ray namespace every node agent is named in (found by name from any front door).
 NAMESPACE = "coderunner"
@@ -209,6 +214,18 @@ class JobDelta:
         values["images"] = _images(values["images"])
         values["result"] = None if values["result"] is None else _result(values["result"])
         return cls(**values)
+
+
+def oneshot_answer(result: OneShotResult, egress: EgressDelta | None, exports: OneShotExports | None) -> dict[str, Any]:
+    """A one-shot run's answer as plain data (the module says why): its result's fields, which are strings,
+    numbers and a dict of them; its proxy's decisions and its exported files as they are (Ray pickles those,
+    when a run has any). `of_oneshot_answer` makes the three again."""
+    return {"result": {item.name: getattr(result, item.name) for item in fields(result)}, "egress": egress,
+            "exports": exports}  # fmt: skip
+
+
+def of_oneshot_answer(data: dict[str, Any]) -> tuple[OneShotResult, EgressDelta | None, OneShotExports | None]:
+    return OneShotResult(**data["result"]), data["egress"], data["exports"]
 
 
 def portable_output(output: OutputCollector) -> OutputCollector:
