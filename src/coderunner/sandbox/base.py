@@ -431,9 +431,10 @@ class SandboxProcess:
                 # The process the host started, in its own process group (start_new_session): an
                 # engine client or the outer bwrap. What runs inside ends by the backend's own
                 # handle (the hold, above) or with that process (engines end their containers).
+                # Not Process.kill() besides: it polls (waitpid WNOHANG) on the event loop's thread, which reaped
+                # a process that had just exited before asyncio's watcher could, so its exit code read 255
+                # ("Unknown child process pid N" in the log; traced with wait4 events under load).
                 os.killpg(self._process.pid, signal.SIGKILL)
-            with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
         with anyio.move_on_after(KILL_WAIT_S, shield=True):
             await self._process.wait()
         with contextlib.suppress(Exception):
