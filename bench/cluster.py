@@ -83,6 +83,8 @@ POOL_SIZE = 2
 #: session, a cold create of part b, its node pool (POOL_SIZE) and a claimed pooled session.
 SPARE_MEMORY = 10 * 2**30
 SPARE_CPUS = 1.0
+#: Sessions beside part c's on a worker (its `coderunner-bwrap` units): parts a and b, and its node pool.
+SPARE_SESSIONS = 10
 #: Bounds: one MCP call; a whole burst; everything closed and gone; the node pools filling.
 CALL_TIMEOUT_S = 300.0
 BURST_TIMEOUT_S = 1800.0
@@ -620,13 +622,14 @@ async def burst_local(cluster: RayCluster, client: Client, count: int) -> dict[s
 # --- the run --------------------------------------------------------------------------------------------
 
 
-def size_workers(sessions: int) -> tuple[int, int]:
+def size_workers(sessions: int) -> tuple[int, int, int]:
     """What each worker advertises: room for its half of part c plus parts a and b (at least the fixture's;
-    `ray start --num-cpus` takes whole CPUs)."""
+    `ray start --num-cpus` takes whole CPUs): memory, CPUs and sessions (its `coderunner-bwrap` units)."""
     half = math.ceil(sessions / 2)
     memory = max(fixture.WORKER_MEMORY, half * BURST_MEMORY_MB * 2**20 + SPARE_MEMORY)
     cpus = max(fixture.WORKER_CPUS, math.ceil(half * SESSION_CPUS + SPARE_CPUS))
-    return memory, cpus
+    slots = max(fixture.BWRAP_SLOTS, half + SPARE_SESSIONS)
+    return memory, cpus, slots
 
 
 async def run(cluster: RayCluster, root: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -909,7 +912,7 @@ def main() -> int:
     if reason := unavailable():
         print(f"bench/cluster.py {reason}", file=sys.stderr)
         return 2
-    fixture.WORKER_MEMORY, fixture.WORKER_CPUS = size_workers(args.sessions)
+    fixture.WORKER_MEMORY, fixture.WORKER_CPUS, fixture.BWRAP_SLOTS = size_workers(args.sessions)
     print(
         f"cluster: a head and two workers in a private network namespace; each worker advertises "
         f"{fixture.WORKER_CPUS:g} CPU, {fixture.WORKER_MEMORY / 2**30:.1f} GiB memory, "
