@@ -203,9 +203,10 @@ class Settings(BaseSettings):
         "the backend lowers them live, bwrap with cgroups); off: only creates with the default options do, and a "
         "default network 'allowlist' has no pool.")  # fmt: skip
     kernel_template: bool = Field(False, description="bwrap, server run as root: kernels are forks of one warm "
-        "template (numpy, pandas and matplotlib imported once, with preload_imports) instead of each starting from nothing; a kernel it "
-        "cannot give (the template not running or refusing a fork, a workspace module shadowing one it imported) "
-        "starts cold, and manage_sessions status says which way and why (kernel_start).")  # fmt: skip
+        "template (numpy, pandas and matplotlib imported once, with preload_imports) instead of each starting from "
+        "nothing; a kernel it cannot give (the template not running or refusing a fork, a workspace module "
+        "shadowing one it imported) starts cold, and manage_sessions status says which way and why "
+        "(kernel_start).")  # fmt: skip
     reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
         "idle, about 90 with preload_imports; in manage_sessions status) that kernel_reset and restarts swap to "
         "instead of starting one (bwrap).")  # fmt: skip
