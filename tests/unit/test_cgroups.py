@@ -15,6 +15,7 @@ from pathlib import Path
 
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 
 from coderunner.sandbox.base import SandboxProcess
 from coderunner.sandbox.cgroups import (
@@ -96,6 +97,19 @@ def test_a_dead_servers_empty_groups_are_swept(manager: CgroupManager) -> None:
         created.remove()
 
 
+async def sleeper_in(group: SessionCgroup, tg: TaskGroup) -> SandboxProcess:
+    """A sandbox whose process is a `sleep` in `group`, once the group holds it."""
+    process = await anyio.open_process(
+        enter_command(group, ["sleep", "60"]),
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    sandbox = SandboxProcess(process, tg, cgroup=group)
+    with anyio.fail_after(10):
+        while not any(procs.read_text().split() for procs in group.procs_files()):
+            await anyio.sleep(0.01)
+    return sandbox
+
+
 @pytest.mark.anyio
 async def test_a_killed_sandboxs_cgroup_is_removed_in_a_worker_thread(
     manager: CgroupManager, monkeypatch: pytest.MonkeyPatch
@@ -112,14 +126,7 @@ async def test_a_killed_sandboxs_cgroup_is_removed_in_a_worker_thread(
     group = manager.create(f"t-{os.getpid()}-kill", NO_LIMITS)
     loop_thread = threading.get_ident()
     async with anyio.create_task_group() as tg:
-        process = await anyio.open_process(
-            enter_command(group, ["sleep", "60"]),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
-        sandbox = SandboxProcess(process, tg, cgroup=group)
-        with anyio.fail_after(10):
-            while not any(procs.read_text().split() for procs in group.procs_files()):
-                await anyio.sleep(0.01)
+        sandbox = await sleeper_in(group, tg)
         await sandbox.kill()
     assert removed_in and loop_thread not in removed_in, "the cgroup was removed on the event loop thread"
     assert not any(path.exists() for path in group.dirs.values())
@@ -148,14 +155,7 @@ async def test_a_second_kill_waits_for_the_first_so_the_next_sandbox_of_the_name
     name = f"t-{os.getpid()}-twice"
     group = manager.create(name, NO_LIMITS)
     async with anyio.create_task_group() as tg:
-        process = await anyio.open_process(
-            enter_command(group, ["sleep", "60"]),
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-        )  # fmt: skip
-        sandbox = SandboxProcess(process, tg, cgroup=group)
-        with anyio.fail_after(10):
-            while not any(procs.read_text().split() for procs in group.procs_files()):
-                await anyio.sleep(0.01)
+        sandbox = await sleeper_in(group, tg)
         tg.start_soon(sandbox.kill)  # the relay of the exit
         await anyio.sleep(0.1)
         await sandbox.kill()  # the restart's
