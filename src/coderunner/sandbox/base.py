@@ -435,20 +435,19 @@ class SandboxProcess:
                 # a process that had just exited before asyncio's watcher could, so its exit code read 255
                 # ("Unknown child process pid N" in the log; traced with wait4 events under load).
                 os.killpg(self._process.pid, signal.SIGKILL)
-        with anyio.move_on_after(KILL_WAIT_S, shield=True):
+        with anyio.move_on_after(KILL_WAIT_S):  # kill() shields the whole: each step has its own bound
             await self._process.wait()
         with contextlib.suppress(Exception):
             await self._process.aclose()
         for helper in self.helpers:
             with contextlib.suppress(ProcessLookupError):
                 helper.kill()
-            with anyio.move_on_after(KILL_WAIT_S, shield=True), contextlib.suppress(Exception):
+            with anyio.move_on_after(KILL_WAIT_S), contextlib.suppress(Exception):
                 await helper.aclose()  # reaped and its transport closed, as the sandbox's own process above
         if self.cgroup is not None:
             # In a worker thread: the removal waits (up to cgroups.REMOVE_WAIT_S) for the last tasks
             # to exit, which must not block the event loop. Awaited, not left to a thread of its own:
             # the session's next kernel makes a cgroup of the same name, which this must not meet.
-            with anyio.CancelScope(shield=True):
-                await off_loop(self.cgroup.remove)
+            await off_loop(self.cgroup.remove)
         if self.hold is not None:
             self.hold.release()

@@ -127,13 +127,12 @@ class ContainerProcess(SandboxProcess):
         may leave the container made but never started; a removal before the kill found nothing yet, and
         that container was left behind (seen: podman containers in state Created from the `container`
         stand-in, one per suite run). The container itself goes on running without its client until removed."""
-        with anyio.CancelScope(shield=True):
-            await super()._kill()
-            for argv in self.cleanup:
-                try:
-                    await run_async(argv, REMOVE_TIMEOUT_S, check=False, env=self._engine_env)
-                except EngineError as exc:
-                    log.warning("container cleanup: %s", exc)
+        await super()._kill()
+        for argv in self.cleanup:
+            try:
+                await run_async(argv, REMOVE_TIMEOUT_S, check=False, env=self._engine_env)
+            except EngineError as exc:
+                log.warning("container cleanup: %s", exc)
 
     async def watch_pid(self, inspect_argv: list[str], timeout_s: float = 15.0) -> bool:
         """Wait until the container runs and learn its host pid (podman/docker on Linux only).

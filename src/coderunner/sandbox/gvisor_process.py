@@ -63,26 +63,25 @@ class GvisorProcess(SandboxProcess):
         return None
 
     async def _kill(self) -> None:
-        """Kill and delete the container (bounded, shielded), reap runsc, release the rootfs and cgroup."""
-        with anyio.CancelScope(shield=True):
-            runsc = self.backend.runsc
-            if self.alive:  # first: `runsc run` then returns (a delete alone leaves it waiting)
-                await self.backend.call(runsc.kill(self.container, "KILL"), RUNSC_CALL_S)
-            # The Sentry, its gofer and ptrace stubs, at once: runsc's own teardown of a ptrace sandbox can
-            # take seconds (a server's shutdown has about two), and its delete waits for it.
-            if self.cgroup is not None:
-                self.cgroup.kill_all()
-            deleted = await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
-            # SIGKILL runsc's process group and reap it. The cgroup goes in release(), in a thread: its
-            # removal waits for the last tasks to leave, which must not block the event loop.
-            cgroup, self.cgroup = self.cgroup, None
-            try:
-                await super()._kill()
-            finally:
-                self.cgroup = cgroup
-            if not self._released:
-                self._released = True
-                if deleted is None or deleted.returncode != 0:
-                    # A runsc killed half-way through creating may have made it only now.
-                    await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
-                await anyio.to_thread.run_sync(self.backend.release, self.container)
+        """Kill and delete the container (bounded; kill() shields it), reap runsc, release the rootfs and cgroup."""
+        runsc = self.backend.runsc
+        if self.alive:  # first: `runsc run` then returns (a delete alone leaves it waiting)
+            await self.backend.call(runsc.kill(self.container, "KILL"), RUNSC_CALL_S)
+        # The Sentry, its gofer and ptrace stubs, at once: runsc's own teardown of a ptrace sandbox can
+        # take seconds (a server's shutdown has about two), and its delete waits for it.
+        if self.cgroup is not None:
+            self.cgroup.kill_all()
+        deleted = await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
+        # SIGKILL runsc's process group and reap it. The cgroup goes in release(), in a thread: its
+        # removal waits for the last tasks to leave, which must not block the event loop.
+        cgroup, self.cgroup = self.cgroup, None
+        try:
+            await super()._kill()
+        finally:
+            self.cgroup = cgroup
+        if not self._released:
+            self._released = True
+            if deleted is None or deleted.returncode != 0:
+                # A runsc killed half-way through creating may have made it only now.
+                await self.backend.call(runsc.delete(self.container), REMOVE_TIMEOUT_S)
+            await anyio.to_thread.run_sync(self.backend.release, self.container)
