@@ -33,6 +33,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
 
 from coderunner.config import Settings, load_settings
+from coderunner.hostfs.session_dirs import remove_stale_dirs
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
 from coderunner.server import build_server
@@ -99,13 +100,37 @@ def canary(tmp_path: Path) -> Path:
     return folder
 
 
+@contextlib.contextmanager
+def fresh_dirs(prefix: str) -> Iterator[ServerDirs]:
+    """A server's own runtime and workspace dirs under a new short /tmp folder (socket paths < 107 bytes).
+
+    At the end nothing of its servers may stay mounted once coderunner's own clean-up ran: a test that
+    SIGKILLs its server leaves that server's workspaces mounted until a next start, and a folder removed
+    under a mount would hide the loop device it holds for good."""
+    root = _passable(Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp")))
+    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
+    try:
+        yield dirs
+    finally:
+        left = clean_after_dead_servers(dirs)
+        shutil.rmtree(root, ignore_errors=True)
+    assert not left, f"mounted after its servers ended and the next start's clean-up ran: {left}"
+
+
+def clean_after_dead_servers(dirs: ServerDirs) -> list[str]:
+    """What a server's next start does with what a dead one left: coderunner's own clean-up of dead
+    session dirs. Returns the mounts even that left below `dirs.root`."""
+    if dirs.runtime.is_dir():
+        settings = load_settings(Path(os.devnull), runtime_dir=dirs.runtime, workspaces_dir=dirs.workspaces)
+        remove_stale_dirs(settings.runtime_dir, settings.workspaces_dir, make_backend(settings).remove_stale, 0.0)
+    mounts = Path("/proc/mounts").read_text().splitlines()
+    return [line.split()[1] for line in mounts if f" {dirs.root}/" in line]
+
+
 @pytest.fixture
 def dirs() -> Iterator[ServerDirs]:
-    # Short path on purpose: ipc socket paths must stay under 107 bytes.
-    root = _passable(Path(tempfile.mkdtemp(prefix="crt-", dir="/tmp")))
-    paths = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
-    yield paths
-    shutil.rmtree(root, ignore_errors=True)
+    with fresh_dirs("crt-") as paths:
+        yield paths
 
 
 def server_env(dirs: ServerDirs, **extra: str) -> dict[str, str]:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import socket
-import tempfile
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,11 +13,7 @@ from pathlib import Path
 import pytest
 from mcp import Client
 
-from coderunner.config import load_settings
-from coderunner.hostfs.session_dirs import remove_stale_dirs
-from coderunner.sandbox import make_backend
-
-from ..conftest import ServerDirs, _passable, run, server_env, stdio_client, text_of
+from ..conftest import ServerDirs, fresh_dirs, run, server_env, stdio_client, text_of
 
 BYSTANDER_VALUE = "bystander-state-7d1e"
 
@@ -37,30 +31,6 @@ class Arena:
     bystander_workspace: Path
     loopback_port: int
     abstract_socket: str
-
-
-@contextlib.contextmanager
-def fresh_dirs(prefix: str) -> Iterator[ServerDirs]:
-    """A server's own runtime and workspace dirs under a new short /tmp folder (socket paths < 107 bytes)."""
-    root = _passable(Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp")))
-    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
-    try:
-        yield dirs
-    finally:
-        left = clean_after_dead_servers(dirs)
-        shutil.rmtree(root, ignore_errors=True)
-    assert not left, f"mounted after its servers ended and the next start's clean-up ran: {left}"
-
-
-def clean_after_dead_servers(dirs: ServerDirs) -> list[str]:
-    """What a server's next start does with what a dead one left (a SIGKILLed server keeps its sessions'
-    workspaces mounted until then): coderunner's own clean-up of dead session dirs. Returns the mounts
-    even that left below `dirs.root`."""
-    if dirs.runtime.is_dir():
-        settings = load_settings(Path(os.devnull), runtime_dir=dirs.runtime, workspaces_dir=dirs.workspaces)
-        remove_stale_dirs(settings.runtime_dir, settings.workspaces_dir, make_backend(settings).remove_stale, 0.0)
-    mounts = Path("/proc/mounts").read_text().splitlines()
-    return [line.split()[1] for line in mounts if f" {dirs.root}/" in line]
 
 
 @pytest.fixture(scope="module")

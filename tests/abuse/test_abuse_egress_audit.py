@@ -22,9 +22,9 @@ from mcp import Client
 
 from coderunner.egress.audit import MAX_FOLDED_HOSTS, SESSION_BURST, SESSION_SHARE, WINDOW_S, MiB
 
-from ..conftest import ServerDirs, server_env, stdio_client, text_of, wait_until
+from ..conftest import ServerDirs, fresh_dirs, server_env, stdio_client, text_of, wait_until
 from ..netns_servers import BODY, NetnsServers
-from .conftest import BYSTANDER_VALUE, fresh_dirs
+from .conftest import BYSTANDER_VALUE
 from .test_abuse_egress import create, ok
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]

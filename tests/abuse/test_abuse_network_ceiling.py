@@ -15,8 +15,8 @@ from collections.abc import AsyncIterator
 import pytest
 from mcp import Client
 
-from ..conftest import run, text_of
-from .conftest import BYSTANDER_VALUE, Arena, fresh_dirs, open_arena
+from ..conftest import fresh_dirs, run, text_of
+from .conftest import BYSTANDER_VALUE, Arena, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 

@@ -29,8 +29,8 @@ import anyio
 import pytest
 from mcp.types import CallToolResult
 
-from ..conftest import ServerDirs, json_of, raw_stdio_server, run, server_env, text_of, wait_until
-from .conftest import BYSTANDER_VALUE, Arena, fresh_dirs, open_arena
+from ..conftest import ServerDirs, fresh_dirs, json_of, raw_stdio_server, run, server_env, text_of, wait_until
+from .conftest import BYSTANDER_VALUE, Arena, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 

@@ -23,7 +23,7 @@ import pytest
 
 from coderunner.sandbox.container import LABEL_INSTANCE, server_tag
 
-from ..conftest import ServerDirs, _passable, raw_stdio_server, run, server_env, text_of, wait_until
+from ..conftest import ServerDirs, fresh_dirs, raw_stdio_server, run, server_env, text_of, wait_until
 from ..test_e2e_podman import OCI_RUNTIME, podman_image  # noqa: F401  (the session's image fixture)
 from .conftest import Arena, open_arena
 from .test_abuse import CASES, INTERNET_ALLOWED, Case, assert_still_serving, attack
@@ -128,28 +128,26 @@ async def test_a_killed_servers_containers_go_whatever_the_sandbox_killed(
     """boundary: container lifetime. The sandbox kills all it can in its container, then the server's whole
     process group is SIGKILLed: the server's watcher (on the host, in its own session) removes its
     container, and only its: the arena's server and bystander keep theirs."""
-    root = _passable(Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp")))
-    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
-    env = server_env(dirs, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME=OCI_RUNTIME)
-    tag = server_tag(dirs.runtime)
-    try:
-        calls: list[tuple[str, dict[str, object]]] = [("run_python", {"code": KILL_ALL_BUT_THE_KERNEL})]
-        with raw_stdio_server(env, calls, new_session=True) as server:
-            [name] = _containers(tag)
-            instance = subprocess.run(
-                ["podman", "inspect", "--format", f'{{{{index .Config.Labels "{LABEL_INSTANCE}"}}}}', name],
-                capture_output=True, text=True, timeout=60, check=True,
-            ).stdout.strip()  # fmt: skip
-            [watcher] = _watchers(instance)
-            assert os.getsid(watcher) != os.getsid(server.pid), "the watcher has its own session"
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-        assert await wait_until(lambda: _containers(tag) == [], timeout_s=90), "the container outlived its server"
-        assert await wait_until(lambda: _watchers(instance) == [], timeout_s=90), "the watcher did not exit"
-    finally:
-        for leftover in _containers(tag):
-            subprocess.run(["podman", "rm", "--force", "--time", "0", leftover], capture_output=True, timeout=60)
-        shutil.rmtree(root, ignore_errors=True)
+    with fresh_dirs("crk-") as dirs:  # what its SIGKILLed server left mounted goes too
+        env = server_env(dirs, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME=OCI_RUNTIME)
+        tag = server_tag(dirs.runtime)
+        try:
+            calls: list[tuple[str, dict[str, object]]] = [("run_python", {"code": KILL_ALL_BUT_THE_KERNEL})]
+            with raw_stdio_server(env, calls, new_session=True) as server:
+                [name] = _containers(tag)
+                instance = subprocess.run(
+                    ["podman", "inspect", "--format", f'{{{{index .Config.Labels "{LABEL_INSTANCE}"}}}}', name],
+                    capture_output=True, text=True, timeout=60, check=True,
+                ).stdout.strip()  # fmt: skip
+                [watcher] = _watchers(instance)
+                assert os.getsid(watcher) != os.getsid(server.pid), "the watcher has its own session"
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=30)
+            assert await wait_until(lambda: _containers(tag) == [], timeout_s=90), "the container outlived its server"
+            assert await wait_until(lambda: _watchers(instance) == [], timeout_s=90), "the watcher did not exit"
+        finally:
+            for leftover in _containers(tag):
+                subprocess.run(["podman", "rm", "--force", "--time", "0", leftover], capture_output=True, timeout=60)
     await assert_still_serving(arena)
 
 
@@ -205,25 +203,23 @@ async def test_a_server_killed_while_its_container_starts_leaves_none(
 ) -> None:
     """boundary: container lifetime. SIGKILL lands while the engine client is still creating the container:
     the watcher keeps sweeping while that client lives, so the container it makes goes too."""
-    root = _passable(Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp")))
-    dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
-    env = server_env(dirs, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME=OCI_RUNTIME)
-    tag = server_tag(dirs.runtime)
-    try:
-        with raw_stdio_server(env, [], new_session=True) as server:
-            assert server.stdin is not None
-            call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
-                    "params": {"name": "run_python", "arguments": {"code": "1"}}}  # fmt: skip
-            server.stdin.write((json.dumps(call) + "\n").encode())
-            server.stdin.flush()
-            assert await wait_until(lambda: _engine_clients(tag) != [], timeout_s=60), "no engine client started"
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait(timeout=30)
-        assert await wait_until(lambda: _containers(tag) == [] and _engine_clients(tag) == [], timeout_s=90), (
-            "a container or engine client outlived its server"
-        )
-    finally:
-        for leftover in _containers(tag):
-            subprocess.run(["podman", "rm", "--force", "--time", "0", leftover], capture_output=True, timeout=60)
-        shutil.rmtree(root, ignore_errors=True)
+    with fresh_dirs("crk-") as dirs:  # what its SIGKILLed server left mounted goes too
+        env = server_env(dirs, CODERUNNER_BACKEND="podman", CODERUNNER_OCI_RUNTIME=OCI_RUNTIME)
+        tag = server_tag(dirs.runtime)
+        try:
+            with raw_stdio_server(env, [], new_session=True) as server:
+                assert server.stdin is not None
+                call = {"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                        "params": {"name": "run_python", "arguments": {"code": "1"}}}  # fmt: skip
+                server.stdin.write((json.dumps(call) + "\n").encode())
+                server.stdin.flush()
+                assert await wait_until(lambda: _engine_clients(tag) != [], timeout_s=60), "no engine client started"
+                os.killpg(server.pid, signal.SIGKILL)
+                server.wait(timeout=30)
+            assert await wait_until(lambda: _containers(tag) == [] and _engine_clients(tag) == [], timeout_s=90), (
+                "a container or engine client outlived its server"
+            )
+        finally:
+            for leftover in _containers(tag):
+                subprocess.run(["podman", "rm", "--force", "--time", "0", leftover], capture_output=True, timeout=60)
     await assert_still_serving(arena)
