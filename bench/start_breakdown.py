@@ -19,10 +19,10 @@ wrapping the method that does it (nothing in src changes for this):
                      waits at the gate then)
     placeholder      template only: from the init's gate opening to the placeholder saying "ready" (bwrap's
                      mounts, pivot, the init's Python, the shell)
-    fork+enter       template only: KernelTemplate.fork_into (fork, setns, fork, confine, the reply)
+    fork+enter       template only: KernelTemplate.fork_into (fork, setns, fork, confine, the fork's check that the
+                     template's imports are current in its sandbox, the reply)
     kernel boot      KernelProcess.claim_sockets: until the kernel bound its sockets (the cold one imports all)
     handshake        KernelClient.connect: connect and the IOPub welcome
-    stale check      template only: Kernel._stale_imports (one silent cell)
     server rest      the create's time outside every step above (its own steps: options, egress, bookkeeping)
     first result     session.run('1+1')
 
@@ -54,7 +54,7 @@ import anyio
 STEPS = (
     "dirs+workspace", "  workspace", "mounts", "cgroup", "argv", "exec bwrap", "bwrap setup", "placeholder",
     "fork+enter",
-    "kernel boot", "handshake", "stale check", "server rest", "create", "first result",
+    "kernel boot", "handshake", "server rest", "create", "first result",
 )  # fmt: skip
 LANES = ("cold", "template")
 BEFORE = "template before"
@@ -100,7 +100,6 @@ class Clock:
     def install(self) -> None:
         from coderunner.hostfs.workspaces import Workspace
         from coderunner.kernel.client import KernelClient
-        from coderunner.kernel.incarnation import Kernel
         from coderunner.kernel.process import KernelProcess
         from coderunner.sandbox.bwrap import BwrapBackend
         from coderunner.sandbox.bwrap_argv import BwrapCommand
@@ -118,7 +117,6 @@ class Clock:
         self.wrap_async(KernelTemplate, "fork_into", "fork+enter")
         self.wrap_async(KernelProcess, "claim_sockets", "kernel boot")
         self.wrap_async(KernelClient, "connect", "handshake")
-        self.wrap_async(Kernel, "_stale_imports", "stale check")
 
     def take(self, create_s: float, first_s: float) -> dict[str, float]:
         """This create's steps in ms (the derived ones computed), and the clock cleared for the next."""

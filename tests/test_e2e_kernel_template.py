@@ -195,6 +195,7 @@ async def test_a_workspace_module_shadowing_the_templates_imports_means_a_cold_k
         assert not result.is_error, text_of(result)
         said = (await status(client, sid))["kernel_start"]
         assert said.startswith("cold start: the template's imports are not current here"), said
+        assert "numpy would now be imported from" in said and "numpy.py" in said, said  # the fork's own words
         # The user's import finds the workspace's module, as in any cold kernel.
         assert await value(client, sid, "import numpy\nprint(getattr(numpy, 'shadowed', False))") == "True"
 

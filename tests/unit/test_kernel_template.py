@@ -3,17 +3,19 @@ request's bounds, the template's own bwrap view, and the enter step's refusals (
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 
 from coderunner.guest import kernel_template, sandbox_enter
-from coderunner.sandbox import bwrap_template
-from coderunner.sandbox.base import SandboxSpec
+from coderunner.sandbox import bwrap_template, template_kernels
+from coderunner.sandbox.base import SandboxProcess, SandboxSpec
 from coderunner.sandbox.bwrap_argv import BwrapCommand
 from coderunner.sandbox.common import ENV_MOUNT, GUEST_LIB
 from coderunner.sandbox.seccomp import CLONE_NAMESPACE_FLAGS
@@ -23,7 +25,15 @@ from coderunner.sandbox.template_kernels import STATUS, exit_code
 def test_both_sides_speak_the_same_wire_format() -> None:
     for name in ("REQUEST", "REPLY"):
         assert getattr(bwrap_template, name).format == getattr(kernel_template, name).format
-    for name in ("MAGIC", "KIND_FORK", "KIND_COUNTERS", "FLAG_MEMORY_SOFT_ONLY", "FLAG_STATUS_FD"):
+    for name in (
+        "MAGIC",
+        "KIND_FORK",
+        "KIND_COUNTERS",
+        "FLAG_MEMORY_SOFT_ONLY",
+        "FLAG_STATUS_FD",
+        "STALE_PREFIX",
+        "STALE_REASON_BYTES",
+    ):
         assert getattr(bwrap_template, name) == getattr(kernel_template, name)
 
 
@@ -160,3 +170,25 @@ def test_the_guest_modules_the_template_imports_ahead_are_the_guests_own() -> No
         assert name.isidentifier() or all(part.isidentifier() for part in name.split("."))
         if name.startswith("coderunner_guest."):
             assert (guest / f"{name.split('.', 1)[1]}.py").is_file(), name
+
+
+def test_a_fork_that_exited_stale_is_told_apart_by_its_code_and_says_why_in_its_own_line() -> None:
+    """The host starts a cold kernel only for a fork that exited with STALE; the reason is the line after the
+    prefix it wrote last on its stderr (whatever came before it), bounded."""
+
+    @dataclasses.dataclass
+    class Ended:
+        returncode: int
+        said: str
+
+        def stderr_tail(self) -> str:
+            return self.said
+
+    line = f"{kernel_template.STALE_PREFIX}ImportError: numpy would now be imported from /workspace/numpy.py\n"
+    stale = typing.cast(SandboxProcess, Ended(kernel_template.STALE, "a warning\n" + line))
+    assert template_kernels.stale_reason(stale) == "ImportError: numpy would now be imported from /workspace/numpy.py"
+    assert template_kernels.stale_reason(typing.cast(SandboxProcess, Ended(1, line))) is None  # another end
+    silent = typing.cast(SandboxProcess, Ended(kernel_template.STALE, ""))
+    assert template_kernels.stale_reason(silent) == "the kernel did not say why"
+    long = typing.cast(SandboxProcess, Ended(kernel_template.STALE, kernel_template.STALE_PREFIX + "x" * 5000))
+    assert len(template_kernels.stale_reason(long) or "") == kernel_template.STALE_REASON_BYTES

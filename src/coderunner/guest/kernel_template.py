@@ -67,6 +67,11 @@ KERNEL_ARGS = (
 REPORT_TIMEOUT_S = 20.0
 #: The kernel's exit code when it could not enter or confine itself (nothing ran).
 REFUSED = 126
+#: The kernel's exit code when the template's imports are not what its own would find (nothing ran); before it
+#: exits it writes STALE_PREFIX and why on its stderr, at most STALE_REASON_BYTES.
+STALE = 123
+STALE_PREFIX = "kernel template: imports not current: "
+STALE_REASON_BYTES = 1024
 PR_SET_NAME = 15
 PR_SET_CHILD_SUBREAPER = 36
 NAME = b"kernel-template"
@@ -244,6 +249,12 @@ def _kernel(output: int, report: int, confinement: Confinement, code: str | None
         refuse(output if output > 2 else 2, report, "could not confine itself", exc)
     os.write(report, struct.pack("<q", 0))
     os.close(report)
+    # The template is free from here. Nothing it imported may be handed over as the user's imports unless it is
+    # what they would find: if not, say why and exit; the host starts the kernel cold (kernel/incarnation.py).
+    if code is None and (stale := stale_imports()) is not None:
+        with contextlib.suppress(OSError):
+            os.write(2, f"{STALE_PREFIX}{stale}\n".encode(errors="replace")[:STALE_REASON_BYTES])
+        os._exit(STALE)
     if code is not None:
         exec(compile(code, "<kernel-template child>", "exec"), {"__name__": "__main__"})
         os._exit(0)
@@ -254,6 +265,25 @@ def _kernel(output: int, report: int, confinement: Confinement, code: str | None
 
     kernel_boot.main()
     os._exit(0)
+
+
+def stale_imports() -> str | None:
+    """Why what the template imported ahead is not what this kernel's own imports would find now (a module of
+    that name in its workspace or its session's packages, another matplotlibrc), or None. Run as the sandbox's
+    user with its environment and working directory, on the import path the kernel's extension gives user code
+    (user_paths): it looks (a path finder's search, a stat), it runs nothing of the sandbox's."""
+    import importlib
+
+    from . import user_paths
+    from .warm_imports import still_current
+
+    try:
+        importlib.invalidate_caches()
+        user_paths()
+        still_current()
+    except Exception as exc:  # any failure of the check means: do not hand these modules over
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def _reseed() -> None:

@@ -27,17 +27,6 @@ from coderunner.kernel.output_capture import OutputCollector
 from coderunner.kernel.process import CheckpointFailed, KernelProcess, KernelStartError, SandboxExited
 from coderunner.sandbox import SandboxBackend, SandboxProcess, SandboxSpec
 
-#: What a kernel that did not start from nothing (a standby's swap-in, a fork of the warm template) runs before
-#: it is used: the import system forgets what it cached of the file system, then guest/warm_imports.py's
-#: still_current raises if a module imported ahead is no longer what the user's import would find (one put in
-#: the workspace or the session's packages since, another matplotlibrc). Silent: nothing in the user's namespace.
-STILL_CURRENT_CODE = (
-    "__import__('importlib').invalidate_caches(); "
-    "__import__('coderunner_guest.warm_imports').warm_imports.still_current()"
-)
-#: Bound on that check's cell (it imports nothing).
-STILL_CURRENT_TIMEOUT_S = 10.0
-
 __all__ = [
     "CellError",
     "CheckpointFailed",
@@ -86,29 +75,19 @@ class Kernel:
         return self.sandbox.started_how
 
     async def start(self, timeout_s: float) -> None:
-        """Start the sandbox and wait for the IOPub handshake (ipykernel's iopub_welcome). A kernel forked from
-        the warm template has the common modules imported already: if one is no longer what the user's import
-        would find (STILL_CURRENT_CODE), it is ended and the kernel starts cold, saying why."""
+        """Start the sandbox and wait for the IOPub handshake (ipykernel's iopub_welcome). A fork of the warm
+        template checks itself, before it starts, that what it imported ahead is what the user's import would
+        find (guest/kernel_template.py stale_imports); where not, the kernel starts cold, saying why."""
         self.started_at = time.monotonic()
         await self.sandbox.launch()
-        await self._attach(timeout_s, "start")
-        if self.sandbox.from_template and (stale := await self._stale_imports()) is not None:
-            await self.shutdown()
+        try:
+            await self._attach(timeout_s, "start")
+        except KernelStartError:
+            if (stale := self.sandbox.stale_imports()) is None:
+                raise
             self.started_at = time.monotonic()
             await self.sandbox.launch(cold_because=f"the template's imports are not current here: {stale}")
             await self._attach(timeout_s, "start")
-
-    async def _stale_imports(self) -> str | None:
-        """Why the modules this kernel imported ahead are not what the user's imports would find (None: they are)."""
-        output = OutputCollector(limit_chars=2000, spill_limit_bytes=0, image_limit_bytes=0)
-        try:
-            outcome = await self.execute(STILL_CURRENT_CODE, output, STILL_CURRENT_TIMEOUT_S, 1.0, silent=True)
-        except (CodeRunnerError, TimeoutError) as exc:
-            return f"its check failed ({exc})"
-        if outcome.status != RunStatus.OK:
-            error = outcome.error
-            return f"{error.ename}: {error.evalue}" if error is not None else f"its check ended {outcome.status.value}"
-        return None
 
     async def _attach(self, timeout_s: float, what: str) -> None:
         """Claim the sandbox's sockets, connect and wait for the IOPub handshake; on failure end the

@@ -151,6 +151,14 @@ class KernelProcess:
         self.started_how = f"cold start: {why_cold}" if why_cold is not None else None
         self.process = await self.backend.spawn(spec, argv, self.task_group)
 
+    def stale_imports(self) -> str | None:
+        """Why a kernel from the template exited before it ran anything: the imports it carried in are not what its
+        own would find in its sandbox (the starter's word); None for any other kernel or end."""
+        starter = self.backend.kernel_starter
+        if not self.from_template or starter is None or self.process is None or self.process.alive:
+            return None
+        return starter.stale_imports(self.process)
+
     def host_side(self) -> dict[str, Any]:
         """The connection info as the host uses it: ipc sockets in its own sock/ dir."""
         assert self.info is not None

@@ -291,6 +291,11 @@ class KernelStarter(Protocol):
     async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess:
         """A kernel in a sandbox built from `spec`; raises SandboxUnavailable saying why not (it then starts cold)."""
 
+    def stale_imports(self, sandbox: SandboxProcess) -> str | None:
+        """Why a kernel it started, now exited, ended before it ran anything: what it carried in (the template's
+        imports) was not what its own imports would find in its sandbox, so a cold kernel starts instead; None
+        when it ended for any other reason."""
+
 
 class SandboxHold(Protocol):
     """A backend's handles on a sandbox that nothing inside it can change (bwrap: pidfds of its pid 1 and

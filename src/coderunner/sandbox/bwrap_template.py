@@ -44,6 +44,11 @@ KIND_FORK = 1
 KIND_COUNTERS = 2
 FLAG_MEMORY_SOFT_ONLY = 1
 FLAG_STATUS_FD = 2
+#: A kernel's exit code when the template's imports were not what its own would find in its sandbox; it wrote
+#: STALE_PREFIX and why on its stderr first (at most STALE_REASON_BYTES), and a cold kernel starts instead.
+STALE = 123
+STALE_PREFIX = "kernel template: imports not current: "
+STALE_REASON_BYTES = 1024
 #: The program of a sandbox a template's fork enters: it says the sandbox is finished (bwrap built all of it before
 #: the init started it), then waits, as what the sandbox's init waits for, until the sandbox is killed.
 PLACEHOLDER = ["/bin/sh", "-c", "echo ready && exec /usr/bin/sleep infinity"]

@@ -32,7 +32,13 @@ from anyio.abc import ByteReceiveStream, TaskGroup
 
 from coderunner.sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapBackend
-from coderunner.sandbox.bwrap_template import KernelTemplate, TemplateUnavailable
+from coderunner.sandbox.bwrap_template import (
+    STALE,
+    STALE_PREFIX,
+    STALE_REASON_BYTES,
+    KernelTemplate,
+    TemplateUnavailable,
+)
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +131,9 @@ class TemplateKernels:
         self.why_not = "the server is closing"
         await self._drop()
 
+    def stale_imports(self, sandbox: SandboxProcess) -> str | None:
+        return stale_reason(sandbox)
+
     async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess:
         """A kernel forked into a sandbox built from `spec`; raises TemplateUnavailable saying why not."""
         if self.starting:
@@ -158,6 +167,16 @@ class TemplateKernels:
         sandbox.program_pid = answer.pid
         task_group.start_soon(relay_exit, sandbox, answer.pidfd, status_read, output)
         return sandbox
+
+
+def stale_reason(sandbox: SandboxProcess) -> str | None:
+    """Why a forked kernel exited with STALE (the line it wrote on its stderr just before), or None."""
+    if sandbox.returncode != STALE:
+        return None
+    said = sandbox.stderr_tail()
+    start = said.rfind(STALE_PREFIX)
+    line = said[start + len(STALE_PREFIX) :].splitlines()[0].strip() if start >= 0 else ""
+    return line[:STALE_REASON_BYTES] or "the kernel did not say why"
 
 
 async def relay_exit(sandbox: SandboxProcess, pidfd: int, status_read: int, output: ByteReceiveStream) -> None:

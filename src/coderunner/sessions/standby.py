@@ -34,7 +34,7 @@ from anyio.abc import TaskGroup
 
 from coderunner.config import Settings
 from coderunner.kernel.execution import RunStatus
-from coderunner.kernel.incarnation import STILL_CURRENT_CODE, Kernel
+from coderunner.kernel.incarnation import Kernel
 from coderunner.kernel.output_capture import OutputCollector
 from coderunner.sessions.usage import memory_used_mb
 from coderunner.sessions.warm_up import NO_OP_CODE, PRELOAD_STEP_CODES
@@ -54,11 +54,15 @@ CELL_TIMEOUT_S = 10.0
 ROOM_POLL_S = 1.0
 #: What a ready standby is taken to hold when its memory cannot be read.
 UNMEASURED_MB = 64.0
-#: The swap-in cell (kernel/incarnation.py STILL_CURRENT_CODE): the file system may have changed since the
-#: standby started (install_packages made the package folder, say); what its warm-up imported must be what the
-#: user's imports would find now; if not, it raises and the reset starts a kernel cold. It also shows the
-#: standby answers before it is handed out.
-SWAP_IN_CODE = STILL_CURRENT_CODE
+#: The swap-in cell: the file system may have changed since the standby started (install_packages made the
+#: package folder, say). The import system forgets what it cached of it, then guest/warm_imports.py's
+#: still_current raises if a module its warm-up imported is no longer what the user's import would find (one put
+#: in the workspace or the session's packages since, another matplotlibrc), and the reset starts a kernel cold.
+#: Silent: nothing in the user's namespace. It also shows the standby answers before it is handed out.
+SWAP_IN_CODE = (
+    "__import__('importlib').invalidate_caches(); "
+    "__import__('coderunner_guest.warm_imports').warm_imports.still_current()"
+)
 
 
 @dataclass
