@@ -80,8 +80,10 @@ _libc = ctypes.CDLL(None, use_errno=True)
 
 #: What a kernel imports while it starts and runs its first cell, beyond ipykernel's modules: its debugger (debugpy
 #: with pydevd, about 75 ms of CPU: most of a forked kernel's start, bench/start_breakdown.py), what its shell,
-#: history and extensions load, and the guest's extension (kernel_boot's IPKernelApp.extensions). Imported once
-#: here, from the sandbox's read-only view; a module that fails is left for the kernel to import as a cold one does.
+#: history and extensions load, the guest's extension (kernel_boot's IPKernelApp.extensions), and psutil, which
+#: jupyter_client imports to list the machine's addresses (the list itself is the fork's: its own network).
+#: Imported once here, from the sandbox's read-only view; a module that fails is left for the kernel to import as a
+#: cold one does.
 #: Not tornado.platform.asyncio (the kernel's event loop's own module, a few ms): with it here, the interrupt of
 #: tests/abuse/test_abuse.py's infinite loop was ignored in runs at load 15 (no cause found; it passed at load 10).
 KERNEL_START_IMPORTS = (
@@ -89,6 +91,7 @@ KERNEL_START_IMPORTS = (
     "IPython.core.debugger", "IPython.core.oinspect", "sqlite3", "IPython.core.completerlib",
     "IPython.extensions.storemagic", "IPython.core.magics.packaging", "IPython.core.logger",
     "coderunner_guest.figures", "coderunner_guest.installs", "coderunner_guest.output",
+    "psutil", "jupyter_client.localinterfaces",
 )  # fmt: skip
 
 
@@ -105,11 +108,15 @@ def warm(preload: bool = True) -> None:
     if preload:
         run()
     import ipykernel.ipkernel
-    import ipykernel.kernelapp  # noqa: F401 (imported for sys.modules: a fork finds them there)
+    import ipykernel.kernelapp  # imported for sys.modules (a fork finds them there), and used below
 
     for name in KERNEL_START_IMPORTS:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
+    # The kernel's command line parsed once by a throwaway app (never the kernel's singleton): the regular
+    # expressions argparse and traitlets compile for it then sit in `re`'s cache, which every fork inherits.
+    with contextlib.suppress(Exception):
+        ipykernel.kernelapp.IPKernelApp().parse_command_line(list(KERNEL_ARGS))
 
 
 def counters() -> tuple[int, int]:

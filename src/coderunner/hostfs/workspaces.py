@@ -27,6 +27,7 @@ from pathlib import Path
 from coderunner.errors import CodeRunnerError
 from coderunner.hostfs import dirfd as hostfs
 from coderunner.hostfs import staging
+from coderunner.hostfs.loop_mount import LoopMountUnsupported, loop_mount
 from coderunner.hostfs.private_dirs import ensure_private_dir
 
 log = logging.getLogger(__name__)
@@ -37,6 +38,8 @@ LOOP_RELEASE_S = 10.0
 COMMAND_TIMEOUT_S = 30
 #: mount(2) flags of a throwaway workspace's tmpfs.
 MS_NOSUID, MS_NODEV = 2, 4
+#: umount2(2) flags.
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
 #: Inodes per MiB of a tmpfs workspace: mkfs.ext4's default ratio (one per 16 KiB), so that
 #: a flood of empty files is bounded as on an image.
 TMPFS_INODES_PER_MB = 64
@@ -56,11 +59,35 @@ def _run(argv: list[str]) -> None:
         raise WorkspaceError(f"{argv[0]} did not finish in {COMMAND_TIMEOUT_S}s") from None
 
 
+def _mount_image(image: Path, path: Path) -> None:
+    """Loop-mount `image` on `path` (nosuid, nodev): by syscalls (loop_mount.py), else by the `mount` program."""
+    try:
+        loop_mount(image, path)
+    except LoopMountUnsupported as exc:
+        log.debug("loop mount by syscalls unsupported here (%s): the mount program instead", exc)
+        _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(path)])
+    except OSError as exc:
+        raise WorkspaceError(f"mount failed: {exc}") from None
+
+
+def _unmount(path: Path, lazily: bool = True) -> None:
+    """Unmount `path` by umount2 (never following a link; no `umount` program started); still busy, detach it
+    lazily if `lazily` (its file system goes once nothing uses it). Raises WorkspaceError saying why not."""
+    point = os.fsencode(path)
+    if _libc.umount2(point, ctypes.c_int(UMOUNT_NOFOLLOW)) == 0:
+        return
+    code = ctypes.get_errno()
+    if lazily and code == errno.EBUSY and _libc.umount2(point, ctypes.c_int(MNT_DETACH | UMOUNT_NOFOLLOW)) == 0:
+        return
+    code = ctypes.get_errno() or code
+    raise WorkspaceError(f"umount of {path} failed: {os.strerror(code)}")
+
+
 def quota_problem() -> str | None:
     """Why workspaces cannot be size-capped here, or None."""
     if os.getuid() != 0:
         return "needs root (a loop-mounted image); only /tmp is size-capped"
-    for tool in ("mkfs.ext4", "mount", "umount"):
+    for tool in ("mkfs.ext4", "mount"):  # mount: where loop devices cannot be set up by syscalls (loop_mount.py)
         if shutil.which(tool) is None:
             return f"{tool} is missing: sudo apt-get install e2fsprogs mount"
     if not Path("/dev/loop-control").exists():
@@ -110,7 +137,7 @@ class Workspace:
             image = path.with_name(path.name + ".img")
             if persistent and path.is_dir():
                 if image.exists() and not os.path.ismount(path):
-                    _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(path)])
+                    _mount_image(image, path)
                 return cls(path, size_mb, image if image.exists() else None, persistent, lock_fd, reopened=True)
             path.mkdir(mode=0o755)
             if size_mb is None or not use_quota or quota_problem() is not None:
@@ -120,7 +147,7 @@ class Workspace:
                     handle.truncate(size_mb * 2**20)
                 _run(["mkfs.ext4", "-q", "-F", "-m", "0", "-O", "^has_journal", "-E",
                       "lazy_itable_init=1,lazy_journal_init=1", str(image)])  # fmt: skip
-                _run(["mount", "-o", "loop,nosuid,nodev", str(image), str(path)])
+                _mount_image(image, path)
             except (OSError, WorkspaceError):
                 with contextlib.suppress(OSError):
                     image.unlink()
@@ -145,7 +172,7 @@ class Workspace:
         if self.persistent:
             if os.path.ismount(self.path):
                 with contextlib.suppress(WorkspaceError):
-                    _run(["umount", str(self.path)])
+                    _unmount(self.path, lazily=False)
             if self.image is not None and not _loop_released(self.image, LOOP_RELEASE_S):
                 # Another mount namespace (a sandbox of the session still being torn down) holds the file
                 # system: it writes the image when it lets go. Keep the lock, so that no one mounts the
@@ -302,11 +329,8 @@ def _lock_named(path: Path) -> int:
 def remove_workspace(path: Path) -> None:
     """Unmount (if mounted), delete the dir and its image; also used for a dead server's leftovers."""
     if os.path.ismount(path):
-        try:
-            _run(["umount", str(path)])
-        except WorkspaceError:
-            with contextlib.suppress(WorkspaceError):
-                _run(["umount", "-l", str(path)])
+        with contextlib.suppress(WorkspaceError):
+            _unmount(path)
     if os.path.ismount(path):
         log.warning("could not unmount workspace %s; leaving it", path)
         return
