@@ -85,6 +85,12 @@ async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_
         # The template's imports are there before any cell imported them; the kernel is the sandbox's user.
         assert await value(client, sid, "import sys, os; ('numpy' in sys.modules, os.getuid())") == "(True, 1000)"
         assert manager.template is not None and manager.template.forked == 1
+        # Its command line was parsed once in the template, and it holds: the history in memory, the guest's extension.
+        said = (
+            "import coderunner_guest.kernel_boot as b; ip = get_ipython(); loaded = ip.extension_manager.loaded\n"
+            "(b._parsed_ahead is not None, ip.history_manager.hist_file, 'coderunner_guest' in loaded)"
+        )
+        assert await value(client, sid, said) == "(True, ':memory:', True)"
         session = next(each for each in manager.list() if each.session_id == sid)
         assert session.kernel is not None and session.kernel.process is not None
         process = session.kernel.process

@@ -108,15 +108,17 @@ def warm(preload: bool = True) -> None:
     if preload:
         run()
     import ipykernel.ipkernel
-    import ipykernel.kernelapp  # imported for sys.modules (a fork finds them there), and used below
+    import ipykernel.kernelapp  # noqa: F401 (imported for sys.modules: a fork finds them there)
+
+    from . import kernel_boot
 
     for name in KERNEL_START_IMPORTS:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
-    # The kernel's command line parsed once by a throwaway app (never the kernel's singleton): the regular
-    # expressions argparse and traitlets compile for it then sit in `re`'s cache, which every fork inherits.
+    # Every fork's kernel has the same command line (KERNEL_ARGS): parsed here once, into the kernel app every
+    # fork then uses (kernel_boot skips its own parse when this one is of its argv; 8 CPU-ms a kernel).
     with contextlib.suppress(Exception):
-        ipykernel.kernelapp.IPKernelApp().parse_command_line(list(KERNEL_ARGS))
+        kernel_boot.parse_ahead(list(KERNEL_ARGS))
 
 
 def counters() -> tuple[int, int]:
