@@ -1,6 +1,7 @@
 """Where a session's create spends its time and CPU, step by step, template beside cold (issue 41, step 3).
 
     .venv/bin/python bench/template_fork.py --breakdown [--runs 20] [--cpu-weight 100] [--baseline-guest DIR]
+        [--burst 100] [--summary PATH]
 
 Two SessionManagers in this process on the bwrap backend, one with kernel_template on and one off (both
 pool_size 0 and no reset standby: every create is a real start, nothing started ahead beside it); with
@@ -227,7 +228,79 @@ def report(samples: dict[str, list[dict[str, float]]], lanes: list[str], load_be
     print("mean create+first result ms: " + ", ".join(f"{lane} {value:.1f}" for lane, value in mean.items()))
 
 
-async def breakdown(runs: int, cpu_weight: int, baseline_guest: Path | None = None) -> None:
+def mem_available_mib() -> float:
+    with open("/proc/meminfo") as handle:
+        return next(int(line.split()[1]) / 1024 for line in handle if line.startswith("MemAvailable:"))
+
+
+async def burst(manager: Any, count: int, settle_s: float = 3.0) -> dict[str, float]:
+    """`count` creates at once, each to its first `1+1`: seconds until all answered; then, all held idle for
+    `settle_s`, the host's MemAvailable drop per session; then all closed."""
+    before = mem_available_mib()
+    sessions: list[Any] = []
+    failures: list[str] = []
+
+    async def one_session() -> None:
+        try:
+            session = await manager.create()
+            sessions.append(session)
+            result = await session.run("1+1", 120, None)
+            if "2" not in "".join(result.outcome.output.head):
+                failures.append(f"1+1 gave {result!r}")
+        except Exception as exc:  # counted and reported: a burst figure needs all answered
+            failures.append(repr(exc))
+
+    began = time.perf_counter()
+    with anyio.fail_after(600):
+        async with anyio.create_task_group() as group:
+            for _ in range(count):
+                group.start_soon(one_session)
+    answered_s = time.perf_counter() - began
+    await anyio.sleep(settle_s)
+    held = len(sessions)
+    per_session = (before - mem_available_mib()) / max(held, 1)
+    with anyio.fail_after(300):
+        async with anyio.create_task_group() as group:
+            for session in sessions:
+                group.start_soon(manager.close, session.session_id)
+    if failures:
+        print(f"   {len(failures)} of {count} failed, first: {failures[0]}")
+    return {"answered_s": answered_s, "mib_per_session": per_session, "answered": count - len(failures)}
+
+
+def write_figures(path: Path | None, samples: dict[str, list[dict[str, float]]], bursts: dict[str, dict[str, float]],
+                  count: int) -> None:  # fmt: skip
+    """The issue's targets (41) for bench/suite.py: the template lane beside the cold one of the same run."""
+    from summary import Figure, write_summary
+
+    def p50(lane: str, key: str) -> float:
+        return pct([row[key] for row in samples[lane]], 0.5)
+
+    first = {lane: pct([row["create"] + row["first result"] for row in samples[lane]], 0.5) for lane in LANES}
+    figures = [
+        Figure("session create to first 1+1, p50 (kernel template)", first["template"], "ms", first["cold"],
+               "template off", "<= 60 ms", first["template"] <= 60),
+        Figure("CPU per started session (kernel template)", p50("template", "cpu total"), "CPU-ms",
+               p50("cold", "cpu total"), "template off", "<= 50 CPU-ms", p50("template", "cpu total") <= 50),
+    ]  # fmt: skip
+    if bursts:
+        template, cold = bursts["template"], bursts["cold"]
+        all_answered = template["answered"] == count
+        figures += [
+            Figure(f"{count} sessions at once, all answered (kernel template)", template["answered_s"], "s",
+                   cold["answered_s"], "template off", "<= 5 s" if count == 100 else "",
+                   (all_answered and template["answered_s"] <= 5) if count == 100 else None,
+                   notes=f"{int(template['answered'])} of {count} answered"),
+            Figure(f"idle memory per session, {count} held (kernel template)", template["mib_per_session"], "MiB",
+                   cold["mib_per_session"], "template off", "<= 20 MiB" if count >= 100 else "",
+                   template["mib_per_session"] <= 20 if count >= 100 else None, notes="host MemAvailable drop"),
+        ]  # fmt: skip
+    write_summary(path, "template_fork.py --breakdown", figures)
+
+
+async def breakdown(
+    runs: int, cpu_weight: int, baseline_guest: Path | None = None, burst_count: int = 0, summary: Path | None = None
+) -> None:
     from coderunner.config import load_settings
     from coderunner.sandbox import bwrap, make_backend
     from coderunner.sandbox.bwrap import BwrapBackend
@@ -254,8 +327,9 @@ async def breakdown(runs: int, cpu_weight: int, baseline_guest: Path | None = No
                     CODERUNNER_WORKSPACES_DIR=str(root / lane / "workspaces"),
                 )
                 settings = load_settings().model_copy(
-                    update={"pool_size": 0, "reset_standby": False, "kernel_template": lane != "cold"}
-                )
+                    update={"pool_size": 0, "reset_standby": False, "kernel_template": lane != "cold",
+                            "max_sessions": max(16, burst_count + 4)}
+                )  # fmt: skip
                 ours = bwrap.GUEST_SOURCE
                 bwrap.GUEST_SOURCE = baseline_guest if lane == BEFORE and baseline_guest is not None else ours
                 try:
@@ -276,5 +350,14 @@ async def breakdown(runs: int, cpu_weight: int, baseline_guest: Path | None = No
                 random.shuffle(order)
                 for lane in order:
                     samples[lane].append(await one(managers[lane], clock))
+            bursts: dict[str, dict[str, float]] = {}
+            for lane in random.sample(LANES, len(LANES)) if burst_count else ():
+                await anyio.sleep(5)  # the last lane's closes settled
+                bursts[lane] = await burst(managers[lane], burst_count)
     shutil.rmtree(root, ignore_errors=True)
     report(samples, lanes, load_before)
+    for lane, figures in bursts.items():
+        print(f"{lane}: {burst_count} sessions at once, {int(figures['answered'])} answered in "
+              f"{figures['answered_s']:.1f} s; held idle, MemAvailable drop {figures['mib_per_session']:.1f} MiB "
+              "per session")  # fmt: skip
+    write_figures(summary, samples, bursts, burst_count)

@@ -60,7 +60,7 @@ class Lane:
 
 
 #: In the issue's order (issue 29: one-shots, reset, start, warm and many clients, egress, gVisor, snapshots),
-#: then issue 37's first cells.
+#: then issue 37's first cells, then issue 41's kernel template.
 LANES: dict[str, Lane] = {
     "oneshot": Lane("oneshot.py", "execute_code python and bash beside python3 -c and plain bash",
                     ("--languages", "python,bash", "--runs", "30"), ("--languages", "python,bash", "--runs", "10"),
@@ -81,6 +81,9 @@ LANES: dict[str, Lane] = {
                       ("--backends", "bwrap"), ("--backends", "bwrap", "--size-mb", "100", "--rounds", "1"), 900, 180),
     "first_cells": Lane("first_cells.py", "first chart and pandas cell in a new session beside a warm session's",
                         ("--rounds", "6"), ("--rounds", "2", "--settle", "2"), 900, 300),
+    "template": Lane("template_fork.py", "sessions from the kernel template beside template off: create, CPU, "
+                     "100 at once, idle memory", ("--breakdown", "--runs", "20", "--burst", "100"),
+                     ("--breakdown", "--runs", "5", "--burst", "20"), 1200, 300, needs_root=True),
 }  # fmt: skip
 
 

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+from summary import add_summary_argument
 
 #: What every child runs once it is a process of its sandbox (both lanes: the cold one after its imports).
 PROBE = r"""
@@ -518,11 +519,13 @@ async def main() -> None:
     parser.add_argument("--idle", type=int, default=0, help="then this many children of each lane alive at once")
     parser.add_argument("--breakdown", action="store_true", help="only a create's steps (bench/start_breakdown.py)")
     parser.add_argument("--baseline-guest", type=Path, help="--breakdown: also a template lane of this guest dir")
+    parser.add_argument("--burst", type=int, default=0, help="--breakdown: then this many creates at once, each lane")
+    add_summary_argument(parser)
     args = parser.parse_args()
     if args.breakdown:
         from start_breakdown import breakdown
 
-        await breakdown(args.runs, args.cpu_weight, args.baseline_guest)
+        await breakdown(args.runs, args.cpu_weight, args.baseline_guest, args.burst, args.summary)
         return
     if args.route_b:
         await route_b(args.runs)
