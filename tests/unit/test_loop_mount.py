@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
+import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -87,3 +89,38 @@ def test_where_the_syscalls_are_unsupported_the_mount_program_mounts_it_alike(
         image = workspace.image
         workspace.remove()
     assert image is not None and devices_backed_by(image) == []
+
+
+def test_many_threads_mounting_at_once_all_get_a_device(tmp_path: Path) -> None:
+    """The kernel names one free device to every asker until it is bound: a burst of creates (100 at once found
+    some failing after every try) must not race itself out of devices."""
+    images = []
+    for number in range(24):
+        image = tmp_path / f"{number}.img"
+        with open(image, "wb") as handle:
+            handle.truncate(16 * 2**20)
+        subprocess.run(["mkfs.ext4", "-q", "-F", "-O", "^has_journal", str(image)], check=True, capture_output=True)
+        (tmp_path / str(number)).mkdir()
+        images.append(image)
+    start = threading.Barrier(len(images))
+    failures: list[BaseException] = []
+
+    def mount(image: Path) -> None:
+        start.wait()
+        try:
+            loop_mount.loop_mount(image, image.with_suffix(""))
+        except BaseException as exc:
+            failures.append(exc)
+
+    threads = [threading.Thread(target=mount, args=(image,)) for image in images]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    try:
+        assert not failures, failures[:3]
+        assert all(mount_line(image.with_suffix(""))[2] == "ext4" for image in images)
+    finally:
+        for image in images:
+            subprocess.run(["umount", str(image.with_suffix(""))], capture_output=True)
+    assert all(devices_backed_by(image) == [] for image in images)

@@ -4,9 +4,11 @@
 on this kind of machine, against about 1 ms here, on every capped workspace (each session's create, each pool
 refill). The steps are the ones util-linux takes: ask /dev/loop-control for a free device, bind the image's fd
 to it with LOOP_CONFIGURE (autoclear: the device lets go of the image once the file system is unmounted and
-the last fd closed), then mount(2) the device. A device taken by another process between the two steps is
-asked for again. Where any step is unsupported (a kernel before 5.8 has no LOOP_CONFIGURE, a container with
-no device nodes), `LoopMountUnsupported` says so and the caller runs the `mount` program instead.
+the last fd closed), then mount(2) the device. The kernel names the same free device to every asker until one
+binds it, so this process's threads take turns at those two steps (a burst of 100 creates found every try
+taken otherwise), and a device taken by another process meanwhile is asked for again. Where any step is
+unsupported (a kernel before 5.8 has no LOOP_CONFIGURE, a container with no device nodes),
+`LoopMountUnsupported` says so and the caller runs the `mount` program instead.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import errno
 import fcntl
 import os
 import struct
+import threading
+import time
 from pathlib import Path
 
 #: ioctls of /dev/loop-control and of a loop device (linux/loop.h).
@@ -27,9 +31,12 @@ LOOP_CONFIG = struct.Struct("<II232s64x")
 LO_FLAGS_OFFSET = 52
 #: mount(2) flags of a workspace: as `-o nosuid,nodev`.
 MS_NOSUID, MS_NODEV = 2, 4
-#: How many times a free device taken by someone else before it was bound is asked for again.
-TRIES = 8
+#: How many times a free device taken by another process before it was bound is asked for again, and the pause
+#: before each (this process's own threads never race: they take turns, _turns).
+TRIES = 32
+RETRY_PAUSE_S = 0.002
 _libc = ctypes.CDLL(None, use_errno=True)
+_turns = threading.Lock()
 
 
 class LoopMountUnsupported(OSError):
@@ -44,6 +51,11 @@ def _config(image_fd: int) -> bytes:
 
 def _bound_device(image_fd: int) -> tuple[int, str]:
     """A free loop device now bound to `image_fd` (autoclear): an fd of it, and its path."""
+    with _turns:  # the kernel names the same free device to every asker until one binds it
+        return _bind_free(image_fd)
+
+
+def _bind_free(image_fd: int) -> tuple[int, str]:
     try:
         control = os.open("/dev/loop-control", os.O_RDWR | os.O_CLOEXEC)
     except OSError as exc:
@@ -61,7 +73,8 @@ def _bound_device(image_fd: int) -> tuple[int, str]:
             except OSError as exc:
                 os.close(device)
                 if exc.errno == errno.EBUSY:
-                    continue  # taken by another process since it was free: ask again
+                    time.sleep(RETRY_PAUSE_S)  # taken by another process since it was free: ask again
+                    continue
                 if exc.errno in (errno.EINVAL, errno.ENOTTY):
                     raise LoopMountUnsupported(exc.errno, "this kernel has no LOOP_CONFIGURE") from None
                 raise
