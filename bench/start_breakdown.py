@@ -51,6 +51,8 @@ from typing import Any
 
 import anyio
 
+#: With --summary: new sessions per lane whose first cell is a chart.
+CHART_ROUNDS = 6
 #: Steps in the order a create meets them (the report's columns).
 STEPS = (
     "dirs+workspace", "  workspace", "mounts", "cgroup", "argv", "exec bwrap", "bwrap setup", "placeholder",
@@ -268,8 +270,28 @@ async def burst(manager: Any, count: int, settle_s: float = 3.0) -> dict[str, fl
     return {"answered_s": answered_s, "mib_per_session": per_session, "answered": count - len(failures)}
 
 
+#: A new session's first chart, as bench/first_cells.py draws it: pyplot imported, a line drawn, shown (a PNG).
+CHART = "import matplotlib.pyplot as plt\nplt.plot([1, 2, 3], [4, 1, 2])\nplt.title('chart')\nplt.show()"
+
+
+async def first_chart(manager: Any) -> tuple[float, float]:
+    """A new session's first cell is a chart: its ms, then the same cell again in it (warm) in ms."""
+    session = await manager.create()
+    try:
+        times = []
+        for _ in range(2):
+            began = time.perf_counter()
+            result = await session.run(CHART, 120, None)
+            times.append((time.perf_counter() - began) * 1000)
+            if not result.outcome.output.images:
+                raise RuntimeError(f"the chart cell gave no image: {result!r}")
+        return times[0], times[1]
+    finally:
+        await manager.close(session.session_id)
+
+
 def write_figures(path: Path | None, samples: dict[str, list[dict[str, float]]], bursts: dict[str, dict[str, float]],
-                  count: int) -> None:  # fmt: skip
+                  count: int, charts: dict[str, list[tuple[float, float]]]) -> None:  # fmt: skip
     """The issue's targets (41) for bench/suite.py: the template lane beside the cold one of the same run."""
     from summary import Figure, write_summary
 
@@ -283,6 +305,13 @@ def write_figures(path: Path | None, samples: dict[str, list[dict[str, float]]],
         Figure("CPU per started session (kernel template)", p50("template", "cpu total"), "CPU-ms",
                p50("cold", "cpu total"), "template off", "<= 50 CPU-ms", p50("template", "cpu total") <= 50),
     ]  # fmt: skip
+    first_charts = {lane: pct([first for first, _ in charts[lane]], 0.5) for lane in charts}
+    warm_charts = {lane: pct([warm for _, warm in charts[lane]], 0.5) for lane in charts}
+    if charts:
+        ratio = first_charts["template"] / warm_charts["template"]
+        figures.append(Figure("a new session's first chart cell, p50 (kernel template)", first_charts["template"], "ms",
+                              warm_charts["template"], "the same cell warm", "<= 1.5x", ratio <= 1.5,
+                              notes=f"template off: {first_charts['cold']:.0f} ms"))  # fmt: skip
     if bursts:
         template, cold = bursts["template"], bursts["cold"]
         all_answered = template["answered"] == count
@@ -350,6 +379,10 @@ async def breakdown(
                 random.shuffle(order)
                 for lane in order:
                     samples[lane].append(await one(managers[lane], clock))
+            charts: dict[str, list[tuple[float, float]]] = defaultdict(list)
+            for _ in range(CHART_ROUNDS if summary is not None else 0):
+                for lane in random.sample(LANES, len(LANES)):
+                    charts[lane].append(await first_chart(managers[lane]))
             bursts: dict[str, dict[str, float]] = {}
             for lane in random.sample(LANES, len(LANES)) if burst_count else ():
                 await anyio.sleep(5)  # the last lane's closes settled
@@ -360,4 +393,7 @@ async def breakdown(
         print(f"{lane}: {burst_count} sessions at once, {int(figures['answered'])} answered in "
               f"{figures['answered_s']:.1f} s; held idle, MemAvailable drop {figures['mib_per_session']:.1f} MiB "
               "per session")  # fmt: skip
-    write_figures(summary, samples, bursts, burst_count)
+    for lane, pairs in charts.items():
+        print(f"{lane}: a new session's first chart p50 {pct([a for a, _ in pairs], 0.5):.0f} ms, the same cell warm "
+              f"{pct([b for _, b in pairs], 0.5):.0f} ms ({len(pairs)} sessions)")  # fmt: skip
+    write_figures(summary, samples, bursts, burst_count, charts)
