@@ -231,6 +231,12 @@ def report(samples: dict[str, list[dict[str, float]]], lanes: list[str], load_be
 
 
 def mem_available_mib() -> float:
+    """The host's MemAvailable once the page cache was written back and dropped: what the sessions hold themselves
+    (their processes, page tables, tmpfs), not what their workspace images' metadata left cached meanwhile (the
+    undropped figure moved by several MiB a session between runs)."""
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as handle:
+        handle.write("3")
     with open("/proc/meminfo") as handle:
         return next(int(line.split()[1]) / 1024 for line in handle if line.startswith("MemAvailable:"))
 
