@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 from collections.abc import AsyncIterator
 from typing import Any
@@ -85,12 +86,17 @@ async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_
         # The template's imports are there before any cell imported them; the kernel is the sandbox's user.
         assert await value(client, sid, "import sys, os; ('numpy' in sys.modules, os.getuid())") == "(True, 1000)"
         assert manager.template is not None and manager.template.forked == 1
-        # Its command line was parsed once in the template, and it holds: the history in memory, the guest's extension.
+        # Its command line was parsed and its shell built once in the template (kernel_ahead.py), and the fork made
+        # the shell its own: its config (the history in memory, the guest's extension), its kernel, its environment
+        # and working directory, a history of its own that the user's In and _dh are.
         said = (
-            "import coderunner_guest.kernel_boot as b; ip = get_ipython(); loaded = ip.extension_manager.loaded\n"
-            "(b._parsed_ahead is not None, ip.history_manager.hist_file, 'coderunner_guest' in loaded)"
+            "import os, coderunner_guest.kernel_ahead as a; ip = get_ipython(); loaded = ip.extension_manager.loaded\n"
+            "print((a._parsed is not None, a._shell_built, ip.history_manager.hist_file,\n"
+            " 'coderunner_guest' in loaded, ip.kernel is not None and ip.kernel.shell is ip, os.environ.get('PAGER'),\n"
+            " _dh, In is ip.history_manager.input_hist_parsed, ip.starting_dir))"
         )
-        assert await value(client, sid, said) == "(True, ':memory:', True)"
+        expected = "(True, True, ':memory:', True, True, 'cat', [PosixPath('/workspace')], True, '/workspace')"
+        assert await value(client, sid, said) == expected
         session = next(each for each in manager.list() if each.session_id == sid)
         assert session.kernel is not None and session.kernel.process is not None
         process = session.kernel.process
@@ -228,3 +234,44 @@ async def test_without_preload_imports_a_forked_kernel_has_no_data_stack_importe
         loaded = "import sys; sorted(n for n in ('numpy', 'pandas', 'matplotlib') if n in sys.modules)"
         assert await value(client, session, loaded) == "[]"
         assert await value(client, session, "import numpy; int(numpy.arange(4).sum())") == "6"
+
+
+#: What a kernel's shell holds from its construction, asked of a forked kernel and of a cold one: the answers must
+#: be the same (the fork's shell was built in the template, kernel_ahead.py). One line each.
+SHELL_PROBES = (
+    "import os; print(sorted((k, os.environ.get(k)) for k in ('TERM', 'PAGER', 'GIT_PAGER', 'CLICOLOR', 'HOME')))",
+    "print(get_ipython().profile_dir.location, os.path.isdir(get_ipython().profile_dir.startup_dir))",
+    "x = 40 + 2\nprint(x, In[-1].splitlines()[0], _dh, type(get_ipython().compile).__name__)",
+    "print(len(get_ipython().history_manager.input_hist_raw), get_ipython().execution_count)",
+    "print(sorted(k for k in get_ipython().user_ns if not k.startswith('_i') and k not in ('x',)))",
+    "ip = get_ipython(); print(ip.stdin_encoding, ip.kernel.shell is ip, ip.parent is not None)",
+    "%store x\nprint('stored')",
+    "print(sorted(get_ipython().display_formatter.active_types))",
+    "!echo from a shell",
+    "print(sorted(get_ipython().magics_manager.magics['line'])[:8], len(get_ipython().magics_manager.magics['line']))",
+)
+
+
+async def answers(client: Client, session_id: str) -> list[str]:
+    said = []
+    for probe in SHELL_PROBES:
+        result = await run(client, probe, session_id=session_id)
+        lines = [line for line in text_of(result).splitlines() if not re.match(r"\[(ok in|kernel \d)", line)]
+        said.append(("error: " if result.is_error else "") + "\n".join(lines).strip())  # its footer aside
+    return said
+
+
+async def test_a_forked_kernels_shell_answers_as_a_cold_kernels_does(dirs: ServerDirs) -> None:
+    async with template_server(dirs) as (manager, client):
+        forked = await create(client)
+        assert (await status(client, forked))["kernel_start"] == TEMPLATE
+        from_template = await answers(client, forked)
+        assert manager.template is not None and manager.template.template is not None
+        manager.template.template.process.kill()
+        with anyio.fail_after(10):
+            while manager.template.template is not None:
+                await anyio.sleep(0.05)
+        cold = await create(client)
+        assert (await status(client, cold))["kernel_start"].startswith("cold start"), "the second was not cold"
+        assert from_template == await answers(client, cold)
+        assert "stored" in from_template[6] and "from a shell" in from_template[8], from_template

@@ -149,21 +149,6 @@ def schedule_by_callback() -> bool:
     return True
 
 
-#: The command line the kernel app was given by parse_ahead (a kernel template's), or None.
-_parsed_ahead: list[str] | None = None
-
-
-def parse_ahead(argv: list[str]) -> None:
-    """Parse `argv` into the kernel app now (its singleton, made here): a kernel template's forks all have the
-    same command line, so each is spared argparse's and traitlets' parse of it. Nothing of the sandbox is read:
-    the config files (in the kernel's own home) are loaded by each kernel as ever."""
-    global _parsed_ahead
-    from ipykernel import kernelapp
-
-    kernelapp.IPKernelApp.instance().parse_command_line(argv)
-    _parsed_ahead = list(argv)
-
-
 def main() -> None:
     prefix = os.environ.get(PIPE_ENV)
     if prefix:  # set by the channel relay only: elsewhere the stock TCP pipe is the right one
@@ -174,9 +159,9 @@ def main() -> None:
     schedule_by_callback()
     from ipykernel import kernelapp
 
-    if _parsed_ahead is not None and _parsed_ahead == sys.argv[1:]:
-        app = kernelapp.IPKernelApp.instance()
-        app.parse_command_line = lambda argv=None: None  # done ahead, of this very argv (initialize calls it)
+    from .kernel_ahead import install
+
+    install(kernelapp.IPKernelApp.instance(), sys.argv[1:])  # a kernel template's fork: what it did ahead
     kernelapp.launch_new_instance()
 
 

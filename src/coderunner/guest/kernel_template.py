@@ -5,7 +5,8 @@
 
 It imports what a kernel and a first chart need (warm_imports.py's steps, ipykernel, and what a kernel's start
 imports after ipykernel: KERNEL_START_IMPORTS, its debugger above all; with --no-preload, the server's
-preload_imports off, not numpy, pandas and matplotlib), freezes its GC (a
+preload_imports off, not numpy, pandas and matplotlib), parses the kernel's command line and builds its shell
+(kernel_ahead.py: each fork adopts them), freezes its GC (a
 child's collections then leave the template's objects, and the pages they sit on, shared), and serves
 fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It reads nothing else: no
 sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
@@ -110,15 +111,15 @@ def warm(preload: bool = True) -> None:
     import ipykernel.ipkernel
     import ipykernel.kernelapp  # noqa: F401 (imported for sys.modules: a fork finds them there)
 
-    from . import kernel_boot
+    from . import kernel_ahead
 
     for name in KERNEL_START_IMPORTS:
         with contextlib.suppress(Exception):
             importlib.import_module(name)
-    # Every fork's kernel has the same command line (KERNEL_ARGS): parsed here once, into the kernel app every
-    # fork then uses (kernel_boot skips its own parse when this one is of its argv; 8 CPU-ms a kernel).
+    # Every fork's kernel has the same command line (KERNEL_ARGS): parsed here once, and the kernel's shell built
+    # from it (kernel_ahead.py); a failure leaves each fork to do both itself, as a cold kernel does.
     with contextlib.suppress(Exception):
-        kernel_boot.parse_ahead(list(KERNEL_ARGS))
+        kernel_ahead.prepare(list(KERNEL_ARGS))
 
 
 def counters() -> tuple[int, int]:
