@@ -15,7 +15,6 @@ import contextlib
 import os
 import secrets
 import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -39,6 +38,8 @@ from coderunner.sandbox.bwrap_template import KernelTemplate, TemplateReply
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import sandbox_options
 
+from .conftest import fresh_dirs
+
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
 CELL = """
@@ -57,10 +58,10 @@ print(os.getuid(), status["Seccomp"].strip(), status["CapEff"].strip(), open("/p
 async def kernels_from_a_template() -> AsyncIterator[Any]:
     if os.getuid() != 0 or shutil.which("bwrap") is None:
         pytest.skip("the kernel template needs root and bwrap")
-    root = Path(tempfile.mkdtemp(prefix="cte-", dir="/tmp"))
-    root.chmod(0o711)
-    try:
-        settings = load_settings(Path(os.devnull), runtime_dir=root / "r", workspaces_dir=root / "w", backend="bwrap")
+    with fresh_dirs("cte-") as made:  # nothing of its sandboxes may stay mounted, whatever a test did
+        settings = load_settings(
+            Path(os.devnull), runtime_dir=made.runtime, workspaces_dir=made.workspaces, backend="bwrap"
+        )
         backend = make_backend(settings)
         assert isinstance(backend, BwrapBackend)
         ensure_private_dir(settings.runtime_dir, backend.dir_mode)
@@ -87,8 +88,6 @@ async def kernels_from_a_template() -> AsyncIterator[Any]:
         finally:
             with anyio.CancelScope(shield=True):
                 await template.close()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def run_cell(kernel: KernelProcess, info: dict[str, Any], code: str, within_s: float = 120) -> tuple[str, str]:

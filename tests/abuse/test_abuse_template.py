@@ -22,7 +22,6 @@ import os
 import shutil
 import socket
 import struct
-import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,8 @@ from coderunner.sandbox.bwrap_template import KIND_FORK, KernelTemplate, encode_
 from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import SandboxOptions, sandbox_options
+
+from ..conftest import fresh_dirs
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -111,10 +112,10 @@ class Child:
 async def template_world() -> AsyncIterator[World]:
     if os.getuid() != 0 or shutil.which("bwrap") is None:
         pytest.skip("the kernel template needs root and bwrap")
-    root = Path(tempfile.mkdtemp(prefix="ctt-", dir="/tmp"))
-    root.chmod(0o711)
-    try:
-        settings = load_settings(Path(os.devnull), runtime_dir=root / "r", workspaces_dir=root / "w", backend="bwrap")
+    with fresh_dirs("ctt-") as made:  # nothing of its sandboxes may stay mounted, whatever a test did
+        settings = load_settings(
+            Path(os.devnull), runtime_dir=made.runtime, workspaces_dir=made.workspaces, backend="bwrap"
+        )
         backend = make_backend(settings)
         assert isinstance(backend, BwrapBackend)
         ensure_private_dir(settings.runtime_dir, backend.dir_mode)
@@ -129,8 +130,6 @@ async def template_world() -> AsyncIterator[World]:
         finally:
             with anyio.CancelScope(shield=True):
                 await template.close()
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
 
 
 async def start_child(world: World, **params: Any) -> Child:
