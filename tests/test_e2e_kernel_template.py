@@ -79,6 +79,15 @@ async def value(client: Client, session_id: str, code: str) -> str:
     return text_of(result).splitlines()[0]
 
 
+async def kill_template(manager: Any) -> None:
+    """Kill the server's template and wait until the server has let it go: its next kernels start cold."""
+    assert manager.template is not None and manager.template.template is not None
+    manager.template.template.process.kill()
+    with anyio.fail_after(10):
+        while manager.template.template is not None:
+            await anyio.sleep(0.05)
+
+
 async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_sandbox(dirs: ServerDirs) -> None:
     async with template_server(dirs) as (manager, client):
         sid = await create(client)
@@ -175,11 +184,7 @@ async def test_a_request_the_template_cannot_carry_starts_cold_and_says_why(dirs
 
 async def test_a_dead_template_means_cold_starts_that_say_so(dirs: ServerDirs) -> None:
     async with template_server(dirs) as (manager, client):
-        assert manager.template is not None and manager.template.template is not None
-        manager.template.template.process.kill()
-        with anyio.fail_after(10):
-            while manager.template.template is not None:
-                await anyio.sleep(0.05)
+        await kill_template(manager)
         sid = await create(client)
         assert await value(client, sid, "1 + 1") == "2"
         said = (await status(client, sid))["kernel_start"]
@@ -266,11 +271,7 @@ async def test_a_forked_kernels_shell_answers_as_a_cold_kernels_does(dirs: Serve
         forked = await create(client)
         assert (await status(client, forked))["kernel_start"] == TEMPLATE
         from_template = await answers(client, forked)
-        assert manager.template is not None and manager.template.template is not None
-        manager.template.template.process.kill()
-        with anyio.fail_after(10):
-            while manager.template.template is not None:
-                await anyio.sleep(0.05)
+        await kill_template(manager)
         cold = await create(client)
         assert (await status(client, cold))["kernel_start"].startswith("cold start"), "the second was not cold"
         assert from_template == await answers(client, cold)

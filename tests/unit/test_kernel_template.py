@@ -190,5 +190,7 @@ def test_a_fork_that_exited_stale_is_told_apart_by_its_code_and_says_why_in_its_
     assert template_kernels.stale_reason(typing.cast(SandboxProcess, Ended(1, line))) is None  # another end
     silent = typing.cast(SandboxProcess, Ended(kernel_template.STALE, ""))
     assert template_kernels.stale_reason(silent) == "the kernel did not say why"
+    cut = typing.cast(SandboxProcess, Ended(kernel_template.STALE, kernel_template.STALE_PREFIX))  # nothing after it
+    assert template_kernels.stale_reason(cut) == "the kernel did not say why"
     long = typing.cast(SandboxProcess, Ended(kernel_template.STALE, kernel_template.STALE_PREFIX + "x" * 5000))
     assert len(template_kernels.stale_reason(long) or "") == kernel_template.STALE_REASON_BYTES

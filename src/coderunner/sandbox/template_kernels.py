@@ -175,7 +175,7 @@ def stale_reason(sandbox: SandboxProcess) -> str | None:
         return None
     said = sandbox.stderr_tail()
     start = said.rfind(STALE_PREFIX)
-    line = said[start + len(STALE_PREFIX) :].splitlines()[0].strip() if start >= 0 else ""
+    line = (said[start + len(STALE_PREFIX) :].splitlines() or [""])[0].strip() if start >= 0 else ""
     return line[:STALE_REASON_BYTES] or "the kernel did not say why"
 
 
