@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -20,7 +23,7 @@ import pytest
 from mcp.types import CallToolResult
 
 from ..conftest import REPO, SECRET_NAME, SECRET_VALUE, json_of, run, run_to_end, sandbox_processes_alive, text_of
-from .conftest import BYSTANDER_VALUE, Arena, ServerDirs, open_arena
+from .conftest import BYSTANDER_VALUE, CANARY, Arena, HostTargets, ServerDirs, host_targets, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -33,14 +36,30 @@ def verdict(result: CallToolResult) -> dict[str, Any]:
     raise AssertionError(f"no verdict in: {text_of(result)[-2000:]}")
 
 
-TRY = """
-import json, os, errno
+TRY = (
+    """
+import json, os, errno, socket
 def attempt(fn):
     try:
         return ['OK', repr(fn())[:200]]
     except BaseException as exc:
         return [type(exc).__name__, str(exc)[:200]]
+def _canary_from(s):
+    with s:
+        s.settimeout(3)
+        got = s.recv(64)
+    if CANARY.encode() not in got:
+        raise ConnectionError(f'connected, but not to the host: it answered {got!r}')
+    return got
+def reach(host, port):
+    return _canary_from(socket.create_connection((host, port), timeout=3))
+def reach_abstract(name):
+    s = socket.socket(socket.AF_UNIX)
+    s.connect('\\0' + name)
+    return _canary_from(s)
 """
+    + f"CANARY = {CANARY!r}\n"
+)
 
 
 #: The network-internet cases need internet within the user's ceiling (off by default).
@@ -48,17 +67,39 @@ INTERNET_ALLOWED = {"CODERUNNER_MAX_NETWORK": "internet"}
 
 
 @pytest.fixture(scope="module")
-async def arena(abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+async def arena(abuse_dirs: ServerDirs, host_listeners: HostTargets) -> AsyncIterator[Arena]:
     """The abuse conftest's arena, where the user allows network 'internet'."""
     async with open_arena(abuse_dirs, host_listeners, **INTERNET_ALLOWED) as made:
         yield made
 
 
 def no_ok(result: CallToolResult, arena: Arena) -> None:
-    """Every attempt in the verdict failed."""
+    """Every attempt in the verdict failed, and the host's canary services saw no one."""
     outcome = verdict(result)
     crossed = {name: value for name, value in outcome.items() if value[0] == "OK"}
     assert not crossed, crossed
+    assert not arena.host.reached, arena.host.reached
+
+
+def test_the_probes_count_only_the_host_canary() -> None:
+    """The control for every loopback case: run on the host itself, the probes reach the canary
+    services (and those see them), while a port that accepts for someone else does not count."""
+    with host_targets() as host, socket.socket() as stranger:
+        stranger.bind(("127.0.0.1", 0))
+        stranger.listen(1)
+        code = TRY + (
+            f"print(json.dumps({{'tcp': attempt(lambda: reach('127.0.0.1', {host.loopback_port})),"
+            f" 'abstract': attempt(lambda: reach_abstract({host.abstract_socket!r})),"
+            f" 'stranger': attempt(lambda: reach('127.0.0.1', {stranger.getsockname()[1]}))}}))"
+        )
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+        outcome = json.loads(done.stdout.strip().splitlines()[-1])
+        assert outcome["tcp"][0] == "OK" and outcome["abstract"][0] == "OK", outcome
+        assert outcome["stranger"][0] != "OK", outcome
+        deadline = time.monotonic() + 5
+        while len(host.reached) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(host.reached) == 2, host.reached
 
 
 @dataclass
@@ -190,7 +231,7 @@ CASES = [
         "the host's loopback services",
         lambda a: (
             TRY
-            + f"import socket\nprint(json.dumps({{'tcp': attempt(lambda: socket.create_connection(('127.0.0.1', {a.loopback_port}), timeout=3)), 'abstract': attempt(lambda: socket.socket(socket.AF_UNIX).connect('\\0{a.abstract_socket}'))}}))"
+            + f"print(json.dumps({{'tcp': attempt(lambda: reach('127.0.0.1', {a.loopback_port})), 'abstract': attempt(lambda: reach_abstract({a.abstract_socket!r}))}}))"
         ),
     ),
     Case(
@@ -205,17 +246,14 @@ CASES = [
         "the host's 127.0.0.1",
         lambda a: (
             TRY
-            + f"import socket\nprint(json.dumps({{h: attempt(lambda h=h: socket.create_connection((h, {a.loopback_port}), timeout=3)) for h in ['127.0.0.1', '10.0.2.2']}}))"
+            + f"print(json.dumps({{h: attempt(lambda h=h: reach(h, {a.loopback_port})) for h in ['127.0.0.1', '10.0.2.2']}}))"
         ),
         session={"network": "internet"},
     ),
     Case(
         "network internet",
         "abstract unix sockets of the host",
-        lambda a: (
-            TRY
-            + f"import socket\nprint(json.dumps({{'abstract': attempt(lambda: socket.socket(socket.AF_UNIX).connect('\\0{a.abstract_socket}'))}}))"
-        ),
+        lambda a: TRY + f"print(json.dumps({{'abstract': attempt(lambda: reach_abstract({a.abstract_socket!r}))}}))",
         session={"network": "internet"},
     ),
     Case(
@@ -548,9 +586,8 @@ async def test_root_server_sandboxes_are_not_root_on_the_host(arena: Arena) -> N
 async def test_one_shot_sandboxes_hold_the_same_boundaries(arena: Arena) -> None:
     """boundary: execute_code. A throwaway sandbox tries the host's files, loopback, sockets, env and root."""
     probe = TRY + (
-        "import socket\n"
-        "def tcp():\n    socket.create_connection(('127.0.0.1', PORT), timeout=3).close()\n"
-        "def abstract():\n    s = socket.socket(socket.AF_UNIX); s.connect('\\0' + NAME)\n"
+        "def tcp():\n    return reach('127.0.0.1', PORT)\n"
+        "def abstract():\n    return reach_abstract(NAME)\n"
         "print(json.dumps({\n"
         "  'bystander': attempt(lambda: open(BYSTANDER + '/bystander.txt').read()),\n"
         "  'host_root': attempt(lambda: os.listdir('/root')),\n"
@@ -581,5 +618,6 @@ async def test_one_shot_sandboxes_hold_the_same_boundaries(arena: Arena) -> None
     outcome = json.loads(stdout.strip().splitlines()[-1])
     crossed = {name: value for name, value in outcome.items() if value[0] == "OK"}
     assert not crossed, crossed
+    assert not arena.host.reached, arena.host.reached
     assert SECRET_VALUE not in stdout
     await assert_still_serving(arena)

@@ -19,7 +19,7 @@ import pytest
 
 from .. import apple_emulation
 from ..conftest import ServerDirs, _passable
-from .conftest import Arena, open_arena
+from .conftest import Arena, HostTargets, open_arena
 from .test_abuse import CASES, INTERNET_ALLOWED, Case, assert_still_serving, attack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -53,7 +53,7 @@ def apple_abuse_dirs() -> Iterator[ServerDirs]:
 
 
 @pytest.fixture(scope="module")
-async def arena(apple_abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+async def arena(apple_abuse_dirs: ServerDirs, host_listeners: HostTargets) -> AsyncIterator[Arena]:
     """The abuse conftest's arena, on the Apple backend."""
     if problem := apple_emulation.emulation_problem():
         pytest.fail(problem)

@@ -20,7 +20,7 @@ import pytest
 
 from ..conftest import ServerDirs, run, text_of
 from ..test_e2e_podman import podman_image  # noqa: F401  (the session's image fixture)
-from .conftest import Arena, open_arena
+from .conftest import Arena, HostTargets, open_arena
 from .test_abuse import CASES, INTERNET_ALLOWED, Case, assert_still_serving, attack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -55,7 +55,7 @@ def gvisor_image(podman_image: str) -> str:  # noqa: F811
 
 
 @pytest.fixture(scope="module")
-async def arena(gvisor_image: str, abuse_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+async def arena(gvisor_image: str, abuse_dirs: ServerDirs, host_listeners: HostTargets) -> AsyncIterator[Arena]:
     """The abuse conftest's arena, on gvisor."""
     async with open_arena(abuse_dirs, host_listeners, CODERUNNER_BACKEND="gvisor", **INTERNET_ALLOWED) as made:
         yield made

@@ -16,7 +16,7 @@ import pytest
 from mcp import Client
 
 from ..conftest import fresh_dirs, run, text_of
-from .conftest import BYSTANDER_VALUE, Arena, open_arena
+from .conftest import BYSTANDER_VALUE, Arena, HostTargets, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -25,7 +25,7 @@ SEE_NETWORK = "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '; echo re
 
 
 @pytest.fixture(scope="module")
-async def allowlist_arena(host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+async def allowlist_arena(host_listeners: HostTargets) -> AsyncIterator[Arena]:
     """The user allowed the package index and nothing more (so: at most 'allowlist')."""
     with fresh_dirs("crn-") as dirs:
         async with open_arena(

@@ -30,7 +30,7 @@ import pytest
 from mcp.types import CallToolResult
 
 from ..conftest import ServerDirs, fresh_dirs, json_of, raw_stdio_server, run, server_env, text_of, wait_until
-from .conftest import BYSTANDER_VALUE, Arena, open_arena
+from .conftest import BYSTANDER_VALUE, Arena, HostTargets, open_arena
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
 
@@ -200,7 +200,7 @@ async def bystander_unharmed(arena: Arena) -> None:
 
 
 @pytest.fixture(scope="module", params=["true", "false"], ids=["cgroups", "no-cgroups"])
-async def pid1_arena(request: pytest.FixtureRequest, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+async def pid1_arena(request: pytest.FixtureRequest, host_listeners: HostTargets) -> AsyncIterator[Arena]:
     """A server with (or without) cgroups, and its bystander session."""
     with fresh_dirs("crp-") as dirs:
         async with open_arena(dirs, host_listeners, CODERUNNER_CGROUPS=request.param) as made:

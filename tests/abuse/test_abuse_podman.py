@@ -25,7 +25,7 @@ from coderunner.sandbox.container import LABEL_INSTANCE, server_tag
 
 from ..conftest import ServerDirs, fresh_dirs, raw_stdio_server, run, server_env, text_of, wait_until
 from ..test_e2e_podman import OCI_RUNTIME, podman_image  # noqa: F401  (the session's image fixture)
-from .conftest import Arena, open_arena
+from .conftest import Arena, HostTargets, open_arena
 from .test_abuse import CASES, INTERNET_ALLOWED, Case, assert_still_serving, attack
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -42,7 +42,7 @@ def _case(name: str) -> Case:
 async def arena(
     podman_image: str,  # noqa: F811
     abuse_dirs: ServerDirs,
-    host_listeners: tuple[int, str],
+    host_listeners: HostTargets,
 ) -> AsyncIterator[Arena]:
     """The abuse conftest's arena, on podman."""
     async with open_arena(

@@ -24,7 +24,7 @@ import pytest
 from coderunner.snapshots.store import MAX_META_BYTES, SNAPSHOT_ID
 
 from ..conftest import ServerDirs, _passable, run, text_of
-from .conftest import Arena, open_arena
+from .conftest import Arena, HostTargets, open_arena
 from .test_abuse import assert_still_serving
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -61,7 +61,7 @@ def snapshot_dirs() -> Iterator[ServerDirs]:
 
 
 @pytest.fixture(scope="module")
-async def arena(snapshot_dirs: ServerDirs, host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+async def arena(snapshot_dirs: ServerDirs, host_listeners: HostTargets) -> AsyncIterator[Arena]:
     async with open_arena(snapshot_dirs, host_listeners) as made:
         yield made
 
@@ -287,7 +287,7 @@ TAKEN = 5
 
 
 @pytest.fixture(scope="module")
-async def keep_arena(host_listeners: tuple[int, str]) -> AsyncIterator[Arena]:
+async def keep_arena(host_listeners: HostTargets) -> AsyncIterator[Arena]:
     root = _passable(Path(tempfile.mkdtemp(prefix="crk-", dir="/tmp")))
     dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
     try:
