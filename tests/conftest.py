@@ -123,8 +123,13 @@ def clean_after_dead_servers(dirs: ServerDirs) -> list[str]:
     if dirs.runtime.is_dir():
         settings = load_settings(Path(os.devnull), runtime_dir=dirs.runtime, workspaces_dir=dirs.workspaces)
         remove_stale_dirs(settings.runtime_dir, settings.workspaces_dir, make_backend(settings).remove_stale, 0.0)
+    return mounted_under(dirs.root)
+
+
+def mounted_under(root: Path) -> list[str]:
+    """The mount points below `root` (/proc/mounts)."""
     mounts = Path("/proc/mounts").read_text().splitlines()
-    return [line.split()[1] for line in mounts if f" {dirs.root}/" in line]
+    return [line.split()[1] for line in mounts if f" {root}/" in line]
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from mcp import Client
 from .conftest import (
     ServerDirs,
     memory_client,
+    mounted_under,
     open_client,
     raw_stdio_server,
     run,
@@ -109,18 +110,31 @@ async def test_stdio_server_exit_leaves_no_sandbox_behind(dirs: ServerDirs) -> N
     assert not any(dirs.workspaces.iterdir())
 
 
-async def test_sigkilled_server_leaves_no_sandbox_and_next_start_cleans_up(dirs: ServerDirs) -> None:
+async def test_sigkilled_server_leaves_no_sandbox_and_its_dirs_and_mounts_go_without_a_next_start(
+    dirs: ServerDirs,
+) -> None:
+    """Its watcher ends the sandboxes and its dirs sweeper (hostfs/dirs_sweeper.py) removes its session dirs,
+    the capped workspace's mount and loop device with them; a next start still finds a clean slate."""
     env = server_env(dirs)
-    with raw_stdio_server(env, [("run_python", {"code": "1"})]) as server:
+    with raw_stdio_server(env, [("run_python", {"code": "open('kept.txt', 'w').write('x')"})]) as server:
         assert sandbox_processes_alive(dirs)
+        [workspace] = [path for path in dirs.workspaces.iterdir() if path.is_dir()]
+        assert (workspace / "kept.txt").exists()
         os.kill(server.pid, signal.SIGKILL)
         server.wait(timeout=10)
     assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "sandbox outlived a SIGKILLed server"
-    assert [p for p in dirs.runtime.iterdir() if not p.name.startswith("guest-")], "the killed server left dirs"
+
+    def swept() -> bool:
+        return not session_dirs(dirs) and not any(dirs.workspaces.iterdir()) and not mounted_under(dirs.root)
+
+    assert await wait_until(swept, timeout_s=30), (session_dirs(dirs), list(dirs.workspaces.iterdir()))
     async with memory_client(env) as client:  # the next start: the same SessionManager start-up, in memory
         assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
-        live = {path.name for path in dirs.runtime.iterdir() if not path.name.startswith("guest-")}
-        assert len(live) == 1, "stale session dirs are removed at the next start"
+        assert len(session_dirs(dirs)) == 1
+
+
+def session_dirs(dirs: ServerDirs) -> list[str]:
+    return [path.name for path in dirs.runtime.iterdir() if not path.name.startswith("guest-")]
 
 
 async def test_closing_a_session_mid_run_ends_the_run_and_its_sandbox(client: Client, dirs: ServerDirs) -> None:

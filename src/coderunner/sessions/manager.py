@@ -24,6 +24,7 @@ from coderunner.config import Settings
 from coderunner.edge.callers import LOCAL_CALLER, client_of_key
 from coderunner.edge.owners import LOCAL_CLIENT
 from coderunner.errors import SessionError
+from coderunner.hostfs.dirs_sweeper import DirsSweeper
 from coderunner.hostfs.exports import Exporter, client_folder
 from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.hostfs.session_dirs import remove_stale_dirs
@@ -114,6 +115,8 @@ class SessionManager:
         self._closing_all: anyio.Event | None = None
         #: The warm kernel template this server's kernels are forked from (kernel_template, bwrap only).
         self.template: KernelStarter | None = None
+        #: Removes what this manager made if its process dies (hostfs/dirs_sweeper.py); told when it closed in order.
+        self._sweeper: DirsSweeper | None = None
 
     async def __aenter__(self) -> SessionManager:
         ensure_private_dir(self.settings.runtime_dir, self.backend.dir_mode)
@@ -122,6 +125,10 @@ class SessionManager:
         removed = remove_stale_dirs(self.settings.runtime_dir, self.settings.workspaces_dir, self.backend.remove_stale)
         if removed:
             log.info("removed %d session dir(s) left by a server that is gone", removed)
+        # Should this process die, a sweeper removes what this manager made then, workspace mounts included.
+        self._sweeper = await anyio.to_thread.run_sync(
+            DirsSweeper, self.settings.runtime_dir, self.settings.workspaces_dir
+        )
         await self.snapshots.open()
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
@@ -141,9 +148,10 @@ class SessionManager:
 
     def _open_template(self, task_group: TaskGroup) -> None:
         """With kernel_template: the warm template, started in the background, asked by every kernel's start."""
-        if not self.settings.kernel_template:
+        if self.settings.kernel_template is False:
             return
-        self.template = kernel_starter(self.backend, self.settings.preload_imports)
+        asked = self.settings.kernel_template is True
+        self.template = kernel_starter(self.backend, self.settings.preload_imports, asked=asked)
         if self.template is not None:
             self.template.open(task_group)
 
@@ -193,6 +201,8 @@ class SessionManager:
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(None, None, None)
         await anyio.to_thread.run_sync(self.egress.close)
+        if self._sweeper is not None:
+            self._sweeper.close(in_order=not self._sessions)
 
     def options(self, request: SandboxRequest = DEFAULT_REQUEST) -> SandboxOptions:
         """Options for a session or a one-shot run: the settings' defaults with what was asked for, checked."""
