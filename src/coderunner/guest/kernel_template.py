@@ -367,8 +367,11 @@ def main(args: list[str]) -> int:
     gc.collect()
     if "--no-freeze" not in args:
         gc.freeze()
-    reply(sock, 0, os.getpid())  # ready
-    serve(sock, seccomp, code)
+    try:
+        reply(sock, 0, os.getpid())  # ready
+        serve(sock, seccomp, code)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the host went away (a server that closed while this warmed up): there is no one left to answer
     return 0
 
 

@@ -132,6 +132,14 @@ def template_argv(command: BwrapCommand, socket_fd: int, seccomp_fd: int, *extra
     return [*args, "--", *python, str(socket_fd), str(seccomp_fd), *extra]
 
 
+def template_unavailable() -> str | None:
+    """Why this process cannot run a template (None: it can). Its forks join each sandbox's user namespace
+    from outside it, which takes the capabilities of the host's root (route A, above)."""
+    if os.getuid() != 0:
+        return "the kernel template needs a server running as root (it joins user namespaces)"
+    return None
+
+
 class KernelTemplate:
     """A running template: one request at a time over its socketpair."""
 
@@ -151,8 +159,9 @@ class KernelTemplate:
         cls, command: BwrapCommand, seccomp: bytes, *, freeze: bool = True, child_code: str | None = None,
         preload_imports: bool = True,
     ) -> KernelTemplate:  # fmt: skip
-        if os.getuid() != 0:
-            raise TemplateUnavailable("the kernel template needs a server running as root (it joins user namespaces)")
+        why_not = template_unavailable()
+        if why_not is not None:
+            raise TemplateUnavailable(why_not)
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         program = os.memfd_create("coderunner-template-seccomp", 0)
         try:
@@ -267,8 +276,9 @@ class KernelTemplate:
     async def close(self) -> None:
         """End the template (its kernels live on in their sandboxes; their sandboxes end them)."""
         self.sock.close()
-        with anyio.move_on_after(5):
-            await self.process.wait()
+        if self.ready.pid:  # a ready template ends on its own once it reads its socket's end; one warming up is
+            with anyio.move_on_after(5):  # busy importing for seconds more: it is killed at once
+                await self.process.wait()
         if self.process.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.process.kill()
