@@ -21,7 +21,7 @@ import pytest
 
 from ..conftest import ServerDirs, json_of, text_of
 from .conftest import DRIVER_INIT, HEAD_PORT, RAY, REPO, RayCluster, _session_pids, _wait_until, eventually
-from .test_cluster_mode import cluster_env, front_door, named_actors, ok, sandboxes_on
+from .test_cluster_mode import cluster_env, described, front_door, named_actors, ok, sandboxes_on
 
 pytestmark = pytest.mark.anyio
 
@@ -282,4 +282,4 @@ async def test_no_sandbox_reaches_rays_ports_in_any_network_mode_a_front_door_al
         for session_id in (bystander, *probes.values()):
             await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster)), described(sandboxes_on(ray_cluster))

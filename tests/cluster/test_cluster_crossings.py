@@ -36,6 +36,7 @@ from .test_cluster_mode import (
     agents_held,
     call,
     cluster_env,
+    described,
     front_door,
     http_front_door,
     named_actors,
@@ -106,7 +107,7 @@ async def test_a_pooled_session_never_reaches_a_front_door_with_other_settings(
     finally:
         _stop_pools(ray_cluster)
     assert await eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
 def key_of(made: dict[str, Any]) -> str:

@@ -120,8 +120,41 @@ def named_actors(cluster: RayCluster) -> list[str]:
 
 
 def sandboxes_on(cluster: RayCluster) -> list[int]:
-    """bwrap processes alive in the cluster's namespace (every node's sandboxes)."""
-    return [pid for pid in cluster.netns_pids() if _comm(pid) == "bwrap"]
+    """bwrap processes alive in the cluster's namespace (every node's sandboxes). A node's kernel template
+    (kernel_template) is not counted: it is the node agent's helper and stays with it (as the agents do,
+    holding nothing, between front doors); it has a network namespace of its own, so of it only its bwrap
+    is seen here, running the template's module."""
+    return [
+        pid for pid in cluster.netns_pids()
+        if _comm(pid) == "bwrap" and TEMPLATE_MODULE not in _cmdline(pid)
+    ]  # fmt: skip
+
+
+#: What a kernel template's bwrap runs (sandbox/bwrap_template.py template_argv).
+TEMPLATE_MODULE = b"coderunner_guest.kernel_template"
+
+
+def described(pids: list[int]) -> list[str]:
+    """Each pid with its parent and the start of its command line (what an assertion shows of a leftover)."""
+    found = []
+    for pid in pids:
+        cmdline = _cmdline(pid).replace(b"\0", b" ").decode(errors="replace") or "(gone)"
+        found.append(f"{pid} (parent {_ppid(pid)} {_comm(_ppid(pid) or 0)}): {cmdline[:300]}")
+    return found
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _comm(pid: int) -> str:
@@ -175,7 +208,7 @@ async def test_sessions_land_on_distinct_nodes_keep_state_and_see_no_host_secret
         for session_id in ids:
             await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster)), described(sandboxes_on(ray_cluster))
 
 
 async def test_a_second_front_door_finds_and_uses_a_session_the_first_made(
@@ -263,7 +296,7 @@ async def test_guest_tools_idle_reaping_and_big_files_cross_the_cluster(
         assert await eventually(lambda: f"session-{session_id}" not in named_actors(ray_cluster), 60)
         gone = await call(client, "run_python", code="1", session_id=session_id)
         assert gone.is_error and "unknown or expired" in text_of(gone), text_of(gone)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
 #: A file of several pieces (1 MiB each) and not a whole number of them.
@@ -399,7 +432,9 @@ async def test_one_shot_runs_are_calls_of_the_node_agents_and_the_next_is_served
             again = json_of(await ok(client, "execute_code", language="python", code="print('again')"))
             assert again is not None and again["stdout"] == "again\n", again
         assert runs_taken() > taken, agents_held(ray_cluster)  # a run took a sandbox started ahead on its agent
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), READY_IDLE_S + 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), READY_IDLE_S + 60), described(
+        sandboxes_on(ray_cluster)
+    )
 
 
 async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
@@ -421,7 +456,7 @@ async def test_a_create_claims_a_warm_session_from_a_node_pool(ray_cluster: RayC
     finally:
         _stop_pools(ray_cluster)
     assert await eventually(lambda: not named_actors(ray_cluster), 60), named_actors(ray_cluster)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
 def _agents(cluster: RayCluster, key: str | None = None) -> list[dict[str, Any]]:
@@ -519,7 +554,7 @@ async def test_node_labels_hold_a_front_doors_sessions_to_the_labelled_nodes(
         # Refused by the check (not after waiting PLACE_S for a node that never comes), saying how to add one.
         assert "no node of the cluster can hold this session" in text and "ray start --labels" in text
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster)), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster)), described(sandboxes_on(ray_cluster))
 
 
 FETCH = """
@@ -661,7 +696,9 @@ async def test_an_allowlist_one_shot_runs_denials_reach_the_reply_from_its_node(
 
     assert await eventually(decided_in_audit), audit.read_text() if audit.exists() else "no audit file"
     # The 'none' run's agent started a sandbox ahead for the next such run: dropped when none takes it.
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), READY_IDLE_S + 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), READY_IDLE_S + 60), described(
+        sandboxes_on(ray_cluster)
+    )
 
 
 #: Sessions opened at once through one front door in the many-sessions test (0.1 CPU, 512 MiB each: eight
@@ -699,7 +736,7 @@ async def test_many_sessions_share_one_agent_per_node_and_each_keeps_its_own_sta
         for session_id in ids:
             await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
 async def test_a_node_agent_sigkilled_loses_its_sessions_clearly_and_leaves_nothing_of_their_sandboxes(
@@ -745,7 +782,7 @@ async def test_a_node_agent_sigkilled_loses_its_sessions_clearly_and_leaves_noth
                 await ok(client, "manage_sessions", action="close", session_id=other)
         await ok(client, "manage_sessions", action="close", session_id=again["session_id"])
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
 @contextlib.contextmanager
@@ -896,7 +933,7 @@ async def test_a_front_door_killed_mid_call_leaves_its_session_running_and_whole
             for held in (session_id, bystander):
                 await ok(survivor, "manage_sessions", action="close", session_id=held)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
 async def test_a_lost_node_says_so_while_other_nodes_serve(ray_cluster: RayCluster, dirs: ServerDirs) -> None:
@@ -924,7 +961,7 @@ async def test_a_lost_node_says_so_while_other_nodes_serve(ray_cluster: RayClust
         assert max(took for took, _, _ in answers) < 60, answers
         assert "yes" in text_of(await ok(client, "run_python", code="kept", session_id=by_node["w1"]))
         await ok(client, "manage_sessions", action="close", session_id=by_node["w1"])
-    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), sandboxes_on(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
 def _listening(cluster: RayCluster, port: int) -> bool:
