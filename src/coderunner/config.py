@@ -202,11 +202,12 @@ class Settings(BaseSettings):
         "of its own or another timeout_s takes a warm pool's sandbox too, given them as it is taken (limits: where "
         "the backend lowers them live, bwrap with cgroups); off: only creates with the default options do, and a "
         "default network 'allowlist' has no pool.")  # fmt: skip
-    kernel_template: bool = Field(False, description="bwrap, server run as root: kernels are forks of one warm "
-        "template (numpy, pandas and matplotlib imported once, with preload_imports) instead of each starting from "
-        "nothing; a kernel it cannot give (the template not running or refusing a fork, a workspace module "
-        "shadowing one it imported) starts cold, and manage_sessions status says which way and why "
-        "(kernel_start).")  # fmt: skip
+    kernel_template: bool | Literal["auto"] = Field("auto", description="Kernels are forks of one warm template "
+        "(numpy, pandas and matplotlib imported once, with preload_imports) instead of each starting from nothing: "
+        "'auto' where it can be (bwrap, the server run as root), true to ask for it (where it cannot be, each "
+        "kernel's status says why), false never. A kernel it cannot give (the template starting or refusing a "
+        "fork, a workspace module shadowing one it imported) starts cold, and manage_sessions status says which "
+        "way and why (kernel_start).")  # fmt: skip
     reset_standby: bool = Field(True, description="Each session keeps a fresh kernel started ahead (about 35 MiB, "
         "idle, about 90 with preload_imports; in manage_sessions status) that kernel_reset and restarts swap to "
         "instead of starting one (bwrap).")  # fmt: skip

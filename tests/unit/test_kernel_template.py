@@ -194,3 +194,40 @@ def test_a_fork_that_exited_stale_is_told_apart_by_its_code_and_says_why_in_its_
     assert template_kernels.stale_reason(cut) == "the kernel did not say why"
     long = typing.cast(SandboxProcess, Ended(kernel_template.STALE, kernel_template.STALE_PREFIX + "x" * 5000))
     assert len(template_kernels.stale_reason(long) or "") == kernel_template.STALE_REASON_BYTES
+
+
+@dataclasses.dataclass
+class _Backend:
+    """What the registry reads and writes of a backend when it looks for its template."""
+
+    name: str
+    no_kernel_starter: str | None = None
+
+
+@pytest.mark.parametrize("asked", [True, False])
+def test_auto_starts_a_template_only_where_it_can_be_and_says_nothing_where_not(
+    asked: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """kernel_template 'auto' (the default) and true: where no template can run (a non-root server, a backend
+    without one), kernels start cold; only a user who asked for it is told why in each kernel's status."""
+    from coderunner.sandbox import registry
+
+    monkeypatch.setattr(bwrap_template.os, "getuid", lambda: 1000)
+    bwrap = _Backend("bwrap")
+    assert registry.kernel_starter(bwrap, asked=asked) is None  # type: ignore[arg-type]
+    assert bwrap.no_kernel_starter == ("the kernel template needs a server running as root (it joins user namespaces)"
+                                       if asked else None)  # fmt: skip
+    podman = _Backend("podman")
+    assert registry.kernel_starter(podman, asked=asked) is None  # type: ignore[arg-type]
+    assert podman.no_kernel_starter == ("the podman backend has no kernel template" if asked else None)
+
+
+def test_where_it_can_be_auto_gives_the_template(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coderunner.sandbox import registry
+
+    monkeypatch.setattr(bwrap_template.os, "getuid", lambda: 0)
+    assert template_kernels.unavailable_here() is None
+    monkeypatch.setattr(template_kernels, "kernel_starter", lambda backend, preload: ("starter", backend, preload))
+    bwrap = _Backend("bwrap")
+    assert registry.kernel_starter(bwrap, False, asked=False) == ("starter", bwrap, False)  # type: ignore[arg-type,comparison-overlap]
+    assert bwrap.no_kernel_starter is None

@@ -34,15 +34,21 @@ def checks(entry: BackendEntry, settings: Settings) -> list[Check]:
     return found
 
 
-def kernel_starter(backend: SandboxBackend, preload_imports: bool = True) -> KernelStarter | None:
+def kernel_starter(
+    backend: SandboxBackend, preload_imports: bool = True, *, asked: bool = True
+) -> KernelStarter | None:
     """The warm kernel template of `backend` (not yet open), from its entry's module, with numpy, pandas and
-    matplotlib imported if `preload_imports`; None where it has none (the backend then says so to every
-    kernel's start)."""
+    matplotlib imported if `preload_imports`; None where it has none or cannot run here. Where the user
+    `asked` for it (kernel_template true), the backend then says why to every kernel's start; where it was
+    only 'auto', kernels start cold with nothing to say."""
     entry = BACKENDS.get(backend.name)
-    if entry is None or entry.kernel_template is None:
-        backend.no_kernel_starter = f"the {backend.name} backend has no kernel template"
+    module = None if entry is None or entry.kernel_template is None else importlib.import_module(entry.kernel_template)
+    why_not = f"the {backend.name} backend has no kernel template" if module is None else module.unavailable_here()
+    if why_not is not None:
+        backend.no_kernel_starter = why_not if asked else None
         return None
-    starter: KernelStarter = importlib.import_module(entry.kernel_template).kernel_starter(backend, preload_imports)
+    assert module is not None
+    starter: KernelStarter = module.kernel_starter(backend, preload_imports)
     return starter
 
 

@@ -38,6 +38,7 @@ from coderunner.sandbox.bwrap_template import (
     STALE_REASON_BYTES,
     KernelTemplate,
     TemplateUnavailable,
+    template_unavailable,
 )
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,11 @@ def exit_code(status: int) -> int:
     if os.WIFSIGNALED(status):
         return 128 + os.WTERMSIG(status)
     return os.waitstatus_to_exitcode(status)
+
+
+def unavailable_here() -> str | None:
+    """Why no template can run for this server process (None: it can): the registry's entry point."""
+    return template_unavailable()
 
 
 def kernel_starter(backend: SandboxBackend, preload_imports: bool = True) -> TemplateKernels:
