@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import struct
 import subprocess
@@ -280,6 +281,10 @@ class KernelTemplate:
             with anyio.move_on_after(5):  # busy importing for seconds more: it is killed at once
                 await self.process.wait()
         if self.process.returncode is None:
+            # Its whole process group (start_new_session: bwrap, bwrap's child, the template; a fork leaves it as
+            # it enters a sandbox). The outer bwrap alone is not enough: killed within its first milliseconds,
+            # it left its child blocked for ever on the eventfd it waits on before it runs anything (no
+            # die-with-parent yet). Its pid names the group for sure while it is not reaped, as here.
             with contextlib.suppress(ProcessLookupError):
-                self.process.kill()
+                os.killpg(self.process.pid, signal.SIGKILL)
             await self.process.wait()
