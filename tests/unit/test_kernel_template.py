@@ -4,6 +4,7 @@ request's bounds, the template's own bwrap view, and the enter step's refusals (
 from __future__ import annotations
 
 import dataclasses
+import errno
 import itertools
 import os
 import subprocess
@@ -231,3 +232,44 @@ def test_where_it_can_be_auto_gives_the_template(monkeypatch: pytest.MonkeyPatch
     bwrap = _Backend("bwrap")
     assert registry.kernel_starter(bwrap, False, asked=False) == ("starter", bwrap, False)  # type: ignore[arg-type,comparison-overlap]
     assert bwrap.no_kernel_starter is None
+
+
+class _RefusingTemplate:
+    """A template whose every fork fails, as on a machine where no fork can enter a sandbox."""
+
+    def __init__(self) -> None:
+        self.asked = 0
+        self.closed = False
+
+    async def spawn_entered(self, *args: object, **kwargs: object) -> typing.NoReturn:
+        self.asked += 1
+        raise OSError(errno.EINVAL, "setns on a pidfd is not supported here")
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+@pytest.mark.anyio
+async def test_a_template_whose_first_forks_all_fail_is_given_up_and_says_why() -> None:
+    kernels = template_kernels.TemplateKernels(_Backend("bwrap"))  # type: ignore[arg-type]
+    template = _RefusingTemplate()
+    kernels.template, kernels.starting, kernels.why_not = template, False, None  # type: ignore[assignment]
+    for _ in range(template_kernels.NEVER_FORKED_LIMIT):
+        with pytest.raises(template_kernels.TemplateUnavailable, match="could not be forked"):
+            await kernels.spawn_kernel(None, None)  # type: ignore[arg-type]
+    assert kernels.given_up and template.closed and kernels.template is None
+    with pytest.raises(template_kernels.TemplateUnavailable, match="off for this server: its first 3 forks all"):
+        await kernels.spawn_kernel(None, None)  # type: ignore[arg-type]
+    assert template.asked == template_kernels.NEVER_FORKED_LIMIT  # no sandbox built and thrown away since
+
+
+@pytest.mark.anyio
+async def test_a_template_that_forked_once_is_never_given_up() -> None:
+    kernels = template_kernels.TemplateKernels(_Backend("bwrap"))  # type: ignore[arg-type]
+    template = _RefusingTemplate()
+    kernels.template, kernels.starting, kernels.why_not = template, False, None  # type: ignore[assignment]
+    kernels.forked = 1  # it worked here once: later failures are a loaded machine's, not the machine's
+    for _ in range(template_kernels.NEVER_FORKED_LIMIT + 2):
+        with pytest.raises(template_kernels.TemplateUnavailable, match="could not be forked"):
+            await kernels.spawn_kernel(None, None)  # type: ignore[arg-type]
+    assert not kernels.given_up and not template.closed

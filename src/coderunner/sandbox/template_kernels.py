@@ -50,6 +50,11 @@ RESTART_DELAY_S = 30.0
 STARTING_WAIT_S = 10.0
 #: Bound on the template writing a kernel's wait status once its pidfd said it exited.
 STATUS_WAIT_S = 2.0
+#: A template whose first this-many forks all failed is given up for the server's life (its kernels start cold,
+#: saying why): a machine where no fork can enter a sandbox (a kernel without setns on a pidfd, a policy in the
+#: way) would otherwise build and throw away a sandbox before every cold start. One fork that worked shows the
+#: machine can: later failures (a loaded machine's timeouts) never give it up.
+NEVER_FORKED_LIMIT = 3
 #: The wait status's size on the status pipe (an int, as waitpid gives it).
 STATUS = struct.Struct("<i")
 
@@ -91,6 +96,8 @@ class TemplateKernels:
         #: Kernels forked, and kernels that started cold because a fork failed.
         self.forked = 0
         self.refused = 0
+        #: Set once its first NEVER_FORKED_LIMIT forks all failed: no template for this server's life.
+        self.given_up = False
 
     def open(self, task_group: TaskGroup) -> None:
         """Start the template in the background of `task_group` (the manager's), and be the backend's starter."""
@@ -140,8 +147,19 @@ class TemplateKernels:
     def stale_imports(self, sandbox: SandboxProcess) -> str | None:
         return stale_reason(sandbox)
 
+    async def _give_up(self, last: str) -> None:
+        """No fork ever worked here: end the template and its restarts; kernels start cold from now on."""
+        self.given_up = True
+        if self._scope is not None:
+            self._scope.cancel()
+        await self._drop()
+        self.why_not = f"the kernel template is off for this server: its first {self.refused} forks all failed ({last})"
+        log.warning("%s; kernels start cold", self.why_not)
+
     async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess:
         """A kernel forked into a sandbox built from `spec`; raises TemplateUnavailable saying why not."""
+        if self.given_up:
+            raise TemplateUnavailable(self.why_not or "the kernel template is off for this server")
         if self.starting:
             with anyio.move_on_after(STARTING_WAIT_S):
                 await self.ready.wait()
@@ -158,11 +176,13 @@ class TemplateKernels:
             except (TimeoutError, anyio.EndOfStream, anyio.BrokenResourceError, OSError) as exc:
                 # Its sandbox's placeholder never said it was ready, or the template's socket broke: start cold.
                 raise TemplateUnavailable(f"a kernel could not be forked from the template: {exc!r}") from None
-        except BaseException:
+        except BaseException as exc:
             self.refused += 1
             os.close(status_read)
             with anyio.CancelScope(shield=True):
                 await output.aclose()
+                if self.forked == 0 and self.refused >= NEVER_FORKED_LIMIT and not self.given_up:
+                    await self._give_up(str(exc))
             raise
         finally:
             os.close(output_write)
