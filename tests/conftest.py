@@ -105,8 +105,8 @@ def fresh_dirs(prefix: str) -> Iterator[ServerDirs]:
     """A server's own runtime and workspace dirs under a new short /tmp folder (socket paths < 107 bytes).
 
     At the end nothing of its servers may stay mounted once coderunner's own clean-up ran: a test that
-    SIGKILLs its server leaves that server's workspaces mounted until a next start, and a folder removed
-    under a mount would hide the loop device it holds for good."""
+    SIGKILLs its server leaves that server's workspaces mounted until its dirs sweeper or a next start
+    removes them, and a folder removed under a mount would hide the loop device it holds for good."""
     root = _passable(Path(tempfile.mkdtemp(prefix=prefix, dir="/tmp")))
     dirs = ServerDirs(root=root, runtime=root / "r", workspaces=root / "w")
     try:
