@@ -43,6 +43,9 @@ def test_a_manager_that_died_has_its_dead_dirs_swept_and_a_live_servers_kept(tmp
         assert _within(SWEEP_PAUSES_S[0] + 10, lambda: not (runtime / "0a0a0a0a").exists()), os.listdir(runtime)
         assert not (workspaces / "0a0a0a0a").exists()
         assert (runtime / "0b0b0b0b").exists() and (workspaces / "0b0b0b0b" / "data.txt").exists()
+        # Nothing dead is left (the live server's dir is not its to take): it exits, its later sweeps unneeded.
+        assert sweeper.process.wait(timeout=SWEEP_PAUSES_S[1]) == 0
+        assert (runtime / "0b0b0b0b").exists()
     finally:
         os.close(held)
         if sweeper.process is not None:

@@ -29,8 +29,8 @@ from pathlib import Path
 log = logging.getLogger(__name__)
 
 #: The backend's watcher ends the sandboxes as this process wakes: it sweeps after each of these pauses
-#: (a sandbox still dying may keep a dir from going whole, or a live server's start-up sweep may hold a
-#: dir's lock for a moment); what is left after the last is the next start's to sweep, as before.
+#: until no dead dir is left (a sandbox still dying may keep a dir from going whole, or a live server's
+#: start-up sweep may hold a dir's lock for a moment); what is left after the last is the next start's.
 SWEEP_PAUSES_S = (0.5, 2.0, 10.0)
 #: Bound on what the manager writes (two paths, as JSON; CLOSED once it removed all it made) before the end.
 PLAN_BYTES = 16384
@@ -87,7 +87,7 @@ class DirsSweeper:
 
 def main(plan: list[str]) -> int:
     """Sweep the dead dirs under the two bases (RUNTIME, WORKSPACES), after each of SWEEP_PAUSES_S."""
-    from coderunner.hostfs.session_dirs import remove_stale_dirs
+    from coderunner.hostfs.session_dirs import dead_dirs_left, remove_stale_dirs
 
     if len(plan) != 2:
         return 2
@@ -96,6 +96,8 @@ def main(plan: list[str]) -> int:
         time.sleep(pause)
         try:
             remove_stale_dirs(runtime_base, workspaces_base, lambda name: None)
+            if not dead_dirs_left(runtime_base):
+                return 0
         except OSError:
             return 1  # its base dirs are gone: nothing to sweep
     return 0

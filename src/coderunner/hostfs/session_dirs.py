@@ -320,6 +320,21 @@ def _remove_dead_sandbox(
     return False
 
 
+def dead_dirs_left(runtime_base: Path, abandoned_after_s: float = ABANDONED_AFTER_S) -> int:
+    """How many session dirs under `runtime_base` a sweep could take now (dead, yet still there)."""
+    left = 0
+    with hostfs.dir_fd(runtime_base) as base_fd:
+        for name in hostfs.entries(base_fd):
+            if KEY.fullmatch(name) is None and NEW_KEY.fullmatch(name) is None:
+                continue
+            lock_fd = claim_dead(base_fd, name, abandoned_after_s)
+            if lock_fd is not None:
+                left += 1
+                if lock_fd >= 0:
+                    os.close(lock_fd)
+    return left
+
+
 def claim_dead(base_fd: int, name: str, abandoned_after_s: float = ABANDONED_AFTER_S) -> int | None:
     """The session dir `name` is dead: its lock, now held by this process (-1 if it has none but is
     abandoned). None while it may be alive: its lock is held, or it has none and is recent."""
