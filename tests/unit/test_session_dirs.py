@@ -214,7 +214,8 @@ def test_a_dead_sandboxs_workspace_still_mounted_is_retried_and_never_lost(base:
         stack_mounts(workspaces / "0000dead", session_dirs.DEAD_SANDBOX_TRIES - 1)
         stack_mounts(workspaces / "0000beef", session_dirs.DEAD_SANDBOX_TRIES + 1)
         swept: list[str] = []
-        assert sweep(runtime, workspaces, swept) == 1
+        found = session_dirs.sweep_stale_dirs(runtime, workspaces, swept.append)
+        assert found == session_dirs.StaleSweep(removed=1, left=1), found  # the dirs sweeper sweeps again on `left`
         assert sorted(swept) == ["0000beef"] * session_dirs.DEAD_SANDBOX_TRIES + ["0000dead"] * 2
         assert sorted(os.listdir(workspaces)) == ["0000beef"]
         assert sorted(os.listdir(runtime)) == ["0000beef"]

@@ -3,7 +3,7 @@
 A server that dies by SIGKILL, OOM or a crash cannot remove its sessions' dirs: before this, they stayed
 until some server's next start swept them, and each capped workspace kept its loop device attached and
 its image mounted meanwhile (a machine here had gathered 61). The backend's watcher ends the sandboxes;
-this process then runs the same sweep a next start runs (session_dirs.remove_stale_dirs), which removes a
+this process then runs the same sweep a next start runs (session_dirs.sweep_stale_dirs), which removes a
 dir only once it has taken that dir's lock, so a live server's dirs (several servers share RUNTIME) are
 never touched, and an unmount of a workspace still held by a dying sandbox is lazy.
 
@@ -87,7 +87,7 @@ class DirsSweeper:
 
 def main(plan: list[str]) -> int:
     """Sweep the dead dirs under the two bases (RUNTIME, WORKSPACES), after each of SWEEP_PAUSES_S."""
-    from coderunner.hostfs.session_dirs import dead_dirs_left, remove_stale_dirs
+    from coderunner.hostfs.session_dirs import sweep_stale_dirs
 
     if len(plan) != 2:
         return 2
@@ -95,8 +95,7 @@ def main(plan: list[str]) -> int:
     for pause in SWEEP_PAUSES_S:
         time.sleep(pause)
         try:
-            remove_stale_dirs(runtime_base, workspaces_base, lambda name: None)
-            if not dead_dirs_left(runtime_base):
+            if not sweep_stale_dirs(runtime_base, workspaces_base, lambda name: None).left:
                 return 0
         except OSError:
             return 1  # its base dirs are gone: nothing to sweep

@@ -277,8 +277,27 @@ def remove_stale_dirs(
     abandoned_after_s: float = ABANDONED_AFTER_S,
 ) -> int:
     """Remove the session dirs that are provably dead (see the module docstring): those whose lock
-    this call can take (their server is gone), and those without a lock `abandoned_after_s` old."""
-    removed = 0
+    this call can take (their server is gone), and those without a lock `abandoned_after_s` old.
+    How many went (sweep_stale_dirs says what stayed too)."""
+    return sweep_stale_dirs(runtime_base, workspaces_base, remove_stale, abandoned_after_s).removed
+
+
+@dataclass(frozen=True)
+class StaleSweep:
+    """What one sweep did: dead dirs removed, and dead dirs it took but could not remove yet."""
+
+    removed: int
+    left: int
+
+
+def sweep_stale_dirs(
+    runtime_base: Path,
+    workspaces_base: Path,
+    remove_stale: Callable[[str], None],
+    abandoned_after_s: float = ABANDONED_AFTER_S,
+) -> StaleSweep:
+    """remove_stale_dirs, saying also how many dead dirs it left (a sandbox still dying held one)."""
+    removed = claimed = 0
     with hostfs.dir_fd(runtime_base) as base_fd:
         for name in hostfs.entries(base_fd):
             fresh = NEW_KEY.fullmatch(name) is not None
@@ -287,6 +306,7 @@ def remove_stale_dirs(
             lock_fd = claim_dead(base_fd, name, abandoned_after_s)
             if lock_fd is None:
                 continue
+            claimed += 1
             try:
                 if fresh:  # never started a sandbox nor made a workspace (both come after the rename)
                     removed += not _remove_locked_dir(base_fd, name)
@@ -296,7 +316,7 @@ def remove_stale_dirs(
             finally:
                 if lock_fd >= 0:
                     os.close(lock_fd)
-    return removed
+    return StaleSweep(removed, claimed - removed)
 
 
 def _remove_dead_sandbox(
@@ -318,21 +338,6 @@ def _remove_dead_sandbox(
             return True
     log.warning("workspace %s of a dead server's session is still there; the next start tries again", workspace)
     return False
-
-
-def dead_dirs_left(runtime_base: Path, abandoned_after_s: float = ABANDONED_AFTER_S) -> int:
-    """How many session dirs under `runtime_base` a sweep could take now (dead, yet still there)."""
-    left = 0
-    with hostfs.dir_fd(runtime_base) as base_fd:
-        for name in hostfs.entries(base_fd):
-            if KEY.fullmatch(name) is None and NEW_KEY.fullmatch(name) is None:
-                continue
-            lock_fd = claim_dead(base_fd, name, abandoned_after_s)
-            if lock_fd is not None:
-                left += 1
-                if lock_fd >= 0:
-                    os.close(lock_fd)
-    return left
 
 
 def claim_dead(base_fd: int, name: str, abandoned_after_s: float = ABANDONED_AFTER_S) -> int | None:

@@ -42,12 +42,14 @@ def kernel_starter(
     `asked` for it (kernel_template true), the backend then says why to every kernel's start; where it was
     only 'auto', kernels start cold with nothing to say."""
     entry = BACKENDS.get(backend.name)
-    module = None if entry is None or entry.kernel_template is None else importlib.import_module(entry.kernel_template)
-    why_not = f"the {backend.name} backend has no kernel template" if module is None else module.unavailable_here()
-    if why_not is not None:
+    if entry is None or entry.kernel_template is None:
+        module, why_not = None, f"the {backend.name} backend has no kernel template"
+    else:
+        module = importlib.import_module(entry.kernel_template)
+        why_not = module.unavailable_here()
+    if module is None or why_not is not None:
         backend.no_kernel_starter = why_not if asked else None
         return None
-    assert module is not None
     starter: KernelStarter = module.kernel_starter(backend, preload_imports)
     return starter
 
