@@ -173,10 +173,13 @@ class KernelTemplate:
                 *(["--child-code", child_code] if child_code else []),
             ]  # fmt: skip
             argv = template_argv(command, theirs.fileno(), program, *extra)
-            process = await anyio.open_process(
-                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,
-                pass_fds=(theirs.fileno(), program), start_new_session=True, env={"PATH": "/usr/bin:/bin"},
-            )  # fmt: skip
+            # Shielded: cancelled inside, asyncio kills the outer bwrap alone, which leaves bwrap's child blocked
+            # for ever (see close); once we hold the process, a cancel below ends its whole group.
+            with anyio.CancelScope(shield=True):
+                process = await anyio.open_process(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=None,
+                    pass_fds=(theirs.fileno(), program), start_new_session=True, env={"PATH": "/usr/bin:/bin"},
+                )  # fmt: skip
         except BaseException:
             ours.close()
             raise
@@ -275,16 +278,18 @@ class KernelTemplate:
             raise
 
     async def close(self) -> None:
-        """End the template (its kernels live on in their sandboxes; their sandboxes end them)."""
+        """End the template (its kernels live on in their sandboxes; their sandboxes end them). Shielded and
+        bounded: a close cancelled half-way would leave the template running."""
         self.sock.close()
-        if self.ready.pid:  # a ready template ends on its own once it reads its socket's end; one warming up is
-            with anyio.move_on_after(5):  # busy importing for seconds more: it is killed at once
+        with anyio.CancelScope(shield=True):
+            if self.ready.pid:  # a ready template ends on its own once it reads its socket's end; one warming up
+                with anyio.move_on_after(5):  # is busy importing for seconds more: it is killed at once
+                    await self.process.wait()
+            if self.process.returncode is None:
+                # Its whole process group (start_new_session: bwrap, bwrap's child, the template; a fork leaves it
+                # as it enters a sandbox). The outer bwrap alone is not enough: killed within its first
+                # milliseconds, it left its child blocked for ever on the eventfd it waits on before it runs
+                # anything (no die-with-parent yet). Its pid names the group for sure while it is not reaped.
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
                 await self.process.wait()
-        if self.process.returncode is None:
-            # Its whole process group (start_new_session: bwrap, bwrap's child, the template; a fork leaves it as
-            # it enters a sandbox). The outer bwrap alone is not enough: killed within its first milliseconds,
-            # it left its child blocked for ever on the eventfd it waits on before it runs anything (no
-            # die-with-parent yet). Its pid names the group for sure while it is not reaped, as here.
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, signal.SIGKILL)
-            await self.process.wait()
