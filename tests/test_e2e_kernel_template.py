@@ -106,6 +106,18 @@ async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_
         )
         expected = "(True, True, ':memory:', True, True, 'cat', [PosixPath('/workspace')], True, '/workspace')"
         assert await value(client, sid, said) == expected
+        # The kernel's list of its modules' files (its debugger's) was walked over the template's stand-ins: it
+        # is the files of the modules there were as the kernel was built, the template's and those imported
+        # since the fork (kernel_boot), as plain strings; ipykernel's own `sys` is the real one again.
+        said = (
+            "import sys, ipykernel.ipkernel as ik, coderunner_guest.kernel_ahead as a\n"
+            "files = get_ipython().kernel._kernel_modules\n"
+            "now = {getattr(m, '__file__', None) for m in list(sys.modules.values())}\n"
+            "print((all(type(f) is str for f in files), set(files) <= now, len(files) >= len(a._module_files) > 500,\n"
+            " sys.modules['numpy'].__file__ in files, sys.modules['coderunner_guest.kernel_boot'].__file__ in files,\n"
+            " ik.sys is sys))"
+        )
+        assert await value(client, sid, said) == "(True, True, True, True, True, True)"
         session = next(each for each in manager.list() if each.session_id == sid)
         assert session.kernel is not None and session.kernel.process is not None
         process = session.kernel.process

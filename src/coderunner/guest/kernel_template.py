@@ -120,6 +120,7 @@ def warm(preload: bool = True) -> None:
     # from it (kernel_ahead.py); a failure leaves each fork to do both itself, as a cold kernel does.
     with contextlib.suppress(Exception):
         kernel_ahead.prepare(list(KERNEL_ARGS))
+    kernel_ahead.note_modules()  # last: every module above is in it
 
 
 def counters() -> tuple[int, int]:
