@@ -75,7 +75,8 @@ def note_modules() -> None:
     """In the template, last before its GC is frozen: the stand-ins of every loaded module with a file."""
     global _module_files, _modules_then
     modules = list(sys.modules.values())
-    _module_files = tuple(ModuleFile(m.__file__) for m in modules if isinstance(getattr(m, "__file__", None), str))
+    files = [getattr(module, "__file__", None) for module in modules]
+    _module_files = tuple(ModuleFile(file) for file in files if isinstance(file, str) and file)
     _modules_then = len(modules)
 
 
