@@ -12,14 +12,15 @@ fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It
 sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
 fds beside it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, and the
 sandbox's cgroup.procs files (with FLAG_STATUS_FD, the fd after the output is a pipe the kernel's wait status
-is written to once it is reaped: the host's only way to learn its exit code). Each fork enters that sandbox
-(sandbox_enter.py: join, fork again into its pid namespace, confine) and then runs the kernel as
+is written to once it is reaped: the host's only way to learn its exit code). Each fork is made straight into
+that sandbox's pid namespace (the template points its next child there, forks, and points it back at once),
+enters the sandbox's other namespaces (sandbox_enter.py: join, confine) and then runs the kernel as
 kernel/process.py's argv does (kernel_boot, the connection file the sandbox holds privately), or CODE
 where the host gave one (the bench's probe).
 
-The template is the subreaper of its kernels: the first child exits once it forked into the pid namespace,
-and its orphan (the kernel) comes here, not to the sandbox's init (a new parent is looked for in the pid
-namespace of the one that died). It reaps them as they exit.
+One fork a kernel: it was two (a first child joined all the namespaces and forked again into the pid one), and a
+fork of this process (about 110 MiB) and the end of the first child cost about 3 ms each. The kernels are the
+template's own children, outside their sandboxes' init's reach; it reaps them as they exit.
 
 SECCOMP_FD holds the program bwrap loads with --seccomp (read once). The template runs as the host's root
 (with its capabilities, in a mount namespace of its own whose view is the sandbox's read-only part); it is
@@ -42,7 +43,7 @@ import threading
 import time
 from typing import NoReturn
 
-from .sandbox_enter import Confinement, close_fds_but, confine, join
+from .sandbox_enter import Confinement, back_to_own_pid_namespace, close_fds_but, confine, into_pid_namespace, join
 
 #: magic, kind, uid, gid, flags, memory bytes (0: none), nproc (0: none), environment ("\0"-joined KEY=VALUE).
 REQUEST = struct.Struct("<4sIIIIQQ2048s")
@@ -74,7 +75,6 @@ STALE = 123
 STALE_PREFIX = "kernel template: imports not current: "
 STALE_REASON_BYTES = 1024
 PR_SET_NAME = 15
-PR_SET_CHILD_SUBREAPER = 36
 NAME = b"kernel-template"
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -144,7 +144,7 @@ def parse_environment(blob: bytes) -> dict[str, str]:
 
 
 def reap(statuses: dict[int, int]) -> None:
-    """Every exited child (first forks and orphaned kernels), without waiting; a kernel's wait status goes
+    """Every exited child (the kernels, and forks that refused), without waiting; a kernel's wait status goes
     to its status pipe (`statuses`: kernel pid -> the pipe's write end, closed once written)."""
     while True:
         try:
@@ -160,8 +160,9 @@ def reap(statuses: dict[int, int]) -> None:
             os.close(said)
 
 
-def fork_kernel(request: tuple, fds: list[int], seccomp: bytes, code: str | None) -> tuple[int, int]:
-    """Fork, enter the sandbox, fork into its pid namespace, confine; (0, kernel pid) or (errno, 0)."""
+def fork_kernel(request: tuple, fds: list[int], seccomp: bytes, code: str | None, own_pidfd: int) -> tuple[int, int]:
+    """Fork into the sandbox's pid namespace; the fork enters the rest and confines itself. (0, kernel pid) or
+    (errno, 0). Should the template's own pid namespace not come back, it exits: no later fork may go astray."""
     _, _, uid, gid, flags, memory, nproc, blob = request
     confinement = Confinement(
         uid=uid, gid=gid, seccomp=seccomp, environment=parse_environment(blob),
@@ -169,28 +170,36 @@ def fork_kernel(request: tuple, fds: list[int], seccomp: bytes, code: str | None
     )  # fmt: skip
     pidfd, output = fds[0], fds[1]
     cgroups = tuple(fds[3:] if flags & FLAG_STATUS_FD else fds[2:])
-    report_read, report_write = os.pipe()
-    first = os.fork()
-    if first == 0:
-        _first_child(pidfd, output, cgroups, report_write, confinement, code)
-    os.close(report_write)
     try:
-        said = _read_exactly(report_read, 16, REPORT_TIMEOUT_S)
+        into_pid_namespace(pidfd)
+    except OSError as exc:
+        return (exc.errno or errno.EIO, 0)
+    report_read, report_write = os.pipe()
+    try:
+        kernel = os.fork()
+    except OSError as exc:
+        kernel = -(exc.errno or errno.EIO)
+    if kernel == 0:
+        _kernel(pidfd, output, cgroups, report_write, confinement, code)
+    try:
+        back_to_own_pid_namespace(own_pidfd)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.write(2, f"kernel template: {exc}: exiting\n".encode())
+        os._exit(1)
+    os.close(report_write)
+    if kernel < 0:
+        os.close(report_read)
+        return (-kernel, 0)
+    try:
+        said = _read_exactly(report_read, 8, REPORT_TIMEOUT_S)
     finally:
         os.close(report_read)
-        if len(said) < 8:  # the first child never said: it must not live on
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(first, signal.SIGKILL)
-        os.waitpid(first, 0)
-    if len(said) < 8:
-        return (errno.ETIMEDOUT, 0)
-    kernel = struct.unpack("<q", said[:8])[0]
-    if len(said) < 16 and kernel > 0:  # it entered but never said it was confined: nothing of it may run
+    if len(said) < 8:  # it never said it was confined: nothing of it may run (the serve loop reaps it)
         with contextlib.suppress(ProcessLookupError):
             os.kill(kernel, signal.SIGKILL)
-    if kernel < 0:
-        return (-kernel, 0)
-    confined = struct.unpack("<q", said[8:16])[0] if len(said) == 16 else -errno.EIO
+        return (errno.ETIMEDOUT, 0)
+    confined = struct.unpack("<q", said)[0]
     return (-confined, 0) if confined < 0 else (0, kernel)
 
 
@@ -219,34 +228,17 @@ def _read_exactly(fd: int, size: int, timeout_s: float) -> bytes:
     return data
 
 
-def _first_child(
+def _kernel(
     pidfd: int, output: int, cgroups: tuple[int, ...], report: int, confinement: Confinement, code: str | None
 ) -> NoReturn:
-    """Join the sandbox, fork the kernel into its pid namespace, say its pid, exit (it goes to the template)."""
+    """Made in the sandbox's pid namespace: join the rest of the sandbox, confine, say so, then run the kernel (or
+    `code`); never returns."""
     try:
         close_fds_but((pidfd, output, report, *cgroups))
         signal.set_wakeup_fd(-1)
-        join(pidfd, cgroups)
-        turn_read, turn_write = os.pipe()
-        kernel = os.fork()
-    except OSError as exc:
-        refuse(output, report, "could not join the sandbox", exc)
-    if kernel:
-        os.write(report, struct.pack("<q", kernel))
-        os._exit(0)  # closes turn_write: the kernel's turn to write to `report`
-    # The report is the kernel's pid, then what the kernel says: it waits for its pid to be written first
-    # (else, the first child slow to run, the template read the kernel's 0 as its pid).
-    os.close(turn_write)
-    os.read(turn_read, 1)
-    os.close(turn_read)
-    _kernel(output, report, confinement, code)
-
-
-def _kernel(output: int, report: int, confinement: Confinement, code: str | None) -> NoReturn:
-    """In the sandbox's pid namespace: confine, say so, then run the kernel (or `code`); never returns."""
-    try:
-        close_fds_but((output, report))
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the template's; the rest are any interpreter's own
+        join(pidfd, cgroups)
+        close_fds_but((output, report))
         confine(confinement)
         # Only now, as the sandbox's user, a path of the sandbox's is opened (its /dev/null; never waits).
         null = os.open("/dev/null", os.O_RDONLY | os.O_NONBLOCK)
@@ -257,7 +249,7 @@ def _kernel(output: int, report: int, confinement: Confinement, code: str | None
             os.close(fd)
         _reseed()
     except OSError as exc:
-        refuse(output if output > 2 else 2, report, "could not confine itself", exc)
+        refuse(output if output > 2 else 2, report, "could not enter or confine itself", exc)
     os.write(report, struct.pack("<q", 0))
     os.close(report)
     # The template is free from here. Nothing it imported may be handed over as the user's imports unless it is
@@ -308,6 +300,7 @@ def _reseed() -> None:
 def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
     """Answer requests until the host closes its end; reap kernels meanwhile."""
     statuses: dict[int, int] = {}
+    own_pidfd = os.pidfd_open(os.getpid())  # what each fork's pid namespace is pointed back to
     wake_read, wake_write = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     signal.set_wakeup_fd(wake_write)
     signal.signal(signal.SIGCHLD, lambda number, frame: None)
@@ -337,7 +330,7 @@ def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
             if request[1] == KIND_COUNTERS:
                 reply(sock)
             elif request[1] == KIND_FORK and len(fds) >= 2:
-                error, pid = fork_kernel(request, fds, seccomp, code)
+                error, pid = fork_kernel(request, fds, seccomp, code, own_pidfd)
                 kernel = os.pidfd_open(pid) if pid else None  # its child, not reaped before this loop's next turn
                 if pid and request[4] & FLAG_STATUS_FD and len(fds) >= 3:
                     statuses[pid] = os.dup(fds[2])  # kept (the request's fds are closed below) until it is reaped
@@ -363,7 +356,6 @@ def main(args: list[str]) -> int:
         seccomp = handle.read()
     code = args[args.index("--child-code") + 1] if "--child-code" in args else None
     _libc.prctl(PR_SET_NAME, NAME, 0, 0, 0)
-    _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
     warm(preload="--no-preload" not in args)
     gc.collect()
     if "--no-freeze" not in args:

@@ -3,12 +3,15 @@ that one sandbox and of nothing else (issue 41, route A: "fork, then enter").
 
 Runs in the template's forked children (guest/kernel_template.py), so stdlib and ctypes only. Two halves:
 
-- `join` (in the first child, still the template's root user on the host): no supplementary groups, into the
+- `into_pid_namespace` (in the template, just before its fork): setns on a pid namespace moves only the caller's
+  children, so the template points its next fork into the sandbox's, forks, and points its own back at once
+  (`back_to_own_pid_namespace`); one fork, the kernel, is made straight into the sandbox's pid namespace.
+- `join` (in that fork, still the template's root user on the host): no supplementary groups, into the
   sandbox's cgroups, then setns on a pidfd of the sandbox's pid 1 with all seven namespaces at once. The kernel
   installs the user namespace first (the innermost one: bwrap's --disable-userns nests a second) and checks the
   others against the caller's rights from before, so a pid 1 that died meanwhile fails the call (ESRCH) rather
-  than naming some other process. setns on a pid namespace moves only the children: the caller forks next.
-- `confine` (in that fork, now inside the pid namespace): what bwrap does to its own child after it built the
+  than naming some other process.
+- `confine` (in that fork, now inside the sandbox's namespaces): what bwrap does to its own child after it built the
   mounts, in its order: a new session, the sandbox's uid and gid, no capability in any set (bounding and ambient
   included), the rlimits prlimit would set, the sandbox's environment, its working directory, no_new_privs, and
   the very seccomp program bwrap loads with --seccomp (it denies setns, unshare, mount and ptrace: it goes
@@ -98,8 +101,19 @@ class Confinement:
     name: bytes = b"python"
 
 
+def into_pid_namespace(pidfd: int) -> None:
+    """The caller's next children are made in the pid namespace of `pidfd`'s process (the caller stays in its own)."""
+    _check(_libc.setns(pidfd, CLONE_NEWPID), "setns into the sandbox's pid namespace, for the fork")
+
+
+def back_to_own_pid_namespace(own_pidfd: int) -> None:
+    """The caller's next children are made in its own pid namespace again (`own_pidfd`: a pidfd of itself)."""
+    _check(_libc.setns(own_pidfd, CLONE_NEWPID), "setns back into the template's own pid namespace")
+
+
 def join(pidfd: int, cgroup_procs: tuple[int, ...] = ()) -> None:
-    """Into the sandbox whose pid 1 `pidfd` holds: groups, cgroups, then its namespaces (the caller then forks)."""
+    """Into the sandbox whose pid 1 `pidfd` holds: groups, cgroups, then its namespaces (the pid one, the caller
+    was made in already)."""
     os.setgroups([])  # an unprivileged sandbox denies setgroups: the host's groups must go before
     for fd in cgroup_procs:
         os.write(fd, b"0")  # "0": the writer itself, into that controller's group of the sandbox
@@ -107,7 +121,7 @@ def join(pidfd: int, cgroup_procs: tuple[int, ...] = ()) -> None:
 
 
 def confine(confinement: Confinement) -> None:
-    """In the fork made after `join`: become exactly what bwrap makes of its own child, then load its filter."""
+    """In the fork, after `join`: become exactly what bwrap makes of its own child, then load its filter."""
     os.setsid()
     check_finished(confinement.workdir)
     _drop_bounding_set()
