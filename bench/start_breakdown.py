@@ -20,8 +20,8 @@ wrapping the method that does it (nothing in src changes for this):
                      waits at the gate then)
     placeholder      template only: from the init's gate opening to the placeholder saying "ready" (bwrap's
                      mounts, pivot, the init's Python, the shell)
-    fork+enter       template only: KernelTemplate.fork_into (fork, setns, fork, confine, the fork's check that the
-                     template's imports are current in its sandbox, the reply)
+    fork+enter       template only: KernelTemplate.fork_into (setns, fork, setns, confine, the reply; the fork's
+                     check that the template's imports are current in its sandbox comes after it, in kernel boot)
     kernel boot      KernelProcess.claim_sockets: until the kernel bound its sockets (the cold one imports all)
     handshake        KernelClient.connect: connect and the IOPub welcome
     server rest      the create's time outside every step above (its own steps: options, egress, bookkeeping)
