@@ -11,12 +11,12 @@ Ahead, in the template after its imports (`prepare`):
 Neither reads anything a sandbox could write: the template's home is its own empty tmpfs (as a new sandbox's
 is), the shell is built from the command line's configuration only, and nothing runs in it.
 
-In the fork (`install`, from kernel_boot.main, only when its argv is the one parsed): the parse is skipped, and
-once the kernel object is built around the shell, what the shell took from the template's process is made the
-fork's own (`adopt`): its kernel, the profile directory in the fork's home, the environment variables the
-shell sets (the fork's environment was replaced when it was confined), the working directory and stdin's
-encoding it noted, and a history of its own (an SQLite connection must not cross a fork), with the user
-namespace's In, Out, _ih, _oh and _dh pointing at it.
+In the fork (`install`, from kernel_boot.main, only when its argv is the one parsed): the parse is skipped, no
+heartbeat is started (see `install`), and once the kernel object is built around the shell, what the shell took
+from the template's process is made the fork's own (`adopt`): its kernel, the profile directory in the fork's
+home, the environment variables the shell sets (the fork's environment was replaced when it was confined), the
+working directory and stdin's encoding it noted, and a history of its own (an SQLite connection must not cross a
+fork), with the user namespace's In, Out, _ih, _oh and _dh pointing at it.
 
 Also ahead: the list of loaded modules' files that IPythonKernel.__init__ gives its debugger (`_kernel_modules`).
 It builds it by walking every module in sys.modules (about 1,300 after the template's imports) and asking each
@@ -128,6 +128,10 @@ def install(app: Any, argv: list[str]) -> bool:
     if _parsed is None or argv != _parsed:
         return False
     app.parse_command_line = lambda argv=None: None  # done ahead, of this very argv (initialize calls it)
+    # No heartbeat: the host never uses it (kernel/process.py's HOST_CHANNELS), and ipykernel gives it a thread
+    # and a ZMQ context (another thread) of their own. Only a fork goes without: the backends that forward every
+    # channel (the gVisor relay, the Apple VM) wait for its port, and forks run on bwrap alone.
+    app.init_heartbeat = lambda: None  # `heartbeat` stays None, which ipykernel's close allows for
     if _shell_built:
         stock = app.init_kernel
 
