@@ -390,7 +390,7 @@ async def breakdown(
                 for lane in random.sample(LANES, len(LANES)):
                     charts[lane].append(await first_chart(managers[lane]))
             bursts: dict[str, dict[str, float]] = {}
-            for lane in random.sample(LANES, len(LANES)) if burst_count else ():
+            for lane in random.sample(lanes, len(lanes)) if burst_count else ():  # the before lane too: same run
                 await anyio.sleep(5)  # the last lane's closes settled
                 bursts[lane] = await burst(managers[lane], burst_count)
     shutil.rmtree(root, ignore_errors=True)
