@@ -273,3 +273,36 @@ async def test_a_template_that_forked_once_is_never_given_up() -> None:
         with pytest.raises(template_kernels.TemplateUnavailable, match="could not be forked"):
             await kernels.spawn_kernel(None, None)  # type: ignore[arg-type]
     assert not kernels.given_up and not template.closed
+
+
+def test_the_module_walk_ahead_finds_the_files_the_stock_walk_finds_in_its_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What IPythonKernel.__init__'s `sys.modules.copy().values()` walk gets in a fork (kernel_ahead.py): the
+    template's modules as stand-ins, then those imported since; their files are the stock walk's, in order. What
+    is set on that `sys` reaches the real one."""
+    import types
+
+    from coderunner.guest import kernel_ahead
+
+    monkeypatch.setattr(kernel_ahead, "_module_files", ())
+    monkeypatch.setattr(kernel_ahead, "_modules_then", None)
+    kernel_ahead.note_modules()
+    assert kernel_ahead._modules_then == len(sys.modules)
+    for name in ("coderunner_test_since_a", "coderunner_test_since_b"):
+        module = types.ModuleType(name)
+        module.__file__ = f"/nowhere/{name}.py"
+        monkeypatch.setitem(sys.modules, name, module)
+    ahead = kernel_ahead._SysAhead()
+
+    def files(values: typing.Iterable[typing.Any]) -> list[str]:
+        return [m.__file__ for m in values if hasattr(m, "__file__") and m.__file__]
+
+    walked = files(ahead.modules.copy().values())
+    assert walked == files(sys.modules.copy().values())
+    assert walked[-2:] == ["/nowhere/coderunner_test_since_a.py", "/nowhere/coderunner_test_since_b.py"]
+    assert all(type(m) is kernel_ahead.ModuleFile for m in kernel_ahead._module_files)
+    assert ahead.platform == sys.platform and ahead.modules.get("sys") is sys
+    monkeypatch.setattr(sys, "coderunner_test_mark", 1, raising=False)
+    ahead.coderunner_test_mark = 2
+    assert sys.coderunner_test_mark == 2  # type: ignore[attr-defined]

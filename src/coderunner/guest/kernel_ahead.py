@@ -98,12 +98,16 @@ class _ModulesAhead:
 
 
 class _SysAhead:
-    """The `sys` ipykernel.ipkernel sees while its kernel is built: the real one but for `modules`."""
+    """The `sys` ipykernel.ipkernel sees while its kernel is built: the real one but for `modules` (what it
+    sets goes to the real one too)."""
 
     modules = _ModulesAhead()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(sys, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(sys, name, value)
 
 
 @contextlib.contextmanager
