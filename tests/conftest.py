@@ -36,6 +36,8 @@ from coderunner.config import Settings, load_settings
 from coderunner.hostfs.session_dirs import remove_stale_dirs
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
+from coderunner.sandbox.gvisor import BACKEND_DIR as GVISOR_DIR
+from coderunner.sandbox.gvisor import GvisorBackend
 from coderunner.server import build_server
 from coderunner.sessions import SessionManager
 
@@ -121,8 +123,19 @@ def clean_after_dead_servers(dirs: ServerDirs) -> list[str]:
     """What a server's next start does with what a dead one left: coderunner's own clean-up of dead
     session dirs. Returns the mounts even that left below `dirs.root`."""
     if dirs.runtime.is_dir():
-        settings = load_settings(Path(os.devnull), runtime_dir=dirs.runtime, workspaces_dir=dirs.workspaces)
-        remove_stale_dirs(settings.runtime_dir, settings.workspaces_dir, make_backend(settings).remove_stale, 0.0)
+        # The backend the dead servers ran: a gVisor server's next start is a gVisor backend's (runsc state and
+        # rootfs mounts are its own clean-up, by the dead sessions' names).
+        gvisor = (dirs.runtime / GVISOR_DIR).is_dir()
+        settings = load_settings(
+            Path(os.devnull), runtime_dir=dirs.runtime, workspaces_dir=dirs.workspaces,
+            **({"backend": "gvisor"} if gvisor else {}),
+        )  # fmt: skip
+        backend = make_backend(settings)
+        try:
+            remove_stale_dirs(settings.runtime_dir, settings.workspaces_dir, backend.remove_stale, 0.0)
+        finally:
+            if isinstance(backend, GvisorBackend):
+                backend.close()
     return mounted_under(dirs.root)
 
 

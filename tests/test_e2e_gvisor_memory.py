@@ -9,11 +9,22 @@ a fork diverges from its original; and a checkpoint past the size cap keeps noth
 
 from __future__ import annotations
 
+import os
 import shutil
+import signal
 
+import anyio
 import pytest
 
-from .conftest import ServerDirs, server_env, stdio_client, text_of
+from .conftest import (
+    ServerDirs,
+    clean_after_dead_servers,
+    mounted_under,
+    raw_stdio_server,
+    server_env,
+    stdio_client,
+    text_of,
+)
 from .test_e2e_client_tokens import call, refused
 from .test_e2e_podman import podman_image  # noqa: F401  (the session's image fixture)
 from .test_e2e_snapshots import output
@@ -121,3 +132,18 @@ async def test_a_memory_snapshot_past_the_size_cap_is_refused_and_the_session_ru
         # The session carried on after the refused snapshot.
         result = await client.call_tool("run_python", {"code": "print(big.size)", "session_id": session})
         assert not result.is_error and str(100 * 2**20 // 8) in text_of(result), text_of(result)
+
+
+async def test_a_sigkilled_gvisor_servers_runsc_state_and_mounts_go_at_the_next_start(
+    gvisor_image: str, dirs: ServerDirs
+) -> None:
+    """A SIGKILLed gVisor server leaves runsc state and a rootfs mount; its next start (a gVisor backend's: the
+    tests' clean_after_dead_servers makes the one the dead server ran) removes both, after its dirs sweeper took
+    the dirs. CI once found such a mount left: the helper had made a bwrap backend, which knows nothing of runsc."""
+    env = server_env(dirs, CODERUNNER_BACKEND="gvisor", CODERUNNER_IMAGE=gvisor_image)
+    with raw_stdio_server(env, [("run_python", {"code": "open('kept.txt', 'w').write('x')"})]) as server:
+        assert mounted_under(dirs.root), "a gVisor session mounts its rootfs and workspace"
+        os.kill(server.pid, signal.SIGKILL)
+        server.wait(timeout=10)
+    await anyio.sleep(3)  # past a sweeper's first two sweeps (0.5 s, then 2 s)
+    assert clean_after_dead_servers(dirs) == []
