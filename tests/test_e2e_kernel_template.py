@@ -27,7 +27,7 @@ import pytest
 from mcp import Client
 
 from coderunner.oneshot.local import LocalOneShots
-from coderunner.sandbox import bwrap_template, make_backend
+from coderunner.sandbox import bwrap_template, make_backend, template_kernels
 from coderunner.sandbox.template_kernels import TemplateKernels
 from coderunner.server import build_server
 from coderunner.sessions.manager import SessionManager
@@ -40,8 +40,8 @@ TEMPLATE = "template"
 
 
 @contextlib.asynccontextmanager
-async def template_server(dirs: ServerDirs, **extra: str) -> AsyncIterator[tuple[Any, Client]]:
-    """The real server in this process with kernel_template on, once its template is ready."""
+async def template_server(dirs: ServerDirs, ready: bool = True, **extra: str) -> AsyncIterator[tuple[Any, Client]]:
+    """The real server in this process with kernel_template on, once its template is ready (`ready`)."""
     if os.getuid() != 0 or shutil.which("bwrap") is None:
         pytest.skip("the kernel template needs root and bwrap")
     env = server_env(dirs, CODERUNNER_KERNEL_TEMPLATE="1", CODERUNNER_RESET_STANDBY="0", **extra)
@@ -55,9 +55,10 @@ async def template_server(dirs: ServerDirs, **extra: str) -> AsyncIterator[tuple
             Client(build_server(manager, LocalOneShots.for_manager(manager)), read_timeout_seconds=120) as client,
         ):
             assert isinstance(manager.template, TemplateKernels)
-            with anyio.fail_after(180):
-                await manager.template.ready.wait()
-            assert manager.template.template is not None, manager.template.why_not
+            if ready:
+                with anyio.fail_after(180):
+                    await manager.template.ready.wait()
+                assert manager.template.template is not None, manager.template.why_not
             yield manager, client
 
 
@@ -191,6 +192,24 @@ async def test_every_network_mode_comes_from_the_template_with_its_network(
         sid = await create(client)
         assert (await status(client, sid))["kernel_start"] == TEMPLATE
         assert await value(client, sid, NETWORK_PROBE) == said
+
+
+async def test_the_warm_pools_first_member_waits_for_a_starting_template_where_a_user_would_start_cold(
+    dirs: ServerDirs,
+) -> None:
+    """A user's create waits for a starting template only so long (here not at all), then starts cold; nobody
+    waits for a pooled start, so it forks from the template once it is up rather than start cold beside it."""
+    with mock.patch.object(template_kernels, "STARTING_WAIT_S", 0.0):
+        async with template_server(dirs, ready=False, CODERUNNER_POOL_SIZE="1") as (manager, client):
+            assert manager.template.starting  # its imports take seconds: the pool's first start is under way
+            user = await create(client)
+            said = (await status(client, user))["kernel_start"]
+            assert said == "cold start: the kernel template is starting", said
+            with anyio.fail_after(180):
+                while manager.pool.stats().ready == 0:
+                    await anyio.sleep(0.05)
+            pooled = await status(client, await create(client))
+            assert (pooled["started"]["sandbox"], pooled["kernel_start"]) == ("warm pool", TEMPLATE), pooled
 
 
 async def test_a_request_the_template_cannot_carry_starts_cold_and_says_why(dirs: ServerDirs) -> None:

@@ -36,6 +36,7 @@ from coderunner.kernel.process import KernelProcess
 from coderunner.sandbox import PRIVATE_CONNECTION, make_backend
 from coderunner.sandbox.bwrap import BwrapBackend
 from coderunner.sandbox.bwrap_template import KernelTemplate, TemplateReply
+from coderunner.sandbox.pid1 import SandboxHold
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import sandbox_options
 
@@ -75,16 +76,21 @@ async def kernels_from_a_template() -> AsyncIterator[Any]:
 
                 async def start() -> tuple[KernelProcess, dict[str, Any], Any, TemplateReply]:
                     dirs = await leases.open_dirs(options, throwaway=True)
-                    spec = sandbox_spec(options, dirs, (), settings.network_ceiling)
-                    kernel = KernelProcess(backend, spec, tg, dirs)
-                    info = connection_info(secrets.token_hex(32), "ipc", str(spec.runtime_dir / "k0"))
-                    kernel.info = info
-                    spec = replace(spec, private_files=((PRIVATE_CONNECTION, dump_connection(info)),))
-                    kernel.process, answer = await template.spawn_entered(backend, spec, tg, 2)
-                    await kernel.claim_sockets(Deadline(time.monotonic() + 120))
+                    try:
+                        spec = sandbox_spec(options, dirs, (), settings.network_ceiling)
+                        kernel = KernelProcess(backend, spec, tg, dirs)
+                        info = connection_info(secrets.token_hex(32), "ipc", str(spec.runtime_dir / "k0"))
+                        kernel.info = info
+                        spec = replace(spec, private_files=((PRIVATE_CONNECTION, dump_connection(info)),))
+                        kernel.process, answer = await template.spawn_entered(backend, spec, tg, 2)
+                        await kernel.claim_sockets(Deadline(time.monotonic() + 120))
+                    except BaseException:  # a start that failed or was cancelled leaves nothing mounted
+                        with anyio.CancelScope(shield=True):
+                            await leases.close_dirs(dirs)
+                        raise
                     return kernel, kernel.host_side(), dirs, answer
 
-                yield start, leases
+                yield start, leases, template
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
@@ -106,7 +112,7 @@ async def run_cell(kernel: KernelProcess, info: dict[str, Any], code: str, withi
 
 
 async def test_a_kernel_from_the_template_runs_cells_in_its_own_sandbox() -> None:
-    async with kernels_from_a_template() as (start, leases):
+    async with kernels_from_a_template() as (start, leases, _):
         kernel, info, dirs, answer = await start()
         assert answer.pidfd is not None
         try:
@@ -167,6 +173,12 @@ async def test_a_template_closed_at_any_moment_of_its_start_leaves_no_process() 
         assert not left, left
 
 
+def pid_of(pidfd: int) -> int:
+    """The pid a pidfd holds (its fdinfo says)."""
+    with open(f"/proc/self/fdinfo/{pidfd}") as handle:
+        return int(next(line for line in handle if line.startswith("Pid:")).split()[1])
+
+
 def processes_naming(path: Path) -> list[str]:
     """The processes whose command line names `path` (a template's bwrap names its guest copy there)."""
     found = []
@@ -175,3 +187,40 @@ def processes_naming(path: Path) -> list[str]:
             if entry.name.isdigit() and str(path).encode() in (entry / "cmdline").read_bytes():
                 found.append(f"{entry.name}: {(entry / 'cmdline').read_bytes()[:200]!r}")
     return found
+
+
+async def test_a_fork_cancelled_while_the_template_works_on_it_leaves_the_next_exchange_in_step() -> None:
+    """A start cancelled after its fork was asked for (its session closed, its client gone) must not leave the
+    template's reply on the socket: the next request would read it as its own, a fork handed another fork's
+    pid and pidfd, whose exit then ends the wrong sandbox. After it, a counters request gets a counters reply,
+    and the next kernel's handle is its own and runs cells."""
+    async with kernels_from_a_template() as (start, leases, template):
+        original = template._answer
+        asked = anyio.Event()
+
+        async def answer_once_asked() -> TemplateReply:
+            asked.set()
+            return await original()
+
+        template._answer = answer_once_asked  # type: ignore[method-assign]
+        async with anyio.create_task_group() as group:
+            group.start_soon(start)
+            await asked.wait()  # the fork's request is with the template
+            group.cancel_scope.cancel()
+        template._answer = original  # type: ignore[method-assign]
+        counters = await template.counters()
+        assert (counters.error, counters.pid, counters.pidfd) == (0, 0, None), counters
+        kernel, info, dirs, answer = await start()
+        assert answer.pidfd is not None
+        try:
+            assert pid_of(answer.pidfd) == answer.pid
+            hold = kernel.process.hold
+            assert isinstance(hold, SandboxHold) and hold.init is not None
+            # The kernel the reply names is the one in this start's sandbox (its pid namespace is its init's).
+            assert os.readlink(f"/proc/{answer.pid}/ns/pid") == os.readlink(f"/proc/{pid_of(hold.init)}/ns/pid")
+            out, status = await run_cell(kernel, info, "print(6 * 7)")
+            assert (status, out.strip()) == ("ok", "42"), out
+        finally:
+            await kernel.kill()
+            os.close(answer.pidfd)
+            await leases.close_dirs(dirs)

@@ -284,3 +284,35 @@ async def test_exports_go_to_the_takers_folder_only(make_scripted: ManagerFactor
         await until(lambda: manager.pool.stats().ready == 1, "the pool to refill")
     # The untaken member was closed without copying anywhere: no folder for the placeholder client.
     assert sorted(path.name for path in exports.iterdir()) == ["t.alice"]
+
+
+async def test_why_it_had_nothing_ready_says_what_it_waits_for() -> None:
+    """A cold session's status says why the pool had no member for it: one starting, a back-off after a failed
+    start (and that start's error), no room, a budget too small for another member."""
+    starts = Starts(gate=anyio.Event())
+    pool = starts.pool(size=1, budget_mb=100)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.run)
+        await until(lambda: pool.stats().starting == 1, "a start under way")
+        assert pool.why_empty() == "the warm pool had no sandbox ready (one is starting)"
+        starts.fail = True
+        starts.gate.set()
+        await until(lambda: pool.stats().failed == 1, "the start to fail")
+        said = pool.why_empty()
+        assert said.startswith("the warm pool had no sandbox ready (it starts again in ") and said.endswith(
+            "s after a failed start; its last failed start: no sandbox today)"
+        ), said
+        await pool.drain()
+    starts = Starts(room=False)
+    pool = starts.pool(size=1)
+    assert "no room is left under max_sessions" in pool.why_empty()
+    starts = Starts(mb=150)
+    pool = starts.pool(size=1, budget_mb=100)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(pool.run)
+        await until(lambda: pool.stats().discarded == 1, "a member measured over the budget discarded")
+        assert pool.why_empty() == (
+            "the warm pool had no sandbox ready (another member (150 MiB measured) would not fit pool_memory_mb)"
+        )
+        await pool.drain()
+    assert pool.why_empty() == "the warm pool had no sandbox ready (it is closed)"

@@ -288,6 +288,10 @@ class KernelStarter(Protocol):
     async def close(self) -> None:
         """End it; kernels start cold from then on."""
 
+    async def settled(self) -> None:
+        """Return once a start of what it needs is no longer under way (ready, or failed: kernels then start
+        cold): a start nobody waits for (the warm pool's) waits for it rather than start cold beside it."""
+
     async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess:
         """A kernel in a sandbox built from `spec`; raises SandboxUnavailable saying why not (it then starts cold)."""
 

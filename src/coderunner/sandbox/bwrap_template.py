@@ -26,6 +26,7 @@ import subprocess
 from dataclasses import dataclass
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import Process, TaskGroup
 
 from coderunner.sandbox.base import SandboxProcess, SandboxSpec
@@ -204,9 +205,51 @@ class KernelTemplate:
         return decode_reply(data, fds)
 
     async def _ask(self, request: bytes, fds: list[int]) -> TemplateReply:
+        """One request and its reply, never parted. A cancel between them (a start whose session closed, whose
+        client left) would leave the reply on the socket for the next request to read as its own: a fork handed
+        another fork's pid and pidfd. So the exchange is shielded, bounded by FORK_TIMEOUT_S; a template that
+        does not answer within it is ended (where the exchange stands is lost), and a caller cancelled meanwhile
+        gets its cancel once the reply is in, the fd it carried closed."""
         async with self._lock:
-            socket.send_fds(self.sock, [request], fds)
-            return await self._answer()
+            with anyio.CancelScope(shield=True):
+                answer = await self._exchange(request, fds)
+            try:
+                await anyio.lowlevel.checkpoint_if_cancelled()
+            except BaseException:
+                if answer.pidfd is not None:
+                    os.close(answer.pidfd)
+                raise
+            return answer
+
+    async def _exchange(self, request: bytes, fds: list[int]) -> TemplateReply:
+        with anyio.move_on_after(FORK_TIMEOUT_S):
+            try:
+                socket.send_fds(self.sock, [request], fds)
+                return await self._answer()
+            except (OSError, anyio.ClosedResourceError):  # closed meanwhile (close, _end_now)
+                raise TemplateUnavailable("the kernel template is closed") from None
+        self._end_now()
+        raise TemplateUnavailable(f"the kernel template did not answer within {FORK_TIMEOUT_S:g}s; it was ended")
+
+    def _end_now(self) -> None:
+        """Stop asking it and kill it at once; its owner sees it exit (process.wait) and starts another."""
+        self._close_socket()
+        self._kill_group()
+
+    def _close_socket(self) -> None:
+        """Close its socket, an exchange waiting on it woken first (it says the template is closed)."""
+        if self.sock.fileno() >= 0:
+            anyio.notify_closing(self.sock)
+            self.sock.close()
+
+    def _kill_group(self) -> None:
+        """Kill its whole process group (start_new_session: bwrap, bwrap's child, the template; a fork leaves it as
+        it enters a sandbox). The outer bwrap alone is not enough: killed within its first milliseconds, it left
+        its child blocked for ever on the eventfd it waits on before it runs anything (no die-with-parent yet).
+        Its pid names the group for sure while it is not reaped."""
+        if self.process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
 
     async def counters(self) -> TemplateReply:
         return await self._ask(encode_request(KIND_COUNTERS), [])
@@ -237,8 +280,7 @@ class KernelTemplate:
                 environment=sandbox_environment(spec_environment(spec)), status_fd=status_fd is not None,
             )  # fmt: skip
             status = [status_fd] if status_fd is not None else []
-            with anyio.fail_after(FORK_TIMEOUT_S):
-                answer = await self._ask(request, [hold.init, output_fd, *status, *cgroup_fds])
+            answer = await self._ask(request, [hold.init, output_fd, *status, *cgroup_fds])
         except ValueError as exc:
             raise TemplateUnavailable(str(exc)) from None
         finally:
@@ -280,16 +322,11 @@ class KernelTemplate:
     async def close(self) -> None:
         """End the template (its kernels live on in their sandboxes; their sandboxes end them). Shielded and
         bounded: a close cancelled half-way would leave the template running."""
-        self.sock.close()
+        self._close_socket()
         with anyio.CancelScope(shield=True):
             if self.ready.pid:  # a ready template ends on its own once it reads its socket's end; one warming up
                 with anyio.move_on_after(5):  # is busy importing for seconds more: it is killed at once
                     await self.process.wait()
             if self.process.returncode is None:
-                # Its whole process group (start_new_session: bwrap, bwrap's child, the template; a fork leaves it
-                # as it enters a sandbox). The outer bwrap alone is not enough: killed within its first
-                # milliseconds, it left its child blocked for ever on the eventfd it waits on before it runs
-                # anything (no die-with-parent yet). Its pid names the group for sure while it is not reaped.
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
+                self._kill_group()
                 await self.process.wait()

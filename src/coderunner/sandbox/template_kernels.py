@@ -156,6 +156,11 @@ class TemplateKernels:
         self.why_not = f"the kernel template is off for this server: its first {self.refused} forks all failed ({last})"
         log.warning("%s; kernels start cold", self.why_not)
 
+    async def settled(self) -> None:
+        """Once the template's start under way ended (bounded: its start has START_TIMEOUT_S); at once if none is."""
+        while self.starting:
+            await self.ready.wait()
+
     async def spawn_kernel(self, spec: SandboxSpec, task_group: TaskGroup) -> SandboxProcess:
         """A kernel forked into a sandbox built from `spec`; raises TemplateUnavailable saying why not."""
         if self.given_up:

@@ -293,7 +293,7 @@ class SessionManager:
             return problem
         pooled = await self.pool.take_or_wait(pool_wait_s) if pool_wait_s > 0 else self.pool.take()
         if pooled is None:
-            return "the warm pool had no sandbox ready"
+            return self.pool.why_empty()
         assert self._pool_options is not None
         session, built = pooled.session, self._pool_options.limits
         session_id = session_id or secrets.token_urlsafe(18)
@@ -365,6 +365,10 @@ class SessionManager:
     async def _start_pooled(self) -> Pooled:
         """A pool member: a default sandbox with a live kernel, bound to no caller and no client."""
         assert self._pool_options is not None
+        if self.template is not None:
+            # Nobody waits for a pooled start: it forks from a template that is starting (a server's first
+            # seconds) rather than start cold beside it, which costs seconds of CPU and a member of ~100 MiB.
+            await self.template.settled()
         session = await self._prepare(self._pool_options, LOCAL_CALLER)
         try:
             session.lease.reserve_egress(self.egress)  # allowlist: served once taken, with the taker's policy

@@ -39,6 +39,9 @@ REFILL_DELAY_S = 0.5
 
 T = TypeVar("T")
 
+#: How a cold session's status begins when the pool had nothing to give it (why_empty says the rest).
+NONE_READY = "the warm pool had no sandbox ready"
+
 
 @dataclass
 class PoolStats:
@@ -89,6 +92,9 @@ class WarmPool(Generic[T]):
         self._loop_scope: anyio.CancelScope | None = None
         self._loop_done = anyio.Event()
         self._failures = 0
+        #: When the refill may start again after failed starts (their back-off), and the last one's error.
+        self._retry_at = 0.0
+        self._last_failure: str | None = None
         #: The largest memory a member was measured to use (None until one was measured).
         self._member_mb: float | None = None
         self._taken = self._started = self._failed = self._discarded = 0
@@ -167,6 +173,8 @@ class WarmPool(Generic[T]):
             self._failures += 1
             pause = min(2.0 ** (self._failures - 1), MAX_BACKOFF_S)
             log.warning("warm pool: a sandbox failed to start (%s); next try in %.0fs", exc, pause)
+            self._last_failure = str(exc) or type(exc).__name__
+            self._retry_at = anyio.current_time() + pause
             self._starting -= 1
             self.notify()  # a caller waiting for this start goes cold instead
             await anyio.sleep(pause)
@@ -203,6 +211,24 @@ class WarmPool(Generic[T]):
         self._discarded += 1
         with anyio.CancelScope(shield=True):
             await self._discard(member)
+
+    def why_empty(self) -> str:
+        """Why take() found no member, in words: a cold session's status says it (sessions/warm_take.py)."""
+        if self._closed:
+            why = "it is closed"
+        elif self._starting:
+            why = "one is starting"
+        elif (wait := self._retry_at - anyio.current_time()) > 0:
+            why = f"it starts again in {wait:.0f}s after a failed start"
+        elif not self._room():
+            why = "no room is left under max_sessions"
+        elif not self._within_budget(self.held + 1):
+            why = f"another member ({self._member_mb:g} MiB measured) would not fit pool_memory_mb"
+        else:
+            why = "its next start is about to begin"
+        if self._last_failure is not None:
+            why += f"; its last failed start: {self._last_failure}"
+        return f"{NONE_READY} ({why})"
 
     def take(self) -> T | None:
         """A ready member, now, or None (the caller starts one cold): never waits, never starts one."""
