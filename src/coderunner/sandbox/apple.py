@@ -26,6 +26,7 @@ delete); its versions, readiness and doctor are beside it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -55,6 +56,7 @@ from coderunner.sandbox.apple_version import (
 from coderunner.sandbox.base import KernelChannels, LimitReport, Limits, SandboxBackend, SandboxProcess, SandboxSpec
 from coderunner.sandbox.common import IMAGE_PYTHON, product_python, rlimit_prefix, sandbox_environment, spec_environment
 from coderunner.sandbox.container import (
+    CREATE_SETTLE_S,
     ContainerProcess,
     ContainerUnavailable,
     channel_ports,
@@ -372,8 +374,13 @@ class AppleBackend(SandboxBackend):
             sandbox = ContainerProcess(process, task_group, cleanup=cleanup, engine_env=self.env)
             try:
                 await ready.wait(sandbox, READY_TIMEOUT_S)
-            except BaseException:
+            except BaseException as exc:
                 with anyio.CancelScope(shield=True):
+                    if isinstance(exc, anyio.get_cancelled_exc_class()):
+                        # Not while `container run` still makes the VM (a start cancelled part way): a client
+                        # killed then may leave it half made, past the delete that follows (ContainerProcess._kill).
+                        with anyio.move_on_after(CREATE_SETTLE_S), contextlib.suppress(ContainerUnavailable):
+                            await ready.wait(sandbox, CREATE_SETTLE_S)
                     await sandbox.kill()
                 raise
         return sandbox

@@ -31,6 +31,8 @@ LABEL_SERVER = "coderunner.server"
 #: One server process (random per backend instance): what its watcher removes when it dies.
 LABEL_INSTANCE = "coderunner.instance"
 NAME_PREFIX = "coderunner"
+#: Bound on letting an engine finish making a container before its client is killed (ContainerProcess._kill).
+CREATE_SETTLE_S = 15.0
 #: The five ZMQ channels of a kernel, as named in a connection file.
 CHANNELS = ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port")
 
@@ -108,10 +110,13 @@ class ContainerProcess(SandboxProcess):
         cleanup: list[list[str]],
         engine_env: dict[str, str],
         pipes: bool = False,
+        inspect_pid: list[str] | None = None,
     ) -> None:
         super().__init__(process, task_group, pipes=pipes)
         self.cleanup = cleanup
         self._engine_env = engine_env
+        #: The engine command that prints the container's host pid (podman/docker on Linux): see _kill.
+        self._inspect_pid = inspect_pid
         #: The container's init as a host pid, where the engine shares the host kernel.
         self.container_pid: int | None = None
 
@@ -126,7 +131,14 @@ class ContainerProcess(SandboxProcess):
         In that order: a client killed while it still creates the container (a start cancelled at once)
         may leave the container made but never started; a removal before the kill found nothing yet, and
         that container was left behind (seen: podman containers in state Created from the `container`
-        stand-in, one per suite run). The container itself goes on running without its client until removed."""
+        stand-in, one per suite run). The container itself goes on running without its client until removed.
+
+        Nor while its engine creates it: podman's client killed then (a start cancelled 0.15 s in) let the removal
+        find the container not yet made and forget it, and the monitor (conmon) went on to make it, its init left
+        waiting for a start that never came, for ever and unknown to the engine. So a client whose container is
+        not running yet is given until it runs (bounded: CREATE_SETTLE_S) before it is killed."""
+        if self._inspect_pid is not None and self.container_pid is None and self.returncode is None:
+            await self.watch_pid(self._inspect_pid, timeout_s=CREATE_SETTLE_S)
         await super()._kill()
         for argv in self.cleanup:
             try:

@@ -293,6 +293,7 @@ class OciBackend(SandboxBackend):
             cleanup=[self.command.remove(name)],
             engine_env=self.env,
             pipes=pipes,
+            inspect_pid=self.command.inspect_pid(name) if sys.platform.startswith("linux") else None,
         )
 
     def remove_stale(self, name: str) -> None:
