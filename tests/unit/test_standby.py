@@ -222,3 +222,31 @@ async def test_a_reset_before_the_preload_began_takes_the_standby_as_it_is(stand
     assert session.kernel is standby and standby.executed == ["pass", SWAP_IN_CODE] and standby.preloads == 0
     await until(lambda: preloaded(session), "the next standby's preload")
     assert standby.preloads == 0  # the kernel handed over never ran it
+
+
+class StartingTemplate:
+    """A kernel starter whose start is under way until `done` is set (its only part a standby asks of it)."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.asked = 0
+
+    async def settled(self) -> None:
+        self.asked += 1
+        await self.done.wait()
+
+
+async def test_a_standby_waits_for_a_starting_template_rather_than_start_cold(
+    standing: SessionManager, kernels: FakeKernels
+) -> None:
+    """Nobody waits for a standby: in a server's first seconds it forks from the template once that is up
+    rather than start a kernel cold beside it (a user's start waits only so long: template_kernels.py)."""
+    template = StartingTemplate()
+    standing.backend.kernel_starter = template  # type: ignore[assignment]
+    session = await standing.create()
+    await until(lambda: template.asked == 1, "the standby to ask for the template")
+    await anyio.sleep(0.3)
+    assert len(kernels.made) == 1 and session.standby.kernel is None  # the session's own kernel only
+    template.done.set()
+    await until(lambda: session.standby.kernel is not None, "the standby, once the template is up")
+    await standing.close(session.session_id)

@@ -141,7 +141,13 @@ class Session:
             enabled=self.settings.reset_standby and self.backend.private_files,
             budget=self.standby_budget,
             settled=self._settled,
+            starter_ready=self._starter_ready,
         )
+
+    async def _starter_ready(self) -> None:
+        starter = self.backend.kernel_starter
+        if starter is not None:
+            await starter.settled()
 
     def _settled(self) -> bool:
         """Rested STANDBY_PRELOAD_REST_S since its last call, or in one for STANDBY_PRELOAD_BESIDE_CALL_S."""

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,6 +140,9 @@ class Standby:
     budget: StandbyBudget | None = None
     #: Whether it has rested enough for the standby's preload (preload_imports) now.
     settled: Callable[[], bool] = lambda: True
+    #: Returns once what its kernels start from is ready (a kernel template's start under way ended): a standby,
+    #: which nobody waits for, forks from it rather than start cold beside it in a server's first seconds.
+    starter_ready: Callable[[], Awaitable[None]] | None = None
     kernel: Kernel | None = None
     closed: bool = False
     _fill: _Fill | None = None
@@ -173,6 +176,8 @@ class Standby:
                         await anyio.sleep(ROOM_POLL_S)
                     else:
                         break
+                if self.starter_ready is not None:
+                    await self.starter_ready()
                 if self.budget is not None:
                     self.budget.starting += 1
                     fill.counted = True
