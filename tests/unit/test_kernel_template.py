@@ -203,6 +203,7 @@ class _Backend:
 
     name: str
     no_kernel_starter: str | None = None
+    kernel_starter: object = None
 
 
 @pytest.mark.parametrize("asked", [True, False])
@@ -273,6 +274,34 @@ async def test_a_template_that_forked_once_is_never_given_up() -> None:
         with pytest.raises(template_kernels.TemplateUnavailable, match="could not be forked"):
             await kernels.spawn_kernel(None, None)  # type: ignore[arg-type]
     assert not kernels.given_up and not template.closed
+
+
+@pytest.mark.anyio
+async def test_waiting_for_a_starting_template_ends_when_it_is_ready_or_closed() -> None:
+    """settled() (the pool's and the standbys' wait) returns once the start ended, and never outlives a close:
+    a start cancelled by the server's close never says it ended itself."""
+    import anyio
+
+    for ends in ("ready", "closed"):
+        kernels = template_kernels.TemplateKernels(_Backend("bwrap"))  # type: ignore[arg-type]
+        kernels.starting = True
+        settled = anyio.Event()
+
+        async def wait(kernels: template_kernels.TemplateKernels = kernels, settled: anyio.Event = settled) -> None:
+            await kernels.settled()
+            settled.set()
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(wait)
+            await anyio.sleep(0.05)
+            assert not settled.is_set()
+            if ends == "ready":
+                kernels.starting = False
+                kernels.ready.set()
+            else:
+                await kernels.close()
+            with anyio.fail_after(5):
+                await settled.wait()
 
 
 def test_the_module_walk_ahead_finds_the_files_the_stock_walk_finds_in_its_order(

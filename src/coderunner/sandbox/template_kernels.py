@@ -142,6 +142,8 @@ class TemplateKernels:
         if self._scope is not None:
             self._scope.cancel()
         self.why_not = "the server is closing"
+        self.starting = False
+        self.ready.set()  # whoever waits for a start that will not end (settled, spawn_kernel) goes on now
         await self._drop()
 
     def stale_imports(self, sandbox: SandboxProcess) -> str | None:
