@@ -316,3 +316,6 @@ async def test_why_it_had_nothing_ready_says_what_it_waits_for() -> None:
         )
         await pool.drain()
     assert pool.why_empty() == "the warm pool had no sandbox ready (it is closed)"
+    starts = Starts()
+    pool = starts.pool(size=1, budget_mb=0)  # pool_memory_mb 0: nothing measured, nothing may start
+    assert pool.why_empty() == "the warm pool had no sandbox ready (another member would not fit pool_memory_mb)"

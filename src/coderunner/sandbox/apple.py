@@ -379,7 +379,7 @@ class AppleBackend(SandboxBackend):
                     if isinstance(exc, anyio.get_cancelled_exc_class()):
                         # Not while `container run` still makes the VM (a start cancelled part way): a client
                         # killed then may leave it half made, past the delete that follows (ContainerProcess._kill).
-                        with anyio.move_on_after(CREATE_SETTLE_S), contextlib.suppress(ContainerUnavailable):
+                        with contextlib.suppress(ContainerUnavailable):  # not ready within it: killed as it is
                             await ready.wait(sandbox, CREATE_SETTLE_S)
                     await sandbox.kill()
                 raise

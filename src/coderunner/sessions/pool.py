@@ -223,7 +223,8 @@ class WarmPool(Generic[T]):
         elif not self._room():
             why = "no room is left under max_sessions"
         elif not self._within_budget(self.held + 1):
-            why = f"another member ({self._member_mb:g} MiB measured) would not fit pool_memory_mb"
+            measured = f" ({self._member_mb:g} MiB measured)" if self._member_mb is not None else ""
+            why = f"another member{measured} would not fit pool_memory_mb"
         else:
             why = "its next start is about to begin"
         if self._last_failure is not None:
