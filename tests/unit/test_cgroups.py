@@ -205,3 +205,31 @@ def test_the_servers_own_kill_never_leaves_a_v1_cgroup_frozen(
             sleeper.kill()
             sleeper.wait(timeout=10)
         group.remove()
+
+
+def test_a_process_joins_every_controller_by_the_join_files_and_its_children_follow(manager: CgroupManager) -> None:
+    """enter_command writes "0" to join_files (v1: `tasks`, the thread itself, which skips the kernel's global
+    lock and its RCU wait): the shell, what it execs and that program's children are all in every controller's
+    group, as /proc/PID/cgroup says, not only by the group's own lists."""
+    group = manager.create(f"t-{os.getpid()}-join", NO_LIMITS)
+    try:
+        names = {path.name for path in group.join_files()}
+        assert names == ({"tasks"} if manager.version == 1 else {"cgroup.procs"})
+        script = "sleep 60 & echo $!; exec sleep 60"
+        parent = subprocess.Popen(
+            enter_command(group, ["/bin/sh", "-c", script]), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
+        )
+        try:
+            assert parent.stdout is not None
+            child = int(parent.stdout.readline())
+            for pid in (parent.pid, child):
+                lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+                for controller, path in group.dirs.items():
+                    tail = f"/{path.parent.name}/{path.name}"  # the server's group, then the session's
+                    assert any(line.endswith(tail) for line in lines), (pid, controller, lines)
+                    assert str(pid) in (path / "cgroup.procs").read_text().split()
+        finally:
+            parent.kill()
+            parent.wait()
+    finally:
+        group.remove()

@@ -11,12 +11,12 @@ child's collections then leave the template's objects, and the pages they sit on
 fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It reads nothing else: no
 sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
 fds beside it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, and the
-sandbox's cgroup.procs files (with FLAG_STATUS_FD, the fd after the output is a pipe the kernel's wait status
-is written to once it is reaped: the host's only way to learn its exit code). Each fork is made straight into
-that sandbox's pid namespace (the template points its next child there, forks, and points it back at once),
-enters the sandbox's other namespaces (sandbox_enter.py: join, confine) and then runs the kernel as
-kernel/process.py's argv does (kernel_boot, the connection file the sandbox holds privately), or CODE
-where the host gave one (the bench's probe).
+sandbox's cgroup join files (SessionCgroup.join_files; with FLAG_STATUS_FD, the fd after the output is a pipe
+the kernel's wait status is written to once it is reaped: the host's only way to learn its exit code). Each
+fork is made straight into that sandbox's pid namespace (the template points its next child there, forks, and
+points it back at once), enters the sandbox's other namespaces (sandbox_enter.py: join, confine) and then runs
+the kernel as kernel/process.py's argv does (kernel_boot, the connection file the sandbox holds privately), or
+CODE where the host gave one (the bench's probe).
 
 One fork a kernel: it was two (a first child joined all the namespaces and forked again into the pid one), and a
 fork of this process (about 110 MiB) and the end of the first child cost about 3 ms each. The kernels are the
@@ -58,7 +58,7 @@ KIND_COUNTERS = 2
 FLAG_MEMORY_SOFT_ONLY = 1
 #: The request's third fd is the kernel's status pipe (the wait status, 4 bytes, once it is reaped).
 FLAG_STATUS_FD = 2
-#: pidfd, the kernel's stdout and stderr, its status pipe, then at most this many cgroup.procs files.
+#: pidfd, the kernel's stdout and stderr, its status pipe, then at most this many cgroup join files (v1 `tasks`).
 MAX_CGROUP_FDS = 8
 #: What the kernel runs as by default: today's argv (kernel/process.py) after its launcher (kernel_boot).
 KERNEL_ARGS = (

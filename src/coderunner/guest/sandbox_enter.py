@@ -111,11 +111,12 @@ def back_to_own_pid_namespace(own_pidfd: int) -> None:
     _check(_libc.setns(own_pidfd, CLONE_NEWPID), "setns back into the template's own pid namespace")
 
 
-def join(pidfd: int, cgroup_procs: tuple[int, ...] = ()) -> None:
-    """Into the sandbox whose pid 1 `pidfd` holds: groups, cgroups, then its namespaces (the pid one, the caller
-    was made in already)."""
+def join(pidfd: int, cgroup_joins: tuple[int, ...] = ()) -> None:
+    """Into the sandbox whose pid 1 `pidfd` holds: groups, cgroups (`cgroup_joins`: its join files, which move
+    the writing thread; a fresh fork is single-threaded), then its namespaces (the pid one, the caller was made
+    in already)."""
     os.setgroups([])  # an unprivileged sandbox denies setgroups: the host's groups must go before
-    for fd in cgroup_procs:
+    for fd in cgroup_joins:
         os.write(fd, b"0")  # "0": the writer itself, into that controller's group of the sandbox
     _check(_libc.setns(pidfd, SANDBOX_NAMESPACES), "setns into the sandbox")
 

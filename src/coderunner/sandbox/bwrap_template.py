@@ -269,7 +269,7 @@ class KernelTemplate:
         hold = sandbox.hold
         if not isinstance(hold, BwrapHold) or hold.init is None:
             raise TemplateUnavailable("this sandbox has no pid 1 handle to enter by")
-        cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in sandbox.cgroup.procs_files()] if (
+        cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in sandbox.cgroup.join_files()] if (
             sandbox.cgroup is not None
         ) else []  # fmt: skip
         memory = spec.limits.memory_mb * 2**20 if spec.limits.memory_mb is not None else None
