@@ -18,9 +18,11 @@ wrapping the method that does it (nothing in src changes for this):
     exec bwrap       BwrapBackend.start less the above and _hold: memfds, pipes, fork+exec of the prelude
     bwrap setup      BwrapBackend._hold: until bwrap built the namespaces and reported its child (the init
                      waits at the gate then)
-    placeholder      template only: from the init's gate opening to the placeholder saying "ready" (bwrap's
-                     mounts, pivot, the init's Python, the shell)
-    fork+enter       template only: KernelTemplate.fork_into (setns, fork, setns, confine, the reply; the fork's
+    fork             template only: KernelTemplate.begin_fork (the template's fork into the sandbox's pid
+                     namespace, made as soon as bwrap made its pid 1; the fork joins the cgroups and waits)
+    placeholder      template only: the rest of the wait for the placeholder's "ready" (bwrap's mounts, pivot,
+                     the init's Python, the shell), which the fork above overlapped
+    enter            template only: KernelTemplate.finish_fork ("go": setns, confine, the report; the fork's
                      check that the template's imports are current in its sandbox comes after it, in kernel boot)
     kernel boot      KernelProcess.claim_sockets: until the kernel bound its sockets (the cold one imports all)
     handshake        KernelClient.connect: connect and the IOPub welcome
@@ -55,8 +57,8 @@ import anyio
 CHART_ROUNDS = 6
 #: Steps in the order a create meets them (the report's columns).
 STEPS = (
-    "dirs+workspace", "  workspace", "mounts", "cgroup", "argv", "exec bwrap", "bwrap setup", "placeholder",
-    "fork+enter",
+    "dirs+workspace", "  workspace", "mounts", "cgroup", "argv", "exec bwrap", "bwrap setup", "fork", "placeholder",
+    "enter",
     "kernel boot", "handshake", "server rest", "create", "first result",
 )  # fmt: skip
 LANES = ("cold", "template")
@@ -117,7 +119,8 @@ class Clock:
         self.wrap_async(BwrapBackend, "start", "_start")
         self.wrap_async(BwrapBackend, "_hold", "bwrap setup")
         self.wrap_async(KernelTemplate, "spawn_entered", "_entered")
-        self.wrap_async(KernelTemplate, "fork_into", "fork+enter")
+        self.wrap_async(KernelTemplate, "begin_fork", "fork")
+        self.wrap_async(KernelTemplate, "finish_fork", "enter")
         self.wrap_async(KernelProcess, "claim_sockets", "kernel boot")
         self.wrap_async(KernelClient, "connect", "handshake")
 
@@ -128,7 +131,7 @@ class Clock:
         entered = steps.pop("_entered", 0.0)
         steps["exec bwrap"] = start - steps["bwrap setup"] - steps["cgroup"] - steps["argv"]
         if entered:
-            steps["placeholder"] = entered - start - steps["fork+enter"]
+            steps["placeholder"] = entered - start - steps["fork"] - steps["enter"]
         steps["  workspace"] = steps.pop("_workspace", 0.0)
         known = sum(value for key, value in steps.items() if key != "  workspace")
         steps["server rest"] = create_s - known

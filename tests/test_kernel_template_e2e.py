@@ -224,3 +224,41 @@ async def test_a_fork_cancelled_while_the_template_works_on_it_leaves_the_next_e
             await kernel.kill()
             os.close(answer.pidfd)
             await leases.close_dirs(dirs)
+
+
+async def test_a_start_abandoned_while_its_fork_waits_for_go_leaves_no_fork() -> None:
+    """The fork is made while bwrap still builds the sandbox and waits for "go". A start cancelled then (its
+    client gone) must not leave it waiting: it exits (the end of "go", or its sandbox's end), and the template
+    serves the next start."""
+    async with kernels_from_a_template() as (start, leases, template):
+        original = template.finish_fork
+        waiting = anyio.Event()
+        forks: list[int] = []
+
+        async def stop_before_go(pending: Any) -> TemplateReply:
+            forks.append(os.dup(pending.reply.pidfd))
+            waiting.set()
+            await anyio.sleep_forever()
+            raise AssertionError("unreachable")
+
+        template.finish_fork = stop_before_go  # type: ignore[method-assign]
+        async with anyio.create_task_group() as group:
+            group.start_soon(start)
+            await waiting.wait()
+            group.cancel_scope.cancel()
+        template.finish_fork = original  # type: ignore[method-assign]
+        assert len(forks) == 1
+        try:
+            with anyio.fail_after(10):
+                await anyio.wait_readable(forks[0])  # a pidfd is readable once its process exited
+        finally:
+            os.close(forks[0])
+        kernel, info, dirs, answer = await start()
+        try:
+            out, status = await run_cell(kernel, info, "print(6 * 7)")
+            assert (status, out.strip()) == ("ok", "42"), out
+        finally:
+            await kernel.kill()
+            if answer.pidfd is not None:
+                os.close(answer.pidfd)
+            await leases.close_dirs(dirs)

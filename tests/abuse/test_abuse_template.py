@@ -37,7 +37,7 @@ from coderunner.hostfs.session_dirs import SandboxDirs
 from coderunner.sandbox import make_backend
 from coderunner.sandbox.base import SandboxProcess
 from coderunner.sandbox.bwrap import BwrapBackend
-from coderunner.sandbox.bwrap_template import KIND_FORK, KernelTemplate, encode_request
+from coderunner.sandbox.bwrap_template import KIND_FORK, REPORT, KernelTemplate, encode_request
 from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import SandboxOptions, sandbox_options
@@ -281,31 +281,76 @@ async def test_a_child_cannot_reach_the_template_or_a_sibling() -> None:
             await end_child(world, sibling)
 
 
-async def test_the_template_enters_nothing_but_a_finished_sandbox() -> None:
-    """Handed a pidfd of a process whose namespaces are not a finished sandbox's (its root the host's, writable,
-    its pid 1 not the sandbox's init: what a fork would meet in bwrap's scaffolding), the fork refuses before
-    anything of it runs, and the template serves on."""
-    async with template_world() as world:
-        stranger = await anyio.open_process(
-            ["/usr/bin/unshare", "--user", "--map-root-user", "--mount", "--net", "--ipc", "--uts", "--cgroup",
-             "--pid", "--fork", "/usr/bin/sleep", "60"],
-            stdin=None, stdout=None, stderr=None,
-        )  # fmt: skip
+@contextlib.asynccontextmanager
+async def stranger_pidfd() -> AsyncIterator[int]:
+    """A pidfd of a process whose namespaces are not a finished sandbox's (its root the host's, writable, its pid 1
+    not the sandbox's init: what a fork would meet in bwrap's scaffolding)."""
+    stranger = await anyio.open_process(
+        ["/usr/bin/unshare", "--user", "--map-root-user", "--mount", "--net", "--ipc", "--uts", "--cgroup",
+         "--pid", "--fork", "/usr/bin/sleep", "60"],
+        stdin=None, stdout=None, stderr=None,
+    )  # fmt: skip
+    try:
+        with anyio.fail_after(10):
+            while not (inner := _only_child(stranger.pid)):
+                await anyio.sleep(0.02)
+        pidfd = os.pidfd_open(inner)
         try:
-            with anyio.fail_after(10):
-                while not (inner := _only_child(stranger.pid)):
-                    await anyio.sleep(0.02)
-            pidfd = os.pidfd_open(inner)
-            try:
-                request = encode_request(KIND_FORK, uid=1000, gid=1000, environment={"PATH": "/usr/bin"})
-                answer = await world.template._ask(request, [pidfd, 2])
-            finally:
-                os.close(pidfd)
-            assert answer.error == errno.EAGAIN
-            assert (await world.template.counters()).error == 0
+            yield pidfd
         finally:
-            stranger.kill()
-            await stranger.wait()
+            os.close(pidfd)
+    finally:
+        stranger.kill()
+        await stranger.wait()
+
+
+async def fork_then(world: Any, pidfd: int, go: bytes) -> tuple[bytes, int]:
+    """A fork request by hand, then `go` on its go pipe (b"": only its end); what it reported, and its pidfd."""
+    go_read, go_write = os.pipe()
+    report_read, report_write = os.pipe()
+    try:
+        request = encode_request(KIND_FORK, uid=1000, gid=1000, environment={"PATH": "/usr/bin"})
+        try:
+            answer = await world.template._ask(request, [pidfd, 2, go_read, report_write])
+        finally:
+            for fd in (go_read, report_write):  # the fork holds its own
+                os.close(fd)
+        assert answer.error == 0 and answer.pidfd is not None  # forked, waiting for "go"
+        if go:
+            os.write(go_write, go)
+        os.close(go_write)
+        go_write = -1
+        with anyio.fail_after(20):
+            await anyio.wait_readable(report_read)
+        return os.read(report_read, REPORT.size), answer.pidfd
+    finally:
+        for fd in (go_write, report_read):
+            if fd >= 0:
+                os.close(fd)
+
+
+async def test_the_template_enters_nothing_but_a_finished_sandbox() -> None:
+    """Handed a pidfd of a process whose namespaces are not a finished sandbox's, the fork refuses once told to go,
+    before anything of it runs, and the template serves on."""
+    async with template_world() as world, stranger_pidfd() as pidfd:
+        said, fork = await fork_then(world, pidfd, b"1")
+        os.close(fork)
+        assert REPORT.unpack(said)[0] == -errno.EAGAIN  # it refused: nothing of it ran
+        assert (await world.template.counters()).error == 0
+
+
+async def test_a_fork_never_told_to_go_exits_having_entered_nothing() -> None:
+    """A start abandoned before its sandbox was finished closes the fork's "go" unsaid: the fork exits without a
+    word (no setns, no kernel), and the template serves on."""
+    async with template_world() as world, stranger_pidfd() as pidfd:
+        said, fork = await fork_then(world, pidfd, b"")
+        try:
+            assert said == b""  # its end of the report pipe, nothing said
+            with anyio.fail_after(10):
+                await anyio.wait_readable(fork)  # it exited
+        finally:
+            os.close(fork)
+        assert (await world.template.counters()).error == 0
 
 
 def _only_child(pid: int) -> int | None:

@@ -24,7 +24,7 @@ from coderunner.sandbox.template_kernels import STATUS, exit_code
 
 
 def test_both_sides_speak_the_same_wire_format() -> None:
-    for name in ("REQUEST", "REPLY"):
+    for name in ("REQUEST", "REPLY", "REPORT"):
         assert getattr(bwrap_template, name).format == getattr(kernel_template, name).format
     for name in (
         "MAGIC",
@@ -46,7 +46,7 @@ def test_a_request_carries_the_kernels_environment_and_limits() -> None:
     )  # fmt: skip
     assert len(request) == kernel_template.REQUEST.size
     magic, kind, uid, gid, flags, memory, nproc, blob = kernel_template.REQUEST.unpack(request)
-    assert (magic, kind, uid, gid, memory, nproc) == (b"KTR1", 1, 1000, 1000, 2**31, 64)
+    assert (magic, kind, uid, gid, memory, nproc) == (kernel_template.MAGIC, 1, 1000, 1000, 2**31, 64)
     assert flags & kernel_template.FLAG_MEMORY_SOFT_ONLY
     assert kernel_template.parse_environment(blob) == environment
 
@@ -58,8 +58,8 @@ def test_an_environment_too_large_for_a_request_is_refused() -> None:
 
 def test_a_reply_that_is_not_one_is_refused() -> None:
     with pytest.raises(bwrap_template.TemplateUnavailable):
-        bwrap_template.decode_reply(b"KTR1" + b"\0" * 3)
-    good = kernel_template.REPLY.pack(b"KTR1", 0, 42, 1, 2, 1)
+        bwrap_template.decode_reply(kernel_template.MAGIC + b"\0" * 3)
+    good = kernel_template.REPLY.pack(kernel_template.MAGIC, 0, 42, 1, 2, 1)
     assert bwrap_template.decode_reply(good).pid == 42
 
 

@@ -10,13 +10,18 @@ preload_imports off, not numpy, pandas and matplotlib), parses the kernel's comm
 child's collections then leave the template's objects, and the pages they sit on, shared), and serves
 fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It reads nothing else: no
 sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
-fds beside it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, and the
-sandbox's cgroup join files (SessionCgroup.join_files; with FLAG_STATUS_FD, the fd after the output is a pipe
-the kernel's wait status is written to once it is reaped: the host's only way to learn its exit code). Each
-fork is made straight into that sandbox's pid namespace (the template points its next child there, forks, and
-points it back at once), enters the sandbox's other namespaces (sandbox_enter.py: join, confine) and then runs
-the kernel as kernel/process.py's argv does (kernel_boot, the connection file the sandbox holds privately), or
-CODE where the host gave one (the bench's probe).
+fds beside it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, the read end
+of the host's "go" pipe, the write end of the fork's report pipe, (with FLAG_STATUS_FD) a pipe the kernel's wait
+status is written to once it is reaped (the host's only way to learn its exit code), then the sandbox's cgroup
+join files (SessionCgroup.join_files). Each fork is made straight into that sandbox's pid namespace (the template
+points its next child there, forks, and points it back at once) and answered at once with its pid and a pidfd:
+the template is free for the next request. The fork joins the sandbox's cgroups, then waits for "go", which the
+host sends once the sandbox is finished (its placeholder said so; the fork is made while bwrap still builds it,
+so neither waits for the other), enters the sandbox's other namespaces (sandbox_enter.py: join, confine), says so
+on its report pipe (an errno if it could not: it exits) and then runs the kernel as kernel/process.py's argv does
+(kernel_boot, the connection file the sandbox holds privately), or CODE where the host gave one (the bench's
+probe). Before "go" it runs nothing but those few syscalls; the end of the go pipe (the host gone, a start
+abandoned) ends it, as does the sandbox's end (it is in the sandbox's pid namespace).
 
 One fork a kernel: it was two (a first child joined all the namespaces and forked again into the pid one), and a
 fork of this process (about 110 MiB) and the end of the first child cost about 3 ms each. The kernels are the
@@ -40,10 +45,17 @@ import socket
 import struct
 import sys
 import threading
-import time
 from typing import NoReturn
 
-from .sandbox_enter import Confinement, back_to_own_pid_namespace, close_fds_but, confine, into_pid_namespace, join
+from .sandbox_enter import (
+    Confinement,
+    back_to_own_pid_namespace,
+    close_fds_but,
+    confine,
+    into_pid_namespace,
+    join,
+    join_cgroups,
+)
 
 #: magic, kind, uid, gid, flags, memory bytes (0: none), nproc (0: none), environment ("\0"-joined KEY=VALUE).
 REQUEST = struct.Struct("<4sIIIIQQ2048s")
@@ -51,22 +63,26 @@ REQUEST = struct.Struct("<4sIIIIQQ2048s")
 #: (CPU µs of the template itself and of its reaped children) and the template's thread count; a fork's reply
 #: carries a pidfd of the kernel beside it.
 REPLY = struct.Struct("<4siiQQI")
-MAGIC = b"KTR1"
+MAGIC = b"KTR2"
 KIND_FORK = 1
 #: Asks only for the counters (a bench's CPU per start).
 KIND_COUNTERS = 2
 FLAG_MEMORY_SOFT_ONLY = 1
-#: The request's third fd is the kernel's status pipe (the wait status, 4 bytes, once it is reaped).
+#: The request's fifth fd is the kernel's status pipe (the wait status, 4 bytes, once it is reaped).
 FLAG_STATUS_FD = 2
-#: pidfd, the kernel's stdout and stderr, its status pipe, then at most this many cgroup join files (v1 `tasks`).
+#: What a fork says on its report pipe once it entered and confined itself: 0, or a negative errno (it exits).
+REPORT = struct.Struct("<q")
+#: A fork request's fds before the status pipe and the cgroups: the sandbox's pid 1, output, go, report.
+FORK_FDS = 4
+#: pidfd, the kernel's stdout and stderr, go, report, its status pipe, then at most this many cgroup join files.
 MAX_CGROUP_FDS = 8
 #: What the kernel runs as by default: today's argv (kernel/process.py) after its launcher (kernel_boot).
 KERNEL_ARGS = (
     "-f", "/run/kernel/connection.json", "--HistoryManager.hist_file=:memory:",
     "--IPKernelApp.quiet=True", "--IPKernelApp.extensions=coderunner_guest",
 )  # fmt: skip
-#: Bound on a fork saying it entered and confined itself (each step is a few syscalls: only a fault waits this long).
-REPORT_TIMEOUT_S = 20.0
+#: Bound on a fork's wait for "go" (the host's own bound on a start is shorter: sandbox/bwrap_template.py).
+GO_TIMEOUT_S = 60.0
 #: The kernel's exit code when it could not enter or confine itself (nothing ran).
 REFUSED = 126
 #: The kernel's exit code when the template's imports are not what its own would find (nothing ran); before it
@@ -161,83 +177,66 @@ def reap(statuses: dict[int, int]) -> None:
 
 
 def fork_kernel(request: tuple, fds: list[int], seccomp: bytes, code: str | None, own_pidfd: int) -> tuple[int, int]:
-    """Fork into the sandbox's pid namespace; the fork enters the rest and confines itself. (0, kernel pid) or
-    (errno, 0). Should the template's own pid namespace not come back, it exits: no later fork may go astray."""
+    """Fork into the sandbox's pid namespace; the fork waits for "go", then enters the rest and confines itself.
+    (0, kernel pid) or (errno, 0). Should the template's own pid namespace not come back, it exits: no later fork
+    may go astray."""
     _, _, uid, gid, flags, memory, nproc, blob = request
     confinement = Confinement(
         uid=uid, gid=gid, seccomp=seccomp, environment=parse_environment(blob),
         memory_bytes=memory or None, memory_soft_only=bool(flags & FLAG_MEMORY_SOFT_ONLY), nproc=nproc or None,
     )  # fmt: skip
-    pidfd, output = fds[0], fds[1]
-    cgroups = tuple(fds[3:] if flags & FLAG_STATUS_FD else fds[2:])
+    pidfd, output, go, report = fds[:FORK_FDS]
+    cgroups = tuple(fds[FORK_FDS + 1 :] if flags & FLAG_STATUS_FD else fds[FORK_FDS:])
     try:
         into_pid_namespace(pidfd)
     except OSError as exc:
         return (exc.errno or errno.EIO, 0)
-    report_read, report_write = os.pipe()
     try:
         kernel = os.fork()
     except OSError as exc:
         kernel = -(exc.errno or errno.EIO)
     if kernel == 0:
-        _kernel(pidfd, output, cgroups, report_write, confinement, code)
+        _kernel(pidfd, output, go, cgroups, report, confinement, code)
     try:
         back_to_own_pid_namespace(own_pidfd)
     except OSError as exc:
         with contextlib.suppress(OSError):
             os.write(2, f"kernel template: {exc}: exiting\n".encode())
         os._exit(1)
-    os.close(report_write)
-    if kernel < 0:
-        os.close(report_read)
-        return (-kernel, 0)
-    try:
-        said = _read_exactly(report_read, 8, REPORT_TIMEOUT_S)
-    finally:
-        os.close(report_read)
-    if len(said) < 8:  # it never said it was confined: nothing of it may run (the serve loop reaps it)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(kernel, signal.SIGKILL)
-        return (errno.ETIMEDOUT, 0)
-    confined = struct.unpack("<q", said)[0]
-    return (-confined, 0) if confined < 0 else (0, kernel)
+    return (-kernel, 0) if kernel < 0 else (0, kernel)
 
 
 def refuse(output: int, report: int, what: str, exc: OSError) -> NoReturn:
-    """Say why on the kernel's stderr and to the template (a negative errno), and exit: nothing ran."""
+    """Say why on the kernel's stderr and to the host (a negative errno), and exit: nothing ran."""
     with contextlib.suppress(OSError):
         os.write(output, f"kernel template: a fork {what}: {exc}\n".encode())
-        os.write(report, struct.pack("<q", -(exc.errno or errno.EIO)))
+        os.write(report, REPORT.pack(-(exc.errno or errno.EIO)))
     os._exit(REFUSED)
 
 
-def _read_exactly(fd: int, size: int, timeout_s: float) -> bytes:
-    """Up to `size` bytes from `fd`: fewer at its end of file or once `timeout_s` passed."""
-    deadline = time.monotonic() + timeout_s
-    data = b""
+def await_go(go: int) -> None:
+    """Until the host says "go" (one byte); its end of file or GO_TIMEOUT_S first: exit, nothing ran."""
     waiting = select.poll()
-    waiting.register(fd, select.POLLIN)
-    while len(data) < size:
-        left_ms = (deadline - time.monotonic()) * 1000
-        if left_ms <= 0 or not waiting.poll(left_ms):
-            break
-        chunk = os.read(fd, size - len(data))
-        if not chunk:
-            break
-        data += chunk
-    return data
+    waiting.register(go, select.POLLIN)
+    if not waiting.poll(GO_TIMEOUT_S * 1000) or os.read(go, 1) != b"1":
+        os._exit(REFUSED)
+    os.close(go)
 
 
 def _kernel(
-    pidfd: int, output: int, cgroups: tuple[int, ...], report: int, confinement: Confinement, code: str | None
-) -> NoReturn:
-    """Made in the sandbox's pid namespace: join the rest of the sandbox, confine, say so, then run the kernel (or
-    `code`); never returns."""
+    pidfd: int, output: int, go: int, cgroups: tuple[int, ...], report: int, confinement: Confinement,
+    code: str | None,
+) -> NoReturn:  # fmt: skip
+    """Made in the sandbox's pid namespace: join its cgroups, wait for "go", join the rest of the sandbox,
+    confine, say so, then run the kernel (or `code`); never returns."""
     try:
-        close_fds_but((pidfd, output, report, *cgroups))
+        close_fds_but((pidfd, output, go, report, *cgroups))
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the template's; the rest are any interpreter's own
-        join(pidfd, cgroups)
+        join_cgroups(cgroups)
+        close_fds_but((pidfd, output, go, report))
+        await_go(go)
+        join(pidfd)
         close_fds_but((output, report))
         confine(confinement)
         # Only now, as the sandbox's user, a path of the sandbox's is opened (its /dev/null; never waits).
@@ -250,7 +249,7 @@ def _kernel(
         _reseed()
     except OSError as exc:
         refuse(output if output > 2 else 2, report, "could not enter or confine itself", exc)
-    os.write(report, struct.pack("<q", 0))
+    os.write(report, REPORT.pack(0))
     os.close(report)
     # The template is free from here. Nothing it imported may be handed over as the user's imports unless it is
     # what they would find: if not, say why and exit; the host starts the kernel cold (kernel/incarnation.py).
@@ -319,7 +318,7 @@ def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
             reap(statuses)
         if sock.fileno() not in ready:
             continue
-        message, fds, _, _ = socket.recv_fds(sock, REQUEST.size, 3 + MAX_CGROUP_FDS)
+        message, fds, _, _ = socket.recv_fds(sock, REQUEST.size, FORK_FDS + 1 + MAX_CGROUP_FDS)
         if not message:
             return
         try:
@@ -329,11 +328,11 @@ def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
             request = REQUEST.unpack(message)
             if request[1] == KIND_COUNTERS:
                 reply(sock)
-            elif request[1] == KIND_FORK and len(fds) >= 2:
+            elif request[1] == KIND_FORK and len(fds) >= FORK_FDS + (1 if request[4] & FLAG_STATUS_FD else 0):
                 error, pid = fork_kernel(request, fds, seccomp, code, own_pidfd)
                 kernel = os.pidfd_open(pid) if pid else None  # its child, not reaped before this loop's next turn
-                if pid and request[4] & FLAG_STATUS_FD and len(fds) >= 3:
-                    statuses[pid] = os.dup(fds[2])  # kept (the request's fds are closed below) until it is reaped
+                if pid and request[4] & FLAG_STATUS_FD:
+                    statuses[pid] = os.dup(fds[FORK_FDS])  # kept (the request's fds are closed below) until reaped
                 try:
                     reply(sock, error, pid, kernel)
                 finally:

@@ -6,8 +6,10 @@ Runs in the template's forked children (guest/kernel_template.py), so stdlib and
 - `into_pid_namespace` (in the template, just before its fork): setns on a pid namespace moves only the caller's
   children, so the template points its next fork into the sandbox's, forks, and points its own back at once
   (`back_to_own_pid_namespace`); one fork, the kernel, is made straight into the sandbox's pid namespace.
-- `join` (in that fork, still the template's root user on the host): no supplementary groups, into the
-  sandbox's cgroups, then setns on a pidfd of the sandbox's pid 1 with all seven namespaces at once. The kernel
+- `join_cgroups` (in that fork, still the template's root user on the host, while bwrap may still build the
+  sandbox): no supplementary groups, into the sandbox's cgroups.
+- `join` (in that fork, once the host said the sandbox is finished): setns on a pidfd of the sandbox's pid 1 with
+  all seven namespaces at once. The kernel
   installs the user namespace first (the innermost one: bwrap's --disable-userns nests a second) and checks the
   others against the caller's rights from before, so a pid 1 that died meanwhile fails the call (ESRCH) rather
   than naming some other process.
@@ -111,13 +113,18 @@ def back_to_own_pid_namespace(own_pidfd: int) -> None:
     _check(_libc.setns(own_pidfd, CLONE_NEWPID), "setns back into the template's own pid namespace")
 
 
-def join(pidfd: int, cgroup_joins: tuple[int, ...] = ()) -> None:
-    """Into the sandbox whose pid 1 `pidfd` holds: groups, cgroups (`cgroup_joins`: its join files, which move
-    the writing thread; a fresh fork is single-threaded), then its namespaces (the pid one, the caller was made
-    in already)."""
-    os.setgroups([])  # an unprivileged sandbox denies setgroups: the host's groups must go before
+def join_cgroups(cgroup_joins: tuple[int, ...]) -> None:
+    """Into the sandbox's cgroups (`cgroup_joins`: its join files, which move the writing thread; a fresh fork is
+    single-threaded), with the host's supplementary groups dropped first (an unprivileged sandbox's user namespace
+    denies setgroups later)."""
+    os.setgroups([])
     for fd in cgroup_joins:
         os.write(fd, b"0")  # "0": the writer itself, into that controller's group of the sandbox
+
+
+def join(pidfd: int) -> None:
+    """Into the namespaces of the sandbox whose pid 1 `pidfd` holds (the pid one, the caller was made in already).
+    The sandbox must be finished (confine checks it): the caller waits for the host's word first."""
     _check(_libc.setns(pidfd, SANDBOX_NAMESPACES), "setns into the sandbox")
 
 

@@ -7,18 +7,26 @@ modules are the sandbox's and it reads nothing a sandbox could not. It keeps its
 ALL): its forks need them to join a sandbox; each drops them all before anything of the sandbox runs.
 
 A kernel from it: the sandbox is built by the bwrap backend as today, with a placeholder as its program;
-`fork_into` hands the template a pidfd of that sandbox's pid 1 (and its cgroups, its environment and
-limits); the fork joins it and is confined as bwrap confines its own child (guest/sandbox_enter.py).
+`begin_fork` hands the template a pidfd of that sandbox's pid 1 (and its cgroups, its environment and limits) as
+soon as bwrap made it, and the template answers with the fork at once; the fork joins the cgroups and waits. Once
+the placeholder says the sandbox is finished, `finish_fork` says "go": the fork enters the sandbox and is confined
+as bwrap confines its own child (guest/sandbox_enter.py), then reports. So the fork and bwrap's mounts and init
+overlap, and the template is busy for a fork only, not for a sandbox's whole start (a burst's starts queue on it).
 
 Used by KernelProcess where the `kernel_template` setting is on (sandbox/template_kernels.py owns the
 template of a server process and says why a kernel starts cold instead).
-The wire format is the template's (REQUEST, REPLY): tests/unit/test_kernel_template.py checks both agree.
+The wire format is the template's (REQUEST, REPLY, REPORT): tests/unit/test_kernel_template.py checks both agree.
+
+One idea: the host's end of one wire protocol, the template's, from its start to a kernel entered into a sandbox
+(its exchanges, the two phases of a fork, its end); the template's own end is guest/kernel_template.py.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
+import select
 import signal
 import socket
 import struct
@@ -41,11 +49,13 @@ from coderunner.vocabulary.sandbox_layout import HOME, SANDBOX_GID, SANDBOX_UID
 ENVIRONMENT_BYTES = 2048
 REQUEST = struct.Struct(f"<4sIIIIQQ{ENVIRONMENT_BYTES}s")
 REPLY = struct.Struct("<4siiQQI")
-MAGIC = b"KTR1"
+MAGIC = b"KTR2"
 KIND_FORK = 1
 KIND_COUNTERS = 2
 FLAG_MEMORY_SOFT_ONLY = 1
 FLAG_STATUS_FD = 2
+#: What a fork reports once it entered and confined itself: 0, or a negative errno (it exits: nothing ran).
+REPORT = struct.Struct("<q")
 #: A kernel's exit code when the template's imports were not what its own would find in its sandbox; it wrote
 #: STALE_PREFIX and why on its stderr first (at most STALE_REASON_BYTES), and a cold kernel starts instead.
 STALE = 123
@@ -76,6 +86,25 @@ class TemplateReply:
     children_cpu_us: int
     threads: int
     pidfd: int | None = None
+
+
+@dataclass
+class PendingFork:
+    """A fork made into a sandbox still being built: it waits for "go" on `go` (the write end: closing it ends the
+    fork), then reports on `report` (the read end). The reply's pidfd is the caller's, as in TemplateReply."""
+
+    reply: TemplateReply
+    go: int
+    report: int
+
+    def abandon(self) -> None:
+        """The start goes no further: the fork reads the end of "go" and exits; every fd here is closed."""
+        for fd in (self.go, self.report, self.reply.pidfd):
+            if fd is not None and fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.go = self.report = -1
+        self.reply = dataclasses.replace(self.reply, pidfd=None)
 
 
 def encode_request(
@@ -263,15 +292,25 @@ class KernelTemplate:
         nproc: int | None = None,
         status_fd: int | None = None,
     ) -> TemplateReply:
-        """A kernel forked into `sandbox` (built from `spec`, its program a placeholder that waits); raises
-        TemplateUnavailable if it could not enter. Its limits and environment are the ones bwrap_argv gives;
-        `status_fd` (a pipe's write end) gets its wait status once the template reaped it."""
+        """A kernel forked into `sandbox` (finished: its placeholder said so); see begin_fork and finish_fork."""
+        return await self.finish_fork(await self.begin_fork(sandbox, spec, output_fd, nproc=nproc, status_fd=status_fd))
+
+    async def begin_fork(
+        self,
+        sandbox: SandboxProcess,
+        spec: SandboxSpec,
+        output_fd: int,
+        *,
+        nproc: int | None = None,
+        status_fd: int | None = None,
+    ) -> PendingFork:
+        """A fork made into `sandbox`'s pid namespace and cgroups (built from `spec`, its program a placeholder;
+        bwrap may still build it) that waits for finish_fork; raises TemplateUnavailable if the template could not
+        make it. Its limits and environment are the ones bwrap_argv gives; `status_fd` (a pipe's write end) gets its
+        wait status once the template reaped it."""
         hold = sandbox.hold
         if not isinstance(hold, BwrapHold) or hold.init is None:
             raise TemplateUnavailable("this sandbox has no pid 1 handle to enter by")
-        cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in sandbox.cgroup.join_files()] if (
-            sandbox.cgroup is not None
-        ) else []  # fmt: skip
         memory = spec.limits.memory_mb * 2**20 if spec.limits.memory_mb is not None else None
         soft = sandbox.cgroup is not None and "memory" in sandbox.cgroup.dirs and memory is not None
         try:
@@ -279,19 +318,59 @@ class KernelTemplate:
                 KIND_FORK, uid=SANDBOX_UID, gid=SANDBOX_GID, memory_bytes=memory, memory_soft_only=soft, nproc=nproc,
                 environment=sandbox_environment(spec_environment(spec)), status_fd=status_fd is not None,
             )  # fmt: skip
-            status = [status_fd] if status_fd is not None else []
-            answer = await self._ask(request, [hold.init, output_fd, *status, *cgroup_fds])
         except ValueError as exc:
             raise TemplateUnavailable(str(exc)) from None
-        finally:
-            for fd in cgroup_fds:
+        cgroup_fds: list[int] = []
+        go_read, go_write = os.pipe2(os.O_CLOEXEC)
+        report_read, report_write = os.pipe2(os.O_CLOEXEC)
+        try:
+            if sandbox.cgroup is not None:
+                cgroup_fds = [os.open(path, os.O_WRONLY | os.O_CLOEXEC) for path in sandbox.cgroup.join_files()]
+            status = [status_fd] if status_fd is not None else []
+            answer = await self._ask(request, [hold.init, output_fd, go_read, report_write, *status, *cgroup_fds])
+        except BaseException:
+            for fd in (go_write, report_read):
                 os.close(fd)
+            raise
+        finally:
+            for fd in (go_read, report_write, *cgroup_fds):  # the fork holds its own
+                os.close(fd)
+        pending = PendingFork(answer, go_write, report_read)
         if answer.error:
-            if answer.pidfd is not None:
-                os.close(answer.pidfd)
+            pending.abandon()
             raise TemplateUnavailable(
-                f"a fork of the kernel template could not enter its sandbox: {os.strerror(answer.error)}"
+                f"the kernel template could not fork into its sandbox: {os.strerror(answer.error)}"
             )
+        return pending
+
+    async def finish_fork(self, pending: PendingFork) -> TemplateReply:
+        """Say "go" to a fork from begin_fork (its sandbox is finished now) and wait, bounded by FORK_TIMEOUT_S, for
+        it to say it entered and confined itself; its reply (the caller closes the pidfd). On any failure, or a
+        cancel, the fork is ended (the end of "go", or a SIGKILL by its pidfd) and TemplateUnavailable says why."""
+        try:
+            with contextlib.suppress(BrokenPipeError):  # it exited already: its report's end says so
+                os.write(pending.go, b"1")
+            with anyio.move_on_after(FORK_TIMEOUT_S):
+                await anyio.wait_readable(pending.report)
+            said = os.read(pending.report, REPORT.size) if _readable(pending.report) else None
+            error = REPORT.unpack(said)[0] if said is not None and len(said) == REPORT.size else None
+            if error != 0:
+                if said is None:
+                    why = f"it did not say it was confined within {FORK_TIMEOUT_S:g}s"
+                elif error is None:
+                    why = "it exited before it said it was confined (its output says why)"
+                else:
+                    why = os.strerror(-error)
+                if pending.reply.pidfd is not None:
+                    with contextlib.suppress(ProcessLookupError):
+                        signal.pidfd_send_signal(pending.reply.pidfd, signal.SIGKILL)
+                raise TemplateUnavailable(f"a fork of the kernel template could not enter its sandbox: {why}")
+        except BaseException:
+            pending.abandon()
+            raise
+        answer = pending.reply
+        pending.reply = dataclasses.replace(answer, pidfd=None)  # the caller's now
+        pending.abandon()
         return answer
 
     async def spawn_entered(
@@ -303,18 +382,27 @@ class KernelTemplate:
         *,
         status_fd: int | None = None,
     ) -> tuple[SandboxProcess, TemplateReply]:
-        """A sandbox built by `backend` as today around PLACEHOLDER, once finished entered by a fork of this
-        template (its stdout and stderr `output_fd`; `status_fd`: see fork_into), with the RLIMIT_NPROC the
-        backend gives a cold kernel where there are no cgroups; the sandbox is killed if the fork could not enter."""
+        """A sandbox built by `backend` as today around PLACEHOLDER, entered by a fork of this template (its stdout
+        and stderr `output_fd`; `status_fd`: see begin_fork) made while bwrap builds it and let in once it is
+        finished, with the RLIMIT_NPROC the backend gives a cold kernel where there are no cgroups; the sandbox is
+        killed if the fork could not enter."""
         nproc = backend.nproc_limit(spec)  # counted before the sandbox starts, as a cold start counts it
         sandbox = await backend.spawn(spec, PLACEHOLDER, task_group, pipes=True)
+        pending: PendingFork | None = None
         try:
+            hold = sandbox.hold
+            if isinstance(hold, BwrapHold) and hold.init is not None:  # else bwrap failed: its placeholder says why
+                pending = await self.begin_fork(sandbox, spec, output_fd, nproc=nproc, status_fd=status_fd)
             with anyio.fail_after(FORK_TIMEOUT_S):
                 said = await sandbox.streams[1].receive()
             if not said.startswith(b"ready"):
                 raise TemplateUnavailable(f"the sandbox's placeholder said {said[:100]!r}, not that it is ready")
-            return sandbox, await self.fork_into(sandbox, spec, output_fd, nproc=nproc, status_fd=status_fd)
+            if pending is None:
+                pending = await self.begin_fork(sandbox, spec, output_fd, nproc=nproc, status_fd=status_fd)
+            return sandbox, await self.finish_fork(pending)
         except BaseException:
+            if pending is not None:
+                pending.abandon()
             with anyio.CancelScope(shield=True):
                 await sandbox.kill()
             raise
@@ -330,3 +418,11 @@ class KernelTemplate:
             if self.process.returncode is None:
                 self._kill_group()
                 await self.process.wait()
+
+
+def _readable(fd: int) -> bool:
+    """Whether a read of `fd` would not block now (data, or its end of file). poll, not select: a server with
+    many sessions holds fds above select's 1,024."""
+    waiting = select.poll()
+    waiting.register(fd, select.POLLIN)
+    return bool(waiting.poll(0))
