@@ -33,7 +33,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
 
 from coderunner.config import Settings, load_settings
-from coderunner.hostfs.session_dirs import remove_stale_dirs
+from coderunner.hostfs.session_dirs import MADE_AHEAD, remove_stale_dirs
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
 from coderunner.sandbox.gvisor import BACKEND_DIR as GVISOR_DIR
@@ -91,6 +91,23 @@ class ServerDirs:
     root: Path
     runtime: Path
     workspaces: Path
+
+    def made_ahead(self) -> set[str]:
+        """Keys of the dirs a server made ahead of a create (hostfs/session_dirs.py: MADE_AHEAD): no session's."""
+        return {mark.parent.name for mark in self.runtime.glob(f"*/{MADE_AHEAD}")}
+
+    def session_runtime_dirs(self) -> list[Path]:
+        """RUNTIME/<key> of the sandboxes (sessions' and one-shot runs'), not the dirs made ahead nor the guest."""
+        ahead = self.made_ahead()
+        return [
+            entry for entry in self.runtime.iterdir()
+            if entry.is_dir() and not entry.name.startswith("guest") and entry.name not in ahead
+        ]  # fmt: skip
+
+    def session_workspaces(self) -> list[Path]:
+        """The sandboxes' workspaces (each a folder, and as root an .img file beside it), not those made ahead."""
+        ahead = self.made_ahead()
+        return [entry for entry in self.workspaces.iterdir() if entry.name.removesuffix(".img") not in ahead]
 
 
 @pytest.fixture

@@ -173,9 +173,7 @@ async def test_timeouts_kill_the_run_and_leave_nothing(
     assert "timed out after 1.5s" in done["stderr"]
     assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=10)
     # Its dirs go just after the reply.
-    assert await wait_until(
-        lambda: not [entry for entry in dirs.runtime.iterdir() if entry.is_dir() and not entry.name.startswith("guest")]
-    )
+    assert await wait_until(lambda: not dirs.session_runtime_dirs())
     assert text_of(await run(client, "'still serving'")).startswith("'still serving'")
 
 

@@ -214,8 +214,8 @@ async def test_an_unknown_tool_is_an_error_not_a_crash(dirs: ServerDirs) -> None
 
 
 def workspaces(dirs: ServerDirs) -> list[str]:
-    """Open sessions' workspace folders (as root each also has a .img file beside it)."""
-    return [entry.name for entry in dirs.workspaces.iterdir() if entry.is_dir()]
+    """Open sessions' workspace folders (not the one made ahead for the next create)."""
+    return [entry.name for entry in dirs.session_workspaces() if entry.is_dir()]
 
 
 @pytest.mark.parametrize("transport", ["streamable-http", "sse"])

@@ -180,13 +180,13 @@ async def test_two_sessions_see_neither_variables_nor_files(client: Client, dirs
     result = await run(client, "import os\nsorted(os.listdir('.'))", session_id=other)
     assert "mine.txt" not in text_of(result)
     # The other session's workspace, by its host path, does not exist inside this sandbox.
-    host_workspaces = [str(path) for path in dirs.workspaces.iterdir() if path.is_dir()]
+    host_workspaces = [str(path) for path in dirs.session_workspaces() if path.is_dir()]
     assert len(host_workspaces) == 2
     outcome = await probe(client, f"PATHS = {[p + '/mine.txt' for p in host_workspaces]!r}\n{READ_ATTEMPT}",
                           session_id=other)  # fmt: skip
     assert all(value != "READ" for value in outcome.values()), outcome
     # Nor the other session's kernel sockets: of the two runtime dirs, only its own exists inside.
-    runtime_dirs = [str(path) for path in dirs.runtime.glob("*/run")]
+    runtime_dirs = [str(path / "run") for path in dirs.session_runtime_dirs()]
     assert len(runtime_dirs) == 2
     visible = await probe(
         client,

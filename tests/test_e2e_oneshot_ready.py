@@ -175,10 +175,7 @@ async def test_a_run_refused_before_its_program_starts_leaves_no_sandbox(client:
     assert result.is_error and "NUL character" in text_of(result), text_of(result)
     # Only the sandbox started ahead for the next run is left (bwrap and its pid 1).
     assert await wait_until(lambda: len(sandbox_processes_alive(dirs)) <= 2, timeout_s=10)
-    assert await wait_until(
-        lambda: len([entry for entry in dirs.runtime.iterdir() if not entry.name.startswith("guest")]) <= 1,
-        timeout_s=10,
-    )
+    assert await wait_until(lambda: len(dirs.session_runtime_dirs()) <= 1, timeout_s=10)
     done = await execute(client, "bash", "echo fine")
     assert done["stdout"] == "fine\n"
 

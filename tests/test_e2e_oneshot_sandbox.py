@@ -44,6 +44,12 @@ def host_mounts_under(path: os.PathLike[str]) -> list[str]:
         return [line.split()[4] for line in handle if line.split()[4].startswith(str(path))]
 
 
+def run_mounts_under(dirs: ServerDirs) -> list[str]:
+    """Mounts under the server's dirs but the workspace made ahead for a session's create."""
+    ahead = {str(dirs.workspaces / key) for key in dirs.made_ahead()}
+    return [point for point in host_mounts_under(dirs.root) if point not in ahead]
+
+
 #: Prints the workspace's mount line as the sandbox sees it, then tries to write past the cap.
 FILL = (
     "grep ' /workspace ' /proc/self/mountinfo\n"
@@ -68,8 +74,9 @@ async def test_a_one_shot_workspace_is_a_capped_tmpfs_and_leaves_no_mount(client
     again = await execute(client, "bash", "echo fresh > /workspace/f && ls /workspace")
     assert again["stdout"] == "f\n" and again["success"], again
     # A run's dirs go just after its reply.
-    assert await wait_until(lambda: host_mounts_under(dirs.workspaces) == [], timeout_s=10)
-    assert await wait_until(lambda: list(dirs.workspaces.iterdir()) == [], timeout_s=10)
+    # (The workspace a session's create would take, made ahead, stays: it is no run's.)
+    assert await wait_until(lambda: run_mounts_under(dirs) == [], timeout_s=10)
+    assert await wait_until(lambda: dirs.session_workspaces() == [], timeout_s=10)
 
 
 @root_only
@@ -134,6 +141,6 @@ async def test_a_run_cut_short_by_the_server_stopping_leaves_no_mount(dirs: Serv
     """Cancelled mid-run (its client went, the server stops): its workspace and outbox still go."""
     async with memory_client(server_env(dirs)) as client, anyio.create_task_group() as tg:
         tg.start_soon(client.call_tool, "execute_code", {"language": "bash", "code": "sleep 30", "timeout_s": 60})
-        assert await wait_until(lambda: bool(host_mounts_under(dirs.root)), timeout_s=10)
+        assert await wait_until(lambda: bool(run_mounts_under(dirs)), timeout_s=10)
         tg.cancel_scope.cancel()
     assert await wait_until(lambda: not host_mounts_under(dirs.root), timeout_s=10), host_mounts_under(dirs.root)

@@ -170,8 +170,8 @@ async def test_no_kernel_key_is_where_another_sandbox_of_the_session_can_read_it
 
 
 def session_keys(dirs: ServerDirs) -> list[str]:
-    """The names of the sessions' dirs in the runtime dir (and of their sandboxes)."""
-    return [entry.name for entry in dirs.runtime.iterdir() if re.fullmatch("[0-9a-f]{8}", entry.name)]
+    """The names of the sessions' dirs in the runtime dir (and of their sandboxes), not those made ahead."""
+    return [entry.name for entry in dirs.session_runtime_dirs() if re.fullmatch("[0-9a-f]{8}", entry.name)]
 
 
 def session_key(dirs: ServerDirs) -> str:
@@ -209,7 +209,7 @@ async def test_closing_after_a_reset_leaves_nothing(dirs: ServerDirs) -> None:
         assert not closed.is_error, text_of(closed)
         assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "a sandbox outlived its closed session"
         assert not (dirs.runtime / key).exists(), "the closed session's dirs are left"
-        assert not any(dirs.workspaces.iterdir()), "the closed session's workspace is left"
+        assert not dirs.session_workspaces(), "the closed session's workspace is left"
         assert not session_cgroups(key), session_cgroups(key)
 
 
@@ -224,7 +224,7 @@ async def test_closing_while_the_standby_starts_leaves_nothing(dirs: ServerDirs)
             closed = await client.call_tool("manage_sessions", {"action": "close", "session_id": sid})
             assert not closed.is_error, text_of(closed)
             assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "a standby outlived its session"
-            assert not any(dirs.workspaces.iterdir()), "the closed session's workspace is left"
+            assert not dirs.session_workspaces(), "the closed session's workspace is left"
             assert not session_keys(dirs), "the closed session's dirs are left"
 
 

@@ -2,6 +2,8 @@
 
     RUNTIME/<key>/        host-only (the server's; passable, not listable, for sandbox users)
         lock              flock held while a live server owns these dirs
+        made-ahead        there while no sandbox has these dirs yet: the server made them ahead of
+                          a create (sessions/leases.py); the create that takes them removes it
         host/             host-only, bound READ-ONLY at the same path: etc files, connection
                           files, one-shot inputs. The host writes here, never where the sandbox can.
         run/              the sandbox's own (its uid), bound read-write at the same path: the
@@ -61,6 +63,8 @@ NEW_KEY = re.compile(re.escape(NEW_PREFIX) + KEY.pattern)
 #: A dir without a lock file this long after its last change is abandoned (making or removing one
 #: takes milliseconds between the steps that leave it without a lock).
 ABANDONED_AFTER_S = hostfs.ABANDONED_AFTER_S
+#: In RUNTIME/<key> while the dirs were made ahead and no sandbox has them yet.
+MADE_AHEAD = "made-ahead"
 #: Rounds of ending a dead sandbox's processes and removing its workspace, in one sweep.
 DEAD_SANDBOX_TRIES = 3
 
@@ -139,6 +143,11 @@ class SandboxDirs:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=self.sock_fd)
 
+    def taken(self) -> None:
+        """Dirs made ahead are a sandbox's from now on: their MADE_AHEAD mark goes (RUNTIME/<key> is host-only)."""
+        with hostfs.dir_fd(self.top) as top, contextlib.suppress(FileNotFoundError):
+            os.unlink(MADE_AHEAD, dir_fd=top)
+
     def close(self) -> list[str]:
         """Remove everything (the workspace too unless persistent); what could not be removed, and why."""
         if self._closed:
@@ -161,8 +170,10 @@ def open_sandbox_dirs(
     dir_mode: int,
     user: HostIdentity | None,
     make_workspace: Callable[[str, tuple[int, int] | None], Workspace],
+    ahead: bool = False,
 ) -> SandboxDirs:
-    """Create a sandbox's dirs (see the module docstring); raises SessionDirsError."""
+    """Create a sandbox's dirs (see the module docstring), marked MADE_AHEAD if `ahead` (before they have
+    their name: nothing sees them unmarked); raises SessionDirsError."""
     owner = (user.uid, user.gid) if user is not None else None
     fds: list[int] = []
     try:
@@ -173,6 +184,8 @@ def open_sandbox_dirs(
             fds += [lock_fd, top_fd]
             try:
                 fds += _fill_session_dir(top_fd, network, owner)
+                if ahead:
+                    hostfs.write_new_file(top_fd, MADE_AHEAD, b"", mode=0o600)
                 hostfs.publish_dir(base_fd, key)
             except BaseException:
                 with contextlib.suppress(OSError):

@@ -4,6 +4,12 @@ Sessions and one-shot runs both take a SandboxLease here before they start a san
 it when it ends, so the order (uid, dirs and workspace, mounts, egress; then the reverse) is written once.
 The layout itself is session_dirs.py's; the workspace is hostfs/workspaces.py's. The slow parts (mkfs,
 mount, an id-map helper, chown walks) run in worker threads.
+
+One set of dirs is kept made ahead (`keep_spare`): a session's create with the server's default network and disk
+size takes it, and the next is made in the background. A capped workspace is an image that mkfs formats and a loop
+mount (about 10 ms of a create's 80 on the kernel template's path); the spare holds nothing else (no process, no
+memory), is this server's alone (its dirs are locked by it, as a session's are, so its sweeper removes them should
+it die), and is removed when the server closes.
 """
 
 from __future__ import annotations
@@ -11,7 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import anyio
@@ -44,6 +50,7 @@ class SandboxLeases:
     backend: SandboxBackend
     #: A root server's per-sandbox host uids (None: all sandboxes run as one user).
     users: UidPool | None = None
+    _spare: _Spare = field(default_factory=lambda: _Spare())
 
     async def lease(
         self, options: SandboxOptions, throwaway: bool = False, owner: tuple[int, int] | None = None
@@ -51,15 +58,84 @@ class SandboxLeases:
         """A new lease holding the sandbox's dirs (see open_dirs); its mounts and egress are added to it."""
         return SandboxLease(self, options, await self.open_dirs(options, throwaway, owner))
 
+    def keep_spare(self, options: SandboxOptions, task_group: TaskGroup) -> None:
+        """From now on, keep one set of dirs for `options` (the server's defaults) made ahead in `task_group`;
+        close_spare ends it."""
+        self._spare.options, self._spare.task_group = options, task_group
+        self._refill_spare()
+
+    async def spare_key(self) -> str | None:
+        """The key of the dirs kept ahead (None: none are), once any being made are (what tests tell apart from a
+        session's dirs)."""
+        if (making := self._spare.making) is not None:
+            await making.wait()
+        return self._spare.dirs.key if self._spare.dirs is not None else None
+
+    async def close_spare(self) -> None:
+        """Make no more spares, and remove the one kept (once one being made is done)."""
+        spare = self._spare
+        spare.closed = True
+        with anyio.CancelScope(shield=True):
+            if spare.making is not None:
+                await spare.making.wait()
+            if spare.dirs is not None:
+                dirs, spare.dirs = spare.dirs, None
+                await self.close_dirs(dirs)
+
+    def _take_spare(
+        self, options: SandboxOptions, throwaway: bool, owner: tuple[int, int] | None
+    ) -> SandboxDirs | None:
+        """The spare, if it fits `options` (a session's non-persistent workspace of the spare's network and size)."""
+        spare = self._spare
+        if spare.dirs is None or spare.options is None or throwaway or owner is not None or options.persistent:
+            return None
+        if (options.network, options.limits.disk_mb) != (spare.options.network, spare.options.limits.disk_mb):
+            return None
+        dirs, spare.dirs = spare.dirs, None
+        dirs.taken()
+        self._refill_spare()
+        return dirs
+
+    def _refill_spare(self) -> None:
+        spare = self._spare
+        if spare.closed or spare.dirs is not None or spare.task_group is None or spare.making is not None:
+            return
+        spare.making = anyio.Event()
+        spare.task_group.start_soon(self._make_spare, spare.making)
+
+    async def _make_spare(self, made: anyio.Event) -> None:
+        spare = self._spare
+        assert spare.options is not None
+        try:
+            with anyio.CancelScope(shield=True):  # made whole, then kept or removed: never left half-made
+                dirs = await self._make_dirs(spare.options, False, None, ahead=True)
+                if spare.closed:
+                    await self.close_dirs(dirs)
+                else:
+                    spare.dirs = dirs
+        except SessionError as exc:  # the next create makes its own, and says why if it cannot either
+            log.warning("could not make a session's dirs ahead: %s", exc)
+        finally:
+            spare.making = None
+            made.set()
+
     async def open_dirs(
         self, options: SandboxOptions, throwaway: bool = False, owner: tuple[int, int] | None = None
     ) -> SandboxDirs:
-        """A sandbox's host side (see session_dirs.py), made in a worker thread: creating a capped
-        workspace runs mkfs and mount. Raises SessionError.
+        """A sandbox's host side (see session_dirs.py): the spare if it fits, else made in a worker thread
+        (creating a capped workspace runs mkfs and mount). Raises SessionError.
 
         `throwaway` (a one-shot run): the capped workspace is a tmpfs, at most the memory limit in size.
         `owner`: the host (uid, gid) a gVisor checkpoint's processes run as, for its restored copy.
         """
+        spare = self._take_spare(options, throwaway, owner)
+        if spare is not None:
+            return spare
+        return await self._make_dirs(options, throwaway, owner)
+
+    async def _make_dirs(
+        self, options: SandboxOptions, throwaway: bool, owner: tuple[int, int] | None, ahead: bool = False
+    ) -> SandboxDirs:
         stable = f"named/{options.client}/{options.name}" if options.persistent else None
         if self.users is None:
             user = self.backend.identity
@@ -99,6 +175,7 @@ class SandboxLeases:
                 dir_mode=self.backend.dir_mode,
                 user=user,
                 make_workspace=make_workspace,
+                ahead=ahead,
             )
 
         try:
@@ -140,6 +217,18 @@ class SandboxLeases:
                                   self.export_plan(options.client), fresh_workspace=fresh)  # fmt: skip
         except (MountsError, ExportError, OSError) as exc:
             raise SessionError(f"could not prepare the sandbox's folders: {exc}") from None
+
+
+@dataclass
+class _Spare:
+    """The dirs SandboxLeases keeps made ahead: for which options, where they are made, and, while one is being
+    made, what is set once it is."""
+
+    options: SandboxOptions | None = None
+    task_group: TaskGroup | None = None
+    dirs: SandboxDirs | None = None
+    making: anyio.Event | None = None
+    closed: bool = False
 
 
 @dataclass(eq=False)

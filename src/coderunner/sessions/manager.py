@@ -139,6 +139,10 @@ class SessionManager:
                 save_kept_states, self.settings.keep_state_save_idle_s, self.list, self.snapshots
             )
         self.services = HostServices(self.settings, self.backend, self.base_mounts, self.snapshots, self.options)
+        try:
+            self.leases.keep_spare(self.options(), self._task_group)  # a create's dirs and workspace, made ahead
+        except SessionError as exc:  # the defaults themselves refused: each create says why
+            log.warning("no session dirs made ahead: %s", exc)
         if self.pool.enabled and (self.settings.pool_take_apply or self.settings.network != NetworkMode.ALLOWLIST):
             # An allowlist sandbox's proxy is its session's alone: a pooled one's is served from its take on
             # (warm_take.py); without pool_take_apply such a sandbox starts cold.
@@ -197,6 +201,7 @@ class SessionManager:
         log.info("closed %d session(s) in %.2fs", count, time.monotonic() - began)
         if self.template is not None:
             await self.template.close()
+        await self.leases.close_spare()
         assert self._task_group is not None
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(None, None, None)
@@ -486,7 +491,7 @@ class SessionManager:
                 await self.close(session_id)
 
     async def close_all(self) -> None:
-        """Close every session (and the pool); a second caller waits for the first to finish."""
+        """Close every session (and the pool, and the dirs made ahead); a second caller waits for the first."""
         if self._closing_all is not None:
             await self._closing_all.wait()
             return
@@ -503,6 +508,7 @@ class SessionManager:
         self._sessions.clear()
         self._default_ids.clear()
         async with anyio.create_task_group() as tg:
+            tg.start_soon(self.leases.close_spare)
             for session in sessions:
                 tg.start_soon(self._close_session, session)
 
