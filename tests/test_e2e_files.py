@@ -370,7 +370,7 @@ async def test_named_persistent_workspace_survives_close_and_server_restart(dirs
         result = await run(client, "sorted(os.listdir('.')) if (os := __import__('os')) else 0",
                            session_id=reopened["session_id"])  # fmt: skip
         assert "kept.txt" in text_of(result)
-    leftovers = sorted(path.name for path in dirs.workspaces.iterdir() if path.is_dir())
+    leftovers = sorted(path.name for path in dirs.session_workspaces() if path.is_dir())
     assert leftovers == ["named"], "temporary workspaces are removed, the named one is kept"
     assert (dirs.workspaces / "named" / "local" / "analysis").is_dir(), "a name belongs to its client (stdio: local)"
 

@@ -40,10 +40,11 @@ RETRY_PAUSE_S = 2.0
 
 
 def workspaces(dirs: ServerDirs) -> set[str]:
-    """The sandboxes' workspace dirs (as root each has a quota image beside it, NAME.img)."""
+    """The sandboxes' workspace dirs (as root each has a quota image beside it, NAME.img), not the one made ahead
+    for a create."""
     if not dirs.workspaces.exists():
         return set()
-    return {name for name in os.listdir(dirs.workspaces) if (dirs.workspaces / name).is_dir()}
+    return {path.name for path in dirs.session_workspaces() if path.is_dir()}
 
 
 def workspace_holding(dirs: ServerDirs, marker: str) -> Path:

@@ -127,7 +127,7 @@ async def open_arena(
         bystander = json.loads(text_of(created))["session_id"]
         await run(client, f"guarded = {BYSTANDER_VALUE!r}\nopen('bystander.txt', 'w').write('mine')",
                   session_id=bystander)  # fmt: skip
-        [workspace] = [path for path in dirs.workspaces.iterdir() if path.is_dir()]
+        [workspace] = [path for path in dirs.session_workspaces() if path.is_dir()]
         yield Arena(client, dirs, bystander, workspace, host_listeners)
 
 
