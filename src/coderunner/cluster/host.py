@@ -72,8 +72,9 @@ COLD_QUEUE_S = 120.0
 #: How often a front door that keeps pools warm visits every node's agent (an agent unvisited ends: agent.py).
 AGENT_SCAN_S = 30.0
 #: A refused session id (unknown, or another client's) is answered this long after its lookup began, whatever
-#: the lookup took: well above an agent's answer (a few ms; a first lookup of its name by Ray too).
-REFUSAL_S = 0.1
+#: the lookup took: well above an agent's answer (a few ms; a first lookup of its name by Ray too). Not 0.1 s:
+#: on a loaded 2-core machine (a CI run) one lookup took 0.21 s, and its refusal then came late enough to tell.
+REFUSAL_S = 0.5
 #: How many times a create is placed when the chosen agent has no room by the time it opens (a burst's creates
 #: read the same loads); the last refusal is the caller's.
 PLACEMENTS = 3
