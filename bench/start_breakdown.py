@@ -10,8 +10,10 @@ pool_size 0 and no reset standby: every create is a real start, nothing started 
 alternate in shuffled rounds, each to the first `1+1` result, then the session is closed. Each step is timed by
 wrapping the method that does it (nothing in src changes for this):
 
-    dirs+workspace   SandboxLeases.lease: the session's dirs, its host uid, its workspace
-      workspace      of which Workspace.create (a capped one: an image, mkfs.ext4 and a loop mount)
+    dirs+workspace   SandboxLeases.lease: the session's dirs, its host uid, its workspace (near 0 when it takes
+                     the dirs made ahead)
+      workspace      Workspace.create (a capped one: an image, mkfs.ext4 and a loop mount), on the create's path
+                     or, for the dirs made ahead, beside it (the refill the take started)
     mounts           SandboxLease.mount: the mount plan and outbox (a thread)
     cgroup           BwrapBackend._cgroup_for: mkdir and limits in cgroupfs (a thread)
     argv             BwrapCommand.argv: building bwrap's argv
