@@ -302,7 +302,7 @@ class Bench:
                 if not said.startswith(b"ready"):
                     raise RuntimeError(f"the placeholder said {said!r}")
                 started.ready_ms = (time.perf_counter() - began) * 1000
-                answer = await template.fork_into(started.sandbox, spec, 2)
+                answer = await template.finish_fork(await template.begin_fork(started.sandbox, spec, 2))
                 if answer.pidfd is not None:
                     os.close(answer.pidfd)
                 started.entered_ms = (time.perf_counter() - began) * 1000 - started.ready_ms

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import select
 import signal
 import socket
 import struct
@@ -283,18 +282,6 @@ class KernelTemplate:
     async def counters(self) -> TemplateReply:
         return await self._ask(encode_request(KIND_COUNTERS), [])
 
-    async def fork_into(
-        self,
-        sandbox: SandboxProcess,
-        spec: SandboxSpec,
-        output_fd: int,
-        *,
-        nproc: int | None = None,
-        status_fd: int | None = None,
-    ) -> TemplateReply:
-        """A kernel forked into `sandbox` (finished: its placeholder said so); see begin_fork and finish_fork."""
-        return await self.finish_fork(await self.begin_fork(sandbox, spec, output_fd, nproc=nproc, status_fd=status_fd))
-
     async def begin_fork(
         self,
         sandbox: SandboxProcess,
@@ -350,9 +337,9 @@ class KernelTemplate:
         try:
             with contextlib.suppress(BrokenPipeError):  # it exited already: its report's end says so
                 os.write(pending.go, b"1")
-            with anyio.move_on_after(FORK_TIMEOUT_S):
+            with anyio.move_on_after(FORK_TIMEOUT_S) as waiting:
                 await anyio.wait_readable(pending.report)
-            said = os.read(pending.report, REPORT.size) if _readable(pending.report) else None
+            said = None if waiting.cancelled_caught else os.read(pending.report, REPORT.size)
             error = REPORT.unpack(said)[0] if said is not None and len(said) == REPORT.size else None
             if error != 0:
                 if said is None:
@@ -418,11 +405,3 @@ class KernelTemplate:
             if self.process.returncode is None:
                 self._kill_group()
                 await self.process.wait()
-
-
-def _readable(fd: int) -> bool:
-    """Whether a read of `fd` would not block now (data, or its end of file). poll, not select: a server with
-    many sessions holds fds above select's 1,024."""
-    waiting = select.poll()
-    waiting.register(fd, select.POLLIN)
-    return bool(waiting.poll(0))
