@@ -37,6 +37,7 @@ class StandIn:
         self.sock = sock
         self.release = release
         self.received = threading.Event()
+        self.answered = threading.Event()  # set once a reply is sent and this end's copy of its pidfd closed
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
@@ -55,6 +56,7 @@ class StandIn:
             socket.send_fds(self.sock, [REPLY.pack(MAGIC, 0, kind, 0, 0, 1)], pidfd)
             for fd in pidfd:
                 os.close(fd)
+            self.answered.set()
 
 
 @asynccontextmanager
@@ -98,6 +100,7 @@ async def test_a_caller_cancelled_while_the_template_works_leaves_the_next_excha
                     await anyio.sleep(0.01)
             group.cancel_scope.cancel()
             release.set()  # it answers after its caller was cancelled
+        assert stand_in.answered.wait(5)  # the stand-in's own copy of that pidfd is closed too (it raced this check)
         assert open_pidfds() <= before  # the fork's pidfd that reply carried was closed, not leaked
         with anyio.fail_after(10):
             counters = await kept._ask(encode_request(bwrap_template.KIND_COUNTERS), [])
