@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from coderunner.cluster.placement import MIB, Request, best_of, check_fits, check_home, describe_node, no_room, room_for
@@ -201,14 +202,18 @@ async def test_a_placement_asks_two_agents_and_the_others_only_when_neither_has_
     request = Request.of(options(512, 0.5), "bwrap")
     for _ in range(20):
         asked.append([])
-        chosen, handle = await agents.place(request, nodes, warm_wanted=False)
+        agents._known.clear()  # each placement asks (answers kept are the next test's)
+        async with anyio.create_task_group() as group:
+            chosen, handle = await agents.place(request, nodes, False, group)
         assert chosen == "d" * 56 and handle == "agent of d"  # the one node with room
         # The first two asked at once; the next two only because those had no room.
         assert len(asked[-1]) == (2 if "d" * 56 in asked[-1][:2] else 4), asked[-1]
     assert {tuple(sorted(pair[:2])) for pair in asked} != {("a" * 56, "b" * 56)}  # chosen at random
     loads["d" * 56] = load("d" * 56, 16, 0.1, 512)
-    with pytest.raises(SessionError, match="no node has room for this session now"):
-        await agents.place(request, nodes, warm_wanted=False)
+    agents._known.clear()
+    async with anyio.create_task_group() as group:
+        with pytest.raises(SessionError, match="no node has room for this session now"):
+            await agents.place(request, nodes, False, group)
 
 
 class VisitedAgent:
@@ -225,12 +230,13 @@ class VisitedAgent:
 
 
 @pytest.mark.anyio
-async def test_placements_right_after_a_visit_use_its_answers_with_what_was_placed_since(
+async def test_placements_choose_by_the_agents_last_answers_and_ask_again_behind_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A burst costs one round trip to the agents: the placements that follow a visit within KNOWN_LOAD_S
-    choose by its answers plus what they placed (so they spread, and a warm sandbox is taken once), and a
-    placement asked `fresh` (after a NoRoomNow), or one after KNOWN_LOAD_S, asks again."""
+    """No placement waits for a round trip while the agents' answers are under USABLE_LOAD_S old: they choose
+    with what this front door placed since (so a burst spreads, and a warm sandbox is taken once), and an
+    answer older than KNOWN_LOAD_S that placed something is asked again in the background. A placement asked
+    `fresh` (after a NoRoomNow), or one with an answer older than USABLE_LOAD_S, asks first."""
     from coderunner.cluster import agents as agents_module
 
     now = [1000.0]
@@ -243,22 +249,36 @@ async def test_placements_right_after_a_visit_use_its_answers_with_what_was_plac
         agents._handles[(node_id, agents.key)] = handle
     request = Request.of(options(512, 0.5), "bwrap")
 
-    placed = [(await agents.place(request, nodes, warm_wanted=True))[0] for _ in range(3)]
-    assert [handle.visits for handle in handles.values()] == [1, 1]  # one visit each, for three placements
+    async def place(warm_wanted: bool = False, fresh: bool = False) -> str:
+        async with anyio.create_task_group() as group:  # left once the background asks are answered
+            return (await agents.place(request, nodes, warm_wanted, group, fresh=fresh))[0]
+
+    def visits() -> list[int]:
+        return [handle.visits for handle in handles.values()]
+
+    placed = [await place(warm_wanted=True) for _ in range(3)]
+    assert visits() == [1, 1]  # one visit each, for three placements
     # a's warm sandbox first; then b, the lighter once a's is counted; then a again (both hold one more).
     assert placed == [a, b, a], placed
     assert agents._known[a][1] == load(a, sessions=2, cpus=1.0, memory_mb=1024, warm=0)
 
     now[0] += agents_module.KNOWN_LOAD_S / 2
-    assert (await agents.place(request, nodes, warm_wanted=False))[0] == b  # 0.75 of 2 CPUs against 1.0
-    assert [handle.visits for handle in handles.values()] == [1, 1]
-    await agents.place(request, nodes, warm_wanted=False, fresh=True)
-    assert [handle.visits for handle in handles.values()] == [2, 2]  # asked again: the agents' own answers
+    assert await place() == b  # 0.75 of 2 CPUs against 1.0
+    assert visits() == [1, 1]  # answers this young are not asked again
+    assert await place(fresh=True) in (a, b)
+    assert visits() == [2, 2]  # asked first: the agents' own answers
 
-    now[0] += agents_module.KNOWN_LOAD_S + 0.1
-    handles[a].answer = load(a, sessions=4, cpus=2.0, memory_mb=2048)  # full now, by another front door
-    assert (await agents.place(request, nodes, warm_wanted=False))[0] == b
-    assert [handle.visits for handle in handles.values()] == [3, 3]  # stale answers were not used
+    now[0] += agents_module.KNOWN_LOAD_S + 0.1  # the fresh placement went to a, the lighter: b is now
+    handles[b].answer = load(b, sessions=4, cpus=2.0, memory_mb=2048)  # full now, by another front door
+    assert await place() == b  # placed by the aging answers, at once (b's agent would refuse: NoRoomNow)...
+    assert visits() == [3, 3]  # ...and both asked again behind it
+    assert await place() == a  # the next placement sees b full
+    assert visits() == [3, 3]
+
+    now[0] += agents_module.USABLE_LOAD_S + 0.1
+    handles[a].answer, handles[b].answer = load(a, sessions=2, cpus=1.0, memory_mb=1024), load(b)
+    assert await place() == b  # answers this old are not used: both asked first
+    assert visits() == [4, 4]
 
     agents.forget(b, handles[b])
     assert b not in agents._known  # a lost agent's answer is dropped with its handle

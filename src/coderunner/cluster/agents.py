@@ -7,9 +7,13 @@ first time it meets a node (or an id of another key), and forgets a handle whose
 Placement (placement.py): the nodes that could ever hold the request (its labels, the node's totals),
 two of them at random, the lighter with room chosen, the others asked only when neither has room; a
 session whose snapshot or workspace is on one node goes to that node's. What two agents hold is asked
-of them, unless both answered a moment ago (KNOWN_LOAD_S): then their answers, with what this front
-door placed on them since, choose, and a burst of creates or back-to-back runs costs no round trip each.
-An agent a stale answer misjudged refuses (NoRoomNow), and the create is placed again on fresh answers.
+of them only when one of their answers is missing or older than USABLE_LOAD_S: else their answers,
+with what this front door placed on them since, choose, and no create or run waits for a round trip
+(4-5 ms on this machine, a third of a pooled create). An answer older than KNOWN_LOAD_S that placed
+something is asked again in the background, as the node table is (node_table.py), so a front door in
+use places by answers a moment old. An agent a stale answer misjudged refuses (NoRoomNow), and the
+create is placed again on fresh answers: staleness can cost a second placement or a cold start where a
+warm sandbox was free, never an overfull node.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 
 import anyio
 import ray
+from anyio.abc import TaskGroup
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from coderunner.cluster.agent import NodeAgent
@@ -40,9 +45,11 @@ AGENT_CONCURRENCY = 2048
 AGENT_START_S = 120.0
 #: How many agents a placement asks first (best of two).
 CHOICES = 2
-#: How long an agent's answer to a visit places sessions without asking it again. Short: other front
-#: doors place there too, its sessions close and its pool refills; a node a stale answer misjudged as
-#: having room refuses, so staleness costs a second placement, never an overfull node.
+#: An agent's answer to a visit this old at most places sessions without asking it first (the node
+#: table's FRESH_S: a node that stopped answering is met about as late either way).
+USABLE_LOAD_S = 10.0
+#: An answer older than this is asked again in the background once it has placed something: other front
+#: doors place there too, its sessions close and its pool refills.
 KNOWN_LOAD_S = 2.0
 
 AgentActor = ray.remote(NodeAgent)
@@ -60,6 +67,8 @@ class Agents:
         self._node_ids: dict[str, str] = {}
         #: Each node's agent's last answer to a visit (monotonic time, load), with what was placed there since.
         self._known: dict[str, tuple[float, AgentLoad]] = {}
+        #: Nodes whose agents are being asked again in the background.
+        self._refreshing: set[str] = set()
 
     # --- handles ---------------------------------------------------------------------------------
 
@@ -123,20 +132,21 @@ class Agents:
                     await self._load(node)
 
     async def place(
-        self, request: Request, nodes: list[dict[str, Any]], warm_wanted: bool, home: str | None = None,
-        run: bool = False, fresh: bool = False,
+        self, request: Request, nodes: list[dict[str, Any]], warm_wanted: bool, task_group: TaskGroup,
+        home: str | None = None, run: bool = False, fresh: bool = False,
     ) -> tuple[str, Any]:  # fmt: skip
         """(node id, agent) for a new session (a one-shot `run`): `home`'s if given, else the best of two
-        with room (placement.best_of), by their answers of a moment ago unless `fresh` (an agent chosen so
-        refused: NoRoomNow)."""
+        with room (placement.best_of), by their last answers unless `fresh` (an agent chosen so refused:
+        NoRoomNow); answers aging are asked again in `task_group`."""
         if home is not None:
             return home, await self._started(home)
         fitting = [node for node in nodes if node.get("Alive") and request.fits(node)]
         random.shuffle(fitting)
         known = None if fresh else self._known_answers(fitting[:CHOICES])
         chosen = best_of(request, known, warm_wanted, run) if known else None
-        if chosen is not None:
+        if known is not None and chosen is not None:
             self._spend(chosen, request, warm_wanted, run)
+            self._refresh_aging([node for node, _ in known], task_group)
             return chosen, self._handles[(chosen, self.key)]
         answers: list[tuple[dict[str, Any], AgentLoad]] = []
         failures: list[Exception] = []
@@ -179,16 +189,35 @@ class Agents:
         return load
 
     def _known_answers(self, nodes: list[dict[str, Any]]) -> list[tuple[dict[str, Any], AgentLoad]] | None:
-        """Each of `nodes` with its agent's answer of under KNOWN_LOAD_S ago; None unless every one has one."""
+        """Each of `nodes` with its agent's answer of under USABLE_LOAD_S ago; None unless every one has one."""
         now = time.monotonic()
         answers = []
         for node in nodes:
             node_id = node["NodeID"]
             at, load = self._known.get(node_id, (float("-inf"), None))
-            if load is None or now - at > KNOWN_LOAD_S or (node_id, self.key) not in self._handles:
+            if load is None or now - at > USABLE_LOAD_S or (node_id, self.key) not in self._handles:
                 return None
             answers.append((node, load))
         return answers
+
+    def _refresh_aging(self, nodes: list[dict[str, Any]], task_group: TaskGroup) -> None:
+        """Ask again, in the background, the agents of `nodes` whose answers are older than KNOWN_LOAD_S."""
+        now = time.monotonic()
+        for node in nodes:
+            node_id = node["NodeID"]
+            at, _ = self._known.get(node_id, (float("-inf"), None))
+            if now - at > KNOWN_LOAD_S and node_id not in self._refreshing:
+                self._refreshing.add(node_id)
+                task_group.start_soon(self._refresh_quietly, node)
+
+    async def _refresh_quietly(self, node: dict[str, Any]) -> None:
+        try:
+            await self._load(node)
+        except Exception as exc:  # its agent is gone or busy starting: the next placement without an answer asks
+            log.info("asking the agent of node %s again: %r", node["NodeID"][:12], exc)
+            self._known.pop(node["NodeID"], None)
+        finally:
+            self._refreshing.discard(node["NodeID"])
 
     def _spend(self, node_id: str, request: Request, warm_wanted: bool, run: bool) -> None:
         """Count a session (a run) placed on `node_id` in its known answer, for the placements that follow

@@ -198,7 +198,9 @@ class ClusterHost:
         try:
             placed = 0
             while True:
-                node, agent = await self._agents.place(request, nodes, warm_wanted, home, fresh=placed > 0)
+                node, agent = await self._agents.place(
+                    request, nodes, warm_wanted, self._group(), home, fresh=placed > 0
+                )
                 placed += 1
                 try:
                     return await self._open(agent, node, options, owner, seed, request)
@@ -455,7 +457,9 @@ class ClusterHost:
         async with self._oneshot_slots:
             placed = 0
             while True:
-                node, agent = await self._agents.place(request, nodes, warm_wanted=False, run=True, fresh=placed > 0)
+                node, agent = await self._agents.place(
+                    request, nodes, warm_wanted=False, task_group=self._group(), run=True, fresh=placed > 0
+                )
                 placed += 1
                 ref = getattr(agent, method).remote(secrets.token_hex(8), request, *args)
                 try:
