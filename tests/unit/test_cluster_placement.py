@@ -203,17 +203,15 @@ async def test_a_placement_asks_two_agents_and_the_others_only_when_neither_has_
     for _ in range(20):
         asked.append([])
         agents._known.clear()  # each placement asks (answers kept are the next test's)
-        async with anyio.create_task_group() as group:
-            chosen, handle = await agents.place(request, nodes, False, group)
+        chosen, handle = await agents.place(request, nodes, warm_wanted=False)
         assert chosen == "d" * 56 and handle == "agent of d"  # the one node with room
         # The first two asked at once; the next two only because those had no room.
         assert len(asked[-1]) == (2 if "d" * 56 in asked[-1][:2] else 4), asked[-1]
     assert {tuple(sorted(pair[:2])) for pair in asked} != {("a" * 56, "b" * 56)}  # chosen at random
     loads["d" * 56] = load("d" * 56, 16, 0.1, 512)
     agents._known.clear()
-    async with anyio.create_task_group() as group:
-        with pytest.raises(SessionError, match="no node has room for this session now"):
-            await agents.place(request, nodes, False, group)
+    with pytest.raises(SessionError, match="no node has room for this session now"):
+        await agents.place(request, nodes, warm_wanted=False)
 
 
 class VisitedAgent:
@@ -235,8 +233,8 @@ async def test_placements_choose_by_the_agents_last_answers_and_ask_again_behind
 ) -> None:
     """No placement waits for a round trip while the agents' answers are under USABLE_LOAD_S old: they choose
     with what this front door placed since (so a burst spreads, and a warm sandbox is taken once), and an
-    answer older than KNOWN_LOAD_S that placed something is asked again in the background. A placement asked
-    `fresh` (after a NoRoomNow), or one with an answer older than USABLE_LOAD_S, asks first."""
+    answer older than KNOWN_LOAD_S that placed something is asked again once that placement settles. A
+    placement asked `fresh` (after a NoRoomNow), or one with an answer older than USABLE_LOAD_S, asks first."""
     from coderunner.cluster import agents as agents_module
 
     now = [1000.0]
@@ -250,8 +248,10 @@ async def test_placements_choose_by_the_agents_last_answers_and_ask_again_behind
     request = Request.of(options(512, 0.5), "bwrap")
 
     async def place(warm_wanted: bool = False, fresh: bool = False) -> str:
-        async with anyio.create_task_group() as group:  # left once the background asks are answered
-            return (await agents.place(request, nodes, warm_wanted, group, fresh=fresh))[0]
+        async with anyio.create_task_group() as group:  # left once the asks behind it are answered
+            chosen = (await agents.place(request, nodes, warm_wanted, fresh=fresh))[0]
+            agents.settle(chosen, group)  # its create is over
+        return chosen
 
     def visits() -> list[int]:
         return [handle.visits for handle in handles.values()]
@@ -271,7 +271,7 @@ async def test_placements_choose_by_the_agents_last_answers_and_ask_again_behind
     now[0] += agents_module.KNOWN_LOAD_S + 0.1  # the fresh placement went to a, the lighter: b is now
     handles[b].answer = load(b, sessions=4, cpus=2.0, memory_mb=2048)  # full now, by another front door
     assert await place() == b  # placed by the aging answers, at once (b's agent would refuse: NoRoomNow)...
-    assert visits() == [3, 3]  # ...and both asked again behind it
+    assert visits() == [3, 3]  # ...and both asked again once it settled
     assert await place() == a  # the next placement sees b full
     assert visits() == [3, 3]
 
@@ -279,6 +279,24 @@ async def test_placements_choose_by_the_agents_last_answers_and_ask_again_behind
     handles[a].answer, handles[b].answer = load(a, sessions=2, cpus=1.0, memory_mb=1024), load(b)
     assert await place() == b  # answers this old are not used: both asked first
     assert visits() == [4, 4]
+
+    # An open's answer carries its agent's load: the next placement's, unless another placed there is under way.
+    now[0] += 1.0
+    handles[a].answer, handles[b].answer = load(a, sessions=3, cpus=1.5, memory_mb=1536), load(b)
+    agents.heard(a, load(a, sessions=3, cpus=1.5, memory_mb=1536))  # no placement under way on a: taken
+    assert agents._known[a] == (now[0], load(a, sessions=3, cpus=1.5, memory_mb=1536))
+    first = await agents.place(request, nodes, warm_wanted=False)
+    second = await agents.place(request, nodes, warm_wanted=False)
+    assert (first[0], second[0]) == (b, b)  # b, then b again (1.0 of 2 CPUs against a's 1.5)
+    spent = agents._known[b]
+    agents.heard(b, load(b, sessions=1, cpus=0.5, memory_mb=512))  # the first's open: the second still opens
+    assert agents._known[b] == spent  # its spend kept
+    async with anyio.create_task_group() as group:
+        agents.settle(b, group)
+        agents.heard(b, load(b, sessions=2, cpus=1.0, memory_mb=1024))  # the second's open, the last under way
+        agents.settle(b, group)
+    assert agents._known[b] == (now[0], load(b, sessions=2, cpus=1.0, memory_mb=1024))
+    assert visits() == [4, 4] and not agents._placing  # fresh answers: nobody asked again
 
     agents.forget(b, handles[b])
     assert b not in agents._known  # a lost agent's answer is dropped with its handle

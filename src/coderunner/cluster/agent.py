@@ -189,6 +189,7 @@ class NodeAgent:
             raise SessionError(f"the session {session_id!r} was abandoned by its front door while it started")
         info = side.info()
         info.status = await side.status()  # the create's reply shows it: one call fewer
+        info.load = self.load()  # and the next placement's answer from here: no visit
         return info
 
     async def run_oneshot(

@@ -9,11 +9,13 @@ two of them at random, the lighter with room chosen, the others asked only when 
 session whose snapshot or workspace is on one node goes to that node's. What two agents hold is asked
 of them only when one of their answers is missing or older than USABLE_LOAD_S: else their answers,
 with what this front door placed on them since, choose, and no create or run waits for a round trip
-(4-5 ms on this machine, a third of a pooled create). An answer older than KNOWN_LOAD_S that placed
-something is asked again in the background, as the node table is (node_table.py), so a front door in
-use places by answers a moment old. An agent a stale answer misjudged refuses (NoRoomNow), and the
-create is placed again on fresh answers: staleness can cost a second placement or a cold start where a
-warm sandbox was free, never an overfull node.
+(4-5 ms on this machine, a third of a pooled create). The agent a session opens on answers its load
+with the open (`heard`); the others whose answers placing it used are older than KNOWN_LOAD_S are
+asked again once the create is done (`settle`: not beside its open, whose agent they would
+slow), as the node table is (node_table.py), so a front door in use places by answers a moment old.
+An agent a stale answer misjudged refuses (NoRoomNow), and the create is placed again on fresh
+answers: staleness can cost a second placement or a cold start where a warm sandbox was free, never
+an overfull node.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections import Counter
 from typing import Any
 
 import anyio
@@ -69,6 +72,10 @@ class Agents:
         self._known: dict[str, tuple[float, AgentLoad]] = {}
         #: Nodes whose agents are being asked again in the background.
         self._refreshing: set[str] = set()
+        #: Nodes whose answers placed something while aging, by id: asked again once that settles.
+        self._aging: dict[str, dict[str, Any]] = {}
+        #: Placements on each node not settled yet (a create opening, a run going), by node id.
+        self._placing: Counter[str] = Counter()
 
     # --- handles ---------------------------------------------------------------------------------
 
@@ -132,12 +139,12 @@ class Agents:
                     await self._load(node)
 
     async def place(
-        self, request: Request, nodes: list[dict[str, Any]], warm_wanted: bool, task_group: TaskGroup,
-        home: str | None = None, run: bool = False, fresh: bool = False,
+        self, request: Request, nodes: list[dict[str, Any]], warm_wanted: bool, home: str | None = None,
+        run: bool = False, fresh: bool = False,
     ) -> tuple[str, Any]:  # fmt: skip
         """(node id, agent) for a new session (a one-shot `run`): `home`'s if given, else the best of two
         with room (placement.best_of), by their last answers unless `fresh` (an agent chosen so refused:
-        NoRoomNow); answers aging are asked again in `task_group`."""
+        NoRoomNow). Each placement but `home`'s is `settle`d once its create or run is over."""
         if home is not None:
             return home, await self._started(home)
         fitting = [node for node in nodes if node.get("Alive") and request.fits(node)]
@@ -146,7 +153,8 @@ class Agents:
         chosen = best_of(request, known, warm_wanted, run) if known else None
         if known is not None and chosen is not None:
             self._spend(chosen, request, warm_wanted, run)
-            self._refresh_aging([node for node, _ in known], task_group)
+            self._note_aging([node for node, _ in known])
+            self._placing[chosen] += 1
             return chosen, self._handles[(chosen, self.key)]
         answers: list[tuple[dict[str, Any], AgentLoad]] = []
         failures: list[Exception] = []
@@ -166,6 +174,7 @@ class Agents:
             chosen = best_of(request, found, warm_wanted, run)
             if chosen is not None:
                 self._spend(chosen, request, warm_wanted, run)
+                self._placing[chosen] += 1
                 return chosen, self._handles[(chosen, self.key)]
         if failures and not answers:
             raise failures[0]
@@ -200,11 +209,28 @@ class Agents:
             answers.append((node, load))
         return answers
 
-    def _refresh_aging(self, nodes: list[dict[str, Any]], task_group: TaskGroup) -> None:
-        """Ask again, in the background, the agents of `nodes` whose answers are older than KNOWN_LOAD_S."""
+    def _note_aging(self, nodes: list[dict[str, Any]]) -> None:
         now = time.monotonic()
         for node in nodes:
-            node_id = node["NodeID"]
+            if now - self._known.get(node["NodeID"], (float("-inf"), None))[0] > KNOWN_LOAD_S:
+                self._aging[node["NodeID"]] = node
+
+    def heard(self, node_id: str, load: AgentLoad) -> None:
+        """An agent's load as its answer to an open said (the session counted): as good as a visit's, unless
+        other placements on it are still under way (its answer would drop what they spent)."""
+        if self._placing[node_id] <= 1:
+            self._known[node_id] = (time.monotonic(), load)
+
+    def settle(self, node_id: str, task_group: TaskGroup) -> None:
+        """A placement on `node_id` is over (opened, refused or failed; a run ended). Then the agents whose aging
+        answers placed something and that no answer made fresh since are asked again, in `task_group`: after
+        the create, not beside its open, whose agent they would slow."""
+        self._placing[node_id] -= 1
+        if self._placing[node_id] <= 0:
+            del self._placing[node_id]
+        now = time.monotonic()
+        aging, self._aging = self._aging, {}
+        for node_id, node in aging.items():
             at, _ = self._known.get(node_id, (float("-inf"), None))
             if now - at > KNOWN_LOAD_S and node_id not in self._refreshing:
                 self._refreshing.add(node_id)

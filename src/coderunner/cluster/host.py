@@ -198,15 +198,16 @@ class ClusterHost:
         try:
             placed = 0
             while True:
-                node, agent = await self._agents.place(
-                    request, nodes, warm_wanted, self._group(), home, fresh=placed > 0
-                )
+                node, agent = await self._agents.place(request, nodes, warm_wanted, home, fresh=placed > 0)
                 placed += 1
                 try:
                     return await self._open(agent, node, options, owner, seed, request)
                 except NoRoomNow:  # filled by creates that chose it beside this one: placed again, fresh loads
                     if placed >= PLACEMENTS or home is not None:
                         raise
+                finally:
+                    if home is None:
+                        self._agents.settle(node, self._group())
         except Exception:
             self._nodes.stale()  # the next create asks Ray for the nodes again
             raise
@@ -256,6 +257,8 @@ class ClusterHost:
             raise SessionError(
                 f"the agent of node {node[:12]} was lost while the session started ({type(exc).__name__}); try again"
             ) from None
+        if info.load is not None:
+            self._agents.heard(node, info.load)
         session = RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, self._watch(agent))
         self._sessions[session_id] = session
         log.info("session %s… started on node %s", session_id[:6], info.node.label)
@@ -457,30 +460,39 @@ class ClusterHost:
         async with self._oneshot_slots:
             placed = 0
             while True:
-                node, agent = await self._agents.place(
-                    request, nodes, warm_wanted=False, task_group=self._group(), run=True, fresh=placed > 0
-                )
+                node, agent = await self._agents.place(request, nodes, warm_wanted=False, run=True, fresh=placed > 0)
                 placed += 1
-                ref = getattr(agent, method).remote(secrets.token_hex(8), request, *args)
                 try:
-                    with anyio.fail_after(bound):
-                        return await ref
-                except ray.exceptions.RayTaskError as exc:
-                    cause = cause_of(exc)
-                    if not isinstance(cause, NoRoomNow) or placed >= PLACEMENTS:
-                        raise cause from None
-                except ray.exceptions.RayError as exc:
-                    self._agents.forget(node, agent)
-                    self._nodes.stale()
-                    raise SessionError(
-                        f"the run was lost with the agent of node {node[:12]} ({type(exc).__name__}); try again"
-                    ) from None
-                except TimeoutError:
-                    await _cancel(ref)
-                    raise SessionError(f"the run did not end within {bound:g}s on its node; it was stopped") from None
-                except BaseException:
-                    await _cancel(ref)
-                    raise
+                    return await self._run_on(agent, node, method, args, request, bound)
+                except NoRoomNow:  # filled by runs that chose it beside this one: placed again, fresh loads
+                    if placed >= PLACEMENTS:
+                        raise
+                finally:
+                    self._agents.settle(node, self._group())
+
+    async def _run_on(
+        self, agent: Any, node: str, method: str, args: tuple[Any, ...], request: Request, bound: float
+    ) -> Any:
+        """One placement's call of a one-shot run on `node`'s agent: its answer, or why not as a SessionError
+        (NoRoomNow: it had no room by the time the call came)."""
+        ref = getattr(agent, method).remote(secrets.token_hex(8), request, *args)
+        try:
+            with anyio.fail_after(bound):
+                return await ref
+        except ray.exceptions.RayTaskError as exc:
+            raise cause_of(exc) from None
+        except ray.exceptions.RayError as exc:
+            self._agents.forget(node, agent)
+            self._nodes.stale()
+            raise SessionError(
+                f"the run was lost with the agent of node {node[:12]} ({type(exc).__name__}); try again"
+            ) from None
+        except TimeoutError:
+            await _cancel(ref)
+            raise SessionError(f"the run did not end within {bound:g}s on its node; it was stopped") from None
+        except BaseException:
+            await _cancel(ref)
+            raise
 
     def ready_counts(self) -> dict[str, int] | None:
         """None: the sandboxes started ahead are the node agents' (each run's agent is placement's choice)."""

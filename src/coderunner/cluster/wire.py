@@ -126,6 +126,8 @@ class SessionInfo:
     egress: EgressDelta | None = None
     #: Its status when it opened (SessionSide.status), for the create's reply.
     status: dict[str, Any] | None = None
+    #: Its agent's load with it counted, as a visit would answer (placement's next choice, no visit).
+    load: AgentLoad | None = None
 
 
 @dataclass(frozen=True)
