@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+import pytest
+
 from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapCommand
+from coderunner.sandbox.bwrap_argv import HOLD
 from coderunner.sandbox.common import ENV_MOUNT, INSTALL_REFUSAL_ENV, SANDBOX_INIT, sandbox_environment
 
 
@@ -147,3 +151,16 @@ def test_pid_1_is_our_sealed_init_holding_the_gate_and_no_mark(tmp_path: Path) -
     assert inner[:6] == [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, "11", "--"]
     assert inner[6:] == ["python", "-m", "ipykernel_launcher"]
     assert "--unsetenv" not in argv and not any("CODERUNNER" in arg for arg in argv if "=" not in arg)
+
+
+def test_a_sandbox_with_no_program_is_held_by_its_init_and_not_in_allowlist(tmp_path: Path) -> None:
+    """HOLD (what a template's fork enters): the init says ready itself; no prlimit or shell before anything runs.
+    In network 'allowlist' the forwarder must start a program, so there is none to hold."""
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
+    spec = SandboxSpec(
+        name="k", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path, limits=Limits(memory_mb=512)
+    )
+    argv = command.argv(spec, HOLD, gate_fd=11, nproc=64)
+    assert argv[argv.index("--") + 1 :] == [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, "11", "--hold"]
+    with pytest.raises(ValueError, match="allowlist"):
+        command.argv(dataclasses.replace(spec, network="allowlist"), HOLD, gate_fd=11)

@@ -37,8 +37,9 @@ from coderunner.hostfs.session_dirs import SandboxDirs
 from coderunner.sandbox import make_backend
 from coderunner.sandbox.base import SandboxProcess
 from coderunner.sandbox.bwrap import BwrapBackend
-from coderunner.sandbox.bwrap_template import KIND_FORK, REPORT, KernelTemplate, encode_request
+from coderunner.sandbox.bwrap_template import KIND_FORK, PLACEHOLDER, REPORT, KernelTemplate, encode_request
 from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
+from coderunner.sandbox.template_kernels import STATUS, exit_code
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import SandboxOptions, sandbox_options
 
@@ -81,8 +82,13 @@ if params["attack"]:
 sock = socket.socket(socket.AF_UNIX)
 sock.connect("/workspace/answer.sock")
 sock.sendall(json.dumps(report).encode() + b"\n")
+if params.get("fail"):
+    raise RuntimeError("the kernel ended by an exception")
 if params["attack"]:
-    os.kill(-1, signal.SIGKILL)  # everything it may signal (its own namespace: the placeholder); it ends with it
+    try:  # everything it may signal: its own namespace's processes but pid 1 and itself
+        os.kill(-1, signal.SIGKILL)
+    except ProcessLookupError:  # there are none: the init holds the sandbox, no program beside this one
+        pass
 if sock.recv(1):
     sock.sendall(b"alive")
 os._exit(0)
@@ -132,8 +138,9 @@ async def template_world() -> AsyncIterator[World]:
                 await template.close()
 
 
-async def start_child(world: World, **params: Any) -> Child:
-    """A sandbox entered by a fork of the template, once it has sent its report."""
+async def start_child(world: World, output_fd: int = 2, status_fd: int | None = None, **params: Any) -> Child:
+    """A sandbox entered by a fork of the template, once it has sent its report (its stdout and stderr
+    `output_fd`; `status_fd`: its wait status, once the template reaped it)."""
     dirs = await world.leases.open_dirs(world.options, throwaway=True)
     spec = sandbox_spec(world.options, dirs, (), world.ceiling)
     workspace = dirs.workspace.path
@@ -145,7 +152,9 @@ async def start_child(world: World, **params: Any) -> Child:
         os.chmod(workspace / "answer.sock", 0o666)
         listener.listen(1)
         listener.setblocking(False)
-        sandbox, answer = await world.template.spawn_entered(world.backend, spec, world.task_group, 2)
+        sandbox, answer = await world.template.spawn_entered(
+            world.backend, spec, world.task_group, output_fd, status_fd=status_fd
+        )
         if answer.pidfd is not None:
             os.close(answer.pidfd)
         with anyio.fail_after(60):
@@ -189,40 +198,67 @@ def status_of(pid: int) -> dict[str, str]:
     return fields
 
 
-def placeholder_of(sandbox: SandboxProcess) -> int:
-    """The host pid of the program bwrap's sandbox runs (the placeholder: a process bwrap itself confined)."""
+def host_pid_of(pidfd: int) -> int:
+    with open(f"/proc/self/fdinfo/{pidfd}") as handle:
+        return next(int(line.split()[1]) for line in handle if line.startswith("Pid:"))
+
+
+def init_of(sandbox: SandboxProcess) -> int:
+    """The host pid of a sandbox's init (its pid 1: the process bwrap itself confined and exec'd)."""
     hold = sandbox.hold
     assert isinstance(hold, BwrapHold) and hold.init is not None
-    with open(f"/proc/self/fdinfo/{hold.init}") as handle:
-        init = next(int(line.split()[1]) for line in handle if line.startswith("Pid:"))
+    return host_pid_of(hold.init)
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             with contextlib.suppress(OSError):
-                if status_of(int(entry)).get("PPid") == str(init):
-                    return int(entry)
-    raise AssertionError("the sandbox's init has no child")
+                if status_of(int(entry)).get("PPid") == str(pid):
+                    found.append(int(entry))
+    return found
+
+
+@contextlib.asynccontextmanager
+async def cold_program(world: World) -> AsyncIterator[int]:
+    """The host pid of a program bwrap (and its prlimit) started in a sandbox of the same options, as a cold
+    start's kernel is: what a template's child must be confined as."""
+    dirs = await world.leases.open_dirs(world.options, throwaway=True)
+    spec = sandbox_spec(world.options, dirs, (), world.ceiling)
+    sandbox = await world.backend.spawn(spec, PLACEHOLDER, world.task_group, pipes=True)
+    try:
+        with anyio.fail_after(60):
+            assert (await sandbox.streams[1].receive()).startswith(b"ready")
+        (program,) = children_of(init_of(sandbox))
+        yield program
+    finally:
+        await sandbox.kill()
+        await world.leases.close_dirs(dirs)
 
 
 async def test_a_child_is_confined_as_the_process_bwrap_started_in_its_sandbox() -> None:
-    """Ids, groups, every capability set, no_new_privs, the seccomp filter, every namespace, the cgroups and
-    the rlimits of a child are those of the placeholder, which bwrap (and its prlimit) confined as today."""
-    async with template_world() as world:
+    """Ids, groups, every capability set, no_new_privs, the seccomp filter and the rlimits of a child are those
+    of a program bwrap (and its prlimit) started cold from the same options; its namespaces and cgroups are those
+    of its own sandbox's init, the process bwrap confined there (a template's sandbox runs no program: HOLD)."""
+    async with template_world() as world, cold_program(world) as cold:
         child = await start_child(world)
         try:
-            placeholder = placeholder_of(child.sandbox)
-            ours, bwraps = status_of(child.host_pid), status_of(placeholder)
-            assert {key: ours[key] for key in CONFINEMENT_FIELDS} == {key: bwraps[key] for key in CONFINEMENT_FIELDS}
+            init = init_of(child.sandbox)
+            ours, colds = status_of(child.host_pid), status_of(cold)
+            assert {key: ours[key] for key in CONFINEMENT_FIELDS} == {key: colds[key] for key in CONFINEMENT_FIELDS}
+            assert {key: ours[key] for key in CONFINEMENT_FIELDS} == {
+                key: status_of(init)[key] for key in CONFINEMENT_FIELDS
+            }
             assert ours["CapEff"] == ours["CapBnd"] == "0" * 16 and ours["Seccomp"] == "2"
             # Dumpable as an exec'd process: its /proc entries are its user's (a non-dumpable one's are root's).
-            assert os.stat(f"/proc/{child.host_pid}/mem").st_uid == os.stat(f"/proc/{placeholder}/mem").st_uid != 0
+            assert os.stat(f"/proc/{child.host_pid}/mem").st_uid == os.stat(f"/proc/{cold}/mem").st_uid != 0
             for name in ("user", "mnt", "net", "ipc", "uts", "cgroup", "pid"):
-                assert os.readlink(f"/proc/{child.host_pid}/ns/{name}") == os.readlink(f"/proc/{placeholder}/ns/{name}")
-            for name in ("cgroup", "limits"):
-                assert (
-                    Path(f"/proc/{child.host_pid}/{name}").read_text()
-                    == Path(f"/proc/{placeholder}/{name}").read_text()
-                )
+                assert os.readlink(f"/proc/{child.host_pid}/ns/{name}") == os.readlink(f"/proc/{init}/ns/{name}")
+            assert Path(f"/proc/{child.host_pid}/cgroup").read_text() == Path(f"/proc/{init}/cgroup").read_text()
+            assert Path(f"/proc/{child.host_pid}/limits").read_text() == Path(f"/proc/{cold}/limits").read_text()
             assert os.readlink(f"/proc/{child.host_pid}/ns/pid") != os.readlink(f"/proc/{world.template.pid}/ns/pid")
+            assert children_of(init) == []  # no program beside the child: the init holds the sandbox
         finally:
             await end_child(world, child)
 
@@ -269,9 +305,10 @@ async def test_a_child_cannot_reach_the_template_or_a_sibling() -> None:
                     assert found[f"mem {pid}"] == errno.ENOENT  # nor in its /proc
                 assert {key: value for key, value in found.items() if key.startswith("ptrace")}
                 assert all(value == errno.EPERM for key, value in found.items() if key.startswith("ptrace"))
-                # Its kill(-1, SIGKILL) ended its own sandbox at most.
-                with anyio.fail_after(10):
-                    await attacker.sandbox.wait()
+                # Its kill(-1, SIGKILL) (sent before it answers) reached nothing: not even its sandbox's init, pid 1,
+                # which holds the sandbox (HOLD: no program beside the child to kill), nor itself.
+                assert await still_answers(attacker)
+                assert status_of(init_of(attacker.sandbox))["State"].startswith("S")
                 os.kill(world.template.pid, 0)
                 assert (await world.template.counters()).error == 0
                 assert await still_answers(sibling)
@@ -279,6 +316,36 @@ async def test_a_child_cannot_reach_the_template_or_a_sibling() -> None:
                 await end_child(world, attacker)
         finally:
             await end_child(world, sibling)
+
+
+async def test_a_kernel_ended_by_an_exception_exits_in_its_fork_never_back_in_the_templates_code() -> None:
+    """An exception that ends a fork's kernel (its code raises once it answered) is printed and the fork exits with
+    1 there: it never unwinds into the template's own code (its serve loop) in the fork."""
+    read_output, write_output = os.pipe()
+    read_status, write_status = os.pipe()
+    try:
+        async with template_world() as world:
+            child = await start_child(world, output_fd=write_output, status_fd=write_status, fail=True)
+            try:
+                for fd in (write_output, write_status):
+                    os.close(fd)
+                write_output = write_status = -1
+                with anyio.fail_after(30):
+                    await anyio.wait_readable(read_status)
+                assert exit_code(STATUS.unpack(os.read(read_status, 64))[0]) == 1
+                said = b""
+                while chunk := os.read(read_output, 65536):  # every writer gone: the fork exited
+                    said += chunk
+                text = said.decode(errors="replace")
+                assert "RuntimeError: the kernel ended by an exception" in text, text
+                assert "in serve" not in text and "in fork_kernel" not in text, text
+                assert (await world.template.counters()).error == 0
+            finally:
+                await end_child(world, child)
+    finally:
+        for fd in (read_output, write_output, read_status, write_status):
+            if fd >= 0:
+                os.close(fd)
 
 
 @contextlib.asynccontextmanager

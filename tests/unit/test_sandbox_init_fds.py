@@ -3,7 +3,7 @@
 The gate keeps the fd number it had in the server, and a server holding about a hundred sessions has
 fds past 1,024, where select() refuses one: every sandbox started then failed ("filedescriptor out of
 range in select()", seen in bench/cluster.py's local burst of 100). The init is run here as bwrap runs
-it (`python -I -S sandbox_init.py GATE_FD -- ARGV`), outside a sandbox, with its gate at fd 1500.
+it (`python -I -S sandbox_init.py GATE_FD -- ARGV`, or `--hold`), outside a sandbox, with its gate at fd 1500.
 """
 
 from __future__ import annotations
@@ -80,3 +80,27 @@ def test_the_init_ends_when_the_host_goes_away_from_a_gate_past_1024(gate: Gate)
     init = start_init(gate, sys.executable, "-I", "-S", "-c", "import time; time.sleep(5)")
     gate.host_goes_away()
     assert init.wait(timeout=WAIT_S) == sandbox_init.HOST_GONE, said(init)
+
+
+def test_holding_the_init_says_ready_only_after_go_and_holds_until_the_host_goes_away(gate: Gate) -> None:
+    """--hold (a sandbox a template's fork enters): no program; READY on its stdout once the host says go, then it
+    waits, reaping, until the gate's end of file."""
+    assert gate.host_end is not None
+    init = subprocess.Popen(
+        [sys.executable, "-I", "-S", str(INIT), str(gate.fd), "--hold"], pass_fds=(gate.fd,),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert init.stdout is not None
+    try:
+        os.set_blocking(init.stdout.fileno(), False)
+        assert init.stdout.read() is None  # nothing said before go (it waits on the gate)
+        os.set_blocking(init.stdout.fileno(), True)
+        os.write(gate.host_end, b"1")  # go
+        assert init.stdout.readline() == sandbox_init.READY
+        assert init.poll() is None  # holding
+        gate.host_goes_away()
+        assert init.wait(timeout=WAIT_S) == sandbox_init.HOST_GONE, said(init)
+    finally:
+        if init.poll() is None:
+            init.kill()
+            init.wait()

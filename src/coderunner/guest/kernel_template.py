@@ -257,16 +257,28 @@ def _kernel(
         with contextlib.suppress(OSError):
             os.write(2, f"{STALE_PREFIX}{stale}\n".encode(errors="replace")[:STALE_REASON_BYTES])
         os._exit(STALE)
+    try:
+        _run(code)
+    except BaseException:  # never back into the template's own code (its serve loop), whatever ended the kernel
+        with contextlib.suppress(BaseException):
+            import traceback
+
+            traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def _run(code: str | None) -> None:
+    """The kernel, or `code` (tests'), in a fork that entered and confined itself."""
     if code is not None:
         exec(compile(code, "<kernel-template child>", "exec"), {"__name__": "__main__"})
-        os._exit(0)
+        return
     # What `python -P -m coderunner_guest.kernel_boot ARGS` does (kernel/process.py's argv, KERNEL_LAUNCHER):
     # -P kept '' off sys.path here too.
     sys.argv = ["kernel_boot", *KERNEL_ARGS]
     from . import kernel_boot
 
     kernel_boot.main()
-    os._exit(0)
 
 
 def stale_imports() -> str | None:

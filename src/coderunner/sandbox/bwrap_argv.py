@@ -19,6 +19,7 @@ from coderunner.sandbox.common import (
     sandbox_environment,
     spec_environment,
 )
+from coderunner.vocabulary.network import NetworkMode
 from coderunner.vocabulary.sandbox_layout import HOME, SANDBOX_GID, SANDBOX_UID, WORKSPACE
 
 GUEST_SOURCE = Path(__file__).resolve().parent.parent / "guest"
@@ -30,6 +31,9 @@ ETC_PASSTHROUGH = ("ld.so.cache", "localtime", "ssl/certs", "fonts", "mime.types
 #: server runs as root the sandbox's uid maps to host root (kernel.core_pattern would be a host
 #: root escape). bwrap 0.8 does not cover /proc/sys itself, so this must.
 PROC_READ_ONLY = ("sys", "sysrq-trigger", "fs", "irq", "bus")
+#: A sandbox's program meaning none: its init says it is ready and holds it (guest/sandbox_init.py --hold), for a
+#: kernel template's fork to enter. No rlimits: nothing runs under them (the fork sets its own).
+HOLD: list[str] = []
 
 
 @dataclass(frozen=True)
@@ -114,9 +118,13 @@ class BwrapCommand:
         ]  # fmt: skip
         for key, value in sandbox_environment(spec_environment(spec)).items():
             args += ["--setenv", key, value]
+        init = [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, str(gate_fd)]
+        if inner == HOLD:
+            if spec.network == NetworkMode.ALLOWLIST:
+                raise ValueError("a sandbox in network 'allowlist' needs a program: its forwarder starts it")
+            return [*args, "--", *init, "--hold"]
         inner = egress_launcher(f"{ENV_MOUNT}/bin/python", spec.network, str(spec.host_dir), inner)
-        init = [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, str(gate_fd), "--"]
-        return [*args, "--", *init, *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
+        return [*args, "--", *init, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
 
     def _proc_cover(self) -> list[str]:
         """Read-only binds and masks over the sandbox's /proc, for entries the host has."""
