@@ -16,7 +16,7 @@ status is written to once it is reaped (the host's only way to learn its exit co
 join files (SessionCgroup.join_files). Each fork is made straight into that sandbox's pid namespace (the template
 points its next child there, forks, and points it back at once) and answered at once with its pid and a pidfd:
 the template is free for the next request. The fork joins the sandbox's cgroups, then waits for "go", which the
-host sends once the sandbox is finished (its placeholder said so; the fork is made while bwrap still builds it,
+host sends once the sandbox is finished (its init said so; the fork is made while bwrap still builds it,
 so neither waits for the other), enters the sandbox's other namespaces (sandbox_enter.py: join, confine), says so
 on its report pipe (an errno if it could not: it exits) and then runs the kernel as kernel/process.py's argv does
 (kernel_boot, the connection file the sandbox holds privately), or CODE where the host gave one (the bench's

@@ -6,10 +6,10 @@ root in a mount namespace of its own that shows exactly the read-only part every
 modules are the sandbox's and it reads nothing a sandbox could not. It keeps its capabilities (--cap-add
 ALL): its forks need them to join a sandbox; each drops them all before anything of the sandbox runs.
 
-A kernel from it: the sandbox is built by the bwrap backend as today, with a placeholder as its program;
+A kernel from it: the sandbox is built by the bwrap backend as today, with no program (its init holds it: HOLD);
 `begin_fork` hands the template a pidfd of that sandbox's pid 1 (and its cgroups, its environment and limits) as
 soon as bwrap made it, and the template answers with the fork at once; the fork joins the cgroups and waits. Once
-the placeholder says the sandbox is finished, `finish_fork` says "go": the fork enters the sandbox and is confined
+the init says the sandbox is finished, `finish_fork` says "go": the fork enters the sandbox and is confined
 as bwrap confines its own child (guest/sandbox_enter.py), then reports. So the fork and bwrap's mounts and init
 overlap, and the template is busy for a fork only, not for a sandbox's whole start (a burst's starts queue on it).
 
@@ -293,7 +293,7 @@ class KernelTemplate:
         nproc: int | None = None,
         status_fd: int | None = None,
     ) -> PendingFork:
-        """A fork made into `sandbox`'s pid namespace and cgroups (built from `spec`, its program a placeholder;
+        """A fork made into `sandbox`'s pid namespace and cgroups (built from `spec`, with no program of its own;
         bwrap may still build it) that waits for finish_fork; raises TemplateUnavailable if the template could not
         make it. Its limits and environment are the ones bwrap_argv gives; `status_fd` (a pipe's write end) gets its
         wait status once the template reaped it."""
@@ -382,12 +382,12 @@ class KernelTemplate:
         pending: PendingFork | None = None
         try:
             hold = sandbox.hold
-            if isinstance(hold, BwrapHold) and hold.init is not None:  # else bwrap failed: its placeholder says why
+            if isinstance(hold, BwrapHold) and hold.init is not None:  # else bwrap failed: its stdout says why
                 pending = await self.begin_fork(sandbox, spec, output_fd, nproc=nproc, status_fd=status_fd)
             with anyio.fail_after(FORK_TIMEOUT_S):
                 said = await sandbox.streams[1].receive()
             if not said.startswith(b"ready"):
-                raise TemplateUnavailable(f"the sandbox's placeholder said {said[:100]!r}, not that it is ready")
+                raise TemplateUnavailable(f"the sandbox said {said[:100]!r}, not that it is ready")
             if pending is None:
                 pending = await self.begin_fork(sandbox, spec, output_fd, nproc=nproc, status_fd=status_fd)
             return sandbox, await self.finish_fork(pending)

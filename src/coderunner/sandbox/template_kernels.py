@@ -9,14 +9,14 @@ as before when it raises, the reason then shown in the session's status (`kernel
 A kernel from the template is not the sandbox's own child: the template reaps it. So the host learns of its
 exit from the pidfd the fork's reply carries, its exit code from the status pipe the template writes the
 wait status to once it reaped it, and then kills the sandbox by the handles the backend holds (its init
-would otherwise wait on, its placeholder asleep). Its stdout and stderr go to a pipe kept as the sandbox's
+would otherwise hold it on). Its stdout and stderr go to a pipe kept as the sandbox's
 stderr tail (a start's failure says what the kernel said).
 
-Every network mode is covered: the backend builds the sandbox around the placeholder as around a cold
-kernel, 'allowlist''s forwarder started before it (bwrap_argv.py wraps any program in egress_launcher) and
-'internet''s slirp4netns attached before its init ran; the fork joins that network namespace. What a fork
-cannot give starts cold and says why: an environment too large for a request, a fork the template refused,
-the template not running (starting, or dead and not yet started again).
+Every network mode is covered: the backend builds the sandbox as around a cold kernel, with no program
+(its init holds it) or in 'allowlist' a placeholder its forwarder starts (bwrap_argv.py wraps any program in
+egress_launcher), and 'internet''s slirp4netns attached before its init ran; the fork joins that network
+namespace. What a fork cannot give starts cold and says why: an environment too large for a request, a fork
+the template refused, the template not running (starting, or dead and not yet started again).
 """
 
 from __future__ import annotations
