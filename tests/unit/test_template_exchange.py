@@ -56,9 +56,13 @@ class StandIn:
                 self.release.wait(10)
             kind = bwrap_template.REQUEST.unpack(data)[1]
             pidfd = [os.pidfd_open(os.getpid())] if kind == KIND_FORK else []
-            socket.send_fds(self.sock, [REPLY.pack(MAGIC, 0, kind, 0, 0, 1)], pidfd)
-            for fd in pidfd:
-                os.close(fd)
+            try:
+                socket.send_fds(self.sock, [REPLY.pack(MAGIC, 0, kind, 0, 0, 1)], pidfd)
+            except OSError:  # closed under it while it waited for `release`
+                return
+            finally:
+                for fd in pidfd:
+                    os.close(fd)
             self.answered.set()
 
 
