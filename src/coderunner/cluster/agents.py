@@ -230,10 +230,10 @@ class Agents:
             del self._placing[node_id]
         now = time.monotonic()
         aging, self._aging = self._aging, {}
-        for node_id, node in aging.items():
-            at, _ = self._known.get(node_id, (float("-inf"), None))
-            if now - at > KNOWN_LOAD_S and node_id not in self._refreshing:
-                self._refreshing.add(node_id)
+        for aging_id, node in aging.items():
+            at, _ = self._known.get(aging_id, (float("-inf"), None))
+            if now - at > KNOWN_LOAD_S and aging_id not in self._refreshing:
+                self._refreshing.add(aging_id)
                 task_group.start_soon(self._refresh_quietly, node)
 
     async def _refresh_quietly(self, node: dict[str, Any]) -> None:
