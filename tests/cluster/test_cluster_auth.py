@@ -21,7 +21,7 @@ import pytest
 
 from ..conftest import ServerDirs, json_of, text_of
 from .conftest import DRIVER_INIT, HEAD_PORT, RAY, REPO, RayCluster, _session_pids, _wait_until, eventually
-from .test_cluster_mode import cluster_env, described, front_door, named_actors, ok, sandboxes_on
+from .test_cluster_mode import agents_held, cluster_env, described, front_door, named_actors, ok, sandboxes_on
 
 pytestmark = pytest.mark.anyio
 
@@ -265,6 +265,8 @@ async def test_no_sandbox_reaches_rays_ports_in_any_network_mode_a_front_door_al
             probes[mode] = json_of(await ok(client, "create_session", network=mode))["session_id"]  # type: ignore[index]
         targets = ray_targets(ray_cluster)  # with the node agents up: their core workers' ports too
         assert len(targets) >= 8, targets
+        channels = [held["channel"] for held in agents_held(ray_cluster).values() if held is not None]
+        assert channels and all(port in {port for _, port in targets} for port in channels), (channels, targets)
         for mode, session_id in probes.items():
             reply = text_of(await ok(client, "run_python", code=PROBE.format(targets=targets), session_id=session_id,
                                      detach_after_s=240))  # fmt: skip

@@ -733,6 +733,8 @@ async def test_many_sessions_share_one_agent_per_node_and_each_keeps_its_own_sta
             assert all(sid.split("-")[-2] == agent["node"][:12] for sid in agent["sessions"]), agent
         assert {node_name(ray_cluster, opened["node"]) for opened in made} == {"w1", "w2"}  # spread by load
         assert max(len(agent["sessions"]) for agent in held) >= MANY // 2
+        # Their calls went by the agents' session channels (a create's open, each run), not by Ray's actor calls.
+        assert sum(agent["channel_calls"] for agent in held) >= 2 * MANY, held
         for session_id in ids:
             await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)

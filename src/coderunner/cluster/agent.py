@@ -22,6 +22,10 @@ What front doors wait for in its sessions (a job's progress and end, a host a pr
 follow with one long poll per front door and agent (`changes_since`, sessions/changes.py): each session
 publishes its news there (session_side.py), and a session nobody is waiting on costs a poll nothing.
 
+The calls of a session's hot path (`call`, `open`, the long poll) also come by the agent's session channel
+(session_channel.py), its address and key handed to front doors by Ray (`channel`): a third of a Ray
+call's time, on the same event loop as Ray's calls.
+
 The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left in
 the same task. Ray runs the agent's calls on one event loop, many at once (max_concurrency, host.py).
 """
@@ -40,6 +44,7 @@ import anyio
 
 from coderunner.cluster.oneshot_side import run_here
 from coderunner.cluster.placement import NoRoomNow, Request, backend_resource, room_for
+from coderunner.cluster.session_channel import ChannelAddress, ChannelServer
 from coderunner.cluster.session_side import SessionSide
 from coderunner.cluster.wire import NODE_LOCAL, AgentLoad, NodeInfo, SessionInfo, oneshot_answer
 from coderunner.config import Settings, load_settings
@@ -68,6 +73,8 @@ SESSION_CALLS = frozenset({
     "generation", "take_snapshot", "export_changes", "read_export_piece", "forget_exports", "guest_op",
     "install_packages", "status", "list_files", "read_piece", "stage_piece", "commit_upload",
 })  # fmt: skip
+#: The agent's calls its session channel serves: a session's calls, the open that makes one, and the long poll.
+CHANNEL_CALLS = frozenset({"call", "open", "changes_since", "wake"})
 #: The one-shot calls besides run_oneshot an agent serves (its LocalOneShots'), each in a sandbox of its own.
 ONESHOT_CALLS = frozenset({"check_code", "language_versions"})
 
@@ -100,6 +107,7 @@ class NodeAgent:
         self._failure: BaseException | None = None
         self._main: asyncio.Task[None] | None = None
         self._visited = time.monotonic()
+        self._channel = ChannelServer(self._over_channel)
 
     async def _manager(self) -> SessionManager:
         """The node's manager, entered in a task of its own on first use."""
@@ -152,6 +160,17 @@ class NodeAgent:
 
     async def ping(self) -> str:
         return self.node.node_id
+
+    async def channel(self) -> ChannelAddress:
+        """Where this agent's session channel listens (started at the first ask) and its key: for front doors
+        only, who ask by Ray's authenticated calls."""
+        self._visited = time.monotonic()
+        return await self._channel.start(self.node.address)
+
+    async def _over_channel(self, name: str, args: tuple[Any, ...]) -> Any:
+        if name not in CHANNEL_CALLS:
+            raise SessionError(f"a node agent's session channel has no call {name!r}")
+        return await getattr(self, name)(*args)
 
     async def open(
         self, session_id: str, options: SandboxOptions, owner: str, seed: Any, request: Request
@@ -268,13 +287,16 @@ class NodeAgent:
 
     async def holding(self) -> dict[str, Any]:
         """What it holds, for tests and benches (not a visit): its open sessions, its warm sandboxes ready,
-        and how many creates took one."""
+        how many creates took one, and its session channel's port (None: no front door asked for it yet) and
+        the calls it carried."""
         self._forget_closed()
         stats = self.manager.pool.stats() if self.manager is not None else None
         return {"node": self.node.node_id, "key": self.key, "sessions": list(self._sides),
                 "pool_size": self.settings.pool_size, "warm": stats.ready if stats else 0,
                 "taken": stats.taken if stats else 0,
-                "runs": self._oneshots.ready_counts() if self._oneshots is not None else None}  # fmt: skip
+                "runs": self._oneshots.ready_counts() if self._oneshots is not None else None,
+                "channel": self._channel.address.port if self._channel.address is not None else None,
+                "channel_calls": self._channel.answered}  # fmt: skip
 
 
 def end_process() -> None:

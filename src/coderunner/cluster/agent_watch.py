@@ -8,7 +8,9 @@ news and tells those the agent no longer holds that they were dropped. A session
 does not follow, so an idle front door makes no call at all, and an idle session costs a poll nothing.
 
 A session that starts to follow while the call waits without it wakes that call (`wake`): it returns,
-and the next asks about every follower. An agent that stops answering ends the watch: each follower
+and the next asks about every follower. Both calls go by the agent's session channel when the front door
+has one (agent_link.py), else by Ray; a poll the channel dropped is asked again by Ray (a poll changes
+nothing). An agent that stops answering ends the watch: each follower
 is told why (`lost`), and the next follow starts a new one.
 """
 
@@ -17,11 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
 
+from coderunner.cluster.session_channel import AgentChannel, ChannelBroken, ChannelUnused
 from coderunner.cluster.wire import SessionNews
 from coderunner.sessions.changes import Changed
 
@@ -44,10 +48,14 @@ class Follower(Protocol):
 
 
 class AgentWatch:
-    """The long poll of one agent for this front door's sessions on it, their keys their session ids."""
+    """The long poll of one agent for this front door's sessions on it, their keys their session ids.
+    `channel`: the agent's session channel as the front door has it now (None: calls go by Ray)."""
 
-    def __init__(self, agent: Any, task_group: TaskGroup) -> None:
+    def __init__(
+        self, agent: Any, task_group: TaskGroup, channel: Callable[[], AgentChannel | None] = lambda: None
+    ) -> None:
         self.agent = agent
+        self._channel = channel
         self._group = task_group
         self._followers: dict[str, Follower] = {}
         #: The version of each session's news seen last (kept while it does not follow: a follow that
@@ -84,9 +92,18 @@ class AgentWatch:
     def following(self, key: str) -> bool:
         return key in self._followers
 
+    async def _call(self, name: str, *args: Any) -> Any:
+        """`name(*args)` of the agent: by its session channel if the front door has one and it carries the call,
+        else by Ray (both calls here change nothing on the agent, so one cut off is simply asked again)."""
+        channel = self._channel()
+        if channel is not None:
+            with contextlib.suppress(ChannelUnused, ChannelBroken):
+                return await channel.call(name, args)
+        return await getattr(self.agent, name).remote(*args)
+
     async def _wake(self) -> None:
         with contextlib.suppress(Exception), anyio.move_on_after(ANSWER_S):
-            await self.agent.wake.remote(self._name)
+            await self._call("wake", self._name)
 
     async def _poll(self) -> None:
         """While a session follows: one call waiting on the agent, its answer routed, again."""
@@ -97,7 +114,7 @@ class AgentWatch:
                 self.polls += 1
                 try:
                     with anyio.fail_after(POLL_WAIT_S + ANSWER_S):
-                        changed: Changed = await self.agent.changes_since.remote(asked, POLL_WAIT_S, self._name)
+                        changed: Changed = await self._call("changes_since", asked, POLL_WAIT_S, self._name)
                 except Exception as exc:  # the agent is gone, or does not answer: every follower hears it
                     log.info("the long poll of an agent: %r", exc)
                     followers = list(self._followers.values())

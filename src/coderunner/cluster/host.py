@@ -30,7 +30,7 @@ import ray
 from anyio.abc import TaskGroup
 from ray.exceptions import AuthenticationError
 
-from coderunner.cluster.agent_watch import AgentWatch
+from coderunner.cluster.agent_link import AgentLink
 from coderunner.cluster.agents import Agents
 from coderunner.cluster.node_calls import NodeCalls
 from coderunner.cluster.node_table import NodeTable
@@ -39,6 +39,7 @@ from coderunner.cluster.placement import NoRoomNow, Request, check_fits, check_h
 from coderunner.cluster.ray_auth import token_refusal
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
+from coderunner.cluster.session_channel import ChannelBroken, ChannelUnused
 from coderunner.cluster.stored import StoredOnNodes
 from coderunner.cluster.wire import NAMESPACE, SessionInfo, new_session_id, of_oneshot_answer
 from coderunner.config import ConfigError, Settings
@@ -102,8 +103,9 @@ class ClusterHost:
         self.backend = make_backend(settings)  # checks options and describes sandboxes; starts none
         self.base_mounts = configured_mounts(settings, self.backend.identity)
         self._sessions: dict[str, RemoteSession] = {}
-        #: One long poll per agent for all of its sessions here (agent_watch.py), by the handle's id.
-        self._watches: dict[int, AgentWatch] = {}
+        #: One long poll and one session channel per agent for all of its sessions here (agent_link.py), by
+        #: the handle's id.
+        self._links: dict[int, AgentLink] = {}
         self._default_ids: dict[str, str] = {}
         self._default_lock = anyio.Lock()
         self._task_group: TaskGroup | None = None
@@ -241,9 +243,10 @@ class ClusterHost:
         """The session opened by `node`'s agent (from its warm pool when it can)."""
         session_id = new_session_id(node, self._agents.key)
         bound = self.settings.startup_timeout_s + CALL_S + (self.settings.snapshot_timeout_s if seed else 0.0)
+        link = self._link(agent)
         try:
             with anyio.fail_after(bound):
-                info: SessionInfo = await agent.open.remote(session_id, options, owner, seed, request)
+                info: SessionInfo = await self._opened(link, session_id, options, owner, seed, request)
         except TimeoutError:
             await _abandon(agent, session_id)
             raise SessionError(f"the session did not start within {bound:g}s on its node") from None
@@ -259,10 +262,29 @@ class ClusterHost:
             ) from None
         if info.load is not None:
             self._agents.heard(node, info.load)
-        session = RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, self._watch(agent))
+        session = RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, link)
         self._sessions[session_id] = session
         log.info("session %s… started on node %s", session_id[:6], info.node.label)
         return session
+
+    async def _opened(
+        self, link: AgentLink, session_id: str, options: SandboxOptions, owner: str, seed: Seed | None,
+        request: Request,
+    ) -> SessionInfo:  # fmt: skip
+        """The agent's open, by its session channel when there is one (else, or if it cannot connect, by Ray)."""
+        if link.channel is not None:
+            try:
+                opened: SessionInfo = await link.channel.call("open", (session_id, options, owner, seed, request))
+                return opened
+            except ChannelUnused:
+                pass
+            except ChannelBroken as exc:  # whether it opened is unknown: Ray says whether the agent lives
+                with anyio.fail_after(CALL_S):
+                    await link.agent.ping.remote()
+                await _abandon(link.agent, session_id)
+                raise SessionError(f"the session's start was cut off on its node ({exc}); try again") from None
+        opened = await link.agent.open.remote(session_id, options, owner, seed, request)
+        return opened
 
     async def _home(self, options: SandboxOptions, seed: Seed | None) -> str | None:
         """The node a session must start on: the one holding its snapshot or its persistent workspace
@@ -336,14 +358,15 @@ class ClusterHost:
             return None
         if not _may_use(info.owner, owner):
             return None
-        return RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, self._watch(agent))
+        return RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, self._link(agent))
 
-    def _watch(self, agent: Any) -> AgentWatch:
-        """This front door's long poll of `agent` (the watch holds the handle: its id is not reused meanwhile)."""
-        watch = self._watches.get(id(agent))
-        if watch is None:
-            watch = self._watches[id(agent)] = AgentWatch(agent, self._group())
-        return watch
+    def _link(self, agent: Any) -> AgentLink:
+        """This front door's long poll and session channel of `agent` (the link holds the handle: its id is not
+        reused meanwhile)."""
+        link = self._links.get(id(agent))
+        if link is None:
+            link = self._links[id(agent)] = AgentLink(agent, self._group())
+        return link
 
     async def close(self, session_id: str, owner: str | None = None) -> RemoteSession:
         session = await self._owned(session_id, owner)

@@ -26,11 +26,13 @@ import anyio
 import ray
 from anyio.abc import TaskGroup
 
+from coderunner.cluster.agent_link import AgentLink
 from coderunner.cluster.agent_watch import ANSWER_S, POLL_WAIT_S, AgentWatch
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_exports import RemoteExports
 from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
 from coderunner.cluster.remote_job import RemoteJob, mirror_output
+from coderunner.cluster.session_channel import ChannelBroken, ChannelUnused
 from coderunner.cluster.wire import EgressDelta, ExportListing, JobDelta, Question, SessionInfo, SessionNews
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.kernel.client import longest_grace_s
@@ -60,15 +62,16 @@ CANCEL_S = 5.0
 
 class RemoteSession:
     """One session in a node agent, as the tools use it. `agent_lost(node id, agent)`: told when the agent
-    stops answering (the front door then forgets its handle). `watch`: the front door's long poll of the
-    agent (one per agent; by default one of its own)."""
+    stops answering (the front door then forgets its handle). `link`: the front door's long poll and session
+    channel of the agent (one per agent, agent_link.py; by default a long poll of its own and Ray's calls)."""
 
     def __init__(
         self, agent: Any, info: SessionInfo, settings: Settings, task_group: TaskGroup,
-        agent_lost: Callable[[str, Any], None] | None = None, watch: AgentWatch | None = None,
+        agent_lost: Callable[[str, Any], None] | None = None, link: AgentLink | None = None,
     ) -> None:  # fmt: skip
         self.agent = agent
-        self._watch = watch if watch is not None else AgentWatch(agent, task_group)
+        self._link = link
+        self._watch = link.watch if link is not None else AgentWatch(agent, task_group)
         #: The latest news of it the long poll brought; jobs being read now; questions being answered now;
         #: calls under way whose user can be asked about hosts.
         self._news = SessionNews()
@@ -175,12 +178,30 @@ class RemoteSession:
     # --- calls -----------------------------------------------------------------------------------
 
     async def acall(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
-        """One call of the session's agent from the event loop, bounded; an agent gone is a SessionError saying so."""
+        """One call of the session's agent from the event loop, bounded: by its session channel when there is
+        one, else (or if it cannot connect) by Ray. An agent gone is a SessionError saying so."""
+        channel = self._link.channel if self._link is not None else None
         try:
             with anyio.fail_after(timeout_s):
+                if channel is not None:
+                    try:
+                        return await channel.call("call", (self.session_id, method, list(args)))
+                    except ChannelUnused:
+                        pass
+                    except ChannelBroken as exc:
+                        raise await self._broken(exc, method) from None
                 return await self.agent.call.remote(self.session_id, method, list(args))
         except AGENT_FAILURES as exc:
             raise await self._failure(exc, method, timeout_s) from None
+
+    async def _broken(self, exc: ChannelBroken, method: str) -> BaseException:
+        """The channel ended while `method` was under way: Ray says whether the agent still lives (else its failure
+        is the session's); if it does, the call's end is unknown and the caller is told so."""
+        await self.agent.ping.remote()
+        return SessionError(
+            f"session {self.session_id}'s {method} was cut off on its way ({exc}); whether it ran is unknown. The "
+            "session is still there: look before doing it again"
+        )
 
     async def _failure(self, exc: BaseException, method: str, timeout_s: float) -> BaseException:
         """One of AGENT_FAILURES as the tools read it: a SessionError saying what happened, or the agent's own."""
