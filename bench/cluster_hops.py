@@ -11,7 +11,8 @@ kernel's run), and the answer back to a built job. A pooled create splits into t
 table, its placement and the open. A round's first cluster create is placed by the agents' answers of a few
 seconds before (agents.USABLE_LOAD_S: asked again behind it); each round then makes a second one with those
 answers dropped ("agents asked first": two agents asked at once, as a front door pays after 10 s without a
-placement). Beside them: a bare actor call (`ping`).
+placement). Beside them: a bare actor call (`ping`), and a session's smallest call (`generation`) by the
+session channel its calls take (cluster/session_channel.py; Ray when the channel is not there).
 
 No timing assertions: figures only (medians; the cluster is torn down at the end, also after a failure).
 """
@@ -84,7 +85,7 @@ async def run_once(session):
 
 
 async def warm(cluster, local, agent):
-    rows = {"cluster": [], "local": [], "to agent": [], "agent": [], "back": [], "ping": []}
+    rows = {"cluster": [], "local": [], "to agent": [], "agent": [], "back": [], "ping": [], "generation": []}
     for session in (cluster, local):
         for _ in range(10):
             await run_once(session)
@@ -103,6 +104,9 @@ async def warm(cluster, local, agent):
         began = now()
         await agent.ping.remote()
         rows["ping"].append(now() - began)
+        began = now()
+        await cluster.acall("generation")
+        rows["generation"].append(now() - began)
     figures = {name: ms(samples) for name, samples in rows.items()}
     figures["cluster - local, paired"] = ms([c - l for c, l in zip(rows["cluster"], rows["local"])])
     return figures
