@@ -302,8 +302,31 @@ def _parent(pid: int) -> int:
 
 
 def sandbox_pids(cluster: RayCluster) -> list[int]:
-    """Each sandbox's outermost bwrap in the namespace (what runs inside is in namespaces of its own)."""
-    return [pid for pid in cluster.netns_pids() if _comm(pid) == "bwrap" and _comm(_parent(pid)) != "bwrap"]
+    """Each sandbox's outermost bwrap in the namespace (what runs inside is in namespaces of its own); not a node
+    agent's kernel template, which is its agent's helper and ends with it."""
+    return [
+        pid for pid in cluster.netns_pids()
+        if _comm(pid) == "bwrap" and _comm(_parent(pid)) != "bwrap" and TEMPLATE_MODULE not in _cmdline(pid)
+    ]  # fmt: skip
+
+
+#: What a node agent's kernel template runs (its bwrap's command line holds it).
+TEMPLATE_MODULE = b"coderunner_guest.kernel_template"
+
+
+def template_tree(cluster: RayCluster) -> set[int]:
+    """The kernel templates' processes and their children: every kernel forked from a template is the
+    template's child, not its sandbox's (guest/kernel_template.py), so its memory is counted from here."""
+    return {
+        pid for root in cluster.netns_pids()
+        if _comm(root) == "bwrap" and TEMPLATE_MODULE in _cmdline(root) for pid in _descendants(root)
+    }  # fmt: skip
+
+
+def _cmdline(pid: int) -> bytes:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return b""
 
 
 def named_actors(cluster: RayCluster) -> list[str] | str:
@@ -524,6 +547,7 @@ class Baseline:
         self.cluster = cluster
         self.actors = len(agent_pids(cluster))
         self.sandboxes = len(sandbox_pids(cluster))
+        self.template_tree = template_tree(cluster)
         self.names = named_actors(cluster)
         self.mounts = set(self.mounted())
 
@@ -535,11 +559,21 @@ class Baseline:
     def extra(self) -> tuple[int, int]:
         return len(agent_pids(self.cluster)) - self.actors, len(sandbox_pids(self.cluster)) - self.sandboxes
 
+    def left_mounts(self) -> list[str]:
+        return sorted(set(self.mounted()) - self.mounts)
+
     async def settled(self) -> tuple[bool, float]:
-        """Whether everything part c made is gone (bounded), and how long that took."""
+        """Whether every session part c made is gone (bounded), and how long that took: no sandbox beyond those
+        before, and no mount beyond one per agent part c started (an agent keeps a workspace made ready for its
+        next session; it and the agent itself end once no front door visited it for agent.ORPHAN_S)."""
         began = time.monotonic()
-        gone = await eventually(lambda: max(self.extra()) <= 0, GONE_TIMEOUT_S)
-        return gone, time.monotonic() - began
+
+        def gone() -> bool:
+            agents, sandboxes = self.extra()
+            return sandboxes <= 0 and len(self.left_mounts()) <= max(agents, 0)
+
+        done = await eventually(gone, GONE_TIMEOUT_S)
+        return done, time.monotonic() - began
 
 
 async def burst_cluster(cluster: RayCluster, client: Client, count: int) -> dict[str, Any]:
@@ -572,7 +606,8 @@ async def burst_cluster(cluster: RayCluster, client: Client, count: int) -> dict
         new_actors, new_sandboxes = base.extra()
         found["actors"] = (new_actors, pss_mb(actors) / max(len(actors), 1), len(actors))
         found["idle"] = await idle_cpu(alive)
-        sandbox_pss = pss_mb([pid for root in sandboxes for pid in _descendants(root)])
+        kernels = template_tree(cluster) - base.template_tree  # the forked kernels (their sandboxes' programs)
+        sandbox_pss = pss_mb([pid for root in sandboxes for pid in _descendants(root)] + sorted(kernels))
         found["sandboxes"] = (new_sandboxes, sandbox_pss / max(len(sandboxes), 1))
         names = {node.node_id: name for name, node in cluster.nodes.items()}
         placed = Counter(names.get(node, node[:12] or "?") for wave in held for node in wave.made.values())
@@ -591,7 +626,7 @@ async def burst_cluster(cluster: RayCluster, client: Client, count: int) -> dict
     else:
         found["left_names"] = sorted(set(names_now) - set(base.names))
     found["left"] = base.extra()
-    found["left_mounts"] = sorted(set(base.mounted()) - base.mounts)
+    found["left_mounts"] = base.left_mounts()
     found["free_after"] = free_m()
     return found
 
@@ -610,10 +645,12 @@ async def idle_cpu(held: int) -> dict[str, float]:
 
 async def burst_local(cluster: RayCluster, client: Client, count: int) -> dict[str, Any]:
     had = set(sandbox_pids(cluster))  # the cluster's sessions and pools, the local pool's
+    had_tree = template_tree(cluster)
     burst = await Burst(client, count).open()
     await anyio.sleep(3)
     mine = [pid for pid in sandbox_pids(cluster) if pid not in had]
-    sandboxes_pss = pss_mb([pid for root in mine for pid in _descendants(root)])
+    kernels = template_tree(cluster) - had_tree  # the forked kernels (their sandboxes' programs)
+    sandboxes_pss = pss_mb([pid for root in mine for pid in _descendants(root)] + sorted(kernels))
     await burst.close()
     await eventually(lambda: len(sandbox_pids(cluster)) <= len(had), GONE_TIMEOUT_S)
     return {"burst": burst, "sandboxes": len(mine), "sandboxes_pss": sandboxes_pss}
@@ -780,14 +817,15 @@ def print_burst(found: dict[str, Any], count: int) -> None:
     gone, seconds = found["gone"]
     left_actors, left_sandboxes = found["left"]
     print(
-        f"   afterwards: all gone: {gone} ({seconds:.1f} s after the last close answered); sessions or named actors "
-        f"left: {found['left_names'] or 'none'}; agent processes beyond those before {left_actors}, sandboxes "
-        f"left {left_sandboxes}"
+        f"   afterwards: all sessions gone: {gone} ({seconds:.1f} s after the last close answered); sessions or "
+        f"named actors left: {found['left_names'] or 'none'}; sandboxes left {left_sandboxes}; agents part c started "
+        f"{left_actors} (each stays, with its kernel template and a workspace made ready, until no front door "
+        "visited it for 300 s)"
     )
     left_mounts = found["left_mounts"]
     print(
         f"   mounts on the nodes' disks beyond those before part c: {len(left_mounts)}"
-        + (f" (workspaces of closed sessions still mounted, e.g. {left_mounts[:2]})" if left_mounts else "")
+        + (f" (one per agent part c started is its ready workspace), e.g. {left_mounts[:2]}" if left_mounts else "")
     )
     print(f"   free -m afterwards:    {found['free_after']}")
 
