@@ -73,8 +73,9 @@ SESSION_CALLS = frozenset({
     "generation", "take_snapshot", "export_changes", "read_export_piece", "forget_exports", "guest_op",
     "install_packages", "status", "list_files", "read_piece", "stage_piece", "commit_upload",
 })  # fmt: skip
-#: The agent's calls its session channel serves: a session's calls, the open that makes one, and the long poll.
-CHANNEL_CALLS = frozenset({"call", "open", "changes_since", "wake"})
+#: The agent's calls its session channel serves: a session's calls, the open that makes one, the long poll and
+#: a front door's visit (placement's answers).
+CHANNEL_CALLS = frozenset({"call", "open", "changes_since", "wake", "visit"})
 #: The one-shot calls besides run_oneshot an agent serves (its LocalOneShots'), each in a sandbox of its own.
 ONESHOT_CALLS = frozenset({"check_code", "language_versions"})
 

@@ -26,6 +26,7 @@ import logging
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import anyio
@@ -36,6 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coderunner.cluster.agent import NodeAgent
 from coderunner.cluster.placement import Request, backend_resource, best_of, no_room
 from coderunner.cluster.pool_key import pool_key
+from coderunner.cluster.session_channel import AgentChannel, ChannelBroken, ChannelUnused
 from coderunner.cluster.wire import NAMESPACE, NODE_TAG_CHARS, AgentLoad, agent_name, route_of
 from coderunner.errors import SessionError
 
@@ -76,6 +78,8 @@ class Agents:
         self._aging: dict[str, dict[str, Any]] = {}
         #: Placements on each node not settled yet (a create opening, a run going), by node id.
         self._placing: Counter[str] = Counter()
+        #: The session channel to an agent, if the front door has one yet (agent_link.py): visits take it.
+        self.channel_of: Callable[[Any], AgentChannel | None] = lambda handle: None
 
     # --- handles ---------------------------------------------------------------------------------
 
@@ -185,7 +189,7 @@ class Agents:
         handle = await self._started(node_id)
         try:
             with anyio.fail_after(AGENT_START_S):
-                load: AgentLoad = await handle.visit.remote()
+                load = await self._visit(handle)
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             raise cause if isinstance(cause, SessionError) else SessionError(f"node {node_id[:12]}: {exc}") from None
@@ -195,6 +199,16 @@ class Agents:
             self.forget(node_id, handle)
             raise SessionError(f"the agent of node {node_id[:12]} is gone ({type(exc).__name__}); try again") from None
         self._known[node_id] = (time.monotonic(), load)
+        return load
+
+    async def _visit(self, handle: Any) -> AgentLoad:
+        """A visit by the agent's session channel if there is one (one cut off is simply made again), else by Ray."""
+        channel = self.channel_of(handle)
+        if channel is not None:
+            with contextlib.suppress(ChannelUnused, ChannelBroken):
+                load: AgentLoad = await channel.call("visit", ())
+                return load
+        load = await handle.visit.remote()
         return load
 
     def _known_answers(self, nodes: list[dict[str, Any]]) -> list[tuple[dict[str, Any], AgentLoad]] | None:

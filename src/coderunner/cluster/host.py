@@ -123,6 +123,7 @@ class ClusterHost:
         self._agents = Agents(
             self._settings_sent, Request.of(self._defaults, self.backend.name, settings.ray_node_labels)
         )
+        self._agents.channel_of = lambda agent: self._link(agent).channel
         self._warm = settings.pool_size > 0 and self._defaults.network != NetworkMode.ALLOWLIST
         #: Ray's node table as of seconds ago: creates and one-shot runs read it without a GCS call.
         self._nodes = NodeTable()
