@@ -23,7 +23,8 @@ c. `--sessions` sessions created at once through the cluster front door without 
    all answered, and where they landed. If some fail, they are closed and half as many are tried at
    once, down to 5: the largest burst that all started. Then `--sessions` sessions are held at once
    (made in waves of that size): memory with all of them alive (host MemAvailable; PSS of the node
-   agents' processes and of the sandboxes), the CPU they spend sitting idle (IDLE_S), then all closed at
+   agents' processes and of the sandboxes), the CPU they spend sitting idle (IDLE_S, after IDLE_SETTLE_S: the
+   agents that hold them and their sandboxes and kernels; the rest of the machine beside), then all closed at
    once, and what the cluster still held afterwards (sessions in agents, sandboxes, named actors but the
    agents, mounts on the nodes' disks). Beside it the same burst on the local front door
    (--no-local-burst skips it).
@@ -92,7 +93,9 @@ GONE_TIMEOUT_S = 120.0
 POOLS_TIMEOUT_S = 180.0
 WARMUP_CALLS = 10
 #: How long part c's held sessions sit idle while their CPU is counted.
-IDLE_S = 10.0
+IDLE_S = 20.0
+#: How long the held sessions rest before that (a burst's last kernels finish their first cells).
+IDLE_SETTLE_S = 10.0
 #: Think time after each create of part b (a pool starts its replacement a moment after a take).
 COLD_PAUSE_S = 1.0
 
@@ -142,6 +145,22 @@ for a in ray.util.list_named_actors(all_namespaces=True):
     except Exception:
         continue  # it ended meanwhile
     found += ["session-" + session_id for session_id in held["sessions"]]
+print(json.dumps(found))
+"""
+
+#: Each node agent's process and the sessions it holds.
+HOLDERS_SCRIPT = """
+import json, sys
+import ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+found = {}
+for a in ray.util.list_named_actors(all_namespaces=True):
+    if a["namespace"] == "coderunner" and a["name"].startswith("agent-"):
+        try:
+            held = ray.get(ray.get_actor(a["name"], namespace="coderunner").holding.remote(), timeout=30)
+        except Exception:
+            continue  # it ended meanwhile
+        found[held["pid"]] = held["sessions"]
 print(json.dumps(found))
 """
 
@@ -546,7 +565,8 @@ class Baseline:
     def __init__(self, cluster: RayCluster) -> None:
         self.cluster = cluster
         self.actors = len(agent_pids(cluster))
-        self.sandboxes = len(sandbox_pids(cluster))
+        self.sandbox_roots = set(sandbox_pids(cluster))
+        self.sandboxes = len(self.sandbox_roots)
         self.template_tree = template_tree(cluster)
         self.names = named_actors(cluster)
         self.mounts = set(self.mounted())
@@ -605,8 +625,11 @@ async def burst_cluster(cluster: RayCluster, client: Client, count: int) -> dict
         actors, sandboxes = agent_pids(cluster), sandbox_pids(cluster)
         new_actors, new_sandboxes = base.extra()
         found["actors"] = (new_actors, pss_mb(actors) / max(len(actors), 1), len(actors))
-        found["idle"] = await idle_cpu(alive)
         kernels = template_tree(cluster) - base.template_tree  # the forked kernels (their sandboxes' programs)
+        mine = {session_id for wave in held for session_id in wave.made}
+        holders = await anyio.to_thread.run_sync(holding_agents, cluster, mine)
+        theirs = {pid for root in set(sandboxes) - base.sandbox_roots for pid in _descendants(root)} | kernels
+        found["idle"] = await idle_cpu(alive, holders, theirs)
         sandbox_pss = pss_mb([pid for root in sandboxes for pid in _descendants(root)] + sorted(kernels))
         found["sandboxes"] = (new_sandboxes, sandbox_pss / max(len(sandboxes), 1))
         names = {node.node_id: name for name, node in cluster.nodes.items()}
@@ -631,16 +654,40 @@ async def burst_cluster(cluster: RayCluster, client: Client, count: int) -> dict
     return found
 
 
-async def idle_cpu(held: int) -> dict[str, float]:
-    """CPU the held sessions spend sitting idle for IDLE_S (their agents, their sandboxes), as % of a core
-    per session."""
-    before = cpu_by_process()
+def holding_agents(cluster: RayCluster, sessions: set[str]) -> set[int]:
+    """The processes of the node agents that hold any of `sessions`."""
+    done = cluster.run_python(HOLDERS_SCRIPT, cluster.address, timeout=120)
+    if done.returncode != 0:
+        return set()
+    found: dict[str, list[str]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return {int(pid) for pid, held in found.items() if sessions & set(held)}
+
+
+def process_cpu_s(pids: set[int]) -> dict[int, float]:
+    """CPU-seconds so far of each of `pids` (all its threads) that still runs."""
+    found = {}
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError):
+            rest = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            found[pid] = (int(rest[11]) + int(rest[12])) / TICK
+    return found
+
+
+async def idle_cpu(held: int, agents: set[int], sandboxes: set[int]) -> dict[str, float]:
+    """CPU the held sessions spend sitting idle for IDLE_S, once IDLE_SETTLE_S passed, as % of a core per
+    session: the agents that hold them (all their threads), their sandboxes and kernels, and the rest of the
+    machine (other agents, Ray's idle workers and daemons, the front doors) beside."""
+    await anyio.sleep(IDLE_SETTLE_S)
+    before, busy_before = process_cpu_s(agents | sandboxes), busy_s()
     await anyio.sleep(IDLE_S)
-    spent = cpu_spent(before)
-    agents = spent.get(CPU_PARTS[0][0], 0.0) + spent.get(ACTOR_THREADS, 0.0)
-    sandboxes = spent.get(CPU_PARTS[1][0], 0.0)
+    after, busy = process_cpu_s(agents | sandboxes), busy_s() - busy_before
+    spent = {pid: after[pid] - before[pid] for pid in after if pid in before}
+    own_agents = sum(spent.get(pid, 0.0) for pid in agents)
+    own_sandboxes = sum(spent.get(pid, 0.0) for pid in sandboxes)
     per = 100.0 / IDLE_S / max(held, 1)
-    return {"percent": (agents + sandboxes) * per, "agents": agents * per, "sandboxes": sandboxes * per}
+    return {"percent": (own_agents + own_sandboxes) * per, "agents": own_agents * per,
+            "sandboxes": own_sandboxes * per, "holders": len(agents),
+            "rest": (busy - own_agents - own_sandboxes) * 100.0 / IDLE_S}  # fmt: skip
 
 
 async def burst_local(cluster: RayCluster, client: Client, count: int) -> dict[str, Any]:
@@ -805,8 +852,10 @@ def print_burst(found: dict[str, Any], count: int) -> None:
             )
             idle = found["idle"]
             print(
-                f"   idle for {IDLE_S:g} s with them alive: {idle['percent']:.3f}% of a core per held session "
-                f"(agents {idle['agents']:.3f}%, sandboxes {idle['sandboxes']:.3f}%)"
+                f"   idle for {IDLE_S:g} s with them alive ({IDLE_SETTLE_S:g} s after they were): "
+                f"{idle['percent']:.3f}% of a core per held session (the {idle['holders']} agents holding them "
+                f"{idle['agents']:.3f}%, their sandboxes {idle['sandboxes']:.3f}%); the rest of the machine "
+                f"meanwhile {idle['rest']:.1f}% of a core (other agents, Ray's idle workers and daemons, front doors)"
             )
         print(f"   free -m with them alive: {found['free_peak']}")
     else:

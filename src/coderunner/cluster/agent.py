@@ -287,12 +287,12 @@ class NodeAgent:
         return await getattr(side, method)(*args)
 
     async def holding(self) -> dict[str, Any]:
-        """What it holds, for tests and benches (not a visit): its open sessions, its warm sandboxes ready,
+        """What it holds, for tests and benches (not a visit): its process, its open sessions, its warm sandboxes ready,
         how many creates took one, and its session channel's port (None: no front door asked for it yet) and
         the calls it carried."""
         self._forget_closed()
         stats = self.manager.pool.stats() if self.manager is not None else None
-        return {"node": self.node.node_id, "key": self.key, "sessions": list(self._sides),
+        return {"node": self.node.node_id, "key": self.key, "sessions": list(self._sides), "pid": os.getpid(),
                 "pool_size": self.settings.pool_size, "warm": stats.ready if stats else 0,
                 "taken": stats.taken if stats else 0,
                 "runs": self._oneshots.ready_counts() if self._oneshots is not None else None,
