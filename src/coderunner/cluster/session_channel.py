@@ -216,6 +216,10 @@ class AgentChannel:
                 writer.write(_frame((request_id, name, args)))
             except (ConnectionError, RuntimeError) as exc:
                 raise ChannelUnused(str(exc)) from None
+            try:
+                await writer.drain()  # the agent reads too slowly: wait (the write buffer stays bounded)
+            except ConnectionError as exc:
+                raise ChannelBroken(str(exc)) from None
             ok, value = await answer
         finally:
             self._waiting.pop(request_id, None)
