@@ -116,3 +116,11 @@ async def test_a_front_door_with_another_key_is_refused_before_it_sends_a_call()
     assert await AgentChannel(address).call("echo", ()) is None
     assert served == ["echo"]
     server.close()
+
+
+async def test_front_doors_asking_at_once_get_one_address() -> None:
+    server = ChannelServer(serve)
+    addresses = await asyncio.gather(*(server.start("127.0.0.1") for _ in range(5)))
+    assert len(set(addresses)) == 1
+    assert await AgentChannel(addresses[0]).call("echo", (1,)) == (1,)
+    server.close()

@@ -108,14 +108,17 @@ class ChannelServer:
         self._writers: set[asyncio.StreamWriter] = set()
         self._calls: set[asyncio.Task[None]] = set()
         self.address: ChannelAddress | None = None
-        #: Calls it answered (the cluster tests see that a session's calls take it).
+        self._starting = asyncio.Lock()
+        #: Calls it took (the cluster tests see that a session's calls take it).
         self.answered = 0
 
     async def start(self, host: str) -> ChannelAddress:
-        if self.address is None:
-            self._server = await asyncio.start_server(self._connection, host, 0)
-            port = self._server.sockets[0].getsockname()[1]
-            self.address = ChannelAddress(host, port, self._key)
+        """Listen (once: front doors asking at once get the same address)."""
+        async with self._starting:
+            if self.address is None:
+                self._server = await asyncio.start_server(self._connection, host, 0)
+                port = self._server.sockets[0].getsockname()[1]
+                self.address = ChannelAddress(host, port, self._key)
         return self.address
 
     def close(self) -> None:
