@@ -300,3 +300,18 @@ async def test_placements_choose_by_the_agents_last_answers_and_ask_again_behind
 
     agents.forget(b, handles[b])
     assert b not in agents._known  # a lost agent's answer is dropped with its handle
+
+
+def test_an_agent_forgotten_is_told_to_the_front_door_with_its_handle_only() -> None:
+    """Its link (long poll, session channel) goes with it; another node's agent keeps its own."""
+    from coderunner.cluster import agents as agents_module
+
+    agents = agents_module.Agents({}, Request.of(options(), "bwrap"))
+    told: list[Any] = []
+    agents.forgotten = told.append
+    dead, alive = object(), object()
+    agents._handles[("a" * 56, agents.key)] = dead
+    agents._handles[("b" * 56, agents.key)] = alive
+    agents.forget("a" * 56, dead)
+    assert told == [dead]
+    assert agents._handles == {("b" * 56, agents.key): alive}

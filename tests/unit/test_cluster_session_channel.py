@@ -121,3 +121,18 @@ async def test_a_call_cut_off_halfway_is_not_sent_again_and_ray_says_whether_the
             assert f"session {SESSION} was lost with" in str(failed.value)
             assert session.closed
         group.cancel_scope.cancel()
+
+
+async def test_a_link_closed_from_a_worker_thread_ends_its_connection_on_its_loop() -> None:
+    """A session learns in a worker thread that its agent died (RemoteSession.gone): the front door then drops
+    its link, whose connection must be ended on the event loop that owns it."""
+    agent = Agent()
+    async with anyio.create_task_group() as group:
+        session, link = await session_of(agent, group)
+        assert await session.acall("status") == "status answered"
+        assert len(agent.server._writers) == 1
+        await anyio.to_thread.run_sync(link.close)
+        with anyio.fail_after(5):
+            while agent.server._writers:
+                await anyio.sleep(0.01)
+        group.cancel_scope.cancel()

@@ -10,6 +10,7 @@ One idea: a front door's ways to one agent, the fast one used when it is there.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -27,6 +28,7 @@ class AgentLink:
 
     def __init__(self, agent: Any, task_group: TaskGroup) -> None:
         self.agent = agent
+        self._loop = asyncio.get_running_loop()
         self.channel: AgentChannel | None = None
         self.watch = AgentWatch(agent, task_group, lambda: self.channel)
         task_group.start_soon(self._ask_address)
@@ -41,5 +43,6 @@ class AgentLink:
         self.channel = AgentChannel(address)
 
     def close(self) -> None:
+        """End its channel's connection; from any thread (a session learns its agent died in a worker thread)."""
         if self.channel is not None:
-            self.channel.close()
+            self._loop.call_soon_threadsafe(self.channel.close)

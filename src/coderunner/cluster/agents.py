@@ -80,6 +80,8 @@ class Agents:
         self._placing: Counter[str] = Counter()
         #: The session channel to an agent, if the front door has one yet (agent_link.py): visits take it.
         self.channel_of: Callable[[Any], AgentChannel | None] = lambda handle: None
+        #: Told of each handle forgotten (its agent died): what the front door keeps of it goes too.
+        self.forgotten: Callable[[Any], None] = lambda handle: None
 
     # --- handles ---------------------------------------------------------------------------------
 
@@ -130,6 +132,7 @@ class Agents:
             if place[0] == node_id and known is handle:
                 del self._handles[place]
         self._known.pop(node_id, None)
+        self.forgotten(handle)
 
     # --- placement -------------------------------------------------------------------------------
 

@@ -124,6 +124,7 @@ class ClusterHost:
             self._settings_sent, Request.of(self._defaults, self.backend.name, settings.ray_node_labels)
         )
         self._agents.channel_of = lambda agent: self._link(agent).channel
+        self._agents.forgotten = self._unlink
         self._warm = settings.pool_size > 0 and self._defaults.network != NetworkMode.ALLOWLIST
         #: Ray's node table as of seconds ago: creates and one-shot runs read it without a GCS call.
         self._nodes = NodeTable()
@@ -360,6 +361,14 @@ class ClusterHost:
         if not _may_use(info.owner, owner):
             return None
         return RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, self._link(agent))
+
+    def _unlink(self, agent: Any) -> None:
+        """`agent` died: its link goes (its connection, if any, is closed), and its id may be reused. From any
+        thread (Agents.forget)."""
+        link = self._links.get(id(agent))
+        if link is not None and link.agent is agent:
+            del self._links[id(agent)]
+            link.close()
 
     def _link(self, agent: Any) -> AgentLink:
         """This front door's long poll and session channel of `agent` (the link holds the handle: its id is not
