@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from coderunner.cluster import session_channel
-from coderunner.cluster.session_channel import AgentChannel, ChannelBroken, ChannelServer, ChannelUnused
+from coderunner.cluster.session_channel import AgentChannel, ChannelBroken, ChannelServer, ChannelUnused, or_else
 from coderunner.errors import SessionBusy, SessionError
 
 pytestmark = pytest.mark.anyio
@@ -124,3 +124,22 @@ async def test_front_doors_asking_at_once_get_one_address() -> None:
     assert len(set(addresses)) == 1
     assert await AgentChannel(addresses[0]).call("echo", (1,)) == (1,)
     server.close()
+
+
+async def test_a_call_that_changes_nothing_goes_the_other_way_when_the_channel_cannot_carry_it() -> None:
+    other: list[str] = []
+
+    async def by_ray() -> str:
+        other.append("ray")
+        return "by ray"
+
+    server = ChannelServer(serve)
+    channel = AgentChannel(await server.start("127.0.0.1"))
+    assert await or_else(channel, "echo", (1,), by_ray) == (1,) and other == []
+    assert await or_else(None, "echo", (1,), by_ray) == "by ray"
+    cut_off = asyncio.ensure_future(or_else(channel, "hang", (), by_ray))
+    await asyncio.sleep(0.1)
+    server.close()  # the call is cut off halfway: asked again the other way
+    assert await asyncio.wait_for(cut_off, 5) == "by ray"
+    assert await or_else(channel, "echo", (1,), by_ray) == "by ray"  # no listener: nothing sent
+    assert other == ["ray"] * 3

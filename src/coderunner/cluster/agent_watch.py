@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import anyio
 from anyio.abc import TaskGroup
 
-from coderunner.cluster.session_channel import AgentChannel, ChannelBroken, ChannelUnused
+from coderunner.cluster.session_channel import AgentChannel, or_else
 from coderunner.cluster.wire import SessionNews
 from coderunner.sessions.changes import Changed
 
@@ -93,13 +93,8 @@ class AgentWatch:
         return key in self._followers
 
     async def _call(self, name: str, *args: Any) -> Any:
-        """`name(*args)` of the agent: by its session channel if the front door has one and it carries the call,
-        else by Ray (both calls here change nothing on the agent, so one cut off is simply asked again)."""
-        channel = self._channel()
-        if channel is not None:
-            with contextlib.suppress(ChannelUnused, ChannelBroken):
-                return await channel.call(name, args)
-        return await getattr(self.agent, name).remote(*args)
+        """`name(*args)` of the agent, by its session channel or by Ray (session_channel.or_else)."""
+        return await or_else(self._channel(), name, args, lambda: getattr(self.agent, name).remote(*args))
 
     async def _wake(self) -> None:
         with contextlib.suppress(Exception), anyio.move_on_after(ANSWER_S):

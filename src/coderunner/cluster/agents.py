@@ -37,7 +37,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from coderunner.cluster.agent import NodeAgent
 from coderunner.cluster.placement import Request, backend_resource, best_of, no_room
 from coderunner.cluster.pool_key import pool_key
-from coderunner.cluster.session_channel import AgentChannel, ChannelBroken, ChannelUnused
+from coderunner.cluster.session_channel import AgentChannel, or_else
 from coderunner.cluster.wire import NAMESPACE, NODE_TAG_CHARS, AgentLoad, agent_name, route_of
 from coderunner.errors import SessionError
 
@@ -205,13 +205,8 @@ class Agents:
         return load
 
     async def _visit(self, handle: Any) -> AgentLoad:
-        """A visit by the agent's session channel if there is one (one cut off is simply made again), else by Ray."""
-        channel = self.channel_of(handle)
-        if channel is not None:
-            with contextlib.suppress(ChannelUnused, ChannelBroken):
-                load: AgentLoad = await channel.call("visit", ())
-                return load
-        load = await handle.visit.remote()
+        """A visit, by the agent's session channel or by Ray (session_channel.or_else)."""
+        load: AgentLoad = await or_else(self.channel_of(handle), "visit", (), lambda: handle.visit.remote())
         return load
 
     def _known_answers(self, nodes: list[dict[str, Any]]) -> list[tuple[dict[str, Any], AgentLoad]] | None:

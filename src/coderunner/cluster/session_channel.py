@@ -98,6 +98,17 @@ def _sendable(exc: BaseException) -> BaseException:
     return SessionError(f"the session's node failed with {type(exc).__name__} (its log says more)")
 
 
+async def or_else(
+    channel: AgentChannel | None, name: str, args: tuple[Any, ...], otherwise: Callable[[], Awaitable[Any]]
+) -> Any:
+    """A call that changes nothing on the agent (a visit, a long poll): by `channel` if there is one, else, or
+    if nothing was sent or it was cut off (asking again is harmless), by `otherwise` (Ray's call)."""
+    if channel is not None:
+        with contextlib.suppress(ChannelUnused, ChannelBroken):
+            return await channel.call(name, args)
+    return await otherwise()
+
+
 class ChannelServer:
     """An agent's end: `serve(name, args)` answers each proven call; started on `host`, port chosen by the system."""
 
