@@ -93,6 +93,9 @@ async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_
     async with template_server(dirs) as (manager, client):
         sid = await create(client)
         assert (await status(client, sid))["kernel_start"] == TEMPLATE
+        # Before any code of the user's ran, the template learned from its first kernel which of its pages a start
+        # copies (guest/page_plan.py): the kernels forked from now on copy them while their sandbox is built.
+        assert manager.template.plan_pages is not None and manager.template.plan_pages > 1000
         # The template's imports are there before any cell imported them; the kernel is the sandbox's user.
         assert await value(client, sid, "import sys, os; ('numpy' in sys.modules, os.getuid())") == "(True, 1000)"
         assert manager.template is not None and manager.template.forked == 1

@@ -9,7 +9,8 @@ their own workspace (the template is started with a child program that runs it, 
 - a child cannot signal, ptrace or open the memory of the template, another child or the host's process by
   their host pids, nor see them in its /proc; a `kill(-1, SIGKILL)` from it leaves the template serving and
   its sibling answering;
-- handed anything but a finished sandbox (a root not read-only, a pid 1 not its init), a fork refuses.
+- handed anything but a finished sandbox (a root not read-only, a pid 1 not its init), a fork refuses;
+- the host's page plan makes a fork copy only the template's own pages, and nothing else.
 Root only (the template joins user namespaces), bwrap only.
 """
 
@@ -37,9 +38,17 @@ from coderunner.hostfs.session_dirs import SandboxDirs
 from coderunner.sandbox import make_backend
 from coderunner.sandbox.base import SandboxProcess
 from coderunner.sandbox.bwrap import BwrapBackend
-from coderunner.sandbox.bwrap_template import KIND_FORK, PLACEHOLDER, REPORT, KernelTemplate, encode_request
+from coderunner.sandbox.bwrap_template import (
+    KIND_FORK,
+    PLACEHOLDER,
+    REPORT,
+    KernelTemplate,
+    TemplateUnavailable,
+    encode_request,
+)
 from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
 from coderunner.sandbox.template_kernels import STATUS, exit_code
+from coderunner.sandbox.template_pages import EXCLUSIVE, MAX_PAGES, PAGE, PRESENT, writable_private_mappings
 from coderunner.sessions.leases import SandboxLeases, sandbox_spec
 from coderunner.sessions.sandbox_options import SandboxOptions, sandbox_options
 
@@ -429,3 +438,69 @@ def _only_child(pid: int) -> int | None:
                 if fields.get("PPid") == str(pid) and fields.get("Name") == "sleep":
                     return int(entry)
     return None
+
+
+def _pagemap_bits(pid: int, addresses: list[int]) -> list[int]:
+    with open(f"/proc/{pid}/pagemap", "rb") as handle:
+        return [int.from_bytes(os.pread(handle.fileno(), 8, address // PAGE * 8), "little") for address in addresses]
+
+
+def _template_pages(pid: int, count: int) -> list[int]:
+    """`count` pages the template holds (present), from the private writable mapping where it holds the most."""
+    with open(f"/proc/{pid}/maps") as handle:
+        mappings = writable_private_mappings(handle.read())
+    best: list[int] = []
+    for start, end in mappings:
+        candidates = list(range(start, end, PAGE))
+        bits = _pagemap_bits(pid, candidates)
+        present = [address for address, value in zip(candidates, bits, strict=True) if value & PRESENT]
+        best = max(best, present, key=len)
+    return best[len(best) // 3 :][:count]
+
+
+async def _copied_before_go(world: World, pages: list[int]) -> int:
+    """How many of `pages` a fork holds as its own copy while it waits for "go" (then it is let go unsaid)."""
+    async with stranger_pidfd() as pidfd:
+        go_read, go_write = os.pipe()
+        report_read, report_write = os.pipe()
+        try:
+            request = encode_request(KIND_FORK, uid=1000, gid=1000, environment={"PATH": "/usr/bin"})
+            answer = await world.template._ask(request, [pidfd, 2, go_read, report_write])
+            assert answer.error == 0 and answer.pidfd is not None
+            try:
+                fork = host_pid_of(answer.pidfd)
+                with anyio.fail_after(20):  # once it sleeps in its wait for "go", whatever it copies is copied
+                    while "poll" not in Path(f"/proc/{fork}/wchan").read_text():
+                        await anyio.sleep(0.01)
+                bits = _pagemap_bits(fork, pages)
+            finally:
+                os.close(answer.pidfd)
+        finally:
+            for fd in (go_read, go_write, report_read, report_write):
+                os.close(fd)
+    return sum(1 for value in bits if value & PRESENT and value & EXCLUSIVE)
+
+
+async def test_a_page_plan_makes_forks_copy_only_the_templates_own_pages_and_nothing_else() -> None:
+    """The host's page plan (guest/page_plan.py) is addresses the template checks against its own mappings: a fork
+    copies those of its pages before "go" (charged to the sandbox it joined), and nothing of an address outside
+    them is kept: not an unmapped page, not the template's code, not a misaligned or a kernel address. A plan
+    over the bound is refused whole, and the template forks on."""
+    async with template_world() as world:
+        pages = _template_pages(world.template.pid, 64)
+        assert len(pages) == 64
+        shared = await _copied_before_go(world, pages)
+        assert shared < len(pages)  # without a plan, a fork shares these pages with the template
+        with open(f"/proc/{world.template.pid}/maps") as handle:
+            code = next(line for line in handle if " r-xp " in line)
+        foreign = [0x1000, int(code.split("-")[0], 16), pages[0] + 1, 0xFFFFFFFFFF600000, 2**47 - PAGE]
+        assert await world.template.give_plan(foreign) == 0
+        assert await world.template.give_plan(pages + foreign) == len(pages)
+        assert await _copied_before_go(world, pages) == len(pages)
+        with pytest.raises(TemplateUnavailable, match="refused a page plan"):
+            await world.template.give_plan([pages[0]] * (MAX_PAGES + 1))
+        child = await start_child(world)  # the template serves on, its plan as it was; the child is confined
+        try:
+            assert child.report["threads"] == 1 and await still_answers(child)
+        finally:
+            await end_child(world, child)

@@ -30,6 +30,7 @@ def test_both_sides_speak_the_same_wire_format() -> None:
         "MAGIC",
         "KIND_FORK",
         "KIND_COUNTERS",
+        "KIND_PLAN",
         "FLAG_MEMORY_SOFT_ONLY",
         "FLAG_STATUS_FD",
         "STALE_PREFIX",

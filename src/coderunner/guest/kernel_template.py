@@ -6,22 +6,23 @@
 It imports what a kernel and a first chart need (warm_imports.py's steps, ipykernel, and what a kernel's start
 imports after ipykernel: KERNEL_START_IMPORTS, its debugger above all; with --no-preload, the server's
 preload_imports off, not numpy, pandas and matplotlib), parses the kernel's command line and builds its shell
-(kernel_ahead.py: each fork adopts them), freezes its GC (a
-child's collections then leave the template's objects, and the pages they sit on, shared), and serves
-fork requests on SOCKET_FD, a socketpair whose other end only the host holds. It reads nothing else: no
-sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with
-fds beside it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, the read end
-of the host's "go" pipe, the write end of the fork's report pipe, (with FLAG_STATUS_FD) a pipe the kernel's wait
-status is written to once it is reaped (the host's only way to learn its exit code), then the sandbox's cgroup
-join files (SessionCgroup.join_files). Each fork is made straight into that sandbox's pid namespace (the template
-points its next child there, forks, and points it back at once) and answered at once with its pid and a pidfd:
-the template is free for the next request. The fork joins the sandbox's cgroups, then waits for "go", which the
-host sends once the sandbox is finished (its init said so; the fork is made while bwrap still builds it,
-so neither waits for the other), enters the sandbox's other namespaces (sandbox_enter.py: join, confine), says so
-on its report pipe (an errno if it could not: it exits) and then runs the kernel as kernel/process.py's argv does
-(kernel_boot, the connection file the sandbox holds privately), or CODE where the host gave one (the bench's
-probe). Before "go" it runs nothing but those few syscalls; the end of the go pipe (the host gone, a start
-abandoned) ends it, as does the sandbox's end (it is in the sandbox's pid namespace).
+(kernel_ahead.py: each fork adopts them), freezes its GC (a child's collections then leave the template's objects,
+and the pages they sit on, shared), and serves fork requests on SOCKET_FD, a socketpair whose other end only the
+host holds. It reads nothing else (the host's one page plan is addresses it checks against its own mappings): no
+sandbox ever writes to it, and it never runs user code. A request is fixed-size plain data (REQUEST) with fds beside
+it: a pidfd of the target sandbox's pid 1, the fd the kernel's stdout and stderr go to, the read end of the host's
+"go" pipe, the write end of the fork's report pipe, (with FLAG_STATUS_FD) a pipe the kernel's wait status is written
+to once it is reaped (the host's only way to learn its exit code), then the sandbox's cgroup join files
+(SessionCgroup.join_files). Each fork is made straight into that sandbox's pid namespace (the template points its
+next child there, forks, and points it back at once) and answered at once with its pid and a pidfd: the template is
+free for the next request. The fork joins the sandbox's cgroups, copies the pages its kernel will write to anyway
+(page_plan.py: a list of the template's own pages the host sent once, KIND_PLAN), then waits for "go", which the
+host sends once the sandbox is finished (its init said so; the fork is made while bwrap still builds it, so neither
+waits for the other), enters the sandbox's other namespaces (sandbox_enter.py: join, confine), says so on its report
+pipe (an errno if it could not: it exits) and then runs the kernel as kernel/process.py's argv does (kernel_boot,
+the connection file the sandbox holds privately), or CODE where the host gave one (the bench's probe). Before "go"
+it runs nothing but those few syscalls; the end of the go pipe (the host gone, a start abandoned) ends it, as does
+the sandbox's end (it is in the sandbox's pid namespace).
 
 One fork a kernel: it was two (a first child joined all the namespaces and forked again into the pid one), and a
 fork of this process (about 110 MiB) and the end of the first child cost about 3 ms each. The kernels are the
@@ -47,6 +48,7 @@ import sys
 import threading
 from typing import NoReturn
 
+from . import page_plan
 from .sandbox_enter import (
     Confinement,
     back_to_own_pid_namespace,
@@ -67,6 +69,9 @@ MAGIC = b"KTR2"
 KIND_FORK = 1
 #: Asks only for the counters (a bench's CPU per start).
 KIND_COUNTERS = 2
+#: Hands the template the pages its forks copy ahead (page_plan.py): one fd beside it, a memfd of addresses; the
+#: reply's pid field says how many pages it kept.
+KIND_PLAN = 3
 FLAG_MEMORY_SOFT_ONLY = 1
 #: The request's fifth fd is the kernel's status pipe (the wait status, 4 bytes, once it is reaped).
 FLAG_STATUS_FD = 2
@@ -235,6 +240,7 @@ def _kernel(
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the template's; the rest are any interpreter's own
         join_cgroups(cgroups)
         close_fds_but((pidfd, output, go, report))
+        page_plan.prefault()  # the pages its kernel will copy anyway, charged to its sandbox, while bwrap builds it
         await_go(go)
         join(pidfd)
         close_fds_but((output, report))
@@ -340,6 +346,11 @@ def serve(sock: socket.socket, seccomp: bytes, code: str | None) -> None:
             request = REQUEST.unpack(message)
             if request[1] == KIND_COUNTERS:
                 reply(sock)
+            elif request[1] == KIND_PLAN and len(fds) == 1:
+                try:
+                    reply(sock, 0, page_plan.take(fds[0]))
+                except (OSError, ValueError):
+                    reply(sock, errno.EINVAL)
             elif request[1] == KIND_FORK and len(fds) >= FORK_FDS + (1 if request[4] & FLAG_STATUS_FD else 0):
                 error, pid = fork_kernel(request, fds, seccomp, code, own_pidfd)
                 kernel = os.pidfd_open(pid) if pid else None  # its child, not reaped before this loop's next turn

@@ -88,6 +88,27 @@ class Kernel:
             self.started_at = time.monotonic()
             await self.sandbox.launch(cold_because=f"the template's imports are not current here: {stale}")
             await self._attach(timeout_s, "start")
+        await self._teach_starter(timeout_s)
+
+    async def _teach_starter(self, timeout_s: float) -> None:
+        """A kernel from the template that its template learns from (the first of the template's life, before
+        anyone's code ran in it): one silent no-op, the pages a first execute copies, then the lesson (which of
+        the template's pages a kernel's start copies: sandbox/template_pages.py). Every later fork copies them
+        while its sandbox is built. The first start pays this once, a few milliseconds."""
+        starter, process = self.backend.kernel_starter, self.sandbox.process
+        if starter is None or process is None or not self.sandbox.from_template:
+            return
+        if not starter.wants_pages_from(process):
+            return
+        output = OutputCollector(limit_chars=1000, spill_limit_bytes=0, image_limit_bytes=0)
+        try:
+            outcome = await self.execute(
+                "pass", output, timeout_s=timeout_s, interrupt_grace_s=1.0, silent=True, keep_on_cancel=False
+            )
+        finally:
+            output.close()
+        if outcome.status is RunStatus.OK:
+            await starter.learn_pages(process)
 
     async def _attach(self, timeout_s: float, what: str) -> None:
         """Claim the sandbox's sockets, connect and wait for the IOPub handshake; on failure end the

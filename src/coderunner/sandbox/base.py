@@ -300,6 +300,14 @@ class KernelStarter(Protocol):
         imports) was not what its own imports would find in its sandbox, so a cold kernel starts instead; None
         when it ended for any other reason."""
 
+    def wants_pages_from(self, sandbox: SandboxProcess) -> bool:
+        """Whether a kernel it started is one to learn from (learn_pages): a cheap test, asked before the server
+        runs the cell the lesson needs."""
+
+    async def learn_pages(self, sandbox: SandboxProcess) -> None:
+        """Learn what its later starts can do ahead from a kernel it started that has run only the server's own
+        cells (the template: which of its pages a kernel's start copies); best effort, never raises."""
+
 
 class SandboxHold(Protocol):
     """A backend's handles on a sandbox that nothing inside it can change (bwrap: pidfds of its pid 1 and

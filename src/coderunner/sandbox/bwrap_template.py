@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import signal
 import socket
@@ -52,6 +53,7 @@ REPLY = struct.Struct("<4siiQQI")
 MAGIC = b"KTR2"
 KIND_FORK = 1
 KIND_COUNTERS = 2
+KIND_PLAN = 3
 FLAG_MEMORY_SOFT_ONLY = 1
 FLAG_STATUS_FD = 2
 #: What a fork reports once it entered and confined itself: 0, or a negative errno (it exits: nothing ran).
@@ -283,6 +285,24 @@ class KernelTemplate:
 
     async def counters(self) -> TemplateReply:
         return await self._ask(encode_request(KIND_COUNTERS), [])
+
+    async def give_plan(self, addresses: list[int]) -> int:
+        """Hand the template the pages its forks copy ahead (guest/page_plan.py), as a sealed memfd of
+        little-endian u64 addresses; how many it kept (it keeps only its own, at most page_plan.MAX_PAGES)."""
+        plan = os.memfd_create("coderunner-template-plan", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.write(plan, b"".join(address.to_bytes(8, "little") for address in addresses))
+            fcntl.fcntl(
+                plan,
+                fcntl.F_ADD_SEALS,
+                fcntl.F_SEAL_SEAL | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE,
+            )
+            answer = await self._ask(encode_request(KIND_PLAN), [plan])
+        finally:
+            os.close(plan)
+        if answer.error:
+            raise TemplateUnavailable(f"the kernel template refused a page plan: {os.strerror(answer.error)}")
+        return answer.pid
 
     async def begin_fork(
         self,

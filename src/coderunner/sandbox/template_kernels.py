@@ -28,6 +28,7 @@ import signal
 import struct
 
 import anyio
+import anyio.to_thread
 from anyio.abc import ByteReceiveStream, TaskGroup
 
 from coderunner.sandbox.base import SandboxBackend, SandboxProcess, SandboxSpec
@@ -40,6 +41,7 @@ from coderunner.sandbox.bwrap_template import (
     TemplateUnavailable,
     template_unavailable,
 )
+from coderunner.sandbox.template_pages import copied_pages
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +57,8 @@ STATUS_WAIT_S = 2.0
 #: way) would otherwise build and throw away a sandbox before every cold start. One fork that worked shows the
 #: machine can: later failures (a loaded machine's timeouts) never give it up.
 NEVER_FORKED_LIMIT = 3
+#: How many kernels the pages a fork copies are learned from at most, per template (the first that works counts).
+LESSONS = 3
 #: The wait status's size on the status pipe (an int, as waitpid gives it).
 STATUS = struct.Struct("<i")
 
@@ -98,6 +102,10 @@ class TemplateKernels:
         self.refused = 0
         #: Set once its first NEVER_FORKED_LIMIT forks all failed: no template for this server's life.
         self.given_up = False
+        #: How many pages the running template's forks copy ahead (guest/page_plan.py), once learned; None before.
+        self.plan_pages: int | None = None
+        #: Lessons tried for the running template (a learning under way counts): at most LESSONS.
+        self._lessons = 0
 
     def open(self, task_group: TaskGroup) -> None:
         """Start the template in the background of `task_group` (the manager's), and be the backend's starter."""
@@ -122,6 +130,7 @@ class TemplateKernels:
                     log.warning("%s; kernels start cold", self.why_not)
                 else:
                     self.starting, self.why_not = False, None
+                    self.plan_pages, self._lessons = None, 0  # a new template: its pages are learned anew
                     self.ready.set()
                     code = await self.template.process.wait()
                     self.why_not = f"the kernel template exited (code {code}); it is started again"
@@ -148,6 +157,30 @@ class TemplateKernels:
 
     def stale_imports(self, sandbox: SandboxProcess) -> str | None:
         return stale_reason(sandbox)
+
+    def wants_pages_from(self, sandbox: SandboxProcess) -> bool:
+        """Whether `sandbox`'s kernel, forked from the running template, is one to learn its forks' pages from."""
+        return (
+            self.template is not None and self.plan_pages is None and self._lessons < LESSONS
+            and sandbox.program_pid is not None and sandbox.alive
+        )  # fmt: skip
+
+    async def learn_pages(self, sandbox: SandboxProcess) -> None:
+        """Learn from `sandbox`'s kernel, which has run only the server's own cells, which of the template's pages
+        a kernel's start copies (template_pages.py), and have the template's later forks copy them while their
+        sandboxes are built. Best effort: if it fails, forks fault their pages in as before."""
+        template = self.template
+        if template is None or not self.wants_pages_from(sandbox):
+            return
+        self._lessons += 1
+        assert sandbox.program_pid is not None
+        try:
+            pages = await anyio.to_thread.run_sync(copied_pages, sandbox.program_pid, template.pid)
+            if self.template is template and pages:
+                self.plan_pages = await template.give_plan(pages)
+                log.info("kernel template: its forks copy %d pages ahead", self.plan_pages)
+        except (OSError, TemplateUnavailable) as exc:
+            log.info("kernel template: its forks' pages could not be learned (%s); they fault in as they go", exc)
 
     async def _give_up(self, last: str) -> None:
         """No fork ever worked here: end the template and its restarts; kernels start cold from now on."""
