@@ -336,3 +336,12 @@ def test_the_module_walk_ahead_finds_the_files_the_stock_walk_finds_in_its_order
     monkeypatch.setattr(sys, "coderunner_test_mark", 1, raising=False)
     ahead.coderunner_test_mark = 2
     assert sys.coderunner_test_mark == 2  # type: ignore[attr-defined]
+
+
+def test_a_forks_kernel_has_a_cold_kernels_command_line() -> None:
+    # The template parses KERNEL_ARGS ahead for every fork; a cold kernel is started with kernel/process.py's
+    # options after its private connection file. The host cannot import the guest, so each has its own copy.
+    from coderunner.kernel.process import KERNEL_OPTIONS
+    from coderunner.sandbox.common import PRIVATE_CONNECTION
+
+    assert ("-f", PRIVATE_CONNECTION, *KERNEL_OPTIONS) == kernel_template.KERNEL_ARGS

@@ -84,7 +84,7 @@ MAX_CGROUP_FDS = 8
 #: What the kernel runs as by default: today's argv (kernel/process.py) after its launcher (kernel_boot).
 KERNEL_ARGS = (
     "-f", "/run/kernel/connection.json", "--HistoryManager.hist_file=:memory:",
-    "--IPKernelApp.quiet=True", "--IPKernelApp.extensions=coderunner_guest",
+    "--IPKernelApp.quiet=True", "--IPKernelApp.extensions=coderunner_guest", "--Kernel._execute_sleep=0",
 )  # fmt: skip
 #: Bound on a fork's wait for "go" (the host's own bound on a start is shorter: sandbox/bwrap_template.py).
 GO_TIMEOUT_S = 60.0

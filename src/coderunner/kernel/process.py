@@ -41,6 +41,17 @@ EXIT_WAIT_S = 2.0
 KERNEL_LAUNCHER = "coderunner_guest.kernel_boot"
 #: KernelProcess.started_how of a kernel forked from the warm template (else "cold start: <why not>").
 FROM_TEMPLATE = "template"
+#: The kernel's options after its connection file (guest/kernel_template.py's KERNEL_ARGS are the same: a test
+#: compares them). No history file (its SQLite would be the sandbox's to write, and must not cross a fork); our
+#: extension; and no sleep after each cell: ipykernel sleeps 0.5 ms before every execute_reply so that clients
+#: that stop at the reply get the cell's last output first, but KernelClient stops at IOPub's idle status, which
+#: the kernel publishes after that output on the same socket.
+KERNEL_OPTIONS = (
+    "--HistoryManager.hist_file=:memory:",
+    "--IPKernelApp.quiet=True",
+    "--IPKernelApp.extensions=coderunner_guest",
+    "--Kernel._execute_sleep=0",
+)
 #: The kernel's channels the host connects to (heartbeat and stdin are not used).
 HOST_CHANNELS = ("shell_port", "iopub_port", "control_port")
 
@@ -128,13 +139,7 @@ class KernelProcess:
             spec, self._connection_name = replace(spec, private_files=((connection_file, dump_connection(info)),)), None
         else:
             connection_file = str(self.dirs.write_host_file(self._connection_name, dump_connection(info)))
-        argv = product_python(
-            self.backend.python, "-m", KERNEL_LAUNCHER,
-            "-f", connection_file,
-            "--HistoryManager.hist_file=:memory:",
-            "--IPKernelApp.quiet=True",
-            "--IPKernelApp.extensions=coderunner_guest",
-        )  # fmt: skip
+        argv = product_python(self.backend.python, "-m", KERNEL_LAUNCHER, "-f", connection_file, *KERNEL_OPTIONS)
         starter = self.backend.kernel_starter
         why_cold = cold_because or (self.backend.no_kernel_starter if starter is None else None)
         if starter is not None and why_cold is None and not self.backend.private_files:
