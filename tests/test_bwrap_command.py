@@ -10,7 +10,7 @@ import pytest
 
 from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapCommand
-from coderunner.sandbox.bwrap_argv import HOLD
+from coderunner.sandbox.bwrap_argv import HOLD, root_files
 from coderunner.sandbox.common import ENV_MOUNT, INSTALL_REFUSAL_ENV, SANDBOX_INIT, sandbox_environment
 
 
@@ -50,7 +50,7 @@ def test_only_system_files_env_workspace_and_runtime_are_bound(tmp_path: Path) -
     assert writable == [(str(tmp_path / "run"), str(tmp_path / "run")), (str(tmp_path / "ws"), "/workspace")]
     read_only = dict((dest, src) for src, dest in pairs(argv, "--ro-bind"))
     assert read_only["/usr"] == "/usr" and read_only[ENV_MOUNT] == "/opt/env"
-    assert read_only["/etc/passwd"] == str(tmp_path / "host" / "etc" / "passwd")
+    assert "/etc/passwd" not in read_only  # the sandbox's own, copied into its root (root_files), never bound
     # What the host writes for the sandbox (connection files, one-shot inputs) is read-only inside.
     assert read_only[str(tmp_path / "host")] == str(tmp_path / "host")
     sources = {src for src, _ in pairs(argv, "--ro-bind")}
@@ -129,17 +129,26 @@ def test_a_network_none_sandbox_is_told_why_nothing_installs_and_no_other_is(tmp
     assert INSTALL_REFUSAL_ENV not in dict(pairs(command.argv(untold, ["python"], gate_fd=9), "--setenv"))
 
 
-def test_a_private_file_is_read_from_an_fd_into_the_sandboxs_own_root(tmp_path: Path) -> None:
-    """A kernel's connection file (its key): copied by bwrap from an fd, never a bind of a host path that
-    another sandbox of the session binds too; placed before the root goes read-only."""
+def test_own_files_are_read_from_fds_into_the_sandboxs_own_root(tmp_path: Path) -> None:
+    """Its /etc files and a kernel's connection file (its key): copied by bwrap from an fd, read-only, never a
+    bind of a host path that another sandbox of the session binds too, and no mount at all (each costs a start a
+    walk of the host's mount table); placed before the root goes read-only."""
     spec = SandboxSpec(
-        name="abcd1234", workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", host_dir=tmp_path / "host"
-    )
+        name="abcd1234", workspace=tmp_path / "ws", runtime_dir=tmp_path / "run", host_dir=tmp_path / "host",
+        private_files=(("/run/kernel/connection.json", b"{}"),),
+    )  # fmt: skip
+    files = root_files(spec)
+    assert [path for path, _ in files] == [
+        "/etc/passwd", "/etc/group", "/etc/hosts", "/etc/hostname", "/etc/resolv.conf", "/run/kernel/connection.json",
+    ]  # fmt: skip
+    assert dict(files)["/etc/passwd"].startswith(b"sandbox:x:1000:1000:")
+    assert dict(files)["/etc/resolv.conf"] == b""  # no network: no name server
     command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=Path("/opt/env"))
-    argv = command.argv(spec, ["python"], gate_fd=9, private_fds=((7, "/run/kernel/connection.json"),))
-    assert pairs(argv, "--ro-bind-data") == [("7", "/run/kernel/connection.json")]
-    assert argv.index("--ro-bind-data") < argv.index("--remount-ro")
-    assert "--ro-bind-data" not in build(tmp_path)
+    argv = command.argv(spec, ["python"], gate_fd=9, root_fds=tuple((7 + i, path) for i, (path, _) in enumerate(files)))
+    assert pairs(argv, "--file") == [(str(7 + i), path) for i, (path, _) in enumerate(files)]
+    assert all(argv[i - 2 : i] == ["--perms", "0444"] for i, arg in enumerate(argv) if arg == "--file")
+    assert max(i for i, arg in enumerate(argv) if arg == "--file") < argv.index("--remount-ro")
+    assert "--ro-bind-data" not in argv and "--bind-data" not in argv
     assert SandboxSpec(name="k", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path).twin().twin().name == "k"
 
 

@@ -59,6 +59,18 @@ async def test_host_files_are_not_readable(client: Client) -> None:
     assert "home" not in listing["root"] and "root" not in listing["root"] and "work" not in listing["root"]
     assert "shadow" not in listing["etc"]
     assert "root:" not in listing["passwd"], "the host's passwd must not be shown"
+    # Its own /etc files and its kernel's key are copied into its root, not bound: nothing in it may change them.
+    changed = await probe(
+        client,
+        "import os, json, errno\nfound = {}\n"
+        "for path in ('/etc/passwd', '/etc/hosts', '/etc/resolv.conf', '/run/kernel/connection.json'):\n"
+        "    for what, act in (('write', lambda: open(path, 'a').close()), ('chmod', lambda: os.chmod(path, 0o666)),\n"
+        "            ('rename', lambda: os.rename(path, path + '.x')), ('unlink', lambda: os.unlink(path))):\n"
+        "        try:\n            act(); found[path + ' ' + what] = 'done'\n"
+        "        except OSError as exc:\n            found[path + ' ' + what] = errno.errorcode[exc.errno]\n"
+        "print(json.dumps(found))",
+    )
+    assert set(changed.values()) <= {"EROFS", "EACCES"}, changed
     await assert_still_serves(client)
 
 

@@ -39,7 +39,7 @@ from coderunner.sandbox.base import (
     backend_identity,
     twin_name,
 )
-from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand
+from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand, root_files
 from coderunner.sandbox.bwrap_fds import StartFds, read_json_document
 from coderunner.sandbox.bwrap_watch import process_watch
 from coderunner.sandbox.cgroups import CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
@@ -254,11 +254,11 @@ class BwrapBackend(SandboxBackend):
         await off_loop(self._keep_guest)
         nproc = self.nproc_limit(spec) if cgroup is None else None
         seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
-        private_fds: list[tuple[int, str]] = []
+        root_fds: list[tuple[int, str]] = []
         fds = StartFds.open(network=spec.network == NetworkMode.INTERNET)
         try:
-            for path, data in spec.private_files:
-                private_fds.append((_memfd("coderunner-private", data), path))
+            for path, data in root_files(spec):
+                root_fds.append((_memfd("coderunner-root-file", data), path))
             full = self.command.argv(
                 spec,
                 argv,
@@ -268,7 +268,7 @@ class BwrapBackend(SandboxBackend):
                 block_fd=fds.block_read,
                 nproc=nproc,
                 memory_cgroup=cgroup is not None and "memory" in cgroup.dirs and spec.limits.memory_mb is not None,
-                private_fds=tuple(private_fds),
+                root_fds=tuple(root_fds),
             )
             if spec.user is not None:
                 full = [*spec.user.setpriv_prefix(), *full]
@@ -282,7 +282,7 @@ class BwrapBackend(SandboxBackend):
                 stderr=subprocess.PIPE,
                 start_new_session=True,
                 env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"},
-                pass_fds=(seccomp_fd, *(fd for fd, _ in private_fds), *fds.child_fds()),
+                pass_fds=(seccomp_fd, *(fd for fd, _ in root_fds), *fds.child_fds()),
             )
         except BaseException:
             fds.close(gate_too=True)
@@ -291,7 +291,7 @@ class BwrapBackend(SandboxBackend):
                     await off_loop(cgroup.remove)
             raise
         finally:
-            for fd in (seccomp_fd, *(fd for fd, _ in private_fds)):
+            for fd in (seccomp_fd, *(fd for fd, _ in root_fds)):
                 os.close(fd)
             fds.close_child_ends()
         sandbox = SandboxProcess(process, task_group, cgroup=cgroup, pipes=pipes)
