@@ -11,7 +11,7 @@ import pytest
 from coderunner.sandbox.base import Limits, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapCommand
 from coderunner.sandbox.bwrap_argv import HOLD, root_files
-from coderunner.sandbox.common import ENV_MOUNT, INSTALL_REFUSAL_ENV, SANDBOX_INIT, sandbox_environment
+from coderunner.sandbox.common import ENV_MOUNT, INSTALL_REFUSAL_ENV, SANDBOX_INIT_BOOT, sandbox_environment
 
 
 def build(tmp_path: Path, limits: Limits | None = None, **fds: int | str) -> list[str]:
@@ -69,11 +69,11 @@ def test_environment_is_explicit_and_host_free(tmp_path: Path, monkeypatch) -> N
 def test_memory_limit_wraps_the_inner_command(tmp_path: Path) -> None:
     """Under the init (which no limit of user code binds), before the program."""
     argv = build(tmp_path, Limits(memory_mb=512), nproc=300)
-    inner = argv[argv.index("--") + 7 :]
+    inner = argv[argv.index("--") + 8 :]
     assert inner[:4] == ["/usr/bin/prlimit", f"--as={512 * 1024 * 1024}", "--nproc=300", "--"]
     assert inner[4:] == ["python", "-m", "ipykernel_launcher"]
     unlimited = build(tmp_path)
-    assert unlimited[unlimited.index("--") + 7 :] == ["python", "-m", "ipykernel_launcher"]
+    assert unlimited[unlimited.index("--") + 8 :] == ["python", "-m", "ipykernel_launcher"]
 
 
 def test_seccomp_tmpfs_sizes_and_setup_fds(tmp_path: Path) -> None:
@@ -157,8 +157,8 @@ def test_pid_1_is_our_sealed_init_holding_the_gate_and_no_mark(tmp_path: Path) -
     first after `--`, waits on the gate fd, and nothing in any command line names the host's watcher."""
     argv = build(tmp_path, gate_fd=11)
     inner = argv[argv.index("--") + 1 :]
-    assert inner[:6] == [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, "11", "--"]
-    assert inner[6:] == ["python", "-m", "ipykernel_launcher"]
+    assert inner[:7] == [f"{ENV_MOUNT}/bin/python", "-I", "-S", "-c", SANDBOX_INIT_BOOT, "11", "--"]
+    assert inner[7:] == ["python", "-m", "ipykernel_launcher"]
     assert "--unsetenv" not in argv and not any("CODERUNNER" in arg for arg in argv if "=" not in arg)
 
 
@@ -170,6 +170,8 @@ def test_a_sandbox_with_no_program_is_held_by_its_init_and_not_in_allowlist(tmp_
         name="k", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path, limits=Limits(memory_mb=512)
     )
     argv = command.argv(spec, HOLD, gate_fd=11, nproc=64)
-    assert argv[argv.index("--") + 1 :] == [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, "11", "--hold"]
+    assert argv[argv.index("--") + 1 :] == [
+        f"{ENV_MOUNT}/bin/python", "-I", "-S", "-c", SANDBOX_INIT_BOOT, "11", "--hold",
+    ]  # fmt: skip
     with pytest.raises(ValueError, match="allowlist"):
         command.argv(dataclasses.replace(spec, network="allowlist"), HOLD, gate_fd=11)

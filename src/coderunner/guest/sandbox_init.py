@@ -3,6 +3,9 @@
     python -I -S sandbox_init.py GATE_FD -- ARGV...
     python -I -S sandbox_init.py GATE_FD --hold
 
+(The host runs it as `python -I -S -c SANDBOX_INIT_BOOT GATE_FD ...`, sandbox/common.py: the same main, imported
+from its compiled bytecode rather than compiled from source at every start.)
+
 Why it exists: bwrap's own pid 1 runs as the sandbox's uid and is dumpable, so code in the sandbox
 could open /proc/1/mem for writing and rewrite it (clear its parent-death signal, then loop forever),
 keeping the namespace alive past everything the host did to bwrap. This init first makes itself

@@ -12,7 +12,7 @@ from coderunner.sandbox.common import (
     GUEST_LIB,
     PROC_MASKED_DIRS,
     PROC_MASKED_FILES,
-    SANDBOX_INIT,
+    SANDBOX_INIT_BOOT,
     SHM_MB,
     egress_launcher,
     rlimit_prefix,
@@ -129,7 +129,7 @@ class BwrapCommand:
         ]  # fmt: skip
         for key, value in sandbox_environment(spec_environment(spec)).items():
             args += ["--setenv", key, value]
-        init = [f"{ENV_MOUNT}/bin/python", "-I", "-S", SANDBOX_INIT, str(gate_fd)]
+        init = [f"{ENV_MOUNT}/bin/python", "-I", "-S", "-c", SANDBOX_INIT_BOOT, str(gate_fd)]
         if inner == HOLD:
             if spec.network == NetworkMode.ALLOWLIST:
                 raise ValueError("a sandbox in network 'allowlist' needs a program: its forwarder starts it")

@@ -31,6 +31,14 @@ SESSION_PACKAGES_ENV = "SESSION_SITE_PACKAGES"
 INSTALL_REFUSAL_ENV = "SESSION_INSTALL_REFUSAL"
 #: A bwrap sandbox's pid 1 (bwrap --as-pid-1): non-dumpable, held by the host's gate. Run with -I -S.
 SANDBOX_INIT = f"{GUEST_LIB}/coderunner_guest/sandbox_init.py"
+#: How it is run (`python -I -S -c SANDBOX_INIT_BOOT GATE_FD ...`): imported from the bytecode the host compiled
+#: into the guest's folder once (bwrap.py's install_guest), its main called, never the script itself, which an
+#: interpreter compiles from source at every run: about 1 ms of every sandbox's start, on the way to its
+#: "ready". Only the guest's read-only folder goes on the path (-I keeps the workspace and PYTHON* off it).
+SANDBOX_INIT_BOOT = (
+    f"import os, sys; sys.path[:0] = [{GUEST_LIB!r}]; "
+    "from coderunner_guest.sandbox_init import main; os._exit(main(sys.argv[1:]))"
+)
 #: Run as a script with -I -S: stdlib only, so no site-packages scan and no PYTHON* variables.
 EGRESS_FORWARDER = f"{GUEST_LIB}/coderunner_guest/egress_forwarder.py"
 #: A preload (NODE_OPTIONS) that points Node's fetch at the proxy: Node 20 has no NODE_USE_ENV_PROXY.
