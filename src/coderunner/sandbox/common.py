@@ -29,9 +29,8 @@ EGRESS_PORT = 3128
 SESSION_PACKAGES_ENV = "SESSION_SITE_PACKAGES"
 #: Set in a sandbox with network 'none' (SandboxSpec.install_refusal): what the kernel's %pip answers.
 INSTALL_REFUSAL_ENV = "SESSION_INSTALL_REFUSAL"
-#: A bwrap sandbox's pid 1 (bwrap --as-pid-1): non-dumpable, held by the host's gate. Run with -I -S.
-SANDBOX_INIT = f"{GUEST_LIB}/coderunner_guest/sandbox_init.py"
-#: How it is run (`python -I -S -c SANDBOX_INIT_BOOT GATE_FD ...`): imported from the bytecode the host compiled
+#: A bwrap sandbox's pid 1 (bwrap --as-pid-1; guest/sandbox_init.py): non-dumpable, held by the host's gate. Run
+#: as `python -I -S -c SANDBOX_INIT_BOOT GATE_FD ...`: imported from the bytecode the host compiled
 #: into the guest's folder once (bwrap.py's install_guest), its main called, never the script itself, which an
 #: interpreter compiles from source at every run: about 1 ms of every sandbox's start, on the way to its
 #: "ready". Only the guest's read-only folder goes on the path (-I keeps the workspace and PYTHON* off it).

@@ -179,7 +179,7 @@ class TemplateKernels:
             if self.template is template and pages:
                 self.plan_pages = await template.give_plan(pages)
                 log.info("kernel template: its forks copy %d pages ahead", self.plan_pages)
-        except (OSError, TemplateUnavailable) as exc:
+        except (OSError, ValueError, TemplateUnavailable) as exc:  # a /proc entry not as expected, too: best effort
             log.info("kernel template: its forks' pages could not be learned (%s); they fault in as they go", exc)
 
     async def _give_up(self, last: str) -> None:
