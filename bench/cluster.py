@@ -120,11 +120,10 @@ from coderunner.edge.callers import LOCAL_CALLER
 runs = []
 for index in range(20 + int(sys.argv[3])):
     began = time.perf_counter()
-    delta = ray.get(agent.call.remote(session_id, "start_run", ["1+1", None, None, LOCAL_CALLER, 0.5]), timeout=60)
+    answer = ray.get(agent.call.remote(session_id, "start_run", ["1+1", None, None, LOCAL_CALLER, 1.0]), timeout=60)
     if index >= 20:
         runs.append(time.perf_counter() - began)
-    assert delta["ended"], delta  # a JobDelta's wire form (cluster/wire.py)
-    ray.get(agent.call.remote(session_id, "forget_job", [delta["job_id"]]), timeout=30)
+    assert answer["update"]["status"] == "done", answer  # a JobUpdate's wire form (sessions/job_updates.py)
 print(json.dumps({"ping": samples, "run": runs}))
 """
 

@@ -79,9 +79,9 @@ def ms(samples):
 
 
 async def run_once(session):
-    job = await session.start_run("1+1", None)
-    await job.done.wait()
-    session.forget_job(job)
+    update = await session.start_run("1+1", None, None, 1.0)
+    while update.running:
+        update = await session.wait_job(update.job_id, 1.0)
 
 
 async def warm(cluster, local, agent):

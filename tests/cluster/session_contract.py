@@ -17,6 +17,7 @@ import anyio
 
 from coderunner.errors import SessionError
 from coderunner.sessions.job_runner import JobStatus
+from coderunner.sessions.job_updates import JobUpdate
 from coderunner.sessions.seam import SessionHandle, SessionHost
 from coderunner.vocabulary.sandbox_request import SandboxRequest
 
@@ -47,20 +48,21 @@ async def closed(host: SessionHost, session: SessionHandle) -> None:
 
 
 async def ran(session: SessionHandle, code: str) -> str:
-    """Run `code` to its end as the tools do (start, wait, result, forget); its output's text."""
-    job = await session.start_run(code, 60)
+    """Run `code` to its end as run_python does (start, then wait in steps); its output's text."""
     with anyio.fail_after(STEP_S):
-        await job.done.wait()
-    result = session.job_result(job)
-    session.forget_job(job)
-    return result.outcome.output.text()
+        update = await session.start_run(code, 60, None, 1.0)
+        while update.running:
+            update = await session.wait_job(update.job_id, 1.0)
+    assert update.result is not None, update
+    assert not session.holds_job(update.job_id), "a job answered whole is still held"
+    return update.result.outcome.output.text()
 
 
-async def until(predicate: Callable[[], bool], what: str) -> None:
-    with anyio.fail_after(STEP_S):
-        while not predicate():
-            await anyio.sleep(0.05)
-    assert predicate(), what
+async def started(session: SessionHandle, code: str) -> JobUpdate:
+    """`code` started and still running: its first update."""
+    update = await session.start_run(code, 60)
+    assert update.running and update.job_id and session.holds_job(update.job_id), update
+    return update
 
 
 # --- the cases --------------------------------------------------------------------------------------
@@ -106,26 +108,30 @@ async def reset(host: SessionHost) -> None:
 
 
 async def job_progress_is_read_incrementally(host: SessionHost) -> None:
-    """A running job's output is read as it comes: each read brings only what is new, the end brings the rest."""
+    """A running job's output is read as it comes: each read brings only what is new, the end brings the rest;
+    a look that does not take leaves it for the next read, and the reader's updates say where the job is."""
     session = await opened(host)
     try:
         code = "import time\nfor i in range(6):\n    print(f'tick {i}', flush=True)\n    time.sleep(0.5)"
-        job = await session.start_run(code, 60)
-        output = job.output
-        assert output is not None
-        reads: list[str] = []
-        await until(lambda: job.executing_since is not None or job.done.is_set(), "the cell never started")
-        await until(lambda: "tick 1" in output.tail_text(200) or job.done.is_set(), "no progress came")
-        assert not job.done.is_set(), "the job ended before its progress was read"
-        reads.append(output.take().text)
+        job_id = (await started(session, code)).job_id
         with anyio.fail_after(STEP_S):
-            await job.done.wait()
-        reads.append(output.take().text)
-        assert job.status is JobStatus.DONE, job.status
-        assert "tick 0" in reads[0] and "tick 5" not in reads[0], reads
-        assert "tick 5" in reads[1] and "tick 0" not in reads[1], reads  # read once each
-        assert "".join(reads).count("tick") == 6, reads
-        session.forget_job(job)
+            look = await session.read_job(job_id, 0.0, take=False)
+            while look.running and "tick 1" not in look.tail:
+                look = await session.read_job(job_id, 0.2, take=False)
+        assert look.running, "the job ended before its progress was read"
+        assert look.executing_for_s is not None and look.text == "", look
+        reads = [await session.read_job(job_id)]
+        with anyio.fail_after(STEP_S):
+            while (last := await session.read_job(job_id, 1.0)).running:
+                reads.append(last)
+        reads.append(last)
+        texts = [read.text for read in reads]
+        assert last.status == JobStatus.DONE.value and last.result is not None, last
+        assert "tick 0" in texts[0] and "tick 5" not in texts[0], texts
+        assert "tick 5" in "".join(texts[1:]) and "tick 0" not in "".join(texts[1:]), texts  # read once each
+        assert "".join(texts).count("tick") == 6, texts
+        assert session.holds_job(job_id), "a job a reader saw end is kept for it until it is forgotten"
+        assert {"job_id": job_id, "status": "done"}.items() <= (await session.list_jobs())[0].items()
     finally:
         await closed(host, session)
 
@@ -134,18 +140,58 @@ async def cancel(host: SessionHost) -> None:
     """Cancelling a running cell ends its job as interrupted, and the session runs the next cell."""
     session = await opened(host)
     try:
-        job = await session.start_run("import time\nprint('begun', flush=True)\ntime.sleep(60)", 60)
-        output = job.output
-        assert output is not None
-        await until(lambda: "begun" in output.tail_text(100), "the cell never printed")
+        job_id = (await started(session, "import time\nprint('begun', flush=True)\ntime.sleep(60)")).job_id
+        with anyio.fail_after(STEP_S):
+            while "begun" not in (look := await session.read_job(job_id, 0.2, take=False)).tail:
+                assert look.running, look
         began = time.monotonic()
         with anyio.fail_after(STEP_S):
-            await session.cancel_job(job)
-            await job.done.wait()
-        assert job.status is JobStatus.INTERRUPTED, (job.status, job.notice)
+            await session.cancel_job(job_id)
+            update = await session.wait_job(job_id, 1.0)
+        assert update.status == JobStatus.INTERRUPTED.value, update
         assert time.monotonic() - began < 50, "the cell ran on"
-        session.forget_job(job)
         assert (await ran(session, "print('after')")).strip() == "after"
+    finally:
+        await closed(host, session)
+
+
+async def a_cancelled_wait_cancels_the_cell(host: SessionHost) -> None:
+    """The run's own wait, cancelled (a client that gave up on run_python), interrupts its cell; a reader's
+    cancelled wait leaves the job running."""
+    session = await opened(host)
+    try:
+        job_id = (await started(session, "import time\nprint('begun', flush=True)\ntime.sleep(60)")).job_id
+        with anyio.move_on_after(0.5):
+            await session.read_job(job_id, 30.0, take=False)
+        assert (await session.read_job(job_id, take=False)).running, "a reader's cancelled wait ended the job"
+        with anyio.move_on_after(0.5):
+            await session.wait_job(job_id, 30.0)
+        with anyio.fail_after(STEP_S):
+            while (update := await session.read_job(job_id, 1.0)).running:
+                pass
+        assert update.status == JobStatus.INTERRUPTED.value, update
+        assert (await ran(session, "print('after')")).strip() == "after"
+    finally:
+        await closed(host, session)
+
+
+async def a_run_beside_a_detached_job_is_told_busy(host: SessionHost) -> None:
+    """A job read by another than its run's own wait (its run answered with its id) is detached: another run
+    is refused at once, naming it, instead of waiting behind it."""
+    session = await opened(host)
+    try:
+        job_id = (await started(session, "import time\ntime.sleep(60)")).job_id
+        await session.read_job(job_id)
+        began = time.monotonic()
+        try:
+            with anyio.fail_after(STEP_S):
+                await session.start_run("1 + 1", 60)
+        except SessionError as exc:
+            assert f"busy with job {job_id}" in str(exc), exc
+        else:
+            raise AssertionError("a run beside a detached job was not refused")
+        assert time.monotonic() - began < 10, "the run waited behind the job"
+        await session.cancel_job(job_id)
     finally:
         await closed(host, session)
 
@@ -193,13 +239,10 @@ async def files_in_and_out(host: SessionHost) -> None:
 
 
 async def close_leaves_nothing(host: SessionHost) -> None:
-    """A closed session is gone: not listed, not found by its id, its jobs ended."""
+    """A closed session is gone: not listed, not found by its id, its running job ended with it."""
     session = await opened(host)
-    job = await session.start_run("import time\ntime.sleep(60)", 60)
+    await started(session, "import time\ntime.sleep(60)")
     await closed(host, session)
-    with anyio.fail_after(STEP_S):
-        await job.done.wait()
-    assert job.status is not JobStatus.RUNNING and job.status is not JobStatus.DONE, job.status
     assert session.session_id not in [listed.session_id for listed in host.list()]
     try:
         await host.resolve(session.session_id, OWNER, CLIENT)
@@ -211,7 +254,8 @@ async def close_leaves_nothing(host: SessionHost) -> None:
 
 CASES: dict[str, Case] = {
     case.__name__: case
-    for case in (create, run_keeps_state, reset, job_progress_is_read_incrementally, cancel, egress_decision,
+    for case in (create, run_keeps_state, reset, job_progress_is_read_incrementally, cancel,
+                 a_cancelled_wait_cancels_the_cell, a_run_beside_a_detached_job_is_told_busy, egress_decision,
                  files_in_and_out, close_leaves_nothing)
 }  # fmt: skip
 

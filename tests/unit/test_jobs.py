@@ -6,12 +6,16 @@ the same paths through the MCP client inside real sandboxes with real kernels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import anyio
 import pytest
 
 from coderunner.kernel.incarnation import RunStatus
 from coderunner.sessions import SessionManager
-from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable, attend, cancel
+from coderunner.sessions.job_runner import Job, JobOutput, JobStatus, JobTable
+from coderunner.sessions.job_updates import JobUpdate
+from coderunner.sessions.session import Session
 from tests.fakes.kernel import FakeKernels, KernelCue
 
 from .test_session_states import HANG, WAIT_S, run, text, until
@@ -26,53 +30,70 @@ def ticks(seen: str) -> list[str]:
     return [line for line in seen.splitlines() if line.startswith("tick ")]
 
 
+async def started(session: Session, code: str, **kwargs: Any) -> str:
+    """`code` started as the session's job, still running: its id."""
+    update = await session.start_run(code, None, **kwargs)
+    assert update.running and session.holds_job(update.job_id), update
+    return update.job_id
+
+
 async def test_a_detached_job_runs_on_and_each_read_gives_only_what_is_new(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
-    job = await session.start_run(TICKING.format(n=15), None)
-    assert not await attend(job, 0.3)
-    job.detached = True
-    assert job.output is not None
-    first = job.output.take().text
-    assert ticks(first) and job.running
-    assert session.jobs.running() is job
-    assert await attend(job, WAIT_S)
-    rest = job.output.take().text
-    seen = ticks(first) + ticks(rest)
+    update = await session.start_run(TICKING.format(n=15), None, None, 0.3)
+    assert update.running and update.executing_for_s is not None and "tick" in update.tail
+    first = await session.read_job(update.job_id)
+    assert ticks(first.text) and first.running
+    assert session.jobs.running() is not None and session.holds_job(update.job_id)
+    rest = await session.read_job(update.job_id, WAIT_S)
+    seen = ticks(first.text) + ticks(rest.text)
     assert seen == [f"tick {i}" for i in range(15)]  # each line once, in order
-    assert job.status is JobStatus.DONE and not job.state_lost
-    assert job.output.take().text == ""  # nothing new
+    assert rest.status == JobStatus.DONE.value and not rest.state_lost and rest.result is not None
+    assert (await session.read_job(update.job_id)).text == ""  # nothing new
     assert "15" in text(await run(session, "get finished"))
+
+
+async def test_a_run_that_ends_within_its_wait_comes_whole_and_is_forgotten(scripted: SessionManager) -> None:
+    session = await scripted.resolve(None)
+    update = await session.start_run("print 2", None, None, WAIT_S)
+    assert update.status == JobStatus.DONE.value and update.result is not None and "2" in text(update.result)
+    assert not session.holds_job(update.job_id) and (await session.read_job(update.job_id)).gone
 
 
 async def test_a_caller_cancelled_before_detaching_interrupts_the_cell(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
     await run(session, "set kept 7")
-    job = await session.start_run(HANG, None)
     with anyio.move_on_after(0.3):
-        await attend(job, None)
-    assert not job.running and job.status is JobStatus.INTERRUPTED
+        await session.start_run(HANG, None, None, WAIT_S)
+    (described,) = await session.list_jobs()
+    assert described["status"] == JobStatus.INTERRUPTED.value, described
+    job_id = await started(session, HANG)
+    with anyio.move_on_after(0.3):
+        await session.wait_job(job_id, WAIT_S)
+    assert (await session.read_job(job_id)).status == JobStatus.INTERRUPTED.value
     assert "7" in text(await run(session, "get kept"))
 
 
-async def test_a_caller_cancelled_after_detaching_leaves_the_job_running(scripted: SessionManager) -> None:
+async def test_a_reader_cancelled_leaves_the_job_running(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
-    job = await session.start_run(TICKING.format(n=10), None, owner="x")
-    job.detached = True
+    job_id = await started(session, TICKING.format(n=10), owner="x")
     with anyio.move_on_after(0.2):
-        await attend(job, None)
-    assert job.running
-    assert await attend(job, WAIT_S) and job.status is JobStatus.DONE
+        await session.read_job(job_id, WAIT_S)
+    assert (await session.read_job(job_id, take=False)).running
+    assert (await session.read_job(job_id, WAIT_S)).status == JobStatus.DONE.value
 
 
 async def test_cancel_interrupts_and_keeps_state(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
     await run(session, "set kept 7")
     before = session.generation
-    job = await session.start_run("print started\n" + HANG, None)
-    await until(lambda: job.output is not None and "started" in job.output.tail_text(), "the cell to start")
-    assert await cancel(job, WAIT_S)
-    assert job.status is JobStatus.INTERRUPTED and not job.state_lost
-    assert job.notice == "cancelled: interrupted; the kernel and its state are kept"
+    job_id = await started(session, "print started\n" + HANG)
+    with anyio.fail_after(WAIT_S):
+        while "started" not in (await session.read_job(job_id, 0.05, take=False)).tail:
+            pass
+    await session.cancel_job(job_id)
+    update = await session.read_job(job_id)
+    assert update.status == JobStatus.INTERRUPTED.value and not update.state_lost
+    assert update.notice == "cancelled: interrupted; the kernel and its state are kept"
     assert session.generation == before and session.kernel_state() == (before, True)
     assert "7" in text(await run(session, "get kept"))
 
@@ -84,56 +105,53 @@ async def test_cancel_restarts_a_kernel_that_ignores_the_interrupt_and_says_stat
     session = await scripted.resolve(None)
     await run(session, "set kept 7")
     before, _ = session.kernel_state()
-    job = await session.start_run(HANG, None)
+    job_id = await started(session, HANG)
     await until(lambda: session.busy, "the cell to start")
-    assert await cancel(job, WAIT_S)
-    assert job.status is JobStatus.INTERRUPTED and job.state_lost
-    assert "kernel restarted; state lost" in (job.notice or "")
-    assert session.kernel_state(lost=job.state_lost) == (before + 1, False)
+    await session.cancel_job(job_id)
+    update = await session.read_job(job_id)
+    assert update.status == JobStatus.INTERRUPTED.value and update.state_lost
+    assert "kernel restarted; state lost" in (update.notice or "")
+    assert session.kernel_state(lost=update.state_lost) == (before + 1, False)
     assert "False" in text(await run(session, "has kept"))
     assert session.kernel_state() == (before + 1, True)
 
 
 async def test_a_job_that_kills_its_kernel_is_lost_and_a_fresh_kernel_is_ready(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
-    job = await session.start_run("sleep 0.2\ndie 9", None)
-    job.detached = True
-    assert await attend(job, WAIT_S)
-    assert job.status is JobStatus.LOST
-    result = session.job_result(job)
-    assert result.outcome.status is RunStatus.DIED and result.state_lost
+    update = await session.start_run("sleep 0.2\ndie 9", None, None, WAIT_S)
+    assert update.status == JobStatus.LOST.value and update.result is not None
+    assert update.result.outcome.status is RunStatus.DIED and update.result.state_lost
     assert "2" in text(await run(session, "print 2"))
 
 
-async def test_closing_the_session_ends_its_job_and_tells_the_waiter(
+async def test_closing_the_session_ends_its_job_and_tells_the_reader(
     scripted: SessionManager, kernels: FakeKernels
 ) -> None:
     session = await scripted.create()
-    job = await session.start_run(HANG, None)
-    job.detached = True
+    job_id = await started(session, HANG)
     await until(lambda: session.busy, "the cell to start")
     async with anyio.create_task_group() as tg:
-        ended: list[bool] = []
+        ended: list[JobUpdate] = []
 
-        async def waiter() -> None:
-            ended.append(await attend(job, WAIT_S))
+        async def reader() -> None:
+            ended.append(await session.read_job(job_id, WAIT_S))
 
-        tg.start_soon(waiter)
+        tg.start_soon(reader)
         await scripted.close(session.session_id)
-    assert ended == [True] and job.status is JobStatus.LOST
-    assert session.job_result(job).notice == "the session was closed during this call"
+    (update,) = ended
+    assert update.status == JobStatus.LOST.value and update.result is not None
+    assert update.result.notice == "the session was closed during this call"
     assert kernels.processes and all(not process.alive for process in kernels.processes)
 
 
 async def test_reset_during_a_job_ends_it_with_state_lost(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
-    job = await session.start_run(HANG, None)
-    job.detached = True
+    job_id = await started(session, HANG)
     await until(lambda: session.busy, "the cell to start")
     await session.reset()
-    assert await attend(job, WAIT_S)
-    assert session.job_result(job).notice == "stopped by a kernel reset: state lost"
-    assert session.job_result(job).state_lost
+    update = await session.read_job(job_id, WAIT_S)
+    assert update.result is not None and update.result.notice == "stopped by a kernel reset: state lost"
+    assert update.result.state_lost and not update.running
 
 
 async def test_unread_text_is_bounded_and_points_at_the_spill_file() -> None:

@@ -187,12 +187,11 @@ async def test_jobs_through_the_tools_and_another_clients_job_is_unknown(
     assert [entry["job_id"] for entry in listed] == [job["job_id"]]
     theirs = await manager.create(owner="tok/client:eve")
     their_job = await theirs.start_run("import time\ntime.sleep(30)", None)
-    their_job.detached = True
     for action in ("wait", "cancel"):
         refused = await client.call_tool("manage_jobs", {"action": action, "job_id": their_job.job_id})
         assert refused.is_error and f"unknown job_id {their_job.job_id!r}" in text(refused)
         assert theirs.session_id not in text(refused)
-    assert their_job.running
+    assert (await theirs.read_job(their_job.job_id, take=False)).running
     assert their_job.job_id not in json.dumps(payload(await client.call_tool("manage_jobs", {"action": "list"})))
     await manager.close(theirs.session_id)
 

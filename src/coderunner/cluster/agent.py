@@ -69,7 +69,7 @@ FAILED_END_S = 5.0
 MAX_ABANDONED = 256
 #: What a session's agent serves of it (session_side.py); `info` and `close` are the agent's own.
 SESSION_CALLS = frozenset({
-    "start_run", "read_job", "cancel_run", "answer_egress", "cancel_job", "forget_job", "list_jobs", "reset",
+    "start_run", "wait_job", "read_job", "cancel_run", "answer_egress", "cancel_job", "list_jobs", "reset",
     "generation", "take_snapshot", "export_changes", "read_export_piece", "forget_exports", "guest_op",
     "install_packages", "status", "list_files", "read_piece", "stage_piece", "commit_upload",
 })  # fmt: skip

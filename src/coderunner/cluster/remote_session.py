@@ -5,9 +5,10 @@ synchronously (options, the kernel's generation, export note) is kept here from 
 An agent that stops answering (its node gone, or the agent itself killed) turns every call into a
 SessionError that says the session was lost, with what was lost.
 
-What it waits for on the node (a running job's progress and end, a host its proxy asks the user about)
-comes by its agent's long poll (agent_watch.py): the session follows it while something is under way,
-reads a job when its change count passed the last read's and answers each new question.
+Its jobs are forwarded as the session's own job calls (start_run, wait_job, read_job), each answer a
+JobUpdate (sessions/job_updates.py): a job lives on its node only, and waiting for one is a bounded call
+there. The hosts its proxy asks the user about come by its agent's long poll (agent_watch.py): the session
+follows it while a run or a guest call whose user can be asked goes, and answers each new question.
 
 One idea: a session in a node agent as the tools use it: each call forwarded, what they read kept from
 the answers and from the agent's long poll.
@@ -27,20 +28,17 @@ import ray
 from anyio.abc import TaskGroup
 
 from coderunner.cluster.agent_link import AgentLink
-from coderunner.cluster.agent_watch import ANSWER_S, POLL_WAIT_S, AgentWatch
+from coderunner.cluster.agent_watch import AgentWatch
 from coderunner.cluster.remote_egress import RemoteEgress
 from coderunner.cluster.remote_exports import RemoteExports
 from coderunner.cluster.remote_files import RemoteFiles, RemoteWorkspaceWriter
-from coderunner.cluster.remote_job import RemoteJob, mirror_output
 from coderunner.cluster.session_channel import ChannelBroken, ChannelUnused
-from coderunner.cluster.wire import EgressDelta, ExportListing, JobDelta, Question, SessionInfo, SessionNews
+from coderunner.cluster.wire import EgressDelta, ExportListing, Question, SessionInfo, SessionNews
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.kernel.client import longest_grace_s
 from coderunner.kernel.output_capture import WorkspaceWriter
-from coderunner.kernel.run_result import ExecutionResult
 from coderunner.sandbox import LimitReport
-from coderunner.sessions.job_runner import Job, JobStatus, label_of
-from coderunner.sessions.kernel_calls import python_job_result
+from coderunner.sessions.job_updates import JobUpdate
 from coderunner.sessions.session_status import SessionStatus, export_entry
 
 if TYPE_CHECKING:
@@ -52,11 +50,11 @@ log = logging.getLogger(__name__)
 
 #: Bound on a control call to a session's agent (status, files piece, job read beyond its own wait).
 CALL_S = 30.0
-#: How long a run waits on the node for a quick cell to end before its first answer comes back.
-FIRST_WAIT_S = 0.5
+#: Ids of its jobs a session remembers the node holds for readers (manage_jobs finds a job's session by them).
+MAX_KNOWN_JOBS = 64
 #: Bound on the last look into the outbox before a close (a node that does not answer is not waited for twice).
 CLOSE_EXPORT_S = 10.0
-#: Bound on cancelling a run whose first answer had not come (beyond the interrupt's own grace).
+#: Bound on asking the node to cancel a run's wait that had not answered (the node then cancels the cell).
 CANCEL_S = 5.0
 
 
@@ -74,17 +72,19 @@ class RemoteSession:
         self._watch = link.watch if link is not None else AgentWatch(agent, task_group)
         #: The latest news of it the long poll brought; jobs being read now; questions being answered now;
         #: calls under way whose user can be asked about hosts.
-        self._news = SessionNews()
-        self._reading: set[str] = set()
         self._answering: set[str] = set()
         self._asking_calls = 0
+        #: A run whose user can be asked goes (from its start until an answer says it ended), and its job id.
+        self._asking_run = False
+        self._asking_job: str | None = None
+        #: Its jobs this front door knows the node holds (running, or ended and kept for a reader), oldest first.
+        self._job_ids: dict[str, None] = {}
         self._agent_lost = agent_lost
         self.info = info
         self.settings = settings
         self._task_group = task_group
         self._generation = info.generation
         self._reported_generation: int | None = None
-        self._jobs: dict[str, RemoteJob] = {}
         self.export_note: str | None = None
         self.close_note: str | None = None
         self.closed = False
@@ -230,66 +230,87 @@ class RemoteSession:
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
             raise self.gone(exc) from None
 
-    # --- jobs ------------------------------------------------------------------------------------
+    # --- jobs: forwarded as they are, each answer a JobUpdate (sessions/job_updates.py) -------------
 
-    async def start_run(self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None) -> Job:
+    async def start_run(
+        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None, wait_s: float = 0.0
+    ) -> JobUpdate:
         limit = min(timeout_s or self.options.timeout_s, self.settings.max_timeout_s)
         token = secrets.token_hex(8)
         self.export_note = None
         asking = self._egress is not None and self._egress.asker is not None
-        self._asking_calls += asking  # its questions may come during its first wait: followed from now
+        self._asking_run = self._asking_run or asking  # its questions may come before it answers: followed now
         self._follow_as_needed()
-        answered = False
         try:
-            first = JobDelta.of_wire(await self.acall(
-                "start_run", code, timeout_s, variables, self.owner, FIRST_WAIT_S, self._egress_mark, token,
-                asking, timeout_s=limit + CALL_S,
-            ))  # fmt: skip
-            answered = True
+            answer = await self.acall(
+                "start_run", code, timeout_s, variables, self.owner, wait_s, self._egress_mark, token, asking,
+                timeout_s=limit + wait_s + CALL_S,
+            )  # fmt: skip
         except anyio.get_cancelled_exc_class():  # cancelled before the node answered: the cell must not run on
             with anyio.CancelScope(shield=True), contextlib.suppress(SessionError):
-                await self.acall(
-                    "cancel_run", token, timeout_s=longest_grace_s(self.settings.interrupt_grace_s) + CANCEL_S
-                )
+                await self.acall("cancel_run", token, timeout_s=CANCEL_S)
             raise
-        finally:
-            self._asking_calls -= asking
-            if not answered:
-                self._follow_as_needed()
-        self._take_egress(first.egress)
-        job = RemoteJob(
-            job_id=first.job_id, kind="python", label=label_of(code), owner=self.owner, session_id=self.session_id,
-            output=mirror_output(self.settings.output_limit_chars),
-        )  # fmt: skip
+        except BaseException:
+            self._asking_run = False
+            self._follow_as_needed()
+            raise
+        return await self._taken(answer, asking)
 
-        def request_cancel() -> None:
-            self._task_group.start_soon(self._cancel_remote, job.job_id)
+    async def wait_job(self, job_id: str, wait_s: float) -> JobUpdate:
+        token = secrets.token_hex(8)
+        try:
+            answer = await self.acall("wait_job", job_id, wait_s, self._egress_mark, token, timeout_s=wait_s + CALL_S)
+        except anyio.get_cancelled_exc_class():  # the run's own wait, cancelled: so is the node's, and the cell
+            with anyio.CancelScope(shield=True), contextlib.suppress(SessionError):
+                await self.acall("cancel_run", token, timeout_s=CANCEL_S)
+            raise
+        return await self._taken(answer)
 
-        job.request_cancel = request_cancel
-        self._jobs[job.job_id] = job
-        await self._take_exports(first.exports)  # before its end is seen: the reply carries the note
-        job.apply(first)
-        job.node_forgot = first.ended  # the node dropped a job it answered whole
-        self._track(first.generation)
+    async def read_job(self, job_id: str, wait_s: float = 0.0, take: bool = True) -> JobUpdate:
+        answer = await self.acall("read_job", job_id, wait_s, take, self._egress_mark, timeout_s=wait_s + CALL_S)
+        return await self._taken(answer, kept=True)
+
+    async def _taken(self, answer: dict[str, Any], asking: bool = False, kept: bool = False) -> JobUpdate:
+        """Take in what an answer brought beside its update: the kernel's generation, the proxy's decisions, and
+        at the job's end the outbox (copied out before the reply is made, so that it carries the note).
+        `kept`: a job that ended is kept on the node for its readers (a read's); else it was forgotten there."""
+        update = JobUpdate.of_wire(answer["update"])
+        self._track(update.generation)
+        self._take_egress(answer["egress"])
+        await self._take_exports(answer["exports"])
+        if asking and update.running:
+            self._asking_job = update.job_id
+        if not update.running and (asking or update.job_id == self._asking_job):
+            self._asking_run, self._asking_job = False, None
+        self._job_ids.pop(update.job_id, None)
+        if update.running or (kept and not update.gone):
+            self._job_ids[update.job_id] = None
+            while len(self._job_ids) > MAX_KNOWN_JOBS:
+                del self._job_ids[next(iter(self._job_ids))]
         self._follow_as_needed()
-        self._catch_up_soon(job)  # its news may have come before its first answer
-        return job
+        return update
+
+    async def cancel_job(self, job_id: str) -> None:
+        bound = longest_grace_s(self.settings.interrupt_grace_s) + self.settings.startup_timeout_s + CALL_S
+        await self.acall("cancel_job", job_id, timeout_s=bound)  # a kernel that ignores it is restarted within
+
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        return list(await self.acall("list_jobs"))
+
+    def holds_job(self, job_id: str) -> bool:
+        return job_id in self._job_ids
 
     # --- what the agent's long poll brings (agent_watch.py) --------------------------------------
 
     def _follow_as_needed(self) -> None:
-        """Follow the session's news while a job of it runs or a call that can ask goes; else not."""
-        running = any(isinstance(job, RemoteJob) and not job.done.is_set() for job in self._jobs.values())
-        if (running or self._asking_calls) and not self.closed:
+        """Follow the session's news while a run or a guest call whose user can be asked goes; else not."""
+        if (self._asking_run or self._asking_calls) and not self.closed:
             self._watch.follow(self.session_id, self)
         else:
             self._watch.unfollow(self.session_id, self)
 
     def news(self, news: SessionNews) -> None:
-        """The node published news of this session: read the jobs that changed, answer the new questions."""
-        self._news = news
-        for job in list(self._jobs.values()):
-            self._catch_up_soon(job)
+        """The node published news of this session: answer the new questions."""
         for question in news.questions:
             if question.question_id not in self._answering:
                 self._answering.add(question.question_id)
@@ -297,93 +318,16 @@ class RemoteSession:
         self._answering &= {question.question_id for question in news.questions}
 
     def dropped(self) -> None:
-        """Its agent no longer holds it (closed by another front door, or its node's idle reaper)."""
-        refusal = f"unknown or expired session_id {self.session_id!r}"
-        self._end_running(refusal, refusal)
+        """Its agent no longer holds it (closed by another front door, or its node's idle reaper): its calls
+        say so themselves; nothing is waited for here."""
+        self._asking_run = False
+        self._follow_as_needed()
 
     def lost(self, exc: BaseException) -> None:
-        """Its agent's long poll failed (the agent or its node gone, or no answer in time)."""
-        self._task_group.start_soon(self._lose, exc)
-
-    async def _lose(self, exc: BaseException) -> None:
-        if isinstance(exc, AGENT_FAILURES):
-            failure = str(await self._failure(exc, "its long poll", POLL_WAIT_S + ANSWER_S))
-            self._end_running(failure, failure)
-        else:
-            self._end_running(self.lost_text(exc), None)
-
-    def _end_running(self, notice: str, failure: str | None) -> None:
-        for job in self._jobs.values():
-            if isinstance(job, RemoteJob) and not job.done.is_set():
-                job.end(JobStatus.LOST, notice=notice, failure=failure)
-
-    def _catch_up_soon(self, job: Job) -> None:
-        if isinstance(job, RemoteJob) and not job.done.is_set() and job.job_id not in self._reading:
-            mark = self._news.jobs.get(job.job_id)
-            if mark is None or mark > job.read_mark:
-                self._reading.add(job.job_id)
-                self._task_group.start_soon(self._catch_up, job)
-
-    async def _catch_up(self, job: RemoteJob) -> None:
-        """Read the job until the last read is as new as its news (once, if the news has not named it yet)."""
-        try:
-            while not job.done.is_set():
-                mark = self._news.jobs.get(job.job_id)
-                if mark is not None and mark <= job.read_mark:
-                    break
-                try:
-                    job.apply(await self._read(job.job_id))
-                except CodeRunnerError as exc:
-                    job.end(JobStatus.LOST, notice=str(exc), failure=str(exc))
-                except Exception as exc:  # the agent or its node is gone: say so instead of waiting forever
-                    log.info("job %s: %r", job.job_id, exc)
-                    job.end(JobStatus.LOST, notice=self.lost_text(exc))
-                if mark is None:
-                    break
-        finally:
-            self._reading.discard(job.job_id)
-            self._follow_as_needed()
-
-    async def _read(self, job_id: str) -> JobDelta:
-        delta = JobDelta.of_wire(await self.acall("read_job", job_id, self._egress_mark))
-        self._track(delta.generation)
-        self._take_egress(delta.egress)
-        await self._take_exports(delta.exports)
-        return delta
-
-    async def _cancel_remote(self, job_id: str) -> None:
-        try:
-            await self.acall("cancel_job", job_id, timeout_s=longest_grace_s(self.settings.interrupt_grace_s) + CALL_S)
-        except SessionError as exc:
-            log.info("cancelling %s: %s", job_id, exc)
-
-    def job_result(self, job: Job) -> ExecutionResult:
-        return python_job_result(job)
-
-    def job(self, job_id: str) -> Job | None:
-        return self._jobs.get(job_id)
-
-    def list_jobs(self) -> list[Job]:
-        return list(self._jobs.values())
-
-    def forget_job(self, job: Job) -> None:
-        self._jobs.pop(job.job_id, None)
-        if not (isinstance(job, RemoteJob) and job.node_forgot):
-            self._task_group.start_soon(self._forget_remote, job.job_id)
-
-    async def _forget_remote(self, job_id: str) -> None:
-        with contextlib.suppress(SessionError):
-            await self.acall("forget_job", job_id)
-
-    async def cancel_job(self, job: Job) -> None:
-        job.cancel_requested = True
-        await self.acall(
-            "cancel_job",
-            job.job_id,
-            timeout_s=longest_grace_s(self.settings.interrupt_grace_s) + self.settings.startup_timeout_s + CALL_S,
-        )
-        with anyio.move_on_after(CALL_S):
-            await job.done.wait()
+        """Its agent's long poll failed: the calls under way fail on their own, saying why."""
+        log.info("session %s…: its agent's long poll failed: %r", self.session_id[:6], exc)
+        self._asking_run = False
+        self._follow_as_needed()
 
     # --- the session -----------------------------------------------------------------------------
 
@@ -469,12 +413,7 @@ class RemoteSession:
             await self._take_exports(await self.acall("export_changes", timeout_s=CLOSE_EXPORT_S))
         self.closed = True
         self._watch.forget(self.session_id)
-        try:
-            self.close_note = await self.acall("close", timeout_s=self.settings.snapshot_timeout_s + CALL_S)
-        finally:
-            for job in self._jobs.values():
-                if not job.done.is_set():
-                    job.end(JobStatus.LOST, notice=f"session {self.session_id} was closed")
+        self.close_note = await self.acall("close", timeout_s=self.settings.snapshot_timeout_s + CALL_S)
 
 
 #: What a call of an agent may fail with that the session turns into its own error (_failure).

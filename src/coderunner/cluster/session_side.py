@@ -5,9 +5,11 @@ front doors call it: runs whose first answer has not left (cancel_run), the rela
 door's user about hosts (relay_asker.py), uploads staged in pieces, and its outbox (node_exports.py).
 The agent routes each call `(session id, method, args)` to the session's side (agent.SESSION_CALLS).
 
-What a front door waits for (a running job's progress and end, a host the proxy asks about) is the
-session's SessionNews in the agent's long poll (sessions/changes.py, the key its id), published as it
-changes: a front door follows it there and calls (read_job, answer_egress) only when it changed.
+A session's jobs are its own job calls (start_run, wait_job, read_job: sessions/job_updates.py), forwarded
+as they are, each answer a JobUpdate in its wire form: nothing of a job is mirrored at the front door.
+What a front door cannot ask for, the hosts the proxy asks its user about while a run or a guest call that
+can ask goes, is the session's SessionNews in the agent's long poll (sessions/changes.py, the key its id),
+published as it changes: a front door follows it there and answers (answer_egress) what it brings.
 
 The kernel's ZMQ stays on ipc:// on this node: only these calls cross the network.
 
@@ -16,11 +18,8 @@ One idea: the node side of one session: every call a front door makes of it, as 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import functools
-import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Iterator
 from dataclasses import asdict
 from typing import Any
 
@@ -33,24 +32,22 @@ from coderunner.cluster.staged_uploads import StagedUploads
 from coderunner.cluster.wire import (
     EgressDelta,
     ExportListing,
-    JobDelta,
     NodeInfo,
     SessionInfo,
     SessionNews,
-    portable_result,
 )
 from coderunner.errors import CodeRunnerError, SessionError
 from coderunner.hostfs.sandbox_files import Entry
 from coderunner.sessions.changes import Changes
-from coderunner.sessions.job_runner import Job
+from coderunner.sessions.job_runner import JobStatus
+from coderunner.sessions.job_updates import JobUpdate
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.session import Session
 
 #: Cancels remembered for runs not started yet (a front door cancelled before its start arrived).
 MAX_CANCELLED_RUNS = 64
-#: A running job's output is published at most this often (its end, and a question, at once): a cell that
-#: prints all the time costs a front door a few reads a second, not one per line.
-PUBLISH_GAP_S = 0.25
+#: What SessionSide._asking holds while the start of a run that can ask has not answered (no job id yet).
+ASKING_STARTS = "(starting)"
 
 
 class SessionSide:
@@ -66,17 +63,14 @@ class SessionSide:
         self.node = node
         self._standby_after_reset = standby_after_reset
         self._uploads = StagedUploads(transfer_limit)
-        #: Runs whose start_run has not answered yet, by their caller's token (cancel_run).
-        self._runs: dict[str, Job] = {}
+        #: Runs' own waits (start_run, wait_job) that have not answered yet, by their caller's token (cancel_run).
+        self._runs: dict[str, anyio.CancelScope] = {}
         self._cancelled_runs: set[str] = set()
         self._changes = changes
-        #: Each job this node holds for the session: its change count (SessionNews.jobs).
-        self._job_marks: dict[str, int] = {}
-        self._published_at = 0.0
-        self._publish_later: asyncio.TimerHandle | None = None
-        #: Asking the user about hosts across the cluster: the run whose caller can be asked, if any.
+        #: Asking the user about hosts across the cluster: the job id of the run whose caller can be asked
+        #: (ASKING_STARTS while its start has not answered), if any.
         self._relay = RelayAsker(self._publish)
-        self._asking: Job | None = None
+        self._asking: str | None = None
         #: Guest calls (guest_op, install_packages) whose caller can be asked, by their call token.
         self._asking_calls: set[str] = set()
         #: The session's outbox, copied out by its front door (node_exports.py), not into this node's export_dir.
@@ -89,34 +83,8 @@ class SessionSide:
     # --- what a front door follows (SessionNews) --------------------------------------------------
 
     def _publish(self) -> None:
-        if self._publish_later is not None:
-            self._publish_later.cancel()
-            self._publish_later = None
         if self.open:  # a session closed is dropped from the news (close; the agent's _forget_closed)
-            self._changes.publish(self.session_id, SessionNews(dict(self._job_marks), self._relay.waiting()))
-            self._published_at = time.monotonic()
-
-    def _follow(self, job: Job) -> None:
-        """Publish each change of `job` a reader would see, until it is forgotten here."""
-        self._job_marks[job.job_id] = 0
-        assert job.output is not None
-        job.output.on_change = functools.partial(self._job_changed, job.job_id)
-        self._publish()
-
-    def _job_changed(self, job_id: str, ended: bool) -> None:
-        """Count the change; publish it now if it is the job's end or none went out for PUBLISH_GAP_S, else then."""
-        if job_id not in self._job_marks:
-            return
-        self._job_marks[job_id] += 1
-        due_in = self._published_at + PUBLISH_GAP_S - time.monotonic()
-        if ended or due_in <= 0:
-            self._publish()
-        elif self._publish_later is None:
-            self._publish_later = asyncio.get_running_loop().call_later(due_in, self._publish)
-
-    def _unfollow(self, job: Job) -> None:
-        if self._job_marks.pop(job.job_id, None) is not None:
-            self._publish()
+            self._changes.publish(self.session_id, SessionNews(self._relay.waiting()))
 
     @property
     def open(self) -> bool:
@@ -141,112 +109,102 @@ class SessionSide:
             workspace_path=session.backend.workspace_path, egress=self.egress_delta(0),
         )  # fmt: skip
 
-    # --- jobs -----------------------------------------------------------------------------------
+    # --- jobs: the session's own job calls (sessions/job_updates.py), each answer in its wire form ------
 
     async def start_run(
         self, code: str, timeout_s: float | None, variables: dict[str, Any] | None, owner: str, wait_s: float,
         egress_since: int | None = None, run_token: str | None = None, ask: bool = False,
     ) -> dict[str, Any]:  # fmt: skip
-        """Start a cell and wait up to `wait_s` for it: a quick cell's whole answer comes back at once,
-        and its job is dropped here (the front door has all of it; one call fewer per run). The answer
-        is a JobDelta in its wire form (wire.py).
+        """Start a cell and wait up to `wait_s` for it (a quick cell's whole answer comes back at once).
         `egress_since`: the caller's mark in this session's egress log (see egress_delta).
         `run_token`: the caller's name for this run, so that it can cancel it before this answers.
         `ask`: the caller's user can be asked about hosts while this run goes (relay_asker.py)."""
         session = self._session()
-        job = await session.start_run(code, timeout_s, variables, owner=owner)
-        self._follow(job)
         if ask and session.egress is not None:
-            self._asking = job
+            self._asking = ASKING_STARTS
             session.egress.set_asker(self._relay)
-        if run_token is not None:
-            self._runs[run_token] = job
-            if run_token in self._cancelled_runs:
-                await session.cancel_job(job)
+        update = None
         try:
-            delta = await self._delta(job, wait_s, egress_since)
+            update = await self._attended(run_token, session.start_run(code, timeout_s, variables, wait_s, owner=owner))
+        finally:
+            if update is None or not update.running:
+                self._stop_asking(ASKING_STARTS)
+        if update is None:
+            update = JobUpdate("", status=JobStatus.INTERRUPTED.value, notice="cancelled before it answered")
+        elif self._asking == ASKING_STARTS:
+            self._asking = update.job_id
+        return await self._answer(update, egress_since)
+
+    async def wait_job(
+        self, job_id: str, wait_s: float, egress_since: int | None = None, run_token: str | None = None
+    ) -> dict[str, Any]:
+        """The run's own further wait (`run_token`: as start_run's, to cancel it and with it the cell)."""
+        update = await self._attended(run_token, self._session().wait_job(job_id, wait_s))
+        if update is None:
+            update = JobUpdate(job_id, status=JobStatus.INTERRUPTED.value, notice="cancelled while it waited")
+        return await self._answer(update, egress_since)
+
+    async def _attended(self, run_token: str | None, wait: Awaitable[JobUpdate]) -> JobUpdate | None:
+        """A run's own wait (start_run, wait_job), which cancel_run(run_token) cancels as a cancelled caller's
+        wait is cancelled here: the session then cancels the cell (None: it was)."""
+        scope = anyio.CancelScope()
+        if run_token is not None:
+            self._runs[run_token] = scope
+            if run_token in self._cancelled_runs:
+                scope.cancel()
+        try:
+            with scope:
+                return await wait
         finally:
             if run_token is not None:
                 self._runs.pop(run_token, None)
                 self._cancelled_runs.discard(run_token)
-        if delta.ended:
-            session.forget_job(job)
-            self._unfollow(job)
-        return delta.wire()
+        return None
 
-    async def read_job(self, job_id: str, egress_since: int | None = None) -> dict[str, Any]:
-        """What is new in the job (a front door reads when its SessionNews count grew past its last read's),
-        as a JobDelta's wire form."""
-        job = self._session().job(job_id)
-        if job is None:
-            return JobDelta(job_id, gone=True, ended=True, status="lost", notice="the job is no longer known").wire()
-        return (await self._delta(job, 0.0, egress_since)).wire()
+    async def read_job(
+        self, job_id: str, wait_s: float = 0.0, take: bool = True, egress_since: int | None = None
+    ) -> dict[str, Any]:
+        return await self._answer(await self._session().read_job(job_id, wait_s, take), egress_since)
+
+    async def _answer(self, update: JobUpdate, egress_since: int | None) -> dict[str, Any]:
+        """An update as it crosses: its wire form, the proxy's decisions after the caller's mark, and at the
+        job's end what its outbox holds for the front door to copy out."""
+        exports = None
+        if not update.running:
+            self._stop_asking(update.job_id)
+            exports = await self.export_changes()
+        return {"update": update.wire(), "egress": self.egress_delta(egress_since), "exports": exports}
+
+    def _stop_asking(self, job_id: str) -> None:
+        """The run that could ask is over: its questions go unanswered (unless a guest call's caller can be asked)."""
+        if self._asking != job_id:
+            return
+        self._asking = None
+        session = self.session
+        if not self._asking_calls:
+            self._relay.give_up()
+            if session is not None and session.egress is not None:
+                session.egress.set_asker(None)
 
     async def cancel_run(self, run_token: str) -> None:
-        """Cancel a run whose start_run has not answered (its caller was cancelled meanwhile); a token
-        not seen yet is remembered, so a start that arrives after this is cancelled as it starts."""
-        job = self._runs.get(run_token)
-        if job is None:
-            if len(self._cancelled_runs) < MAX_CANCELLED_RUNS:
-                self._cancelled_runs.add(run_token)
-            return
-        await self._session().cancel_job(job)
+        """Cancel a run's own wait (start_run, wait_job) that has not answered (its caller was cancelled meanwhile),
+        and with it the cell; a token not seen yet is remembered, so a wait that arrives after this is cancelled
+        as it starts."""
+        scope = self._runs.get(run_token)
+        if scope is not None:
+            scope.cancel()
+        elif len(self._cancelled_runs) < MAX_CANCELLED_RUNS:
+            self._cancelled_runs.add(run_token)
 
     async def answer_egress(self, question_id: str, allowed: bool | None) -> None:
         """The front door's answer to a question its read brought (None: nobody answered)."""
         self._relay.answer(question_id, allowed)
 
     async def cancel_job(self, job_id: str) -> None:
-        session = self._session()
-        job = session.job(job_id)
-        if job is not None:
-            await session.cancel_job(job)
-
-    async def forget_job(self, job_id: str) -> None:
-        session = self._session()
-        job = session.job(job_id)
-        if job is not None:
-            session.forget_job(job)
-            self._unfollow(job)
+        await self._session().cancel_job(job_id)
 
     async def list_jobs(self) -> list[dict[str, Any]]:
-        return [job.describe() for job in self._session().list_jobs()]
-
-    async def _delta(self, job: Job, wait_s: float, egress_since: int | None = None) -> JobDelta:
-        """Wait up to `wait_s` for the job to end, then say what is new (its end and result, if it ended)."""
-        asking = self._asking is job
-        if wait_s > 0 and job.running:
-            with anyio.move_on_after(wait_s):
-                await job.done.wait()
-        session = self._session()
-        assert job.output is not None
-        read = job.output.take()
-        since = job.executing_since
-        delta = JobDelta(
-            job.job_id, text=read.text, images=read.images, saved=read.saved, spill_path=read.spill_path,
-            executing_for_s=None if since is None else time.monotonic() - since, elapsed_s=job.elapsed_s(),
-            generation=session.generation, dropped_images=job.output.dropped_images,
-            egress=self.egress_delta(egress_since), mark=self._job_marks.get(job.job_id, 0),
-        )  # fmt: skip
-        if asking and not job.running:  # the run that could ask is over: its questions go unanswered
-            self._asking = None
-            if not self._asking_calls:  # nor can a guest call's caller be asked now
-                self._relay.give_up()
-                if session.egress is not None:
-                    session.egress.set_asker(None)
-        if not job.running:
-            delta.ended, delta.status, delta.notice, delta.state_lost = (
-                True,
-                job.status.value,
-                job.notice,
-                job.state_lost,
-            )
-            try:
-                delta.result = portable_result(session.job_result(job))
-            except CodeRunnerError as exc:
-                delta.failure = str(exc)
-            delta.exports = await self.export_changes()
-        return delta
+        return await self._session().list_jobs()
 
     # --- the session ---------------------------------------------------------------------------
 
@@ -348,8 +306,6 @@ class SessionSide:
         try:
             await self.manager.close(session.session_id)
         finally:
-            if self._publish_later is not None:
-                self._publish_later.cancel()
             self._changes.drop(self.session_id)
         return session.close_note
 

@@ -2,10 +2,10 @@
 the names both sides agree on (the agents' names, the session ids that carry their agent).
 
 A session's kernel, sandbox, dirs and jobs stay on its node; the front door gets copies of what the
-tools read (an ExecutionResult whose output holds no file descriptor, a JobDelta of new output).
+tools read (a JobUpdate, sessions/job_updates.py, with an ExecutionResult that holds no file descriptor).
 
-What every run answers (a JobDelta, its result within; a one-shot's result) crosses in its wire form
-(`JobDelta.wire`, `oneshot_answer`):
+What every run answers (a JobUpdate, its result within; a one-shot's result) crosses in its wire form
+(`JobUpdate.wire`, `oneshot_answer`):
 dicts and lists of strings and numbers, which Ray packs as they are (msgpack) where a dataclass would
 be pickled and unpickled on each answer (about 0.5 ms of a warm run's round trip, measured). A value
 msgpack cannot hold (an egress log, an export listing, a string with a lone surrogate) still crosses,
@@ -14,19 +14,13 @@ pickled by Ray: the wire form is only faster, never lossy.
 
 from __future__ import annotations
 
-import collections
-import copy
 import secrets
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any
 
 from coderunner.egress.audit import Decision
-from coderunner.kernel.execution import CellError, RunOutcome, RunStatus
-from coderunner.kernel.output_capture import ImageOutput, OutputCollector
-from coderunner.kernel.run_result import ExecutionResult
 from coderunner.oneshot.runs import OneShotResult
 from coderunner.policy.egress import EgressPolicy
-from coderunner.sessions.job_runner import JobOutput
 from coderunner.sessions.sandbox_options import SandboxOptions
 
 if TYPE_CHECKING:
@@ -165,57 +159,10 @@ class ExportListing:
 @dataclass(frozen=True)
 class SessionNews:
     """A session's value in its agent's long poll (sessions/changes.py; the key is its id): what a front
-    door following it compares, so that it calls only when something it waits for changed."""
+    door following it waits for, so that it calls only when there is something to answer."""
 
-    #: Each job the node holds: how many changes a reader could see it has had (text, images, its start, its end).
-    jobs: dict[str, int] = field(default_factory=dict)
     #: Hosts its proxy asks the user about, not answered yet (answer with answer_egress).
     questions: tuple[Question, ...] = ()
-
-
-@dataclass
-class JobDelta:
-    """What is new in a job since the last read: text, images, saved files; its end, once it ended."""
-
-    job_id: str
-    text: str = ""
-    images: list[ImageOutput] = field(default_factory=list)
-    saved: list[str] = field(default_factory=list)
-    spill_path: str | None = None
-    #: Seconds since the job started running its code (None: still waiting for the kernel).
-    executing_for_s: float | None = None
-    elapsed_s: float = 0.0
-    ended: bool = False
-    status: str = "running"
-    result: ExecutionResult | None = None
-    notice: str | None = None
-    state_lost: bool = False
-    #: A refusal the job raised before it ran, as the caller should read it.
-    failure: str | None = None
-    generation: int = 0
-    dropped_images: int = 0
-    #: The agent no longer knows the job (forgotten, or its session closed).
-    gone: bool = False
-    #: The session's egress since the caller's mark (network 'allowlist' only).
-    egress: EgressDelta | None = None
-    #: The job's change count as of this read (SessionNews.jobs): a front door reads again once it grew.
-    mark: int = 0
-    #: At the job's end: what its outbox holds that the front door should copy out (None: nothing).
-    exports: ExportListing | None = None
-
-    def wire(self) -> dict[str, Any]:
-        """This delta as plain data (the module says why); `of_wire` makes it again."""
-        data = {item.name: getattr(self, item.name) for item in fields(self)}
-        data["images"] = _plain_images(self.images)
-        data["result"] = None if self.result is None else _plain_result(self.result)
-        return data
-
-    @classmethod
-    def of_wire(cls, data: dict[str, Any]) -> JobDelta:
-        values = dict(data)
-        values["images"] = _images(values["images"])
-        values["result"] = None if values["result"] is None else _result(values["result"])
-        return cls(**values)
 
 
 def oneshot_answer(result: OneShotResult, egress: EgressDelta | None, exports: OneShotExports | None) -> dict[str, Any]:
@@ -228,70 +175,3 @@ def oneshot_answer(result: OneShotResult, egress: EgressDelta | None, exports: O
 
 def of_oneshot_answer(data: dict[str, Any]) -> tuple[OneShotResult, EgressDelta | None, OneShotExports | None]:
     return OneShotResult(**data["result"]), data["egress"], data["exports"]
-
-
-def portable_output(output: OutputCollector) -> OutputCollector:
-    """A copy of a finished collector that holds no fd, writer, pending write or hook (safe to pickle)."""
-    moved = copy.copy(output)
-    moved.writer = None
-    moved._pending = []
-    moved._spill_fd = None
-    if isinstance(moved, JobOutput):
-        moved.on_change = None  # the node's hook (session_side.py): bound to what never crosses
-    return moved
-
-
-def portable_result(result: ExecutionResult) -> ExecutionResult:
-    outcome = copy.copy(result.outcome)
-    outcome.output = portable_output(outcome.output)
-    return ExecutionResult(outcome, notice=result.notice, state_lost=result.state_lost)
-
-
-#: What a collector holds that never crosses (portable_output leaves them empty): made anew on the other side.
-LOCAL_ONLY = frozenset({"writer", "_pending", "_spill_fd", "on_change"})
-
-
-def _plain_images(images: list[ImageOutput]) -> list[dict[str, Any]]:
-    return [{item.name: getattr(image, item.name) for item in fields(image)} for image in images]
-
-
-def _images(plain: list[dict[str, Any]]) -> list[ImageOutput]:
-    return [ImageOutput(**values) for values in plain]
-
-
-def _plain_output(output: OutputCollector) -> dict[str, Any]:
-    """Every field of a finished collector but LOCAL_ONLY: its deques as lists, its images as pairs."""
-    values: dict[str, Any] = {}
-    for item in fields(output):
-        if item.name not in LOCAL_ONLY:
-            value = getattr(output, item.name)
-            values[item.name] = list(value) if isinstance(value, collections.deque) else value
-    values["images"] = _plain_images(output.images)
-    return {"job": isinstance(output, JobOutput), "fields": values}
-
-
-def _output(data: dict[str, Any]) -> OutputCollector:
-    kind = JobOutput if data["job"] else OutputCollector
-    values = dict(data["fields"])
-    for item in fields(kind):
-        if item.default_factory is collections.deque and item.name in values:
-            values[item.name] = collections.deque(values[item.name])
-    values["images"] = _images(values["images"])
-    return kind(**values)
-
-
-def _plain_result(result: ExecutionResult) -> dict[str, Any]:
-    outcome = {item.name: getattr(result.outcome, item.name) for item in fields(result.outcome)}
-    outcome["status"] = result.outcome.status.value
-    outcome["output"] = _plain_output(result.outcome.output)
-    error = result.outcome.error
-    outcome["error"] = None if error is None else {item.name: getattr(error, item.name) for item in fields(error)}
-    return {"outcome": outcome, "notice": result.notice, "state_lost": result.state_lost}
-
-
-def _result(data: dict[str, Any]) -> ExecutionResult:
-    outcome = dict(data["outcome"])
-    outcome["status"] = RunStatus(outcome["status"])
-    outcome["output"] = _output(outcome["output"])
-    outcome["error"] = None if outcome["error"] is None else CellError(**outcome["error"])
-    return ExecutionResult(RunOutcome(**outcome), notice=data["notice"], state_lost=data["state_lost"])

@@ -6,7 +6,8 @@ kernel, a sandbox backend, a session's dirs or the host's file system. Today's S
 Session implement them in this process; a cluster mode may implement them with a session living
 elsewhere (a detached actor on another node), and the tools do not change.
 
-What crosses the seam is data (options, statuses, reports, jobs, a session's file view) and calls.
+What crosses the seam is data (options, statuses, reports, job updates, a session's file view) and calls: a
+job is asked about by its id, and every answer is a JobUpdate (job_updates.py), never a live Job.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ if TYPE_CHECKING:
     from coderunner.hostfs.sandbox_files import SandboxFiles
     from coderunner.hostfs.workspaces import NamedWorkspace
     from coderunner.kernel.output_capture import WorkspaceWriter
-    from coderunner.kernel.run_result import ExecutionResult
     from coderunner.sandbox import LimitReport
     from coderunner.sessions.egress_wiring import SessionEgress
-    from coderunner.sessions.job_runner import Job
+    from coderunner.sessions.job_updates import JobUpdate
     from coderunner.sessions.sandbox_options import SandboxOptions
     from coderunner.sessions.session_snapshots import Seed, Taken
     from coderunner.sessions.session_status import SessionStatus
@@ -104,16 +104,32 @@ class SessionHandle(Protocol):
         """Say where the session came from (a fork, whose snapshot is already gone)."""
         ...
 
-    async def start_run(self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None) -> Job:
-        """Start a cell as this session's job; the caller attends it."""
+    async def start_run(
+        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None, wait_s: float = 0.0
+    ) -> JobUpdate:
+        """Start a cell as this session's job and wait up to `wait_s` for its end (job_updates.py: one that
+        ended comes whole and is forgotten; cancelling this call cancels the cell)."""
         ...
 
-    def job_result(self, job: Job) -> ExecutionResult: ...
-    def job(self, job_id: str) -> Job | None: ...
-    def list_jobs(self) -> list[Job]: ...
-    def forget_job(self, job: Job) -> None: ...
-    async def cancel_job(self, job: Job) -> None:
+    async def wait_job(self, job_id: str, wait_s: float) -> JobUpdate:
+        """The run's own further wait for its job's end, as start_run's."""
+        ...
+
+    async def read_job(self, job_id: str, wait_s: float = 0.0, take: bool = True) -> JobUpdate:
+        """Up to `wait_s` for the job's end, then where it stands and (`take`) what is new since the last read
+        (cancelling this leaves the job running)."""
+        ...
+
+    async def cancel_job(self, job_id: str) -> None:
         """Interrupt a job; a kernel that ignores that is restarted."""
+        ...
+
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        """Its jobs as manage_jobs list shows them."""
+        ...
+
+    def holds_job(self, job_id: str) -> bool:
+        """Whether `job_id` is one of its jobs (manage_jobs finds a job's session by it)."""
         ...
 
     @property

@@ -41,7 +41,8 @@ from coderunner.kernel.run_result import ExecutionResult
 from coderunner.offload import off_loop
 from coderunner.sandbox import Mount, SandboxBackend, SandboxSpec
 from coderunner.sessions.egress_wiring import SessionEgress
-from coderunner.sessions.job_runner import Job, JobTable, cancel, duration
+from coderunner.sessions.job_runner import Job, JobTable, attend, cancel, duration
+from coderunner.sessions.job_updates import JobUpdate, job_update, unknown_job
 from coderunner.sessions.kept_state import KeptState
 from coderunner.sessions.kernel_calls import GUEST_MARGIN_S, KernelCalls
 from coderunner.sessions.leases import SandboxLease
@@ -241,26 +242,55 @@ class Session:
     def note_restored_from(self, text: str) -> None:
         self.kept.restored_from = text
 
-    def job(self, job_id: str) -> Job | None:
-        return self.jobs.get(job_id)
-
-    def list_jobs(self) -> list[Job]:
-        return list(self.jobs.jobs.values())
-
-    def forget_job(self, job: Job) -> None:
-        self.jobs.forget(job)
-
-    async def cancel_job(self, job: Job) -> None:
-        """Interrupt one of its jobs; a kernel that ignores that is restarted (within KernelCalls.cancel_wait_s)."""
-        await cancel(job, self.calls.cancel_wait_s)
-
-    # --- cells and guest calls: its KernelCalls' ------------------------------------------------
+    # --- its jobs, as the tools ask about them: by id, each answer a JobUpdate (job_updates.py) -------
 
     async def start_run(
-        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None, owner: str = ""
-    ) -> Job:
-        """Start `code` as this session's job (after setting `variables` as globals); the caller attends it."""
-        return await self.calls.start_run(code, timeout_s, variables, owner)
+        self, code: str, timeout_s: float | None, variables: dict[str, Any] | None = None, wait_s: float = 0.0,
+        *, owner: str = "",
+    ) -> JobUpdate:  # fmt: skip
+        """Start `code` as this session's job (after setting `variables` as globals) and wait up to `wait_s` for
+        its end: one that ended comes whole and is forgotten. A caller cancelled meanwhile cancels the cell."""
+        job = await self.calls.start_run(code, timeout_s, variables, owner)
+        return await self._attended(job, wait_s)
+
+    async def wait_job(self, job_id: str, wait_s: float) -> JobUpdate:
+        """The run's own wait for its job's end, as start_run's (the caller cancelled cancels the cell)."""
+        job = self.jobs.get(job_id)
+        return unknown_job(job_id) if job is None else await self._attended(job, wait_s)
+
+    async def _attended(self, job: Job, wait_s: float) -> JobUpdate:
+        await attend(job, wait_s, cancel_wait_s=self.calls.cancel_wait_s)
+        update = job_update(job, self.generation, self.calls.job_result)
+        if not job.running:
+            self.jobs.forget(job)
+        return update
+
+    async def read_job(self, job_id: str, wait_s: float = 0.0, take: bool = True) -> JobUpdate:
+        """Up to `wait_s` for the job's end, then where it stands and (`take`) what is new in it since the last
+        read. A read makes the job detached: a cancelled reader leaves it running, and a second run is told at
+        once that the session is busy with it."""
+        job = self.jobs.get(job_id)
+        if job is None:
+            return unknown_job(job_id)
+        job.detached = True  # read by another than its run's own wait: its run answered with its id
+        if job.running and wait_s > 0:
+            with anyio.move_on_after(wait_s):
+                await job.done.wait()
+        return job_update(job, self.generation, self.calls.job_result, read=take)
+
+    async def cancel_job(self, job_id: str) -> None:
+        """Interrupt one of its jobs; a kernel that ignores that is restarted (within KernelCalls.cancel_wait_s)."""
+        job = self.jobs.get(job_id)
+        if job is not None:
+            await cancel(job, self.calls.cancel_wait_s)
+
+    async def list_jobs(self) -> list[dict[str, Any]]:
+        return [job.describe() for job in self.jobs.jobs.values()]
+
+    def holds_job(self, job_id: str) -> bool:
+        return job_id in self.jobs.jobs
+
+    # --- cells and guest calls: its KernelCalls' ------------------------------------------------
 
     async def run(
         self, code: str, timeout_s: float | None, progress: ProgressCallback | None,
@@ -268,9 +298,6 @@ class Session:
     ) -> ExecutionResult:  # fmt: skip
         """Run `code` to its end (no detaching): its result. A cancelled caller interrupts the cell."""
         return await self.calls.run(code, timeout_s, progress, variables)
-
-    def job_result(self, job: Job) -> ExecutionResult:
-        return self.calls.job_result(job)
 
     async def call_guest(self, tool: str, arguments: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         """Run a guest tool inside this session's kernel; its answer, or GuestCallError with the reason."""

@@ -12,6 +12,7 @@ structured copy would show it instead of the images).
 
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
+import time
 from dataclasses import asdict
 from typing import Annotated, Any, Literal
 
@@ -21,8 +22,10 @@ from pydantic import Field
 
 from coderunner.config import Settings
 from coderunner.edge.callers import client_of_key
+from coderunner.errors import SessionError
 from coderunner.oneshot.runs import OneShotResult
 from coderunner.sessions.job_runner import Job, JobNotFound, JobStatus, attend, cancel, duration
+from coderunner.sessions.job_updates import JobUpdate, running_note
 from coderunner.sessions.seam import SessionHandle
 from coderunner.tools.arguments import Text
 from coderunner.tools.context import ToolContext, json_result, tool
@@ -51,44 +54,38 @@ def kernel_stamp(reply: CallToolResult, session: SessionHandle, lost: bool = Fal
     return reply
 
 
-def running_note(job: Job) -> str:
-    return (
-        f"still running as job {job.job_id} after {duration(job.elapsed_s())}: manage_jobs action 'wait' for "
-        "the rest, 'cancel' to stop it"
-    )
-
-
-def python_job_reply(session: SessionHandle, job: Job, links: bool) -> CallToolResult:
-    """What is new in a python job since the last read, then where it stands."""
-    assert job.output is not None
-    read = job.output.take()
-    lines = [read.text.rstrip("\n")] if read.text else []
-    if read.saved:
-        lines.append("[more images than fit in one reply; saved: " + ", ".join(read.saved) + "]")
+def python_job_reply(session: SessionHandle, update: JobUpdate, links: bool) -> CallToolResult:
+    """What a read of a python job brought (what is new since the last read), then where the job stands."""
+    if update.gone:
+        raise JobNotFound(f"job {update.job_id} is no longer known: {update.notice}")
+    lines = [update.text.rstrip("\n")] if update.text else []
+    if update.saved:
+        lines.append("[more images than fit in one reply; saved: " + ", ".join(update.saved) + "]")
     lost = False
     is_error = False
-    if job.running:
-        lines.append(f"[{running_note(job)}]")
+    if update.running:
+        lines.append(f"[{running_note(update.job_id, update.elapsed_s)}]")
     else:
-        result = session.job_result(job)
+        if update.failure is not None or update.result is None:
+            raise SessionError(update.failure or update.notice or f"job {update.job_id} ended without a result")
+        result = update.result
         lost = result.state_lost
-        is_error = job.status is not JobStatus.DONE
+        is_error = update.status != JobStatus.DONE.value
         if result.notice:
             lines.append(f"[{result.notice}]")
-        if job.output.dropped_images:
-            lines.append(f"[{job.output.dropped_images:,} more images were neither shown nor saved]")
+        if update.dropped_images:
+            lines.append(f"[{update.dropped_images:,} more images were neither shown nor saved]")
         count = result.outcome.execution_count
         cell = f", cell {count}" if count is not None else ""
-        lines.append(f"[job {job.job_id} {job.status.value} after {duration(job.elapsed_s())}{cell}]")
-        job.output.release_images()
+        lines.append(f"[job {update.job_id} {update.status} after {duration(update.elapsed_s)}{cell}]")
     content: list[ContentBlock] = [TextContent(type="text", text="\n".join(lines))]
-    content.extend(ImageContent(type="image", data=image.data_b64, mime_type=image.mime_type) for image in read.images)
+    content.extend(ImageContent(type="image", data=i.data_b64, mime_type=i.mime_type) for i in update.images)
     if links:
-        saved = [read.spill_path] if read.spill_path else []
-        saved += [path for path in read.saved if path.startswith("/")]
+        saved = [update.spill_path] if update.spill_path else []
+        saved += [path for path in update.saved if path.startswith("/")]
         content.extend(resource_link(session.session_id, path) for path in saved)
     reply = CallToolResult(content=content, is_error=is_error)
-    reply.meta = {JOB_META: {"job_id": job.job_id, "status": job.status.value}}
+    reply.meta = {JOB_META: {"job_id": update.job_id, "status": update.status}}
     return kernel_stamp(reply, session, lost)
 
 
@@ -121,7 +118,8 @@ def oneshot_job_reply(job: Job) -> CallToolResult:
     """execute_code's JSON answer with the job's id and status (or only those, while it runs)."""
     head: dict[str, Any] = {"job_id": job.job_id, "status": job.status.value}
     if job.running:
-        return json_result({**head, "elapsed_s": round(job.elapsed_s(), 1), "note": running_note(job)})
+        elapsed = job.elapsed_s()
+        return json_result({**head, "elapsed_s": round(elapsed, 1), "note": running_note(job.job_id, elapsed)})
     if isinstance(job.result, OneShotResult):
         return json_result({**head, **oneshot_payload(job.result)}, is_error=not job.result.success)
     return json_result({**head, "note": job.notice or "ended without a result"}, is_error=True)
@@ -136,63 +134,73 @@ def manage_jobs_settings(settings: Settings) -> dict[str, tuple[Any, Any]]:
     return {"timeout_s": (WaitLimit, settings.detach_after_s)}
 
 
-async def find(tools: ToolContext, ctx: Context, job_id: str) -> tuple[Job, SessionHandle | None]:
-    """The caller's job `job_id`, with its session (None for a one-shot job)."""
+async def find(tools: ToolContext, ctx: Context, job_id: str) -> Job | SessionHandle:
+    """The caller's one-shot job `job_id`, or the session that holds its python job `job_id`."""
     client = client_of_key(tools.caller(ctx))
     job = tools.oneshots.oneshot_jobs.get(job_id)
     if job is not None and client_of_key(job.owner) == client:
-        return job, None
+        return job
     for session in tools.host.list():
-        found = session.job(job_id)
         # Another client's job is unknown here: its session's handle is not told either.
-        if found is not None and client_of_key(session.owner) == client:
-            return found, await tools.session(ctx, session.session_id)
+        if client_of_key(session.owner) == client and session.holds_job(job_id):
+            return await tools.session(ctx, session.session_id)
     raise JobNotFound(
         f"unknown job_id {job_id!r}: manage_jobs action 'list' shows yours (a job and its result last as long "
         "as its session; finished ones beyond the last few are forgotten)"
     )
 
 
-def reply(tools: ToolContext, job: Job, session: SessionHandle | None) -> CallToolResult:
-    """A job as manage_jobs answers with it: a cell's reply (with its export note) or a one-shot's."""
-    if session is None:
-        return oneshot_job_reply(job)
-    return tools.with_export_note(python_job_reply(session, job, tools.settings.file_links == "resource_link"), session)
+async def python_reply(tools: ToolContext, session: SessionHandle, job_id: str) -> CallToolResult:
+    """A python job as manage_jobs answers with it: what is new in it (with its export note)."""
+    update = await session.read_job(job_id)
+    links = tools.settings.file_links == "resource_link"
+    return tools.with_export_note(python_job_reply(session, update, links), session)
 
 
 async def wait(
-    tools: ToolContext, job: Job, session: SessionHandle | None, ctx: Context, timeout_s: float
+    tools: ToolContext, found: Job | SessionHandle, job_id: str, ctx: Context, timeout_s: float
 ) -> CallToolResult:
     """manage_jobs wait: up to timeout_s for the job, with progress, then what it has."""
+    wait_s = min(timeout_s, tools.settings.max_timeout_s)
+    interval = tools.settings.progress_interval_s
 
-    async def tick(job: Job) -> None:
-        tail = job.output.tail_text(200) if job.output is not None else ""
-        await ctx.report_progress(
-            job.elapsed_s(), None, f"job {job.job_id} running {duration(job.elapsed_s())}: {tail}"
-        )
+    async def note(elapsed_s: float, tail: str) -> None:
+        await ctx.report_progress(elapsed_s, None, f"job {job_id} running {duration(elapsed_s)}: {tail}")
 
-    await attend(job, min(timeout_s, tools.settings.max_timeout_s), tick, tools.settings.progress_interval_s)
-    return reply(tools, job, session)
+    if isinstance(found, Job):
+
+        async def tick(job: Job) -> None:
+            await note(job.elapsed_s(), job.output.tail_text(200) if job.output is not None else "")
+
+        await attend(found, wait_s, tick, interval)
+        return oneshot_job_reply(found)
+    deadline = time.monotonic() + wait_s
+    while (remaining := deadline - time.monotonic()) > 0:
+        update = await found.read_job(job_id, min(interval, remaining), take=False)
+        if not update.running:
+            break
+        await note(update.elapsed_s, update.tail)
+    return await python_reply(tools, found, job_id)
 
 
-async def stop(tools: ToolContext, job: Job, session: SessionHandle | None) -> CallToolResult:
+async def stop(tools: ToolContext, found: Job | SessionHandle, job_id: str) -> CallToolResult:
     """manage_jobs cancel: the cell interrupted (its kernel restarted if it ignores that), or the one-shot
     run's sandbox killed."""
-    if session is not None:
-        await session.cancel_job(job)
-    else:
-        await cancel(job, tools.settings.interrupt_grace_s + tools.settings.startup_timeout_s + 5.0)
-    return reply(tools, job, session)
+    if isinstance(found, Job):
+        await cancel(found, tools.settings.interrupt_grace_s + tools.settings.startup_timeout_s + 5.0)
+        return oneshot_job_reply(found)
+    await found.cancel_job(job_id)
+    return await python_reply(tools, found, job_id)
 
 
-def listing(tools: ToolContext, ctx: Context) -> CallToolResult:
+async def listing(tools: ToolContext, ctx: Context) -> CallToolResult:
     """manage_jobs list: the caller's jobs, in its sessions and its one-shot runs."""
     client = client_of_key(tools.caller(ctx))
     found = [
-        job.describe()
+        described
         for session in tools.host.list()
         if client_of_key(session.owner) == client
-        for job in session.list_jobs()
+        for described in await session.list_jobs()
     ]
     found += [job.describe() for job in tools.oneshots.oneshot_jobs.jobs.values() if client_of_key(job.owner) == client]
     return json_result({"jobs": found})
@@ -208,8 +216,8 @@ async def manage_jobs(
 ) -> CallToolResult:
     """Runs that answered with a job id: wait up to timeout_s for new output, cancel, list."""
     if action == "list":
-        return listing(tools, ctx)
+        return await listing(tools, ctx)
     if not job_id:
         raise JobNotFound(f"manage_jobs action {action!r} needs a job_id (action 'list' shows yours)")
-    job, session = await find(tools, ctx, job_id)
-    return await (wait(tools, job, session, ctx, timeout_s) if action == "wait" else stop(tools, job, session))
+    found = await find(tools, ctx, job_id)
+    return await (wait(tools, found, job_id, ctx, timeout_s) if action == "wait" else stop(tools, found, job_id))

@@ -7,16 +7,21 @@ is a new context. Files in the workspace are kept.
 # No `from __future__ import annotations`: the SDK reads tool signatures at runtime.
 
 import time
+from collections.abc import Awaitable, Callable
 from typing import Annotated, Any
 
+import anyio
 from mcp.server.mcpserver import Context
 from mcp.types import CallToolResult
 from pydantic import Field
 
 from coderunner.config import Settings
+from coderunner.errors import SessionError
 from coderunner.policy.call_variables import check_variables, parse_variables
-from coderunner.sessions.job_runner import Job, attend, duration
+from coderunner.sessions.job_runner import CANCEL_MARGIN_S, duration
+from coderunner.sessions.job_updates import JobUpdate
 from coderunner.sessions.sandbox_options import check_timeout
+from coderunner.sessions.seam import SessionHandle
 from coderunner.tools.arguments import DetachAfter, SessionId, VariablesArg
 from coderunner.tools.context import ToolContext, json_result, tool
 from coderunner.tools.egress import offline_noted
@@ -48,35 +53,46 @@ async def run_python(
     check_timeout(settings, timeout_s)
     values = check_variables(parse_variables(variables), "python")
     called = time.monotonic()
+    links = settings.file_links == "resource_link"
     session = await tools.session(ctx, session_id, total=timeout_s or settings.timeout_s)
     async with tools.egress_call(ctx, session) as network:
-        job = await session.start_run(code, timeout_s, values)
         limit = timeout_s or session.options.timeout_s
 
-        async def progress(job: Job) -> None:
-            assert job.output is not None
+        async def progress(update: JobUpdate) -> None:
             since_call = time.monotonic() - called  # progress only grows, whatever the note says
-            began = job.executing_since
-            if began is None:  # not running yet: say what it waits for, not that a cell runs
+            if update.executing_for_s is None:  # not running yet: say what it waits for, not that a cell runs
                 await ctx.report_progress(since_call, limit, f"waiting for the kernel ({since_call:.0f} s)")
-                return
-            if time.monotonic() - began < settings.progress_interval_s:
-                return
-            elapsed = job.elapsed_s()
-            text = f"running {duration(elapsed)}: {job.output.tail_text(200)}"
-            await ctx.report_progress(since_call, limit, text)
+            elif update.executing_for_s >= settings.progress_interval_s:
+                await ctx.report_progress(since_call, limit, f"running {duration(update.elapsed_s)}: {update.tail}")
 
         wait = settings.detach_after_s if detach_after_s is None else detach_after_s
-        attended = await attend(job, wait, progress, settings.progress_interval_s)
-    links = settings.file_links == "resource_link"
-    if not attended:
-        job.detached = True
-        return network.noted(python_job_reply(session, job, links))
-    session.forget_job(job)  # answered whole: never a job the caller needs to know about
-    result = session.job_result(job)
-    reply = execution_reply(result, session.session_id, links=links)
+        update = await attend_run(session, code, timeout_s, values, wait, settings.progress_interval_s, progress)
+        if update.running:  # it goes on as a job: what it printed so far, and its id
+            return network.noted(python_job_reply(session, await session.read_job(update.job_id), links))
+    if update.failure is not None or update.result is None:
+        raise SessionError(update.failure or update.notice or f"job {update.job_id} ended without a result")
+    reply = execution_reply(update.result, session.session_id, links=links)
     reply = offline_noted(reply, session.options.network, settings.network_ceiling)
-    return network.noted(tools.with_export_note(kernel_stamp(reply, session, result.state_lost), session))
+    return network.noted(tools.with_export_note(kernel_stamp(reply, session, update.result.state_lost), session))
+
+
+async def attend_run(
+    session: SessionHandle, code: str, timeout_s: float | None, variables: dict[str, Any] | None, wait_s: float,
+    interval_s: float, progress: Callable[[JobUpdate], Awaitable[None]],
+) -> JobUpdate:  # fmt: skip
+    """Run `code` and wait up to `wait_s` for its end, with `progress` every `interval_s`: its last update.
+    A caller cancelled before the end cancels the cell (the session does, inside its own waits)."""
+    deadline = time.monotonic() + wait_s
+    update = await session.start_run(code, timeout_s, variables, min(interval_s, wait_s))
+    try:
+        while update.running and (remaining := deadline - time.monotonic()) > 0:
+            await progress(update)
+            update = await session.wait_job(update.job_id, min(interval_s, remaining))
+    except anyio.get_cancelled_exc_class():
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_MARGIN_S):
+            await session.cancel_job(update.job_id)
+        raise
+    return update
 
 
 @tool(group="python")
