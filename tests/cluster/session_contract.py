@@ -74,7 +74,7 @@ async def create(host: SessionHost) -> None:
     try:
         assert session.owner == OWNER and session.options.client == CLIENT
         assert session.session_id in [listed.session_id for listed in host.list(OWNER)]
-        status = await anyio.to_thread.run_sync(session.status)
+        status = await session.status()
         assert status.session_id == session.session_id, status
     finally:
         await closed(host, session)

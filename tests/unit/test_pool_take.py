@@ -18,6 +18,7 @@ from coderunner.sandbox.cgroups import SessionCgroup
 from coderunner.sandbox.live_limits import lower_limits, raised
 from coderunner.sessions import SessionManager
 from coderunner.sessions.sandbox_options import SandboxOptions
+from coderunner.sessions.session_status import session_status
 from coderunner.sessions.warm_take import address_space_code, take_problem, warm_why
 from coderunner.vocabulary.mounts import Mount
 from coderunner.vocabulary.sandbox_request import SandboxRequest
@@ -148,7 +149,7 @@ def live_backend(manager: SessionManager, fail: bool = False) -> list[tuple[Limi
 
 
 def started(session: Any) -> dict[str, Any]:
-    described: dict[str, Any] = session.status().started
+    described: dict[str, Any] = session_status(session).started
     return described
 
 

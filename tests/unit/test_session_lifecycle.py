@@ -117,14 +117,14 @@ async def test_install_packages_without_network_says_how_to_get_it(make_scripted
 async def test_status_tells_the_truth_about_a_live_and_a_dead_kernel(manager: SessionManager) -> None:
     session = await manager.resolve(None)
     await run(session, "block = bytearray(64 * 2**20)")
-    status = session.status()
+    status = await session.status()
     assert status.alive and not status.busy and status.restarts == 0
     assert status.memory_used_mb is not None and status.memory_used_mb > 64  # the process tree's RSS
     assert status.isolation == fake(manager).describe_isolation()
     assert status.limits["memory_mb"].enforced_by is None  # the fake enforces nothing, and says so
     assert session.kernel is not None and session.kernel.process is not None
     await session.kernel.process.kill()
-    dead = session.status()
+    dead = await session.status()
     assert not dead.alive and dead.memory_used_mb is None and dead.kernel_uptime_s == 0.0
 
 
@@ -184,13 +184,13 @@ async def test_the_idle_reaper_leaves_a_starting_session_alone(
 async def test_status_reports_a_scripted_kernels_memory_and_its_death(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
     await run(session, "print warm")
-    status = session.status()
+    status = await session.status()
     assert status.alive and not status.busy and status.restarts == 0 and status.kernel_generation == 1
     assert status.memory_used_mb == FAKE_MEMORY_MB and status.usage["memory_mb"] == FAKE_MEMORY_MB
     assert status.network == "none" and status.workspace == FakeBackend.workspace_path and status.job is None
     assert session.kernel is not None and session.kernel.process is not None
     await session.kernel.process.kill()
-    dead = session.status()
+    dead = await session.status()
     assert not dead.alive and dead.memory_used_mb is None and dead.kernel_uptime_s == 0.0
 
 
@@ -198,7 +198,7 @@ async def test_status_names_the_running_job(scripted: SessionManager) -> None:
     session = await scripted.resolve(None)
     job = await session.start_run("print started\nhang", None)
     await until(lambda: session.busy, "the cell to start")
-    status = session.status()
+    status = await session.status()
     assert status.busy and status.idle_s == 0.0
     assert status.job is not None and status.job["job_id"] == job.job_id
     await session.reset()

@@ -388,11 +388,10 @@ class RemoteSession:
         await self._take_exports(exports)
         return dict(done)
 
-    def status(self) -> SessionStatus:
-        """Called in a worker thread (the tools' summary): a blocking, bounded call is fine there.
-        The first, right after the open, is the status the open brought (its create's reply)."""
+    async def status(self) -> SessionStatus:
+        """The first, right after the open, is the status the open brought (its create's reply): no call."""
         opened, self.info.status = self.info.status, None
-        raw: dict[str, Any] = opened if opened is not None else self.call("status", self._egress_mark)
+        raw: dict[str, Any] = opened if opened is not None else await self.acall("status", self._egress_mark)
         self._track(raw.get("kernel_generation", 0))
         self._take_egress(raw.pop("egress", None))
         known = {field.name for field in fields(SessionStatus)}

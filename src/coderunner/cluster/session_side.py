@@ -288,7 +288,7 @@ class SessionSide:
 
     async def status(self, egress_since: int | None = None) -> dict[str, Any]:
         session = self._session()
-        status = await anyio.to_thread.run_sync(session.status)
+        status = await session.status()
         return {**asdict(status), "node": self.node.node_id, "node_address": self.node.address,
                 "egress": self.egress_delta(egress_since)}  # fmt: skip
 

@@ -534,5 +534,6 @@ class Session:
         """What the session uses, in the units of its limits."""
         return session_usage(self.kernel, self.workspace)
 
-    def status(self) -> SessionStatus:
-        return session_status(self)
+    async def status(self) -> SessionStatus:
+        """Where it stands now (its cgroup, /proc and workspace read in a worker thread)."""
+        return await off_loop(session_status, self)

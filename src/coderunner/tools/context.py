@@ -274,10 +274,10 @@ class ToolContext:
         """Around code that runs in the session's sandbox: ask this call's user about hosts, note denials."""
         return self.egress_calls.during(ctx, session.egress, session.session_id)
 
-    def summary(self, session: SessionHandle, *, detail: bool = False) -> dict[str, Any]:
+    async def summary(self, session: SessionHandle, *, detail: bool = False) -> dict[str, Any]:
         """A session as the session tools report it: brief, or (`detail`) manage_sessions status' view."""
         describe = detailed if detail else brief
-        return describe(session.status(), self.host.is_default(session))
+        return describe(await session.status(), self.host.is_default(session))
 
     async def guest_reply(self, session: SessionHandle, result: dict[str, Any]) -> CallToolResult:
         """A guest tool's answer under the bounds of cell output; an oversized answer spills to the workspace."""

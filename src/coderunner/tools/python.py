@@ -102,7 +102,7 @@ async def kernel_reset(tools: ToolContext, ctx: Context, session_id: SessionId =
     session = await tools.session(ctx, session_id)
     await session.reset()
     generation, preserved = session.kernel_state(lost=True)
-    summary = await tools.off_loop(tools.summary, session)
+    summary = await tools.summary(session)
     reply = json_result({"reset": True, "state_preserved": preserved, **summary})
     reply.meta = {KERNEL_META: {"generation": generation, "state_preserved": preserved}}
     return reply

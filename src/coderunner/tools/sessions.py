@@ -69,7 +69,7 @@ async def create_session(
         persistent=persistent, client=tools.client(ctx), allow=tuple(allow or ()), keep_state=keep_state,
     ))  # fmt: skip
     session = await host.create(options, owner=tools.caller(ctx))
-    summary = await tools.off_loop(tools.summary, session)  # reads /proc and the workspace
+    summary = await tools.summary(session)
     if session.startup is not None:
         summary["startup_files"] = session.startup
     if session.seeded is not None:
@@ -91,7 +91,7 @@ async def close(tools: ToolContext, ctx: Context, session_id: str) -> CallToolRe
 async def status(tools: ToolContext, ctx: Context, session_id: str) -> CallToolResult:
     """manage_sessions status: the full view of one session, its snapshots and its egress."""
     session = await tools.session(ctx, session_id)
-    summary = await tools.off_loop(tools.summary, session, detail=True)
+    summary = await tools.summary(session, detail=True)
     if snapshots := await tools.host.snapshots_of(session):
         summary["snapshots"] = snapshots
     if session.egress is not None:
@@ -105,7 +105,7 @@ async def status(tools: ToolContext, ctx: Context, session_id: str) -> CallToolR
 async def listing(tools: ToolContext, ctx: Context) -> CallToolResult:
     """manage_sessions list: the caller's open sessions, briefly."""
     sessions = tools.host.list(tools.caller(ctx))
-    summaries = await tools.off_loop(lambda: [tools.summary(session) for session in sessions])
+    summaries = [await tools.summary(session) for session in sessions]
     return json_result({"sessions": summaries})
 
 
