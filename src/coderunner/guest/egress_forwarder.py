@@ -16,7 +16,6 @@ its own unix connection, as the proxy also serves plain clients (egress/handoff.
 """
 
 import array
-import asyncio
 import contextlib
 import os
 import socket
@@ -43,11 +42,11 @@ def _listen(port):
     return listener
 
 
-async def _pump(reader, writer, activity):
+async def _pump(aio, reader, writer, activity):
     """Copy one direction until EOF, then pass the EOF on (half-close), never buffering without bound."""
     try:
         while True:
-            data = await asyncio.wait_for(reader.read(CHUNK), IDLE_S)
+            data = await aio.wait_for(reader.read(CHUNK), IDLE_S)
             if not data:
                 break
             activity[0] = True
@@ -55,7 +54,7 @@ async def _pump(reader, writer, activity):
             await writer.drain()
         if writer.can_write_eof():
             writer.write_eof()
-    except (OSError, asyncio.TimeoutError, ConnectionError):
+    except (OSError, aio.TimeoutError, ConnectionError):
         writer.transport.abort()
 
 
@@ -66,7 +65,8 @@ class _Forwarder:
     the connection causes, which is most of what opening a connection costs here.
     """
 
-    def __init__(self, loop, listener, socket_path):
+    def __init__(self, aio, loop, listener, socket_path):
+        self.aio = aio
         self.loop = loop
         self.listener = listener
         self.socket_path = socket_path
@@ -144,19 +144,20 @@ class _Forwarder:
     async def _relay(self, client):
         try:
             client.setblocking(False)
-            client_reader, client_writer = await asyncio.open_connection(sock=client, limit=CHUNK)
+            aio = self.aio
+            client_reader, client_writer = await aio.open_connection(sock=client, limit=CHUNK)
             try:
-                upstream_reader, upstream_writer = await asyncio.wait_for(
-                    asyncio.open_unix_connection(self.socket_path, limit=CHUNK), CONNECT_S
+                upstream_reader, upstream_writer = await aio.wait_for(
+                    aio.open_unix_connection(self.socket_path, limit=CHUNK), CONNECT_S
                 )
-            except (OSError, asyncio.TimeoutError):
+            except (OSError, aio.TimeoutError):
                 client_writer.transport.abort()  # no proxy, no network: fail closed
                 return
             activity = [False]
             try:
-                await asyncio.gather(
-                    _pump(client_reader, upstream_writer, activity),
-                    _pump(upstream_reader, client_writer, activity),
+                await aio.gather(
+                    _pump(aio, client_reader, upstream_writer, activity),
+                    _pump(aio, upstream_reader, client_writer, activity),
                 )
             finally:
                 upstream_writer.transport.abort()
@@ -167,21 +168,27 @@ class _Forwarder:
             self._finish(client)
 
 
-async def _serve(listener, socket_path):
-    loop = asyncio.get_running_loop()
-    _Forwarder(loop, listener, socket_path).start()
+async def _serve(aio, listener, socket_path):
+    loop = aio.get_running_loop()
+    _Forwarder(aio, loop, listener, socket_path).start()
     await loop.create_future()  # forever
 
 
 def _detach_and_serve(listener, socket_path):
-    """In a grandchild (reparented to the sandbox's init, so nothing waits on it): serve forever."""
+    """In a grandchild (reparented to the sandbox's init, so nothing waits on it): serve forever.
+
+    asyncio is imported here, by the serving process alone, and handed down (`aio`): its import costs about
+    60 ms of CPU on this kind of machine, which the program this process execs (the kernel of every
+    'allowlist' sandbox) waited for before it could start."""
     if os.fork() != 0:
         os._exit(0)
     try:
+        import asyncio
+
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # never hold the program's pipes open
-        asyncio.run(_serve(listener, socket_path))
+        asyncio.run(_serve(asyncio, listener, socket_path))
     finally:
         os._exit(0)
 
