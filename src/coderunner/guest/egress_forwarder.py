@@ -5,7 +5,8 @@
 Binds 127.0.0.1:PORT first (so the program never starts before the proxy port exists), leaves a
 detached child serving it, then execs PROGRAM in its own place: the program keeps the pid, stdin,
 stdout and stderr the sandbox gave it. The sandbox has no other network, so if code kills this
-child the network just stops. Stdlib only; one thread; bounded connections and buffers.
+child the network just stops. Stdlib only; one thread; bounded connections and buffers; no asyncio
+unless it must relay (its import alone cost about 60 ms of CPU in every 'allowlist' sandbox).
 
 Each accepted connection is handed to the host's proxy (the unix socket SOCKET, bound read-only into
 the sandbox) whole: its socket goes over SCM_RIGHTS on one HANDOFF byte, the host answers TAKEN, and
@@ -18,8 +19,10 @@ its own unix connection, as the proxy also serves plain clients (egress/handoff.
 import array
 import contextlib
 import os
+import selectors
 import socket
 import sys
+import time
 
 #: Client connections relayed at once; more are closed at once (the host's proxy has its own cap).
 MAX_CONNECTIONS = 256
@@ -58,21 +61,117 @@ async def _pump(aio, reader, writer, activity):
         writer.transport.abort()
 
 
-class _Forwarder:
-    """Hands each accepted connection to the host, or relays it where fds cannot cross.
+class _Handoffs:
+    """Hands each accepted connection to the host: a selector and a deadline per answer, no asyncio (whose
+    import alone cost about 60 ms of CPU in every 'allowlist' sandbox). `run` returns once fds proved not
+    to cross (gVisor's netstack sockets, a VM's relayed socket), with the connections left to relay.
 
-    The handoff runs in loop callbacks, not tasks: accept, connect and sendmsg happen in the one wake
-    the connection causes, which is most of what opening a connection costs here.
+    Accept, connect and sendmsg happen in the one wake the connection causes, which is most of what
+    opening a connection costs here.
     """
 
-    def __init__(self, aio, loop, listener, socket_path):
+    def __init__(self, listener, socket_path):
+        self.listener = listener
+        self.socket_path = socket_path
+        self.selector = selectors.DefaultSelector()
+        #: Each handoff waiting for the host's answer: its host socket -> (deadline, client).
+        self.waiting = {}
+        #: None until the first handoff says whether fds cross to the host; then True or False.
+        self.handoff = None
+        self.to_relay = []
+        self.paused_until = None
+
+    def run(self):
+        self.selector.register(self.listener, selectors.EVENT_READ, self._accept_ready)
+        while self.handoff is not False or self.waiting:
+            now = time.monotonic()
+            deadlines = [deadline for deadline, _ in self.waiting.values()]
+            if self.paused_until is not None:
+                deadlines.append(self.paused_until)
+            timeout = max(0.0, min(deadlines) - now) if deadlines else None
+            for key, _ in self.selector.select(timeout):
+                key.data(key.fileobj)
+            now = time.monotonic()
+            for host, (deadline, _) in list(self.waiting.items()):
+                if deadline <= now:
+                    self._answered(host, timed_out=True)  # no answer in time: fail closed
+            if self.paused_until is not None and self.paused_until <= now:
+                self.paused_until = None
+                if self.handoff is not False:  # else the relay accepts what queued meanwhile
+                    self.selector.register(self.listener, selectors.EVENT_READ, self._accept_ready)
+        return self.to_relay
+
+    def _active(self):
+        return len(self.waiting) + len(self.to_relay)
+
+    def _accept_ready(self, listener):
+        for _ in range(MAX_CONNECTIONS):  # a bounded batch per wake
+            try:
+                client, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:  # out of fds, say: pause accepting a little, never spin
+                self.selector.unregister(listener)
+                self.paused_until = time.monotonic() + 0.1
+                return
+            if self._active() >= MAX_CONNECTIONS:
+                client.close()
+            elif self.handoff is False:
+                self.to_relay.append(client)
+            else:
+                self._hand_over(client)
+
+    def _hand_over(self, client):
+        host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        host.setblocking(False)
+        try:
+            host.connect(self.socket_path)
+            host.sendmsg([HANDOFF], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [client.fileno()]))])
+        except (BlockingIOError, InterruptedError, FileNotFoundError, ConnectionRefusedError):
+            host.close()
+            client.close()  # the proxy is gone or flooded: fail closed
+            return
+        except OSError:
+            host.close()
+            self._relay_from_now(client)  # this kernel (gVisor's netstack) does not pass the socket
+            return
+        self.waiting[host] = (time.monotonic() + CONNECT_S, client)
+        self.selector.register(host, selectors.EVENT_READ, self._answered)
+
+    def _answered(self, host, timed_out=False):
+        self.selector.unregister(host)
+        _, client = self.waiting.pop(host)
+        answer = b""
+        if not timed_out:
+            with contextlib.suppress(OSError):
+                answer = host.recv(1)
+        host.close()
+        if answer == TAKEN:
+            self.handoff = True
+            client.close()  # the host has it; our copy goes
+        elif answer == NO_FD:
+            self._relay_from_now(client)  # the fd was lost on the way (a relayed socket)
+        else:
+            client.close()  # refused: fail closed
+
+    def _relay_from_now(self, client):
+        """Every connection is relayed from now on: stop accepting here (the relay accepts what queues)."""
+        if self.handoff is not False and self.paused_until is None:
+            self.selector.unregister(self.listener)
+        self.handoff = False
+        self.to_relay.append(client)
+
+
+class _Relay:
+    """Relays each connection byte by byte over its own unix connection to the host (asyncio's, imported
+    only once fds proved not to cross), bounded as the handoffs are."""
+
+    def __init__(self, aio, loop, listener, socket_path, active):
         self.aio = aio
         self.loop = loop
         self.listener = listener
         self.socket_path = socket_path
-        self.active = 0
-        #: None until the first handoff says whether fds cross to the host; then True or False.
-        self.handoff = None
+        self.active = active
         self.tasks = set()
 
     def start(self):
@@ -92,59 +191,17 @@ class _Forwarder:
                 client.close()
                 continue
             self.active += 1
-            if self.handoff is False:
-                self._relay_later(client)
-            else:
-                self._hand_over(client)
+            self.relay_later(client)
 
-    def _hand_over(self, client):
-        host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        host.setblocking(False)
-        try:
-            host.connect(self.socket_path)
-            host.sendmsg([HANDOFF], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [client.fileno()]))])
-        except (BlockingIOError, InterruptedError, FileNotFoundError, ConnectionRefusedError):
-            host.close()
-            self._finish(client)  # the proxy is gone or flooded: fail closed
-            return
-        except OSError:
-            host.close()
-            self.handoff = False  # this kernel (gVisor's netstack) does not pass the socket: relay
-            self._relay_later(client)
-            return
-        timer = self.loop.call_later(CONNECT_S, self._answered, host, client, None)
-        self.loop.add_reader(host.fileno(), self._answered, host, client, timer)
-
-    def _answered(self, host, client, timer):
-        self.loop.remove_reader(host.fileno())
-        answer = b""
-        if timer is not None:  # else the answer timed out
-            timer.cancel()
-            with contextlib.suppress(OSError):
-                answer = host.recv(1)
-        host.close()
-        if answer == TAKEN:
-            self.handoff = True
-            self._finish(client)  # the host has it; our copy goes
-        elif answer == NO_FD:
-            self.handoff = False  # the fd was lost on the way (a relayed socket): relay from now on
-            self._relay_later(client)
-        else:
-            self._finish(client)  # refused: fail closed
-
-    def _finish(self, client):
-        client.close()
-        self.active -= 1
-
-    def _relay_later(self, client):
+    def relay_later(self, client):
         task = self.loop.create_task(self._relay(client))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
     async def _relay(self, client):
         try:
-            client.setblocking(False)
             aio = self.aio
+            client.setblocking(False)
             client_reader, client_writer = await aio.open_connection(sock=client, limit=CHUNK)
             try:
                 upstream_reader, upstream_writer = await aio.wait_for(
@@ -165,30 +222,30 @@ class _Forwarder:
         except OSError:
             pass
         finally:
-            self._finish(client)
+            client.close()
+            self.active -= 1
 
 
-async def _serve(aio, listener, socket_path):
-    loop = aio.get_running_loop()
-    _Forwarder(aio, loop, listener, socket_path).start()
-    await loop.create_future()  # forever
+async def _relay_all(aio, listener, socket_path, clients):
+    relay = _Relay(aio, aio.get_running_loop(), listener, socket_path, len(clients))
+    for client in clients:
+        relay.relay_later(client)
+    relay.start()
+    await relay.loop.create_future()  # forever
 
 
 def _detach_and_serve(listener, socket_path):
-    """In a grandchild (reparented to the sandbox's init, so nothing waits on it): serve forever.
-
-    asyncio is imported here, by the serving process alone, and handed down (`aio`): its import costs about
-    60 ms of CPU on this kind of machine, which the program this process execs (the kernel of every
-    'allowlist' sandbox) waited for before it could start."""
+    """In a grandchild (reparented to the sandbox's init, so nothing waits on it): serve forever."""
     if os.fork() != 0:
         os._exit(0)
     try:
-        import asyncio
-
         devnull = os.open(os.devnull, os.O_RDWR)
         for fd in (0, 1, 2):
             os.dup2(devnull, fd)  # never hold the program's pipes open
-        asyncio.run(_serve(asyncio, listener, socket_path))
+        to_relay = _Handoffs(listener, socket_path).run()
+        import asyncio  # only where fds cannot cross: a relay needs it, a handoff does not
+
+        asyncio.run(_relay_all(asyncio, listener, socket_path, to_relay))
     finally:
         os._exit(0)
 
