@@ -145,6 +145,37 @@ async def test_one_shot_runs_of_every_language_reach_the_allowlisted_server(egre
     assert node["stdout"].strip() == BODY, node
 
 
+async def oneshot_counts(client: Client) -> dict[str, int]:
+    """What the server says of its one-shot sandboxes started ahead (get_capabilities)."""
+    caps = json.loads(text_of(await client.call_tool("get_capabilities", {})))
+    return dict(caps["sandbox"]["oneshot_ready"])
+
+
+async def test_an_allowlist_run_takes_a_sandbox_started_ahead_served_with_the_run_s_policy(egress: Egress) -> None:
+    """An allowlist one-shot run leaves a sandbox started for the next with the same options, its proxy's socket
+    made with it and served only once a run takes it, with that run's policy: what is allowed is reached, what
+    is not is denied and named in the reply; a run of other options starts its own."""
+    public = f"http://{egress.servers.public_ip}/"
+    first = await execute(egress.client, "python", fetch(public), network="allowlist")
+    assert f"200 {BODY}" in first["stdout"], first
+    for _ in range(200):
+        before = await oneshot_counts(egress.client)
+        if before["ready"] >= 1:
+            break
+        await anyio.sleep(0.1)
+    else:
+        raise AssertionError(f"no allowlist sandbox was started ahead: {before}")
+    code = fetch(public) + fetch(f"http://{DENIED_HOST}/")
+    result = await egress.client.call_tool("execute_code", {"language": "python", "code": code, "network": "allowlist"})
+    again = json.loads(text_of(result))
+    assert f"200 {BODY}" in again["stdout"] and "403" in again["stdout"], again
+    assert DENIED_HOST in json.dumps([block.model_dump() for block in result.content]), result.content
+    taken = await oneshot_counts(egress.client)
+    assert taken["runs_taken"] == before["runs_taken"] + 1, (before, taken)
+    offline = await execute(egress.client, "python", "print(1)")
+    assert offline["stdout"] == "1\n" and (await oneshot_counts(egress.client))["runs_cold"] == taken["runs_cold"] + 1
+
+
 async def test_a_reset_swaps_to_a_standby_behind_the_same_allowlist(egress: Egress) -> None:
     """The session's standby kernel (sessions/standby.py) reaches what the session may, and nothing more."""
     session = await create(egress.client, network="allowlist", allow=[egress.servers.public_ip])

@@ -8,7 +8,9 @@ this safe, as the warm pool's (sessions/pool.py):
   pool, and within the idle sandboxes' memory budget. A user's session takes the room back at once
   (evict_one), and nothing here ever makes a create or a run fail or wait longer than its own start;
 - unused for READY_IDLE_S, replaced by a more recent option set, or drained, it is dropped.
-Allowlist runs never get one: their proxy is made per run, with the run.
+An allowlist run's gets its proxy's socket made with it, served only once a run takes it, with that run's
+policy (the pool's rule too: leases.py reserve_egress); it matches only runs of the same options, allowlist
+included.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from anyio.abc import TaskGroup
 from coderunner.offload import off_loop
 from coderunner.oneshot.program import ready_argv
 from coderunner.sandbox import SandboxBackend, SandboxProcess
+from coderunner.sessions.egress_wiring import EgressHub
 from coderunner.sessions.leases import SandboxLease, SandboxLeases
 from coderunner.sessions.sandbox_options import SandboxOptions
 from coderunner.vocabulary.network import NetworkMode
@@ -70,7 +73,7 @@ class ReadySandbox:
     #: Set once its keeper is done with it (dropped, or handed to a run).
     gone: anyio.Event = field(default_factory=anyio.Event)
     state: Literal["preparing", "ready", "taken", "gone"] = "preparing"
-    #: Its dirs and mounts (no egress: never an allowlist run's).
+    #: Its dirs and mounts (and for an allowlist run's, its proxy's socket, not served until a run takes it).
     lease: SandboxLease | None = None
     process: SandboxProcess | None = None
 
@@ -98,6 +101,8 @@ class ReadySandboxes:
     #: Option sets kept at once: never more idle one-shot sandboxes than may run at once.
     most: int = 1
     room: Room = lambda count, member_mb: True
+    #: Network 'allowlist': the server's egress hub, which reserves a proxy socket per sandbox (None: no allowlist).
+    egress: EgressHub | None = None
     #: Wanted sandboxes (preparing or ready), the option set used least recently first.
     _entries: dict[SandboxOptions, ReadySandbox] = field(default_factory=dict)
     #: The most memory a ready sandbox was measured to use (None until one was).
@@ -145,8 +150,8 @@ class ReadySandboxes:
 
     def start_ahead(self, options: SandboxOptions) -> None:
         """Have a sandbox for the next run with these options start now, if the room allows."""
-        if self._closed or options.network == NetworkMode.ALLOWLIST:
-            return  # an allowlist run's proxy is made per run, with the run (one started ahead would have none)
+        if self._closed or (options.network == NetworkMode.ALLOWLIST and self.egress is None):
+            return
         key = ready_key(options)
         current = self._entries.pop(key, None)
         if current is not None:
@@ -199,6 +204,8 @@ class ReadySandboxes:
                     return
                 entry.lease = lease = await self.leases.lease(options, throwaway=True)
                 await lease.mount()
+                if options.network == NetworkMode.ALLOWLIST and self.egress is not None:
+                    lease.reserve_egress(self.egress)  # served once a run takes it (runs.py: open_egress)
                 argv = ready_argv(self.backend.python, lease.dirs, options.limits.memory_mb)
                 entry.process = process = await self.backend.spawn(lease.spec(), argv, self.task_group, pipes=True)
                 # Ready once its interpreter is up and says so (the first byte of its stdout, never the program's).

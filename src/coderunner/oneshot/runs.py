@@ -120,7 +120,7 @@ class OneShotRunner:
     def __post_init__(self) -> None:
         self.slots = OneShotSlots(self.max_concurrent, self.max_per_caller)
         self.ahead = ReadySandboxes(self.backend, self.task_group, self.leases, most=self.max_concurrent,
-                                    room=self.ready_room)  # fmt: skip
+                                    room=self.ready_room, egress=self.egress)  # fmt: skip
 
     @classmethod
     def for_settings(
