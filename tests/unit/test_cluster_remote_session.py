@@ -76,6 +76,21 @@ def remote_session(agent: FakeAgent, group: Any) -> RemoteSession:
     return RemoteSession(agent, info, settings, group)
 
 
+class FakeEgress:
+    """The part of a session's mirrored proxy that a run, a guest call and a question's answer read."""
+
+    mark = 0
+
+    def __init__(self, allows: Callable[[str], bool]) -> None:
+        self.allows = allows
+
+    def apply(self, delta: Any) -> None:
+        pass
+
+    async def asker(self, host: str, port: int) -> bool:
+        return self.allows(host)
+
+
 def done(job_id: str = "job-1", text: str = "2\n") -> JobUpdate:
     output = OutputCollector(limit_chars=1000, spill_limit_bytes=0, image_limit_bytes=0)
     output.add_text(text)
@@ -162,19 +177,9 @@ async def test_a_question_is_put_to_the_user_once_and_answered_while_an_asking_r
     ))  # fmt: skip
     agent.changes.publish(SESSION, SessionNews())
 
-    class Egress:
-        mark = 0
-
-        def apply(self, delta: Any) -> None:
-            pass
-
-        async def asker(self, host: str, port: int) -> bool:
-            asked.append(host)
-            return True
-
     async with anyio.create_task_group() as group:
         session = remote_session(agent, group)
-        session._egress = Egress()  # type: ignore[assignment]  # the part a run and _answer read
+        session._egress = FakeEgress(lambda host: asked.append(host) or True)  # type: ignore[assignment]
         assert (await session.start_run("fetch()", None)).running
         assert session._watch.following(SESSION)  # its run can ask: followed until an answer says it ended
         question = Question("q1", "b.example.org", 443)
@@ -221,18 +226,9 @@ async def test_a_guest_call_that_can_ask_follows_the_news_only_while_it_goes() -
     agent = FakeAgent(reads)
     agent.changes.publish(SESSION, SessionNews())
 
-    class Egress:
-        mark = 0
-
-        def apply(self, delta: Any) -> None:
-            pass
-
-        async def asker(self, host: str, port: int) -> bool:
-            return host == "b.example.org"
-
     async with anyio.create_task_group() as group:
         session = remote_session(agent, group)
-        session._egress = Egress()  # type: ignore[assignment]  # the part a guest call reads
+        session._egress = FakeEgress(lambda host: host == "b.example.org")  # type: ignore[assignment]
         with anyio.fail_after(10):
             done = await session.guest_op("browser", "navigate", {}, 30)
         assert done == {"done": True} and answers == [("q1", True)]
