@@ -70,8 +70,7 @@ class RemoteSession:
         self.agent = agent
         self._link = link
         self._watch = link.watch if link is not None else AgentWatch(agent, task_group)
-        #: The latest news of it the long poll brought; jobs being read now; questions being answered now;
-        #: calls under way whose user can be asked about hosts.
+        #: Questions being answered now; guest calls under way whose user can be asked about hosts.
         self._answering: set[str] = set()
         self._asking_calls = 0
         #: A run whose user can be asked goes (from its start until an answer says it ended), and its job id.
