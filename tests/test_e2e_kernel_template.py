@@ -26,6 +26,7 @@ import anyio
 import pytest
 from mcp import Client
 
+from coderunner.kernel.incarnation import Kernel
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import bwrap_template, make_backend, template_kernels
 from coderunner.sandbox.template_kernels import TemplateKernels
@@ -245,6 +246,37 @@ async def test_a_fork_the_template_refuses_means_a_cold_start_that_says_why(dirs
         assert manager.template is not None and manager.template.refused == 1
         # The template lives on, and the next kernel comes from it.
         assert (await status(client, await create(client)))["kernel_start"] == TEMPLATE
+
+
+async def test_a_start_cancelled_during_its_page_lesson_leaves_no_sandbox(dirs: ServerDirs) -> None:
+    """A kernel the template learns its pages from runs one silent cell after it answered (Kernel._teach_starter).
+    A session closed then (a warm pool's start cut short by the server's close, say) ends that sandbox too: it
+    was left running, found when the conformance suite's teardown saw a held bwrap sandbox outlive its server."""
+    async with template_server(dirs) as (manager, _):
+        assert manager.template is not None
+        in_lesson = anyio.Event()
+        execute = Kernel.execute
+
+        async def a_long_lesson(self: Kernel, code: str, *args: Any, **kwargs: Any) -> Any:
+            if code == "pass" and kwargs.get("silent"):
+                in_lesson.set()
+                await anyio.sleep_forever()
+            return await execute(self, code, *args, **kwargs)
+
+        with (
+            mock.patch.object(Kernel, "execute", a_long_lesson),
+            mock.patch.object(manager.template, "wants_pages_from", lambda process: True),
+        ):
+            async with anyio.create_task_group() as group:
+                group.start_soon(manager.create)
+                with anyio.fail_after(60):
+                    await in_lesson.wait()
+                assert sandbox_processes_alive(dirs), "the lesson's kernel has no sandbox"
+                group.cancel_scope.cancel()
+        with anyio.fail_after(20):
+            while sandbox_processes_alive(dirs):
+                await anyio.sleep(0.1)
+        assert manager.list() == []
 
 
 async def test_a_workspace_module_shadowing_the_templates_imports_means_a_cold_kernel(dirs: ServerDirs) -> None:

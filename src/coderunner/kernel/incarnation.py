@@ -88,7 +88,14 @@ class Kernel:
             self.started_at = time.monotonic()
             await self.sandbox.launch(cold_because=f"the template's imports are not current here: {stale}")
             await self._attach(timeout_s, "start")
-        await self._teach_starter(timeout_s)
+        try:
+            await self._teach_starter(timeout_s)
+        except BaseException:
+            # Cancelled (a session closed while its kernel started) or failed during the lesson: the sandbox is
+            # this start's, and nobody else's yet.
+            with anyio.CancelScope(shield=True):
+                await self.shutdown()
+            raise
 
     async def _teach_starter(self, timeout_s: float) -> None:
         """A kernel from the template that its template learns from (the first of the template's life, before
