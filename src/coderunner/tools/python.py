@@ -81,17 +81,18 @@ async def attend_run(
     interval_s: float, progress: Callable[[JobUpdate], Awaitable[None]],
 ) -> JobUpdate:  # fmt: skip
     """Run `code` and wait up to `wait_s` for its end, with `progress` every `interval_s`: its last update.
-    A caller cancelled before the end cancels the cell (the session does, inside its own waits)."""
+    A caller cancelled before the end cancels the cell: the session does inside its own waits (start_run,
+    wait_job), this between them (while a progress note goes out)."""
     deadline = time.monotonic() + wait_s
     update = await session.start_run(code, timeout_s, variables, min(interval_s, wait_s))
-    try:
-        while update.running and (remaining := deadline - time.monotonic()) > 0:
+    while update.running and (remaining := deadline - time.monotonic()) > 0:
+        try:
             await progress(update)
-            update = await session.wait_job(update.job_id, min(interval_s, remaining))
-    except anyio.get_cancelled_exc_class():
-        with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_MARGIN_S):
-            await session.cancel_job(update.job_id)
-        raise
+        except anyio.get_cancelled_exc_class():
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_MARGIN_S):
+                await session.cancel_job(update.job_id)
+            raise
+        update = await session.wait_job(update.job_id, min(interval_s, remaining))
     return update
 
 
