@@ -357,6 +357,42 @@ async def test_where_fds_cannot_cross_the_forwarder_relays_bytes_instead(upstrea
     assert upstream.connects == 3
 
 
+def serving_process(socket_path: str) -> int:
+    """The forwarder's detached server: the process whose argv names `socket_path`, other than the program."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if socket_path.encode() in argv and not argv.startswith(b"/bin/sleep"):
+                return int(pid)
+    raise AssertionError("the forwarder's server is not running")
+
+
+async def test_the_forwarder_out_of_fds_refuses_a_connection_and_serves_once_it_has_them(upstream: Upstream) -> None:
+    """With room for an accepted connection but not for its handoff's socket, the connection is closed (fail
+    closed), accepting pauses and the forwarder lives on; given fds again, it serves. (Before, the handoff's
+    socket failing ended the forwarder, and the sandbox's network with it.)"""
+    async with proxy_for(upstream) as run:
+        with forwarder(run.path) as port:
+            server = serving_process(run.path)
+            held = len(os.listdir(f"/proc/{server}/fd"))
+            limit = f"--nofile={held + 1}:"  # (soft only) fds 0..held: one accepted client, no socket to the host
+            subprocess.run(["prlimit", f"--pid={server}", limit], check=True, timeout=10)
+            for _ in range(3):
+                with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
+                    sock.sendall(b"GET http://ok.test:%d/p HTTP/1.1\r\nHost: ok.test\r\n\r\n" % upstream.port)
+                    try:
+                        answer = sock.recv(65536)
+                    except ConnectionResetError:  # closed with the request unread
+                        answer = b""
+                    assert answer == b"", answer  # closed, nothing sent on
+                await asyncio.sleep(0.15)  # past the accept pause
+            assert Path(f"/proc/{server}").exists(), "the forwarder ended when it ran out of fds"
+            subprocess.run(["prlimit", f"--pid={server}", "--nofile=256:"], check=True, timeout=10)
+            answer = await asyncio.to_thread(fetch, port, upstream.port)
+            assert status_of(answer) == 200, answer[:200]
+        assert run.proxy.handoffs == 1
+
+
 def test_the_forwarder_speaks_the_hosts_handoff_bytes() -> None:
     """The forwarder is stdlib-only (it runs inside the sandbox), so it spells the bytes itself."""
     spec = importlib.util.spec_from_file_location("egress_forwarder_under_test", FORWARDER)

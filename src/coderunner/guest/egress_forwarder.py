@@ -26,6 +26,8 @@ import time
 
 #: Client connections relayed at once; more are closed at once (the host's proxy has its own cap).
 MAX_CONNECTIONS = 256
+#: How long accepting pauses after accept failed for want of fds (or a handoff's socket could not be made).
+ACCEPT_PAUSE_S = 0.1
 #: Bytes read per chunk; a relay holds at most about two of these per direction (drain backpressure).
 CHUNK = 64 * 1024
 #: A connection with no bytes either way for this long is closed (the proxy's own idle bound is shorter).
@@ -59,6 +61,17 @@ async def _pump(aio, reader, writer, activity):
             writer.write_eof()
     except (OSError, aio.TimeoutError, ConnectionError):
         writer.transport.abort()
+
+
+def _accepted(listener):
+    """The connections waiting, a bounded batch per wake. accept's other errors (out of fds, say) reach the
+    caller, which pauses accepting for ACCEPT_PAUSE_S rather than spin."""
+    for _ in range(MAX_CONNECTIONS):
+        try:
+            client, _ = listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        yield client
 
 
 class _Handoffs:
@@ -105,24 +118,29 @@ class _Handoffs:
         return len(self.waiting) + len(self.to_relay)
 
     def _accept_ready(self, listener):
-        for _ in range(MAX_CONNECTIONS):  # a bounded batch per wake
-            try:
-                client, _ = listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # out of fds, say: pause accepting a little, never spin
-                self.selector.unregister(listener)
-                self.paused_until = time.monotonic() + 0.1
-                return
-            if self._active() >= MAX_CONNECTIONS:
-                client.close()
-            elif self.handoff is False:
-                self.to_relay.append(client)
-            else:
-                self._hand_over(client)
+        try:
+            for client in _accepted(listener):
+                if self._active() >= MAX_CONNECTIONS:
+                    client.close()
+                elif self.handoff is False:
+                    self.to_relay.append(client)
+                else:
+                    self._hand_over(client)
+        except OSError:  # out of fds, say: pause accepting a little, never spin
+            if self.handoff is not False:  # else the relay accepts what queues
+                self._stop_accepting()
+                self.paused_until = time.monotonic() + ACCEPT_PAUSE_S
+
+    def _stop_accepting(self):
+        if self.paused_until is None:  # else unregistered already
+            self.selector.unregister(self.listener)
 
     def _hand_over(self, client):
-        host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            host = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError:
+            client.close()  # out of fds: fail closed, and accepting pauses
+            raise
         host.setblocking(False)
         try:
             host.connect(self.socket_path)
@@ -156,8 +174,8 @@ class _Handoffs:
 
     def _relay_from_now(self, client):
         """Every connection is relayed from now on: stop accepting here (the relay accepts what queues)."""
-        if self.handoff is not False and self.paused_until is None:
-            self.selector.unregister(self.listener)
+        if self.handoff is not False:
+            self._stop_accepting()
         self.handoff = False
         self.to_relay.append(client)
 
@@ -178,20 +196,16 @@ class _Relay:
         self.loop.add_reader(self.listener.fileno(), self._accept_ready)
 
     def _accept_ready(self):
-        for _ in range(MAX_CONNECTIONS):  # a bounded batch per wake
-            try:
-                client, _ = self.listener.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError:  # out of fds, say: pause accepting a little, never spin
-                self.loop.remove_reader(self.listener.fileno())
-                self.loop.call_later(0.1, self.start)
-                return
-            if self.active >= MAX_CONNECTIONS:
-                client.close()
-                continue
-            self.active += 1
-            self.relay_later(client)
+        try:
+            for client in _accepted(self.listener):
+                if self.active >= MAX_CONNECTIONS:
+                    client.close()
+                    continue
+                self.active += 1
+                self.relay_later(client)
+        except OSError:  # out of fds, say: pause accepting a little, never spin
+            self.loop.remove_reader(self.listener.fileno())
+            self.loop.call_later(ACCEPT_PAUSE_S, self.start)
 
     def relay_later(self, client):
         task = self.loop.create_task(self._relay(client))
