@@ -4,13 +4,16 @@
 
 One SessionManager on the bwrap backend (pool_size 0, no reset standby: each create is a real start). The lanes
 alternate in rounds: "0 held" makes `--creates` sessions one after another, each to its first `1+1` result and
-closed; "N held" first opens N sessions and keeps them idle, then does the same, then closes them. Per create:
+closed; then N sessions are opened and kept idle, and two lanes take turns create by create: "N held" starts as
+the server does (bwrap in the start namespace, sandbox/start_namespace.py), "N held, host ns" with bwrap in the
+host's mount namespace as before it (the backend's `use_start_namespace` off); then they are closed. Per create:
 
     bwrap setup + init   CPU of the sandbox's pid 1 process (schedstat, nanoseconds): bwrap's child, which
                          builds the mounts (for each bind, bwrap reads the whole mount table it copied from the
                          host), then the init's Python (guest/sandbox_init.py)
     outer bwrap          CPU of the outer bwrap process
     create + 1+1         wall time to the first result
+    bwrap's mounts       lines of the outer bwrap's mountinfo: the table its sandbox's bwrap copied and read
 
 Why: each held session adds mounts to the host's table (its workspace's loop mount, its staged outbox), and every
 bind of every later start walks that table. Root only where the workspaces are capped (loop mounts); the table is
@@ -56,7 +59,8 @@ async def one_create(manager: Any) -> dict[str, float]:
         init = pid_of(process.hold.init) if process.hold is not None and process.hold.init is not None else None
         if init is None:
             raise RuntimeError("the sandbox's pid 1 is not known: not a bwrap sandbox?")
-        return {"init": cpu_ms(init), "outer": cpu_ms(process.pid), "create": took_ms}
+        seen = Path(f"/proc/{process.pid}/mountinfo").read_text().count("\n")
+        return {"init": cpu_ms(init), "outer": cpu_ms(process.pid), "create": took_ms, "mounts": seen}
     finally:
         await manager.close(session.session_id)
 
@@ -67,6 +71,21 @@ async def lane(manager: Any, creates: int, pause_s: float) -> list[dict[str, flo
         samples.append(await one_create(manager))
         await anyio.sleep(pause_s)
     return samples
+
+
+async def two_lanes(manager: Any, creates: int, pause_s: float) -> tuple[list[dict[str, float]], ...]:
+    """Creates in turn with bwrap in the start namespace and in the host's."""
+    ours: list[dict[str, float]] = []
+    host: list[dict[str, float]] = []
+    try:
+        for _ in range(creates):
+            for use, samples in ((True, ours), (False, host)):
+                manager.backend.use_start_namespace = use
+                samples.append(await one_create(manager))
+                await anyio.sleep(pause_s)
+    finally:
+        manager.backend.use_start_namespace = True
+    return ours, host
 
 
 async def held(manager: Any, count: int) -> list[Any]:
@@ -113,7 +132,8 @@ async def main(args: argparse.Namespace) -> None:
         raise SystemExit("this bench measures bwrap sandboxes")
     if backend.cgroups is not None:  # neutral weight: measure a start, not the machine's load
         backend.cgroups.cpu_weight = 100
-    figures: dict[str, list[dict[str, float]]] = {"0 held": [], f"{args.held} held": []}
+    many, host_ns = f"{args.held} held", f"{args.held} held, host ns"
+    figures: dict[str, list[dict[str, float]]] = {"0 held": [], many: [], host_ns: []}
     tables: dict[str, list[int]] = {name: [] for name in figures}
     try:
         async with SessionManager(settings, backend) as manager:
@@ -126,27 +146,31 @@ async def main(args: argparse.Namespace) -> None:
                 figures["0 held"] += await lane(manager, args.creates, args.pause)
                 sessions = await held(manager, args.held)
                 await anyio.sleep(2)  # their starts settled
-                tables[f"{args.held} held"].append(host_mounts())
-                figures[f"{args.held} held"] += await lane(manager, args.creates, args.pause)
+                tables[many].append(host_mounts())
+                tables[host_ns].append(host_mounts())
+                ours, host = await two_lanes(manager, args.creates, args.pause)
+                figures[many] += ours
+                figures[host_ns] += host
                 await close_all(manager, sessions)
                 await anyio.sleep(2)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     kind = "template" if args.template else "cold"
     print(f"{kind} starts, {args.creates} creates a lane a round, {args.rounds} rounds, medians (p90):")
-    print(f"{'lane':>10} {'host mounts':>12} {'bwrap setup + init CPU-ms':>26} {'outer bwrap CPU-ms':>19} "
-          f"{'create + 1+1 ms':>16}")  # fmt: skip
+    print(f"{'lane':>20} {'host mounts':>12} {'bwrap mounts':>13} {'bwrap setup + init CPU-ms':>26} "
+          f"{'outer bwrap CPU-ms':>19} {'create + 1+1 ms':>16}")  # fmt: skip
     base = statistics.median(sample["init"] for sample in figures["0 held"])
     for name, samples in figures.items():
         cells = []
         for key in ("init", "outer", "create"):
             values = sorted(sample[key] for sample in samples)
             cells.append(f"{statistics.median(values):6.1f} ({values[int(len(values) * 0.9) - 1]:6.1f})")
-        print(f"{name:>10} {max(tables[name]):>12} {cells[0]:>26} {cells[1]:>19} {cells[2]:>16}")
-    held_init = statistics.median(sample["init"] for sample in figures[f"{args.held} held"])
-    extra = max(tables[f"{args.held} held"]) - max(tables["0 held"])
-    print(f"beside {args.held} held sessions ({extra} more host mounts), a sandbox's setup CPU: "
-          f"{held_init - base:+.1f} ms ({(held_init - base) / max(extra, 1) * 1000:+.0f} µs a mount)")  # fmt: skip
+        seen = max(int(sample["mounts"]) for sample in samples)
+        print(f"{name:>20} {max(tables[name]):>12} {seen:>13} {cells[0]:>26} {cells[1]:>19} {cells[2]:>16}")
+    extra = max(tables[many]) - max(tables["0 held"])
+    for name in (many, host_ns):
+        held_init = statistics.median(sample["init"] for sample in figures[name])
+        print(f"{name} ({extra} more host mounts): a sandbox's setup CPU {held_init - base:+.1f} ms beside none")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
 
 from coderunner.config import Settings, load_settings
+from coderunner.hostfs.sandbox_mounts import START_CLONES_PREFIX
 from coderunner.hostfs.session_dirs import MADE_AHEAD, remove_stale_dirs
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
@@ -53,6 +54,8 @@ SECRET_VALUE = "sk-test-" + "7f3a9c1e5b" * 3
 #: in six tries; disk writeback on the shared machine is the likely cause). The error carries its log.
 SERVER_START_TIMEOUT_S = 120
 SERVER_STOP_TIMEOUT_S = 20
+#: Bound on a server its client left ending on its own (fresh_dirs: what it mounted is then its own to remove).
+CLEAN_UP_WAIT_S = 10
 
 #: Workers for the whole suite: one per core of the 2-core machines it is sized for (each test file's real
 #: kernels and sandboxes are CPU work; more workers only queue them).
@@ -97,11 +100,12 @@ class ServerDirs:
         return {mark.parent.name for mark in self.runtime.glob(f"*/{MADE_AHEAD}")}
 
     def session_runtime_dirs(self) -> list[Path]:
-        """RUNTIME/<key> of the sandboxes (sessions' and one-shot runs'), not the dirs made ahead nor the guest."""
+        """RUNTIME/<key> of the sandboxes (sessions' and one-shot runs'), not the dirs made ahead, the guest nor
+        the server's start clones dir (sandbox/start_namespace.py)."""
         ahead = self.made_ahead()
         return [
             entry for entry in self.runtime.iterdir()
-            if entry.is_dir() and not entry.name.startswith("guest") and entry.name not in ahead
+            if entry.is_dir() and not entry.name.startswith(("guest", START_CLONES_PREFIX)) and entry.name not in ahead
         ]  # fmt: skip
 
     def session_workspaces(self) -> list[Path]:
@@ -131,7 +135,11 @@ def fresh_dirs(prefix: str) -> Iterator[ServerDirs]:
     try:
         yield dirs
     finally:
-        left = clean_after_dead_servers(dirs)
+        # A server its client left may still be ending (its own clean-up runs last): its mounts are its own
+        # to remove until it has, CLEAN_UP_WAIT_S at most.
+        deadline = time.monotonic() + CLEAN_UP_WAIT_S
+        while (left := clean_after_dead_servers(dirs)) and time.monotonic() < deadline:
+            time.sleep(0.2)
         shutil.rmtree(root, ignore_errors=True)
     assert not left, f"mounted after its servers ended and the next start's clean-up ran: {left}"
 

@@ -16,6 +16,8 @@ import anyio
 import pytest
 from mcp import Client
 
+from coderunner.hostfs.sandbox_mounts import START_CLONES_PREFIX
+
 from .conftest import ServerDirs, json_of, memory_client, server_env, text_of, wait_until
 
 pytestmark = [pytest.mark.anyio, pytest.mark.e2e]
@@ -40,8 +42,15 @@ async def execute(client: Client, language: str, code: str, **arguments: Any) ->
 
 
 def host_mounts_under(path: os.PathLike[str]) -> list[str]:
+    """Mount points under `path`, but a live server's own start clones dir (start_namespace.py; a start's
+    clones below it are counted)."""
     with open("/proc/self/mountinfo") as handle:
-        return [line.split()[4] for line in handle if line.split()[4].startswith(str(path))]
+        points = [line.split()[4] for line in handle]
+    return [point for point in points if point.startswith(str(path)) and not is_start_clones_dir(point)]
+
+
+def is_start_clones_dir(point: str) -> bool:
+    return os.path.basename(point).startswith(START_CLONES_PREFIX)
 
 
 def run_mounts_under(dirs: ServerDirs) -> list[str]:

@@ -13,6 +13,8 @@ import anyio
 import pytest
 from mcp import Client
 
+from coderunner.hostfs.sandbox_mounts import START_CLONES_PREFIX
+
 from .conftest import (
     ServerDirs,
     memory_client,
@@ -134,7 +136,8 @@ async def test_sigkilled_server_leaves_no_sandbox_and_its_dirs_and_mounts_go_wit
 
 
 def session_dirs(dirs: ServerDirs) -> list[str]:
-    return [path.name for path in dirs.runtime.iterdir() if not path.name.startswith("guest-")]
+    """The runtime dir's sessions' dirs: not the guest, nor a server's start clones dir (start_namespace.py)."""
+    return [path.name for path in dirs.runtime.iterdir() if not path.name.startswith(("guest-", START_CLONES_PREFIX))]
 
 
 async def test_closing_a_session_mid_run_ends_the_run_and_its_sandbox(client: Client, dirs: ServerDirs) -> None:

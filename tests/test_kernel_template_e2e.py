@@ -95,6 +95,7 @@ async def kernels_from_a_template() -> AsyncIterator[Any]:
         finally:
             with anyio.CancelScope(shield=True):
                 await template.close()
+            backend.close_starts()  # as a manager does as it ends
 
 
 async def run_cell(kernel: KernelProcess, info: dict[str, Any], code: str, within_s: float = 120) -> tuple[str, str]:

@@ -152,6 +152,11 @@ class Settings(BaseSettings):
     cgroups: bool = Field(default=True, description="Use per-session cgroups where the server may create them.")
     disk_mb: int = Field(default=2048, ge=16, description="Size cap of a session's workspace.")
     workspace_quota: bool = Field(default=True, description="Cap workspaces with a loop-mounted image (root).")
+    start_namespace: bool = Field(
+        default=True,
+        description="Root, bwrap: start sandboxes in a mount namespace without the held sessions' mounts, so a start "
+        "costs the same however many sessions are held (sandbox/start_namespace.py).",
+    )
     max_sessions: int = Field(
         default=16,
         ge=1,

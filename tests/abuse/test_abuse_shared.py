@@ -24,6 +24,7 @@ import pytest
 from mcp import Client
 
 from coderunner.hostfs import staging
+from coderunner.hostfs.sandbox_mounts import START_CLONES_PREFIX
 
 from ..conftest import (
     ServerDirs,
@@ -331,7 +332,8 @@ def _staged_points(under: Path) -> list[str]:
     with open("/proc/self/mountinfo") as handle:
         for line in handle:
             point = line.split()[4].encode().decode("unicode_escape")
-            if point.startswith(str(under) + "/"):
+            # A live server's start clones dir is no staged point (its clones below it would be).
+            if point.startswith(str(under) + "/") and not Path(point).name.startswith(START_CLONES_PREFIX):
                 points.append(point)
     return points
 

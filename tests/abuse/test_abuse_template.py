@@ -145,6 +145,7 @@ async def template_world() -> AsyncIterator[World]:
         finally:
             with anyio.CancelScope(shield=True):
                 await template.close()
+            backend.close_starts()  # as a manager does as it ends
 
 
 async def start_child(world: World, output_fd: int = 2, status_fd: int | None = None, **params: Any) -> Child:

@@ -11,6 +11,7 @@ host-private folder. `close()` detaches every staged point; a dead server's are 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import stat
@@ -27,6 +28,11 @@ log = logging.getLogger(__name__)
 #: Under a sandbox's host-only dir: staged mount points, and (not root) the outbox.
 STAGING_DIR = "mnt"
 OUTBOX_DIR = "outbox"
+#: Under the runtime dir, one per root server process (`.live-<token>`, a mount of its own, with a lock file
+#: `.live-<token>.lock` it holds while it lives): its clones, for one start each, of what a sandbox is built from
+#: (`<key>-<token>/<n>`, sandbox/start_namespace.py), detached once bwrap has built the sandbox.
+START_CLONES_PREFIX = ".live-"
+LOCK_SUFFIX = ".lock"
 
 
 class MountsError(RuntimeError):
@@ -203,3 +209,47 @@ def _workspace_outbox(workspace: Path, owner: tuple[int, int] | None) -> int | N
 def release_mounts(host_dir: Path) -> bool:
     """Detach what a (possibly dead) server staged in a sandbox's host-only dir; True if none is left."""
     return staging.release_all(host_dir / STAGING_DIR)
+
+
+def sweep_dead_start_clones(runtime_base: Path) -> None:
+    """Detach and remove the start clones dir of every server process that is gone (its lock is free), with
+    the clones of the starts it died in: before a dead sandbox's workspace is removed, which they would pin."""
+    try:
+        names = os.listdir(runtime_base)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(START_CLONES_PREFIX) or name.endswith(LOCK_SUFFIX):
+            continue
+        lock_path = runtime_base / (name + LOCK_SUFFIX)
+        try:
+            lock = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            lock = -1  # its server died between making the dir and its lock, or its sweep was cut short
+        except OSError:
+            continue
+        try:
+            if lock >= 0:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    continue  # its server lives
+            release_start_clones(runtime_base / name, lock_path)
+        finally:
+            if lock >= 0:
+                os.close(lock)
+
+
+def release_start_clones(clones: Path, lock_path: Path) -> bool:
+    """Detach every start's clones in `clones`, then `clones` itself; remove it and its lock once all went."""
+    clean = True
+    with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+        for name in os.listdir(clones):
+            clean = staging.release_all(clones / name) and clean
+    if clean and staging.detach(clones):
+        with contextlib.suppress(OSError):
+            os.rmdir(clones)
+        with contextlib.suppress(OSError):
+            os.unlink(lock_path)
+        return True
+    return False

@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coderunner.hostfs import dirfd as hostfs
-from coderunner.hostfs.sandbox_mounts import release_mounts
+from coderunner.hostfs.sandbox_mounts import release_mounts, sweep_dead_start_clones
 from coderunner.hostfs.workspaces import Workspace, remove_workspace
 from coderunner.vocabulary.host_identity import HostIdentity
 from coderunner.vocabulary.sandbox_layout import etc_files
@@ -311,6 +311,7 @@ def sweep_stale_dirs(
 ) -> StaleSweep:
     """remove_stale_dirs, saying also how many dead dirs it left (a sandbox still dying held one)."""
     removed = claimed = 0
+    sweep_dead_start_clones(runtime_base)  # first: a clone of a dead start pins its workspace
     with hostfs.dir_fd(runtime_base) as base_fd:
         for name in hostfs.entries(base_fd):
             fresh = NEW_KEY.fullmatch(name) is not None

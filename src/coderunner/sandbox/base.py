@@ -233,6 +233,10 @@ class SandboxBackend(ABC):
         off_loop). Raises this backend's SandboxUnavailable where it cannot: by default, always."""
         raise self.unavailable(self.live_limits_problem() or "this sandbox's limits cannot be changed")
 
+    def close_starts(self) -> None:  # noqa: B027  (most backends hold nothing for their starts)
+        """Let go of what the host holds for this backend's starts (bwrap's start namespace); blocking. A later
+        start makes it again. A server's manager calls it as it ends, after its sessions are closed."""
+
     @abstractmethod
     def remove_stale(self, name: str) -> None:
         """Remove what a dead server left for the sandbox `name` outside its dirs (e.g. cgroups)."""

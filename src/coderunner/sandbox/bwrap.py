@@ -48,6 +48,7 @@ from coderunner.sandbox.identity import shared_dir_mode
 from coderunner.sandbox.live_limits import cgroup_limits, lower_limits
 from coderunner.sandbox.pid1 import NotOurChild, SandboxHold, gated_command, open_child
 from coderunner.sandbox.seccomp import SeccompUnavailable, compiled_filter
+from coderunner.sandbox.start_namespace import Staged, StartNamespace, StartNamespaceUnavailable
 from coderunner.vocabulary.host_identity import HostIdentity, IdentityError
 from coderunner.vocabulary.network import NetworkMode
 from coderunner.vocabulary.sandbox_layout import WORKSPACE
@@ -84,6 +85,8 @@ def build(settings: Settings) -> BwrapBackend:
         runtime_base=settings.runtime_dir,
         identity=backend_identity(settings),
         use_cgroups=settings.cgroups,
+        workspaces_dir=settings.workspaces_dir,
+        use_start_namespace=settings.start_namespace,
     )
     if backend.cgroups is not None:
         backend.cgroups.cpu_weight = settings.session_cpu_weight
@@ -180,6 +183,8 @@ class BwrapBackend(SandboxBackend):
         identity: HostIdentity | None = None,
         bwrap: str | None = None,
         use_cgroups: bool = True,
+        workspaces_dir: Path | None = None,
+        use_start_namespace: bool = True,
     ) -> None:
         found = bwrap or shutil.which("bwrap")
         if found is None:
@@ -213,6 +218,14 @@ class BwrapBackend(SandboxBackend):
             except (CgroupsUnavailable, OSError) as exc:
                 self.cgroup_problem = str(exc)
         self.slirp4netns = shutil.which("slirp4netns")
+        self._runtime_base = runtime_base
+        self._workspaces_dir = workspaces_dir
+        #: Where a root server's bwrap starts (start_namespace.py): made at the first start; False once it
+        #: could not be (then the host's, as without root).
+        self._start_namespace: StartNamespace | bool | None = None
+        #: Off: every start in the host's namespace (the setting; a bench's comparison lane).
+        self.use_start_namespace = use_start_namespace
+        self._start_namespace_lock = threading.Lock()
 
     def host_dir_inside(self, spec: SandboxSpec) -> str:
         """The host-only dir is bound read-only at its own path."""
@@ -253,14 +266,19 @@ class BwrapBackend(SandboxBackend):
         cgroup = await off_loop(self._cgroup_for, spec)
         await off_loop(self._keep_guest)
         nproc = self.nproc_limit(spec) if cgroup is None else None
+        namespace: StartNamespace | None = None
+        staged: Staged | None = None
         seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
         root_fds: list[tuple[int, str]] = []
         fds = StartFds.open(network=spec.network == NetworkMode.INTERNET)
         try:
+            # Shielded: a start cancelled meanwhile still gets its clones back, to release them.
+            with anyio.CancelScope(shield=True):
+                namespace, staged = await off_loop(self._stage, spec)
             for path, data in root_files(spec):
                 root_fds.append((_memfd("coderunner-root-file", data), path))
             full = self.command.argv(
-                spec,
+                staged.spec(spec) if staged is not None else spec,
                 argv,
                 gate_fd=fds.gate.read,
                 seccomp_fd=seccomp_fd,
@@ -272,6 +290,8 @@ class BwrapBackend(SandboxBackend):
             )
             if spec.user is not None:
                 full = [*spec.user.setpriv_prefix(), *full]
+            if namespace is not None:
+                full = [*namespace.prelude(), *full]  # while the start has root: setpriv drops it
             if cgroup is not None:
                 full = enter_command(cgroup, full)
             full = gated_command(fds.gate.read, full)
@@ -286,8 +306,10 @@ class BwrapBackend(SandboxBackend):
             )
         except BaseException:
             fds.close(gate_too=True)
-            if cgroup is not None:
-                with anyio.CancelScope(shield=True):
+            with anyio.CancelScope(shield=True):
+                if staged is not None and namespace is not None:
+                    await off_loop(namespace.release, staged)
+                if cgroup is not None:
                     await off_loop(cgroup.remove)
             raise
         finally:
@@ -295,15 +317,56 @@ class BwrapBackend(SandboxBackend):
                 os.close(fd)
             fds.close_child_ends()
         sandbox = SandboxProcess(process, task_group, cgroup=cgroup, pipes=pipes)
+        child: int | None = None
         try:
-            await self._hold(sandbox, fds)
+            child = await self._hold(sandbox, fds)
         except BaseException:
             with anyio.CancelScope(shield=True):
                 await sandbox.kill()
             raise
         finally:
             fds.close()
+            if staged is not None and namespace is not None:
+                namespace.release_when_built(staged, child)
         return sandbox
+
+    def close_starts(self) -> None:
+        """Detach the start namespace's clones dir and let go of it, unless a start is under way (a backend
+        several managers share): then this process's end leaves it to the next server's sweep."""
+        with self._start_namespace_lock:
+            namespace = self._start_namespace
+            if isinstance(namespace, StartNamespace) and namespace.close():
+                self._start_namespace = None
+
+    def _stage(self, spec: SandboxSpec) -> tuple[StartNamespace | None, Staged | None]:
+        """The start namespace and this start's clones in it of `spec`'s workspace and mounts; (None, None) where
+        this start runs in the host's namespace (no start namespace, or its clones could not be made: then said
+        in the log, and this start is as it was without one). Blocking."""
+        namespace = self.start_namespace()
+        if namespace is None:
+            return None, None
+        sources = [spec.workspace, *(mount.host for mount in spec.mounts)]
+        try:
+            return namespace, namespace.stage(spec.host_dir.parent.name, sources)
+        except OSError as exc:
+            log.warning("sandbox %s starts in the host's mount namespace: %s", spec.name, exc)
+            return None, None
+
+    def start_namespace(self) -> StartNamespace | None:
+        """This backend's start namespace (start_namespace.py), made at the first start; None where there is
+        none (not root, no nsenter, or it could not be made: said once in the log). Blocking."""
+        if not self.use_start_namespace:
+            return None
+        with self._start_namespace_lock:
+            if self._start_namespace is None:
+                try:
+                    roots = [self._workspaces_dir] if self._workspaces_dir is not None else []
+                    self._start_namespace = StartNamespace.open(self._runtime_base, roots)
+                except StartNamespaceUnavailable as exc:
+                    if os.getuid() == 0:
+                        log.warning("sandboxes start in the host's mount namespace: %s", exc)
+                    self._start_namespace = False
+            return self._start_namespace if isinstance(self._start_namespace, StartNamespace) else None
 
     def _keep_guest(self) -> None:
         """Put the guest copy back if something removed it since the server started (a /tmp cleaner, a
@@ -323,10 +386,11 @@ class BwrapBackend(SandboxBackend):
             return _count_tasks(os.getuid()) + spec.limits.pids
         return None
 
-    async def _hold(self, sandbox: SandboxProcess, fds: StartFds) -> None:
+    async def _hold(self, sandbox: SandboxProcess, fds: StartFds) -> int | None:
         """Hand the sandbox to this process's watcher, then let it start: first bwrap (the prelude's gate),
         then, once the watcher holds a pidfd of the sandbox's pid 1 too (and its network is up), the init.
-        A sandbox that fails meanwhile is left to exit: its exit and stderr say why (the kernel's start)."""
+        A sandbox that fails meanwhile is left to exit: its exit and stderr say why (the kernel's start).
+        Its pid 1's host pid (None: bwrap made none)."""
         watch = process_watch()
         assert fds.info_read is not None
         outer = open_child(os.getpid(), sandbox.pid)  # still ours: it waits at the gate for this process
@@ -344,17 +408,19 @@ class BwrapBackend(SandboxBackend):
         with anyio.fail_after(HOLD_TIMEOUT_S):
             info = await read_json_document(fds.info_read)
         if info is None:
-            return  # bwrap failed before it made its child
+            return None  # bwrap failed before it made its child
+        child = int(info["child-pid"])
         try:
-            hold.init = open_child(sandbox.pid, int(info["child-pid"]))
+            hold.init = open_child(sandbox.pid, child)
         except (ProcessLookupError, NotOurChild):
-            return  # its pid 1 is gone already, and its namespace with it
+            return None  # its pid 1 is gone already, and its namespace with it
         watch.watcher.add_init(entry, hold.init)
         if fds.network:
             with anyio.fail_after(NETWORK_SETUP_TIMEOUT_S):
                 await self._attach_network(fds, sandbox, int(info["child-pid"]), watch.lifeline)
         with contextlib.suppress(BrokenPipeError):
             fds.gate.open_init()
+        return child
 
     def _cgroup_for(self, spec: SandboxSpec) -> SessionCgroup | None:
         if self.cgroups is None:

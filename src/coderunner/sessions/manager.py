@@ -206,6 +206,7 @@ class SessionManager:
         self._task_group.cancel_scope.cancel()
         await self._task_group.__aexit__(None, None, None)
         await anyio.to_thread.run_sync(self.egress.close)
+        await anyio.to_thread.run_sync(self.backend.close_starts)
         if self._sweeper is not None:
             self._sweeper.close(in_order=not self._sessions)
 

@@ -1,0 +1,176 @@
+"""The mount namespace a root server's bwrap starts in (sandbox/start_namespace.py), through a real server.
+
+A start beside held sessions must see none of their mounts (that is its point: the table bwrap copies and reads
+stays the same size), and it must give a sandbox nothing more than before: no handle on the start namespace, no
+view of another session's clones or workspace. Each held session keeps a canary in its workspace; the new session
+looks for them, for the clones dir and for any mount namespace fd, and the held sessions still read their own
+canaries afterwards. With `start_namespace = false` bwrap starts in the host's namespace, as before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from mcp import Client
+
+from coderunner.hostfs.sandbox_mounts import sweep_dead_start_clones
+from coderunner.sandbox.start_namespace import StartNamespace
+
+from ..conftest import REPO, ServerDirs, connect_http, http_server, run, server_env, text_of
+
+pytestmark = [
+    pytest.mark.anyio,
+    pytest.mark.e2e,
+    pytest.mark.skipif(os.geteuid() != 0, reason="the start namespace is a root server's (its held mounts are)"),
+]
+
+HELD = 3
+CANARY = "held-canary-4e1a"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def outer_bwraps(runtime: Path) -> list[int]:
+    """The host pids of this server's outer bwraps (their argv names its runtime dir)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if (entry / "comm").read_text().strip() != "bwrap":
+                continue
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(str(runtime).encode() in part for part in argv) and b"--as-pid-1" in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def mount_points(pid: int | str) -> list[str]:
+    return [line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+
+
+async def session(client: Client) -> str:
+    made = await client.call_tool("create_session", {})
+    assert not made.is_error, text_of(made)
+    return json.loads(text_of(made))["session_id"]
+
+
+#: Run in the newcomer: every mount namespace fd in its sandbox, which of the clones dirs (the host's paths) it
+#: can reach, and every canary file below the places another session's workspace could show.
+PROBE = """
+import glob, json, os
+fds = []
+for pid in [p for p in os.listdir('/proc') if p.isdigit()]:
+    try:
+        fds += [os.readlink(f'/proc/{{pid}}/fd/{{fd}}') for fd in os.listdir(f'/proc/{{pid}}/fd')]
+    except OSError:
+        pass
+reached = [path for path in {clones!r} if os.path.exists(path)]
+tops = ('/workspace', {workspaces!r}, {runtime!r})
+found = [path for top in tops for path in glob.glob(top + '/**/canary.txt', recursive=True)]
+print(json.dumps({{"ns_fds": [fd for fd in fds if fd.startswith('mnt:')], "clones": reached, "canaries": found}}))
+"""
+
+
+def clones_left(points: list[str]) -> list[str]:
+    """Mount points below a clones dir: a start's clones not detached."""
+    return [point for point in points if re.search(r"/\.live-[0-9a-f]+/", point)]
+
+
+async def test_a_start_beside_held_sessions_sees_none_of_their_mounts_and_gets_no_more(dirs: ServerDirs) -> None:
+    with http_server(server_env(dirs, CODERUNNER_MAX_SESSIONS=str(HELD + 2))) as url:
+        async with connect_http(url) as client:
+            held = [await session(client) for _ in range(HELD)]
+            for index, session_id in enumerate(held):
+                wrote = await run(client, f"open('canary.txt', 'w').write('{CANARY}-{index}')", session_id=session_id)
+                assert not wrote.is_error, text_of(wrote)
+            workspaces = [point for point in mount_points("self") if point.startswith(str(dirs.workspaces))]
+            assert len(workspaces) >= HELD, "a root server's held workspaces are host mounts"
+
+            newcomer = await session(client)
+            clones = [str(path) for path in dirs.runtime.glob(".live-*") if path.is_dir()]
+            assert clones, "a root server makes its start clones dir"
+            code = PROBE.format(clones=clones, workspaces=str(dirs.workspaces), runtime=str(dirs.runtime))
+            probe = await run(client, code, session_id=newcomer)
+            assert not probe.is_error, text_of(probe)
+            seen = json.loads(text_of(probe).splitlines()[0])
+            assert seen["ns_fds"] == [], f"a mount namespace fd reached the sandbox: {seen['ns_fds']}"
+            assert seen["clones"] == [], f"the sandbox sees the start clones dir: {seen['clones']}"
+            assert seen["canaries"] == [], f"another session's workspace reached the sandbox: {seen['canaries']}"
+
+            bwraps = outer_bwraps(dirs.runtime)
+            assert len(bwraps) == HELD + 1, bwraps
+            own = os.readlink("/proc/self/ns/mnt")
+            for pid in bwraps:
+                assert os.readlink(f"/proc/{pid}/ns/mnt") != own, "bwrap started in the host's mount namespace"
+                theirs = [point for point in mount_points(pid) if point.startswith(str(dirs.workspaces))]
+                assert theirs == [], f"bwrap {pid} started beside held workspaces: {theirs}"
+                assert clones_left(mount_points(pid)) == [], "a start's clones outlived its build"
+            assert clones_left(mount_points("self")) == [], "a start's clones outlived its build"
+
+            for index, session_id in enumerate(held):  # the bystanders: their own files, their own sandboxes
+                read = await run(client, "print(open('canary.txt').read())", session_id=session_id)
+                assert text_of(read).splitlines()[0] == f"{CANARY}-{index}", text_of(read)
+            assert text_of(await run(client, "6 * 7", session_id=newcomer)).splitlines()[0] == "42"
+
+
+async def test_with_the_setting_off_bwrap_starts_in_the_hosts_namespace(dirs: ServerDirs) -> None:
+    with http_server(server_env(dirs, CODERUNNER_START_NAMESPACE="false")) as url:
+        async with connect_http(url) as client:
+            session_id = await session(client)
+            wrote = await run(client, "open('canary.txt', 'w').write('x'); print(open('canary.txt').read())",
+                              session_id=session_id)  # fmt: skip
+            assert text_of(wrote).splitlines()[0] == "x", text_of(wrote)
+            bwraps = outer_bwraps(dirs.runtime)
+            assert len(bwraps) == 1, bwraps
+            assert os.readlink(f"/proc/{bwraps[0]}/ns/mnt") == os.readlink("/proc/self/ns/mnt")
+            assert not list(dirs.runtime.glob(".live-*")), "no start clones dir without the start namespace"
+
+
+#: A server that dies mid-start: its start namespace made, one start's clones staged, then SIGKILLed.
+DIES_MID_START = """
+import os, signal, sys
+from pathlib import Path
+from coderunner.sandbox.start_namespace import StartNamespace
+runtime, folder = Path(sys.argv[1]), Path(sys.argv[2])
+namespace = StartNamespace.open(runtime, [])
+namespace.stage("0000dead", [folder])
+print("staged", flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_dead_servers_start_clones_are_swept_and_a_live_servers_are_left(tmp_path: Path, canary: Path) -> None:
+    runtime = tmp_path / "r"
+    runtime.mkdir()
+    died = subprocess.run([sys.executable, "-c", DIES_MID_START, str(runtime), str(canary)], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(REPO / "src")})  # fmt: skip
+    assert died.stdout.strip() == "staged", died.stderr
+    dead = [path for path in runtime.glob(".live-*") if path.is_dir()]
+    assert len(dead) == 1 and clones_left(mount_points("self")), "the dead server's clones are mounted"
+
+    live = StartNamespace.open(runtime, [])
+    staged = live.stage("0000a11e", [canary])
+    try:
+        sweep_dead_start_clones(runtime)
+        assert not dead[0].exists() and not Path(f"{dead[0]}.lock").exists()
+        assert [point for point in clones_left(mount_points("self")) if str(runtime) in point] == [
+            str(staged.moved[canary])
+        ], "only the live server's clone is left"
+        assert (canary / "keep").read_text() == "untouched"
+    finally:
+        live.release(staged)
+        assert live.close()
+    assert not [point for point in mount_points("self") if str(runtime) in point]
+    assert not list(runtime.iterdir())
