@@ -3,6 +3,7 @@ environment, and what this machine lets the server enforce (seccomp, cgroups, si
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def readiness(settings: Settings, name: str) -> Readiness:
 def checks(settings: Settings, name: str) -> list[Check]:
     return [
         check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), check_kernel_template(settings),
-        *check_containment(settings),
+        check_start_namespace(settings), *check_containment(settings),
     ]  # fmt: skip
 
 
@@ -45,6 +46,19 @@ def check_kernel_template(settings: Settings) -> Check:
         return Check("kernel template", True, "on: each kernel is a fork of one warm template (a start in about a "
                      "third of a cold one's time and CPU)")  # fmt: skip
     return Check("kernel template", True, f"not here, kernels start cold: {why_not}")
+
+
+def check_start_namespace(settings: Settings) -> Check:
+    """Where bwrap starts (start_namespace.py): a start's cost beside held sessions, never containment."""
+    if os.getuid() != 0:
+        return Check("start namespace", True, "not needed: a server that is not root mounts nothing per session")
+    if not settings.start_namespace:
+        return Check("start namespace", True, "off (start_namespace false): each start reads every mount the host "
+                     "holds, two a held session")  # fmt: skip
+    if shutil.which("nsenter") is None:
+        return Check("start namespace", True, "nsenter is missing: each start reads every mount the host holds, "
+                     "two a held session", "sudo apt-get install util-linux")  # fmt: skip
+    return Check("start namespace", True, "on: bwrap starts beside none of the held sessions' mounts")
 
 
 def _read(path: str) -> str | None:
