@@ -3,8 +3,7 @@
 Why: bwrap copies the mount table of the namespace it starts in, and reads all of it back (/proc/self/mountinfo)
 for every bind it makes, about 26 a sandbox. A root server adds two host mounts for each session it holds (the
 workspace's loop mount and the staged outbox), so each start cost more the more sessions were held: bwrap and the
-init took 16-21 CPU-ms beside none and 55-80 beside 300 (bench/held_starts.py), and a burst's later starts paid for
-its earlier ones.
+init took 16-21 CPU-ms beside none and 55-80 beside 300 (bench/held_starts.py).
 
 So a root server makes, once, a copy of its mount namespace (`StartNamespace.open`, in a helper process that exits
 once the server holds an fd of it):
@@ -12,13 +11,14 @@ once the server holds an fd of it):
 - every mount in it is private, so no mount the host makes later (a session's workspace) appears in it;
 - the mounts under the runtime and workspace dirs, and every loop mount, that were there when it was made are
   detached, so it pins no other server's workspace either;
-- one dir, the runtime dir's `.live` (a host mount marked shared), stays a slave of the host's: what the host
-  mounts there appears in it.
+- one dir, the runtime dir's `.live-<id>` (this server process's, a host mount marked shared, locked while the
+  process lives), stays a slave of the host's: what the host mounts there appears in it.
 
-A start binds the host mounts its sandbox is built from (its workspace, its staged points) under `.live/<token>`
-(`stage`: a clone of each, never a path the sandbox can write), runs bwrap in the copy (`prelude`: nsenter, before
-bwrap drops root), and detaches them (`release`) once bwrap has built the sandbox, whose own copies stay. bwrap
-then reads the same table however many sessions the server holds.
+A start clones the host mounts its sandbox is built from (its workspace, its staged points) under
+`.live-<id>/<key>-<token>` (`stage`: from the host's own mount points, never a path the sandbox can write), runs
+bwrap in the copy (`prelude`: nsenter, before bwrap drops root), and detaches them (`release`) once bwrap has built
+the sandbox, whose own copies stay. bwrap then reads the same table however many sessions the server holds (at
+300 held, 18 CPU-ms against 54). A burst gains nothing: its starts are in flight together, and so are their clones.
 
 What it changes inside a sandbox: nothing it was given. A sandbox no longer sees its own staged points a second
 time under its read-only host dir (they were copies of what it sees at their own paths).
@@ -111,7 +111,7 @@ class StartNamespaceUnavailable(OSError):
 
 @dataclass
 class Staged:
-    """One start's clones under `.live/<token>`: where each source it was given now is."""
+    """One start's clones under `.live-<id>/<key>-<token>`: where each source it was given now is."""
 
     top: Path | None
     moved: dict[Path, Path]
@@ -125,7 +125,7 @@ class Staged:
 
 
 class StartNamespace:
-    """A root server's start namespace (module docstring): an fd of it, and its `.live` dir."""
+    """A root server's start namespace (module docstring): an fd of it, and its `.live-<id>` dir and lock."""
 
     def __init__(self, fd: int, live: Path, lock: int, nsenter: str) -> None:
         self.fd = fd
@@ -190,8 +190,8 @@ class StartNamespace:
 
     def stage(self, key: str, sources: list[Path]) -> Staged:
         """A clone of each of `sources` (host-only paths: mount points, or dirs, of the host's) under a fresh
-        `.live/<key>-<token>` (`key`: the sandbox dirs', so that a sweep of a dead server's finds them), which
-        this namespace receives. Blocking (a worker thread's)."""
+        `<key>-<token>` of `live` (`key`: the sandbox dirs', to say whose it is), which this namespace receives.
+        Blocking (a worker thread's)."""
         with self._in_use:
             if self._closed:
                 raise StartNamespaceUnavailable("the start namespace was closed")
