@@ -221,6 +221,11 @@ def sweep_dead_start_clones(runtime_base: Path) -> None:
     for name in names:
         if not name.startswith(START_CLONES_PREFIX) or name.endswith(LOCK_SUFFIX):
             continue
+        try:
+            if not stat.S_ISDIR(os.lstat(runtime_base / name).st_mode):
+                continue  # only a server makes these, as a dir: anything else is no clones dir to detach under
+        except OSError:
+            continue
         lock_path = runtime_base / (name + LOCK_SUFFIX)
         try:
             lock = os.open(lock_path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)

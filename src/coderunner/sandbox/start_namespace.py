@@ -69,7 +69,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 HELPER = r"""
 import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
-CLONE_NEWNS, MS_PRIVATE, MS_SLAVE, MNT_DETACH = 0x20000, 1 << 18, 1 << 19, 2
+CLONE_NEWNS, MS_PRIVATE, MS_SLAVE, MNT_DETACH, UMOUNT_NOFOLLOW = 0x20000, 1 << 18, 1 << 19, 2, 8
 live, roots = sys.argv[1], sys.argv[2:]
 
 def fail(what):
@@ -97,7 +97,7 @@ for point, _source in listed:
 gone = [point for point, source in listed if not under(point, live)
         and (any(under(point, root) for root in roots) or source.startswith("/dev/loop"))]
 for point in sorted(set(gone), key=len, reverse=True):
-    libc.umount2(point.encode(), MNT_DETACH)
+    libc.umount2(point.encode(), MNT_DETACH | UMOUNT_NOFOLLOW)
 sys.stdout.write("ok\n")
 sys.stdout.flush()
 while os.read(0, 4096):
