@@ -23,7 +23,10 @@ then renamed to <key> in one step. The sweep removes a dir only when it can prov
 takes its lock (held until the removal is done; the lock file goes last). A dir without a lock
 file (a creator or remover caught between two steps) is left alone until it is ABANDONED_AFTER_S
 old. The workspace is made after <key> is locked and removed before its lock goes, so it is never
-without a locked owner either.
+without a locked owner either. A node agent's successor reopens the dirs it was handed with their lock
+(`reopen_sandbox_dirs`, sessions/adoption.py): the lock never went free meanwhile.
+
+One idea: a sandbox's host-side folders, from made whole and locked to removed, and the sweep of dead ones.
 """
 
 from __future__ import annotations
@@ -210,6 +213,35 @@ def open_sandbox_dirs(
         os.close(lock_fd)
         raise
     return SandboxDirs(key, top, user, workspace, lock_fd, host_fd, run_fd, sock_fd)
+
+
+def reopen_sandbox_dirs(
+    runtime_base: Path, key: str, user: HostIdentity | None, workspace: Workspace, lock_fd: int
+) -> SandboxDirs:
+    """The dirs RUNTIME/`key` a dead predecessor made, whose lock `lock_fd` this process now holds (handed over):
+    reopened without following links, and refused unless their lock is that very file. Raises SessionDirsError."""
+    if KEY.fullmatch(key) is None:
+        raise SessionDirsError(errno.EINVAL, f"{key!r} is not a session dir's name")
+    fds: list[int] = []
+    try:
+        with hostfs.dir_fd(runtime_base) as base_fd:
+            top_fd = hostfs.open_dir(key, base_fd)
+            try:
+                lock = os.stat(LOCK_NAME, dir_fd=top_fd, follow_symlinks=False)
+                held = os.fstat(lock_fd)
+                if (lock.st_dev, lock.st_ino) != (held.st_dev, held.st_ino):
+                    raise SessionDirsError(errno.ESTALE, f"the session dir {key} is not the one whose lock came")
+                fds += [hostfs.open_dir(name, top_fd) for name in (HOST_DIR, RUN_DIR, SOCK_DIR)]
+            finally:
+                os.close(top_fd)
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        if isinstance(exc, SessionDirsError):
+            raise
+        raise SessionDirsError(exc.errno or errno.EIO, f"could not reopen the session dir {key}: {exc}") from None
+    host_fd, run_fd, sock_fd = fds
+    return SandboxDirs(key, runtime_base / key, user, workspace, lock_fd, host_fd, run_fd, sock_fd)
 
 
 def _keep_passable(base_fd: int, runtime_base: Path, dir_mode: int) -> None:

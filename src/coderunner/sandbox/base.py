@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import os
+import select
 import signal
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -322,12 +323,51 @@ class SandboxHold(Protocol):
     def release(self) -> None: ...
 
 
+#: The exit code of a sandbox that is not this process's child (PidfdProcess): never known here.
+UNKNOWN_EXIT = -1
+
+
+class PidfdProcess:
+    """A sandbox's outer process that another (dead) process spawned, known by a pidfd alone (sandbox/handover.py):
+    what SandboxProcess reads of a process (its pid, whether and when it ended). Never signalled by pid: the
+    sandbox's hold ends it by its pidfds."""
+
+    #: No pipes: its stdin, stdout and stderr were the dead process's.
+    stdin = stdout = stderr = None
+
+    def __init__(self, pidfd: int, pid: int) -> None:
+        self._pidfd = os.dup(pidfd)
+        self._ended = False
+        self.pid = pid
+
+    @property
+    def returncode(self) -> int | None:
+        """None while it runs; UNKNOWN_EXIT once it ended (its parent reaped it, not this process)."""
+        if not self._ended and self._pidfd >= 0:
+            poller = select.poll()  # not select(): an agent holding hundreds of sandboxes has fds past 1024
+            poller.register(self._pidfd, select.POLLIN)
+            self._ended = bool(poller.poll(0))  # a pidfd reads ready once its process exited
+        return UNKNOWN_EXIT if self._ended or self._pidfd < 0 else None
+
+    async def wait(self) -> int:
+        if self.returncode is None:
+            await anyio.wait_readable(self._pidfd)
+            self._ended = True
+        return UNKNOWN_EXIT
+
+    async def aclose(self) -> None:
+        """Let go of its pidfd once it ended (until then, what says whether it did)."""
+        if self.returncode is not None and self._pidfd >= 0:
+            os.close(self._pidfd)
+            self._pidfd = -1
+
+
 class SandboxProcess:
     """A running sandbox as a host process: wait for it, kill it, read what it said on stderr."""
 
     def __init__(
         self,
-        process: Process,
+        process: Process | PidfdProcess,
         task_group: TaskGroup,
         cgroup: SessionCgroup | None = None,
         helpers: list[Process] | None = None,
@@ -348,6 +388,9 @@ class SandboxProcess:
         self._program_exit: int | None = None
         #: That program's host pid (its process tree is not the sandbox's process's: memory counts both).
         self.program_pid: int | None = None
+        #: That program's pidfd and its output pipe's read end, while it is followed: what a successor is handed
+        #: to follow it (sandbox/handover.py).
+        self.program_fds: tuple[int, int] | None = None
         #: Set once kill() began.
         self.ending = False
         #: Set once the first kill() ended: any later one waits for it (see kill).
@@ -447,7 +490,7 @@ class SandboxProcess:
         self.ending = True
         if self.hold is not None:
             self.hold.kill()  # first: whatever runs inside, its pid namespace ends with its pid 1
-        if self._process.returncode is None:
+        if self._process.returncode is None and not isinstance(self._process, PidfdProcess):
             with contextlib.suppress(ProcessLookupError):
                 # The process the host started, in its own process group (start_new_session): an
                 # engine client or the outer bwrap. What runs inside ends by the backend's own

@@ -41,12 +41,21 @@ class WatchUnavailable(OSError):
 
 @dataclass
 class _Entry:
-    """What the watcher was told of one sandbox, kept to tell a restarted watcher again. The fds are the
-    caller's (SandboxHold's): open until it calls forget, which is before it closes them."""
+    """What the watcher was told of one sandbox, kept to tell a restarted watcher again. The pidfds are the
+    caller's (SandboxHold's): open until it calls forget, which is before it closes them. What `keep` sent
+    (its record and the dups of its fds) is this entry's own, closed when it is forgotten or kept anew."""
 
     fds: list[int]
     cgroups: list[str]
     inits: list[int] = field(default_factory=list)
+    record: str | None = None
+    whole: list[int] = field(default_factory=list)
+
+    def close_whole(self) -> None:
+        for fd in self.whole:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.whole = []
 
 
 class PidWatcher:
@@ -57,10 +66,42 @@ class PidWatcher:
         self._process: subprocess.Popen[bytes] | None = None
         self._sock: socket.socket | None = None
         self._entries: dict[str, _Entry] = {}
+        #: (grace, socket path) once hand_over_on_exit was asked: said again to a restarted watcher.
+        self._handover: tuple[float, Path] | None = None
 
     @property
     def pid(self) -> int | None:
         return self._process.pid if self._process is not None else None
+
+    def hand_over_on_exit(self, path: Path, grace_s: float) -> None:
+        """Should this process end, hand the sandboxes it kept (`keep`) to the first process of its uid that
+        connects to `path` within `grace_s` (handover.py); what it did not keep still ends at once."""
+        with self._lock:
+            self._handover = (grace_s, path)
+            self._ensure_running()
+            self._send(f"handover {grace_s:g}\n{path}", [])
+
+    def keep(self, name: str, record: str, fds: list[int]) -> None:
+        """Keep sandbox `name` whole should this process end: the watcher holds `fds` (dups: the caller keeps its
+        own) and `record` for a successor (hand_over_on_exit). Sent again, they replace the last."""
+        with self._lock:
+            entry = self._entries.get(name)
+            if entry is None:
+                return  # forgotten meanwhile: its sandbox is gone
+            whole = [os.dup(fd) for fd in fds]
+            entry.close_whole()
+            entry.record, entry.whole = record, whole
+            self._ensure_running()
+            self._send_keep(name, entry)
+
+    def adopt(self, outer_pidfd: int, inits: list[int], cgroups: list[Path], record: str, fds: list[int]) -> str:
+        """Hold a sandbox handed over by a dead predecessor's watcher as one of this process's, kept as it was
+        (its pidfds and `fds` stay the caller's); its id."""
+        name = self.add(outer_pidfd, [], cgroups)
+        for init in inits:
+            self.add_init(name, init)
+        self.keep(name, record, fds)
+        return name
 
     def add(self, outer_pidfd: int, kept: list[int], cgroups: list[Path]) -> str:
         """Tell the watcher of a sandbox just spawned (its outer pidfd, fds for it to keep open until the
@@ -85,8 +126,10 @@ class PidWatcher:
     def forget(self, name: str) -> None:
         """The sandbox is dead and reaped: the watcher and this process close its fds."""
         with self._lock:
-            if self._entries.pop(name, None) is None:
+            entry = self._entries.pop(name, None)
+            if entry is None:
                 return
+            entry.close_whole()
             if self._sock is not None:
                 with contextlib.suppress(OSError):
                     self._send(f"drop {name}", [])
@@ -96,6 +139,12 @@ class PidWatcher:
         self._send("\n".join(lines), [*entry.fds, *(kept or [])])
         for init in entry.inits:
             self._send(f"init {name}", [init])
+        if entry.record is not None:
+            self._send_keep(name, entry)
+
+    def _send_keep(self, name: str, entry: _Entry) -> None:
+        assert entry.record is not None
+        self._send(f"keep {name}\n{entry.record}", entry.whole)
 
     def _send(self, text: str, fds: list[int]) -> None:
         assert self._sock is not None
@@ -134,6 +183,8 @@ class PidWatcher:
             theirs.close()
         mine.settimeout(SEND_TIMEOUT_S)
         self._sock = mine
+        if self._handover is not None:
+            self._send(f"handover {self._handover[0]:g}\n{self._handover[1]}", [])
         for name, entry in self._entries.items():
             self._send_entry(name, entry)
 

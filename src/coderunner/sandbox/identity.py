@@ -116,6 +116,23 @@ class UidPool:
         self._used[uid] += 1
         return HostIdentity(f"uid {uid}", uid, gid)
 
+    def claim_of(self, uid: int) -> int | None:
+        """The fd of this process's claim on `uid` (None: it holds none): a successor is handed it (handover.py)."""
+        return self._claims.get(uid)
+
+    def hold_claim(self, uid: int, claim_fd: int | None) -> HostIdentity:
+        """The uid of a sandbox handed over by a dead predecessor, with its claim's fd (that process's flock, held
+        since without a break), as if drawn here; released as any other."""
+        if not self.base < uid < self.base + 2 * self.span:
+            raise ValueError(f"uid {uid} is not one of this pool's")
+        if claim_fd is not None:
+            if uid in self._claims:
+                os.close(claim_fd)  # this process holds its own claim already
+            else:
+                self._claims[uid] = claim_fd
+        self._used[uid] += 1
+        return HostIdentity(f"uid {uid}", uid, uid)
+
     def release(self, identity: HostIdentity | None) -> None:
         if identity is not None and self._used[identity.uid] > 0:
             self._used[identity.uid] -= 1

@@ -229,9 +229,7 @@ class TemplateKernels:
             os.close(status_write)
         self.forked += 1
         assert answer.pidfd is not None
-        sandbox.keep_stderr_of(output)
-        sandbox.program_pid = answer.pid
-        task_group.start_soon(relay_exit, sandbox, answer.pidfd, status_read, output)
+        follow_program(sandbox, task_group, answer.pid, answer.pidfd, output, status_read)
         return sandbox
 
 
@@ -245,25 +243,42 @@ def stale_reason(sandbox: SandboxProcess) -> str | None:
     return line[:STALE_REASON_BYTES] or "the kernel did not say why"
 
 
-async def relay_exit(sandbox: SandboxProcess, pidfd: int, status_read: int, output: ByteReceiveStream) -> None:
+def follow_program(
+    sandbox: SandboxProcess, task_group: TaskGroup, pid: int, pidfd: int, output: PipeReceiveStream,
+    status_read: int | None,
+) -> None:  # fmt: skip
+    """Follow a kernel forked into `sandbox` (not its own child): its output kept as the sandbox's stderr tail, its
+    exit relayed to it. `status_read`: where its template writes its wait status (None: a kernel handed over by a
+    dead predecessor, whose template is gone). Takes the fds."""
+    assert output.fd is not None
+    sandbox.keep_stderr_of(output)
+    sandbox.program_pid = pid
+    sandbox.program_fds = (pidfd, output.fd)
+    task_group.start_soon(relay_exit, sandbox, pidfd, status_read, output)
+
+
+async def relay_exit(sandbox: SandboxProcess, pidfd: int, status_read: int | None, output: ByteReceiveStream) -> None:
     """Once the forked kernel exited (its pidfd): its exit code to `sandbox`, then end the sandbox."""
     try:
         await anyio.wait_readable(pidfd)
         if sandbox.ending:
             return  # killed from outside: the kernel ended with its sandbox
         code = 128 + signal.SIGKILL  # the template died before it said
-        with anyio.move_on_after(STATUS_WAIT_S), contextlib.suppress(OSError):
-            await anyio.wait_readable(status_read)
-            said = os.read(status_read, STATUS.size)
-            if len(said) == STATUS.size:
-                code = exit_code(STATUS.unpack(said)[0])
+        if status_read is not None:
+            with anyio.move_on_after(STATUS_WAIT_S), contextlib.suppress(OSError):
+                await anyio.wait_readable(status_read)
+                said = os.read(status_read, STATUS.size)
+                if len(said) == STATUS.size:
+                    code = exit_code(STATUS.unpack(said)[0])
         await sandbox.stderr_settled()
         if not sandbox.ending:
             sandbox.program_exited(code)
             await sandbox.kill()
     finally:
+        sandbox.program_fds = None
         os.close(pidfd)
-        os.close(status_read)
+        if status_read is not None:
+            os.close(status_read)
         with anyio.CancelScope(shield=True), contextlib.suppress(Exception):
             await output.aclose()
 
