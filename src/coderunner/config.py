@@ -191,6 +191,14 @@ class Settings(BaseSettings):
         description="Cluster mode: the node labels (`ray start --labels`) a node must have to hold this front "
         'door\'s sessions and one-shot runs, e.g. {"pool" = "agents"}; plain values only (no operators).',
     )
+    agent_handover_s: float = Field(
+        default=60.0,
+        ge=0.0,
+        le=3600.0,
+        description="Cluster mode: how long the sessions of a node agent that died wait for the next agent on "
+        "their node to take them over, kernels and files kept (network 'none' sessions on bwrap); 0: they end "
+        "with it.",
+    )
     pool_size: int = Field(
         default=2,
         ge=0,

@@ -27,7 +27,9 @@ import pytest
 from mcp import Client, StdioServerParameters
 from mcp.types import CallToolResult
 
+from coderunner.cluster.wire import agent_name
 from coderunner.oneshot.ready import READY_IDLE_S
+from coderunner.sandbox.handover import handover_path
 
 from ..conftest import SECRET_NAME, SECRET_VALUE, ServerDirs, json_of, server_env, text_of
 from ..test_e2e_egress_ux import Asked
@@ -741,14 +743,121 @@ async def test_many_sessions_share_one_agent_per_node_and_each_keeps_its_own_sta
     assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
-async def test_a_node_agent_sigkilled_loses_its_sessions_clearly_and_leaves_nothing_of_their_sandboxes(
+async def test_a_node_agent_sigkilled_hands_its_sessions_to_the_next_which_keeps_their_state(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
-    """An agent is its sandboxes' server: killed outright, its watcher kills them by the pidfds it holds
-    (sandbox/bwrap_watch.py), each init ends with its gate, and nothing of them is left; every session it
-    held answers "lost", and the next session on that node gets a new agent."""
+    """Its sessions' sandboxes and kernels are processes of their own: killed outright while its sessions hold
+    state and one runs a cell, the agent's watcher keeps what the agent kept (sessions/adoption.py) and waits for
+    the node's next agent, which the front door starts at the call that found the agent dead. Every session comes
+    back with its variables; the cell went on in its kernel; the call under way says what happened; the canary's
+    sandbox never stopped; a session on the other node is unharmed; and closing them all leaves nothing."""
     canary = f"canary-{secrets.token_hex(6)}"
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        ids = []
+        for _ in range(3):  # two workers: at least two of them share an agent
+            made = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))
+            assert made is not None
+            ids.append((made["session_id"], made["node"]))
+        node = max({where for _, where in ids}, key=lambda where: sum(w == where for _, w in ids))
+        mates = [other for other, where in ids if where == node]
+        assert len(mates) >= 2, ids
+        for other, _ in ids:
+            await ok(client, "run_python", code="kept = 'yes'", session_id=other)
+        await ok(client, "run_python", session_id=mates[0], code=CANARY.format(token=canary))
+        assert await eventually(lambda: len(with_token(canary)) == 1), "the canary did not start"
+        sandbox = sandbox_of(canary)  # from the topmost bwrap above it: the kernel template's, for a forked kernel
+        stat = Path(f"/proc/{next(iter(sandbox))}/stat").read_text().rpartition(")")[2].split()
+        agent = int(stat[1])
+        assert "NodeAgent" in Path(f"/proc/{agent}/cmdline").read_text(errors="replace"), agent
+        (canary_pid,) = with_token(canary)
+        kept = {pid: started for pid, started in sandbox.items() if pid in (canary_pid, _ppid(canary_pid))}
+        assert len(kept) == 2, (kept, described(list(sandbox)))  # the canary and its kernel
+        # Where the dead agent's watcher will wait for its successor: a socket no sandbox may reach.
+        key = next(holds["key"] for holds in agents_held(ray_cluster).values() if holds and holds["pid"] == agent)
+        socket_path = handover_path(ray_cluster.temp_dir / node_name(ray_cluster, node) / "run", agent_name(node, key))
+        under_way: dict[str, CallToolResult] = {}
+
+        async def slow_cell() -> None:  # runs on through the kill, trying the watcher's socket all the while
+            code = REACH_FOR.format(path=str(socket_path)) + "late = 'ran on'"
+            under_way["run"] = await call(client, "run_python", session_id=mates[1], code=code)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(slow_cell)
+            await anyio.sleep(1.5)
+            os.kill(agent, signal.SIGKILL)
+            with anyio.fail_after(10):
+                while not socket_path.exists():  # the watcher waits there for the next agent
+                    await anyio.sleep(0.01)
+        said = text_of(under_way["run"])
+        assert under_way["run"].is_error and "took the session over" in said and "kernel, variables" in said, said
+        assert alive(kept) == list(kept), "the kept session's kernel stopped"
+        for other, _ in ids:
+            assert "'yes'" in text_of(await ok(client, "run_python", code="kept", session_id=other))
+        assert "'ran on'" in text_of(await ok(client, "run_python", code="late", session_id=mates[1]))
+        tried = text_of(await ok(client, "run_python", code="sorted(reached)", session_id=mates[1]))
+        assert "FileNotFoundError" in tried and "CONNECTED" not in tried, tried  # never found from the sandbox
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=mates[0]))
+        assert status is not None and "adopted" in json.dumps(status), status
+        held = {holds["pid"]: holds for holds in agents_held(ray_cluster).values() if holds is not None}
+        heir = next(holds for holds in held.values() if set(mates) <= set(holds["sessions"]))
+        assert heir["pid"] != agent
+        assert not Path(f"/proc/{agent}").exists()
+        for other, _ in ids:
+            await ok(client, "manage_sessions", action="close", session_id=other)
+    assert not with_token(canary)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
+
+
+#: A cell that tries, for 4 s, to connect to a dead agent's hand-over socket by its host path (`reached`: what
+#: each try raised, or CONNECTED).
+REACH_FOR = """
+import socket, time
+reached, end = set(), time.time() + 4
+while time.time() < end:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    try:
+        probe.connect({path!r})
+        reached.add("CONNECTED")
+    except OSError as exc:
+        reached.add(type(exc).__name__)
+    finally:
+        probe.close()
+    time.sleep(0.02)
+"""
+
+
+async def test_a_node_agent_nobody_succeeds_in_time_ends_its_sessions(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """A dead agent's watcher waits agent_handover_s for the next agent, no longer: with no call meanwhile
+    (nothing starts one), its kept sandboxes end by their pidfds, and the session then answers "lost"."""
+    canary = f"canary-{secrets.token_hex(6)}"
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_AGENT_HANDOVER_S="2")
+    async with front_door(ray_cluster, env) as client:
+        made = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))
+        assert made is not None
+        session_id = made["session_id"]
+        await ok(client, "run_python", session_id=session_id, code=CANARY.format(token=canary))
+        assert await eventually(lambda: len(with_token(canary)) == 1), "the canary did not start"
+        sandbox = sandbox_of(canary)
+        stat = Path(f"/proc/{next(iter(sandbox))}/stat").read_text().rpartition(")")[2].split()
+        os.kill(int(stat[1]), signal.SIGKILL)
+        assert await eventually(lambda: not alive(sandbox), 30), described(alive(sandbox))
+        gone = await call(client, "run_python", session_id=session_id, code="1 + 1")
+        assert gone.is_error and f"session {session_id} was lost with" in text_of(gone), text_of(gone)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
+
+
+async def test_a_node_agent_sigkilled_without_hand_over_loses_its_sessions_clearly_and_leaves_nothing(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """With agent_handover_s 0, an agent is its sandboxes' server: killed outright, its watcher kills them by the
+    pidfds it holds (sandbox/bwrap_watch.py), each init ends with its gate, and nothing of them is left; every
+    session it held answers "lost", and the next session on that node gets a new agent."""
+    canary = f"canary-{secrets.token_hex(6)}"
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs, CODERUNNER_AGENT_HANDOVER_S="0")) as client:
         ids = []
         for _ in range(3):  # two workers: at least two of them share an agent
             made = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))

@@ -138,7 +138,9 @@ class AgentProbe:
 
         node = NodeInfo("n" * 56, "10.0.0.7")
         monkeypatch.setattr(agent_module, "_this_node", lambda: (node, {"NodeID": node.node_id, "Resources": {}}))
-        monkeypatch.setattr(agent_module, "node_settings", lambda sent, **fixed: SimpleNamespace(**fixed))
+        monkeypatch.setattr(
+            agent_module, "node_settings", lambda sent, **fixed: SimpleNamespace(**fixed, agent_handover_s=0.0)
+        )
         monkeypatch.setattr(agent_module, "make_backend", lambda settings: None)
         monkeypatch.setattr(agent_module, "SessionManager", Manager)
         monkeypatch.setattr(agent_module, "end_process", self.ended.set)

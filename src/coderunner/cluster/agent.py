@@ -26,6 +26,12 @@ The calls of a session's hot path (`call`, `open`, the long poll) also come by t
 (session_channel.py), its address and key handed to front doors by Ray (`channel`): a third of a Ray
 call's time, on the same event loop as Ray's calls.
 
+An agent that dies (SIGKILL, OOM, a crash) need not take its sessions along: their sandboxes and kernels are
+processes of their own. It keeps each session's record and fds with its sandbox watcher (`_keep`,
+sessions/adoption.py), which then ends at once only what was not kept, and waits `agent_handover_s` for the
+next agent of the same name on the node: that one takes them over as it starts (`_take_over`), and a front
+door whose call found the agent dead starts it and finds the session there again (host.py `reattach`).
+
 The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left in
 the same task. Ray runs the agent's calls on one event loop, many at once (max_concurrency, host.py).
 """
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -46,11 +53,15 @@ from coderunner.cluster.oneshot_side import run_here
 from coderunner.cluster.placement import NoRoomNow, Request, backend_resource, room_for
 from coderunner.cluster.session_channel import ChannelAddress, ChannelServer
 from coderunner.cluster.session_side import SessionSide
-from coderunner.cluster.wire import NODE_LOCAL, AgentLoad, NodeInfo, SessionInfo, oneshot_answer
+from coderunner.cluster.wire import NODE_LOCAL, AgentLoad, NodeInfo, SessionInfo, agent_name, oneshot_answer
 from coderunner.config import Settings, load_settings
 from coderunner.errors import CodeRunnerError, SessionError
+from coderunner.offload import off_loop
 from coderunner.oneshot.local import LocalOneShots
-from coderunner.sandbox import make_backend
+from coderunner.sandbox import SandboxBackend, make_backend
+from coderunner.sandbox.bwrap_watch import process_watch
+from coderunner.sandbox.handover import handover_path
+from coderunner.sessions.adoption import kernel_mark
 from coderunner.sessions.changes import Changed, Changes
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.sandbox_options import SandboxOptions
@@ -109,6 +120,8 @@ class NodeAgent:
         self._main: asyncio.Task[None] | None = None
         self._visited = time.monotonic()
         self._channel = ChannelServer(self._over_channel)
+        #: Each session's kernel as last kept with the watcher (adoption.kernel_mark): kept again when it changes.
+        self._kept: dict[str, tuple[int, int] | None] = {}
 
     async def _manager(self) -> SessionManager:
         """The node's manager, entered in a task of its own on first use."""
@@ -126,10 +139,13 @@ class NodeAgent:
             backend = make_backend(self.settings)
             async with SessionManager(self.settings, backend) as manager:
                 self.manager = manager
+                await self._take_over(manager, backend)
                 self._entered.set()
                 while self._reserved or self._sides or time.monotonic() - self._visited < self.orphan_s:
                     await anyio.sleep(min(WATCH_INTERVAL_S, self.orphan_s))
                     self._forget_closed()
+                    for session_id in list(self._sides):
+                        self._keep(session_id)  # a kernel replaced in the background (its death, a timeout)
                 log.info("node %s: no front door for %.0fs and no session: ending", self.node.label, self.orphan_s)
         except BaseException as exc:
             self._failure = self._failure or exc
@@ -138,11 +154,52 @@ class NodeAgent:
             self._entered.set()
             asyncio.get_running_loop().call_later(FAILED_END_S if self.manager is None else 0.2, end_process)
 
+    async def _take_over(self, manager: SessionManager, backend: SandboxBackend) -> None:
+        """Before anything else: the sessions this node's previous agent of the same name kept for its successor,
+        if it died and its watcher still waits (their room reserved again); and, with agent_handover_s, this
+        agent's own kept for the next should it die too."""
+        if self.settings.agent_handover_s <= 0:
+            return  # its predecessor (of the same name: the same settings) kept nothing either
+        path = await off_loop(handover_path, self.settings.runtime_dir, agent_name(self.node.node_id, self.key))
+        if backend.name == "bwrap":
+            await off_loop(process_watch().watcher.hand_over_on_exit, path, self.settings.agent_handover_s)
+        for session, record in await manager.adopt(path, self.settings.startup_timeout_s):
+            request = record.extra.get("request")
+            self._reserved[session.session_id] = (
+                Request(**{**request, "labels": tuple(tuple(pair) for pair in request.get("labels", ()))})
+                if isinstance(request, dict)
+                else Request.of(session.options, backend.name)
+            )
+            self._sides[session.session_id] = SessionSide(
+                manager, session, self.node, self.settings.transfer_limit_bytes, self._standby_after_reset, self.changes
+            )
+            self._keep(session.session_id)
+            log.info("node %s: session %s… taken over from the previous agent", self.node.label, session.session_id[:6])
+
+    def _keep(self, session_id: str) -> None:
+        """Keep a session's record and fds with the watcher, should this agent die (sessions/adoption.py): again
+        whenever its kernel changed since; nothing while agent_handover_s is 0."""
+        if self.settings.agent_handover_s <= 0:
+            return
+        side, manager = self._sides.get(session_id), self.manager
+        if side is None or side.session is None or manager is None:
+            return
+        mark = kernel_mark(side.session)
+        if session_id in self._kept and self._kept[session_id] == mark:
+            return
+        self._kept[session_id] = mark
+        request = self._reserved.get(session_id)
+        try:
+            manager.keep_whole(side.session, {"request": dataclasses.asdict(request)} if request is not None else {})
+        except OSError as exc:  # the watcher could not be told: it ends with this agent, as without a hand-over
+            log.warning("session %s… would not outlive this agent: %s", session_id[:6], exc)
+
     def _forget_closed(self) -> None:
         """Sessions the manager closed (idle reaper) or a call closed: their room is free again."""
         for session_id in [sid for sid, side in self._sides.items() if not side.open]:
             self._sides.pop(session_id, None)
             self._reserved.pop(session_id, None)
+            self._kept.pop(session_id, None)
             self.changes.drop(session_id)
 
     def load(self) -> AgentLoad:
@@ -203,6 +260,7 @@ class NodeAgent:
                 await manager.close(session_id)
             raise
         self._sides[session_id] = side
+        self._keep(session_id)
         if session_id in self._abandoned:  # its front door stopped waiting: nobody would ever close it
             self._abandoned.discard(session_id)
             await self.call(session_id, "close")
@@ -271,6 +329,9 @@ class NodeAgent:
         35 us apiece on the caller's event loop (a run's call had ten)."""
         self._visited = time.monotonic()
         side = self._sides.get(session_id)
+        if side is None and self._main is None:  # a new agent: its predecessor's sessions are taken over first
+            await self._manager()
+            side = self._sides.get(session_id)
         if side is None or not side.open:
             raise SessionError(f"unknown or expired session_id {session_id!r}")
         if method == "info":
@@ -281,10 +342,14 @@ class NodeAgent:
             finally:
                 self._sides.pop(session_id, None)
                 self._reserved.pop(session_id, None)
+                self._kept.pop(session_id, None)
                 self.changes.drop(session_id)
         if method not in SESSION_CALLS:
             raise SessionError(f"a node agent has no call {method!r}")
-        return await getattr(side, method)(*args)
+        try:
+            return await getattr(side, method)(*args)
+        finally:
+            self._keep(session_id)
 
     async def holding(self) -> dict[str, Any]:
         """What it holds, for tests and benches (not a visit): its process, its open sessions, its warm sandboxes ready,

@@ -264,7 +264,7 @@ class ClusterHost:
             ) from None
         if info.load is not None:
             self._agents.heard(node, info.load)
-        session = RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, link)
+        session = self._session_of(agent, info, link)
         self._sessions[session_id] = session
         log.info("session %s… started on node %s", session_id[:6], info.node.label)
         return session
@@ -334,6 +334,8 @@ class ClusterHost:
         Another client's id, kept here or not, is looked up as an unknown one is, and refused as late."""
         began = anyio.current_time()
         session = self._sessions.get(session_id)
+        if session is not None and session.closed and session.agent_died and _may_use(session.owner, owner):
+            await self.reattach(session, session.agent)  # its agent died in a call that could not ask (a thread's)
         if session is None or session.closed or not _may_use(session.owner, owner):
             session = await self._find(session_id, owner)
             if session is None:
@@ -360,7 +362,30 @@ class ClusterHost:
             return None
         if not _may_use(info.owner, owner):
             return None
-        return RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, self._link(agent))
+        return self._session_of(agent, info, self._link(agent))
+
+    def _session_of(self, agent: Any, info: SessionInfo, link: AgentLink) -> RemoteSession:
+        return RemoteSession(agent, info, self.settings, self._group(), self._agents.forget, link, self.reattach)
+
+    async def reattach(self, session: RemoteSession, dead: Any) -> bool:
+        """`session`'s agent `dead` died while its node lives: start the node's next agent, which takes over what
+        the dead one kept for it (its watcher waits agent_handover_s: cluster/agent.py), and find the session
+        there. True once `session` calls that agent (another call may have got there first)."""
+        if session.agent is not dead and not session.closed:
+            return True
+        self._agents.forget(session.node, dead)
+        bound = self.settings.startup_timeout_s + CALL_S
+        try:
+            with anyio.fail_after(bound):
+                agent = await anyio.to_thread.run_sync(self._agents.start, session.node)
+                info: SessionInfo = await agent.call.remote(session.session_id, "info")
+        except (TimeoutError, ray.exceptions.RayError) as exc:
+            log.info("session %s… was not taken over on node %s: %r", session.session_id[:6], session.node[:12], exc)
+            return False
+        if session.agent is dead:
+            session.rebind(agent, info, self._link(agent))
+            log.info("session %s… taken over by node %s's next agent", session.session_id[:6], info.node.label)
+        return True
 
     def _unlink(self, agent: Any) -> None:
         """`agent` died: its link goes (its connection, if any, is closed), and its id may be reused. From any

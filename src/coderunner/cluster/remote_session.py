@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any
 
@@ -66,8 +66,14 @@ class RemoteSession:
     def __init__(
         self, agent: Any, info: SessionInfo, settings: Settings, task_group: TaskGroup,
         agent_lost: Callable[[str, Any], None] | None = None, link: AgentLink | None = None,
+        reattach: Callable[[RemoteSession, Any], Awaitable[bool]] | None = None,
     ) -> None:  # fmt: skip
         self.agent = agent
+        #: Asked once its agent (the second argument) died while its node lives: whether the node's next agent
+        #: took it over (host.py).
+        self._reattach = reattach
+        #: Set when its agent died alone (not with its node): the next call asks `reattach` first.
+        self.agent_died = False
         self._link = link
         self._watch = link.watch if link is not None else AgentWatch(agent, task_group)
         #: Questions being answered now; guest calls under way whose user can be asked about hosts.
@@ -166,32 +172,62 @@ class RemoteSession:
             + "). create_session starts a new one; sessions on other nodes are unharmed."
         )
 
-    def gone(self, exc: BaseException) -> SessionError:
+    def gone(self, exc: BaseException, node_lost: bool | None = None) -> SessionError:
         """Its agent is gone: with its node, or killed itself (an agent holding sessions never ends on its
-        own), and the session with it. Blocking (it asks Ray whether the node lives): call it from a worker thread."""
+        own), and the session with it unless the node's next agent takes it over (`agent_died`: the next call
+        asks). Blocking (it asks Ray whether the node lives): call it from a worker thread."""
         self.closed = True
+        if node_lost is None:
+            node_lost = _node_lost(exc, self.info.node.node_id)
+        self.agent_died = not node_lost
         if self._agent_lost is not None:
             self._agent_lost(self.node, self.agent)
-        return SessionError(self.lost_text(exc, _node_lost(exc, self.info.node.node_id)))
+        return SessionError(self.lost_text(exc, node_lost))
+
+    def kept_text(self, method: str, exc: BaseException) -> str:
+        """What a call that found its agent dead says once the node's next agent took the session over."""
+        return (
+            f"session {self.session_id}'s agent on node {self.info.node.label} died during this {method} "
+            f"({type(exc).__name__}), and the node's next agent took the session over: its kernel, variables and "
+            "files are kept. What this call did is unknown (a cell it started may have run, or still run): look "
+            "before doing it again."
+        )
+
+    def rebind(self, agent: Any, info: SessionInfo, link: AgentLink) -> None:
+        """Its node's next agent took it over (host.py reattach): calls go there from now on. What the dead agent
+        held of its calls (jobs, questions) went with it."""
+        self._watch.forget(self.session_id)
+        self.agent, self._link, self._watch, self.info = agent, link, link.watch, info
+        self._job_ids.clear()
+        self._asking_run, self._asking_job, self._answering = False, None, set()
+        self.closed = self.agent_died = False
+        self._track(info.generation)
 
     # --- calls -----------------------------------------------------------------------------------
 
-    async def acall(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
+    async def acall(self, method: str, *args: Any, timeout_s: float = CALL_S, again: bool = True) -> Any:
         """One call of the session's agent from the event loop, bounded: by its session channel when there is
-        one, else (or if it cannot connect) by Ray. An agent gone is a SessionError saying so."""
+        one, else (or if it cannot connect) by Ray. An agent gone is a SessionError saying so, unless the node's
+        next agent took the session over (`reattach`): then a call that cannot have reached the dead agent (its
+        channel was refused, so the agent was gone before it: `again`) is made once more, there."""
         channel = self._link.channel if self._link is not None else None
+        agent = self.agent
+        unsent = False
         try:
             with anyio.fail_after(timeout_s):
                 if channel is not None:
                     try:
                         return await channel.call("call", (self.session_id, method, list(args)))
                     except ChannelUnused:
-                        pass
+                        unsent = True
                     except ChannelBroken as exc:
                         raise await self._broken(exc, method) from None
                 return await self.agent.call.remote(self.session_id, method, list(args))
         except AGENT_FAILURES as exc:
-            raise await self._failure(exc, method, timeout_s) from None
+            failure, reattached = await self._failure(exc, method, timeout_s, agent)
+            if reattached and unsent and again:
+                return await self.acall(method, *args, timeout_s=timeout_s, again=False)
+            raise failure from None
 
     async def _broken(self, exc: ChannelBroken, method: str) -> BaseException:
         """The channel ended while `method` was under way: Ray says whether the agent still lives (else its failure
@@ -202,13 +238,20 @@ class RemoteSession:
             "session is still there: look before doing it again"
         )
 
-    async def _failure(self, exc: BaseException, method: str, timeout_s: float) -> BaseException:
-        """One of AGENT_FAILURES as the tools read it: a SessionError saying what happened, or the agent's own."""
+    async def _failure(
+        self, exc: BaseException, method: str, timeout_s: float, agent: Any
+    ) -> tuple[BaseException, bool]:
+        """One of AGENT_FAILURES (of a call of `agent`) as the tools read it: a SessionError saying what happened,
+        or the agent's own; and whether the node's next agent took the session over meanwhile."""
         if isinstance(exc, TimeoutError):
-            return SessionError(f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s")
+            late = f"session {self.session_id}'s node did not answer {method} within {timeout_s:g}s"
+            return SessionError(late), False
         if isinstance(exc, ray.exceptions.RayTaskError):
-            return cause_of(exc)
-        return await anyio.to_thread.run_sync(self.gone, exc)
+            return cause_of(exc), False
+        node_lost = await anyio.to_thread.run_sync(_node_lost, exc, self.info.node.node_id)
+        if not node_lost and self._reattach is not None and await self._reattach(self, agent):
+            return SessionError(self.kept_text(method, exc)), True
+        return await anyio.to_thread.run_sync(self.gone, exc, node_lost), False
 
     def call(self, method: str, *args: Any, timeout_s: float = CALL_S) -> Any:
         """One call of the session's agent from a worker thread (the file view's), bounded the same way."""
@@ -227,7 +270,13 @@ class RemoteSession:
         except ray.exceptions.RayTaskError as exc:
             raise cause_of(exc) from None
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise self.gone(exc) from None
+            lost = self.gone(exc)
+            if self.agent_died and self._reattach is not None:  # the next call asks the node's next agent first
+                raise SessionError(
+                    f"session {self.session_id}'s agent on node {self.info.node.label} died during this {method} "
+                    f"({type(exc).__name__}); the node's next agent may take the session over: call again"
+                ) from None
+            raise lost from None
 
     # --- jobs: forwarded as they are, each answer a JobUpdate (sessions/job_updates.py) -------------
 

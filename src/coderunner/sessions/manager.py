@@ -16,6 +16,8 @@ import dataclasses
 import logging
 import secrets
 import time
+from pathlib import Path
+from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
@@ -44,6 +46,7 @@ from coderunner.sandbox import (
     per_sandbox_uids,
 )
 from coderunner.sandbox.identity import UID_CLAIMS_DIR
+from coderunner.sessions.adoption import SessionRecord, adopt_all, keep_whole
 from coderunner.sessions.egress_wiring import EgressHub
 from coderunner.sessions.host_services import HostServices
 from coderunner.sessions.idle_room import NO_IDLE, IdleSandboxes
@@ -512,6 +515,20 @@ class SessionManager:
             tg.start_soon(self.leases.close_spare)
             for session in sessions:
                 tg.start_soon(self._close_session, session)
+
+    # --- outliving this process (a node agent's sessions: sessions/adoption.py) -----------------
+
+    def keep_whole(self, session: Session, extra: dict[str, Any]) -> bool:
+        """Have `session` outlive this process for a successor, should the process die; False if it cannot."""
+        return keep_whole(self, session, extra)
+
+    async def adopt(self, path: Path, timeout_s: float) -> builtins.list[tuple[Session, SessionRecord]]:
+        """The sessions a dead predecessor kept for its successor (its watcher waits at `path`), now this
+        manager's own, each with the record it was kept with."""
+        adopted = await adopt_all(self, path, timeout_s)
+        for session, _ in adopted:
+            self._sessions[session.session_id] = session
+        return adopted
 
     def is_default(self, session: SessionHandle) -> bool:
         return self._default_ids.get(session.owner) == session.session_id
