@@ -25,6 +25,7 @@ Each class lives beside the code that raises it; the tree, with where each one i
     │   ├── SessionBusy              here                          another call holds the kernel
     │   ├── GuestCallError           here                          a guest tool refused its input or failed
     │   ├── NoRoomNow                cluster/placement.py          the chosen node filled meanwhile (placed again)
+    │   ├── AgentGone                cluster/host.py               the agent died before the open was sent
     │   ├── ChangesFull              sessions/changes.py           a bound of the long poll's keys or waits reached
     │   └── JobNotFound              sessions/job_runner.py        a job id this caller does not have
     ├── OneShotError                 oneshot/program.py            a one-shot run that could not be set up

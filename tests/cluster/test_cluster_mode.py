@@ -802,6 +802,18 @@ async def test_a_node_agent_sigkilled_hands_its_sessions_to_the_next_which_keeps
         heir = next(holds for holds in held.values() if set(mates) <= set(holds["sessions"]))
         assert heir["pid"] != agent
         assert not Path(f"/proc/{agent}").exists()
+        assert set(heir["kept"].values()) == {"kept"}, heir["kept"]
+        os.kill(heir["pid"], signal.SIGKILL)  # and again: the heir kept what it took over
+        await anyio.sleep(1.0)
+        answers: list[str] = []
+
+        async def ask(other: str) -> None:  # all at once: every call waits for the take-over, not only the first
+            answers.append(text_of(await ok(client, "run_python", code="kept", session_id=other)))
+
+        async with anyio.create_task_group() as group:
+            for other in mates:
+                group.start_soon(ask, other)
+        assert len(answers) == len(mates) and all("'yes'" in answer for answer in answers), answers
         for other, _ in ids:
             await ok(client, "manage_sessions", action="close", session_id=other)
     assert not with_token(canary)

@@ -122,6 +122,8 @@ class NodeAgent:
         self._channel = ChannelServer(self._over_channel)
         #: Each session's kernel as last kept with the watcher (adoption.kernel_mark): kept again when it changes.
         self._kept: dict[str, tuple[int, int] | None] = {}
+        #: Why each session would not outlive this agent as it was last kept (None: it would), for `holding`.
+        self._kept_why: dict[str, str | None] = {}
 
     async def _manager(self) -> SessionManager:
         """The node's manager, entered in a task of its own on first use."""
@@ -159,7 +161,7 @@ class NodeAgent:
         if it died and its watcher still waits (their room reserved again); and, with agent_handover_s, this
         agent's own kept for the next should it die too."""
         if self.settings.agent_handover_s <= 0:
-            return  # its predecessor (of the same name: the same settings) kept nothing either
+            return  # its predecessor (of the same name: the same settings, agent_handover_s in) kept nothing either
         path = await off_loop(handover_path, self.settings.runtime_dir, agent_name(self.node.node_id, self.key))
         if backend.name == "bwrap":
             await off_loop(process_watch().watcher.hand_over_on_exit, path, self.settings.agent_handover_s)
@@ -190,9 +192,11 @@ class NodeAgent:
         self._kept[session_id] = mark
         request = self._reserved.get(session_id)
         try:
-            manager.keep_whole(side.session, {"request": dataclasses.asdict(request)} if request is not None else {})
+            why_not = manager.keep_whole(side.session, {"request": dataclasses.asdict(request)} if request else {})
         except OSError as exc:  # the watcher could not be told: it ends with this agent, as without a hand-over
-            log.warning("session %s… would not outlive this agent: %s", session_id[:6], exc)
+            why_not = f"its watcher could not be told ({exc})"
+            log.warning("session %s… would not outlive this agent: %s", session_id[:6], why_not)
+        self._kept_why[session_id] = why_not
 
     def _forget_closed(self) -> None:
         """Sessions the manager closed (idle reaper) or a call closed: their room is free again."""
@@ -200,6 +204,7 @@ class NodeAgent:
             self._sides.pop(session_id, None)
             self._reserved.pop(session_id, None)
             self._kept.pop(session_id, None)
+            self._kept_why.pop(session_id, None)
             self.changes.drop(session_id)
 
     def load(self) -> AgentLoad:
@@ -329,7 +334,7 @@ class NodeAgent:
         35 us apiece on the caller's event loop (a run's call had ten)."""
         self._visited = time.monotonic()
         side = self._sides.get(session_id)
-        if side is None and self._main is None:  # a new agent: its predecessor's sessions are taken over first
+        if side is None and not self._entered.is_set():  # a new agent: its predecessor's are taken over first
             await self._manager()
             side = self._sides.get(session_id)
         if side is None or not side.open:
@@ -343,6 +348,7 @@ class NodeAgent:
                 self._sides.pop(session_id, None)
                 self._reserved.pop(session_id, None)
                 self._kept.pop(session_id, None)
+                self._kept_why.pop(session_id, None)
                 self.changes.drop(session_id)
         if method not in SESSION_CALLS:
             raise SessionError(f"a node agent has no call {method!r}")
@@ -362,7 +368,8 @@ class NodeAgent:
                 "taken": stats.taken if stats else 0,
                 "runs": self._oneshots.ready_counts() if self._oneshots is not None else None,
                 "channel": self._channel.address.port if self._channel.address is not None else None,
-                "channel_calls": self._channel.answered}  # fmt: skip
+                "channel_calls": self._channel.answered,
+                "kept": {sid: why or "kept" for sid, why in self._kept_why.items() if sid in self._sides}}  # fmt: skip
 
 
 def end_process() -> None:

@@ -187,7 +187,9 @@ class Agents:
             raise failures[0]
         raise no_room(request, answers)
 
-    async def _load(self, node: dict[str, Any]) -> AgentLoad:
+    async def _load(self, node: dict[str, Any], again: bool = True) -> AgentLoad:
+        """What `node`'s agent holds (a visit: it starts if need be). An agent found dead (a visit changes
+        nothing, so asking again is harmless) is forgotten and the node's next one asked, once."""
         node_id = node["NodeID"]
         handle = await self._started(node_id)
         try:
@@ -200,6 +202,8 @@ class Agents:
             raise SessionError(f"the agent of node {node_id[:12]} did not start within {AGENT_START_S:g}s") from None
         except ray.exceptions.RayError as exc:
             self.forget(node_id, handle)
+            if again and isinstance(exc, ray.exceptions.RayActorError):
+                return await self._load(node, again=False)
             raise SessionError(f"the agent of node {node_id[:12]} is gone ({type(exc).__name__}); try again") from None
         self._known[node_id] = (time.monotonic(), load)
         return load

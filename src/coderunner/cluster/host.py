@@ -83,6 +83,10 @@ PLACEMENTS = 3
 FRONT_DOOR_ONLY = {"token", "token_file", "ray_address"}
 
 
+class AgentGone(SessionError):
+    """A node agent died before a create's open reached it: the create is placed again (a new agent starts)."""
+
+
 class ClusterHost:
     """Sessions on a Ray cluster, as the tools see them. Use as `async with ClusterHost(settings)`."""
 
@@ -209,6 +213,9 @@ class ClusterHost:
                 except NoRoomNow:  # filled by creates that chose it beside this one: placed again, fresh loads
                     if placed >= PLACEMENTS or home is not None:
                         raise
+                except AgentGone:  # its agent died before the open reached it: placed again (a new agent)
+                    if placed >= PLACEMENTS:
+                        raise
                 finally:
                     if home is None:
                         self._agents.settle(node, self._group())
@@ -257,6 +264,9 @@ class ClusterHost:
             raise
         except ray.exceptions.RayTaskError as exc:
             raise cause_of(exc) from None
+        except AgentGone:
+            self._agents.forget(node, agent)
+            raise
         except ray.exceptions.RayError as exc:
             self._agents.forget(node, agent)
             raise SessionError(
@@ -273,13 +283,18 @@ class ClusterHost:
         self, link: AgentLink, session_id: str, options: SandboxOptions, owner: str, seed: Seed | None,
         request: Request,
     ) -> SessionInfo:  # fmt: skip
-        """The agent's open, by its session channel when there is one (else, or if it cannot connect, by Ray)."""
+        """The agent's open, by its session channel when there is one (else, or if it cannot connect, by Ray).
+        AgentGone: its channel was refused and Ray says it died, so it was gone before the open was sent."""
         if link.channel is not None:
             try:
                 opened: SessionInfo = await link.channel.call("open", (session_id, options, owner, seed, request))
                 return opened
             except ChannelUnused:
-                pass
+                try:
+                    opened = await link.agent.open.remote(session_id, options, owner, seed, request)
+                    return opened
+                except ray.exceptions.RayActorError as exc:
+                    raise AgentGone(f"the session's node agent was gone ({type(exc).__name__}); try again") from None
             except ChannelBroken as exc:  # whether it opened is unknown: Ray says whether the agent lives
                 with anyio.fail_after(CALL_S):
                     await link.agent.ping.remote()

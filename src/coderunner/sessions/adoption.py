@@ -311,20 +311,21 @@ def _mounts(manager: SessionManager, record: SessionRecord) -> SandboxMounts | N
     return plan
 
 
-def keep_whole(manager: SessionManager, session: Session, extra: dict[str, Any]) -> bool:
+def keep_whole(manager: SessionManager, session: Session, extra: dict[str, Any]) -> str | None:
     """Have `session` outlive this process should it die: its record and fds to its sandbox's watcher entry, for a
-    successor (sandbox/handover.py). False if it cannot outlive it as it is now (unadoptable). Sent again whenever
-    its kernel changes (kernel_mark)."""
+    successor (sandbox/handover.py). Why not, if it cannot outlive it as it is now (unadoptable). Sent again
+    whenever its kernel changes (kernel_mark)."""
+    why_not = unadoptable(session)
+    if why_not is not None:
+        return why_not
     users, user = manager.leases.users, session.dirs.user
     claim = users.claim_of(user.uid) if users is not None and user is not None else None
     kept = record_of(session, claim, extra)
-    if kept is None:
-        return False
-    assert session.kernel is not None and session.kernel.process is not None
+    assert kept is not None and session.kernel is not None and session.kernel.process is not None
     hold_ = session.kernel.process.hold
     assert isinstance(hold_, SandboxHold)
     hold_.watcher.keep(hold_.entry, *kept)
-    return True
+    return None
 
 
 async def adopt_all(manager: SessionManager, path: Path, timeout_s: float) -> list[tuple[Session, SessionRecord]]:
@@ -337,7 +338,8 @@ async def adopt_all(manager: SessionManager, path: Path, timeout_s: float) -> li
     sock, handed = got
     held: list[_Held] = []
     try:
-        for entry in handed:
+        while handed:
+            entry = handed.pop(0)
             record = read(entry)
             if record is None:
                 _end(entry)
@@ -347,6 +349,8 @@ async def adopt_all(manager: SessionManager, path: Path, timeout_s: float) -> li
             except (OSError, ValueError) as exc:
                 log.warning("session %s… could not be taken over: %s", record.session_id[:6], exc)
     finally:
+        for entry in handed:  # not reached (a cancel): ended, never held by nobody
+            _end(entry)
         taken(sock)
     log.info("took over %d session(s) of this node's previous agent", len(held))
     adopted: list[tuple[Session, SessionRecord]] = []

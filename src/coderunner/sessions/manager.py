@@ -518,8 +518,8 @@ class SessionManager:
 
     # --- outliving this process (a node agent's sessions: sessions/adoption.py) -----------------
 
-    def keep_whole(self, session: Session, extra: dict[str, Any]) -> bool:
-        """Have `session` outlive this process for a successor, should the process die; False if it cannot."""
+    def keep_whole(self, session: Session, extra: dict[str, Any]) -> str | None:
+        """Have `session` outlive this process for a successor, should the process die; why not, if it cannot."""
         return keep_whole(self, session, extra)
 
     async def adopt(self, path: Path, timeout_s: float) -> builtins.list[tuple[Session, SessionRecord]]:
