@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -119,29 +120,31 @@ def test_a_successor_takes_what_was_kept_and_nothing_else_survives(handover_dir:
         kill_all(token)
 
 
-def test_with_no_successor_in_time_the_kept_sandbox_ends(handover_dir: Path) -> None:
+@contextlib.contextmanager
+def killed_server(handover_dir: Path, name: str, grace_s: float) -> Iterator[tuple[str, Path]]:
+    """A stand-in server SIGKILLed, its unkept sandbox already ended: (its token, its watcher's socket path)."""
     token = f"handover-{secrets.token_hex(6)}"
-    path = handover_path(handover_dir, "agent-test-2")
-    server, _, _ = start_server(token, path, grace_s=1.5)
+    path = handover_path(handover_dir, name)
+    server, _, _ = start_server(token, path, grace_s)
     try:
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
         assert wait_for(lambda: not with_token(token + "-unkept"), GONE_WITHIN_S)
-        assert wait_for(lambda: not with_token(token + "-kept"), GONE_WITHIN_S), "the kept sandbox outlived the grace"
-        assert wait_for(lambda: not path.exists(), GONE_WITHIN_S)
-        assert receive(path) is None  # nobody waits there any more: a successor starts with nothing
+        yield token, path
     finally:
         server.kill()
         kill_all(token)
 
 
+def test_with_no_successor_in_time_the_kept_sandbox_ends(handover_dir: Path) -> None:
+    with killed_server(handover_dir, "agent-test-2", grace_s=1.5) as (token, path):
+        assert wait_for(lambda: not with_token(token + "-kept"), GONE_WITHIN_S), "the kept sandbox outlived the grace"
+        assert wait_for(lambda: not path.exists(), GONE_WITHIN_S)
+        assert receive(path) is None  # nobody waits there any more: a successor starts with nothing
+
+
 def test_a_successor_that_hangs_up_before_taking_leaves_the_sandbox_to_end(handover_dir: Path) -> None:
-    token = f"handover-{secrets.token_hex(6)}"
-    path = handover_path(handover_dir, "agent-test-3")
-    server, _, _ = start_server(token, path, grace_s=1.5)
-    try:
-        os.kill(server.pid, signal.SIGKILL)
-        server.wait()
+    with killed_server(handover_dir, "agent-test-3", grace_s=1.5) as (token, path):
         assert wait_for(path.exists, GONE_WITHIN_S)
         got = receive(path)
         assert got is not None
@@ -150,6 +153,3 @@ def test_a_successor_that_hangs_up_before_taking_leaves_the_sandbox_to_end(hando
         for entry in handed:
             entry.close()
         assert wait_for(lambda: not with_token(token + "-kept"), GONE_WITHIN_S), "a sandbox nobody took lived on"
-    finally:
-        server.kill()
-        kill_all(token)

@@ -743,6 +743,19 @@ async def test_many_sessions_share_one_agent_per_node_and_each_keeps_its_own_sta
     assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
+async def sessions_sharing_an_agent(client: Client) -> tuple[list[tuple[str, str]], str, list[str]]:
+    """Three sessions (id, node), two workers: the node at least two of them share, and those (its agent's)."""
+    ids = []
+    for _ in range(3):
+        made = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))
+        assert made is not None
+        ids.append((made["session_id"], made["node"]))
+    node = max({where for _, where in ids}, key=lambda where: sum(w == where for _, w in ids))
+    mates = [other for other, where in ids if where == node]
+    assert len(mates) >= 2, ids
+    return ids, node, mates
+
+
 async def test_a_node_agent_sigkilled_hands_its_sessions_to_the_next_which_keeps_their_state(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
@@ -753,14 +766,7 @@ async def test_a_node_agent_sigkilled_hands_its_sessions_to_the_next_which_keeps
     sandbox never stopped; a session on the other node is unharmed; and closing them all leaves nothing."""
     canary = f"canary-{secrets.token_hex(6)}"
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
-        ids = []
-        for _ in range(3):  # two workers: at least two of them share an agent
-            made = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))
-            assert made is not None
-            ids.append((made["session_id"], made["node"]))
-        node = max({where for _, where in ids}, key=lambda where: sum(w == where for _, w in ids))
-        mates = [other for other, where in ids if where == node]
-        assert len(mates) >= 2, ids
+        ids, node, mates = await sessions_sharing_an_agent(client)
         for other, _ in ids:
             await ok(client, "run_python", code="kept = 'yes'", session_id=other)
         await ok(client, "run_python", session_id=mates[0], code=CANARY.format(token=canary))
@@ -870,14 +876,7 @@ async def test_a_node_agent_sigkilled_without_hand_over_loses_its_sessions_clear
     session it held answers "lost", and the next session on that node gets a new agent."""
     canary = f"canary-{secrets.token_hex(6)}"
     async with front_door(ray_cluster, cluster_env(ray_cluster, dirs, CODERUNNER_AGENT_HANDOVER_S="0")) as client:
-        ids = []
-        for _ in range(3):  # two workers: at least two of them share an agent
-            made = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))
-            assert made is not None
-            ids.append((made["session_id"], made["node"]))
-        node = max({where for _, where in ids}, key=lambda where: sum(w == where for _, w in ids))
-        mates = [other for other, where in ids if where == node]  # the agent's sessions, two or three
-        assert len(mates) >= 2, ids
+        ids, _, mates = await sessions_sharing_an_agent(client)
         session_id = mates[0]
         for other in mates:
             await ok(client, "run_python", code="kept = 'yes'", session_id=other)
