@@ -165,13 +165,19 @@ class NodeAgent:
         path = await off_loop(handover_path, self.settings.runtime_dir, agent_name(self.node.node_id, self.key))
         if backend.name == "bwrap":
             await off_loop(process_watch().watcher.hand_over_on_exit, path, self.settings.agent_handover_s)
-        for session, record in await manager.adopt(path, self.settings.startup_timeout_s):
-            request = record.extra.get("request")
-            self._reserved[session.session_id] = (
-                Request(**{**request, "labels": tuple(tuple(pair) for pair in request.get("labels", ()))})
-                if isinstance(request, dict)
-                else Request.of(session.options, backend.name)
-            )
+        try:
+            adopted = await manager.adopt(path, self.settings.startup_timeout_s)
+        except Exception:  # never the end of this agent: what was not taken over ends as without a hand-over
+            log.exception("node %s: taking over the previous agent's sessions failed", self.node.label)
+            return
+        for session, record in adopted:
+            request: dict[str, Any] = record.extra.get("request") or {}
+            try:
+                self._reserved[session.session_id] = Request(
+                    **{**request, "labels": tuple(tuple(pair) for pair in request.get("labels", ()))}
+                )
+            except TypeError:  # none, or not what this version writes: reserved as its options say
+                self._reserved[session.session_id] = Request.of(session.options, backend.name)
             self._sides[session.session_id] = SessionSide(
                 manager, session, self.node, self.settings.transfer_limit_bytes, self._standby_after_reset, self.changes
             )
