@@ -120,10 +120,9 @@ class NodeAgent:
         self._main: asyncio.Task[None] | None = None
         self._visited = time.monotonic()
         self._channel = ChannelServer(self._over_channel)
-        #: Each session's kernel as last kept with the watcher (adoption.kernel_mark): kept again when it changes.
-        self._kept: dict[str, tuple[int, int] | None] = {}
-        #: Why each session would not outlive this agent as it was last kept (None: it would), for `holding`.
-        self._kept_why: dict[str, str | None] = {}
+        #: Each session's kernel as last kept with the watcher (adoption.kernel_mark: kept again when it changes),
+        #: and why the session would not outlive this agent then (None: it would), for `holding`.
+        self._kept: dict[str, tuple[tuple[int, int] | None, str | None]] = {}
 
     async def _manager(self) -> SessionManager:
         """The node's manager, entered in a task of its own on first use."""
@@ -193,16 +192,15 @@ class NodeAgent:
         if side is None or side.session is None or manager is None:
             return
         mark = kernel_mark(side.session)
-        if session_id in self._kept and self._kept[session_id] == mark:
+        if session_id in self._kept and self._kept[session_id][0] == mark:
             return
-        self._kept[session_id] = mark
         request = self._reserved.get(session_id)
         try:
             why_not = manager.keep_whole(side.session, {"request": dataclasses.asdict(request)} if request else {})
         except OSError as exc:  # the watcher could not be told: it ends with this agent, as without a hand-over
             why_not = f"its watcher could not be told ({exc})"
             log.warning("session %s… would not outlive this agent: %s", session_id[:6], why_not)
-        self._kept_why[session_id] = why_not
+        self._kept[session_id] = (mark, why_not)
 
     def _forget_closed(self) -> None:
         """Sessions the manager closed (idle reaper) or a call closed: their room is free again."""
@@ -210,7 +208,6 @@ class NodeAgent:
             self._sides.pop(session_id, None)
             self._reserved.pop(session_id, None)
             self._kept.pop(session_id, None)
-            self._kept_why.pop(session_id, None)
             self.changes.drop(session_id)
 
     def load(self) -> AgentLoad:
@@ -354,7 +351,6 @@ class NodeAgent:
                 self._sides.pop(session_id, None)
                 self._reserved.pop(session_id, None)
                 self._kept.pop(session_id, None)
-                self._kept_why.pop(session_id, None)
                 self.changes.drop(session_id)
         if method not in SESSION_CALLS:
             raise SessionError(f"a node agent has no call {method!r}")
@@ -375,7 +371,7 @@ class NodeAgent:
                 "runs": self._oneshots.ready_counts() if self._oneshots is not None else None,
                 "channel": self._channel.address.port if self._channel.address is not None else None,
                 "channel_calls": self._channel.answered,
-                "kept": {sid: why or "kept" for sid, why in self._kept_why.items() if sid in self._sides}}  # fmt: skip
+                "kept": {sid: why or "kept" for sid, (_, why) in self._kept.items() if sid in self._sides}}  # fmt: skip
 
 
 def end_process() -> None:

@@ -123,11 +123,9 @@ def unadoptable(session: Session) -> str | None:
     return None
 
 
-def record_of(session: Session, claim_fd: int | None, extra: dict[str, Any]) -> tuple[str, list[int]] | None:
-    """The record of `session` and the fds it is kept whole with (see the module docstring); None if it cannot
-    be adopted now (unadoptable). `claim_fd`: this process's claim on its uid, if it has one."""
-    if unadoptable(session) is not None:
-        return None
+def record_of(session: Session, claim_fd: int | None, extra: dict[str, Any]) -> tuple[str, list[int]]:
+    """The record of `session` and the fds it is kept whole with (see the module docstring), once unadoptable
+    said it can be. `claim_fd`: this process's claim on its uid, if it has one."""
     kernel = session.kernel
     assert kernel is not None and kernel.process is not None and kernel.sandbox.info is not None
     process, hold_ = kernel.process, kernel.process.hold
@@ -321,7 +319,7 @@ def keep_whole(manager: SessionManager, session: Session, extra: dict[str, Any])
     users, user = manager.leases.users, session.dirs.user
     claim = users.claim_of(user.uid) if users is not None and user is not None else None
     kept = record_of(session, claim, extra)
-    assert kept is not None and session.kernel is not None and session.kernel.process is not None
+    assert session.kernel is not None and session.kernel.process is not None
     hold_ = session.kernel.process.hold
     assert isinstance(hold_, SandboxHold)
     hold_.watcher.keep(hold_.entry, *kept)
