@@ -1,20 +1,21 @@
-"""The start namespace's pieces that need no mount (sandbox/start_namespace.py): what a start's argv reads from its
-clones, when its clones are let go, and what doctor says. The namespace itself, and what a sandbox gets from it,
-are tests/abuse/test_abuse_start_namespace.py's, through a real server."""
+"""The start namespace's pieces that need no mount (sandbox/start_namespace.py): what a start's argv reads from
+its clones, when a build is over (build_slots.py), and what doctor says. The namespace itself, and what a sandbox
+gets from it, are tests/abuse/test_abuse_start_namespace.py's, through a real server."""
 
 from __future__ import annotations
 
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from coderunner.config import Settings
-from coderunner.sandbox import bwrap_doctor, start_namespace
+from coderunner.sandbox import build_slots, bwrap_doctor
 from coderunner.sandbox.base import SandboxSpec
-from coderunner.sandbox.start_namespace import Staged, _built, _Releases
+from coderunner.sandbox.build_slots import is_built
+from coderunner.sandbox.start_namespace import Staged
 from coderunner.vocabulary.mounts import Mount
 
 
@@ -40,44 +41,43 @@ def test_a_start_reads_its_workspace_and_mounts_from_their_clones_and_keeps_ever
 
 
 def test_a_start_is_built_once_its_pid_1_runs_anything_but_bwrap_or_is_gone() -> None:
-    assert _built(None), "bwrap made no child: nothing to wait for"
+    assert is_built(None), "bwrap made no child: nothing to wait for"
     with subprocess.Popen(["sleep", "30"]) as other:
         try:
-            assert _built(other.pid), "a pid 1 that exec'd its init"
+            assert is_built(other.pid), "a pid 1 that exec'd its init"
         finally:
             other.kill()
-    assert _built(other.pid), "a pid 1 that is gone"
+    assert is_built(other.pid), "a pid 1 that is gone"
 
 
-class _Namespace:
-    """What _Releases calls: release, recorded."""
-
-    def __init__(self) -> None:
-        self.released: list[Staged] = []
-
-    def release(self, staged: Staged) -> None:
-        self.released.append(staged)
-
-
-def test_clones_are_let_go_once_built_and_never_before(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.anyio
+async def test_a_build_is_waited_for_until_built_and_no_longer(monkeypatch: pytest.MonkeyPatch) -> None:
     building = {101}
-    monkeypatch.setattr(start_namespace, "_built", lambda child: child not in building)
-    namespace = _Namespace()
-    releases = _Releases(namespace)  # type: ignore[arg-type]
-    first, second = Staged(Path("/a"), {}), Staged(Path("/b"), {})
-    releases.add(first, 101)
-    releases.add(second, None)
-    deadline = time.monotonic() + 5
-    while namespace.released != [second] and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert namespace.released == [second], "a start with no child is let go at once, one still building is not"
-    time.sleep(0.3)  # several looks, backing off
-    assert namespace.released == [second] and not releases.idle()
-    building.clear()
-    deadline = time.monotonic() + 5
-    while not releases.idle() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert namespace.released == [second, first] and releases.idle()
+    looks: list[int | None] = []
+
+    def built(child: int | None) -> bool:
+        looks.append(child)
+        return child not in building
+
+    monkeypatch.setattr(build_slots, "is_built", built)
+    assert await build_slots.wait_built(None) and len(looks) == 1, "a start with no child is over at once"
+    looks.clear()
+    finished: list[bool] = []
+    async with anyio.create_task_group() as group:
+
+        async def wait() -> None:
+            finished.append(await build_slots.wait_built(101))
+
+        group.start_soon(wait)
+        await anyio.sleep(0.2)
+        assert not finished, "a start still building is waited for"
+        # Backing off: at a fixed first pause it would have looked about 100 times by now (load only lowers it).
+        assert 2 <= len(looks) < 40, f"it looks again, less and less often: {len(looks)} looks"
+        building.clear()
+    assert finished == [True]
+    monkeypatch.setattr(build_slots, "BUILT_WAIT_S", 0.05)
+    building.add(102)
+    assert not await build_slots.wait_built(102), "a build that never ends is let go of, bounded"
 
 
 def test_doctor_says_where_bwrap_starts(monkeypatch: pytest.MonkeyPatch) -> None:

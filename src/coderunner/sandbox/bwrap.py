@@ -39,6 +39,7 @@ from coderunner.sandbox.base import (
     backend_identity,
     twin_name,
 )
+from coderunner.sandbox.build_slots import BUILT_WAIT_S, build_slots, wait_built
 from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand, root_files
 from coderunner.sandbox.bwrap_fds import StartFds, read_json_document
 from coderunner.sandbox.bwrap_watch import process_watch
@@ -268,6 +269,14 @@ class BwrapBackend(SandboxBackend):
         nproc = self.nproc_limit(spec) if cgroup is None else None
         namespace: StartNamespace | None = None
         staged: Staged | None = None
+        slots = build_slots()
+        try:
+            await slots.acquire()  # before the clones: a start waiting for its turn holds none (build_slots.py)
+        except BaseException:
+            if cgroup is not None:
+                with anyio.CancelScope(shield=True):
+                    await off_loop(cgroup.remove)
+            raise
         seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
         root_fds: list[tuple[int, str]] = []
         fds = StartFds.open(network=spec.network == NetworkMode.INTERNET)
@@ -306,6 +315,7 @@ class BwrapBackend(SandboxBackend):
             )
         except BaseException:
             fds.close(gate_too=True)
+            slots.release()
             with anyio.CancelScope(shield=True):
                 if staged is not None and namespace is not None:
                     await off_loop(namespace.release, staged)
@@ -326,8 +336,10 @@ class BwrapBackend(SandboxBackend):
             raise
         finally:
             fds.close()
-            if staged is not None and namespace is not None:
-                namespace.release_when_built(staged, child)
+            try:
+                task_group.start_soon(_after_build, slots, namespace, staged, child)
+            except RuntimeError:  # its task group is over already: wait here instead
+                await _after_build(slots, namespace, staged, child)
         return sandbox
 
     def close_starts(self) -> None:
@@ -477,6 +489,22 @@ class BwrapBackend(SandboxBackend):
             if ready_write >= 0:
                 os.close(ready_write)
         os.write(fds.block_write, b"1")
+
+
+async def _after_build(
+    slots: anyio.Semaphore, namespace: StartNamespace | None, staged: Staged | None, child: int | None
+) -> None:
+    """Once bwrap's `child` has built the sandbox (build_slots.py), give back the build's slot and detach its
+    clones in the start namespace (the sandbox keeps its own copies). Shielded: a session closed meanwhile still
+    frees both."""
+    with anyio.CancelScope(shield=True):
+        try:
+            if not await wait_built(child):
+                log.warning("a sandbox's pid 1 was still in bwrap after %.0fs: its build slot given back", BUILT_WAIT_S)
+        finally:
+            slots.release()
+            if staged is not None and namespace is not None:
+                await off_loop(namespace.release, staged)
 
 
 async def _loopback_ready(pid: int, timeout_s: float) -> bool:

@@ -18,7 +18,8 @@ A start clones the host mounts its sandbox is built from (its workspace, its sta
 `.live-<id>/<key>-<token>` (`stage`: from the host's own mount points, never a path the sandbox can write), runs
 bwrap in the copy (`prelude`: nsenter, before bwrap drops root), and detaches them (`release`) once bwrap has built
 the sandbox, whose own copies stay. bwrap then reads the same table however many sessions the server holds (at
-300 held, 18 CPU-ms against 54). A burst gains nothing: its starts are in flight together, and so are their clones.
+300 held, 18 CPU-ms against 54). In a burst, the starts in flight read each other's clones: so only a few builds
+are in flight at once (build_slots.py), and a start releases its clones as soon as its sandbox is built.
 
 What it changes inside a sandbox: nothing it was given. A sandbox no longer sees its own staged points a second
 time under its read-only host dir (they were copies of what it sees at their own paths).
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coderunner.hostfs import staging
@@ -50,14 +51,9 @@ log = logging.getLogger(__name__)
 
 #: Bound on the helper making the namespace.
 MAKE_TIMEOUT_S = 10.0
-#: A start's clones are detached once bwrap's child has started the sandbox's init (all its mounts are built by
-#: then), looked at after BUILT_POLL_S, then twice as long each time up to BUILT_POLL_MAX_S, or after
-#: BUILT_WAIT_S at most.
-BUILT_POLL_S = 0.01
-BUILT_POLL_MAX_S = 0.08
-BUILT_WAIT_S = 60.0
-#: Bound on closing waiting for the releases of starts that just ended.
+#: Bound on closing waiting for the releases of starts that just ended, and how often it looks.
 CLOSE_WAIT_S = 2.0
+CLOSE_POLL_S = 0.01
 #: mount(2) flags.
 MS_BIND, MS_SHARED = 0x1000, 1 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -134,8 +130,7 @@ class StartNamespace:
         #: `live` only once it is free.
         self.lock = lock
         self.nsenter = nsenter
-        self._releases = _Releases(self)
-        #: Starts between stage and release_when_built; close waits for none.
+        #: Starts between stage and release; close waits for none.
         self._starts = 0
         self._closed = False
         self._in_use = threading.Lock()
@@ -244,82 +239,10 @@ class StartNamespace:
                     break
             if time.monotonic() > deadline:
                 return False
-            time.sleep(BUILT_POLL_S)
+            time.sleep(CLOSE_POLL_S)
         release_start_clones(self.live, _lock_path(self.live))
         os.close(self.fd)
         os.close(self.lock)
-        return True
-
-    def release_when_built(self, staged: Staged, child: int | None) -> None:
-        """Release `staged` once `child` (bwrap's, the sandbox's pid 1) has built the sandbox: it runs something
-        that is not bwrap any more, or it is gone (or None: bwrap never made it)."""
-        self._releases.add(staged, child)
-
-
-@dataclass(eq=False)  # one start's: compared by identity
-class _Waiting:
-    """One start's clones waiting for its sandbox to be built, and when to look next."""
-
-    staged: Staged
-    child: int | None
-    deadline: float
-    next_at: float = 0.0
-    pause: float = BUILT_POLL_S
-
-
-@dataclass
-class _Releases:
-    """The starts whose clones wait for their sandbox to be built: one thread for all of them, asleep while
-    there are none, and each detached off the event loop. Each start is looked at after BUILT_POLL_S, then
-    twice as long each time up to BUILT_POLL_MAX_S: a start takes tens of milliseconds on a quiet host and
-    seconds in a burst, whose hundred starts in flight a fixed 10 ms look cost the server 2-3 CPU-ms each."""
-
-    namespace: StartNamespace
-    _waiting: list[_Waiting] = field(default_factory=list)
-    _changed: threading.Condition = field(default_factory=threading.Condition)
-    _thread: threading.Thread | None = None
-
-    def idle(self) -> bool:
-        with self._changed:
-            return not self._waiting
-
-    def add(self, staged: Staged, child: int | None) -> None:
-        now = time.monotonic()
-        with self._changed:
-            self._waiting.append(_Waiting(staged, child, now + BUILT_WAIT_S, now + BUILT_POLL_S))
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(target=self._run, name="start-namespace-releases", daemon=True)
-                self._thread.start()
-            self._changed.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._changed:
-                while not self._waiting:
-                    self._changed.wait()
-                now = time.monotonic()
-                due = [entry for entry in self._waiting if entry.next_at <= now]
-            done = [entry for entry in due if entry.deadline < now or _built(entry.child)]
-            for entry in done:
-                self.namespace.release(entry.staged)
-            with self._changed:
-                self._waiting = [entry for entry in self._waiting if entry not in done]
-                for entry in due:
-                    entry.pause = min(entry.pause * 2, BUILT_POLL_MAX_S)
-                    entry.next_at = now + entry.pause
-                if self._waiting:
-                    self._changed.wait(max(0.0, min(entry.next_at for entry in self._waiting) - time.monotonic()))
-
-
-def _built(child: int | None) -> bool:
-    """Has bwrap's child exec'd the sandbox's init (or ended)? Its name is bwrap's until then (--as-pid-1: it
-    execs the init itself). A pid reused after it ended names another program: released then too, as it should."""
-    if child is None:
-        return True
-    try:
-        with open(f"/proc/{child}/comm", "rb") as handle:
-            return handle.read().strip() != b"bwrap"
-    except OSError:
         return True
 
 
