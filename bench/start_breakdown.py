@@ -33,7 +33,8 @@ wrapping the method that does it (nothing in src changes for this):
 
 CPU per start, to the first result: the server process (all its threads, getrusage SELF), the helpers it ran and
 reaped meanwhile (mkfs, mount: getrusage CHILDREN), the sandbox's processes
-(bwrap and every process below it, a forked kernel too, each with what it reaped: /proc), and the template's own
+(bwrap and every process below it, a forked kernel too, each with what it reaped: /proc, its threads' schedstat
+in ns), and the template's own
 (its counters; its forks are the sandbox's; "cpu forked": the forked kernel's share of the sandbox's).
 Root only (the template joins user namespaces).
 """
@@ -154,18 +155,27 @@ def helpers_cpu() -> float:
 
 
 def tree_cpu(pid: int) -> float:
-    """CPU-s of `pid` and every process below it, with what each reaped of its own children."""
+    """CPU-s of `pid` and every process below it, with what each reaped of its own children.
+
+    A process's own CPU is the sum of its threads' schedstat (nanoseconds), or its /proc stat figure where that
+    is more (it counts threads that ended too, but in clock ticks, 10 ms each: too coarse for a start of tens
+    of ms); what it reaped is in ticks only."""
+    tick = os.sysconf("SC_CLK_TCK")
     total, todo = 0.0, [pid]
     while todo:
         current = todo.pop()
         try:
             with open(f"/proc/{current}/stat") as handle:
                 fields = handle.read().rsplit(")", 1)[1].split()
-            total += sum(int(value) for value in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+            own_ticks, reaped_ticks = int(fields[11]) + int(fields[12]), int(fields[13]) + int(fields[14])
+            threads_ns = 0
             for tid in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{tid}/schedstat") as handle:
+                    threads_ns += int(handle.read().split()[0])
                 with open(f"/proc/{current}/task/{tid}/children") as handle:
                     todo += [int(child) for child in handle.read().split()]
-        except (OSError, ValueError):
+            total += max(threads_ns / 1e9, own_ticks / tick) + reaped_ticks / tick
+        except (OSError, ValueError, IndexError):
             continue
     return total
 
