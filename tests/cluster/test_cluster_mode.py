@@ -827,6 +827,64 @@ async def test_a_node_agent_sigkilled_hands_its_sessions_to_the_next_which_keeps
     assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
+async def test_an_allowlist_session_outlives_its_agent_with_its_proxy_and_the_users_decisions(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """An allowlist session's proxy ran in its agent: killed outright, the agent's watcher keeps the proxy's socket
+    (listening) with the session, and the next agent serves it with the session's list and what the user decided
+    since (a host allowed, one declined: neither asked again). A fetch made while no agent served the socket waits
+    in its backlog and is answered by the next one; the kernel keeps its variables."""
+    asked = Asked()
+    ceiling = '["a.example.org", "b.example.org", "c.example.org"]'
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_ALLOWED_DOMAINS=ceiling)
+    async with front_door(ray_cluster, env, mode="legacy", elicitation_callback=asked) as client:
+        made = json_of(await ok(client, "create_session", network="allowlist", allow=["a.example.org"]))
+        assert made is not None
+        session_id = made["session_id"]
+        await ok(client, "run_python", code="kept = 'yes'", session_id=session_id)
+        asked.answer = "decline"
+        await call(client, "run_python", code=FETCH.format(host="b.example.org", pause=0), session_id=session_id)
+        asked.answer = "accept"
+        await call(client, "run_python", code=FETCH.format(host="c.example.org", pause=0), session_id=session_id)
+        assert len(asked.messages) == 2, asked.messages
+        holds = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        assert holds["kept"] == {session_id: "kept"}, holds["kept"]
+        under_way: dict[str, CallToolResult] = {}
+
+        async def fetch_across_the_kill() -> None:  # its fetch is made while no agent serves the proxy's socket
+            code = "late = 'no answer'\n" + FETCH.format(host="outside.example.net", pause=2).replace(
+                'print("HTTP", error.code)', 'late = f"HTTP {error.code}"'
+            )
+            under_way["run"] = await call(client, "run_python", session_id=session_id, code=code)
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(fetch_across_the_kill)
+            await anyio.sleep(1.0)
+            os.kill(holds["pid"], signal.SIGKILL)
+        said = text_of(under_way["run"])
+        assert under_way["run"].is_error and "took the session over" in said, said
+        assert "'yes'" in text_of(await ok(client, "run_python", code="kept", session_id=session_id))
+        late = "late"
+        with anyio.fail_after(60):
+            while "no answer" in (late := text_of(await ok(client, "run_python", code="late", session_id=session_id))):
+                await anyio.sleep(0.5)
+        assert "HTTP 403" in late, late  # the next agent's proxy answered the fetch the dead one never took
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
+        assert status is not None and status["egress"]["allowed_hosts"] == ["a.example.org", "c.example.org"], status
+        assert "adopted" in json.dumps(status), status
+        again = text_of(await call(client, "run_python", code=FETCH.format(host="b.example.org", pause=0),
+                                   session_id=session_id))  # fmt: skip
+        assert "HTTP 403" in again, again
+        assert len(asked.messages) == 2, asked.messages  # neither host asked about again
+        status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
+        assert status is not None and "declined" in json.dumps(status["egress"]["recent"][-1]), status["egress"]
+        heir = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        assert heir["pid"] != holds["pid"] and heir["kept"] == {session_id: "kept"}, heir
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
+
+
 #: A cell that tries, for 4 s, to connect to a dead agent's hand-over socket by its host path (`reached`: what
 #: each try raised, or CONNECTED).
 REACH_FOR = """

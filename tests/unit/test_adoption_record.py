@@ -2,18 +2,24 @@
 
 Fast checks of sessions/adoption.py's data (no process, no sandbox: tests/cluster runs the whole take-over): the
 record of a session with limits, mounts, an outbox and a uid survives the round trip as it was; a record whose
-fds do not match what came with it, or which this version cannot read, is refused (its sandbox then ends).
+fds do not match what came with it, or which this version cannot read, is refused (its sandbox then ends); an
+allowlist session's decisions come back within the next server's ceiling, never beyond it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
+from coderunner.egress.audit import DecisionLog
+from coderunner.egress.policy_proxy import EgressProxy
+from coderunner.policy.egress import EgressPolicy
 from coderunner.sandbox import Limits, Mount
 from coderunner.sandbox.handover import Handed
 from coderunner.sessions.adoption import (
     DIRS_LOCK,
+    EGRESS_LISTENER,
     GATE,
     KERNEL_OUTPUT,
     KERNEL_PIDFD,
@@ -76,3 +82,23 @@ def test_a_record_that_names_other_fds_than_came_or_cannot_be_read_is_refused() 
         assert read(handed) is None  # a sandbox is never held without its gate and its dirs' lock
     finally:
         handed.close()
+
+
+def test_an_allowlist_sessions_decisions_cross_and_stay_within_the_next_servers_ceiling() -> None:
+    record = dataclasses.replace(
+        a_record((GATE, DIRS_LOCK, EGRESS_LISTENER)),
+        options=dataclasses.replace(
+            a_record().options, network="allowlist", allow=("a.example.org", "*.docs.example.org")
+        ),
+        egress_allowed=("a.example.org", "*.docs.example.org", "c.example.org", "gone.example.org"),
+        egress_declined=("b.example.org",),
+    )
+    assert RECORDS.validate_json(RECORDS.dump_json(record)) == record
+    # The next server's ceiling no longer covers one host the user had allowed: that one is dropped.
+    ceiling = EgressPolicy.parse(["*.example.org"]).narrowed(["a.example.org", "*.docs.example.org", "c.example.org",
+                                                            "b.example.org"])  # fmt: skip
+    session = EgressPolicy.parse(["a.example.org", "*.docs.example.org"])
+    proxy = EgressProxy(session, ceiling, session_id="s", log=DecisionLog("s"))
+    assert proxy.restore(record.egress_allowed, record.egress_declined) == ["gone.example.org"]
+    assert proxy.policy.hosts == ("a.example.org", "*.docs.example.org", "c.example.org")
+    assert proxy.declined == {"b.example.org"} and not proxy.policy.allows("b.example.org", 80)

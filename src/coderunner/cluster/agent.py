@@ -61,7 +61,7 @@ from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import SandboxBackend, make_backend
 from coderunner.sandbox.bwrap_watch import process_watch
 from coderunner.sandbox.handover import handover_path
-from coderunner.sessions.adoption import kernel_mark
+from coderunner.sessions.adoption import record_mark
 from coderunner.sessions.changes import Changed, Changes
 from coderunner.sessions.manager import SessionManager
 from coderunner.sessions.sandbox_options import SandboxOptions
@@ -120,9 +120,10 @@ class NodeAgent:
         self._main: asyncio.Task[None] | None = None
         self._visited = time.monotonic()
         self._channel = ChannelServer(self._over_channel)
-        #: Each session's kernel as last kept with the watcher (adoption.kernel_mark: kept again when it changes),
-        #: and why the session would not outlive this agent then (None: it would), for `holding`.
-        self._kept: dict[str, tuple[tuple[int, int] | None, str | None]] = {}
+        #: Each session's record mark as last kept with the watcher (adoption.record_mark: its kernel, its proxy's
+        #: decisions; kept again when it changes), and why the session would not outlive this agent then (None:
+        #: it would), for `holding`.
+        self._kept: dict[str, tuple[tuple[Any, ...] | None, str | None]] = {}
 
     async def _manager(self) -> SessionManager:
         """The node's manager, entered in a task of its own on first use."""
@@ -185,13 +186,13 @@ class NodeAgent:
 
     def _keep(self, session_id: str) -> None:
         """Keep a session's record and fds with the watcher, should this agent die (sessions/adoption.py): again
-        whenever its kernel changed since; nothing while agent_handover_s is 0."""
+        whenever its kernel or its proxy's decisions changed since; nothing while agent_handover_s is 0."""
         if self.settings.agent_handover_s <= 0:
             return
         side, manager = self._sides.get(session_id), self.manager
         if side is None or side.session is None or manager is None:
             return
-        mark = kernel_mark(side.session)
+        mark = record_mark(side.session)
         if session_id in self._kept and self._kept[session_id][0] == mark:
             return
         request = self._reserved.get(session_id)

@@ -195,11 +195,14 @@ class RemoteSession:
 
     def rebind(self, agent: Any, info: SessionInfo, link: AgentLink) -> None:
         """Its node's next agent took it over (host.py reattach): calls go there from now on. What the dead agent
-        held of its calls (jobs, questions) went with it."""
+        held of its calls (jobs, questions) went with it, and its proxy's decision log: the next agent's counts from
+        the start, so this mirror asks from there (what it mirrored stays)."""
         self._watch.forget(self.session_id)
         self.agent, self._link, self._watch, self.info = agent, link, link.watch, info
         self._job_ids.clear()
         self._asking_run, self._asking_job, self._answering = False, None, set()
+        if self._egress is not None:
+            self._egress.mark = 0
         self.closed = self.agent_died = False
         self._track(info.generation)
 

@@ -119,6 +119,26 @@ class EgressProxy:
         return self._policy
 
     @property
+    def declined(self) -> frozenset[str]:
+        """Hosts the user declined for this session (not asked about again)."""
+        return frozenset(self._declined)
+
+    def restore(self, allowed: tuple[str, ...], declined: tuple[str, ...]) -> list[str]:
+        """A session's decisions carried over from the proxy it had before (its server died: sessions/adoption.py):
+        each allowed host added as `allow` adds it (never past the ceiling), each declined one not asked again.
+        The allowed hosts the ceiling no longer covers, which are left out."""
+        refused = []
+        for host in allowed:
+            if host in self._policy.hosts:  # the session's own list (its wildcards too): there already
+                continue
+            try:
+                self.allow(host)
+            except EgressPolicyError:
+                refused.append(host)
+        self._declined.update(declined)
+        return refused
+
+    @property
     def ceiling(self) -> EgressPolicy:
         """The user's allowlist: the policy can grow up to it, never beyond."""
         return self._ceiling

@@ -14,7 +14,11 @@ keeps its variables; what it ran meanwhile is not known (the job that ran it was
 
 What is adopted, and what is not (then ended at once, as before: the watcher ends what was not kept):
 - bubblewrap sandboxes only (ended by pidfds; other backends' containers end with the server's watcher);
-- network 'none' only: an allowlist proxy ran in the agent, an internet session's slirp4netns ends with it;
+- network 'none' and 'allowlist'. An allowlist sandbox's proxy ran in the dead server, but its listening socket
+  is kept too: the sandbox's connections wait in its backlog until the successor serves it, with the session's
+  own list and the user's decisions so far (hosts allowed, and declined, for this session; the ceiling is the
+  successor's, so a decision it no longer covers is dropped). Connections that were open through the dead proxy
+  ended with it. An internet session's slirp4netns ends with its server: not adopted;
 - no persistent (named) workspace: its own lock would need handing over too;
 - the session's live kernel only: its standby (started after a reset) ends, and is started again.
 
@@ -28,6 +32,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 from pydantic import TypeAdapter, ValidationError
 
+from coderunner.errors import SessionError
 from coderunner.hostfs.exports import Exporter
 from coderunner.hostfs.sandbox_mounts import SandboxMounts
 from coderunner.hostfs.session_dirs import SandboxDirs, reopen_sandbox_dirs
@@ -59,6 +65,8 @@ log = logging.getLogger(__name__)
 
 #: The fds a record's sandbox is handed with, in this order; the optional ones only when it has them.
 GATE, DIRS_LOCK, UID_CLAIM, KERNEL_PIDFD, KERNEL_OUTPUT = "gate", "dirs_lock", "uid_claim", "kernel_pidfd", "output"
+#: An allowlist sandbox's proxy socket (listening).
+EGRESS_LISTENER = "egress_listener"
 #: What an adopted session's status says of its sandbox's start.
 ADOPTED = "adopted by this node agent after the one that started it died"
 
@@ -101,6 +109,10 @@ class SessionRecord:
     fds: tuple[str, ...]
     #: The caller's own (a node agent's: what the session reserved of its node).
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Network 'allowlist': the hosts its proxy allows now (its own list and what the user allowed since), and
+    #: those the user declined.
+    egress_allowed: tuple[str, ...] = ()
+    egress_declined: tuple[str, ...] = ()
 
 
 RECORDS: TypeAdapter[SessionRecord] = TypeAdapter(SessionRecord)
@@ -114,7 +126,10 @@ def unadoptable(session: Session) -> str | None:
         return "no live kernel"
     if not isinstance(process.hold, SandboxHold) or process.hold.init is None or process.hold.gate.write < 0:
         return "its sandbox is not held by pidfds (bubblewrap only)"
-    if session.options.network != NetworkMode.NONE:
+    egress = session.lease.egress
+    if session.options.network == NetworkMode.ALLOWLIST and (egress is None or egress.listener is None):
+        return "network 'allowlist' with no proxy socket"
+    if session.options.network not in (NetworkMode.NONE, NetworkMode.ALLOWLIST):
         return f"network '{session.options.network}' is served by its server's own processes"
     if session.options.persistent or session.workspace.persistent:
         return "a persistent workspace"
@@ -137,6 +152,10 @@ def record_of(session: Session, claim_fd: int | None, extra: dict[str, Any]) -> 
     if process.program_fds is not None:
         names += [KERNEL_PIDFD, KERNEL_OUTPUT]
         fds += list(process.program_fds)
+    egress = session.lease.egress
+    if egress is not None and egress.listener is not None:
+        names.append(EGRESS_LISTENER)
+        fds.append(egress.listener.fileno())
     plan = session.sandbox_mounts
     cgroup = process.cgroup
     record = SessionRecord(
@@ -167,14 +186,21 @@ def record_of(session: Session, claim_fd: int | None, extra: dict[str, Any]) -> 
         cgroup_dirs=dict(cgroup.dirs) if cgroup is not None else {},
         fds=tuple(names),
         extra=extra,
+        egress_allowed=egress.proxy.policy.hosts if egress is not None else (),
+        egress_declined=tuple(sorted(egress.proxy.declined)) if egress is not None else (),
     )
     return RECORDS.dump_json(record).decode(), fds
 
 
-def kernel_mark(session: Session) -> tuple[int, int] | None:
-    """What changes whenever the record would: the live kernel (its object and generation); None: none."""
+def record_mark(session: Session) -> tuple[Any, ...] | None:
+    """What changes whenever the record would: the live kernel (its object and generation), and an allowlist
+    proxy's decisions; None: no kernel."""
     kernel = session.kernel
-    return (id(kernel), kernel.generation) if kernel is not None else None
+    if kernel is None:
+        return None
+    egress = session.lease.egress
+    decided = (egress.proxy.policy.hosts, egress.proxy.declined) if egress is not None else None
+    return id(kernel), kernel.generation, decided
 
 
 @dataclass
@@ -278,12 +304,17 @@ async def adopt(manager: SessionManager, held: _Held, timeout_s: float) -> Sessi
     kernel.sandbox.info = dict(record.kernel.connection)
     kernel.sandbox.started_how = record.kernel.started_how
     try:
+        await _serve_egress(manager, held, lease)
         with anyio.fail_after(timeout_s):
             await kernel.client.connect(kernel.sandbox.host_side(), Deadline(time.monotonic() + timeout_s))
     except BaseException:
         with anyio.CancelScope(shield=True):
             await kernel.shutdown()
             await lease.close()
+            for fd in held.loose:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            held.loose.clear()
         raise
     session.kernel = kernel
     session._generation, session._next_kernel = record.generation, record.next_kernel
@@ -291,6 +322,25 @@ async def adopt(manager: SessionManager, held: _Held, timeout_s: float) -> Sessi
     session.kept.armed = True
     session.kept.mark_saved(time.monotonic(), None)
     return session
+
+
+async def _serve_egress(manager: SessionManager, held: _Held, lease: SandboxLease) -> None:
+    """An allowlist sandbox's proxy, served again on its kept socket (the lease owns it from here) with the
+    session's decisions so far; nothing for other modes."""
+    record = held.record
+    listener = dict(zip(record.fds, held.handed.fds, strict=True)).get(EGRESS_LISTENER)
+    if listener is None:
+        return
+    lease.egress_socket = socket.socket(fileno=listener)
+    held.loose.discard(listener)
+    lease.egress_socket.setblocking(False)
+    egress = await lease.open_egress(manager.egress, manager.task_group, record.session_id, record.options)
+    if egress is None:
+        raise SessionError("its allowlist proxy could not be served again: this server has no egress hub")
+    dropped = egress.proxy.restore(record.egress_allowed, record.egress_declined)
+    if dropped:
+        log.warning("session %s…: hosts the user allowed that this server's allowlist does not cover, dropped: %s",
+                    record.session_id[:6], ", ".join(dropped))  # fmt: skip
 
 
 def _mounts(manager: SessionManager, record: SessionRecord) -> SandboxMounts | None:

@@ -71,6 +71,12 @@ class SessionEgress:
         self.proxy.asker = asker
 
     @property
+    def listener(self) -> socket.socket | None:
+        """The listening socket it serves (None once closed): kept by a node agent's watcher, should it die, so
+        that the next agent serves the sandbox on it (sessions/adoption.py)."""
+        return self._listener
+
+    @property
     def socket_path(self) -> Path | None:
         return self._dirs.host_dir / EGRESS_SOCKET if self._dirs is not None else None
 
