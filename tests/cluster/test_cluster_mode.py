@@ -885,6 +885,41 @@ async def test_an_allowlist_session_outlives_its_agent_with_its_proxy_and_the_us
     assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 
 
+async def test_a_persistent_workspace_outlives_its_agent_and_stays_locked_to_its_session(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """A named session's workspace has a lock of its own, kept with the rest: after its agent is killed outright
+    the next agent holds it (a second session of that name is refused meanwhile), the kernel and the files are as
+    they were, and closing it keeps the files for the next session of that name."""
+    async with front_door(ray_cluster, cluster_env(ray_cluster, dirs)) as client:
+        made = json_of(await ok(client, "create_session", name="kept-proj", persistent=True))
+        assert made is not None
+        session_id = made["session_id"]
+        await ok(client, "run_python", session_id=session_id,
+                 code="kept = 'yes'\nopen('notes.txt', 'w').write('written before')")  # fmt: skip
+        holds = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        assert holds["kept"] == {session_id: "kept"}, holds["kept"]
+        os.kill(holds["pid"], signal.SIGKILL)
+        await anyio.sleep(1.0)
+        back = text_of(
+            await ok(client, "run_python", session_id=session_id, code="print(kept, open('notes.txt').read())")
+        )
+        assert "yes written before" in back, back
+        twin = await call(client, "create_session", name="kept-proj", persistent=True)
+        assert twin.is_error and "in use" in text_of(twin), text_of(twin)
+        heir = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        assert heir["pid"] != holds["pid"] and heir["kept"] == {session_id: "kept"}, heir
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
+        again = json_of(await ok(client, "create_session", name="kept-proj", persistent=True))
+        assert again is not None and again["node"] == made["node"], (again, made)
+        reread = text_of(await ok(client, "read_file", path="notes.txt", session_id=again["session_id"]))
+        assert "written before" in reread, reread
+        await ok(client, "manage_sessions", action="close", session_id=again["session_id"])
+        await ok(client, "manage_workspaces", action="delete", name="kept-proj")
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
+
+
 #: A cell that tries, for 4 s, to connect to a dead agent's hand-over socket by its host path (`reached`: what
 #: each try raised, or CONNECTED).
 REACH_FOR = """

@@ -19,7 +19,8 @@ What is adopted, and what is not (then ended at once, as before: the watcher end
   own list and the user's decisions so far (hosts allowed, and declined, for this session; the ceiling is the
   successor's, so a decision it no longer covers is dropped). Connections that were open through the dead proxy
   ended with it. An internet session's slirp4netns ends with its server: not adopted;
-- no persistent (named) workspace: its own lock would need handing over too;
+- a persistent (named) workspace with its own lock, handed over like the dirs' (no other session mounts it
+  meanwhile);
 - the session's live kernel only: its standby (started after a reset) ends, and is started again.
 
 One idea: what a session needs to outlive its server, written by one and read back by the next.
@@ -65,8 +66,8 @@ log = logging.getLogger(__name__)
 
 #: The fds a record's sandbox is handed with, in this order; the optional ones only when it has them.
 GATE, DIRS_LOCK, UID_CLAIM, KERNEL_PIDFD, KERNEL_OUTPUT = "gate", "dirs_lock", "uid_claim", "kernel_pidfd", "output"
-#: An allowlist sandbox's proxy socket (listening).
-EGRESS_LISTENER = "egress_listener"
+#: An allowlist sandbox's proxy socket (listening); a persistent workspace's lock.
+EGRESS_LISTENER, WORKSPACE_LOCK = "egress_listener", "workspace_lock"
 #: What an adopted session's status says of its sandbox's start.
 ADOPTED = "adopted by this node agent after the one that started it died"
 
@@ -113,6 +114,8 @@ class SessionRecord:
     #: those the user declined.
     egress_allowed: tuple[str, ...] = ()
     egress_declined: tuple[str, ...] = ()
+    #: A named session's workspace, kept when it closes (its lock comes as WORKSPACE_LOCK).
+    workspace_persistent: bool = False
 
 
 RECORDS: TypeAdapter[SessionRecord] = TypeAdapter(SessionRecord)
@@ -131,8 +134,8 @@ def unadoptable(session: Session) -> str | None:
         return "network 'allowlist' with no proxy socket"
     if session.options.network not in (NetworkMode.NONE, NetworkMode.ALLOWLIST):
         return f"network '{session.options.network}' is served by its server's own processes"
-    if session.options.persistent or session.workspace.persistent:
-        return "a persistent workspace"
+    if session.workspace.persistent and session.workspace.lock_fd is None:
+        return "a persistent workspace without its lock"
     if session.closed or session.close_done is not None:
         return "closing"
     return None
@@ -156,6 +159,9 @@ def record_of(session: Session, claim_fd: int | None, extra: dict[str, Any]) -> 
     if egress is not None and egress.listener is not None:
         names.append(EGRESS_LISTENER)
         fds.append(egress.listener.fileno())
+    if session.workspace.lock_fd is not None:
+        names.append(WORKSPACE_LOCK)
+        fds.append(session.workspace.lock_fd)
     plan = session.sandbox_mounts
     cgroup = process.cgroup
     record = SessionRecord(
@@ -177,6 +183,7 @@ def record_of(session: Session, claim_fd: int | None, extra: dict[str, Any]) -> 
         workspace_size_mb=session.workspace.size_mb,
         workspace_image=session.workspace.image,
         workspace_tmpfs=session.workspace.tmpfs,
+        workspace_persistent=session.workspace.persistent,
         mounts=plan.mounts if plan is not None else (),
         staged_dir=plan.staged_dir if plan is not None else None,
         export_mount=plan.export_mount if plan is not None else None,
@@ -243,11 +250,15 @@ def take(manager: SessionManager, handed: Handed, record: SessionRecord) -> _Hel
             held.uid_held = True
             if claim is not None:
                 held.loose.discard(claim)
+        lock = fds.get(WORKSPACE_LOCK)
+        if record.workspace_persistent and lock is None:
+            raise ValueError("its persistent workspace came without its lock")
         workspace = Workspace(
-            record.workspace_path, record.workspace_size_mb, record.workspace_image, tmpfs=record.workspace_tmpfs
-        )
+            record.workspace_path, record.workspace_size_mb, record.workspace_image,
+            persistent=record.workspace_persistent, lock_fd=lock, tmpfs=record.workspace_tmpfs,
+        )  # fmt: skip
         held.dirs = reopen_sandbox_dirs(manager.settings.runtime_dir, record.dirs_key, user, workspace, fds[DIRS_LOCK])
-        held.loose.discard(fds[DIRS_LOCK])
+        held.loose -= {fds[DIRS_LOCK], *([lock] if lock is not None else [])}  # the dirs' and their workspace's
         cgroup = SessionCgroup(record.cgroup_version, dict(record.cgroup_dirs)) if record.cgroup_version else None
         program = None
         if KERNEL_PIDFD in fds and record.kernel.program_pid is not None:
@@ -274,7 +285,10 @@ def let_go(manager: SessionManager, held: _Held) -> None:
             with contextlib.suppress(OSError):
                 signal.pidfd_send_signal(pidfd, signal.SIGKILL)
     if held.dirs is not None:
-        for fd in (held.dirs.host_fd, held.dirs.run_fd, held.dirs.sock_fd, held.dirs.lock_fd):
+        for fd in (held.dirs.host_fd, held.dirs.run_fd, held.dirs.sock_fd, held.dirs.lock_fd,
+                   held.dirs.workspace.lock_fd):  # fmt: skip
+            if fd is None:
+                continue
             with contextlib.suppress(OSError):
                 os.close(fd)
     for fd in held.loose:
