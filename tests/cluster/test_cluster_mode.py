@@ -938,11 +938,11 @@ while time.time() < end:
 """
 
 
-async def test_a_node_agent_nobody_succeeds_in_time_ends_its_sessions(
+async def test_a_node_agent_with_no_front_door_left_ends_its_sessions_after_the_grace(
     ray_cluster: RayCluster, dirs: ServerDirs
 ) -> None:
-    """A dead agent's watcher waits agent_handover_s for the next agent, no longer: with no call meanwhile
-    (nothing starts one), its kept sandboxes end by their pidfds, and the session then answers "lost"."""
+    """A dead agent's watcher waits agent_handover_s for the next agent, no longer: with no front door left to
+    start one, its kept sandboxes end by their pidfds, and a front door that comes later finds no such session."""
     canary = f"canary-{secrets.token_hex(6)}"
     env = cluster_env(ray_cluster, dirs, CODERUNNER_AGENT_HANDOVER_S="2")
     async with front_door(ray_cluster, env) as client:
@@ -951,12 +951,42 @@ async def test_a_node_agent_nobody_succeeds_in_time_ends_its_sessions(
         session_id = made["session_id"]
         await ok(client, "run_python", session_id=session_id, code=CANARY.format(token=canary))
         assert await eventually(lambda: len(with_token(canary)) == 1), "the canary did not start"
-        sandbox = sandbox_of(canary)
-        stat = Path(f"/proc/{next(iter(sandbox))}/stat").read_text().rpartition(")")[2].split()
-        os.kill(int(stat[1]), signal.SIGKILL)
-        assert await eventually(lambda: not alive(sandbox), 30), described(alive(sandbox))
+    sandbox = sandbox_of(canary)  # the session stays on its node: create_session's sessions outlive a front door
+    stat = Path(f"/proc/{next(iter(sandbox))}/stat").read_text().rpartition(")")[2].split()
+    os.kill(int(stat[1]), signal.SIGKILL)
+    assert await eventually(lambda: not alive(sandbox), 30), described(alive(sandbox))
+    async with front_door(ray_cluster, env) as client:
         gone = await call(client, "run_python", session_id=session_id, code="1 + 1")
-        assert gone.is_error and f"session {session_id} was lost with" in text_of(gone), text_of(gone)
+        assert gone.is_error and "unknown or expired session_id" in text_of(gone), text_of(gone)
+    assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
+    assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
+
+
+async def test_a_node_agents_death_is_noticed_and_its_idle_sessions_taken_over_without_a_call(
+    ray_cluster: RayCluster, dirs: ServerDirs
+) -> None:
+    """The front door keeps a call waiting on each agent it holds sessions on (agent_link.py's life watch): when
+    the agent dies, it starts the node's next agent at once, which takes the sessions over within the grace,
+    though nobody calls them. Past the grace, their state is still there."""
+    grace_s = 12.0
+    env = cluster_env(ray_cluster, dirs, CODERUNNER_AGENT_HANDOVER_S=str(grace_s))
+    async with front_door(ray_cluster, env) as client:
+        made = json_of(await ok(client, "create_session", cpus=0.5, memory_mb=512))
+        assert made is not None
+        session_id = made["session_id"]
+        await ok(client, "run_python", session_id=session_id, code="kept = 'yes'")
+        holds = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        killed = anyio.current_time()
+        os.kill(holds["pid"], signal.SIGKILL)
+
+        def heir_holds_it() -> bool:
+            held = [h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"]]
+            return bool(held) and held[0]["pid"] != holds["pid"]
+
+        assert await eventually(heir_holds_it, grace_s), "no next agent took the session over without a call"
+        await anyio.sleep_until(killed + grace_s + 2)  # past the grace: a session only the watcher held would be gone
+        assert "'yes'" in text_of(await ok(client, "run_python", code="kept", session_id=session_id))
+        await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
     assert await eventually(lambda: not sandboxes_on(ray_cluster), 60), described(sandboxes_on(ray_cluster))
 

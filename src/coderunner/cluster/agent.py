@@ -29,8 +29,9 @@ call's time, on the same event loop as Ray's calls.
 An agent that dies (SIGKILL, OOM, a crash) need not take its sessions along: their sandboxes and kernels are
 processes of their own. It keeps each session's record and fds with its sandbox watcher (`_keep`,
 sessions/adoption.py), which then ends at once only what was not kept, and waits `agent_handover_s` for the
-next agent of the same name on the node: that one takes them over as it starts (`_take_over`), and a front
-door whose call found the agent dead starts it and finds the session there again (host.py `reattach`).
+next agent of the same name on the node: that one takes them over as it starts (`_take_over`). A front door
+starts it as soon as it learns of the death (a call that found the agent dead, or its life watch: `alive`,
+agent_link.py) and finds the session there again (host.py `reattach`).
 
 The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left in
 the same task. Ray runs the agent's calls on one event loop, many at once (max_concurrency, host.py).
@@ -73,6 +74,8 @@ WATCH_INTERVAL_S = 2.0
 #: An agent no front door visited for this long, holding no session, ends (front doors visit every
 #: AGENT_SCAN_S, host.py, when they keep pools warm; every call is a visit too).
 ORPHAN_S = 300.0
+#: The longest a front door's life watch (`alive`) waits here before it is answered and asked again.
+ALIVE_WAIT_S = 300.0
 #: An agent whose manager could not start (a broken backend, a missing shared mount) answers why for
 #: this long, then ends, so that the next create tries again.
 FAILED_END_S = 5.0
@@ -226,6 +229,13 @@ class NodeAgent:
         return self.load()
 
     async def ping(self) -> str:
+        return self.node.node_id
+
+    async def alive(self, wait_s: float) -> str:
+        """Answers after `wait_s` (at most ALIVE_WAIT_S): a front door keeps one such call waiting on each agent
+        it holds sessions on, so that Ray tells it at once when this agent dies (agent_link.py). Not a visit: an
+        agent with no session still ends after ORPHAN_S."""
+        await anyio.sleep(min(max(wait_s, 0.0), ALIVE_WAIT_S))
         return self.node.node_id
 
     async def channel(self) -> ChannelAddress:

@@ -38,7 +38,7 @@ from coderunner.cluster.oneshot_exports import OneShotExports, write_here
 from coderunner.cluster.placement import NoRoomNow, Request, check_fits, check_home
 from coderunner.cluster.ray_auth import token_refusal
 from coderunner.cluster.remote_egress import RemoteEgress
-from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of
+from coderunner.cluster.remote_session import CALL_S, RemoteSession, cause_of, lost_with_node
 from coderunner.cluster.session_channel import ChannelBroken, ChannelUnused
 from coderunner.cluster.stored import StoredOnNodes
 from coderunner.cluster.wire import NAMESPACE, SessionInfo, new_session_id, of_oneshot_answer
@@ -415,8 +415,21 @@ class ClusterHost:
         reused meanwhile)."""
         link = self._links.get(id(agent))
         if link is None:
-            link = self._links[id(agent)] = AgentLink(agent, self._group())
+            link = self._links[id(agent)] = AgentLink(agent, self._group(), self._agent_died)
         return link
+
+    async def _agent_died(self, dead: Any, exc: BaseException) -> None:
+        """`dead` died (its link's life watch): if this front door holds sessions on it and its node lives, start
+        the node's next agent now, which takes over what the dead one kept while its watcher still waits
+        (agent_handover_s), and rebind them there: a session nobody calls meanwhile is not lost for want of a
+        call. A take-over that fails leaves each to its next call, which says what became of it."""
+        mine = [session for session in self._sessions.values() if session.agent is dead and not session.closed]
+        if not mine or self.settings.agent_handover_s <= 0:
+            return
+        if await anyio.to_thread.run_sync(lost_with_node, exc, mine[0].node):
+            return
+        for session in mine:
+            await self.reattach(session, dead)
 
     async def close(self, session_id: str, owner: str | None = None) -> RemoteSession:
         session = await self._owned(session_id, owner)

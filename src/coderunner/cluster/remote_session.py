@@ -178,7 +178,7 @@ class RemoteSession:
         asks). Blocking (it asks Ray whether the node lives): call it from a worker thread."""
         self.closed = True
         if node_lost is None:
-            node_lost = _node_lost(exc, self.info.node.node_id)
+            node_lost = lost_with_node(exc, self.info.node.node_id)
         self.agent_died = not node_lost
         if self._agent_lost is not None:
             self._agent_lost(self.node, self.agent)
@@ -251,7 +251,7 @@ class RemoteSession:
             return SessionError(late), False
         if isinstance(exc, ray.exceptions.RayTaskError):
             return cause_of(exc), False
-        node_lost = await anyio.to_thread.run_sync(_node_lost, exc, self.info.node.node_id)
+        node_lost = await anyio.to_thread.run_sync(lost_with_node, exc, self.info.node.node_id)
         if not node_lost and self._reattach is not None and await self._reattach(self, agent):
             return SessionError(self.kept_text(method, exc)), True
         return await anyio.to_thread.run_sync(self.gone, exc, node_lost), False
@@ -485,7 +485,7 @@ def cause_of(exc: Any) -> BaseException:
     return SessionError(f"the session's node failed with {what} (its log says more)")
 
 
-def _node_lost(exc: BaseException, node_id: str) -> bool:
+def lost_with_node(exc: BaseException, node_id: str) -> bool:
     """Whether the agent went away with its node (rather than alone: killed, or crashed)."""
     if isinstance(exc, ray.exceptions.ActorUnavailableError):
         return True
