@@ -35,6 +35,8 @@ agent_link.py) and finds the session there again (host.py `reattach`).
 
 The manager lives in one task of its own (`_hold`), as anyio's task groups need: entered and left in
 the same task. Ray runs the agent's calls on one event loop, many at once (max_concurrency, host.py).
+
+One idea: one node's sessions, for every front door, in one long-lived manager that outlives its own process.
 """
 
 from __future__ import annotations
