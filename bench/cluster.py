@@ -583,13 +583,14 @@ class Baseline:
 
     async def settled(self) -> tuple[bool, float]:
         """Whether every session part c made is gone (bounded), and how long that took: no sandbox beyond those
-        before, and no mount beyond one per agent part c started (an agent keeps a workspace made ready for its
-        next session; it and the agent itself end once no front door visited it for agent.ORPHAN_S)."""
+        before, and no more mounts than before beyond one per agent part c started (an agent keeps a workspace made
+        ready for its next session; it and the agent itself end once no front door visited it for agent.ORPHAN_S).
+        Counted, not compared by path: the burst takes each agent's ready workspace, and the agent makes a new one."""
         began = time.monotonic()
 
         def gone() -> bool:
             agents, sandboxes = self.extra()
-            return sandboxes <= 0 and len(self.left_mounts()) <= max(agents, 0)
+            return sandboxes <= 0 and len(self.mounted()) <= len(self.mounts) + max(agents, 0)
 
         done = await eventually(gone, GONE_TIMEOUT_S)
         return done, time.monotonic() - began
@@ -872,8 +873,13 @@ def print_burst(found: dict[str, Any], count: int) -> None:
     )
     left_mounts = found["left_mounts"]
     print(
-        f"   mounts on the nodes' disks beyond those before part c: {len(left_mounts)}"
-        + (f" (one per agent part c started is its ready workspace), e.g. {left_mounts[:2]}" if left_mounts else "")
+        f"   mounts on the nodes' disks not there before part c: {len(left_mounts)}"
+        + (
+            f" (each agent's workspace made ready anew, the old one taken; and one per agent part c started), e.g. "
+            f"{left_mounts[:2]}"
+            if left_mounts
+            else ""
+        )
     )
     print(f"   free -m afterwards:    {found['free_after']}")
 

@@ -32,13 +32,18 @@ _workers: RunVar[anyio.CapacityLimiter] = RunVar("coderunner_file_workers")
 _bulk: RunVar[anyio.CapacityLimiter] = RunVar("coderunner_bulk_workers")
 
 
-def _limiter(var: RunVar[anyio.CapacityLimiter], tokens: int) -> anyio.CapacityLimiter:
+def loop_local(var: RunVar[T], make: Callable[[], T]) -> T:
+    """`var`'s value in the running event loop, made by `make` at its first use there."""
     try:
         return var.get()
     except LookupError:
-        limiter = anyio.CapacityLimiter(tokens)
-        var.set(limiter)
-        return limiter
+        value = make()
+        var.set(value)
+        return value
+
+
+def _limiter(var: RunVar[anyio.CapacityLimiter], tokens: int) -> anyio.CapacityLimiter:
+    return loop_local(var, lambda: anyio.CapacityLimiter(tokens))
 
 
 def file_workers() -> anyio.CapacityLimiter:

@@ -21,6 +21,8 @@ import os
 import anyio
 from anyio.lowlevel import RunVar
 
+from coderunner.offload import loop_local
+
 #: Builds in flight at once: the cores, at least 2 (one waits on the disk while another runs) and at most 8.
 #: 2, 4 and 8 measured alike on 2 cores (module docstring).
 BUILDS_AT_ONCE = max(2, min(8, os.cpu_count() or 2))
@@ -36,12 +38,7 @@ _slots: RunVar[anyio.Semaphore] = RunVar("coderunner_sandbox_builds")
 
 def build_slots() -> anyio.Semaphore:
     """This event loop's bound on builds in flight (per loop, as anyio's own thread limiter is)."""
-    try:
-        return _slots.get()
-    except LookupError:
-        slots = anyio.Semaphore(BUILDS_AT_ONCE)
-        _slots.set(slots)
-        return slots
+    return loop_local(_slots, lambda: anyio.Semaphore(BUILDS_AT_ONCE))
 
 
 def is_built(child: int | None) -> bool:
