@@ -112,6 +112,11 @@ def agents_held(cluster: RayCluster) -> dict[str, dict[str, Any] | None]:
     return found
 
 
+def agent_holding(cluster: RayCluster, session_id: str) -> dict[str, Any] | None:
+    """What the agent that holds `session_id` holds (NodeAgent.holding), or None if no agent holds it."""
+    return next((h for h in agents_held(cluster).values() if h is not None and session_id in h["sessions"]), None)
+
+
 def named_actors(cluster: RayCluster) -> list[str]:
     """What the cluster still holds: each session open in a node agent (as `session-<id>`) and any named
     actor but the agents (which stay, holding nothing, until no front door visits them: agent.py)."""
@@ -847,7 +852,8 @@ async def test_an_allowlist_session_outlives_its_agent_with_its_proxy_and_the_us
         asked.answer = "accept"
         await call(client, "run_python", code=FETCH.format(host="c.example.org", pause=0), session_id=session_id)
         assert len(asked.messages) == 2, asked.messages
-        holds = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        holds = agent_holding(ray_cluster, session_id)
+        assert holds is not None, "no agent holds the session"
         assert holds["kept"] == {session_id: "kept"}, holds["kept"]
         under_way: dict[str, CallToolResult] = {}
 
@@ -878,7 +884,8 @@ async def test_an_allowlist_session_outlives_its_agent_with_its_proxy_and_the_us
         assert len(asked.messages) == 2, asked.messages  # neither host asked about again
         status = json_of(await ok(client, "manage_sessions", action="status", session_id=session_id))
         assert status is not None and "declined" in json.dumps(status["egress"]["recent"][-1]), status["egress"]
-        heir = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        heir = agent_holding(ray_cluster, session_id)
+        assert heir is not None, "no next agent holds the session"
         assert heir["pid"] != holds["pid"] and heir["kept"] == {session_id: "kept"}, heir
         await ok(client, "manage_sessions", action="close", session_id=session_id)
     assert await eventually(lambda: not named_actors(ray_cluster)), named_actors(ray_cluster)
@@ -897,7 +904,8 @@ async def test_a_persistent_workspace_outlives_its_agent_and_stays_locked_to_its
         session_id = made["session_id"]
         await ok(client, "run_python", session_id=session_id,
                  code="kept = 'yes'\nopen('notes.txt', 'w').write('written before')")  # fmt: skip
-        holds = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        holds = agent_holding(ray_cluster, session_id)
+        assert holds is not None, "no agent holds the session"
         assert holds["kept"] == {session_id: "kept"}, holds["kept"]
         os.kill(holds["pid"], signal.SIGKILL)
         await anyio.sleep(1.0)
@@ -907,7 +915,8 @@ async def test_a_persistent_workspace_outlives_its_agent_and_stays_locked_to_its
         assert "yes written before" in back, back
         twin = await call(client, "create_session", name="kept-proj", persistent=True)
         assert twin.is_error and "in use" in text_of(twin), text_of(twin)
-        heir = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        heir = agent_holding(ray_cluster, session_id)
+        assert heir is not None, "no next agent holds the session"
         assert heir["pid"] != holds["pid"] and heir["kept"] == {session_id: "kept"}, heir
         await ok(client, "manage_sessions", action="close", session_id=session_id)
         again = json_of(await ok(client, "create_session", name="kept-proj", persistent=True))
@@ -975,13 +984,14 @@ async def test_a_node_agents_death_is_noticed_and_its_idle_sessions_taken_over_w
         assert made is not None
         session_id = made["session_id"]
         await ok(client, "run_python", session_id=session_id, code="kept = 'yes'")
-        holds = next(h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"])
+        holds = agent_holding(ray_cluster, session_id)
+        assert holds is not None, "no agent holds the session"
         killed = anyio.current_time()
         os.kill(holds["pid"], signal.SIGKILL)
 
         def heir_holds_it() -> bool:
-            held = [h for h in agents_held(ray_cluster).values() if h is not None and session_id in h["sessions"]]
-            return bool(held) and held[0]["pid"] != holds["pid"]
+            heir = agent_holding(ray_cluster, session_id)
+            return heir is not None and heir["pid"] != holds["pid"]
 
         assert await eventually(heir_holds_it, grace_s), "no next agent took the session over without a call"
         await anyio.sleep_until(killed + grace_s + 2)  # past the grace: a session only the watcher held would be gone
