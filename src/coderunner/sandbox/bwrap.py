@@ -269,18 +269,13 @@ class BwrapBackend(SandboxBackend):
         nproc = self.nproc_limit(spec) if cgroup is None else None
         namespace: StartNamespace | None = None
         staged: Staged | None = None
-        slots = build_slots()
-        try:
-            await slots.acquire()  # before the clones: a start waiting for its turn holds none (build_slots.py)
-        except BaseException:
-            if cgroup is not None:
-                with anyio.CancelScope(shield=True):
-                    await off_loop(cgroup.remove)
-            raise
+        slots, acquired = build_slots(), False
         seccomp_fd = _memfd("coderunner-seccomp", self.seccomp_filter)
         root_fds: list[tuple[int, str]] = []
         fds = StartFds.open(network=spec.network == NetworkMode.INTERNET)
         try:
+            await slots.acquire()  # before the clones: a start waiting for its turn holds none (build_slots.py)
+            acquired = True
             # Shielded: a start cancelled meanwhile still gets its clones back, to release them.
             with anyio.CancelScope(shield=True):
                 namespace, staged = await off_loop(self._stage, spec)
@@ -315,7 +310,8 @@ class BwrapBackend(SandboxBackend):
             )
         except BaseException:
             fds.close(gate_too=True)
-            slots.release()
+            if acquired:
+                slots.release()
             with anyio.CancelScope(shield=True):
                 if staged is not None and namespace is not None:
                     await off_loop(namespace.release, staged)
