@@ -21,6 +21,7 @@ from mcp import Client
 
 from coderunner.hostfs.sandbox_mounts import sweep_dead_start_clones
 from coderunner.sandbox.start_namespace import StartNamespace
+from coderunner.vocabulary.host_identity import HostIdentity
 
 from ..conftest import REPO, ServerDirs, connect_http, http_server, run, server_env, text_of
 
@@ -143,6 +144,7 @@ DIES_MID_START = """
 import os, signal, sys
 from pathlib import Path
 from coderunner.sandbox.start_namespace import StartNamespace
+from coderunner.vocabulary.host_identity import HostIdentity
 runtime, folder = Path(sys.argv[1]), Path(sys.argv[2])
 namespace = StartNamespace.open(runtime, [])
 namespace.stage("0000dead", [folder])
@@ -174,3 +176,29 @@ def test_a_dead_servers_start_clones_are_swept_and_a_live_servers_are_left(tmp_p
         assert live.close()
     assert not [point for point in mount_points("self") if str(runtime) in point]
     assert not list(runtime.iterdir())
+
+
+def credentials(argv: list[str]) -> dict[str, str]:
+    """The credential lines of /proc/self/status of `argv` + cat, started by this root process with supplementary
+    groups of its own (a canary: the server's groups must not reach the sandbox's user)."""
+    shown = subprocess.run([*argv, "cat", "/proc/self/status"], capture_output=True, text=True, timeout=30,
+                           extra_groups=[4, 5], check=True).stdout  # fmt: skip
+    wanted = ("Uid:", "Gid:", "Groups:", "CapInh:", "CapPrm:", "CapEff:", "CapAmb:")
+    return {line.split(":")[0]: line.split(":", 1)[1].split() for line in shown.splitlines() if line.startswith(wanted)}
+
+
+def test_the_start_prelude_drops_root_as_setpriv_did(tmp_path: Path) -> None:
+    """boundary: host identity. nsenter becomes the sandbox's host user itself (one exec less a start): no
+    supplementary group of the server's, its uid and gid in every slot, no capability; what setpriv gave."""
+    user = HostIdentity("sandbox-canary", 61234, 61235)
+    namespace = StartNamespace.open(tmp_path, [])
+    try:
+        entered = credentials(namespace.prelude(user))
+        dropped = credentials(user.setpriv_prefix())
+    finally:
+        assert namespace.close()
+    assert entered["Uid"] == ["61234"] * 4 and entered["Gid"] == ["61235"] * 4
+    assert entered["Groups"] == [], f"the server's supplementary groups reached the sandbox's user: {entered}"
+    assert all(entered[key] == ["0000000000000000"] for key in ("CapInh", "CapPrm", "CapEff", "CapAmb"))
+    assert entered == dropped
+    assert credentials([])["Groups"] == ["4", "5"], "the canary groups were there to drop"

@@ -43,7 +43,7 @@ from coderunner.sandbox.build_slots import BUILT_WAIT_S, build_slots, wait_built
 from coderunner.sandbox.bwrap_argv import GUEST_SOURCE, BwrapCommand, root_files
 from coderunner.sandbox.bwrap_fds import StartFds, read_json_document
 from coderunner.sandbox.bwrap_watch import process_watch
-from coderunner.sandbox.cgroups import CgroupManager, CgroupsUnavailable, SessionCgroup, enter_command
+from coderunner.sandbox.cgroups import CgroupManager, CgroupsUnavailable, SessionCgroup
 from coderunner.sandbox.common import ENV_MOUNT
 from coderunner.sandbox.identity import shared_dir_mode
 from coderunner.sandbox.live_limits import cgroup_limits, lower_limits
@@ -292,13 +292,11 @@ class BwrapBackend(SandboxBackend):
                 memory_cgroup=cgroup is not None and "memory" in cgroup.dirs and spec.limits.memory_mb is not None,
                 root_fds=tuple(root_fds),
             )
-            if spec.user is not None:
-                full = [*spec.user.setpriv_prefix(), *full]
             if namespace is not None:
-                full = [*namespace.prelude(), *full]  # while the start has root: setpriv drops it
-            if cgroup is not None:
-                full = enter_command(cgroup, full)
-            full = gated_command(fds.gate.read, full)
+                full = [*namespace.prelude(spec.user), *full]  # while the start has root: nsenter drops it
+            elif spec.user is not None:
+                full = [*spec.user.setpriv_prefix(), *full]
+            full = gated_command(fds.gate.read, full, cgroup)
             process = await anyio.open_process(
                 full,
                 stdin=subprocess.PIPE if pipes else subprocess.DEVNULL,

@@ -366,9 +366,18 @@ class CgroupManager:
                     base.rmdir()
 
 
+#: /bin/sh that moves itself into the cgroups named by its arguments: a count N, then N join files (it is
+#: single-threaded, so "0", the writer, is the whole process); any failure exits 97. It leaves the rest of the
+#: arguments as "$@". A fragment, so that a start's one shell (pid1.gated_command) joins them too.
+JOIN_SCRIPT = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 97; shift; n=$((n-1)); done; '
+
+
+def join_arguments(group: SessionCgroup | None) -> list[str]:
+    """JOIN_SCRIPT's arguments for `group` (none: a count of 0)."""
+    files = [str(path) for path in group.join_files()] if group is not None else []
+    return [str(len(files)), *files]
+
+
 def enter_command(group: SessionCgroup, argv: list[str]) -> list[str]:
-    """Prefix `argv` with a /bin/sh that moves itself into the cgroups (join_files: it is single-threaded),
-    then execs `argv`."""
-    files = [str(path) for path in group.join_files()]
-    script = 'n=$1; shift; while [ "$n" -gt 0 ]; do echo 0 > "$1" || exit 97; shift; n=$((n-1)); done; exec "$@"'
-    return ["/bin/sh", "-c", script, "coderunner-cgroup-enter", str(len(files)), *files, *argv]
+    """Prefix `argv` with a /bin/sh that moves itself into the cgroups (JOIN_SCRIPT), then execs `argv`."""
+    return ["/bin/sh", "-c", JOIN_SCRIPT + 'exec "$@"', "coderunner-cgroup-enter", *join_arguments(group), *argv]

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coderunner.sandbox.bwrap_watch import PidWatcher
+from coderunner.sandbox.cgroups import JOIN_SCRIPT, SessionCgroup, join_arguments
 
 
 class NotOurChild(OSError):
@@ -42,12 +43,13 @@ def open_child(parent: int, child: int) -> int:
     return pidfd
 
 
-def gated_command(gate: int, argv: list[str]) -> list[str]:
+def gated_command(gate: int, argv: list[str], cgroup: SessionCgroup | None = None) -> list[str]:
     """`argv` behind a /bin/sh that waits for "go" on fd `gate` and exits on anything else (its writer's
-    end of file included), then execs `argv`. Its pid is what becomes the outer bwrap's."""
+    end of file included), then moves itself into `cgroup` (if any), then execs `argv`. Its pid is what becomes
+    the outer bwrap's. One shell for both: each exec before bwrap costs a start about 0.7 CPU-ms."""
     # dash redirects fds 0-9 only: the gate (any number) is opened anew by its /proc name.
-    script = 'IFS= read -r go < "/proc/self/fd/$1" && [ "$go" = go ] || exit 97; shift; exec "$@"'
-    return ["/bin/sh", "-c", script, "coderunner-start", str(gate), *argv]
+    script = 'IFS= read -r go < "/proc/self/fd/$1" && [ "$go" = go ] || exit 97; shift; ' + JOIN_SCRIPT + 'exec "$@"'
+    return ["/bin/sh", "-c", script, "coderunner-start", str(gate), *join_arguments(cgroup), *argv]
 
 
 @dataclass

@@ -46,6 +46,7 @@ from pathlib import Path
 from coderunner.hostfs import staging
 from coderunner.hostfs.sandbox_mounts import LOCK_SUFFIX, START_CLONES_PREFIX, release_start_clones
 from coderunner.sandbox.base import SandboxSpec
+from coderunner.vocabulary.host_identity import HostIdentity
 
 log = logging.getLogger(__name__)
 
@@ -178,10 +179,13 @@ class StartNamespace:
             helper.stdout.close()
         return cls(fd, live, lock, nsenter)
 
-    def prelude(self) -> list[str]:
+    def prelude(self, user: HostIdentity | None) -> list[str]:
         """What runs bwrap in this namespace: nsenter, by this process's own fd of it (no fd of it is
-        inherited, so none reaches the sandbox). It must run while the start still has root."""
-        return [self.nsenter, f"--mount=/proc/{os.getpid()}/fd/{self.fd}", "--"]
+        inherited, so none reaches the sandbox). It must run while the start still has root; with a `user`, it
+        then becomes that user itself (no supplementary groups, then the gid, then the uid: what
+        HostIdentity.setpriv_prefix does, without a second exec)."""
+        drop = ["-G", str(user.gid), "-S", str(user.uid)] if user is not None else []
+        return [self.nsenter, f"--mount=/proc/{os.getpid()}/fd/{self.fd}", *drop, "--"]
 
     def stage(self, key: str, sources: list[Path]) -> Staged:
         """A clone of each of `sources` (host-only paths: mount points, or dirs, of the host's) under a fresh
