@@ -33,6 +33,7 @@ from mcp.client.streamable_http import streamable_http_client
 from mcp.types import CallToolResult
 
 from coderunner.config import Settings, load_settings
+from coderunner.hostfs.blank_images import BLANK
 from coderunner.hostfs.sandbox_mounts import START_CLONES_PREFIX
 from coderunner.hostfs.session_dirs import MADE_AHEAD, remove_stale_dirs
 from coderunner.oneshot.local import LocalOneShots
@@ -111,7 +112,12 @@ class ServerDirs:
     def session_workspaces(self) -> list[Path]:
         """The sandboxes' workspaces (each a folder, and as root an .img file beside it), not those made ahead."""
         ahead = self.made_ahead()
-        return [entry for entry in self.workspaces.iterdir() if entry.name.removesuffix(".img") not in ahead]
+        return [entry for entry in self.workspace_entries() if entry.name.removesuffix(".img") not in ahead]
+
+    def workspace_entries(self) -> list[Path]:
+        """What the workspaces folder holds but the blank images capped workspaces are copied from (a cache kept
+        between servers: hostfs/blank_images.py)."""
+        return [entry for entry in self.workspaces.iterdir() if not BLANK.fullmatch(entry.name)]
 
 
 @pytest.fixture

@@ -72,7 +72,7 @@ async def test_sigterm_to_stdio_server_closes_every_sandbox_within_bound(dirs: S
         server.wait(timeout=20)
         assert time.monotonic() - began < 15, "sessions must be shut down within the bound"
     assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=5)
-    assert [p for p in dirs.workspaces.iterdir()] == [], "SIGTERM closes sessions and removes their workspaces"
+    assert [p for p in dirs.workspace_entries()] == [], "SIGTERM closes sessions and removes their workspaces"
 
 
 def test_a_sigterm_during_the_close_after_stdin_ends_does_not_cut_it_short(dirs: ServerDirs) -> None:
@@ -112,7 +112,7 @@ def test_a_sigterm_during_the_close_after_stdin_ends_does_not_cut_it_short(dirs:
             server.kill()
             server.wait(timeout=10)
     assert not sandbox_processes_alive(dirs)
-    assert list(dirs.workspaces.iterdir()) == [], "the close ran to its end and removed the workspace"
+    assert list(dirs.workspace_entries()) == [], "the close ran to its end and removed the workspace"
 
 
 STDIO_VANISHING_CLIENT = """
@@ -145,4 +145,4 @@ async def test_stdio_client_killed_mid_run_leaves_no_sandbox(dirs: ServerDirs, t
         client_process.wait(timeout=10)
     # The orphaned server sees stdin close, interrupts nothing it needs to keep, and takes its sandboxes down.
     assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=20)
-    assert await wait_until(lambda: not [p for p in dirs.workspaces.iterdir()], timeout_s=10)
+    assert await wait_until(lambda: not [p for p in dirs.workspace_entries()], timeout_s=10)

@@ -23,6 +23,7 @@ from anyio.abc import TaskGroup
 from mcp import Client
 
 from coderunner.config import Settings
+from coderunner.hostfs.blank_images import BLANK
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.oneshot.program import LAUNCHER
 from coderunner.sandbox import SandboxSpec, make_backend
@@ -110,7 +111,7 @@ async def test_the_sandbox_started_ahead_goes_away_with_the_server(dirs: ServerD
         assert await wait_until(lambda: bool(sandbox_processes_alive(dirs)), timeout_s=10)
     assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=10)
     assert not [entry for entry in dirs.runtime.iterdir() if entry.is_dir() and not entry.name.startswith("guest")]
-    assert list(dirs.workspaces.iterdir()) == []
+    assert list(dirs.workspace_entries()) == []
 
 
 async def test_a_program_reads_all_of_its_stdin_after_the_header(client: Client) -> None:
@@ -163,7 +164,7 @@ async def test_a_run_takes_the_sandbox_started_ahead_and_each_is_used_once(root:
         other = await oneshot.run("python", "print(5)", manager.options(SandboxRequest(memory_mb=700)))
         assert other.stdout == "5\n" and started.count("run") == 2, started
     assert [entry.name for entry in settings.runtime_dir.iterdir() if not entry.name.startswith("guest")] == []
-    assert list(settings.workspaces_dir.iterdir()) == []
+    assert [entry for entry in settings.workspaces_dir.iterdir() if not BLANK.fullmatch(entry.name)] == []
 
 
 async def test_a_run_refused_before_its_program_starts_leaves_no_sandbox(client: Client, dirs: ServerDirs) -> None:
@@ -237,7 +238,7 @@ async def test_a_sandbox_started_ahead_gives_its_room_to_a_session_and_nothing_i
     assert await wait_until(lambda: not sandbox_processes_alive(dirs), timeout_s=10)
     assert await wait_until(lambda: not host_mounts_under(dirs.root), timeout_s=10), host_mounts_under(dirs.root)
     assert not [entry for entry in dirs.runtime.iterdir() if entry.is_dir() and not entry.name.startswith("guest")]
-    assert list(dirs.workspaces.iterdir()) == []
+    assert list(dirs.workspace_entries()) == []
 
 
 async def test_no_sandbox_is_started_ahead_beyond_the_memory_budget(root: Path) -> None:

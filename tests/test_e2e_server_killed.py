@@ -102,9 +102,9 @@ async def test_a_sigkilled_server_leaves_no_sandbox_and_a_bystander_still_serves
             assert not again.is_error and text_of(again).splitlines()[0] == "2", text_of(again)
     # What the killed server left on disk (its workspaces, mounted, and the one it made ahead), if its dirs sweeper
     # has not removed it yet, goes at the next start on these folders (which makes one ahead of its own).
-    left = {path.name for path in dirs.workspaces.iterdir()}
+    left = {path.name for path in dirs.workspace_entries()}
     with raw_stdio_server(server_env(dirs), []):
-        assert not left & {path.name for path in dirs.workspaces.iterdir()}
+        assert not left & {path.name for path in dirs.workspace_entries()}
         assert dirs.session_workspaces() == []
 
 

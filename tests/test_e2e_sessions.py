@@ -109,7 +109,7 @@ async def test_stdio_server_exit_leaves_no_sandbox_behind(dirs: ServerDirs) -> N
         await run(client, "1")
         assert len(sandbox_processes_alive(dirs)) >= 2
     assert await wait_until(lambda: not sandbox_processes_alive(dirs))
-    assert not any(dirs.workspaces.iterdir())
+    assert not any(dirs.workspace_entries())
 
 
 async def test_sigkilled_server_leaves_no_sandbox_and_its_dirs_and_mounts_go_without_a_next_start(
@@ -127,9 +127,9 @@ async def test_sigkilled_server_leaves_no_sandbox_and_its_dirs_and_mounts_go_wit
     assert await wait_until(lambda: not sandbox_processes_alive(dirs)), "sandbox outlived a SIGKILLed server"
 
     def swept() -> bool:
-        return not session_dirs(dirs) and not any(dirs.workspaces.iterdir()) and not mounted_under(dirs.root)
+        return not session_dirs(dirs) and not any(dirs.workspace_entries()) and not mounted_under(dirs.root)
 
-    assert await wait_until(swept, timeout_s=30), (session_dirs(dirs), list(dirs.workspaces.iterdir()))
+    assert await wait_until(swept, timeout_s=30), (session_dirs(dirs), list(dirs.workspace_entries()))
     async with memory_client(env) as client:  # the next start: the same SessionManager start-up, in memory
         assert text_of(await run(client, "2 + 2")).splitlines()[0] == "4"
         assert len(set(session_dirs(dirs)) - dirs.made_ahead()) == 1  # the default session's (and the next's ahead)

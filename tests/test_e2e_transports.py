@@ -92,7 +92,7 @@ async def test_sigterm_to_http_server_closes_every_sandbox(dirs: ServerDirs) -> 
             assert len(sandbox_processes_alive(dirs)) >= 2
     # http_server's exit sent SIGTERM and asserted the process stopped within its bound.
     assert sandbox_processes_alive(dirs) == []
-    assert list(dirs.workspaces.iterdir()) == []
+    assert list(dirs.workspace_entries()) == []
 
 
 def cli(dirs: ServerDirs, *args: str, stdin: str | None = None, **settings: str) -> subprocess.CompletedProcess[str]:

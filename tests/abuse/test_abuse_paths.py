@@ -263,6 +263,6 @@ async def test_a_sigkilled_server_leaves_traps_that_are_cleared_once_it_is_gone(
         assert text_of(result).startswith("2"), text_of(result)
         gone = await wait_until(lambda: not any(path.exists() for path in sessions), timeout_s=60)
         assert gone, f"{[path for path in sessions if path.exists()]} of the SIGKILLed server were not removed"
-    leftovers = [path for path in trap_dirs.workspaces.iterdir() if not path.name.startswith("named-")]
+    leftovers = [path for path in trap_dirs.workspace_entries() if not path.name.startswith("named-")]
     assert leftovers == [], leftovers
     assert_untouched(canaries, before)

@@ -135,7 +135,7 @@ def still_current():
     about 1.5 CPU-ms)."""
     from importlib.machinery import PathFinder
 
-    suspects = set()
+    suspects: set = set()
     for entry in sys.path:
         if entry not in _searched:
             names = _names_in(entry)
