@@ -103,7 +103,8 @@ _libc = ctypes.CDLL(None, use_errno=True)
 #: What a kernel imports while it starts and runs its first cell, beyond ipykernel's modules: its debugger (debugpy
 #: with pydevd, about 75 ms of CPU: most of a forked kernel's start, bench/start_breakdown.py), what its shell,
 #: history and extensions load, the guest's extension (kernel_boot's IPKernelApp.extensions), and psutil, which
-#: jupyter_client imports to list the machine's addresses (the list itself is the fork's: its own network).
+#: jupyter_client imports to list the machine's addresses (the list itself is the fork's: its own network), and the
+#: kernel's launcher (kernel_boot: its main runs in the fork; only its import is ahead).
 #: Imported once here, from the sandbox's read-only view; a module that fails is left for the kernel to import as a
 #: cold one does.
 #: Not tornado.platform.asyncio (the kernel's event loop's own module, a few ms): with it here, the interrupt of
@@ -112,7 +113,7 @@ KERNEL_START_IMPORTS = (
     "faulthandler", "tornado.locks", "tornado.queues", "ipykernel.debugger",
     "IPython.core.debugger", "IPython.core.oinspect", "sqlite3", "IPython.core.completerlib",
     "IPython.extensions.storemagic", "IPython.core.magics.packaging", "IPython.core.logger",
-    "coderunner_guest.figures", "coderunner_guest.installs", "coderunner_guest.output",
+    "coderunner_guest.figures", "coderunner_guest.installs", "coderunner_guest.output", "coderunner_guest.kernel_boot",
     "psutil", "jupyter_client.localinterfaces",
 )  # fmt: skip
 
