@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,22 +99,13 @@ class BwrapCommand:
             args += ["--info-fd", str(info_fd)]
         if block_fd is not None:
             args += ["--block-fd", str(block_fd)]
-        for name in USR_ALIASES:
-            host = self.host_root / name
-            if host.is_symlink():
-                args += ["--symlink", os.readlink(host), f"/{name}"]
-            elif host.is_dir():
-                args += ["--ro-bind", str(host), f"/{name}"]
-        for name in ETC_PASSTHROUGH:
-            host = self.host_root / "etc" / name
-            if host.exists():
-                args += ["--ro-bind", str(host), f"/etc/{name}"]
+        args += self._system_binds
         tmp_size = ["--size", str(spec.limits.tmp_mb * 2**20)] if spec.limits.tmp_mb else []
         args += [
             "--ro-bind", str(self.env_dir), ENV_MOUNT,
             "--ro-bind", str(self.guest_dir), f"{GUEST_LIB}/coderunner_guest",
             "--proc", "/proc",
-            *self._proc_cover(),
+            *self._proc_cover,
             "--dev", "/dev",
             *tmp_size, "--tmpfs", "/tmp",
             "--size", str(SHM_MB * 2**20), "--tmpfs", "/dev/shm",
@@ -137,8 +129,26 @@ class BwrapCommand:
         inner = egress_launcher(f"{ENV_MOUNT}/bin/python", spec.network, str(spec.host_dir), inner)
         return [*args, "--", *init, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
 
+    @functools.cached_property
+    def _system_binds(self) -> list[str]:
+        """The host's /usr aliases and the /etc entries every sandbox reads, as the host has them. Looked up once
+        per backend (about 25 stats a start otherwise): what the host's / holds is the same while a server runs."""
+        args: list[str] = []
+        for name in USR_ALIASES:
+            host = self.host_root / name
+            if host.is_symlink():
+                args += ["--symlink", os.readlink(host), f"/{name}"]
+            elif host.is_dir():
+                args += ["--ro-bind", str(host), f"/{name}"]
+        for name in ETC_PASSTHROUGH:
+            host = self.host_root / "etc" / name
+            if host.exists():
+                args += ["--ro-bind", str(host), f"/etc/{name}"]
+        return args
+
+    @functools.cached_property
     def _proc_cover(self) -> list[str]:
-        """Read-only binds and masks over the sandbox's /proc, for entries the host has."""
+        """Read-only binds and masks over the sandbox's /proc, for entries the host has (looked up once, as above)."""
         args: list[str] = []
         proc = self.host_root / "proc"
         for name in PROC_READ_ONLY:
