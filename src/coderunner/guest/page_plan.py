@@ -17,6 +17,7 @@ nothing else: it is read by no one but the template, and never from a sandbox.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import mmap
 import os
@@ -55,11 +56,14 @@ def to_runs(
     addresses: list[int], mappings: list[tuple[int, int]], limit: int = MAX_PAGES
 ) -> tuple[tuple[int, int], ...]:
     """The page-aligned addresses inside `mappings`, at most `limit` of them, merged into (start, bytes) runs."""
+    ordered = sorted(mappings)
+    starts = [start for start, _ in ordered]
     kept: list[int] = []
     for address in sorted(set(addresses)):
         if len(kept) >= limit:
             break
-        if address % PAGE == 0 and any(start <= address < end for start, end in mappings):
+        at = bisect.bisect_right(starts, address) - 1  # the last mapping starting at or below it (they never overlap)
+        if address % PAGE == 0 and at >= 0 and address < ordered[at][1]:
             kept.append(address)
     merged: list[list[int]] = []
     for address in kept:
