@@ -1,8 +1,15 @@
-"""Running the server on a transport, with the SessionManager living exactly as long as the process."""
+"""Running the server on a transport, with the SessionManager living exactly as long as the process.
+
+The MCP side (the SDK, uvicorn, the tools: about 0.3 s of a start's imports) is imported where it is first used,
+not here: over stdio a worker thread imports it once the session host has started (`_import_mcp_side`), so that
+the kernel template's warm-up, a process of its own, runs beside those imports rather than after them.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
+import importlib
 import logging
 import os
 import shlex
@@ -10,29 +17,31 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
-import uvicorn
 from anyio.abc import TaskStatus
-from mcp.server.mcpserver import MCPServer
-from mcp.server.transport_security import TransportSecuritySettings
 
 from coderunner.config import ConfigError, Settings
-from coderunner.edge.auth import RequireToken, policy_for
 from coderunner.edge.client_configs import APP_CLIENTS, LaunchCommand, snippet
-from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
 from coderunner.edge.listener import open_listener
-from coderunner.edge.refusals import TokenCut
-from coderunner.edge.stdio_wire import claim_stdio, wire_streams
 from coderunner.errors import CodeRunnerError
 from coderunner.oneshot.host import OneShotHost
 from coderunner.oneshot.local import LocalOneShots
 from coderunner.sandbox import make_backend
-from coderunner.server import build_server, offered_tools
 from coderunner.sessions import SHUTDOWN_TIMEOUT_S, SessionManager
 
+if TYPE_CHECKING:
+    from mcp.server.mcpserver import MCPServer
+
+    from coderunner.edge.auth import AccessPolicy
+
 log = logging.getLogger(__name__)
+
+#: What `_import_mcp_side` imports: the modules the MCP server is built and served from.
+MCP_SIDE = ("coderunner.server", "coderunner.edge.stdio_wire", "mcp.server.mcpserver")
+#: Bound on waiting for those imports (seconds on a cold disk; a hung one says so instead of waiting for ever).
+IMPORT_WAIT_S = 120.0
 
 HTTP_SHUTDOWN_GRACE_S = 5
 #: stdio: after stdin closes, the calls already read may take their longest timeout plus this to answer.
@@ -46,12 +55,27 @@ async def serve(settings: Settings, listener: socket.socket | None = None) -> No
         # Whatever stops the start, before the MCP channel opens, is one line on stderr (cli.main
         # prints a CodeRunnerError's message): a client shows its user only "Failed to connect".
         with _start_failures():
-            offered_tools(settings)  # a tool name that is no tool is refused before anything starts
-            # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
-            policy = policy_for(settings) if settings.transport != "stdio" else None
-            if settings.transport != "stdio":
+            policy: AccessPolicy | None = None
+            if settings.transport == "stdio":
+                # A client launched this process and may call a tool at once: the session host starts first, then the
+                # MCP side is imported in a worker thread while the loop goes on starting the kernel template (a task of
+                # the host's). A tool name that is no tool is refused once it is in (the session host closes on the way
+                # out), still before the MCP channel opens.
+                with _stdout_held(True):
+                    manager = await stack.enter_async_context(_session_host(settings))
+                    await _imported(_import_mcp_side())
+                    from coderunner.server import build_server, offered_tools
+
+                    offered_tools(settings)
+                    server = build_server(manager, _oneshot_host(manager))
+            else:
+                from coderunner.edge.auth import policy_for
+                from coderunner.server import build_server, offered_tools
+
+                offered_tools(settings)  # a tool name that is no tool is refused before anything starts
+                # Refuse an unsafe bind, and a port that cannot be had, before any sandbox exists.
+                policy = policy_for(settings)
                 listener = stack.enter_context(contextlib.closing(listener or open_listener(settings)))
-            with _stdout_held(settings.transport == "stdio"):
                 manager = await stack.enter_async_context(_session_host(settings))
                 server = build_server(manager, _oneshot_host(manager))
         if settings.transport == "stdio":
@@ -70,46 +94,80 @@ async def serve(settings: Settings, listener: socket.socket | None = None) -> No
                 signal.signal(signum, _note_signal)
             return
         assert policy is not None and listener is not None
-        # Host and Origin are checked once, for every path, by RequireToken below.
-        security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
-        if settings.transport == "sse":
-            app = server.sse_app(host=settings.host, transport_security=security)
-            path = "/sse"
-        else:
-            app = server.streamable_http_app(host=settings.host, transport_security=security)
-            path = "/mcp"
-        log.info(
-            "serving MCP over %s at http://%s:%d%s; clients need the bearer token (%s)",
-            settings.transport,
-            settings.host,
-            listener.getsockname()[1],  # the port bound (port 0: the one the system chose)
-            path,
-            "as configured" if settings.token else f"in {settings.token_file}; `coderunner token` prints it",
-        )
-        config = uvicorn.Config(
-            RequireToken(app, policy),
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level.lower(),
-            # uvicorn's own logging config prints its access log on stdout; left unset, its lines go
-            # where every other log line goes (stderr), in the same format. A line per request only at
-            # DEBUG (refused ones have their own line, refusals.py), and never with the server's token.
-            log_config=None,
-            access_log=settings.log_level == "DEBUG",
-            lifespan="on",
-            # Anyone who can reach the port can open connections before any token check: bound them.
-            http=bounded_protocol(ConnectionLimits(settings.http_max_connections, settings.http_head_timeout_s)),
-            timeout_keep_alive=settings.http_idle_timeout_s,  # type: ignore[arg-type]  # uvicorn takes a float too
-            # Open SSE streams would otherwise hold a SIGTERM'd server forever.
-            timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
-        )
-        logging.getLogger("uvicorn.access").addFilter(TokenCut(policy.token))
-        # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal to the
-        # handler it found. Make that handler ours, so the process lives on long enough for the
-        # SessionManager to close every session on its way out.
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(signum, _note_signal)
-        await uvicorn.Server(config).serve(sockets=[listener])
+        await _serve_http(server, settings, policy, listener)
+
+
+def _import_mcp_side() -> concurrent.futures.Future[None]:
+    """Import MCP_SIDE in a worker thread of its own, now; the caller goes on (see the module docstring)."""
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coderunner-imports")
+    try:
+        return executor.submit(_import_all, MCP_SIDE)
+    finally:
+        executor.shutdown(wait=False)
+
+
+def _import_all(names: tuple[str, ...]) -> None:
+    for name in names:
+        importlib.import_module(name)
+
+
+async def _imported(importing: concurrent.futures.Future[None]) -> None:
+    """Once `_import_mcp_side`'s imports are in (off the loop; bounded); their failure is raised here."""
+    try:
+        await anyio.to_thread.run_sync(importing.result, IMPORT_WAIT_S)
+    except concurrent.futures.TimeoutError:
+        raise StartError(f"the server's own modules did not load in {IMPORT_WAIT_S:.0f} s") from None
+
+
+async def _serve_http(server: MCPServer, settings: Settings, policy: AccessPolicy, listener: socket.socket) -> None:
+    """MCP over Streamable HTTP or SSE on `listener`, every request through the token check, until a signal."""
+    import uvicorn
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    from coderunner.edge.auth import RequireToken
+    from coderunner.edge.http_limits import ConnectionLimits, bounded_protocol
+    from coderunner.edge.refusals import TokenCut
+
+    # Host and Origin are checked once, for every path, by RequireToken below.
+    security = TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    if settings.transport == "sse":
+        app = server.sse_app(host=settings.host, transport_security=security)
+        path = "/sse"
+    else:
+        app = server.streamable_http_app(host=settings.host, transport_security=security)
+        path = "/mcp"
+    log.info(
+        "serving MCP over %s at http://%s:%d%s; clients need the bearer token (%s)",
+        settings.transport,
+        settings.host,
+        listener.getsockname()[1],  # the port bound (port 0: the one the system chose)
+        path,
+        "as configured" if settings.token else f"in {settings.token_file}; `coderunner token` prints it",
+    )
+    config = uvicorn.Config(
+        RequireToken(app, policy),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+        # uvicorn's own logging config prints its access log on stdout; left unset, its lines go
+        # where every other log line goes (stderr), in the same format. A line per request only at
+        # DEBUG (refused ones have their own line, refusals.py), and never with the server's token.
+        log_config=None,
+        access_log=settings.log_level == "DEBUG",
+        lifespan="on",
+        # Anyone who can reach the port can open connections before any token check: bound them.
+        http=bounded_protocol(ConnectionLimits(settings.http_max_connections, settings.http_head_timeout_s)),
+        timeout_keep_alive=settings.http_idle_timeout_s,  # type: ignore[arg-type]  # uvicorn takes a float too
+        # Open SSE streams would otherwise hold a SIGTERM'd server forever.
+        timeout_graceful_shutdown=HTTP_SHUTDOWN_GRACE_S,
+    )
+    logging.getLogger("uvicorn.access").addFilter(TokenCut(policy.token))
+    # uvicorn handles SIGINT/SIGTERM itself and, once stopped, re-raises the signal to the
+    # handler it found. Make that handler ours, so the process lives on long enough for the
+    # SessionManager to close every session on its way out.
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, _note_signal)
+    await uvicorn.Server(config).serve(sockets=[listener])
 
 
 async def _serve_stdio(server: MCPServer, drain_s: float) -> None:
@@ -117,6 +175,8 @@ async def _serve_stdio(server: MCPServer, drain_s: float) -> None:
     by the SDK's transport (a worker thread per line). mcp 2.3 has no public way to give its stdio run
     other streams, hence the guarded private access. `drain_s`: how long the requests read before stdin
     closed may take to be answered."""
+    from coderunner.edge.stdio_wire import claim_stdio, wire_streams
+
     lowlevel = getattr(server, "_lowlevel_server", None)
     if lowlevel is None:
         await server.run_stdio_async()

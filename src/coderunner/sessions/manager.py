@@ -198,10 +198,11 @@ class SessionManager:
 
     async def __aexit__(self, *exc_info: object) -> None:
         count, began = len(self._sessions), time.monotonic()
-        log.info("shutting down: closing %d session(s)", count)
+        said = logging.INFO if count else logging.DEBUG  # a server that held none (a start refused) says one line
+        log.log(said, "shutting down: closing %d session(s)", count)
         with anyio.move_on_after(self.shutdown_bound_s(), shield=True):
             await self.close_all()
-        log.info("closed %d session(s) in %.2fs", count, time.monotonic() - began)
+        log.log(said, "closed %d session(s) in %.2fs", count, time.monotonic() - began)
         if self.template is not None:
             await self.template.close()
         await self.leases.close_spare()
