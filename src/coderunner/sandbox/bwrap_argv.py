@@ -99,7 +99,7 @@ class BwrapCommand:
             args += ["--info-fd", str(info_fd)]
         if block_fd is not None:
             args += ["--block-fd", str(block_fd)]
-        args += self._system_binds
+        args += self.system_binds
         tmp_size = ["--size", str(spec.limits.tmp_mb * 2**20)] if spec.limits.tmp_mb else []
         args += [
             "--ro-bind", str(self.env_dir), ENV_MOUNT,
@@ -130,9 +130,10 @@ class BwrapCommand:
         return [*args, "--", *init, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
 
     @functools.cached_property
-    def _system_binds(self) -> list[str]:
-        """The host's /usr aliases and the /etc entries every sandbox reads, as the host has them. Looked up once
-        per backend (about 25 stats a start otherwise): what the host's / holds is the same while a server runs."""
+    def system_binds(self) -> list[str]:
+        """The host's /usr aliases and the /etc entries every sandbox (and the kernel template) reads, as the host
+        has them. Looked up once per backend (about 25 stats a start otherwise): what the host's / holds is the same
+        while a server runs."""
         args: list[str] = []
         for name in USR_ALIASES:
             host = self.host_root / name

@@ -39,7 +39,7 @@ from anyio.abc import Process, TaskGroup
 
 from coderunner.sandbox.base import SandboxProcess, SandboxSpec
 from coderunner.sandbox.bwrap import BwrapBackend, BwrapUnavailable
-from coderunner.sandbox.bwrap_argv import ETC_PASSTHROUGH, HOLD, USR_ALIASES, BwrapCommand
+from coderunner.sandbox.bwrap_argv import HOLD, BwrapCommand
 from coderunner.sandbox.common import ENV_MOUNT, GUEST_LIB, sandbox_environment, spec_environment
 from coderunner.sandbox.pid1 import SandboxHold as BwrapHold
 from coderunner.vocabulary.network import NetworkMode
@@ -146,15 +146,7 @@ def template_argv(command: BwrapCommand, socket_fd: int, seccomp_fd: int, *extra
         command.bwrap, "--cap-add", "ALL", "--unshare-net", "--unshare-ipc", "--unshare-uts",
         "--die-with-parent", "--ro-bind", "/usr", "/usr",
     ]  # fmt: skip
-    for name in USR_ALIASES:
-        host = command.host_root / name
-        if host.is_symlink():
-            args += ["--symlink", os.readlink(host), f"/{name}"]
-        elif host.is_dir():
-            args += ["--ro-bind", str(host), f"/{name}"]
-    for name in ETC_PASSTHROUGH:
-        if (command.host_root / "etc" / name).exists():
-            args += ["--ro-bind", str(command.host_root / "etc" / name), f"/etc/{name}"]
+    args += command.system_binds
     args += [
         "--ro-bind", str(command.env_dir), ENV_MOUNT,
         "--ro-bind", str(command.guest_dir), f"{GUEST_LIB}/coderunner_guest",
