@@ -7,7 +7,6 @@ the kernel template's warm-up, a process of its own, runs beside those imports r
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import importlib
 import logging
@@ -63,7 +62,7 @@ async def serve(settings: Settings, listener: socket.socket | None = None) -> No
                 # out), still before the MCP channel opens.
                 with _stdout_held(True):
                     manager = await stack.enter_async_context(_session_host(settings))
-                    await _imported(_import_mcp_side())
+                    await _import_mcp_side()
                     from coderunner.server import build_server, offered_tools
 
                     offered_tools(settings)
@@ -97,26 +96,18 @@ async def serve(settings: Settings, listener: socket.socket | None = None) -> No
         await _serve_http(server, settings, policy, listener)
 
 
-def _import_mcp_side() -> concurrent.futures.Future[None]:
-    """Import MCP_SIDE in a worker thread of its own, now; the caller goes on (see the module docstring)."""
-    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="coderunner-imports")
+async def _import_mcp_side() -> None:
+    """Import MCP_SIDE in a worker thread while the loop goes on (see the module docstring); bounded."""
     try:
-        return executor.submit(_import_all, MCP_SIDE)
-    finally:
-        executor.shutdown(wait=False)
+        with anyio.fail_after(IMPORT_WAIT_S):
+            await anyio.to_thread.run_sync(_import_all, MCP_SIDE, abandon_on_cancel=True)
+    except TimeoutError:
+        raise StartError(f"the server's own modules did not load in {IMPORT_WAIT_S:.0f} s") from None
 
 
 def _import_all(names: tuple[str, ...]) -> None:
     for name in names:
         importlib.import_module(name)
-
-
-async def _imported(importing: concurrent.futures.Future[None]) -> None:
-    """Once `_import_mcp_side`'s imports are in (off the loop; bounded); their failure is raised here."""
-    try:
-        await anyio.to_thread.run_sync(importing.result, IMPORT_WAIT_S)
-    except concurrent.futures.TimeoutError:
-        raise StartError(f"the server's own modules did not load in {IMPORT_WAIT_S:.0f} s") from None
 
 
 async def _serve_http(server: MCPServer, settings: Settings, policy: AccessPolicy, listener: socket.socket) -> None:
