@@ -123,6 +123,21 @@ async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_
             " ik.sys is sys))"
         )
         assert await value(client, sid, said) == "(True, True, True, True, True, True)"
+        # The names IPython keeps for `%reset --aggressive` are the template's set with the fork's imports added
+        # (tornado's asyncio platform is imported by the kernel's start, never by the template); its display
+        # formatters were built in the template; and no shell channel thread was built (a stand-in, falsy).
+        said = (
+            "import sys, coderunner_guest.kernel_ahead as a; ip = get_ipython(); keys = ip._sys_modules_keys\n"
+            "print((keys is a._module_names, 'tornado.platform.asyncio' in keys, keys <= set(sys.modules),\n"
+            " len(keys) > a._modules_then > 500, len(ip.display_formatter.formatters) > 5,\n"
+            " type(ip.kernel.shell_channel_thread).__name__))"
+        )
+        assert await value(client, sid, said) == "(True, True, True, True, True, 'NoShellChannelThread')"
+        # ... and what that set is for still holds: an aggressive reset drops a module imported by a cell only.
+        said = "import tabnanny\n%reset -f --aggressive"
+        assert await value(client, sid, said) == "culling sys module..."
+        said = "import sys\nprint(('tabnanny' in sys.modules, 'numpy' in sys.modules))"
+        assert await value(client, sid, said) == "(False, True)"
         # No heartbeat (the host never uses it): no thread of it, nor a ZMQ context of its own (one I/O thread: the
         # kernel's own context's).
         said = (

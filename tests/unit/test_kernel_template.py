@@ -338,6 +338,44 @@ def test_the_module_walk_ahead_finds_the_files_the_stock_walk_finds_in_its_order
     assert sys.coderunner_test_mark == 2  # type: ignore[attr-defined]
 
 
+def test_the_module_names_ahead_are_the_templates_set_and_the_names_imported_since(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """IPython's init_code keeps `set(sys.modules.keys())` for `%reset --aggressive`; in a fork (kernel_ahead.py)
+    it asks a `sys` that names nothing, and the set kept is the template's own with the names imported since:
+    what the stock line would have made. Where init_code does not ask, the shell is left as it is."""
+    import types
+
+    from coderunner.guest import kernel_ahead
+
+    shellapp = types.ModuleType("IPython.core.shellapp")
+    shellapp.sys = sys  # type: ignore[attr-defined]
+    core = types.ModuleType("IPython.core")
+    core.shellapp = shellapp  # type: ignore[attr-defined]
+    for name, module in (("IPython", types.ModuleType("IPython")), ("IPython.core", core),
+                         ("IPython.core.shellapp", shellapp)):  # fmt: skip
+        monkeypatch.setitem(sys.modules, name, module)
+    monkeypatch.setattr(kernel_ahead, "_module_files", ())
+    monkeypatch.setattr(kernel_ahead, "_module_names", None)
+    monkeypatch.setattr(kernel_ahead, "_modules_then", None)
+    kernel_ahead.note_modules()
+    monkeypatch.setitem(sys.modules, "coderunner_test_since", types.ModuleType("coderunner_test_since"))
+    app = types.SimpleNamespace(shell=types.SimpleNamespace())
+
+    with kernel_ahead.names_ahead(app):  # as IPython's init_code ends
+        assert shellapp.sys.stdout is sys.stdout  # type: ignore[attr-defined]
+        app.shell._sys_modules_keys = set(shellapp.sys.modules.keys())  # type: ignore[attr-defined]
+        assert app.shell._sys_modules_keys == set()
+    assert shellapp.sys is sys  # type: ignore[attr-defined]
+    assert app.shell._sys_modules_keys is kernel_ahead._module_names
+    assert app.shell._sys_modules_keys == set(sys.modules)
+
+    untouched = types.SimpleNamespace(shell=types.SimpleNamespace())
+    with kernel_ahead.names_ahead(untouched):
+        pass
+    assert not hasattr(untouched.shell, "_sys_modules_keys")
+
+
 def test_a_forks_kernel_has_a_cold_kernels_command_line() -> None:
     # The template parses KERNEL_ARGS ahead for every fork; a cold kernel is started with kernel/process.py's
     # options after its private connection file. The host cannot import the guest, so each has its own copy.

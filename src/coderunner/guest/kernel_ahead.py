@@ -6,7 +6,7 @@ Ahead, in the template after its imports (`prepare`):
 - the kernel's shell (ipykernel's ZMQInteractiveShell, a traitlets singleton) is built: its construction was 10
   of the 45 CPU-ms a fork's IPKernelApp.initialize took, and what it builds stays shared with the template
   (copy on write) instead of being made anew in every fork. IPythonKernel asks `shell_class.instance(...)`,
-  which hands it this one.
+  which hands it this one. Its display formatters too, which it would build at a fork's first result.
 
 Neither reads anything a sandbox could write: the template's home is its own empty tmpfs (as a new sandbox's
 is), the shell is built from the command line's configuration only, and nothing runs in it.
@@ -24,6 +24,9 @@ for `__file__`: each touch writes that module's refcount and its name's, so in a
 pages (5.5 MiB) of the template's memory into the kernel and cost a few CPU-ms. In the fork (`modules_ahead`),
 that walk is given the template's modules as small stand-ins made here (contiguous, so a few pages), then the
 modules imported since the template was ready (the newest end of sys.modules, which keeps import order).
+The same for the set of loaded modules' names that IPython's init_code keeps for `%reset --aggressive`
+(`set(sys.modules.keys())`: a reference to every name, about 390 pages copied and 1.5 CPU-ms a start): the
+template's set is made here, and the fork adds the names imported since to it (`names_ahead`).
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ class ModuleFile:
 #: (None: not made, as in a cold kernel).
 _module_files: tuple[ModuleFile, ...] = ()
 _modules_then: int | None = None
+#: The names in sys.modules when the template was ready (None: not made).
+_module_names: set[str] | None = None
 
 
 def prepare(argv: list[str]) -> None:
@@ -67,17 +72,34 @@ def prepare(argv: list[str]) -> None:
     _parsed = list(argv)
     traits = ipkernel.IPythonKernel.class_traits()
     shell_class, compiler_class = traits["shell_class"].default_value, traits["compiler_class"].default_value
-    shell_class.instance(parent=app, compiler_class=compiler_class)
+    shell = shell_class.instance(parent=app, compiler_class=compiler_class)
+    build_formatters(shell.display_formatter)
     _shell_built = True
+
+
+def build_formatters(display: Any) -> None:
+    """The display formatter's formatters, which traitlets builds at their first use: a fork's first result
+    built them (a dozen configurables, each reading its config: about 0.7 of a first `1+1`'s 2.8 CPU-ms).
+    Only built, nothing formatted: they hold the shell's configuration and nothing of a process."""
+    for name in ("formatters", "ipython_display_formatter", "mimebundle_formatter"):
+        getattr(display, name, None)
 
 
 def note_modules() -> None:
     """In the template, last before its GC is frozen: the stand-ins of every loaded module with a file."""
-    global _module_files, _modules_then
+    global _module_files, _modules_then, _module_names
     modules = list(sys.modules.values())
     files = [getattr(module, "__file__", None) for module in modules]
     _module_files = tuple(ModuleFile(file) for file in files if isinstance(file, str) and file)
+    _module_names = set(sys.modules)
     _modules_then = len(modules)
+
+
+def _names_since() -> Iterator[str]:
+    """The names of the modules imported since the template was ready (the newest end of sys.modules)."""
+    assert _modules_then is not None
+    since = len(sys.modules) - _modules_then
+    return itertools.islice(reversed(sys.modules), since) if since > 0 else iter(())
 
 
 class _ModulesAhead:
@@ -88,10 +110,8 @@ class _ModulesAhead:
         return self
 
     def values(self) -> Iterator[Any]:
-        assert _modules_then is not None
-        since = len(sys.modules) - _modules_then
-        newest = itertools.islice(reversed(sys.modules.values()), since) if since > 0 else ()
-        return itertools.chain(_module_files, reversed(list(newest)))
+        newest = [sys.modules[name] for name in _names_since()]
+        return itertools.chain(_module_files, reversed(newest))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(sys.modules, name)
@@ -126,6 +146,60 @@ def modules_ahead() -> Iterator[None]:
         ipkernel.sys = sys
 
 
+class _NamesAsked:
+    """What IPython's init_code finds as `sys.modules` while it runs (its `set(sys.modules.keys())` is given no
+    name, and the set is made in `names_ahead`): the real one but for `keys`."""
+
+    def __init__(self) -> None:
+        self.asked = False
+
+    def keys(self) -> tuple[()]:
+        self.asked = True
+        return ()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys.modules, name)
+
+
+class _SysNamesAsked:
+    """The `sys` IPython.core.shellapp sees while init_code runs: the real one but for `modules`."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "modules", _NamesAsked())
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(sys, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(sys, name, value)
+
+
+@contextlib.contextmanager
+def names_ahead(app: Any) -> Iterator[None]:
+    """While a fork's init_code runs: its set of loaded modules' names is the template's, with the names
+    imported since added (see the module docstring). Nothing changes if the set was not made, if a module was
+    removed since, or in an IPython whose init_code does not ask for them."""
+    from IPython.core import shellapp
+
+    if (
+        _module_names is None
+        or _modules_then is None
+        or len(sys.modules) < _modules_then
+        or getattr(shellapp, "sys", None) is not sys
+    ):
+        yield
+        return
+    asking = _SysNamesAsked()
+    shellapp.sys = asking
+    try:
+        yield
+    finally:
+        shellapp.sys = sys
+    if asking.modules.asked:
+        _module_names.update(_names_since())
+        app.shell._sys_modules_keys = _module_names
+
+
 def install(app: Any, argv: list[str]) -> bool:
     """In a fork whose argv is the one parsed ahead: skip the parse, and adopt the shell once the kernel is built.
     False (nothing changed) for any other kernel."""
@@ -145,6 +219,13 @@ def install(app: Any, argv: list[str]) -> bool:
             adopt(app)
 
         app.init_kernel = init_kernel
+    stock_code = app.init_code
+
+    def init_code() -> None:
+        with names_ahead(app):
+            stock_code()
+
+    app.init_code = init_code
     return True
 
 

@@ -123,6 +123,10 @@ def drop_shell_channel_thread() -> bool:
 
     app.init_sockets = init_sockets
     kernel._supports_kernel_subshells = property(lambda self: bool(self.shell_channel_thread))
+    if callable(getattr(kernelapp, "ShellChannelThread", None)):
+        # Not even built: its event loop (an epoll fd and a socket pair, which no one would close) and its lock
+        # were a fork's first use of each. init_sockets above stays the guarantee where this name is not used.
+        kernelapp.ShellChannelThread = lambda *args, **kwargs: NoShellChannelThread()
     return True
 
 
