@@ -26,7 +26,9 @@ that walk is given the template's modules as small stand-ins made here (contiguo
 modules imported since the template was ready (the newest end of sys.modules, which keeps import order).
 The same for the set of loaded modules' names that IPython's init_code keeps for `%reset --aggressive`
 (`set(sys.modules.keys())`: a reference to every name, about 390 pages copied and 1.5 CPU-ms a start): the
-template's set is made here, and the fork adds the names imported since to it (`names_ahead`).
+template's set is made here, and the fork adds the names imported since to it (`names_ahead`). And whether each
+builtin type is each abstract collection (`answer_abcs`): an ABC's first answer about a type is a walk over all
+its subclasses.
 """
 
 from __future__ import annotations
@@ -83,6 +85,26 @@ def build_formatters(display: Any) -> None:
     Only built, nothing formatted: they hold the shell's configuration and nothing of a process."""
     for name in ("formatters", "ipython_display_formatter", "mimebundle_formatter"):
         getattr(display, name, None)
+
+
+#: The types whose answers against collections.abc are made ahead (answer_abcs).
+ANSWERED_TYPES = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset, type(None))
+
+
+def answer_abcs() -> None:
+    """Whether each builtin type is each of collections.abc's classes, answered once here (0.5 ms).
+
+    An ABC asked about a type it does not know yet walks every one of its subclasses (with pandas and matplotlib
+    loaded, hundreds of classes), taking a reference to each: in a fork, that wrote about 110 pages of the
+    template's, for one `isinstance(a_list, Mapping)` logging makes while the kernel starts. Answered here, the
+    fork finds the answer in the ABC's caches (a `register` anywhere since then voids the negative answers, and
+    that walk happens as before)."""
+    import collections.abc
+
+    classes = [value for value in vars(collections.abc).values() if isinstance(value, type)]
+    for kind in ANSWERED_TYPES:
+        for abstract in classes:
+            issubclass(kind, abstract)
 
 
 def note_modules() -> None:

@@ -142,28 +142,8 @@ def warm(preload: bool = True) -> None:
     # from it (kernel_ahead.py); a failure leaves each fork to do both itself, as a cold kernel does.
     with contextlib.suppress(Exception):
         kernel_ahead.prepare(list(KERNEL_ARGS))
-    answer_abcs()
+    kernel_ahead.answer_abcs()
     kernel_ahead.note_modules()  # last: every module above is in it
-
-
-#: The types whose answers against collections.abc are made ahead (answer_abcs).
-ANSWERED_TYPES = (bool, int, float, complex, str, bytes, bytearray, list, tuple, dict, set, frozenset, type(None))
-
-
-def answer_abcs() -> None:
-    """Whether each builtin type is each of collections.abc's classes, answered once here (0.5 ms).
-
-    An ABC asked about a type it does not know yet walks every one of its subclasses (with pandas and matplotlib
-    loaded, hundreds of classes), taking a reference to each: in a fork, that wrote about 110 pages of the
-    template's, for one `isinstance(a_list, Mapping)` logging makes while the kernel starts. Answered here, the
-    fork finds the answer in the ABC's caches (a `register` anywhere since then voids the negative answers, and
-    that walk happens as before)."""
-    import collections.abc
-
-    classes = [value for value in vars(collections.abc).values() if isinstance(value, type)]
-    for kind in ANSWERED_TYPES:
-        for abstract in classes:
-            issubclass(kind, abstract)
 
 
 def counters() -> tuple[int, int]:
