@@ -125,16 +125,19 @@ async def test_a_session_kernel_is_a_fork_of_the_template_and_its_exit_ends_its_
         assert await value(client, sid, said) == "(True, True, True, True, True, True)"
         # The names IPython keeps for `%reset --aggressive` are the template's set with the fork's imports added
         # (tornado's asyncio platform is imported by the kernel's start, never by the template); its display
-        # formatters were built in the template; no shell channel thread was built (a stand-in, falsy); and the
-        # abstract collections already knew what the builtin types are not (a question nothing in a start asks).
+        # formatters are the ones built in the template; no shell channel thread was built (a stand-in, falsy, and
+        # three event loops: the kernel's, control's and IOPub's; a built one left a fourth); and the abstract
+        # collections already knew what the builtin types are not (a question nothing in a start asks).
         said = (
             "import abc, collections.abc, sys, coderunner_guest.kernel_ahead as a; ip = get_ipython()\n"
+            "from tornado.ioloop import IOLoop\n"
             "keys = ip._sys_modules_keys; _, _, isnot, version = abc._get_dump(collections.abc.Sequence)\n"
             "print((keys is a._module_names, 'tornado.platform.asyncio' in keys, keys <= set(sys.modules),\n"
-            " len(keys) > a._modules_then > 500, len(ip.display_formatter.formatters) > 5,\n"
-            " type(ip.kernel.shell_channel_thread).__name__, any(ref() is complex for ref in isnot)))"
+            " len(keys) > a._modules_then > 500, ip.display_formatter.formatters is a._formatters,\n"
+            " type(ip.kernel.shell_channel_thread).__name__, len(IOLoop._ioloop_for_asyncio),\n"
+            " any(ref() is complex for ref in isnot)))"
         )
-        expected = "(True, True, True, True, True, 'NoShellChannelThread', True)"
+        expected = "(True, True, True, True, True, 'NoShellChannelThread', 3, True)"
         assert await value(client, sid, said) == expected
         # ... and what that set is for still holds: an aggressive reset drops a module imported by a cell only.
         said = "import tabnanny\n%reset -f --aggressive"

@@ -44,6 +44,8 @@ from typing import Any
 _parsed: list[str] | None = None
 #: Whether the shell was built ahead.
 _shell_built = False
+#: The display formatters built with the shell (None: not built ahead).
+_formatters: dict[str, Any] | None = None
 
 
 class ModuleFile:
@@ -83,8 +85,10 @@ def build_formatters(display: Any) -> None:
     """The display formatter's formatters, which traitlets builds at their first use: a fork's first result
     built them (a dozen configurables, each reading its config: about 0.7 of a first `1+1`'s 2.8 CPU-ms).
     Only built, nothing formatted: they hold the shell's configuration and nothing of a process."""
-    for name in ("formatters", "ipython_display_formatter", "mimebundle_formatter"):
+    global _formatters
+    for name in ("ipython_display_formatter", "mimebundle_formatter"):
         getattr(display, name, None)
+    _formatters = display.formatters
 
 
 #: The types whose answers against collections.abc are made ahead (answer_abcs).
