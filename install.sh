@@ -113,6 +113,9 @@ fi
 APT_PACKAGES=(bubblewrap python3 python3-venv util-linux mount e2fsprogs libseccomp2 slirp4netns tesseract-ocr tesseract-ocr-eng chromium)
 # mkfs.xfs: tests/test_snapshot_reflink.py makes a reflink=1 XFS to prove snapshots clone, not copy.
 APT_PACKAGES+=(xfsprogs)
+# A C compiler: `coderunner setup` builds each sandbox's pid 1 from guest/sandbox_init.c (about 5 CPU-ms less a
+# start than the Python init, which serves where there is none).
+APT_PACKAGES+=(gcc libc6-dev)
 # Node.js runs execute_code's JavaScript inside the sandbox (any /usr/bin/node will do, e.g. NodeSource's).
 [ -x /usr/bin/node ] || APT_PACKAGES+=(nodejs)
 # The podman backend and its tests: podman with runc (crun fails on hybrid cgroup hosts), and

@@ -162,6 +162,18 @@ def test_pid_1_is_our_sealed_init_holding_the_gate_and_no_mark(tmp_path: Path) -
     assert "--unsetenv" not in argv and not any("CODERUNNER" in arg for arg in argv if "=" not in arg)
 
 
+def test_the_compiled_init_where_setup_built_one_is_pid_1_as_the_sandbox_sees_it(tmp_path: Path) -> None:
+    """The compiled init (guest/sandbox_init.c) lives in the environment, which the sandbox sees at ENV_MOUNT: its
+    path inside, then the gate, then the program, as for the Python one."""
+    env_dir = Path("/opt/env")
+    command = BwrapCommand(bwrap="/usr/bin/bwrap", env_dir=env_dir, init_binary=env_dir / "libexec" / "sandbox-init-x")
+    spec = SandboxSpec(name="k", workspace=tmp_path, runtime_dir=tmp_path, host_dir=tmp_path)
+    argv = command.argv(spec, ["python", "-m", "ipykernel_launcher"], gate_fd=11)
+    inner = argv[argv.index("--") + 1 :]
+    assert inner == [f"{ENV_MOUNT}/libexec/sandbox-init-x", "11", "--", "python", "-m", "ipykernel_launcher"]
+    assert command.argv(spec, HOLD, gate_fd=12)[-3:] == [f"{ENV_MOUNT}/libexec/sandbox-init-x", "12", "--hold"]
+
+
 def test_a_sandbox_with_no_program_is_held_by_its_init_and_not_in_allowlist(tmp_path: Path) -> None:
     """HOLD (what a template's fork enters): the init says ready itself; no prlimit or shell before anything runs.
     In network 'allowlist' the forwarder must start a program, so there is none to hold."""

@@ -29,6 +29,8 @@ import anyio
 import pytest
 from mcp.types import CallToolResult
 
+from coderunner.sandbox.common import ENV_MOUNT
+
 from ..conftest import ServerDirs, fresh_dirs, json_of, raw_stdio_server, run, server_env, text_of, wait_until
 from .conftest import BYSTANDER_VALUE, Arena, HostTargets, open_arena
 
@@ -199,11 +201,24 @@ async def bystander_unharmed(arena: Arena) -> None:
     assert not served.is_error and text_of(served).splitlines()[0] == "42", text_of(served)
 
 
-@pytest.fixture(scope="module", params=["true", "false"], ids=["cgroups", "no-cgroups"])
+#: The servers each case runs against: with and without cgroups (without them nothing but the host's handle on
+#: pid 1 ends a namespace), and with the Python init where the compiled one (guest/sandbox_init.c) is the default.
+ARENAS = {
+    "cgroups": {"CODERUNNER_CGROUPS": "true"},
+    "no-cgroups": {"CODERUNNER_CGROUPS": "false"},
+    "python-init": {"CODERUNNER_CGROUPS": "true", "CODERUNNER_COMPILED_INIT": "false"},
+}
+
+
+def arena_settings(request: pytest.FixtureRequest) -> dict[str, str]:
+    return ARENAS[request.node.callspec.params["pid1_arena"]]
+
+
+@pytest.fixture(scope="module", params=list(ARENAS))
 async def pid1_arena(request: pytest.FixtureRequest, host_listeners: HostTargets) -> AsyncIterator[Arena]:
-    """A server with (or without) cgroups, and its bystander session."""
+    """A server as ARENAS says, and its bystander session."""
     with fresh_dirs("crp-") as dirs:
-        async with open_arena(dirs, host_listeners, CODERUNNER_CGROUPS=request.param) as made:
+        async with open_arena(dirs, host_listeners, **ARENAS[request.param]) as made:
             yield made
 
 
@@ -222,9 +237,10 @@ async def new_session(arena: Arena) -> str:
     return str(json_of(await arena.client.call_tool("create_session", {}))["session_id"])
 
 
-async def test_pid_1_cannot_be_written_and_names_no_watcher(pid1_arena: Arena) -> None:
+async def test_pid_1_cannot_be_written_and_names_no_watcher(pid1_arena: Arena, request: pytest.FixtureRequest) -> None:
     """Nothing in the sandbox can write its pid 1: /proc/1/mem and /proc/1/syscall are refused, and
-    signals from inside do not reach it; its command line carries no mark of the host's watcher."""
+    signals from inside do not reach it; its command line carries no mark of the host's watcher. pid 1 is the
+    compiled init (`coderunner setup` built it: install.sh installs a C compiler) unless the server said Python."""
     code = """
 import json, os, signal, time
 def attempt(fn):
@@ -247,6 +263,10 @@ print(json.dumps({
     assert found["syscall"][0] == "PermissionError", found
     assert found["kill"][0] == "OK", found  # the signal is ignored: pid 1 is still there
     assert "CODERUNNER_SANDBOX_OF" not in found["cmdline"] and "unsetenv" not in found["cmdline"], found
+    if arena_settings(request).get("CODERUNNER_COMPILED_INIT") == "false":
+        assert "coderunner_guest.sandbox_init" in found["cmdline"], found
+    else:
+        assert found["cmdline"].startswith(f"{ENV_MOUNT}/libexec/sandbox-init-"), f"not the compiled init: {found}"
     again = await run(pid1_arena.client, "1 + 1", session_id=session)
     assert text_of(again).splitlines()[0] == "2", text_of(again)
     await bystander_unharmed(pid1_arena)
@@ -278,9 +298,8 @@ async def test_a_taken_over_pid_1_dies_with_its_sigkilled_server(
     """The doomed server is a second one (cgroups as the arena's), driven by hand; the arena's server is
     the bystander's."""
     token = f"survivor-{secrets.token_hex(6)}"
-    cgroups = request.node.callspec.params["pid1_arena"]
     with fresh_dirs("crk-") as dirs:
-        env = server_env(dirs, CODERUNNER_CGROUPS=cgroups)
+        env = server_env(dirs, **arena_settings(request))
         calls: list[tuple[str, dict[str, object]]] = [
             ("run_python", {"code": ATTACK.format(payload=payload(), token=token)})
         ]
@@ -302,7 +321,7 @@ async def test_a_sigkilled_server_whose_watcher_died_first_still_leaves_nothing(
     only thing between a dead server and its sandboxes."""
     token = f"survivor-{secrets.token_hex(6)}"
     with fresh_dirs("crw-") as dirs:
-        env = server_env(dirs, CODERUNNER_CGROUPS=request.node.callspec.params["pid1_arena"])
+        env = server_env(dirs, **arena_settings(request))
         calls: list[tuple[str, dict[str, object]]] = [
             ("run_python", {"code": ATTACK.format(payload=payload(), token=token)})
         ]
@@ -362,7 +381,7 @@ async def test_a_sigkilled_server_whose_watcher_died_first_leaves_nothing_of_a_s
     namespace no handle reached.)"""
     with fresh_dirs("crs-") as dirs:
         stand_in = slow_bwrap(dirs)
-        env = server_env(dirs, CODERUNNER_CGROUPS=request.node.callspec.params["pid1_arena"], CODERUNNER_POOL_SIZE="1")
+        env = server_env(dirs, **arena_settings(request), CODERUNNER_POOL_SIZE="1")
         env["PATH"] = f"{stand_in.parent}:{env['PATH']}"
         with raw_stdio_server(env, [("run_python", {"code": "1 + 1"})]) as doomed:
             # A start that nothing cancels (the session's standby may be one too): a second session's kernel,

@@ -28,6 +28,7 @@ from anyio.abc import TaskGroup
 
 from coderunner.hostfs.private_dirs import ensure_private_dir
 from coderunner.offload import off_loop
+from coderunner.sandbox import init_binary
 from coderunner.sandbox.base import (
     KernelChannels,
     LimitReport,
@@ -88,6 +89,7 @@ def build(settings: Settings) -> BwrapBackend:
         use_cgroups=settings.cgroups,
         workspaces_dir=settings.workspaces_dir,
         use_start_namespace=settings.start_namespace,
+        use_compiled_init=settings.compiled_init,
     )
     if backend.cgroups is not None:
         backend.cgroups.cpu_weight = settings.session_cpu_weight
@@ -186,6 +188,7 @@ class BwrapBackend(SandboxBackend):
         use_cgroups: bool = True,
         workspaces_dir: Path | None = None,
         use_start_namespace: bool = True,
+        use_compiled_init: bool = True,
     ) -> None:
         found = bwrap or shutil.which("bwrap")
         if found is None:
@@ -208,7 +211,9 @@ class BwrapBackend(SandboxBackend):
                 identity.check_reachable(guest_dir)
             except IdentityError as exc:
                 raise BwrapUnavailable(str(exc)) from None
-        self.command = BwrapCommand(bwrap=found, env_dir=env_dir, guest_dir=guest_dir)
+        #: The compiled pid 1 where `coderunner setup` built this guest's (init_binary.py); else the Python one.
+        init = init_binary.installed(env_dir) if use_compiled_init else None
+        self.command = BwrapCommand(bwrap=found, env_dir=env_dir, guest_dir=guest_dir, init_binary=init)
         self._guest_source = (runtime_base, env_dir / "bin" / "python")
         self.cgroups: CgroupManager | None = None
         self.cgroup_problem: str | None = "disabled in the configuration"

@@ -58,6 +58,8 @@ class BwrapCommand:
     env_dir: Path
     host_root: Path = Path("/")
     guest_dir: Path = GUEST_SOURCE
+    #: The compiled init's file in env_dir (sandbox/init_binary.py), or None: the Python one (guest/sandbox_init.py).
+    init_binary: Path | None = None
 
     def argv(
         self,
@@ -76,8 +78,8 @@ class BwrapCommand:
         `root_fds`: (fd, path inside) of each of root_files(spec), read by bwrap into a read-only file of this
         sandbox's own root (no bind of a host path: no other sandbox sees it, and no mount is made).
 
-        pid 1 is our own init (--as-pid-1; guest/sandbox_init.py), not bwrap's: it makes itself
-        non-dumpable, so nothing in the sandbox can write the process its namespace hangs on. No
+        pid 1 is our own init (--as-pid-1; guest/sandbox_init.c, or .py where none was compiled), not bwrap's: it
+        makes itself non-dumpable, so nothing in the sandbox can write the process its namespace hangs on. No
         --die-with-parent: the server's watcher, not a death signal, ends a dead server's sandboxes
         (bwrap_watch.py), and the init ends with the server through its gate."""
         args = [
@@ -121,13 +123,21 @@ class BwrapCommand:
         ]  # fmt: skip
         for key, value in sandbox_environment(spec_environment(spec)).items():
             args += ["--setenv", key, value]
-        init = [f"{ENV_MOUNT}/bin/python", "-I", "-S", "-c", SANDBOX_INIT_BOOT, str(gate_fd)]
+        init = [*self.init_program, str(gate_fd)]
         if inner == HOLD:
             if spec.network == NetworkMode.ALLOWLIST:
                 raise ValueError("a sandbox in network 'allowlist' needs a program: its forwarder starts it")
             return [*args, "--", *init, "--hold"]
         inner = egress_launcher(f"{ENV_MOUNT}/bin/python", spec.network, str(spec.host_dir), inner)
         return [*args, "--", *init, "--", *rlimit_prefix(spec.limits, nproc, memory_cgroup), *inner]
+
+    @property
+    def init_program(self) -> list[str]:
+        """pid 1's argv before its gate: the compiled init as the sandbox sees it (the environment is bound at
+        ENV_MOUNT), or the Python one."""
+        if self.init_binary is not None:
+            return [f"{ENV_MOUNT}/{self.init_binary.relative_to(self.env_dir)}"]
+        return [f"{ENV_MOUNT}/bin/python", "-I", "-S", "-c", SANDBOX_INIT_BOOT]
 
     @functools.cached_property
     def system_binds(self) -> list[str]:

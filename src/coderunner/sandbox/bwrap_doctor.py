@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from coderunner.sandbox import init_binary
 from coderunner.sandbox.probes import PROBE_TIMEOUT_S, Check, Readiness
 from coderunner.vocabulary.backends import install_hint
 from coderunner.vocabulary.network import NetworkMode
@@ -30,9 +31,20 @@ def readiness(settings: Settings, name: str) -> Readiness:
 
 def checks(settings: Settings, name: str) -> list[Check]:
     return [
-        check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), check_kernel_template(settings),
-        check_start_namespace(settings), *check_containment(settings),
+        check_bwrap(), check_user_namespaces(), check_sandbox_env(settings), check_sandbox_init(settings),
+        check_kernel_template(settings), check_start_namespace(settings), *check_containment(settings),
     ]  # fmt: skip
+
+
+def check_sandbox_init(settings: Settings) -> Check:
+    """Which pid 1 each sandbox gets (init_binary.py): a start's cost, never containment (one protocol, both)."""
+    if not settings.compiled_init:
+        return Check("sandbox init", True, "Python (compiled_init false): about 5 CPU-ms more a start")
+    built = init_binary.installed(settings.sandbox_env)
+    if built is None:
+        return Check("sandbox init", True, "Python: no compiled init for this version in the sandbox environment "
+                     "(about 5 CPU-ms more a start)", "install a C compiler (gcc), then coderunner setup")  # fmt: skip
+    return Check("sandbox init", True, f"compiled ({built.name})")
 
 
 def check_kernel_template(settings: Settings) -> Check:

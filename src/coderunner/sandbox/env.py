@@ -13,6 +13,7 @@ from importlib import resources
 from pathlib import Path
 
 from coderunner.errors import CodeRunnerError
+from coderunner.sandbox import init_binary
 
 #: Bounds on the two steps of `coderunner setup`; pip of numpy/pandas/matplotlib takes minutes.
 VENV_TIMEOUT_S = 300
@@ -58,6 +59,7 @@ def create(env_dir: Path, python: Path, *, recreate: bool = False) -> None:
         "installing the sandbox packages",
     )  # fmt: skip
     build_caches(env_dir)
+    init_binary.build(env_dir)
 
 
 def build_caches(env_dir: Path) -> None:
