@@ -1,12 +1,14 @@
 """Where a session's create spends its time and CPU, step by step, template beside cold (issue 41, step 3).
 
     .venv/bin/python bench/template_fork.py --breakdown [--runs 20] [--cpu-weight 100] [--baseline-guest DIR]
-        [--burst 100] [--summary PATH]
+        [--baseline-python-init] [--burst 100] [--summary PATH]
 
 Two SessionManagers in this process on the bwrap backend, one with kernel_template on and one off (both
 pool_size 0 and no reset standby: every create is a real start, nothing started ahead beside it); with
 --baseline-guest, a third lane ("template before") whose template and sandboxes run another tree's guest
-(e.g. /tmp/main/src/coderunner/guest from `git archive main`): before and after in one run. Their creates
+(e.g. /tmp/main/src/coderunner/guest from `git archive main`): before and after in one run; with
+--baseline-python-init, that lane's sandboxes have the Python pid 1 (compiled_init false; with our guest unless
+--baseline-guest says another). Their creates
 alternate in shuffled rounds, each to the first `1+1` result, then the session is closed. Each step is timed by
 wrapping the method that does it (nothing in src changes for this):
 
@@ -349,7 +351,12 @@ def write_figures(path: Path | None, samples: dict[str, list[dict[str, float]]],
 
 
 async def breakdown(
-    runs: int, cpu_weight: int, baseline_guest: Path | None = None, burst_count: int = 0, summary: Path | None = None
+    runs: int,
+    cpu_weight: int,
+    baseline_guest: Path | None = None,
+    burst_count: int = 0,
+    summary: Path | None = None,
+    baseline_python_init: bool = False,
 ) -> None:
     from coderunner.config import load_settings
     from coderunner.sandbox import bwrap, make_backend
@@ -369,7 +376,8 @@ async def breakdown(
         import contextlib
 
         async with contextlib.AsyncExitStack() as stack:
-            lanes = [*LANES, *([BEFORE] if baseline_guest is not None else [])]
+            before = baseline_guest is not None or baseline_python_init
+            lanes = [*LANES, *([BEFORE] if before else [])]
             for lane in lanes:
                 os.environ.update(
                     CODERUNNER_CONFIG=os.devnull,
@@ -378,7 +386,8 @@ async def breakdown(
                 )
                 settings = load_settings().model_copy(
                     update={"pool_size": 0, "reset_standby": False, "kernel_template": lane != "cold",
-                            "max_sessions": max(16, burst_count + 4)}
+                            "max_sessions": max(16, burst_count + 4),
+                            "compiled_init": not (lane == BEFORE and baseline_python_init)}
                 )  # fmt: skip
                 ours = bwrap.GUEST_SOURCE
                 bwrap.GUEST_SOURCE = baseline_guest if lane == BEFORE and baseline_guest is not None else ours

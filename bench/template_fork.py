@@ -520,12 +520,17 @@ async def main() -> None:
     parser.add_argument("--breakdown", action="store_true", help="only a create's steps (bench/start_breakdown.py)")
     parser.add_argument("--baseline-guest", type=Path, help="--breakdown: also a template lane of this guest dir")
     parser.add_argument("--burst", type=int, default=0, help="--breakdown: then this many creates at once, each lane")
+    parser.add_argument(
+        "--baseline-python-init", action="store_true", help="--breakdown: a before lane with the Python pid 1"
+    )
     add_summary_argument(parser)
     args = parser.parse_args()
     if args.breakdown:
         from start_breakdown import breakdown
 
-        await breakdown(args.runs, args.cpu_weight, args.baseline_guest, args.burst, args.summary)
+        await breakdown(
+            args.runs, args.cpu_weight, args.baseline_guest, args.burst, args.summary, args.baseline_python_init
+        )
         return
     if args.route_b:
         await route_b(args.runs)
