@@ -81,7 +81,8 @@ static pid_t start(char **argv, int gate) {
     pid_t pid = fork();
     if (pid != 0) return pid;
     close(gate);
-    signal(SIGCHLD, SIG_DFL);
+    int changed[] = {SIGCHLD, SIGPIPE, SIGXFSZ}; /* ours, and what the Python init resets (Python ignores those) */
+    for (size_t i = 0; i < sizeof changed / sizeof changed[0]; i++) signal(changed[i], SIG_DFL);
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);
