@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from coderunner.config import Settings
 from coderunner.sandbox import init_binary
+from coderunner.sandbox.bwrap_doctor import check_sandbox_init
 
 
 def test_a_binary_built_from_another_source_is_never_used(tmp_path: Path) -> None:
@@ -53,3 +55,19 @@ def test_a_built_init_is_kept_and_found_by_its_source(tmp_path: Path) -> None:
     made = built.stat().st_mtime_ns
     assert init_binary.build(tmp_path) == built and built.stat().st_mtime_ns == made  # not built again
     assert init_binary.installed(tmp_path) == built
+
+
+def test_doctor_says_which_init_a_sandbox_gets(tmp_path: Path) -> None:
+    """Compiled where setup built this source's, else the Python one, with how to get the compiled one."""
+    stale = tmp_path / init_binary.LIBEXEC / "sandbox-init-000000000000"
+    stale.parent.mkdir()
+    stale.write_bytes(b"")
+    stale.chmod(0o755)
+    missing = check_sandbox_init(Settings(sandbox_env=tmp_path))
+    assert missing.ok and missing.detail.startswith("Python: no compiled init") and "gcc" in (missing.fix or "")
+    built = tmp_path / init_binary.LIBEXEC / init_binary.binary_name()
+    built.write_bytes(b"")
+    built.chmod(0o755)
+    assert check_sandbox_init(Settings(sandbox_env=tmp_path)).detail == f"compiled ({built.name})"
+    off = check_sandbox_init(Settings(sandbox_env=tmp_path, compiled_init=False))
+    assert off.detail.startswith("Python (compiled_init false)")
