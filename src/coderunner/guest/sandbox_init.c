@@ -15,8 +15,8 @@
  *   itself "sandbox-init";
  * - it waits for one byte "1" on GATE_FD, whose only writer is the host; any other end of that wait (end of file,
  *   another byte, an error) exits 137, as does an end of file later (the host went away);
- * - ARGV: it forks and execs ARGV (no PATH search) with default signal dispositions, an empty signal mask and
- *   without the gate, points its own stdin and stdout at /dev/null, reaps every orphan, and exits with ARGV's
+ * - ARGV: it forks and execs ARGV (no PATH search) with every signal at its default (whatever the host's side
+ *   left ignored), an empty signal mask and without the gate, points its own stdin and stdout at /dev/null, reaps every orphan, and exits with ARGV's
  *   status (128 + the signal if a signal ended it);
  * - --hold: it starts nothing, writes "ready\n" on its stdout once the gate said go, and holds the sandbox,
  *   reaping, until the host goes away or kills it.
@@ -81,8 +81,9 @@ static pid_t start(char **argv, int gate) {
     pid_t pid = fork();
     if (pid != 0) return pid;
     close(gate);
-    int changed[] = {SIGCHLD, SIGPIPE, SIGXFSZ}; /* ours, and what the Python init resets (Python ignores those) */
-    for (size_t i = 0; i < sizeof changed / sizeof changed[0]; i++) signal(changed[i], SIG_DFL);
+    for (int number = 1; number < NSIG; number++) { /* ours, and whatever the host's side left ignored */
+        if (number != SIGKILL && number != SIGSTOP) signal(number, SIG_DFL); /* libc's own: EINVAL, harmless */
+    }
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, NULL);

@@ -81,13 +81,15 @@ def await_gate(gate: int) -> None:
 
 
 def start(argv: list[str], gate: int) -> int:
-    """Fork ARGV with the signal dispositions Python changed put back, and without the gate."""
+    """Fork ARGV with every signal at its default (what Python changed, and whatever the host's side left
+    ignored: a server started under nohup, or by a harness that ignores SIGQUIT), and without the gate."""
     pid = os.fork()
     if pid == 0:
         try:
             os.close(gate)
-            for number in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGCHLD):
-                signal.signal(number, signal.SIG_DFL)
+            for number in signal.valid_signals():
+                if number not in (signal.SIGKILL, signal.SIGSTOP):
+                    signal.signal(number, signal.SIG_DFL)
             signal.set_wakeup_fd(-1)
             os.execv(argv[0], argv)
         except OSError as exc:
