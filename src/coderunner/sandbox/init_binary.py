@@ -5,7 +5,7 @@ Why by hash: the binary must speak the protocol of the guest this server ships (
 built from another version's source is never used; the server then runs the Python init, as it does where no C
 compiler was found, and `coderunner doctor` says which one a sandbox gets. The binary lives in the environment
 (read-only in every sandbox, never written by one), not in a server's runtime folder: a compile costs about
-0.2 CPU-s, once a machine, never on a server's start.
+0.1 CPU-s, once a machine, never on a server's start.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ SOURCE = Path(__file__).resolve().parent.parent / "guest" / "sandbox_init.c"
 LIBEXEC = "libexec"
 #: Compilers tried in turn: whichever the machine has.
 COMPILERS = ("cc", "gcc", "clang")
-#: Static first (no dynamic loader at every sandbox's start: about 0.3 CPU-ms and 60 page faults less), then
+#: Static first (no dynamic loader at every sandbox's start: about 0.2 CPU-ms and 25 page faults less), then
 #: dynamic where the C library has no static archive (the sandbox binds the host's /usr, its libc included).
 FLAG_SETS = (("-O2", "-s", "-static"), ("-O2", "-s"))
 COMPILE_TIMEOUT_S = 120
