@@ -177,10 +177,14 @@ def test_no_go_before_the_program_starts_nothing(init: list[str], gate: Gate, tm
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("args", [[], ["x", "--hold"], ["--"], ["--hold", "extra"]], ids=str)
+#: Stands for the gate's fd number in a command line below.
+GATE_ARG = "{gate}"
+
+
+@pytest.mark.parametrize("args", [[], ["x", "--hold"], [GATE_ARG, "--"], [GATE_ARG, "--hold", "extra"]], ids=" ".join)
 def test_a_wrong_command_line_is_refused(init: list[str], args: list[str], gate: Gate) -> None:
-    started = subprocess.Popen([*init, *args] if not args or args[0] == "x" else [*init, str(gate.fd), *args],
-                               pass_fds=(gate.fd,), stderr=subprocess.PIPE)  # fmt: skip
+    argv = [*init, *(arg.format(gate=gate.fd) for arg in args)]
+    started = subprocess.Popen(argv, pass_fds=(gate.fd,), stderr=subprocess.PIPE)
     assert finished(started) == sandbox_init.REFUSED
     assert "usage" in said(started)
 
