@@ -20,7 +20,7 @@ import pytest
 from mcp import Client
 
 from coderunner.hostfs.sandbox_mounts import sweep_dead_start_clones
-from coderunner.sandbox.start_namespace import StartNamespace
+from coderunner.sandbox.start_namespace import PSEUDO_FILESYSTEMS, StartNamespace
 from coderunner.vocabulary.host_identity import HostIdentity
 
 from ..conftest import REPO, ServerDirs, connect_http, http_server, run, server_env, text_of
@@ -59,6 +59,15 @@ def outer_bwraps(runtime: Path) -> list[int]:
 
 def mount_points(pid: int | str) -> list[str]:
     return [line.split()[4] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+
+
+def kernel_filesystems(pid: int | str) -> list[str]:
+    """The mounts of a PSEUDO_FILESYSTEMS type that `pid` sees, as "point (type)"."""
+    found = []
+    for fields in (line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()):
+        if (kind := fields[fields.index("-") + 1]) in PSEUDO_FILESYSTEMS:
+            found.append(f"{fields[4]} ({kind})")
+    return found
 
 
 async def session(client: Client) -> str:
@@ -116,8 +125,10 @@ async def test_a_start_beside_held_sessions_sees_none_of_their_mounts_and_gets_n
             bwraps = outer_bwraps(dirs.runtime)
             assert len(bwraps) == HELD + 1, bwraps
             own = os.readlink("/proc/self/ns/mnt")
+            assert kernel_filesystems("self"), "the host mounts none of them: the check below could not fail"
             for pid in bwraps:
                 assert os.readlink(f"/proc/{pid}/ns/mnt") != own, "bwrap started in the host's mount namespace"
+                assert kernel_filesystems(pid) == [], "the kernel's own filesystems are not dropped where bwrap starts"
                 theirs = [point for point in mount_points(pid) if point.startswith(str(dirs.workspaces))]
                 assert theirs == [], f"bwrap {pid} started beside held workspaces: {theirs}"
                 assert clones_left(mount_points(pid)) == [], "a start's clones outlived its build"
@@ -146,7 +157,7 @@ async def test_with_the_setting_off_bwrap_starts_in_the_hosts_namespace(dirs: Se
 DIES_MID_START = """
 import os, signal, sys
 from pathlib import Path
-from coderunner.sandbox.start_namespace import StartNamespace
+from coderunner.sandbox.start_namespace import PSEUDO_FILESYSTEMS, StartNamespace
 from coderunner.vocabulary.host_identity import HostIdentity
 runtime, folder = Path(sys.argv[1]), Path(sys.argv[2])
 namespace = StartNamespace.open(runtime, [])

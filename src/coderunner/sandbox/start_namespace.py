@@ -12,7 +12,10 @@ once the server holds an fd of it):
 - the mounts under the runtime and workspace dirs, and every loop mount, that were there when it was made are
   detached, so it pins no other server's workspace either;
 - one dir, the runtime dir's `.live-<id>` (this server process's, a host mount marked shared, locked while the
-  process lives), stays a slave of the host's: what the host mounts there appears in it.
+  process lives), stays a slave of the host's: what the host mounts there appears in it;
+- the kernel's own filesystems (PSEUDO_FILESYSTEMS: /sys and the cgroups under it, /dev/pts, mqueue, ...) are
+  detached too: no sandbox is given any of them, neither nsenter nor bwrap reads them, and each line fewer is one
+  fewer for bwrap to read back at every bind (here 23 lines became 9, and bwrap's CPU a start 4.9 ms became 4.2).
 
 A start clones the host mounts its sandbox is built from (its workspace, its staged points) under
 `.live-<id>/<key>-<token>` (`stage`: from the host's own mount points, never a path the sandbox can write), runs
@@ -59,15 +62,25 @@ CLOSE_POLL_S = 0.01
 MS_BIND, MS_SHARED = 0x1000, 1 << 20
 _libc = ctypes.CDLL(None, use_errno=True)
 
-#: The helper: run as `python -I -S -c HELPER LIVE ROOT...` by the server, as root. It moves into a new mount
-#: namespace, makes its LIVE a slave of the host's and every other mount private, detaches what is under a ROOT
-#: and every loop mount, says "ok", and waits for its stdin's end (the server holds an fd of the namespace by
-#: then). Stdlib only; it reads nothing but its own mountinfo.
+#: Filesystem types the start namespace drops (the module docstring): the kernel's own, none of them a folder a
+#: user could hand a sandbox. Not autofs (a home dir may be automounted), nor selinuxfs on its own, nor tmpfs.
+PSEUDO_FILESYSTEMS = (
+    "sysfs", "cgroup", "cgroup2", "devpts", "mqueue", "binfmt_misc", "debugfs", "tracefs", "securityfs", "pstore",
+    "bpf", "configfs", "fusectl", "hugetlbfs", "efivarfs",
+)  # fmt: skip
+#: Bound on the mounts stacked at one point that the helper detaches.
+MAX_STACKED = 8
+
+#: The helper: run as `python -I -S -c HELPER LIVE PSEUDO MAX_STACKED ROOT...` by the server, as root. It moves into
+#: a new mount namespace, makes its LIVE a slave of the host's and every other mount private, detaches what is under
+#: a ROOT and every loop mount, then each mount of a type in PSEUDO (comma-separated) for as long as one is on top at
+#: its point, says "ok", and waits for its stdin's end (the server holds an fd of the namespace by then). Stdlib
+#: only; it reads nothing but its own mountinfo.
 HELPER = r"""
 import ctypes, os, sys
 libc = ctypes.CDLL(None, use_errno=True)
 CLONE_NEWNS, MS_PRIVATE, MS_SLAVE, MNT_DETACH, UMOUNT_NOFOLLOW = 0x20000, 1 << 18, 1 << 19, 2, 8
-live, roots = sys.argv[1], sys.argv[2:]
+live, pseudo, max_stacked, roots = sys.argv[1], set(sys.argv[2].split(",")), int(sys.argv[3]), sys.argv[4:]
 
 def fail(what):
     sys.stdout.write("failed %s: %s\n" % (what, os.strerror(ctypes.get_errno())))
@@ -76,9 +89,10 @@ def fail(what):
 def unescape(text):
     return text.encode().decode("unicode_escape").encode("latin-1").decode("utf-8", "replace")
 
-def mounts():
+def mounts():  # (point, source, type) of each mount, in the table's order (a stack's top last)
     with open("/proc/self/mountinfo") as handle:
-        return [(unescape(fields[4]), fields[fields.index("-") + 2]) for fields in (line.split() for line in handle)]
+        rows = [line.split() for line in handle]
+    return [(unescape(fields[4]), fields[fields.index("-") + 2], fields[fields.index("-") + 1]) for fields in rows]
 
 def under(point, top):
     return point == top or point.startswith(top.rstrip("/") + "/")
@@ -88,13 +102,19 @@ if libc.unshare(CLONE_NEWNS) != 0:
 if libc.mount(None, live.encode(), None, MS_SLAVE, None) != 0:
     fail("mount --make-slave " + live)
 listed = mounts()
-for point, _source in listed:
+for point, _source, _type in listed:
     if point != live:
         libc.mount(None, point.encode(), None, MS_PRIVATE, None)
-gone = [point for point, source in listed if not under(point, live)
+gone = [point for point, source, _type in listed if not under(point, live)
         and (any(under(point, root) for root in roots) or source.startswith("/dev/loop"))]
 for point in sorted(set(gone), key=len, reverse=True):
     libc.umount2(point.encode(), MNT_DETACH | UMOUNT_NOFOLLOW)
+# Outermost first: /sys takes the cgroups under it along.
+for point in sorted({point for point, _source, kind in mounts() if kind in pseudo and point != live}, key=len):
+    for _ in range(max_stacked):
+        stack = [kind for at, _source, kind in mounts() if at == point]
+        if not stack or stack[-1] not in pseudo or libc.umount2(point.encode(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
+            break
 sys.stdout.write("ok\n")
 sys.stdout.flush()
 while os.read(0, 4096):
@@ -158,7 +178,8 @@ class StartNamespace:
     @classmethod
     def _enter(cls, live: Path, lock: int, runtime_base: Path, roots: list[Path], nsenter: str) -> StartNamespace:
         tops = [runtime_base, *(root.resolve() for root in roots)]
-        argv = [sys.executable, "-I", "-S", "-c", HELPER, str(live), *(str(top) for top in tops)]
+        pseudo = ",".join(PSEUDO_FILESYSTEMS)
+        argv = [sys.executable, "-I", "-S", "-c", HELPER, str(live), pseudo, str(MAX_STACKED), *map(str, tops)]
         helper = subprocess.Popen(
             argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
             env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}, cwd="/", close_fds=True,
