@@ -157,7 +157,7 @@ async def test_with_the_setting_off_bwrap_starts_in_the_hosts_namespace(dirs: Se
 DIES_MID_START = """
 import os, signal, sys
 from pathlib import Path
-from coderunner.sandbox.start_namespace import PSEUDO_FILESYSTEMS, StartNamespace
+from coderunner.sandbox.start_namespace import StartNamespace
 from coderunner.vocabulary.host_identity import HostIdentity
 runtime, folder = Path(sys.argv[1]), Path(sys.argv[2])
 namespace = StartNamespace.open(runtime, [])

@@ -110,7 +110,7 @@ gone = [point for point, source, _type in listed if not under(point, live)
 for point in sorted(set(gone), key=len, reverse=True):
     libc.umount2(point.encode(), MNT_DETACH | UMOUNT_NOFOLLOW)
 # Outermost first: /sys takes the cgroups under it along.
-for point in sorted({point for point, _source, kind in mounts() if kind in pseudo and point != live}, key=len):
+for point in sorted({point for point, _source, kind in mounts() if kind in pseudo}, key=len):
     for _ in range(max_stacked):
         stack = [kind for at, _source, kind in mounts() if at == point]
         if not stack or stack[-1] not in pseudo or libc.umount2(point.encode(), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
